@@ -1,0 +1,284 @@
+"""The ``qsync-opt`` command line.
+
+Tables for people, ``--json`` for programs. Bad input exits with code 2 and one line on
+stderr naming the field and what was expected; files are written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from . import __version__
+from .cluster import SHORTHAND_HELP, load_cluster
+from .costs import estimate, group_summary
+from .devices import CATALOG, get_device, known_device_names
+from .errors import QsyncInputError, describe_validation_error
+from .graph import TIE_MODES, trace
+from .io import atomic_write_text, save, to_json
+from .models import WORKLOADS
+from .schemas import ModelGraph, OpRole, json_schema, schema_names
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if j and _numeric(c) else c.ljust(w)
+                               for c, w in zip(r, widths, strict=True)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:,.3f}" if abs(x) < 1000 else f"{x:,.1f}"
+    if isinstance(x, int) and not isinstance(x, bool):
+        return f"{x:,}"
+    return str(x)
+
+
+def _numeric(s: str) -> bool:
+    return s.replace(",", "").replace(".", "").replace("-", "").isdigit()
+
+
+def _emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    rows = [(w.name, w.default_batch, w.input_doc, "real" if w.real_data else "synthetic",
+             w.description) for w in WORKLOADS.values()]
+    if args.json:
+        _emit_json([{"name": r[0], "default_batch": r[1], "inputs": r[2], "data": r[3],
+                     "description": r[4]} for r in rows])
+    else:
+        print(_table(rows, ["model", "batch", "inputs", "data", "description"]))
+        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs).")
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    specs = [*CATALOG.values()]
+    if args.cpu:
+        specs.append(get_device("cpu"))
+    if args.json:
+        _emit_json([s.model_dump(mode="json") for s in specs])
+        return 0
+    rows = []
+    for s in specs:
+        r = s.peak_tflops
+        rows.append((s.name, s.compute_capability or "-", f"{s.usable_memory_bytes / GiB:.1f}",
+                     s.memory_bandwidth_gb_per_s,
+                     *(r.get(k, "-") for k in ("fp32", "tf32", "fp16", "bf16", "int8", "fp8_e4m3")),
+                     ",".join(p.value for p in s.precisions)))
+    print(_table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
+                        "fp8", "precisions"]))
+    print("\nDense peak TFLOPS (TOPS for int8) from datasheets; sources in qsync_opt/devices.py.")
+    if not args.cpu:
+        print("`cpu` (this machine) is measured on first use: add --cpu to show it.")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    _emit_json(json_schema(args.name))
+    return 0
+
+
+def _trace_args(args: argparse.Namespace) -> ModelGraph:
+    return trace(args.model, args.batch, pin_head=not args.unpin_head, tie=args.tie)
+
+
+def graph_summary_lines(graph: ModelGraph, seconds: float | None = None) -> list[str]:
+    n_ch = len(graph.choosable_ops())
+    pinned = [o for o in graph.ops if o.role == OpRole.pinned]
+    gemm_flops = sum(o.fwd_flops for o in graph.ops if o.kind.value in ("linear", "conv", "matmul"))
+    head = [o.name for o in pinned if o.pin_reason and o.pin_reason.startswith("classifier")]
+    took = f" in {seconds:.2f} s" if seconds is not None else ""
+    return [
+        f"graph: {graph.workload} at batch {graph.batch_size}, traced with "
+        f"{graph.trace_method}{took}",
+        f"  ops {len(graph.ops)} (choosable {n_ch}, pinned {len(pinned)}), edges "
+        f"{len(graph.edges)}, depth {graph.max_depth}",
+        f"  parameters {graph.param_count / 1e6:.2f} M ({graph.param_bytes / 2**20:.1f} MiB FP32)",
+        f"  forward {graph.total_fwd_flops / 1e9:.1f} GFLOP per batch, "
+        f"{gemm_flops / 2 / graph.batch_size / 1e9:.2f} G multiply-adds per sample in GEMMs "
+        f"(a multiply-add = 2 FLOPs)",
+        f"  activations saved for backward (measured, FP32): "
+        f"{graph.saved_activation_bytes / 2**20:.1f} MiB",
+        f"  classifier head pinned to fp32: {', '.join(head) or 'none'}",
+    ]
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    graph = _trace_args(args)
+    secs = time.perf_counter() - t0
+    if args.out:
+        save(graph, args.out)
+    if args.json:
+        sys.stdout.write(to_json(graph))
+        return 0
+    print("\n".join(graph_summary_lines(graph, secs)))
+    if args.ops:
+        rows = [(o.name, o.kind.value, o.role.value, "x".join(map(str, o.output_shapes[0])),
+                 o.fwd_flops / 1e6, o.saved_bytes / 2**20, o.depth) for o in graph.ops]
+        print()
+        print(_table(rows, ["op", "kind", "role", "output", "fwd MFLOP", "saved MiB", "depth"]))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def estimate_summary_lines(graph: ModelGraph, cluster: Any, costs: Any) -> list[str]:
+    rows = []
+    for r in group_summary(graph, cluster, costs):
+        rows.append((r["group"], r["device"], r["count"], r["batch_per_device"],
+                     r["compute_fp32_ms"], r["compute_fastest_ms"], r["allreduce_ms"],
+                     r["optimizer_ms"], f"{int(r['memory_fp32_bytes']) / GiB:.1f}",
+                     f"{int(r['capacity_bytes']) / GiB:.1f}"))
+    lines = [
+        _table(rows, ["group", "device", "n", "batch", "fp32 ms", "fastest ms", "allreduce ms",
+                      "optim ms", "mem GiB", "cap GiB"]),
+        f"  all-reduce: {len(costs.buckets)} buckets over {costs.comm.world_size} devices, "
+        f"bottleneck {costs.comm.bottleneck}",
+        "  fp32/fastest ms: serial sums of per-op forward+backward estimates at FP32 and at each "
+        "op's fastest precision (casts ignored); the replayer overlaps communication.",
+    ]
+    return lines
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    graph = _trace_args(args)
+    cluster = load_cluster(args.cluster)
+    costs = estimate(graph, cluster)
+    if args.out:
+        save(costs, args.out)
+    if args.json:
+        sys.stdout.write(to_json(costs))
+        return 0
+    print(f"cluster: {args.cluster} ({cluster.world_size} devices, {cluster.nodes} nodes)")
+    print("\n".join(estimate_summary_lines(graph, cluster, costs)))
+    print(f"  {len(costs.entries)} op-cost entries, {len(costs.casts)} cast models "
+          f"({costs.notes[0]})")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    model, shorthand = "resnet50", "v100x16+t4x16"
+    t0 = time.perf_counter()
+    graph = trace(model)
+    secs = time.perf_counter() - t0
+    cluster = load_cluster(shorthand)
+    costs = estimate(graph, cluster)
+    print(f"qsync-opt {__version__} demo: {model} on {shorthand} (catalog estimates, no GPU)\n")
+    print("\n".join(graph_summary_lines(graph, secs)))
+    print()
+    print(f"cluster: {shorthand} ({cluster.world_size} devices, {cluster.nodes} nodes)")
+    print("\n".join(estimate_summary_lines(graph, cluster, costs)))
+    rows = {r["group"]: r for r in group_summary(graph, cluster, costs)}
+    v, t = rows["v100"], rows["t4"]
+    print(f"\nAt FP32 the T4 group computes {float(t['compute_fp32_ms']) / float(v['compute_fp32_ms']):.1f}x "
+          f"slower than the V100 group: it is the straggler the allocator must remove.")
+    if args.out:
+        save(graph, f"{args.out}/graph.json")
+        save(costs, f"{args.out}/costs.json")
+        atomic_write_text(f"{args.out}/cluster.json", to_json(cluster))
+        print(f"wrote {args.out}/graph.json, costs.json, cluster.json")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="qsync-opt", description="Precision plans for mixed GPU clusters.")
+    p.add_argument("--version", action="version", version=f"qsync-opt {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        return sp
+
+    add("models", "list the built-in workloads").set_defaults(fn=cmd_models)
+    sp = add("devices", "list the device catalog")
+    sp.add_argument("--cpu", action="store_true", help="also measure and show this machine's CPU")
+    sp.set_defaults(fn=cmd_devices)
+    sp = sub.add_parser("schema", help="print the JSON Schema of a document")
+    sp.add_argument("name", help=f"one of: {', '.join(schema_names())}")
+    sp.set_defaults(fn=cmd_schema, json=True)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", required=True,
+                        help="workload name (qsync-opt models) or path/file.py:fn")
+        sp.add_argument("--batch", type=int, default=None, help="per-device batch to trace at")
+        sp.add_argument("--unpin-head", action="store_true",
+                        help="let the classifier head's precision be chosen")
+        sp.add_argument("--tie", choices=TIE_MODES, default="none", help="tie groups")
+
+    sp = add("graph", "trace a workload into a ModelGraph")
+    model_args(sp)
+    sp.add_argument("--out", help="write the ModelGraph JSON here")
+    sp.add_argument("--ops", action="store_true", help="print every op")
+    sp.set_defaults(fn=cmd_graph)
+    sp = add("estimate", "roofline cost estimates of a workload on a cluster")
+    model_args(sp)
+    sp.add_argument("--cluster", required=True, help=f"cluster file (.toml/.json) or {SHORTHAND_HELP}")
+    sp.add_argument("--out", help="write the CostTable JSON here")
+    sp.set_defaults(fn=cmd_estimate)
+    sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
+    sp.add_argument("--out", help="also write graph, costs and cluster JSON into this folder")
+    sp.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command in ("graph", "estimate") and getattr(args, "batch", None) is not None \
+            and args.batch < 1:
+        parser.error(f"argument --batch: expected a positive integer, got {args.batch}")
+    try:
+        return int(args.fn(args))
+    except QsyncInputError as exc:
+        sys.stderr.write(f"qsync-opt: error: {exc}\n")
+        return 2
+    except ValidationError as exc:
+        sys.stderr.write(f"qsync-opt: error: {describe_validation_error(exc)}\n")
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

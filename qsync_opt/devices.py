@@ -1,0 +1,292 @@
+"""Device catalog: published datasheet figures per accelerator, and this machine's CPU.
+
+Every figure below is a dense (non-sparse) peak from the vendor's datasheet or whitepaper;
+the source ids (N1..N11, X1..X5) refer to ../shared/DEVICES.md, which gives the URLs, the
+cross-checks and the conflicts (sparse figures halved for L4, H100 and H200). Memory:
+``memory_bytes`` is the vendor capacity read as binary GiB (NVIDIA's "GB" for GPU memory),
+``usable_memory_bytes`` the total nvidia-smi reports (ECC on for GDDR6 cards, note M).
+Bandwidths between devices are per direction (half of NVIDIA's bidirectional totals).
+
+The precision menu follows the compute capability, as in QSync: SM70 {fp32, fp16} (V100 has
+no INT8 tensor cores, note V), SM75 adds int8, SM80/86 add tf32 and bf16, SM89/90 add fp8.
+
+The ``cpu`` entry is this machine, measured on first use (matmul throughput per dtype with
+torch, copy bandwidth, memory) and cached; it is never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import QsyncInputError
+from .precision import DType, Precision
+from .schemas import DeviceSpec
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+MiB = 1024**2
+
+P = Precision
+_SM70 = [P.fp32, P.fp16]
+_SM75 = [P.fp32, P.fp16, P.int8, P.int8_full]
+_SM80 = [P.fp32, P.tf32, P.bf16, P.fp16, P.int8, P.int8_full]
+_SM89 = [*_SM80, P.fp8]
+
+
+def _rates(fp32: float, fp16: float, tf32: float | None = None, bf16: float | None = None,
+           int8: float | None = None, fp8: float | None = None) -> dict[DType, float]:
+    out = {DType.fp32: fp32, DType.fp16: fp16}
+    for key, val in ((DType.tf32, tf32), (DType.bf16, bf16), (DType.int8, int8),
+                     (DType.fp8_e4m3, fp8)):
+        if val is not None:
+            out[key] = val
+    return out
+
+
+def _spec(**kw: object) -> DeviceSpec:
+    return DeviceSpec.model_validate(kw)
+
+
+_CATALOG: tuple[DeviceSpec, ...] = (
+    # T4: datasheet N2 (8.1 FP32, 65 FP16/FP32-acc, 130 INT8, 300 GB/s, PCIe Gen3 32 GB/s
+    # bidirectional, 70 W); CC 7.5 (N1); 15,360 MiB reported with ECC (X5).
+    _spec(name="t4", display_name="NVIDIA T4 16 GB", compute_capability="7.5",
+          memory_bytes=16 * GiB, usable_memory_bytes=15360 * MiB,
+          memory_bandwidth_gb_per_s=300.0, peak_tflops=_rates(8.1, 65.0, int8=130.0),
+          precisions=_SM75, intra_node_bandwidth_gb_per_s=16.0, host_link_gb_per_s=16.0,
+          tdp_w=70.0, source="DEVICES.md N1, N2, X3, X5"),
+    # V100 SXM2 32 GB: datasheet N3 (15.7 FP32, 125 tensor, 900 GB/s, NVLink 2 300 GB/s
+    # bidirectional, 300 W); no INT8 tensor mode (N4: "Peak INT8 Tensor TOPS: NA").
+    _spec(name="v100", display_name="NVIDIA V100 SXM2 32 GB", compute_capability="7.0",
+          memory_bytes=32 * GiB, usable_memory_bytes=32768 * MiB,
+          memory_bandwidth_gb_per_s=900.0, peak_tflops=_rates(15.7, 125.0),
+          precisions=_SM70, intra_node_bandwidth_gb_per_s=150.0, host_link_gb_per_s=16.0,
+          tdp_w=300.0, source="DEVICES.md N1, N3, N4, X1, X3, X5"),
+    # V100 PCIe 16 GB: N3 (14 FP32, 112 tensor, 250 W, PCIe Gen3).
+    _spec(name="v100_pcie", display_name="NVIDIA V100 PCIe 16 GB", compute_capability="7.0",
+          memory_bytes=16 * GiB, usable_memory_bytes=16384 * MiB,
+          memory_bandwidth_gb_per_s=900.0, peak_tflops=_rates(14.0, 112.0),
+          precisions=_SM70, intra_node_bandwidth_gb_per_s=16.0, host_link_gb_per_s=16.0,
+          tdp_w=250.0, source="DEVICES.md N1, N3, X1, X3, X5"),
+    # A10: datasheet N6 (31.2 FP32, 62.5 TF32, 125 FP16/BF16, 250 INT8, 600 GB/s, PCIe Gen4).
+    _spec(name="a10", display_name="NVIDIA A10 24 GB", compute_capability="8.6",
+          memory_bytes=24 * GiB, usable_memory_bytes=23028 * MiB,
+          memory_bandwidth_gb_per_s=600.0,
+          peak_tflops=_rates(31.2, 125.0, tf32=62.5, bf16=125.0, int8=250.0),
+          precisions=_SM80, intra_node_bandwidth_gb_per_s=32.0, host_link_gb_per_s=32.0,
+          tdp_w=150.0, source="DEVICES.md N1, N6, X3, X5 (note A: FP32-accumulate rate inferred)"),
+    # L4: datasheet N7 prints sparse figures only; halved (TF32 60, FP16/BF16 121, FP8/INT8
+    # 242.5), FP32 30.3, 300 GB/s, PCIe Gen4, 72 W.
+    _spec(name="l4", display_name="NVIDIA L4 24 GB", compute_capability="8.9",
+          memory_bytes=24 * GiB, usable_memory_bytes=23034 * MiB,
+          memory_bandwidth_gb_per_s=300.0,
+          peak_tflops=_rates(30.3, 121.0, tf32=60.0, bf16=121.0, int8=242.5, fp8=242.5),
+          precisions=_SM89, intra_node_bandwidth_gb_per_s=32.0, host_link_gb_per_s=32.0,
+          tdp_w=72.0, source="DEVICES.md N1, N7, X3, X5 (sparse figures halved; note L)"),
+    # A100 SXM 40 GB: N4/N5 (19.5 FP32, 156 TF32, 312 FP16/BF16, 624 INT8, 1,555 GB/s,
+    # NVLink 3 600 GB/s bidirectional, 400 W).
+    _spec(name="a100_40gb", display_name="NVIDIA A100 SXM4 40 GB", compute_capability="8.0",
+          memory_bytes=40 * GiB, usable_memory_bytes=40960 * MiB,
+          memory_bandwidth_gb_per_s=1555.0,
+          peak_tflops=_rates(19.5, 312.0, tf32=156.0, bf16=312.0, int8=624.0),
+          precisions=_SM80, intra_node_bandwidth_gb_per_s=300.0, host_link_gb_per_s=32.0,
+          tdp_w=400.0, source="DEVICES.md N1, N4, N5, X1, X3, X5"),
+    # A100 SXM 80 GB: N5 (as 40 GB, 2,039 GB/s).
+    _spec(name="a100_80gb", display_name="NVIDIA A100 SXM4 80 GB", compute_capability="8.0",
+          memory_bytes=80 * GiB, usable_memory_bytes=81920 * MiB,
+          memory_bandwidth_gb_per_s=2039.0,
+          peak_tflops=_rates(19.5, 312.0, tf32=156.0, bf16=312.0, int8=624.0),
+          precisions=_SM80, intra_node_bandwidth_gb_per_s=300.0, host_link_gb_per_s=32.0,
+          tdp_w=400.0, source="DEVICES.md N1, N5, X1, X2, X3, X5"),
+    # A100 PCIe 80 GB: N5 (1,935 GB/s, 300 W; NVLink bridge pairs only, so PCIe in a node).
+    _spec(name="a100_pcie_80gb", display_name="NVIDIA A100 PCIe 80 GB", compute_capability="8.0",
+          memory_bytes=80 * GiB, usable_memory_bytes=81920 * MiB,
+          memory_bandwidth_gb_per_s=1935.0,
+          peak_tflops=_rates(19.5, 312.0, tf32=156.0, bf16=312.0, int8=624.0),
+          precisions=_SM80, intra_node_bandwidth_gb_per_s=32.0, host_link_gb_per_s=32.0,
+          tdp_w=300.0, source="DEVICES.md N1, N5, X1, X3, X5"),
+    # H100 SXM 80 GB: N8/N9, sparse halved (TF32 494.5, FP16/BF16 989.5, FP8/INT8 1,979),
+    # FP32 67, 3,350 GB/s, NVLink 4 900 GB/s bidirectional, up to 700 W.
+    _spec(name="h100", display_name="NVIDIA H100 SXM5 80 GB", compute_capability="9.0",
+          memory_bytes=80 * GiB, usable_memory_bytes=81559 * MiB,
+          memory_bandwidth_gb_per_s=3350.0,
+          peak_tflops=_rates(67.0, 989.5, tf32=494.5, bf16=989.5, int8=1979.0, fp8=1979.0),
+          precisions=_SM89, intra_node_bandwidth_gb_per_s=450.0, host_link_gb_per_s=64.0,
+          tdp_w=700.0, source="DEVICES.md N1, N8, N9, X1, X2, X4, X5 (sparse figures halved)"),
+    # H100 PCIe 80 GB: N8/N9 (FP32 51, TF32 378, FP16/BF16 756.5, FP8/INT8 1,513, 2,000 GB/s).
+    _spec(name="h100_pcie", display_name="NVIDIA H100 PCIe 80 GB", compute_capability="9.0",
+          memory_bytes=80 * GiB, usable_memory_bytes=81559 * MiB,
+          memory_bandwidth_gb_per_s=2000.0,
+          peak_tflops=_rates(51.0, 756.5, tf32=378.0, bf16=756.5, int8=1513.0, fp8=1513.0),
+          precisions=_SM89, intra_node_bandwidth_gb_per_s=64.0, host_link_gb_per_s=64.0,
+          tdp_w=350.0, source="DEVICES.md N1, N8, N9, X1, X5 (sparse halved; note H)"),
+    # H200 SXM 141 GB: N11, same GH100 compute as H100 SXM, 4,800 GB/s, 143,771 MiB reported.
+    _spec(name="h200", display_name="NVIDIA H200 SXM 141 GB", compute_capability="9.0",
+          memory_bytes=141 * GiB, usable_memory_bytes=143771 * MiB,
+          memory_bandwidth_gb_per_s=4800.0,
+          peak_tflops=_rates(67.0, 989.5, tf32=494.5, bf16=989.5, int8=1979.0, fp8=1979.0),
+          precisions=_SM89, intra_node_bandwidth_gb_per_s=450.0, host_link_gb_per_s=64.0,
+          tdp_w=700.0, source="DEVICES.md N1, N11, X5 (sparse figures halved)"),
+)
+
+CATALOG: dict[str, DeviceSpec] = {d.name: d for d in _CATALOG}
+ALIASES: dict[str, str] = {
+    "v100_sxm2": "v100",
+    "v100_sxm2_32gb": "v100",
+    "a100": "a100_80gb",
+    "a100_sxm": "a100_80gb",
+    "h100_sxm": "h100",
+}
+CPU = "cpu"
+
+
+def known_device_names() -> list[str]:
+    """Canonical catalog names (aliases excluded), ``cpu`` last."""
+    return [*CATALOG, CPU]
+
+
+def canonical_name(name: str) -> str:
+    """Resolve an alias (``a100`` -> ``a100_80gb``); unknown names raise with the known list."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key in CATALOG or key == CPU:
+        return key
+    raise QsyncInputError(
+        f"unknown device {name!r}; known: {', '.join(known_device_names())} "
+        f"(aliases: {', '.join(f'{a}={c}' for a, c in sorted(ALIASES.items()))})"
+    )
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The catalog entry for ``name`` (an alias works); ``cpu`` is measured on first use."""
+    key = canonical_name(name)
+    if key == CPU:
+        return measure_cpu()
+    return CATALOG[key]
+
+
+# ----------------------------------------------------------------------------- the CPU
+
+
+def _median_seconds(fn: object, repeats: int) -> float:
+    import statistics
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _meminfo_bytes(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qsync-opt"
+
+
+def _measure_cpu_figures(size: int = 1024, repeats: int = 5) -> dict[str, float]:
+    """Matmul throughput per dtype and copy bandwidth, timed with torch on this CPU."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+    a32 = torch.randn(size, size, generator=gen)
+    b32 = torch.randn(size, size, generator=gen)
+    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        # fp16 GEMMs have no fast CPU kernel here (hundreds of times slower than bf16):
+        # time them on a 256^3 product so the measurement stays short.
+        n = size if dtype != torch.float16 else 256
+        a, b = a32[:n, :n].to(dtype), b32[:n, :n].to(dtype)
+        torch.mm(a, b)  # warm-up (oneDNN primitive creation)
+        secs = _median_seconds(lambda a=a, b=b: torch.mm(a, b), repeats)
+        out[key] = 2.0 * n**3 / secs / 1e12
+    ai = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
+    bi = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
+    torch._int_mm(ai, bi)
+    out["int8"] = 2.0 * size**3 / _median_seconds(lambda: torch._int_mm(ai, bi), repeats) / 1e12
+    big = torch.empty(64 * MiB // 4)
+    dst = torch.empty_like(big)
+    dst.copy_(big)
+    secs = _median_seconds(lambda: dst.copy_(big), repeats)
+    out["copy_gb_per_s"] = 2 * big.numel() * 4 / secs / 1e9  # read + write
+    out["threads"] = float(torch.get_num_threads())
+    return out
+
+
+@lru_cache(maxsize=1)
+def measure_cpu() -> DeviceSpec:
+    """Measure this CPU once per process (and cache on disk per CPU model and torch).
+
+    The peak rates are what torch achieves on 1024x1024 matmuls per dtype (fp16: 256x256,
+    it has no fast kernel on this CPU), median of 5, so
+    they already include this machine's efficiency; the estimator is told so by
+    ``measured=True``. Bandwidth is a 64 MiB copy (read + write bytes).
+    """
+    import torch
+
+    cpu_model = _cpu_model()
+    key = f"{cpu_model}|{torch.__version__}|{torch.get_num_threads()}"
+    cache = _cache_dir() / "cpu_spec.json"
+    figures: dict[str, float] | None = None
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            figures = {k: float(v) for k, v in cached["figures"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        figures = None
+    if figures is None:
+        log.info("measuring this CPU's matmul throughput and bandwidth (once, cached)")
+        figures = _measure_cpu_figures()
+        try:
+            from .io import atomic_write_text
+
+            atomic_write_text(cache, json.dumps({"key": key, "figures": figures}, indent=1))
+        except OSError as exc:  # a read-only home must not stop planning
+            log.warning("could not cache CPU figures at %s: %s", cache, exc)
+    total = _meminfo_bytes("MemTotal") or 8 * GiB
+    usable = min(total, _meminfo_bytes("MemAvailable") or total)
+    rates = {DType.fp32: figures["fp32"], DType.bf16: figures["bf16"],
+             DType.fp16: figures["fp16"], DType.int8: figures["int8"]}
+    return DeviceSpec(
+        name=CPU,
+        display_name=f"{cpu_model} ({int(figures['threads'])} threads)",
+        compute_capability=None,
+        memory_bytes=total,
+        usable_memory_bytes=usable,
+        memory_bandwidth_gb_per_s=round(figures["copy_gb_per_s"], 2),
+        peak_tflops={k: round(v, 4) for k, v in rates.items()},
+        precisions=[P.fp32, P.bf16, P.fp16, P.int8, P.int8_full],
+        intra_node_bandwidth_gb_per_s=round(figures["copy_gb_per_s"], 2),
+        host_link_gb_per_s=round(figures["copy_gb_per_s"], 2),
+        tdp_w=None,
+        source=f"measured here with torch {torch.__version__}: 1024^3 matmul per dtype "
+        "(fp16 256^3), 64 MiB copy; memory from /proc/meminfo",
+        measured=True,
+    )

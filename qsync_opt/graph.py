@@ -1,0 +1,802 @@
+"""Graph extraction: a workload (registry name, user file, or nn.Module) -> ModelGraph.
+
+How it works:
+
+1. The model is traced with ``torch.fx`` (torch.nn modules and qsync's ``MatMul`` are leaves,
+   so op names are the module names users see in ``named_modules()``). For a registry
+   workload the loss is spliced into the graph, so it appears as a pinned op.
+2. The traced graph is run node by node on the ``meta`` device: parameters are swapped for
+   meta tensors (no real allocation, whatever device the user's model lives on), inputs are
+   meta tensors, autograd records as usual. Each node's output shapes come from that run,
+   and each node's activations saved for backward are *measured* with
+   ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers excluded; a storage
+   saved by an earlier op is recorded as shared, so memory is not counted twice).
+3. Where symbolic tracing fails (data-dependent Python control flow, say), a fallback runs the
+   model once on meta tensors under a ``TorchFunctionMode`` with module hooks: leaf modules
+   and top-level torch functions become ops, edges follow tensor identity. If both fail,
+   :class:`TraceError` says why in one line.
+4. Post-processing is shared: kinds, roles (choosable / pinned with a reason / pass-through /
+   promote), FLOPs (a multiply-add is 2 FLOPs), bytes, depths, the classifier head pin,
+   optional tie groups.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import operator
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .errors import QsyncInputError, TraceError
+from .models import Workload, get_workload
+from .models.layers import MatMul
+from .precision import Precision
+from .schemas import Edge, ModelGraph, OpKind, OpNode, OpRole, TensorSpec
+
+log = logging.getLogger(__name__)
+
+ALL_GEMM_PRECISIONS = [
+    Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16,
+    Precision.int8, Precision.int8_full, Precision.fp8,
+]
+#: FP8 training kernels (Transformer Engine) cover GEMMs, not convolutions.
+CONV_PRECISIONS = [p for p in ALL_GEMM_PRECISIONS if p != Precision.fp8]
+
+PIN_REASONS = {
+    OpKind.norm: "norm: fp32 statistics, as autocast runs layer_norm/group_norm (QSync let "
+    "norms drop to 16 bit; qsync-opt keeps autocast's choice)",
+    OpKind.softmax: "softmax: fp32, as autocast runs softmax/log_softmax",
+    OpKind.loss: "loss: fp32, as autocast runs cross_entropy/nll_loss/mse_loss",
+    OpKind.embedding: "embedding: a gather with no arithmetic to lower; runs in its weight dtype",
+    OpKind.reduce: "reduction: fp32, as autocast runs sum/prod/cumsum/exp/log/pow",
+}
+HEAD_REASON = "classifier head: kept fp32 as QSync does (trace(..., pin_head=False) unpins it)"
+
+# ----------------------------------------------------------------------------- op kinds
+
+_MODULE_KINDS: list[tuple[tuple[type[nn.Module], ...], OpKind]] = [
+    ((nn.Linear,), OpKind.linear),
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), OpKind.conv),
+    ((MatMul,), OpKind.matmul),
+    ((nn.Embedding,), OpKind.embedding),
+    ((nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm), OpKind.norm),
+    ((nn.Softmax, nn.LogSoftmax), OpKind.softmax),
+    ((nn.modules.loss._Loss,), OpKind.loss),
+    ((nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Hardswish, nn.ReLU6,
+      nn.ELU, nn.Mish, nn.Hardsigmoid), OpKind.activation),
+    ((nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+      nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd), OpKind.pool),
+    ((nn.modules.dropout._DropoutNd,), OpKind.dropout),
+    ((nn.Flatten, nn.Unflatten, nn.Identity), OpKind.reshape),
+]
+
+_FUNCTION_KINDS: dict[Any, OpKind] = {}
+for _fns, _kind in [
+    ((torch.matmul, torch.bmm, torch.mm, operator.matmul, torch.baddbmm, torch.einsum,
+      torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.mm), OpKind.matmul),
+    ((F.linear,), OpKind.linear),
+    ((F.conv1d, F.conv2d, F.conv3d), OpKind.conv),
+    ((F.embedding,), OpKind.embedding),
+    ((F.layer_norm, F.batch_norm, F.group_norm, F.rms_norm), OpKind.norm),
+    ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+      torch.Tensor.log_softmax), OpKind.softmax),
+    ((F.cross_entropy, F.nll_loss, F.mse_loss, F.binary_cross_entropy_with_logits,
+      F.l1_loss, F.smooth_l1_loss), OpKind.loss),
+    ((F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, F.leaky_relu,
+      F.hardswish, torch.Tensor.relu, torch.Tensor.tanh, torch.Tensor.sigmoid), OpKind.activation),
+    ((F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d),
+     OpKind.pool),
+    ((F.dropout,), OpKind.dropout),
+    ((torch.cat, torch.stack, torch.concat), OpKind.concat),
+    ((torch.sum, torch.cumsum, torch.prod, torch.exp, torch.log, torch.pow, torch.Tensor.sum,
+      torch.Tensor.exp, torch.Tensor.log, torch.Tensor.pow, torch.Tensor.cumsum), OpKind.reduce),
+    ((operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+      operator.iadd, operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.where,
+      torch.Tensor.add, torch.Tensor.mul, torch.Tensor.div, torch.Tensor.sub,
+      torch.Tensor.masked_fill, torch.masked_fill, torch.Tensor.__add__,
+      torch.Tensor.__mul__, torch.Tensor.__truediv__, torch.Tensor.__sub__), OpKind.elementwise),
+]:
+    for _fn in _fns:
+        _FUNCTION_KINDS[_fn] = _kind
+
+_METHOD_KINDS: dict[str, OpKind] = {
+    "matmul": OpKind.matmul, "bmm": OpKind.matmul, "mm": OpKind.matmul,
+    "softmax": OpKind.softmax, "log_softmax": OpKind.softmax,
+    "relu": OpKind.activation, "tanh": OpKind.activation, "sigmoid": OpKind.activation,
+    "sum": OpKind.reduce, "exp": OpKind.reduce, "log": OpKind.reduce, "pow": OpKind.reduce,
+    "cumsum": OpKind.reduce, "prod": OpKind.reduce,
+    "add": OpKind.elementwise, "mul": OpKind.elementwise, "div": OpKind.elementwise,
+    "sub": OpKind.elementwise, "masked_fill": OpKind.elementwise, "add_": OpKind.elementwise,
+    "mul_": OpKind.elementwise,
+}
+_RESHAPE_METHODS = {
+    "view", "reshape", "permute", "transpose", "flatten", "contiguous", "split", "chunk",
+    "squeeze", "unsqueeze", "expand", "expand_as", "view_as", "t", "unbind", "narrow",
+    "__getitem__", "float", "to", "type_as", "repeat", "clone", "detach",
+}
+_RESHAPE_FUNCTIONS = {
+    operator.getitem, torch.flatten, torch.reshape, torch.permute, torch.transpose,
+    torch.split, torch.chunk, torch.squeeze, torch.unsqueeze, torch.unbind, torch.narrow,
+}
+_CHOOSABLE = {OpKind.linear, OpKind.conv, OpKind.matmul}
+_COMPUTING_FOR_DEPTH = _CHOOSABLE | set(PIN_REASONS)
+
+
+def _module_kind(mod: nn.Module) -> OpKind:
+    for types, kind in _MODULE_KINDS:
+        if isinstance(mod, types):
+            return kind
+    return OpKind.other
+
+
+def _function_kind(fn: Any) -> OpKind:
+    if fn in _FUNCTION_KINDS:
+        return _FUNCTION_KINDS[fn]
+    if fn in _RESHAPE_FUNCTIONS:
+        return OpKind.reshape
+    return OpKind.other
+
+
+def _method_kind(name: str) -> OpKind:
+    if name in _METHOD_KINDS:
+        return _METHOD_KINDS[name]
+    if name in _RESHAPE_METHODS:
+        return OpKind.reshape
+    return OpKind.other
+
+
+def _target_name(fn: Any) -> str:
+    name = getattr(fn, "__name__", None) or str(fn)
+    mod = getattr(fn, "__module__", None)
+    if fn in (operator.getitem,) or mod == "_operator":
+        return f"operator.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+# ----------------------------------------------------------------------------- raw ops
+
+
+@dataclass
+class _RawOp:
+    """What a tracer learned about one op before the shared post-processing."""
+
+    name: str
+    kind: OpKind
+    target: str
+    module: nn.Module | None
+    inputs: list[str]  # producer op names (activation inputs only), in argument order
+    input_tensors: list[torch.Tensor]  # activation inputs (meta)
+    outputs: list[torch.Tensor]
+    params: list[torch.Tensor]  # parameters the op reads
+    saved: list[torch.Tensor] = field(default_factory=list)
+    is_loss_part: bool = False
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(value)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+class _SavedRecorder:
+    """saved_tensors_hooks that attribute every saved tensor to the op running now."""
+
+    def __init__(self) -> None:
+        self.current: list[torch.Tensor] | None = None
+        self.keep: list[torch.Tensor] = []  # keeps storages alive so ids are not reused
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.current is not None:
+            self.current.append(t)
+            self.keep.append(t)
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
+
+
+# ----------------------------------------------------------------------------- fx path
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, MatMul) or super().is_leaf_module(m, qualname)
+
+
+def _meta_state(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Meta copies of every parameter and buffer; tied tensors stay tied."""
+    by_id: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    named = list(root.named_parameters(remove_duplicate=False)) + list(
+        root.named_buffers(remove_duplicate=False)
+    )
+    for name, t in named:
+        if id(t) not in by_id:
+            by_id[id(t)] = _meta_like(t) if not t.is_meta else _meta_like(t)
+        state[name] = by_id[id(t)]
+    return state
+
+
+def _splice_loss(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """Append ``loss_fn(output, targets)`` to the traced graph as ops named ``loss.*``."""
+
+    class _Loss(nn.Module):
+        def forward(self, output: Any, targets: Any) -> Any:
+            return loss_fn(output, targets)
+
+    loss_graph = fx.symbolic_trace(_Loss()).graph
+    g = gm.graph
+    out_node = next(n for n in g.nodes if n.op == "output")
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(placeholders[-1]):
+        target_ph = g.placeholder("targets")
+    lph = [n for n in loss_graph.nodes if n.op == "placeholder"]
+    val_map: dict[fx.Node, Any] = {lph[0]: out_node.args[0], lph[1]: target_ph}
+    before = set(g.nodes)
+    with g.inserting_before(out_node):
+        loss_val = g.graph_copy(loss_graph, val_map)
+    for n in g.nodes:
+        if n not in before:
+            n.meta["qsync_loss"] = True
+    out_node.args = (loss_val,)
+    gm.recompile()
+
+
+def _fx_raw_ops(
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: torch.Tensor | None,
+    loss_fn: Callable[[Any, Any], Any] | None,
+) -> list[_RawOp]:
+    graph = _Tracer().trace(model)
+    gm = fx.GraphModule(model, graph)
+    if loss_fn is not None and targets is not None:
+        _splice_loss(gm, loss_fn)
+    state = _meta_state(gm)
+    rec = _SavedRecorder()
+    names: dict[fx.Node, str] = {}
+    raw: list[_RawOp] = []
+    used_names: dict[str, int] = {}
+
+    def unique(base: str) -> str:
+        used_names[base] = used_names.get(base, 0) + 1
+        return base if used_names[base] == 1 else f"{base}_{used_names[base] - 1}"
+
+    class _Interp(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op in ("placeholder", "output", "get_attr"):
+                return super().run_node(n)
+            rec.current = []
+            try:
+                with rec.hooks():
+                    value = super().run_node(n)
+            finally:
+                saved, rec.current = rec.current, None
+            outs = _tensors(value)
+            if not outs:
+                return value
+            in_nodes = [a for a in n.all_input_nodes if a.op != "get_attr"]
+            act_inputs = [self.env[a] for a in in_nodes]
+            params = [self.env[a] for a in n.all_input_nodes if a.op == "get_attr"]
+            if n.op == "call_module":
+                mod = self.fetch_attr(n.target)
+                kind = _module_kind(mod)
+                name = unique(str(n.target))
+                target = type(mod).__module__ + "." + type(mod).__qualname__
+                params = list(mod.parameters()) + params
+            else:
+                mod = None
+                kind = _function_kind(n.target) if n.op == "call_function" else _method_kind(
+                    str(n.target))
+                if n.meta.get("qsync_loss"):
+                    scope = "loss"
+                else:
+                    stack = n.meta.get("nn_module_stack") or {}
+                    scope = next(reversed(stack.values()))[0] if stack else ""
+                fname = (getattr(n.target, "__name__", None) or str(n.target)).strip("_")
+                name = unique(f"{scope}.{fname}" if scope else fname)
+                target = _target_name(n.target) if n.op == "call_function" else f"Tensor.{n.target}"
+            names[n] = name
+            raw.append(_RawOp(
+                name=name, kind=kind, target=target, module=mod,
+                inputs=[names[a] for a in in_nodes if a in names],
+                input_tensors=[t for v in act_inputs for t in _tensors(v)],
+                outputs=outs, params=[p for p in params if isinstance(p, torch.Tensor)],
+                saved=saved, is_loss_part=bool(n.meta.get("qsync_loss")),
+            ))
+            return value
+
+    args: list[torch.Tensor] = [_meta_like(t) for t in inputs]
+    if loss_fn is not None and targets is not None:
+        args.append(_meta_like(targets))
+    with torch.nn.utils.stateless._reparametrize_module(gm, state), torch.enable_grad():
+        _Interp(gm, garbage_collect_values=True).run(*args)
+    return raw
+
+
+# ----------------------------------------------------------------------------- fallback
+
+
+def _function_mode_raw_ops(
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: torch.Tensor | None,
+    loss_fn: Callable[[Any, Any], Any] | None,
+) -> list[_RawOp]:
+    """Run once on meta tensors; leaf modules and top-level torch calls become ops."""
+    state = _meta_state(model)
+    rec = _SavedRecorder()
+    raw: list[_RawOp] = []
+    producer: dict[int, str] = {}  # id(tensor) -> op name
+    alive: list[Any] = []  # keep outputs alive so ids stay unique
+    used_names: dict[str, int] = {}
+    depth = [0]  # >0 while inside a leaf module
+    scope: list[str] = []
+    leaf_names = {m: n for n, m in model.named_modules()
+                  if isinstance(m, MatMul) or (not list(m.children()) and n)}
+    in_loss = [False]
+
+    def unique(base: str) -> str:
+        used_names[base] = used_names.get(base, 0) + 1
+        return base if used_names[base] == 1 else f"{base}_{used_names[base] - 1}"
+
+    def record(name: str, kind: OpKind, target: str, mod: nn.Module | None, args: Any,
+               value: Any, saved: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        outs = _tensors(value)
+        if not outs:
+            return
+        ins = [t for t in _tensors(args) if not isinstance(t, nn.Parameter)
+               and id(t) not in param_ids]
+        raw.append(_RawOp(
+            name=name, kind=kind, target=target, module=mod,
+            inputs=list(dict.fromkeys(producer[id(t)] for t in ins if id(t) in producer)),
+            input_tensors=ins, outputs=outs, params=params, saved=saved,
+            is_loss_part=in_loss[0],
+        ))
+        for t in outs:
+            producer[id(t)] = name
+        alive.append(value)
+
+    param_ids = {id(t) for t in state.values()}
+
+    class _Mode(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if depth[0] > 0 or getattr(func, "__name__", "") in ("size", "dim", "__get__"):
+                return func(*args, **kwargs)
+            rec.current = []
+            try:
+                with rec.hooks():
+                    value = func(*args, **kwargs)
+            finally:
+                saved, rec.current = rec.current, None
+            fname = (getattr(func, "__name__", None) or "op").strip("_")
+            prefix = "loss" if in_loss[0] else (scope[-1] if scope else "")
+            kind = _function_kind(func)
+            if kind == OpKind.other:
+                kind = _method_kind(getattr(func, "__name__", ""))
+            params = [t for t in _tensors((args, kwargs)) if id(t) in param_ids]
+            record(unique(f"{prefix}.{fname}" if prefix else fname), kind, _target_name(func),
+                   None, (args, kwargs), value, saved, params)
+            return value
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        if depth[0] == 0:
+            rec.current = []
+        depth[0] += 1
+
+    def post_hook(mod: nn.Module, args: Any, value: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            saved, rec.current = rec.current or [], None
+            name = unique(leaf_names[mod])
+            record(name, _module_kind(mod), type(mod).__module__ + "." + type(mod).__qualname__,
+                   mod, args, value, saved, list(mod.parameters()))
+
+    def scope_pre(name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any) -> None:
+            scope.append(name)
+        return hook
+
+    def scope_post(mod: nn.Module, args: Any, value: Any) -> None:
+        scope.pop()
+
+    with ExitStack() as stack:
+        for mod, name in leaf_names.items():
+            h1 = mod.register_forward_pre_hook(pre_hook)
+            h2 = mod.register_forward_hook(post_hook)
+            stack.callback(h1.remove)
+            stack.callback(h2.remove)
+        for name, mod in model.named_modules():
+            if name and mod not in leaf_names:
+                h1 = mod.register_forward_pre_hook(scope_pre(name))
+                h2 = mod.register_forward_hook(scope_post)
+                stack.callback(h1.remove)
+                stack.callback(h2.remove)
+        stack.enter_context(torch.nn.utils.stateless._reparametrize_module(model, state))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(rec.hooks())
+        args = [_meta_like(t) for t in inputs]
+        with _Mode():
+            out = model(*args)
+            if loss_fn is not None and targets is not None:
+                in_loss[0] = True
+                loss_fn(out, _meta_like(targets))
+    return raw
+
+
+# ----------------------------------------------------------------------------- post-processing
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _flops(op: _RawOp) -> tuple[int, int, list[int] | None]:
+    """(forward FLOPs, reduction length K for GEMMs, main weight shape)."""
+    out_numel = sum(t.numel() for t in op.outputs)
+    mod = op.module
+    if op.kind == OpKind.linear:
+        w = mod.weight if mod is not None else (op.params[0] if op.params else None)
+        k = int(w.shape[1]) if w is not None else int(op.input_tensors[0].shape[-1])
+        return 2 * out_numel * k, k, list(w.shape) if w is not None else None
+    if op.kind == OpKind.conv:
+        w = mod.weight if mod is not None else (op.params[0] if op.params else None)
+        if w is None:
+            return out_numel, 0, None
+        k = _numel(w.shape[1:])  # Cin/groups * kernel volume
+        return 2 * out_numel * k, k, list(w.shape)
+    if op.kind == OpKind.matmul:
+        if op.input_tensors:
+            k = int(op.input_tensors[0].shape[-1])
+            return 2 * out_numel * k, k, None
+        return out_numel, 0, None
+    if op.kind in (OpKind.reshape, OpKind.dropout, OpKind.embedding):
+        return 0, 0, list(mod.weight.shape) if isinstance(mod, nn.Embedding) else None
+    # Elementwise, norms, softmax, losses, pooling: a few FLOPs per element read.
+    per = {OpKind.norm: 5, OpKind.softmax: 5, OpKind.loss: 5}.get(op.kind, 1)
+    return per * max(out_numel, sum(t.numel() for t in op.input_tensors)), 0, None
+
+
+def _role(kind: OpKind, n_act_inputs: int) -> OpRole:
+    if kind in _CHOOSABLE:
+        return OpRole.choosable
+    if kind in PIN_REASONS:
+        return OpRole.pinned
+    if kind in (OpKind.elementwise, OpKind.concat) and n_act_inputs >= 2:
+        return OpRole.promote
+    return OpRole.pass_through
+
+
+def _build_graph(
+    raw: list[_RawOp],
+    *,
+    workload: str,
+    batch: int,
+    inputs: list[TensorSpec],
+    model: nn.Module,
+    method: str,
+    pin_head: bool,
+    unpin: Sequence[str],
+    tie: str,
+) -> ModelGraph:
+    state_storages = set()
+    param_ids: set[int] = set()
+    for p in model.parameters():
+        param_ids.add(id(p))
+    for op in raw:
+        for p in op.params:
+            state_storages.add(_storage_id(p))
+    # Buffers and parameters of leaf modules are read inside them; their storages too.
+    for op in raw:
+        if op.module is not None:
+            for t in list(op.module.parameters()) + list(op.module.buffers()):
+                state_storages.add(_storage_id(t))
+
+    names = [o.name for o in raw]
+    index = {n: i for i, n in enumerate(names)}
+    seen_saved: set[int] = set()
+    seen_params: set[int] = set()
+    nodes: list[dict[str, Any]] = []
+    edges: dict[tuple[str, str], Edge] = {}
+    producer_out: dict[str, torch.Tensor] = {o.name: o.outputs[0] for o in raw}
+
+    for op in raw:
+        saved_bytes = shared = 0
+        for t in op.saved:
+            sid = _storage_id(t)
+            if sid in state_storages:
+                continue
+            nb = _nbytes(t)
+            saved_bytes += nb
+            if sid in seen_saved:
+                shared += nb
+            seen_saved.add(sid)
+        own_params = 0
+        param_bytes = 0
+        for p in op.params:
+            param_bytes += _nbytes(p)
+            if _storage_id(p) not in seen_params:
+                own_params += p.numel()
+                seen_params.add(_storage_id(p))
+        fwd_flops, _, wshape = _flops(op)
+        needs_in = any(t.requires_grad for t in op.input_tensors)
+        has_wgrad = any(p.requires_grad for p in op.params)
+        if op.kind in _CHOOSABLE:
+            if op.kind == OpKind.matmul and op.module is None and len(op.input_tensors) == 2:
+                n_grads = sum(t.requires_grad for t in op.input_tensors)
+            elif op.kind == OpKind.matmul:
+                n_grads = sum(t.requires_grad for t in op.input_tensors)
+            else:
+                n_grads = int(needs_in) + int(has_wgrad)
+            bwd_flops = fwd_flops * n_grads
+        else:
+            bwd_flops = 2 * fwd_flops if (needs_in or has_wgrad) else 0
+        in_numel = sum(t.numel() for t in op.input_tensors)
+        out_numel = sum(t.numel() for t in op.outputs)
+        fwd_bytes = sum(_nbytes(t) for t in op.input_tensors) + sum(
+            _nbytes(t) for t in op.outputs) + param_bytes
+        role = _role(op.kind, len(op.inputs) + sum(
+            1 for t in op.input_tensors if t.is_floating_point()) * 0)
+        if op.kind in (OpKind.elementwise, OpKind.concat):
+            float_ins = [t for t in op.input_tensors if t.is_floating_point()]
+            role = OpRole.promote if len(float_ins) >= 2 else OpRole.pass_through
+        allowed: list[Precision]
+        if role == OpRole.choosable:
+            allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)
+        elif role == OpRole.pinned:
+            allowed = [Precision.fp32]
+        else:
+            allowed = []
+        nodes.append(dict(
+            name=op.name, kind=op.kind, target=op.target, role=role,
+            allowed_precisions=allowed,
+            pin_reason=PIN_REASONS.get(op.kind) if role == OpRole.pinned else None,
+            input_shapes=[list(t.shape) for t in op.input_tensors],
+            output_shapes=[list(t.shape) for t in op.outputs],
+            weight_shape=wshape, param_count=own_params,
+            input_numel=in_numel, output_numel=out_numel,
+            fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes),
+            saved_bytes=saved_bytes, saved_shared_bytes=shared,
+            needs_input_grad=needs_in, depth=0,
+        ))
+        for src in op.inputs:
+            if src in index and index[src] < index[op.name]:
+                t = producer_out[src]
+                edges.setdefault((src, op.name), Edge(
+                    src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t)))
+
+    # Depth: longest path from the input, counting ops that compute (GEMMs and pinned ops).
+    preds: dict[str, list[str]] = {n: [] for n in names}
+    succs: dict[str, list[str]] = {n: [] for n in names}
+    for s, d in edges:
+        preds[d].append(s)
+        succs[s].append(d)
+    depth: dict[str, int] = {}
+    for nd in nodes:
+        base = max((depth[p] for p in preds[nd["name"]]), default=0)
+        depth[nd["name"]] = base + (1 if nd["kind"] in _COMPUTING_FOR_DEPTH else 0)
+        nd["depth"] = depth[nd["name"]]
+
+    # Classifier head: a GEMM from which an output is reached without another GEMM.
+    unpin_set = set(unpin)
+    if pin_head:
+        reaches_out: dict[str, bool] = {}
+        for nd in reversed(nodes):
+            n = nd["name"]
+            clear = [s for s in succs[n] if nodes[index[s]]["role"] != OpRole.choosable]
+            reaches_out[n] = not succs[n] or any(reaches_out[s] for s in clear)
+        for nd in nodes:
+            if nd["role"] == OpRole.choosable and reaches_out[nd["name"]] and nd["name"] not in unpin_set:
+                nd["role"] = OpRole.pinned
+                nd["allowed_precisions"] = [Precision.fp32]
+                nd["pin_reason"] = HEAD_REASON
+    unknown = unpin_set - set(names)
+    if unknown:
+        raise QsyncInputError(f"unpin: no op named {', '.join(sorted(unknown))} in the graph")
+
+    _assign_ties(nodes, preds, tie)
+    buffers = {id(b): b for b in model.buffers()}
+    params = {id(p): p for p in model.parameters()}
+    return ModelGraph(
+        workload=workload, batch_size=batch, inputs=inputs,
+        ops=[OpNode(**nd) for nd in nodes], edges=list(edges.values()),
+        max_depth=max(depth.values(), default=0),
+        param_count=sum(p.numel() for p in params.values()),
+        param_bytes=sum(p.numel() * 4 for p in params.values() if p.is_floating_point()),
+        buffer_bytes=sum(_nbytes(b) for b in buffers.values()),
+        trace_method=method, tie_mode=tie, torch_version=torch.__version__,
+    )
+
+
+TIE_MODES = ("none", "blocks", "siblings")
+
+
+def _assign_ties(nodes: list[dict[str, Any]], preds: dict[str, list[str]], tie: str) -> None:
+    if tie not in TIE_MODES:
+        raise QsyncInputError(f"tie: expected one of {', '.join(TIE_MODES)}, got {tie!r}")
+    if tie == "none":
+        return
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for nd in nodes:
+        if nd["role"] != OpRole.choosable:
+            continue
+        if tie == "blocks":
+            key = "blocks:" + re.sub(r"\.\d+(?=\.|$)", ".*", nd["name"]) + str(
+                (nd["input_shapes"], nd["output_shapes"], nd["weight_shape"]))
+        else:
+            src = preds[nd["name"]][0] if preds[nd["name"]] else "<input>"
+            key = f"siblings:{src}:{nd['kind'].value}"
+        groups.setdefault(key, []).append(nd)
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        label = key.split("(")[0].split("[")[0] if tie == "blocks" else key.rsplit(":", 1)[0]
+        for nd in members:
+            nd["tie_group"] = label
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def load_user_model(spec: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Import ``path/file.py:fn``; ``fn()`` returns ``(module, example_inputs)``."""
+    path_s, _, fn_name = spec.rpartition(":")
+    if not path_s or not fn_name:
+        raise QsyncInputError(f"model: {spec!r} is not PATH.py:FUNCTION")
+    path = Path(path_s)
+    if not path.is_file():
+        raise QsyncInputError(f"model: file {path} not found")
+    mod_name = f"qsync_user_model_{abs(hash(str(path.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise QsyncInputError(f"model: cannot import {path}")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[mod_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: report, do not crash
+        raise QsyncInputError(f"model: importing {path} failed: {exc.__class__.__name__}: {exc}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise QsyncInputError(f"model: {path} has no function {fn_name!r}")
+    try:
+        result = fn()
+    except Exception as exc:
+        raise QsyncInputError(f"model: {spec} raised {exc.__class__.__name__}: {exc}") from None
+    if (not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], nn.Module)):
+        raise QsyncInputError(f"model: {spec} must return (nn.Module, example_inputs)")
+    model, ex = result
+    ex = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+    if not all(isinstance(t, torch.Tensor) for t in ex):
+        raise QsyncInputError(f"model: {spec} example_inputs must be tensors")
+    return model, ex
+
+
+def resolve_workload(name: str) -> Workload | tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A registry name, or ``path.py:fn`` for a user's model."""
+    if ":" in name and name.split(":")[0].endswith(".py"):
+        return load_user_model(name)
+    try:
+        return get_workload(name)
+    except (KeyError, ValueError) as exc:
+        raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
+
+
+def trace(
+    workload: str | Workload | nn.Module,
+    batch: int | None = None,
+    *,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    include_loss: bool = True,
+    pin_head: bool = True,
+    unpin: Sequence[str] = (),
+    tie: str = "none",
+    name: str | None = None,
+    method: str = "auto",
+) -> ModelGraph:
+    """Trace a workload into a :class:`ModelGraph` without allocating real memory.
+
+    ``workload`` is a registry name (``qsync-opt models``), ``path/file.py:fn`` (``fn()``
+    returns ``(module, example_inputs)``), a :class:`Workload`, or an ``nn.Module`` with
+    ``example_inputs``. ``batch`` overrides the batch of registry workloads (default: the
+    workload's default batch); a user's model is traced at its example inputs' batch.
+    ``method`` is ``auto`` (fx, then the function-mode fallback), ``fx`` or ``function_mode``.
+    """
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    targets: torch.Tensor | None = None
+    if isinstance(workload, str):
+        resolved = resolve_workload(workload)
+        label = name or workload
+    else:
+        resolved = workload if isinstance(workload, Workload) else (workload, example_inputs)
+        label = name or (workload.name if isinstance(workload, Workload) else type(workload).__name__)
+    if isinstance(resolved, Workload):
+        wl = resolved
+        b = batch if batch is not None else wl.default_batch
+        if b < 1:
+            raise QsyncInputError(f"batch: expected a positive integer, got {b}")
+        with torch.device("meta"):
+            model = wl.build()
+        meta = torch.device("meta")
+        inputs = tuple(wl.make_inputs(b, meta))
+        if include_loss:
+            targets = wl.make_targets(b, meta)
+            from .models import compute_loss
+
+            loss_fn = lambda out, tgt, _wl=wl: compute_loss(_wl, out, tgt)  # noqa: E731
+    else:
+        model, ex = resolved
+        if ex is None:
+            raise QsyncInputError("example_inputs: required when tracing an nn.Module")
+        inputs = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+        if not inputs:
+            raise QsyncInputError("example_inputs: expected at least one tensor")
+        b = int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1
+        if batch is not None and batch != b:
+            raise QsyncInputError(
+                f"batch: a user model is traced at its example inputs' batch ({b}), not {batch}")
+    specs = [TensorSpec(name=f"input{i}", shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""))
+             for i, t in enumerate(inputs)]
+    if method not in ("auto", "fx", "function_mode"):
+        raise QsyncInputError(f"method: expected auto, fx or function_mode, got {method!r}")
+    was_training = model.training
+    model.train()
+    errors: list[str] = []
+    raw: list[_RawOp] | None = None
+    used = method
+    try:
+        if method in ("auto", "fx"):
+            try:
+                raw = _fx_raw_ops(model, inputs, targets, loss_fn)
+                used = "fx"
+            except Exception as exc:  # any tracer failure falls back, with its reason kept
+                errors.append(f"torch.fx: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                log.info("fx tracing of %s failed (%s); falling back", label, errors[-1])
+                if method == "fx":
+                    raise TraceError(f"cannot trace {label}: {errors[-1]}") from None
+        if raw is None:
+            try:
+                raw = _function_mode_raw_ops(model, inputs, targets, loss_fn)
+                used = "function_mode"
+            except Exception as exc:
+                errors.append(f"function mode: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
+    finally:
+        model.train(was_training)
+    if not raw:
+        raise TraceError(f"cannot trace {label}: the model ran no operators")
+    return _build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
+                        pin_head=pin_head, unpin=unpin, tie=tie)

@@ -1,0 +1,594 @@
+"""Schemas: every arrow of the data flow (DESIGN.md) is one of these pydantic models.
+
+All models are frozen and forbid unknown fields. The ones written to disk derive from
+:class:`Document` and carry ``schema_name`` and ``schema_version``; a reader refuses a file of
+another kind or of a version it does not know, with a message that says which. Units are in
+the field names (``_ms``, ``_bytes``, ``_gb_per_s``, ``_us``, ``_tflops``); FLOPs count a
+multiply-add as two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import Enum
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .precision import DType, Precision
+
+NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+FLOP_CONVENTION = "a multiply-add counts as 2 FLOPs"
+
+JSONScalar = float | int | str | bool | None
+
+
+class Schema(BaseModel):
+    """Base of every schema: frozen, unknown fields refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+
+class Document(Schema):
+    """A schema that is written to disk. Subclasses set ``SCHEMA_NAME``/``SCHEMA_VERSION``."""
+
+    SCHEMA_NAME: ClassVar[str] = "Document"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    schema_name: str = Field("", description="Kind of document; fixed per schema.")
+    schema_version: int = Field(0, description="Version of that schema's layout.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_header(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        name = data.get("schema_name", cls.SCHEMA_NAME) or cls.SCHEMA_NAME
+        version = data.get("schema_version", cls.SCHEMA_VERSION) or cls.SCHEMA_VERSION
+        if name != cls.SCHEMA_NAME:
+            raise ValueError(f"schema_name is {name!r}, expected {cls.SCHEMA_NAME!r}")
+        if version != cls.SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {version!r} of {cls.SCHEMA_NAME} is not one this qsync-opt "
+                f"reads (it reads version {cls.SCHEMA_VERSION})"
+            )
+        data["schema_name"] = name
+        data["schema_version"] = version
+        return data
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON, the first 16 hex digits (provenance, plan checks)."""
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- devices
+
+
+class DeviceSpec(Document):
+    """One accelerator type of the catalog, from its published datasheet (or measured)."""
+
+    SCHEMA_NAME: ClassVar[str] = "DeviceSpec"
+
+    name: str = Field(description="Catalog key, e.g. 't4', 'a100_80gb'.", pattern=NAME_RE)
+    display_name: str = Field(description="Marketing name, e.g. 'NVIDIA T4 16 GB'.")
+    compute_capability: str | None = Field(
+        description="CUDA compute capability 'major.minor'; None for a CPU.",
+        pattern=r"^\d+\.\d+$",
+    )
+    memory_bytes: int = Field(gt=0, description="Vendor memory capacity in bytes (binary GiB).")
+    usable_memory_bytes: int = Field(
+        gt=0, description="Memory a process can see (driver-reported total, ECC on), bytes."
+    )
+    memory_bandwidth_gb_per_s: float = Field(gt=0, description="Peak DRAM bandwidth, GB/s (1e9).")
+    peak_tflops: dict[DType, float] = Field(
+        description="Dense peak rate per compute dtype, TFLOPS (TOPS for int8); "
+        "fp32 is the non-tensor-core rate."
+    )
+    precisions: list[Precision] = Field(
+        min_length=1, description="Precision menu the device runs fast (its tensor-core modes)."
+    )
+    intra_node_bandwidth_gb_per_s: float = Field(
+        gt=0, description="Per-direction device-to-device bandwidth inside a node, GB/s."
+    )
+    host_link_gb_per_s: float = Field(gt=0, description="Per-direction PCIe host link, GB/s.")
+    tdp_w: float | None = Field(None, gt=0, description="Board power, W.")
+    source: str = Field(description="Where the figures come from (datasheet ids, measurement).")
+    measured: bool = Field(False, description="True when the figures were measured here.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DeviceSpec:
+        if self.usable_memory_bytes > self.memory_bytes:
+            raise ValueError("usable_memory_bytes exceeds memory_bytes")
+        if Precision.fp32 not in self.precisions:
+            raise ValueError("precisions must include fp32")
+        for rate in self.peak_tflops.values():
+            if not rate > 0:
+                raise ValueError("peak_tflops values must be > 0")
+        for p in self.precisions:
+            for dt in (p.info.fwd_compute, p.info.bwd_compute):
+                if self.rate_key(dt) not in self.peak_tflops:
+                    raise ValueError(f"precision {p.value} needs a peak_tflops entry for {dt.value}")
+        return self
+
+    @staticmethod
+    def rate_key(dtype: DType) -> DType:
+        """The peak-rate entry that a compute dtype runs at (e5m2 shares e4m3's rate)."""
+        return DType.fp8_e4m3 if dtype == DType.fp8_e5m2 else dtype
+
+    def peak_flops(self, dtype: DType) -> float:
+        """Dense peak in FLOP/s (OP/s) for a compute dtype."""
+        return self.peak_tflops[self.rate_key(dtype)] * 1e12
+
+    def supports(self, precision: Precision) -> bool:
+        return precision in self.precisions
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class DeviceGroup(Schema):
+    """Devices of one type that run one plan (one decision copy in the integer program)."""
+
+    name: str = Field(pattern=NAME_RE, description="Group name, unique in the cluster.")
+    device: str = Field(description="Catalog device name (see `qsync-opt devices`).")
+    count: int = Field(ge=1, description="Number of devices in the group.")
+    devices_per_node: int = Field(8, ge=1, description="Devices of this group per node.")
+    batch_per_device: int | None = Field(
+        None, ge=1, description="Samples per device per iteration; None: the workload default."
+    )
+    intra_node_bandwidth_gb_per_s: float | None = Field(
+        None, gt=0, description="Override of the device's per-direction intra-node bandwidth."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        from .devices import canonical_name
+
+        return canonical_name(v)  # raises ValueError listing the known names
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.count // self.devices_per_node)
+
+
+class ClusterSpec(Document):
+    """Named device groups and the network between them."""
+
+    SCHEMA_NAME: ClassVar[str] = "ClusterSpec"
+
+    name: str = Field("", description="Free-form cluster name.")
+    groups: list[DeviceGroup] = Field(min_length=1, description="Device groups.")
+    inter_node_bandwidth_gb_per_s: float = Field(
+        12.5, gt=0, description="Per-direction NIC bandwidth between nodes, GB/s "
+        "(default 100 Gb/s Ethernet/InfiniBand EDR = 12.5 GB/s)."
+    )
+    inter_node_latency_us: float = Field(
+        10.0, ge=0, description="One-hop latency between nodes, microseconds."
+    )
+    intra_node_latency_us: float = Field(
+        5.0, ge=0, description="One-hop latency inside a node, microseconds."
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClusterSpec:
+        names = [g.name for g in self.groups]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"group names must be unique; repeated: {', '.join(dup)}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    @property
+    def nodes(self) -> int:
+        return sum(g.nodes for g in self.groups)
+
+    def group(self, name: str) -> DeviceGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no group {name!r}; groups: {', '.join(x.name for x in self.groups)}")
+
+    def with_default_batch(self, batch: int) -> ClusterSpec:
+        """Fill every unset per-device batch with ``batch`` (the workload's default)."""
+        groups = [
+            g if g.batch_per_device is not None else g.model_copy(update={"batch_per_device": batch})
+            for g in self.groups
+        ]
+        return self.model_copy(update={"groups": groups})
+
+    def global_batch(self) -> int:
+        if any(g.batch_per_device is None for g in self.groups):
+            raise ValueError("batch_per_device is unset; call with_default_batch first")
+        return sum(g.count * (g.batch_per_device or 0) for g in self.groups)
+
+
+# --------------------------------------------------------------------------- graph
+
+
+class OpKind(str, Enum):
+    """What an operator computes; decides its FLOPs, its precision menu and its dtype rule."""
+
+    linear = "linear"
+    conv = "conv"
+    matmul = "matmul"
+    embedding = "embedding"
+    norm = "norm"
+    softmax = "softmax"
+    loss = "loss"
+    activation = "activation"
+    pool = "pool"
+    dropout = "dropout"
+    elementwise = "elementwise"
+    reshape = "reshape"
+    concat = "concat"
+    reduce = "reduce"
+    other = "other"
+
+
+class OpRole(str, Enum):
+    """How an operator's precision is decided."""
+
+    choosable = "choosable"  # a decision variable of the allocation problem
+    pinned = "pinned"  # fixed precision (pin_reason says why)
+    pass_through = "pass_through"  # runs in its input's dtype (relu, dropout, pool, reshape)
+    promote = "promote"  # several inputs: runs in the widest of them (add, cat)
+
+
+class TensorSpec(Schema):
+    name: str = Field(description="Input name.")
+    shape: list[int] = Field(description="Shape.")
+    dtype: str = Field(description="torch dtype name, e.g. 'float32', 'int64'.")
+
+
+class OpNode(Schema):
+    """One operator of the traced graph, at the traced batch and FP32."""
+
+    name: str = Field(min_length=1, description="Module FQN where a module exists, else graph node.")
+    kind: OpKind
+    target: str = Field(description="Module class or function that runs the op.")
+    role: OpRole
+    allowed_precisions: list[Precision] = Field(
+        description="Precisions the op kind allows (the device menu is intersected later)."
+    )
+    pin_reason: str | None = Field(None, description="Why a pinned op is pinned.")
+    input_shapes: list[list[int]] = Field(description="Shapes of tensor inputs.")
+    output_shapes: list[list[int]] = Field(description="Shapes of tensor outputs.")
+    weight_shape: list[int] | None = Field(None, description="Shape of the main weight.")
+    param_count: int = Field(ge=0, description="Parameters owned by the op's module.")
+    input_numel: int = Field(ge=0, description="Elements read from activation inputs.")
+    output_numel: int = Field(ge=0, description="Elements written to outputs.")
+    fwd_flops: int = Field(ge=0, description=f"Forward FLOPs ({FLOP_CONVENTION}).")
+    bwd_flops: int = Field(ge=0, description=f"Backward FLOPs ({FLOP_CONVENTION}).")
+    fwd_bytes: int = Field(ge=0, description="Bytes moved forward at FP32 (inputs+outputs+params).")
+    saved_bytes: int = Field(
+        ge=0, description="Activation bytes this op saves for backward, measured at FP32 "
+        "(saved-tensor hooks; parameters excluded)."
+    )
+    saved_shared_bytes: int = Field(
+        ge=0, description="Part of saved_bytes already saved by an earlier op (same storage)."
+    )
+    needs_input_grad: bool = Field(
+        True, description="Whether backward computes the input gradient (False on the first layer)."
+    )
+    depth: int = Field(ge=0, description="Longest path from the input counting computing ops.")
+    tie_group: str | None = Field(None, description="Ops of one tie group share one decision.")
+
+    @model_validator(mode="after")
+    def _check(self) -> OpNode:
+        if self.saved_shared_bytes > self.saved_bytes:
+            raise ValueError("saved_shared_bytes exceeds saved_bytes")
+        if self.role == OpRole.choosable and len(self.allowed_precisions) < 2:
+            raise ValueError("a choosable op needs at least two allowed_precisions")
+        if self.role == OpRole.pinned and not self.pin_reason:
+            raise ValueError("a pinned op needs a pin_reason")
+        return self
+
+    @property
+    def choosable(self) -> bool:
+        return self.role == OpRole.choosable
+
+    @property
+    def unique_saved_bytes(self) -> int:
+        return self.saved_bytes - self.saved_shared_bytes
+
+
+class Edge(Schema):
+    """A tensor flowing from one op to another."""
+
+    src: str
+    dst: str
+    shape: list[int]
+    numel: int = Field(ge=0)
+    bytes: int = Field(ge=0, description="Bytes at the traced dtype.")
+
+
+class ModelGraph(Document):
+    """The operator graph of one workload at one batch, FP32, in topological order."""
+
+    SCHEMA_NAME: ClassVar[str] = "ModelGraph"
+
+    workload: str = Field(description="Registry name, or the user's module spec.")
+    batch_size: int = Field(ge=1, description="Batch the graph was traced at.")
+    inputs: list[TensorSpec]
+    ops: list[OpNode] = Field(min_length=1)
+    edges: list[Edge]
+    max_depth: int = Field(ge=0, description="Largest depth L (the indicator's graph depth).")
+    param_count: int = Field(ge=0)
+    param_bytes: int = Field(ge=0, description="FP32 parameter bytes.")
+    buffer_bytes: int = Field(ge=0, description="Bytes of buffers (BN running stats, masks).")
+    trace_method: str = Field(description="'fx' or 'function_mode' (the fallback).")
+    tie_mode: str = Field("none", description="How tie groups were formed.")
+    flop_convention: str = Field(FLOP_CONVENTION)
+    torch_version: str = Field(description="torch that traced it.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelGraph:
+        names = [o.name for o in self.ops]
+        seen: set[str] = set()
+        for n in names:
+            if n in seen:
+                raise ValueError(f"op names must be unique; repeated: {n}")
+            seen.add(n)
+        order = {n: i for i, n in enumerate(names)}
+        for e in self.edges:
+            for end in (e.src, e.dst):
+                if end not in order:
+                    raise ValueError(f"edge {e.src} -> {e.dst} names an unknown op {end!r}")
+            if order[e.src] >= order[e.dst]:
+                raise ValueError(f"edge {e.src} -> {e.dst} breaks the topological order")
+        return self
+
+    def op(self, name: str) -> OpNode:
+        for o in self.ops:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def choosable_ops(self) -> list[OpNode]:
+        return [o for o in self.ops if o.choosable]
+
+    def structure_hash(self) -> str:
+        """Hash of what a plan depends on: op names, kinds, roles, shapes and edges."""
+        payload = [
+            (o.name, o.kind.value, o.role.value, o.input_shapes, o.output_shapes) for o in self.ops
+        ] + [(e.src, e.dst) for e in self.edges]
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+    @property
+    def total_fwd_flops(self) -> int:
+        return sum(o.fwd_flops for o in self.ops)
+
+    @property
+    def saved_activation_bytes(self) -> int:
+        """Activation bytes held for backward at FP32, each storage counted once."""
+        return sum(o.unique_saved_bytes for o in self.ops)
+
+
+# --------------------------------------------------------------------------- costs
+
+
+CostSource = Literal["estimated", "measured"]
+
+
+class OpCost(Schema):
+    device: str
+    batch_size: int = Field(ge=1, description="Per-device batch the cost is for.")
+    op: str
+    precision: Precision
+    fwd_ms: float = Field(ge=0)
+    bwd_ms: float = Field(ge=0)
+    source: CostSource
+
+
+class CastCost(Schema):
+    """Cost of converting a tensor between dtypes: a_ms_per_element * numel + b_ms."""
+
+    device: str
+    src: DType
+    dst: DType
+    a_ms_per_element: float = Field(ge=0)
+    b_ms: float = Field(ge=0)
+    source: CostSource
+
+    def ms(self, numel: int) -> float:
+        return self.a_ms_per_element * numel + self.b_ms
+
+
+class CommModel(Schema):
+    """Ring all-reduce over the whole cluster: 2(n-1)/n * bytes/bw + 2(n-1) * latency."""
+
+    world_size: int = Field(ge=1)
+    bandwidth_gb_per_s: float = Field(gt=0, description="Bottleneck per-direction bandwidth.")
+    latency_us: float = Field(ge=0, description="Per-hop latency.")
+    bottleneck: str = Field(description="Which link sets the bandwidth.")
+    source: CostSource
+
+    def allreduce_ms(self, nbytes: int) -> float:
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        steps = 2 * (n - 1)
+        return (steps / n) * nbytes / (self.bandwidth_gb_per_s * 1e9) * 1e3 + steps * (
+            self.latency_us * 1e-3
+        )
+
+
+class GradBucket(Schema):
+    """A DDP gradient bucket: the ops whose FP32 gradients it holds, in reverse order."""
+
+    index: int = Field(ge=0)
+    ops: list[str]
+    bytes: int = Field(ge=0)
+    allreduce_ms: float = Field(ge=0)
+
+
+class OptimizerCost(Schema):
+    device: str
+    optimizer: Literal["sgd", "adam"]
+    ms: float = Field(ge=0, description="One optimizer step over all FP32 parameters.")
+    state_bytes: int = Field(ge=0, description="Optimizer state bytes per device.")
+
+
+class Efficiencies(Schema):
+    """Fractions of datasheet peaks the roofline assumes. See docs/COSTS.md for provenance."""
+
+    tensor_core_gemm: float = Field(
+        0.6, gt=0, le=1,
+        description="Achieved fraction of dense tensor-core peak for training GEMMs/convs "
+        "(Megatron-LM reports 52% of A100 peak end to end; per-GEMM cuBLAS is higher).",
+    )
+    fp32_gemm: float = Field(
+        0.75, gt=0, le=1, description="Achieved fraction of the non-tensor-core FP32 peak."
+    )
+    int8_gemm: float = Field(
+        0.5, gt=0, le=1,
+        description="Fraction of INT8 peak; lower than 16-bit because of rescale epilogues.",
+    )
+    memory: float = Field(
+        0.8, gt=0, le=1, description="Achieved fraction of DRAM bandwidth (STREAM-like copies)."
+    )
+    launch_overhead_us: float = Field(
+        5.0, ge=0, description="Per-kernel launch and framework overhead, microseconds."
+    )
+    quantize_cast_factor: float = Field(
+        5.0, ge=1, description="A quantize (abs-max + scale + round) costs this many casts "
+        "(QSync, IPDPS 2024)."
+    )
+    network: float = Field(
+        0.8, gt=0, le=1, description="Achieved fraction of link bandwidth by NCCL rings."
+    )
+
+
+class CostTable(Document):
+    """Per-op, per-precision costs for each device type and batch, plus casts and comms."""
+
+    SCHEMA_NAME: ClassVar[str] = "CostTable"
+
+    workload: str
+    graph_hash: str = Field(description="ModelGraph.structure_hash() the costs are for.")
+    entries: list[OpCost]
+    casts: list[CastCost]
+    comm: CommModel
+    buckets: list[GradBucket]
+    bucket_cap_bytes: int = Field(gt=0, description="DDP bucket size cap (25 MiB default).")
+    optimizer: list[OptimizerCost]
+    efficiencies: Efficiencies
+    notes: list[str] = Field(default_factory=list)
+
+    def lookup(self) -> dict[tuple[str, int, str, Precision], OpCost]:
+        return {(c.device, c.batch_size, c.op, c.precision): c for c in self.entries}
+
+
+# --------------------------------------------------------------------------- indicator
+
+
+class IndicatorTable(Document):
+    """Omega[op][precision]: each op's degradation at each precision (fp32 is 0)."""
+
+    SCHEMA_NAME: ClassVar[str] = "IndicatorTable"
+
+    workload: str
+    graph_hash: str
+    method: str = Field(description="qsync, wvar, hessian, fisher or random.")
+    batch_size: int = Field(ge=1, description="Batch the statistics were measured at.")
+    batches: int = Field(ge=1, description="Number of batches averaged.")
+    seed: int
+    gamma: float | None = Field(None, description="Forward weight of the qsync indicator.")
+    data: str = Field(description="'real' or 'synthetic' inputs.")
+    values: dict[str, dict[Precision, float]]
+
+    @field_validator("values")
+    @classmethod
+    def _nonneg(cls, v: dict[str, dict[Precision, float]]) -> dict[str, dict[Precision, float]]:
+        for op, row in v.items():
+            for p, x in row.items():
+                if not x >= 0:
+                    raise ValueError(f"values[{op}][{p.value}] must be >= 0, got {x}")
+        return v
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class GroupPlan(Schema):
+    batch_per_device: int = Field(ge=1)
+    precisions: dict[str, Precision] = Field(description="Op name -> precision, every op chosen.")
+
+
+class Plan(Document):
+    """Which precision every choosable op runs at on every device group."""
+
+    SCHEMA_NAME: ClassVar[str] = "Plan"
+
+    workload: str
+    graph_hash: str
+    cluster: ClusterSpec
+    groups: dict[str, GroupPlan]
+    provenance: dict[str, JSONScalar] = Field(
+        default_factory=dict,
+        description="solver, status, objective, gap, wall_s, costs/indicator hashes, options.",
+    )
+
+    @model_validator(mode="after")
+    def _groups_match(self) -> Plan:
+        names = {g.name for g in self.cluster.groups}
+        if set(self.groups) != names:
+            raise ValueError(
+                f"groups {sorted(self.groups)} do not match the cluster's {sorted(names)}"
+            )
+        return self
+
+
+class SolveReport(Document):
+    SCHEMA_NAME: ClassVar[str] = "SolveReport"
+
+    solver: str
+    status: Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "TIME_LIMIT", "ERROR"]
+    mode: str = Field(description="Objective mode that ran, and why.")
+    objective: float | None = None
+    bound: float | None = None
+    gap: float | None = None
+    build_s: float = Field(0.0, ge=0)
+    solve_s: float = Field(0.0, ge=0)
+    wall_s: float = Field(0.0, ge=0)
+    n_variables: int = Field(0, ge=0)
+    n_constraints: int = Field(0, ge=0)
+    options: dict[str, JSONScalar] = Field(default_factory=dict)
+    messages: list[str] = Field(default_factory=list)
+
+
+SCHEMAS: dict[str, type[Document]] = {
+    cls.SCHEMA_NAME: cls
+    for cls in (DeviceSpec, ClusterSpec, ModelGraph, CostTable, IndicatorTable, Plan, SolveReport)
+}
+#: Sub-schemas (not files on their own) that `qsync-opt schema` also prints.
+SUB_SCHEMAS: dict[str, type[Schema]] = {
+    "DeviceGroup": DeviceGroup,
+    "OpNode": OpNode,
+    "Edge": Edge,
+    "OpCost": OpCost,
+    "CastCost": CastCost,
+    "Efficiencies": Efficiencies,
+    "GroupPlan": GroupPlan,
+}
+
+
+def schema_names() -> list[str]:
+    return sorted([*SCHEMAS, *SUB_SCHEMAS])
+
+
+def json_schema(name: str) -> dict[str, Any]:
+    cls = SCHEMAS.get(name) or SUB_SCHEMAS.get(name)
+    if cls is None:
+        from .errors import QsyncInputError
+
+        raise QsyncInputError(f"unknown schema {name!r}; known: {', '.join(schema_names())}")
+    return cls.model_json_schema()
+
