@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from . import __version__
 from .cluster import SHORTHAND_HELP, load_cluster
 from .costs import estimate, group_summary
-from .devices import CATALOG, get_device, known_device_names
+from .devices import CATALOG, get_device
 from .errors import QsyncInputError, describe_validation_error
 from .graph import TIE_MODES, trace
 from .io import atomic_write_text, save, to_json
@@ -53,7 +53,9 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        return f"{x:,.3f}" if abs(x) < 1000 else f"{x:,.1f}"
+        if abs(x) >= 100:
+            return f"{x:,.1f}".removesuffix(".0")
+        return f"{x:.4g}"
     if isinstance(x, int) and not isinstance(x, bool):
         return f"{x:,}"
     return str(x)

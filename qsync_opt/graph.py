@@ -177,7 +177,7 @@ class _RawOp:
     kind: OpKind
     target: str
     module: nn.Module | None
-    inputs: list[str]  # producer op names (activation inputs only), in argument order
+    inputs: list[tuple[str, torch.Tensor]]  # (producer op, the tensor it gave this op)
     input_tensors: list[torch.Tensor]  # activation inputs (meta)
     outputs: list[torch.Tensor]
     params: list[torch.Tensor]  # parameters the op reads
@@ -237,7 +237,7 @@ def _meta_state(root: nn.Module) -> dict[str, torch.Tensor]:
     )
     for name, t in named:
         if id(t) not in by_id:
-            by_id[id(t)] = _meta_like(t) if not t.is_meta else _meta_like(t)
+            by_id[id(t)] = _meta_like(t)
         state[name] = by_id[id(t)]
     return state
 
@@ -324,7 +324,8 @@ def _fx_raw_ops(
             names[n] = name
             raw.append(_RawOp(
                 name=name, kind=kind, target=target, module=mod,
-                inputs=[names[a] for a in in_nodes if a in names],
+                inputs=[(names[a], t) for a in in_nodes if a in names
+                        for t in _tensors(self.env[a])[:1]],
                 input_tensors=[t for v in act_inputs for t in _tensors(v)],
                 outputs=outs, params=[p for p in params if isinstance(p, torch.Tensor)],
                 saved=saved, is_loss_part=bool(n.meta.get("qsync_loss")),
@@ -374,7 +375,7 @@ def _function_mode_raw_ops(
                and id(t) not in param_ids]
         raw.append(_RawOp(
             name=name, kind=kind, target=target, module=mod,
-            inputs=list(dict.fromkeys(producer[id(t)] for t in ins if id(t) in producer)),
+            inputs=[(producer[id(t)], t) for t in ins if id(t) in producer],
             input_tensors=ins, outputs=outs, params=params, saved=saved,
             is_loss_part=in_loss[0],
         ))
@@ -427,7 +428,7 @@ def _function_mode_raw_ops(
         scope.pop()
 
     with ExitStack() as stack:
-        for mod, name in leaf_names.items():
+        for mod in leaf_names:
             h1 = mod.register_forward_pre_hook(pre_hook)
             h2 = mod.register_forward_hook(post_hook)
             stack.callback(h1.remove)
@@ -442,11 +443,12 @@ def _function_mode_raw_ops(
         stack.enter_context(torch.enable_grad())
         stack.enter_context(rec.hooks())
         args = [_meta_like(t) for t in inputs]
+        meta_targets = _meta_like(targets) if targets is not None else None
         with _Mode():
             out = model(*args)
-            if loss_fn is not None and targets is not None:
+            if loss_fn is not None and meta_targets is not None:
                 in_loss[0] = True
-                loss_fn(out, _meta_like(targets))
+                loss_fn(out, meta_targets)
     return raw
 
 
@@ -490,12 +492,12 @@ def _flops(op: _RawOp) -> tuple[int, int, list[int] | None]:
     return per * max(out_numel, sum(t.numel() for t in op.input_tensors)), 0, None
 
 
-def _role(kind: OpKind, n_act_inputs: int) -> OpRole:
+def _role(kind: OpKind, n_float_inputs: int) -> OpRole:
     if kind in _CHOOSABLE:
         return OpRole.choosable
     if kind in PIN_REASONS:
         return OpRole.pinned
-    if kind in (OpKind.elementwise, OpKind.concat) and n_act_inputs >= 2:
+    if kind in (OpKind.elementwise, OpKind.concat) and n_float_inputs >= 2:
         return OpRole.promote
     return OpRole.pass_through
 
@@ -531,7 +533,6 @@ def _build_graph(
     seen_params: set[int] = set()
     nodes: list[dict[str, Any]] = []
     edges: dict[tuple[str, str], Edge] = {}
-    producer_out: dict[str, torch.Tensor] = {o.name: o.outputs[0] for o in raw}
 
     for op in raw:
         saved_bytes = shared = 0
@@ -555,9 +556,8 @@ def _build_graph(
         needs_in = any(t.requires_grad for t in op.input_tensors)
         has_wgrad = any(p.requires_grad for p in op.params)
         if op.kind in _CHOOSABLE:
-            if op.kind == OpKind.matmul and op.module is None and len(op.input_tensors) == 2:
-                n_grads = sum(t.requires_grad for t in op.input_tensors)
-            elif op.kind == OpKind.matmul:
+            # One backward GEMM per input that needs a gradient (weights included).
+            if op.kind == OpKind.matmul:
                 n_grads = sum(t.requires_grad for t in op.input_tensors)
             else:
                 n_grads = int(needs_in) + int(has_wgrad)
@@ -568,11 +568,7 @@ def _build_graph(
         out_numel = sum(t.numel() for t in op.outputs)
         fwd_bytes = sum(_nbytes(t) for t in op.input_tensors) + sum(
             _nbytes(t) for t in op.outputs) + param_bytes
-        role = _role(op.kind, len(op.inputs) + sum(
-            1 for t in op.input_tensors if t.is_floating_point()) * 0)
-        if op.kind in (OpKind.elementwise, OpKind.concat):
-            float_ins = [t for t in op.input_tensors if t.is_floating_point()]
-            role = OpRole.promote if len(float_ins) >= 2 else OpRole.pass_through
+        role = _role(op.kind, sum(1 for t in op.input_tensors if t.is_floating_point()))
         allowed: list[Precision]
         if role == OpRole.choosable:
             allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)
@@ -592,9 +588,8 @@ def _build_graph(
             saved_bytes=saved_bytes, saved_shared_bytes=shared,
             needs_input_grad=needs_in, depth=0,
         ))
-        for src in op.inputs:
+        for src, t in op.inputs:
             if src in index and index[src] < index[op.name]:
-                t = producer_out[src]
                 edges.setdefault((src, op.name), Edge(
                     src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t)))
 
@@ -628,6 +623,16 @@ def _build_graph(
         raise QsyncInputError(f"unpin: no op named {', '.join(sorted(unknown))} in the graph")
 
     _assign_ties(nodes, preds, tie)
+    # A module called more than once is one set of weights the runtime swaps once: its calls
+    # always share one decision, whatever the tie mode.
+    by_module: dict[int, list[int]] = {}
+    for i, op in enumerate(raw):
+        if op.module is not None and nodes[i]["role"] == OpRole.choosable:
+            by_module.setdefault(id(op.module), []).append(i)
+    for members in by_module.values():
+        if len(members) > 1:
+            for i in members:
+                nodes[i]["tie_group"] = f"module:{raw[members[0]].name}"
     buffers = {id(b): b for b in model.buffers()}
     params = {id(p): p for p in model.parameters()}
     return ModelGraph(

@@ -9,10 +9,10 @@ exactly where a producer's ``gives_out`` differs from its consumer's ``takes_in`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     """Storage / compute dtypes that appear on edges and inside operators."""
 
     fp32 = "fp32"
@@ -42,7 +42,7 @@ _ITEMSIZE = {
 }
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     """Precision an allocatable operator runs at (the decision variable's domain)."""
 
     fp32 = "fp32"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from enum import Enum
+from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,8 +36,8 @@ class Document(Schema):
     SCHEMA_NAME: ClassVar[str] = "Document"
     SCHEMA_VERSION: ClassVar[int] = 1
 
-    schema_name: str = Field("", description="Kind of document; fixed per schema.")
-    schema_version: int = Field(0, description="Version of that schema's layout.")
+    schema_name: str = Field("Document", description="Kind of document; fixed per schema.")
+    schema_version: int = Field(1, description="Version of that schema's layout.")
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +71,8 @@ class DeviceSpec(Document):
     """One accelerator type of the catalog, from its published datasheet (or measured)."""
 
     SCHEMA_NAME: ClassVar[str] = "DeviceSpec"
+    schema_name: Literal["DeviceSpec"] = Field("DeviceSpec", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     name: str = Field(description="Catalog key, e.g. 't4', 'a100_80gb'.", pattern=NAME_RE)
     display_name: str = Field(description="Marketing name, e.g. 'NVIDIA T4 16 GB'.")
@@ -159,6 +161,8 @@ class ClusterSpec(Document):
     """Named device groups and the network between them."""
 
     SCHEMA_NAME: ClassVar[str] = "ClusterSpec"
+    schema_name: Literal["ClusterSpec"] = Field("ClusterSpec", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     name: str = Field("", description="Free-form cluster name.")
     groups: list[DeviceGroup] = Field(min_length=1, description="Device groups.")
@@ -212,7 +216,7 @@ class ClusterSpec(Document):
 # --------------------------------------------------------------------------- graph
 
 
-class OpKind(str, Enum):
+class OpKind(StrEnum):
     """What an operator computes; decides its FLOPs, its precision menu and its dtype rule."""
 
     linear = "linear"
@@ -232,7 +236,7 @@ class OpKind(str, Enum):
     other = "other"
 
 
-class OpRole(str, Enum):
+class OpRole(StrEnum):
     """How an operator's precision is decided."""
 
     choosable = "choosable"  # a decision variable of the allocation problem
@@ -278,7 +282,10 @@ class OpNode(Schema):
         True, description="Whether backward computes the input gradient (False on the first layer)."
     )
     depth: int = Field(ge=0, description="Longest path from the input counting computing ops.")
-    tie_group: str | None = Field(None, description="Ops of one tie group share one decision.")
+    tie_group: str | None = Field(
+        None, description="Ops of one tie group share one decision ('module:' groups are the "
+        "calls of one module, always tied; others come from the optional tie mode)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OpNode:
@@ -313,6 +320,8 @@ class ModelGraph(Document):
     """The operator graph of one workload at one batch, FP32, in topological order."""
 
     SCHEMA_NAME: ClassVar[str] = "ModelGraph"
+    schema_name: Literal["ModelGraph"] = Field("ModelGraph", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     workload: str = Field(description="Registry name, or the user's module spec.")
     batch_size: int = Field(ge=1, description="Batch the graph was traced at.")
@@ -470,6 +479,8 @@ class CostTable(Document):
     """Per-op, per-precision costs for each device type and batch, plus casts and comms."""
 
     SCHEMA_NAME: ClassVar[str] = "CostTable"
+    schema_name: Literal["CostTable"] = Field("CostTable", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     workload: str
     graph_hash: str = Field(description="ModelGraph.structure_hash() the costs are for.")
@@ -493,6 +504,8 @@ class IndicatorTable(Document):
     """Omega[op][precision]: each op's degradation at each precision (fp32 is 0)."""
 
     SCHEMA_NAME: ClassVar[str] = "IndicatorTable"
+    schema_name: Literal["IndicatorTable"] = Field("IndicatorTable", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     workload: str
     graph_hash: str
@@ -526,6 +539,8 @@ class Plan(Document):
     """Which precision every choosable op runs at on every device group."""
 
     SCHEMA_NAME: ClassVar[str] = "Plan"
+    schema_name: Literal["Plan"] = Field("Plan", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     workload: str
     graph_hash: str
@@ -548,6 +563,8 @@ class Plan(Document):
 
 class SolveReport(Document):
     SCHEMA_NAME: ClassVar[str] = "SolveReport"
+    schema_name: Literal["SolveReport"] = Field("SolveReport", description="Kind of document.")
+    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     solver: str
     status: Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "TIME_LIMIT", "ERROR"]

@@ -1,0 +1,38 @@
+# qsync-opt: `make test` and `make demo` work from a fresh clone, with no GPU.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# The CPU build of torch pinned for this machine; an unpinned torch would pull a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup test test-fast demo lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+demo: setup
+	$(BIN)/qsync-opt demo
+
+lint: setup
+	$(BIN)/ruff check qsync_opt solvers models cuda tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/bench_trace.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

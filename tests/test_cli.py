@@ -1,0 +1,135 @@
+"""The command line: outputs, files, and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qsync_opt import CostTable, ModelGraph, load
+from qsync_opt.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_exit(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models_and_devices(capsys) -> None:
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and "resnet50" in out and "tiny_gpt" in out
+    code, out, _ = run(capsys, "models", "--json")
+    assert {m["name"] for m in json.loads(out)} >= {"resnet50", "bert_base", "digits_cnn"}
+    code, out, _ = run(capsys, "devices")
+    assert code == 0 and "v100" in out and "h200" in out
+    code, out, _ = run(capsys, "devices", "--json")
+    v100 = next(d for d in json.loads(out) if d["name"] == "v100")
+    assert "int8" not in v100["precisions"]
+
+
+def test_schema_command(capsys) -> None:
+    code, out, _ = run(capsys, "schema", "Plan")
+    assert code == 0 and json.loads(out)["title"] == "Plan"
+
+
+def test_graph_and_estimate_write_documents(capsys, tmp_path, repo_root: Path) -> None:
+    gfile = tmp_path / "g.json"
+    code, out, _ = run(capsys, "graph", "--model", "digits_cnn", "--out", str(gfile), "--ops")
+    assert code == 0 and "choosable 3" in out and "fc2" in out
+    graph = load(gfile, ModelGraph)
+    assert graph.workload == "digits_cnn" and graph.batch_size == 64
+    cfile = tmp_path / "c.json"
+    cluster = repo_root / "examples" / "qsync_paper.toml"
+    code, out, _ = run(capsys, "estimate", "--model", "digits_cnn", "--cluster", str(cluster),
+                       "--out", str(cfile))
+    assert code == 0 and "v100" in out and "t4" in out
+    costs = load(cfile, CostTable)
+    assert costs.graph_hash == graph.structure_hash()
+    code, out, _ = run(capsys, "estimate", "--model", "digits_cnn", "--cluster", "a100x8+t4x8",
+                       "--json", "--batch", "16")
+    assert json.loads(out)["schema_name"] == "CostTable"
+
+
+BAD_INPUTS = [
+    (["graph", "--model", "resnet5"], "known:"),
+    (["estimate", "--model", "digits_cnn", "--cluster", "v100x4+x9x4"], "device"),
+    (["estimate", "--model", "digits_cnn", "--cluster", "v100x4+zz9x4"], "unknown device 'zz9'"),
+    (["estimate", "--model", "digits_cnn", "--cluster", "nonsense"], "DEVICExCOUNT"),
+    (["graph", "--model", "digits_cnn", "--batch", "0"], "--batch"),
+    (["graph", "--model", "digits_cnn", "--batch", "many"], "--batch"),
+    (["schema", "Nope"], "unknown schema"),
+    (["estimate", "--model", "digits_cnn", "--cluster", "missing.toml"], "not found"),
+    (["graph"], "--model"),
+    (["frobnicate"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle) -> None:
+    code, out, err = run_exit(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize(("content", "suffix", "needle"), [
+    ("[[groups]]\nname = 't4'\ndevice = 't4'\ncount = 2\ninter_node_bandwidth_gb_per_s = ",
+     ".toml", "not valid TOML"),
+    ('inter_node_bandwidth_gb_per_s = -3.0\n[[groups]]\nname = "t4"\ndevice = "t4"\ncount = 2\n',
+     ".toml", "inter_node_bandwidth_gb_per_s"),
+    ('{"groups": [{"name": "a", "device": "t4", "count": 2, "speed": 1}]}', ".json",
+     "groups.0.speed"),
+    ('{"groups": [{"name": "a", "device": "q9", "count": 2}]}', ".json", "groups.0.device"),
+    ('{"groups": []}', ".json", "groups"),
+])
+def test_bad_cluster_files(capsys, tmp_path, content, suffix, needle) -> None:
+    f = tmp_path / f"cluster{suffix}"
+    f.write_text(content)
+    out_file = tmp_path / "costs.json"
+    out_file.write_text("previous contents")
+    code, _, err = run_exit(capsys, "estimate", "--model", "digits_cnn", "--cluster", str(f),
+                            "--out", str(out_file))
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert out_file.read_text() == "previous contents"  # nothing written is lost
+
+
+def test_user_model_from_the_cli(capsys, tmp_path) -> None:
+    f = tmp_path / "mine.py"
+    f.write_text("import torch\nfrom torch import nn\n"
+                 "def build():\n    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), "
+                 "nn.Linear(8, 2)), (torch.randn(5, 4),)\n")
+    code, out, _ = run(capsys, "graph", "--model", f"{f}:build", "--json")
+    assert code == 0 and json.loads(out)["batch_size"] == 5
+
+
+def test_console_script_exit_code_and_one_line(tmp_path) -> None:
+    exe = shutil.which("qsync-opt", path=str(Path(sys.executable).parent))
+    assert exe, "the qsync-opt console script is installed beside the interpreter"
+    bad = tmp_path / "neg.toml"
+    bad.write_text('inter_node_bandwidth_gb_per_s = -1\n[[groups]]\nname="t4"\ndevice="t4"\ncount=1\n')
+    proc = subprocess.run([exe, "estimate", "--model", "digits_cnn", "--cluster", str(bad)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "inter_node_bandwidth_gb_per_s" in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs(capsys, tmp_path) -> None:
+    code, out, _ = run(capsys, "demo", "--out", str(tmp_path))
+    assert code == 0
+    assert "resnet50" in out and "v100x16+t4x16" in out and "straggler" in out
+    assert load(tmp_path / "graph.json", ModelGraph).workload == "resnet50"
