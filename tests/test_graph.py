@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 import torch
+from qsync_opt.models import get_workload
 from torch import nn
 
 from qsync_opt import ModelGraph, QsyncInputError, TraceError, trace
 from qsync_opt.graph import HEAD_REASON
-from qsync_opt.models import get_workload
 from qsync_opt.precision import Precision
 from qsync_opt.schemas import OpKind, OpRole
 
