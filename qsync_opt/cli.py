@@ -22,9 +22,11 @@ from .costs import estimate, group_summary
 from .devices import CATALOG, get_device
 from .errors import QsyncInputError, describe_validation_error
 from .graph import TIE_MODES, trace
-from .io import atomic_write_text, save, to_json
+from .io import atomic_write_text, load, save, to_json
 from .models import WORKLOADS
-from .schemas import ModelGraph, OpRole, json_schema, schema_names
+from .plan import make_plan
+from .replayer import Replayer, Timeline
+from .schemas import ModelGraph, OpRole, Plan, json_schema, schema_names
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,80 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def uniform_plans(rep: Replayer) -> dict[str, dict[str, dict[str, Any]]]:
+    """The comparison plans: everything at its highest precision; then the groups slower
+    than the fastest one (the weak groups) at their lowest precision."""
+    high = rep.uniform("highest")
+    plans: dict[str, dict[str, dict[str, Any]]] = {"uniform-highest": high}
+    tl = rep.simulate(high, events=False)
+    fastest = min(g.compute_ms for g in tl.groups.values())
+    weak = [n for n, g in tl.groups.items() if g.compute_ms > 1.01 * fastest]
+    if weak:
+        low = rep.uniform("lowest")
+        plans["weak-lowest"] = {n: (low[n] if n in weak else high[n]) for n in high}
+    return plans
+
+
+def replay_rows(name: str, tl: Timeline) -> list[tuple[Any, ...]]:
+    rows = []
+    for g in tl.groups.values():
+        rows.append((name, g.name, g.device, g.batch_per_device, g.compute_ms, g.cast_ms,
+                     g.n_casts, g.exposed_comm_ms, g.straggler_wait_ms, tl.iteration_ms,
+                     f"{g.peak_memory_bytes / GiB:.2f}/{g.capacity_bytes / GiB:.1f}",
+                     "yes" if g.fits else "NO"))
+    return rows
+
+
+REPLAY_HEADER = ["plan", "group", "device", "batch", "compute ms", "casts ms", "casts",
+                 "exposed comm", "waits ms", "iteration ms", "peak/cap GiB", "fits"]
+
+
+def _trace_path(base: str, name: str, several: bool) -> str:
+    if not several:
+        return base
+    stem, dot, ext = base.rpartition(".")
+    return f"{stem}.{name}.{ext}" if dot else f"{base}.{name}"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    graph = _trace_args(args)
+    plan_doc: Plan | None = load(args.plan, Plan) if args.plan else None
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    elif plan_doc is not None:
+        cluster = plan_doc.cluster
+    else:
+        raise QsyncInputError("cluster: --cluster is required without --plan")
+    costs = estimate(graph, cluster)
+    rep = Replayer(graph, cluster, costs, optimizer=args.optimizer,
+                   bucket_cap_bytes=int(args.bucket_mb * 2**20) if args.bucket_mb else None)
+    plans: dict[str, Any] = {"plan": plan_doc} if plan_doc is not None else uniform_plans(rep)
+    timelines = {name: rep.simulate(p) for name, p in plans.items()}
+    if args.trace:
+        for name, tl in timelines.items():
+            atomic_write_text(_trace_path(args.trace, name, len(timelines) > 1),
+                              tl.chrome_trace_json())
+    if args.write_plans:
+        for name, p in plans.items():
+            if not isinstance(p, Plan):
+                save(make_plan(graph, cluster, p, {"solver": name}),
+                     f"{args.write_plans}/{name}.plan.json")
+    if args.json:
+        _emit_json({name: tl.summary() for name, tl in timelines.items()})
+        return 0
+    rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
+    print(_table(rows, REPLAY_HEADER))
+    for name, tl in timelines.items():
+        path = " -> ".join(
+            (f"{s['kind']} {s.get('group', '')}".strip() if s["kind"] != "allreduce"
+             else f"bucket {s['bucket']}") for s in tl.critical_path)
+        print(f"{name}: iteration {tl.iteration_ms:.1f} ms, straggler {tl.straggler}; "
+              f"critical path: {path}")
+    if args.trace:
+        print(f"wrote trace(s) for chrome://tracing or ui.perfetto.dev at {args.trace}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     model, shorthand = "resnet50", "v100x16+t4x16"
     t0 = time.perf_counter()
@@ -208,6 +284,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     v, t = rows["v100"], rows["t4"]
     print(f"\nAt FP32 the T4 group computes {float(t['compute_fp32_ms']) / float(v['compute_fp32_ms']):.1f}x "
           f"slower than the V100 group: it is the straggler the allocator must remove.")
+    rep = Replayer(graph, cluster, costs)
+    timelines = {name: rep.simulate(p) for name, p in uniform_plans(rep).items()}
+    print("\nreplayer: one iteration, casts and bucketed all-reduce overlapped with backward")
+    rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
+    print(_table(rows, REPLAY_HEADER))
+    high, low = timelines["uniform-highest"], timelines.get("weak-lowest")
+    if low is not None:
+        t_hi, t_lo = high.groups["t4"], low.groups["t4"]
+        print(f"Uniform lowest precision on the T4s cuts their compute from {t_hi.compute_ms:.0f} "
+              f"to {t_lo.compute_ms:.0f} ms ({t_lo.n_casts} casts, {t_lo.cast_ms:.0f} ms of them) "
+              f"against the V100s' {high.groups['v100'].compute_ms:.0f} ms: the iteration goes "
+              f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms, "
+              f"{'and the T4s still set the pace' if low.straggler == 't4' else 'and the straggler is gone'}"
+              f" in these estimates.")
     if args.out:
         save(graph, f"{args.out}/graph.json")
         save(costs, f"{args.out}/costs.json")
@@ -256,6 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cluster", required=True, help=f"cluster file (.toml/.json) or {SHORTHAND_HELP}")
     sp.add_argument("--out", help="write the CostTable JSON here")
     sp.set_defaults(fn=cmd_estimate)
+    sp = add("replay", "simulate one iteration of a plan (default: the uniform plans)")
+    model_args(sp)
+    sp.add_argument("--cluster", help=f"cluster file or {SHORTHAND_HELP} (default: the plan's)")
+    sp.add_argument("--plan", help="Plan JSON to replay")
+    sp.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    sp.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket cap in MiB")
+    sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
+    sp.set_defaults(fn=cmd_replay)
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
     sp.add_argument("--out", help="also write graph, costs and cluster JSON into this folder")
     sp.set_defaults(fn=cmd_demo)

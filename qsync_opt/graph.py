@@ -591,7 +591,8 @@ def _build_graph(
         for src, t in op.inputs:
             if src in index and index[src] < index[op.name]:
                 edges.setdefault((src, op.name), Edge(
-                    src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t)))
+                    src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t),
+                    dtype=str(t.dtype).removeprefix("torch.")))
 
     # Depth: longest path from the input, counting ops that compute (GEMMs and pinned ops).
     preds: dict[str, list[str]] = {n: [] for n in names}

@@ -314,6 +314,12 @@ class Edge(Schema):
     shape: list[int]
     numel: int = Field(ge=0)
     bytes: int = Field(ge=0, description="Bytes at the traced dtype.")
+    dtype: str = Field("float32", description="torch dtype of the tensor as traced, e.g. "
+                       "'float32', 'int64', 'bool'; only floating edges carry casts.")
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in ("float32", "float16", "bfloat16", "float64")
 
 
 class ModelGraph(Document):

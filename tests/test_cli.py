@@ -133,3 +133,35 @@ def test_demo_runs(capsys, tmp_path) -> None:
     assert code == 0
     assert "resnet50" in out and "v100x16+t4x16" in out and "straggler" in out
     assert load(tmp_path / "graph.json", ModelGraph).workload == "resnet50"
+
+
+def test_replay_uniform_plans_trace_and_plan_files(capsys, tmp_path) -> None:
+    trace_file = tmp_path / "t.json"
+    plans = tmp_path / "plans"
+    code, out, _ = run(capsys, "replay", "--model", "digits_cnn", "--cluster", "v100x2+t4x2",
+                       "--trace", str(trace_file), "--write-plans", str(plans))
+    assert code == 0 and "uniform-highest" in out and "critical path" in out
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.startswith("t.uniform-highest") for n in written)
+    trace_doc = json.loads((tmp_path / "t.uniform-highest.json").read_text())
+    assert trace_doc["traceEvents"]
+    plan_file = plans / "uniform-highest.plan.json"
+    code, out, _ = run(capsys, "replay", "--model", "digits_cnn", "--plan", str(plan_file),
+                       "--json")
+    summary = json.loads(out)["plan"]
+    assert set(summary["groups"]) == {"v100", "t4"} and summary["iteration_ms"] > 0
+
+
+def test_replay_refuses_a_plan_precision_the_card_lacks(capsys, tmp_path) -> None:
+    from qsync_opt import load_cluster, save, trace
+    from qsync_opt.plan import make_plan
+
+    graph = trace("digits_cnn")
+    cluster = load_cluster("v100x2+t4x2")
+    plan = make_plan(graph, cluster, {"v100": {"conv2": "int8"}})
+    f = save(plan, tmp_path / "p.json")
+    code, _, err = run_exit(capsys, "replay", "--model", "digits_cnn", "--plan", str(f))
+    assert code == 2 and err.count("\n") == 1
+    assert "group v100" in err and "conv2" in err and "allowed: fp32, fp16" in err
+    code, _, err = run_exit(capsys, "replay", "--model", "resnet18", "--plan", str(f))
+    assert code == 2 and "not" in err and "digits_cnn" in err
