@@ -20,6 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 test: setup
+	$(BIN)/ruff check qsync_opt solvers models cuda tests benchmarks
 	$(BIN)/python -m pytest
 
 test-fast: setup
