@@ -1,0 +1,535 @@
+"""Low-precision operators: the ``qsync`` torch.library namespace.
+
+Everything that computes in low precision (the indicator's checks, the training runtime,
+the profiler) calls these ops, defined here once each with its schema, a fake (meta) kernel
+and, where it has a gradient, autograd:
+
+==========================  ===============================================================
+``qsync::quantize_int8``    symmetric int8, per tensor or per channel, stochastic rounding
+                            (seeded, counter-based, unbiased) or round-to-nearest-even
+``qsync::dequantize_int8``  int8 and scales back to a float dtype
+``qsync::rescale_int32``    fused rescale + bias + cast of an int32 GEMM result
+``qsync::int8_linear``      int8 x int8 -> int32 GEMM (``torch._int_mm``), fused rescale and
+                            bias; backward in 16 bit, or int8 GEMMs with ``int8_backward``
+``qsync::int8_conv2d``      the same for conv2d through an im2col integer GEMM
+``qsync::fake_quant_int8``  quantize-dequantize with a straight-through gradient
+``qsync::fake_quant_float`` round to fp16 / bf16 / fp8 (e4m3, e5m2; scaled by the abs-max)
+                            and back, straight-through gradient
+==========================  ===============================================================
+
+Implementations per device: the C++ CPU kernels (``torch.ops.qsync_cpu``, compiled on first
+use, see ``_build``), the CUDA kernels of ``qsync_opt.cuda`` (C ABI, ctypes), and the Python
+references of :mod:`qsync_opt.ops.reference`, which are both the fallback and the oracle the
+tests hold the compiled kernels to, bit for bit. :func:`available` says which are active.
+
+On this CPU the 16-bit backward of int8 ops runs in bf16 by default (fp16 GEMMs have no fast
+kernel here), on CUDA in fp16 (the T4 has no bf16); ``bwd_dtype`` overrides it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import reference as ref
+from ._build import load_cpu
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",
+    "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "default_bwd_dtype",
+]
+
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+_FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16,
+                  "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+@lru_cache(maxsize=1)
+def _cuda() -> Any:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from ..cuda.kernels import load
+
+        return load()
+    except Exception as exc:  # a missing or broken build: the references serve
+        log.warning("qsync CUDA kernels unavailable (%s); using the Python references", exc)
+        return None
+
+
+def _use_cpp(t: Tensor) -> bool:
+    return t.device.type == "cpu" and load_cpu()[0]
+
+
+def available() -> dict[str, str]:
+    """Which implementation serves each device, and why where it is a fallback."""
+    cpp, why = load_cpu()
+    out = {"cpu": f"C++ kernels ({why})" if cpp else f"Python references ({why})"}
+    if not torch.cuda.is_available():
+        out["cuda"] = "no CUDA device in this torch"
+    else:
+        kernels = _cuda()
+        if kernels is not None:
+            out["cuda"] = "CUDA kernels (qsync_opt.cuda, ctypes)"
+        else:
+            try:
+                from ..cuda.kernels import load_error
+
+                reason = load_error() or "not loaded"
+            except Exception as exc:
+                reason = str(exc)
+            out["cuda"] = f"Python references ({reason})"
+    out["int_mm"] = "torch._int_mm (int8 x int8 -> int32)"
+    return out
+
+
+def default_bwd_dtype(device: torch.device) -> torch.dtype:
+    """16-bit dtype of int8 ops' backward: bf16 on this CPU, fp16 on CUDA."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def _check_float(name: str, t: Tensor) -> None:
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}: expected float32, float16 or bfloat16, got {t.dtype}")
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def _quantize_impl(x: Tensor, axis: int | None, stochastic: bool, seed: int
+                   ) -> tuple[Tensor, Tensor]:
+    _check_float("x", x)
+    moved = x if axis is None else x.movedim(axis, 0)
+    moved = moved.contiguous()
+    amax = ref.channel_amax(moved, per_channel=axis is not None)
+    inv = 127.0 / amax
+    scale = amax / 127.0
+    if _use_cpp(moved):
+        q = torch.ops.qsync_cpu.quantize_int8(moved, inv, stochastic, seed)
+    elif moved.is_cuda and _cuda() is not None:
+        q = _cuda().quantize_int8(moved, inv, moved.numel() // inv.numel(), stochastic, seed)
+    else:
+        q = ref.quantize_int8(moved, inv, stochastic, seed)
+    if axis is not None:
+        q = q.movedim(0, axis).contiguous()
+        return q, scale
+    return q, scale.reshape(())
+
+
+@torch.library.custom_op("qsync::quantize_int8", mutates_args=())
+def _quantize_op(x: Tensor, axis: int | None, stochastic: bool, seed: int
+                 ) -> tuple[Tensor, Tensor]:
+    return _quantize_impl(x, axis, stochastic, seed)
+
+
+@_quantize_op.register_fake
+def _(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> tuple[Tensor, Tensor]:
+    q = torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format)
+    scale = x.new_empty((x.shape[axis],) if axis is not None else (), dtype=torch.float32)
+    return q, scale
+
+
+def quantize_int8(x: Tensor, axis: int | None = None, stochastic: bool = True,
+                  seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 quantization: per tensor (``axis=None``) or per channel along ``axis``.
+
+    Returns ``(q, scale)`` with ``x ~ q * scale`` (scale broadcast along ``axis``).
+    Stochastic rounding draws ``u(i, seed)`` from a counter-based hash of the element index
+    ``i`` in the layout with ``axis`` moved first; the same seed gives the same bits on
+    every implementation.
+    """
+    return torch.ops.qsync.quantize_int8(x, axis, stochastic, int(seed))
+
+
+def _dequantize_impl(q: Tensor, scale: Tensor, axis: int | None, dtype: torch.dtype) -> Tensor:
+    moved = (q if axis is None else q.movedim(axis, 0)).contiguous()
+    s = scale.to(torch.float32).reshape(-1).contiguous()
+    if _use_cpp(moved):
+        out = torch.ops.qsync_cpu.dequantize_int8(moved, s, dtype)
+    elif moved.is_cuda and _cuda() is not None:
+        out = _cuda().dequantize_int8(moved, s, moved.numel() // s.numel(), dtype)
+    else:
+        out = ref.dequantize_int8(moved, s, dtype)
+    return out if axis is None else out.movedim(0, axis).contiguous()
+
+
+@torch.library.custom_op("qsync::dequantize_int8", mutates_args=())
+def _dequantize_op(q: Tensor, scale: Tensor, axis: int | None, dtype: torch.dtype) -> Tensor:
+    return _dequantize_impl(q, scale, axis, dtype)
+
+
+@_dequantize_op.register_fake
+def _(q: Tensor, scale: Tensor, axis: int | None, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, axis: int | None = None,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """``q * scale`` (per channel along ``axis``) in ``dtype``."""
+    return torch.ops.qsync.dequantize_int8(q, scale, axis, dtype)
+
+
+@torch.library.custom_op("qsync::rescale_int32", mutates_args=())
+def _rescale_op(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
+                dtype: torch.dtype) -> Tensor:
+    if _use_cpp(acc):
+        return torch.ops.qsync_cpu.rescale_int32(acc, sx, sw, bias, dtype)
+    if acc.is_cuda and _cuda() is not None:
+        return _cuda().rescale_int32(acc.contiguous(), float(sx), sw.float().contiguous(),
+                                     None if bias is None else bias.float().contiguous(), dtype)
+    return ref.rescale_int32(acc, sx, sw, bias, dtype)
+
+
+@_rescale_op.register_fake
+def _(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    return acc.new_empty(acc.shape, dtype=dtype)
+
+
+def rescale_int32(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """``acc * (sx * sw) + bias`` in ``dtype`` for an int32 GEMM result ``acc`` [M, N]."""
+    return torch.ops.qsync.rescale_int32(acc, sx, sw, bias, dtype)
+
+
+# ----------------------------------------------------------------------------- integer GEMM
+
+
+def int_mm(a: Tensor, b: Tensor) -> Tensor:
+    """int8 [M, K] @ int8 [K, N] -> int32 with ``torch._int_mm``.
+
+    cuBLASLt wants M > 16 and K, N multiples of 8: on CUDA the operands are zero-padded to
+    that and the result cropped (zeros add nothing to an integer sum).
+    """
+    if a.is_cuda:
+        m, k = a.shape
+        n = b.shape[1]
+        pm, pk, pn = max(17, m), -(-k // 8) * 8, -(-n // 8) * 8
+        if (pm, pk, pn) != (m, k, n):
+            a = F.pad(a, (0, pk - k, 0, pm - m))
+            b = F.pad(b, (0, pn - n, 0, pk - k))
+            return torch._int_mm(a.contiguous(), b.contiguous())[:m, :n]
+        return torch._int_mm(a.contiguous(), b)
+    return torch._int_mm(a.contiguous(), b)
+
+
+def _seeds(seed: int) -> tuple[int, int, int, int]:
+    """Distinct stochastic-rounding streams: input, weight, output gradient, weight again."""
+    s = int(seed)
+    return s, s + 0x9E37, s + 2 * 0x9E37, s + 3 * 0x9E37
+
+
+# ----------------------------------------------------------------------------- int8 linear
+
+
+@torch.library.custom_op("qsync::int8_linear", mutates_args=())
+def _int8_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool,
+                    stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_float("x", x)
+    k = x.shape[-1]
+    x_seed, w_seed, _, _ = _seeds(seed)
+    qx, sx = _quantize_impl(x.reshape(-1, k), None, stochastic, x_seed)
+    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed)
+    acc = int_mm(qx, qw.t())
+    out = _rescale_op(acc, sx, sw, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0]), qx, sx, qw, sw
+
+
+@_int8_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool, stochastic: bool,
+      seed: int, bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    m = 1
+    for s in x.shape[:-1]:
+        m *= s
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return (out, x.new_empty((m, x.shape[-1]), dtype=torch.int8),
+            x.new_empty((), dtype=torch.float32),
+            weight.new_empty(weight.shape, dtype=torch.int8),
+            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("qsync::int8_linear_backward", mutates_args=())
+def _int8_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor,
+                             int8_backward: bool, stochastic: bool, seed: int,
+                             bwd_dtype: torch.dtype, x_dtype: torch.dtype,
+                             w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    n = qw.shape[0]
+    go = grad.reshape(-1, n)
+    _, _, g_seed, w2_seed = _seeds(seed)
+    if int8_backward:
+        qgo, sgo = _quantize_impl(go, None, stochastic, g_seed)
+        # grad_x = go @ W needs W's scale on its output (K) axis: requantize W per input
+        # column. grad_w = go^T @ x has per-tensor scales on both sides.
+        w_deq = _dequantize_impl(qw, sw, 0, torch.float32)
+        qwc, swc = _quantize_impl(w_deq, 1, stochastic, w2_seed)
+        grad_x = _rescale_op(int_mm(qgo, qwc), sgo, swc, None, x_dtype)
+        ones = torch.ones(qx.shape[1], dtype=torch.float32, device=qx.device)
+        grad_w = _rescale_op(int_mm(qgo.t(), qx), sgo * sx, ones, None, w_dtype)
+    else:
+        g16 = go.to(bwd_dtype)
+        w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
+        x16 = _dequantize_impl(qx, sx, None, bwd_dtype)
+        grad_x = (g16 @ w16).to(x_dtype)
+        grad_w = (g16.t() @ x16).to(w_dtype)
+    return grad_x, grad_w
+
+
+@_int8_linear_backward_op.register_fake
+def _(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, int8_backward: bool,
+      stochastic: bool, seed: int, bwd_dtype: torch.dtype, x_dtype: torch.dtype,
+      w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (grad.new_empty(qx.shape, dtype=x_dtype), grad.new_empty(qw.shape, dtype=w_dtype))
+
+
+def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, weight, bias, int8_backward, stochastic, seed, bwd_dtype = inputs
+    _, qx, sx, qw, sw = output
+    ctx.save_for_backward(qx, sx, qw, sw)
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+    ctx.has_bias = bias is not None
+    ctx.args = (int8_backward, stochastic, seed, bwd_dtype)
+
+
+def _linear_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
+    qx, sx, qw, sw = ctx.saved_tensors
+    int8_backward, stochastic, seed, bwd_dtype = ctx.args
+    grad_x, grad_w = torch.ops.qsync.int8_linear_backward(
+        grad.contiguous(), qx, sx, qw, sw, int8_backward, stochastic, seed, bwd_dtype,
+        ctx.x_dtype, ctx.w_dtype)
+    grad_b = grad.reshape(-1, qw.shape[0]).sum(0).to(torch.float32) if ctx.has_bias else None
+    return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None, None, None, None
+
+
+_int8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                int8_backward: bool = False, stochastic: bool = True, seed: int = 0,
+                bwd_dtype: torch.dtype | None = None) -> Tensor:
+    """``x @ weight.T + bias`` with an int8 x int8 -> int32 GEMM.
+
+    ``x`` is quantized per tensor, ``weight`` per output channel, both by stochastic
+    rounding (``stochastic=False``: round to nearest); the int32 result is rescaled, biased
+    and cast to ``x.dtype`` in one fused kernel. Backward: 16-bit GEMMs on the saved int8
+    operands (``bwd_dtype``, default bf16 on the CPU and fp16 on CUDA), or int8 GEMMs with
+    ``int8_backward=True`` (the ``int8_full`` precision). Gradients come back in the dtypes
+    of ``x`` and ``weight`` (FP32 master weights get FP32 gradients).
+    """
+    dtype = bwd_dtype or default_bwd_dtype(x.device)
+    return torch.ops.qsync.int8_linear(x, weight, bias, int8_backward, stochastic, int(seed),
+                                       dtype)[0]
+
+
+# ----------------------------------------------------------------------------- int8 conv2d
+
+
+def _im2col_int8(q: Tensor, kernel: Sequence[int], stride: Sequence[int],
+                 padding: Sequence[int], dilation: Sequence[int]) -> tuple[Tensor, int, int]:
+    """int8 [B, C, H, W] -> int8 columns [B*L, C*kh*kw] (values exact through float32)."""
+    b, c, h, w = q.shape
+    kh, kw = kernel
+    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if (kh, kw) == (1, 1) and tuple(stride) == (1, 1) and tuple(padding) == (0, 0):
+        cols = q.permute(0, 2, 3, 1).reshape(b * h * w, c)
+        return cols.contiguous(), ho, wo
+    cols = F.unfold(q.to(torch.float32), (kh, kw), dilation=dilation, padding=padding,
+                    stride=stride)  # [B, C*kh*kw, L]
+    return cols.transpose(1, 2).reshape(b * ho * wo, c * kh * kw).to(torch.int8), ho, wo
+
+
+@torch.library.custom_op("qsync::int8_conv2d", mutates_args=())
+def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
+                    padding: list[int], dilation: list[int], groups: int,
+                    int8_backward: bool, stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_float("x", x)
+    x_seed, w_seed, _, _ = _seeds(seed)
+    qx, sx = _quantize_impl(x, None, stochastic, x_seed)
+    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed)
+    b = x.shape[0]
+    cout = weight.shape[0]
+    cin_g, cout_g = x.shape[1] // groups, cout // groups
+    outs = []
+    for g in range(groups):
+        cols, ho, wo = _im2col_int8(qx[:, g * cin_g:(g + 1) * cin_g], weight.shape[2:],
+                                    stride, padding, dilation)
+        wg = qw[g * cout_g:(g + 1) * cout_g].reshape(cout_g, -1)
+        bias_g = None if bias is None else bias[g * cout_g:(g + 1) * cout_g]
+        outs.append(_rescale_op(int_mm(cols, wg.t()), sx, sw[g * cout_g:(g + 1) * cout_g],
+                                bias_g, x.dtype))
+    out = torch.cat(outs, dim=1) if groups > 1 else outs[0]
+    out = out.reshape(b, ho, wo, cout).permute(0, 3, 1, 2).contiguous()
+    return out, qx, sx, qw, sw
+
+
+@_int8_conv2d_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+      dilation: list[int], groups: int, int8_backward: bool, stochastic: bool, seed: int,
+      bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b, _, h, w = x.shape
+    kh, kw = weight.shape[2:]
+    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return (x.new_empty((b, weight.shape[0], ho, wo)),
+            torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format),
+            x.new_empty((), dtype=torch.float32),
+            torch.empty_like(weight, dtype=torch.int8, memory_format=torch.contiguous_format),
+            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("qsync::int8_conv2d_backward", mutates_args=())
+def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor,
+                             stride: list[int], padding: list[int], dilation: list[int],
+                             groups: int, int8_backward: bool, stochastic: bool, seed: int,
+                             bwd_dtype: torch.dtype, x_dtype: torch.dtype,
+                             w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    if not int8_backward:
+        g16 = grad.to(bwd_dtype)
+        w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
+        x16 = _dequantize_impl(qx, sx, None, bwd_dtype)
+        grad_x = torch.nn.grad.conv2d_input(list(qx.shape), w16, g16, stride, padding,
+                                            dilation, groups)
+        grad_w = torch.nn.grad.conv2d_weight(x16, list(qw.shape), g16, stride, padding,
+                                             dilation, groups)
+        return grad_x.to(x_dtype), grad_w.to(w_dtype)
+    _, _, g_seed, w2_seed = _seeds(seed)
+    b, cin, h, w = qx.shape
+    cout, cin_g, kh, kw = qw.shape
+    cout_g = cout // groups
+    qgo, sgo = _quantize_impl(grad.contiguous(), None, stochastic, g_seed)
+    go_mat = qgo.permute(0, 2, 3, 1).reshape(-1, cout)  # [B*L, Cout]
+    w_deq = _dequantize_impl(qw, sw, 0, torch.float32).reshape(cout, -1)
+    grad_ws, grad_cols = [], []
+    for g in range(groups):
+        cols, ho, wo = _im2col_int8(qx[:, g * cin_g:(g + 1) * cin_g], (kh, kw), stride, padding,
+                                    dilation)
+        go_g = go_mat[:, g * cout_g:(g + 1) * cout_g].contiguous()
+        ones = torch.ones(cols.shape[1], dtype=torch.float32, device=qx.device)
+        grad_ws.append(_rescale_op(int_mm(go_g.t(), cols), sgo * sx, ones, None, w_dtype))
+        qwc, swc = _quantize_impl(w_deq[g * cout_g:(g + 1) * cout_g].contiguous(), 1,
+                                  stochastic, w2_seed + g)
+        gc = _rescale_op(int_mm(go_g, qwc), sgo, swc, None, torch.float32)  # [B*L, cin_g*k]
+        gc = gc.reshape(b, ho * wo, -1).transpose(1, 2)
+        grad_cols.append(F.fold(gc, (h, w), (kh, kw), dilation=dilation, padding=padding,
+                                stride=stride))
+    grad_w = torch.cat(grad_ws, 0).reshape(qw.shape)
+    grad_x = torch.cat(grad_cols, 1) if groups > 1 else grad_cols[0]
+    return grad_x.to(x_dtype), grad_w
+
+
+@_int8_conv2d_backward_op.register_fake
+def _(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, stride: list[int],
+      padding: list[int], dilation: list[int], groups: int, int8_backward: bool,
+      stochastic: bool, seed: int, bwd_dtype: torch.dtype, x_dtype: torch.dtype,
+      w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (grad.new_empty(qx.shape, dtype=x_dtype), grad.new_empty(qw.shape, dtype=w_dtype))
+
+
+def _conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    (x, weight, bias, stride, padding, dilation, groups, int8_backward, stochastic, seed,
+     bwd_dtype) = inputs
+    _, qx, sx, qw, sw = output
+    ctx.save_for_backward(qx, sx, qw, sw)
+    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+    ctx.args = (stride, padding, dilation, groups, int8_backward, stochastic, seed, bwd_dtype)
+
+
+def _conv_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
+    qx, sx, qw, sw = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.qsync.int8_conv2d_backward(
+        grad.contiguous(), qx, sx, qw, sw, *ctx.args, ctx.x_dtype, ctx.w_dtype)
+    grad_b = grad.sum((0, 2, 3)).to(torch.float32) if ctx.has_bias else None
+    return (grad_x, grad_w, grad_b) + (None,) * 8
+
+
+_int8_conv2d_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+def _pair(v: int | Sequence[int]) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
+
+
+def int8_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+                dilation: int | Sequence[int] = 1, groups: int = 1, *,
+                int8_backward: bool = False, stochastic: bool = True, seed: int = 0,
+                bwd_dtype: torch.dtype | None = None) -> Tensor:
+    """conv2d with int8 operands and an im2col int8 x int8 -> int32 GEMM (1x1 convs skip
+    the im2col); scales and backward as :func:`int8_linear`."""
+    dtype = bwd_dtype or default_bwd_dtype(x.device)
+    return torch.ops.qsync.int8_conv2d(x, weight, bias, _pair(stride), _pair(padding),
+                                       _pair(dilation), int(groups), int8_backward,
+                                       stochastic, int(seed), dtype)[0]
+
+
+# ----------------------------------------------------------------------------- fake quant
+
+
+@torch.library.custom_op("qsync::fake_quant_int8", mutates_args=())
+def _fake_int8_op(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> Tensor:
+    q, scale = _quantize_impl(x, axis, stochastic, seed)
+    return _dequantize_impl(q, scale, axis, x.dtype)
+
+
+@_fake_int8_op.register_fake
+def _(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _straight_through(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    return (grad,) + (None,) * ctx.n_extra
+
+
+def _st_setup(n_extra: int) -> Any:
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.n_extra = n_extra
+    return setup
+
+
+_fake_int8_op.register_autograd(_straight_through, setup_context=_st_setup(3))
+
+
+def fake_quant_int8(x: Tensor, axis: int | None = None, stochastic: bool = True,
+                    seed: int = 0) -> Tensor:
+    """Quantize to int8 and back (the noise of int8, in ``x.dtype``); gradient passes through."""
+    return torch.ops.qsync.fake_quant_int8(x, axis, stochastic, int(seed))
+
+
+@torch.library.custom_op("qsync::fake_quant_float", mutates_args=())
+def _fake_float_op(x: Tensor, fmt: str) -> Tensor:
+    if fmt not in _FLOAT_FORMATS:
+        raise ValueError(f"fmt: expected one of {', '.join(_FLOAT_FORMATS)}, got {fmt!r}")
+    target = _FLOAT_FORMATS[fmt]
+    if fmt in FP8_MAX:
+        # Per-tensor scaling to the format's largest finite value, as FP8 training recipes do.
+        amax = ref.channel_amax(x, per_channel=False).reshape(())
+        scale = FP8_MAX[fmt] / amax
+        y = (x.to(torch.float32) * scale).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(target)
+        return (y.to(torch.float32) / scale).to(x.dtype)
+    return x.to(target).to(x.dtype)
+
+
+@_fake_float_op.register_fake
+def _(x: Tensor, fmt: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+_fake_float_op.register_autograd(_straight_through, setup_context=_st_setup(1))
+
+
+def fake_quant_float(x: Tensor, fmt: str) -> Tensor:
+    """Round ``x`` to ``fmt`` (fp16, bf16, fp8_e4m3, fp8_e5m2) and back; gradient passes
+    through. FP8 is scaled per tensor so the abs-max lands on the format's largest value."""
+    return torch.ops.qsync.fake_quant_float(x, fmt)
