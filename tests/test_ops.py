@@ -291,3 +291,21 @@ def test_per_channel_scales_and_axis() -> None:
     assert torch.allclose(back, w, atol=float(s1.max()) / 2 + 1e-7)
     with pytest.raises(ValueError, match="x: expected float32"):
         ops.quantize_int8(torch.arange(4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ops_equal_the_cpu_references() -> None:
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 96, generator=gen)
+    w = torch.randn(48, 96, generator=gen)
+    for stochastic in (True, False):
+        q_gpu, s_gpu = ops.quantize_int8(x.cuda(), axis=None, stochastic=stochastic, seed=3)
+        q_cpu, s_cpu = ops.quantize_int8(x, axis=None, stochastic=stochastic, seed=3)
+        assert torch.equal(q_gpu.cpu(), q_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+    xi = _unit_scale_ints((40, 96), gen)
+    wi = _unit_scale_ints((48, 96), gen, per_row=True)
+    out = ops.int8_linear(xi.cuda(), wi.cuda())
+    assert torch.equal(out.cpu().to(torch.int64),
+                       ref.int_mm_reference(xi.to(torch.int8), wi.to(torch.int8).t()))
+    y = ops.int8_linear(x.cuda().requires_grad_(), w.cuda().requires_grad_())
+    y.sum().backward()
