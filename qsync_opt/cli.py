@@ -268,6 +268,40 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_indicate(args: argparse.Namespace) -> int:
+    from .indicator import indicate, rank_table
+    from .precision import Precision
+
+    t0 = time.perf_counter()
+    table = indicate(args.model, args.batches, args.method, batch=args.batch, seed=args.seed,
+                     gamma=args.gamma, cache=not args.no_cache,
+                     progress=sys.stderr.isatty() and not args.json)
+    secs = time.perf_counter() - t0
+    if args.out:
+        save(table, args.out)
+    if args.json:
+        sys.stdout.write(to_json(table))
+        return 0
+    ranked = rank_table(table, Precision.int8)
+    k = min(args.top, len(ranked))
+    cols = [p for p in (Precision.int8, Precision.int8_full, Precision.fp8, Precision.bf16,
+                        Precision.fp16) if any(p in r for r in table.values.values())]
+
+    def rows(items: list[tuple[str, float]]) -> list[tuple[Any, ...]]:
+        return [(op, *(table.values[op].get(p, "-") for p in cols)) for op, _ in items]
+
+    print(f"indicator {table.method} of {table.workload}: {len(ranked)} choosable ops, "
+          f"{table.batches} batch(es) of {table.batch_size}, {table.data} data, {secs:.1f} s")
+    header = ["op", *(p.value for p in cols)]
+    print(f"\nmost sensitive (by int8):\n{_table(rows(ranked[:k]), header)}")
+    print(f"\nleast sensitive:\n{_table(rows(ranked[-k:][::-1]), header)}")
+    for note in table.notes:
+        print(f"  {note}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     model, shorthand = "resnet50", "v100x16+t4x16"
     t0 = time.perf_counter()
@@ -355,6 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket cap in MiB")
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
     sp.set_defaults(fn=cmd_replay)
+    sp = add("indicate", "measure each op's sensitivity to each precision")
+    sp.add_argument("--model", required=True, help="workload name (qsync-opt models)")
+    sp.add_argument("--method", default="qsync",
+                    choices=["qsync", "wvar", "hessian", "fisher", "random"])
+    sp.add_argument("--batches", type=int, default=10, help="batches to average over")
+    sp.add_argument("--batch", type=int, default=None, help="batch size (default: workload's)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--gamma", type=float, default=4.0, help="forward weight (qsync)")
+    sp.add_argument("--top", type=int, default=5, help="rows in each table")
+    sp.add_argument("--no-cache", action="store_true", help="recompute even if cached")
+    sp.add_argument("--out", help="write the IndicatorTable JSON here")
+    sp.set_defaults(fn=cmd_indicate)
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
     sp.add_argument("--out", help="also write graph, costs and cluster JSON into this folder")
     sp.set_defaults(fn=cmd_demo)
@@ -366,9 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command in ("graph", "estimate") and getattr(args, "batch", None) is not None \
-            and args.batch < 1:
+    if getattr(args, "batch", None) is not None and args.batch < 1:
         parser.error(f"argument --batch: expected a positive integer, got {args.batch}")
+    if getattr(args, "batches", None) is not None and args.batches < 1:
+        parser.error(f"argument --batches: expected a positive integer, got {args.batches}")
     try:
         return int(args.fn(args))
     except QsyncInputError as exc:

@@ -520,8 +520,14 @@ class IndicatorTable(Document):
     batches: int = Field(ge=1, description="Number of batches averaged.")
     seed: int
     gamma: float | None = Field(None, description="Forward weight of the qsync indicator.")
-    data: str = Field(description="'real' or 'synthetic' inputs.")
+    data: str = Field(description="'real', 'synthetic' or 'given' inputs.")
     values: dict[str, dict[Precision, float]]
+    stochastic: bool = Field(True, description="int8 rounding assumed: stochastic or nearest.")
+    monotone_fixes: int = Field(0, ge=0, description="Values raised to keep each family "
+                                "monotone (a lower precision never scores below a higher).")
+    terms: dict[str, dict[Precision, list[float]]] | None = Field(
+        None, description="qsync method: [Var_fwd, Var_bwd] per op and precision (relative).")
+    notes: list[str] = Field(default_factory=list)
 
     @field_validator("values")
     @classmethod

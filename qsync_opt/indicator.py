@@ -1,0 +1,627 @@
+"""Indicators: each choosable op's degradation Omega[op][precision], measured from real batches.
+
+The ``qsync`` method (QSync's bi-directional indicator, PAPERS.md) in qsync-opt's form.
+
+**Error model.** Every choosable op computes a bilinear form ``Y = f(A, B)``: ``F.linear(A,
+W)``, ``F.conv2d(A, W)`` or ``A @ B`` (attention). Running it at a lower precision replaces
+A, B and, in backward, the output gradient G by ``A + dA`` etc. with independent zero-mean
+errors of per-element variance ``v``:
+
+* int8 with stochastic rounding on a grid of step ``s`` (per tensor for activations and
+  gradients, per output channel for weights): an element at fraction ``r = frac(x/s)`` of a
+  step rounds up with probability ``r``, so its error has variance ``s^2 r (1 - r)`` --
+  exactly, per element (averaged over uniform fractions that is the familiar ``s^2/6``; an
+  element on the grid, such as a ReLU zero, has none). Round-to-nearest: ``(round(x/s)-x/s)^2
+  s^2``.
+* floating formats (tf32/fp16 with 10 mantissa bits, bf16 with 7, fp8 e4m3 with 3 and e5m2
+  with 2, fp8 scaled per tensor to its largest finite value): round-to-nearest-even leaves
+  an error uniform within half a unit in the last place, ``ulp(x)^2 / 12`` with ``ulp(x) =
+  2^(max(floor(log2|x|), e_min) - mantissa_bits)``, so fp16's subnormals (below 2^-14) are
+  modelled. fp16 gradients are modelled under dynamic loss scaling (largest gradient at
+  2^14), as fp16 training runs them; unscaled, attention-score gradients underflow.
+
+For a bilinear ``f`` and independent errors, each output element is a sum of products of
+distinct element pairs, so the expected squared error is again ``f`` applied to variances and
+squares -- exactly, for linear layers, convolutions and matmuls alike::
+
+    E||f(A+dA, B+dB) - f(A, B)||^2 = sum f(v_A, B^2) + sum f(A^2, v_B) + sum f(v_A, v_B)
+
+and the backward terms follow the same way through the vector-Jacobian products ``g_A(G, B)
+= dL/dA`` and ``g_B(A, G) = dL/dB``, which are bilinear too::
+
+    E||d gA||^2 = sum g_A(v_G, B^2) + sum g_A(G^2, v_B')      (B' = B as used in backward)
+    E||d gB||^2 = sum g_B(v_A', G^2) + sum g_B(A^2, v_G)
+
+The third (second-order) terms are dropped: they are smaller than the others by the product
+of two relative steps (< 1e-4 for int8). For ``Y = X W^T`` with per-tensor steps the forward
+expression reduces to PAPERS.md's ``(M ||W||^2 s_x^2 + N ||X||^2 s_w^2) / 6`` when fractions
+are uniform; the tests hold it against the measured error of the ops library's real int8
+and 16-bit kernels.
+
+**Combining.** ``Var_fwd = E||dY||^2 / ||Y||^2`` and ``Var_bwd = E||d gA||^2 / ||gA||^2 +
+E||d gB||^2 / ||gB||^2`` are relative (QSync's code adds raw magnitudes, which makes forward
+terms of activations and backward terms of gradients incommensurable; relative errors are
+comparable across ops and do not drift with the batch). Then, with the op's depth ``d`` and
+the graph's depth ``L`` (graph.py)::
+
+    Omega = gamma * (L - d) * Var_fwd + d * Var_bwd          (gamma = 4 by default)
+
+forward noise passes through the ``L - d`` ops after the op, gradient noise through the
+``d`` before it. Values are averaged over the batches; because both terms are relative, the
+table holds for other batch sizes too (``scale_to_batch`` says so and changes nothing).
+
+Other methods, for comparison: ``wvar`` (relative weight quantization error E||dW||^2 /
+||W||^2), ``hessian`` (HAWQ: a Hutchinson estimate of the loss Hessian trace per parameter,
+for the weight and for the op's input activation, times the expected squared perturbation),
+``fisher`` (sum over output elements of G^2 times E[dY^2]) and ``random`` (a seeded draw per op
+times a fixed per-format factor: the control). Every table is made monotone within a family
+(fp32 <= tf32 <= fp16 <= bf16 <= fp8; int8 <= int8_full), and the fixes are counted in its
+notes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import QsyncInputError
+from .graph import resolve_workload, trace
+from .io import load, save
+from .models import Workload, compute_loss
+from .models.layers import MatMul
+from .precision import Precision
+from .schemas import IndicatorTable, ModelGraph, OpRole
+
+log = logging.getLogger(__name__)
+
+METHODS = ("qsync", "wvar", "hessian", "fisher", "random")
+#: Ladders within a family, most exact first: Omega must not decrease along them.
+LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Precision.fp8),
+           (Precision.fp32, Precision.int8, Precision.int8_full))
+#: kind -> (mantissa bits, smallest normal exponent, per-tensor scale target or None).
+#: ``fp16g`` is an fp16 gradient under dynamic loss scaling: the scaler keeps the largest
+#: gradient near 2^14, so small gradients do not underflow (as they would unscaled).
+FLOAT_KINDS = {"m10": (10, -14, None), "tf32": (10, -126, None), "fp16g": (10, -14, 2.0**14),
+               "m7": (7, -126, None), "e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """Error kinds of A and B forward, G, and A and B as used in backward."""
+
+    a: str
+    b: str
+    g: str
+    a_bwd: str
+    b_bwd: str
+
+
+SPECS: dict[Precision, _Kinds | None] = {
+    Precision.fp32: None,
+    Precision.tf32: _Kinds("tf32", "tf32", "tf32", "tf32", "tf32"),
+    Precision.fp16: _Kinds("m10", "m10", "fp16g", "m10", "m10"),
+    Precision.bf16: _Kinds("m7", "m7", "m7", "m7", "m7"),
+    Precision.int8: _Kinds("int8", "int8", "fp16g", "int8", "int8"),
+    Precision.int8_full: _Kinds("int8", "int8", "int8", "int8", "int8+col"),
+    Precision.fp8: _Kinds("e4m3", "e4m3", "e5m2", "e4m3", "e4m3"),
+}
+#: Random method: a per-format factor (about the relative variance of one rounding).
+_NOMINAL = {Precision.tf32: 2.0**-22, Precision.fp16: 2.0**-22, Precision.bf16: 2.0**-16,
+            Precision.fp8: 2.0**-8, Precision.int8: (1 / 127) ** 2,
+            Precision.int8_full: 2 * (1 / 127) ** 2}
+
+
+# ----------------------------------------------------------------------------- variances
+
+
+def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
+                     stochastic: bool = True) -> Tensor:
+    """Per-element error variance of representing ``t`` in ``kind`` (see module docstring).
+
+    ``per_channel``: int8 scales per slice along axis 0 (weights); ``int8+col`` adds the
+    re-quantization per input column that int8_full's backward applies to the weight.
+    """
+    x = t.detach().to(torch.float32)
+    if kind in ("int8", "int8+col"):
+        v = _int8_variance(x, 0 if per_channel else None, stochastic)
+        if kind == "int8+col":
+            v = v + _int8_variance(x, 1, stochastic)
+        return v
+    mbits, emin, fmax = FLOAT_KINDS[kind]
+    scale = 1.0
+    if fmax is not None:
+        amax = float(x.abs().max()) if x.numel() else 0.0
+        scale = fmax / amax if amax > 0 else 1.0
+    xs = x.abs() * scale
+    exp = torch.floor(torch.log2(torch.where(xs > 0, xs, torch.ones_like(xs))))
+    exp = torch.clamp(exp, min=float(emin))
+    ulp = torch.exp2(exp - mbits)
+    v = ulp * ulp / 12.0 / (scale * scale)
+    return torch.where(xs > 0, v, torch.zeros_like(v))
+
+
+def _int8_variance(x: Tensor, axis: int | None, stochastic: bool) -> Tensor:
+    if axis is None:
+        amax = x.abs().amax() if x.numel() else x.new_tensor(0.0)
+        shape: Sequence[int] = ()
+    else:
+        dims = [d for d in range(x.dim()) if d != axis]
+        amax = x.abs().amax(dim=dims, keepdim=True)
+        shape = amax.shape
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax)).reshape(shape)
+    s = amax / 127.0
+    y = x / s
+    if stochastic:
+        r = y - torch.floor(y)
+        return s * s * r * (1.0 - r)
+    e = torch.round(y) - y
+    return s * s * e * e
+
+
+# ----------------------------------------------------------------------------- bilinear ops
+
+
+@dataclass
+class _Bilinear:
+    f: Callable[[Tensor, Tensor], Tensor]
+    b_is_weight: bool
+
+    def grad_a(self, a_shape: Sequence[int], b: Tensor, cot: Tensor) -> Tensor:
+        a0 = torch.zeros(a_shape, dtype=cot.dtype, requires_grad=True)
+        with torch.enable_grad():
+            return torch.autograd.grad(self.f(a0, b), a0, cot)[0]
+
+    def grad_b(self, a: Tensor, b_shape: Sequence[int], cot: Tensor) -> Tensor:
+        b0 = torch.zeros(b_shape, dtype=cot.dtype, requires_grad=True)
+        with torch.enable_grad():
+            return torch.autograd.grad(self.f(a, b0), b0, cot)[0]
+
+
+def _bilinear(mod: nn.Module) -> _Bilinear | None:
+    if isinstance(mod, nn.Linear):
+        return _Bilinear(lambda a, b: F.linear(a, b), True)
+    if isinstance(mod, nn.Conv2d):
+        st, pad, dil, grp = mod.stride, mod.padding, mod.dilation, mod.groups
+        return _Bilinear(lambda a, b: F.conv2d(a, b, None, st, pad, dil, grp), True)
+    if isinstance(mod, nn.Conv1d):
+        st1, pad1, dil1, grp1 = mod.stride, mod.padding, mod.dilation, mod.groups
+        return _Bilinear(lambda a, b: F.conv1d(a, b, None, st1, pad1, dil1, grp1), True)
+    if isinstance(mod, MatMul):
+        return _Bilinear(torch.matmul, False)
+    return None
+
+
+@dataclass
+class _Capture:
+    """Operands, output and output gradient of one call of one op in one batch."""
+
+    a: Tensor
+    b: Tensor
+    y: Tensor
+    a_needs_grad: bool
+    g: Tensor | None = None
+
+
+@dataclass
+class _OpStats:
+    """Per-op accumulators over batches: precision -> list of per-batch values."""
+
+    fwd: dict[Precision, list[float]] = field(default_factory=dict)
+    bwd: dict[Precision, list[float]] = field(default_factory=dict)
+    value: dict[Precision, list[float]] = field(default_factory=dict)
+
+
+def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
+                 stochastic: bool) -> dict[Precision, tuple[float, float]]:
+    """(Var_fwd, Var_bwd) per precision for one captured call."""
+    a, b, y, g = cap.a, cap.b, cap.y, cap.g
+    assert g is not None
+    memo: dict[tuple[str, str], float] = {}
+    var_cache: dict[tuple[str, str], Tensor] = {}
+
+    def var(which: str, kind: str) -> Tensor:
+        key = (which, kind)
+        if key not in var_cache:
+            t = {"a": a, "b": b, "g": g}[which]
+            var_cache[key] = element_variance(
+                t, kind, per_channel=(which == "b" and bl.b_is_weight), stochastic=stochastic)
+        return var_cache[key]
+
+    def term(name: str, kind: str, fn: Callable[[], Tensor]) -> float:
+        key = (name, kind)
+        if key not in memo:
+            memo[key] = float(fn().sum())
+        return memo[key]
+
+    y2 = float(y.square().sum())
+    ga = bl.grad_a(a.shape, b, g) if cap.a_needs_grad else None
+    gb = bl.grad_b(a, b.shape, g)
+    ga2 = float(ga.square().sum()) if ga is not None else 0.0
+    gb2 = float(gb.square().sum())
+    a2, b2, g2 = a.square(), b.square(), g.square()
+    out: dict[Precision, tuple[float, float]] = {}
+    for p in precisions:
+        k = SPECS[p]
+        if k is None:
+            out[p] = (0.0, 0.0)
+            continue
+        fwd = term("f_a", k.a, lambda k=k: bl.f(var("a", k.a), b2)) + term(
+            "f_b", k.b, lambda k=k: bl.f(a2, var("b", k.b)))
+        bwd = 0.0
+        if ga is not None and ga2 > 0:
+            e_ga = term("ga_g", k.g, lambda k=k: bl.grad_a(a.shape, b2, var("g", k.g))) + term(
+                "ga_b", k.b_bwd, lambda k=k: bl.grad_a(a.shape, var("b", k.b_bwd), g2))
+            bwd += e_ga / ga2
+        if gb2 > 0:
+            e_gb = term("gb_a", k.a_bwd, lambda k=k: bl.grad_b(var("a", k.a_bwd), b.shape, g2)) \
+                + term("gb_g", k.g, lambda k=k: bl.grad_b(a2, b.shape, var("g", k.g)))
+            bwd += e_gb / gb2
+        out[p] = (fwd / y2 if y2 > 0 else 0.0, bwd)
+    return out
+
+
+def _fisher_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
+                  stochastic: bool) -> dict[Precision, float]:
+    a, b, g = cap.a, cap.b, cap.g
+    assert g is not None
+    g2 = g.square()
+    out: dict[Precision, float] = {}
+    for p in precisions:
+        k = SPECS[p]
+        if k is None:
+            out[p] = 0.0
+            continue
+        va = element_variance(a, k.a, stochastic=stochastic)
+        vb = element_variance(b, k.b, per_channel=bl.b_is_weight, stochastic=stochastic)
+        dy2 = bl.f(va, b.square()) + bl.f(a.square(), vb)
+        out[p] = float((g2 * dy2).sum())
+    return out
+
+
+def _wvar_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
+                stochastic: bool) -> dict[Precision, float]:
+    b2 = float(cap.b.square().sum())
+    out: dict[Precision, float] = {}
+    for p in precisions:
+        k = SPECS[p]
+        out[p] = 0.0 if k is None or b2 == 0 else float(element_variance(
+            cap.b, k.b, per_channel=bl.b_is_weight, stochastic=stochastic).sum()) / b2
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def synthetic_batches(workload: Workload, batch: int, n: int, seed: int
+                      ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    """Inputs of the right shape and dtype: float inputs drawn N(0,1), integer inputs
+    shuffled from the workload's example (so they stay in range), seeded per batch."""
+    base_inputs = workload.make_inputs(batch, torch.device("cpu"))
+    base_targets = workload.make_targets(batch, torch.device("cpu"))
+    for i in range(n):
+        gen = torch.Generator().manual_seed(seed * 1000 + i)
+        inputs = []
+        for t in base_inputs:
+            if t.is_floating_point():
+                inputs.append(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+            else:
+                perm = torch.randperm(t.numel(), generator=gen)
+                inputs.append(t.reshape(-1)[perm].reshape(t.shape))
+        perm = torch.randperm(base_targets.numel(), generator=gen)
+        yield tuple(inputs), base_targets.reshape(-1)[perm].reshape(base_targets.shape)
+
+
+def real_batches(workload: Workload, batch: int, n: int, seed: int
+                 ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    """digits_cnn: scikit-learn's digits (training split); tiny_gpt: stdlib source text."""
+    gen = torch.Generator().manual_seed(seed)
+    if workload.name == "digits_cnn":
+        from .models.digits_cnn import load_digits_tensors, train_test_split
+
+        x, y = load_digits_tensors()
+        x_tr, y_tr, _, _ = train_test_split(x, y, seed=0)
+        for _ in range(n):
+            idx = torch.randint(0, x_tr.shape[0], (batch,), generator=gen)
+            yield (x_tr[idx],), y_tr[idx]
+    elif workload.name == "tiny_gpt":
+        from .models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
+
+        data, _ = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
+        seq = workload.seq_len or 128
+        for _ in range(n):
+            xb, yb = sample_batch(data, batch, seq, gen)
+            yield (xb,), yb
+    else:
+        raise QsyncInputError(f"model: {workload.name} has no real data here; use synthetic")
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _capture_hooks(model: nn.Module, names: Sequence[str]
+                   ) -> tuple[dict[str, list[_Capture]], list[Any]]:
+    modules = dict(model.named_modules())
+    caps: dict[str, list[_Capture]] = {n: [] for n in names}
+    handles = []
+    for name in names:
+        mod = modules.get(name)
+        if mod is None or _bilinear(mod) is None:
+            continue
+
+        def hook(m: nn.Module, inputs: tuple[Any, ...], output: Tensor, _n: str = name) -> None:
+            a = inputs[0]
+            b = inputs[1] if isinstance(m, MatMul) else m.weight
+            cap = _Capture(a=a.detach().float(), b=b.detach().float(), y=output.detach().float(),
+                           a_needs_grad=bool(a.requires_grad))
+            if output.requires_grad:
+                def grad_hook(g: Tensor, _c: _Capture = cap) -> None:
+                    _c.g = g.detach().float()
+                output.register_hook(grad_hook)
+            caps[_n].append(cap)
+
+        handles.append(mod.register_forward_hook(hook))
+    return caps, handles
+
+
+def _hutchinson(model: nn.Module, loss: Tensor, names: Sequence[str],
+                acts: dict[str, list[Tensor]], samples: int, gen: torch.Generator
+                ) -> dict[str, tuple[float, float]]:
+    """Per op: (Hessian trace per weight element, per input-activation element)."""
+    modules = dict(model.named_modules())
+    targets: list[Tensor] = []
+    index: list[tuple[str, str, int]] = []
+    for n in names:
+        mod = modules.get(n)
+        w = getattr(mod, "weight", None) if not isinstance(mod, MatMul) else None
+        if isinstance(w, Tensor) and w.requires_grad:
+            index.append((n, "w", len(targets)))
+            targets.append(w)
+        for a in acts.get(n, [])[:1]:
+            if a.requires_grad:
+                index.append((n, "a", len(targets)))
+                targets.append(a)
+    grads = torch.autograd.grad(loss, targets, create_graph=True, allow_unused=True)
+    traces = [0.0] * len(targets)
+    live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+    for _ in range(samples):
+        zs = [torch.randint(0, 2, targets[i].shape, generator=gen).float() * 2 - 1 for i in live]
+        hvs = torch.autograd.grad([grads[i] for i in live], [targets[i] for i in live], zs,
+                                  retain_graph=True, allow_unused=True)
+        for j, i in enumerate(live):
+            if hvs[j] is not None:
+                traces[i] += float((zs[j] * hvs[j]).sum()) / samples
+    out: dict[str, tuple[float, float]] = {}
+    for n, which, i in index:
+        per = abs(traces[i]) / max(1, targets[i].numel())
+        w_tr, a_tr = out.get(n, (0.0, 0.0))
+        out[n] = (per, a_tr) if which == "w" else (w_tr, per)
+    return out
+
+
+def _progress(enabled: bool, method: str, i: int, n: int) -> None:
+    if enabled:
+        sys.stderr.write(f"\rindicator {method}: batch {i}/{n}")
+        if i == n:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def default_cache_dir() -> Path:
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qsync-opt" / "indicators"
+
+
+def indicate(
+    workload: str | Workload,
+    batches: int = 10,
+    method: str = "qsync",
+    *,
+    batch: int | None = None,
+    seed: int = 0,
+    gamma: float = 4.0,
+    stochastic: bool = True,
+    model: nn.Module | None = None,
+    data: Iterable[tuple[tuple[Tensor, ...], Tensor]] | None = None,
+    graph: ModelGraph | None = None,
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    progress: bool = False,
+    hutchinson_samples: int = 2,
+) -> IndicatorTable:
+    """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
+
+    The model is the registry's (seeded init) unless ``model`` is given (e.g. a trained
+    one); data are the workload's real data where it has them (digits_cnn, tiny_gpt), else
+    synthetic, unless ``data`` yields ``(inputs, targets)``. Results are cached on disk when
+    neither ``model`` nor ``data`` is given, keyed by workload, batch, batches, method, seed,
+    gamma and rounding.
+    """
+    if method not in METHODS:
+        raise QsyncInputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if batches < 1:
+        raise QsyncInputError(f"batches: expected a positive integer, got {batches}")
+    wl = resolve_workload(workload) if isinstance(workload, str) else workload
+    if not isinstance(wl, Workload):
+        raise QsyncInputError("model: indicate() takes a registry workload; pass model= and "
+                              "data= for your own module")
+    b = batch if batch is not None else wl.default_batch
+    if b < 1:
+        raise QsyncInputError(f"batch: expected a positive integer, got {b}")
+    graph = graph or trace(wl, b)
+    cacheable = cache and model is None and data is None
+    path = None
+    if cacheable:
+        folder = Path(cache_dir) if cache_dir else default_cache_dir()
+        path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
+                         f"{'sr' if stochastic else 'rtn'}-{graph.structure_hash()}.json")
+        if path.is_file():
+            try:
+                table = load(path, IndicatorTable)
+                log.info("indicator: reusing %s", path)
+                return table
+            except QsyncInputError as exc:
+                log.warning("indicator cache %s unreadable (%s); recomputing", path, exc)
+    torch.manual_seed(seed)
+    if model is None:
+        model = wl.build()
+    model = model.float().train()
+    data_kind = "given"
+    if data is None:
+        if wl.real_data:
+            data, data_kind = real_batches(wl, b, batches, seed), "real"
+        else:
+            data, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
+    ops = [o for o in graph.ops if o.role == OpRole.choosable]
+    names = [o.name for o in ops]
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules or _bilinear(modules[n]) is None]
+    stats = {n: _OpStats() for n in names}
+    gen = torch.Generator().manual_seed(seed)
+    rng_values = {n: torch.rand((), generator=gen).item() for n in names}
+    seen = 0
+    if method != "random":
+        for i, (inputs, targets) in enumerate(data):
+            if i >= batches:
+                break
+            caps, handles = _capture_hooks(model, names)
+            acts: dict[str, list[Tensor]] = {}
+            if method == "hessian":
+                # Keep the live input activations (in the graph) for Hessian-vector products.
+                live_hooks = []
+                for n in names:
+                    if n in modules:
+                        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n) -> None:
+                            acts.setdefault(_n, []).append(inp[0])
+                        live_hooks.append(modules[n].register_forward_hook(keep))
+                handles += live_hooks
+            try:
+                model.zero_grad(set_to_none=True)
+                out = model(*inputs)
+                loss = compute_loss(wl, out, targets)
+                if method == "hessian":
+                    traces = _hutchinson(model, loss, names, acts, hutchinson_samples, gen)
+                else:
+                    loss.backward()
+            finally:
+                for h in handles:
+                    h.remove()
+            for op in ops:
+                bl = _bilinear(modules[op.name]) if op.name in modules else None
+                if bl is None:
+                    continue
+                precisions = list(op.allowed_precisions)
+                for cap in caps.get(op.name, []):
+                    if method == "qsync":
+                        if cap.g is None:
+                            continue
+                        for p, (vf, vb) in _qsync_terms(bl, cap, precisions, stochastic).items():
+                            stats[op.name].fwd.setdefault(p, []).append(vf)
+                            stats[op.name].bwd.setdefault(p, []).append(vb)
+                    elif method == "fisher":
+                        if cap.g is None:
+                            continue
+                        for p, v in _fisher_terms(bl, cap, precisions, stochastic).items():
+                            stats[op.name].value.setdefault(p, []).append(v)
+                    elif method == "wvar":
+                        for p, v in _wvar_terms(bl, cap, precisions, stochastic).items():
+                            stats[op.name].value.setdefault(p, []).append(v)
+                    else:  # hessian
+                        w_tr, a_tr = traces.get(op.name, (0.0, 0.0))
+                        k_b = bl.b_is_weight
+                        for p in precisions:
+                            k = SPECS[p]
+                            if k is None:
+                                stats[op.name].value.setdefault(p, []).append(0.0)
+                                continue
+                            e_w = float(element_variance(cap.b, k.b, per_channel=k_b,
+                                                         stochastic=stochastic).sum())
+                            e_a = float(element_variance(cap.a, k.a,
+                                                         stochastic=stochastic).sum())
+                            stats[op.name].value.setdefault(p, []).append(
+                                (w_tr if k_b else a_tr) * e_w + a_tr * e_a)
+            seen += 1
+            _progress(progress, method, seen, batches)
+        model.zero_grad(set_to_none=True)
+    values: dict[str, dict[Precision, float]] = {}
+    terms: dict[str, dict[Precision, list[float]]] = {}
+    L = graph.max_depth
+    for op in ops:
+        row: dict[Precision, float] = {}
+        st = stats[op.name]
+        for p in op.allowed_precisions:
+            if method == "random":
+                row[p] = 0.0 if p == Precision.fp32 else rng_values[op.name] * _NOMINAL[p]
+            elif method == "qsync":
+                vf = _mean(st.fwd.get(p, []))
+                vb = _mean(st.bwd.get(p, []))
+                row[p] = gamma * (L - op.depth) * vf + op.depth * vb
+                terms.setdefault(op.name, {})[p] = [vf, vb]
+            else:
+                row[p] = _mean(st.value.get(p, []))
+        values[op.name] = row
+    fixes = enforce_monotone(values)
+    notes = [f"{data_kind} data, {seen if method != 'random' else 0} batches of {b}; model: "
+             f"{'given' if data_kind == 'given' else 'registry init, seed ' + str(seed)}",
+             f"monotonicity: {fixes} value(s) raised to their higher-precision neighbour"]
+    if missing:
+        notes.append(f"{len(missing)} choosable op(s) without a module got no statistics "
+                     f"(value 0): {', '.join(missing[:5])}")
+    table = IndicatorTable(
+        workload=wl.name, graph_hash=graph.structure_hash(), method=method, batch_size=b,
+        batches=max(1, seen) if method != "random" else batches, seed=seed,
+        gamma=gamma if method == "qsync" else None, data=data_kind, values=values,
+        stochastic=stochastic, notes=notes, monotone_fixes=fixes,
+        terms=terms if method == "qsync" else None,
+    )
+    if path is not None:
+        save(table, path)
+    return table
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def enforce_monotone(values: dict[str, dict[Precision, float]]) -> int:
+    """Raise any value below a more exact precision's in its family; return how many."""
+    fixes = 0
+    for row in values.values():
+        for ladder in LADDERS:
+            best = 0.0
+            for p in ladder:
+                if p not in row:
+                    continue
+                if row[p] < best:
+                    row[p] = best
+                    fixes += 1
+                best = row[p]
+    return fixes
+
+
+def scale_to_batch(table: IndicatorTable, batch: int) -> dict[str, dict[Precision, float]]:
+    """Omega for another per-device batch. The qsync form is relative (errors over signal
+    energy, both proportional to the batch), so it carries over unchanged."""
+    if batch < 1:
+        raise QsyncInputError(f"batch: expected a positive integer, got {batch}")
+    return {op: dict(row) for op, row in table.values.items()}
+
+
+def rank_table(table: IndicatorTable, precision: Precision = Precision.int8
+               ) -> list[tuple[str, float]]:
+    """Ops by their value at ``precision`` (or their least exact one), most sensitive first."""
+    out = []
+    for op, row in table.values.items():
+        p = precision if precision in row else min(row, key=lambda q: q.info.rank)
+        out.append((op, row[p]))
+    return sorted(out, key=lambda kv: -kv[1])
+

@@ -1,0 +1,215 @@
+"""Indicators: closed forms against measured errors of real kernels, weighting, methods."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qsync_opt.ops as ops
+from qsync_opt import QsyncInputError, trace
+from qsync_opt.indicator import (
+    LADDERS,
+    METHODS,
+    _bilinear,
+    _Capture,
+    _qsync_terms,
+    element_variance,
+    enforce_monotone,
+    indicate,
+    scale_to_batch,
+)
+from qsync_opt.precision import Precision as P
+from qsync_opt.schemas import IndicatorTable
+
+SEEDS = 400
+
+
+def _predicted_fwd(bl, a, b, kind_a="int8", kind_b="int8") -> float:
+    va = element_variance(a, kind_a)
+    vb = element_variance(b, kind_b, per_channel=bl.b_is_weight)
+    return float(bl.f(va, b.square()).sum() + bl.f(a.square(), vb).sum())
+
+
+def test_int8_linear_forward_error_matches_measurement() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(48, 64, generator=gen))  # ReLU zeros quantize exactly
+    w = torch.randn(32, 64, generator=gen) * 0.1
+    bl = _bilinear(torch.nn.Linear(64, 32))
+    exact = x.double() @ w.double().t()
+    measured = sum(float((ops.int8_linear(x, w, seed=s).double() - exact).square().sum())
+                   for s in range(SEEDS)) / SEEDS
+    predicted = _predicted_fwd(bl, x, w)
+    # Sampling error of the mean over 400 seeds is about 1%; second-order terms ~1e-4.
+    assert predicted == pytest.approx(measured, rel=0.03)
+    # The textbook s^2/6 (uniform fractions) overestimates here: half the inputs are zeros.
+    s_x = float(x.abs().max()) / 127
+    s_w = (w.abs().amax(1) / 127)
+    textbook = (48 * float(w.square().sum()) * s_x**2 + float(x.square().sum())
+                * float(s_w.square().sum())) / 6
+    assert textbook > 1.2 * measured
+
+
+def test_int8_conv_forward_error_matches_measurement() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 9, 9, generator=gen)
+    w = torch.randn(6, 2, 3, 3, generator=gen)
+    conv = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False)
+    bl = _bilinear(conv)
+    exact = F.conv2d(x.double(), w.double(), None, 2, 1, 1, 2)
+    measured = sum(float((ops.int8_conv2d(x, w, None, 2, 1, 1, 2, seed=s).double() - exact)
+                         .square().sum()) for s in range(SEEDS)) / SEEDS
+    assert _predicted_fwd(bl, x, w) == pytest.approx(measured, rel=0.03)
+
+
+def test_int8_full_backward_error_matches_measurement() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 32, generator=gen)
+    w = torch.randn(24, 32, generator=gen)
+    g = torch.randn(40, 24, generator=gen)
+    exact_gx = g.double() @ w.double()
+    exact_gw = g.double().t() @ x.double()
+    mx = mw = 0.0
+    for s in range(SEEDS):
+        xs = x.clone().requires_grad_()
+        ws = w.clone().requires_grad_()
+        ops.int8_linear(xs, ws, int8_backward=True, seed=s).backward(g)
+        mx += float((xs.grad.double() - exact_gx).square().sum()) / SEEDS
+        mw += float((ws.grad.double() - exact_gw).square().sum()) / SEEDS
+    bl = _bilinear(torch.nn.Linear(32, 24))
+    vg = element_variance(g, "int8")
+    vw = element_variance(w, "int8+col", per_channel=True)
+    vx = element_variance(x, "int8")
+    pred_gx = float(bl.grad_a(x.shape, w.square(), vg).sum() + bl.grad_a(x.shape, vw, g.square()).sum())
+    pred_gw = float(bl.grad_b(vx, w.shape, g.square()).sum() + bl.grad_b(x.square(), w.shape, vg).sum())
+    assert pred_gx == pytest.approx(mx, rel=0.06)
+    assert pred_gw == pytest.approx(mw, rel=0.04)
+
+
+def test_fp16_and_bf16_forward_error_against_real_rounding() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 128, generator=gen)
+    w = torch.randn(96, 128, generator=gen)
+    bl = _bilinear(torch.nn.Linear(128, 96))
+    exact = x.double() @ w.double().t()
+    for dtype, kind in ((torch.float16, "m10"), (torch.bfloat16, "m7")):
+        actual = float(((x.to(dtype).double() @ w.to(dtype).double().t()) - exact).square().sum())
+        predicted = _predicted_fwd(bl, x, w, kind, kind)
+        # Round-to-nearest is deterministic; the uniform-error model holds on average.
+        assert predicted == pytest.approx(actual, rel=0.15), dtype
+
+
+def test_element_variance_properties() -> None:
+    t = torch.tensor([0.0, 1.0, -0.5, 0.25])
+    v = element_variance(t, "int8")  # step 1/127: 1.0 and 0 sit on the grid
+    assert v[0] == 0 and v[1] == 0 and torch.all(v >= 0)
+    assert float(v.max()) <= (1 / 127) ** 2 / 4 + 1e-12
+    assert float(element_variance(torch.tensor([1.0]), "m10")) == pytest.approx(2.0**-20 / 12)
+    assert float(element_variance(torch.tensor([1e-6]), "m10")) == pytest.approx(2.0**-48 / 12)
+    # tf32 keeps the fp32 range: 1e-6 (about 2^-20) is normal there, subnormal in fp16.
+    assert float(element_variance(torch.tensor([2.0**-20]), "tf32")) == pytest.approx(2.0**-60 / 12)
+    rtn = element_variance(torch.tensor([0.3, 1.0]), "int8", stochastic=False)
+    assert float(rtn[0]) == pytest.approx(((round(0.3 * 127) - 0.3 * 127) / 127) ** 2, rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def digits_tables(tmp_path_factory) -> dict[str, IndicatorTable]:
+    folder = tmp_path_factory.mktemp("ind")
+    return {m: indicate("digits_cnn", batches=3, method=m, cache_dir=folder) for m in METHODS}
+
+
+def test_every_method_covers_every_choosable_op(digits_tables) -> None:
+    graph = trace("digits_cnn")
+    for method, table in digits_tables.items():
+        assert set(table.values) == {o.name for o in graph.choosable_ops()}
+        for op in graph.choosable_ops():
+            row = table.values[op.name]
+            assert set(row) == set(op.allowed_precisions)
+            assert row[P.fp32] == 0.0
+            assert all(v > 0 for p, v in row.items() if p != P.fp32), (method, op.name)
+        for row in table.values.values():
+            for ladder in LADDERS:
+                vals = [row[p] for p in ladder if p in row]
+                assert vals == sorted(vals), (method, row)
+        assert table.data == "real"
+
+
+def test_qsync_combines_terms_with_depth_weights(digits_tables) -> None:
+    table = digits_tables["qsync"]
+    graph = trace("digits_cnn")
+    big_l = graph.max_depth
+    weights = []
+    for op in graph.choosable_ops():
+        vf, vb = table.terms[op.name][P.int8]
+        expected = 4.0 * (big_l - op.depth) * vf + op.depth * vb
+        assert table.values[op.name][P.int8] == pytest.approx(expected)
+        weights.append((op.depth, op.depth / (4.0 * (big_l - op.depth))))
+    # Deeper ops weigh their backward term more (relative to the forward term).
+    weights.sort()
+    assert [w for _, w in weights] == sorted(w for _, w in weights)
+    assert weights[0][0] < weights[-1][0]
+
+
+def test_deterministic_under_seed_and_cached(digits_tables, tmp_path, monkeypatch) -> None:
+    for method in METHODS:
+        again = indicate("digits_cnn", batches=3, method=method, cache=False)
+        assert again.values == digits_tables[method].values, method
+    other = indicate("digits_cnn", batches=3, method="qsync", seed=1, cache=False)
+    assert other.values != digits_tables["qsync"].values
+    first = indicate("digits_cnn", batches=2, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed instead of reusing the cache")
+
+    monkeypatch.setattr("qsync_opt.indicator._qsync_terms", boom)
+    assert indicate("digits_cnn", batches=2, cache_dir=tmp_path) == first
+
+
+def test_monotone_enforcement_counts_fixes() -> None:
+    row = {"op": {P.fp32: 0.0, P.fp16: 2.0, P.bf16: 1.0, P.fp8: 3.0, P.int8: 5.0,
+                  P.int8_full: 4.0}}
+    assert enforce_monotone(row) == 2
+    assert row["op"][P.bf16] == 2.0 and row["op"][P.int8_full] == 5.0
+
+
+def test_qsync_terms_are_zero_at_fp32_and_first_layer_has_no_input_gradient() -> None:
+    gen = torch.Generator().manual_seed(4)
+    a, b, g = (torch.randn(8, 16, generator=gen), torch.randn(4, 16, generator=gen),
+               torch.randn(8, 4, generator=gen))
+    bl = _bilinear(torch.nn.Linear(16, 4))
+    cap = _Capture(a=a, b=b, y=a @ b.t(), a_needs_grad=False, g=g)
+    out = _qsync_terms(bl, cap, [P.fp32, P.int8], True)
+    assert out[P.fp32] == (0.0, 0.0)
+    with_input = _qsync_terms(bl, _Capture(a=a, b=b, y=a @ b.t(), a_needs_grad=True, g=g),
+                              [P.int8], True)
+    assert with_input[P.int8][1] > out[P.int8][1] > 0
+
+
+def test_batch_scaling_and_errors(digits_tables) -> None:
+    table = digits_tables["qsync"]
+    assert scale_to_batch(table, 7) == table.values
+    with pytest.raises(QsyncInputError, match="method"):
+        indicate("digits_cnn", method="magic")
+    with pytest.raises(QsyncInputError, match="batches"):
+        indicate("digits_cnn", batches=0)
+
+
+def test_synthetic_data_for_catalog_workloads() -> None:
+    table = indicate("resnet18", batches=1, batch=2, cache=False)
+    assert table.data == "synthetic" and len(table.values) == 20
+    assert "synthetic data" in table.notes[0]
+
+
+def test_cli_indicate(capsys, tmp_path) -> None:
+    from qsync_opt.cli import main
+
+    out_file = tmp_path / "ind.json"
+    assert main(["indicate", "--model", "digits_cnn", "--batches", "2", "--out", str(out_file),
+                 "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "most sensitive" in out and "conv2" in out
+    assert IndicatorTable.model_validate_json(out_file.read_text()).method == "qsync"
+    with pytest.raises(SystemExit) as info:
+        main(["indicate", "--model", "digits_cnn", "--batches", "0"])
+    assert info.value.code == 2
