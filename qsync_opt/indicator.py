@@ -500,8 +500,9 @@ def indicate(
                 live_hooks = []
                 for n in names:
                     if n in modules:
-                        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n) -> None:
-                            acts.setdefault(_n, []).append(inp[0])
+                        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n,
+                                 _acts: dict[str, list[Tensor]] = acts) -> None:
+                            _acts.setdefault(_n, []).append(inp[0])
                         live_hooks.append(modules[n].register_forward_hook(keep))
                 handles += live_hooks
             try:

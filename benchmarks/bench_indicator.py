@@ -1,0 +1,153 @@
+"""Does each indicator rank operators well? Measured on real data, on this CPU.
+
+For digits_cnn (scikit-learn digits; its classifier head unpinned so four ops compete) and
+tiny_gpt (stdlib source text):
+
+1. train the FP32 model from a fixed seed;
+2. per op: put that op alone at int8 (the ops library's real int8 GEMM, stochastic
+   rounding; attention matmuls fake-quantized), fine-tune briefly with a fixed data order,
+   and measure the held-out loss increase over the same fine-tune at FP32 (two rounding
+   seeds, averaged; their spread is the noise floor);
+3. per method: the indicator of the trained model on real batches, its Spearman rank
+   correlation with the measured per-op increases, and the loss increase when its k most
+   vs its k least sensitive ops go to int8 together.
+
+    .venv/bin/python benchmarks/bench_indicator.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Iterator
+
+import torch
+from qsync_opt.models import compute_loss, get_workload
+from scipy.stats import spearmanr
+from torch import nn
+
+from qsync_opt import trace
+from qsync_opt.indicator import METHODS, indicate, real_batches
+from qsync_opt.precision import Precision
+from qsync_opt.runtime import apply_precisions
+
+CONFIG = {
+    "digits_cnn": dict(batch=64, pretrain=400, finetune=40, lr=1e-3, ft_lr=5e-4, k=2,
+                       pin_head=False),
+    "tiny_gpt": dict(batch=32, pretrain=300, finetune=30, lr=3e-3, ft_lr=1e-3, k=6,
+                     pin_head=True),
+}
+
+
+def eval_batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    if name == "digits_cnn":
+        from qsync_opt.models.digits_cnn import load_digits_tensors, train_test_split
+
+        x, y = load_digits_tensors()
+        _, _, x_te, y_te = train_test_split(x, y, seed=0)
+        return [((x_te,), y_te)]
+    from qsync_opt.models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
+
+    _, val = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
+    return [((xb,), yb) for xb, yb in (sample_batch(val, 32, 128, gen) for _ in range(6))]
+
+
+def train(model: nn.Module, name: str, steps: int, lr: float, seed: int) -> None:
+    wl = get_workload(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    data: Iterator = real_batches(wl, CONFIG[name]["batch"], steps, seed)
+    for inputs, targets in data:
+        opt.zero_grad(set_to_none=True)
+        compute_loss(wl, model(*inputs), targets).backward()
+        opt.step()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, name: str, batches: list) -> float:
+    wl = get_workload(name)
+    model.eval()
+    losses = [float(compute_loss(wl, model(*x), y)) for x, y in batches]
+    model.train()
+    return statistics.fmean(losses)
+
+
+def finetuned_loss(base: nn.Module, name: str, precisions: dict[str, Precision],
+                   rounding_seed: int, ev: list) -> float:
+    cfg = CONFIG[name]
+    model = copy.deepcopy(base)
+    if precisions:
+        apply_precisions(model, precisions, seed=rounding_seed)
+    train(model, name, cfg["finetune"], cfg["ft_lr"], seed=777)  # same data order for all
+    return evaluate(model, name, ev)
+
+
+def run(name: str, quick: bool) -> None:
+    cfg = CONFIG[name]
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    wl = get_workload(name)
+    model = wl.build()
+    train(model, name, cfg["pretrain"] // (4 if quick else 1), cfg["lr"], seed=1)
+    ev = eval_batches(name)
+    graph = trace(name, cfg["batch"], pin_head=cfg["pin_head"])
+    ops = [o.name for o in graph.choosable_ops()]
+    base = finetuned_loss(model, name, {}, 0, ev)
+    print(f"\n== {name}: {len(ops)} choosable ops; trained FP32 held-out loss "
+          f"{evaluate(model, name, ev):.4f}, after the FP32 fine-tune {base:.4f}")
+    seeds = (1,) if quick else (1, 2)
+    delta: dict[str, float] = {}
+    spread: list[float] = []
+    for op in ops:
+        runs = [finetuned_loss(model, name, {op: Precision.int8}, s, ev) - base for s in seeds]
+        delta[op] = statistics.fmean(runs)
+        if len(runs) > 1:
+            spread.append(abs(runs[0] - runs[1]))
+    measured = [delta[o] for o in ops]
+    noise = statistics.median(spread) if spread else float("nan")
+    print(f"per-op int8 loss increase: median {statistics.median(measured):+.5f}, max "
+          f"{max(measured):+.5f}; noise (median |difference| between two rounding seeds) "
+          f"{noise:.5f}")
+    k = cfg["k"]
+    rows = []
+    for method in METHODS:
+        seeds_m = range(5) if method == "random" else (0,)
+        rhos, most_l, least_l = [], [], []
+        for s in seeds_m:
+            table = indicate(wl, batches=4 if quick else 8, method=method, seed=s,
+                             model=copy.deepcopy(model),
+                             data=real_batches(wl, cfg["batch"], 8, 99 + s), graph=graph)
+            omega = [table.values[o][Precision.int8] for o in ops]
+            rhos.append(float(spearmanr(omega, measured).statistic))
+            order = sorted(ops, key=lambda o: -table.values[o][Precision.int8])
+            most = finetuned_loss(model, name, {o: Precision.int8 for o in order[:k]}, 3, ev)
+            least = finetuned_loss(model, name, {o: Precision.int8 for o in order[-k:]}, 3, ev)
+            most_l.append(most - base)
+            least_l.append(least - base)
+        label = method + (" (5 seeds)" if method == "random" else "")
+        rows.append((label, statistics.fmean(rhos),
+                     statistics.pstdev(rhos) if len(rhos) > 1 else 0.0,
+                     statistics.fmean(most_l), statistics.fmean(least_l)))
+    print(f"{'method':>18} {'spearman':>9} {'(sd)':>6} {f'dL {k} most':>12} "
+          f"{f'dL {k} least':>13} {'least<most':>10}")
+    for label, rho, sd, most, least in rows:
+        print(f"{label:>18} {rho:>9.3f} {sd:>6.3f} {most:>+12.5f} {least:>+13.5f} "
+              f"{'yes' if least < most else 'no':>10}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer steps and seeds (smoke run)")
+    ap.add_argument("--models", nargs="+", default=list(CONFIG))
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    for name in args.models:
+        run(name, args.quick)
+
+
+if __name__ == "__main__":
+    main()
