@@ -220,8 +220,14 @@ class _OpStats:
 
 
 def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
-                 stochastic: bool) -> dict[Precision, tuple[float, float]]:
-    """(Var_fwd, Var_bwd) per precision for one captured call."""
+                 stochastic: bool, term_dtype: torch.dtype = torch.float32
+                 ) -> dict[Precision, tuple[float, float]]:
+    """(Var_fwd, Var_bwd) per precision for one captured call.
+
+    ``term_dtype=torch.bfloat16`` evaluates the variance propagation (not the statistics)
+    in bf16: each propagated element carries ~0.4% rounding, which averages out in the sums;
+    on CPUs with AMX-BF16 it halves the time of large models.
+    """
     a, b, y, g = cap.a, cap.b, cap.y, cap.g
     assert g is not None
     memo: dict[tuple[str, str], float] = {}
@@ -232,13 +238,14 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
         if key not in var_cache:
             t = {"a": a, "b": b, "g": g}[which]
             var_cache[key] = element_variance(
-                t, kind, per_channel=(which == "b" and bl.b_is_weight), stochastic=stochastic)
+                t, kind, per_channel=(which == "b" and bl.b_is_weight),
+                stochastic=stochastic).to(term_dtype)
         return var_cache[key]
 
     def term(name: str, kind: str, fn: Callable[[], Tensor]) -> float:
         key = (name, kind)
         if key not in memo:
-            memo[key] = float(fn().sum())
+            memo[key] = float(fn().to(torch.float32).sum())
         return memo[key]
 
     y2 = float(y.square().sum())
@@ -246,7 +253,7 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
     gb = bl.grad_b(a, b.shape, g)
     ga2 = float(ga.square().sum()) if ga is not None else 0.0
     gb2 = float(gb.square().sum())
-    a2, b2, g2 = a.square(), b.square(), g.square()
+    a2, b2, g2 = (t.square().to(term_dtype) for t in (a, b, g))
     out: dict[Precision, tuple[float, float]] = {}
     for p in precisions:
         k = SPECS[p]
@@ -437,6 +444,7 @@ def indicate(
     cache_dir: str | Path | None = None,
     progress: bool = False,
     hutchinson_samples: int = 2,
+    term_dtype: torch.dtype = torch.float32,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -462,8 +470,9 @@ def indicate(
     path = None
     if cacheable:
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
+        terms = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
         path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
-                         f"{'sr' if stochastic else 'rtn'}-{graph.structure_hash()}.json")
+                         f"{'sr' if stochastic else 'rtn'}{terms}-{graph.structure_hash()}.json")
         if path.is_file():
             try:
                 table = load(path, IndicatorTable)
@@ -525,7 +534,8 @@ def indicate(
                     if method == "qsync":
                         if cap.g is None:
                             continue
-                        for p, (vf, vb) in _qsync_terms(bl, cap, precisions, stochastic).items():
+                        terms_p = _qsync_terms(bl, cap, precisions, stochastic, term_dtype)
+                        for p, (vf, vb) in terms_p.items():
                             stats[op.name].fwd.setdefault(p, []).append(vf)
                             stats[op.name].bwd.setdefault(p, []).append(vb)
                     elif method == "fisher":
