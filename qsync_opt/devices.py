@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
 import time
 from functools import lru_cache
 from pathlib import Path
 
+from ._env import cache_root
+from ._env import cpu_model as cpu_model_name
 from .errors import QsyncInputError
 from .precision import DType, Precision
 from .schemas import DeviceSpec
@@ -186,16 +186,6 @@ def _median_seconds(fn: object, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _meminfo_bytes(key: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -204,11 +194,6 @@ def _meminfo_bytes(key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qsync-opt"
 
 
 def _measure_cpu_figures(size: int = 1024, repeats: int = 5) -> dict[str, float]:
@@ -251,9 +236,9 @@ def measure_cpu() -> DeviceSpec:
     """
     import torch
 
-    cpu_model = _cpu_model()
+    cpu_model = cpu_model_name()
     key = f"{cpu_model}|{torch.__version__}|{torch.get_num_threads()}"
-    cache = _cache_dir() / "cpu_spec.json"
+    cache = cache_root() / "cpu_spec.json"
     figures: dict[str, float] | None = None
     try:
         cached = json.loads(cache.read_text())

@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._env import cache_root
 from .errors import QsyncInputError
 from .graph import resolve_workload, trace
 from .io import load, save
@@ -422,10 +423,7 @@ def _progress(enabled: bool, method: str, i: int, n: int) -> None:
 
 
 def default_cache_dir() -> Path:
-    import os
-
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qsync-opt" / "indicators"
+    return cache_root() / "indicators"
 
 
 def indicate(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from .._env import cache_root, cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -23,26 +24,15 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-std=c++17"]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     sources = sorted(CSRC.glob("*.cpp"))
     digest = hashlib.sha256()
     for src in sources:
         digest.update(src.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())
-    digest.update(_cpu_model().encode())
-    return Path(base) / "qsync-opt" / "cpu" / digest.hexdigest()[:16]
+    digest.update(cpu_model().encode())
+    return cache_root() / "cpu" / digest.hexdigest()[:16]
 
 
 @lru_cache(maxsize=1)
@@ -67,7 +57,7 @@ def load_cpu() -> tuple[bool, str]:
         version = int(torch.ops.qsync_cpu.abi_version())
         if version != 1:
             return False, f"qsync_cpu ABI version {version}, expected 1"
-        return True, f"compiled with {' '.join(CFLAGS)} ({_cpu_model()})"
+        return True, f"compiled with {' '.join(CFLAGS)} ({cpu_model()})"
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
         reason = f"{exc.__class__.__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("qsync C++ CPU kernels unavailable, using the Python references (%s)", reason)
