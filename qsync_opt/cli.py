@@ -273,9 +273,12 @@ def cmd_indicate(args: argparse.Namespace) -> int:
     from .precision import Precision
 
     t0 = time.perf_counter()
+    import torch
+
+    fast = {"term_dtype": torch.bfloat16, "term_rows": 2} if args.fast else {}
     table = indicate(args.model, args.batches, args.method, batch=args.batch, seed=args.seed,
                      gamma=args.gamma, cache=not args.no_cache,
-                     progress=sys.stderr.isatty() and not args.json)
+                     progress=sys.stderr.isatty() and not args.json, **fast)
     secs = time.perf_counter() - t0
     if args.out:
         save(table, args.out)
@@ -399,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--gamma", type=float, default=4.0, help="forward weight (qsync)")
     sp.add_argument("--top", type=int, default=5, help="rows in each table")
     sp.add_argument("--no-cache", action="store_true", help="recompute even if cached")
+    sp.add_argument("--fast", action="store_true",
+                    help="qsync: propagate variances in bf16 for 2 samples per batch (large "
+                         "models; scales still from whole batches)")
     sp.add_argument("--out", help="write the IndicatorTable JSON here")
     sp.set_defaults(fn=cmd_indicate)
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")

@@ -91,7 +91,24 @@ LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Prec
 #: ``fp16g`` is an fp16 gradient under dynamic loss scaling: the scaler keeps the largest
 #: gradient near 2^14, so small gradients do not underflow (as they would unscaled).
 FLOAT_KINDS = {"m10": (10, -14, None), "tf32": (10, -126, None), "fp16g": (10, -14, 2.0**14),
-               "m7": (7, -126, None), "e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}
+               "m7": (7, -126, None), "e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0),
+               "f10": (10, -100_000, None)}
+
+
+def _parts(kind: str) -> list[tuple[str, float]]:
+    """How the variance propagation evaluates a kind: base kinds and their factors.
+
+    A float format's relative error depends only on its mantissa in its normal range, so
+    every float kind is one evaluation at 10 mantissa bits without an exponent floor
+    (``f10``) scaled by 4^(10 - m). Exact for elements in the format's normal range;
+    subnormal ones (fp16 below 2^-14, rare in activations; gradients are loss-scaled) are
+    given the normal relative error. int8+col is the sum of its two roundings.
+    """
+    if kind in FLOAT_KINDS:
+        return [("f10", 4.0 ** (10 - FLOAT_KINDS[kind][0]))]
+    if kind == "int8+col":
+        return [("int8", 1.0), ("int8col", 1.0)]
+    return [(kind, 1.0)]
 
 
 @dataclass(frozen=True)
@@ -131,6 +148,8 @@ def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
     re-quantization per input column that int8_full's backward applies to the weight.
     """
     x = t.detach().to(torch.float32)
+    if kind == "int8col":
+        return _int8_variance(x, 1, stochastic)
     if kind in ("int8", "int8+col"):
         v = _int8_variance(x, 0 if per_channel else None, stochastic)
         if kind == "int8+col":
@@ -221,33 +240,43 @@ class _OpStats:
 
 
 def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
-                 stochastic: bool, term_dtype: torch.dtype = torch.float32
-                 ) -> dict[Precision, tuple[float, float]]:
+                 stochastic: bool, term_dtype: torch.dtype = torch.float32,
+                 term_rows: int | None = None) -> dict[Precision, tuple[float, float]]:
     """(Var_fwd, Var_bwd) per precision for one captured call.
 
     ``term_dtype=torch.bfloat16`` evaluates the variance propagation (not the statistics)
     in bf16: each propagated element carries ~0.4% rounding, which averages out in the sums;
-    on CPUs with AMX-BF16 it halves the time of large models.
+    on CPUs with AMX-BF16 it halves the time of large models. ``term_rows`` propagates only
+    the first rows (samples) of the batch; scales and variances still come from the whole
+    tensors, so each row's terms are exact and only the average sees fewer samples.
     """
-    a, b, y, g = cap.a, cap.b, cap.y, cap.g
-    assert g is not None
+    assert cap.g is not None
+    rows = slice(None) if not term_rows or cap.a.shape[0] <= term_rows else slice(0, term_rows)
+    full = {"a": cap.a, "b": cap.b, "g": cap.g}
+    a, y, g = cap.a[rows], cap.y[rows], cap.g[rows]
+    b = cap.b if bl.b_is_weight else cap.b[rows]
     memo: dict[tuple[str, str], float] = {}
     var_cache: dict[tuple[str, str], Tensor] = {}
 
     def var(which: str, kind: str) -> Tensor:
         key = (which, kind)
         if key not in var_cache:
-            t = {"a": a, "b": b, "g": g}[which]
-            var_cache[key] = element_variance(
-                t, kind, per_channel=(which == "b" and bl.b_is_weight),
-                stochastic=stochastic).to(term_dtype)
+            v = element_variance(full[which], kind,
+                                 per_channel=(which == "b" and bl.b_is_weight),
+                                 stochastic=stochastic)
+            if not (which == "b" and bl.b_is_weight):
+                v = v[rows]
+            var_cache[key] = v.to(term_dtype)
         return var_cache[key]
 
-    def term(name: str, kind: str, fn: Callable[[], Tensor]) -> float:
-        key = (name, kind)
-        if key not in memo:
-            memo[key] = float(fn().to(torch.float32).sum())
-        return memo[key]
+    def term(name: str, kind: str, fn: Callable[[str], Tensor]) -> float:
+        total = 0.0
+        for base, factor in _parts(kind):
+            key = (name, base)
+            if key not in memo:
+                memo[key] = float(fn(base).to(torch.float32).sum())
+            total += factor * memo[key]
+        return total
 
     y2 = float(y.square().sum())
     ga = bl.grad_a(a.shape, b, g) if cap.a_needs_grad else None
@@ -261,16 +290,16 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
         if k is None:
             out[p] = (0.0, 0.0)
             continue
-        fwd = term("f_a", k.a, lambda k=k: bl.f(var("a", k.a), b2)) + term(
-            "f_b", k.b, lambda k=k: bl.f(a2, var("b", k.b)))
+        fwd = term("f_a", k.a, lambda z: bl.f(var("a", z), b2)) + term(
+            "f_b", k.b, lambda z: bl.f(a2, var("b", z)))
         bwd = 0.0
         if ga is not None and ga2 > 0:
-            e_ga = term("ga_g", k.g, lambda k=k: bl.grad_a(a.shape, b2, var("g", k.g))) + term(
-                "ga_b", k.b_bwd, lambda k=k: bl.grad_a(a.shape, var("b", k.b_bwd), g2))
+            e_ga = term("ga_g", k.g, lambda z: bl.grad_a(a.shape, b2, var("g", z))) + term(
+                "ga_b", k.b_bwd, lambda z: bl.grad_a(a.shape, var("b", z), g2))
             bwd += e_ga / ga2
         if gb2 > 0:
-            e_gb = term("gb_a", k.a_bwd, lambda k=k: bl.grad_b(var("a", k.a_bwd), b.shape, g2)) \
-                + term("gb_g", k.g, lambda k=k: bl.grad_b(a2, b.shape, var("g", k.g)))
+            e_gb = term("gb_a", k.a_bwd, lambda z: bl.grad_b(var("a", z), b.shape, g2)) \
+                + term("gb_g", k.g, lambda z: bl.grad_b(a2, b.shape, var("g", z)))
             bwd += e_gb / gb2
         out[p] = (fwd / y2 if y2 > 0 else 0.0, bwd)
     return out
@@ -443,6 +472,7 @@ def indicate(
     progress: bool = False,
     hutchinson_samples: int = 2,
     term_dtype: torch.dtype = torch.float32,
+    term_rows: int | None = None,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -469,6 +499,7 @@ def indicate(
     if cacheable:
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
         terms = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
+        terms += f"-r{term_rows}" if term_rows else ""
         path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
                          f"{'sr' if stochastic else 'rtn'}{terms}-{graph.structure_hash()}.json")
         if path.is_file():
@@ -532,7 +563,8 @@ def indicate(
                     if method == "qsync":
                         if cap.g is None:
                             continue
-                        terms_p = _qsync_terms(bl, cap, precisions, stochastic, term_dtype)
+                        terms_p = _qsync_terms(bl, cap, precisions, stochastic, term_dtype,
+                                               term_rows)
                         for p, (vf, vb) in terms_p.items():
                             stats[op.name].fwd.setdefault(p, []).append(vf)
                             stats[op.name].bwd.setdefault(p, []).append(vb)

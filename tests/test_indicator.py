@@ -213,3 +213,13 @@ def test_cli_indicate(capsys, tmp_path) -> None:
     with pytest.raises(SystemExit) as info:
         main(["indicate", "--model", "digits_cnn", "--batches", "0"])
     assert info.value.code == 2
+
+
+def test_fast_variance_propagation_stays_close_to_the_full_one() -> None:
+    full = indicate("digits_cnn", batches=2, cache=False)
+    fast = indicate("digits_cnn", batches=2, cache=False, term_dtype=torch.bfloat16,
+                    term_rows=16)
+    for op, row in full.values.items():
+        for p, v in row.items():
+            if v > 0:
+                assert fast.values[op][p] == pytest.approx(v, rel=0.3), (op, p)
