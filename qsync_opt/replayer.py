@@ -317,11 +317,11 @@ class Replayer:
         self.bucket_ops = [[self.index[n] for n in b.ops] for b in buckets]
         self.bucket_first = [min(ix) for ix in self.bucket_ops]  # its last gradient ready
         self.bucket_ms = [b.allreduce_ms for b in buckets]
-        self.groups = [self._prepare_group(g, context_bytes) for g in self.cluster.groups]
+        self.groups = [self._prepare_group(g) for g in self.cluster.groups]
         self.context = {g.name: (context_bytes if get_device(g.device).compute_capability else 0)
                         for g in self.cluster.groups}
 
-    def _prepare_group(self, g: Any, context_bytes: int) -> _Group:
+    def _prepare_group(self, g: Any) -> _Group:
         dev = get_device(g.device)
         b = int(g.batch_per_device or self.graph.batch_size)
         fwd: list[dict[Precision, float]] = [dict() for _ in self.ops]
