@@ -44,7 +44,7 @@ CONFIG = {
 }
 
 
-def eval_batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+def eval_batches(name: str, n: int = 6) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
     if name == "digits_cnn":
         from qsync_opt.models.digits_cnn import load_digits_tensors, train_test_split
@@ -55,7 +55,7 @@ def eval_batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor
     from qsync_opt.models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
 
     _, val = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
-    return [((xb,), yb) for xb, yb in (sample_batch(val, 32, 128, gen) for _ in range(6))]
+    return [((xb,), yb) for xb, yb in (sample_batch(val, 32, 128, gen) for _ in range(n))]
 
 
 def train(model: nn.Module, name: str, steps: int, lr: float, seed: int) -> None:
@@ -86,6 +86,47 @@ def finetuned_loss(base: nn.Module, name: str, precisions: dict[str, Precision],
         apply_precisions(model, precisions, seed=rounding_seed)
     train(model, name, cfg["finetune"], cfg["ft_lr"], seed=777)  # same data order for all
     return evaluate(model, name, ev)
+
+
+def run_immediate(name: str, seeds: int, n_eval: int) -> None:
+    """Only the immediate effect, with more rounding seeds and held-out batches, and its
+    standard error per op: a higher-powered check of the rankings (no fine-tunes)."""
+    import math
+
+    cfg = CONFIG[name]
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    wl = get_workload(name)
+    model = wl.build()
+    train(model, name, cfg["pretrain"], cfg["lr"], seed=1)
+    ev = eval_batches(name, n_eval)
+    graph = trace(name, cfg["batch"], pin_head=cfg["pin_head"])
+    ops = [o.name for o in graph.choosable_ops()]
+    plain = evaluate(model, name, ev)
+    mean, se = [], []
+    for op in ops:
+        runs = []
+        for s in range(seeds):
+            m = copy.deepcopy(model)
+            apply_precisions(m, {op: Precision.int8}, seed=500 + s)
+            runs.append(evaluate(m, name, ev) - plain)
+        mean.append(statistics.fmean(runs))
+        se.append(statistics.stdev(runs) / math.sqrt(seeds))
+    print(f"\n== {name}, immediate effect only: {seeds} rounding seeds, {len(ev)} held-out "
+          f"batches; per-op increase median {statistics.median(mean):+.6f}, max "
+          f"{max(mean):+.6f}; median standard error {statistics.median(se):.6f}")
+    print(f"{'method':>18} {'rho now':>8} {'(sd)':>6}")
+    for method in METHODS:
+        rhos = []
+        for s in (range(5) if method == "random" else (0,)):
+            table = indicate(wl, batches=8, method=method, seed=s, model=copy.deepcopy(model),
+                             data=real_batches(wl, cfg["batch"], 8, 99 + s), graph=graph)
+            omega = [table.values[o][Precision.int8] for o in ops]
+            rhos.append(float(spearmanr(omega, mean).statistic))
+        sd = statistics.pstdev(rhos) if len(rhos) > 1 else 0.0
+        print(f"{method + (' (5 seeds)' if method == 'random' else ''):>18} "
+              f"{statistics.fmean(rhos):>8.3f} {sd:>6.3f}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
 
 
 def run(name: str, quick: bool) -> dict:
@@ -170,7 +211,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and seeds (smoke run)")
     ap.add_argument("--models", nargs="+", default=list(CONFIG))
     ap.add_argument("--dump", help="write per-op measurements and indicator values (JSON)")
+    ap.add_argument("--immediate-only", action="store_true",
+                    help="only the immediate effect, with --seeds seeds and --eval batches")
+    ap.add_argument("--seeds", type=int, default=16)
+    ap.add_argument("--eval", type=int, default=12)
     args = ap.parse_args()
+    if args.immediate_only:
+        for name in args.models:
+            run_immediate(name, args.seeds, args.eval)
+        return
     dumps = {name: run(name, args.quick) for name in args.models}
     if args.dump:
         Path(args.dump).write_text(json.dumps(dumps, indent=1))
