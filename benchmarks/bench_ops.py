@@ -13,10 +13,9 @@ references. Medians over repeats after warm-up; ratios are fp32 time over the ot
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 from torch import nn
 
 import qsync_opt.ops as ops
@@ -24,13 +23,7 @@ from qsync_opt.ops import reference as ref
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return timed(fn, repeats, warmup=True)[0] * 1e3
 
 
 def bench_linear(size: int, repeats: int) -> list[tuple[str, float, float]]:

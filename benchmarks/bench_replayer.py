@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 import torch
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from qsync_opt import estimate, load_cluster, trace
 from qsync_opt.replayer import Replayer
@@ -26,12 +26,7 @@ CASES = [("resnet50", "v100x16+t4x16"), ("resnet50", "h100x8+l4x8+t4x8"),
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return timed(fn, repeats)[0] * 1e3
 
 
 def main() -> None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import platform
 import resource
-import statistics
-import time
 
 import torch
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 
 from qsync_opt import estimate, load_cluster, trace
 
@@ -23,12 +22,7 @@ WORKLOADS = ["resnet50", "vgg16_bn", "bert_base", "vit_b16", "gpt2_small", "gpt2
 
 
 def _median(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return timed(fn, repeats)
 
 
 def main() -> None:

@@ -587,24 +587,22 @@ class Replayer:
             n_casts = 0
             done_bwd = [0.0] * self.n
             items = [self._op_items(grp, i, prec, din, dout) for i in range(self.n)]
-            for i in range(self.n):
-                for kind, name, ms, args in items[i][0]:
-                    if events:
-                        all_events.append(Event(grp.name, "compute", kind, name, t, ms, args))
-                    if kind != "fwd":
-                        cast_ms += ms
-                        n_casts += 1
-                    t += ms
-            fwd_end = t
-            for i in range(self.n - 1, -1, -1):
-                for kind, name, ms, args in items[i][1]:
-                    if events:
-                        all_events.append(Event(grp.name, "compute", kind, name, t, ms, args))
-                    if kind != "bwd":
-                        cast_ms += ms
-                        n_casts += 1
-                    t += ms
-                done_bwd[i] = t
+            # Forward in order, then backward in reverse, on one compute stream; every item
+            # that is not the op itself is a cast.
+            for phase, order, op_kind in ((0, range(self.n), "fwd"),
+                                          (1, range(self.n - 1, -1, -1), "bwd")):
+                for i in order:
+                    for kind, name, ms, args in items[i][phase]:
+                        if events:
+                            all_events.append(Event(grp.name, "compute", kind, name, t, ms, args))
+                        if kind != op_kind:
+                            cast_ms += ms
+                            n_casts += 1
+                        t += ms
+                    if phase == 1:
+                        done_bwd[i] = t
+                if phase == 0:
+                    fwd_end = t
             ready.append([done_bwd[f] for f in self.bucket_first])
             mem = self._static_memory(grp)
             saved = wcopy = work = 0.0
