@@ -36,3 +36,27 @@ def make_plan(
                                    precisions=row)
     return Plan(workload=graph.workload, graph_hash=graph.structure_hash(), cluster=cluster,
                 groups=groups, provenance=dict(provenance or {}))
+
+
+def plan_graph_difference(plan: Plan, graph: ModelGraph) -> str:
+    """One line saying why ``plan`` does not belong to ``graph``: the ops that differ."""
+    choosable = [o.name for o in graph.ops if o.role == OpRole.choosable]
+    planned: list[str] = []
+    for gp in plan.groups.values():
+        planned = list(gp.precisions)
+        break
+    extra = [n for n in planned if n not in set(choosable)]
+    missing = [n for n in choosable if n not in set(planned)]
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    parts = [f"plan: made for graph {plan.graph_hash} ({plan.workload}), not "
+             f"{graph.structure_hash()} ({graph.workload})"]
+    if extra:
+        parts.append(f"ops the graph lacks: {few(extra)}")
+    if missing:
+        parts.append(f"choosable ops the plan lacks: {few(missing)}")
+    if not extra and not missing:
+        parts.append("same op names, different shapes, kinds or edges")
+    return "; ".join(parts)

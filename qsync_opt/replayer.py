@@ -480,17 +480,24 @@ class Replayer:
                 f"batch {grp.batch}") from None
 
     def _op_items(self, grp: _Group, i: int, prec: Sequence[Precision | None],
-                  din: Sequence[DType], dout: Sequence[DType]
+                  din: Sequence[DType], dout: Sequence[DType],
+                  edges: Sequence[tuple[int, int]] | None = None,
                   ) -> tuple[list[tuple[str, str, float, dict[str, Any] | None]],
                              list[tuple[str, str, float, dict[str, Any] | None]]]:
-        """Forward and backward work items of op i: (kind, name, ms, args)."""
+        """Forward and backward work items of op i: (kind, name, ms, args).
+
+        ``edges`` restricts the per-input-edge casts to those edges (default: all of op i's
+        float in-edges); the items are additive over edges, which the linear model of
+        :mod:`qsync_opt.problem` uses to split an op's cost into per-edge pair terms.
+        """
         op = self.ops[i]
         p = prec[i]
         fwd_items: list[tuple[str, str, float, dict[str, Any] | None]] = []
         bwd_items: list[tuple[str, str, float, dict[str, Any] | None]] = []
         takes = din[i]
-        edges = self.in_edges[i]
-        if p is not None and not edges and op.input_numel:
+        if edges is None:
+            edges = self.in_edges[i]
+        if p is not None and not self.in_edges[i] and op.input_numel:
             # A choosable op on the model input: the input arrives in fp32.
             ms = self._cast_ms(grp, DType.fp32, takes, op.input_numel * grp.scale)
             if ms:

@@ -1,0 +1,720 @@
+"""The allocation problem: the one input every allocator and the evaluator read.
+
+:class:`AllocationProblem` turns a graph, a cluster, a CostTable, an IndicatorTable and
+:class:`ProblemOptions` into, per device group, the coefficients of the integer program of
+DESIGN.md (The allocation problem):
+
+* **Decision units.** One decision per choosable op, or per tie group (ops that share one
+  decision). A unit's choices on a group are the precisions every one of its ops allows,
+  intersected with the card's menu and with any user pin.
+* **Time of a group** (one device, one iteration, compute stream only), in ms::
+
+      C_g(x) = c0 + sum_u t_u[x_u] + sum_{(a,b)} t_ab[x_a, x_b]
+
+  The unary and pair terms are *derived from the replayer's own cost rules* (the same
+  ``Replayer._op_items``), op by op: every op's items depend on the unit that sets its own
+  dtype (itself if choosable, the producer upstream of a pass-through) and, per float
+  in-edge, on the unit that sets that producer's dtype. Items are additive over in-edges,
+  so each op splits into a self term and one pair term per edge: casts sit exactly on the
+  edges (after collapsing pass-through chains) where producer and consumer dtypes differ.
+* **Memory of one device**, in bytes: static FP32 weights, gradients, optimizer state,
+  buffers and context, plus unary/pair terms for low-precision weight copies and saved
+  activations, plus the largest single op's working set (a max: one row per unit in the
+  program, ``W >= w_u[x_u]``), against ``capacity * (1 - memory_headroom)``.
+* **Degradation**: ``sum_u Omega_u[x_u]`` from the indicator (Omega is relative, so it is
+  the same at every batch, see ``indicator.scale_to_batch``); the objective weighs each
+  group by its share of the global batch.
+* **Makespan** (the linear model): ``T = max_g C_g + tail + opt``, ``tail`` the all-reduce
+  of the last gradient bucket (the one that cannot overlap backward), ``opt`` the slowest
+  optimizer step. The replayer scores the same plan with overlap and bucket alignment.
+
+Where the linear model is exact. On every catalog workload the linear model reproduces the
+replayer's per-group compute time and memory for any plan (tests hold them equal). Two
+rules of the replayer are not pairwise, and the linear model approximates them, counting
+them in ``notes``: a promoting op (add, cat) all of whose inputs come from choosable ops is
+taken to run in fp32 (the replayer lets it run in 16 bit when all inputs agree); an op
+with two or more choosable producers and storage shared with an earlier op takes its
+memory term as the maximum over its producers' choices (an upper bound). Neither occurs in
+the catalog models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .costs import estimate
+from .errors import QsyncInputError
+from .precision import PRECISION_INFO, DType, Precision
+from .replayer import Replayer, Timeline
+from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, OpRole, Plan
+
+#: Precisions a strong group may run as its reference.
+REFERENCE_PRECISIONS = (Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16)
+
+
+def _fidelity(p: Precision) -> int:
+    return PRECISION_INFO[p].rank
+
+
+@dataclass(frozen=True)
+class ProblemOptions:
+    """What the user decides besides graph, cluster, costs and indicator.
+
+    ``target_ms``: makespan target of the linear model (None: the strong groups' time at
+    their reference precision, i.e. no straggler). ``memory_headroom``: fraction of each
+    card's usable memory kept free. ``pinned``: op name -> precision, on every group (an op a
+    group cannot run at that precision is an error). ``reference``: the strong groups'
+    reference precision (fp32 as QSync; tf32/bf16 as most A100/H100 users run), used where
+    a card offers it. ``strong_groups``: which groups set the default target (None: the
+    fastest at the reference). ``casts``: False drops every cast term (the additive model of
+    QSync's and HAWQ-V3's ILP, for the baseline).
+    """
+
+    target_ms: float | None = None
+    memory_headroom: float = 0.0
+    pinned: Mapping[str, Precision | str] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    reference: Precision | str = Precision.fp32
+    strong_groups: tuple[str, ...] | None = None
+    casts: bool = True
+
+    def __post_init__(self) -> None:
+        if self.target_ms is not None and not self.target_ms > 0:
+            raise QsyncInputError(f"target_ms: expected a positive number, got {self.target_ms}")
+        if not 0 <= self.memory_headroom < 1:
+            raise QsyncInputError(
+                f"memory_headroom: expected a fraction in [0, 1), got {self.memory_headroom}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise QsyncInputError(f"optimizer: expected sgd or adam, got {self.optimizer!r}")
+        try:
+            ref = Precision(self.reference)
+        except ValueError:
+            raise QsyncInputError(f"reference: unknown precision {self.reference!r}") from None
+        if ref not in REFERENCE_PRECISIONS:
+            raise QsyncInputError(
+                f"reference: expected one of {', '.join(p.value for p in REFERENCE_PRECISIONS)}, "
+                f"got {ref.value}")
+        object.__setattr__(self, "reference", ref)
+        pins = {}
+        for op, p in dict(self.pinned).items():
+            try:
+                pins[op] = Precision(p)
+            except ValueError:
+                raise QsyncInputError(f"pinned: op {op}: unknown precision {p!r}") from None
+        object.__setattr__(self, "pinned", pins)
+        if self.strong_groups is not None:
+            object.__setattr__(self, "strong_groups", tuple(self.strong_groups))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target_ms": self.target_ms, "memory_headroom": self.memory_headroom,
+                "pinned": {k: v.value for k, v in self.pinned.items()},  # type: ignore[union-attr]
+                "optimizer": self.optimizer, "reference": Precision(self.reference).value,
+                "strong_groups": list(self.strong_groups) if self.strong_groups else None,
+                "casts": self.casts}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One decision: the ops that share it (one op, or a tie group)."""
+
+    name: str
+    ops: tuple[str, ...]
+
+
+@dataclass
+class PairTerm:
+    """Coefficients of a pair of units (a < b): ``[choice of a][choice of b]``."""
+
+    a: int
+    b: int
+    time: list[list[float]]
+    mem: list[list[float]]
+
+
+@dataclass
+class GroupModel:
+    """One device group's coefficients. Choice indices refer to ``choices[u]``, which lists
+    the unit's precisions from the most exact to the least."""
+
+    name: str
+    device: str
+    count: int
+    batch: int
+    weight: float  # share of the global batch
+    capacity_bytes: float  # usable memory * (1 - headroom)
+    usable_bytes: int
+    choices: list[tuple[Precision, ...]]
+    time0: float
+    time1: list[list[float]]
+    mem0: float
+    mem1: list[list[float]]
+    work0: float
+    work1: list[list[float]]
+    omega1: list[list[float]]
+    pairs: list[PairTerm]
+    reference: list[int]
+
+    def time_ms(self, a: Sequence[int]) -> float:
+        t = self.time0 + sum(row[c] for row, c in zip(self.time1, a, strict=True))
+        return t + sum(p.time[a[p.a]][a[p.b]] for p in self.pairs)
+
+    def memory_bytes(self, a: Sequence[int]) -> float:
+        m = self.mem0 + sum(row[c] for row, c in zip(self.mem1, a, strict=True))
+        m += sum(p.mem[a[p.a]][a[p.b]] for p in self.pairs)
+        work = max([self.work0] + [row[c] for row, c in zip(self.work1, a, strict=True)])
+        return m + work
+
+    def degradation(self, a: Sequence[int]) -> float:
+        return sum(row[c] for row, c in zip(self.omega1, a, strict=True))
+
+    def lowest(self) -> list[int]:
+        return [len(c) - 1 for c in self.choices]
+
+
+def _hash(doc: Any) -> str:
+    return hashlib.sha256(doc.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
+                group: str, device: str) -> list[Precision]:
+    allowed = [p for p in op.allowed_precisions if p in menu]
+    if pin is not None:
+        if pin not in allowed:
+            raise QsyncInputError(
+                f"pinned: op {op.name} cannot run at {pin.value} on group {group} ({device}); "
+                f"allowed: {', '.join(p.value for p in allowed)}")
+        allowed = [pin]
+    return allowed
+
+
+class AllocationProblem:
+    """The integer program's data for one (graph, cluster with batches, costs, indicator).
+
+    ``cost_provider`` makes costs for another cluster or batch split (dynamic batching,
+    leaving groups out); by default estimated costs are re-estimated with the same
+    efficiencies, and measured costs must already hold the batches asked for.
+    """
+
+    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
+                 indicator: IndicatorTable, options: ProblemOptions | None = None, *,
+                 cost_provider: Callable[[ClusterSpec], CostTable] | None = None) -> None:
+        self.graph = graph
+        self.cluster = cluster.with_default_batch(graph.batch_size)
+        self.costs = costs
+        self.indicator = indicator
+        self.options = options or ProblemOptions()
+        self.cost_provider = cost_provider
+        if indicator.graph_hash != graph.structure_hash():
+            raise QsyncInputError(
+                f"indicator: made for graph {indicator.graph_hash} ({indicator.workload}), not "
+                f"{graph.structure_hash()} ({graph.workload})")
+        self.replayer = Replayer(graph, self.cluster, costs, optimizer=self.options.optimizer)
+        self.notes: list[str] = []
+        ops = {o.name: o for o in graph.ops}
+        for name in self.options.pinned:
+            if name not in ops:
+                raise QsyncInputError(f"pinned: graph {graph.workload} has no op {name!r}")
+            if not ops[name].choosable:
+                raise QsyncInputError(f"pinned: op {name} is {ops[name].role.value}, not choosable")
+        self.units = self._units()
+        self.unit_of = {op: u for u, unit in enumerate(self.units) for op in unit.ops}
+        rep = self.replayer
+        self.bucket_tail_ms = rep.bucket_ms[-1] if rep.bucket_ms else 0.0
+        self.optimizer_ms = max(g.optimizer_ms for g in rep.groups)
+        self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
+        self._approx: dict[str, int] = {"promote": 0, "memory_or": 0}
+        self.groups = [self._group_model(gi) for gi in range(len(rep.groups))]
+        if self._approx["promote"]:
+            self.notes.append(
+                f"linear model: {self._approx['promote']} promoting ops whose inputs all come "
+                "from choosable ops are taken to run in fp32 (the replayer may run them in 16 bit)")
+        if self._approx["memory_or"]:
+            self.notes.append(
+                f"linear model: {self._approx['memory_or']} ops with several choosable producers "
+                "take their saved-activation bytes as the maximum over those producers' choices")
+        self.reference_times = {g.name: g.time_ms(g.reference) for g in self.groups}
+        self.strong_groups = self._strong_groups()
+        if self.options.target_ms is not None:
+            self.target_ms = float(self.options.target_ms)
+            self.target_source = "given"
+        else:
+            self.target_ms = (max(self.reference_times[g] for g in self.strong_groups)
+                              + self.bucket_tail_ms + self.optimizer_ms)
+            self.target_source = (f"default: strong group(s) {', '.join(self.strong_groups)} at "
+                                  f"{Precision(self.options.reference).value} (no straggler)")
+
+    # ------------------------------------------------------------------ construction
+
+    def _units(self) -> list[Unit]:
+        units: list[Unit] = []
+        by_tie: dict[str, list[str]] = {}
+        order: list[str] = []
+        for op in self.graph.ops:
+            if not op.choosable:
+                continue
+            key = op.tie_group or f"op:{op.name}"
+            if key not in by_tie:
+                by_tie[key] = []
+                order.append(key)
+            by_tie[key].append(op.name)
+        for key in order:
+            names = by_tie[key]
+            units.append(Unit(name=names[0] if len(names) == 1 else key, ops=tuple(names)))
+        return units
+
+    def _strong_groups(self) -> tuple[str, ...]:
+        names = [g.name for g in self.groups]
+        if self.options.strong_groups is not None:
+            bad = [s for s in self.options.strong_groups if s not in names]
+            if bad or not self.options.strong_groups:
+                raise QsyncInputError(
+                    f"strong_groups: expected names among {', '.join(names)}, got "
+                    f"{', '.join(self.options.strong_groups) or 'none'}")
+            return tuple(self.options.strong_groups)
+        best = min(self.reference_times.values())
+        return tuple(n for n in names if self.reference_times[n] <= best * (1 + 1e-9))
+
+    def _group_model(self, gi: int) -> GroupModel:
+        rep = self.replayer
+        grp = rep.groups[gi]
+        spec = self.cluster.groups[gi]
+        n = rep.n
+        units = self.units
+        pins: Mapping[str, Precision] = self.options.pinned  # type: ignore[assignment]
+        # Choices per unit: the intersection over its ops, most exact first.
+        choices: list[tuple[Precision, ...]] = []
+        for unit in units:
+            common: set[Precision] | None = None
+            for name in unit.ops:
+                op = rep.ops[rep.index[name]]
+                allowed = set(_op_choices(op, grp.menu, pins.get(name), grp.name, grp.device))
+                common = allowed if common is None else common & allowed
+            if not common:
+                raise QsyncInputError(
+                    f"group {grp.name} ({grp.device}): tied ops {', '.join(unit.ops)} share no "
+                    "precision the card runs")
+            choices.append(tuple(sorted(common, key=_fidelity, reverse=True)))
+        # Which unit sets each op's output dtype (None: fp32 whatever the plan).
+        unit_of = [self.unit_of.get(o.name) for o in rep.ops]
+        src: list[int | None] = [None] * n
+        for i, o in enumerate(rep.ops):
+            if o.role == OpRole.choosable:
+                src[i] = unit_of[i]
+            elif o.role == OpRole.pass_through and rep.in_edges[i]:
+                src[i] = src[rep.in_edges[i][0][0]]
+            elif o.role == OpRole.promote:
+                ins = [src[u] for u, _ in rep.in_edges[i]]
+                if ins and all(s is not None for s in ins):
+                    self._approx["promote"] += 1 if gi == 0 else 0
+
+        def out_dtype(u: int | None, k: int | None) -> DType:
+            if u is None or k is None:
+                return DType.fp32
+            return choices[u][k].info.gives_out
+
+        time0 = 0.0
+        mem0 = float(sum(rep._static_memory(grp).values()))
+        work0 = 0.0
+        time1 = [[0.0] * len(c) for c in choices]
+        mem1 = [[0.0] * len(c) for c in choices]
+        work1 = [[0.0] * len(c) for c in choices]
+        pairs: dict[tuple[int, int], PairTerm] = {}
+
+        def add_pair(a: int, ka: int, b: int, kb: int, t: float, m: float) -> None:
+            if a == b:
+                if ka == kb:
+                    time1[a][ka] += t
+                    mem1[a][ka] += m
+                return
+            if a > b:
+                a, ka, b, kb = b, kb, a, ka
+            term = pairs.get((a, b))
+            if term is None:
+                term = pairs[(a, b)] = PairTerm(
+                    a, b, [[0.0] * len(choices[b]) for _ in choices[a]],
+                    [[0.0] * len(choices[b]) for _ in choices[a]])
+            term.time[ka][kb] += t
+            term.mem[ka][kb] += m
+
+        def add(units_choices: Sequence[tuple[int | None, int | None]], t: float, m: float) -> None:
+            var = [(u, k) for u, k in units_choices if u is not None]
+            if not var:
+                nonlocal time0, mem0
+                time0 += t
+                mem0 += m
+            elif len(var) == 1:
+                u, k = var[0]
+                time1[u][k] += t  # type: ignore[index]
+                mem1[u][k] += m  # type: ignore[index]
+            else:
+                (a, ka), (b, kb) = var
+                add_pair(a, ka, b, kb, t, m)  # type: ignore[arg-type]
+
+        prec: list[Precision | None] = [None] * n
+        din = [DType.fp32] * n
+        dout = [DType.fp32] * n
+
+        def setup(i: int, s: int | None, ks: int | None) -> None:
+            o = rep.ops[i]
+            if o.role == OpRole.choosable:
+                p = choices[s][ks]  # type: ignore[index]
+                prec[i] = p
+                din[i], dout[i] = p.info.takes_in, p.info.gives_out
+            else:
+                prec[i] = None
+                if o.role == OpRole.pass_through and rep.in_edges[i]:
+                    din[i] = dout[i] = out_dtype(s, ks)
+                else:
+                    din[i] = dout[i] = DType.fp32
+
+        def items_ms(i: int, edges: list[tuple[int, int]]) -> float:
+            f, b = rep._op_items(grp, i, prec, din, dout, edges)
+            return sum(x[2] for x in f) + sum(x[2] for x in b)
+
+        for i in range(n):
+            o = rep.ops[i]
+            s = unit_of[i] if o.role == OpRole.choosable else (
+                src[i] if o.role == OpRole.pass_through else None)
+            s_range: list[int | None] = list(range(len(choices[s]))) if s is not None else [None]
+            edges = rep.in_edges[i]
+            edge_units = [src[u] for u, _ in edges]
+            for ks in s_range:
+                setup(i, s, ks)
+                for u, _ in edges:
+                    dout[u] = DType.fp32
+                base = items_ms(i, [])
+                add([(s, ks)], base, 0.0)
+                # Working set and weight copy depend on the op's own dtypes only.
+                _, wcopy, work = rep._op_memory(grp, i, prec, din, dout)
+                if s is None:
+                    work0 = max(work0, work)
+                else:
+                    work1[s][ks] = max(work1[s][ks], work)  # type: ignore[index]
+                add([(s, ks)], 0.0, wcopy)
+                # One pair term per in-edge for the casts on it.
+                if self.options.casts:
+                    for (u, numel), eu in zip(edges, edge_units, strict=True):
+                        e_range: list[int | None] = (list(range(len(choices[eu])))
+                                                     if eu is not None else [None])
+                        for ke in e_range:
+                            if eu is not None and eu == s and ke != ks:
+                                continue
+                            dout[u] = out_dtype(eu, ke)
+                            t = items_ms(i, [(u, numel)]) - base
+                            dout[u] = DType.fp32
+                            if t:
+                                add([(s, ks), (eu, ke)], t, 0.0)
+            # Saved activations: depend on the own dtype and on whether any input is cast.
+            # (Without storage shared with an earlier op the input casts change nothing.)
+            var_edges = sorted({eu for eu in edge_units if eu is not None and eu != s}
+                               ) if o.saved_shared_bytes else []
+            if len(var_edges) > 1:
+                self._approx["memory_or"] += 1 if gi == 0 else 0
+            for ks in s_range:
+                setup(i, s, ks)
+                combos = list(itertools.product(*[range(len(choices[v])) for v in var_edges]))
+                vals: list[tuple[tuple[int, ...], float]] = []
+                for combo in combos:
+                    assign = dict(zip(var_edges, combo, strict=True))
+                    for u, _ in edges:
+                        eu = src[u]
+                        dout[u] = out_dtype(eu, ks if eu == s else assign.get(eu))  # type: ignore[arg-type]
+                    saved, _, _ = rep._op_memory(grp, i, prec, din, dout)
+                    vals.append((combo, saved))
+                if len(var_edges) == 1:
+                    for combo, saved in vals:
+                        add([(s, ks), (var_edges[0], combo[0])], 0.0, saved)
+                else:
+                    add([(s, ks)], 0.0, max(v for _, v in vals))
+            for u, _ in edges:
+                dout[u] = DType.fp32
+            prec[i] = None
+            din[i] = dout[i] = DType.fp32
+        if not self.options.casts:
+            # The additive model: compute only (no input, weight or gradient casts).
+            time0, time1, pairs = self._additive_times(gi, choices, unit_of)
+        omega1 = self._omega(choices)
+        ref = Precision(self.options.reference)
+        reference = []
+        for c in choices:
+            if ref in c:
+                reference.append(c.index(ref))
+            elif Precision.fp32 in c:
+                reference.append(c.index(Precision.fp32))
+            else:
+                reference.append(0)
+        b = int(spec.batch_per_device or self.graph.batch_size)
+        weight = spec.count * b / sum(g.count * int(g.batch_per_device or self.graph.batch_size)
+                                      for g in self.cluster.groups)
+        return GroupModel(
+            name=grp.name, device=grp.device, count=spec.count, batch=b, weight=weight,
+            capacity_bytes=grp.capacity * (1 - self.options.memory_headroom),
+            usable_bytes=grp.capacity, choices=choices, time0=time0, time1=time1, mem0=mem0,
+            mem1=mem1, work0=work0, work1=work1, omega1=omega1,
+            pairs=[pairs[k] for k in sorted(pairs)], reference=reference)
+
+    def _additive_times(self, gi: int, choices: list[tuple[Precision, ...]],
+                        unit_of: list[int | None]
+                        ) -> tuple[float, list[list[float]], dict[tuple[int, int], PairTerm]]:
+        rep = self.replayer
+        grp = rep.groups[gi]
+        time0 = 0.0
+        time1 = [[0.0] * len(c) for c in choices]
+        for i, o in enumerate(rep.ops):
+            u = unit_of[i]
+            if u is None:
+                f, b = rep._compute_ms(grp, i, None, DType.fp32)
+                time0 += f + b
+            else:
+                for k, p in enumerate(choices[u]):
+                    f, b = rep._compute_ms(grp, i, p, p.info.gives_out)
+                    time1[u][k] += f + b
+        return time0, time1, {}
+
+    def _omega(self, choices: list[tuple[Precision, ...]]) -> list[list[float]]:
+        values = self.indicator.values
+        out: list[list[float]] = []
+        for unit, ch in zip(self.units, choices, strict=True):
+            row = []
+            for p in ch:
+                total = 0.0
+                for name in unit.ops:
+                    if p == Precision.fp32:
+                        continue
+                    v = values.get(name, {}).get(p)
+                    if v is None:
+                        raise QsyncInputError(
+                            f"indicator: no value for op {name} at {p.value} (method "
+                            f"{self.indicator.method}); recompute it for this graph")
+                    total += v
+                row.append(total)
+            out.append(row)
+        return out
+
+    # ------------------------------------------------------------------ plans
+
+    def group(self, name: str) -> GroupModel:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise QsyncInputError(f"no group {name!r}; groups: {', '.join(g.name for g in self.groups)}")
+
+    def assignment(self, plan: Plan | Mapping[str, Mapping[str, Precision | str]]
+                   ) -> dict[str, list[int]]:
+        """Choice indices per group for a plan (validated by the replayer's rules)."""
+        precs = self.replayer.precisions_for(plan)
+        out: dict[str, list[int]] = {}
+        for g, row in zip(self.groups, precs, strict=True):
+            a = []
+            for u, unit in enumerate(self.units):
+                p = row[self.replayer.index[unit.ops[0]]]
+                if p not in g.choices[u]:
+                    raise QsyncInputError(
+                        f"plan: group {g.name}, op {unit.ops[0]}: {p} is not among the "
+                        f"problem's choices {', '.join(q.value for q in g.choices[u])}")
+                a.append(g.choices[u].index(p))  # type: ignore[arg-type]
+            out[g.name] = a
+        return out
+
+    def precisions(self, assignment: Mapping[str, Sequence[int]]) -> dict[str, dict[str, Precision]]:
+        """Op -> precision per group from choice indices."""
+        out: dict[str, dict[str, Precision]] = {}
+        for g in self.groups:
+            a = assignment[g.name]
+            out[g.name] = {op: g.choices[u][a[u]] for u, unit in enumerate(self.units)
+                           for op in unit.ops}
+        return out
+
+    def make_plan(self, assignment: Mapping[str, Sequence[int]],
+                  provenance: Mapping[str, Any] | None = None) -> Plan:
+        from .plan import make_plan
+
+        prov = dict(self.provenance())
+        prov.update(provenance or {})
+        return make_plan(self.graph, self.cluster, self.precisions(assignment), prov)
+
+    def provenance(self) -> dict[str, Any]:
+        return {"graph_hash": self.graph.structure_hash(), "costs_hash": _hash(self.costs),
+                "indicator_hash": _hash(self.indicator), "indicator_method": self.indicator.method,
+                "target_ms": self.target_ms, "reference": Precision(self.options.reference).value,
+                "memory_headroom": self.options.memory_headroom,
+                "optimizer": self.options.optimizer}
+
+    def reference_assignment(self) -> dict[str, list[int]]:
+        return {g.name: list(g.reference) for g in self.groups}
+
+    def makespan_ms(self, assignment: Mapping[str, Sequence[int]]) -> float:
+        """The linear model's makespan."""
+        return max(g.time_ms(assignment[g.name]) for g in self.groups) + self.tail_ms
+
+    @property
+    def tail_ms(self) -> float:
+        """What every group's time is charged after its backward: last bucket + optimizer."""
+        return self.bucket_tail_ms + self.optimizer_ms
+
+    def group_budget_ms(self) -> float:
+        """A group's compute time allowed by the target (the per-group time row's bound)."""
+        return self.target_ms - self.tail_ms
+
+    def objective(self, assignment: Mapping[str, Sequence[int]]) -> float:
+        return sum(g.weight * g.degradation(assignment[g.name]) for g in self.groups)
+
+    # ------------------------------------------------------------------ variations
+
+    def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None
+                     ) -> AllocationProblem:
+        """The same problem on another cluster or batch split (costs re-made if needed)."""
+        cluster = cluster.with_default_batch(self.graph.batch_size)
+        have = {(c.device, c.batch_size) for c in self.costs.entries}
+        need = {(g.device, int(g.batch_per_device)) for g in cluster.groups}  # type: ignore[arg-type]
+        same_world = cluster.world_size == self.cluster.world_size
+        costs = self.costs
+        if not need <= have or not same_world:
+            if self.cost_provider is not None:
+                costs = self.cost_provider(cluster)
+            elif all(c.source == "estimated" for c in self.costs.entries[:1]):
+                costs = estimate(self.graph, cluster, efficiencies=self.costs.efficiencies,
+                                 bucket_cap_bytes=self.costs.bucket_cap_bytes)
+            else:
+                missing = sorted(need - have)
+                raise QsyncInputError(
+                    "costs: measured costs lack "
+                    + (", ".join(f"{d}@{b}" for d, b in missing) or "this cluster's comm model")
+                    + "; profile those batches or pass a cost_provider")
+        return AllocationProblem(self.graph, cluster, costs, self.indicator,
+                                 options or self.options, cost_provider=self.cost_provider)
+
+    def with_options(self, **changes: Any) -> AllocationProblem:
+        opts = self.options.to_json()
+        opts.update(changes)
+        if opts.get("strong_groups") is not None:
+            opts["strong_groups"] = tuple(opts["strong_groups"])
+        return AllocationProblem(self.graph, self.cluster, self.costs, self.indicator,
+                                 ProblemOptions(**opts), cost_provider=self.cost_provider)
+
+    def size(self) -> dict[str, int]:
+        """Units, one-hot variables and pair variables per group (for reports)."""
+        return {
+            "units": len(self.units),
+            "x_vars": sum(len(c) for g in self.groups for c in g.choices),
+            "pair_vars": sum(len(p.time) * len(p.time[0]) for g in self.groups for p in g.pairs),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {"workload": self.graph.workload, "groups": [
+            {"name": g.name, "device": g.device, "count": g.count, "batch": g.batch,
+             "weight": g.weight, "reference_ms": self.reference_times[g.name],
+             "capacity_bytes": g.capacity_bytes} for g in self.groups],
+            "target_ms": self.target_ms, "target_source": self.target_source,
+            "tail_ms": self.tail_ms, **self.size(), "notes": self.notes}
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class GroupEvaluation:
+    name: str
+    device: str
+    batch: int
+    linear_ms: float
+    replay_compute_ms: float
+    degradation: float
+    linear_memory_bytes: float
+    replay_memory_bytes: int
+    capacity_bytes: float
+    fits: bool
+
+
+@dataclass
+class Evaluation:
+    """How good a plan is, independent of the allocator that made it."""
+
+    objective: float
+    makespan_ms: float  # linear model
+    replay_makespan_ms: float
+    samples_per_s: float  # global batch / replayer makespan
+    global_batch: int
+    target_ms: float
+    meets_target: bool  # linear model
+    replay_meets_target: bool
+    fits: bool
+    groups: dict[str, GroupEvaluation]
+    violations: list[str]
+    timeline: Timeline | None = field(default=None, repr=False)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "objective": self.objective, "makespan_ms": self.makespan_ms,
+            "replay_makespan_ms": self.replay_makespan_ms, "samples_per_s": self.samples_per_s,
+            "global_batch": self.global_batch, "target_ms": self.target_ms,
+            "meets_target": self.meets_target, "replay_meets_target": self.replay_meets_target,
+            "fits": self.fits, "feasible": self.feasible, "violations": self.violations,
+            "groups": {n: g.__dict__ for n, g in self.groups.items()},
+        }
+
+
+#: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
+EVAL_TOL = 1e-7
+
+
+def evaluate(problem: AllocationProblem, plan: Plan, *, target_ms: float | None = None
+             ) -> Evaluation:
+    """Score ``plan`` on ``problem``: objective, linear and replayer makespans, throughput,
+    memory per group and every violated constraint.
+
+    A plan whose cluster differs from the problem's (another batch split, groups left out)
+    is scored on the problem re-made for that cluster, against the same target.
+    """
+    if plan.graph_hash != problem.graph.structure_hash():
+        from .plan import plan_graph_difference
+
+        raise QsyncInputError(plan_graph_difference(plan, problem.graph))
+    target = problem.target_ms if target_ms is None else target_ms
+    prob = problem
+    if _cluster_key(plan.cluster) != _cluster_key(problem.cluster):
+        prob = problem.with_cluster(plan.cluster, ProblemOptions(
+            **{**problem.options.to_json(), "target_ms": target, "strong_groups": None}))
+    a = prob.assignment(plan)
+    tl = prob.replayer.simulate(plan, events=False)
+    violations: list[str] = []
+    groups: dict[str, GroupEvaluation] = {}
+    for g in prob.groups:
+        lin = g.time_ms(a[g.name])
+        mem = g.memory_bytes(a[g.name])
+        gt = tl.groups[g.name]
+        fits = mem <= g.capacity_bytes * (1 + EVAL_TOL) and gt.peak_memory_bytes <= g.capacity_bytes * (1 + EVAL_TOL)
+        if not fits:
+            violations.append(
+                f"{g.name}: memory {max(mem, gt.peak_memory_bytes) / 2**30:.2f} GiB exceeds "
+                f"{g.capacity_bytes / 2**30:.2f} GiB")
+        groups[g.name] = GroupEvaluation(
+            name=g.name, device=g.device, batch=g.batch, linear_ms=lin,
+            replay_compute_ms=gt.compute_ms, degradation=g.degradation(a[g.name]),
+            linear_memory_bytes=mem, replay_memory_bytes=gt.peak_memory_bytes,
+            capacity_bytes=g.capacity_bytes, fits=fits)
+    makespan = prob.makespan_ms(a)
+    meets = makespan <= target * (1 + EVAL_TOL)
+    if not meets:
+        violations.append(f"linear makespan {makespan:.3f} ms exceeds the target {target:.3f} ms")
+    replay = tl.iteration_ms
+    return Evaluation(
+        objective=prob.objective(a), makespan_ms=makespan, replay_makespan_ms=replay,
+        samples_per_s=prob.global_batch / replay * 1e3 if replay > 0 else float("inf"),
+        global_batch=prob.global_batch, target_ms=target, meets_target=meets,
+        replay_meets_target=replay <= target * (1 + EVAL_TOL),
+        fits=all(g.fits for g in groups.values()), groups=groups, violations=violations,
+        timeline=tl)
+
+
+def _cluster_key(cluster: ClusterSpec) -> str:
+    return json.dumps([(g.name, g.device, g.count, g.batch_per_device) for g in cluster.groups])
