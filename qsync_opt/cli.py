@@ -305,6 +305,113 @@ def cmd_indicate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _problem_options(args: argparse.Namespace) -> Any:
+    from .problem import ProblemOptions
+
+    pins = {}
+    for item in args.pin or []:
+        op, sep, prec = item.partition("=")
+        if not sep or not op or not prec:
+            raise QsyncInputError(f"pin: expected OP=PRECISION, got {item!r}")
+        pins[op] = prec
+    return ProblemOptions(target_ms=args.target_ms, memory_headroom=args.headroom, pinned=pins,
+                          optimizer=args.optimizer, reference=args.reference)
+
+
+def _solve_options(args: argparse.Namespace) -> Any:
+    from .solvers import SolveOptions
+
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise QsyncInputError(f"time-limit: expected a positive number of seconds, got {args.time_limit}")
+    return SolveOptions(time_limit_s=args.time_limit or 60.0, threads=args.threads,
+                        seed=args.seed, rel_gap=args.gap, warm_start=args.warm_start,
+                        acceptance=args.acceptance)
+
+
+def _build_problem(args: argparse.Namespace) -> Any:
+    from .solve import build_problem
+
+    graph = _trace_args(args)
+    return build_problem(graph, args.cluster, indicator=args.indicator, costs=args.costs,
+                         options=_problem_options(args), indicator_method=args.method,
+                         indicator_batches=args.indicator_batches,
+                         progress=sys.stderr.isatty())
+
+
+def plan_lines(problem: Any, plan: Plan, ev: Any) -> list[str]:
+    """Per group: how many ops run at each precision, time and memory."""
+    from collections import Counter
+
+    lines = []
+    for name, gp in plan.groups.items():
+        counts = Counter(p.value for p in gp.precisions.values())
+        mix = ", ".join(f"{n} {p}" for p, n in counts.most_common())
+        g = ev.groups[name]
+        lines.append(f"  {name} ({g.device}, batch {g.batch}): {mix}; linear {g.linear_ms:.1f} ms, "
+                     f"replayer compute {g.replay_compute_ms:.1f} ms, memory "
+                     f"{g.replay_memory_bytes / GiB:.2f}/{g.capacity_bytes / GiB:.1f} GiB")
+    return lines
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from .problem import evaluate
+    from .solve import solve
+
+    problem = _build_problem(args)
+    plan, report = solve(problem, args.solver, _solve_options(args))
+    ev = evaluate(problem, plan)
+    save(plan, args.out)
+    if args.report:
+        save(report, args.report)
+    if args.json:
+        _emit_json({"plan": args.out, "report": report.model_dump(mode="json"),
+                    "evaluation": ev.to_json()})
+        return 0
+    print(f"{args.solver}: {report.status}, objective {ev.objective:.6g}"
+          + (f", gap {report.gap:.2g}" if report.gap is not None else "")
+          + f"; {report.mode}")
+    print(f"  makespan {ev.makespan_ms:.2f} ms linear, {ev.replay_makespan_ms:.2f} ms replayer "
+          f"(target {ev.target_ms:.2f}); {ev.samples_per_s:.1f} samples/s; "
+          f"build {report.build_s:.3f} s, solve {report.solve_s:.3f} s, wall {report.wall_s:.3f} s")
+    print("\n".join(plan_lines(problem, plan, ev)))
+    for m in report.messages:
+        print(f"  {m}")
+    for note in problem.notes:
+        print(f"  note: {note}")
+    print(f"wrote {args.out}" + (f" and {args.report}" if args.report else ""))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .solve import compare, format_rows
+
+    problem = _build_problem(args)
+    names = [s.strip() for s in args.solvers.split(",")] if args.solvers else None
+    rows = compare(problem, names, _solve_options(args))
+    doc = {"workload": problem.graph.workload, "cluster": args.cluster,
+           "target_ms": problem.target_ms, "target_source": problem.target_source,
+           "rows": [r.to_json() for r in rows]}
+    if args.plans:
+        for r in rows:
+            if r.plan is not None:
+                save(r.plan, f"{args.plans}/{r.solver}.plan.json")
+    if args.json is not None:
+        text = json.dumps(doc, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+            return 0
+        atomic_write_text(args.json, text)
+    print(f"{problem.graph.workload} on {args.cluster}: target {problem.target_ms:.2f} ms "
+          f"({problem.target_source})")
+    print(format_rows(rows))
+    for r in rows:
+        if r.status in ("ERROR", "INFEASIBLE") and r.messages:
+            print(f"  {r.solver}: {r.messages[-1]}")
+    if args.json not in (None, "-"):
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     model, shorthand = "resnet50", "v100x16+t4x16"
     t0 = time.perf_counter()
@@ -335,11 +442,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms, "
               f"{'and the T4s still set the pace' if low.straggler == 't4' else 'and the straggler is gone'}"
               f" in these estimates.")
+    # The planning job: indicator, every allocator, the plan written, the straggler gone.
+    import torch
+
+    from .indicator import indicate
+    from .problem import AllocationProblem, evaluate
+    from .solve import compare, format_rows
+
+    t0 = time.perf_counter()
+    ind = indicate(model, args.indicator_batches, args.method, batch=8,
+                   term_dtype=torch.bfloat16, term_rows=2, progress=sys.stderr.isatty())
+    print(f"\nindicator: {ind.method} on {ind.batches} {ind.data} batch(es) of {ind.batch_size} "
+          f"on this CPU in {time.perf_counter() - t0:.1f} s (cached for the next run)")
+    problem = AllocationProblem(graph, cluster, costs, ind)
+    print(f"allocation problem: {problem.describe()['units']} decisions per group, target "
+          f"{problem.target_ms:.1f} ms ({problem.target_source})\n")
+    rows = compare(problem)
+    print(format_rows(rows))
+    chosen = next((r for r in rows if r.solver in ("cpsat", "highs", "cbc") and r.plan is not None
+                   and r.feasible), None)
+    out = args.out or "qsync-demo"
+    if chosen is not None and chosen.plan is not None:
+        ev = evaluate(problem, chosen.plan)
+        save(chosen.plan, f"{out}/plan.json")
+        base = {r.solver: r for r in rows}
+        print(f"\n{chosen.solver}'s plan ({chosen.status}):")
+        print("\n".join(plan_lines(problem, chosen.plan, ev)))
+        tl = ev.timeline
+        assert tl is not None
+        gap = tl.groups["t4"].compute_ms / tl.groups["v100"].compute_ms
+        print(f"The T4s now compute in {gap:.2f}x the V100s' time "
+              f"({'the straggler is gone' if gap <= 1.0 + 1e-6 else 'still behind'}); iteration "
+              f"{ev.replay_makespan_ms:.0f} ms in the replayer against {high.iteration_ms:.0f} ms "
+              f"with every card at FP32.")
+        so = base.get("strong-only")
+        if so is not None and so.samples_per_s:
+            print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "
+                  f"with the V100s alone ({ev.samples_per_s / so.samples_per_s:.2f}x).")
+        print(f"wrote {out}/plan.json")
+    else:
+        print("\nno exact allocator found a feasible plan; see the table above")
     if args.out:
         save(graph, f"{args.out}/graph.json")
         save(costs, f"{args.out}/costs.json")
+        save(ind, f"{args.out}/indicator.json")
         atomic_write_text(f"{args.out}/cluster.json", to_json(cluster))
-        print(f"wrote {args.out}/graph.json, costs.json, cluster.json")
+        print(f"wrote {args.out}/graph.json, costs.json, indicator.json, cluster.json")
     return 0
 
 
@@ -407,8 +555,57 @@ def build_parser() -> argparse.ArgumentParser:
                          "models; scales still from whole batches)")
     sp.add_argument("--out", help="write the IndicatorTable JSON here")
     sp.set_defaults(fn=cmd_indicate)
+    def problem_args(sp: argparse.ArgumentParser) -> None:
+        model_args(sp)
+        sp.add_argument("--cluster", required=True, help=f"cluster file or {SHORTHAND_HELP}")
+        sp.add_argument("--indicator", help="IndicatorTable JSON (default: computed and cached)")
+        sp.add_argument("--method", default="qsync",
+                        choices=["qsync", "wvar", "hessian", "fisher", "random"],
+                        help="indicator method when it is computed")
+        sp.add_argument("--indicator-batches", type=int, default=10,
+                        help="batches the computed indicator averages over")
+        sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
+        sp.add_argument("--target-ms", type=float, default=None,
+                        help="makespan target (default: strong groups at their reference)")
+        sp.add_argument("--headroom", type=float, default=0.0,
+                        help="fraction of each card's memory kept free")
+        sp.add_argument("--reference", default="fp32", help="strong groups' reference precision")
+        sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+        sp.add_argument("--pin", action="append", metavar="OP=PRECISION",
+                        help="fix an op's precision on every group (repeatable)")
+        sp.add_argument("--time-limit", type=float, default=None, help="seconds per solve")
+        sp.add_argument("--threads", type=int, default=0, help="solver threads (0: default)")
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--gap", type=float, default=1e-6, help="relative optimality gap")
+        sp.add_argument("--warm-start", choices=["greedy"], default=None,
+                        help="hint the exact solvers with greedy's plan")
+        sp.add_argument("--acceptance", choices=["replayer", "linear"], default="replayer",
+                        help="greedy's move check")
+
+    sp = add("solve", "choose every op's precision on every group")
+    problem_args(sp)
+    sp.add_argument("--solver", default="cpsat",
+                    help="highs, cbc, cpsat, greedy, greedy-per-ms, uniform, dynamic-batching, "
+                         "additive-ilp or strong-only")
+    sp.add_argument("--out", required=True, help="write the Plan JSON here")
+    sp.add_argument("--report", help="also write the SolveReport JSON here")
+    sp.set_defaults(fn=cmd_solve)
+    sp = sub.add_parser("compare", help="every allocator and baseline side by side",
+                        description="every allocator and baseline side by side")
+    problem_args(sp)
+    sp.add_argument("--solvers", help="comma-separated subset (default: all)")
+    sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help='write {"rows": [...]} to FILE (stdout without FILE)')
+    sp.add_argument("--plans", metavar="DIR", help="write every plan into this folder")
+    sp.set_defaults(fn=cmd_compare)
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
-    sp.add_argument("--out", help="also write graph, costs and cluster JSON into this folder")
+    sp.add_argument("--out", help="write the plan, graph, costs, indicator and cluster JSON "
+                    "into this folder (default: the plan only, into ./qsync-demo)")
+    sp.add_argument("--method", default="qsync",
+                    choices=["qsync", "wvar", "hessian", "fisher", "random"],
+                    help="indicator method")
+    sp.add_argument("--indicator-batches", type=int, default=4,
+                    help="synthetic batches of 8 the indicator averages over")
     sp.set_defaults(fn=cmd_demo)
     return p
 

@@ -40,7 +40,6 @@ the catalog models.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -177,7 +176,7 @@ class GroupModel:
 
 
 def _hash(doc: Any) -> str:
-    return hashlib.sha256(doc.model_dump_json().encode()).hexdigest()[:16]
+    return str(doc.content_hash())
 
 
 def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
@@ -209,12 +208,19 @@ class AllocationProblem:
         self.indicator = indicator
         self.options = options or ProblemOptions()
         self.cost_provider = cost_provider
-        if indicator.graph_hash != graph.structure_hash():
+        if indicator.graph_hash != graph.structure_hash() and (
+                indicator.workload != graph.workload
+                or any(o.name not in indicator.values for o in graph.choosable_ops())):
             raise QsyncInputError(
                 f"indicator: made for graph {indicator.graph_hash} ({indicator.workload}), not "
                 f"{graph.structure_hash()} ({graph.workload})")
         self.replayer = Replayer(graph, self.cluster, costs, optimizer=self.options.optimizer)
         self.notes: list[str] = []
+        if indicator.graph_hash != graph.structure_hash():
+            self.notes.append(
+                f"indicator measured on {indicator.workload} at batch {indicator.batch_size} "
+                f"(graph {indicator.graph_hash}); matched to this graph by op name (its values "
+                "are relative, so they hold at every batch)")
         ops = {o.name: o for o in graph.ops}
         for name in self.options.pinned:
             if name not in ops:
@@ -465,7 +471,7 @@ class AllocationProblem:
         grp = rep.groups[gi]
         time0 = 0.0
         time1 = [[0.0] * len(c) for c in choices]
-        for i, o in enumerate(rep.ops):
+        for i in range(rep.n):
             u = unit_of[i]
             if u is None:
                 f, b = rep._compute_ms(grp, i, None, DType.fp32)

@@ -58,6 +58,19 @@ class Document(Schema):
         data["schema_version"] = version
         return data
 
+    def save(self, path: Any) -> Any:
+        """Write this document as JSON, atomically (see :func:`qsync_opt.io.save`)."""
+        from .io import save
+
+        return save(self, path)
+
+    @classmethod
+    def load(cls, path: Any) -> Any:
+        """Read a document of this type, refusing other kinds and versions clearly."""
+        from .io import load
+
+        return load(path, cls)
+
     def content_hash(self) -> str:
         """sha256 of the canonical JSON, the first 16 hex digits (provenance, plan checks)."""
         payload = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,120 @@
+"""Allocators side by side: every backend and baseline on the same problems, in one run.
+
+Per instance it prints the problem size (units, one-hot and pair variables; each exact
+backend's own variable and constraint counts), and per allocator: status, objective,
+objective against the exact optimum, linear and replayer makespan, throughput against the
+exact plan, model-building and solver seconds and the median wall time over repeats.
+Indicators are seeded random tables (qsync_opt.synthetic.random_indicator): solve times do
+not depend on where Omega comes from, and the real indicator of gpt2_medium would take far
+longer than the solves. Casts are on, tie groups off.
+
+    .venv/bin/python benchmarks/bench_solvers.py [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+from qsync_opt.solvers import SolveOptions, registry
+
+from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt._env import cpu_model
+from qsync_opt.problem import AllocationProblem, evaluate
+from qsync_opt.synthetic import random_indicator, synthetic_graph
+
+INSTANCES = [
+    ("resnet50", "v100x16+t4x16", None),
+    ("bert_base", "a100x8+t4x8", None),
+    ("vgg16_bn", "v100x16+t4x16", None),
+    ("gpt2_medium", "h100x8+l4x8+t4x8", 0.5),
+    ("synthetic600", "a100x4+l4x4+t4x4", 0.5),
+]
+
+
+def fastest_makespan(prob: AllocationProblem) -> float:
+    """Makespan with every unit at its cheapest unary time (casts counted, so an estimate)."""
+    a = {g.name: [min(range(len(row)), key=row.__getitem__) for row in g.time1]
+         for g in prob.groups}
+    return prob.makespan_ms(a)
+
+
+def build(model: str, shorthand: str, frac: float | None) -> AllocationProblem:
+    graph = synthetic_graph(600) if model == "synthetic600" else trace(model)
+    cluster = parse_shorthand(shorthand)
+    prob = AllocationProblem(graph, cluster, estimate(graph, cluster), random_indicator(graph))
+    if frac is not None:
+        ref = prob.makespan_ms(prob.reference_assignment())
+        fast = fastest_makespan(prob)
+        prob = prob.with_options(target_ms=fast + frac * (ref - fast))
+    return prob
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="resnet50 and bert_base only, 1 repeat")
+    ap.add_argument("--solvers", default=None, help="comma-separated subset")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    repeats = 1 if args.quick else args.repeats
+    instances = INSTANCES[:2] if args.quick else INSTANCES
+    backends = registry()
+    names = args.solvers.split(",") if args.solvers else list(backends)
+    print(f"machine: {cpu_model()}, {platform.python_version()}; median of {repeats} "
+          f"repeat(s); time limit {args.time_limit:g} s")
+    for model, shorthand, frac in instances:
+        t0 = time.perf_counter()
+        prob = build(model, shorthand, frac)
+        prep = time.perf_counter() - t0
+        size = prob.size()
+        print(f"\n== {model} on {shorthand}: {size['units']} units, {size['x_vars']} one-hot and "
+              f"{size['pair_vars']} pair variables over {len(prob.groups)} groups; target "
+              f"{prob.target_ms:.2f} ms ({prob.target_source if frac is None else f'{frac:g} of the way from the fastest to the reference makespan'}); "
+              f"problem prepared in {prep:.2f} s")
+        rows = []
+        for name in names:
+            b = backends[name]
+            if not b.is_available():
+                rows.append((name, "n/a"))
+                continue
+            walls, result = [], None
+            for _ in range(repeats):
+                t = time.perf_counter()
+                result = b.solve(prob, SolveOptions(time_limit_s=args.time_limit))
+                walls.append(time.perf_counter() - t)
+            plan, rep = result  # type: ignore[misc]
+            ev = evaluate(prob, plan) if plan is not None else None
+            rows.append((name, rep, ev, statistics.median(walls)))
+        exact = next((r for r in rows if len(r) == 4 and r[0] in ("highs", "cbc", "cpsat")
+                      and r[2] is not None and r[1].status == "OPTIMAL"), None)
+        ex_obj = exact[2].objective if exact else None
+        ex_thr = exact[2].samples_per_s if exact else None
+        print(f"{'solver':>17} {'status':>10} {'ok':>3} {'objective':>10} {'/exact':>7} "
+              f"{'linear ms':>10} {'replay ms':>10} {'samples/s':>10} {'/exact':>6} "
+              f"{'build s':>8} {'solve s':>8} {'wall s':>8} {'vars':>7} {'cons':>7}")
+        for r in rows:
+            if len(r) == 2:
+                print(f"{r[0]:>17} not available here")
+                continue
+            name, rep, ev, wall = r
+            if ev is None:
+                print(f"{name:>17} {rep.status:>10}  no plan: {rep.messages[-1] if rep.messages else ''}"
+                      f" {'':>40} {wall:8.3f}")
+                continue
+            ratio = (f"{ev.objective / ex_obj:7.3f}" if ex_obj else f"{'-':>7}")
+            thr = (f"{ev.samples_per_s / ex_thr:6.3f}" if ex_thr else f"{'-':>6}")
+            print(f"{name:>17} {rep.status:>10} {'yes' if ev.feasible else 'no':>3} "
+                  f"{ev.objective:10.4g} {ratio} {ev.makespan_ms:10.2f} "
+                  f"{ev.replay_makespan_ms:10.2f} {ev.samples_per_s:10.1f} {thr} "
+                  f"{rep.build_s:8.3f} {rep.solve_s:8.3f} {wall:8.3f} {rep.n_variables:7d} "
+                  f"{rep.n_constraints:7d}")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
