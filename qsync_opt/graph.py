@@ -56,8 +56,8 @@ ALL_GEMM_PRECISIONS = [
 CONV_PRECISIONS = [p for p in ALL_GEMM_PRECISIONS if p != Precision.fp8]
 
 PIN_REASONS = {
-    OpKind.norm: "norm: fp32 statistics, as autocast runs layer_norm/group_norm (QSync let "
-    "norms drop to 16 bit; qsync-opt keeps autocast's choice)",
+    OpKind.norm: "norm: fp32, as autocast runs layer_norm/group_norm (QSync let norms drop to "
+    "16 bit; qsync-opt keeps autocast's choice; batch_norm runs in its input's dtype)",
     OpKind.softmax: "softmax: fp32, as autocast runs softmax/log_softmax",
     OpKind.loss: "loss: fp32, as autocast runs cross_entropy/nll_loss/mse_loss",
     OpKind.embedding: "embedding: a gather with no arithmetic to lower; runs in its weight dtype",
@@ -492,6 +492,11 @@ def _flops(op: _RawOp) -> tuple[int, int, list[int] | None]:
     return per * max(out_numel, sum(t.numel() for t in op.input_tensors)), 0, None
 
 
+def _snake(target: str) -> str:
+    """'torch.nn.modules.batchnorm.BatchNorm2d' -> '...batch_norm2d' (for name checks)."""
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", target).lower()
+
+
 def _role(kind: OpKind, n_float_inputs: int) -> OpRole:
     if kind in _CHOOSABLE:
         return OpRole.choosable
@@ -569,6 +574,10 @@ def _build_graph(
         fwd_bytes = sum(_nbytes(t) for t in op.input_tensors) + sum(
             _nbytes(t) for t in op.outputs) + param_bytes
         role = _role(op.kind, sum(1 for t in op.input_tensors if t.is_floating_point()))
+        if op.kind == OpKind.norm and "batch_norm" in _snake(op.target):
+            # Autocast lists batch_norm in neither its fp32 nor its 16-bit list: it runs in its
+            # input's dtype (cuDNN keeps the statistics in fp32), so it passes dtypes through.
+            role = OpRole.pass_through
         allowed: list[Precision]
         if role == OpRole.choosable:
             allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)

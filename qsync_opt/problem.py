@@ -28,14 +28,19 @@ DESIGN.md (The allocation problem):
   of the last gradient bucket (the one that cannot overlap backward), ``opt`` the slowest
   optimizer step. The replayer scores the same plan with overlap and bucket alignment.
 
+* **Derived units.** A promoting op (add, cat) fed only by decision units runs in the
+  widest of their dtypes (autocast). Its dtype is not a decision but it sets the casts
+  downstream, so it becomes a *derived unit* (``GroupModel.derived``): it has choices
+  (fp32/fp16/bf16) and unary/pair terms like any unit, and ``derived_rows()`` gives the
+  AND rows that tie its choice to its inputs' (ResNet's residual adds, once batch norm runs
+  in its input's dtype as under autocast, chain these).
+
 Where the linear model is exact. On every catalog workload the linear model reproduces the
-replayer's per-group compute time and memory for any plan (tests hold them equal). Two
-rules of the replayer are not pairwise, and the linear model approximates them, counting
-them in ``notes``: a promoting op (add, cat) all of whose inputs come from choosable ops is
-taken to run in fp32 (the replayer lets it run in 16 bit when all inputs agree); an op
-with two or more choosable producers and storage shared with an earlier op takes its
-memory term as the maximum over its producers' choices (an upper bound). Neither occurs in
-the catalog models.
+replayer's per-group compute time and memory for any plan (tests hold them equal). One
+rule of the replayer is not pairwise and is approximated, with a note: an op with two or
+more choosable producers *and* storage shared with an earlier op takes its saved-activation
+bytes as the maximum over its producers' choices (an upper bound). It does not occur in the
+catalog models.
 """
 
 from __future__ import annotations
@@ -135,6 +140,37 @@ class PairTerm:
     mem: list[list[float]]
 
 
+@dataclass(frozen=True)
+class DerivedUnit:
+    """A promoting op (add, cat) fed only by decision units: its dtype is not chosen but
+    follows from theirs (autocast's widest rule). Index ``index`` in the extended unit space;
+    ``choices`` are fp32/fp16/bf16 as pass-through precisions."""
+
+    index: int
+    op: str
+    inputs: tuple[int, ...]
+    choices: tuple[Precision, ...]
+
+
+_PASS = {DType.fp32: Precision.fp32, DType.fp16: Precision.fp16, DType.bf16: Precision.bf16}
+
+
+def _widest_precision(dtypes: set[DType]) -> Precision:
+    return _PASS[dtypes.pop()] if len(dtypes) == 1 else Precision.fp32
+
+
+def _widest_choices(inputs: Sequence[tuple[Precision, ...]]) -> tuple[Precision, ...]:
+    """The dtypes a promoting op can end up in, given its inputs' choices."""
+    can = [{p.info.gives_out for p in c} for c in inputs]
+    out = []
+    if any(DType.fp32 in c for c in can) or (len(can) > 1 and len(set().union(*can)) > 1):
+        out.append(Precision.fp32)
+    for dt in (DType.fp16, DType.bf16):
+        if all(dt in c for c in can):
+            out.append(_PASS[dt])
+    return tuple(sorted(out, key=_fidelity, reverse=True))
+
+
 @dataclass
 class GroupModel:
     """One device group's coefficients. Choice indices refer to ``choices[u]``, which lists
@@ -157,16 +193,59 @@ class GroupModel:
     omega1: list[list[float]]
     pairs: list[PairTerm]
     reference: list[int]
+    derived: list[DerivedUnit] = field(default_factory=list)
+
+    @property
+    def n_units(self) -> int:
+        """Real decisions; derived units follow them in time1/mem1/work1 and pair indices."""
+        return len(self.choices)
+
+    @property
+    def all_choices(self) -> list[tuple[Precision, ...]]:
+        return list(self.choices) + [d.choices for d in self.derived]
+
+    def complete(self, a: Sequence[int]) -> list[int]:
+        """Extend an assignment of the real units with the derived units' choices."""
+        full = list(a)
+        if len(full) != len(self.choices):
+            raise ValueError(f"assignment has {len(full)} choices, expected {len(self.choices)}")
+        ext = self.all_choices
+        for d in self.derived:
+            dtypes = {ext[u][full[u]].info.gives_out for u in d.inputs}
+            full.append(d.choices.index(_widest_precision(dtypes)))
+        return full
 
     def time_ms(self, a: Sequence[int]) -> float:
+        a = self.complete(a) if self.derived else a
         t = self.time0 + sum(row[c] for row, c in zip(self.time1, a, strict=True))
         return t + sum(p.time[a[p.a]][a[p.b]] for p in self.pairs)
 
     def memory_bytes(self, a: Sequence[int]) -> float:
+        a = self.complete(a) if self.derived else a
         m = self.mem0 + sum(row[c] for row, c in zip(self.mem1, a, strict=True))
         m += sum(p.mem[a[p.a]][a[p.b]] for p in self.pairs)
         work = max([self.work0] + [row[c] for row, c in zip(self.work1, a, strict=True)])
         return m + work
+
+    def derived_rows(self) -> list[tuple[int, int, list[list[tuple[int, int]]]]]:
+        """The derived units' definition as AND rows, for the exact backends.
+
+        One entry ``(d, k, inputs)`` per derived unit ``d`` and each 16-bit choice ``k`` of
+        it: ``inputs`` lists, per input unit, the ``(unit, choice)`` pairs giving that dtype.
+        With S_i the sum of those x of input i: ``x[d,k] <= S_i`` for every i and
+        ``x[d,k] >= sum_i S_i - (len(inputs) - 1)``; with one-hot rows on ``d`` this fixes
+        ``d`` exactly (fp32 is the rest). An input that can never give it forces ``x[d,k] = 0``.
+        """
+        ext = self.all_choices
+        rows = []
+        for d in self.derived:
+            for k, p in enumerate(d.choices):
+                if p == Precision.fp32:
+                    continue
+                dt = p.info.gives_out
+                rows.append((d.index, k, [[(u, j) for j, q in enumerate(ext[u])
+                                           if q.info.gives_out == dt] for u in d.inputs]))
+        return rows
 
     def degradation(self, a: Sequence[int]) -> float:
         return sum(row[c] for row, c in zip(self.omega1, a, strict=True))
@@ -233,12 +312,8 @@ class AllocationProblem:
         self.bucket_tail_ms = rep.bucket_ms[-1] if rep.bucket_ms else 0.0
         self.optimizer_ms = max(g.optimizer_ms for g in rep.groups)
         self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
-        self._approx: dict[str, int] = {"promote": 0, "memory_or": 0}
+        self._approx: dict[str, int] = {"memory_or": 0}
         self.groups = [self._group_model(gi) for gi in range(len(rep.groups))]
-        if self._approx["promote"]:
-            self.notes.append(
-                f"linear model: {self._approx['promote']} promoting ops whose inputs all come "
-                "from choosable ops are taken to run in fp32 (the replayer may run them in 16 bit)")
         if self._approx["memory_or"]:
             self.notes.append(
                 f"linear model: {self._approx['memory_or']} ops with several choosable producers "
@@ -305,30 +380,43 @@ class AllocationProblem:
                     f"group {grp.name} ({grp.device}): tied ops {', '.join(unit.ops)} share no "
                     "precision the card runs")
             choices.append(tuple(sorted(common, key=_fidelity, reverse=True)))
-        # Which unit sets each op's output dtype (None: fp32 whatever the plan).
+        # Which unit sets each op's output dtype (None: fp32 whatever the plan). A promoting
+        # op whose inputs all come from units gets a *derived* unit: its dtype is the widest
+        # of theirs (fp16 only if all give fp16, likewise bf16, else fp32), not a decision.
+        n_real = len(units)
         unit_of = [self.unit_of.get(o.name) for o in rep.ops]
         src: list[int | None] = [None] * n
+        derived: list[DerivedUnit] = []
+        ext: list[tuple[Precision, ...]] = list(choices)  # real, then derived, choices
+        by_inputs: dict[tuple[int, ...], int] = {}
         for i, o in enumerate(rep.ops):
             if o.role == OpRole.choosable:
                 src[i] = unit_of[i]
             elif o.role == OpRole.pass_through and rep.in_edges[i]:
                 src[i] = src[rep.in_edges[i][0][0]]
-            elif o.role == OpRole.promote:
+            elif o.role == OpRole.promote and rep.in_edges[i]:
                 ins = [src[u] for u, _ in rep.in_edges[i]]
-                if ins and all(s is not None for s in ins):
-                    self._approx["promote"] += 1 if gi == 0 else 0
+                if all(x is not None for x in ins):
+                    key = tuple(sorted(set(ins)))  # type: ignore[arg-type]
+                    if key not in by_inputs:
+                        dchoices = _widest_choices([ext[u] for u in key])
+                        by_inputs[key] = n_real + len(derived)
+                        derived.append(DerivedUnit(index=n_real + len(derived), op=o.name,
+                                                   inputs=key, choices=dchoices))
+                        ext.append(dchoices)
+                    src[i] = by_inputs[key]
 
         def out_dtype(u: int | None, k: int | None) -> DType:
             if u is None or k is None:
                 return DType.fp32
-            return choices[u][k].info.gives_out
+            return ext[u][k].info.gives_out
 
         time0 = 0.0
         mem0 = float(sum(rep._static_memory(grp).values()))
         work0 = 0.0
-        time1 = [[0.0] * len(c) for c in choices]
-        mem1 = [[0.0] * len(c) for c in choices]
-        work1 = [[0.0] * len(c) for c in choices]
+        time1 = [[0.0] * len(c) for c in ext]
+        mem1 = [[0.0] * len(c) for c in ext]
+        work1 = [[0.0] * len(c) for c in ext]
         pairs: dict[tuple[int, int], PairTerm] = {}
 
         def add_pair(a: int, ka: int, b: int, kb: int, t: float, m: float) -> None:
@@ -342,8 +430,8 @@ class AllocationProblem:
             term = pairs.get((a, b))
             if term is None:
                 term = pairs[(a, b)] = PairTerm(
-                    a, b, [[0.0] * len(choices[b]) for _ in choices[a]],
-                    [[0.0] * len(choices[b]) for _ in choices[a]])
+                    a, b, [[0.0] * len(ext[b]) for _ in ext[a]],
+                    [[0.0] * len(ext[b]) for _ in ext[a]])
             term.time[ka][kb] += t
             term.mem[ka][kb] += m
 
@@ -373,7 +461,7 @@ class AllocationProblem:
                 din[i], dout[i] = p.info.takes_in, p.info.gives_out
             else:
                 prec[i] = None
-                if o.role == OpRole.pass_through and rep.in_edges[i]:
+                if o.role in (OpRole.pass_through, OpRole.promote) and rep.in_edges[i]:
                     din[i] = dout[i] = out_dtype(s, ks)
                 else:
                     din[i] = dout[i] = DType.fp32
@@ -385,8 +473,8 @@ class AllocationProblem:
         for i in range(n):
             o = rep.ops[i]
             s = unit_of[i] if o.role == OpRole.choosable else (
-                src[i] if o.role == OpRole.pass_through else None)
-            s_range: list[int | None] = list(range(len(choices[s]))) if s is not None else [None]
+                src[i] if o.role in (OpRole.pass_through, OpRole.promote) else None)
+            s_range: list[int | None] = list(range(len(ext[s]))) if s is not None else [None]
             edges = rep.in_edges[i]
             edge_units = [src[u] for u, _ in edges]
             for ks in s_range:
@@ -405,7 +493,7 @@ class AllocationProblem:
                 # One pair term per in-edge for the casts on it.
                 if self.options.casts:
                     for (u, numel), eu in zip(edges, edge_units, strict=True):
-                        e_range: list[int | None] = (list(range(len(choices[eu])))
+                        e_range: list[int | None] = (list(range(len(ext[eu])))
                                                      if eu is not None else [None])
                         for ke in e_range:
                             if eu is not None and eu == s and ke != ks:
@@ -423,7 +511,7 @@ class AllocationProblem:
                 self._approx["memory_or"] += 1 if gi == 0 else 0
             for ks in s_range:
                 setup(i, s, ks)
-                combos = list(itertools.product(*[range(len(choices[v])) for v in var_edges]))
+                combos = list(itertools.product(*[range(len(ext[v])) for v in var_edges]))
                 vals: list[tuple[tuple[int, ...], float]] = []
                 for combo in combos:
                     assign = dict(zip(var_edges, combo, strict=True))
@@ -443,7 +531,7 @@ class AllocationProblem:
             din[i] = dout[i] = DType.fp32
         if not self.options.casts:
             # The additive model: compute only (no input, weight or gradient casts).
-            time0, time1, pairs = self._additive_times(gi, choices, unit_of)
+            time0, time1, pairs = self._additive_times(gi, ext, unit_of)
         omega1 = self._omega(choices)
         ref = Precision(self.options.reference)
         reference = []
@@ -462,7 +550,7 @@ class AllocationProblem:
             capacity_bytes=grp.capacity * (1 - self.options.memory_headroom),
             usable_bytes=grp.capacity, choices=choices, time0=time0, time1=time1, mem0=mem0,
             mem1=mem1, work0=work0, work1=work1, omega1=omega1,
-            pairs=[pairs[k] for k in sorted(pairs)], reference=reference)
+            pairs=[pairs[k] for k in sorted(pairs)], reference=reference, derived=derived)
 
     def _additive_times(self, gi: int, choices: list[tuple[Precision, ...]],
                         unit_of: list[int | None]

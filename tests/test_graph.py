@@ -92,7 +92,13 @@ def test_roles_of_pass_through_and_promote(resnet50_graph: ModelGraph) -> None:
     assert g.op("maxpool").role == OpRole.pass_through
     add = g.op("layer1.0.add")
     assert add.role == OpRole.promote and len(add.input_shapes) == 2
-    assert g.op("bn1").role == OpRole.pinned
+    # batch_norm runs in its input's dtype under autocast; layer_norm is pinned to fp32.
+    assert g.op("bn1").role == OpRole.pass_through
+
+
+def test_layer_norm_is_pinned_batch_norm_is_not(bert_graph: ModelGraph) -> None:
+    ln = bert_graph.op("bert.embeddings.LayerNorm")
+    assert ln.role == OpRole.pinned and "autocast" in (ln.pin_reason or "")
 
 
 def test_topological_order_depth_and_edges(resnet50_graph: ModelGraph) -> None:

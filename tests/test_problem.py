@@ -48,6 +48,20 @@ def test_linear_model_equals_replayer_compute_and_memory(model, shorthand):
                 tl.groups[g.name].peak_memory_bytes, abs=4)
 
 
+def test_residual_adds_become_derived_units(resnet50_graph):
+    """ResNet's downsampling adds are fed by two convs (through batch norm, which passes
+    dtypes through): their dtype follows the convs' and sets the next block's input casts."""
+    prob = _problem(resnet50_graph, "t4x1")
+    g = prob.groups[0]
+    assert g.derived and all(len(d.inputs) >= 1 for d in g.derived)
+    assert "layer1.0.add" in {d.op for d in g.derived}
+    fp16 = [c.index(Precision.fp16) for c in g.choices]
+    full = g.complete(fp16)
+    assert all(g.all_choices[d.index][full[d.index]] == Precision.fp16 for d in g.derived)
+    rows = g.derived_rows()
+    assert rows and all(d >= g.n_units for d, _, _ in rows)
+
+
 def test_pair_terms_are_the_casts_between_neighbours():
     """On a Linear -> ReLU -> Linear chain the only pair cost is the cast on that edge: zero
     when producer and consumer agree on the dtype, positive when they differ."""

@@ -1,0 +1,641 @@
+"""The exact integer program in PuLP, solved by CBC or HiGHS, and the additive-ILP baseline.
+
+Per device group ``g`` (choice indices into ``GroupModel.choices[u]``)::
+
+    min  sum_u w_g * Omega_u[k] x[u,k]
+    s.t. sum_k x[u,k] = 1                                         (one-hot, x binary)
+         sum_kb y[p,ka,kb] = x[a,ka],  sum_ka y[p,ka,kb] = x[b,kb]  (pair p = (a, b), y >= 0)
+         time0 + sum t1 x + sum t_p y            <= target - tail    (the group's budget)
+         mem0 + sum m1 x + sum m_p y + W         <= capacity
+         W >= work0,  W >= sum_k work1[u][k] x[u,k]                 (largest working set)
+
+The marginal rows make ``y`` the product of the two one-hot rows for any binary ``x``, so
+``y`` need not be integer. Pair terms whose time and memory matrices are all zero are
+skipped, as are working-set rows that can never exceed ``work0``. With a fixed target the
+groups do not interact: by default one small program is solved per group
+(``SolveOptions.decompose``). The time and memory rows are normalised (divided by the budget
+and the capacity) so the solvers' absolute tolerances act relatively; every assignment is
+then checked with the exact model (``GroupModel.time_ms`` / ``memory_bytes``) and, in the
+rare case a solver tolerance let a row slip, the row is tightened and the program re-solved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..problem import AllocationProblem, GroupModel
+from ..schemas import Plan, SolveReport
+from . import SolveOptions
+from ._common import Stopwatch, check_hints, finish, mode_text
+
+_PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
+#: Relative tightening of a row per repair (on top of the measured violation).
+_REPAIR_MARGIN = 1e-9
+_MAX_REPAIRS = 3
+#: Feasibility and integrality tolerance asked of CBC and HiGHS (rows are normalised to ~1).
+_FEAS_TOL = 1e-9
+
+
+def _pulp() -> Any:
+    import pulp
+
+    return pulp
+
+
+def _available_pulp_solvers() -> list[str]:
+    try:
+        pulp = _pulp()
+    except Exception:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return list(pulp.listSolvers(onlyAvailable=True))
+        except Exception:
+            return []
+
+
+def greedy_hints(problem: AllocationProblem, messages: list[str]
+                 ) -> dict[str, list[int]] | None:
+    """Greedy's assignment for a warm start (None, with a message, when there is none)."""
+    t0 = time.perf_counter()
+    try:
+        from .greedy import Greedy
+    except Exception as exc:  # the greedy backend is optional here
+        messages.append(f"warm start: greedy unavailable ({type(exc).__name__}: {exc}); "
+                        "solving without a warm start")
+        return None
+    try:
+        plan, _ = Greedy().solve(problem, SolveOptions(acceptance="linear"))
+    except Exception as exc:
+        messages.append(f"warm start: greedy failed ({type(exc).__name__}: {exc}); "
+                        "solving without a warm start")
+        return None
+    if plan is None:
+        messages.append("warm start: greedy found no plan; solving without a warm start")
+        return None
+    hints = problem.assignment(plan)
+    messages.append(f"warm start: greedy plan (objective {problem.objective(hints):.6g}, "
+                    f"{time.perf_counter() - t0:.3f} s)")
+    return hints
+
+
+def start_hints(problem: AllocationProblem, options: SolveOptions, messages: list[str]
+                ) -> dict[str, list[int]] | None:
+    """The warm start to give the solver: ``options.hints``, else greedy's plan if asked."""
+    if options.hints is not None:
+        check_hints(problem, options.hints)
+        return {g.name: list(options.hints[g.name]) for g in problem.groups}
+    if options.warm_start == "greedy":
+        return greedy_hints(problem, messages)
+    if options.warm_start is not None:
+        messages.append(f"warm start: unknown kind {options.warm_start!r} ignored")
+    return None
+
+
+def ext_choices(g: GroupModel) -> list[tuple[Any, ...]]:
+    """Choices of every unit of the program: the real units, then the derived units."""
+    return list(g.all_choices) if getattr(g, "derived", None) else list(g.choices)
+
+
+def complete(g: GroupModel, a: Sequence[int]) -> list[int]:
+    """A real assignment extended with the derived units' (implied) choices."""
+    return g.complete(a) if getattr(g, "derived", None) else list(a)
+
+
+def derived_rows(g: GroupModel) -> list[tuple[int, int, list[list[tuple[int, int]]]]]:
+    """AND rows tying each derived unit's 16-bit choices to its inputs' choices."""
+    return g.derived_rows() if getattr(g, "derived", None) else []
+
+
+def exact_violation(g: GroupModel, a: Sequence[int], budget: float
+                    ) -> tuple[float, float]:
+    """How far ``a`` exceeds the group's time budget (ms) and capacity (bytes); 0 if not."""
+    return (max(0.0, g.time_ms(a) - budget), max(0.0, g.memory_bytes(a) - g.capacity_bytes))
+
+
+def time_lower_bound(g: GroupModel) -> float:
+    """A cheap lower bound on the group's time (each term at its minimum)."""
+    return (g.time0 + sum(min(r) for r in g.time1)
+            + sum(min(min(row) for row in p.time) for p in g.pairs))
+
+
+def active_pairs(g: GroupModel) -> list[int]:
+    """Indices of the pair terms with any nonzero time or memory coefficient."""
+    return [i for i, p in enumerate(g.pairs)
+            if any(v for row in p.time for v in row) or any(v for row in p.mem for v in row)]
+
+
+def work_rows(g: GroupModel) -> list[int]:
+    """Units whose working set can exceed ``work0`` (the only W rows needed)."""
+    return [u for u, row in enumerate(g.work1) if row and max(row) > g.work0]
+
+
+# --------------------------------------------------------------------------- PuLP model
+
+
+@dataclass
+class _GroupVars:
+    gi: int
+    x: list[list[Any]]
+    pairs: list[tuple[int, list[list[Any]]]]  # (pair index, y[ka][kb])
+    w: Any
+    time_row: Any
+    mem_row: Any
+    time_scale: float
+    mem_scale: float
+
+
+@dataclass
+class _Program:
+    lp: Any
+    groups: list[_GroupVars]
+    n_variables: int = 0
+    n_constraints: int = 0
+    obj_terms: list[tuple[Any, float]] = field(default_factory=list)
+
+
+def _row_scale(v: float) -> float:
+    return abs(v) if abs(v) > 1e-300 else 1.0
+
+
+def _add_group(pulp: Any, prog: _Program, g: GroupModel, gi: int, budget: float,
+               min_time: bool = False) -> _GroupVars:
+    """Add group ``g``'s variables and rows to ``prog``. ``min_time``: the objective is the
+    group's time (ms, without time0) and there is no time row."""
+    lp = prog.lp
+    LpAffineExpression, LpConstraint = pulp.LpAffineExpression, pulp.LpConstraint
+    EQ, LE, GE = pulp.LpConstraintEQ, pulp.LpConstraintLE, pulp.LpConstraintGE
+    add_var, add_con = lp.add_variable, lp.addConstraint
+    w_g = g.weight
+    x: list[list[Any]] = []
+    time_terms: list[tuple[Any, float]] = []
+    mem_terms: list[tuple[Any, float]] = []
+    ts = _row_scale(budget)
+    ms = _row_scale(g.capacity_bytes)
+    n_vars = n_cons = 0
+    n_real = len(g.choices)
+    for u, ch in enumerate(ext_choices(g)):
+        row = [add_var(f"x{gi}_{u}_{k}", 0, 1, pulp.LpBinary) for k in range(len(ch))]
+        n_vars += len(row)
+        x.append(row)
+        add_con(LpConstraint(LpAffineExpression([(v, 1) for v in row]), EQ, f"one{gi}_{u}", 1))
+        n_cons += 1
+        t1, m1 = g.time1[u], g.mem1[u]
+        om = g.omega1[u] if u < n_real and not min_time else None
+        for k, v in enumerate(row):
+            if t1[k]:
+                time_terms.append((v, t1[k] / ts))
+            if m1[k]:
+                mem_terms.append((v, m1[k] / ms))
+            if om is not None and om[k]:
+                prog.obj_terms.append((v, w_g * om[k]))
+    # Derived units (promoting ops fed only by units): x[d,k] = AND_i (input i gives k).
+    for r, (d, k, inputs) in enumerate(derived_rows(g)):
+        xd = x[d][k]
+        sums = [[(x[u][j], 1) for u, j in opts] for opts in inputs]
+        for i, terms in enumerate(sums):
+            add_con(LpConstraint(LpAffineExpression([*terms, (xd, -1)]), GE,
+                                 f"dand{gi}_{r}_{i}", 0))
+        add_con(LpConstraint(LpAffineExpression([t for ts_ in sums for t in ts_] + [(xd, -1)]),
+                             LE, f"dall{gi}_{r}", len(inputs) - 1))
+        n_cons += len(inputs) + 1
+    pair_vars: list[tuple[int, list[list[Any]]]] = []
+    for pi in active_pairs(g):
+        p = g.pairs[pi]
+        xa, xb = x[p.a], x[p.b]
+        y = [[add_var(f"y{gi}_{pi}_{ka}_{kb}", 0, None) for kb in range(len(xb))]
+             for ka in range(len(xa))]
+        n_vars += len(xa) * len(xb)
+        for ka, yrow in enumerate(y):
+            terms = [(v, 1) for v in yrow]
+            terms.append((xa[ka], -1))
+            add_con(LpConstraint(LpAffineExpression(terms), EQ, f"ma{gi}_{pi}_{ka}", 0))
+            for kb, v in enumerate(yrow):
+                if p.time[ka][kb]:
+                    time_terms.append((v, p.time[ka][kb] / ts))
+                if p.mem[ka][kb]:
+                    mem_terms.append((v, p.mem[ka][kb] / ms))
+        for kb in range(len(xb)):
+            terms = [(y[ka][kb], 1) for ka in range(len(xa))]
+            terms.append((xb[kb], -1))
+            add_con(LpConstraint(LpAffineExpression(terms), EQ, f"mb{gi}_{pi}_{kb}", 0))
+        n_cons += len(xa) + len(xb)
+        pair_vars.append((pi, y))
+    # Working set (in units of the capacity, like the memory row).
+    w = add_var(f"w{gi}", g.work0 / ms, None)
+    n_vars += 1
+    for u in work_rows(g):
+        terms = [(v, -g.work1[u][k] / ms) for k, v in enumerate(x[u]) if g.work1[u][k]]
+        terms.append((w, 1))
+        add_con(LpConstraint(LpAffineExpression(terms), GE, f"w{gi}_{u}", 0))
+        n_cons += 1
+    mem_terms.append((w, 1))
+    # A row with no variables is still added (PuLP keeps it) so that infeasibility shows.
+    time_row = LpConstraint(LpAffineExpression(time_terms), LE, f"time{gi}",
+                            (budget - g.time0) / ts)
+    mem_row = LpConstraint(LpAffineExpression(mem_terms), LE, f"mem{gi}",
+                           (g.capacity_bytes - g.mem0) / ms)
+    if min_time:
+        prog.obj_terms.extend((v, c * ts) for v, c in time_terms)
+    else:
+        add_con(time_row)
+        n_cons += 1
+    add_con(mem_row)
+    n_cons += 1
+    prog.n_variables += n_vars
+    prog.n_constraints += n_cons
+    return _GroupVars(gi, x, pair_vars, w, time_row, mem_row, ts, ms)
+
+
+def _build(pulp: Any, problem: AllocationProblem, gis: Sequence[int], name: str) -> _Program:
+    lp = pulp.LpProblem(name, pulp.LpMinimize)
+    prog = _Program(lp, [])
+    budget = problem.group_budget_ms()
+    for gi in gis:
+        prog.groups.append(_add_group(pulp, prog, problem.groups[gi], gi, budget))
+    lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
+    return prog
+
+
+def fastest_times(problem: AllocationProblem, backend: str = "highs",
+                  time_limit_s: float = 60.0) -> dict[str, float | None]:
+    """Each group's least time (ms) over assignments that fit its memory (None: none fits),
+    by solving the program with the time as objective. For choosing targets."""
+    pulp = _pulp()
+    solver = PulpIlp(backend)
+    out: dict[str, float | None] = {}
+    for gi, g in enumerate(problem.groups):
+        lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
+        prog = _Program(lp, [])
+        gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
+        prog.groups.append(gv)
+        lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
+        res = solver._run(pulp, prog, SolveOptions(rel_gap=1e-9), time_limit_s, False,
+                          Stopwatch(), [])
+        out[g.name] = (g.time_ms(_read_assignment(gv, len(g.choices)))
+                       if res.status in ("OPTIMAL", "FEASIBLE") else None)
+    return out
+
+
+def _set_start(prog: _Program, problem: AllocationProblem,
+               hints: Mapping[str, Sequence[int]]) -> None:
+    for gv in prog.groups:
+        g = problem.groups[gv.gi]
+        a = complete(g, hints[g.name])
+        for u, row in enumerate(gv.x):
+            for k, v in enumerate(row):
+                v.setInitialValue(1 if a[u] == k else 0)
+        for pi, y in gv.pairs:
+            p = g.pairs[pi]
+            for ka, yrow in enumerate(y):
+                for kb, v in enumerate(yrow):
+                    v.setInitialValue(1 if (a[p.a] == ka and a[p.b] == kb) else 0)
+        work = max([g.work0] + [row[c] for row, c in zip(g.work1, a, strict=True)])
+        gv.w.setInitialValue(work / gv.mem_scale, check=False)
+
+
+def _read_assignment(gv: _GroupVars, n_real: int) -> list[int]:
+    """The real units' choices (the derived ones follow from them)."""
+    out = []
+    for row in gv.x[:n_real]:
+        vals = [v.varValue if v.varValue is not None else 0.0 for v in row]
+        out.append(max(range(len(vals)), key=vals.__getitem__))
+    return out
+
+
+# --------------------------------------------------------------------------- solvers
+
+
+@dataclass
+class _Outcome:
+    status: str  # OPTIMAL, FEASIBLE, INFEASIBLE, TIME_LIMIT, ERROR
+    bound: float | None
+    solve_s: float
+    detail: str = ""
+
+
+def _highs_class(pulp: Any) -> Any:
+    class _Highs(pulp.HiGHS):  # type: ignore[misc, name-defined]
+        """pulp's HiGHS with a warm start (highspy setSolution), the run timed apart from
+        the model transfer, and the dual bound kept."""
+
+        start_values: list[tuple[Any, float]] | None = None
+        run_s = 0.0
+        transfer_s = 0.0
+        outcome: tuple[Any, Any, float, float] | None = None
+
+        def actualSolve(self, lp: Any) -> Any:
+            import numpy as np
+
+            t0 = time.perf_counter()
+            self.createAndConfigureSolver(lp)
+            self.buildSolverModel(lp)
+            h = lp.solverModel
+            if self.start_values is not None:
+                idx = [v.index for v, _ in self.start_values]
+                val = [float(s) for _, s in self.start_values]
+                h.setSolution(len(idx), np.asarray(idx, dtype=np.int32),
+                              np.asarray(val, dtype=np.float64))
+            t1 = time.perf_counter()
+            self.callSolver(lp)
+            t2 = time.perf_counter()
+            self.transfer_s, self.run_s = t1 - t0, t2 - t1
+            info = h.getInfo()
+            self.outcome = (h.getModelStatus(), info.primal_solution_status,
+                            info.mip_dual_bound, info.objective_function_value)
+            status, sol_status = self.findSolutionValues(lp)
+            for var in lp.variables():
+                var.modified = False
+            for constraint in lp._constraints.values():
+                constraint.modifier = False
+            lp.assignStatus(status, sol_status)
+            return status
+
+    return _Highs
+
+
+_CBC_RESULT = re.compile(r"^Result - (.*)$", re.M)
+_CBC_NUM = r"\s*:?\s*(-?[0-9.eE+-]+|inf|-inf|1e\+50|-1e\+50)"
+
+
+def _cbc_log_value(text: str, label: str) -> float | None:
+    m = re.search(rf"^{label}{_CBC_NUM}", text, re.M)
+    if not m:
+        return None
+    try:
+        v = float(m.group(1))
+    except ValueError:
+        return None
+    return v if math.isfinite(v) and abs(v) < 1e49 else None
+
+
+class PulpIlp:
+    """The exact program in PuLP, solved by CBC (``backend="cbc"``) or HiGHS."""
+
+    exact = True
+
+    def __init__(self, backend: str = "highs") -> None:
+        if backend not in _PULP_NAMES:
+            raise ValueError(f"backend: expected cbc or highs, got {backend!r}")
+        self.backend = backend
+        self.name = backend
+
+    def is_available(self) -> bool:
+        have = _available_pulp_solvers()
+        return any(n in have for n in _PULP_NAMES[self.backend])
+
+    # ----------------------------------------------------------------- one solve
+
+    def _run(self, pulp: Any, prog: _Program, options: SolveOptions, time_limit: float,
+             start: bool, sw: Stopwatch, messages: list[str]) -> _Outcome:
+        lp = prog.lp
+        if self.backend == "highs":
+            cls = _highs_class(pulp)
+            params: dict[str, Any] = {"random_seed": int(options.seed),
+                                      "mip_feasibility_tolerance": _FEAS_TOL,
+                                      "primal_feasibility_tolerance": _FEAS_TOL}
+            params.update(options.extra.get("highs", {}))
+            solver = cls(msg=False, timeLimit=max(time_limit, 1e-3), gapRel=options.rel_gap,
+                         threads=options.threads or None, **params)
+            if start:
+                solver.start_values = [(v, v.varValue) for v in lp.variables()
+                                       if v.varValue is not None]
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lp.solve(solver)
+            total = time.perf_counter() - t0
+            sw.solve_s += solver.run_s
+            sw.build_s += total - solver.run_s  # model transfer into highspy
+            assert solver.outcome is not None
+            mstatus, primal, dual_bound, _ = solver.outcome
+            import highspy
+
+            S = highspy.HighsModelStatus
+            has_sol = primal == 2  # kSolutionStatusFeasible
+            bound = dual_bound if math.isfinite(dual_bound) else None
+            if mstatus == S.kOptimal:
+                return _Outcome("OPTIMAL", bound, solver.run_s)
+            if mstatus in (S.kInfeasible, S.kUnboundedOrInfeasible):
+                return _Outcome("INFEASIBLE", None, solver.run_s)
+            if mstatus in (S.kTimeLimit, S.kInterrupt, S.kIterationLimit, S.kSolutionLimit,
+                           S.kObjectiveBound, S.kObjectiveTarget):
+                return _Outcome("FEASIBLE" if has_sol else "TIME_LIMIT", bound, solver.run_s)
+            return _Outcome("ERROR", None, solver.run_s, f"HiGHS model status {mstatus}")
+        # CBC through its command line: the log gives the bound when it stops early.
+        have = _available_pulp_solvers()
+        cls_name = next(n for n in _PULP_NAMES["cbc"] if n in have)
+        fd, log_path = tempfile.mkstemp(suffix=".log", prefix="qsync_cbc_")
+        os.close(fd)
+        try:
+            extra = [f"integerTolerance {_FEAS_TOL}", f"primalTolerance {_FEAS_TOL}"]
+            if options.seed:
+                extra.append(f"randomCbcSeed {int(options.seed)}")
+            extra += list(options.extra.get("cbc", []))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                solver = getattr(pulp, cls_name)(
+                    msg=False, timeLimit=max(time_limit, 0.01), gapRel=options.rel_gap,
+                    threads=options.threads or None, warmStart=start, logPath=log_path,
+                    options=extra)
+                t0 = time.perf_counter()
+                lp.solve(solver)
+            run = time.perf_counter() - t0
+            with open(log_path) as f:
+                text = f.read()
+        finally:
+            os.unlink(log_path)
+        sw.solve_s += run
+        m = _CBC_RESULT.search(text)
+        result = m.group(1).strip() if m else ""
+        if start and "mipstart" not in text.lower() and "MIPStart" not in text:
+            messages.append("cbc: warm start given but not reported in CBC's log")
+        obj = _cbc_log_value(text, "Objective value")
+        lower = _cbc_log_value(text, "Lower bound")
+        if lp.status == pulp.LpStatusInfeasible or result.startswith(
+                ("Problem proven infeasible", "Linear relaxation infeasible")):
+            return _Outcome("INFEASIBLE", None, run)
+        if lp.status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionOptimal:
+            return _Outcome("OPTIMAL", obj, run)
+        if lp.status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionIntegerFeasible:
+            return _Outcome("FEASIBLE", lower, run)
+        if lp.status == pulp.LpStatusNotSolved:
+            return _Outcome("TIME_LIMIT", lower, run)
+        return _Outcome("ERROR", None, run, f"CBC: {result or pulp.LpStatus[lp.status]}")
+
+    # ----------------------------------------------------------------- the backend
+
+    def _solve_program(self, pulp: Any, problem: AllocationProblem, gis: Sequence[int],
+                       options: SolveOptions, hints: Mapping[str, Sequence[int]] | None,
+                       deadline: float, sw: Stopwatch, messages: list[str], tag: str
+                       ) -> tuple[_Outcome, dict[str, list[int]] | None, int, int]:
+        """Build and solve one program (the groups ``gis``); repair rows a solver tolerance
+        let slip. Returns the outcome, the assignment of those groups, and its size."""
+        with sw.building():
+            prog = _build(pulp, problem, gis, f"qsync_{tag}")
+            if hints is not None:
+                _set_start(prog, problem, hints)
+        budget = problem.group_budget_ms()
+        out = _Outcome("ERROR", None, 0.0)
+        assign: dict[str, list[int]] | None = None
+        for attempt in range(_MAX_REPAIRS + 1):
+            left = deadline - time.perf_counter()
+            out = self._run(pulp, prog, options, left, hints is not None, sw, messages)
+            if out.status not in ("OPTIMAL", "FEASIBLE"):
+                return out, None, prog.n_variables, prog.n_constraints
+            assign = {problem.groups[gv.gi].name: _read_assignment(
+                gv, len(problem.groups[gv.gi].choices)) for gv in prog.groups}
+            slipped = False
+            margin = _REPAIR_MARGIN * 100.0 ** attempt  # relative: 1e-9, 1e-7, 1e-5
+            for gv in prog.groups:
+                g = problem.groups[gv.gi]
+                dt, dm = exact_violation(g, assign[g.name], budget)
+                if dt > 0:
+                    gv.time_row.constant += dt / gv.time_scale + margin
+                    slipped = True
+                if dm > 0:
+                    gv.mem_row.constant += dm / gv.mem_scale + margin
+                    slipped = True
+            if not slipped:
+                if attempt:
+                    messages.append(
+                        f"{tag}: {attempt} re-solve(s) after a row exceeded its bound within "
+                        f"the solver's tolerance (rows tightened by up to "
+                        f"{_REPAIR_MARGIN * 100.0 ** (attempt - 1):.0e} relative)")
+                return out, assign, prog.n_variables, prog.n_constraints
+            if attempt == _MAX_REPAIRS or time.perf_counter() >= deadline:
+                break
+        messages.append(f"{tag}: the solver's assignment still exceeds a bound after "
+                        f"{_MAX_REPAIRS} tightenings; no plan")
+        return _Outcome("ERROR", None, out.solve_s), None, prog.n_variables, prog.n_constraints
+
+    def solve_assignment(self, problem: AllocationProblem, options: SolveOptions,
+                         sw: Stopwatch, messages: list[str]
+                         ) -> tuple[str, dict[str, list[int]] | None, float | None, int, int]:
+        """status, assignment (None if none), bound (objective units), n_vars, n_cons."""
+        pulp = _pulp()
+        hints = start_hints(problem, options, messages)
+        deadline = time.perf_counter() + options.time_limit_s
+        budget = problem.group_budget_ms()
+        n_vars = n_cons = 0
+        if self.backend == "highs" and hints is not None:
+            messages.append("highs: warm start passed to highspy setSolution "
+                            "(pulp's HiGHS class has no warmStart)")
+        if options.decompose:
+            messages.append(
+                f"decomposed: one program per group ({len(problem.groups)} groups); with a "
+                "fixed target the groups do not interact")
+            parts = [[gi] for gi in range(len(problem.groups))]
+        else:
+            messages.append(f"monolithic: one program for all {len(problem.groups)} groups")
+            parts = [list(range(len(problem.groups)))]
+        assignment: dict[str, list[int]] = {}
+        statuses: list[str] = []
+        bound: float | None = 0.0
+        for i, gis in enumerate(parts):
+            tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
+            share = (deadline - time.perf_counter()) / (len(parts) - i)
+            out, a, nv, nc = self._solve_program(
+                pulp, problem, gis, options, hints, time.perf_counter() + max(share, 0.0), sw,
+                messages, tag)
+            n_vars += nv
+            n_cons += nc
+            statuses.append(out.status)
+            if out.detail:
+                messages.append(f"{tag}: {out.detail}")
+            if out.status == "INFEASIBLE":
+                for gi in gis:
+                    g = problem.groups[gi]
+                    lb = time_lower_bound(g)
+                    if lb > budget:
+                        messages.append(
+                            f"group {g.name}: infeasible, even its fastest choices take at "
+                            f"least {lb:.4f} ms > budget {budget:.4f} ms")
+                messages.append(f"{tag}: no assignment meets the target and capacity")
+                return "INFEASIBLE", None, None, n_vars, n_cons
+            if a is None:
+                return ("ERROR" if out.status == "ERROR" else "TIME_LIMIT", None, None,
+                        n_vars, n_cons)
+            assignment.update(a)
+            if out.bound is None or bound is None:
+                bound = None
+            else:
+                bound += out.bound
+        status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else "FEASIBLE"
+        return status, assignment, bound, n_vars, n_cons
+
+    def solve(self, problem: AllocationProblem, options: SolveOptions
+              ) -> tuple[Plan | None, SolveReport]:
+        sw = Stopwatch()
+        messages: list[str] = []
+        if not self.is_available():
+            messages.append(f"{self.name}: solver not available (pulp or the binary missing)")
+            return finish(problem, self.name, None, status="ERROR", mode=mode_text(problem),
+                          options=options, sw=sw, messages=messages)
+        status, a, bound, nv, nc = self.solve_assignment(problem, options, sw, messages)
+        if a is not None and status == "OPTIMAL" and bound is not None:
+            bound = min(bound, problem.objective(a))
+        return finish(problem, self.name, a, status=status, mode=mode_text(problem),
+                      options=options, sw=sw, bound=bound, n_variables=nv, n_constraints=nc,
+                      messages=messages, extra_options={"backend": self.backend})
+
+
+class AdditiveIlp:
+    """Baseline: the one-hot ILP of QSync's and HAWQ-V3's code, with purely additive
+    latency (no cast terms). Solved exactly on its own model, scored on the real one."""
+
+    name = "additive-ilp"
+    exact = False
+
+    def _backend(self) -> PulpIlp | None:
+        for b in ("highs", "cbc"):
+            if PulpIlp(b).is_available():
+                return PulpIlp(b)
+        return None
+
+    def is_available(self) -> bool:
+        return self._backend() is not None
+
+    def solve(self, problem: AllocationProblem, options: SolveOptions
+              ) -> tuple[Plan | None, SolveReport]:
+        sw = Stopwatch()
+        messages: list[str] = []
+        backend = self._backend()
+        if backend is None:
+            messages.append("additive-ilp: no PuLP solver available")
+            return finish(problem, self.name, None, status="ERROR", mode=mode_text(problem),
+                          options=options, sw=sw, messages=messages)
+        with sw.building():
+            additive = problem.with_options(casts=False, target_ms=problem.target_ms)
+        messages.append(
+            f"additive model solved with {backend.name}: its time row ignores casts (QSync's "
+            "and HAWQ-V3's ILP); the plan is scored on the cast-aware model")
+        status, a, _, nv, nc = backend.solve_assignment(additive, options, sw, messages)
+        if a is not None:
+            budget = problem.group_budget_ms()
+            bad = []
+            for g in problem.groups:
+                dt, dm = exact_violation(g, a[g.name], budget)
+                if dt > 0:
+                    bad.append(f"group {g.name}: time {g.time_ms(a[g.name]):.4f} ms exceeds "
+                               f"the budget {budget:.4f} ms by {dt:.4f} ms once casts count")
+                if dm > 0:
+                    bad.append(f"group {g.name}: memory exceeds the capacity by {dm:.0f} bytes "
+                               "in the cast-aware model")
+            messages.extend(bad)
+            status = "INFEASIBLE" if bad else "FEASIBLE"
+            if bad:
+                messages.append("the plan is returned although it violates the real model")
+        return finish(problem, self.name, a, status=status, mode=mode_text(problem),
+                      options=options, sw=sw, bound=None, n_variables=nv, n_constraints=nc,
+                      messages=messages, extra_options={"backend": backend.name,
+                                                        "casts": False})

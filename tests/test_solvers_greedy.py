@@ -1,0 +1,400 @@
+"""QSync's greedy allocator and the baselines: brute force on small random problems, the
+replayer's verdict, casts, reverted moves, dynamic batching and the strong-only cluster."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from qsync_opt.solvers import SolveOptions
+from qsync_opt.solvers import greedy as greedy_mod
+from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
+from qsync_opt.solvers.greedy import REL_TOL, Greedy, LinearState, ReplayAcceptance
+
+from qsync_opt import ModelGraph, estimate, parse_shorthand
+from qsync_opt.precision import DType, Precision
+from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.schemas import OpRole
+from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+
+P = Precision
+LINEAR = SolveOptions(acceptance="linear")
+REPLAYER = SolveOptions(acceptance="replayer")
+CLUSTERS = ("a100x2+t4x2", "v100x2+t4x4", "t4x2+a100x1", "v100x4")
+GRAPH_KEYS = ((2, 0), (3, 1), (4, 2), (3, 3))
+
+
+@pytest.fixture(scope="module")
+def graphs() -> dict[tuple[int, int], ModelGraph]:
+    return {(n, s): synthetic_graph(n, seed=s) for n, s in GRAPH_KEYS}
+
+
+def build(graph: ModelGraph, cluster: str, seed: int, frac: float) -> AllocationProblem:
+    """A random problem whose target lies between the fastest plan and the reference."""
+    c = parse_shorthand(cluster)
+    base = AllocationProblem(graph, c, perturb_costs(estimate(graph, c), seed),
+                             random_indicator(graph, seed))
+    fast = Greedy.fastest(base)
+    lo = max(g.time_ms(fast[g.name]) for g in base.groups)
+    hi = max(lo, max(g.time_ms(g.reference) for g in base.groups))
+    return base.with_options(target_ms=base.tail_ms + lo + frac * (hi - lo) + 1e-6)
+
+
+def linear_ok(problem: AllocationProblem, a: dict[str, list[int]]) -> bool:
+    tol = REL_TOL * problem.target_ms
+    return all(g.time_ms(a[g.name]) <= problem.group_budget_ms() + tol
+               and g.memory_bytes(a[g.name]) <= g.capacity_bytes * (1 + REL_TOL)
+               for g in problem.groups)
+
+
+def brute_force(problem: AllocationProblem) -> float | None:
+    """The linear model's optimum (groups are independent under a fixed target)."""
+    budget = problem.group_budget_ms() + REL_TOL * problem.target_ms
+    total = 0.0
+    for g in problem.groups:
+        best = None
+        for a in itertools.product(*[range(len(c)) for c in g.choices]):
+            if g.time_ms(a) <= budget and g.memory_bytes(a) <= g.capacity_bytes * (1 + REL_TOL):
+                d = g.weight * g.degradation(a)
+                best = d if best is None else min(best, d)
+        if best is None:
+            return None
+        total += best
+    return total
+
+
+problems = st.tuples(st.sampled_from(GRAPH_KEYS), st.sampled_from(CLUSTERS),
+                     st.integers(0, 10_000), st.floats(-0.1, 1.2))
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- linear model
+
+
+@SETTINGS
+@given(case=problems, per_ms=st.booleans())
+def test_linear_greedy_never_beats_brute_force(graphs, case, per_ms) -> None:
+    key, cluster, seed, frac = case
+    problem = build(graphs[key], cluster, seed, frac)
+    opt = brute_force(problem)
+    plan, report = Greedy(per_ms=per_ms).solve(problem, LINEAR)
+    assert report.solver == ("greedy-per-ms" if per_ms else "greedy")
+    if plan is None:
+        assert report.status == "INFEASIBLE"
+        assert any("fastest" in m or "memory" in m for m in report.messages)
+        return
+    assert report.status == "FEASIBLE"
+    assert opt is not None, "greedy found a plan the brute force says cannot exist"
+    a = problem.assignment(plan)
+    assert linear_ok(problem, a)
+    assert report.objective == pytest.approx(problem.objective(a))
+    assert report.objective >= opt - 1e-9 * max(1.0, abs(opt))
+    ev = evaluate(problem, plan)
+    assert ev.meets_target
+    assert report.options["replayer_calls"] == 0
+    assert report.options["checks"] >= report.options["accepted"]
+    # The baseline is never better than the optimum either, where it is feasible.
+    uplan, urep = Uniform().solve(problem, LINEAR)
+    assert uplan is not None and urep.status in ("FEASIBLE", "INFEASIBLE")
+    ua = problem.assignment(uplan)
+    if linear_ok(problem, ua):
+        assert problem.objective(ua) >= opt - 1e-9 * max(1.0, abs(opt))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(case=problems, moves=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 50),
+                                               st.integers(0, 5)), max_size=40))
+def test_linear_state_tracks_the_exact_evaluators(graphs, case, moves) -> None:
+    key, cluster, seed, frac = case
+    problem = build(graphs[key], cluster, seed, frac)
+    lin = LinearState(problem, Greedy.fastest(problem))
+    for gi, u, k in moves:
+        gi %= len(problem.groups)
+        g = problem.groups[gi]
+        u %= len(g.choices)
+        k %= len(g.choices[u])
+        predicted = lin.memory_after(gi, u, k)
+        lin.move(gi, u, k)
+        assert lin.memory(gi) == pytest.approx(predicted, rel=1e-12)
+    for gi, g in enumerate(problem.groups):
+        assert lin.time[gi] == pytest.approx(g.time_ms(lin.a[gi]), rel=1e-9, abs=1e-9)
+        assert lin.memory(gi) == pytest.approx(g.memory_bytes(lin.a[gi]), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- replayer
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=problems, per_ms=st.booleans())
+def test_replayer_greedy_meets_the_target_in_the_replayer(graphs, case, per_ms) -> None:
+    key, cluster, seed, frac = case
+    problem = build(graphs[key], cluster, seed, frac)
+    plan, report = Greedy(per_ms=per_ms).solve(problem, REPLAYER)
+    if plan is None:
+        assert report.status == "INFEASIBLE"
+        return
+    assert report.status == "FEASIBLE"
+    tl = problem.replayer.simulate(plan, events=False)
+    assert tl.iteration_ms <= problem.target_ms * (1 + 1e-7)
+    for g in problem.groups:
+        assert tl.groups[g.name].peak_memory_bytes <= g.capacity_bytes
+    # The incremental replay the moves were checked on ends equal to a fresh replay of the
+    # returned plan: no rejected move was left behind in it.
+    assert report.options["makespan_ms"] == pytest.approx(tl.iteration_ms, rel=1e-9)
+    ev = evaluate(problem, plan)
+    assert ev.replay_meets_target and ev.objective == pytest.approx(report.objective)
+    assert report.options["replayer_calls"] >= report.options["accepted"]
+
+
+def test_reverting_a_rejected_move_restores_the_replay(graphs) -> None:
+    problem = build(graphs[(4, 2)], "a100x2+t4x2", 7, 0.3)
+    start = Greedy.fastest(problem)
+    acc = ReplayAcceptance(problem, start)
+    a = {k: list(v) for k, v in start.items()}
+    kept = rejected = 0
+    for gi, g in enumerate(problem.groups):
+        for u in range(len(g.choices)):
+            for k in range(len(g.choices[u])):
+                old = a[g.name][u]
+                if k == old:
+                    continue
+                acc.apply(gi, u, k)
+                if acc.ok(gi) and kept < 3:
+                    a[g.name][u] = k
+                    kept += 1
+                else:
+                    acc.apply(gi, u, old)  # the revert
+                    rejected += 1
+    assert kept and rejected
+    fresh = problem.replayer.incremental(problem.precisions(a))
+    inc = acc.inc
+    assert inc.prec == fresh.prec and inc.din == fresh.din and inc.dout == fresh.dout
+    for gi in range(len(problem.groups)):
+        assert inc.fwd[gi].vals == pytest.approx(fresh.fwd[gi].vals, rel=1e-12, abs=1e-12)
+        assert inc.bwd[gi].vals == pytest.approx(fresh.bwd[gi].vals, rel=1e-12, abs=1e-12)
+        assert inc.saved[gi] == fresh.saved[gi] and inc.wcopy[gi] == fresh.wcopy[gi]
+        assert inc.work[gi] == fresh.work[gi]
+    now, ref = inc.state(), fresh.state()
+    assert now.iteration_ms == pytest.approx(ref.iteration_ms, rel=1e-12)
+    assert now.peak_memory_bytes == ref.peak_memory_bytes
+    sim = problem.replayer.simulate(problem.make_plan(a), events=False)
+    assert now.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- casts
+
+
+def _cast_chain() -> AllocationProblem:
+    """fc0 -> relu -> fc1 -> relu -> fc2 -> relu -> head on V100s (fp32 or fp16), with op
+    costs set by hand: fp16 cheap, fp32 dear, fp16<->fp32 casts of an activation 30 ms. The
+    middle layer has by far the largest indicator, so every greedy tries it first."""
+    graph = synthetic_graph(3, seed=0, batch=4096, residual_every=100, norm_every=100)
+    cluster = parse_shorthand("v100x2")
+    costs = estimate(graph, cluster)
+    choosable = {o.name for o in graph.ops if o.role == OpRole.choosable}
+    entries = []
+    for e in costs.entries:
+        if e.op in choosable:
+            v = 10.0 if e.precision == P.fp32 else 0.5
+            e = e.model_copy(update={"fwd_ms": v, "bwd_ms": v})
+        entries.append(e)
+    casts = [k.model_copy(update={"a_ms_per_element": 15.0 / 2**20, "b_ms": 0.0})
+             if {k.src, k.dst} == {DType.fp16, DType.fp32} else k for k in costs.casts]
+    costs = costs.model_copy(update={"entries": entries, "casts": casts})
+    ind = random_indicator(graph, 0)
+    scale = {"blocks.0.fc": 2.0, "blocks.1.fc": 100.0, "blocks.2.fc": 1.0}
+    values = {name: {p: 0.0 if p == P.fp32 else scale[name] * (7 - p.info.rank) for p in row}
+              for name, row in ind.values.items()}
+    return AllocationProblem(graph, cluster, costs, ind.model_copy(update={"values": values}))
+
+
+def test_a_cast_against_the_neighbours_changes_greedys_choice() -> None:
+    base = _cast_chain()
+    g = base.groups[0]
+    start = Greedy.fastest(base)["v100"]
+    assert start == [1, 1, 1]  # everything fp16
+    slack = 60.0
+    problem = base.with_options(target_ms=g.time_ms(start) + base.tail_ms + slack)
+    raised = [1, 0, 1]
+    alone = g.time1[1][0] - g.time1[1][1]  # the middle layer's own time, fp16 -> fp32
+    with_casts = g.time_ms(raised) - g.time_ms(start)
+    assert alone < slack < with_casts  # cheap alone, dear against fp16 neighbours
+    for options in (LINEAR, REPLAYER):
+        plan, report = Greedy().solve(problem, options)
+        assert plan is not None and report.status == "FEASIBLE"
+        a = problem.assignment(plan)["v100"]
+        assert a[1] == 1, options.acceptance  # the middle layer stays fp16
+        # The replayer agrees with the pair-term accounting: that raise misses the target.
+        inc = problem.replayer.incremental(plan)
+        assert inc.what_if("v100", "blocks.1.fc", P.fp32).iteration_ms > problem.target_ms
+        # An additive check (unary time only, QSync's wrong-neighbour gain) would take it.
+        assert g.time_ms(a) + alone <= problem.group_budget_ms()
+
+
+def test_sweeps_retry_moves_that_casts_made_affordable(monkeypatch) -> None:
+    base = _cast_chain()
+    g = base.groups[0]
+    start = [1, 1, 1]
+    # Raising fc1 first costs its casts on both edges (rejected); raising fc0 and fc2 fits;
+    # then raising fc1 removes both casts and saves time: only a sweep finds it.
+    slack = (g.time_ms([0, 1, 0]) - g.time_ms(start)) + 3.0
+    assert g.time_ms([1, 0, 1]) - g.time_ms(start) > slack
+    problem = base.with_options(target_ms=g.time_ms(start) + base.tail_ms + slack)
+    assert brute_force(problem) == 0.0
+    for options in (LINEAR, REPLAYER):
+        plan, report = Greedy().solve(problem, options)
+        assert plan is not None and problem.assignment(plan)["v100"] == [0, 0, 0]
+        assert report.objective == 0.0
+        assert any("sweep" in m and "1 more accepted" in m for m in report.messages)
+    monkeypatch.setattr(greedy_mod, "MAX_SWEEPS", 0)
+    plan, report = Greedy().solve(problem, LINEAR)
+    assert plan is not None and problem.assignment(plan)["v100"] == [0, 1, 0]
+    assert report.objective > 0
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_greedy_reports_an_unreachable_target_and_memory(graphs) -> None:
+    problem = build(graphs[(3, 1)], "a100x2+t4x2", 3, 0.5)
+    tight = problem.with_options(target_ms=problem.tail_ms * 0.5)
+    for options in (LINEAR, REPLAYER):
+        plan, report = Greedy().solve(tight, options)
+        assert plan is None and report.status == "INFEASIBLE"
+        assert any("fastest memory-feasible plan takes" in m for m in report.messages)
+        assert report.options["fastest_makespan_ms"] > tight.target_ms
+    full = problem.with_options(memory_headroom=0.99)
+    plan, report = Greedy().solve(full, LINEAR)
+    assert plan is None and report.status == "INFEASIBLE"
+    assert any("cannot fit memory" in m and "bytes" in m for m in report.messages)
+    with pytest.raises(Exception, match="acceptance"):
+        Greedy().solve(problem, SolveOptions(acceptance="bogus"))
+
+
+def test_greedy_moves_units_to_fit_memory(resnet50_graph) -> None:
+    c = parse_shorthand("v100x16+t4x16")
+    base = AllocationProblem(resnet50_graph, c, estimate(resnet50_graph, c),
+                             random_indicator(resnet50_graph, 0), ProblemOptions(target_ms=900))
+    t4 = base.group("t4")
+    need = t4.memory_bytes(Greedy.fastest(base)["t4"])
+    problem = base.with_options(memory_headroom=1 - 0.97 * need / t4.usable_bytes)
+    plan, report = Greedy().solve(problem, LINEAR)
+    assert plan is not None and report.status == "FEASIBLE"
+    assert any("moved to lower-memory choices" in m for m in report.messages)
+    a = problem.assignment(plan)
+    assert linear_ok(problem, a)
+
+
+# ----------------------------------------------------------------------------- resnet50
+
+
+@pytest.fixture(scope="module")
+def resnet_problem(resnet50_graph) -> AllocationProblem:
+    c = parse_shorthand("v100x16+t4x16")
+    return AllocationProblem(resnet50_graph, c, estimate(resnet50_graph, c),
+                             random_indicator(resnet50_graph, 0), ProblemOptions(target_ms=850))
+
+
+@pytest.mark.parametrize("per_ms", [False, True])
+@pytest.mark.parametrize("acceptance", ["replayer", "linear"])
+def test_greedy_on_resnet50_is_fast_and_valid(resnet_problem, acceptance, per_ms) -> None:
+    solver = Greedy(per_ms=per_ms)
+    solver.solve(resnet_problem, SolveOptions(acceptance=acceptance))  # warm caches
+    t0 = time.perf_counter()
+    plan, report = solver.solve(resnet_problem, SolveOptions(acceptance=acceptance))
+    wall = time.perf_counter() - t0
+    assert plan is not None and report.status == "FEASIBLE"
+    assert wall < 1.0  # about 0.02 s here; generous for loaded CI machines
+    ev = evaluate(resnet_problem, plan)
+    if acceptance == "linear":
+        assert ev.meets_target and linear_ok(resnet_problem, resnet_problem.assignment(plan))
+    else:
+        assert ev.replay_meets_target and ev.fits
+    assert ev.objective < resnet_problem.objective(
+        {g.name: g.lowest() for g in resnet_problem.groups})
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def test_uniform_runs_strong_at_reference_and_weak_at_lowest(resnet_problem) -> None:
+    plan, report = Uniform().solve(resnet_problem, SolveOptions())
+    assert plan is not None and report.solver == "uniform"
+    ev = evaluate(resnet_problem, plan)
+    assert report.status == ("FEASIBLE" if ev.feasible else "INFEASIBLE")
+    a = resnet_problem.assignment(plan)
+    assert a["v100"] == resnet_problem.group("v100").reference
+    assert a["t4"] == resnet_problem.group("t4").lowest()
+    assert any("UP" in m for m in report.messages)
+
+
+def test_dynamic_batching_keeps_the_global_batch_and_fits(resnet_problem) -> None:
+    plan, report = DynamicBatching().solve(resnet_problem, SolveOptions(
+        extra={"batch_multiple": 8}))
+    assert plan is not None and report.solver == "dynamic-batching"
+    batches = {g.name: g.batch_per_device for g in plan.cluster.groups}
+    counts = {g.name: g.count for g in plan.cluster.groups}
+    assert sum(counts[n] * batches[n] for n in batches) == resnet_problem.global_batch
+    assert all(b % 8 == 0 for b in batches.values())
+    assert batches["t4"] < batches["v100"]  # the slower card gets less data
+    ev = evaluate(resnet_problem, plan)
+    assert ev.fits and ev.global_batch == resnet_problem.global_batch
+    assert report.status == ("FEASIBLE" if ev.feasible else "INFEASIBLE")
+    times = [e.linear_ms for e in ev.groups.values()]
+    assert max(times) / min(times) < 1.1  # balanced
+    assert any("re-split" in m for m in report.messages)
+    # The plan holds every choosable op at the reference precision of its group.
+    sub = resnet_problem.with_cluster(plan.cluster)
+    assert sub.assignment(plan) == sub.reference_assignment()
+
+
+def test_dynamic_batching_respects_memory(resnet50_graph) -> None:
+    c = parse_shorthand("a100x16+t4x16")
+    base = AllocationProblem(resnet50_graph, c, estimate(resnet50_graph, c),
+                             random_indicator(resnet50_graph, 0))
+    free, _ = DynamicBatching().solve(base, SolveOptions())
+    assert free is not None
+    t4_free = {g.name: g.batch_per_device for g in free.cluster.groups}["t4"]
+    # Headroom such that the T4 cannot hold the balanced batch.
+    sub = base.with_cluster(free.cluster)
+    t4 = sub.group("t4")
+    need = t4.memory_bytes(t4.reference)
+    tight = base.with_options(memory_headroom=1 - 0.99 * need / t4.usable_bytes)
+    plan, report = DynamicBatching().solve(tight, SolveOptions())
+    assert plan is not None
+    ev = evaluate(tight, plan)
+    assert ev.fits
+    t4_tight = {g.name: g.batch_per_device for g in plan.cluster.groups}["t4"]
+    assert t4_tight < t4_free  # type: ignore[operator]
+    assert ev.global_batch == base.global_batch
+
+
+def test_strong_only_leaves_the_weak_cards_out(resnet_problem) -> None:
+    plan, report = StrongOnly().solve(resnet_problem, SolveOptions())
+    assert plan is not None and report.solver == "strong-only"
+    assert [g.name for g in plan.cluster.groups] == list(resnet_problem.strong_groups)
+    assert set(plan.groups) == set(resnet_problem.strong_groups)
+    ev = evaluate(resnet_problem, plan)
+    assert report.status == ("FEASIBLE" if ev.feasible else "INFEASIBLE")
+    strong = resnet_problem.group("v100")
+    assert ev.global_batch == strong.count * strong.batch
+    assert all(p == P.fp32 for gp in plan.groups.values() for p in gp.precisions.values())
+    assert any("left out" in m for m in report.messages)
+
+
+@SETTINGS
+@given(case=problems)
+def test_every_baseline_plan_passes_the_evaluator(graphs, case) -> None:
+    key, cluster, seed, frac = case
+    problem = build(graphs[key], cluster, seed, frac)
+    for solver in (Uniform(), DynamicBatching(), StrongOnly()):
+        plan, report = solver.solve(problem, SolveOptions())
+        assert plan is not None and not solver.exact
+        ev = evaluate(problem, plan)
+        assert report.status == ("FEASIBLE" if ev.feasible else "INFEASIBLE")
+        assert report.wall_s >= 0 and report.messages
