@@ -25,8 +25,13 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
     """One line naming each invalid field (dotted path) and what was expected."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ())) or "(root)"
-        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        loc = ".".join(_printable(str(x)) for x in e.get("loc", ())) or "(root)"
+        msg = _printable(str(e.get("msg", "invalid")).removeprefix("Value error, "))
         parts.append(f"{loc}: {msg}")
     prefix = f"{where}: " if where else ""
     return prefix + "; ".join(parts)
+
+
+def _printable(text: str) -> str:
+    """A field name or message on one line: control characters shown escaped."""
+    return text if text.isprintable() else repr(text)[1:-1]

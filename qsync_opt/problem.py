@@ -156,7 +156,7 @@ _PASS = {DType.fp32: Precision.fp32, DType.fp16: Precision.fp16, DType.bf16: Pre
 
 
 def _widest_precision(dtypes: set[DType]) -> Precision:
-    return _PASS[dtypes.pop()] if len(dtypes) == 1 else Precision.fp32
+    return _PASS[next(iter(dtypes))] if len(dtypes) == 1 else Precision.fp32
 
 
 def _widest_choices(inputs: Sequence[tuple[Precision, ...]]) -> tuple[Precision, ...]:
@@ -209,11 +209,15 @@ class GroupModel:
         full = list(a)
         if len(full) != len(self.choices):
             raise ValueError(f"assignment has {len(full)} choices, expected {len(self.choices)}")
-        ext = self.all_choices
         for d in self.derived:
-            dtypes = {ext[u][full[u]].info.gives_out for u in d.inputs}
-            full.append(d.choices.index(_widest_precision(dtypes)))
+            full.append(self.derived_choice(d, full))
         return full
+
+    def derived_choice(self, d: DerivedUnit, full: Sequence[int]) -> int:
+        """Derived unit ``d``'s choice index given its inputs' choices in ``full``."""
+        ext = self.all_choices
+        dtypes = {ext[u][full[u]].info.gives_out for u in d.inputs}
+        return d.choices.index(_widest_precision(dtypes))
 
     def time_ms(self, a: Sequence[int]) -> float:
         a = self.complete(a) if self.derived else a
@@ -530,8 +534,11 @@ class AllocationProblem:
             prec[i] = None
             din[i] = dout[i] = DType.fp32
         if not self.options.casts:
-            # The additive model: compute only (no input, weight or gradient casts).
-            time0, time1, pairs = self._additive_times(gi, ext, unit_of)
+            # The additive model: compute only (no input, weight or gradient casts); its
+            # memory terms stay those of the real model.
+            time0, time1 = self._additive_times(gi, ext, unit_of)
+            for term in pairs.values():
+                term.time = [[0.0] * len(row) for row in term.time]
         omega1 = self._omega(choices)
         ref = Precision(self.options.reference)
         reference = []
@@ -554,7 +561,7 @@ class AllocationProblem:
 
     def _additive_times(self, gi: int, choices: list[tuple[Precision, ...]],
                         unit_of: list[int | None]
-                        ) -> tuple[float, list[list[float]], dict[tuple[int, int], PairTerm]]:
+                        ) -> tuple[float, list[list[float]]]:
         rep = self.replayer
         grp = rep.groups[gi]
         time0 = 0.0
@@ -568,7 +575,7 @@ class AllocationProblem:
                 for k, p in enumerate(choices[u]):
                     f, b = rep._compute_ms(grp, i, p, p.info.gives_out)
                     time1[u][k] += f + b
-        return time0, time1, {}
+        return time0, time1
 
     def _omega(self, choices: list[tuple[Precision, ...]]) -> list[list[float]]:
         values = self.indicator.values
@@ -662,7 +669,13 @@ class AllocationProblem:
 
     def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None
                      ) -> AllocationProblem:
-        """The same problem on another cluster or batch split (costs re-made if needed)."""
+        """The same problem on another cluster or batch split.
+
+        Costs are kept when they already cover the new batches and world size; otherwise
+        they come from ``cost_provider``, or, for estimated costs, from a fresh roofline
+        estimate with the same efficiencies (edits made to the original table, such as
+        ``synthetic.perturb_costs``, do not carry over).
+        """
         cluster = cluster.with_default_batch(self.graph.batch_size)
         have = {(c.device, c.batch_size) for c in self.costs.entries}
         need = {(g.device, int(g.batch_per_device)) for g in cluster.groups}  # type: ignore[arg-type]
@@ -671,7 +684,7 @@ class AllocationProblem:
         if not need <= have or not same_world:
             if self.cost_provider is not None:
                 costs = self.cost_provider(cluster)
-            elif all(c.source == "estimated" for c in self.costs.entries[:1]):
+            elif all(c.source == "estimated" for c in self.costs.entries):
                 costs = estimate(self.graph, cluster, efficiencies=self.costs.efficiencies,
                                  bucket_cap_bytes=self.costs.bucket_cap_bytes)
             else:

@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import QsyncInputError
-from ..problem import AllocationProblem, Evaluation, evaluate
+from ..precision import Precision
+from ..problem import AllocationProblem, Evaluation, GroupModel, evaluate
 from ..schemas import ClusterSpec, Plan, SolveReport
 from . import SolveOptions
 from ._common import Stopwatch, finish
@@ -40,6 +41,15 @@ def _verdict(problem: AllocationProblem, plan: Plan) -> tuple[str, Evaluation, s
     return status, ev, text
 
 
+def _stamp(sub: AllocationProblem, plan: Plan, solver: str, status: str, sw: Stopwatch
+           ) -> Plan:
+    """The plan with the provenance ``finish`` writes for plans it makes itself."""
+    prov = dict(plan.provenance)
+    prov.update({"solver": solver, "status": status, "wall_s": sw.wall_s,
+                 "objective": sub.objective(sub.assignment(plan))})
+    return plan.model_copy(update={"provenance": prov})
+
+
 def _sub_options(problem: AllocationProblem, cluster: ClusterSpec) -> Any:
     """The problem's options for a re-made cluster: the same target (so plans are compared
     against one number), strong groups kept where the new cluster still has them."""
@@ -51,7 +61,14 @@ def _sub_options(problem: AllocationProblem, cluster: ClusterSpec) -> Any:
 
 
 class Uniform:
-    """QSync's UP baseline: strong groups at the reference, the others at their lowest."""
+    """QSync's UP baseline: strong groups at the reference, the others at one precision.
+
+    ``options.extra["uniform_precision"]`` picks the weak groups' precision: ``"lowest"``
+    (default, as QSync's UP: each op's lowest choice), ``"fastest"`` (per group, the one
+    uniform precision with the least linear time: on a T4 INT8 gives out FP32, so its casts
+    can make uniform INT8 slower than uniform FP16), or a precision name (ops that cannot run
+    it take their lowest choice).
+    """
 
     name = "uniform"
     exact = False
@@ -59,24 +76,49 @@ class Uniform:
     def is_available(self) -> bool:
         return True
 
+    @staticmethod
+    def _uniform(g: GroupModel, p: Precision) -> list[int]:
+        return [c.index(p) if p in c else len(c) - 1 for c in g.choices]
+
+    def _weak(self, g: GroupModel, how: str) -> tuple[list[int], str]:
+        if how == "lowest":
+            return g.lowest(), "the lowest precision"
+        if how == "fastest":
+            menu = sorted({p for c in g.choices for p in c}, key=lambda p: p.info.rank)
+            best = min(menu, key=lambda p: (g.time_ms(self._uniform(g, p)), p.info.rank))
+            return self._uniform(g, best), f"{best.value} (its fastest uniform precision)"
+        try:
+            p = Precision(how)
+        except ValueError:
+            raise QsyncInputError(
+                f"uniform_precision: expected lowest, fastest or a precision name, got {how!r}"
+            ) from None
+        return self._uniform(g, p), p.value
+
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
         strong = set(problem.strong_groups)
+        how = str(options.extra.get("uniform_precision", "lowest"))
+        chosen: list[str] = []
         with sw.solving():
-            assignment = {g.name: list(g.reference) if g.name in strong else g.lowest()
-                          for g in problem.groups}
+            assignment: dict[str, list[int]] = {}
+            for g in problem.groups:
+                if g.name in strong:
+                    assignment[g.name] = list(g.reference)
+                else:
+                    assignment[g.name], what = self._weak(g, how)
+                    chosen.append(f"{g.name} at {what}")
             plan = problem.make_plan(assignment, {"solver": self.name})
             status, ev, text = _verdict(problem, plan)
-        weak = [g.name for g in problem.groups if g.name not in strong]
         messages = [
             "uniform precision (QSync's UP baseline): strong group(s) "
             f"{', '.join(sorted(strong))} at the reference, "
-            + (f"{', '.join(weak)} at the lowest precision on every op" if weak else
-               "no weak group"), text]
+            + (", ".join(chosen) + " on every op" if chosen else "no weak group"), text]
         return finish(problem, self.name, assignment, status=status,
                       mode="baseline: uniform precision, no search", options=options, sw=sw,
-                      messages=messages, extra_options={"samples_per_s": ev.samples_per_s})
+                      messages=messages, extra_options={"samples_per_s": ev.samples_per_s,
+                                                        "uniform_precision": how})
 
 
 class StrongOnly:
@@ -99,6 +141,7 @@ class StrongOnly:
         with sw.solving():
             plan = sub.make_plan(sub.reference_assignment(), {"solver": self.name})
             status, ev, text = _verdict(problem, plan)
+            plan = _stamp(sub, plan, self.name, status, sw)
         left = [g.name for g in problem.cluster.groups if g.name not in strong]
         messages = [
             f"strong-only: {', '.join(g.name for g in cluster.groups)} alone "
@@ -145,6 +188,7 @@ class DynamicBatching:
             sub = search.problem(batches)
             plan = sub.make_plan(sub.reference_assignment(), {"solver": self.name})
             status, ev, text = _verdict(problem, plan)
+            plan = _stamp(sub, plan, self.name, status, sw)
         split = ", ".join(f"{g.name} {b}" for g, b in zip(problem.groups, batches, strict=True))
         was = ", ".join(f"{g.name} {g.batch}" for g in problem.groups)
         times = search.scores[tuple(batches)][0]

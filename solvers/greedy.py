@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import QsyncInputError
-from ..problem import AllocationProblem, GroupModel, PairTerm
+from ..precision import Precision
+from ..problem import AllocationProblem, DerivedUnit, GroupModel, _widest_precision
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from . import SolveOptions
@@ -58,71 +59,126 @@ ACCEPTANCES = ("replayer", "linear")
 class LinearState:
     """Every group's assignment with its linear time and memory, kept up to date per move.
 
-    Each unit's pair terms are indexed once, so a move costs O(degree of the unit); the
+    The assignment is held in the problem's extended unit space: the real units, then the
+    derived units (promoting ops whose dtype follows their inputs', ``GroupModel.derived``),
+    so a move of unit u also moves the derived units downstream of it. Each unit's pair terms
+    and derived dependants are indexed once, so a move costs O(degree of the unit); the
     working-set term (a max over units) is kept as a running maximum.
     """
 
-    def __init__(self, problem: AllocationProblem, assignment: dict[str, Sequence[int]]) -> None:
+    def __init__(self, problem: AllocationProblem, assignment: Mapping[str, Sequence[int]]
+                 ) -> None:
         self.groups: list[GroupModel] = list(problem.groups)
-        self.a: list[list[int]] = [list(assignment[g.name]) for g in self.groups]
-        # adj[gi][u]: (pair term, True if u is the term's ``a`` side)
-        self.adj: list[list[list[tuple[PairTerm, bool]]]] = []
+        self.a: list[list[int]] = []  # extended assignment per group
+        self.ext: list[list[tuple[Precision, ...]]] = []
+        self.adj: list[list[list[int]]] = []  # pair indices per extended unit
+        self.downstream: list[list[list[DerivedUnit]]] = []  # derived units a unit reaches
         self.time: list[float] = []
         self.mem_sum: list[float] = []  # memory without the working-set max
         self.work: list[list[float]] = []
         self.work_max: list[float] = []
-        for g, a in zip(self.groups, self.a, strict=True):
-            adj: list[list[tuple[PairTerm, bool]]] = [[] for _ in g.choices]
-            for p in g.pairs:
-                adj[p.a].append((p, True))
-                adj[p.b].append((p, False))
+        for g in self.groups:
+            full = g.complete(assignment[g.name]) if g.derived else list(assignment[g.name])
+            self.a.append(full)
+            self.ext.append(g.all_choices)
+            adj: list[list[int]] = [[] for _ in g.time1]
+            for pi, p in enumerate(g.pairs):
+                adj[p.a].append(pi)
+                adj[p.b].append(pi)
             self.adj.append(adj)
-            self.time.append(g.time_ms(a))
-            m = g.mem0 + sum(row[c] for row, c in zip(g.mem1, a, strict=True))
-            self.mem_sum.append(m + sum(p.mem[a[p.a]][a[p.b]] for p in g.pairs))
-            w = [row[c] for row, c in zip(g.work1, a, strict=True)]
+            # The derived units each unit reaches through derived units, in index order
+            # (derived units are listed in graph order, so inputs come first).
+            consumers: dict[int, list[DerivedUnit]] = {}
+            for d in g.derived:
+                for x in d.inputs:
+                    consumers.setdefault(x, []).append(d)
+            down: list[list[DerivedUnit]] = []
+            for v in range(len(g.time1)):
+                found: dict[int, DerivedUnit] = {}
+                stack = [v]
+                while stack:
+                    for d in consumers.get(stack.pop(), ()):
+                        if d.index not in found:
+                            found[d.index] = d
+                            stack.append(d.index)
+                down.append([found[i] for i in sorted(found)])
+            self.downstream.append(down)
+            self.time.append(g.time_ms(assignment[g.name]))
+            self.mem_sum.append(
+                g.mem0 + sum(row[c] for row, c in zip(g.mem1, full, strict=True))
+                + sum(p.mem[full[p.a]][full[p.b]] for p in g.pairs))
+            w = [row[c] for row, c in zip(g.work1, full, strict=True)]
             self.work.append(w)
             self.work_max.append(max([g.work0, *w]))
 
+    def assignment(self) -> dict[str, list[int]]:
+        """The real units' choices per group."""
+        return {g.name: a[:g.n_units] for g, a in zip(self.groups, self.a, strict=True)}
+
+    def changes(self, gi: int, u: int, k: int) -> dict[int, int]:
+        """Extended unit -> new choice if unit u moved to k (u and the derived units that
+        change with it)."""
+        a = self.a[gi]
+        new = {u: k}
+        ext = self.ext[gi]
+        for d in self.downstream[gi][u]:
+            dtypes = {ext[x][new.get(x, a[x])].info.gives_out for x in d.inputs}
+            c = d.choices.index(_widest_precision(dtypes))
+            if c != a[d.index]:
+                new[d.index] = c
+        return new
+
     def delta(self, gi: int, u: int, k: int) -> tuple[float, float]:
         """(added time, added memory without the working set) of moving unit u to k."""
+        return self._delta(gi, self.changes(gi, u, k))
+
+    def _delta(self, gi: int, new: dict[int, int]) -> tuple[float, float]:
         g, a = self.groups[gi], self.a[gi]
-        old = a[u]
-        dt = g.time1[u][k] - g.time1[u][old]
-        dm = g.mem1[u][k] - g.mem1[u][old]
-        for p, is_a in self.adj[gi][u]:
-            if is_a:
-                kb = a[p.b]
-                dt += p.time[k][kb] - p.time[old][kb]
-                dm += p.mem[k][kb] - p.mem[old][kb]
-            else:
-                ka = a[p.a]
-                dt += p.time[ka][k] - p.time[ka][old]
-                dm += p.mem[ka][k] - p.mem[ka][old]
+        dt = dm = 0.0
+        seen: set[int] = set()
+        for v, kv in new.items():
+            old = a[v]
+            dt += g.time1[v][kv] - g.time1[v][old]
+            dm += g.mem1[v][kv] - g.mem1[v][old]
+            for pi in self.adj[gi][v]:
+                if pi in seen:
+                    continue
+                seen.add(pi)
+                p = g.pairs[pi]
+                oa, ob = a[p.a], a[p.b]
+                na, nb = new.get(p.a, oa), new.get(p.b, ob)
+                dt += p.time[na][nb] - p.time[oa][ob]
+                dm += p.mem[na][nb] - p.mem[oa][ob]
         return dt, dm
 
     def move(self, gi: int, u: int, k: int) -> None:
-        dt, dm = self.delta(gi, u, k)
-        self.a[gi][u] = k
+        new = self.changes(gi, u, k)
+        dt, dm = self._delta(gi, new)
+        g, a, w = self.groups[gi], self.a[gi], self.work[gi]
         self.time[gi] += dt
         self.mem_sum[gi] += dm
-        w = self.work[gi]
-        old_w, new_w = w[u], self.groups[gi].work1[u][k]
-        w[u] = new_w
-        if new_w >= self.work_max[gi]:
-            self.work_max[gi] = new_w
-        elif old_w >= self.work_max[gi]:
-            self.work_max[gi] = max([self.groups[gi].work0, *w])
+        rescan = False
+        for v, kv in new.items():
+            a[v] = kv
+            old_w, new_w = w[v], g.work1[v][kv]
+            w[v] = new_w
+            if new_w >= self.work_max[gi]:
+                self.work_max[gi] = new_w
+            elif old_w >= self.work_max[gi]:
+                rescan = True
+        if rescan:
+            self.work_max[gi] = max([g.work0, *w])
 
     def memory(self, gi: int) -> float:
         return self.mem_sum[gi] + self.work_max[gi]
 
     def memory_after(self, gi: int, u: int, k: int) -> float:
         """The group's memory if unit u moved to choice k (for ranking memory savings)."""
-        _, dm = self.delta(gi, u, k)
-        w = self.work[gi]
-        others = max([self.groups[gi].work0, *w[:u], *w[u + 1:]])
-        return self.mem_sum[gi] + dm + max(others, self.groups[gi].work1[u][k])
+        new = self.changes(gi, u, k)
+        _, dm = self._delta(gi, new)
+        g, w = self.groups[gi], self.work[gi]
+        work = max([g.work0, *(g.work1[v][new[v]] if v in new else x for v, x in enumerate(w))])
+        return self.mem_sum[gi] + dm + work
 
 
 class LinearAcceptance:
@@ -225,7 +281,7 @@ class Greedy:
         out: dict[str, list[int]] = {}
         for g in problem.groups:
             row = []
-            for times in g.time1:
+            for times in g.time1[:g.n_units]:
                 best = min(times)
                 tol = 1e-12 * max(abs(best), 1.0)
                 row.append(max(k for k, t in enumerate(times) if t <= best + tol))
@@ -319,7 +375,6 @@ class Greedy:
 
             # 2. The heap of raises.
             heap: list[tuple[float, int, int, int]] = []  # (-rank, gi, u, from choice k)
-            rank_of: dict[tuple[int, int], float] = {}
 
             def gain(gi: int, u: int, k: int) -> float:
                 om = groups[gi].omega1[u]
@@ -336,7 +391,6 @@ class Greedy:
                 k = lin.a[gi][u]
                 if k > 0 and gain(gi, u, k) > 0:
                     r = rank(gi, u, k)
-                    rank_of[(gi, u)] = r
                     heapq.heappush(heap, (-r, gi, u, k))
 
             for gi, g in enumerate(groups):
@@ -369,7 +423,6 @@ class Greedy:
                     if self.per_ms:
                         r = rank(gi, u, k)
                         if abs(r - (-neg)) > 1e-12 * max(abs(r), 1.0):
-                            rank_of[(gi, u)] = r
                             heapq.heappush(heap, (-r, gi, u, k))
                             continue
                     if attempt(gi, u, k):
@@ -417,7 +470,7 @@ class Greedy:
                 f"{accepted} move(s) accepted in {acc.checks} check(s)"
                 + (f", {acc.calls} replayer call(s)" if acc.calls else "")
                 + f"; {acc.name} makespan {end_ms:.3f} ms")
-        assignment = {g.name: list(a) for g, a in zip(groups, lin.a, strict=True)}
+        assignment = lin.assignment()
         ext = {**extra(), "sweeps": sweeps, "makespan_ms": end_ms}
         return finish(problem, self.name, assignment, status=status, mode=mode, options=options,
                       sw=sw, messages=messages, extra_options=ext)

@@ -1,10 +1,12 @@
 """The exact integer program in PuLP, solved by CBC or HiGHS, and the additive-ILP baseline.
 
-Per device group ``g`` (choice indices into ``GroupModel.choices[u]``)::
+Per device group ``g`` (choice indices into ``GroupModel.choices[u]``; the derived units of
+promoting ops follow the real ones)::
 
-    min  sum_u w_g * Omega_u[k] x[u,k]
+    min  sum_u w_g * Omega_u[k] x[u,k]                              (real units only)
     s.t. sum_k x[u,k] = 1                                         (one-hot, x binary)
          sum_kb y[p,ka,kb] = x[a,ka],  sum_ka y[p,ka,kb] = x[b,kb]  (pair p = (a, b), y >= 0)
+         x[d,k] <= S_i,  x[d,k] >= sum_i S_i - (n - 1)               (derived d = AND of inputs)
          time0 + sum t1 x + sum t_p y            <= target - tail    (the group's budget)
          mem0 + sum m1 x + sum m_p y + W         <= capacity
          W >= work0,  W >= sum_k work1[u][k] x[u,k]                 (largest working set)
@@ -13,21 +15,35 @@ The marginal rows make ``y`` the product of the two one-hot rows for any binary 
 ``y`` need not be integer. Pair terms whose time and memory matrices are all zero are
 skipped, as are working-set rows that can never exceed ``work0``. With a fixed target the
 groups do not interact: by default one small program is solved per group
-(``SolveOptions.decompose``). The time and memory rows are normalised (divided by the budget
-and the capacity) so the solvers' absolute tolerances act relatively; every assignment is
-then checked with the exact model (``GroupModel.time_ms`` / ``memory_bytes``) and, in the
-rare case a solver tolerance let a row slip, the row is tightened and the program re-solved.
+(``SolveOptions.decompose``; the time limit is shared out, the bounds summed).
+
+Numerics. The time and memory rows are normalised (divided by the budget and the capacity)
+and the solvers run with feasibility and integrality tolerances of 1e-9, so their absolute
+tolerances act relatively. Every assignment is then checked with the exact model
+(``GroupModel.time_ms`` / ``memory_bytes``, relative tolerance ``FEAS_REL``); in the rare
+case a solver tolerance let a row slip, the row is tightened (by the violation plus 1e-9,
+then 1e-7, 1e-5 of the bound) and the program re-solved, with a message.
+
+Solver specifics. HiGHS runs through pulp's ``HiGHS`` class (highspy), subclassed to pass
+the model in bulk, to warm-start with ``setSolution`` (pulp's class has no warm start) and
+to read the model status and ``mip_dual_bound``. CBC runs through pulp's bundled command
+(``PULP_CBC_CMD``, else ``COIN_CMD``) with ``-mips`` for a warm start; its bound is read from
+its log ("Lower bound", rounded down past its printed digits). ``build_s`` counts the PuLP
+model and its transfer to the solver (highspy arrays, or the MPS file and solution file),
+``solve_s`` the solver's run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +53,10 @@ from . import SolveOptions
 from ._common import Stopwatch, check_hints, finish, mode_text
 
 _PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
+#: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
+#: capacity * (1 + FEAS_REL) in the floating-point model (100x inside the evaluator's
+#: EVAL_TOL; it absorbs the last-ulp differences of ``target - tail`` against a sum of terms).
+FEAS_REL = 1e-9
 #: Relative tightening of a row per repair (on top of the measured violation).
 _REPAIR_MARGIN = 1e-9
 _MAX_REPAIRS = 3
@@ -116,10 +136,12 @@ def derived_rows(g: GroupModel) -> list[tuple[int, int, list[list[tuple[int, int
     return g.derived_rows() if getattr(g, "derived", None) else []
 
 
-def exact_violation(g: GroupModel, a: Sequence[int], budget: float
+def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float = FEAS_REL
                     ) -> tuple[float, float]:
-    """How far ``a`` exceeds the group's time budget (ms) and capacity (bytes); 0 if not."""
-    return (max(0.0, g.time_ms(a) - budget), max(0.0, g.memory_bytes(a) - g.capacity_bytes))
+    """How far ``a`` exceeds the group's time budget (ms) and capacity (bytes), beyond the
+    relative tolerance ``rel``; 0 if not."""
+    return (max(0.0, g.time_ms(a) - budget - rel * abs(budget)),
+            max(0.0, g.memory_bytes(a) - g.capacity_bytes * (1 + rel)))
 
 
 def time_lower_bound(g: GroupModel) -> float:
@@ -323,10 +345,35 @@ class _Outcome:
     detail: str = ""
 
 
+#: The thread count of HiGHS's process-wide scheduler (None: not started by us yet).
+_HIGHS_THREADS: int | None = None
+_HIGHS_BANNER_DONE = False
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (HiGHS prints its banner from C++ when the first Highs
+    object is made, before output_flag can be set; it would corrupt JSON on stdout)."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _highs_class(pulp: Any) -> Any:
     class _Highs(pulp.HiGHS):  # type: ignore[misc, name-defined]
-        """pulp's HiGHS with a warm start (highspy setSolution), the run timed apart from
-        the model transfer, and the dual bound kept."""
+        """pulp's HiGHS, with the model passed to highspy in bulk (numpy arrays, not one
+        column and row at a time), a warm start (highspy setSolution), the run timed apart
+        from the transfer, and the model status and dual bound kept."""
 
         start_values: list[tuple[Any, float]] | None = None
         run_s = 0.0
@@ -334,40 +381,126 @@ def _highs_class(pulp: Any) -> Any:
         outcome: tuple[Any, Any, float, float] | None = None
 
         def actualSolve(self, lp: Any) -> Any:
+            import highspy
             import numpy as np
 
+            global _HIGHS_BANNER_DONE
             t0 = time.perf_counter()
-            self.createAndConfigureSolver(lp)
-            self.buildSolverModel(lp)
+            if _HIGHS_BANNER_DONE:
+                self.createAndConfigureSolver(lp)
+            else:
+                with _quiet_stdout():
+                    self.createAndConfigureSolver(lp)
+                _HIGHS_BANNER_DONE = True
             h = lp.solverModel
+            inf = highspy.kHighsInf
+            variables = lp.variables()
+            n = len(variables)
+            for i, v in enumerate(variables):
+                v.index = i
+            h.addVars(n, np.array([-inf if v.lowBound is None else v.lowBound
+                                   for v in variables], dtype=np.float64),
+                      np.array([inf if v.upBound is None else v.upBound
+                                for v in variables], dtype=np.float64))
+            obj = [(v.index, c) for v, c in lp.objective.items() if c]
+            if obj:
+                h.changeColsCost(len(obj), np.array([i for i, _ in obj], dtype=np.int32),
+                                 np.array([c for _, c in obj], dtype=np.float64))
+            ints = [v.index for v in variables if v.cat == pulp.LpInteger]
+            if ints:
+                h.changeColsIntegrality(
+                    len(ints), np.array(ints, dtype=np.int32),
+                    np.full(len(ints), int(highspy.HighsVarType.kInteger), dtype=np.uint8))
+            lower, upper, starts, index, value = [], [], [], [], []
+            for i, con in enumerate(lp._constraints.values()):
+                con.index = i
+                starts.append(len(index))
+                for v, c in con.items():
+                    if c:
+                        index.append(v.index)
+                        value.append(c)
+                lb, ub = con.getLb(), con.getUb()
+                lower.append(-inf if lb is None else lb)
+                upper.append(inf if ub is None else ub)
+            if lower:
+                h.addRows(len(lower), np.array(lower, dtype=np.float64),
+                          np.array(upper, dtype=np.float64), len(index),
+                          np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
+                          np.array(value, dtype=np.float64))
             if self.start_values is not None:
                 idx = [v.index for v, _ in self.start_values]
                 val = [float(s) for _, s in self.start_values]
                 h.setSolution(len(idx), np.asarray(idx, dtype=np.int32),
                               np.asarray(val, dtype=np.float64))
+            # HiGHS fixes its thread pool at the first run in a process; a run asking for
+            # another thread count fails (model status kNotset) unless the pool is reset.
+            global _HIGHS_THREADS
+            want = int(self.threads or 0)
+            if want != _HIGHS_THREADS:
+                if _HIGHS_THREADS is not None:
+                    highspy.Highs.resetGlobalScheduler(True)
+                _HIGHS_THREADS = want
             t1 = time.perf_counter()
             self.callSolver(lp)
             t2 = time.perf_counter()
             self.transfer_s, self.run_s = t1 - t0, t2 - t1
             info = h.getInfo()
-            self.outcome = (h.getModelStatus(), info.primal_solution_status,
-                            info.mip_dual_bound, info.objective_function_value)
-            status, sol_status = self.findSolutionValues(lp)
-            for var in lp.variables():
-                var.modified = False
-            for constraint in lp._constraints.values():
-                constraint.modifier = False
-            lp.assignStatus(status, sol_status)
-            return status
+            mstatus = h.getModelStatus()
+            self.outcome = (mstatus, info.primal_solution_status, info.mip_dual_bound,
+                            info.objective_function_value)
+            if info.primal_solution_status == 2:  # a feasible solution exists
+                for v, x in zip(variables, h.getSolution().col_value, strict=True):
+                    v.varValue = x
+                lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
+                return pulp.LpStatusOptimal
+            lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+            return pulp.LpStatusNotSolved
 
     return _Highs
+
+
+def _cbc_class(pulp: Any, base_name: str) -> Any:
+    base = getattr(pulp, base_name)
+
+    class _Cbc(base):  # type: ignore[misc, valid-type]
+        """pulp's CBC command, timing the MPS write and solution read (model transfer)
+        apart from the run."""
+
+        io_s = 0.0
+
+        def actualSolve(self, lp: Any, **kwargs: Any) -> Any:
+            write = lp.writeMPS
+
+            def timed_write(*a: Any, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return write(*a, **k)
+                finally:
+                    self.io_s += time.perf_counter() - t
+
+            lp.writeMPS = timed_write
+            try:
+                return super().actualSolve(lp, **kwargs)
+            finally:
+                del lp.writeMPS
+
+        def readsol_MPS(self, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return super().readsol_MPS(*a, **k)
+            finally:
+                self.io_s += time.perf_counter() - t
+
+    return _Cbc
 
 
 _CBC_RESULT = re.compile(r"^Result - (.*)$", re.M)
 _CBC_NUM = r"\s*:?\s*(-?[0-9.eE+-]+|inf|-inf|1e\+50|-1e\+50)"
 
 
-def _cbc_log_value(text: str, label: str) -> float | None:
+def _cbc_log_value(text: str, label: str, lower: bool = False) -> float | None:
+    """A number from CBC's closing summary. ``lower``: it is a lower bound printed with
+    few decimals, so take it down by half its last printed digit (a valid bound still)."""
     m = re.search(rf"^{label}{_CBC_NUM}", text, re.M)
     if not m:
         return None
@@ -375,7 +508,14 @@ def _cbc_log_value(text: str, label: str) -> float | None:
         v = float(m.group(1))
     except ValueError:
         return None
-    return v if math.isfinite(v) and abs(v) < 1e49 else None
+    if not (math.isfinite(v) and abs(v) < 1e49):
+        return None
+    if lower:
+        digits = m.group(1).split("e")[0].split("E")[0]
+        decimals = len(digits.split(".")[1]) if "." in digits else 0
+        if "e" not in m.group(1).lower():
+            v -= 0.5 * 10.0 ** -decimals
+    return v
 
 
 class PulpIlp:
@@ -443,29 +583,31 @@ class PulpIlp:
             extra += list(options.extra.get("cbc", []))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                solver = getattr(pulp, cls_name)(
+                solver = _cbc_class(pulp, cls_name)(
                     msg=False, timeLimit=max(time_limit, 0.01), gapRel=options.rel_gap,
                     threads=options.threads or None, warmStart=start, logPath=log_path,
                     options=extra)
                 t0 = time.perf_counter()
                 lp.solve(solver)
-            run = time.perf_counter() - t0
+            run = time.perf_counter() - t0 - solver.io_s
             with open(log_path) as f:
                 text = f.read()
         finally:
             os.unlink(log_path)
         sw.solve_s += run
+        sw.build_s += solver.io_s  # the MPS file out and the solution file in
         m = _CBC_RESULT.search(text)
         result = m.group(1).strip() if m else ""
         if start and "mipstart" not in text.lower() and "MIPStart" not in text:
             messages.append("cbc: warm start given but not reported in CBC's log")
         obj = _cbc_log_value(text, "Objective value")
-        lower = _cbc_log_value(text, "Lower bound")
+        lower = _cbc_log_value(text, "Lower bound", lower=True)
         if lp.status == pulp.LpStatusInfeasible or result.startswith(
                 ("Problem proven infeasible", "Linear relaxation infeasible")):
             return _Outcome("INFEASIBLE", None, run)
         if lp.status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionOptimal:
-            return _Outcome("OPTIMAL", obj, run)
+            # (within the gap tolerance CBC prints a lower bound; proven optimal, it does not)
+            return _Outcome("OPTIMAL", lower if lower is not None else obj, run)
         if lp.status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionIntegerFeasible:
             return _Outcome("FEASIBLE", lower, run)
         if lp.status == pulp.LpStatusNotSolved:
@@ -616,6 +758,8 @@ class AdditiveIlp:
                           options=options, sw=sw, messages=messages)
         with sw.building():
             additive = problem.with_options(casts=False, target_ms=problem.target_ms)
+            for ga, g in zip(additive.groups, problem.groups, strict=True):
+                ga.capacity_bytes = g.capacity_bytes  # the same bound, even if edited
         messages.append(
             f"additive model solved with {backend.name}: its time row ignores casts (QSync's "
             "and HAWQ-V3's ILP); the plan is scored on the cast-aware model")

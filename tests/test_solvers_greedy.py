@@ -3,6 +3,7 @@ replayer's verdict, casts, reverted moves, dynamic batching and the strong-only 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -14,7 +15,7 @@ from qsync_opt.solvers import greedy as greedy_mod
 from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
 from qsync_opt.solvers.greedy import REL_TOL, Greedy, LinearState, ReplayAcceptance
 
-from qsync_opt import ModelGraph, estimate, parse_shorthand
+from qsync_opt import ModelGraph, QsyncInputError, estimate, parse_shorthand
 from qsync_opt.precision import DType, Precision
 from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
 from qsync_opt.schemas import OpRole
@@ -23,13 +24,15 @@ from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
 P = Precision
 LINEAR = SolveOptions(acceptance="linear")
 REPLAYER = SolveOptions(acceptance="replayer")
-CLUSTERS = ("a100x2+t4x2", "v100x2+t4x4", "t4x2+a100x1", "v100x4")
+CLUSTERS = ("a100x2+t4x2", "v100x2+t4x4", "t4x2+a100x1", "v100x4", "a100x1+v100x2+t4x2")
 GRAPH_KEYS = ((2, 0), (3, 1), (4, 2), (3, 3))
 
 
-@pytest.fixture(scope="module")
-def graphs() -> dict[tuple[int, int], ModelGraph]:
-    return {(n, s): synthetic_graph(n, seed=s) for n, s in GRAPH_KEYS}
+@functools.cache
+def graph(key: tuple[int, int]) -> ModelGraph:
+    """Traced once per session (hypothesis would print a fixture's graphs on failure)."""
+    n, seed = key
+    return synthetic_graph(n, seed=seed)
 
 
 def build(graph: ModelGraph, cluster: str, seed: int, frac: float) -> AllocationProblem:
@@ -68,7 +71,7 @@ def brute_force(problem: AllocationProblem) -> float | None:
 
 problems = st.tuples(st.sampled_from(GRAPH_KEYS), st.sampled_from(CLUSTERS),
                      st.integers(0, 10_000), st.floats(-0.1, 1.2))
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -77,9 +80,9 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
 
 @SETTINGS
 @given(case=problems, per_ms=st.booleans())
-def test_linear_greedy_never_beats_brute_force(graphs, case, per_ms) -> None:
+def test_linear_greedy_never_beats_brute_force(case, per_ms) -> None:
     key, cluster, seed, frac = case
-    problem = build(graphs[key], cluster, seed, frac)
+    problem = build(graph(key), cluster, seed, frac)
     opt = brute_force(problem)
     plan, report = Greedy(per_ms=per_ms).solve(problem, LINEAR)
     assert report.solver == ("greedy-per-ms" if per_ms else "greedy")
@@ -94,7 +97,7 @@ def test_linear_greedy_never_beats_brute_force(graphs, case, per_ms) -> None:
     assert report.objective == pytest.approx(problem.objective(a))
     assert report.objective >= opt - 1e-9 * max(1.0, abs(opt))
     ev = evaluate(problem, plan)
-    assert ev.meets_target
+    assert ev.feasible, ev.violations
     assert report.options["replayer_calls"] == 0
     assert report.options["checks"] >= report.options["accepted"]
     # The baseline is never better than the optimum either, where it is feasible.
@@ -108,9 +111,9 @@ def test_linear_greedy_never_beats_brute_force(graphs, case, per_ms) -> None:
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(case=problems, moves=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 50),
                                                st.integers(0, 5)), max_size=40))
-def test_linear_state_tracks_the_exact_evaluators(graphs, case, moves) -> None:
+def test_linear_state_tracks_the_exact_evaluators(case, moves) -> None:
     key, cluster, seed, frac = case
-    problem = build(graphs[key], cluster, seed, frac)
+    problem = build(graph(key), cluster, seed, frac)
     lin = LinearState(problem, Greedy.fastest(problem))
     for gi, u, k in moves:
         gi %= len(problem.groups)
@@ -120,20 +123,23 @@ def test_linear_state_tracks_the_exact_evaluators(graphs, case, moves) -> None:
         predicted = lin.memory_after(gi, u, k)
         lin.move(gi, u, k)
         assert lin.memory(gi) == pytest.approx(predicted, rel=1e-12)
+    real = lin.assignment()
     for gi, g in enumerate(problem.groups):
-        assert lin.time[gi] == pytest.approx(g.time_ms(lin.a[gi]), rel=1e-9, abs=1e-9)
-        assert lin.memory(gi) == pytest.approx(g.memory_bytes(lin.a[gi]), rel=1e-12)
+        a = real[g.name]
+        assert lin.a[gi] == g.complete(a)  # derived units follow their inputs
+        assert lin.time[gi] == pytest.approx(g.time_ms(a), rel=1e-9, abs=1e-9)
+        assert lin.memory(gi) == pytest.approx(g.memory_bytes(a), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- replayer
 
 
-@settings(max_examples=15, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=problems, per_ms=st.booleans())
-def test_replayer_greedy_meets_the_target_in_the_replayer(graphs, case, per_ms) -> None:
+def test_replayer_greedy_meets_the_target_in_the_replayer(case, per_ms) -> None:
     key, cluster, seed, frac = case
-    problem = build(graphs[key], cluster, seed, frac)
+    problem = build(graph(key), cluster, seed, frac)
     plan, report = Greedy(per_ms=per_ms).solve(problem, REPLAYER)
     if plan is None:
         assert report.status == "INFEASIBLE"
@@ -147,12 +153,15 @@ def test_replayer_greedy_meets_the_target_in_the_replayer(graphs, case, per_ms) 
     # returned plan: no rejected move was left behind in it.
     assert report.options["makespan_ms"] == pytest.approx(tl.iteration_ms, rel=1e-9)
     ev = evaluate(problem, plan)
-    assert ev.replay_meets_target and ev.objective == pytest.approx(report.objective)
+    # (The linear makespan may exceed the replayer's by the backward of ops after the last
+    # bucket's first gradient, so only the replayer's verdict is asserted here.)
+    assert ev.replay_meets_target and ev.fits
+    assert ev.objective == pytest.approx(report.objective)
     assert report.options["replayer_calls"] >= report.options["accepted"]
 
 
-def test_reverting_a_rejected_move_restores_the_replay(graphs) -> None:
-    problem = build(graphs[(4, 2)], "a100x2+t4x2", 7, 0.3)
+def test_reverting_a_rejected_move_restores_the_replay() -> None:
+    problem = build(graph((4, 2)), "a100x2+t4x2", 7, 0.3)
     start = Greedy.fastest(problem)
     acc = ReplayAcceptance(problem, start)
     a = {k: list(v) for k, v in start.items()}
@@ -260,8 +269,8 @@ def test_sweeps_retry_moves_that_casts_made_affordable(monkeypatch) -> None:
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_greedy_reports_an_unreachable_target_and_memory(graphs) -> None:
-    problem = build(graphs[(3, 1)], "a100x2+t4x2", 3, 0.5)
+def test_greedy_reports_an_unreachable_target_and_memory() -> None:
+    problem = build(graph((3, 1)), "a100x2+t4x2", 3, 0.5)
     tight = problem.with_options(target_ms=problem.tail_ms * 0.5)
     for options in (LINEAR, REPLAYER):
         plan, report = Greedy().solve(tight, options)
@@ -272,7 +281,7 @@ def test_greedy_reports_an_unreachable_target_and_memory(graphs) -> None:
     plan, report = Greedy().solve(full, LINEAR)
     assert plan is None and report.status == "INFEASIBLE"
     assert any("cannot fit memory" in m and "bytes" in m for m in report.messages)
-    with pytest.raises(Exception, match="acceptance"):
+    with pytest.raises(QsyncInputError, match="acceptance"):
         Greedy().solve(problem, SolveOptions(acceptance="bogus"))
 
 
@@ -282,7 +291,9 @@ def test_greedy_moves_units_to_fit_memory(resnet50_graph) -> None:
                              random_indicator(resnet50_graph, 0), ProblemOptions(target_ms=900))
     t4 = base.group("t4")
     need = t4.memory_bytes(Greedy.fastest(base)["t4"])
-    problem = base.with_options(memory_headroom=1 - 0.97 * need / t4.usable_bytes)
+    fp16 = t4.memory_bytes([c.index(P.fp16) for c in t4.choices])  # less than the fastest
+    assert fp16 < need
+    problem = base.with_options(memory_headroom=1 - (need + fp16) / 2 / t4.usable_bytes)
     plan, report = Greedy().solve(problem, LINEAR)
     assert plan is not None and report.status == "FEASIBLE"
     assert any("moved to lower-memory choices" in m for m in report.messages)
@@ -331,6 +342,16 @@ def test_uniform_runs_strong_at_reference_and_weak_at_lowest(resnet_problem) -> 
     assert a["v100"] == resnet_problem.group("v100").reference
     assert a["t4"] == resnet_problem.group("t4").lowest()
     assert any("UP" in m for m in report.messages)
+    # On the T4 INT8 gives out FP32 and pays casts: uniform FP16 is its fastest.
+    fplan, freport = Uniform().solve(resnet_problem, SolveOptions(
+        extra={"uniform_precision": "fastest"}))
+    assert fplan is not None
+    t4 = resnet_problem.group("t4")
+    fa = resnet_problem.assignment(fplan)["t4"]
+    assert {t4.choices[u][k] for u, k in enumerate(fa)} == {P.fp16}
+    assert evaluate(resnet_problem, fplan).makespan_ms <= ev.makespan_ms
+    with pytest.raises(QsyncInputError, match="uniform_precision"):
+        Uniform().solve(resnet_problem, SolveOptions(extra={"uniform_precision": "fp7"}))
 
 
 def test_dynamic_batching_keeps_the_global_batch_and_fits(resnet_problem) -> None:
@@ -389,12 +410,16 @@ def test_strong_only_leaves_the_weak_cards_out(resnet_problem) -> None:
 
 @SETTINGS
 @given(case=problems)
-def test_every_baseline_plan_passes_the_evaluator(graphs, case) -> None:
+def test_every_baseline_plan_passes_the_evaluator(case) -> None:
     key, cluster, seed, frac = case
-    problem = build(graphs[key], cluster, seed, frac)
+    problem = build(graph(key), cluster, seed, frac)
     for solver in (Uniform(), DynamicBatching(), StrongOnly()):
         plan, report = solver.solve(problem, SolveOptions())
         assert plan is not None and not solver.exact
         ev = evaluate(problem, plan)
         assert report.status == ("FEASIBLE" if ev.feasible else "INFEASIBLE")
         assert report.wall_s >= 0 and report.messages
+        if solver.name == "strong-only":
+            assert set(plan.groups) == set(problem.strong_groups)
+        else:
+            assert ev.global_batch == problem.global_batch
