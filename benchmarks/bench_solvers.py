@@ -31,12 +31,11 @@ from qsync_opt.synthetic import random_indicator, synthetic_graph
 #: (model, cluster, target). None: the default target (strong groups at fp32, no
 #: straggler); a fraction f: f of the way from the fastest to the all-reference makespan,
 #: where the default is out of reach even at the lowest precisions (bert_base at 12/12 and
-#: gpt2_medium: the T4s cannot match an A100's or H100's time in these estimates). ResNet-50
-#: uses QSync's own batch split (144 on a V100, 112 on a T4): at 128/128 no precision plan
-#: lets a T4 keep pace with a V100 at FP32 in these estimates. gpt2_medium gives the L4s and
-#: T4s 2 sequences (4 do not fit their memory even at the lowest precisions).
+#: gpt2_medium: the T4s cannot match an A100's or H100's time in these estimates).
+#: gpt2_medium gives the L4s and T4s 2 sequences (4 do not fit their memory even at the
+#: lowest precisions).
 INSTANCES = [
-    ("resnet50", "v100x16@144+t4x16@112", None),
+    ("resnet50", "v100x16+t4x16", None),
     ("bert_base", "a100x8+t4x8", 0.5),
     ("vgg16_bn", "v100x16+t4x16", None),
     ("gpt2_medium", "h100x8+l4x8@2+t4x8@2", 0.5),

@@ -85,8 +85,8 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
     """
     plan, report, ev = _run(problem, solver, options or SolveOptions())
     if plan is None:
-        raise InfeasibleError(
-            f"{solver}: no plan ({report.status}); " + "; ".join(report.messages[-3:]), report)
+        said = "; ".join(m.replace("\n", " ") for m in report.messages[-3:])
+        raise InfeasibleError(f"{solver}: no plan ({report.status}); {said}", report)
     return plan, report
 
 
@@ -172,7 +172,8 @@ def format_rows(rows: Sequence[CompareRow]) -> str:
     lines = [head]
     for r in rows:
         def num(v: float | None, fmt: str) -> str:
-            return format(v, fmt) if v is not None else "-"
+            width = int(fmt.split(".")[0])
+            return format(v, fmt) if v is not None else "-".rjust(width)
         mem = " ".join(f"{g}={v:.1f}" for g, v in r.peak_memory_gib.items())
         lines.append(f"{r.solver:>17} {r.status:>10} {'yes' if r.feasible else 'no':>3} "
                      f"{num(r.objective, '11.5g')} {num(r.makespan_ms, '10.2f')} "

@@ -36,6 +36,7 @@ model and its transfer to the solver (highspy arrays, or the MPS file and soluti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -183,6 +184,9 @@ class _Program:
     n_variables: int = 0
     n_constraints: int = 0
     obj_terms: list[tuple[Any, float]] = field(default_factory=list)
+    #: The objective is multiplied by this (largest coefficient -> 1) so that the solvers'
+    #: absolute tolerances do not swallow small Omegas; bounds are divided back.
+    obj_scale: float = 1.0
 
 
 def _row_scale(v: float) -> float:
@@ -284,6 +288,10 @@ def _build(pulp: Any, problem: AllocationProblem, gis: Sequence[int], name: str)
     budget = problem.group_budget_ms()
     for gi in gis:
         prog.groups.append(_add_group(pulp, prog, problem.groups[gi], gi, budget))
+    top = max((abs(c) for _, c in prog.obj_terms), default=0.0)
+    if top > 0:
+        prog.obj_scale = 1.0 / top
+        prog.obj_terms = [(v, c * prog.obj_scale) for v, c in prog.obj_terms]
     lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
     return prog
 
@@ -632,6 +640,8 @@ class PulpIlp:
         for attempt in range(_MAX_REPAIRS + 1):
             left = deadline - time.perf_counter()
             out = self._run(pulp, prog, options, left, hints is not None, sw, messages)
+            if out.bound is not None:
+                out = dataclasses.replace(out, bound=out.bound / prog.obj_scale)
             if out.status not in ("OPTIMAL", "FEASIBLE"):
                 return out, None, prog.n_variables, prog.n_constraints
             assign = {problem.groups[gv.gi].name: _read_assignment(

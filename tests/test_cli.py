@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qsync_opt import CostTable, ModelGraph, load
+from qsync_opt import CostTable, ModelGraph, Plan, SolveReport, load
 from qsync_opt.cli import main
 
 
@@ -127,12 +127,72 @@ def test_console_script_exit_code_and_one_line(tmp_path) -> None:
     assert "inter_node_bandwidth_gb_per_s" in proc.stderr
 
 
+def test_demo_plans_and_removes_the_straggler(capsys, tmp_path) -> None:
+    """The demo with the random indicator (fast): every allocator compared, a plan written."""
+    code, out, _ = run(capsys, "demo", "--method", "random", "--out", str(tmp_path))
+    assert code == 0
+    assert "resnet50" in out and "v100x16+t4x16" in out and "the straggler is gone" in out
+    for name in ("highs", "cbc", "cpsat", "greedy", "uniform", "dynamic-batching",
+                 "additive-ilp", "strong-only"):
+        assert f" {name} " in out
+    assert load(tmp_path / "graph.json", ModelGraph).workload == "resnet50"
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.provenance["status"] == "OPTIMAL"
+
+
 @pytest.mark.slow
 def test_demo_runs(capsys, tmp_path) -> None:
+    """The demo as `make demo` runs it: the qsync indicator on synthetic batches."""
     code, out, _ = run(capsys, "demo", "--out", str(tmp_path))
-    assert code == 0
-    assert "resnet50" in out and "v100x16+t4x16" in out and "straggler" in out
-    assert load(tmp_path / "graph.json", ModelGraph).workload == "resnet50"
+    assert code == 0 and "indicator: qsync" in out and "the straggler is gone" in out
+
+
+def test_solve_writes_a_plan_and_report(capsys, tmp_path) -> None:
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "report.json"
+    code, out, err = run(capsys, "solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
+                         "--method", "random", "--solver", "highs", "--target-ms", "5",
+                         "--out", str(plan_path), "--report", str(report_path))
+    assert code == 0, err
+    plan = Plan.load(plan_path)
+    report = SolveReport.load(report_path)
+    assert report.status == "OPTIMAL" and plan.provenance["solver"] == "highs"
+    assert "makespan" in out and "wrote" in out
+    code, out, _ = run(capsys, "solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
+                       "--method", "random", "--solver", "greedy", "--acceptance", "linear",
+                       "--out", str(plan_path), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["evaluation"]["feasible"] in (True, False)
+
+
+def test_compare_json_rows(capsys, tmp_path) -> None:
+    out_json = tmp_path / "rows.json"
+    code, out, err = run(capsys, "compare", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
+                         "--method", "random", "--solvers", "highs,cpsat,greedy,uniform",
+                         "--json", str(out_json), "--plans", str(tmp_path / "plans"))
+    assert code == 0, err
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["solver"] for r in rows] == ["highs", "cpsat", "greedy", "uniform"]
+    for r in rows:
+        assert {"solver", "status", "objective", "feasible", "makespan_ms",
+                "replay_makespan_ms", "samples_per_s", "wall_s"} <= set(r)
+    assert (tmp_path / "plans" / "highs.plan.json").exists()
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--solver", "nope"], "solver"),
+    (["--headroom", "2"], "memory_headroom"),
+    (["--pin", "conv1=int9"], "pinned"),
+    (["--pin", "conv1"], "pin"),
+    (["--reference", "int8"], "reference"),
+    (["--target-ms", "0.0001"], "no plan"),
+    (["--time-limit", "-1"], "time-limit"),
+])
+def test_solve_bad_input_is_one_line(capsys, tmp_path, args, field) -> None:
+    code, out, err = run_exit(capsys, "solve", "--model", "digits_cnn", "--cluster",
+                              "l4x1+t4x1", "--method", "random", "--out",
+                              str(tmp_path / "p.json"), *args)
+    assert code == 2 and err.count("\n") == 1 and field in err, err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_replay_uniform_plans_trace_and_plan_files(capsys, tmp_path) -> None:

@@ -411,3 +411,27 @@ def test_cbc_log_bound_is_rounded_down() -> None:
     assert _cbc_log_value(log, "Objective value") == pytest.approx(408.4846396)
     assert _cbc_log_value(log, "Lower bound", lower=True) == pytest.approx(408.0845)
     assert _cbc_log_value(log, "Gap") is None
+
+
+def test_tiny_omegas_are_not_lost_in_solver_tolerances() -> None:
+    """Indicator values of 1e-9 (the seeded random method gives such) must not fall inside a
+    solver's absolute gap: every exact backend finds the same optimum as on the same table
+    scaled up by 1e9 (the PuLP backends normalise the objective; regression for CBC)."""
+    from qsync_opt import trace
+
+    g = trace("resnet50")
+    c = parse_shorthand("v100x16@144+t4x16@112")
+    big = random_indicator(g, 3)
+    tiny = big.model_copy(update={"values": {op: {p: v * 1e-9 for p, v in row.items()}
+                                             for op, row in big.values.items()}})
+    costs = estimate(g, c)
+    for b in EXACT:
+        if not b.is_available():
+            continue
+        objs = []
+        for table in (big, tiny):
+            prob = AllocationProblem(g, c, costs, table, ProblemOptions())
+            _, rep = b.solve(prob, SolveOptions(rel_gap=1e-9))
+            assert rep.status == "OPTIMAL", (b.name, rep.messages)
+            objs.append(rep.objective)
+        assert objs[1] * 1e9 == pytest.approx(objs[0], rel=1e-6), b.name
