@@ -88,15 +88,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{prob.target_ms:.2f} ms ({prob.target_source if frac is None else f'{frac:g} of the way from the fastest to the reference makespan'}); "
               f"problem prepared in {prep:.2f} s")
         rows = []
-        for name in names:
-            b = backends[name]
+        runs = [(n, n, "replayer") for n in names]
+        for n in ("greedy", "greedy-per-ms"):  # also with the linear model's acceptance
+            if n in names:
+                runs.insert(runs.index((n, n, "replayer")) + 1, (f"{n}/linear", n, "linear"))
+        for name, backend, acceptance in runs:
+            b = backends[backend]
             if not b.is_available():
                 rows.append((name, "n/a"))
                 continue
             walls, result = [], None
             for _ in range(repeats):
                 t = time.perf_counter()
-                result = b.solve(prob, SolveOptions(time_limit_s=args.time_limit))
+                result = b.solve(prob, SolveOptions(time_limit_s=args.time_limit,
+                                                    acceptance=acceptance))
                 walls.append(time.perf_counter() - t)
             plan, rep = result  # type: ignore[misc]
             ev = evaluate(prob, plan) if plan is not None else None
@@ -105,21 +110,21 @@ def main(argv: list[str] | None = None) -> int:
                       and r[2] is not None and r[1].status == "OPTIMAL"), None)
         ex_obj = exact[2].objective if exact else None
         ex_thr = exact[2].samples_per_s if exact else None
-        print(f"{'solver':>17} {'status':>10} {'ok':>3} {'objective':>10} {'/exact':>7} "
+        print(f"{'solver':>20} {'status':>10} {'ok':>3} {'objective':>10} {'/exact':>7} "
               f"{'linear ms':>10} {'replay ms':>10} {'samples/s':>10} {'/exact':>6} "
               f"{'build s':>8} {'solve s':>8} {'wall s':>8} {'vars':>7} {'cons':>7}")
         for r in rows:
             if len(r) == 2:
-                print(f"{r[0]:>17} not available here")
+                print(f"{r[0]:>20} not available here")
                 continue
             name, rep, ev, wall = r
             if ev is None:
-                print(f"{name:>17} {rep.status:>10}  no plan: {rep.messages[-1] if rep.messages else ''}"
+                print(f"{name:>20} {rep.status:>10}  no plan: {rep.messages[-1] if rep.messages else ''}"
                       f" {'':>40} {wall:8.3f}")
                 continue
             ratio = (f"{ev.objective / ex_obj:7.3f}" if ex_obj else f"{'-':>7}")
             thr = (f"{ev.samples_per_s / ex_thr:6.3f}" if ex_thr else f"{'-':>6}")
-            print(f"{name:>17} {rep.status:>10} {'yes' if ev.feasible else 'no':>3} "
+            print(f"{name:>20} {rep.status:>10} {'yes' if ev.feasible else 'no':>3} "
                   f"{ev.objective:10.4g} {ratio} {ev.makespan_ms:10.2f} "
                   f"{ev.replay_makespan_ms:10.2f} {ev.samples_per_s:10.1f} {thr} "
                   f"{rep.build_s:8.3f} {rep.solve_s:8.3f} {wall:8.3f} {rep.n_variables:7d} "
