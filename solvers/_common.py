@@ -100,3 +100,16 @@ def check_hints(problem: AllocationProblem, hints: Mapping[str, Sequence[int]] |
         if a is None or len(a) != len(g.choices) or any(
                 not 0 <= k < len(c) for k, c in zip(a, g.choices, strict=True)):
             raise QsyncInputError(f"hints: group {g.name} needs one valid choice index per unit")
+
+
+def program_parts(problem: AllocationProblem, options: SolveOptions,
+                  messages: list[str]) -> list[list[int]]:
+    """Which groups each program holds: one per group (decomposed: with a fixed target the
+    groups do not interact) or all in one; the choice is written to ``messages``."""
+    n = len(problem.groups)
+    if options.decompose:
+        messages.append(f"decomposed: one program per group ({n} groups); with a fixed "
+                        "target the groups do not interact")
+        return [[gi] for gi in range(n)]
+    messages.append(f"monolithic: one program for all {n} groups")
+    return [list(range(n))]

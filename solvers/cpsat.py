@@ -42,7 +42,7 @@ from typing import Any
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
 from . import SolveOptions
-from ._common import Stopwatch, finish, mode_text
+from ._common import Stopwatch, finish, mode_text, program_parts
 from .ilp import (
     FEAS_REL,
     active_pairs,
@@ -389,14 +389,7 @@ class CpSat:
             f"lose assignments within {sc.max_time_slack_ms:.3g} ms of the budget or "
             f"{sc.max_mem_slack_bytes:.3g} B of the capacity; the outer model (costs down, "
             f"bounds up) gives the bound; objective error <= {sc.max_objective_error:.3g}")
-        if options.decompose:
-            messages.append(
-                f"decomposed: one program per group ({len(problem.groups)} groups); with a "
-                "fixed target the groups do not interact")
-            parts = [[gi] for gi in range(len(problem.groups))]
-        else:
-            messages.append(f"monolithic: one program for all {len(problem.groups)} groups")
-            parts = [list(range(len(problem.groups)))]
+        parts = program_parts(problem, options, messages)
         if hints is not None:
             messages.append("warm start: hints given to CP-SAT (AddHint)")
         assignment: dict[str, list[int]] = {}

@@ -51,7 +51,7 @@ from typing import Any
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
 from . import SolveOptions
-from ._common import Stopwatch, check_hints, finish, mode_text
+from ._common import Stopwatch, check_hints, finish, mode_text, program_parts
 
 _PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
@@ -682,14 +682,7 @@ class PulpIlp:
         if self.backend == "highs" and hints is not None:
             messages.append("highs: warm start passed to highspy setSolution "
                             "(pulp's HiGHS class has no warmStart)")
-        if options.decompose:
-            messages.append(
-                f"decomposed: one program per group ({len(problem.groups)} groups); with a "
-                "fixed target the groups do not interact")
-            parts = [[gi] for gi in range(len(problem.groups))]
-        else:
-            messages.append(f"monolithic: one program for all {len(problem.groups)} groups")
-            parts = [list(range(len(problem.groups)))]
+        parts = program_parts(problem, options, messages)
         assignment: dict[str, list[int]] = {}
         statuses: list[str] = []
         bound: float | None = 0.0
