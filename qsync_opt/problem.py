@@ -640,7 +640,8 @@ class AllocationProblem:
         return make_plan(self.graph, self.cluster, self.precisions(assignment), prov)
 
     def provenance(self) -> dict[str, Any]:
-        return {"graph_hash": self.graph.structure_hash(), "costs_hash": _hash(self.costs),
+        return {"graph_hash": self.graph.structure_hash(), "graph_batch": self.graph.batch_size,
+                "graph_tie_mode": self.graph.tie_mode, "costs_hash": _hash(self.costs),
                 "indicator_hash": _hash(self.indicator), "indicator_method": self.indicator.method,
                 "target_ms": self.target_ms, "reference": Precision(self.options.reference).value,
                 "memory_headroom": self.options.memory_headroom,
