@@ -45,6 +45,8 @@ catalog models.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -76,7 +78,9 @@ class ProblemOptions:
     reference precision (fp32 as QSync; tf32/bf16 as most A100/H100 users run), used where
     a card offers it. ``strong_groups``: which groups set the default target (None: the
     fastest at the reference). ``casts``: False drops every cast term (the additive model of
-    QSync's and HAWQ-V3's ILP, for the baseline).
+    QSync's and HAWQ-V3's ILP, for the baseline). ``ties``: False gives every op its own
+    decision even where the graph ties it (calls of one module stay tied: they are one set
+    of weights), to measure what tying costs.
     """
 
     target_ms: float | None = None
@@ -86,6 +90,7 @@ class ProblemOptions:
     reference: Precision | str = Precision.fp32
     strong_groups: tuple[str, ...] | None = None
     casts: bool = True
+    ties: bool = True
 
     def __post_init__(self) -> None:
         if self.target_ms is not None and not self.target_ms > 0:
@@ -119,7 +124,7 @@ class ProblemOptions:
                 "pinned": {k: v.value for k, v in self.pinned.items()},  # type: ignore[union-attr]
                 "optimizer": self.optimizer, "reference": Precision(self.reference).value,
                 "strong_groups": list(self.strong_groups) if self.strong_groups else None,
-                "casts": self.casts}
+                "casts": self.casts, "ties": self.ties}
 
 
 @dataclass(frozen=True)
@@ -297,7 +302,8 @@ class AllocationProblem:
             raise QsyncInputError(
                 f"indicator: made for graph {indicator.graph_hash} ({indicator.workload}), not "
                 f"{graph.structure_hash()} ({graph.workload})")
-        self.replayer = Replayer(graph, self.cluster, costs, optimizer=self.options.optimizer)
+        self.replayer = Replayer(graph, self.cluster, costs, optimizer=self.options.optimizer,
+                                 enforce_ties=self.options.ties)
         self.notes: list[str] = []
         if indicator.graph_hash != graph.structure_hash():
             self.notes.append(
@@ -342,7 +348,9 @@ class AllocationProblem:
         for op in self.graph.ops:
             if not op.choosable:
                 continue
-            key = op.tie_group or f"op:{op.name}"
+            tie = op.tie_group if (self.options.ties or (op.tie_group or "").startswith(
+                "module:")) else None
+            key = tie or f"op:{op.name}"
             if key not in by_tie:
                 by_tie[key] = []
                 order.append(key)
@@ -696,6 +704,16 @@ class AllocationProblem:
                     + "; profile those batches or pass a cost_provider")
         return AllocationProblem(self.graph, cluster, costs, self.indicator,
                                  options or self.options, cost_provider=self.cost_provider)
+
+    def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
+        """The same problem with another makespan target (no coefficient is rebuilt)."""
+        if not target_ms > 0:
+            raise QsyncInputError(f"target_ms: expected a positive number, got {target_ms}")
+        other = copy.copy(self)
+        other.target_ms = float(target_ms)
+        other.target_source = source
+        other.options = dataclasses.replace(self.options, target_ms=float(target_ms))
+        return other
 
     def with_options(self, **changes: Any) -> AllocationProblem:
         opts = self.options.to_json()

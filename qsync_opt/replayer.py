@@ -276,6 +276,7 @@ class Replayer:
         sync: SyncModel | None = None,
         bucket_cap_bytes: int | None = None,
         context_bytes: int = DEFAULT_CONTEXT_BYTES,
+        enforce_ties: bool = True,
     ) -> None:
         if costs.graph_hash != graph.structure_hash():
             raise QsyncInputError(
@@ -284,6 +285,7 @@ class Replayer:
         if optimizer not in ("sgd", "adam"):
             raise QsyncInputError(f"optimizer: expected sgd or adam, got {optimizer!r}")
         self.graph = graph
+        self.enforce_ties = enforce_ties  # False: tie groups are advisory (calls of one module stay tied)
         self.cluster = cluster.with_default_batch(graph.batch_size)
         self.costs = costs
         self.optimizer = optimizer
@@ -404,7 +406,8 @@ class Replayer:
                 row[i] = p
             ties: dict[str, tuple[str, Precision]] = {}
             for i, op in enumerate(self.ops):
-                if op.tie_group and row[i] is not None:
+                if op.tie_group and row[i] is not None and (
+                        self.enforce_ties or op.tie_group.startswith("module:")):
                     seen = ties.setdefault(op.tie_group, (op.name, row[i]))  # type: ignore[arg-type]
                     if seen[1] != row[i]:
                         raise QsyncInputError(

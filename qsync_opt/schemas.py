@@ -604,6 +604,10 @@ class SolveReport(Document):
     n_constraints: int = Field(0, ge=0)
     options: dict[str, JSONScalar] = Field(default_factory=dict)
     messages: list[str] = Field(default_factory=list)
+    rounds: list[dict[str, JSONScalar]] = Field(
+        default_factory=list,
+        description="Solve-replay refinement: per round the target, linear and replayer "
+        "makespan and the objective.")
 
 
 SCHEMAS: dict[str, type[Document]] = {

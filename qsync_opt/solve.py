@@ -6,6 +6,7 @@ report's messages carry the evaluation, and :func:`compare` tabulates it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,11 +27,13 @@ INDICATOR_BATCH = 8
 
 
 class InfeasibleError(QsyncInputError):
-    """No plan satisfies the problem; ``report`` says what the solver found."""
+    """No plan satisfies the problem; ``report`` says what the solver found and ``lines``
+    what would make it feasible (smallest memory per group, fastest makespan, blocking pins)."""
 
     def __init__(self, message: str, report: SolveReport | None = None) -> None:
         super().__init__(message)
         self.report = report
+        self.lines: list[str] = [message]
 
 
 def build_problem(
@@ -77,21 +80,320 @@ def build_problem(
     return AllocationProblem(graph, cl, table, ind, options)
 
 
+#: Relative slack above the smallest reachable makespan in the lexicographic mode.
+LEXICOGRAPHIC_SLACK = 0.02
+#: Solve-replay refinement rounds by default.
+REFINE_ROUNDS = 3
+#: At most this many candidate batch splits in the joint model (evenly thinned beyond).
+MAX_SPLITS = 64
+
+
 def solve(problem: AllocationProblem, solver: str = "cpsat",
-          options: SolveOptions | None = None) -> tuple[Plan, SolveReport]:
+          options: SolveOptions | None = None, *, mode: str = "auto",
+          degradation_budget: float | None = None, refine: int = REFINE_ROUNDS,
+          joint_split: bool = False, batch_multiple: int | None = None,
+          slack: float = LEXICOGRAPHIC_SLACK, compare_ties: bool = True
+          ) -> tuple[Plan, SolveReport]:
     """Solve with one backend; the plan is checked by the evaluator before it is returned.
 
-    Raises :class:`InfeasibleError` (carrying the report) when the backend finds no plan.
+    ``mode``: ``"target"`` (least degradation under the makespan target), ``"budget"``
+    (least makespan under ``degradation_budget``), or ``"auto"``: the target mode, and when
+    the *default* target is out of reach even at the fastest precisions, lexicographic —
+    first the smallest reachable makespan, then the least degradation within ``slack`` of
+    it. The report's ``mode`` says which ran and why. ``refine``: rounds of solve-replay
+    refinement for the exact backends (re-solve with the target tightened by the replayer's
+    excess). ``joint_split``: choose the per-group batch split (global batch fixed,
+    multiples of ``batch_multiple``) together with the precisions. With tie groups, the
+    untied optimum is also solved and the report says what tying cost.
+
+    Raises :class:`InfeasibleError` (carrying the report, and a diagnosis of what would make
+    it feasible when one is available) when no plan exists.
     """
-    plan, report, ev = _run(problem, solver, options or SolveOptions())
-    if plan is None:
-        said = "; ".join(m.replace("\n", " ") for m in report.messages[-3:])
-        raise InfeasibleError(f"{solver}: no plan ({report.status}); {said}", report)
+    opts = options or SolveOptions()
+    if mode not in ("auto", "target", "budget"):
+        raise QsyncInputError(f"mode: expected auto, target or budget, got {mode!r}")
+    if refine < 0:
+        raise QsyncInputError(f"refine: expected a non-negative number of rounds, got {refine}")
+    if mode == "budget":
+        if degradation_budget is None or not degradation_budget >= 0:
+            raise QsyncInputError("degradation_budget: the budget mode needs a number >= 0")
+        plan, report = _solve_budget(problem, solver, opts, degradation_budget)
+    elif joint_split:
+        plan, report = _solve_joint(problem, solver, opts, refine, batch_multiple, mode, slack)
+    else:
+        plan, report = _solve_modes(problem, solver, opts, refine, mode, slack)
+    if compare_ties and plan is not None:
+        report = _tie_note(problem, solver, opts, plan, report)
     return plan, report
 
 
-def _run(problem: AllocationProblem, solver: str, options: SolveOptions
-         ) -> tuple[Plan | None, SolveReport, Evaluation | None]:
+def _fail(problem: AllocationProblem, solver: str, report: SolveReport) -> InfeasibleError:
+    said = "; ".join(m.replace("\n", " ") for m in report.messages[-3:])
+    lines: list[str] = []
+    try:
+        from .diagnose import explain
+
+        lines = explain(problem).lines
+    except (ImportError, QsyncInputError):  # the diagnosis is a help, never a second error
+        lines = []
+    err = InfeasibleError(f"{solver}: no plan ({report.status}); "
+                          + ("; ".join(lines) if lines else said), report)
+    err.lines = lines or [said]
+    return err
+
+
+def _reachable_ms(problem: AllocationProblem) -> float | None:
+    """The smallest makespan any memory-feasible plan reaches (None: nothing fits)."""
+    from .solvers.ilp import PulpIlp, fastest_times
+
+    if not PulpIlp("highs").is_available():
+        return None
+    times = fastest_times(problem)
+    if any(t is None for t in times.values()):
+        return None
+    return max(t for t in times.values() if t is not None) + problem.tail_ms
+
+
+def _solve_modes(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
+                 mode: str, slack: float) -> tuple[Plan, SolveReport]:
+    plan, report = _solve_refined(problem, solver, opts, refine)
+    if plan is not None:
+        return plan, report
+    default_target = problem.options.target_ms is None
+    if mode == "auto" and default_target and report.status == "INFEASIBLE":
+        best = _reachable_ms(problem)
+        if best is not None and best > problem.target_ms:
+            lex = problem.retarget(best * (1 + slack), source=(
+                f"lexicographic: the default target {problem.target_ms:.3f} ms is out of reach "
+                f"even at the fastest precisions; smallest reachable makespan {best:.3f} ms, "
+                f"least degradation within {slack:.0%} of it"))
+            plan, report2 = _solve_refined(lex, solver, opts, refine)
+            if plan is not None:
+                msgs = [f"default target {problem.target_ms:.3f} ms out of reach: "
+                        f"smallest reachable makespan {best:.3f} ms", *report2.messages]
+                return plan, report2.model_copy(update={
+                    "mode": f"lexicographic (makespan first, then degradation within "
+                            f"{slack:.0%}): {lex.target_source}", "messages": msgs})
+    raise _fail(problem, solver, report)
+
+
+def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int
+                   ) -> tuple[Plan | None, SolveReport]:
+    """Solve; for exact backends, re-solve with the target tightened by the replayer's
+    excess, at most ``refine`` times. The report lists the rounds."""
+    target = problem.target_ms
+    backend = _backend(solver)
+    prob = problem
+    rounds: list[dict[str, Any]] = []
+    best: tuple[Plan, SolveReport] | None = None
+    last_report: SolveReport | None = None
+    messages: list[str] = []
+    for r in range(refine + 1 if backend.exact else 1):
+        plan, report, ev = _run(prob, solver, opts)
+        last_report = report
+        if plan is None or ev is None:
+            if r:
+                messages.append(f"refinement round {r}: target {prob.target_ms:.3f} ms leaves "
+                                f"no plan ({report.status}); keeping round {r - 1}'s plan")
+            break
+        replay = ev.replay_makespan_ms
+        rounds.append({"round": r, "target_ms": prob.target_ms, "objective": ev.objective,
+                       "makespan_ms": ev.makespan_ms, "replay_makespan_ms": replay,
+                       "status": report.status})
+        best = (plan, report)
+        if replay <= target * (1 + 1e-7) or not backend.exact:
+            break
+        if r == refine:
+            break
+        prob = problem.retarget(prob.target_ms - (replay - target),
+                                source=f"refined: {problem.target_source}")
+    if best is None:
+        assert last_report is not None
+        return None, last_report.model_copy(update={"messages": [*last_report.messages,
+                                                                 *messages]})
+    plan, report = best
+    final = rounds[-1]
+    if final["replay_makespan_ms"] <= target * (1 + 1e-7):
+        verdict = (f"meets the target {target:.3f} ms in the replayer "
+                   f"({final['replay_makespan_ms']:.3f} ms)")
+        if len(rounds) > 1:
+            verdict += f" after {len(rounds) - 1} refinement round(s)"
+    else:
+        verdict = (f"does NOT meet the target {target:.3f} ms in the replayer: "
+                   f"{final['replay_makespan_ms']:.3f} ms after {len(rounds) - 1} refinement "
+                   f"round(s) (linear model {final['makespan_ms']:.3f} ms)")
+    plan = plan.model_copy(update={"provenance": {**plan.provenance, "target_ms": target,
+                                                  "refine_rounds": len(rounds) - 1}})
+    return plan, report.model_copy(update={"rounds": rounds,
+                                           "messages": [*report.messages, *messages, verdict]})
+
+
+def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
+                  budget: float, rel_tol: float = 1e-3) -> tuple[Plan, SolveReport]:
+    """Least linear makespan whose optimal degradation is within ``budget``: bisection on the
+    target (the optimum of the target mode is non-increasing in the target)."""
+    lo = _reachable_ms(problem)
+    if lo is None:
+        lo = problem.tail_ms + 1e-6
+    best: tuple[Plan, SolveReport] | None = None
+
+    def probe(t: float) -> tuple[Plan, SolveReport] | None:
+        plan, report, ev = _run(problem.retarget(t), solver, opts)
+        if plan is None or ev is None or ev.objective > budget * (1 + 1e-9) + 1e-15:
+            return None
+        return plan, report
+
+    got = probe(lo)
+    probes = 1
+    if got is not None:
+        best, hi = got, lo
+    else:
+        hi = max(lo * 1.25, problem.target_ms)
+        while (got := probe(hi)) is None:
+            probes += 1
+            if hi > 64 * lo:
+                raise InfeasibleError(
+                    f"degradation_budget: no plan within {budget:.6g} at any makespan up to "
+                    f"{hi:.1f} ms (memory forces more degradation)")
+            hi *= 2
+        best = got
+        while hi - lo > rel_tol * hi:
+            mid = (lo + hi) / 2
+            probes += 1
+            got = probe(mid)
+            if got is None:
+                lo = mid
+            else:
+                hi, best = mid, got
+    plan, report = best
+    mode = (f"least makespan under degradation budget {budget:.6g}: bisection on the target "
+            f"to {rel_tol:.0e} relative ({probes} solves), makespan target {hi:.3f} ms")
+    return plan, report.model_copy(update={"mode": mode})
+
+
+def batch_splits(problem: AllocationProblem, multiple: int | None = None,
+                 limit: int = MAX_SPLITS) -> list[dict[str, int]]:
+    """Per-group per-device batches (multiples of ``multiple``) keeping the global batch.
+
+    Default multiple: the smallest per-device batch / 16, at least 1. More than ``limit``
+    candidates are thinned evenly; the problem's own split is always a candidate.
+    """
+    groups = problem.cluster.groups
+    counts = [g.count for g in groups]
+    own = [int(g.batch_per_device or problem.graph.batch_size) for g in groups]
+    total = sum(n * b for n, b in zip(counts, own, strict=True))
+    m = multiple or max(1, min(own) // 16)
+    if m < 1:
+        raise QsyncInputError(f"batch_multiple: expected a positive integer, got {m}")
+    out: list[list[int]] = []
+
+    def rec(i: int, left: int, acc: list[int]) -> None:
+        if i == len(groups) - 1:
+            if left > 0 and left % counts[i] == 0 and (left // counts[i]) % m == 0:
+                out.append([*acc, left // counts[i]])
+            return
+        b = m
+        while counts[i] * b < left:
+            rec(i + 1, left - counts[i] * b, [*acc, b])
+            b += m
+
+    rec(0, total, [])
+    if len(out) > limit:
+        step = len(out) / limit
+        out = [out[int(k * step)] for k in range(limit)]
+    if own not in out:
+        out.append(own)
+    names = [g.name for g in groups]
+    return [dict(zip(names, split, strict=True)) for split in out]
+
+
+def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> ClusterSpec:
+    return problem.cluster.model_copy(update={"groups": [
+        g.model_copy(update={"batch_per_device": split[g.name]}) for g in problem.cluster.groups]})
+
+
+def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
+                 multiple: int | None, mode: str, slack: float) -> tuple[Plan, SolveReport]:
+    """Precisions and batch split together: one copy of the program per candidate split,
+    the best copy selected. The copies share no variable, so the disjunctive program (a
+    binary per split) is solved exactly by solving each copy and taking the least
+    objective; ties go to the shorter replayer makespan."""
+    t0 = time.perf_counter()
+    splits = batch_splits(problem, multiple)
+    target = problem.target_ms
+    fixed_opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": target,
+                                   "strong_groups": None})
+    results: list[tuple[dict[str, int], Plan, SolveReport, Evaluation]] = []
+    n_vars = n_cons = 0
+    # Every copy once without refinement; refinement only tightens a target, so a copy's
+    # refined objective is at least its unrefined one: refine in ascending order and stop
+    # once the best refined objective beats the next copy's unrefined one.
+    first: list[tuple[float, dict[str, int], AllocationProblem]] = []
+    for split in splits:
+        sub = problem.with_cluster(_split_cluster(problem, split), fixed_opts)
+        plan, report = _solve_refined(sub, solver, opts, 0)
+        n_vars += report.n_variables
+        n_cons += report.n_constraints
+        if plan is not None:
+            first.append((evaluate(problem, plan).objective, split, sub))
+    first.sort(key=lambda r: r[0])
+    refined = 0
+    for lower, split, sub in first:
+        if results and min(r[3].objective for r in results) <= lower:
+            break
+        plan, report = _solve_refined(sub, solver, opts, refine)
+        refined += 1
+        if plan is not None:
+            results.append((split, plan, report, evaluate(problem, plan)))
+    if not results:
+        rep = SolveReport(solver=solver, status="INFEASIBLE", mode="joint split",
+                          messages=[f"no plan meets the target {target:.3f} ms at any of "
+                                    f"{len(splits)} batch splits"])
+        raise _fail(problem, solver, rep)
+    own = {g.name: int(g.batch_per_device or problem.graph.batch_size)
+           for g in problem.cluster.groups}
+    split, plan, report, ev = min(results, key=lambda r: (r[3].objective,
+                                                          r[3].replay_makespan_ms))
+    at_own = next((r[0] for r in first if r[1] == own), None)
+    msgs = [f"joint batch split: {len(splits)} candidate splits (global batch "
+            f"{problem.global_batch}), {len(first)} feasible, {refined} refined; chosen "
+            + ", ".join(f"{k}={v}" for k, v in split.items())
+            + f", objective {ev.objective:.6g}"
+            + (f" against {at_own:.6g} at the given split (before refinement)"
+               if at_own is not None else "; the given split has no plan"), *report.messages]
+    report = report.model_copy(update={
+        "mode": f"joint precision and batch split, least degradation under makespan target "
+                f"{target:.3f} ms ({problem.target_source})",
+        "messages": msgs, "n_variables": n_vars, "n_constraints": n_cons,
+        "wall_s": time.perf_counter() - t0})
+    plan = plan.model_copy(update={"provenance": {
+        **plan.provenance, "joint_split": True, "candidate_splits": len(splits)}})
+    return plan, report
+
+
+def _tie_note(problem: AllocationProblem, solver: str, opts: SolveOptions, plan: Plan,
+              report: SolveReport) -> SolveReport:
+    """With tie groups, solve the untied problem too and say what tying costs."""
+    tied = [u for u in problem.units if len(u.ops) > 1 and not u.name.startswith("module:")]
+    if not tied or not _backend(solver).exact or not problem.options.ties:
+        return report
+    free = AllocationProblem(problem.graph, problem.cluster, problem.costs, problem.indicator,
+                             dataclasses.replace(problem.options, ties=False,
+                                                 target_ms=problem.target_ms))
+    fplan, freport, _ = _run(free, solver, opts)
+    if fplan is None or report.objective is None or freport.objective is None:
+        note = (f"tie groups: {len(tied)} tied decisions restrict the problem; the untied "
+                f"problem found no plan ({freport.status})")
+    else:
+        d = report.objective - freport.objective
+        rel = d / freport.objective if freport.objective else 0.0
+        note = (f"tie groups: {len(problem.units)} decisions instead of {len(free.units)}; "
+                f"tying restricts the problem and costs {d:.6g} of objective "
+                f"({rel:+.1%} over the untied optimum {freport.objective:.6g})")
+    return report.model_copy(update={"messages": [*report.messages, note]})
+
+
+def _backend(solver: str) -> Any:
     try:
         backend = get_backend(solver)
     except KeyError as exc:
@@ -99,6 +401,12 @@ def _run(problem: AllocationProblem, solver: str, options: SolveOptions
     if not backend.is_available():
         raise QsyncInputError(f"solver: {solver} is not available here (its package or binary "
                               "is missing)")
+    return backend
+
+
+def _run(problem: AllocationProblem, solver: str, options: SolveOptions
+         ) -> tuple[Plan | None, SolveReport, Evaluation | None]:
+    backend = _backend(solver)
     plan, report = backend.solve(problem, options)
     if plan is None:
         return None, report, None

@@ -1,0 +1,338 @@
+"""Why no plan exists, and what would make one: the least memory and the least time.
+
+When the program of docs/ALLOCATION.md has no solution, it is for one of two reasons per
+group (with a fixed target the groups do not interact):
+
+* **memory**: even the assignment with the least memory does not fit the group's capacity.
+  :func:`min_memory` finds that least memory exactly: a small integer program per group
+  (PuLP + HiGHS, or CBC) minimising the memory expression of the linear model (unary and pair
+  terms, derived units' AND rows, the working-set max ``W``), re-scored with
+  ``GroupModel.memory_bytes``;
+* **time**: even the fastest assignment that fits memory takes longer than the target
+  allows (``solvers.ilp.fastest_times``).
+
+:func:`explain` states both in lines a user can act on, e.g.::
+
+    t4 (t4): needs 17.2 GiB at its least-memory plan, has 15.0 GiB (15.8 usable, 5% headroom)
+    t4: pinned ops in its least-memory plan: fc (classifier head, 0.4% of its memory), ...
+
+and :class:`InfeasibleProblem` carries them as a :class:`~qsync_opt.errors.QsyncInputError`
+whose message is one line (the CLI's errors are one line each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import QsyncInputError
+from .problem import AllocationProblem, GroupModel
+from .schemas import OpRole
+
+GIB = float(2**30)
+#: How many pinned ops a line names (the heaviest first).
+TOP_PINNED = 3
+
+
+# --------------------------------------------------------------------------- least memory
+
+
+def _memory_upper_bound(g: GroupModel) -> float:
+    """A bound no assignment's memory exceeds (every term at its largest)."""
+    ub = g.mem0 + sum(max(row) for row in g.mem1 if row)
+    ub += sum(max(max(r) for r in p.mem) for p in g.pairs if p.mem and p.mem[0])
+    ub += max([g.work0] + [max(row) for row in g.work1 if row])
+    return ub
+
+
+def _exact_backend() -> Any:
+    from .solvers.ilp import PulpIlp
+
+    for name in ("highs", "cbc"):
+        b = PulpIlp(name)
+        if b.is_available():
+            return b
+    raise QsyncInputError("diagnose: no PuLP solver (HiGHS or CBC) is available")
+
+
+def _solve(backend: Any, prog: Any, time_limit_s: float) -> str:
+    from .solvers import SolveOptions
+    from .solvers._common import Stopwatch
+    from .solvers.ilp import _pulp
+
+    # No gap at all: the least memory is reported as a bound the user can rely on.
+    opts = SolveOptions(rel_gap=0.0, extra={"highs": {"mip_abs_gap": 0.0},
+                                            "cbc": ["allowableGap 0"]})
+    out = backend._run(_pulp(), prog, opts, time_limit_s, False, Stopwatch(), [])
+    return str(out.status)
+
+
+def _group_min_memory(g: GroupModel, gi: int, backend: Any, time_limit_s: float
+                      ) -> tuple[float, list[int]]:
+    from .solvers.ilp import _add_group, _Program, _pulp, _read_assignment
+
+    pulp = _pulp()
+    n_real = len(g.choices)
+    if n_real == 0:
+        return g.memory_bytes([]), []
+    # The group's own rows, with a capacity no assignment reaches: its memory row never
+    # binds, and the rows keep the scale of the real program (normalised to ~1).
+    ub = _memory_upper_bound(g)
+    loose = dataclasses.replace(g, capacity_bytes=ub * (1 + 1e-6) + 1.0)
+    lp = pulp.LpProblem(f"min_memory_{gi}", pulp.LpMinimize)
+    prog = _Program(lp, [])
+    gv = _add_group(pulp, prog, loose, gi, 1.0, min_time=True)  # no time row
+    prog.groups.append(gv)
+    ms = gv.mem_scale
+    terms: list[tuple[Any, float]] = []
+    for u, row in enumerate(gv.x):
+        for k, v in enumerate(row):
+            if g.mem1[u][k]:
+                terms.append((v, g.mem1[u][k] / ms))
+    for pi, y in gv.pairs:
+        p = g.pairs[pi]
+        for ka, yrow in enumerate(y):
+            for kb, v in enumerate(yrow):
+                if p.mem[ka][kb]:
+                    terms.append((v, p.mem[ka][kb] / ms))
+    terms.append((gv.w, 1.0))
+    lp.setObjective(pulp.LpAffineExpression(terms))
+    status = _solve(backend, prog, time_limit_s)
+    if status != "OPTIMAL":
+        raise QsyncInputError(
+            f"diagnose: the least-memory program of group {g.name} ended {status} "
+            f"({backend.name}); no exact minimum")
+    a = _read_assignment(gv, n_real)
+    return g.memory_bytes(a), a
+
+
+def min_memory(problem: AllocationProblem, *, time_limit_s: float = 60.0
+               ) -> dict[str, tuple[float, list[int]]]:
+    """Per group, the least memory (bytes, ``GroupModel.memory_bytes``) of any assignment,
+    whatever its time, and an assignment reaching it (choice indices of the real units).
+
+    Exact: one integer program per group minimising the linear model's memory (unary and
+    pair terms, derived units' AND rows, the working-set max), solved without a gap; the
+    value returned is the exact model's memory of the solver's assignment.
+    """
+    backend = _exact_backend()
+    return {g.name: _group_min_memory(g, gi, backend, time_limit_s)
+            for gi, g in enumerate(problem.groups)}
+
+
+def _fastest(problem: AllocationProblem, time_limit_s: float
+             ) -> dict[str, tuple[float, list[int]] | None]:
+    """Like ``solvers.ilp.fastest_times`` (the same program and options), keeping the
+    assignment: per group the least time over memory-feasible assignments (None: none)."""
+    from .solvers import SolveOptions
+    from .solvers._common import Stopwatch
+    from .solvers.ilp import _add_group, _Program, _pulp, _read_assignment
+
+    pulp = _pulp()
+    backend = _exact_backend()
+    out: dict[str, tuple[float, list[int]] | None] = {}
+    for gi, g in enumerate(problem.groups):
+        lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
+        prog = _Program(lp, [])
+        gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
+        prog.groups.append(gv)
+        lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
+        res = backend._run(pulp, prog, SolveOptions(rel_gap=1e-9), time_limit_s, False,
+                           Stopwatch(), [])
+        if res.status in ("OPTIMAL", "FEASIBLE"):
+            a = _read_assignment(gv, len(g.choices))
+            out[g.name] = (g.time_ms(a), a)
+        else:
+            out[g.name] = None
+    return out
+
+
+# --------------------------------------------------------------------------- pinned ops
+
+
+@dataclass
+class PinnedShare:
+    """A pinned op's weight in one group's plan: its saved activations and low-precision
+    weight copy (bytes), its compute and cast time (ms), and their shares of the group's."""
+
+    op: str
+    reason: str
+    memory_bytes: float
+    memory_share: float
+    time_ms: float
+    time_share: float
+
+    @property
+    def label(self) -> str:
+        """The reason's head ("classifier head", "loss", "pinned by you to fp16")."""
+        return self.reason.split(":", 1)[0].strip()
+
+
+def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[int]
+                  ) -> list[PinnedShare]:
+    """Every pinned op (graph-pinned, with its ``pin_reason``, and the user's
+    ``options.pinned``) with its memory and time in ``group`` under ``assignment``."""
+    rep = problem.replayer
+    gi = next(i for i, g in enumerate(problem.groups) if g.name == group)
+    g = problem.groups[gi]
+    grp = rep.groups[gi]
+    prec: list[Any] = [None] * rep.n
+    for u, unit in enumerate(problem.units):
+        for op in unit.ops:
+            prec[rep.index[op]] = g.choices[u][assignment[u]]
+    din, dout = rep._dtypes(prec)
+    total_mem = g.memory_bytes(assignment)
+    total_ms = g.time_ms(assignment)
+    user = problem.options.pinned
+    out = []
+    for i, op in enumerate(rep.ops):
+        if op.role == OpRole.pinned:
+            reason = op.pin_reason or "pinned"
+        elif op.name in user:
+            reason = f"pinned by you to {user[op.name].value}"  # type: ignore[union-attr]
+        else:
+            continue
+        saved, wcopy, _ = rep._op_memory(grp, i, prec, din, dout)
+        f, b = rep._op_items(grp, i, prec, din, dout)
+        ms = sum(x[2] for x in f) + sum(x[2] for x in b)
+        mem = saved + wcopy
+        out.append(PinnedShare(op.name, reason, mem, mem / total_mem if total_mem else 0.0,
+                               ms, ms / total_ms if total_ms else 0.0))
+    return out
+
+
+# --------------------------------------------------------------------------- explain
+
+
+@dataclass
+class Diagnosis:
+    """What blocks a plan, per group. ``min_memory_bytes``: each group's least memory;
+    ``fastest_ms``: its least compute time over memory-feasible assignments (None: none
+    fits); ``fastest_makespan_ms``: the largest of those plus the tail (over the groups that
+    fit; None if none does); ``blocking``: the groups that cannot fit or cannot meet the
+    target; ``lines``: all of it in words."""
+
+    lines: list[str]
+    min_memory_bytes: dict[str, float]
+    fastest_ms: dict[str, float | None]
+    fastest_makespan_ms: float | None
+    blocking: list[str]
+    target_ms: float = 0.0
+    min_memory_assignment: dict[str, list[int]] = field(default_factory=dict)
+    fastest_assignment: dict[str, list[int]] = field(default_factory=dict)
+    pinned: dict[str, list[PinnedShare]] = field(default_factory=dict)
+
+    @property
+    def feasible_alone(self) -> bool:
+        """Every group fits and meets the target on its own (so a plan exists)."""
+        return not self.blocking
+
+
+def _pair(a: float, b: float, scale: float, unit: str, lo: int = 1) -> tuple[str, str]:
+    """``a`` and ``b`` in ``unit`` with ``lo`` decimals, more if that would show them equal."""
+    for d in range(lo, lo + 6):
+        sa, sb = f"{a / scale:.{d}f}", f"{b / scale:.{d}f}"
+        if sa != sb:
+            break
+    return f"{sa} {unit}", f"{sb} {unit}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%" if x >= 0.001 or x == 0 else f"{100 * x:.2g}%"
+
+
+def _pinned_line(group: str, plan: str, shares: list[PinnedShare], kind: str) -> str | None:
+    key = (lambda s: s.memory_bytes) if kind == "memory" else (lambda s: s.time_ms)
+    top = [s for s in sorted(shares, key=key, reverse=True) if key(s) > 0][:TOP_PINNED]
+    if not top:
+        return None
+    parts = []
+    for s in top:
+        share = s.memory_share if kind == "memory" else s.time_share
+        parts.append(f"{s.op} ({s.label}, {_pct(share)} of its {kind})")
+    more = len([s for s in shares if key(s) > 0]) - len(top)
+    tail = f", and {more} more" if more > 0 else ""
+    return f"{group}: pinned in its {plan}: {', '.join(parts)}{tail}"
+
+
+def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagnosis:
+    """Why ``problem`` has no plan (or that it has one), group by group.
+
+    Memory: a group whose least memory exceeds its capacity (the line gives both, and the
+    card's usable memory and headroom). Time: when the fastest memory-feasible plans give a
+    makespan over the target, the group that sets it. For each blocking group, the pinned
+    ops that weigh most in its least-memory (or fastest) plan, with their share.
+    """
+    from .solvers.ilp import FEAS_REL
+
+    mins = min_memory(problem, time_limit_s=time_limit_s)
+    fast = _fastest(problem, time_limit_s)
+    lines: list[str] = []
+    blocking: list[str] = []
+    pinned: dict[str, list[PinnedShare]] = {}
+    headroom = problem.options.memory_headroom
+    for g in problem.groups:
+        need, a = mins[g.name]
+        if need > g.capacity_bytes * (1 + FEAS_REL):
+            blocking.append(g.name)
+            sn, sh = _pair(need, g.capacity_bytes, GIB, "GiB")
+            usable = f"{g.usable_bytes / GIB:.{len(sh.split()[0].split('.')[1])}f}"
+            lines.append(f"{g.name} ({g.device}): needs {sn} at its least-memory plan, has {sh} "
+                         f"({usable} usable, {100 * headroom:.3g}% headroom)")
+            shares = pinned[g.name] = pinned_shares(problem, g.name, a)
+            line = _pinned_line(g.name, "least-memory plan", shares, "memory")
+            if line:
+                lines.append(line)
+    fastest_ms = {n: (v[0] if v is not None else None) for n, v in fast.items()}
+    known = {n: t for n, t in fastest_ms.items() if t is not None}
+    makespan = max(known.values()) + problem.tail_ms if known else None
+    budget = problem.group_budget_ms()
+    late = sorted((n for n, t in known.items() if t > budget + FEAS_REL * abs(budget)),
+                  key=lambda n: -known[n])
+    if late and makespan is not None:
+        setter = late[0]
+        sm, st = _pair(makespan, problem.target_ms, 1.0, "ms")
+        some = "" if len(known) == len(problem.groups) else " (over the groups that fit)"
+        also = "".join(f", {n} also over it at {known[n] + problem.tail_ms:.1f} ms"
+                       for n in late[1:])
+        lines.append(f"fastest makespan reachable{some}: {sm} ({setter} at its fastest plan); "
+                     f"target {st}{also}")
+        for n in late:
+            if n not in blocking:
+                blocking.append(n)
+            fa = fast[n]
+            assert fa is not None
+            shares = pinned_shares(problem, n, fa[1])
+            pinned.setdefault(n, shares)
+            line = _pinned_line(n, "fastest plan", shares, "time")
+            if line:
+                lines.append(line)
+    if not blocking:
+        lines.append("each group fits and can meet the target on its own: a plan exists, and "
+                     "a solver that found none stopped at a limit (time limit, tolerance)")
+    return Diagnosis(
+        lines=lines, min_memory_bytes={n: v[0] for n, v in mins.items()},
+        fastest_ms=fastest_ms, fastest_makespan_ms=makespan, blocking=blocking,
+        target_ms=problem.target_ms,
+        min_memory_assignment={n: list(v[1]) for n, v in mins.items()},
+        fastest_assignment={n: list(v[1]) for n, v in fast.items() if v is not None},
+        pinned=pinned)
+
+
+class InfeasibleProblem(QsyncInputError):
+    """No plan exists; ``diagnosis`` says why. ``str()`` is one line (the lines joined with
+    "; "), :meth:`format_lines` one line per finding."""
+
+    def __init__(self, diagnosis: Diagnosis) -> None:
+        self.diagnosis = diagnosis
+        self.lines = [" ".join(line.split()) for line in diagnosis.lines]
+        super().__init__("; ".join(self.lines))
+
+    def __str__(self) -> str:
+        return "; ".join(self.lines)
+
+    def format_lines(self, indent: str = "") -> str:
+        """The findings one per line (no trailing newline), each prefixed by ``indent``."""
+        return "\n".join(indent + line for line in self.lines)
