@@ -382,6 +382,28 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pareto(args: argparse.Namespace) -> int:
+    from .frontier import ONCE, SWEPT, format_points, frontier, frontier_json, plot_frontier
+
+    if args.points < 2:
+        raise QsyncInputError(f"points: expected at least 2, got {args.points}")
+    problem = _build_problem(args)
+    allocators = [a for a in SWEPT + ONCE if not (args.no_split and a == "exact+split")]
+    pts = frontier(problem, points=args.points, exact=args.exact, allocators=allocators,
+                   options=_solve_options(args), batch_multiple=args.batch_multiple)
+    doc = {"workload": problem.graph.workload, "cluster": args.cluster,
+           "global_batch": problem.global_batch, **frontier_json(pts)}
+    atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n")
+    if args.png:
+        plot_frontier(pts, args.png, f"{problem.graph.workload} on {args.cluster}")
+    if args.json:
+        _emit_json(doc)
+        return 0
+    print(format_points(pts))
+    print(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from .solve import compare, format_rows
 
@@ -602,6 +624,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help='write {"rows": [...]} to FILE (stdout without FILE)')
     sp.add_argument("--plans", metavar="DIR", help="write every plan into this folder")
     sp.set_defaults(fn=cmd_compare)
+    from .report import add_report_parser
+
+    add_report_parser(sub)
+    sp = add("pareto", "degradation against throughput as the makespan target sweeps")
+    problem_args(sp)
+    sp.add_argument("--out", required=True, help="write the frontier's points (JSON) here")
+    sp.add_argument("--png", help="also plot it here")
+    sp.add_argument("--points", type=int, default=8, help="targets swept")
+    sp.add_argument("--exact", default="highs", help="exact backend (highs, cbc, cpsat)")
+    sp.add_argument("--no-split", action="store_true",
+                    help="leave out the joint batch split series (faster)")
+    sp.add_argument("--batch-multiple", type=int, default=None,
+                    help="per-device batches of the joint split are multiples of this")
+    sp.set_defaults(fn=cmd_pareto)
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
     sp.add_argument("--out", help="write the plan, graph, costs, indicator and cluster JSON "
                     "into this folder (default: the plan only, into ./qsync-demo)")
@@ -623,8 +659,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --batch: expected a positive integer, got {args.batch}")
     if getattr(args, "batches", None) is not None and args.batches < 1:
         parser.error(f"argument --batches: expected a positive integer, got {args.batches}")
+    from .solve import InfeasibleError
+
     try:
         return int(args.fn(args))
+    except InfeasibleError as exc:  # what would make it feasible, one finding per line
+        sys.stderr.write(f"qsync-opt: error: {exc.head}\n")
+        for line in exc.lines:
+            sys.stderr.write(f"  {line}\n")
+        return 2
     except QsyncInputError as exc:
         sys.stderr.write(f"qsync-opt: error: {exc}\n")
         return 2

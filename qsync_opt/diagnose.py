@@ -11,10 +11,14 @@ group (with a fixed target the groups do not interact):
 * **time**: even the fastest assignment that fits memory takes longer than the target
   allows (``solvers.ilp.fastest_times``).
 
-:func:`explain` states both in lines a user can act on, e.g.::
+:func:`explain` states both in lines a user can act on (resnet50, a batch of 384 on a T4)::
 
-    t4 (t4): needs 17.2 GiB at its least-memory plan, has 15.0 GiB (15.8 usable, 5% headroom)
-    t4: pinned ops in its least-memory plan: fc (classifier head, 0.4% of its memory), ...
+    t4 (t4): needs 17.9 GiB at its least-memory plan, has 14.2 GiB (15.0 usable, 5% headroom)
+    t4: 0.79 GiB fixed (fp32 weights, ...), 0.04 GiB weight copies, 17.09 GiB activations and
+        working set at batch 384 per device: batch 301 fits with the same plan
+    t4: pinned ops hold 0.024% of its least-memory plan's memory: fc (classifier head,
+        0.016%), loss.cross_entropy (loss, 0.008%)
+    fastest makespan reachable: 594.7 ms (t4 at its fastest plan); target 300.0 ms
 
 and :class:`InfeasibleProblem` carries them as a :class:`~qsync_opt.errors.QsyncInputError`
 whose message is one line (the CLI's errors are one line each).
@@ -23,6 +27,7 @@ whose message is one line (the CLI's errors are one line each).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,10 +127,11 @@ def min_memory(problem: AllocationProblem, *, time_limit_s: float = 60.0
             for gi, g in enumerate(problem.groups)}
 
 
-def _fastest(problem: AllocationProblem, time_limit_s: float
-             ) -> dict[str, tuple[float, list[int]] | None]:
+def _fastest(problem: AllocationProblem, time_limit_s: float,
+             skip: frozenset[str] = frozenset()) -> dict[str, tuple[float, list[int]] | None]:
     """Like ``solvers.ilp.fastest_times`` (the same program and options), keeping the
-    assignment: per group the least time over memory-feasible assignments (None: none)."""
+    assignment: per group the least time over memory-feasible assignments (None: none, or
+    the group is in ``skip``, known not to fit)."""
     from .solvers import SolveOptions
     from .solvers._common import Stopwatch
     from .solvers.ilp import _add_group, _Program, _pulp, _read_assignment
@@ -134,6 +140,9 @@ def _fastest(problem: AllocationProblem, time_limit_s: float
     backend = _exact_backend()
     out: dict[str, tuple[float, list[int]] | None] = {}
     for gi, g in enumerate(problem.groups):
+        if g.name in skip:
+            out[g.name] = None
+            continue
         lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
         prog = _Program(lp, [])
         gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
@@ -170,6 +179,17 @@ class PinnedShare:
         return self.reason.split(":", 1)[0].strip()
 
 
+def _precisions(problem: AllocationProblem, g: GroupModel, assignment: Sequence[int]
+                ) -> list[Any]:
+    """Each op's precision in the replayer's form (None: not choosable) for ``g``."""
+    rep = problem.replayer
+    prec: list[Any] = [None] * rep.n
+    for u, unit in enumerate(problem.units):
+        for op in unit.ops:
+            prec[rep.index[op]] = g.choices[u][assignment[u]]
+    return prec
+
+
 def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[int]
                   ) -> list[PinnedShare]:
     """Every pinned op (graph-pinned, with its ``pin_reason``, and the user's
@@ -178,10 +198,7 @@ def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[i
     gi = next(i for i, g in enumerate(problem.groups) if g.name == group)
     g = problem.groups[gi]
     grp = rep.groups[gi]
-    prec: list[Any] = [None] * rep.n
-    for u, unit in enumerate(problem.units):
-        for op in unit.ops:
-            prec[rep.index[op]] = g.choices[u][assignment[u]]
+    prec = _precisions(problem, g, assignment)
     din, dout = rep._dtypes(prec)
     total_mem = g.memory_bytes(assignment)
     total_ms = g.time_ms(assignment)
@@ -230,13 +247,13 @@ class Diagnosis:
         return not self.blocking
 
 
-def _pair(a: float, b: float, scale: float, unit: str, lo: int = 1) -> tuple[str, str]:
-    """``a`` and ``b`` in ``unit`` with ``lo`` decimals, more if that would show them equal."""
+def _decimals(a: float, b: float, scale: float, lo: int = 1) -> int:
+    """Decimals to print ``a`` and ``b`` (divided by ``scale``) with: ``lo``, more if that
+    would show them equal."""
     for d in range(lo, lo + 6):
-        sa, sb = f"{a / scale:.{d}f}", f"{b / scale:.{d}f}"
-        if sa != sb:
-            break
-    return f"{sa} {unit}", f"{sb} {unit}"
+        if f"{a / scale:.{d}f}" != f"{b / scale:.{d}f}":
+            return d
+    return lo + 6
 
 
 def _pct(x: float) -> str:
@@ -244,43 +261,93 @@ def _pct(x: float) -> str:
 
 
 def _pinned_line(group: str, plan: str, shares: list[PinnedShare], kind: str) -> str | None:
-    key = (lambda s: s.memory_bytes) if kind == "memory" else (lambda s: s.time_ms)
-    top = [s for s in sorted(shares, key=key, reverse=True) if key(s) > 0][:TOP_PINNED]
-    if not top:
+    """``group: pinned ops hold 1.2% of its least-memory plan's memory: fc (classifier head,
+    0.9%), ...``: the total, then the heaviest ``TOP_PINNED`` ops (None: none weighs)."""
+    if kind == "memory":
+        def key(s: PinnedShare) -> float:
+            return s.memory_bytes
+
+        def share(s: PinnedShare) -> float:
+            return s.memory_share
+        verb = "hold"
+    else:
+        def key(s: PinnedShare) -> float:
+            return s.time_ms
+
+        def share(s: PinnedShare) -> float:
+            return s.time_share
+        verb = "take"
+    weighing = sorted((s for s in shares if key(s) > 0), key=key, reverse=True)
+    if not weighing:
         return None
-    parts = []
-    for s in top:
-        share = s.memory_share if kind == "memory" else s.time_share
-        parts.append(f"{s.op} ({s.label}, {_pct(share)} of its {kind})")
-    more = len([s for s in shares if key(s) > 0]) - len(top)
+    parts = [f"{s.op} ({s.label}, {_pct(share(s))})" for s in weighing[:TOP_PINNED]]
+    more = len(weighing) - TOP_PINNED
     tail = f", and {more} more" if more > 0 else ""
-    return f"{group}: pinned in its {plan}: {', '.join(parts)}{tail}"
+    total = sum(share(s) for s in weighing)
+    return (f"{group}: pinned ops {verb} {_pct(total)} of its {plan}'s {kind}: "
+            f"{', '.join(parts)}{tail}")
+
+
+def memory_split(problem: AllocationProblem, group: str, assignment: Sequence[int]
+                 ) -> tuple[float, float, float]:
+    """(fixed bytes, low-precision weight copies, bytes that scale with the batch) of
+    ``group`` under ``assignment``: fixed is the fp32 weights, gradients, optimizer state,
+    buffers and context; the rest (saved activations, the working set) is proportional to
+    the per-device batch."""
+    rep = problem.replayer
+    gi = next(i for i, g in enumerate(problem.groups) if g.name == group)
+    g = problem.groups[gi]
+    fixed = float(sum(rep._static_memory(rep.groups[gi]).values()))
+    prec = _precisions(problem, g, assignment)
+    din, dout = rep._dtypes(prec)
+    copies = sum(rep._op_memory(rep.groups[gi], i, prec, din, dout)[1] for i in range(rep.n))
+    return fixed, copies, g.memory_bytes(assignment) - fixed - copies
+
+
+def _memory_lines(problem: AllocationProblem, g: GroupModel, need: float, a: list[int]
+                  ) -> list[str]:
+    headroom = problem.options.memory_headroom
+    d = _decimals(need, g.capacity_bytes, GIB)
+    lines = [f"{g.name} ({g.device}): needs {need / GIB:.{d}f} GiB at its least-memory plan, "
+             f"has {g.capacity_bytes / GIB:.{d}f} GiB ({g.usable_bytes / GIB:.{d}f} usable, "
+             f"{100 * headroom:.3g}% headroom)"]
+    fixed, copies, scaled = memory_split(problem, g.name, a)
+    room = g.capacity_bytes - fixed - copies
+    head = (f"{g.name}: {fixed / GIB:.2f} GiB fixed (fp32 weights, gradients, optimizer "
+            f"state, buffers, context), {copies / GIB:.2f} GiB weight copies, "
+            f"{scaled / GIB:.2f} GiB activations and working set at batch {g.batch} per device")
+    fit = math.floor(g.batch * room / scaled) if scaled > 0 and room > 0 else 0
+    if fit >= 1:
+        lines.append(f"{head}: batch {fit} fits with the same plan")
+    else:
+        lines.append(f"{head}: not even batch 1 fits")
+    return lines
 
 
 def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagnosis:
     """Why ``problem`` has no plan (or that it has one), group by group.
 
-    Memory: a group whose least memory exceeds its capacity (the line gives both, and the
-    card's usable memory and headroom). Time: when the fastest memory-feasible plans give a
-    makespan over the target, the group that sets it. For each blocking group, the pinned
-    ops that weigh most in its least-memory (or fastest) plan, with their share.
+    Memory: a group whose least memory exceeds its capacity (the line gives both, the
+    card's usable memory and headroom, what of it is fixed and what scales with the batch,
+    and the largest batch the least-memory plan fits). Time: when the fastest
+    memory-feasible plans give a makespan over the target, the group that sets it. For each
+    blocking group, the pinned ops that weigh most in its least-memory (or fastest) plan,
+    with their share.
     """
     from .solvers.ilp import FEAS_REL
 
     mins = min_memory(problem, time_limit_s=time_limit_s)
-    fast = _fastest(problem, time_limit_s)
+    too_big = frozenset(g.name for g in problem.groups
+                        if mins[g.name][0] > g.capacity_bytes * (1 + FEAS_REL))
+    fast = _fastest(problem, time_limit_s, too_big)
     lines: list[str] = []
     blocking: list[str] = []
     pinned: dict[str, list[PinnedShare]] = {}
-    headroom = problem.options.memory_headroom
     for g in problem.groups:
         need, a = mins[g.name]
-        if need > g.capacity_bytes * (1 + FEAS_REL):
+        if g.name in too_big:
             blocking.append(g.name)
-            sn, sh = _pair(need, g.capacity_bytes, GIB, "GiB")
-            usable = f"{g.usable_bytes / GIB:.{len(sh.split()[0].split('.')[1])}f}"
-            lines.append(f"{g.name} ({g.device}): needs {sn} at its least-memory plan, has {sh} "
-                         f"({usable} usable, {100 * headroom:.3g}% headroom)")
+            lines.extend(_memory_lines(problem, g, need, a))
             shares = pinned[g.name] = pinned_shares(problem, g.name, a)
             line = _pinned_line(g.name, "least-memory plan", shares, "memory")
             if line:
@@ -292,13 +359,13 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
     late = sorted((n for n, t in known.items() if t > budget + FEAS_REL * abs(budget)),
                   key=lambda n: -known[n])
     if late and makespan is not None:
-        setter = late[0]
-        sm, st = _pair(makespan, problem.target_ms, 1.0, "ms")
+        d = _decimals(makespan, problem.target_ms, 1.0)
         some = "" if len(known) == len(problem.groups) else " (over the groups that fit)"
-        also = "".join(f", {n} also over it at {known[n] + problem.tail_ms:.1f} ms"
+        also = "".join(f", {n} also over it at {known[n] + problem.tail_ms:.{d}f} ms"
                        for n in late[1:])
-        lines.append(f"fastest makespan reachable{some}: {sm} ({setter} at its fastest plan); "
-                     f"target {st}{also}")
+        source = "" if problem.target_source == "given" else f" ({problem.target_source})"
+        lines.append(f"fastest makespan reachable{some}: {makespan:.{d}f} ms ({late[0]} at its "
+                     f"fastest plan); target {problem.target_ms:.{d}f} ms{source}{also}")
         for n in late:
             if n not in blocking:
                 blocking.append(n)

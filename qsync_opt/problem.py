@@ -296,6 +296,8 @@ class AllocationProblem:
         self.indicator = indicator
         self.options = options or ProblemOptions()
         self.cost_provider = cost_provider
+        #: Problems re-made for other batch splits (shared by retarget() copies).
+        self.split_cache: dict[tuple[tuple[str, int], ...], AllocationProblem] = {}
         if indicator.graph_hash != graph.structure_hash() and (
                 indicator.workload != graph.workload
                 or any(o.name not in indicator.values for o in graph.choosable_ops())):

@@ -66,6 +66,8 @@ _MEMORY_COLORS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8
 
 #: At most this many op names label the heatmap's x axis; more ops get evenly spaced labels.
 MAX_OP_LABELS = 40
+#: Op names longer than this are shown by their end ("…layer.3.attention.self.query").
+OP_LABEL_CHARS = 30
 
 
 @dataclass
@@ -147,7 +149,8 @@ def _check_same_graph(plan: Plan, graph: ModelGraph) -> None:
 
 
 def _cluster_text(plan: Plan) -> str:
-    return " + ".join(f"{g.name}: {g.count}×{g.device}" for g in plan.cluster.groups)
+    return " + ".join(f"{g.count}×{g.device}" if g.name == g.device
+                      else f"{g.name} ({g.count}×{g.device})" for g in plan.cluster.groups)
 
 
 def _title(plan: Plan, timeline: Timeline) -> str:
@@ -199,7 +202,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     heat_h = 0.38 * ng + 1.9
     bars_h = 0.55 * ng + 1.6
     fig = Figure(figsize=(14, heat_h + bars_h + 0.8), layout="constrained")
-    gs = fig.add_gridspec(2, 2, height_ratios=[heat_h, bars_h], width_ratios=[1.25, 1])
+    gs = fig.add_gridspec(2, 2, height_ratios=[heat_h, bars_h], width_ratios=[1.2, 1])
     ax_heat = fig.add_subplot(gs[0, :])
     ax_time = fig.add_subplot(gs[1, 0])
     ax_mem = fig.add_subplot(gs[1, 1])
@@ -216,7 +219,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
             ax_heat.axhline(r - 0.5, color="white", linewidth=2)
     ticks = sparse_ticks(nops)
     ax_heat.set_xticks(ticks)
-    ax_heat.set_xticklabels([ops[i] for i in ticks], rotation=90,
+    ax_heat.set_xticklabels([_short(ops[i]) for i in ticks], rotation=90,
                             fontsize=7 if nops <= MAX_OP_LABELS else 6)
     ax_heat.set_yticks(range(ng))
     ax_heat.set_yticklabels([f"{g} ({by_name[g].count}×{by_name[g].device})" for g in groups])
@@ -251,8 +254,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     ax_time.set_xlim(0, max(it, *left) * 1.12 if left else 1.0)
     ax_time.set_xlabel("ms in one iteration")
     ax_time.set_title("(b) where each group's iteration goes", loc="left", fontsize=10)
-    ax_time.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8,
-                   frameon=False)
+    ax_time.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
     # (c) memory against capacity
     cats = [c for c in MEMORY_ORDER if any(c in timeline.groups[g].memory for g in groups)]
@@ -279,14 +281,18 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     ax_mem.set_xlim(0, max([*caps, *left, 1e-9]) * 1.45)
     ax_mem.set_xlabel("GiB per device")
     ax_mem.set_title("(c) memory per device against capacity", loc="left", fontsize=10)
-    ax_mem.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8,
-                  frameon=False)
+    ax_mem.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     target = _atomic_write_bytes(path, buf.getvalue())
     return PlanFigure(path=target, ops=ops, groups=groups, matrix=matrix, legend=legend,
                       tick_ops=ticks)
+
+
+def _short(name: str, limit: int = OP_LABEL_CHARS) -> str:
+    """An op name cut to ``limit`` characters, keeping its informative end."""
+    return name if len(name) <= limit else "…" + name[-(limit - 1):]
 
 
 def _step(ticks: list[int]) -> int:

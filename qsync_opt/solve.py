@@ -33,7 +33,8 @@ class InfeasibleError(QsyncInputError):
     def __init__(self, message: str, report: SolveReport | None = None) -> None:
         super().__init__(message)
         self.report = report
-        self.lines: list[str] = [message]
+        self.head = message
+        self.lines: list[str] = []
 
 
 def build_problem(
@@ -134,10 +135,11 @@ def _fail(problem: AllocationProblem, solver: str, report: SolveReport) -> Infea
         from .diagnose import explain
 
         lines = explain(problem).lines
-    except (ImportError, QsyncInputError):  # the diagnosis is a help, never a second error
+    except Exception:  # noqa: BLE001 - the diagnosis is a help, never a second error
         lines = []
     err = InfeasibleError(f"{solver}: no plan ({report.status}); "
                           + ("; ".join(lines) if lines else said), report)
+    err.head = f"{solver}: no plan ({report.status})"
     err.lines = lines or [said]
     return err
 
@@ -313,13 +315,17 @@ def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> Cluster
 
 
 def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
-                 multiple: int | None, mode: str, slack: float) -> tuple[Plan, SolveReport]:
+                 multiple: int | None, mode: str, slack: float,
+                 extra_splits: Sequence[dict[str, int]] = ()) -> tuple[Plan, SolveReport]:
     """Precisions and batch split together: one copy of the program per candidate split,
     the best copy selected. The copies share no variable, so the disjunctive program (a
     binary per split) is solved exactly by solving each copy and taking the least
     objective; ties go to the shorter replayer makespan."""
     t0 = time.perf_counter()
     splits = batch_splits(problem, multiple)
+    for extra in extra_splits:
+        if extra not in splits:
+            splits.append(dict(extra))
     target = problem.target_ms
     fixed_opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": target,
                                    "strong_groups": None})
@@ -330,7 +336,12 @@ def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, re
     # once the best refined objective beats the next copy's unrefined one.
     first: list[tuple[float, dict[str, int], AllocationProblem]] = []
     for split in splits:
-        sub = problem.with_cluster(_split_cluster(problem, split), fixed_opts)
+        key = tuple(sorted(split.items()))
+        sub = problem.split_cache.get(key)
+        if sub is None:
+            sub = problem.split_cache[key] = problem.with_cluster(
+                _split_cluster(problem, split), fixed_opts)
+        sub = sub.retarget(target, source=problem.target_source)
         plan, report = _solve_refined(sub, solver, opts, 0)
         n_vars += report.n_variables
         n_cons += report.n_constraints

@@ -164,6 +164,15 @@ def test_solve_writes_a_plan_and_report(capsys, tmp_path) -> None:
     assert code == 0 and doc["evaluation"]["feasible"] in (True, False)
 
 
+def test_infeasible_target_says_what_would_work(capsys, tmp_path) -> None:
+    code, _, err = run(capsys, "solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
+                       "--method", "random", "--target-ms", "0.0001",
+                       "--out", str(tmp_path / "p.json"))
+    assert code == 2 and "no plan" in err.splitlines()[0]
+    assert "fastest makespan reachable" in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_compare_json_rows(capsys, tmp_path) -> None:
     out_json = tmp_path / "rows.json"
     code, out, err = run(capsys, "compare", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
@@ -184,7 +193,6 @@ def test_compare_json_rows(capsys, tmp_path) -> None:
     (["--pin", "conv1=int9"], "pinned"),
     (["--pin", "conv1"], "pin"),
     (["--reference", "int8"], "reference"),
-    (["--target-ms", "0.0001"], "no plan"),
     (["--time-limit", "-1"], "time-limit"),
 ])
 def test_solve_bad_input_is_one_line(capsys, tmp_path, args, field) -> None:
