@@ -358,7 +358,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from .solve import solve
 
     problem = _build_problem(args)
-    plan, report = solve(problem, args.solver, _solve_options(args))
+    plan, report = solve(problem, args.solver, _solve_options(args), mode=args.mode,
+                         degradation_budget=args.budget, refine=args.refine,
+                         joint_split=args.joint_split, batch_multiple=args.batch_multiple)
     ev = evaluate(problem, plan)
     save(plan, args.out)
     if args.report:
@@ -374,6 +376,10 @@ def cmd_solve(args: argparse.Namespace) -> int:
           f"(target {ev.target_ms:.2f}); {ev.samples_per_s:.1f} samples/s; "
           f"build {report.build_s:.3f} s, solve {report.solve_s:.3f} s, wall {report.wall_s:.3f} s")
     print("\n".join(plan_lines(problem, plan, ev)))
+    for r in report.rounds:
+        print(f"  round {r['round']}: target {r['target_ms']:.2f} ms -> linear "
+              f"{r['makespan_ms']:.2f} ms, replayer {r['replay_makespan_ms']:.2f} ms, "
+              f"objective {r['objective']:.6g}")
     for m in report.messages:
         print(f"  {m}")
     for note in problem.notes:
@@ -409,7 +415,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     problem = _build_problem(args)
     names = [s.strip() for s in args.solvers.split(",")] if args.solvers else None
-    rows = compare(problem, names, _solve_options(args))
+    rows = compare(problem, names, _solve_options(args), refine=args.refine,
+                   joint_split=args.joint_split, batch_multiple=args.batch_multiple)
     doc = {"workload": problem.graph.workload, "cluster": args.cluster,
            "target_ms": problem.target_ms, "target_source": problem.target_source,
            "rows": [r.to_json() for r in rows]}
@@ -483,8 +490,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"{problem.target_ms:.1f} ms ({problem.target_source}); the T4s' fastest plan "
           f"computes in {fastest:.0f} ms, so precision alone can remove the straggler\n"
           if fastest is not None else "")
-    rows = compare(problem)
+    rows = compare(problem, joint_split=True)
     print(format_rows(rows))
+    print("(rounds: solve-replay refinement rounds; highs+split chooses the per-card batch "
+          "split together with the precisions, global batch fixed)")
     chosen = next((r for r in rows if r.solver in ("cpsat", "highs", "cbc") and r.plan is not None
                    and r.feasible), None)
     out = args.out or "qsync-demo"
@@ -505,7 +514,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if so is not None and so.samples_per_s:
             print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "
                   f"with the V100s alone ({ev.samples_per_s / so.samples_per_s:.2f}x).")
+        split = next((r for r in rows if r.solver.endswith("+split") and r.plan is not None), None)
+        if split is not None and split.objective is not None and chosen.objective:
+            print(f"With the batch split chosen too ({', '.join(f'{g}={b}' for g, b in split.batches.items())} "
+                  f"per card), the same makespan costs {split.objective / chosen.objective:.0%} of "
+                  "the precision-only plan's degradation.")
         print(f"wrote {out}/plan.json")
+        from .frontier import format_points, frontier, plot_frontier
+
+        pts = frontier(problem, points=4, allocators=("exact", "greedy", "uniform",
+                                                      "dynamic-batching", "strong-only"))
+        print("\nPareto frontier (degradation against throughput as the target sweeps; "
+              "`qsync-opt pareto` adds the joint split):")
+        print(format_points(pts))
+        plot_frontier(pts, f"{out}/frontier.png", f"{model} on {shorthand}")
+        print(f"wrote {out}/frontier.png")
     else:
         print("\nno exact allocator found a feasible plan; see the table above")
     if args.out:
@@ -607,6 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hint the exact solvers with greedy's plan")
         sp.add_argument("--acceptance", choices=["replayer", "linear"], default="replayer",
                         help="greedy's move check")
+        sp.add_argument("--refine", type=int, default=3,
+                        help="solve-replay refinement rounds for the exact solvers")
+        sp.add_argument("--batch-multiple", type=int, default=None,
+                        help="joint split: per-device batches are multiples of this")
 
     sp = add("solve", "choose every op's precision on every group")
     problem_args(sp)
@@ -615,6 +642,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "additive-ilp or strong-only")
     sp.add_argument("--out", required=True, help="write the Plan JSON here")
     sp.add_argument("--report", help="also write the SolveReport JSON here")
+    sp.add_argument("--mode", choices=["auto", "target", "budget"], default="auto",
+                    help="least degradation under the target (auto: lexicographic when the "
+                         "default target is out of reach), or least makespan under --budget")
+    sp.add_argument("--budget", type=float, default=None, help="degradation budget (--mode budget)")
+    sp.add_argument("--joint-split", action="store_true",
+                    help="choose the per-group batch split together with the precisions")
     sp.set_defaults(fn=cmd_solve)
     sp = sub.add_parser("compare", help="every allocator and baseline side by side",
                         description="every allocator and baseline side by side")
@@ -623,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                     help='write {"rows": [...]} to FILE (stdout without FILE)')
     sp.add_argument("--plans", metavar="DIR", help="write every plan into this folder")
+    sp.add_argument("--joint-split", action="store_true",
+                    help="add a row choosing the batch split with the precisions")
     sp.set_defaults(fn=cmd_compare)
     from .report import add_report_parser
 
@@ -635,8 +670,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--exact", default="highs", help="exact backend (highs, cbc, cpsat)")
     sp.add_argument("--no-split", action="store_true",
                     help="leave out the joint batch split series (faster)")
-    sp.add_argument("--batch-multiple", type=int, default=None,
-                    help="per-device batches of the joint split are multiples of this")
     sp.set_defaults(fn=cmd_pareto)
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
     sp.add_argument("--out", help="write the plan, graph, costs, indicator and cluster JSON "

@@ -226,7 +226,11 @@ def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, 
                    f"round(s) (linear model {final['makespan_ms']:.3f} ms)")
     plan = plan.model_copy(update={"provenance": {**plan.provenance, "target_ms": target,
                                                   "refine_rounds": len(rounds) - 1}})
-    return plan, report.model_copy(update={"rounds": rounds,
+    from .solvers._common import mode_text
+
+    mode = mode_text(problem) + (f"; refined to a linear target of {prob.target_ms:.3f} ms"
+                                 if len(rounds) > 1 else "")
+    return plan, report.model_copy(update={"rounds": rounds, "mode": mode,
                                            "messages": [*report.messages, *messages, verdict]})
 
 
@@ -443,6 +447,8 @@ class CompareRow:
     peak_memory_gib: dict[str, float]
     wall_s: float
     gap: float | None = None
+    rounds: int = 0  # solve-replay refinement rounds after the first solve
+    batches: dict[str, int] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
     plan: Plan | None = field(default=None, repr=False)
     report: SolveReport | None = field(default=None, repr=False)
@@ -452,19 +458,40 @@ class CompareRow:
                 "objective": self.objective, "gap": self.gap, "makespan_ms": self.makespan_ms,
                 "replay_makespan_ms": self.replay_makespan_ms,
                 "samples_per_s": self.samples_per_s, "peak_memory_gib": self.peak_memory_gib,
-                "wall_s": self.wall_s, "messages": self.messages}
+                "wall_s": self.wall_s, "rounds": self.rounds, "batches": self.batches,
+                "messages": self.messages}
 
 
 def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
-            options: SolveOptions | None = None) -> list[CompareRow]:
+            options: SolveOptions | None = None, *, refine: int = REFINE_ROUNDS,
+            joint_split: bool = False, batch_multiple: int | None = None) -> list[CompareRow]:
     """One row per allocator and baseline (all available ones by default), each scored by
-    the evaluator. Unavailable backends are listed with status ERROR."""
+    the evaluator. Exact backends run with solve-replay refinement (``rounds`` in the row);
+    ``joint_split`` adds a row for the first exact backend choosing the batch split too.
+    Unavailable backends are listed with status ERROR."""
     names = list(solvers) if solvers is not None else list(registry())
+    if joint_split:
+        first = next((n for n in names if n in ("highs", "cbc", "cpsat")), None)
+        if first is not None:
+            names.insert(names.index(first) + 1, f"{first}+split")
     rows: list[CompareRow] = []
     for name in names:
         t0 = time.perf_counter()
         try:
-            plan, report, ev = _run(problem, name, options or SolveOptions())
+            if name.endswith("+split"):
+                base = name.removesuffix("+split")
+                try:
+                    plan, report = _solve_joint(problem, base, options or SolveOptions(), refine,
+                                                batch_multiple, "target", LEXICOGRAPHIC_SLACK)
+                except InfeasibleError as exc:
+                    assert exc.report is not None
+                    plan, report = None, exc.report
+                ev = evaluate(problem, plan) if plan is not None else None
+            elif _backend(name).exact and refine:
+                plan, report = _solve_refined(problem, name, options or SolveOptions(), refine)
+                ev = evaluate(problem, plan) if plan is not None else None
+            else:
+                plan, report, ev = _run(problem, name, options or SolveOptions())
         except QsyncInputError as exc:
             rows.append(CompareRow(name, "ERROR", False, None, None, None, None, {},
                                    time.perf_counter() - t0, messages=[str(exc)]))
@@ -480,22 +507,25 @@ def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
             samples_per_s=ev.samples_per_s,
             peak_memory_gib={g: e.replay_memory_bytes / 2**30 for g, e in ev.groups.items()},
             wall_s=wall, gap=report.gap, messages=list(report.messages), plan=plan,
-            report=report))
+            report=report, rounds=max(0, len(report.rounds) - 1),
+            batches={n: g.batch_per_device for n, g in plan.groups.items()}))
     return rows
 
 
 def format_rows(rows: Sequence[CompareRow]) -> str:
     """The comparison as a fixed-width table."""
     head = (f"{'solver':>17} {'status':>10} {'ok':>3} {'objective':>11} {'linear ms':>10} "
-            f"{'replay ms':>10} {'samples/s':>10} {'wall s':>8}  peak GiB per group")
+            f"{'replay ms':>10} {'samples/s':>10} {'rounds':>6} {'wall s':>8}  batches; "
+            "peak GiB per group")
     lines = [head]
     for r in rows:
         def num(v: float | None, fmt: str) -> str:
             width = int(fmt.split(".")[0])
             return format(v, fmt) if v is not None else "-".rjust(width)
         mem = " ".join(f"{g}={v:.1f}" for g, v in r.peak_memory_gib.items())
+        split = ",".join(str(b) for b in r.batches.values())
         lines.append(f"{r.solver:>17} {r.status:>10} {'yes' if r.feasible else 'no':>3} "
                      f"{num(r.objective, '11.5g')} {num(r.makespan_ms, '10.2f')} "
                      f"{num(r.replay_makespan_ms, '10.2f')} {num(r.samples_per_s, '10.1f')} "
-                     f"{r.wall_s:8.3f}  {mem}")
+                     f"{r.rounds:6d} {r.wall_s:8.3f}  {split}; {mem}")
     return "\n".join(lines)
