@@ -2,7 +2,10 @@
 
 Shorthand: groups joined by ``+``, each ``DEVICExCOUNT`` with an optional ``@BATCH`` (per
 device batch). Group names default to the device name, suffixed ``_2``, ``_3`` when a device
-repeats; devices per node default to min(count, 8). A file holds the ClusterSpec fields
+repeats; devices per node default to min(count, 8). DEVICE may be a derived CPU,
+``cpu/F[:MEM][~CARD]`` (this machine's measured CPU slowed F times, memory capped at MEM, the
+precision menu of CARD; see qsync_opt.devices): ``cpux1+cpu/2x1`` is a hybrid cluster on one
+CPU box, its groups named ``cpu`` and ``cpu_2`` (derived CPUs count as repeats of ``cpu``). A file holds the ClusterSpec fields
 (``schema_name``/``schema_version`` optional); see examples/.
 """
 
@@ -15,12 +18,18 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .devices import canonical_name, is_derived
 from .errors import QsyncInputError, describe_validation_error
 from .io import parse_document
 from .schemas import ClusterSpec
 
-_GROUP_RE = re.compile(r"^(?P<device>[a-z][a-z0-9_]*?)x(?P<count>\d+)(?:@(?P<batch>\d+))?$")
-SHORTHAND_HELP = "DEVICExCOUNT[@BATCH] joined by '+', e.g. v100x16+t4x16 or a100x8@64+t4x8@32"
+_GROUP_RE = re.compile(
+    r"^(?P<device>[a-z][a-z0-9_]*?(?:/[0-9.]+(?::[0-9.]+[gm])?(?:~[a-z][a-z0-9_]*?)?)?)"
+    r"x(?P<count>\d+)(?:@(?P<batch>\d+))?$")
+SHORTHAND_HELP = ("DEVICExCOUNT[@BATCH] joined by '+', e.g. v100x16+t4x16 or a100x8@64+t4x8@32; "
+                  "DEVICE may be a derived CPU cpu/F[:MEM][~CARD] (this CPU slowed F times, "
+                  "memory capped at MEM like 4g or 512m, CARD's precision menu), e.g. "
+                  "cpux1+cpu/2x1 or cpux1+cpu/3:4g~t4x1")
 
 
 def parse_shorthand(text: str, devices_per_node: int = 8) -> ClusterSpec:
@@ -37,8 +46,11 @@ def parse_shorthand(text: str, devices_per_node: int = 8) -> ClusterSpec:
                 f"cluster: group {i} {part!r} is not DEVICExCOUNT[@BATCH]; expected {SHORTHAND_HELP}"
             )
         device = m["device"]
-        used[device] = used.get(device, 0) + 1
-        name = device if used[device] == 1 else f"{device}_{used[device]}"
+        if is_derived(device):
+            device = canonical_name(device)  # a bad factor/cap/card: its own one-line message
+        base = device.split("/", 1)[0]
+        used[base] = used.get(base, 0) + 1
+        name = base if used[base] == 1 else f"{base}_{used[base]}"
         count = int(m["count"])
         group = {"name": name, "device": device, "count": count,
                  "devices_per_node": max(1, min(count, devices_per_node))}

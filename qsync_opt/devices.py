@@ -12,12 +12,22 @@ no INT8 tensor cores, note V), SM75 adds int8, SM80/86 add tf32 and bf16, SM89/9
 
 The ``cpu`` entry is this machine, measured on first use (matmul throughput per dtype with
 torch, copy bandwidth, memory) and cached; it is never a guess.
+
+Derived CPUs emulate a hybrid cluster on one CPU box, where every rank is an equal CPU:
+``cpu/F[:MEM][~CARD]`` is the measured ``cpu`` with its compute and memory rates divided by
+``F`` (a number >= 1), its memory capped at ``MEM`` (``4g`` GiB or ``512m`` MiB) when given,
+and its precision menu restricted to the catalog card ``CARD``'s menu when given, e.g.
+``cpu/2``, ``cpu/2.5:4g``, ``cpu/3~t4``. The figures stay those of this CPU (its real
+precision ratios: bf16 and int8 fast, fp16 slow), not the card's. The runtime honours ``F``
+by stretching that rank's measured compute time (qsync_opt.runtime.emulate): it is an
+emulation, and ``DeviceSpec.source`` says so.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -152,24 +162,123 @@ def known_device_names() -> list[str]:
     return [*CATALOG, CPU]
 
 
-def canonical_name(name: str) -> str:
-    """Resolve an alias (``a100`` -> ``a100_80gb``); unknown names raise with the known list."""
-    key = name.strip().lower()
-    key = ALIASES.get(key, key)
-    if key in CATALOG or key == CPU:
-        return key
-    raise QsyncInputError(
+#: ``cpu/F[:MEM][~CARD]`` (see the module docstring).
+_DERIVED_RE = re.compile(
+    r"^cpu/(?P<factor>[0-9]*\.?[0-9]+)(?::(?P<mem>[0-9]*\.?[0-9]+)(?P<unit>[gm]))?"
+    r"(?:~(?P<card>[a-z][a-z0-9_]*))?$")
+DERIVED_HELP = "cpu/F[:MEM][~CARD], e.g. cpu/2, cpu/2:4g, cpu/3~t4 (this CPU slowed F times)"
+
+
+def _unknown(name: str) -> QsyncInputError:
+    return QsyncInputError(
         f"unknown device {name!r}; known: {', '.join(known_device_names())} "
-        f"(aliases: {', '.join(f'{a}={c}' for a, c in sorted(ALIASES.items()))})"
+        f"(aliases: {', '.join(f'{a}={c}' for a, c in sorted(ALIASES.items()))}; "
+        f"derived: {DERIVED_HELP})"
     )
 
 
+def canonical_name(name: str) -> str:
+    """Resolve an alias (``a100`` -> ``a100_80gb``); unknown names raise with the known list.
+
+    A derived CPU comes back in its canonical spelling: ``CPU/2.0~a100`` -> ``cpu/2~a100_80gb``.
+    """
+    key = name.strip().lower()
+    if key.startswith("cpu/"):
+        return _canonical_derived(name, key)
+    key = ALIASES.get(key, key)
+    if key in CATALOG or key == CPU:
+        return key
+    raise _unknown(name)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _canonical_derived(name: str, key: str) -> str:
+    m = _DERIVED_RE.match(key)
+    if not m:
+        raise QsyncInputError(f"device {name!r}: a derived CPU is written {DERIVED_HELP}")
+    factor = float(m["factor"])
+    if not factor >= 1:
+        raise QsyncInputError(f"device {name!r}: slowdown factor must be >= 1, got {m['factor']}")
+    out = f"cpu/{_num(factor)}"
+    if m["mem"] is not None:
+        mem = float(m["mem"])
+        if not mem > 0:
+            raise QsyncInputError(f"device {name!r}: memory cap must be > 0, got {m['mem']}")
+        out += f":{_num(mem)}{m['unit']}"
+    if m["card"] is not None:
+        card = ALIASES.get(m["card"], m["card"])
+        if card not in CATALOG:
+            raise QsyncInputError(
+                f"device {name!r}: ~{m['card']} is not a catalog card; known: {', '.join(CATALOG)}")
+        out += f"~{card}"
+    return out
+
+
+def is_derived(name: str) -> bool:
+    """Whether ``name`` is a derived CPU (``cpu/F...``)."""
+    return name.strip().lower().startswith("cpu/")
+
+
+def base_device(name: str) -> str:
+    """The device a name is built on: ``cpu`` for a derived CPU, else the canonical name."""
+    key = canonical_name(name)
+    return CPU if key.startswith("cpu/") else key
+
+
 def get_device(name: str) -> DeviceSpec:
-    """The catalog entry for ``name`` (an alias works); ``cpu`` is measured on first use."""
+    """The catalog entry for ``name`` (an alias works); ``cpu`` is measured on first use.
+
+    A derived CPU (``cpu/2``, ``cpu/2:4g~t4``) is built from the measured ``cpu``.
+    """
     key = canonical_name(name)
     if key == CPU:
         return measure_cpu()
+    if key.startswith("cpu/"):
+        return _derived_cpu(key)
     return CATALOG[key]
+
+
+@lru_cache(maxsize=64)
+def _derived_cpu(key: str) -> DeviceSpec:
+    m = _DERIVED_RE.match(key)
+    assert m is not None  # canonical_name checked it
+    base = measure_cpu()
+    factor = float(m["factor"])
+    memory, usable = base.memory_bytes, base.usable_memory_bytes
+    notes = [f"slowed {_num(factor)}x"]
+    if m["mem"] is not None:
+        cap = int(float(m["mem"]) * (GiB if m["unit"] == "g" else MiB))
+        memory, usable = cap, min(usable, cap)
+        notes.append(f"memory capped at {_num(float(m['mem']))} {'GiB' if m['unit'] == 'g' else 'MiB'}")
+    precisions = list(base.precisions)
+    display = base.display_name
+    if m["card"] is not None:
+        card = CATALOG[m["card"]]
+        precisions = [p for p in precisions if card.supports(p)]
+        notes.append(f"precision menu of {card.name} ({', '.join(p.value for p in precisions)})")
+        display = f"{display}, standing in for {card.display_name}"
+    needed = {DeviceSpec.rate_key(dt) for p in precisions
+              for dt in (p.info.fwd_compute, p.info.bwd_compute)}
+    return DeviceSpec(
+        name=key,
+        display_name=f"{display} / {_num(factor)}",
+        compute_capability=None,
+        memory_bytes=memory,
+        usable_memory_bytes=usable,
+        memory_bandwidth_gb_per_s=base.memory_bandwidth_gb_per_s / factor,
+        peak_tflops={k: v / factor for k, v in base.peak_tflops.items() if k in needed},
+        precisions=precisions,
+        intra_node_bandwidth_gb_per_s=base.intra_node_bandwidth_gb_per_s,
+        host_link_gb_per_s=base.host_link_gb_per_s,
+        tdp_w=None,
+        source=f"emulation: derived from the measured cpu ({'; '.join(notes)}); the runtime "
+        f"stretches this rank's measured compute time {_num(factor)}x. Base cpu: {base.source}",
+        measured=True,
+        slowdown=factor,
+    )
 
 
 # ----------------------------------------------------------------------------- the CPU

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .precision import DType, Precision
 
 NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+#: A device name: a catalog key, or a derived CPU such as ``cpu/2:4g~t4`` (devices.py).
+DEVICE_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*(/[0-9.]+(:[0-9.]+[gm])?(~[A-Za-z0-9_]+)?)?$"
 FLOP_CONVENTION = "a multiply-add counts as 2 FLOPs"
 
 JSONScalar = float | int | str | bool | None
@@ -87,7 +89,8 @@ class DeviceSpec(Document):
     schema_name: Literal["DeviceSpec"] = Field("DeviceSpec", description="Kind of document.")
     schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
-    name: str = Field(description="Catalog key, e.g. 't4', 'a100_80gb'.", pattern=NAME_RE)
+    name: str = Field(description="Catalog key, e.g. 't4', 'a100_80gb', or a derived CPU "
+                      "such as 'cpu/2' (see qsync_opt.devices).", pattern=DEVICE_NAME_RE)
     display_name: str = Field(description="Marketing name, e.g. 'NVIDIA T4 16 GB'.")
     compute_capability: str | None = Field(
         description="CUDA compute capability 'major.minor'; None for a CPU.",
@@ -112,6 +115,9 @@ class DeviceSpec(Document):
     tdp_w: float | None = Field(None, gt=0, description="Board power, W.")
     source: str = Field(description="Where the figures come from (datasheet ids, measurement).")
     measured: bool = Field(False, description="True when the figures were measured here.")
+    slowdown: float = Field(
+        1.0, ge=1, description="Factor by which the runtime stretches this device's measured "
+        "compute time (emulation of a slower card on this CPU; 1 for real devices).")
 
     @model_validator(mode="after")
     def _check(self) -> DeviceSpec:

@@ -1,0 +1,768 @@
+"""Train a plan: every rank runs its device group's precisions, all ranks step in lock-step.
+
+Entry points
+    ``torchrun --nproc-per-node N -m qsync_opt.runtime.train cfg.json`` runs :func:`run` on
+    every rank (``cfg.json`` is a :class:`~qsync_opt.runtime.config.TrainConfig`);
+    ``python -m qsync_opt.runtime.train cfg.json`` with ``emulate_dp`` runs :func:`emulate`.
+    A bad config or plan prints one line naming the field and exits with code 2.
+    On many nodes torchrun does the distributing (``--nnodes``, ``--rdzv-endpoint``); this
+    module only reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR.
+
+Data
+    Each step draws one deterministic global batch (seeded by ``config.seed`` and the step) of
+    B = sum of every rank's ``batch_per_device``; rank r takes its contiguous slice (offset =
+    the batches of the ranks before it): an uneven sampler. digits_cnn and tiny_gpt use their
+    real data; other workloads a seeded pool of synthetic samples.
+
+Gradient weighting
+    Rank r's loss is the mean over its b_r samples; it is multiplied by ``b_r * world / B``
+    before backward, so the all-reduce *average* is the true global-batch mean gradient.
+
+BatchNorm policy
+    Forward uses per-rank batch statistics (each rank normalises its own micro-batch); the
+    running statistics are rank 0's: after every step they are broadcast from rank 0 (the
+    effect of DDP's ``broadcast_buffers``, done after the step rather than before the next
+    forward so that every rank's whole ``state_dict`` is identical after every step).
+
+Precision
+    Master weights, gradients and the all-reduce are FP32 (see :mod:`.layers`). fp16 gets a
+    dynamic loss scale (initial ``config.loss_scale``, or 2**16 when any rank's plan has fp16,
+    else 1; halved on a skipped step, doubled after ``GROWTH_INTERVAL`` good steps); gradients
+    are unscaled before the optimizer step. NaN/inf guard: when any rank sees a non-finite
+    loss or gradient (a flag all-reduced with MAX semantics) every rank skips the step and
+    restores its buffers; ``config.max_bad_steps`` consecutive skips stop the run.
+
+Checkpoints
+    Atomic (temporary file in the same folder, fsync, ``os.replace``), holding only tensors
+    and plain values (model and optimizer ``state_dict``, step, loss scale, the torch RNG state,
+    the qsync layers' seed counters ``qseed``) so they load with ``weights_only=True``.
+    ``config.resume`` continues from out_dir's checkpoint and reproduces the uninterrupted
+    run bit for bit. A multi-process run writes one file per rank
+    (``checkpoint.rank{r}.pt``); a single process (world 1 or emulation) ``checkpoint.pt``.
+
+Metrics
+    ``out_dir/metrics.rank{r}.jsonl``: one JSON line per step per rank (step, rank, group,
+    loss, accuracy for classification, step_ms, bytes all-reduced, skipped). Setting
+    ``QSYNC_LOG_STATE_HASH=1`` adds ``state_sha256`` (the whole state_dict after the step).
+    ``summary.json`` (and ``summary.rank{r}.json``) hold the final result.
+
+Communication seam
+    Gradient synchronisation sits behind :class:`GradientSync`: ``wrap`` (the module used
+    for forward), ``reduce`` (after backward: every local replica's gradient becomes the
+    global weighted mean), ``sum_stats`` (the small per-step all-reduce of loss, accuracy and
+    the non-finite flag), ``sync_buffers`` (the BatchNorm policy) and ``bytes_per_step``.
+    :class:`DDPSync` (torch DDP), :class:`EmulatedSync` (one process, one replica per rank)
+    and :class:`LocalSync` (world 1) implement it; Local SGD, compressed or priority-ordered
+    transfers plug in as further subclasses.
+
+Slowdown emulation
+    ``config.slowdown[group] = f`` stretches that group's measured compute time per step by
+    sleeping ``(f - 1) * t_compute`` (only in the multi-process run; emulation reports it in
+    ``step_ms``), so a derived "slower card" shows as a straggler on equal CPUs.
+
+Test hooks (environment)
+    ``QSYNC_TEST_DIE_AT_STEP="RANK:STEP"`` makes that rank exit abruptly at that step;
+    ``QSYNC_TEST_NAN_AT_STEP="RANK:STEP[,STEP...]"`` makes its loss NaN at those steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..errors import QsyncInputError
+from ..precision import Precision
+from ..schemas import Plan
+from .apply import apply_plan
+from .config import TrainConfig
+from .layers import _QMixin
+
+__all__ = [
+    "DDPSync",
+    "EmulatedSync",
+    "GradientSync",
+    "LocalSync",
+    "TrainingError",
+    "emulate",
+    "load_checkpoint",
+    "main",
+    "run",
+    "state_hash",
+]
+
+GROWTH_INTERVAL = 2000
+MAX_SCALE = 2.0 ** 24
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (too many non-finite steps, ranks out of step, ...)."""
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@dataclass
+class Setup:
+    config: TrainConfig
+    plan: Plan
+    workload: Any
+    batches: list[int]          # per rank
+    offsets: list[int]          # per rank
+    global_batch: int
+    init_scale: float
+
+
+def prepare(config: TrainConfig) -> Setup:
+    """Validate the config against its plan and workload; QsyncInputError names the field."""
+    from ..io import load
+    from ..models import UnknownWorkloadError, get_workload
+
+    try:
+        wl = get_workload(config.workload)
+    except UnknownWorkloadError as exc:
+        raise QsyncInputError(f"workload: {exc}") from None
+    if not Path(config.plan_path).is_file():
+        raise QsyncInputError(f"plan_path: {config.plan_path}: file not found")
+    plan = load(config.plan_path, Plan)
+    if plan.workload.replace("-", "_").lower() != wl.name:
+        raise QsyncInputError(f"plan_path: the plan was made for {plan.workload}, the config "
+                              f"trains {wl.name}")
+    for r, g in enumerate(config.rank_groups):
+        if g not in plan.groups:
+            raise QsyncInputError(f"rank_groups[{r}]: the plan has no group {g!r}; its groups: "
+                                  f"{', '.join(plan.groups)}")
+    for g in config.slowdown:
+        if g not in plan.groups:
+            raise QsyncInputError(f"slowdown: the plan has no group {g!r}")
+    batches = [plan.groups[g].batch_per_device for g in config.rank_groups]
+    offsets = [sum(batches[:r]) for r in range(len(batches))]
+    fp16 = any(Precision(p) == Precision.fp16
+               for g in set(config.rank_groups) for p in plan.groups[g].precisions.values())
+    init = config.loss_scale if config.loss_scale is not None else (2.0 ** 16 if fp16 else 1.0)
+    return Setup(config, plan, wl, batches, offsets, sum(batches), float(init))
+
+
+def build_model(setup: Setup, rank: int, device: torch.device) -> nn.Module:
+    """The workload's model, seeded identically on every rank, with rank's group's plan."""
+    cfg = setup.config
+    torch.manual_seed(cfg.seed)
+    model = setup.workload.build().float()
+    apply_plan(model, setup.plan, cfg.rank_groups[rank], seed=cfg.seed * 1000 + rank)
+    return model.to(device).train()
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr)
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class GlobalBatches:
+    """Deterministic global batches (seeded by seed and step) and held-out batches."""
+
+    def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
+        self.wl, self.seed, self.B = workload, seed, global_batch
+        self.kind = "synthetic"
+        if workload.name == "digits_cnn":
+            from ..models.digits_cnn import load_digits_tensors, train_test_split
+
+            x, y = load_digits_tensors()
+            xtr, ytr, xte, yte = train_test_split(x, y, seed=0)
+            self.train: Any = ((xtr,), ytr)
+            self.test: Any = ((xte,), yte)
+            self.kind = "digits"
+        elif workload.name == "tiny_gpt":
+            from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
+
+            self.train, self.test = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
+            self.seq = workload.seq_len or 128
+            self.kind = "text"
+        else:
+            n = max(4 * global_batch, 64)
+            self.train = (workload.make_inputs(n, torch.device("cpu")),
+                          workload.make_targets(n, torch.device("cpu")))
+            self.test = self.train
+
+    def _gen(self, salt: int, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + salt * 7_919 + step)
+                                             & 0x7FFFFFFFFFFF)
+
+    def _draw(self, pool: Any, gen: torch.Generator, b: int) -> tuple[tuple[Tensor, ...], Tensor]:
+        if self.kind == "text":
+            from ..models.tiny_gpt import sample_batch
+
+            xb, yb = sample_batch(pool, b, self.seq, gen)
+            return (xb,), yb
+        inputs, targets = pool
+        n = targets.shape[0]
+        idx = (torch.randperm(n, generator=gen)[:b] if b <= n
+               else torch.randint(0, n, (b,), generator=gen))
+        return tuple(t[idx] for t in inputs), targets[idx]
+
+    def batch(self, step: int) -> tuple[tuple[Tensor, ...], Tensor]:
+        return self._draw(self.train, self._gen(1, step), self.B)
+
+    def eval_batches(self, n: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        for i in range(n):
+            yield self._draw(self.test, self._gen(2, i), self.B)
+
+
+def rank_slice(batch: tuple[tuple[Tensor, ...], Tensor], offset: int, b: int
+               ) -> tuple[tuple[Tensor, ...], Tensor]:
+    inputs, targets = batch
+    return tuple(t[offset:offset + b] for t in inputs), targets[offset:offset + b]
+
+
+# ----------------------------------------------------------------------------- the seam
+
+
+class GradientSync:
+    """How the replicas agree on one gradient per step (see the module docstring).
+
+    ``reduce`` receives the local replicas (one in a multi-process run) after their weighted
+    backward; afterwards every replica's ``.grad`` is the global-batch mean gradient.
+    """
+
+    world: int = 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def reduce(self, models: Sequence[nn.Module]) -> None:
+        raise NotImplementedError
+
+    def sum_stats(self, stats: Tensor) -> Tensor:
+        """Sum a small float64 vector over ranks (local replicas already summed)."""
+        raise NotImplementedError
+
+    def sync_buffers(self, models: Sequence[nn.Module]) -> None:
+        raise NotImplementedError
+
+    def bytes_per_step(self, model: nn.Module) -> int:
+        if self.world <= 1:
+            return 0
+        return sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+
+
+class LocalSync(GradientSync):
+    """One process, one rank: nothing to agree on."""
+
+    def reduce(self, models: Sequence[nn.Module]) -> None:
+        pass
+
+    def sum_stats(self, stats: Tensor) -> Tensor:
+        return stats
+
+    def sync_buffers(self, models: Sequence[nn.Module]) -> None:
+        pass
+
+
+class DDPSync(GradientSync):
+    """torch DDP: the FP32 gradient average happens in backward (bucketed all-reduce)."""
+
+    def __init__(self, world: int, device: torch.device) -> None:
+        self.world, self.device = world, device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+    def reduce(self, models: Sequence[nn.Module]) -> None:
+        pass  # DDP's backward hooks already averaged the gradients
+
+    def sum_stats(self, stats: Tensor) -> Tensor:
+        t = stats.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    def sync_buffers(self, models: Sequence[nn.Module]) -> None:
+        for buf in models[0].buffers():
+            dist.broadcast(buf, src=0)
+
+
+class EmulatedSync(GradientSync):
+    """One process holding every rank's replica: sum, average by world, copy to all."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def reduce(self, models: Sequence[nn.Module]) -> None:
+        params = [list(m.parameters()) for m in models]
+        for i, p0 in enumerate(params[0]):
+            if p0.grad is None:
+                continue
+            total = p0.grad.clone()
+            for ps in params[1:]:
+                total += ps[i].grad
+            total /= self.world
+            for ps in params:
+                ps[i].grad.copy_(total)
+
+    def sum_stats(self, stats: Tensor) -> Tensor:
+        return stats
+
+    def sync_buffers(self, models: Sequence[nn.Module]) -> None:
+        src = list(models[0].buffers())
+        for m in models[1:]:
+            for b, s in zip(m.buffers(), src, strict=True):
+                b.copy_(s)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def state_hash(model: nn.Module) -> str:
+    """sha256 over the state_dict (names, dtypes, shapes, bytes), in key order."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        t = v.detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def qseeds(model: nn.Module) -> dict[str, int]:
+    return {n: int(m.qseed) for n, m in model.named_modules() if isinstance(m, _QMixin)}
+
+
+def set_qseeds(model: nn.Module, seeds: dict[str, int]) -> None:
+    for n, m in model.named_modules():
+        if isinstance(m, _QMixin) and n in seeds:
+            m.qseed = int(seeds[n])
+
+
+def grads_finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+               if p.grad is not None)
+
+
+def _hook(name: str) -> tuple[int, set[int]] | None:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    r, _, steps = v.partition(":")
+    return int(r), {int(s) for s in steps.split(",") if s}
+
+
+def weighted_backward(model: nn.Module, workload: Any, inputs: Sequence[Tensor], targets: Tensor,
+                      weight: float, scale: float = 1.0, poison: bool = False
+                      ) -> tuple[float, float]:
+    """Forward one micro-batch, backward ``loss * weight * scale``; return (loss, #correct)."""
+    from ..models import TASK_CLASSIFICATION, compute_loss
+
+    out = model(*inputs)
+    loss = compute_loss(workload, out, targets)
+    if poison:
+        loss = loss * float("nan")
+    (loss * (weight * scale)).backward()
+    correct = 0.0
+    if workload.task == TASK_CLASSIFICATION:
+        correct = float((out.detach().argmax(-1) == targets).sum())
+    return float(loss.detach()), correct
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a checkpoint; ``weights_only=True``: no file the runtime reads can run code."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    from ..io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+class _Metrics:
+    """Append-only JSON lines; on resume, lines of steps not covered by the checkpoint go."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            keep = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line).get("step", 0) < start_step:
+                        keep.append(line)
+                except json.JSONDecodeError:
+                    continue
+            path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+        self.fh = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(row) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def _progress(step: int, total: int, loss: float, enabled: bool) -> None:
+    if not enabled:
+        return
+    width = 30
+    done = int(width * step / total)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.4f}")
+    if step == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class _Trainer:
+    """The training loop shared by :func:`run` (one local replica) and :func:`emulate`."""
+
+    def __init__(self, setup: Setup, ranks: list[int], models: list[nn.Module],
+                 sync: GradientSync, device: torch.device, ckpt: Path) -> None:
+        self.s, self.cfg = setup, setup.config
+        self.ranks, self.models, self.sync = ranks, models, sync
+        self.forward_models = [sync.wrap(m) for m in models]
+        self.opts = [make_optimizer(self.cfg, m) for m in models]
+        self.device, self.ckpt = device, ckpt
+        self.data = GlobalBatches(setup.workload, self.cfg.seed, setup.global_batch)
+        self.scale, self.good, self.bad_run, self.skipped, self.step = setup.init_scale, 0, 0, 0, 0
+        # every replica has its own torch RNG stream (dropout), as its process would
+        self.rngs = []
+        for r in ranks:
+            torch.manual_seed(self.cfg.seed * 1000 + r + 1)
+            self.rngs.append(torch.get_rng_state())
+        self.last_loss = float("nan")
+        self.out = Path(self.cfg.out_dir)
+
+    # -- checkpoints
+    def save(self) -> None:
+        atomic_torch_save({
+            "format": 1, "step": self.step, "scale": self.scale, "good": self.good,
+            "bad_run": self.bad_run, "skipped": self.skipped, "last_loss": self.last_loss,
+            "model": self.models[0].state_dict(), "optimizer": self.opts[0].state_dict(),
+            "replicas": [{"rank": r, "rng": rng, "qseeds": qseeds(m)}
+                         for r, rng, m in zip(self.ranks, self.rngs, self.models, strict=True)],
+        }, self.ckpt)
+
+    def restore(self) -> None:
+        ck = load_checkpoint(self.ckpt)
+        reps = {int(x["rank"]): x for x in ck["replicas"]}
+        if set(self.ranks) - set(reps):
+            raise TrainingError(f"{self.ckpt}: written for ranks {sorted(reps)}, not {self.ranks}")
+        for r, m, opt, i in zip(self.ranks, self.models, self.opts, range(len(self.ranks)),
+                                strict=True):
+            m.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            set_qseeds(m, reps[r]["qseeds"])
+            self.rngs[i] = reps[r]["rng"]
+        self.step, self.scale, self.good = int(ck["step"]), float(ck["scale"]), int(ck["good"])
+        self.bad_run, self.skipped = int(ck["bad_run"]), int(ck["skipped"])
+        self.last_loss = float(ck["last_loss"])
+
+    # -- one step
+    def train_step(self, metrics: list[_Metrics]) -> None:
+        cfg, s = self.cfg, self.s
+        step = self.step
+        inputs, targets = self.data.batch(step)
+        inputs = tuple(t.to(self.device) for t in inputs)
+        targets = targets.to(self.device)
+        die, nan = _hook("QSYNC_TEST_DIE_AT_STEP"), _hook("QSYNC_TEST_NAN_AT_STEP")
+        saved = [[b.detach().clone() for b in m.buffers()] for m in self.models]
+        rows = []
+        local = torch.zeros(4, dtype=torch.float64)  # nonfinite, sum loss*b, correct, -
+        compute_s = []
+        for i, (r, fm, m, opt) in enumerate(zip(self.ranks, self.forward_models, self.models,
+                                                self.opts, strict=True)):
+            if die is not None and die[0] == r and step in die[1]:
+                os._exit(17)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            b = s.batches[r]
+            xi, yi = rank_slice((inputs, targets), s.offsets[r], b)
+            torch.set_rng_state(self.rngs[i])
+            loss, correct = weighted_backward(
+                fm, s.workload, xi, yi, weight=b * self.sync.world / s.global_batch,
+                scale=self.scale, poison=nan is not None and nan[0] == r and step in nan[1])
+            self.rngs[i] = torch.get_rng_state()
+            compute_s.append(time.perf_counter() - t0)
+            rows.append((r, b, loss, correct))
+            local[1] += loss * b
+            local[2] += correct
+        t_sync = time.perf_counter()
+        self.sync.reduce(self.models)
+        for m in self.models:
+            if not grads_finite(m):
+                local[0] += 1
+        for _, _, loss, _ in rows:
+            if not math.isfinite(loss):
+                local[0] += 1
+        tot = self.sync.sum_stats(local)
+        skip = bool(tot[0] > 0)
+        if skip:
+            for m, bufs in zip(self.models, saved, strict=True):
+                for b_, s_ in zip(m.buffers(), bufs, strict=True):
+                    b_.copy_(s_)
+            for opt in self.opts:
+                opt.zero_grad(set_to_none=True)
+            if s.init_scale > 1:
+                self.scale = max(self.scale / 2, 1.0)
+            self.good, self.bad_run, self.skipped = 0, self.bad_run + 1, self.skipped + 1
+        else:
+            for m, opt in zip(self.models, self.opts, strict=True):
+                if self.scale != 1.0:
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p.grad.div_(self.scale)
+                opt.step()
+            self.bad_run, self.good = 0, self.good + 1
+            if s.init_scale > 1 and self.good % GROWTH_INTERVAL == 0:
+                self.scale = min(self.scale * 2, MAX_SCALE)
+        self.sync.sync_buffers(self.models)
+        sync_s = time.perf_counter() - t_sync
+        self.last_loss = float(tot[1]) / s.global_batch
+        log_hash = os.environ.get("QSYNC_LOG_STATE_HASH") == "1"
+        nbytes = self.sync.bytes_per_step(self.models[0])
+        for (r, b, loss, correct), met, m, c_s in zip(rows, metrics, self.models, compute_s,
+                                                      strict=True):
+            g = cfg.rank_groups[r]
+            f = cfg.slowdown.get(g, 1.0)
+            if f > 1 and len(self.models) == 1:
+                time.sleep((f - 1) * c_s)
+            row: dict[str, Any] = {
+                "step": step, "rank": r, "group": g, "loss": loss,
+                "step_ms": round((c_s * f + sync_s) * 1000, 3), "bytes_allreduced": nbytes,
+                "skipped": skip, "loss_scale": self.scale}
+            if s.workload.task == "classification":
+                row["accuracy"] = correct / b
+            if log_hash:
+                row["state_sha256"] = state_hash(m)
+            met.write(row)
+        self.step += 1
+        if self.bad_run >= cfg.max_bad_steps:
+            raise TrainingError(f"{self.bad_run} consecutive steps had a non-finite loss or "
+                                f"gradient (max_bad_steps={cfg.max_bad_steps}); stopping at "
+                                f"step {step}")
+
+    def evaluate(self, model: nn.Module, rng_i: int) -> tuple[float, float | None]:
+        from ..models import TASK_CLASSIFICATION, compute_loss
+
+        if self.cfg.eval_batches == 0:
+            return float("nan"), None
+        model.eval()
+        tot_loss, tot_correct, n = 0.0, 0.0, 0
+        torch.set_rng_state(self.rngs[rng_i])
+        with torch.no_grad():
+            for inputs, targets in self.data.eval_batches(self.cfg.eval_batches):
+                inputs = tuple(t.to(self.device) for t in inputs)
+                targets = targets.to(self.device)
+                out = model(*inputs)
+                k = targets.shape[0]
+                tot_loss += float(compute_loss(self.s.workload, out, targets)) * k
+                if self.s.workload.task == TASK_CLASSIFICATION:
+                    tot_correct += float((out.argmax(-1) == targets).sum())
+                n += k
+        model.train()
+        acc = tot_correct / n if self.s.workload.task == TASK_CLASSIFICATION else None
+        return tot_loss / n, acc
+
+    def train(self, progress: bool) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        start = 0
+        if cfg.resume and self.ckpt.exists():
+            self.restore()
+            start = self.step
+        metrics = [_Metrics(self.out / f"metrics.rank{r}.jsonl", start) for r in self.ranks]
+        try:
+            while self.step < cfg.steps:
+                self.train_step(metrics)
+                _progress(self.step, cfg.steps, self.last_loss, progress)
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                        and self.step < cfg.steps):
+                    self.save()
+            if self.step > start or not self.ckpt.exists():
+                self.save()
+        finally:
+            for met in metrics:
+                met.close()
+        sha = state_hash(self.models[0])
+        evals = {}
+        for i, (r, m) in enumerate(zip(self.ranks, self.models, strict=True)):
+            loss, acc = self.evaluate(m, i)
+            evals[r] = {"rank": r, "group": cfg.rank_groups[r], "loss": loss, "accuracy": acc}
+        return {"state_sha256": sha, "evals": evals, "wall_s": time.perf_counter() - t0,
+                "resumed_from": start}
+
+    def summary(self, sha: str, evals: list[dict[str, Any]], wall_s: float, start: int
+                ) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "workload": self.s.workload.name, "plan_path": cfg.plan_path,
+            "rank_groups": cfg.rank_groups, "world_size": cfg.world_size,
+            "batches": self.s.batches, "global_batch": self.s.global_batch,
+            "emulated": cfg.emulate_dp, "steps": self.step, "resumed_from_step": start,
+            "skipped_steps": self.skipped, "final_loss": self.last_loss,
+            "loss_scale": self.scale,
+            "eval_loss": evals[0]["loss"], "eval_accuracy": evals[0]["accuracy"],
+            "eval_per_rank": evals, "state_sha256": sha, "wall_s": round(wall_s, 3),
+        }
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf as None so the summary is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+def emulate(config: TrainConfig) -> dict[str, Any]:
+    """One process, one replica per rank: synchronous data parallelism, emulated."""
+    setup = prepare(config)
+    device = torch.device("cpu")
+    ranks = list(range(config.world_size))
+    models = [build_model(setup, r, device) for r in ranks]
+    sync: GradientSync = EmulatedSync(config.world_size)
+    out = Path(config.out_dir)
+    tr = _Trainer(setup, ranks, models, sync, device, out / "checkpoint.pt")
+    res = tr.train(progress=sys.stderr.isatty())
+    evals = [res["evals"][r] for r in ranks]
+    summary = _clean(tr.summary(res["state_sha256"], evals, res["wall_s"], res["resumed_from"]))
+    _write_json(out / "summary.json", summary)
+    return summary
+
+
+def _dist_env() -> tuple[int, int, int]:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return rank, world, local
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """The per-rank entry (see the module docstring); returns the run's summary."""
+    if config.emulate_dp:
+        return emulate(config)
+    rank, world, local = _dist_env()
+    if world != config.world_size:
+        raise QsyncInputError(f"rank_groups: names {config.world_size} ranks, but WORLD_SIZE "
+                              f"is {world}")
+    setup = prepare(config)
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    out = Path(config.out_dir)
+    initialised = False
+    if world > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=config.timeout_s))
+        initialised = True
+    try:
+        model = build_model(setup, rank, device)
+        sync: GradientSync = DDPSync(world, device) if world > 1 else LocalSync()
+        ckpt = out / (f"checkpoint.rank{rank}.pt" if world > 1 else "checkpoint.pt")
+        tr = _Trainer(setup, [rank], [model], sync, device, ckpt)
+        if world > 1 and config.resume:
+            # every rank must resume from the same step (or all start fresh)
+            have = torch.tensor([float(load_checkpoint(ckpt)["step"]) if ckpt.exists() else -1.0],
+                                dtype=torch.float64)
+            lo, hi = have.clone().to(device), have.clone().to(device)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            if float(lo) != float(hi):
+                raise TrainingError(f"ranks' checkpoints in {out} are at different steps "
+                                    f"({int(lo)}..{int(hi)}); remove them or restore a "
+                                    "consistent set")
+        res = tr.train(progress=rank == 0 and sys.stderr.isatty())
+        ev = res["evals"][rank]
+        evals = [ev]
+        if world > 1:
+            vec = torch.zeros(world, 2, dtype=torch.float64)
+            vec[rank, 0] = ev["loss"]
+            vec[rank, 1] = ev["accuracy"] if ev["accuracy"] is not None else float("nan")
+            vec = vec.to(device)
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+            vec = vec.cpu()
+            acc = setup.workload.task == "classification"
+            evals = [{"rank": r, "group": config.rank_groups[r], "loss": float(vec[r, 0]),
+                      "accuracy": float(vec[r, 1]) if acc else None} for r in range(world)]
+        summary = _clean(tr.summary(res["state_sha256"], evals, res["wall_s"],
+                                    res["resumed_from"]))
+        summary["rank"] = rank
+        _write_json(out / f"summary.rank{rank}.json", summary)
+        if rank == 0:
+            _write_json(out / "summary.json", summary)
+        if world > 1:
+            dist.barrier()
+        return summary
+    finally:
+        if initialised:
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m qsync_opt.runtime.train CONFIG.json``; 2 and one line on bad input."""
+    from ..io import load
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m qsync_opt.runtime.train CONFIG.json", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = load(args[0], TrainConfig)
+        run(config)
+    except QsyncInputError as exc:
+        print(f"qsync-opt train: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # one line per failing rank; torchrun reports the exit code
+        msg = " ".join(str(exc).split())
+        print(f"qsync-opt train: rank {rank}: {type(exc).__name__}: {msg}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
