@@ -129,33 +129,11 @@ def min_memory(problem: AllocationProblem, *, time_limit_s: float = 60.0
 
 def _fastest(problem: AllocationProblem, time_limit_s: float,
              skip: frozenset[str] = frozenset()) -> dict[str, tuple[float, list[int]] | None]:
-    """Like ``solvers.ilp.fastest_times`` (the same program and options), keeping the
-    assignment: per group the least time over memory-feasible assignments (None: none, or
-    the group is in ``skip``, known not to fit)."""
-    from .solvers import SolveOptions
-    from .solvers._common import Stopwatch
-    from .solvers.ilp import _add_group, _Program, _pulp, _read_assignment
+    """Per group the least time over memory-feasible assignments and one reaching it (None:
+    none, or the group is in ``skip``, known not to fit)."""
+    from .solvers.ilp import fastest_plans
 
-    pulp = _pulp()
-    backend = _exact_backend()
-    out: dict[str, tuple[float, list[int]] | None] = {}
-    for gi, g in enumerate(problem.groups):
-        if g.name in skip:
-            out[g.name] = None
-            continue
-        lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
-        prog = _Program(lp, [])
-        gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
-        prog.groups.append(gv)
-        lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
-        res = backend._run(pulp, prog, SolveOptions(rel_gap=1e-9), time_limit_s, False,
-                           Stopwatch(), [])
-        if res.status in ("OPTIMAL", "FEASIBLE"):
-            a = _read_assignment(gv, len(g.choices))
-            out[g.name] = (g.time_ms(a), a)
-        else:
-            out[g.name] = None
-    return out
+    return fastest_plans(problem, _exact_backend().backend, time_limit_s, skip)
 
 
 # --------------------------------------------------------------------------- pinned ops

@@ -296,14 +296,19 @@ def _build(pulp: Any, problem: AllocationProblem, gis: Sequence[int], name: str)
     return prog
 
 
-def fastest_times(problem: AllocationProblem, backend: str = "highs",
-                  time_limit_s: float = 60.0) -> dict[str, float | None]:
-    """Each group's least time (ms) over assignments that fit its memory (None: none fits),
-    by solving the program with the time as objective. For choosing targets."""
+def fastest_plans(problem: AllocationProblem, backend: str = "highs",
+                  time_limit_s: float = 60.0, skip: frozenset[str] = frozenset()
+                  ) -> dict[str, tuple[float, list[int]] | None]:
+    """Per group, the least time (ms) over assignments that fit its memory and one reaching
+    it (None: none fits, or the group is in ``skip``), by solving the program with the time
+    as objective."""
     pulp = _pulp()
     solver = PulpIlp(backend)
-    out: dict[str, float | None] = {}
+    out: dict[str, tuple[float, list[int]] | None] = {}
     for gi, g in enumerate(problem.groups):
+        if g.name in skip:
+            out[g.name] = None
+            continue
         lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
         prog = _Program(lp, [])
         gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
@@ -311,9 +316,20 @@ def fastest_times(problem: AllocationProblem, backend: str = "highs",
         lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
         res = solver._run(pulp, prog, SolveOptions(rel_gap=1e-9), time_limit_s, False,
                           Stopwatch(), [])
-        out[g.name] = (g.time_ms(_read_assignment(gv, len(g.choices)))
-                       if res.status in ("OPTIMAL", "FEASIBLE") else None)
+        if res.status in ("OPTIMAL", "FEASIBLE"):
+            a = _read_assignment(gv, len(g.choices))
+            out[g.name] = (g.time_ms(a), a)
+        else:
+            out[g.name] = None
     return out
+
+
+def fastest_times(problem: AllocationProblem, backend: str = "highs",
+                  time_limit_s: float = 60.0) -> dict[str, float | None]:
+    """Each group's least time (ms) over assignments that fit its memory (None: none fits).
+    For choosing targets."""
+    return {name: (v[0] if v is not None else None)
+            for name, v in fastest_plans(problem, backend, time_limit_s).items()}
 
 
 def _set_start(prog: _Program, problem: AllocationProblem,
