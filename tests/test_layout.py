@@ -160,6 +160,13 @@ def test_wheel_contents(tmp_path: Path) -> None:
                    "qsync_opt/ops/csrc/qsync_cpu.cpp", "qsync_opt/cuda/qsync_kernels.cu",
                    "qsync_opt/cuda/qsync_kernels.h", "qsync_opt/ops/reference.py"):
         assert needed in entries, needed
+    # Every subpackage of the checkout ships (a package missing from pyproject's list once
+    # left the whole runtime out of the wheel).
+    repo = Path(__file__).resolve().parents[1]
+    for init in (repo / "qsync_opt").rglob("__init__.py"):
+        rel = init.relative_to(repo).as_posix()
+        if "__pycache__" not in rel:
+            assert rel in entries, f"{rel} missing from the wheel: add it to pyproject's packages"
     top = {e.split("/", 1)[0] for e in entries}
     assert not {"models", "solvers", "cuda", "tests"} & top
     assert top == {"qsync_opt", "qsync_opt-0.1.0.dist-info"}

@@ -62,11 +62,13 @@ Slowdown emulation
 
 Test hooks (environment)
     ``QSYNC_TEST_DIE_AT_STEP="RANK:STEP"`` makes that rank exit abruptly at that step;
+    ``QSYNC_TEST_HANG_AT_STEP="RANK:STEP"`` makes it stall (alive, silent) there;
     ``QSYNC_TEST_NAN_AT_STEP="RANK:STEP[,STEP...]"`` makes its loss NaN at those steps.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -281,10 +283,16 @@ class DDPSync(GradientSync):
         self.world, self.device = world, device
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(model, device_ids=ids, broadcast_buffers=False)
+        # buffers are synchronised after each step by sync_buffers, not before each forward
+        no_fwd_sync = ({"forward_sync_buffers": False}
+                       if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                       else {"broadcast_buffers": False})
+        return DDP(model, device_ids=ids, **no_fwd_sync)
 
     def reduce(self, models: Sequence[nn.Module]) -> None:
         pass  # DDP's backward hooks already averaged the gradients
@@ -482,7 +490,8 @@ class _Trainer:
         for r, m, opt, i in zip(self.ranks, self.models, self.opts, range(len(self.ranks)),
                                 strict=True):
             m.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
+            # a copy each: load_state_dict keeps the given tensors (shared momentum otherwise)
+            opt.load_state_dict(copy.deepcopy(ck["optimizer"]))
             set_qseeds(m, reps[r]["qseeds"])
             self.rngs[i] = reps[r]["rng"]
         self.step, self.scale, self.good = int(ck["step"]), float(ck["scale"]), int(ck["good"])
@@ -497,14 +506,17 @@ class _Trainer:
         inputs = tuple(t.to(self.device) for t in inputs)
         targets = targets.to(self.device)
         die, nan = _hook("QSYNC_TEST_DIE_AT_STEP"), _hook("QSYNC_TEST_NAN_AT_STEP")
+        hang = _hook("QSYNC_TEST_HANG_AT_STEP")
         saved = [[b.detach().clone() for b in m.buffers()] for m in self.models]
         rows = []
         local = torch.zeros(4, dtype=torch.float64)  # nonfinite, sum loss*b, correct, -
         compute_s = []
-        for i, (r, fm, m, opt) in enumerate(zip(self.ranks, self.forward_models, self.models,
-                                                self.opts, strict=True)):
+        for i, (r, fm, opt) in enumerate(zip(self.ranks, self.forward_models, self.opts,
+                                             strict=True)):
             if die is not None and die[0] == r and step in die[1]:
                 os._exit(17)
+            if hang is not None and hang[0] == r and step in hang[1]:
+                time.sleep(3600)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             b = s.batches[r]

@@ -1,0 +1,340 @@
+"""``qsync-opt train``: check a plan against the ranks, write the run's config, launch torchrun.
+
+::
+
+    qsync-opt train --model digits_cnn --plan plan.json --nproc 2 [--rank-groups 0:v100,1:t4]
+
+The launcher validates (the plan file loads, was made for ``--model``, names every group of
+``--rank-groups``, and ``--nproc`` matches the ranks), writes ``OUT/train_config.json``
+(:class:`~qsync_opt.runtime.config.TrainConfig`, atomically) and runs
+``python -m torch.distributed.run --nproc-per-node N ... -m qsync_opt.runtime.train CONFIG``
+with ``OMP_NUM_THREADS=1`` unless set, streaming the ranks' output; a failed run returns 1
+and names the rank that failed first. ``--emulate-dp`` instead runs every rank's micro-batch
+in this one process (synchronous data parallelism, emulated). ``--dry-run`` stops after
+writing the config and printing the command.
+
+Ranks map to groups: by default rank ``i`` takes the plan's groups in order, one rank per
+device (``plan.cluster.groups[k].count`` ranks each), which needs ``--nproc`` equal to the
+plan's device count; otherwise ``--rank-groups 0:GROUP,1:GROUP,...`` says which group each
+rank runs (e.g. one rank per group for a ``v100x16+t4x16`` plan on one box). A group whose
+device is a derived CPU (``cpu/2``) gets that slowdown in the config: the rank stretches its
+measured compute time by it (emulation of a slower card; qsync_opt.runtime.emulate).
+
+Many nodes: nothing changes but the launch, because torchrun does the distributing. Run the
+same module with ``--nnodes K --node-rank I --master-addr HOST --master-port PORT`` on each
+node (the config file and ``--out`` on a shared filesystem, or copied to the same path);
+``--print-command`` prints those commands for the plan's nodes. Ranks are numbered node by
+node, so rank ``i`` is ``node_rank * nproc_per_node + local_rank`` and gets
+``rank_groups[i]``; on a GPU each rank detects its card and warns when the plan says another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..devices import get_device, is_derived
+from ..errors import QsyncInputError, describe_validation_error
+from ..schemas import Plan
+from .config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "train_config.json"
+WORKER_MODULE = "qsync_opt.runtime.train"
+
+
+def add_train_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``train`` to a subparsers object; the parser's default ``fn`` is :func:`cmd_train`."""
+    p = sub.add_parser(
+        "train", help="train a model under a plan with torchrun (DDP, gloo on CPU, NCCL on GPU)",
+        description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--model", required=True, help="workload the plan was made for (qsync-opt models)")
+    p.add_argument("--plan", required=True, help="Plan JSON (qsync-opt solve / plan)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (ranks) on this node; default: one per rank group, or the "
+                        "plan's device count")
+    p.add_argument("--rank-groups", default=None, metavar="R:GROUP,...",
+                   help="group of each rank, e.g. 0:v100,1:t4 (default: the plan's groups in "
+                        "order, one rank per device)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps in total (default 100)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None,
+                   help="output folder: config, checkpoints, metrics.jsonl (default runs/MODEL)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (default 0: at the end only)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start afresh even when --out holds a checkpoint")
+    p.add_argument("--emulate-dp", action="store_true",
+                   help="one process computes every rank's micro-batch (emulated data parallel)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="collective timeout in seconds: a dead rank fails the others (default 120)")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--print-command", action="store_true",
+                   help="write the config and print the torchrun commands for the plan's "
+                        "nodes (multi-node), without launching")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the config and print the local command, without launching")
+    p.set_defaults(fn=cmd_train)
+    return p
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _parse_rank_groups(text: str) -> list[str]:
+    pairs: dict[int, str] = {}
+    for item in (x.strip() for x in text.split(",")):
+        m = re.fullmatch(r"(\d+):([A-Za-z_][A-Za-z0-9_\-]*)", item)
+        if not m:
+            raise QsyncInputError(
+                f"--rank-groups: {item!r} is not RANK:GROUP (e.g. 0:v100,1:t4)")
+        rank = int(m[1])
+        if rank in pairs:
+            raise QsyncInputError(f"--rank-groups: rank {rank} is given twice")
+        pairs[rank] = m[2]
+    missing = [r for r in range(len(pairs)) if r not in pairs]
+    if missing:
+        raise QsyncInputError(
+            f"--rank-groups: ranks must be 0..{len(pairs) - 1}; missing {missing[0]}")
+    return [pairs[r] for r in range(len(pairs))]
+
+
+def _default_rank_groups(plan: Plan, nproc: int | None) -> list[str]:
+    ranks = [g.name for g in plan.cluster.groups for _ in range(g.count)]
+    if nproc is None or nproc == len(ranks):
+        return ranks
+    layout = ", ".join(f"{g.name} x{g.count}" for g in plan.cluster.groups)
+    example = ",".join(f"{i}:{g.name}" for i, g in enumerate(plan.cluster.groups[:nproc]))
+    raise QsyncInputError(
+        f"--nproc {nproc}: the plan's cluster has {len(ranks)} devices ({layout}), one rank "
+        f"each by default; pass --nproc {len(ranks)}, or say which group each rank runs with "
+        f"--rank-groups (e.g. {example})")
+
+
+def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None) -> list[str]:
+    """Group name of every rank, checked against the plan (QsyncInputError when wrong)."""
+    if nproc is not None and nproc < 1:
+        raise QsyncInputError(f"--nproc: expected a positive integer, got {nproc}")
+    if rank_groups is None:
+        return _default_rank_groups(plan, nproc)
+    ranks = _parse_rank_groups(rank_groups)
+    known = [g.name for g in plan.cluster.groups]
+    for i, name in enumerate(ranks):
+        if name not in known:
+            raise QsyncInputError(
+                f"--rank-groups: rank {i}'s group {name!r} is not in the plan; its groups: "
+                f"{', '.join(known)}")
+    if nproc is not None and nproc != len(ranks):
+        raise QsyncInputError(
+            f"--nproc {nproc} does not match --rank-groups, which names {len(ranks)} ranks")
+    unused = [g for g in known if g not in ranks]
+    if unused:
+        log.warning("plan groups with no rank (not trained): %s", ", ".join(unused))
+    return ranks
+
+
+def _slowdowns(plan: Plan, ranks: Sequence[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for g in plan.cluster.groups:
+        if g.name in ranks and is_derived(g.device):
+            factor = get_device(g.device).slowdown
+            if factor != 1:
+                out[g.name] = factor
+    return out
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """Validate the arguments against the plan and return the run's TrainConfig."""
+    plan_path = Path(args.plan)
+    plan = Plan.load(plan_path)  # missing, not JSON, another kind of file: one line each
+    if args.model != plan.workload:
+        raise QsyncInputError(
+            f"--plan {plan_path} was made for model {plan.workload!r}, not {args.model!r}")
+    ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
+    out = Path(args.out) if args.out else Path("runs") / args.model
+    try:
+        return TrainConfig(
+            workload=args.model, plan_path=str(plan_path.resolve()), rank_groups=ranks,
+            steps=args.steps, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
+            seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
+            resume=not args.no_resume, emulate_dp=args.emulate_dp,
+            slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend)
+    except ValidationError as exc:
+        raise QsyncInputError(describe_validation_error(exc, "train")) from None
+
+
+def write_config(config: TrainConfig) -> Path:
+    """Write ``OUT/train_config.json`` atomically and return its path."""
+    out = Path(config.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QsyncInputError(f"--out {out}: cannot create ({exc.__class__.__name__})") from None
+    path = out / CONFIG_NAME
+    config.save(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for the local rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def local_command(config_path: Path, nproc: int, port: int) -> list[str]:
+    """The single-node torchrun command line for ``nproc`` ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(port), "-m", WORKER_MODULE, str(config_path)]
+
+
+def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> list[str]:
+    """One torchrun command per node (static rendezvous, so rank order is node order).
+
+    Nodes follow the plan: when every rank group is laid out one rank per device and all
+    groups have the same devices per node ``d`` (each count a multiple of it), there are
+    ``world / d`` nodes of ``d`` ranks; otherwise one node runs every rank.
+    """
+    world = config.world_size
+    per_node = world
+    default_layout = config.rank_groups == [g.name for g in plan.cluster.groups
+                                            for _ in range(g.count)]
+    dpn = {g.devices_per_node for g in plan.cluster.groups}
+    if default_layout and len(dpn) == 1:
+        d = dpn.pop()
+        if all(g.count % d == 0 for g in plan.cluster.groups):
+            per_node = d
+    nnodes = world // per_node
+    lines = [f"# {nnodes} node(s) x {per_node} rank(s); {CONFIG_NAME} and the out dir "
+             f"must be at the same path on every node (shared filesystem or copied)"]
+    for node in range(nnodes):
+        ranks = config.rank_groups[node * per_node:(node + 1) * per_node]
+        groups = ", ".join(dict.fromkeys(ranks))
+        lines.append(f"# node {node}: ranks {node * per_node}..{(node + 1) * per_node - 1} "
+                     f"({groups})")
+        cmd = ["OMP_NUM_THREADS=1", "torchrun", "--nnodes", str(nnodes), "--node-rank",
+               str(node), "--nproc-per-node", str(per_node), "--master-addr", "HOST0",
+               "--master-port", "29500", "-m", WORKER_MODULE, str(config_path)]
+        lines.append(" ".join(shlex.quote(c) if "=" not in c else c for c in cmd))
+    return lines
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause")
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _failed_rank(lines: Sequence[str]) -> tuple[int | None, int | None]:
+    """(rank, exit code) of torchrun's "Root Cause" block, where it printed one."""
+    start = next((i for i, ln in enumerate(lines) if _ROOT_CAUSE.search(ln)), None)
+    if start is None:
+        return None, None
+    rank = code = None
+    for ln in lines[start:start + 12]:
+        if rank is None and (m := _RANK.match(ln)):
+            rank = int(m[1])
+        if code is None and (m := _EXIT.match(ln)):
+            code = int(m[1])
+    return rank, code
+
+
+def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    """Run ``cmd``, copy its output (stdout and stderr merged) to ours line by line."""
+    tail: list[str] = []
+    with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env=env, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                tail.append(line.rstrip("\n"))
+                del tail[:-400]  # the failure summary is at the end
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+        rc = proc.wait()
+    return rc, tail
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``qsync-opt train``: 0 on success, 1 when a rank failed; bad input raises (exit 2)."""
+    config = build_config(args)
+    path = write_config(config)
+    sys.stdout.write(f"wrote {path} ({config.world_size} rank(s): "
+                     f"{', '.join(config.rank_groups)})\n")
+    if config.slowdown:
+        sys.stdout.write("emulation: compute stretched "
+                         + ", ".join(f"{g} x{f:g}" for g, f in config.slowdown.items())
+                         + " (equal CPUs standing in for slower cards)\n")
+    if args.print_command:
+        plan = Plan.load(config.plan_path)
+        sys.stdout.write("\n".join(multinode_commands(config, plan, path)) + "\n")
+        return 0
+    if config.emulate_dp:
+        if args.dry_run:
+            return 0
+        from .train import emulate  # the worker module, only when it runs
+
+        result = emulate(config)
+        if isinstance(result, int) and not isinstance(result, bool):
+            return result
+        _print_summary(config)
+        return 0
+    cmd = local_command(path, config.world_size, free_port())
+    if args.dry_run:
+        sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        return 0
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    rc, tail = run_streaming(cmd, env)
+    if rc == 0:
+        _print_summary(config)
+        return 0
+    rank, code = _failed_rank(tail)
+    if rank is not None:
+        sys.stderr.write(f"qsync-opt: train: rank {rank} ({config.rank_groups[rank]}) failed "
+                         f"first (exit code {code}); see its output above\n"
+                         if rank < config.world_size else
+                         f"qsync-opt: train: rank {rank} failed (exit code {code})\n")
+    else:
+        sys.stderr.write(f"qsync-opt: train: torchrun exited with code {rc}; see the output "
+                         "above\n")
+    return 1
+
+
+def _print_summary(config: TrainConfig) -> None:
+    """One line from the run's summary.json (silently nothing when the worker wrote none)."""
+    path = Path(config.out_dir) / "summary.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    acc = doc.get("eval_accuracy")
+    sys.stdout.write(
+        f"trained {doc.get('steps')} steps on {doc.get('world_size')} rank(s) "
+        f"({', '.join(config.rank_groups)}; batches {doc.get('batches')}): final loss "
+        f"{doc.get('final_loss', float('nan')):.4f}, eval loss {doc.get('eval_loss', float('nan')):.4f}"
+        + (f", eval accuracy {acc:.3f}" if acc is not None else "")
+        + f", {doc.get('skipped_steps', 0)} skipped step(s); {path.parent}\n")

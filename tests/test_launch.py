@@ -1,0 +1,205 @@
+"""``qsync-opt train``'s launcher (qsync_opt.runtime.launch), without launching ranks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from qsync_opt.cluster import parse_shorthand
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.plan import make_plan
+from qsync_opt.runtime import launch
+from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.launch import add_train_parser, cmd_train
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qsync-opt")
+    add_train_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return _parser().parse_args(["train", *argv])
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, digits_graph) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plans")
+    out = {}
+    for key, shorthand in (("hybrid", "cpux1@16+cpu/2x1@16"),
+                           ("gpus", "v100x2@16+t4x2@16"),
+                           ("nodes", "t4x4@8+t4x4@8")):
+        # "nodes": two groups of 4 devices per node -> 2 nodes of 4 ranks.
+        cluster = parse_shorthand(shorthand, devices_per_node=4)
+        plan = make_plan(digits_graph, cluster, {})
+        out[key] = root / f"{key}.json"
+        plan.save(out[key])
+    return out
+
+
+def test_the_config_written_for_a_hybrid_cpu_cluster(plans, tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--nproc", "2",
+                 "--steps", "7", "--lr", "0.1", "--optimizer", "adam", "--seed", "3",
+                 "--out", str(out), "--checkpoint-every", "2", "--no-resume",
+                 "--timeout", "30", "--dry-run")
+    assert args.fn is cmd_train
+    assert cmd_train(args) == 0
+    cfg = TrainConfig.load(out / "train_config.json")
+    assert cfg.workload == "digits_cnn"
+    assert cfg.rank_groups == ["cpu", "cpu_2"]
+    assert cfg.slowdown == {"cpu_2": 2.0}
+    assert (cfg.steps, cfg.lr, cfg.optimizer, cfg.seed) == (7, 0.1, "adam", 3)
+    assert (cfg.checkpoint_every, cfg.resume, cfg.timeout_s, cfg.emulate_dp) == (2, False, 30.0,
+                                                                                False)
+    assert Path(cfg.plan_path) == plans["hybrid"].resolve()
+    assert Path(cfg.out_dir) == out.resolve()
+    text = capsys.readouterr().out
+    assert "cpu_2 x2" in text and "emulation" in text
+    assert "torch.distributed.run --nproc-per-node 2 --master-port" in text
+    assert "-m qsync_opt.runtime.train" in text and str(out / "train_config.json") in text
+    # The file is plain JSON that every rank reads.
+    assert json.loads((out / "train_config.json").read_text())["schema_name"] == "TrainConfig"
+
+
+def test_default_mapping_one_rank_per_device(plans, tmp_path) -> None:
+    args = _args("--model", "digits_cnn", "--plan", str(plans["gpus"]), "--out",
+                 str(tmp_path), "--dry-run")
+    assert cmd_train(args) == 0
+    cfg = TrainConfig.load(tmp_path / "train_config.json")
+    assert cfg.rank_groups == ["v100", "v100", "t4", "t4"]
+    assert cfg.slowdown == {}
+
+
+def test_explicit_rank_groups(plans, tmp_path) -> None:
+    args = _args("--model", "digits_cnn", "--plan", str(plans["gpus"]), "--nproc", "2",
+                 "--rank-groups", "1:v100, 0:t4", "--out", str(tmp_path), "--dry-run")
+    assert cmd_train(args) == 0
+    assert TrainConfig.load(tmp_path / "train_config.json").rank_groups == ["t4", "v100"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--plan", "missing.json"], "file not found"),
+        (["--model", "resnet18"], "made for model 'digits_cnn', not 'resnet18'"),
+        (["--rank-groups", "0:v100,1:a100"], "rank 1's group 'a100' is not in the plan"),
+        (["--rank-groups", "0:v100,1:t4", "--nproc", "3"], "does not match --rank-groups"),
+        (["--nproc", "2"], "pass --nproc 4, or say which group each rank runs"),
+        (["--nproc", "0"], "positive integer"),
+        (["--rank-groups", "0:v100,2:t4"], "missing 1"),
+        (["--rank-groups", "0:v100,0:t4"], "rank 0 is given twice"),
+        (["--rank-groups", "v100,t4"], "is not RANK:GROUP"),
+        (["--steps", "0"], "steps"),
+    ],
+)
+def test_bad_input_is_one_line(plans, tmp_path, extra, needle) -> None:
+    base = {"--model": "digits_cnn", "--plan": str(plans["gpus"]), "--out": str(tmp_path)}
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        base[flag] = value if flag != "--plan" else str(tmp_path / value)
+    argv = [x for kv in base.items() for x in kv] + ["--dry-run"]
+    with pytest.raises(QsyncInputError) as exc:
+        cmd_train(_args(*argv))
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "train_config.json").exists()
+
+
+def test_a_file_that_is_not_a_plan(plans, tmp_path) -> None:
+    other = tmp_path / "cfg.json"
+    other.write_text(json.dumps({"schema_name": "ClusterSpec", "groups": []}))
+    with pytest.raises(QsyncInputError, match="Plan"):
+        cmd_train(_args("--model", "digits_cnn", "--plan", str(other), "--dry-run"))
+
+
+def test_print_command_multinode(plans, tmp_path, capsys) -> None:
+    args = _args("--model", "digits_cnn", "--plan", str(plans["nodes"]), "--out",
+                 str(tmp_path), "--print-command")
+    assert cmd_train(args) == 0
+    out = capsys.readouterr().out
+    cfg = tmp_path / "train_config.json"
+    assert cfg.exists()
+    assert "# 2 node(s) x 4 rank(s)" in out
+    for node in (0, 1):
+        assert (f"torchrun --nnodes 2 --node-rank {node} --nproc-per-node 4 --master-addr HOST0 "
+                f"--master-port 29500 -m qsync_opt.runtime.train {cfg}") in out
+    assert "# node 1: ranks 4..7 (t4_2)" in out
+    # Explicit rank groups: one node running them all.
+    args = _args("--model", "digits_cnn", "--plan", str(plans["gpus"]), "--out", str(tmp_path),
+                 "--rank-groups", "0:v100,1:t4", "--print-command")
+    assert cmd_train(args) == 0
+    assert "--nnodes 1 --node-rank 0 --nproc-per-node 2" in capsys.readouterr().out
+
+
+def _fake_torchrun(script: str):
+    def command(config_path, nproc, port):
+        return [sys.executable, "-c", script]
+    return command
+
+
+def test_launch_streams_output_and_passes_the_env(plans, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(launch, "local_command", _fake_torchrun(
+        "import os; print('hello from ranks'); print('omp', os.environ['OMP_NUM_THREADS'])"))
+    args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--out",
+                 str(tmp_path))
+    assert cmd_train(args) == 0
+    out = capsys.readouterr().out
+    assert "hello from ranks" in out and "omp 1" in out
+
+
+ROOT_CAUSE = r'''
+import sys
+print("boom on rank 1", flush=True)
+print("""torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+qsync_opt.runtime.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2025-01-01_00:00:00
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : 3 (pid: 1234)
+  error_file: <N/A>
+============================================================""", file=sys.stderr)
+sys.exit(1)
+'''
+
+
+def test_a_failed_rank_is_named(plans, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(launch, "local_command", _fake_torchrun(ROOT_CAUSE))
+    args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--out",
+                 str(tmp_path))
+    assert cmd_train(args) == 1
+    cap = capsys.readouterr()
+    assert "boom on rank 1" in cap.out
+    assert "rank 1 (cpu_2) failed first (exit code 3)" in cap.err
+    monkeypatch.setattr(launch, "local_command", _fake_torchrun("raise SystemExit(5)"))
+    assert cmd_train(args) == 1
+    assert "exited with code 5" in capsys.readouterr().err
+
+
+def test_emulate_dp_runs_in_process(plans, tmp_path, monkeypatch) -> None:
+    import types
+
+    seen = []
+    fake = types.ModuleType("qsync_opt.runtime.train")
+    fake.emulate = lambda config: seen.append(config)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "qsync_opt.runtime.train", fake)
+    import qsync_opt.runtime as rt
+
+    monkeypatch.setattr(rt, "train", fake, raising=False)
+    monkeypatch.setattr(launch, "run_streaming", lambda *a: pytest.fail("must not launch"))
+    args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--out",
+                 str(tmp_path), "--emulate-dp")
+    assert cmd_train(args) == 0
+    assert len(seen) == 1 and seen[0].emulate_dp and seen[0].rank_groups == ["cpu", "cpu_2"]

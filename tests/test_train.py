@@ -1,0 +1,333 @@
+"""Training a plan: uneven-batch weighting, emulated and real (gloo) data parallelism, resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.train import (
+    EmulatedSync,
+    GlobalBatches,
+    TrainingError,
+    build_model,
+    emulate,
+    load_checkpoint,
+    prepare,
+    rank_slice,
+    weighted_backward,
+)
+from qsync_opt.synthetic import random_indicator
+
+REPO = Path(__file__).resolve().parents[1]
+FP32, FP16, BF16, INT8, INT8_FULL = range(5)  # indices into a unit's choices
+
+
+@pytest.fixture(scope="module")
+def problem() -> AllocationProblem:
+    g = trace("digits_cnn")
+    c = parse_shorthand("cpux1@48+cpux1@16")  # groups "cpu" and "cpu_2", uneven batches
+    return AllocationProblem(g, c, estimate(g, c), random_indicator(g))
+
+
+def _plan(problem: AllocationProblem, path: Path, second: list[int] | None) -> Path:
+    ref = problem.groups[0].reference
+    plan = problem.make_plan({"cpu": ref, "cpu_2": second if second is not None
+                              else problem.groups[1].reference})
+    plan.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_plan(problem: AllocationProblem, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # second group: conv1 bf16, conv2 int8 (stochastic rounding), fc1 fp16 (loss scaling)
+    return _plan(problem, tmp_path_factory.mktemp("plan") / "mixed.json", [BF16, INT8, FP16])
+
+
+@pytest.fixture(scope="module")
+def fp32_plan(problem: AllocationProblem, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _plan(problem, tmp_path_factory.mktemp("plan") / "fp32.json", None)
+
+
+def _config(plan: Path, out: Path, **kw: object) -> TrainConfig:
+    base: dict[str, object] = dict(workload="digits_cnn", plan_path=str(plan),
+                                   rank_groups=["cpu", "cpu_2"], steps=6, out_dir=str(out),
+                                   emulate_dp=True, eval_batches=1, timeout_s=20)
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def _metrics(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"metrics.rank{rank}.jsonl").read_text()
+            .splitlines()]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- weighting
+
+
+def test_uneven_weighted_gradients_equal_full_batch_gradient_float64(fp32_plan: Path,
+                                                                     tmp_path: Path) -> None:
+    setup = prepare(_config(fp32_plan, tmp_path))
+    assert setup.batches == [48, 16] and setup.offsets == [0, 48]
+    model = build_model(setup, 0, torch.device("cpu")).double()
+    # BatchNorm in eval mode: per-sample computation, so the decomposition is exact
+    # (train-mode BN uses per-rank batch statistics, the stated policy, which differs)
+    model.eval()
+    replicas = [copy.deepcopy(model) for _ in range(2)]
+    data = GlobalBatches(setup.workload, 3, setup.global_batch)
+    (x,), y = data.batch(0)
+    x = x.double()
+    weighted_backward(model, setup.workload, (x,), y, weight=1.0)
+    full = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for r, rep in enumerate(replicas):
+        (xr,), yr = rank_slice(((x,), y), setup.offsets[r], setup.batches[r])
+        weighted_backward(rep, setup.workload, (xr,), yr,
+                          weight=setup.batches[r] * 2 / setup.global_batch)
+    EmulatedSync(2).reduce(replicas)
+    for rep in replicas:
+        for n, p in rep.named_parameters():
+            err = (p.grad - full[n]).abs().max() / full[n].abs().max().clamp_min(1e-300)
+            assert err <= 1e-12, (n, float(err))
+
+
+# ----------------------------------------------------------------------------- emulation
+
+
+def test_emulate_dp_two_plans_learns_and_writes(mixed_plan: Path, tmp_path: Path) -> None:
+    cfg = _config(mixed_plan, tmp_path / "run", steps=30, eval_batches=2)
+    summary = emulate(cfg)
+    assert summary["steps"] == 30 and summary["skipped_steps"] == 0
+    assert summary["loss_scale"] == 2.0 ** 16  # the second group's plan has fp16
+    m0, m1 = _metrics(tmp_path / "run", 0), _metrics(tmp_path / "run", 1)
+    assert [r["step"] for r in m0] == list(range(30)) and len(m1) == 30
+    assert m1[0]["group"] == "cpu_2" and m1[0]["bytes_allreduced"] > 0
+    first = sum(r["loss"] for r in m0[:5]) / 5
+    last = sum(r["loss"] for r in m0[-5:]) / 5
+    assert last < 0.6 * first
+    assert summary["eval_accuracy"] > 0.5 and summary["final_loss"] < first
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["state_sha256"] == summary["state_sha256"]
+    ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")  # weights_only=True
+    assert ck["step"] == 30 and "conv2.weight" in ck["model"]
+
+
+def test_resume_reproduces_the_uninterrupted_run(mixed_plan: Path, tmp_path: Path) -> None:
+    straight = emulate(_config(mixed_plan, tmp_path / "a", steps=6))
+    emulate(_config(mixed_plan, tmp_path / "b", steps=3))
+    resumed = emulate(_config(mixed_plan, tmp_path / "b", steps=6))
+    assert resumed["resumed_from_step"] == 3
+    assert resumed["state_sha256"] == straight["state_sha256"]
+    a = load_checkpoint(tmp_path / "a" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    assert a["replicas"][1]["qseeds"] == b["replicas"][1]["qseeds"]
+    assert [r["loss"] for r in _metrics(tmp_path / "a", 1)] == \
+        [r["loss"] for r in _metrics(tmp_path / "b", 1)]
+
+
+def test_nan_guard_skips_on_every_rank_then_stops(mixed_plan: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QSYNC_TEST_NAN_AT_STEP", "1:2")
+    s = emulate(_config(mixed_plan, tmp_path / "one", steps=4))
+    assert s["skipped_steps"] == 1 and s["loss_scale"] == 2.0 ** 15
+    rows = _metrics(tmp_path / "one", 0)
+    assert [r["skipped"] for r in rows] == [False, False, True, False]
+    monkeypatch.setenv("QSYNC_TEST_NAN_AT_STEP", "1:1,2,3,4")
+    with pytest.raises(TrainingError, match="max_bad_steps=3"):
+        emulate(_config(mixed_plan, tmp_path / "many", steps=6, max_bad_steps=3))
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@pytest.mark.slow
+def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
+        mixed_plan: Path, tmp_path: Path) -> None:
+    steps = 8
+    cfg = _config(mixed_plan, tmp_path / "ddp", steps=steps, emulate_dp=False)
+    path = tmp_path / "ddp.json"
+    cfg.save(path)
+    port = str(_free_port())
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", port, "-m", "qsync_opt.runtime.train", str(path)],
+        env=_env(QSYNC_LOG_STATE_HASH="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d0, d1 = _metrics(tmp_path / "ddp", 0), _metrics(tmp_path / "ddp", 1)
+    assert len(d0) == len(d1) == steps
+    for a, b in zip(d0, d1, strict=True):  # FP32 weights bit-identical after every step
+        assert a["state_sha256"] == b["state_sha256"], a["step"]
+    assert d1[0]["group"] == "cpu_2"
+    s0 = json.loads((tmp_path / "ddp" / "summary.rank0.json").read_text())
+    s1 = json.loads((tmp_path / "ddp" / "summary.rank1.json").read_text())
+    assert s0["state_sha256"] == s1["state_sha256"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # same kernels as the single-threaded ranks
+    try:
+        emulate(_config(mixed_plan, tmp_path / "emu", steps=steps))
+    finally:
+        torch.set_num_threads(threads)
+    a = load_checkpoint(tmp_path / "ddp" / "checkpoint.rank0.pt")["model"]
+    b = load_checkpoint(tmp_path / "emu" / "checkpoint.pt")["model"]
+    for k, v in a.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, b[k], rtol=1e-5, atol=1e-6, msg=k)
+        else:
+            assert torch.equal(v, b[k]), k
+    e1 = _metrics(tmp_path / "emu", 1)
+    for x, y in zip(d1, e1, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_makes_the_other_fail_within_the_timeout(mixed_plan: Path,
+                                                             tmp_path: Path) -> None:
+    """Ranks started by hand (no torchrun to kill the survivor): rank 0 must fail itself."""
+    cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=8)
+    path = tmp_path / "die.json"
+    cfg.save(path)
+    port = str(_free_port())
+    procs = []
+    t0 = time.monotonic()
+    for r in (0, 1):
+        env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, QSYNC_TEST_DIE_AT_STEP="1:2")
+        procs.append(subprocess.Popen([sys.executable, "-m", "qsync_opt.runtime.train",
+                                       str(path)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    elapsed = time.monotonic() - t0
+    assert procs[1].returncode == 17
+    assert procs[0].returncode == 1, outs[0][1][-2000:]
+    assert "rank 0" in outs[0][1]
+    assert elapsed < 60
+    assert len(_metrics(tmp_path / "die", 0)) <= 3
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_makes_the_other_fail_by_the_collective_timeout(
+        mixed_plan: Path, tmp_path: Path) -> None:
+    cfg = _config(mixed_plan, tmp_path / "hang", steps=6, emulate_dp=False, timeout_s=5)
+    path = tmp_path / "hang.json"
+    cfg.save(path)
+    port = str(_free_port())
+    procs = []
+    for r in (0, 1):
+        env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, QSYNC_TEST_HANG_AT_STEP="1:2")
+        procs.append(subprocess.Popen([sys.executable, "-m", "qsync_opt.runtime.train",
+                                       str(path)], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=50)
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1 and "rank 0" in err
+    assert "Timed out" in err or "timeout" in err.lower()
+    assert elapsed < 45
+
+
+def test_single_process_run_resumes_exactly(mixed_plan: Path, tmp_path: Path) -> None:
+    from qsync_opt.runtime.train import run
+
+    one = dict(emulate_dp=False, rank_groups=["cpu_2"])
+    straight = run(_config(mixed_plan, tmp_path / "a", steps=4, **one))
+    run(_config(mixed_plan, tmp_path / "b", steps=2, checkpoint_every=1, **one))
+    resumed = run(_config(mixed_plan, tmp_path / "b", steps=4, **one))
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["state_sha256"] == straight["state_sha256"]
+    assert _metrics(tmp_path / "a", 0) != [] and resumed["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_torchrun_with_a_dead_rank_fails_never_hangs(mixed_plan: Path, tmp_path: Path) -> None:
+    cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=8)
+    path = tmp_path / "die.json"
+    cfg.save(path)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "qsync_opt.runtime.train", str(path)],
+        env=_env(QSYNC_TEST_DIE_AT_STEP="1:2"), capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 60
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _run_cli(cfg: TrainConfig, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "cfg.json"
+    cfg.save(path)
+    return subprocess.run([sys.executable, "-m", "qsync_opt.runtime.train", str(path)],
+                          env=_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_missing_plan_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    p = _run_cli(_config(tmp_path / "nope.json", tmp_path / "o", emulate_dp=False,
+                         rank_groups=["cpu"]), tmp_path)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "plan_path" in p.stderr
+
+
+def test_group_not_in_plan_is_one_line_exit_2(mixed_plan: Path, tmp_path: Path) -> None:
+    p = _run_cli(_config(mixed_plan, tmp_path / "o", emulate_dp=False, rank_groups=["v100"]),
+                 tmp_path)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "rank_groups[0]" in p.stderr
+
+
+def test_plan_for_another_model_and_world_mismatch_exit_2(mixed_plan: Path,
+                                                          tmp_path: Path) -> None:
+    p = _run_cli(_config(mixed_plan, tmp_path / "o", workload="tiny_gpt"), tmp_path)
+    assert p.returncode == 2 and "made for digits_cnn" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = _run_cli(_config(mixed_plan, tmp_path / "o", emulate_dp=False), tmp_path)
+    assert p.returncode == 2 and "WORLD_SIZE" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_field_is_one_line_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"schema_name": "TrainConfig", "workload": "digits_cnn",
+                                "plan_path": "x", "rank_groups": ["cpu"], "steps": 0,
+                                "out_dir": str(tmp_path)}))
+    p = subprocess.run([sys.executable, "-m", "qsync_opt.runtime.train", str(path)],
+                       env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "steps" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
