@@ -56,8 +56,8 @@ Communication seam
     transfers plug in as further subclasses.
 
 Slowdown emulation
-    ``config.slowdown[group] = f`` stretches that group's measured compute time per step by
-    sleeping ``(f - 1) * t_compute`` (only in the multi-process run; emulation reports it in
+    ``config.slowdown[group] = f`` stretches that group's measured compute time per op by
+    sleeping ``(f - 1) * t`` (runtime/emulate.py; only in the multi-process run; emulation reports it in
     ``step_ms``), so a derived "slower card" shows as a straggler on equal CPUs.
 
 Test hooks (environment)
@@ -567,9 +567,9 @@ class _Trainer:
         for (r, b, loss, correct), met, m, c_s in zip(rows, metrics, self.models, compute_s,
                                                       strict=True):
             g = cfg.rank_groups[r]
-            f = cfg.slowdown.get(g, 1.0)
-            if f > 1 and len(self.models) == 1:
-                time.sleep((f - 1) * c_s)
+            # One local replica: its slowdown hooks already slept inside c_s. Emulated
+            # replicas do not sleep; their step time is reported stretched.
+            f = 1.0 if len(self.models) == 1 else cfg.slowdown.get(g, 1.0)
             row: dict[str, Any] = {
                 "step": step, "rank": r, "group": g, "loss": loss,
                 "step_ms": round((c_s * f + sync_s) * 1000, 3), "bytes_allreduced": nbytes,
@@ -713,9 +713,16 @@ def run(config: TrainConfig) -> dict[str, Any]:
         initialised = True
     try:
         model = build_model(setup, rank, device)
+        # A derived device (cpu/F): every op's measured forward and backward time is
+        # stretched by F where it runs, so the bucketed all-reduce waits as it would for a
+        # slower card (emulation: equal CPUs stand in for different cards).
+        from .emulate import add_slowdown
+
+        hooks = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
         sync: GradientSync = DDPSync(world, device) if world > 1 else LocalSync()
         ckpt = out / (f"checkpoint.rank{rank}.pt" if world > 1 else "checkpoint.pt")
         tr = _Trainer(setup, [rank], [model], sync, device, ckpt)
+        tr.slowdown = hooks  # type: ignore[attr-defined]  # kept for the run's life
         if world > 1 and config.resume:
             # every rank must resume from the same step (or all start fresh)
             have = torch.tensor([float(load_checkpoint(ckpt)["step"]) if ckpt.exists() else -1.0],
