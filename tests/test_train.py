@@ -331,3 +331,25 @@ def test_bad_config_field_is_one_line_exit_2(tmp_path: Path) -> None:
                        env=_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "steps" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_rank_on_another_card_is_warned(tmp_path):
+    """On a GPU each rank compares its card with the plan group's (no GPU needed here)."""
+    from qsync_opt import estimate, parse_shorthand, trace
+    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.runtime.config import TrainConfig
+    from qsync_opt.runtime.train import card_mismatch, prepare
+    from qsync_opt.synthetic import random_indicator
+
+    g = trace("digits_cnn")
+    c = parse_shorthand("v100x1+t4x1")
+    prob = AllocationProblem(g, c, estimate(g, c), random_indicator(g))
+    plan = prob.make_plan(prob.reference_assignment())
+    plan.save(tmp_path / "p.json")
+    cfg = TrainConfig(workload="digits_cnn", plan_path=str(tmp_path / "p.json"),
+                      rank_groups=["v100", "t4"], steps=1, out_dir=str(tmp_path / "o"))
+    setup = prepare(cfg)
+    assert card_mismatch(setup, 1, "Tesla T4") is None
+    assert card_mismatch(setup, 0, "Tesla V100-SXM2-32GB") is None
+    warn = card_mismatch(setup, 1, "NVIDIA H200")
+    assert warn and "t4" in warn and "H200" in warn

@@ -158,6 +158,25 @@ def prepare(config: TrainConfig) -> Setup:
     return Setup(config, plan, wl, batches, offsets, sum(batches), float(init))
 
 
+def card_mismatch(setup: Setup, rank: int, card_name: str) -> str | None:
+    """A warning when the GPU a rank found is not the card its plan group was made for
+    (compared by the catalog's display name, e.g. 'NVIDIA T4 16 GB' against 'Tesla T4')."""
+    from ..devices import get_device
+
+    group = setup.config.rank_groups[rank]
+    spec = next((g for g in setup.plan.cluster.groups if g.name == group), None)
+    if spec is None or spec.device.startswith("cpu"):
+        return None
+    expected = get_device(spec.device)
+    words = [w for w in expected.display_name.lower().replace("nvidia", "").split()
+             if w.isalnum() and not w.endswith("gb")]
+    found = card_name.lower()
+    if words and all(w in found for w in words[:1]):
+        return None
+    return (f"rank {rank} runs group {group}'s plan (made for {expected.display_name}) on a "
+            f"{card_name}: its times and memory were planned for another card")
+
+
 def build_model(setup: Setup, rank: int, device: torch.device) -> nn.Module:
     """The workload's model, seeded identically on every rank, with rank's group's plan."""
     cfg = setup.config
@@ -703,6 +722,9 @@ def run(config: TrainConfig) -> dict[str, Any]:
     if backend == "nccl":
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
+        warn = card_mismatch(setup, rank, torch.cuda.get_device_name(device))
+        if warn:
+            sys.stderr.write(f"qsync-opt: warning: {warn}\n")
     out = Path(config.out_dir)
     initialised = False
     if world > 1:
