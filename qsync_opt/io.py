@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from pydantic import ValidationError
 
@@ -21,14 +22,15 @@ from .schemas import Document
 D = TypeVar("D", bound=Document)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` atomically; parent folders are created."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+    """Call ``write(fh)`` on a temporary binary file in ``path``'s folder, fsync it, and
+    rename it over ``path``: the target is replaced whole or not at all."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
@@ -36,6 +38,12 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; parent folders are created."""
+    data = text.encode("utf-8")
+    return atomic_write(path, lambda fh: fh.write(data))
 
 
 def to_json(doc: Document, indent: int | None = 2) -> str:

@@ -113,3 +113,17 @@ def program_parts(problem: AllocationProblem, options: SolveOptions,
         return [[gi] for gi in range(n)]
     messages.append(f"monolithic: one program for all {n} groups")
     return [list(range(n))]
+
+
+def infeasible_messages(problem: AllocationProblem, gis: Sequence[int], budget: float) -> list[str]:
+    """For groups whose cheapest choices alone exceed the time budget, say so."""
+    from .ilp import time_lower_bound
+
+    out = []
+    for gi in gis:
+        g = problem.groups[gi]
+        lb = time_lower_bound(g)
+        if lb > budget:
+            out.append(f"group {g.name}: infeasible, even its fastest choices take at least "
+                       f"{lb:.4f} ms > budget {budget:.4f} ms")
+    return out

@@ -42,7 +42,7 @@ from typing import Any
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
 from . import SolveOptions
-from ._common import Stopwatch, finish, mode_text, program_parts
+from ._common import Stopwatch, finish, infeasible_messages, mode_text, program_parts
 from .ilp import (
     FEAS_REL,
     active_pairs,
@@ -51,7 +51,6 @@ from .ilp import (
     exact_violation,
     ext_choices,
     start_hints,
-    time_lower_bound,
     work_rows,
 )
 
@@ -409,13 +408,7 @@ class CpSat:
             n_cons += nc
             lb = max(obj_min, out.bound - err)
             if out.status == "INFEASIBLE":
-                for gi in gis:
-                    g = problem.groups[gi]
-                    tlb = time_lower_bound(g)
-                    if tlb > budget:
-                        messages.append(
-                            f"group {g.name}: infeasible, even its fastest choices take at "
-                            f"least {tlb:.4f} ms > budget {budget:.4f} ms")
+                messages.extend(infeasible_messages(problem, gis, budget))
                 messages.append(f"{tag}: no assignment meets the target and capacity "
                                 "(proven on the outer model, a relaxation)")
                 final = "INFEASIBLE"

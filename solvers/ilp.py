@@ -51,7 +51,14 @@ from typing import Any
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
 from . import SolveOptions
-from ._common import Stopwatch, check_hints, finish, mode_text, program_parts
+from ._common import (
+    Stopwatch,
+    check_hints,
+    finish,
+    infeasible_messages,
+    mode_text,
+    program_parts,
+)
 
 _PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
@@ -714,13 +721,7 @@ class PulpIlp:
             if out.detail:
                 messages.append(f"{tag}: {out.detail}")
             if out.status == "INFEASIBLE":
-                for gi in gis:
-                    g = problem.groups[gi]
-                    lb = time_lower_bound(g)
-                    if lb > budget:
-                        messages.append(
-                            f"group {g.name}: infeasible, even its fastest choices take at "
-                            f"least {lb:.4f} ms > budget {budget:.4f} ms")
+                messages.extend(infeasible_messages(problem, gis, budget))
                 messages.append(f"{tag}: no assignment meets the target and capacity")
                 return "INFEASIBLE", None, None, n_vars, n_cons
             if a is None:

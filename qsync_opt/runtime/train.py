@@ -74,7 +74,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -408,17 +407,9 @@ def weighted_backward(model: nn.Module, workload: Any, inputs: Sequence[Tensor],
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from ..io import atomic_write
+
+    atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
