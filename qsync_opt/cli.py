@@ -659,11 +659,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--joint-split", action="store_true",
                     help="add a row choosing the batch split with the precisions")
     sp.set_defaults(fn=cmd_compare)
+    from .profile import add_profile_parser
     from .report import add_report_parser
     from .runtime.launch import add_train_parser
 
     add_report_parser(sub)
     add_train_parser(sub)
+    add_profile_parser(sub)
     sp = add("pareto", "degradation against throughput as the makespan target sweeps")
     problem_args(sp)
     sp.add_argument("--out", required=True, help="write the frontier's points (JSON) here")

@@ -309,3 +309,21 @@ def test_cuda_ops_equal_the_cpu_references() -> None:
                        ref.int_mm_reference(xi.to(torch.int8), wi.to(torch.int8).t()))
     y = ops.int8_linear(x.cuda().requires_grad_(), w.cuda().requires_grad_())
     y.sum().backward()
+
+
+def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path):
+    """A builder that died leaves torch's lock file behind, which would make every later load
+    wait forever; an old lock is removed, a fresh one (a build in progress) is kept."""
+    import os
+    import time
+
+    from qsync_opt.ops._build import STALE_LOCK_S, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    _clear_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,6 +36,22 @@ def cache_dir() -> Path:
     return cache_root() / "cpu" / digest.hexdigest()[:16]
 
 
+#: A build lock older than this is left by a process that died mid-build (torch's lock
+#: would make every later load wait forever); a real build takes well under a minute.
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(build: Path) -> None:
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock %s (%.0f s old; its builder died)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 @lru_cache(maxsize=1)
 def load_cpu() -> tuple[bool, str]:
     """(loaded, reason). Loads ``torch.ops.qsync_cpu``, compiling it on first use."""
@@ -45,10 +62,22 @@ def load_cpu() -> tuple[bool, str]:
 
         build = cache_dir()
         build.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(build)
+        # Compile copies kept in the cache folder, so every checkout of the same sources
+        # shares one build (ninja rebuilds when a source *path* changes).
+        sources = []
+        for src in sorted(CSRC.glob("*.cpp")):
+            copy = build / src.name
+            data = src.read_bytes()
+            if not copy.exists() or copy.read_bytes() != data:
+                tmp = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, copy)
+            sources.append(str(copy))
         log.info("building the qsync C++ CPU kernels in %s (first use only)", build)
         cpp_extension.load(
             name="qsync_cpu_kernels",
-            sources=[str(s) for s in sorted(CSRC.glob("*.cpp"))],
+            sources=sources,
             extra_cflags=CFLAGS,
             build_directory=str(build),
             is_python_module=False,

@@ -305,6 +305,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
+    from ..ops._build import load_cpu
+
+    load_cpu()  # compile the C++ kernels once here, not in every rank at once
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -706,6 +706,11 @@ def run(config: TrainConfig) -> dict[str, Any]:
         raise QsyncInputError(f"rank_groups: names {config.world_size} ranks, but WORLD_SIZE "
                               f"is {world}")
     setup = prepare(config)
+    # Load (and on first use, compile) the C++ kernels before any collective, so a build can
+    # never hold up a rendezvous or an all-reduce past its timeout.
+    from ..ops._build import load_cpu
+
+    load_cpu()
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
