@@ -257,8 +257,12 @@ def test_a_stalled_rank_makes_the_other_fail_by_the_collective_timeout(
             if p.poll() is None:
                 p.kill()
             p.communicate()
-    assert procs[0].returncode == 1 and "rank 0" in err
-    assert "Timed out" in err or "timeout" in err.lower()
+    # It fails, never hangs: usually with our one-line error (exit 1); gloo's C++ layer can
+    # also abort the process on the timeout (SIGABRT, -6), which is a failure too.
+    assert procs[0].returncode != 0, err[-2000:]
+    if procs[0].returncode == 1:
+        assert "rank 0" in err
+        assert "Timed out" in err or "timeout" in err.lower()
     assert elapsed < 45
 
 
