@@ -269,13 +269,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_indicate(args: argparse.Namespace) -> int:
-    from .indicator import indicate, rank_table
+    from .indicator import fast_options, indicate, rank_table
     from .precision import Precision
 
     t0 = time.perf_counter()
-    import torch
-
-    fast = {"term_dtype": torch.bfloat16, "term_rows": 2} if args.fast else {}
+    fast = fast_options() if args.fast else {}
     table = indicate(args.model, args.batches, args.method, batch=args.batch, seed=args.seed,
                      gamma=args.gamma, cache=not args.no_cache,
                      progress=sys.stderr.isatty() and not args.json, **fast)
@@ -472,16 +470,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"{'and the T4s still set the pace' if low.straggler == 't4' else 'and the straggler is gone'}"
               f" in these estimates.")
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
-    import torch
-
-    from .indicator import indicate
+    from .indicator import fast_options, indicate
     from .problem import AllocationProblem, evaluate
     from .solve import compare, format_rows
     from .solvers.ilp import fastest_times
 
     t0 = time.perf_counter()
     ind = indicate(model, args.indicator_batches, args.method, batch=8,
-                   term_dtype=torch.bfloat16, term_rows=2, progress=sys.stderr.isatty())
+                   progress=sys.stderr.isatty(), **fast_options())
     print(f"\nindicator: {ind.method} on {ind.batches} {ind.data} batch(es) of {ind.batch_size} "
           f"on this CPU in {time.perf_counter() - t0:.1f} s (cached for the next run)")
     problem = AllocationProblem(graph, cluster, costs, ind)

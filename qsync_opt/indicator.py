@@ -451,6 +451,12 @@ def _progress(enabled: bool, method: str, i: int, n: int) -> None:
         sys.stderr.flush()
 
 
+def fast_options() -> dict[str, Any]:
+    """``indicate(**fast_options())``: propagate the qsync variances in bf16 for 2 samples
+    per batch (scales and variances still from whole batches) — for large models."""
+    return {"term_dtype": torch.bfloat16, "term_rows": 2}
+
+
 def default_cache_dir() -> Path:
     return cache_root() / "indicators"
 

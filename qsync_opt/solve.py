@@ -66,14 +66,11 @@ def build_problem(
     else:
         table = load(costs, CostTable)
     if indicator is None:
-        import torch
+        from .indicator import fast_options, indicate
 
-        from .indicator import indicate
-
-        torch_rows = {"term_dtype": torch.bfloat16, "term_rows": 2} if indicator_fast else {}
         ind = indicate(graph.workload, indicator_batches, indicator_method,
                        batch=indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
-                       progress=progress, **torch_rows)  # type: ignore[arg-type]
+                       progress=progress, **(fast_options() if indicator_fast else {}))
     elif isinstance(indicator, IndicatorTable):
         ind = indicator
     else:

@@ -410,8 +410,18 @@ class Greedy:
             rejected: list[tuple[float, int, int, int]] = []
             stopped = False
 
+            def try_move(neg: float, gi: int, u: int, k: int) -> bool:
+                """Check one raise; keep it (and queue the unit's next) or note the refusal."""
+                nonlocal accepted
+                if attempt(gi, u, k):
+                    accepted += 1
+                    push(gi, u)
+                    return True
+                rejected.append((neg, gi, u, k))
+                return False
+
             def drain() -> int:
-                nonlocal accepted, stopped
+                nonlocal stopped
                 n = 0
                 while heap:
                     if sw.wall_s > options.time_limit_s:
@@ -425,12 +435,7 @@ class Greedy:
                         if abs(r - (-neg)) > 1e-12 * max(abs(r), 1.0):
                             heapq.heappush(heap, (-r, gi, u, k))
                             continue
-                    if attempt(gi, u, k):
-                        accepted += 1
-                        n += 1
-                        push(gi, u)
-                    else:
-                        rejected.append((neg, gi, u, k))
+                    n += try_move(neg, gi, u, k)
                 return n
 
             drain()
@@ -445,12 +450,7 @@ class Greedy:
                 for neg, gi, u, k in todo:
                     if lin.a[gi][u] != k:
                         continue
-                    if attempt(gi, u, k):
-                        accepted += 1
-                        got += 1
-                        push(gi, u)
-                    else:
-                        rejected.append((neg, gi, u, k))
+                    got += try_move(neg, gi, u, k)
                 got += drain()
                 swept += got
                 if not got:
