@@ -1,165 +1,270 @@
-"""Predicted against measured iteration time on this CPU, from profiled costs (first cut).
+"""Predicted against measured iteration time and peak memory on this CPU, from profiled costs.
 
-For each model: profile it once on this CPU at one thread (uniform precisions, every op in
-isolation: `qsync_opt.profile`), then for five plans — uniform fp32, bf16 and int8, and two
-mixed plans from the exact solver at targets a third and two thirds of the way from the
-fastest to the fp32 iteration — predict one single-process iteration with the replayer
-from those profiled costs (no mixed plan is ever profiled) and measure it: forward,
-backward and an SGD step of the model with the plan applied, median of repeats after
-warm-up, one thread. The run-to-run noise is measured first (the fp32 plan timed twice).
-Isolated op timings do not add up to their in-model cost, so two factors (choosable ops;
-everything else) are fitted on the three *uniform* runs and the mixed plans are held out:
-their error is the honest figure.
-Peak memory is not measured here yet (a CPU has no allocator statistics to compare with).
+Per model, at a small batch, one thread per process:
 
-    .venv/bin/python benchmarks/bench_prediction.py [--models digits_cnn,tiny_gpt] [--repeats 15]
+1. **Profile** once (``qsync_opt.profile``, the default in-context method): only *uniform*
+   plans run (every choosable op at fp32, at bf16, at fp16, at int8, at int8_full).
+2. **Plans**: uniform fp32, bf16 and int8; two mixed plans from the exact solver (HiGHS) at
+   makespan targets a third and two thirds of the way from the fastest to the fp32
+   iteration; two random mixed plans (each op fp32, bf16 or int8 at random, seeded). No
+   mixed plan is ever profiled: their error is the honest figure ("held out"). The uniform
+   plans were run by the profiler, so their error only shows the run-to-run drift.
+3. **Measure**, single process: every plan's model is built once and the plans are stepped
+   in interleaved rounds (forward, loss, backward, SGD step; median after warm-up), so a
+   drift of the machine touches all plans alike. The noise is the fp32 plan built and timed
+   twice in the same rounds. Peak memory: the live tensor bytes of one step, measured
+   exactly with the profiler's allocator events (:mod:`qsync_opt.runtime.memory`).
+4. **Two gloo processes** (``--gloo``): the all-reduce is fitted on a real 2-rank gloo group
+   (alpha-beta), then ``qsync-opt train --nproc 2`` runs each of three plans and the median
+   ``step_ms`` of the slower rank (compute, all-reduce and optimizer) is compared with the
+   replayer's iteration for ``cpux2``.
+
+    .venv/bin/python benchmarks/bench_prediction.py [--models digits_cnn,tiny_gpt,resnet18]
+        [--repeats 15] [--gloo]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from qsync_opt.models import compute_loss, get_workload
 
-from qsync_opt import parse_shorthand, trace
+from qsync_opt import Plan, parse_shorthand, trace
 from qsync_opt._env import cpu_model
+from qsync_opt.costs import gradient_buckets
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
-from qsync_opt.profile import profile
-from qsync_opt.replayer import Replayer
+from qsync_opt.profile import profile_detailed
 from qsync_opt.runtime import apply_plan
+from qsync_opt.runtime.memory import measure_step_memory
+from qsync_opt.schemas import CommModel, CostTable
 from qsync_opt.solve import _reachable_ms, solve
 from qsync_opt.synthetic import random_indicator
 
 BATCH = {"digits_cnn": 64, "tiny_gpt": 16, "resnet18": 8}
+MIB = 1024 * 1024
 
 
-def measure(model_name: str, plan, batch: int, repeats: int) -> float:
-    """Median ms of forward + backward + SGD step with ``plan`` applied (one thread)."""
-    wl = get_workload(model_name)
-    torch.manual_seed(0)
-    model = wl.build().float().train()
-    apply_plan(model, plan, "cpu")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    inputs = wl.make_inputs(batch, torch.device("cpu"))
-    targets = wl.make_targets(batch, torch.device("cpu"))
-    times = []
-    for i in range(repeats + 3):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = compute_loss(wl, model(*inputs), targets)
+class Runner:
+    """A model built with one plan applied, its optimizer and fixed inputs."""
+
+    def __init__(self, name: str, plan: Plan, batch: int) -> None:
+        self.wl = get_workload(name)
+        torch.manual_seed(0)
+        self.model = self.wl.build().float().train()
+        apply_plan(self.model, plan, "cpu")
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.inputs = self.wl.make_inputs(batch, torch.device("cpu"))
+        self.targets = self.wl.make_targets(batch, torch.device("cpu"))
+
+    def step(self) -> None:
+        loss = compute_loss(self.wl, self.model(*self.inputs), self.targets)
         loss.backward()
-        opt.step()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        self.opt.step()
+
+    def timed(self) -> float:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        self.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    def peak_bytes(self) -> int:
+        self.opt.zero_grad(set_to_none=True)
+        m = measure_step_memory(self.model, self.step, optimizer=self.opt,
+                                extra=(*self.inputs, self.targets))
+        return m.peak_bytes
 
 
-def nnls2(rows: list[tuple[float, float]], rhs: list[float]) -> tuple[float, float]:
-    """Least squares for (a, c) >= 0 with two unknowns: the unconstrained solution, or the
-    better one-factor fit when it has a negative factor."""
-    A = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor(rhs, dtype=torch.float64)
-    a, c = (float(v) for v in torch.linalg.lstsq(A, y.unsqueeze(1)).solution.squeeze(1))
-    if a >= 0 and c >= 0:
-        return a, c
-    best = None
-    for j in (0, 1):
-        col = A[:, j]
-        k = max(float(col @ y) / float(col @ col), 0.0) if float(col @ col) > 0 else 0.0
-        res = float(((col * k - y) ** 2).sum())
-        cand = (k, 0.0) if j == 0 else (0.0, k)
-        if best is None or res < best[0]:
-            best = (res, cand)
-    assert best is not None
-    return best[1]
+def interleaved(runners: dict[str, Runner], repeats: int, warmup: int = 3) -> dict[str, float]:
+    samples: dict[str, list[float]] = {k: [] for k in runners}
+    for r in range(warmup + repeats):
+        for k, run in runners.items():
+            t = run.timed()
+            if r >= warmup:
+                samples[k].append(t)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def scaled(prob: AllocationProblem, a: float, c: float) -> Replayer:
-    """The problem's replayer with choosable-op costs times ``a`` and every other cost
-    (other ops, casts) times ``c``; the optimizer step stays as measured."""
-    choosable = {o.name for o in prob.graph.choosable_ops()}
-    costs = prob.costs
-    entries = [e.model_copy(update={"fwd_ms": e.fwd_ms * (a if e.op in choosable else c),
-                                    "bwd_ms": e.bwd_ms * (a if e.op in choosable else c)})
-               for e in costs.entries]
-    casts = [x.model_copy(update={"a_ms_per_element": x.a_ms_per_element * c,
-                                  "b_ms": x.b_ms * c}) for x in costs.casts]
-    table = costs.model_copy(update={"entries": entries, "casts": casts})
-    return Replayer(prob.graph, prob.cluster, table)
+def make_plans(prob: AllocationProblem, seed: int = 0) -> dict[str, Plan]:
+    gm = prob.groups[0]
+
+    def uniform(p: Precision) -> list[int]:
+        return [c.index(p) if p in c else c.index(Precision.fp32) for c in gm.choices]
+
+    plans = {f"uniform {p.value}": prob.make_plan({gm.name: uniform(p)})
+             for p in (Precision.fp32, Precision.bf16, Precision.int8)}
+    ref = prob.makespan_ms({gm.name: uniform(Precision.fp32)})
+    lo = _reachable_ms(prob) or ref
+    for frac in (1 / 3, 2 / 3):
+        target = lo + frac * (ref - lo)
+        try:
+            plan, _ = solve(prob.retarget(target), "highs", refine=0, compare_ties=False)
+            plans[f"solver @{target:.1f} ms"] = plan
+        except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash
+            print(f"  solver @{target:.1f} ms: no plan ({exc})")
+    rng = random.Random(seed)
+    pool = (Precision.fp32, Precision.bf16, Precision.int8)
+    for k in range(2):
+        a = [c.index(rng.choice([p for p in pool if p in c])) for c in gm.choices]
+        plans[f"random mixed {k}"] = prob.make_plan({gm.name: a})
+    return plans
+
+
+def single_process(name: str, repeats: int) -> tuple[list[float], list[float]]:
+    b = BATCH.get(name, 8)
+    g = trace(name, b)
+    prof = profile_detailed(name, b, device="cpu", repeats=repeats, threads=1)
+    costs = prof.table
+    prob = AllocationProblem(g, parse_shorthand(f"cpux1@{b}"), costs, random_indicator(g))
+    plans = make_plans(prob)
+    runners = {k: Runner(name, p, b) for k, p in plans.items()}
+    runners["uniform fp32 (again)"] = Runner(name, plans["uniform fp32"], b)
+    measured = interleaved(runners, repeats)
+    n_a, n_b = measured["uniform fp32"], measured.pop("uniform fp32 (again)")
+    runners.pop("uniform fp32 (again)")
+    noise = abs(n_a - n_b) / min(n_a, n_b)
+    print(f"\n== {name}, batch {b}: profiled in {prof.seconds:.1f} s (uniform plans only); "
+          f"run-to-run noise {noise:.1%} (fp32 built and timed twice: {n_a:.2f} / {n_b:.2f} ms)")
+    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>9} "
+          f"{'meas MiB':>9} {'error':>7}")
+    t_err: list[float] = []
+    m_err: list[float] = []
+    for label, plan in plans.items():
+        tl = prob.replayer.simulate(plan, events=False)
+        pred = tl.iteration_ms
+        pmem = tl.groups["cpu"].peak_memory_bytes
+        mmem = runners[label].peak_bytes()
+        meas = measured[label]
+        e = (pred - meas) / meas
+        em = (pmem - mmem) / mmem
+        held = not label.startswith("uniform")
+        if held:
+            t_err.append(abs(e))
+        m_err.append(abs(em))
+        print(f"{label:>22} {pred:9.2f} {meas:9.2f} {e:+7.1%}   {pmem / MIB:9.2f} "
+              f"{mmem / MIB:9.2f} {em:+7.1%}" + ("  (held out)" if held else ""))
+    print(f"held-out mixed plans: time median |error| {statistics.median(t_err):.1%}, worst "
+          f"{max(t_err):.1%} (noise {noise:.1%}); memory, all plans: median |error| "
+          f"{statistics.median(m_err):.1%}, worst {max(m_err):.1%}")
+    return t_err, m_err
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _comm_rank(rank: int, world: int, init: str, q: Any) -> None:
+    import torch.distributed as dist
+
+    from qsync_opt.profile import _measure_allreduce
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        comm = _measure_allreduce(torch.device("cpu"), 10, 3)
+        if rank == 0:
+            q.put(comm.model_dump_json() if comm is not None else "")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm(world: int = 2) -> CommModel:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/store"
+        procs = [ctx.Process(target=_comm_rank, args=(r, world, init, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out = q.get(timeout=300)
+        for p in procs:
+            p.join(timeout=60)
+    return CommModel.model_validate_json(out)
+
+
+def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> float:
+    path = tmp / f"{label}.plan.json"
+    plan.save(path)
+    out = tmp / label
+    cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", name, "--plan", str(path),
+           "--nproc", "2", "--steps", str(steps), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    per_rank = []
+    for r in (0, 1):
+        rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
+        per_rank.append(statistics.median(x["step_ms"] for x in rows[5:]))
+    return max(per_rank)
+
+
+def two_processes(name: str, repeats: int, steps: int, comm: CommModel) -> list[float]:
+    b = BATCH.get(name, 8)
+    g = trace(name, b)
+    costs: CostTable = profile_detailed(name, b, device="cpu", repeats=repeats, threads=1).table
+    costs = costs.model_copy(update={
+        "comm": comm, "buckets": gradient_buckets(g, comm, costs.bucket_cap_bytes)})
+    prob = AllocationProblem(g, parse_shorthand(f"cpux2@{b}"), costs, random_indicator(g))
+    plans = make_plans(prob)
+    keep = ["uniform fp32", "uniform bf16"] + [k for k in plans if k.startswith("solver")][:1]
+    errs = []
+    print(f"\n== {name}, batch {b} per rank, 2 gloo processes (qsync-opt train --nproc 2, "
+          f"{steps} steps, median step_ms of the slower rank from step 5)")
+    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7}  of which all-reduce "
+          "(pred, exposed)")
+    with tempfile.TemporaryDirectory() as d:
+        for label in keep:
+            tl = prob.replayer.simulate(plans[label], events=False)
+            meas = train_step_ms(name, plans[label], steps, Path(d), label.replace(" ", "_"))
+            e = (tl.iteration_ms - meas) / meas
+            if not label.startswith("uniform"):
+                errs.append(abs(e))
+            exposed = max(g_.exposed_comm_ms for g_ in tl.groups.values())
+            print(f"{label:>22} {tl.iteration_ms:9.2f} {meas:9.2f} {e:+7.1%}  "
+                  f"{sum(prob.replayer.bucket_ms):.2f} ms, {exposed:.2f} ms exposed"
+                  + ("" if label.startswith("uniform") else "  (held out)"))
+    return errs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="digits_cnn,tiny_gpt")
+    ap.add_argument("--models", default="digits_cnn,tiny_gpt,resnet18")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--gloo", action="store_true", help="also two gloo processes")
+    ap.add_argument("--steps", type=int, default=30, help="training steps per gloo run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread")
+    print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process")
+    t_all: list[float] = []
+    m_all: list[float] = []
     for name in args.models.split(","):
-        b = BATCH.get(name, 8)
-        g = trace(name, b)
-        t0 = time.perf_counter()
-        costs = profile(name, b, device="cpu", repeats=args.repeats, threads=1)
-        prof_s = time.perf_counter() - t0
-        cluster = parse_shorthand(f"cpux1@{b}")
-        prob = AllocationProblem(g, cluster, costs, random_indicator(g))
-        gm = prob.groups[0]
-
-        def uniform(p: Precision, gm=gm) -> list[int]:  # noqa: ANN001
-            return [c.index(p) if p in c else c.index(Precision.fp32) for c in gm.choices]
-
-        plans = {f"uniform {p.value}": prob.make_plan({"cpu": uniform(p)})
-                 for p in (Precision.fp32, Precision.bf16, Precision.int8)}
-        ref = prob.makespan_ms({"cpu": uniform(Precision.fp32)})
-        lo = _reachable_ms(prob) or ref
-        for frac in (1 / 3, 2 / 3):
-            target = lo + frac * (ref - lo)
-            try:
-                plan, _ = solve(prob.retarget(target), "highs", refine=0, compare_ties=False)
-                plans[f"mixed @{target:.1f} ms"] = plan
-            except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash
-                print(f"  mixed @{target:.1f} ms: no plan ({exc})")
-        noise_a = measure(name, plans["uniform fp32"], b, args.repeats)
-        noise_b = measure(name, plans["uniform fp32"], b, args.repeats)
-        noise = abs(noise_a - noise_b) / min(noise_a, noise_b)
-        print(f"\n== {name}, batch {b}: profiled in {prof_s:.1f} s; run-to-run noise "
-              f"{noise:.1%} (fp32 timed twice: {noise_a:.2f} / {noise_b:.2f} ms)")
-        measured = {label: measure(name, plan, b, args.repeats) for label, plan in plans.items()}
-        # Calibration from the uniform runs only: isolated op timings do not add up to their
-        # cost inside the model, differently for GEMM-like choosable ops and the rest (views,
-        # elementwise, norms, casts). Fit two factors, a for the choosable ops and c for the
-        # rest, on the three uniform plans (least squares); the mixed plans are held out.
-        basis = {k: scaled(prob, *k) for k in ((1.0, 0.0), (0.0, 1.0), (0.0, 0.0))}
-        rows, rhs = [], []
-        for label, plan in plans.items():
-            if label.startswith("uniform"):
-                gv, rv, ov = (basis[k].simulate(plan, events=False).iteration_ms for k in basis)
-                rows.append((gv - ov, rv - ov))
-                rhs.append(measured[label] - ov)
-        a_fit, c_fit = nnls2(rows, rhs)
-        calibrated = scaled(prob, a_fit, c_fit)
-        print(f"calibration from the uniform runs: choosable ops x{a_fit:.3f}, the rest x{c_fit:.3f}")
-        print(f"{'plan':>22} {'raw pred ms':>12} {'calibrated':>11} {'measured ms':>12} "
-              f"{'raw error':>10} {'cal. error':>11}")
-        held_out = []
-        for label, plan in plans.items():
-            raw = prob.replayer.simulate(plan, events=False).iteration_ms
-            cal = calibrated.simulate(plan, events=False).iteration_ms
-            meas = measured[label]
-            err = (cal - meas) / meas
-            tag = "" if label.startswith("uniform") else "  (held out)"
-            if tag:
-                held_out.append(abs(err))
-            print(f"{label:>22} {raw:12.2f} {cal:11.2f} {meas:12.2f} {(raw - meas) / meas:+10.1%} "
-                  f"{err:+11.1%}{tag}")
-        if held_out:
-            print(f"held-out mixed plans, calibrated: median |error| "
-                  f"{statistics.median(held_out):.1%}, worst {max(held_out):.1%} "
-                  f"(noise {noise:.1%})")
+        t, m = single_process(name, args.repeats)
+        t_all += t
+        m_all += m
+    print(f"\nall models, single process: held-out time median |error| "
+          f"{statistics.median(t_all):.1%}, worst {max(t_all):.1%}; memory median "
+          f"{statistics.median(m_all):.1%}, worst {max(m_all):.1%}")
+    if args.gloo:
+        comm = measure_comm(2)
+        print(f"\ngloo all-reduce, 2 processes on this machine: {comm.bandwidth_gb_per_s:.3g} "
+              f"GB/s, {comm.latency_us:.3g} us per hop (fitted)")
+        g_all: list[float] = []
+        for name in args.models.split(","):
+            g_all += two_processes(name, args.repeats, args.steps, comm)
+        if g_all:
+            print(f"\ntwo gloo processes, held-out: median |error| "
+                  f"{statistics.median(g_all):.1%}, worst {max(g_all):.1%}")
     return 0
 
 

@@ -440,6 +440,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not getattr(args, "no_local", False):
+        from pathlib import Path
+
+        from .demo import local_job
+
+        print(f"qsync-opt {__version__} demo, part 1 of 2: the whole job, measured on this machine\n")
+        local_job(Path(args.out or "qsync-demo"), steps=args.steps)
+        print("== part 2 of 2: planning showcase from catalog estimates\n")
     model, shorthand = "resnet50", "v100x16+t4x16"
     t0 = time.perf_counter()
     graph = trace(model)
@@ -679,6 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="indicator method")
     sp.add_argument("--indicator-batches", type=int, default=4,
                     help="synthetic batches of 8 the indicator averages over")
+    sp.add_argument("--no-local", action="store_true",
+                    help="skip part 1 (profile, plan, train and check on this CPU)")
+    sp.add_argument("--steps", type=int, default=120,
+                    help="training steps per run in part 1 (default 120)")
     sp.set_defaults(fn=cmd_demo)
     return p
 

@@ -408,7 +408,7 @@ class AllocationProblem:
                 src[i] = unit_of[i]
             elif o.role == OpRole.pass_through and rep.in_edges[i]:
                 src[i] = src[rep.in_edges[i][0][0]]
-            elif o.role == OpRole.promote and rep.in_edges[i]:
+            elif o.role == OpRole.promote and rep.in_edges[i] and rep.native_flow:
                 ins = [src[u] for u, _ in rep.in_edges[i]]
                 if all(x is not None for x in ins):
                     key = tuple(sorted(set(ins)))  # type: ignore[arg-type]
@@ -423,7 +423,7 @@ class AllocationProblem:
         def out_dtype(u: int | None, k: int | None) -> DType:
             if u is None or k is None:
                 return DType.fp32
-            return ext[u][k].info.gives_out
+            return rep.gives_out(ext[u][k])
 
         time0 = 0.0
         mem0 = float(sum(rep._static_memory(grp).values()))
@@ -472,7 +472,7 @@ class AllocationProblem:
             if o.role == OpRole.choosable:
                 p = choices[s][ks]  # type: ignore[index]
                 prec[i] = p
-                din[i], dout[i] = p.info.takes_in, p.info.gives_out
+                din[i], dout[i] = rep.takes_in(p), rep.gives_out(p)
             else:
                 prec[i] = None
                 if o.role in (OpRole.pass_through, OpRole.promote) and rep.in_edges[i]:

@@ -73,6 +73,11 @@ class Profile:
     spread: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     dispatch_us: float = 0.0
     seconds: float = 0.0
+    #: In-context method: precision -> (forward, backward) ms of the uniform step, median
+    #: without hooks (what the table reproduces for that uniform plan).
+    uniform_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: In-context method: every module -> precision assignment that was run (all uniform).
+    assignments_run: list[dict[str, str]] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -416,6 +421,7 @@ def profile_detailed(
     precisions: Iterable[Precision | str] | None = None,
     graph: ModelGraph | None = None,
     threads: int | None = None,
+    method: str = "context",
 ) -> Profile:
     """Measure ``workload`` at ``batch`` on ``device``; see the module docstring.
 
@@ -423,25 +429,32 @@ def profile_detailed(
     ``estimated``); ``graph`` reuses a trace made at the same batch; ``threads`` sets torch's
     intra-op threads for the measurement (restored after; default: as set). Profile with the
     thread count training will use: on a shared 2-core machine a 2-thread op waits for the
-    other core (ms-long stalls), a 1-thread op does not.
+    other core (ms-long stalls), a 1-thread op does not. ``method`` is ``"context"`` (default:
+    choosable ops timed inside whole steps of uniform plans, :mod:`qsync_opt.profile_context`;
+    the table's ``activation_flow`` is ``"fp32"``, as the runtime runs) or ``"isolated"``
+    (every op alone; ``activation_flow="native"``).
     """
+    if method not in ("context", "isolated"):
+        raise QsyncInputError(f"method: expected 'context' or 'isolated', got {method!r}")
     if threads is None:
         return _profile(workload, batch, device=device, device_name=device_name,
-                        repeats=repeats, warmup=warmup, precisions=precisions, graph=graph)
+                        repeats=repeats, warmup=warmup, precisions=precisions, graph=graph,
+                        method=method)
     if threads < 1:
         raise QsyncInputError(f"threads: expected a positive integer, got {threads}")
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _profile(workload, batch, device=device, device_name=device_name,
-                        repeats=repeats, warmup=warmup, precisions=precisions, graph=graph)
+                        repeats=repeats, warmup=warmup, precisions=precisions, graph=graph,
+                        method=method)
     finally:
         torch.set_num_threads(old)
 
 
 def _profile(workload: str, batch: int | None, *, device: str, device_name: str | None,
              repeats: int, warmup: int, precisions: Iterable[Precision | str] | None,
-             graph: ModelGraph | None) -> Profile:
+             graph: ModelGraph | None, method: str = "context") -> Profile:
     from .graph import trace
     from .models import get_workload
 
@@ -475,10 +488,15 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
     reasons: dict[str, str] = {}
     shared = 0
     spec = get_device(dev_name)
+    context = method == "context"
     for op in graph.ops:
+        if context and op.role == OpRole.choosable:
+            continue  # timed in context below
         for p in _op_precisions(op, spec):
             if wanted is not None and p not in wanted:
                 continue
+            if context and p != _op_precisions(op, spec)[0]:
+                continue  # the runtime runs every other op at fp32 (activations stay fp32)
             try:
                 run, sig = builder.build(op, p)
             except Exception as exc:  # a module that cannot be copied or swapped
@@ -506,6 +524,14 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
             measured[(op.name, p)] = (fm, bm)
             spread[(op.name, p.value)] = (fs, bs)
 
+    ctx_notes: list[str] = []
+    runs: dict[Precision, Any] = {}
+    if context:
+        ctx_measured, ctx_spread, ctx_notes, runs = _in_context(
+            model, wl, graph, dev, dev_name, spec, wanted, repeats, warmup, measured,
+            {(e.op, e.precision): (e.fwd_ms, e.bwd_ms) for e in template.entries})
+        measured.update(ctx_measured)
+        spread.update(ctx_spread)
     entries: list[OpCost] = []
     n_est = 0
     for e in template.entries:
@@ -523,11 +549,16 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
     opt_ms = _measure_optimizer(model, dev, repeats, warmup)
     optimizer = [o.model_copy(update={"ms": opt_ms[o.optimizer]}) for o in template.optimizer]
     comm = _measure_allreduce(dev, repeats, warmup)
+    how = ("choosable ops in context (whole steps of each uniform precision, module hooks; "
+           "see qsync_opt.profile_context), the other ops' in-context fp32 time split by their "
+           "isolated timings on random inputs of their traced shapes" if context else
+           "each op in isolation on random inputs of its traced shapes")
     notes = [environment_note(dev_name, dev),
-             f"{dev_name}: profiled {workload} at batch {b}: each op in isolation on random "
-             f"inputs of its traced shapes, {warmup} warm-up calls, median of {repeats}; "
+             f"{dev_name}: profiled {workload} at batch {b}: {how}, {warmup} warm-up calls, "
+             f"median of {repeats}; "
              f"{len(entries) - n_est} entries measured ({shared} shared by identical ops), "
              f"{n_est} kept from the estimator (source=estimated)",
+             *ctx_notes,
              f"{dev_name}: dispatch overhead (1-element add, forward+backward): "
              f"{dispatch_us:.1f} us, measured (recorded as efficiencies.launch_overhead_us)"]
     if spread:
@@ -551,9 +582,13 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
     table = CostTable(workload=graph.workload, graph_hash=graph.structure_hash(), entries=entries,
                       casts=casts, comm=comm, buckets=buckets,
                       bucket_cap_bytes=template.bucket_cap_bytes, optimizer=optimizer,
-                      efficiencies=eff, notes=notes)
+                      efficiencies=eff, notes=notes,
+                      activation_flow="fp32" if context else "native")
     return Profile(table=table, spread=spread, dispatch_us=dispatch_us,
-                   seconds=time.perf_counter() - start)
+                   seconds=time.perf_counter() - start,
+                   uniform_ms={p.value: (r.step_fwd_ms, r.step_bwd_ms) for p, r in runs.items()},
+                   assignments_run=[{k: v.value for k, v in r.assignment.items()}
+                                    for r in runs.values()])
 
 
 def profile(workload: str, batch: int | None = None, *, device: str = "cpu",
@@ -562,6 +597,129 @@ def profile(workload: str, batch: int | None = None, *, device: str = "cpu",
     """The measured :class:`CostTable` of :func:`profile_detailed` (spread in its notes)."""
     return profile_detailed(workload, batch, device=device, repeats=repeats, warmup=warmup,
                             precisions=precisions, **kw).table
+
+
+def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device, dev_name: str,
+                spec: Any, wanted: set[Precision] | None, repeats: int, warmup: int,
+                isolated: dict[tuple[str, Precision], tuple[float, float]],
+                estimated: dict[tuple[str, Precision], tuple[float, float]],
+                ) -> tuple[dict[tuple[str, Precision], tuple[float, float]],
+                           dict[tuple[str, str], tuple[float, float]], list[str], dict[Any, Any]]:
+    """Entries from in-context uniform runs (see :mod:`qsync_opt.profile_context`)."""
+    from .profile_context import HEAD, TAIL, model_builder, run_uniform, stepper
+
+    choosable = [o for o in graph.ops if o.role == OpRole.choosable]
+    menu: list[Precision] = []
+    for o in choosable:
+        for p in _op_precisions(o, spec):
+            if p not in menu and (wanted is None or p in wanted or p == Precision.fp32):
+                menu.append(p)
+    if Precision.fp32 not in menu:
+        menu.insert(0, Precision.fp32)
+    menu.sort(key=lambda p: p != Precision.fp32)
+    runs = run_uniform(model_builder(model), stepper(wl, graph.batch_size, dev), graph, menu,
+                       repeats, warmup)
+    ref = runs[Precision.fp32]
+    out: dict[tuple[str, Precision], tuple[float, float]] = {}
+    spread: dict[tuple[str, str], tuple[float, float]] = {}
+    clamped = 0
+    for p, run in runs.items():
+        if wanted is not None and p not in wanted:
+            continue
+        for o in choosable:
+            if p not in _op_precisions(o, spec) or run.assignment.get(
+                    _module_of(o), Precision.fp32) != p and p != Precision.fp32:
+                continue
+            f = run.op_fwd.get(o.name, 0.0) + run.seg_fwd.get(o.name, 0.0) - ref.seg_fwd.get(
+                o.name, 0.0)
+            b = run.op_bwd.get(o.name, 0.0) + run.seg_bwd.get(o.name, 0.0) - ref.seg_bwd.get(
+                o.name, 0.0)
+            if f < 0 or b < 0:
+                clamped += 1
+            out[(o.name, p)] = (max(f, 0.0), max(b, 0.0))
+            if o.name in run.spread:
+                spread[(o.name, p.value)] = run.spread[o.name]
+    # Everything that is not a choosable op: the fp32 run's head, segments and tail, split in
+    # proportion to the isolated timings (the estimate where an op could not be rebuilt).
+    rest_f = sum(ref.seg_fwd.values())
+    rest_b = sum(ref.seg_bwd.values())
+    others = [o for o in graph.ops if o.role != OpRole.choosable]
+    weights: dict[str, tuple[float, float]] = {}
+    for o in others:
+        p0 = _op_precisions(o, spec)[0]
+        weights[o.name] = isolated.get((o.name, p0)) or estimated.get((o.name, p0), (0.0, 0.0))
+    wf = sum(w[0] for w in weights.values())
+    wb = sum(w[1] for w in weights.values())
+    for o in others:
+        f = rest_f * weights[o.name][0] / wf if wf > 0 else 0.0
+        b = rest_b * weights[o.name][1] / wb if wb > 0 else 0.0
+        for p in _op_precisions(o, spec):
+            if wanted is None or p in wanted:
+                out[(o.name, p)] = (f, b)
+    notes = []
+    for p, run in runs.items():
+        notes.append(
+            f"{dev_name}: in context, uniform {p.value}: step {run.step_fwd_ms:.3f} ms forward"
+            f" + {run.step_bwd_ms:.3f} ms backward (median without hooks); hook correction "
+            f"x{run.hook_scale[0]:.3f} / x{run.hook_scale[1]:.3f}; choosable ops "
+            f"{sum(run.op_fwd.values()) + sum(run.op_bwd.values()):.3f} ms, the rest "
+            f"{sum(run.seg_fwd.values()) + sum(run.seg_bwd.values()):.3f} ms")
+    notes.append(f"{dev_name}: the ops that are not choosable share the fp32 run's "
+                 f"{rest_f:.3f} ms forward / {rest_b:.3f} ms backward outside choosable ops "
+                 f"(head {ref.seg_fwd.get(HEAD, 0.0):.3f} ms, loss-to-backward "
+                 f"{ref.seg_bwd.get(TAIL, 0.0):.3f} ms); the runtime runs them at fp32, so "
+                 "their entry is the same at every activation dtype")
+    if clamped:
+        notes.append(f"{dev_name}: {clamped} choosable entries were negative after the "
+                     "segment change and were clamped to 0")
+    return out, spread, notes, runs
+
+
+def _module_of(op: OpNode) -> str:
+    tie = op.tie_group or ""
+    return tie[len("module:"):] if tie.startswith("module:") else op.name
+
+
+# ----------------------------------------------------------------------------- derive
+
+
+def derive(table: CostTable, devices: Iterable[str]) -> CostTable:
+    """The table plus entries for derived CPUs (``cpu/F``), built from its ``cpu`` entries.
+
+    A derived CPU's rank runs on this CPU with every op's measured compute stretched ``F``x
+    (:mod:`qsync_opt.runtime.emulate`): its entries and casts are the ``cpu`` ones times
+    ``F``, restricted to its precision menu; the optimizer step is not stretched and keeps
+    the ``cpu`` time. Devices already in the table are left as they are.
+    """
+    from .devices import canonical_name, is_derived
+
+    have = {e.device for e in table.entries}
+    entries, casts, opt = list(table.entries), list(table.casts), list(table.optimizer)
+    notes = list(table.notes)
+    for name in devices:
+        key = canonical_name(name)
+        if key in have or not is_derived(key):
+            continue
+        if "cpu" not in have:
+            raise QsyncInputError(f"derive: {key} is built from cpu, and the table has no cpu "
+                                  "entries (profile this CPU first)")
+        spec = get_device(key)
+        f = float(spec.slowdown or 1.0)
+        menu = set(spec.precisions)
+        entries += [e.model_copy(update={"device": key, "fwd_ms": e.fwd_ms * f,
+                                         "bwd_ms": e.bwd_ms * f})
+                    for e in table.entries if e.device == "cpu"
+                    and (e.precision in menu or e.precision == Precision.fp32)]
+        casts += [c.model_copy(update={"device": key, "a_ms_per_element": c.a_ms_per_element * f,
+                                       "b_ms": c.b_ms * f})
+                  for c in table.casts if c.device == "cpu"]
+        opt += [o.model_copy(update={"device": key}) for o in table.optimizer
+                if o.device == "cpu"]
+        notes.append(f"{key}: derived from the cpu entries, every op and cast x{f:g} (the "
+                     "runtime stretches that rank's measured compute); optimizer step as cpu")
+        have.add(key)
+    return table.model_copy(update={"entries": entries, "casts": casts, "optimizer": opt,
+                                    "notes": notes})
 
 
 # ----------------------------------------------------------------------------- merge
@@ -622,6 +780,9 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
                    "workload's)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
+    p.add_argument("--method", choices=["context", "isolated"], default="context",
+                   help="context (default): choosable ops timed inside whole steps of uniform "
+                        "plans; isolated: every op alone on random inputs")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads while measuring (default: torch's; use the "
                         "count training will run with)")
@@ -638,7 +799,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     prof = profile_detailed(args.model, args.batch, device=args.device,
                             device_name=args.device_name, repeats=args.repeats,
-                            warmup=args.warmup, threads=args.threads)
+                            warmup=args.warmup, threads=args.threads,
+                            method=getattr(args, "method", "context"))
     table = prof.table
     if args.merge:
         table = merge([table] + [CostTable.load(x) for x in args.merge])

@@ -288,6 +288,9 @@ class Replayer:
         self.enforce_ties = enforce_ties  # False: tie groups are advisory (calls of one module stay tied)
         self.cluster = cluster.with_default_batch(graph.batch_size)
         self.costs = costs
+        #: False for tables profiled on qsync-opt's runtime (``activation_flow="fp32"``): its
+        #: layers cast in and out, so activations stay fp32 and casts are inside op costs.
+        self.native_flow = costs.activation_flow == "native"
         self.optimizer = optimizer
         self.sync: SyncModel = sync or AllReduceSync()
         ops = graph.ops
@@ -443,12 +446,20 @@ class Replayer:
             din[i], dout[i] = self._op_dtypes(i, prec, dout)
         return din, dout
 
+    def takes_in(self, p: Precision) -> DType:
+        """The dtype an op at ``p`` takes on its activation edges (fp32 in the fp32 flow)."""
+        return p.info.takes_in if self.native_flow else DType.fp32
+
+    def gives_out(self, p: Precision) -> DType:
+        """The dtype an op at ``p`` gives out (fp32 in the fp32 flow)."""
+        return p.info.gives_out if self.native_flow else DType.fp32
+
     def _op_dtypes(self, i: int, prec: Sequence[Precision | None],
                    dout: Sequence[DType]) -> tuple[DType, DType]:
         role = self.role[i]
         p = prec[i]
         if p is not None:
-            return p.info.takes_in, p.info.gives_out
+            return self.takes_in(p), self.gives_out(p)
         if role == OpRole.pinned:
             return DType.fp32, DType.fp32
         ins = [dout[u] for u, _ in self.in_edges[i]]
@@ -500,6 +511,14 @@ class Replayer:
         takes = din[i]
         if edges is None:
             edges = self.in_edges[i]
+        if not self.native_flow:
+            # Profiled on the runtime: the op's casts (input, weight, output, gradients) are
+            # inside its measured cost.
+            f_ms, b_ms = self._compute_ms(grp, i, p, dout[i])
+            fwd_items.append(("fwd", op.name, f_ms, {"precision": (p or _DTYPE_PRECISION.get(
+                dout[i], Precision.fp32)).value}))
+            bwd_items.append(("bwd", op.name, b_ms, None))
+            return fwd_items, bwd_items
         if p is not None and not self.in_edges[i] and op.input_numel:
             # A choosable op on the model input: the input arrives in fp32.
             ms = self._cast_ms(grp, DType.fp32, takes, op.input_numel * grp.scale)
@@ -561,7 +580,10 @@ class Replayer:
         # A cast on the way in makes a new tensor, which the op saves on its own; without
         # one it saves its producer's tensor, shared as the trace measured.
         edges = self.in_edges[i]
-        if edges:
+        if not self.native_flow:
+            # The runtime's layer casts its fp32 input itself: a new tensor when p is not fp32.
+            cast_in = p is not None and p.info.takes_in != DType.fp32
+        elif edges:
             cast_in = any(dout[u] != din[i] for u, _ in edges)
         else:
             cast_in = p is not None and din[i] != DType.fp32

@@ -516,6 +516,13 @@ class CostTable(Document):
     bucket_cap_bytes: int = Field(gt=0, description="DDP bucket size cap (25 MiB default).")
     optimizer: list[OptimizerCost]
     efficiencies: Efficiencies
+    activation_flow: Literal["native", "fp32"] = Field(
+        "native", description="How activations travel between ops. 'native' (the estimator, "
+        "QSync's and autocast's model): a low-precision op gives out its own dtype, and casts "
+        "are paid on the edges where dtypes differ. 'fp32' (tables profiled in context on "
+        "qsync-opt's runtime, whose layers cast their input and weight in and their output "
+        "back to fp32): activations stay fp32 between ops, every cast is inside the measured "
+        "cost of the op that makes it, and the cast models are not used for time.")
     notes: list[str] = Field(default_factory=list)
 
     def lookup(self) -> dict[tuple[str, int, str, Precision], OpCost]:

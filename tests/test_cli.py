@@ -129,8 +129,10 @@ def test_console_script_exit_code_and_one_line(tmp_path) -> None:
 
 def test_demo_plans_and_removes_the_straggler(capsys, tmp_path) -> None:
     """The demo with the random indicator (fast): every allocator compared, a plan written."""
-    code, out, _ = run(capsys, "demo", "--method", "random", "--out", str(tmp_path))
+    code, out, _ = run(capsys, "demo", "--no-local", "--method", "random", "--out",
+                       str(tmp_path))
     assert code == 0
+    assert "part 1" not in out
     assert "resnet50" in out and "v100x16+t4x16" in out and "the straggler is gone" in out
     for name in ("highs", "cbc", "cpsat", "greedy", "uniform", "dynamic-batching",
                  "additive-ilp", "strong-only"):
@@ -143,8 +145,15 @@ def test_demo_plans_and_removes_the_straggler(capsys, tmp_path) -> None:
 @pytest.mark.slow
 def test_demo_runs(capsys, tmp_path) -> None:
     """The demo as `make demo` runs it: the qsync indicator on synthetic batches."""
-    code, out, _ = run(capsys, "demo", "--out", str(tmp_path))
+    code, out, _ = run(capsys, "demo", "--out", str(tmp_path), "--steps", "20")
     assert code == 0 and "indicator: qsync" in out and "the straggler is gone" in out
+    # Part 1, the whole job on this CPU: profile, indicator on real data, every allocator,
+    # two trained ranks, predicted against measured.
+    for step in ("1. traced digits_cnn", "2. profiled on this CPU in context",
+                 "3. qsync indicator on 10 real", "4. every allocator", "5. training two gloo",
+                 "6. predicted", "Measured:"):
+        assert step in out
+    assert Plan.load(tmp_path / "local_plan.json").workload == "digits_cnn"
 
 
 def test_solve_writes_a_plan_and_report(capsys, tmp_path) -> None:

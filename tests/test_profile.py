@@ -51,10 +51,16 @@ def test_profile_has_the_estimators_shape(digits_graph: ModelGraph,
     # Every op of digits_cnn can be rebuilt, so every entry is a measurement.
     assert all(e.source == "measured" for e in table.entries)
     assert all(c.source == "measured" for c in table.casts)
-    assert all(e.fwd_ms > 0 for e in table.entries)
+    # In context a choosable entry is its marginal cost, which may be clamped to 0.
+    assert all(e.fwd_ms >= 0 and e.bwd_ms >= 0 for e in table.entries)
+    assert sum(e.fwd_ms for e in table.entries) > 0
     assert any(e.bwd_ms > 0 for e in table.entries)
-    # Spread recorded per entry, environment and dispatch overhead in the notes.
-    assert set(digits_profile.spread) == {(e.op, e.precision.value) for e in table.entries}
+    assert table.activation_flow == "fp32"
+    # Spread recorded per measured entry (choosable ops in context, the rest in isolation),
+    # environment and dispatch overhead in the notes.
+    keys = {(e.op, e.precision.value) for e in table.entries}
+    assert set(digits_profile.spread) <= keys
+    assert {(o.name, "fp32") for o in digits_graph.choosable_ops()} <= set(digits_profile.spread)
     notes = "\n".join(table.notes)
     assert "torch" in notes and "CUDA cpu" in notes and "1 threads" in notes
     assert "dispatch overhead" in notes and "spread" in notes
@@ -140,3 +146,87 @@ def test_cli_profile_writes_a_cost_table(tmp_path, digits_graph: ModelGraph) -> 
     table = load(out, CostTable)
     assert table.graph_hash == digits_graph.structure_hash()
     assert {e.device for e in table.entries} == {"cpu"}
+
+
+# ----------------------------------------------------------------------------- in context
+
+
+def test_intervals_attribute_time_by_execution_order() -> None:
+    from qsync_opt.profile_context import HEAD, TAIL, intervals
+
+    ev = [("fpre", "a", 1.0), ("fpost", "a", 3.0), ("fpre", "b", 4.0), ("fpost", "b", 7.0),
+          ("bpre", "b", 11.0), ("bpost", "b", 14.0), ("bpre", "a", 15.0), ("bpost", "a", 15.0)]
+    fwd, bwd = intervals(ev, 0.0, 10.0, 20.0)
+    assert fwd == {("seg", HEAD): 1.0, ("op", "a"): 2.0, ("seg", "a"): 1.0, ("op", "b"): 3.0,
+                   ("seg", "b"): 3.0}
+    # "a" needs no input gradient: its hooks fire together before its backward runs, and the
+    # time after them is its own.
+    assert bwd == {("seg", TAIL): 1.0, ("op", "b"): 3.0, ("seg", "b"): 1.0, ("op", "a"): 0.0,
+                   ("seg", "a"): 5.0}
+    fwd, bwd = intervals(ev, 0.0, 10.0, 20.0, early={"a"})
+    assert bwd[("op", "a")] == 5.0 and ("seg", "a") not in bwd
+    assert sum(fwd.values()) == 10.0 and sum(bwd.values()) == 10.0
+
+
+def test_in_context_runs_only_uniform_plans_and_predicts_mixed_ones(
+        digits_graph: ModelGraph, digits_profile: Profile) -> None:
+    """A mixed plan's prediction uses no measurement of that plan: the profiler only ran
+    uniform assignments, and the prediction is a sum over the table's entries."""
+    from qsync_opt.precision import Precision
+    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.synthetic import random_indicator
+
+    ran = digits_profile.assignments_run
+    assert len(ran) >= 3
+    for a in ran:
+        assert len(set(a.values()) - {"fp32"}) <= 1, a  # uniform: one precision (or fp32)
+    table = digits_profile.table
+    prob = AllocationProblem(digits_graph, parse_shorthand("cpux1"), table,
+                             random_indicator(digits_graph))
+    gm = prob.groups[0]
+    mixed = [c.index(Precision.bf16) if i % 2 else c.index(Precision.int8)
+             for i, c in enumerate(gm.choices)]
+    plan = prob.make_plan({gm.name: mixed})
+    assigned = {k: v.value for k, v in plan.groups["cpu"].precisions.items()}
+    assert len(set(assigned.values())) > 1
+    assert assigned not in ran
+    tl = prob.replayer.simulate(plan, events=False)
+    by = table.lookup()
+    want = sum(by[("cpu", digits_graph.batch_size, o.name,
+                   Precision(assigned.get(o.name, "fp32")))].fwd_ms for o in digits_graph.ops)
+    assert tl.groups["cpu"].forward_ms == pytest.approx(want)
+    # The uniform fp32 plan reproduces its measured step (by construction of the table).
+    fp32 = prob.make_plan({gm.name: [c.index(Precision.fp32) for c in gm.choices]})
+    f, b = digits_profile.uniform_ms["fp32"]
+    g = prob.replayer.simulate(fp32, events=False).groups["cpu"]
+    assert g.forward_ms == pytest.approx(f, rel=1e-6)
+    assert g.backward_ms == pytest.approx(b, rel=1e-6)
+
+
+def test_isolated_method_is_still_available(digits_graph: ModelGraph) -> None:
+    table = profile("digits_cnn", device="cpu", repeats=1, warmup=0, precisions=["fp32"],
+                    graph=digits_graph, method="isolated")
+    assert table.activation_flow == "native"
+    assert "in isolation" in table.notes[1]
+    with pytest.raises(QsyncInputError, match="method"):
+        profile("digits_cnn", device="cpu", repeats=1, method="sideways")
+
+
+def test_derive_builds_a_slower_cpu_from_the_cpu_entries(digits_graph: ModelGraph,
+                                                        digits_profile: Profile) -> None:
+    from qsync_opt.profile import derive
+
+    table = derive(digits_profile.table, ["cpu", "cpu/2", "cpu/3~t4"])
+    by = table.lookup()
+    b = digits_graph.batch_size
+    for e in digits_profile.table.entries:
+        d = by[("cpu/2", b, e.op, e.precision)]
+        assert d.fwd_ms == pytest.approx(2 * e.fwd_ms) and d.bwd_ms == pytest.approx(2 * e.bwd_ms)
+    # The T4 menu has no bf16: cpu/3~t4 gets no bf16 entries for choosable ops.
+    assert not any(e.device == "cpu/3~t4" and e.precision.value == "bf16"
+                   and e.op == "conv1" for e in table.entries)
+    assert {o.device for o in table.optimizer} == {"cpu", "cpu/2", "cpu/3~t4"}
+    Replayer(digits_graph, parse_shorthand("cpux1+cpu/2x1"), table)  # accepted
+    with pytest.raises(QsyncInputError, match="no cpu entries"):
+        derive(table.model_copy(update={"entries": [e for e in table.entries
+                                                    if e.device != "cpu"]}), ["cpu/4"])

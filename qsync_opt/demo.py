@@ -1,0 +1,166 @@
+"""The whole job on this machine, for ``qsync-opt demo``: measure, plan, train, check.
+
+digits_cnn (scikit-learn's digits images) on a two-group CPU hybrid: this CPU (``cpu``) and
+``cpu/2``, an emulated card half as fast (its rank runs on this CPU with every op's measured
+compute stretched 2x). Steps, each printed with its figures:
+
+1. trace the model; 2. profile it on this CPU in context (uniform plans only) and derive the
+``cpu/2`` costs; 3. the qsync indicator on real digits batches; 4. every allocator on the
+two-group problem; 5. train two gloo ranks (torchrun) with all-fp32 and with the exact plan;
+6. predicted against measured: step time per rank, peak memory per group (exact live tensor
+bytes, :mod:`qsync_opt.runtime.memory`), and the held-out accuracy of both runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cluster import parse_shorthand
+from .graph import trace
+from .indicator import indicate
+from .io import save
+from .plan import Plan
+from .precision import Precision
+from .problem import AllocationProblem, evaluate
+from .profile import derive, profile_detailed
+from .solve import _reachable_ms, compare, format_rows
+
+MODEL = "digits_cnn"
+BATCH = 32
+SHORTHAND = f"cpux1@{BATCH}+cpu/2x1@{BATCH}"
+MIB = 1024 * 1024
+
+
+def _train(plan_path: Path, out: Path, steps: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", MODEL, "--plan",
+           str(plan_path), "--nproc", "2", "--steps", str(steps), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"qsync-opt train failed ({res.returncode}): {tail[0]}")
+    ranks = {}
+    for r in (0, 1):
+        rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
+        ranks[rows[0]["group"]] = statistics.median(x["step_ms"] for x in rows[5:])
+    summary = json.loads((out / "summary.json").read_text())
+    return {"ranks": ranks, **summary}
+
+
+def _peak_bytes(plan: Plan, group: str) -> int:
+    from .models import compute_loss, get_workload
+    from .runtime import apply_plan
+    from .runtime.memory import measure_step_memory
+
+    wl = get_workload(MODEL)
+    torch.manual_seed(0)
+    model = wl.build().float().train()
+    apply_plan(model, plan, group)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    inputs = wl.make_inputs(BATCH, torch.device("cpu"))
+    targets = wl.make_targets(BATCH, torch.device("cpu"))
+
+    def step() -> None:
+        compute_loss(wl, model(*inputs), targets).backward()
+        opt.step()
+
+    opt.zero_grad(set_to_none=True)
+    step()  # optimizer state exists from here on
+    opt.zero_grad(set_to_none=True)
+    return measure_step_memory(model, step, optimizer=opt, extra=(*inputs, targets)).peak_bytes
+
+
+def local_job(out: Path, steps: int = 120, repeats: int = 10) -> dict[str, Any]:
+    """Run the whole job (see the module docstring); prints as it goes, returns the figures."""
+    print(f"== the whole job on this CPU: {MODEL} on {SHORTHAND} (cpu/2: this CPU, every op "
+          "stretched 2x)")
+    t0 = time.perf_counter()
+    graph = trace(MODEL, BATCH)
+    print(f"1. traced {MODEL} at batch {BATCH}: {len(graph.ops)} ops, "
+          f"{len(graph.choosable_ops())} choosable, in {time.perf_counter() - t0:.1f} s")
+    old = torch.get_num_threads()
+    prof = profile_detailed(MODEL, BATCH, device="cpu", repeats=repeats, threads=1, graph=graph)
+    torch.set_num_threads(old)
+    cluster = parse_shorthand(SHORTHAND)
+    costs = derive(prof.table, [g.device for g in cluster.groups])
+    uni = ", ".join(f"{p} {f + b:.2f} ms" for p, (f, b) in prof.uniform_ms.items())
+    print(f"2. profiled on this CPU in context in {prof.seconds:.1f} s, 1 thread, uniform plans "
+          f"only (forward+backward: {uni}); cpu/2 costs derived x2")
+    t0 = time.perf_counter()
+    ind = indicate(MODEL, 10, "qsync", batch=BATCH)
+    print(f"3. qsync indicator on {ind.batches} {ind.data} digits batches of {ind.batch_size} in "
+          f"{time.perf_counter() - t0:.1f} s")
+    problem = AllocationProblem(graph, cluster, costs, ind)
+    best = _reachable_ms(problem)
+    if best is not None and best > problem.target_ms:
+        print(f"   the default target {problem.target_ms:.2f} ms (cpu at fp32) is out of reach: "
+              f"cpu/2's fastest plan gives {best:.2f} ms (on this CPU bf16 is only "
+              f"{prof.uniform_ms['fp32'][0] + prof.uniform_ms['fp32'][1]:.2f} / "
+              f"{sum(prof.uniform_ms.get('bf16', (float('nan'), 0.0))):.2f} ms faster than "
+              "fp32, not a GPU's 2-8x), so the plan takes the smallest reachable makespan "
+              "(+2%) and the least degradation there")
+        problem = problem.retarget(best * 1.02, source="smallest reachable makespan + 2%")
+    rows = compare(problem, joint_split=False)
+    print(f"4. every allocator, target {problem.target_ms:.2f} ms ({problem.target_source}):")
+    print(format_rows(rows))
+    for r in rows:
+        if r.status == "ERROR":
+            print(f"   {r.solver}: {'; '.join(r.messages)}")
+    chosen = next((r for r in rows if r.solver in ("highs", "cpsat", "cbc") and r.plan is not None
+                   and r.feasible), None)
+    if chosen is None or chosen.plan is None:
+        print("no exact allocator found a feasible plan; stopping the local job here")
+        return {}
+    plan = chosen.plan
+    fp32 = problem.make_plan({g.name: [c.index(Precision.fp32) for c in g.choices]
+                              for g in problem.groups}, {"solver": "all-fp32"})
+    out.mkdir(parents=True, exist_ok=True)
+    save(plan, out / "local_plan.json")
+    save(fp32, out / "local_fp32.json")
+    save(costs, out / "local_costs.json")
+    print(f"5. training two gloo ranks (cpu, cpu/2), {steps} steps each, with all-fp32 and "
+          f"{chosen.solver}'s plan (written to {out / 'local_plan.json'}) ...")
+    runs = {}
+    for label, p, path in (("all fp32", fp32, out / "local_fp32.json"),
+                           (f"{chosen.solver} plan", plan, out / "local_plan.json")):
+        t0 = time.perf_counter()
+        runs[label] = _train(path, out / label.replace(" ", "_"), steps)
+        runs[label]["plan"] = p
+        runs[label]["secs"] = time.perf_counter() - t0
+    print("6. predicted (profiled costs, replayer) against measured (median step_ms from step 5;"
+          " peak live tensor bytes of one step; held-out accuracy after training):")
+    hdr = (f"{'plan':>12} {'group':>6} {'pred ms':>8} {'meas ms':>8} {'err':>7} "
+           f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accuracy':>9}")
+    print(hdr)
+    figures: dict[str, Any] = {}
+    for label, res in runs.items():
+        ev = evaluate(problem, res["plan"])
+        tl = ev.timeline
+        assert tl is not None
+        for g in problem.groups:
+            gt = tl.groups[g.name]
+            pred = gt.end_ms
+            meas = res["ranks"][g.name]
+            pm = gt.peak_memory_bytes
+            mm = _peak_bytes(res["plan"], g.name)
+            figures[(label, g.name)] = (pred, meas, pm, mm)
+            print(f"{label:>12} {g.name:>6} {pred:8.2f} {meas:8.2f} {(pred - meas) / meas:+7.1%} "
+                  f"{pm / MIB:9.2f} {mm / MIB:9.2f} {(pm - mm) / mm:+7.1%} "
+                  f"{res.get('eval_accuracy', float('nan')):9.4f}")
+    a, b = runs["all fp32"], runs[f"{chosen.solver} plan"]
+    sa, sb = max(a["ranks"].values()), max(b["ranks"].values())
+    print(f"Measured: the plan's slowest rank steps in {sb:.2f} ms against {sa:.2f} ms at fp32 "
+          f"({sa / sb:.2f}x); held-out accuracy {b.get('eval_accuracy', float('nan')):.4f} "
+          f"against {a.get('eval_accuracy', float('nan')):.4f} (one seed: "
+          "`benchmarks/bench_accuracy.py` gives the seed noise). Training took "
+          f"{a['secs']:.0f} s and {b['secs']:.0f} s.\n")
+    return {"figures": figures, "runs": runs}
