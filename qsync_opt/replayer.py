@@ -47,7 +47,7 @@ from .costs import DDP_BUCKET_CAP_BYTES, gradient_buckets
 from .devices import get_device
 from .errors import QsyncInputError
 from .precision import DType, Precision
-from .schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
+from .schemas import ClusterSpec, CostTable, ModelGraph, OpKind, OpRole, Plan
 
 log = logging.getLogger(__name__)
 
@@ -565,11 +565,92 @@ class Replayer:
                                       {"numel": numel * grp.scale}))
         return fwd_items, bwd_items
 
+    def _runtime_memory(self, grp: _Group, i: int, p: Precision | None
+                        ) -> tuple[float, float, float, float]:
+        """Op i on qsync-opt's runtime layers (the fp32 flow): (saved bytes, weight-copy bytes,
+        forward transient, backward transient), as the runtime really allocates them.
+
+        Measured against the exact allocator trace (:mod:`qsync_opt.runtime.memory`): an fp32
+        op saves what the trace measured (shared storage once); a bf16/fp16 layer saves new
+        16-bit copies of its inputs and weight; an int8 Linear/Conv2d saves its int8 input and
+        weight with their scales, and its forward holds the int32 accumulator (a conv also the
+        fp32 and int8 im2col columns); an int8 or fp8 attention matmul fake-quantizes, so it
+        saves fp32 copies. Transients are what lives only while the op runs (its output, input
+        gradient, accumulators, 16-bit gradient copies).
+        """
+        op = self.ops[i]
+        s = grp.scale
+        wn = self.weight_numel[i]
+        inb = op.input_numel * 4 * s
+        outb = op.output_numel * 4 * s
+        gin = inb if op.needs_input_grad else 0.0
+        if p is None or p in (Precision.fp32, Precision.tf32):
+            return op.unique_saved_bytes * s, 0.0, inb + outb, outb + gin
+        if p in (Precision.bf16, Precision.fp16):
+            return (op.saved_bytes * s / 2, 2.0 * wn, inb + 1.5 * outb,
+                    1.5 * outb + 1.5 * gin + 2 * wn)
+        if p in (Precision.int8, Precision.int8_full) and op.kind != OpKind.matmul \
+                and op.weight_shape:
+            cout = op.weight_shape[0]
+            fwd = inb + 2 * outb
+            if op.kind == OpKind.conv and len(op.weight_shape) == 4:
+                cols = op.output_numel * s / cout * (op.weight_shape[1] * op.weight_shape[2]
+                                                     * op.weight_shape[3])
+                fwd = max(inb + 9 * cols, inb + cols + 3 * outb)
+            return (op.saved_bytes * s / 4 + 4, wn + 4.0 * cout, fwd,
+                    1.5 * outb + inb / 2 + 1.5 * gin + 4 * wn)
+        if p == Precision.fp8:
+            return op.saved_bytes * s, 4.0 * wn, inb + 2 * outb, outb + gin
+        return op.saved_bytes * s, 0.0, inb + outb, outb + gin  # int8 matmul: fp32 copies
+
+    def _runtime_peak(self, grp: _Group, prec: Sequence[Precision | None]) -> dict[str, int]:
+        """Memory components at the peak of one step on the runtime (the fp32 flow).
+
+        A timeline, not a sum: in forward, op i holds the activations and weight copies saved
+        up to it plus its transient; in backward (gradients set to None before the step, as
+        the runtime does) op i holds what was saved up to it, the fp32 gradients of the ops
+        from i on, and its transient. The peak is the largest of these.
+        """
+        terms = [self._runtime_memory(grp, i, prec[i]) for i in range(self.n)]
+        grads = [0.0] * self.n
+        seen: set[str] = set()
+        for i, op in enumerate(self.ops):
+            mod = (op.tie_group or "")
+            key = mod if mod.startswith("module:") else op.name
+            if key not in seen:
+                seen.add(key)
+                grads[i] = op.param_count * 4.0
+        best = (-1.0, 0.0, 0.0, 0.0, 0.0)  # total, activations, copies, grads, workspace
+        acts = copies = 0.0
+        for i, (a, w, f, _) in enumerate(terms):
+            acts += a
+            copies += w
+            if acts + copies + f > best[0]:
+                best = (acts + copies + f, acts, copies, 0.0, f)
+        g_after = 0.0
+        for i in range(self.n - 1, -1, -1):
+            a, w, _, b = terms[i]
+            g_after += grads[i]
+            total = acts + copies + g_after + b
+            if total > best[0]:
+                best = (total, acts, copies, g_after, b)
+            acts -= a
+            copies -= w
+        mem = self._static_memory(grp)
+        mem["grads_fp32"] = int(best[3])
+        mem["weight_copies"] = int(best[2])
+        mem["activations"] = int(best[1])
+        mem["workspace"] = int(best[4])
+        return mem
+
     def _op_memory(self, grp: _Group, i: int, prec: Sequence[Precision | None],
                    din: Sequence[DType], dout: Sequence[DType]) -> tuple[float, float, float]:
         """(saved activation bytes, low-precision weight copy bytes, working-set bytes)."""
         op = self.ops[i]
         p = prec[i]
+        if not self.native_flow:
+            saved, wcopy, f, b = self._runtime_memory(grp, i, p)
+            return saved, wcopy, max(f, b)
         s = grp.scale
         if p is not None:
             kept = p.info.saved_dtype
@@ -636,16 +717,19 @@ class Replayer:
                 if phase == 0:
                     fwd_end = t
             ready.append([done_bwd[f] for f in self.bucket_first])
-            mem = self._static_memory(grp)
-            saved = wcopy = work = 0.0
-            for i in range(self.n):
-                a, w, k = self._op_memory(grp, i, prec, din, dout)
-                saved += a
-                wcopy += w
-                work = max(work, k)
-            mem["weight_copies"] = int(wcopy)
-            mem["activations"] = int(saved)
-            mem["workspace"] = int(work)
+            if self.native_flow:
+                mem = self._static_memory(grp)
+                saved = wcopy = work = 0.0
+                for i in range(self.n):
+                    a, w, k = self._op_memory(grp, i, prec, din, dout)
+                    saved += a
+                    wcopy += w
+                    work = max(work, k)
+                mem["weight_copies"] = int(wcopy)
+                mem["activations"] = int(saved)
+                mem["workspace"] = int(work)
+            else:
+                mem = self._runtime_peak(grp, prec)
             per_group.append({"fwd": fwd_end, "bwd": t - fwd_end, "end_bwd": t,
                               "cast": cast_ms, "n_casts": n_casts, "mem": mem})
         sched = self.sync.schedule(ready, self.bucket_ms)
