@@ -660,7 +660,8 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
     for p, run in runs.items():
         notes.append(
             f"{dev_name}: in context, uniform {p.value}: step {run.step_fwd_ms:.3f} ms forward"
-            f" + {run.step_bwd_ms:.3f} ms backward (median without hooks); hook correction "
+            f" + {run.step_bwd_ms:.3f} ms backward (median of {run.samples} without hooks); "
+            f"hook correction "
             f"x{run.hook_scale[0]:.3f} / x{run.hook_scale[1]:.3f}; choosable ops "
             f"{sum(run.op_fwd.values()) + sum(run.op_bwd.values()):.3f} ms, the rest "
             f"{sum(run.seg_fwd.values()) + sum(run.seg_bwd.values()):.3f} ms")

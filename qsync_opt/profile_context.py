@@ -56,6 +56,7 @@ class UniformRun:
     step_fwd_ms: float  # median forward + loss without hooks
     step_bwd_ms: float  # median backward without hooks
     hook_scale: tuple[float, float]  # (fwd, bwd) without-hooks / with-hooks
+    samples: int = 0  # steps timed (with hooks, and as many without)
     op_fwd: dict[str, float] = field(default_factory=dict)
     op_bwd: dict[str, float] = field(default_factory=dict)
     seg_fwd: dict[str, float] = field(default_factory=dict)  # key: op name, HEAD
@@ -190,12 +191,16 @@ def run_uniform(
     precisions: Sequence[Precision],
     repeats: int,
     warmup: int,
+    budget_s: float = 20.0,
 ) -> dict[Precision, UniformRun]:
     """Measure every uniform precision in context (see the module docstring).
 
     ``build(assignment)`` returns a fresh model with the runtime layers applied;
     ``step(model)`` runs forward, loss and backward and returns (t_start, t_fend, t_bend)
-    from ``time.perf_counter`` (gradients are cleared by the caller's step).
+    from ``time.perf_counter`` (gradients are cleared by the caller's step). A precision
+    whose steps are slow (fp16 on a CPU without fp16 GEMMs runs 10-20x slower) gets one
+    warm-up round when its first step takes over a second, and stops after ``budget_s``
+    seconds of rounds once it has 3 samples.
     """
     calls = module_calls(graph)
     models = {}
@@ -210,15 +215,26 @@ def run_uniform(
         # "Full backward hook is firing when gradients are computed with respect to module
         # outputs since no inputs require gradients": handled by intervals().
         warnings.simplefilter("ignore", UserWarning)
-        for r in range(warmup + repeats):
+        warm = dict.fromkeys(precisions, warmup)
+        spent = dict.fromkeys(precisions, 0.0)
+
+        def wants(p: Precision) -> bool:
+            n = len(plain[p])
+            return warm[p] > 0 or (n < repeats and not (n >= 3 and spent[p] > budget_s))
+
+        while any(wants(p) for p in precisions):
             for p in precisions:
+                if not wants(p):
+                    continue
                 m = models[p]
                 t0, t1, t2 = step(m)
                 rec = _Recorder(m, calls)
                 t0h, t1h, t2h = step(m)
                 rec.remove()
-                if r < warmup:
+                if warm[p] > 0:
+                    warm[p] = 0 if t2 - t0 > 1.0 else warm[p] - 1
                     continue
+                spent[p] += (t2 - t0) + (t2h - t0h)
                 plain[p].append((t1 - t0, t2 - t1))
                 hooked[p].append(intervals(rec.events, t0h, t1h, t2h, rec.early))
     out: dict[Precision, UniformRun] = {}
@@ -229,7 +245,7 @@ def run_uniform(
         hb = statistics.median(sum(b.values()) for _, b in hooked[p]) * 1e3
         scale = (sf / hf if hf > 0 else 1.0, sb / hb if hb > 0 else 1.0)
         run = UniformRun(precision=p, assignment=assigns[p], step_fwd_ms=sf, step_bwd_ms=sb,
-                         hook_scale=scale)
+                         hook_scale=scale, samples=len(plain[p]))
         keys_f = set().union(*(f.keys() for f, _ in hooked[p]))
         keys_b = set().union(*(b.keys() for _, b in hooked[p]))
         meds_f = {k: statistics.median(f.get(k, 0.0) for f, _ in hooked[p]) for k in keys_f}
