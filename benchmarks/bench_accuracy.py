@@ -280,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                        + paired(acc[name], acc[REF], 4))
             print(f"{name:>20} {lo_m:8.4f} +- {lo_h:7.4f} {am:7.4f} +- {ah:6.4f} {pred:12.2f} "
                   f"{statistics.mean(wall[name]):7.1f}  {verdict}")
+        print("per seed loss: " + "; ".join(
+            f"{n}: " + " ".join(f"{x:.4f}" for x in loss[n]) for n in plans))
+        print("per seed accuracy: " + "; ".join(
+            f"{n}: " + " ".join(f"{x:.4f}" for x in acc[n]) for n in plans))
     print("emulate's own eval_loss (rank 0's replica at its group's precisions) against the "
           "fp32 score, largest |difference| over seeds: "
           + ", ".join(f"{n} {rank0_gap[n]:.2g}" for n in plans))
