@@ -121,7 +121,7 @@ def make_plans(prob: AllocationProblem, seed: int = 0) -> dict[str, Plan]:
     return plans
 
 
-def single_process(name: str, repeats: int) -> tuple[list[float], list[float]]:
+def single_process(name: str, repeats: int) -> tuple[list[float], list[float], CostTable]:
     b = BATCH.get(name, 8)
     g = trace(name, b)
     prof = profile_detailed(name, b, device="cpu", repeats=repeats, threads=1)
@@ -157,7 +157,7 @@ def single_process(name: str, repeats: int) -> tuple[list[float], list[float]]:
     print(f"held-out mixed plans: time median |error| {statistics.median(t_err):.1%}, worst "
           f"{max(t_err):.1%} (noise {noise:.1%}); memory, all plans: median |error| "
           f"{statistics.median(m_err):.1%}, worst {max(m_err):.1%}")
-    return t_err, m_err
+    return t_err, m_err, costs
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -209,10 +209,9 @@ def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> f
     return max(per_rank)
 
 
-def two_processes(name: str, repeats: int, steps: int, comm: CommModel) -> list[float]:
+def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel) -> list[float]:
     b = BATCH.get(name, 8)
     g = trace(name, b)
-    costs: CostTable = profile_detailed(name, b, device="cpu", repeats=repeats, threads=1).table
     costs = costs.model_copy(update={
         "comm": comm, "buckets": gradient_buckets(g, comm, costs.bucket_cap_bytes)})
     prob = AllocationProblem(g, parse_shorthand(f"cpux2@{b}"), costs, random_indicator(g))
@@ -248,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process")
     t_all: list[float] = []
     m_all: list[float] = []
+    tables: dict[str, CostTable] = {}
     for name in args.models.split(","):
-        t, m = single_process(name, args.repeats)
+        t, m, tables[name] = single_process(name, args.repeats)
         t_all += t
         m_all += m
     print(f"\nall models, single process: held-out time median |error| "
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
               f"GB/s, {comm.latency_us:.3g} us per hop (fitted)")
         g_all: list[float] = []
         for name in args.models.split(","):
-            g_all += two_processes(name, args.repeats, args.steps, comm)
+            g_all += two_processes(name, tables[name], args.steps, comm)
         if g_all:
             print(f"\ntwo gloo processes, held-out: median |error| "
                   f"{statistics.median(g_all):.1%}, worst {max(g_all):.1%}")

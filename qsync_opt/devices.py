@@ -31,6 +31,7 @@ import re
 import time
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from ._env import cache_root
 from ._env import cpu_model as cpu_model_name
@@ -349,10 +350,14 @@ def measure_cpu() -> DeviceSpec:
     key = f"{cpu_model}|{torch.__version__}|{torch.get_num_threads()}"
     cache = cache_root() / "cpu_spec.json"
     figures: dict[str, float] | None = None
+    # One entry per key (CPU, torch, thread count): runs at different thread counts on one
+    # machine must not keep overwriting each other's figures (and re-measuring).
+    entries: dict[str, Any] = {}
     try:
         cached = json.loads(cache.read_text())
-        if cached.get("key") == key:
-            figures = {k: float(v) for k, v in cached["figures"].items()}
+        entries = cached.get("entries", {}) if isinstance(cached, dict) else {}
+        if key in entries:
+            figures = {k: float(v) for k, v in entries[key].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         figures = None
     if figures is None:
@@ -361,7 +366,9 @@ def measure_cpu() -> DeviceSpec:
         try:
             from .io import atomic_write_text
 
-            atomic_write_text(cache, json.dumps({"key": key, "figures": figures}, indent=1))
+            entries = {k: v for k, v in entries.items() if isinstance(v, dict)}
+            entries[key] = figures
+            atomic_write_text(cache, json.dumps({"entries": entries}, indent=1))
         except OSError as exc:  # a read-only home must not stop planning
             log.warning("could not cache CPU figures at %s: %s", cache, exc)
     total = _meminfo_bytes("MemTotal") or 8 * GiB

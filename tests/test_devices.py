@@ -302,3 +302,27 @@ def test_cpu_is_measured_and_cached(fresh_cpu_cache: Path) -> None:
     devices.measure_cpu.cache_clear()
     again = get_device("cpu")
     assert again.peak_tflops == spec.peak_tflops  # read back, not re-measured
+
+
+def test_cpu_cache_keeps_one_entry_per_thread_count(fresh_cpu_cache: Path) -> None:
+    """Runs at 1 and 2 threads on one machine must not overwrite each other's figures."""
+    import json
+
+    import torch
+
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        devices.measure_cpu.cache_clear()
+        one = get_device("cpu")
+        torch.set_num_threads(2)
+        devices.measure_cpu.cache_clear()
+        get_device("cpu")
+        entries = json.loads((fresh_cpu_cache / "qsync-opt" / "cpu_spec.json").read_text())
+        assert len(entries["entries"]) == 2
+        torch.set_num_threads(1)
+        devices.measure_cpu.cache_clear()
+        assert get_device("cpu").peak_tflops == one.peak_tflops  # read back, not re-measured
+    finally:
+        torch.set_num_threads(old)
+        devices.measure_cpu.cache_clear()
