@@ -35,19 +35,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from qsync_opt.models import compute_loss, get_workload
 
 from qsync_opt import Plan, parse_shorthand, trace
 from qsync_opt._env import cpu_model
-from qsync_opt.costs import gradient_buckets
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
-from qsync_opt.profile import profile_detailed
+from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
 from qsync_opt.runtime import apply_plan
-from qsync_opt.runtime.memory import measure_step_memory
+from qsync_opt.runtime.memory import measure_plan_memory
 from qsync_opt.schemas import CommModel, CostTable
 from qsync_opt.solve import _reachable_ms, solve
 from qsync_opt.synthetic import random_indicator
@@ -78,12 +76,6 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         self.step()
         return (time.perf_counter() - t0) * 1e3
-
-    def peak_bytes(self) -> int:
-        self.opt.zero_grad(set_to_none=True)
-        m = measure_step_memory(self.model, self.step, optimizer=self.opt,
-                                extra=(*self.inputs, self.targets))
-        return m.peak_bytes
 
 
 def interleaved(runners: dict[str, Runner], repeats: int, warmup: int = 3) -> dict[str, float]:
@@ -144,7 +136,7 @@ def single_process(name: str, repeats: int) -> tuple[list[float], list[float], C
         tl = prob.replayer.simulate(plan, events=False)
         pred = tl.iteration_ms
         pmem = tl.groups["cpu"].peak_memory_bytes
-        mmem = runners[label].peak_bytes()
+        mmem = measure_plan_memory(name, plan, b).peak_bytes
         meas = measured[label]
         e = (pred - meas) / meas
         em = (pmem - mmem) / mmem
@@ -161,37 +153,6 @@ def single_process(name: str, repeats: int) -> tuple[list[float], list[float], C
 
 
 # ----------------------------------------------------------------------------- two processes
-
-
-def _comm_rank(rank: int, world: int, init: str, q: Any) -> None:
-    import torch.distributed as dist
-
-    from qsync_opt.profile import _measure_allreduce
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        comm = _measure_allreduce(torch.device("cpu"), 10, 3)
-        if rank == 0:
-            q.put(comm.model_dump_json() if comm is not None else "")
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_comm(world: int = 2) -> CommModel:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_comm_rank, args=(r, world, init, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        out = q.get(timeout=300)
-        for p in procs:
-            p.join(timeout=60)
-    return CommModel.model_validate_json(out)
 
 
 def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> float:
@@ -212,16 +173,15 @@ def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> f
 def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel) -> list[float]:
     b = BATCH.get(name, 8)
     g = trace(name, b)
-    costs = costs.model_copy(update={
-        "comm": comm, "buckets": gradient_buckets(g, comm, costs.bucket_cap_bytes)})
+    costs = with_comm(costs, g, comm)
     prob = AllocationProblem(g, parse_shorthand(f"cpux2@{b}"), costs, random_indicator(g))
     plans = make_plans(prob)
     keep = ["uniform fp32", "uniform bf16"] + [k for k in plans if k.startswith("solver")][:1]
     errs = []
     print(f"\n== {name}, batch {b} per rank, 2 gloo processes (qsync-opt train --nproc 2, "
           f"{steps} steps, median step_ms of the slower rank from step 5)")
-    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7}  of which all-reduce "
-          "(pred, exposed)")
+    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7}  predicted all-reduce, "
+          "exposed; stats + buffer syncs")
     with tempfile.TemporaryDirectory() as d:
         for label in keep:
             tl = prob.replayer.simulate(plans[label], events=False)
@@ -231,7 +191,8 @@ def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel) -> l
                 errs.append(abs(e))
             exposed = max(g_.exposed_comm_ms for g_ in tl.groups.values())
             print(f"{label:>22} {tl.iteration_ms:9.2f} {meas:9.2f} {e:+7.1%}  "
-                  f"{sum(prob.replayer.bucket_ms):.2f} ms, {exposed:.2f} ms exposed"
+                  f"{sum(prob.replayer.bucket_ms):.2f} ms, {exposed:.2f} ms exposed; "
+                  f"bookkeeping syncs {prob.replayer.step_sync_ms:.2f} ms"
                   + ("" if label.startswith("uniform") else "  (held out)"))
     return errs
 
@@ -242,21 +203,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--gloo", action="store_true", help="also two gloo processes")
     ap.add_argument("--steps", type=int, default=30, help="training steps per gloo run")
+    ap.add_argument("--tables", default=None, help="folder: save each model's profiled "
+                    "CostTable there, and with --gloo-only read them back")
+    ap.add_argument("--gloo-only", action="store_true",
+                    help="only the two-process part, from the tables in --tables")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process")
     t_all: list[float] = []
     m_all: list[float] = []
     tables: dict[str, CostTable] = {}
+    folder = Path(args.tables) if args.tables else None
     for name in args.models.split(","):
+        if args.gloo_only:
+            if folder is None:
+                ap.error("--gloo-only needs --tables")
+            tables[name] = CostTable.load(folder / f"{name}.costs.json")
+            continue
         t, m, tables[name] = single_process(name, args.repeats)
+        if folder is not None:
+            tables[name].save(folder / f"{name}.costs.json")
         t_all += t
         m_all += m
-    print(f"\nall models, single process: held-out time median |error| "
-          f"{statistics.median(t_all):.1%}, worst {max(t_all):.1%}; memory median "
-          f"{statistics.median(m_all):.1%}, worst {max(m_all):.1%}")
-    if args.gloo:
-        comm = measure_comm(2)
+    if t_all:
+        print(f"\nall models, single process: held-out time median |error| "
+              f"{statistics.median(t_all):.1%}, worst {max(t_all):.1%}; memory median "
+              f"{statistics.median(m_all):.1%}, worst {max(m_all):.1%}")
+    if args.gloo or args.gloo_only:
+        comm = measure_comm_local(2)
         print(f"\ngloo all-reduce, 2 processes on this machine: {comm.bandwidth_gb_per_s:.3g} "
               f"GB/s, {comm.latency_us:.3g} us per hop (fitted)")
         g_all: list[float] = []

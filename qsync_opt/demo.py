@@ -57,26 +57,9 @@ def _train(plan_path: Path, out: Path, steps: int) -> dict[str, Any]:
 
 
 def _peak_bytes(plan: Plan, group: str) -> int:
-    from .models import compute_loss, get_workload
-    from .runtime import apply_plan
-    from .runtime.memory import measure_step_memory
+    from .runtime.memory import measure_plan_memory
 
-    wl = get_workload(MODEL)
-    torch.manual_seed(0)
-    model = wl.build().float().train()
-    apply_plan(model, plan, group)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    inputs = wl.make_inputs(BATCH, torch.device("cpu"))
-    targets = wl.make_targets(BATCH, torch.device("cpu"))
-
-    def step() -> None:
-        compute_loss(wl, model(*inputs), targets).backward()
-        opt.step()
-
-    opt.zero_grad(set_to_none=True)
-    step()  # optimizer state exists from here on
-    opt.zero_grad(set_to_none=True)
-    return measure_step_memory(model, step, optimizer=opt, extra=(*inputs, targets)).peak_bytes
+    return measure_plan_memory(MODEL, plan, BATCH, group=group).peak_bytes
 
 
 def local_job(out: Path, steps: int = 120, repeats: int = 10) -> dict[str, Any]:

@@ -322,7 +322,8 @@ class AllocationProblem:
         self.unit_of = {op: u for u, unit in enumerate(self.units) for op in unit.ops}
         rep = self.replayer
         self.bucket_tail_ms = rep.bucket_ms[-1] if rep.bucket_ms else 0.0
-        self.optimizer_ms = max(g.optimizer_ms for g in rep.groups)
+        # The optimizer and, on the runtime's profiled tables, its per-step bookkeeping syncs.
+        self.optimizer_ms = max(g.optimizer_ms for g in rep.groups) + rep.step_sync_ms
         self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
         self._approx: dict[str, int] = {"memory_or": 0}
         self.groups = [self._group_model(gi) for gi in range(len(rep.groups))]

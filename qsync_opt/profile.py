@@ -353,6 +353,56 @@ def _measure_allreduce(device: torch.device, repeats: int, warmup: int) -> CommM
                                 f"({n} ranks)", source="measured")
 
 
+def _comm_rank(rank: int, world: int, init: str, q: Any, repeats: int, warmup: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        comm = _measure_allreduce(torch.device("cpu"), repeats, warmup)
+        if rank == 0:
+            q.put(comm.model_dump_json() if comm is not None else "")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm_local(world: int = 2, repeats: int = DEFAULT_REPEATS,
+                       warmup: int = DEFAULT_WARMUP) -> CommModel:
+    """All-reduce alpha-beta of ``world`` gloo processes on this machine (spawned here).
+
+    What ``qsync-opt train --nproc N`` runs on: use it to predict a local multi-process run
+    when the profile was taken in one process (whose comm model is the estimator's).
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if world < 2:
+        raise QsyncInputError(f"world: expected at least 2 processes, got {world}")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/store"
+        procs = [ctx.Process(target=_comm_rank, args=(r, world, init, q, repeats, warmup))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            out = q.get(timeout=300)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+    return CommModel.model_validate_json(out)
+
+
+def with_comm(table: CostTable, graph: ModelGraph, comm: CommModel) -> CostTable:
+    """``table`` with ``comm`` and the gradient buckets recomputed for it."""
+    return table.model_copy(update={
+        "comm": comm, "buckets": gradient_buckets(graph, comm, table.bucket_cap_bytes),
+        "notes": [*table.notes, f"comm: {comm.bottleneck}: {comm.bandwidth_gb_per_s:.3g} GB/s, "
+                                f"{comm.latency_us:.3g} us per hop ({comm.source})"]})
+
+
 def _measure_optimizer(model: nn.Module, device: torch.device, repeats: int, warmup: int
                        ) -> dict[str, float]:
     timer = _Timer(device)

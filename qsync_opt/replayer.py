@@ -291,6 +291,14 @@ class Replayer:
         #: False for tables profiled on qsync-opt's runtime (``activation_flow="fp32"``): its
         #: layers cast in and out, so activations stay fp32 and casts are inside op costs.
         self.native_flow = costs.activation_flow == "native"
+        #: The runtime's per-step bookkeeping collectives (tables profiled on it): a 32-byte
+        #: all-reduce of the step's statistics before the optimizer, and a broadcast of the
+        #: buffers after it (qsync_opt.runtime.train). Zero for one rank and for estimates.
+        comm = costs.comm
+        self.stats_sync_ms = 0.0 if self.native_flow else comm.allreduce_ms(32)
+        self.buffer_sync_ms = (0.0 if self.native_flow or not graph.buffer_bytes
+                               else comm.broadcast_ms(graph.buffer_bytes))
+        self.step_sync_ms = self.stats_sync_ms + self.buffer_sync_ms
         self.optimizer = optimizer
         self.sync: SyncModel = sync or AllReduceSync()
         ops = graph.ops
@@ -622,7 +630,7 @@ class Replayer:
                 grads[i] = op.param_count * 4.0
         best = (-1.0, 0.0, 0.0, 0.0, 0.0)  # total, activations, copies, grads, workspace
         acts = copies = 0.0
-        for i, (a, w, f, _) in enumerate(terms):
+        for a, w, f, _ in terms:
             acts += a
             copies += w
             if acts + copies + f > best[0]:
@@ -748,8 +756,8 @@ class Replayer:
         slowest_bwd = max(pg["end_bwd"] for pg in per_group)
         groups: dict[str, GroupTimeline] = {}
         for grp, pg in zip(self.groups, per_group, strict=True):
-            start_opt = max(pg["end_bwd"], comm_end)
-            end = start_opt + grp.optimizer_ms
+            start_opt = max(pg["end_bwd"], comm_end) + self.stats_sync_ms
+            end = start_opt + grp.optimizer_ms + self.buffer_sync_ms
             if events is not None:
                 events.append(Event(grp.name, "compute", "optimizer", f"{self.optimizer} step",
                                     start_opt, grp.optimizer_ms, None))
@@ -975,7 +983,8 @@ class IncrementalReplay:
             ends.append(f + btot)
         sched = rep.sync.schedule(ready, rep.bucket_ms)
         comm_end = sched.comm_end_ms
-        it = max(max(e, comm_end) + g.optimizer_ms for e, g in zip(ends, rep.groups, strict=True))
+        it = max(max(e, comm_end) + g.optimizer_ms for e, g in zip(ends, rep.groups, strict=True)
+                 ) + rep.step_sync_ms
         peaks = {}
         fits = True
         for gi, g in enumerate(rep.groups):

@@ -453,6 +453,13 @@ class CommModel(Schema):
             self.latency_us * 1e-3
         )
 
+    def broadcast_ms(self, nbytes: int) -> float:
+        """A pipelined broadcast from one rank: (n - 1) hops of latency, the bytes once."""
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        return nbytes / (self.bandwidth_gb_per_s * 1e9) * 1e3 + (n - 1) * self.latency_us * 1e-3
+
 
 class GradBucket(Schema):
     """A DDP gradient bucket: the ops whose FP32 gradients it holds, in reverse order."""
