@@ -40,7 +40,7 @@ import torch
 from qsync_opt.models import compute_loss, get_workload
 
 from qsync_opt import Plan, parse_shorthand, trace
-from qsync_opt._env import cpu_model
+from qsync_opt._env import cpu_model, pin_malloc
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the two-process part, from the tables in --tables")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process")
+    pin_malloc()
+    print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process, glibc "
+          "malloc thresholds pinned (qsync_opt._env.pin_malloc)")
     t_all: list[float] = []
     m_all: list[float] = []
     tables: dict[str, CostTable] = {}

@@ -22,3 +22,41 @@ def cache_root() -> Path:
     """qsync-opt's cache folder: $XDG_CACHE_HOME/qsync-opt (default ~/.cache/qsync-opt)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "qsync-opt"
+
+
+#: glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64 bit)
+TRIM_THRESHOLD = 1 << 30
+_pinned: bool | None = None
+
+
+def pin_malloc() -> bool:
+    """Fix glibc's malloc thresholds in this process, so step times do not drift.
+
+    By default glibc serves a large block (>= 128 KiB at first) with a fresh ``mmap``,
+    page-faulted on first touch, and *raises* that threshold whenever such a block is freed:
+    whether a 10 MiB im2col buffer costs ~3 ms of page faults depends on the allocation
+    history of the process. Measured on this CPU (docs/BENCHMARKS.md), an int8 digits_cnn step
+    took 16.7 ms in one process and 13.2 ms in another. Pinning the thresholds (mmap above
+    32 MiB, trim above 1 GiB, the values ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
+    would set) makes the cost the same in every process: the profiler, the benchmarks and
+    the training ranks call this. Returns whether it applied (glibc only; idempotent).
+    """
+    global _pinned
+    if _pinned is not None:
+        return _pinned
+    _pinned = False
+    if platform.system() != "Linux":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+              and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+        libc.mallopt(_M_TOP_PAD, 64 << 20)
+        _pinned = bool(ok)
+    except (OSError, AttributeError):
+        _pinned = False
+    return _pinned

@@ -31,7 +31,7 @@ from .io import save
 from .plan import Plan
 from .precision import Precision
 from .problem import AllocationProblem, evaluate
-from .profile import derive, profile_detailed
+from .profile import derive, measure_comm_local, profile_detailed, with_comm
 from .solve import _reachable_ms, compare, format_rows
 
 MODEL = "digits_cnn"
@@ -74,10 +74,13 @@ def local_job(out: Path, steps: int = 120, repeats: int = 10) -> dict[str, Any]:
     prof = profile_detailed(MODEL, BATCH, device="cpu", repeats=repeats, threads=1, graph=graph)
     torch.set_num_threads(old)
     cluster = parse_shorthand(SHORTHAND)
-    costs = derive(prof.table, [g.device for g in cluster.groups])
+    comm = measure_comm_local(2)
+    costs = with_comm(derive(prof.table, [g.device for g in cluster.groups]), graph, comm)
     uni = ", ".join(f"{p} {f + b:.2f} ms" for p, (f, b) in prof.uniform_ms.items())
     print(f"2. profiled on this CPU in context in {prof.seconds:.1f} s, 1 thread, uniform plans "
-          f"only (forward+backward: {uni}); cpu/2 costs derived x2")
+          f"only (forward+backward: {uni}); cpu/2 costs derived x2; gloo all-reduce of 2 "
+          f"processes fitted: {comm.bandwidth_gb_per_s:.3g} GB/s, {comm.latency_us:.3g} us "
+          "per hop")
     t0 = time.perf_counter()
     ind = indicate(MODEL, 10, "qsync", batch=BATCH)
     print(f"3. qsync indicator on {ind.batches} {ind.data} digits batches of {ind.batch_size} in "

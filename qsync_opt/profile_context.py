@@ -57,6 +57,7 @@ class UniformRun:
     step_bwd_ms: float  # median backward without hooks
     hook_scale: tuple[float, float]  # (fwd, bwd) without-hooks / with-hooks
     samples: int = 0  # steps timed (with hooks, and as many without)
+    optimizer_ms: float = 0.0  # median SGD (momentum) step after the steps without hooks
     op_fwd: dict[str, float] = field(default_factory=dict)
     op_bwd: dict[str, float] = field(default_factory=dict)
     seg_fwd: dict[str, float] = field(default_factory=dict)  # key: op name, HEAD
@@ -186,7 +187,7 @@ def intervals(events: Sequence[tuple[str, str, float]], t_start: float, t_fend: 
 
 def run_uniform(
     build: Callable[[dict[str, Precision]], nn.Module],
-    step: Callable[[nn.Module], tuple[float, float, float]],
+    step: Callable[[nn.Module], tuple[float, float, float, float]],
     graph: ModelGraph,
     precisions: Sequence[Precision],
     repeats: int,
@@ -196,8 +197,9 @@ def run_uniform(
     """Measure every uniform precision in context (see the module docstring).
 
     ``build(assignment)`` returns a fresh model with the runtime layers applied;
-    ``step(model)`` runs forward, loss and backward and returns (t_start, t_fend, t_bend)
-    from ``time.perf_counter`` (gradients are cleared by the caller's step). A precision
+    ``step(model)`` clears the gradients, runs forward, loss, backward and the optimizer
+    step and returns (t_start, t_fend, t_bend, t_opt_end) from ``time.perf_counter``, so
+    the timed steps sit in the same context as training steps. A precision
     whose steps are slow (fp16 on a CPU without fp16 GEMMs runs 10-20x slower) gets one
     warm-up round when its first step takes over a second, and stops after ``budget_s``
     seconds of rounds once it has 3 samples.
@@ -208,7 +210,7 @@ def run_uniform(
     for p in precisions:
         assigns[p] = uniform_assignment(graph, p)
         models[p] = build(assigns[p])
-    plain: dict[Precision, list[tuple[float, float]]] = {p: [] for p in precisions}
+    plain: dict[Precision, list[tuple[float, float, float]]] = {p: [] for p in precisions}
     hooked: dict[Precision, list[tuple[dict[tuple[str, str], float],
                                        dict[tuple[str, str], float]]]] = {p: [] for p in precisions}
     with warnings.catch_warnings():
@@ -227,15 +229,15 @@ def run_uniform(
                 if not wants(p):
                     continue
                 m = models[p]
-                t0, t1, t2 = step(m)
+                t0, t1, t2, t3 = step(m)
                 rec = _Recorder(m, calls)
-                t0h, t1h, t2h = step(m)
+                t0h, t1h, t2h, _ = step(m)
                 rec.remove()
                 if warm[p] > 0:
                     warm[p] = 0 if t2 - t0 > 1.0 else warm[p] - 1
                     continue
                 spent[p] += (t2 - t0) + (t2h - t0h)
-                plain[p].append((t1 - t0, t2 - t1))
+                plain[p].append((t1 - t0, t2 - t1, t3 - t2))
                 hooked[p].append(intervals(rec.events, t0h, t1h, t2h, rec.early))
     out: dict[Precision, UniformRun] = {}
     for p in precisions:
@@ -245,7 +247,8 @@ def run_uniform(
         hb = statistics.median(sum(b.values()) for _, b in hooked[p]) * 1e3
         scale = (sf / hf if hf > 0 else 1.0, sb / hb if hb > 0 else 1.0)
         run = UniformRun(precision=p, assignment=assigns[p], step_fwd_ms=sf, step_bwd_ms=sb,
-                         hook_scale=scale, samples=len(plain[p]))
+                         hook_scale=scale, samples=len(plain[p]),
+                         optimizer_ms=statistics.median(x[2] for x in plain[p]) * 1e3)
         keys_f = set().union(*(f.keys() for f, _ in hooked[p]))
         keys_b = set().union(*(b.keys() for _, b in hooked[p]))
         meds_f = {k: statistics.median(f.get(k, 0.0) for f, _ in hooked[p]) for k in keys_f}
@@ -288,8 +291,9 @@ def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module
 
 
 def stepper(workload: Any, batch: int, device: torch.device
-            ) -> Callable[[nn.Module], tuple[float, float, float]]:
-    """``step(model)``: zero grads, forward + loss, backward on fixed inputs; timestamps."""
+            ) -> Callable[[nn.Module], tuple[float, float, float, float]]:
+    """``step(model)``: a training step on fixed inputs (gradients set to None, forward +
+    loss, backward, an SGD momentum step as the runtime's default); its four timestamps."""
     from .models import compute_loss
 
     inputs = workload.make_inputs(batch, device)
@@ -301,14 +305,20 @@ def stepper(workload: Any, batch: int, device: torch.device
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def step(model: nn.Module) -> tuple[float, float, float]:
-        for q in model.parameters():
-            q.grad = None
+    opts: dict[int, torch.optim.Optimizer] = {}
+
+    def step(model: nn.Module) -> tuple[float, float, float, float]:
+        opt = opts.get(id(model))
+        if opt is None:
+            opt = opts[id(model)] = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        opt.zero_grad(set_to_none=True)
         t0 = now()
         loss = compute_loss(workload, model(*inputs), targets)
         t1 = now()
         loss.backward()
         t2 = now()
-        return t0, t1, t2
+        opt.step()
+        t3 = now()
+        return t0, t1, t2, t3
 
     return step

@@ -230,3 +230,10 @@ def test_derive_builds_a_slower_cpu_from_the_cpu_entries(digits_graph: ModelGrap
     with pytest.raises(QsyncInputError, match="no cpu entries"):
         derive(table.model_copy(update={"entries": [e for e in table.entries
                                                     if e.device != "cpu"]}), ["cpu/4"])
+
+
+def test_pin_malloc_is_idempotent() -> None:
+    from qsync_opt._env import pin_malloc
+
+    first = pin_malloc()
+    assert pin_malloc() is first

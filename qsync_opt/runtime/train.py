@@ -709,6 +709,9 @@ def _dist_env() -> tuple[int, int, int]:
 
 def run(config: TrainConfig) -> dict[str, Any]:
     """The per-rank entry (see the module docstring); returns the run's summary."""
+    from .._env import pin_malloc
+
+    pin_malloc()  # step times independent of the process's allocation history
     if config.emulate_dp:
         return emulate(config)
     rank, world, local = _dist_env()
