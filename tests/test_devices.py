@@ -326,3 +326,4 @@ def test_cpu_cache_keeps_one_entry_per_thread_count(fresh_cpu_cache: Path) -> No
     finally:
         torch.set_num_threads(old)
         devices.measure_cpu.cache_clear()
+        devices._derived_cpu.cache_clear()  # derived CPUs are built from the measured one
