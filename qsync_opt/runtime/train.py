@@ -592,7 +592,9 @@ class _Trainer:
             f = 1.0 if len(self.models) == 1 else cfg.slowdown.get(g, 1.0)
             row: dict[str, Any] = {
                 "step": step, "rank": r, "group": g, "loss": loss,
-                "step_ms": round((c_s * f + sync_s) * 1000, 3), "bytes_allreduced": nbytes,
+                "step_ms": round((c_s * f + sync_s) * 1000, 3),
+                "compute_ms": round(c_s * f * 1000, 3), "sync_ms": round(sync_s * 1000, 3),
+                "bytes_allreduced": nbytes,
                 "skipped": skip, "loss_scale": self.scale}
             if s.workload.task == "classification":
                 row["accuracy"] = correct / b
