@@ -4,8 +4,8 @@ Two gloo ranks under torchrun on this machine; rank 1 is the derived device ``cp
 op's measured time stretched 2x: an emulated card half as fast). The same model trains with
 every op at fp32, then with the exact solver's plan (which here lowers the slow rank's ops to
 bf16, fast on this CPU's AMX). Printed: median step time per rank (steps 6 on), wall time,
-final and held-out loss, and the replayer's prediction from catalog-style estimates of the
-measured CPU (the prediction is not calibrated yet: profiling is the next issue).
+final and held-out loss, and the replayer's prediction from this CPU's in-context profile
+(`cpu/2` derived from it, the all-reduce fitted on two local gloo processes).
 
     .venv/bin/python benchmarks/bench_runtime.py [--model tiny_gpt] [--steps 40]
 """
@@ -20,10 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qsync_opt import Plan, estimate, parse_shorthand, trace
+import torch
+
+from qsync_opt import Plan, parse_shorthand, trace
 from qsync_opt._env import cpu_model
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem, evaluate
+from qsync_opt.profile import derive, measure_comm_local, profile_detailed, with_comm
 from qsync_opt.solve import solve
 from qsync_opt.synthetic import random_indicator
 
@@ -44,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny_gpt")
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)
     g = trace(args.model)
     c = parse_shorthand("cpux1+cpu/2x1")
-    prob = AllocationProblem(g, c, estimate(g, c), random_indicator(g))
+    prof = profile_detailed(args.model, g.batch_size, threads=1, graph=g)
+    costs = with_comm(derive(prof.table, ["cpu/2"]), g, measure_comm_local(2))
+    prob = AllocationProblem(g, c, costs, random_indicator(g))
     plan, rep = solve(prob, "highs")
     fp32 = prob.make_plan({gm.name: [ch.index(Precision.fp32) for ch in gm.choices]
                            for gm in prob.groups}, {"solver": "all-fp32"})
