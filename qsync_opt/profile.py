@@ -449,6 +449,16 @@ def _device_name(device: torch.device, name: str | None) -> str:
     return best
 
 
+def environment(device: torch.device, method: str) -> dict[str, str]:
+    """Where and how a profile was measured: the CostTable's ``environment`` of its device."""
+    return {"hardware": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                         else (platform.processor() or platform.machine())),
+            "torch": torch.__version__,
+            "cuda": (torch.version.cuda or "") if device.type == "cuda" else "cpu",
+            "threads": str(torch.get_num_threads()), "qsync_opt": __version__,
+            "method": method}
+
+
 def environment_note(dev_name: str, device: torch.device) -> str:
     cuda = torch.version.cuda if device.type == "cuda" else "cpu"
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else (
@@ -641,7 +651,8 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
                       casts=casts, comm=comm, buckets=buckets,
                       bucket_cap_bytes=template.bucket_cap_bytes, optimizer=optimizer,
                       efficiencies=eff, notes=notes,
-                      activation_flow="fp32" if context else "native")
+                      activation_flow="fp32" if context else "native",
+                      environment={dev_name: environment(dev, method)})
     return Profile(table=table, spread=spread, dispatch_us=dispatch_us,
                    seconds=time.perf_counter() - start,
                    uniform_ms={p.value: (r.step_fwd_ms, r.step_bwd_ms) for p, r in runs.items()},
@@ -776,6 +787,10 @@ def derive(table: CostTable, devices: Iterable[str]) -> CostTable:
                 if o.device == "cpu"]
         notes.append(f"{key}: derived from the cpu entries, every op and cast x{f:g} (the "
                      "runtime stretches that rank's measured compute); optimizer step as cpu")
+        if "cpu" in table.environment:
+            env = {**table.environment, key: {**table.environment["cpu"],
+                                              "derived": f"cpu x{f:g}"}}
+            table = table.model_copy(update={"environment": env})
         have.add(key)
     return table.model_copy(update={"entries": entries, "casts": casts, "optimizer": opt,
                                     "notes": notes})
@@ -800,6 +815,13 @@ def merge(tables: Sequence[CostTable]) -> CostTable:
             raise QsyncInputError(
                 f"merge: table {i} is for graph {t.graph_hash} ({t.workload}), table 0 for "
                 f"{first.graph_hash} ({first.workload}); profile the same traced graph")
+    flows = {t.activation_flow for t in tables}
+    if len(flows) > 1:
+        raise QsyncInputError(
+            "merge: the tables describe different activation flows "
+            f"({', '.join(f'table {i}: {t.activation_flow}' for i, t in enumerate(tables))}); "
+            "profile every device with the same --method (context gives 'fp32'), or use "
+            "estimates ('native') for all of them")
     seen: dict[str, int] = {}
     for i, t in enumerate(tables):
         for dev in sorted({e.device for e in t.entries}):
@@ -821,7 +843,8 @@ def merge(tables: Sequence[CostTable]) -> CostTable:
         casts=[c for t in tables for c in t.casts],
         comm=base.comm, buckets=base.buckets, bucket_cap_bytes=base.bucket_cap_bytes,
         optimizer=[o for t in tables for o in t.optimizer],
-        efficiencies=base.efficiencies, notes=notes)
+        efficiencies=base.efficiencies, notes=notes, activation_flow=first.activation_flow,
+        environment={k: v for t in tables for k, v in t.environment.items()})
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -530,6 +530,10 @@ class CostTable(Document):
         "qsync-opt's runtime, whose layers cast their input and weight in and their output "
         "back to fp32): activations stay fp32 between ops, every cast is inside the measured "
         "cost of the op that makes it, and the cast models are not used for time.")
+    environment: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="Per measured device: where and how its entries were "
+        "measured (hardware, torch, cuda, threads, qsync_opt, method). Empty for estimates; "
+        "merged tables keep every device's.")
     notes: list[str] = Field(default_factory=list)
 
     def lookup(self) -> dict[tuple[str, int, str, Precision], OpCost]:

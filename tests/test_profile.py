@@ -111,17 +111,43 @@ def test_dispatch_overhead_is_measured() -> None:
 
 
 def test_merge_keeps_provenance(digits_graph: ModelGraph, digits_profile: Profile) -> None:
-    other = estimate(digits_graph, parse_shorthand("t4x1"))
-    merged = merge([digits_profile.table, other])
-    assert len(merged.entries) == len(digits_profile.table.entries) + len(other.entries)
-    by_dev = {(e.device, e.source) for e in merged.entries}
-    assert by_dev == {("cpu", "measured"), ("t4", "estimated")}
-    assert {c.device for c in merged.casts} == {"cpu", "t4"}
-    assert {o.device for o in merged.optimizer} == {"cpu", "t4"}
+    """One profile per machine: each entry keeps its device and source, each device its
+    environment (hardware, torch, CUDA, threads, method)."""
+    table = digits_profile.table
+    assert table.environment["cpu"]["torch"] and table.environment["cpu"]["cuda"] == "cpu"
+    assert table.environment["cpu"]["method"] == "context"
+    # "Another machine": the same profile under another device name and environment.
+    other = table.model_copy(update={
+        "entries": [e.model_copy(update={"device": "l4"}) for e in table.entries],
+        "casts": [c.model_copy(update={"device": "l4"}) for c in table.casts],
+        "optimizer": [o.model_copy(update={"device": "l4"}) for o in table.optimizer],
+        "environment": {"l4": {**table.environment["cpu"], "hardware": "NVIDIA L4",
+                               "cuda": "12.4"}},
+        "notes": [n.replace("cpu:", "l4:", 1) for n in table.notes]})
+    merged = merge([table, other])
+    assert len(merged.entries) == 2 * len(table.entries)
+    assert {(e.device, e.source) for e in merged.entries} == {("cpu", "measured"),
+                                                              ("l4", "measured")}
+    assert {c.device for c in merged.casts} == {"cpu", "l4"}
+    assert {o.device for o in merged.optimizer} == {"cpu", "l4"}
+    assert merged.environment["l4"]["cuda"] == "12.4"
+    assert merged.environment["cpu"] == table.environment["cpu"]
+    assert merged.activation_flow == "fp32"
     assert any(n.startswith("cpu: measured on") for n in merged.notes)
-    assert any(n.startswith("[t4] ") for n in merged.notes)
-    # The replayer takes the merged table for a hybrid of both devices.
-    Replayer(digits_graph, parse_shorthand("cpux1+t4x1"), merged)
+    assert any(n.startswith("l4: measured on") for n in merged.notes)
+    merged = CostTable.model_validate(json.loads(merged.model_dump_json()))  # schema-valid
+    # Estimates (native flow) do not mix with in-context profiles (fp32 flow) ...
+    est = estimate(digits_graph, parse_shorthand("t4x1"))
+    with pytest.raises(QsyncInputError, match="activation flows"):
+        merge([table, est])
+    # ... but do with isolated profiles, and the replayer takes the result.
+    iso = profile("digits_cnn", device="cpu", repeats=1, warmup=0, precisions=["fp32"],
+                  graph=digits_graph, method="isolated")
+    both = merge([iso, est])
+    assert {(e.device, e.source) for e in both.entries} >= {("cpu", "measured"),
+                                                            ("t4", "estimated")}
+    assert any(n.startswith("[t4] ") for n in both.notes)
+    Replayer(digits_graph, parse_shorthand("cpux1+t4x1"), both)
 
 
 def test_merge_refuses_mismatches(digits_graph: ModelGraph, digits_profile: Profile) -> None:
