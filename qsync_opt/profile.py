@@ -687,7 +687,7 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
         menu.insert(0, Precision.fp32)
     menu.sort(key=lambda p: p != Precision.fp32)
     runs = run_uniform(model_builder(model), stepper(wl, graph.batch_size, dev), graph, menu,
-                       repeats, warmup)
+                       repeats, warmup, clock=_Timer(dev).now)
     ref = runs[Precision.fp32]
     out: dict[tuple[str, Precision], tuple[float, float]] = {}
     spread: dict[tuple[str, str], tuple[float, float]] = {}

@@ -87,7 +87,9 @@ def uniform_assignment(graph: ModelGraph, p: Precision) -> dict[str, Precision]:
 class _Recorder:
     """Module hooks appending (kind, op, time) events; kinds fpre/fpost/bpre/bpost."""
 
-    def __init__(self, model: nn.Module, calls: dict[str, list[str]]) -> None:
+    def __init__(self, model: nn.Module, calls: dict[str, list[str]],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # on a GPU: synchronise, then read the time
         self.events: list[tuple[str, str, float]] = []
         self.calls = calls
         self.count: dict[str, int] = {}
@@ -116,12 +118,12 @@ class _Recorder:
             op = self._op(name, k)
             if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                 self.early.add(op)
-            self.events.append(("fpre", op, time.perf_counter()))
+            self.events.append(("fpre", op, self.clock()))
         return hook
 
     def _fpost(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any, out: Any) -> None:
-            t = time.perf_counter()
+            t = self.clock()
             k = self.count.get(name, 0)
             self.count[name] = k + 1
             self.events.append(("fpost", self._op(name, k), t))
@@ -129,7 +131,7 @@ class _Recorder:
 
     def _bpre(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, grad_out: Any) -> None:
-            t = time.perf_counter()
+            t = self.clock()
             k = self.bcount.get(name, 0)
             self.bcount[name] = k + 1
             n = len(self.calls[name])
@@ -140,7 +142,7 @@ class _Recorder:
 
     def _bpost(self, name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, grad_in: Any, grad_out: Any) -> None:
-            self.events.append(("bpost", self.last_bpre.get(name, name), time.perf_counter()))
+            self.events.append(("bpost", self.last_bpre.get(name, name), self.clock()))
         return hook
 
     def reset(self) -> None:
@@ -193,6 +195,7 @@ def run_uniform(
     repeats: int,
     warmup: int,
     budget_s: float = 20.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[Precision, UniformRun]:
     """Measure every uniform precision in context (see the module docstring).
 
@@ -230,7 +233,7 @@ def run_uniform(
                     continue
                 m = models[p]
                 t0, t1, t2, t3 = step(m)
-                rec = _Recorder(m, calls)
+                rec = _Recorder(m, calls, clock)
                 t0h, t1h, t2h, _ = step(m)
                 rec.remove()
                 if warm[p] > 0:
