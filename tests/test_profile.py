@@ -263,3 +263,14 @@ def test_pin_malloc_is_idempotent() -> None:
 
     first = pin_malloc()
     assert pin_malloc() is first
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_in_context_profile_on_cuda(digits_graph: ModelGraph) -> None:
+    prof = profile_detailed("digits_cnn", device="cuda", repeats=2, warmup=1,
+                            precisions=["fp32", "bf16", "fp16"], graph=digits_graph)
+    table = prof.table
+    CostTable.model_validate(json.loads(table.model_dump_json()))
+    assert table.activation_flow == "fp32"
+    assert table.environment[next(iter(table.environment))]["cuda"] not in ("", "cpu")
+    assert set(prof.uniform_ms) >= {"fp32", "bf16"}
