@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from qsync_opt.models import compute_loss, get_workload
@@ -45,7 +46,7 @@ from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
 from qsync_opt.runtime import apply_plan
-from qsync_opt.runtime.memory import measure_plan_memory
+from qsync_opt.runtime.memory import measure_plan_memory, measure_step_memory
 from qsync_opt.schemas import CommModel, CostTable
 from qsync_opt.solve import _reachable_ms, solve
 from qsync_opt.synthetic import random_indicator
@@ -155,6 +156,60 @@ def single_process(name: str, repeats: int) -> tuple[list[float], list[float], C
 # ----------------------------------------------------------------------------- two processes
 
 
+def _ddp_rank(rank: int, world: int, init: str, name: str, b: int, plans: dict[str, str],
+              q: Any) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    pin_malloc()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        wl = get_workload(name)
+        out = {}
+        for label, text in plans.items():
+            torch.manual_seed(0)
+            model = wl.build().float().train()
+            apply_plan(model, Plan.model_validate_json(text), "cpu")
+            ddp = DDP(model, forward_sync_buffers=False)  # the runtime's DDPSync wrapping
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            x = wl.make_inputs(b, torch.device("cpu"))
+            y = wl.make_targets(b, torch.device("cpu"))
+
+            def step(ddp: Any = ddp, opt: Any = opt, x: Any = x, y: Any = y) -> None:
+                compute_loss(wl, ddp(*x), y).backward()
+                opt.step()
+
+            opt.zero_grad(set_to_none=True)
+            step()
+            opt.zero_grad(set_to_none=True)
+            out[label] = measure_step_memory(model, step, optimizer=opt,
+                                             extra=(*x, y)).peak_bytes
+        if rank == 0:
+            q.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_peak_bytes(name: str, b: int, plans: dict[str, Plan]) -> dict[str, int]:
+    """Rank 0's exact peak of one DDP step (2 gloo processes) per plan."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    texts = {k: p.model_dump_json() for k, p in plans.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_ddp_rank, args=(r, 2, f"file://{tmp}/s", name, b, texts, q))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            return q.get(timeout=900)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+
+
 def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> float:
     path = tmp / f"{label}.plan.json"
     plan.save(path)
@@ -188,13 +243,15 @@ def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel
             + ["random mixed 0"])
     raw_errs: list[float] = []
     cal_errs: list[float] = []
+    mem_errs: list[float] = []
     print(f"\n== {name}, batch {b} per rank, 2 gloo processes (qsync-opt train --nproc 2, "
           f"{steps} steps, median step_ms of the slower rank from step 5); predicted all-reduce "
           f"{sum(prob.replayer.bucket_ms):.2f} ms in {len(prob.replayer.bucket_ms)} buckets, "
           f"stats + buffer syncs {prob.replayer.step_sync_ms:.2f} ms")
     print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'x runtime':>10} "
-          f"{'error':>7}")
+          f"{'error':>7}   {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
     factor = None
+    peaks = ddp_peak_bytes(name, b, {k: plans[k] for k in keep})
     with tempfile.TemporaryDirectory() as d:
         for label in keep:
             tl = prob.replayer.simulate(plans[label], events=False)
@@ -210,9 +267,14 @@ def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel
                 cal_errs.append(abs(ec))
             tag = ("  (sets the runtime factor)" if label == "uniform fp32"
                    else "  (held out)" if held else "")
-            print(f"{label:>22} {pred:9.2f} {meas:9.2f} {e:+7.1%} {cal:10.2f} {ec:+7.1%}{tag}")
+            pm = tl.groups["cpu"].peak_memory_bytes
+            mm = peaks[label]
+            mem_errs.append(abs(pm - mm) / mm)
+            print(f"{label:>22} {pred:9.2f} {meas:9.2f} {e:+7.1%} {cal:10.2f} {ec:+7.1%}   "
+                  f"{pm / MIB:9.2f} {mm / MIB:9.2f} {(pm - mm) / mm:+7.1%}{tag}")
     print(f"runtime factor (launched step / single-process prediction, uniform fp32): "
-          f"x{factor:.3f}")
+          f"x{factor:.3f}; memory: rank 0's exact peak of one DDP step, worst |error| "
+          f"{max(mem_errs):.1%}")
     return raw_errs, cal_errs
 
 

@@ -684,13 +684,18 @@ class Replayer:
         return saved, float(wcopy), work
 
     def _static_memory(self, grp: _Group) -> dict[str, int]:
-        return {
+        mem = {
             "weights_fp32": self.graph.param_bytes,
             "grads_fp32": self.graph.param_bytes,
             "optimizer_state": grp.optimizer_state_bytes,
             "buffers": self.graph.buffer_bytes,
             "context": self.context[grp.name],
         }
+        if not self.native_flow and self.cluster.world_size > 1:
+            # The runtime's DDP keeps its FP32 gradient buckets for the run: one more copy
+            # of the gradients (measured: +param bytes per rank, digits_cnn and tiny_gpt).
+            mem["ddp_buckets"] = self.graph.param_bytes
+        return mem
 
     # ------------------------------------------------------------------ the event loop
 
