@@ -44,7 +44,7 @@ from qsync_opt import Plan, parse_shorthand, trace
 from qsync_opt._env import cpu_model, pin_malloc
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
-from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
+from qsync_opt.profile import measure_comm_local, profile_detailed, spawn_local, with_comm
 from qsync_opt.runtime import apply_plan
 from qsync_opt.runtime.memory import measure_plan_memory, measure_step_memory
 from qsync_opt.schemas import CommModel, CostTable
@@ -156,58 +156,35 @@ def single_process(name: str, repeats: int) -> tuple[list[float], list[float], C
 # ----------------------------------------------------------------------------- two processes
 
 
-def _ddp_rank(rank: int, world: int, init: str, name: str, b: int, plans: dict[str, str],
-              q: Any) -> None:
-    import torch.distributed as dist
+def _ddp_peaks(rank: int, name: str, b: int, plans: dict[str, str]) -> dict[str, int]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    pin_malloc()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        wl = get_workload(name)
-        out = {}
-        for label, text in plans.items():
-            torch.manual_seed(0)
-            model = wl.build().float().train()
-            apply_plan(model, Plan.model_validate_json(text), "cpu")
-            ddp = DDP(model, forward_sync_buffers=False)  # the runtime's DDPSync wrapping
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-            x = wl.make_inputs(b, torch.device("cpu"))
-            y = wl.make_targets(b, torch.device("cpu"))
+    wl = get_workload(name)
+    out = {}
+    for label, text in plans.items():
+        torch.manual_seed(0)
+        model = wl.build().float().train()
+        apply_plan(model, Plan.model_validate_json(text), "cpu")
+        ddp = DDP(model, forward_sync_buffers=False)  # the runtime's DDPSync wrapping
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        x = wl.make_inputs(b, torch.device("cpu"))
+        y = wl.make_targets(b, torch.device("cpu"))
 
-            def step(ddp: Any = ddp, opt: Any = opt, x: Any = x, y: Any = y) -> None:
-                compute_loss(wl, ddp(*x), y).backward()
-                opt.step()
+        def step(ddp: Any = ddp, opt: Any = opt, x: Any = x, y: Any = y) -> None:
+            compute_loss(wl, ddp(*x), y).backward()
+            opt.step()
 
-            opt.zero_grad(set_to_none=True)
-            step()
-            opt.zero_grad(set_to_none=True)
-            out[label] = measure_step_memory(model, step, optimizer=opt,
-                                             extra=(*x, y)).peak_bytes
-        if rank == 0:
-            q.put(out)
-    finally:
-        dist.destroy_process_group()
+        opt.zero_grad(set_to_none=True)
+        step()
+        opt.zero_grad(set_to_none=True)
+        out[label] = measure_step_memory(model, step, optimizer=opt, extra=(*x, y)).peak_bytes
+    return out
 
 
 def ddp_peak_bytes(name: str, b: int, plans: dict[str, Plan]) -> dict[str, int]:
     """Rank 0's exact peak of one DDP step (2 gloo processes) per plan."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     texts = {k: p.model_dump_json() for k, p in plans.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_ddp_rank, args=(r, 2, f"file://{tmp}/s", name, b, texts, q))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            return q.get(timeout=900)
-        finally:
-            for p in procs:
-                p.join(timeout=60)
+    return spawn_local(_ddp_peaks, 2, name, b, texts)
 
 
 def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> float:

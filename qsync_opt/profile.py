@@ -353,17 +353,48 @@ def _measure_allreduce(device: torch.device, repeats: int, warmup: int) -> CommM
                                 f"({n} ranks)", source="measured")
 
 
-def _comm_rank(rank: int, world: int, init: str, q: Any, repeats: int, warmup: int) -> None:
+def _gloo_rank(rank: int, world: int, init: str, q: Any, fn: Callable[..., Any],
+               args: tuple[Any, ...]) -> None:
     import torch.distributed as dist
 
+    from ._env import pin_malloc
+
     torch.set_num_threads(1)
+    pin_malloc()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        comm = _measure_allreduce(torch.device("cpu"), repeats, warmup)
+        out = fn(rank, *args)
         if rank == 0:
-            q.put(comm.model_dump_json() if comm is not None else "")
+            q.put(out)
     finally:
         dist.destroy_process_group()
+
+
+def spawn_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 900) -> Any:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes joined in one gloo group (one
+    thread each, malloc pinned); return rank 0's result (picklable; ``fn`` importable)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/store"
+        procs = [ctx.Process(target=_gloo_rank, args=(r, world, init, q, fn, args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            return q.get(timeout=timeout_s)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+
+
+def _comm_json(rank: int, repeats: int, warmup: int) -> str:
+    comm = _measure_allreduce(torch.device("cpu"), repeats, warmup)
+    return comm.model_dump_json() if comm is not None else ""
 
 
 def measure_comm_local(world: int = 2, repeats: int = DEFAULT_REPEATS,
@@ -373,26 +404,10 @@ def measure_comm_local(world: int = 2, repeats: int = DEFAULT_REPEATS,
     What ``qsync-opt train --nproc N`` runs on: use it to predict a local multi-process run
     when the profile was taken in one process (whose comm model is the estimator's).
     """
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     if world < 2:
         raise QsyncInputError(f"world: expected at least 2 processes, got {world}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_comm_rank, args=(r, world, init, q, repeats, warmup))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            out = q.get(timeout=300)
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-    return CommModel.model_validate_json(out)
+    return CommModel.model_validate_json(
+        spawn_local(_comm_json, world, repeats, warmup, timeout_s=300))
 
 
 def with_comm(table: CostTable, graph: ModelGraph, comm: CommModel) -> CostTable:
@@ -696,9 +711,9 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
         if wanted is not None and p not in wanted:
             continue
         for o in choosable:
-            if p not in _op_precisions(o, spec) or run.assignment.get(
-                    _module_of(o), Precision.fp32) != p and p != Precision.fp32:
-                continue
+            ran = run.assignment.get(o.module_name, Precision.fp32)
+            if p not in _op_precisions(o, spec) or (p != Precision.fp32 and ran != p):
+                continue  # not run at p in the uniform run (the op does not allow it)
             f = run.op_fwd.get(o.name, 0.0) + run.seg_fwd.get(o.name, 0.0) - ref.seg_fwd.get(
                 o.name, 0.0)
             b = run.op_bwd.get(o.name, 0.0) + run.seg_bwd.get(o.name, 0.0) - ref.seg_bwd.get(
@@ -743,11 +758,6 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
         notes.append(f"{dev_name}: {clamped} choosable entries were negative after the "
                      "segment change and were clamped to 0")
     return out, spread, notes, runs
-
-
-def _module_of(op: OpNode) -> str:
-    tie = op.tie_group or ""
-    return tie[len("module:"):] if tie.startswith("module:") else op.name
 
 
 # ----------------------------------------------------------------------------- derive

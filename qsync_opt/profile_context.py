@@ -71,9 +71,7 @@ def module_calls(graph: ModelGraph) -> dict[str, list[str]]:
     for op in graph.ops:
         if op.role != OpRole.choosable:
             continue
-        tie = op.tie_group or ""
-        mod = tie[len("module:"):] if tie.startswith("module:") else op.name
-        out.setdefault(mod, []).append(op.name)
+        out.setdefault(op.module_name, []).append(op.name)
     return out
 
 

@@ -623,10 +623,8 @@ class Replayer:
         grads = [0.0] * self.n
         seen: set[str] = set()
         for i, op in enumerate(self.ops):
-            mod = (op.tie_group or "")
-            key = mod if mod.startswith("module:") else op.name
-            if key not in seen:
-                seen.add(key)
+            if op.module_name not in seen:  # a module's gradient once, at its first call
+                seen.add(op.module_name)
                 grads[i] = op.param_count * 4.0
         best = (-1.0, 0.0, 0.0, 0.0, 0.0)  # total, activations, copies, grads, workspace
         acts = copies = 0.0

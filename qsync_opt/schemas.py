@@ -324,6 +324,13 @@ class OpNode(Schema):
     def unique_saved_bytes(self) -> int:
         return self.saved_bytes - self.saved_shared_bytes
 
+    @property
+    def module_name(self) -> str:
+        """The module whose weights the op uses: a module called several times is one
+        ('module:' tie group, named after its first call); otherwise the op's own name."""
+        tie = self.tie_group or ""
+        return tie[len("module:"):] if tie.startswith("module:") else self.name
+
 
 class Edge(Schema):
     """A tensor flowing from one op to another."""

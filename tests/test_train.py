@@ -85,6 +85,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_two_ranks(config: Path, stdout: int, **extra: str) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of ``config`` started by hand (no torchrun), stderr piped."""
+    port = str(_free_port())
+    return [subprocess.Popen([sys.executable, "-m", "qsync_opt.runtime.train", str(config)],
+                             env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra),
+                             stdout=stdout, stderr=subprocess.PIPE, text=True)
+            for r in (0, 1)]
+
+
 # ----------------------------------------------------------------------------- weighting
 
 
@@ -211,15 +221,8 @@ def test_a_dead_rank_makes_the_other_fail_within_the_timeout(mixed_plan: Path,
     cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=8)
     path = tmp_path / "die.json"
     cfg.save(path)
-    port = str(_free_port())
-    procs = []
     t0 = time.monotonic()
-    for r in (0, 1):
-        env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, QSYNC_TEST_DIE_AT_STEP="1:2")
-        procs.append(subprocess.Popen([sys.executable, "-m", "qsync_opt.runtime.train",
-                                       str(path)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+    procs = _start_two_ranks(path, subprocess.PIPE, QSYNC_TEST_DIE_AT_STEP="1:2")
     try:
         outs = [p.communicate(timeout=90) for p in procs]
     finally:
@@ -240,14 +243,7 @@ def test_a_stalled_rank_makes_the_other_fail_by_the_collective_timeout(
     cfg = _config(mixed_plan, tmp_path / "hang", steps=6, emulate_dp=False, timeout_s=5)
     path = tmp_path / "hang.json"
     cfg.save(path)
-    port = str(_free_port())
-    procs = []
-    for r in (0, 1):
-        env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, QSYNC_TEST_HANG_AT_STEP="1:2")
-        procs.append(subprocess.Popen([sys.executable, "-m", "qsync_opt.runtime.train",
-                                       str(path)], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
+    procs = _start_two_ranks(path, subprocess.DEVNULL, QSYNC_TEST_HANG_AT_STEP="1:2")
     try:
         t0 = time.monotonic()
         _, err = procs[0].communicate(timeout=50)
