@@ -1,7 +1,7 @@
 """Device catalog: published datasheet figures per accelerator, and this machine's CPU.
 
 Every figure below is a dense (non-sparse) peak from the vendor's datasheet or whitepaper;
-the source ids (N1..N11, X1..X5) refer to ../shared/DEVICES.md, which gives the URLs, the
+the source ids (N1..N11, X1..X5) refer to docs/DEVICES.md, which gives the URLs, the
 cross-checks and the conflicts (sparse figures halved for L4, H100 and H200). Memory:
 ``memory_bytes`` is the vendor capacity read as binary GiB (NVIDIA's "GB" for GPU memory),
 ``usable_memory_bytes`` the total nvidia-smi reports (ECC on for GDDR6 cards, note M).

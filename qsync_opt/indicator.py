@@ -34,7 +34,7 @@ and the backward terms follow the same way through the vector-Jacobian products 
 
 The third (second-order) terms are dropped: they are smaller than the others by the product
 of two relative steps (< 1e-4 for int8). For ``Y = X W^T`` with per-tensor steps the forward
-expression reduces to PAPERS.md's ``(M ||W||^2 s_x^2 + N ||X||^2 s_w^2) / 6`` when fractions
+expression reduces to docs/PAPERS.md's ``(M ||W||^2 s_x^2 + N ||X||^2 s_w^2) / 6`` when fractions
 are uniform; the tests hold it against the measured error of the ops library's real int8
 and 16-bit kernels.
 

@@ -1,6 +1,6 @@
 """Replayer: simulate one mixed-precision hybrid data-parallel iteration.
 
-QSync's predictor of time and memory (PAPERS.md, QSync replayer paragraph). For every device
+QSync's predictor of time and memory (docs/PAPERS.md, QSync replayer paragraph). For every device
 group of the cluster (all devices of a group run the same plan, so one represents it):
 
 * **Dtype flow** (the neighbourhood-aware cost mapper). A choosable op at precision ``p``

@@ -1,6 +1,6 @@
 """QSync's allocator: start fast, then raise precision where it buys the most.
 
-The algorithm of the paper (PAPERS.md, QSync allocator paragraph), over every device group:
+The algorithm of the paper (docs/PAPERS.md, QSync allocator paragraph), over every device group:
 
 1. **Start** from the fastest plan that fits memory on each group: per unit the choice with
    the least unary time (ties to the lower precision); while the group does not fit, move

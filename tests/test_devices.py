@@ -1,4 +1,4 @@
-"""The device catalog (qsync_opt.devices) against ../shared/DEVICES.md, and the CPU entry."""
+"""The device catalog (qsync_opt.devices) against docs/DEVICES.md, and the CPU entry."""
 
 from __future__ import annotations
 
