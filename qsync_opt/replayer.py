@@ -333,6 +333,9 @@ class Replayer:
         self.groups = [self._prepare_group(g) for g in self.cluster.groups]
         self.context = {g.name: (context_bytes if get_device(g.device).compute_capability else 0)
                         for g in self.cluster.groups}
+        self.grads = self._module_grads()
+        #: How many memory terms :meth:`_mem_terms` gives per op on this flow.
+        self.n_mem_terms = 3 if self.native_flow else 4
 
     def _prepare_group(self, g: Any) -> _Group:
         dev = get_device(g.device)
@@ -611,37 +614,71 @@ class Replayer:
             return op.saved_bytes * s, 4.0 * wn, inb + 2 * outb, outb + gin
         return op.saved_bytes * s, 0.0, inb + outb, outb + gin  # int8 matmul: fp32 copies
 
-    def _runtime_peak(self, grp: _Group, prec: Sequence[Precision | None]) -> dict[str, int]:
-        """Memory components at the peak of one step on the runtime (the fp32 flow).
+    def _module_grads(self) -> list[float]:
+        """Per op, the fp32 gradient bytes it brings into being in backward: a module's
+        gradient once, at its first call (the runtime's timeline)."""
+        grads = [0.0] * self.n
+        seen: set[str] = set()
+        for i, op in enumerate(self.ops):
+            if op.module_name not in seen:
+                seen.add(op.module_name)
+                grads[i] = op.param_count * 4.0
+        return grads
+
+    def _mem_terms(self, grp: _Group, i: int, prec: Sequence[Precision | None],
+                   din: Sequence[DType], dout: Sequence[DType]) -> tuple[float, ...]:
+        """Op i's memory terms, the input of :meth:`_memory`: (saved, weight copy, working
+        set) on the native flow; (saved, weight copy, forward transient, backward transient)
+        on the fp32 flow (:meth:`_runtime_memory`)."""
+        if self.native_flow:
+            return self._op_memory(grp, i, prec, din, dout)
+        return self._runtime_memory(grp, i, prec[i])
+
+    def _memory(self, grp: _Group, cols: Sequence[Sequence[float]]) -> dict[str, int]:
+        """A group's memory components at its peak from every op's terms, column-wise
+        (``cols[c][i]`` is term c of op i, :meth:`_mem_terms`).
+
+        The one memory computation: :meth:`simulate` and :class:`IncrementalReplay` both
+        call it, so they report the same bytes on both flows. Native flow: a sum (every
+        saved activation and weight copy, plus the largest working set). fp32 flow: the
+        runtime's timeline, :meth:`_runtime_peak`.
+        """
+        if not self.native_flow:
+            return self._runtime_peak(grp, cols)
+        saved, wcopy, work = cols
+        mem = self._static_memory(grp)
+        mem["weight_copies"] = int(sum(wcopy))
+        mem["activations"] = int(sum(saved))
+        mem["workspace"] = int(max(work, default=0.0))
+        return mem
+
+    def _runtime_peak(self, grp: _Group, cols: Sequence[Sequence[float]]) -> dict[str, int]:
+        """Memory components at the peak of one step on the runtime (the fp32 flow), from
+        the ops' :meth:`_runtime_memory` terms, column-wise.
 
         A timeline, not a sum: in forward, op i holds the activations and weight copies saved
         up to it plus its transient; in backward (gradients set to None before the step, as
         the runtime does) op i holds what was saved up to it, the fp32 gradients of the ops
         from i on, and its transient. The peak is the largest of these.
         """
-        terms = [self._runtime_memory(grp, i, prec[i]) for i in range(self.n)]
-        grads = [0.0] * self.n
-        seen: set[str] = set()
-        for i, op in enumerate(self.ops):
-            if op.module_name not in seen:  # a module's gradient once, at its first call
-                seen.add(op.module_name)
-                grads[i] = op.param_count * 4.0
+        saved, wcopy, fwd_t, bwd_t = cols
+        grads = self.grads
         best = (-1.0, 0.0, 0.0, 0.0, 0.0)  # total, activations, copies, grads, workspace
         acts = copies = 0.0
-        for a, w, f, _ in terms:
+        for a, w, f in zip(saved, wcopy, fwd_t, strict=True):
             acts += a
             copies += w
             if acts + copies + f > best[0]:
                 best = (acts + copies + f, acts, copies, 0.0, f)
         g_after = 0.0
         for i in range(self.n - 1, -1, -1):
-            a, w, _, b = terms[i]
             g_after += grads[i]
+            b = bwd_t[i]
             total = acts + copies + g_after + b
             if total > best[0]:
                 best = (total, acts, copies, g_after, b)
-            acts -= a
-            copies -= w
+            acts -= saved[i]
+            copies -= wcopy[i]
         mem = self._static_memory(grp)
         mem["grads_fp32"] = int(best[3])
         mem["weight_copies"] = int(best[2])
@@ -728,19 +765,8 @@ class Replayer:
                 if phase == 0:
                     fwd_end = t
             ready.append([done_bwd[f] for f in self.bucket_first])
-            if self.native_flow:
-                mem = self._static_memory(grp)
-                saved = wcopy = work = 0.0
-                for i in range(self.n):
-                    a, w, k = self._op_memory(grp, i, prec, din, dout)
-                    saved += a
-                    wcopy += w
-                    work = max(work, k)
-                mem["weight_copies"] = int(wcopy)
-                mem["activations"] = int(saved)
-                mem["workspace"] = int(work)
-            else:
-                mem = self._runtime_peak(grp, prec)
+            terms = [self._mem_terms(grp, i, prec, din, dout) for i in range(self.n)]
+            mem = self._memory(grp, [[t[c] for t in terms] for c in range(self.n_mem_terms)])
             per_group.append({"fwd": fwd_end, "bwd": t - fwd_end, "end_bwd": t,
                               "cast": cast_ms, "n_casts": n_casts, "mem": mem})
         sched = self.sync.schedule(ready, self.bucket_ms)
@@ -861,9 +887,14 @@ class _Fenwick:
 
 @dataclass
 class Change:
+    """The replay's state after a change: what :meth:`Replayer.simulate` would report as
+    ``iteration_ms``, ``fits``, every group's ``peak_memory_bytes`` and ``compute_ms``
+    (forward plus backward, casts included: ``GroupTimeline.compute_ms``)."""
+
     iteration_ms: float
     fits: bool
     peak_memory_bytes: dict[str, int]
+    compute_ms: dict[str, float] = field(default_factory=dict)
 
 
 class IncrementalReplay:
@@ -874,6 +905,12 @@ class IncrementalReplay:
     ready time is the forward total plus a suffix of the backward items. Changing op o on a
     group re-derives dtypes from o through the pass-through/promote ops its output reaches,
     and re-costs o, those ops and their consumers: its neighbourhood, not the graph.
+
+    Memory: every op's memory terms (``mem[g][c][i]``, :meth:`Replayer._mem_terms`) are kept
+    and re-costed with its time; :meth:`state` gives them to :meth:`Replayer._memory`, the
+    computation :meth:`Replayer.simulate` makes, so the two report the same bytes on both
+    flows (a sum on the native flow, the runtime's timeline on the fp32 flow; O(ops) per
+    state, in C sums on the native flow and one Python pass each way on the fp32 flow).
     """
 
     def __init__(self, rep: Replayer, plan: Plan | Mapping[str, Mapping[str, Precision | str]]
@@ -884,29 +921,23 @@ class IncrementalReplay:
         self.dout: list[list[DType]] = []
         self.fwd: list[_Fenwick] = []
         self.bwd: list[_Fenwick] = []
-        self.saved: list[list[float]] = []
-        self.wcopy: list[list[float]] = []
-        self.work: list[list[float]] = []
-        self.static: list[int] = []
+        #: Per group, per memory term, per op (columns of :meth:`Replayer._mem_terms`).
+        self.mem: list[list[list[float]]] = []
         for grp, prec in zip(rep.groups, self.prec, strict=True):
             din, dout = rep._dtypes(prec)
             self.din.append(din)
             self.dout.append(dout)
-            f_vals, b_vals, s_vals, w_vals, k_vals = [], [], [], [], []
+            f_vals, b_vals = [], []
+            cols: list[list[float]] = [[] for _ in range(rep.n_mem_terms)]
             for i in range(rep.n):
                 fi, bi = rep._op_items(grp, i, prec, din, dout)
                 f_vals.append(sum(x[2] for x in fi))
                 b_vals.append(sum(x[2] for x in bi))
-                a, w, k = rep._op_memory(grp, i, prec, din, dout)
-                s_vals.append(a)
-                w_vals.append(w)
-                k_vals.append(k)
+                for col, v in zip(cols, rep._mem_terms(grp, i, prec, din, dout), strict=True):
+                    col.append(v)
             self.fwd.append(_Fenwick(f_vals))
             self.bwd.append(_Fenwick(b_vals))
-            self.saved.append(s_vals)
-            self.wcopy.append(w_vals)
-            self.work.append(k_vals)
-            self.static.append(sum(rep._static_memory(grp).values()))
+            self.mem.append(cols)
         self.calls = 0
 
     def precision(self, group: str, op: str) -> Precision | None:
@@ -956,10 +987,9 @@ class IncrementalReplay:
             fi, bi = rep._op_items(grp, j, prec, din, dout)
             self.fwd[gi].set(j, sum(x[2] for x in fi))
             self.bwd[gi].set(j, sum(x[2] for x in bi))
-            a, w, k = rep._op_memory(grp, j, prec, din, dout)
-            self.saved[gi][j] = a
-            self.wcopy[gi][j] = w
-            self.work[gi][j] = k
+            for col, v in zip(self.mem[gi], rep._mem_terms(grp, j, prec, din, dout),
+                              strict=True):
+                col[j] = v
         return self.state()
 
     def what_if(self, group: str, op: str, precision: Precision) -> Change:
@@ -984,6 +1014,7 @@ class IncrementalReplay:
             btot = b.total()
             ready.append([f + btot - b.prefix(first) for first in rep.bucket_first])
             ends.append(f + btot)
+        compute = {g.name: e for g, e in zip(rep.groups, ends, strict=True)}
         sched = rep.sync.schedule(ready, rep.bucket_ms)
         comm_end = sched.comm_end_ms
         it = max(max(e, comm_end) + g.optimizer_ms for e, g in zip(ends, rep.groups, strict=True)
@@ -991,11 +1022,10 @@ class IncrementalReplay:
         peaks = {}
         fits = True
         for gi, g in enumerate(rep.groups):
-            peak = int(self.static[gi] + int(sum(self.wcopy[gi])) + int(sum(self.saved[gi]))
-                       + int(max(self.work[gi], default=0)))
+            peak = int(sum(rep._memory(g, self.mem[gi]).values()))
             peaks[g.name] = peak
             fits = fits and peak <= g.capacity
-        return Change(iteration_ms=it, fits=fits, peak_memory_bytes=peaks)
+        return Change(iteration_ms=it, fits=fits, peak_memory_bytes=peaks, compute_ms=compute)
 
     def plan(self) -> dict[str, dict[str, Precision]]:
         return {g.name: {self.rep.ops[i].name: p for i, p in enumerate(row) if p is not None}
