@@ -700,11 +700,11 @@ class AllocationProblem:
                 costs = estimate(self.graph, cluster, efficiencies=self.costs.efficiencies,
                                  bucket_cap_bytes=self.costs.bucket_cap_bytes)
             else:
-                missing = sorted(need - have)
-                raise QsyncInputError(
-                    "costs: measured costs lack "
-                    + (", ".join(f"{d}@{b}" for d, b in missing) or "this cluster's comm model")
-                    + "; profile those batches or pass a cost_provider")
+                # Measured costs: the missing batches from a fitted batch model, whose notes
+                # (``batch model: ...``) say so; profile those batches for measured figures.
+                from .batchmodel import BatchScaling
+
+                costs = BatchScaling(self.costs, self.graph)(cluster)
         return AllocationProblem(self.graph, cluster, costs, self.indicator,
                                  options or self.options, cost_provider=self.cost_provider)
 

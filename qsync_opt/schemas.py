@@ -415,7 +415,9 @@ class ModelGraph(Document):
 # --------------------------------------------------------------------------- costs
 
 
-CostSource = Literal["estimated", "measured"]
+#: "scaled": made from measured entries at other batches by a fitted batch model
+#: (:mod:`qsync_opt.batchmodel`).
+CostSource = Literal["estimated", "measured", "scaled"]
 
 
 class OpCost(Schema):

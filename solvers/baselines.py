@@ -50,6 +50,14 @@ def _stamp(sub: AllocationProblem, plan: Plan, solver: str, status: str, sw: Sto
     return plan.model_copy(update={"provenance": prov})
 
 
+def _scaled_notes(problem: AllocationProblem, sub: AllocationProblem) -> list[str]:
+    """What a re-made cluster's costs took from the batch model (measured tables only)."""
+    if sub.costs is problem.costs:
+        return []
+    return [f"costs not measured at this split: {n}" for n in sub.costs.notes
+            if n.startswith("batch model:") and n not in problem.costs.notes]
+
+
 def _sub_options(problem: AllocationProblem, cluster: ClusterSpec) -> Any:
     """The problem's options for a re-made cluster: the same target (so plans are compared
     against one number), strong groups kept where the new cluster still has them."""
@@ -147,7 +155,8 @@ class StrongOnly:
             f"strong-only: {', '.join(g.name for g in cluster.groups)} alone "
             f"({cluster.world_size} devices) at the reference precision, "
             + (f"{', '.join(left)} left out" if left else "no group left out")
-            + f"; global batch {ev.global_batch} instead of {problem.global_batch}", text]
+            + f"; global batch {ev.global_batch} instead of {problem.global_batch}",
+            *_scaled_notes(problem, sub), text]
         return finish(problem, self.name, None, status=status,
                       mode="baseline: strong groups only, no search", options=options, sw=sw,
                       messages=messages, plan=plan,
@@ -197,7 +206,8 @@ class DynamicBatching:
             f"per-device batches re-split with the global batch {problem.global_batch} fixed: "
             f"{split} (was {was}); linear group times "
             + ", ".join(f"{g.name} {t:.2f} ms" for g, t in zip(problem.groups, times, strict=True))
-            + f"; {len(search.scores)} split(s) scored", *notes, text]
+            + f"; {len(search.scores)} split(s) scored", *notes,
+            *_scaled_notes(problem, sub), text]
         return finish(problem, self.name, None, status=status,
                       mode="baseline: dynamic batching at the reference precision",
                       options=options, sw=sw, messages=messages, plan=plan,
