@@ -153,6 +153,35 @@ def test_launch_streams_output_and_passes_the_env(plans, tmp_path, capsys, monke
     assert "hello from ranks" in out and "omp 1" in out
 
 
+def _summary_writer(out: Path, **fields: object) -> str:
+    """A fake torchrun that writes the run's summary.json (as rank 0 would) and exits 0."""
+    doc = {"steps": 5, "world_size": 2, "batches": [48, 16], "final_loss": 0.25,
+           "eval_loss": 0.5, "eval_accuracy": 0.875, "skipped_steps": 0, **fields}
+    return (f"import json, pathlib; pathlib.Path({str(out / 'summary.json')!r})"
+            f".write_text(json.dumps({doc!r}))")
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({}, "final loss 0.2500, eval loss 0.5000, eval accuracy 0.875, 0 skipped step(s)"),
+    # A run whose last step was skipped (non-finite loss) or that diverged: the runtime
+    # writes its non-finite losses as null (strict JSON). It used to crash with a TypeError.
+    ({"final_loss": None, "skipped_steps": 2},
+     "final loss not finite, eval loss 0.5000, eval accuracy 0.875, 2 skipped step(s)"),
+    ({"final_loss": None, "eval_loss": None, "eval_accuracy": None},
+     "final loss not finite, eval loss not finite, 0 skipped step(s)"),
+])
+def test_the_summary_line_of_a_finished_run(plans, tmp_path, capsys, monkeypatch, fields,
+                                            expected) -> None:
+    monkeypatch.setattr(launch, "local_command",
+                        _fake_torchrun(_summary_writer(tmp_path, **fields)))
+    args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--out",
+                 str(tmp_path))
+    assert cmd_train(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == (f"trained 5 steps on 2 rank(s) (cpu, cpu_2; batches [48, 16]): "
+                         f"{expected}; {tmp_path}")
+
+
 ROOT_CAUSE = r'''
 import sys
 print("boom on rank 1", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import socket
 import subprocess
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.problem import AllocationProblem
+from qsync_opt import parse_shorthand, trace
+from qsync_opt.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.train import (
     EmulatedSync,
@@ -28,36 +29,28 @@ from qsync_opt.runtime.train import (
     rank_slice,
     weighted_backward,
 )
-from qsync_opt.synthetic import random_indicator
 
 REPO = Path(__file__).resolve().parents[1]
-FP32, FP16, BF16, INT8, INT8_FULL = range(5)  # indices into a unit's choices
 
 
-@pytest.fixture(scope="module")
-def problem() -> AllocationProblem:
-    g = trace("digits_cnn")
-    c = parse_shorthand("cpux1@48+cpux1@16")  # groups "cpu" and "cpu_2", uneven batches
-    return AllocationProblem(g, c, estimate(g, c), random_indicator(g))
-
-
-def _plan(problem: AllocationProblem, path: Path, second: list[int] | None) -> Path:
-    ref = problem.groups[0].reference
-    plan = problem.make_plan({"cpu": ref, "cpu_2": second if second is not None
-                              else problem.groups[1].reference})
-    plan.save(path)
+def _plan(path: Path, second: dict[str, str]) -> Path:
+    """A digits_cnn plan for groups "cpu" (fp32, batch 48) and "cpu_2" (``second``, batch 16):
+    written directly, so the runtime under test does not depend on what a solver picks."""
+    cluster = parse_shorthand("cpux1@48+cpux1@16")  # uneven batches
+    make_plan(trace("digits_cnn"), cluster, {"cpu_2": second}).save(path)
     return path
 
 
 @pytest.fixture(scope="module")
-def mixed_plan(problem: AllocationProblem, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def mixed_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # second group: conv1 bf16, conv2 int8 (stochastic rounding), fc1 fp16 (loss scaling)
-    return _plan(problem, tmp_path_factory.mktemp("plan") / "mixed.json", [BF16, INT8, FP16])
+    return _plan(tmp_path_factory.mktemp("plan") / "mixed.json",
+                 {"conv1": "bf16", "conv2": "int8", "fc1": "fp16"})
 
 
 @pytest.fixture(scope="module")
-def fp32_plan(problem: AllocationProblem, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _plan(problem, tmp_path_factory.mktemp("plan") / "fp32.json", None)
+def fp32_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _plan(tmp_path_factory.mktemp("plan") / "fp32.json", {})
 
 
 def _config(plan: Path, out: Path, **kw: object) -> TrainConfig:
@@ -83,6 +76,60 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: Collective (and rendezvous) timeout of the two-rank runs that are not about timeouts: this
+#: machine is shared, and a rank that starts late must not fail a run meant to succeed.
+COLLECTIVE_TIMEOUT_S = 300
+#: Wall-clock bound of one launched run: only a hang reaches it.
+RUN_LIMIT_S = 900
+#: Fields of a metrics row that are wall times (never reproducible).
+TIMED = ("step_ms", "compute_ms", "sync_ms")
+GLOO_STEPS = 6
+
+
+def _cli_train(plan: Path, out: Path, steps: int, *extra: str,
+               **env: str) -> subprocess.CompletedProcess[str]:
+    """``qsync-opt train`` with 2 local gloo ranks (torchrun, one rank per group)."""
+    cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn",
+           "--plan", str(plan), "--nproc", "2", "--rank-groups", "0:cpu,1:cpu_2",
+           "--steps", str(steps), "--out", str(out), "--backend", "gloo",
+           "--timeout", str(COLLECTIVE_TIMEOUT_S), *extra]
+    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True,
+                          timeout=RUN_LIMIT_S)
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMED} for r in rows]
+
+
+def _rank_checkpoints(out: Path) -> list[dict]:
+    return [load_checkpoint(out / f"checkpoint.rank{r}.pt") for r in (0, 1)]
+
+
+def _assert_same_tree(a: object, b: object, where: str) -> None:
+    """Checkpoint contents equal bit for bit (tensors by torch.equal, NaN-free plain values)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture(scope="module")
+def gloo_straight(mixed_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GLOO_STEPS uninterrupted steps of the mixed plan on two gloo ranks, state hashes logged."""
+    out = tmp_path_factory.mktemp("gloo") / "straight"
+    p = _cli_train(mixed_plan, out, GLOO_STEPS, QSYNC_LOG_STATE_HASH="1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
 
 
 def _start_two_ranks(config: Path, stdout: int, **extra: str) -> list[subprocess.Popen]:
@@ -176,25 +223,18 @@ def test_nan_guard_skips_on_every_rank_then_stops(mixed_plan: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
-        mixed_plan: Path, tmp_path: Path) -> None:
-    steps = 8
-    cfg = _config(mixed_plan, tmp_path / "ddp", steps=steps, emulate_dp=False)
-    path = tmp_path / "ddp.json"
-    cfg.save(path)
-    port = str(_free_port())
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", port, "-m", "qsync_opt.runtime.train", str(path)],
-        env=_env(QSYNC_LOG_STATE_HASH="1"), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    d0, d1 = _metrics(tmp_path / "ddp", 0), _metrics(tmp_path / "ddp", 1)
-    assert len(d0) == len(d1) == steps
+        mixed_plan: Path, gloo_straight: Path, tmp_path: Path) -> None:
+    steps = GLOO_STEPS
+    d0, d1 = _metrics(gloo_straight, 0), _metrics(gloo_straight, 1)
+    assert [r["step"] for r in d0] == [r["step"] for r in d1] == list(range(steps))
     for a, b in zip(d0, d1, strict=True):  # FP32 weights bit-identical after every step
         assert a["state_sha256"] == b["state_sha256"], a["step"]
-    assert d1[0]["group"] == "cpu_2"
-    s0 = json.loads((tmp_path / "ddp" / "summary.rank0.json").read_text())
-    s1 = json.loads((tmp_path / "ddp" / "summary.rank1.json").read_text())
-    assert s0["state_sha256"] == s1["state_sha256"]
+    assert len({r["state_sha256"] for r in d0}) == steps  # and every step changed them
+    assert [r["group"] for r in d0 + d1] == ["cpu"] * steps + ["cpu_2"] * steps
+    s0 = json.loads((gloo_straight / "summary.rank0.json").read_text())
+    s1 = json.loads((gloo_straight / "summary.rank1.json").read_text())
+    assert s0["state_sha256"] == s1["state_sha256"] == d0[-1]["state_sha256"]
+    assert (s0["world_size"], s0["emulated"], s0["skipped_steps"]) == (2, False, 0)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # same kernels as the single-threaded ranks
@@ -202,7 +242,7 @@ def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
         emulate(_config(mixed_plan, tmp_path / "emu", steps=steps))
     finally:
         torch.set_num_threads(threads)
-    a = load_checkpoint(tmp_path / "ddp" / "checkpoint.rank0.pt")["model"]
+    a = load_checkpoint(gloo_straight / "checkpoint.rank0.pt")["model"]
     b = load_checkpoint(tmp_path / "emu" / "checkpoint.pt")["model"]
     for k, v in a.items():
         if v.is_floating_point():
@@ -212,6 +252,78 @@ def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
     e1 = _metrics(tmp_path / "emu", 1)
     for x, y in zip(d1, e1, strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_killed_and_resumed_reproduce_the_straight_run(
+        mixed_plan: Path, gloo_straight: Path, tmp_path: Path) -> None:
+    """Interrupted for real (rank 1 dies after step 2, the checkpoint is at step 2), then
+    resumed by a second `qsync-opt train`: every rank's final state (model, optimizer, loss
+    scale, RNG, the int8 layers' rounding seeds) and every metrics row equal the run that was
+    never stopped, bit for bit."""
+    out = tmp_path / "resumed"
+    killed = _cli_train(mixed_plan, out, GLOO_STEPS, "--checkpoint-every", "2",
+                        QSYNC_LOG_STATE_HASH="1", QSYNC_TEST_DIE_AT_STEP="1:3")
+    assert killed.returncode == 1, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert [load_checkpoint(out / f"checkpoint.rank{r}.pt")["step"] for r in (0, 1)] == [2, 2]
+    # rank 1 logged step 2 before dying at step 3: rows past the checkpoint, to be dropped
+    assert [r["step"] for r in _metrics(out, 1)] == [0, 1, 2]
+    assert [r["step"] for r in _metrics(out, 0)][:2] == [0, 1]
+
+    resumed = _cli_train(mixed_plan, out, GLOO_STEPS, QSYNC_LOG_STATE_HASH="1")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    for r in (0, 1):
+        summary = json.loads((out / f"summary.rank{r}.json").read_text())
+        straight = json.loads((gloo_straight / f"summary.rank{r}.json").read_text())
+        assert summary["resumed_from_step"] == 2 and summary["steps"] == GLOO_STEPS
+        assert summary["state_sha256"] == straight["state_sha256"]
+        assert summary["eval_per_rank"] == straight["eval_per_rank"]
+        assert summary["final_loss"] == straight["final_loss"]
+        rows, want = _untimed(_metrics(out, r)), _untimed(_metrics(gloo_straight, r))
+        assert [x["step"] for x in rows] == list(range(GLOO_STEPS))
+        assert rows == want, r
+    for r, (a, b) in enumerate(zip(_rank_checkpoints(out), _rank_checkpoints(gloo_straight),
+                                   strict=True)):
+        assert a["step"] == GLOO_STEPS
+        _assert_same_tree(a, b, f"checkpoint.rank{r}")
+
+
+@pytest.mark.slow
+def test_a_nan_loss_on_one_gloo_rank_skips_the_step_on_both(mixed_plan: Path,
+                                                            gloo_straight: Path,
+                                                            tmp_path: Path) -> None:
+    """Rank 1's loss is NaN at steps 2 and 4 (the last); rank 0's is finite. Both ranks skip
+    both steps (their state after a skipped step is their state before it, and the same on
+    both), halve the fp16 loss scale each time, count the skips, and train step 3."""
+    out = tmp_path / "nan"
+    p = _cli_train(mixed_plan, out, 5, QSYNC_LOG_STATE_HASH="1",
+                   QSYNC_TEST_NAN_AT_STEP="1:2,4")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # the last step was skipped: the final loss is NaN (null in the summary), said so
+    assert "final loss not finite" in p.stdout and "2 skipped step(s)" in p.stdout
+    rows = [_metrics(out, r) for r in (0, 1)]
+    straight = _metrics(gloo_straight, 0)
+    for r, m in enumerate(rows):
+        assert [x["step"] for x in m] == [0, 1, 2, 3, 4], r
+        assert [x["skipped"] for x in m] == [False, False, True, False, True], r
+        assert [x["loss_scale"] for x in m] == [2.0 ** k for k in (16, 16, 15, 15, 14)], r
+        # steps before the NaN are the clean run's; a skipped step changed nothing
+        assert [x["state_sha256"] for x in m[:2]] == [x["state_sha256"] for x in straight[:2]]
+        assert m[2]["state_sha256"] == m[1]["state_sha256"], r
+        assert m[3]["state_sha256"] != m[2]["state_sha256"], r  # training went on
+        assert m[4]["state_sha256"] == m[3]["state_sha256"], r
+    for step in (2, 4):
+        assert math.isnan(rows[1][step]["loss"]) and math.isfinite(rows[0][step]["loss"])
+    for a, b in zip(*rows, strict=True):
+        assert a["state_sha256"] == b["state_sha256"], a["step"]
+    for r in (0, 1):
+        s = json.loads((out / f"summary.rank{r}.json").read_text())
+        assert (s["steps"], s["skipped_steps"], s["loss_scale"]) == (5, 2, 2.0 ** 14), r
+        assert s["final_loss"] is None
+    c0, c1 = _rank_checkpoints(out)
+    assert (c0["skipped"], c1["skipped"]) == (2, 2)
+    _assert_same_tree(c0["model"], c1["model"], "model")
+    _assert_same_tree(c0["optimizer"], c1["optimizer"], "optimizer")
 
 
 @pytest.mark.slow

@@ -335,9 +335,17 @@ def _print_summary(config: TrainConfig) -> None:
     except (OSError, ValueError):
         return
     acc = doc.get("eval_accuracy")
+
+    def loss(key: str, measured: bool = True) -> str:
+        # the runtime writes a non-finite number as null (strict JSON)
+        v = doc.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return f"{v:.4f}"
+        return "not finite" if measured else "not measured"
+
     sys.stdout.write(
         f"trained {doc.get('steps')} steps on {doc.get('world_size')} rank(s) "
         f"({', '.join(config.rank_groups)}; batches {doc.get('batches')}): final loss "
-        f"{doc.get('final_loss', float('nan')):.4f}, eval loss {doc.get('eval_loss', float('nan')):.4f}"
+        f"{loss('final_loss')}, eval loss {loss('eval_loss', config.eval_batches > 0)}"
         + (f", eval accuracy {acc:.3f}" if acc is not None else "")
         + f", {doc.get('skipped_steps', 0)} skipped step(s); {path.parent}\n")
