@@ -6,10 +6,10 @@ import copy
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -330,36 +330,40 @@ def test_a_nan_loss_on_one_gloo_rank_skips_the_step_on_both(mixed_plan: Path,
 def test_a_dead_rank_makes_the_other_fail_within_the_timeout(mixed_plan: Path,
                                                              tmp_path: Path) -> None:
     """Ranks started by hand (no torchrun to kill the survivor): rank 0 must fail itself."""
-    cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=8)
+    # The timeout also bounds the rendezvous: generous, so a rank that starts late on this
+    # shared machine is not mistaken for a dead one (rank 0 notices the death by its closed
+    # connection, not by the timeout). No wall-time assertion: only a hang fails by time.
+    cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=60)
     path = tmp_path / "die.json"
     cfg.save(path)
-    t0 = time.monotonic()
     procs = _start_two_ranks(path, subprocess.PIPE, QSYNC_TEST_DIE_AT_STEP="1:2")
     try:
-        outs = [p.communicate(timeout=90) for p in procs]
+        outs = [p.communicate(timeout=RUN_LIMIT_S) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    elapsed = time.monotonic() - t0
     assert procs[1].returncode == 17
     assert procs[0].returncode == 1, outs[0][1][-2000:]
-    assert "rank 0" in outs[0][1]
-    assert elapsed < 60
-    assert len(_metrics(tmp_path / "die", 0)) <= 3
+    assert "qsync-opt train: rank 0: " in outs[0][1]
+    # both ranks trained steps 0 and 1 together; rank 0 failed in step 2, the first without
+    # its peer
+    assert [r["step"] for r in _metrics(tmp_path / "die", 0)] == [0, 1]
+    assert [r["step"] for r in _metrics(tmp_path / "die", 1)] == [0, 1]
 
 
 @pytest.mark.slow
 def test_a_stalled_rank_makes_the_other_fail_by_the_collective_timeout(
         mixed_plan: Path, tmp_path: Path) -> None:
-    cfg = _config(mixed_plan, tmp_path / "hang", steps=6, emulate_dp=False, timeout_s=5)
+    # The timeout bounds the rendezvous too: 15 s of margin for a rank that starts late on
+    # this shared machine (the rows below show the run got past it). Only a hang fails by time.
+    cfg = _config(mixed_plan, tmp_path / "hang", steps=6, emulate_dp=False, timeout_s=15)
     path = tmp_path / "hang.json"
     cfg.save(path)
     procs = _start_two_ranks(path, subprocess.DEVNULL, QSYNC_TEST_HANG_AT_STEP="1:2")
     try:
-        t0 = time.monotonic()
-        _, err = procs[0].communicate(timeout=50)
-        elapsed = time.monotonic() - t0
+        _, err = procs[0].communicate(timeout=RUN_LIMIT_S)
+        stalled_alive = procs[1].poll() is None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -367,11 +371,12 @@ def test_a_stalled_rank_makes_the_other_fail_by_the_collective_timeout(
             p.communicate()
     # It fails, never hangs: usually with our one-line error (exit 1); gloo's C++ layer can
     # also abort the process on the timeout (SIGABRT, -6), which is a failure too.
-    assert procs[0].returncode != 0, err[-2000:]
+    assert procs[0].returncode in (1, -6), (procs[0].returncode, err[-2000:])
     if procs[0].returncode == 1:
-        assert "rank 0" in err
+        assert "qsync-opt train: rank 0: " in err
         assert "Timed out" in err or "timeout" in err.lower()
-    assert elapsed < 45
+    assert stalled_alive  # the other rank is silent, not dead: only the timeout can tell
+    assert [r["step"] for r in _metrics(tmp_path / "hang", 0)] == [0, 1]
 
 
 def test_single_process_run_resumes_exactly(mixed_plan: Path, tmp_path: Path) -> None:
@@ -381,23 +386,25 @@ def test_single_process_run_resumes_exactly(mixed_plan: Path, tmp_path: Path) ->
     straight = run(_config(mixed_plan, tmp_path / "a", steps=4, **one))
     run(_config(mixed_plan, tmp_path / "b", steps=2, checkpoint_every=1, **one))
     resumed = run(_config(mixed_plan, tmp_path / "b", steps=4, **one))
-    assert resumed["resumed_from_step"] == 2
+    assert resumed["resumed_from_step"] == 2 and resumed["world_size"] == 1
     assert resumed["state_sha256"] == straight["state_sha256"]
-    assert _metrics(tmp_path / "a", 0) != [] and resumed["world_size"] == 1
+    a, b = _untimed(_metrics(tmp_path / "a", 0)), _untimed(_metrics(tmp_path / "b", 0))
+    assert [r["step"] for r in a] == [0, 1, 2, 3] and b == a
 
 
 @pytest.mark.slow
 def test_torchrun_with_a_dead_rank_fails_never_hangs(mixed_plan: Path, tmp_path: Path) -> None:
-    cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=8)
+    cfg = _config(mixed_plan, tmp_path / "die", steps=6, emulate_dp=False, timeout_s=60)
     path = tmp_path / "die.json"
     cfg.save(path)
-    t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.run(  # only a hang reaches the timeout
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "qsync_opt.runtime.train", str(path)],
-        env=_env(QSYNC_TEST_DIE_AT_STEP="1:2"), capture_output=True, text=True, timeout=90)
-    assert proc.returncode != 0
-    assert time.monotonic() - t0 < 60
+        env=_env(QSYNC_TEST_DIE_AT_STEP="1:2"), capture_output=True, text=True,
+        timeout=RUN_LIMIT_S)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*17\b", proc.stderr), proc.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path / "die", 1)] == [0, 1]
 
 
 # ----------------------------------------------------------------------------- bad input
