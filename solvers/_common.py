@@ -1,15 +1,203 @@
-"""What every backend shares: turning an assignment into a Plan and a SolveReport."""
+"""What every backend shares: turning an assignment into a Plan and a SolveReport, the one
+definition of the optimality gap, the deadline of a whole call, and solving a problem
+part by part (one program per group) within it."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import QsyncInputError
 from ..problem import AllocationProblem
 from ..schemas import Plan, SolveReport
 from . import SolveOptions
+
+#: The clock every deadline reads (monotonic seconds). Tests may replace it (a fake clock).
+clock: Callable[[], float] = time.perf_counter
+#: Objective differences below this fraction of the largest possible objective are zero
+#: (bounds of -3.9e-16 on an optimum of 0 are solver noise, not a gap).
+ZERO_REL = 1e-12
+
+
+class Deadline:
+    """The wall-clock limit of a whole call: every solver run, refinement round, fallback and
+    diagnosis inside it gets at most :meth:`remaining` seconds (read from :data:`clock`)."""
+
+    def __init__(self, seconds: float) -> None:
+        if not seconds > 0 or not math.isfinite(seconds):
+            raise QsyncInputError(f"time_limit_s: expected a positive number of seconds, "
+                                  f"got {seconds}")
+        self.seconds = float(seconds)
+        self.end = clock() + self.seconds
+
+    def remaining(self) -> float:
+        """Seconds left (0 once expired)."""
+        return max(0.0, self.end - clock())
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0.0
+
+    def share(self, parts_left: int) -> float:
+        """An equal share of the remaining time among ``parts_left`` parts still to solve."""
+        return self.remaining() / max(1, parts_left)
+
+    def options(self, options: SolveOptions, share: int = 1) -> SolveOptions:
+        """``options`` with the time limit cut to this deadline's share."""
+        import dataclasses
+
+        return dataclasses.replace(options, time_limit_s=self.share(share))
+
+
+def objective_scale(problem: AllocationProblem) -> tuple[float, float, float]:
+    """(largest possible |objective|, largest single |term|, least possible objective): the
+    sums of each unit's largest |weight * Omega|, the largest such term, and the sum of each
+    unit's smallest weight * Omega (a bound no assignment goes below)."""
+    total = top = low = 0.0
+    for g in problem.groups:
+        for row in g.omega1:
+            if row:
+                terms = [g.weight * v for v in row]
+                big = max(abs(v) for v in terms)
+                total += big
+                top = max(top, big)
+                low += min(terms)
+    return total, top, low
+
+
+def relative_gap(objective: float | None, bound: float | None, scale: float) -> float | None:
+    """The one gap of every backend: ``(objective - bound) / max(|objective|, |bound|)``,
+    0 when the difference is within ``ZERO_REL * scale`` (both ~0 included: a proven optimum
+    of 0 has gap 0); None without a bound."""
+    if objective is None or bound is None:
+        return None
+    diff = objective - bound
+    if diff <= ZERO_REL * max(scale, 0.0):
+        return 0.0
+    return diff / max(abs(objective), abs(bound))
+
+
+def clean_bound(objective: float | None, bound: float | None, problem: AllocationProblem,
+                messages: list[str]) -> float | None:
+    """A bound clamped to what is known: never below the least possible objective (tiny
+    negative bounds of a 0 optimum), never above the plan's own objective (within
+    tolerance; a bound far above it is solver output that contradicts itself: dropped,
+    with a message)."""
+    if bound is None or not math.isfinite(bound):
+        return None
+    scale, _, low = objective_scale(problem)
+    bound = max(bound, low)
+    if objective is not None and bound > objective:
+        if bound - objective > 1e-9 * max(abs(objective), ZERO_REL * scale) + ZERO_REL * scale:
+            messages.append(f"bound {bound:.6g} above the plan's own objective {objective:.6g}: "
+                            "the solver's output contradicts itself; bound dropped")
+            return None
+        bound = objective
+    return bound
+
+
+@dataclass
+class PartResult:
+    """One program's outcome (the groups of one part): its assignment (None: none found),
+    the bound on its objective and its size."""
+
+    status: str  # OPTIMAL, FEASIBLE, INFEASIBLE, TIME_LIMIT, ERROR
+    assignment: dict[str, list[int]] | None
+    bound: float | None
+    n_variables: int = 0
+    n_constraints: int = 0
+
+
+def part_objective(problem: AllocationProblem, gis: Sequence[int],
+                   assignment: Mapping[str, Sequence[int]]) -> float:
+    return sum(problem.groups[gi].weight * problem.groups[gi].degradation(
+        assignment[problem.groups[gi].name]) for gi in gis)
+
+
+def part_floor(problem: AllocationProblem, gis: Sequence[int]) -> float:
+    """The least objective any assignment of these groups has (a trivial bound)."""
+    return sum(g.weight * min(r) for gi in gis for g in [problem.groups[gi]] for r in g.omega1
+               if r)
+
+
+#: A second pass over unsolved or unproven parts only when this much time is left.
+MIN_RETRY_S = 0.05
+
+
+def solve_parts(problem: AllocationProblem, parts: Sequence[Sequence[int]],
+                solve_part: Callable[[Sequence[int], float, Mapping[str, Sequence[int]] | None],
+                                     PartResult],
+                deadline: Deadline, messages: list[str], rel_gap: float
+                ) -> tuple[str, dict[str, list[int]] | None, float | None, int, int]:
+    """Solve each part (``solve_part(groups, time limit s, start or None)``) within the
+    deadline: each part gets an equal share of the time that remains. A part that ran out
+    of its share without a plan, or with one not proven optimal, does not end the call:
+    once every part had its turn, the time left is shared among those again (started from
+    their plan, if any), the better result kept. Returns status, assignment, bound (sum over
+    parts; a part with none counts its trivial floor), variables, constraints."""
+    results: list[PartResult | None] = [None] * len(parts)
+    n_vars = n_cons = 0
+
+    def tag(gis: Sequence[int]) -> str:
+        return problem.groups[gis[0]].name if len(gis) == 1 else "all"
+
+    for i, gis in enumerate(parts):
+        res = solve_part(gis, deadline.share(len(parts) - i), None)
+        n_vars += res.n_variables
+        n_cons += res.n_constraints
+        results[i] = res
+        if res.status in ("INFEASIBLE", "ERROR"):
+            return res.status, None, None, n_vars, n_cons
+    retry = [i for i, r in enumerate(results)
+             if r is not None and r.status in ("TIME_LIMIT", "FEASIBLE")]
+    for j, i in enumerate(retry):
+        left = deadline.share(len(retry) - j)
+        if left < MIN_RETRY_S:
+            break
+        old = results[i]
+        assert old is not None
+        new = solve_part(parts[i], left, old.assignment)
+        if new.status in ("INFEASIBLE", "ERROR") and old.assignment is None:
+            return new.status, None, None, n_vars, n_cons
+        results[i] = _better(problem, parts[i], old, new, rel_gap)
+        r = results[i]
+        assert r is not None
+        messages.append(f"{tag(parts[i])}: second pass with {left:.3g} s of the time left "
+                        f"(first pass {old.status}): {r.status}")
+    status = "OPTIMAL"
+    assignment: dict[str, list[int]] = {}
+    bound = 0.0
+    for gis, r in zip(parts, results, strict=True):
+        assert r is not None
+        bound += r.bound if r.bound is not None else part_floor(problem, gis)
+        if r.assignment is None:
+            status = "TIME_LIMIT"
+            messages.append(f"{tag(gis)}: no plan within its share of the time limit")
+            continue
+        assignment.update(r.assignment)
+        if r.status != "OPTIMAL" and status == "OPTIMAL":
+            status = "FEASIBLE"
+    if status == "TIME_LIMIT":
+        return status, None, bound, n_vars, n_cons
+    return status, assignment, bound, n_vars, n_cons
+
+
+def _better(problem: AllocationProblem, gis: Sequence[int], old: PartResult, new: PartResult,
+            rel_gap: float) -> PartResult:
+    """The better of two runs on the same part: the lower objective, the higher bound."""
+    bounds = [b for b in (old.bound, new.bound) if b is not None]
+    bound = max(bounds) if bounds else None
+    cands = [r for r in (old, new) if r.assignment is not None]
+    if not cands:
+        return PartResult("TIME_LIMIT", None, bound)
+    pick = min(cands, key=lambda r: part_objective(problem, gis, r.assignment or {}))
+    obj = part_objective(problem, gis, pick.assignment or {})
+    scale = objective_scale(problem)[0]
+    proven = pick.status == "OPTIMAL" or (
+        bound is not None and obj - bound <= rel_gap * abs(obj) + ZERO_REL * scale)
+    return PartResult("OPTIMAL" if proven else "FEASIBLE", pick.assignment, bound)
 
 
 class Stopwatch:
@@ -57,20 +245,33 @@ def finish(
     messages: Sequence[str] = (),
     extra_options: Mapping[str, Any] | None = None,
     plan: Plan | None = None,
+    optimal_tol: float = 0.0,
 ) -> tuple[Plan | None, SolveReport]:
     """The Plan (None when there is no assignment) and the report of one solve.
 
-    ``objective`` is always recomputed from the problem (never taken from the solver), and
-    ``gap`` is relative: (objective - bound) / max(|objective|, 1e-12).
+    ``objective`` is always recomputed from the problem (never taken from the solver); the
+    bound is clamped (:func:`clean_bound`) and ``gap`` is :func:`relative_gap`. A status
+    OPTIMAL whose plan lies further above the bound than the gap tolerance allows
+    (``options.rel_gap``, HiGHS's absolute 1e-6 of the largest term, ``optimal_tol``) is
+    not trusted: it becomes FEASIBLE, with a message.
     """
     objective = None
-    gap = None
+    messages = list(messages)
     if plan is None and assignment is not None:
         objective = problem.objective(assignment)
     elif plan is not None:
         objective = problem.objective(problem.assignment(plan)) if plan.cluster == problem.cluster else None
-    if objective is not None and bound is not None:
-        gap = max(0.0, objective - bound) / max(abs(objective), 1e-12)
+    scale, top, _ = objective_scale(problem)
+    bound = clean_bound(objective, bound, problem, messages)
+    gap = relative_gap(objective, bound, scale)
+    if status == "OPTIMAL" and objective is not None and bound is not None:
+        allowed = (options.rel_gap * abs(objective) + 1e-6 * top + optimal_tol
+                   + ZERO_REL * scale)
+        if objective - bound > allowed:
+            messages.append(f"{solver}: reported OPTIMAL, but the plan's own objective "
+                            f"{objective:.6g} is {objective - bound:.3g} above the bound "
+                            f"{bound:.6g} (more than the gap tolerance): status FEASIBLE")
+            status = "FEASIBLE"
     opts: dict[str, Any] = options.to_json()
     opts.update(extra_options or {})
     clean = {k: v for k, v in opts.items() if v is None or isinstance(v, (str, int, float, bool))}
@@ -78,7 +279,7 @@ def finish(
         solver=solver, status=status, mode=mode,  # type: ignore[arg-type]
         objective=objective, bound=bound, gap=gap, build_s=sw.build_s, solve_s=sw.solve_s,
         wall_s=sw.wall_s, n_variables=n_variables, n_constraints=n_constraints, options=clean,
-        messages=list(messages))
+        messages=messages)
     if plan is None and assignment is not None:
         plan = problem.make_plan(assignment, {
             "solver": solver, "status": status, "objective": objective, "bound": bound,

@@ -33,16 +33,25 @@ the reported bound (the outer model's) is a bound on the exact problem.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
-from . import SolveOptions
-from ._common import Stopwatch, finish, infeasible_messages, mode_text, program_parts
+from . import SolveOptions, _common
+from ._common import (
+    Deadline,
+    PartResult,
+    Stopwatch,
+    finish,
+    infeasible_messages,
+    mode_text,
+    program_parts,
+    solve_parts,
+)
 from .ilp import (
     FEAS_REL,
     active_pairs,
@@ -206,6 +215,9 @@ class _Solved:
     bound: float  # scaled objective bound / omega_scale
     name: str  # CP-SAT's status name
     wall_s: float
+    own: int | None = None  # the assignment's scaled objective, recomputed
+    reported: float | None = None  # CP-SAT's ObjectiveValue()
+    scaled_bound: float | None = None  # CP-SAT's BestObjectiveBound()
 
 
 #: Programs at most this large (variables) run on one CP-SAT worker by default: measured on
@@ -314,8 +326,51 @@ class CpSat:
 
     def _solve_once(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
                     ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None,
-                    options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch
-                    ) -> tuple[_Solved, int, int]:
+                    options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch,
+                    messages: list[str] | None = None) -> tuple[_Solved, int, int]:
+        """One CP-SAT run; its solution is checked against CP-SAT's own report (the scaled
+        objective of the returned assignment must equal ``ObjectiveValue()``, and an OPTIMAL
+        one must lie within the gap of the bound). On a mismatch with hints it is re-solved
+        without them; without hints the plan is kept as FEASIBLE and the bound dropped."""
+        t_end = _common.clock() + max(time_limit, 0.0)
+        solved, nv, nc = self._solve_raw(cp_model, problem, gis, ints, hints, options,
+                                         time_limit, sc, sw)
+        why = self._inconsistency(solved, options.rel_gap)
+        if why is None:
+            return solved, nv, nc
+        tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
+        if hints is not None and t_end - _common.clock() > 0:
+            if messages is not None:
+                messages.append(f"{tag}: CP-SAT reported {solved.name}, but {why}; re-solved "
+                                "without the hints")
+            solved, nv, nc = self._solve_raw(cp_model, problem, gis, ints, None, options,
+                                             t_end - _common.clock(), sc, sw)
+            why = self._inconsistency(solved, options.rel_gap)
+            if why is None:
+                return solved, nv, nc
+        if messages is not None:
+            messages.append(f"{tag}: CP-SAT reported {solved.name}, but {why}; the plan is "
+                            "kept as FEASIBLE and CP-SAT's bound dropped")
+        floor = sum(ints[gi].obj_min for gi in gis)
+        return dataclasses.replace(solved, status="FEASIBLE", bound=floor), nv, nc
+
+    @staticmethod
+    def _inconsistency(solved: _Solved, rel_gap: float) -> str | None:
+        if solved.assignment is None or solved.own is None or solved.reported is None:
+            return None
+        if abs(solved.own - solved.reported) > 0.5:
+            return (f"its solution's own scaled objective {solved.own} differs from the "
+                    f"reported {solved.reported:.17g}")
+        if solved.status == "OPTIMAL" and solved.scaled_bound is not None and (
+                solved.own - solved.scaled_bound > rel_gap * max(1.0, abs(solved.own)) + 1.0):
+            return (f"its solution's own scaled objective {solved.own} is above its bound "
+                    f"{solved.scaled_bound:.17g} by more than the gap")
+        return None
+
+    def _solve_raw(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
+                   ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None,
+                   options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch
+                   ) -> tuple[_Solved, int, int]:
         with sw.building():
             model, xs, nv, nc = self._build(cp_model, problem, gis, ints, hints)
         solver = cp_model.CpSolver()
@@ -338,18 +393,25 @@ class CpSat:
                   cp_model.INFEASIBLE: "INFEASIBLE", cp_model.UNKNOWN: "TIME_LIMIT"
                   }.get(st, "ERROR")
         assignment = None
+        own: int | None = None
+        reported: float | None = None
         if status in ("OPTIMAL", "FEASIBLE"):
             assignment = {}
+            own = 0
             for gi in gis:
                 g = problem.groups[gi]
                 assignment[g.name] = [
                     max(range(len(row)), key=lambda k, row=row: solver.Value(row[k]))
                     for row in xs[gi][:len(g.choices)]]
-        bound = (solver.BestObjectiveBound() / sc.omega_scale
-                 if status in ("OPTIMAL", "FEASIBLE", "TIME_LIMIT") else -math.inf)
+                own += sum(r[k] for r, k in zip(ints[gi].obj1, assignment[g.name], strict=True))
+            reported = solver.ObjectiveValue()
+        has_bound = status in ("OPTIMAL", "FEASIBLE", "TIME_LIMIT")
+        raw_bound = solver.BestObjectiveBound() if has_bound else None
+        bound = raw_bound / sc.omega_scale if raw_bound is not None else -math.inf
         if status == "ERROR":
             name += f" ({model.Validate()})"
-        return _Solved(status, assignment, bound, name, solver.WallTime()), nv, nc
+        return _Solved(status, assignment, bound, name, solver.WallTime(), own, reported,
+                       raw_bound), nv, nc
 
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:
@@ -366,8 +428,8 @@ class CpSat:
                           options=options, sw=sw, messages=messages)
         from ortools.sat.python import cp_model
 
-        hints = start_hints(problem, options, messages)
-        deadline = time.perf_counter() + options.time_limit_s
+        deadline = Deadline(options.time_limit_s)  # greedy's warm start counts
+        hints = start_hints(problem, options, messages, deadline)
         budget = problem.group_budget_ms()
         with sw.building():
             sc = scaling_for(problem, float(options.extra.get("cpsat_units", _UNITS_LOW)))
@@ -391,32 +453,26 @@ class CpSat:
         parts = program_parts(problem, options, messages)
         if hints is not None:
             messages.append("warm start: hints given to CP-SAT (AddHint)")
-        assignment: dict[str, list[int]] = {}
-        statuses: list[str] = []
-        bound = 0.0
-        n_vars = n_cons = 0
-        final = None
-        for i, gis in enumerate(parts):
+
+        def solve_part(gis: Sequence[int], limit: float,
+                       start: Mapping[str, Sequence[int]] | None) -> PartResult:
             tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            share = (deadline - time.perf_counter()) / (len(parts) - i)
+            t_end = _common.clock() + max(limit, 0.0)
+            seed0 = start if start is not None else hints
             err = sum(inner[gi].obj_err for gi in gis)
             obj_min = sum(inner[gi].obj_min for gi in gis)
             # 1. The outer model (3/4 of the share at most: the inner model is rarely needed).
-            out, nv, nc = self._solve_once(cp_model, problem, gis, outer, hints, options,
-                                           share * 0.75, sc, sw)
-            n_vars += nv
-            n_cons += nc
+            out, nv, nc = self._solve_once(cp_model, problem, gis, outer, seed0, options,
+                                           limit * 0.75, sc, sw, messages)
             lb = max(obj_min, out.bound - err)
             if out.status == "INFEASIBLE":
                 messages.extend(infeasible_messages(problem, gis, budget))
                 messages.append(f"{tag}: no assignment meets the target and capacity "
                                 "(proven on the outer model, a relaxation)")
-                final = "INFEASIBLE"
-                break
+                return PartResult("INFEASIBLE", None, None, nv, nc)
             if out.status == "ERROR":
                 messages.append(f"{tag}: CP-SAT {out.name}")
-                final = "ERROR"
-                break
+                return PartResult("ERROR", None, None, nv, nc)
             found = out.assignment
             status = out.status
             if found is not None and any(
@@ -425,10 +481,9 @@ class CpSat:
                 found = None
             if found is None:
                 # 2. The inner model: every solution is feasible in the exact model.
-                seed = out.assignment or hints
-                left = (deadline - time.perf_counter()) / (len(parts) - i)
+                seed = out.assignment or seed0
                 res, _, _ = self._solve_once(cp_model, problem, gis, inner, seed, options,
-                                             left, sc, sw)
+                                             t_end - _common.clock(), sc, sw, messages)
                 if res.assignment is None:
                     if res.status == "INFEASIBLE":
                         messages.append(
@@ -437,12 +492,11 @@ class CpSat:
                             f"{sc.max_time_slack_ms:.3g} ms of the budget or "
                             f"{sc.max_mem_slack_bytes:.3g} B of the capacity (the outer "
                             "optimum fails the exact model); highs/cbc decide such cases")
-                        final = "INFEASIBLE"
-                    else:
-                        messages.append(f"{tag}: CP-SAT {res.name} after {res.wall_s:.2f} s, "
-                                        "no solution")
-                        final = "TIME_LIMIT" if res.status != "ERROR" else "ERROR"
-                    break
+                        return PartResult("INFEASIBLE", None, None, nv, nc)
+                    messages.append(f"{tag}: CP-SAT {res.name} after {res.wall_s:.2f} s, "
+                                    "no solution")
+                    return PartResult("TIME_LIMIT" if res.status != "ERROR" else "ERROR",
+                                      None, lb, nv, nc)
                 found = res.assignment
                 for gi in gis:
                     g = problem.groups[gi]
@@ -461,19 +515,21 @@ class CpSat:
                 messages.append(
                     f"{tag}: {why}; plan from the inner model ({res.name})"
                     + ("" if proven else f", {obj - lb:.3g} above the outer bound"))
-            statuses.append(status)
-            assignment.update(found)
-            bound += lb
+            return PartResult(status, found, lb, nv, nc)
+
+        status, assignment, bound, n_vars, n_cons = solve_parts(
+            problem, parts, solve_part, deadline, messages, options.rel_gap)
         extra = {**sc.to_json(), "num_workers": workers, "linearization_level": 2,
                  "presolve_inclusion_work_limit": 0}
-        if final is not None:
-            return finish(problem, self.name, None, status=final, mode=mode, options=options,
-                          sw=sw, n_variables=n_vars, n_constraints=n_cons, messages=messages,
-                          extra_options=extra)
-        status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else "FEASIBLE"
+        tol = 2 * sc.max_objective_error + 1.0 / sc.omega_scale
+        if assignment is None:
+            return finish(problem, self.name, None, status=status, mode=mode, options=options,
+                          sw=sw, bound=bound, n_variables=n_vars, n_constraints=n_cons,
+                          messages=messages, extra_options=extra)
         objective = problem.objective(assignment)
-        if status == "OPTIMAL":
+        if status == "OPTIMAL" and bound is not None:
             bound = min(bound, objective)
         return finish(problem, self.name, assignment, status=status, mode=mode,
                       options=options, sw=sw, bound=bound, n_variables=n_vars,
-                      n_constraints=n_cons, messages=messages, extra_options=extra)
+                      n_constraints=n_cons, messages=messages, extra_options=extra,
+                      optimal_tol=tol)

@@ -48,16 +48,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import QsyncInputError
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
-from . import SolveOptions
+from . import SolveOptions, _common
 from ._common import (
+    Deadline,
+    PartResult,
     Stopwatch,
     check_hints,
     finish,
     infeasible_messages,
     mode_text,
+    part_objective,
     program_parts,
+    solve_parts,
 )
 
 _PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
@@ -91,9 +96,10 @@ def _available_pulp_solvers() -> list[str]:
             return []
 
 
-def greedy_hints(problem: AllocationProblem, messages: list[str]
-                 ) -> dict[str, list[int]] | None:
-    """Greedy's assignment for a warm start (None, with a message, when there is none)."""
+def greedy_hints(problem: AllocationProblem, messages: list[str],
+                 deadline: Deadline | None = None) -> dict[str, list[int]] | None:
+    """Greedy's assignment for a warm start (None, with a message, when there is none),
+    within the call's ``deadline``."""
     t0 = time.perf_counter()
     try:
         from .greedy import Greedy
@@ -102,7 +108,11 @@ def greedy_hints(problem: AllocationProblem, messages: list[str]
                         "solving without a warm start")
         return None
     try:
-        plan, _ = Greedy().solve(problem, SolveOptions(acceptance="linear"))
+        limit = deadline.remaining() if deadline is not None else SolveOptions().time_limit_s
+        if not limit > 0:
+            messages.append("warm start: no time left for greedy; solving without a warm start")
+            return None
+        plan, _ = Greedy().solve(problem, SolveOptions(acceptance="linear", time_limit_s=limit))
     except Exception as exc:
         messages.append(f"warm start: greedy failed ({type(exc).__name__}: {exc}); "
                         "solving without a warm start")
@@ -116,14 +126,14 @@ def greedy_hints(problem: AllocationProblem, messages: list[str]
     return hints
 
 
-def start_hints(problem: AllocationProblem, options: SolveOptions, messages: list[str]
-                ) -> dict[str, list[int]] | None:
+def start_hints(problem: AllocationProblem, options: SolveOptions, messages: list[str],
+                deadline: Deadline | None = None) -> dict[str, list[int]] | None:
     """The warm start to give the solver: ``options.hints``, else greedy's plan if asked."""
     if options.hints is not None:
         check_hints(problem, options.hints)
         return {g.name: list(options.hints[g.name]) for g in problem.groups}
     if options.warm_start == "greedy":
-        return greedy_hints(problem, messages)
+        return greedy_hints(problem, messages, deadline)
     if options.warm_start is not None:
         messages.append(f"warm start: unknown kind {options.warm_start!r} ignored")
     return None
@@ -308,27 +318,41 @@ def fastest_plans(problem: AllocationProblem, backend: str = "highs",
                   ) -> dict[str, tuple[float, list[int]] | None]:
     """Per group, the least time (ms) over assignments that fit its memory and one reaching
     it (None: none fits, or the group is in ``skip``), by solving the program with the time
-    as objective."""
+    as objective. ``time_limit_s`` bounds all groups together (each gets an equal share of
+    what remains). A program stopped at its limit with a plan gives that plan's time (an
+    upper bound on the least); one stopped without a plan raises :class:`FastestTimeLimit`
+    (the group's least time is unknown, not absent)."""
     pulp = _pulp()
     solver = PulpIlp(backend)
+    deadline = Deadline(time_limit_s)
     out: dict[str, tuple[float, list[int]] | None] = {}
+    todo = [g.name for g in problem.groups if g.name not in skip]
     for gi, g in enumerate(problem.groups):
         if g.name in skip:
             out[g.name] = None
             continue
+        share = deadline.share(len(todo) - todo.index(g.name))
         lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
         prog = _Program(lp, [])
         gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
         prog.groups.append(gv)
         lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
-        res = solver._run(pulp, prog, SolveOptions(rel_gap=1e-9), time_limit_s, False,
+        res = solver._run(pulp, prog, SolveOptions(rel_gap=1e-9), share, False,
                           Stopwatch(), [])
         if res.status in ("OPTIMAL", "FEASIBLE"):
             a = _read_assignment(gv, len(g.choices))
             out[g.name] = (g.time_ms(a), a)
-        else:
+        elif res.status == "INFEASIBLE":
             out[g.name] = None
+        else:
+            raise FastestTimeLimit(
+                f"fastest plan of group {g.name}: {res.status} after {share:.3g} s "
+                f"({time_limit_s:g} s for all groups), no plan; its least time is not known")
     return out
+
+
+class FastestTimeLimit(QsyncInputError):
+    """The least time of a group could not be proven within the time given."""
 
 
 def fastest_times(problem: AllocationProblem, backend: str = "highs",
@@ -374,6 +398,8 @@ class _Outcome:
     bound: float | None
     solve_s: float
     detail: str = ""
+    #: The objective the solver reports for its solution (the program's scaled units).
+    objective: float | None = None
 
 
 #: The thread count of HiGHS's process-wide scheduler (None: not started by us yet).
@@ -588,19 +614,21 @@ class PulpIlp:
             sw.solve_s += solver.run_s
             sw.build_s += total - solver.run_s  # model transfer into highspy
             assert solver.outcome is not None
-            mstatus, primal, dual_bound, _ = solver.outcome
+            mstatus, primal, dual_bound, obj_value = solver.outcome
             import highspy
 
             S = highspy.HighsModelStatus
             has_sol = primal == 2  # kSolutionStatusFeasible
             bound = dual_bound if math.isfinite(dual_bound) else None
+            reported = obj_value if has_sol and math.isfinite(obj_value) else None
             if mstatus == S.kOptimal:
-                return _Outcome("OPTIMAL", bound, solver.run_s)
+                return _Outcome("OPTIMAL", bound, solver.run_s, objective=reported)
             if mstatus in (S.kInfeasible, S.kUnboundedOrInfeasible):
                 return _Outcome("INFEASIBLE", None, solver.run_s)
             if mstatus in (S.kTimeLimit, S.kInterrupt, S.kIterationLimit, S.kSolutionLimit,
                            S.kObjectiveBound, S.kObjectiveTarget):
-                return _Outcome("FEASIBLE" if has_sol else "TIME_LIMIT", bound, solver.run_s)
+                return _Outcome("FEASIBLE" if has_sol else "TIME_LIMIT", bound, solver.run_s,
+                                objective=reported)
             return _Outcome("ERROR", None, solver.run_s, f"HiGHS model status {mstatus}")
         # CBC through its command line: the log gives the bound when it stops early.
         have = _available_pulp_solvers()
@@ -638,9 +666,9 @@ class PulpIlp:
             return _Outcome("INFEASIBLE", None, run)
         if lp.status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionOptimal:
             # (within the gap tolerance CBC prints a lower bound; proven optimal, it does not)
-            return _Outcome("OPTIMAL", lower if lower is not None else obj, run)
+            return _Outcome("OPTIMAL", lower if lower is not None else obj, run, objective=obj)
         if lp.status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionIntegerFeasible:
-            return _Outcome("FEASIBLE", lower, run)
+            return _Outcome("FEASIBLE", lower, run, objective=obj)
         if lp.status == pulp.LpStatusNotSolved:
             return _Outcome("TIME_LIMIT", lower, run)
         return _Outcome("ERROR", None, run, f"CBC: {result or pulp.LpStatus[lp.status]}")
@@ -651,8 +679,11 @@ class PulpIlp:
                        options: SolveOptions, hints: Mapping[str, Sequence[int]] | None,
                        deadline: float, sw: Stopwatch, messages: list[str], tag: str
                        ) -> tuple[_Outcome, dict[str, list[int]] | None, int, int]:
-        """Build and solve one program (the groups ``gis``); repair rows a solver tolerance
-        let slip. Returns the outcome, the assignment of those groups, and its size."""
+        """Build and solve one program (the groups ``gis``) by ``deadline`` (a
+        :data:`_common.clock` time); repair rows a solver tolerance let slip; check the
+        solution against the solver's own report (:meth:`_inconsistency`) and, when they
+        disagree, re-solve without the start. Returns the outcome (bound in objective
+        units), the assignment of those groups, and the program's size."""
         with sw.building():
             prog = _build(pulp, problem, gis, f"qsync_{tag}")
             if hints is not None:
@@ -660,15 +691,29 @@ class PulpIlp:
         budget = problem.group_budget_ms()
         out = _Outcome("ERROR", None, 0.0)
         assign: dict[str, list[int]] | None = None
-        for attempt in range(_MAX_REPAIRS + 1):
-            left = deadline - time.perf_counter()
-            out = self._run(pulp, prog, options, left, hints is not None, sw, messages)
-            if out.bound is not None:
-                out = dataclasses.replace(out, bound=out.bound / prog.obj_scale)
+        start = hints is not None
+        rechecked = False
+        attempt = 0
+        while True:
+            left = deadline - _common.clock()
+            out = self._run(pulp, prog, options, left, start, sw, messages)
             if out.status not in ("OPTIMAL", "FEASIBLE"):
-                return out, None, prog.n_variables, prog.n_constraints
+                return self._unscaled(out, prog), None, prog.n_variables, prog.n_constraints
             assign = {problem.groups[gv.gi].name: _read_assignment(
                 gv, len(problem.groups[gv.gi].choices)) for gv in prog.groups}
+            why = self._inconsistency(out, part_objective(problem, gis, assign) * prog.obj_scale,
+                                      options.rel_gap)
+            if why is not None:
+                if start and not rechecked and deadline - _common.clock() > 0:
+                    messages.append(f"{tag}: {self.name} reported {out.status}, but {why}; "
+                                    "the solution looks like the warm start handed back; "
+                                    "re-solved without the start")
+                    start, rechecked = False, True
+                    continue
+                messages.append(f"{tag}: {self.name} reported {out.status}, but {why}; the "
+                                "plan is kept as FEASIBLE (its own objective) and the "
+                                "solver's bound dropped")
+                out = dataclasses.replace(out, status="FEASIBLE", bound=None)
             slipped = False
             margin = _REPAIR_MARGIN * 100.0 ** attempt  # relative: 1e-9, 1e-7, 1e-5
             for gv in prog.groups:
@@ -686,54 +731,75 @@ class PulpIlp:
                         f"{tag}: {attempt} re-solve(s) after a row exceeded its bound within "
                         f"the solver's tolerance (rows tightened by up to "
                         f"{_REPAIR_MARGIN * 100.0 ** (attempt - 1):.0e} relative)")
-                return out, assign, prog.n_variables, prog.n_constraints
-            if attempt == _MAX_REPAIRS or time.perf_counter() >= deadline:
-                break
-        messages.append(f"{tag}: the solver's assignment still exceeds a bound after "
-                        f"{_MAX_REPAIRS} tightenings; no plan")
-        return _Outcome("ERROR", None, out.solve_s), None, prog.n_variables, prog.n_constraints
+                return self._unscaled(out, prog), assign, prog.n_variables, prog.n_constraints
+            if attempt == _MAX_REPAIRS:
+                messages.append(f"{tag}: the solver's assignment still exceeds a bound after "
+                                f"{_MAX_REPAIRS} tightenings; no plan")
+                return (_Outcome("ERROR", None, out.solve_s), None, prog.n_variables,
+                        prog.n_constraints)
+            if _common.clock() >= deadline:
+                messages.append(f"{tag}: the solver's assignment exceeds a bound within its "
+                                "tolerance and no time is left to re-solve with the row "
+                                "tightened; no plan")
+                return (_Outcome("TIME_LIMIT", None, out.solve_s), None, prog.n_variables,
+                        prog.n_constraints)
+            attempt += 1
+
+    @staticmethod
+    def _unscaled(out: _Outcome, prog: _Program) -> _Outcome:
+        """The outcome with its bound and objective in objective units."""
+        return dataclasses.replace(
+            out, bound=None if out.bound is None else out.bound / prog.obj_scale,
+            objective=None if out.objective is None else out.objective / prog.obj_scale)
+
+    @staticmethod
+    def _inconsistency(out: _Outcome, own: float, rel_gap: float) -> str | None:
+        """Why the solver's report does not describe the solution it returned (None: it
+        does). ``own``: the returned assignment's objective recomputed from the problem, in
+        the program's scaled units (the largest coefficient is 1). The reported objective
+        must equal it, and an OPTIMAL one must lie within the gap of the bound (HiGHS with a
+        start can report kOptimal with the optimum's objective while ``getSolution`` still
+        holds the start)."""
+        tol = 1e-6 * max(1.0, abs(own))
+        if out.objective is not None and abs(own - out.objective) > tol:
+            return (f"its solution's own objective {own:.9g} differs from the objective it "
+                    f"reports, {out.objective:.9g} (scaled units)")
+        if out.status == "OPTIMAL" and out.bound is not None and (
+                own - out.bound > rel_gap * abs(own) + 1e-6 + tol):
+            return (f"its solution's own objective {own:.9g} is above its bound "
+                    f"{out.bound:.9g} by more than the gap (scaled units)")
+        return None
 
     def solve_assignment(self, problem: AllocationProblem, options: SolveOptions,
                          sw: Stopwatch, messages: list[str]
                          ) -> tuple[str, dict[str, list[int]] | None, float | None, int, int]:
-        """status, assignment (None if none), bound (objective units), n_vars, n_cons."""
+        """status, assignment (None if none), bound (objective units), n_vars, n_cons.
+
+        ``options.time_limit_s`` bounds the whole solve (greedy's warm start included); the
+        groups share what remains (:func:`_common.solve_parts`)."""
         pulp = _pulp()
-        hints = start_hints(problem, options, messages)
-        deadline = time.perf_counter() + options.time_limit_s
+        deadline = Deadline(options.time_limit_s)
+        hints = start_hints(problem, options, messages, deadline)
         budget = problem.group_budget_ms()
-        n_vars = n_cons = 0
         if self.backend == "highs" and hints is not None:
             messages.append("highs: warm start passed to highspy setSolution "
                             "(pulp's HiGHS class has no warmStart)")
         parts = program_parts(problem, options, messages)
-        assignment: dict[str, list[int]] = {}
-        statuses: list[str] = []
-        bound: float | None = 0.0
-        for i, gis in enumerate(parts):
+
+        def solve_part(gis: Sequence[int], limit: float,
+                       start: Mapping[str, Sequence[int]] | None) -> PartResult:
             tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            share = (deadline - time.perf_counter()) / (len(parts) - i)
             out, a, nv, nc = self._solve_program(
-                pulp, problem, gis, options, hints, time.perf_counter() + max(share, 0.0), sw,
-                messages, tag)
-            n_vars += nv
-            n_cons += nc
-            statuses.append(out.status)
+                pulp, problem, gis, options, start if start is not None else hints,
+                _common.clock() + max(limit, 0.0), sw, messages, tag)
             if out.detail:
                 messages.append(f"{tag}: {out.detail}")
             if out.status == "INFEASIBLE":
                 messages.extend(infeasible_messages(problem, gis, budget))
                 messages.append(f"{tag}: no assignment meets the target and capacity")
-                return "INFEASIBLE", None, None, n_vars, n_cons
-            if a is None:
-                return ("ERROR" if out.status == "ERROR" else "TIME_LIMIT", None, None,
-                        n_vars, n_cons)
-            assignment.update(a)
-            if out.bound is None or bound is None:
-                bound = None
-            else:
-                bound += out.bound
-        status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else "FEASIBLE"
-        return status, assignment, bound, n_vars, n_cons
+            return PartResult(out.status, a, out.bound, nv, nc)
+
+        return solve_parts(problem, parts, solve_part, deadline, messages, options.rel_gap)
 
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:
