@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import platform
-import resource
+import re
 
 import torch
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
@@ -44,7 +44,10 @@ def main() -> None:
                f"{g.saved_activation_bytes / 2**30:.2f}", f"{t_fx:.3f}", f"{t_fm:.3f}",
                f"{t_fm / t_fx:.2f}", f"{t_est:.3f}")
         print("  ".join(f"{c:>10}" for c in row))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # This process's own peak (VmHWM); ru_maxrss would include the resident size of the
+    # process that started it (it survives fork and exec).
+    with open("/proc/self/status") as fh:
+        rss = int(re.search(r"^VmHWM:\s+(\d+) kB$", fh.read(), re.M)[1]) / 2**20
     print(f"peak RSS of this process: {rss:.2f} GiB (gpt2_xl alone has 6.2 GB of FP32 weights)")
 
 

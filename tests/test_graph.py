@@ -269,18 +269,47 @@ def test_graph_json_round_trip(digits_graph: ModelGraph) -> None:
     assert json.loads(text)["schema_name"] == "ModelGraph"
 
 
+#: Appended to a child's code: its own peak resident size, read inside it at its end
+#: (VmHWM). Not ``ru_maxrss``: across fork and exec it keeps the parent's resident size (a
+#: 2 GB pytest process gives a trivial child 1.9 GB), so it would measure the test runner.
+_PEAK_RSS_TAIL = """
+import re as _re
+with open("/proc/self/status") as _fh:
+    print("PEAK_RSS_BYTES", int(_re.search(r"^VmHWM:\\s+(\\d+) kB$", _fh.read(), _re.M)[1]) << 10)
+"""
+
+
+def run_child_peak_rss(code: str) -> tuple[list[str], int]:
+    """Run ``code`` in a fresh interpreter: (its stdout lines, its own peak RSS in bytes)."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code) + _PEAK_RSS_TAIL],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *lines, last = proc.stdout.splitlines()
+    tag, value = last.split()
+    assert tag == "PEAK_RSS_BYTES", last
+    return lines, int(value)
+
+
+def test_child_peak_rss_is_the_childs_own_not_its_parents() -> None:
+    # This process holds 512 MiB more while it starts a child that allocates nothing.
+    big = bytearray(512 << 20)
+    big[::4096] = b"\x01" * (len(big) // 4096)  # touch every page: resident
+    try:
+        lines, peak = run_child_peak_rss(
+            "import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10)")
+    finally:
+        del big
+    assert int(lines[0]) >= 512 << 20  # the pitfall: ru_maxrss counts the parent's pages
+    assert peak < 64 << 20  # a bare interpreter's own peak is about 10 MiB
+
+
 @pytest.mark.slow
 def test_meta_trace_allocates_no_parameter_memory() -> None:
     # gpt2_xl holds 1.56 G parameters: 6.2 GB if they were real. Traced on meta, the whole
     # process (python + torch) stays far below that.
-    code = textwrap.dedent("""
-        import resource, json
+    lines, peak = run_child_peak_rss("""
         from qsync_opt import trace
-        g = trace("gpt2_xl")
-        print(json.dumps({"params": g.param_count,
-                          "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+        print(trace("gpt2_xl").param_count)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["params"] > 1.5e9
-    assert res["maxrss_kib"] * 1024 < 1.5e9, res
+    assert int(lines[-1]) == 1_557_611_200
+    assert peak < 1.5e9, peak
