@@ -313,7 +313,8 @@ def _problem_options(args: argparse.Namespace) -> Any:
             raise QsyncInputError(f"pin: expected OP=PRECISION, got {item!r}")
         pins[op] = prec
     return ProblemOptions(target_ms=args.target_ms, memory_headroom=args.headroom, pinned=pins,
-                          optimizer=args.optimizer, reference=args.reference)
+                          optimizer=args.optimizer, reference=args.reference,
+                          lower_reference=True if args.lower_reference else None)
 
 
 def _solve_options(args: argparse.Namespace) -> Any:
@@ -623,6 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--headroom", type=float, default=0.0,
                         help="fraction of each card's memory kept free")
         sp.add_argument("--reference", default="fp32", help="strong groups' reference precision")
+        sp.add_argument("--lower-reference", action="store_true",
+                        help="let the solver lower the strong groups below their reference "
+                             "(default: held there, unless the target needs them faster or "
+                             "their reference plan does not fit memory)")
         sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
         sp.add_argument("--pin", action="append", metavar="OP=PRECISION",
                         help="fix an op's precision on every group (repeatable)")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import QsyncInputError
+from .precision import Precision
 from .problem import AllocationProblem, GroupModel
 from .schemas import OpRole
 
@@ -347,6 +348,12 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
         for n in late:
             if n not in blocking:
                 blocking.append(n)
+            if n in problem.held_groups:
+                lines.append(
+                    f"{n}: held at its reference precision "
+                    f"({Precision(problem.options.reference).value}) as a strong group, so its fastest "
+                    "plan is its reference plan; lower_reference=True (--lower-reference) lets "
+                    "the solver lower it")
             fa = fast[n]
             assert fa is not None
             shares = pinned_shares(problem, n, fa[1])

@@ -80,7 +80,14 @@ class ProblemOptions:
     fastest at the reference). ``casts``: False drops every cast term (the additive model of
     QSync's and HAWQ-V3's ILP, for the baseline). ``ties``: False gives every op its own
     decision even where the graph ties it (calls of one module stay tied: they are one set
-    of weights), to measure what tying costs.
+    of weights), to measure what tying costs. ``lower_reference``: whether the solver may
+    lower the strong groups below their reference precision. None (default): they are
+    *held* at it (each of their units has that one choice) under the default target and
+    under a given target they meet at their reference; a given target below that frees
+    them, and the problem's notes say so. False: always held; True: never. A strong group
+    whose reference plan does not fit its memory is never held (the notes say so). The
+    decision is made when the problem is built; ``retarget`` keeps it (solve-replay
+    refinement tightens the linear target, never by lowering the strong groups).
     """
 
     target_ms: float | None = None
@@ -91,6 +98,7 @@ class ProblemOptions:
     strong_groups: tuple[str, ...] | None = None
     casts: bool = True
     ties: bool = True
+    lower_reference: bool | None = None
 
     def __post_init__(self) -> None:
         if self.target_ms is not None and not self.target_ms > 0:
@@ -100,6 +108,9 @@ class ProblemOptions:
                 f"memory_headroom: expected a fraction in [0, 1), got {self.memory_headroom}")
         if self.optimizer not in ("sgd", "adam"):
             raise QsyncInputError(f"optimizer: expected sgd or adam, got {self.optimizer!r}")
+        if self.lower_reference is not None and not isinstance(self.lower_reference, bool):
+            raise QsyncInputError(
+                f"lower_reference: expected true, false or null, got {self.lower_reference!r}")
         try:
             ref = Precision(self.reference)
         except ValueError:
@@ -124,7 +135,7 @@ class ProblemOptions:
                 "pinned": {k: v.value for k, v in self.pinned.items()},  # type: ignore[union-attr]
                 "optimizer": self.optimizer, "reference": Precision(self.reference).value,
                 "strong_groups": list(self.strong_groups) if self.strong_groups else None,
-                "casts": self.casts, "ties": self.ties}
+                "casts": self.casts, "ties": self.ties, "lower_reference": self.lower_reference}
 
 
 @dataclass(frozen=True)
@@ -263,6 +274,48 @@ class GroupModel:
         return [len(c) - 1 for c in self.choices]
 
 
+def _held_at_reference(g: GroupModel) -> GroupModel:
+    """``g`` with every real unit held at its reference choice (one choice each); a derived
+    unit keeps the choices its inputs can still give. The coefficients are sliced from
+    ``g``'s, not rebuilt, so any assignment of the held group costs what it costs in ``g``;
+    pair terms left with one choice on a side become unary (or constant) terms."""
+    n_real = len(g.choices)
+    keep: list[list[int]] = [[r] for r in g.reference]
+    ext: list[tuple[Precision, ...]] = [(g.choices[u][r],) for u, r in enumerate(g.reference)]
+    derived = []
+    for d in g.derived:
+        can = set(_widest_choices([ext[u] for u in d.inputs]))
+        k = [i for i, p in enumerate(d.choices) if p in can]
+        keep.append(k)
+        ext.append(tuple(d.choices[i] for i in k))
+        derived.append(dataclasses.replace(d, choices=ext[-1]))
+
+    def cut(rows: list[list[float]]) -> list[list[float]]:
+        return [[row[i] for i in k] for row, k in zip(rows, keep, strict=True)]
+
+    time0, mem0 = g.time0, g.mem0
+    time1, mem1, work1 = cut(g.time1), cut(g.mem1), cut(g.work1)
+    pairs = []
+    for p in g.pairs:
+        t = [[p.time[i][j] for j in keep[p.b]] for i in keep[p.a]]
+        m = [[p.mem[i][j] for j in keep[p.b]] for i in keep[p.a]]
+        if len(t) == 1 and len(t[0]) == 1:
+            time0 += t[0][0]
+            mem0 += m[0][0]
+        elif len(t) == 1:
+            time1[p.b] = [x + y for x, y in zip(time1[p.b], t[0], strict=True)]
+            mem1[p.b] = [x + y for x, y in zip(mem1[p.b], m[0], strict=True)]
+        elif len(t[0]) == 1:
+            time1[p.a] = [x + row[0] for x, row in zip(time1[p.a], t, strict=True)]
+            mem1[p.a] = [x + row[0] for x, row in zip(mem1[p.a], m, strict=True)]
+        else:
+            pairs.append(PairTerm(p.a, p.b, t, m))
+    return dataclasses.replace(
+        g, choices=ext[:n_real], time0=time0, time1=time1, mem0=mem0, mem1=mem1, work1=work1,
+        omega1=[[row[r]] for row, r in zip(g.omega1, g.reference, strict=True)], pairs=pairs,
+        reference=[0] * n_real, derived=derived)
+
+
 def _hash(doc: Any) -> str:
     return str(doc.content_hash())
 
@@ -333,14 +386,19 @@ class AllocationProblem:
                 "take their saved-activation bytes as the maximum over those producers' choices")
         self.reference_times = {g.name: g.time_ms(g.reference) for g in self.groups}
         self.strong_groups = self._strong_groups()
+        #: The strong groups' makespan at their reference in the linear model (no straggler).
+        self.reference_makespan_ms = (max(self.reference_times[g] for g in self.strong_groups)
+                                      + self.bucket_tail_ms + self.optimizer_ms)
         if self.options.target_ms is not None:
             self.target_ms = float(self.options.target_ms)
             self.target_source = "given"
         else:
-            self.target_ms = (max(self.reference_times[g] for g in self.strong_groups)
-                              + self.bucket_tail_ms + self.optimizer_ms)
+            self.target_ms = self.reference_makespan_ms
             self.target_source = (f"default: strong group(s) {', '.join(self.strong_groups)} at "
                                   f"{Precision(self.options.reference).value} (no straggler)")
+        #: The strong groups held at their reference precision (``options.lower_reference``):
+        #: each of their units has that one choice.
+        self.held_groups = self._hold_reference()
 
     # ------------------------------------------------------------------ construction
 
@@ -374,6 +432,77 @@ class AllocationProblem:
             return tuple(self.options.strong_groups)
         best = min(self.reference_times.values())
         return tuple(n for n in names if self.reference_times[n] <= best * (1 + 1e-9))
+
+    def _hold_reference(self) -> tuple[str, ...]:
+        """Hold the strong groups at their reference precision as ``options.lower_reference``
+        says (None: unless a given target is below what they reach there); a strong group
+        whose reference plan does not fit its memory stays free. The notes say why a strong
+        group is not held."""
+        lower = self.options.lower_reference
+        if lower:
+            return ()
+        ref = Precision(self.options.reference).value
+        strong = ", ".join(self.strong_groups)
+        if lower is None and self.target_ms < self.reference_makespan_ms * (1 - 1e-9):
+            self.notes.append(
+                f"the target {self.target_ms:.3f} ms is below the strong group(s)' "
+                f"{self.reference_makespan_ms:.3f} ms at their reference {ref}: {strong} may be "
+                "lowered too (lower_reference=False holds them)")
+            return ()
+        held = []
+        for gi, g in enumerate(self.groups):
+            if g.name not in self.strong_groups:
+                continue
+            need = g.memory_bytes(g.reference)
+            if need > g.capacity_bytes * (1 + EVAL_TOL):
+                self.notes.append(
+                    f"strong group {g.name} ({g.device}) is not held at its reference {ref}: "
+                    f"its reference plan needs {need / 2**30:.2f} GiB, has "
+                    f"{g.capacity_bytes / 2**30:.2f} GiB, so the solver may lower its ops to "
+                    "fit memory")
+                continue
+            self.groups[gi] = _held_at_reference(g)
+            held.append(g.name)
+        if held and self.options.target_ms is None:
+            # The replayer also exposes the all-reduce the backward does not hide (buckets
+            # queue on the links); with the strong groups held no plan removes it.
+            replay = self.no_straggler_replay_ms()
+            if replay > self.target_ms * (1 + 1e-9):
+                self.notes.append(
+                    f"with no straggler the replayer's iteration is {replay:.3f} ms, the "
+                    f"default target {self.target_ms:.3f} ms plus {replay - self.target_ms:.3f} "
+                    f"ms of all-reduce left exposed after the backward of {', '.join(held)} "
+                    "(held at the reference): no plan meets the target in the replayer")
+        return tuple(held)
+
+    def no_straggler_replay_ms(self) -> float:
+        """The replayer's iteration with the strong groups at their reference and no group
+        slower than them: the strong groups' forward and backward, the all-reduce of their
+        buckets (each starts when theirs are ready and the previous one is done), then the
+        step syncs and the slowest optimizer step (as ``Replayer.simulate`` times them)."""
+        rep = self.replayer
+        ready: list[list[float]] = []
+        ends: list[float] = []
+        for gi, g in enumerate(self.groups):
+            if g.name not in self.strong_groups:
+                continue
+            grp = rep.groups[gi]
+            prec: list[Precision | None] = [None] * rep.n
+            for u, unit in enumerate(self.units):
+                for op in unit.ops:
+                    prec[rep.index[op]] = g.choices[u][g.reference[u]]
+            din, dout = rep._dtypes(prec)
+            items = [rep._op_items(grp, i, prec, din, dout) for i in range(rep.n)]
+            t = sum(x[2] for fwd, _ in items for x in fwd)
+            done = [0.0] * rep.n
+            for i in range(rep.n - 1, -1, -1):
+                t += sum(x[2] for x in items[i][1])
+                done[i] = t
+            ready.append([done[f] for f in rep.bucket_first])
+            ends.append(t)
+        comm_end = rep.sync.schedule(ready, rep.bucket_ms).comm_end_ms
+        return (max(max(ends), comm_end) + rep.stats_sync_ms
+                + max(grp.optimizer_ms for grp in rep.groups) + rep.buffer_sync_ms)
 
     def _group_model(self, gi: int) -> GroupModel:
         rep = self.replayer
@@ -626,9 +755,12 @@ class AllocationProblem:
             for u, unit in enumerate(self.units):
                 p = row[self.replayer.index[unit.ops[0]]]
                 if p not in g.choices[u]:
+                    held = (f" ({g.name} is held at its reference precision: "
+                            "lower_reference=True, or --lower-reference, frees it)"
+                            if g.name in self.held_groups else "")
                     raise QsyncInputError(
                         f"plan: group {g.name}, op {unit.ops[0]}: {p} is not among the "
-                        f"problem's choices {', '.join(q.value for q in g.choices[u])}")
+                        f"problem's choices {', '.join(q.value for q in g.choices[u])}{held}")
                 a.append(g.choices[u].index(p))  # type: ignore[arg-type]
             out[g.name] = a
         return out
@@ -656,7 +788,8 @@ class AllocationProblem:
                 "indicator_hash": _hash(self.indicator), "indicator_method": self.indicator.method,
                 "target_ms": self.target_ms, "reference": Precision(self.options.reference).value,
                 "memory_headroom": self.options.memory_headroom,
-                "optimizer": self.options.optimizer}
+                "optimizer": self.options.optimizer,
+                "held_at_reference": ",".join(self.held_groups)}
 
     def reference_assignment(self) -> dict[str, list[int]]:
         return {g.name: list(g.reference) for g in self.groups}
@@ -705,8 +838,14 @@ class AllocationProblem:
                 from .batchmodel import BatchScaling
 
                 costs = BatchScaling(self.costs, self.graph)(cluster)
-        return AllocationProblem(self.graph, cluster, costs, self.indicator,
-                                 options or self.options, cost_provider=self.cost_provider)
+        opts = options or self.options
+        names = {g.name for g in cluster.groups}
+        if opts.strong_groups is None and self.held_groups and set(self.held_groups) <= names:
+            # The groups held here stay the strong ones (held where the target allows),
+            # whatever group is fastest at the new split.
+            opts = dataclasses.replace(opts, strong_groups=self.held_groups)
+        return AllocationProblem(self.graph, cluster, costs, self.indicator, opts,
+                                 cost_provider=self.cost_provider)
 
     def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
         """The same problem with another makespan target (no coefficient is rebuilt)."""
@@ -740,6 +879,7 @@ class AllocationProblem:
              "weight": g.weight, "reference_ms": self.reference_times[g.name],
              "capacity_bytes": g.capacity_bytes} for g in self.groups],
             "target_ms": self.target_ms, "target_source": self.target_source,
+            "held_at_reference": list(self.held_groups),
             "tail_ms": self.tail_ms, **self.size(), "notes": self.notes}
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from qsync_opt import CostTable, ModelGraph, Plan, SolveReport, load
 from qsync_opt.cli import main
+from qsync_opt.precision import Precision
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -170,7 +171,31 @@ def test_solve_writes_a_plan_and_report(capsys, tmp_path) -> None:
                        "--method", "random", "--solver", "greedy", "--acceptance", "linear",
                        "--out", str(plan_path), "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["evaluation"]["feasible"] in (True, False)
+    # The default target (the L4 at fp32, no straggler) is within the T4s' reach: greedy
+    # finds a plan the evaluator accepts, with the L4 held at fp32.
+    assert code == 0 and doc["evaluation"]["feasible"] is True
+    assert doc["evaluation"]["violations"] == [] and doc["report"]["status"] == "FEASIBLE"
+    plan = Plan.load(plan_path)
+    assert set(plan.groups["l4"].precisions.values()) == {Precision.fp32}
+
+
+def test_lower_reference_flag_and_the_note_on_a_target_that_frees_the_strong_group(
+        capsys, tmp_path) -> None:
+    path = tmp_path / "p.json"
+    base = ("solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1", "--method", "random",
+            "--solver", "highs", "--out", str(path))
+    code, out, err = run(capsys, *base)
+    assert code == 0, err
+    assert Plan.load(path).provenance["held_at_reference"] == "l4"
+    code, out, err = run(capsys, *base, "--lower-reference")
+    assert code == 0, err
+    assert Plan.load(path).provenance["held_at_reference"] == ""
+    # A target below the L4's own fp32 time frees it, and the output says so.
+    code, out, err = run(capsys, *base, "--target-ms", "0.35")
+    assert code == 0, err
+    assert "note: the target 0.350 ms is below the strong group(s)'" in out
+    assert "l4 may be lowered too" in out
+    assert Plan.load(path).provenance["held_at_reference"] == ""
 
 
 def test_infeasible_target_says_what_would_work(capsys, tmp_path) -> None:
