@@ -1,7 +1,15 @@
-"""Shared fixtures: traced graphs are computed once per session (tracing is meta-only)."""
+"""Shared fixtures: traced graphs are computed once per session (tracing is meta-only).
+
+Under ``CI=true`` (the CI runner and ``.ci/run`` set it) nothing native may be missing
+silently: ``QSYNC_REQUIRE_CPP=1`` is set here, before any test module loads the ops, so a
+C++ build that fails raises in every test (and every rank a test starts) that reaches the
+kernels instead of the Python references serving, and tests/test_cuda.py fails where nvcc is
+missing or the CUDA kernels do not load.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +17,9 @@ import pytest
 from qsync_opt import ModelGraph, trace
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("CI") == "true":
+    os.environ.setdefault("QSYNC_REQUIRE_CPP", "1")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 
 Without nvcc the compile tests skip, except under CI=true where they fail. Without a CUDA
 device (torch CPU build) the GPU tests skip; the reference RNG and the Python-side argument
-checks are still tested.
+checks are still tested. With a device, kernels that do not load fail under CI=true. The C++
+CPU kernels' build is checked here too: under CI=true it must have built and loaded.
 """
 
 from __future__ import annotations
@@ -266,6 +267,61 @@ def test_importing_the_package_loads_no_kernels():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
+# ------------------------------------------------------------------ C++ CPU kernels
+
+
+def test_the_cpp_cpu_kernels_built_and_loaded() -> None:
+    """Under CI=true the C++ CPU kernels must build and load (tests/conftest.py sets
+    QSYNC_REQUIRE_CPP there, so a failed build also fails every test that reaches an op,
+    instead of the Python references serving silently). Elsewhere, a machine without a
+    compiler skips this one test."""
+    from qsync_opt import ops
+    from qsync_opt.ops._build import CppBuildError, load_cpu
+
+    ci = os.environ.get("CI") == "true"
+    if ci:
+        assert os.environ.get("QSYNC_REQUIRE_CPP") == "1"
+        assert os.environ.get("QSYNC_DISABLE_CPP", "") in ("", "0")
+    try:
+        ok, reason = load_cpu()
+    except CppBuildError as exc:
+        pytest.fail(str(exc))
+    if not ok:
+        if ci:
+            pytest.fail(f"CI=true requires the C++ CPU kernels: {reason}")
+        pytest.skip(f"C++ kernels not built: {reason}")
+    assert reason.startswith("compiled with -O3")
+    assert int(torch.ops.qsync_cpu.abi_version()) == 1
+    assert ops.available()["cpu"] == f"C++ kernels ({reason})"
+
+
+def test_a_failed_cpp_build_fails_where_it_is_required(monkeypatch) -> None:
+    from qsync_opt import ops
+    from qsync_opt.ops import _build, reference
+
+    failed = (False, "CalledProcessError: g++ exited with 1")
+    monkeypatch.setattr(_build, "_load_cpu", lambda: failed)
+    monkeypatch.delenv("QSYNC_DISABLE_CPP", raising=False)
+    x = torch.linspace(-2.0, 3.0, 24).reshape(4, 6)
+    want = reference.quantize_int8(x, 127.0 / x.abs().amax().reshape(1), False, 0)
+    # Not required: the Python references serve, and say why.
+    monkeypatch.setenv("QSYNC_REQUIRE_CPP", "0")
+    assert _build.load_cpu() == failed
+    assert torch.equal(ops.quantize_int8(x, stochastic=False)[0], want)
+    assert ops.available()["cpu"] == f"Python references ({failed[1]})"
+    # Required (CI): the build failure is an error wherever the kernels are reached.
+    monkeypatch.setenv("QSYNC_REQUIRE_CPP", "1")
+    with pytest.raises(_build.CppBuildError, match="QSYNC_REQUIRE_CPP.*g\\+\\+ exited with 1"):
+        _build.load_cpu()
+    with pytest.raises(_build.CppBuildError):
+        ops.quantize_int8(x, stochastic=False)
+    with pytest.raises(_build.CppBuildError):
+        ops.available()
+    # Disabled on purpose (the fallback's own tests): no error.
+    monkeypatch.setenv("QSYNC_DISABLE_CPP", "1")
+    assert _build.load_cpu() == failed
+
+
 # ------------------------------------------------------------- loader, argument checks
 
 
@@ -318,7 +374,8 @@ def kernels() -> CudaKernels:
     k = load()
     if k is None:
         reason = load_error()
-        if find_nvcc() is not None or os.environ.get("QSYNC_CUDA_LIB"):
+        if (find_nvcc() is not None or os.environ.get("QSYNC_CUDA_LIB")
+                or os.environ.get("CI") == "true"):
             pytest.fail(f"the CUDA kernels did not load: {reason}")
         pytest.skip(f"the CUDA kernels are unavailable: {reason}")
     return k

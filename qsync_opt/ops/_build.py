@@ -2,8 +2,9 @@
 
 Built once per (sources, torch version, CPU model) with torch.utils.cpp_extension and
 loaded as the torch op library ``qsync_cpu``. Where no compiler works, :func:`load_cpu`
-returns None, the reason is kept for :func:`qsync_opt.ops.available`, and one warning is
-logged; the Python references then serve.
+returns (False, reason), the reason is kept for :func:`qsync_opt.ops.available`, and one
+warning is logged; the Python references then serve, unless ``QSYNC_REQUIRE_CPP`` is set
+(then it raises :class:`CppBuildError`; the tests set it under ``CI=true``).
 """
 
 from __future__ import annotations
@@ -52,10 +53,31 @@ def _clear_stale_lock(build: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-@lru_cache(maxsize=1)
+class CppBuildError(RuntimeError):
+    """The C++ kernels did not build or load while ``QSYNC_REQUIRE_CPP`` requires them."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
 def load_cpu() -> tuple[bool, str]:
-    """(loaded, reason). Loads ``torch.ops.qsync_cpu``, compiling it on first use."""
-    if os.environ.get("QSYNC_DISABLE_CPP", "") not in ("", "0"):
+    """(loaded, reason). Loads ``torch.ops.qsync_cpu``, compiling it on first use.
+
+    With ``QSYNC_REQUIRE_CPP`` set (the test suite sets it under ``CI=true``) a build or load
+    that fails raises :class:`CppBuildError` with the reason instead of falling back to the
+    Python references; ``QSYNC_DISABLE_CPP`` still disables the kernels on purpose.
+    """
+    ok, reason = _load_cpu()
+    if not ok and _flag("QSYNC_REQUIRE_CPP") and not _flag("QSYNC_DISABLE_CPP"):
+        raise CppBuildError(f"the qsync C++ CPU kernels are required (QSYNC_REQUIRE_CPP) but "
+                            f"did not load: {reason}")
+    return ok, reason
+
+
+@lru_cache(maxsize=1)
+def _load_cpu() -> tuple[bool, str]:
+    if _flag("QSYNC_DISABLE_CPP"):
         return False, "disabled by QSYNC_DISABLE_CPP"
     try:
         from torch.utils import cpp_extension
