@@ -26,6 +26,7 @@ from .io import atomic_write_text, load, save, to_json
 from .models import WORKLOADS
 from .plan import make_plan
 from .replayer import Replayer, Timeline
+from .report import straggler_reason
 from .schemas import ModelGraph, OpRole, Plan, json_schema, schema_names
 
 log = logging.getLogger(__name__)
@@ -463,21 +464,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = {r["group"]: r for r in group_summary(graph, cluster, costs)}
     v, t = rows["v100"], rows["t4"]
     print(f"\nAt FP32 the T4 group computes {float(t['compute_fp32_ms']) / float(v['compute_fp32_ms']):.1f}x "
-          f"slower than the V100 group: it is the straggler the allocator must remove.")
+          f"slower than the V100 group: the V100s wait for it, the wait the allocator must remove.")
     rep = Replayer(graph, cluster, costs)
     timelines = {name: rep.simulate(p) for name, p in uniform_plans(rep).items()}
     print("\nreplayer: one iteration, casts and bucketed all-reduce overlapped with backward")
     rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
     print(_table(rows, REPLAY_HEADER))
     high, low = timelines["uniform-highest"], timelines.get("weak-lowest")
+    print(f"straggler at FP32 (the group whose iteration ends last): {straggler_reason(high)}")
     if low is not None:
         t_hi, t_lo = high.groups["t4"], low.groups["t4"]
         print(f"Uniform lowest precision on the T4s cuts their compute from {t_hi.compute_ms:.0f} "
               f"to {t_lo.compute_ms:.0f} ms ({t_lo.n_casts} casts, {t_lo.cast_ms:.0f} ms of them) "
               f"against the V100s' {high.groups['v100'].compute_ms:.0f} ms: the iteration goes "
-              f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms, "
-              f"{'and the T4s still set the pace' if low.straggler == 't4' else 'and the straggler is gone'}"
-              f" in these estimates.")
+              f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
+              f"straggler: {straggler_reason(low)}.")
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
     from .indicator import fast_options, indicate
     from .problem import AllocationProblem, evaluate
@@ -493,7 +494,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     fastest = fastest_times(problem)["t4"]
     print(f"allocation problem: {len(problem.units)} decisions per group, target "
           f"{problem.target_ms:.1f} ms ({problem.target_source}); the T4s' fastest plan "
-          f"computes in {fastest:.0f} ms, so precision alone can remove the straggler\n"
+          f"computes in {fastest:.0f} ms, so precision alone can end the V100s' wait\n"
           if fastest is not None else "")
     rows = compare(problem, joint_split=True)
     print(format_rows(rows))
@@ -511,10 +512,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         tl = ev.timeline
         assert tl is not None
         ratio = tl.groups["t4"].compute_ms / tl.groups["v100"].compute_ms
-        print(f"The T4s compute in {ratio:.2f}x the V100s' time "
-              f"({'the straggler is gone' if ratio <= 1.0 + 1e-6 else 'still behind'}): "
-              f"iteration {ev.replay_makespan_ms:.0f} ms in the replayer against "
-              f"{high.iteration_ms:.0f} ms with every card at FP32.")
+        wait, wait_hi = tl.groups["v100"].straggler_wait_ms, high.groups["v100"].straggler_wait_ms
+        print(f"The T4s compute in {ratio:.2f}x the V100s' time ("
+              + ("the V100s no longer wait for the T4s" if wait <= 1e-6 * tl.iteration_ms
+                 else f"the V100s still wait {wait:.0f} ms for the T4s")
+              + f"; {wait_hi:.0f} ms with every card at FP32): iteration "
+              f"{ev.replay_makespan_ms:.0f} ms in the replayer against {high.iteration_ms:.0f} ms "
+              f"with every card at FP32; straggler: {straggler_reason(tl)}.")
         so = by.get("strong-only")
         if so is not None and so.samples_per_s:
             print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "

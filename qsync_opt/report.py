@@ -5,8 +5,9 @@
 (a) a precision heatmap, the choosable ops in graph order against the device groups, one
     colour per precision (legend from most exact to least);
 (b) per group, one iteration as stacked horizontal bars in the order things happen: compute
-    (forward + backward without casts), casts, idle waiting for the straggler's backward,
-    exposed communication, optimizer step; the iteration time is marked;
+    (forward + backward without casts), casts, idle waiting for the slowest group's
+    backward, exposed communication, optimizer step; the iteration time is marked, and the
+    straggler (the group whose iteration ends last, ``Timeline.straggler``) labelled;
 (c) per group, memory by category against the card's usable capacity.
 
 :func:`load_report_inputs` rebuilds what a plan file needs (graph, costs, timeline) from the
@@ -51,7 +52,7 @@ PRECISION_COLORS: dict[Precision, str] = {
 TIME_PARTS: tuple[tuple[str, str, str], ...] = (
     ("compute", "compute", "#4c72b0"),
     ("casts", "casts", "#d62728"),
-    ("idle", "idle (straggler wait)", "#d9d9d9"),
+    ("idle", "idle (waits for the slowest backward)", "#d9d9d9"),
     ("comm", "exposed communication", "#8172b2"),
     ("optimizer", "optimizer", "#55a868"),
 )
@@ -104,6 +105,44 @@ def time_parts(g: GroupTimeline) -> dict[str, float]:
         "comm": max(0.0, g.exposed_comm_ms),
         "optimizer": g.optimizer_ms,
     }
+
+
+def straggler_reason(timeline: Timeline) -> str | None:
+    """Why ``timeline.straggler`` (the group whose iteration ends last) ends last, against
+    the group that ends next: when each starts its optimizer step (its backward's end or the
+    all-reduce's, whichever is later) and how long the step takes; a straggler with less
+    compute than that group says so. None with one group."""
+    if len(timeline.groups) < 2:
+        return None
+    s = timeline.groups[timeline.straggler]
+    rest = [g for n, g in timeline.groups.items() if n != s.name]
+    r = max(rest, key=lambda g: (g.end_ms, g.compute_ms))
+    gap = s.end_ms - r.end_ms
+    comm_end = timeline.bucket_end_ms[-1] if timeline.bucket_end_ms else 0.0
+    d_bwd = max(s.compute_ms, comm_end) - max(r.compute_ms, comm_end)
+    d_opt = s.optimizer_ms - r.optimizer_ms
+    tol = 1e-9 * max(s.end_ms, 1.0)
+    if gap <= tol:
+        return f"{s.name} and {r.name} end together at {s.end_ms:.4g} ms"
+    parts = []
+    if abs(d_bwd) > tol:  # when it can start its step: its backward's end or the all-reduce's
+        parts.append(f"it starts its optimizer step {abs(d_bwd):.3g} ms "
+                     + ("after" if d_bwd > 0 else "before") + f" {r.name} "
+                     + ("(its backward ends past the all-reduce)" if d_bwd > 0 else
+                        f"({r.name}'s backward ends past the all-reduce)"))
+    elif s.compute_ms <= comm_end and r.compute_ms <= comm_end:
+        parts.append("both start their optimizer step when the all-reduce ends")
+    if abs(d_opt) > tol:
+        parts.append(f"its optimizer step takes {abs(d_opt):.3g} ms "
+                     + ("longer" if d_opt > 0 else "less") + f" than {r.name}'s")
+    slowest = max(timeline.groups.values(), key=lambda g: g.compute_ms).name
+    for g, who in ((s, "it"), (r, r.name)):
+        if g.straggler_wait_ms > tol:
+            parts.append(f"{who} waits {g.straggler_wait_ms:.4g} ms for {slowest}'s backward")
+    compute = ("" if s.compute_ms >= r.compute_ms else
+               f"; it computes {r.compute_ms - s.compute_ms:.3g} ms less than {r.name}")
+    return (f"{s.name} ends last at {s.end_ms:.4g} ms, {gap:.3g} ms after {r.name}: "
+            + ", ".join(parts) + compute)
 
 
 def precision_counts(plan: Plan, group: str) -> dict[str, int]:
@@ -350,6 +389,9 @@ def plan_summary_lines(plan: Plan, timeline: Timeline) -> list[str]:
             f"{t['idle']:.4g} ms, comm {t['comm']:.4g} ms, optimizer {t['optimizer']:.4g} ms, "
             f"end {g.end_ms:.4g} ms | memory {g.peak_memory_bytes / GiB:.2f} / "
             f"{g.capacity_bytes / GiB:.2f} GiB" + ("" if g.fits else " OVER"))
+    reason = straggler_reason(timeline)
+    if reason is not None:
+        lines.append(f"  straggler (the group whose iteration ends last): {reason}")
     return lines
 
 
@@ -360,6 +402,7 @@ def report_summary(plan: Plan, timeline: Timeline) -> dict[str, Any]:
         if name in plan.groups:
             g["precision_counts"] = precision_counts(plan, name)
             g["time_parts_ms"] = time_parts(timeline.groups[name])
+    out["straggler_reason"] = straggler_reason(timeline)
     return {"workload": plan.workload, "graph_hash": plan.graph_hash,
             "provenance": dict(plan.provenance), **out}
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from qsync_opt import ModelGraph, Plan, QsyncInputError, estimate, parse_shorthand, save
+from qsync_opt.plan import make_plan
 from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.replayer import Replayer
+from qsync_opt.problem import AllocationProblem, ProblemOptions
+from qsync_opt.replayer import GroupTimeline, Replayer, Timeline
 from qsync_opt.report import (
     add_report_parser,
     cmd_report,
@@ -21,7 +22,9 @@ from qsync_opt.report import (
     plan_figure,
     plan_summary_lines,
     precision_counts,
+    report_summary,
     sparse_ticks,
+    straggler_reason,
     time_parts,
 )
 from qsync_opt.schemas import OpRole
@@ -33,7 +36,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _plan(graph: ModelGraph, shorthand: str) -> Plan:
     """First group at its lowest precisions, the others at their reference: a mixed plan."""
     cluster = parse_shorthand(shorthand)
-    prob = AllocationProblem(graph, cluster, estimate(graph, cluster), random_indicator(graph))
+    prob = AllocationProblem(graph, cluster, estimate(graph, cluster), random_indicator(graph),
+                             ProblemOptions(lower_reference=True))  # the strong group lowered too
     assignment = {gm.name: (gm.lowest() if k == 0 else list(gm.reference))
                   for k, gm in enumerate(prob.groups)}
     return prob.make_plan(assignment, {"solver": "test", "status": "FEASIBLE"})
@@ -111,13 +115,16 @@ def test_sparse_ticks() -> None:
 def test_summary_lines_name_every_group(three_group: Plan, resnet50_graph: ModelGraph) -> None:
     timeline = _timeline(three_group, resnet50_graph)
     lines = plan_summary_lines(three_group, timeline)
-    assert len(lines) == 1 + 3
+    assert len(lines) == 1 + 3 + 1
     assert "resnet50" in lines[0] and "solver test (FEASIBLE)" in lines[0]
-    for name, line in zip(three_group.groups, lines[1:], strict=True):
+    assert f"straggler {timeline.straggler}" in lines[0]
+    assert lines[-1].startswith(f"  straggler (the group whose iteration ends last): "
+                                f"{timeline.straggler} ends last")
+    for name, line in zip(three_group.groups, lines[1:4], strict=True):
         assert line.lstrip().startswith(name)
         assert "compute" in line and "casts" in line and "idle" in line and "GiB" in line
     n_ops = len(resnet50_graph.choosable_ops())
-    for name, line in zip(three_group.groups, lines[1:], strict=True):
+    for name, line in zip(three_group.groups, lines[1:4], strict=True):
         counts = precision_counts(three_group, name)
         assert sum(counts.values()) == n_ops
         assert ", ".join(f"{n} {p}" for p, n in counts.items()) in line
@@ -143,7 +150,9 @@ def test_cli_report_png_and_summary(two_group: Plan, tmp_path: Path,
     doc = json.loads(capsys.readouterr().out)
     assert set(doc["groups"]) == set(two_group.groups)
     assert doc["workload"] == "digits_cnn" and doc["png"] is None
-    assert doc["iteration_ms"] > 0
+    tl = load_report_inputs(plan_path).timeline
+    assert doc["iteration_ms"] == pytest.approx(tl.iteration_ms, rel=1e-12)
+    assert doc["iteration_ms"] == pytest.approx(max(g["end_ms"] for g in doc["groups"].values()))
     assert sum(doc["groups"]["l4"]["precision_counts"].values()) == 3
 
 
@@ -213,3 +222,70 @@ def test_failed_write_leaves_no_temp_file(two_group: Plan, digits_graph: ModelGr
     with pytest.raises(QsyncInputError, match=r"^png: cannot write .*keep\.png"):
         plan_figure(two_group, digits_graph, timeline, target)
     assert os.listdir(tmp_path) == ["keep.png"] and target.read_bytes() == b"old"
+
+
+# ----------------------------------------------------------------------------- straggler
+
+
+def test_the_straggler_ends_last_even_with_less_compute(resnet50_graph: ModelGraph,
+                                                        tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """ResNet-50, the V100s at fp32 and the T4s at fp16: the V100s compute longer, both then
+    wait for the all-reduce, and the T4s' optimizer step is the slower one, so the T4s end
+    the iteration: they are the straggler in the timeline, the report's lines and its JSON
+    (the report used to name the V100s, the group with the most compute)."""
+    cluster = parse_shorthand("v100x16+t4x16")
+    rep = Replayer(resnet50_graph, cluster, estimate(resnet50_graph, cluster))
+    high = rep.uniform("highest")
+    t4 = {op: Precision.fp16 for op in high["t4"]}
+    plan = make_plan(resnet50_graph, cluster, {"v100": high["v100"], "t4": t4},
+                     {"solver": "test", "status": "FEASIBLE"})
+    tl = rep.simulate(plan)
+    v, t = tl.groups["v100"], tl.groups["t4"]
+    assert v.compute_ms > t.compute_ms  # the most compute ...
+    assert t.end_ms > v.end_ms and t.end_ms == pytest.approx(tl.iteration_ms)  # ... ends first
+    assert t.optimizer_ms > v.optimizer_ms
+    assert tl.straggler == "t4" and tl.summary()["straggler"] == "t4"
+    lines = plan_summary_lines(plan, tl)
+    assert ", straggler t4," in lines[0]
+    reason = straggler_reason(tl)
+    assert reason is not None and lines[-1].endswith(reason)
+    assert reason.startswith(f"t4 ends last at {t.end_ms:.4g} ms")
+    assert f"its optimizer step takes {t.optimizer_ms - v.optimizer_ms:.3g} ms longer" in reason
+    assert f"it computes {v.compute_ms - t.compute_ms:.3g} ms less than v100" in reason
+    doc = report_summary(plan, tl)
+    assert doc["straggler"] == "t4" and doc["straggler_reason"] == reason
+    # The command, from the plan file alone.
+    save(plan, tmp_path / "plan.json")
+    assert cmd_report(_namespace(tmp_path / "plan.json")) == 0
+    out = capsys.readouterr().out
+    assert ", straggler t4," in out and reason in out
+
+
+def _group(name: str, compute: float, end: float, optimizer: float) -> GroupTimeline:
+    return GroupTimeline(name=name, device="t4", batch_per_device=1, forward_ms=compute / 3,
+                         backward_ms=2 * compute / 3, cast_ms=0.0, n_casts=0,
+                         optimizer_ms=optimizer, end_ms=end, exposed_comm_ms=0.0,
+                         straggler_wait_ms=0.0, memory={}, peak_memory_bytes=0,
+                         capacity_bytes=1)
+
+
+def test_straggler_ties_and_a_backward_past_the_all_reduce() -> None:
+    """Groups that end together: the one with more compute is named. A group whose backward
+    ends after the all-reduce is the straggler for its compute, and the reason says so."""
+    tied = Timeline(iteration_ms=10.0, groups={"a": _group("a", 5.0, 10.0, 2.0),
+                                               "b": _group("b", 7.0, 10.0, 2.0)},
+                    bucket_start_ms=[7.0], bucket_end_ms=[8.0], critical_path=[])
+    assert tied.straggler == "b"
+    assert straggler_reason(tied) == "b and a end together at 10 ms"
+    late = Timeline(iteration_ms=13.0, groups={"a": _group("a", 12.0, 13.0, 1.0),
+                                               "b": _group("b", 7.0, 10.0, 2.0)},
+                    bucket_start_ms=[7.0], bucket_end_ms=[8.0], critical_path=[])
+    assert late.straggler == "a"
+    assert straggler_reason(late) == (
+        "a ends last at 13 ms, 3 ms after b: it starts its optimizer step 4 ms after b (its "
+        "backward ends past the all-reduce), its optimizer step takes 1 ms less than b's")
+    solo = Timeline(iteration_ms=3.0, groups={"a": _group("a", 2.0, 3.0, 1.0)},
+                    bucket_start_ms=[], bucket_end_ms=[], critical_path=[])
+    assert solo.straggler == "a" and straggler_reason(solo) is None
