@@ -35,18 +35,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from qsync_opt.models import compute_loss, get_workload
 
-from qsync_opt import Plan, parse_shorthand, trace
+from qsync_opt import Plan, estimate, parse_shorthand, trace
 from qsync_opt._env import cpu_model, pin_malloc
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
-from qsync_opt.profile import measure_comm_local, profile_detailed, spawn_local, with_comm
+from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
 from qsync_opt.runtime import apply_plan
-from qsync_opt.runtime.memory import measure_plan_memory, measure_step_memory
+from qsync_opt.runtime.memory import measure_plan_memory
 from qsync_opt.schemas import CommModel, CostTable
 from qsync_opt.solve import _reachable_ms, solve
 from qsync_opt.synthetic import random_indicator
@@ -89,48 +88,110 @@ def interleaved(runners: dict[str, Runner], repeats: int, warmup: int = 3) -> di
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def make_plans(prob: AllocationProblem, seed: int = 0) -> dict[str, Plan]:
+def is_mixed(assignment: list[int], choices: list[list[Precision]]) -> bool:
+    """At least two precisions among the group's choosable units."""
+    return len({ch[k] for ch, k in zip(choices, assignment, strict=True)}) > 1
+
+
+def make_plans(prob: AllocationProblem, seed: int = 0, n_random: int = 2
+               ) -> tuple[dict[str, Plan], set[str]]:
+    """Distinct plans (duplicates dropped, said so) and the labels of the held-out ones:
+    every mixed plan (two precisions at least) is held out; uniform plans are not."""
     gm = prob.groups[0]
+    choices = [list(c) for c in gm.choices]
 
     def uniform(p: Precision) -> list[int]:
-        return [c.index(p) if p in c else c.index(Precision.fp32) for c in gm.choices]
+        return [c.index(p) if p in c else c.index(Precision.fp32) for c in choices]
 
-    plans = {f"uniform {p.value}": prob.make_plan({gm.name: uniform(p)})
-             for p in (Precision.fp32, Precision.bf16, Precision.int8)}
+    plans: dict[str, Plan] = {}
+    seen: dict[tuple[int, ...], str] = {}
+    held: set[str] = set()
+
+    def add(label: str, a: list[int], plan: Plan | None = None) -> bool:
+        key = tuple(a)
+        if key in seen:
+            print(f"  {label}: the same plan as {seen[key]}, dropped")
+            return False
+        seen[key] = label
+        plans[label] = plan if plan is not None else prob.make_plan({gm.name: a})
+        if is_mixed(a, choices):
+            held.add(label)
+        return True
+
+    for p in (Precision.fp32, Precision.bf16, Precision.int8):
+        add(f"uniform {p.value}", uniform(p))
     ref = prob.makespan_ms({gm.name: uniform(Precision.fp32)})
     lo = _reachable_ms(prob) or ref
     for frac in (1 / 3, 2 / 3):
         target = lo + frac * (ref - lo)
         try:
             plan, _ = solve(prob.retarget(target), "highs", refine=0, compare_ties=False)
-            plans[f"solver @{target:.1f} ms"] = plan
         except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash
             print(f"  solver @{target:.1f} ms: no plan ({exc})")
+            continue
+        a = prob.assignment(plan)[gm.name]
+        if not is_mixed(a, choices):
+            print(f"  solver @{target:.1f} ms: a uniform plan, not held out")
+        add(f"solver @{target:.1f} ms", a, plan)
     rng = random.Random(seed)
     pool = (Precision.fp32, Precision.bf16, Precision.int8)
-    for k in range(2):
-        a = [c.index(rng.choice([p for p in pool if p in c])) for c in gm.choices]
-        plans[f"random mixed {k}"] = prob.make_plan({gm.name: a})
-    return plans
+    made, tries = 0, 0
+    while made < n_random and tries < 200:  # random plans that are mixed and new
+        tries += 1
+        a = [c.index(rng.choice([p for p in pool if p in c])) for c in choices]
+        if is_mixed(a, choices) and tuple(a) not in seen:
+            add(f"random mixed {made}", a)
+            made += 1
+    return plans, held
 
 
-def single_process(name: str, repeats: int) -> tuple[list[float], list[float], CostTable]:
+def measure_child(spec_path: str) -> int:
+    """``--child SPEC``: one fresh process times every plan of SPEC (interleaved rounds) and
+    prints ``{label: median ms}`` as JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    pin_malloc()
+    runners = {k: Runner(spec["name"], Plan.model_validate_json(t), spec["batch"])
+               for k, t in spec["plans"].items()}
+    print(json.dumps(interleaved(runners, spec["repeats"])))
+    return 0
+
+
+def measure_processes(name: str, b: int, plans: dict[str, Plan], repeats: int, processes: int
+                      ) -> dict[str, list[float]]:
+    """Each plan's median step in each of ``processes`` fresh processes (run one after the
+    other; in each, the plans interleaved)."""
+    out: dict[str, list[float]] = {k: [] for k in plans}
+    with tempfile.TemporaryDirectory() as d:
+        spec = Path(d) / "spec.json"
+        spec.write_text(json.dumps({"name": name, "batch": b, "repeats": repeats,
+                                    "plans": {k: p.model_dump_json() for k, p in plans.items()}}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for _ in range(processes):
+            res = subprocess.run([sys.executable, __file__, "--child", str(spec)], check=True,
+                                 capture_output=True, text=True, env=env)
+            for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items():
+                out[k].append(float(v))
+    return out
+
+
+def single_process(name: str, repeats: int, processes: int = 3
+                   ) -> tuple[list[float], list[float], CostTable]:
     b = BATCH.get(name, 8)
     g = trace(name, b)
     prof = profile_detailed(name, b, device="cpu", repeats=repeats, threads=1)
     costs = prof.table
     prob = AllocationProblem(g, parse_shorthand(f"cpux1@{b}"), costs, random_indicator(g))
-    plans = make_plans(prob)
-    runners = {k: Runner(name, p, b) for k, p in plans.items()}
-    runners["uniform fp32 (again)"] = Runner(name, plans["uniform fp32"], b)
-    measured = interleaved(runners, repeats)
-    n_a, n_b = measured["uniform fp32"], measured.pop("uniform fp32 (again)")
-    runners.pop("uniform fp32 (again)")
-    noise = abs(n_a - n_b) / min(n_a, n_b)
+    plans, held = make_plans(prob)
+    runs = measure_processes(name, b, plans, repeats, processes)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    noise = max((max(v) - min(v)) / med[k] for k, v in runs.items())
     print(f"\n== {name}, batch {b}: profiled in {prof.seconds:.1f} s (uniform plans only); "
-          f"run-to-run noise {noise:.1%} (fp32 built and timed twice: {n_a:.2f} / {n_b:.2f} ms)")
-    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>9} "
-          f"{'meas MiB':>9} {'error':>7}")
+          f"{len(plans)} distinct plans, {len(held)} mixed (held out), each timed in "
+          f"{processes} fresh processes; run-to-run noise: same plan, different processes, up "
+          f"to {noise:.1%}")
+    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'range ms':>13} {'error':>7} "
+          f"{'error range':>15}   {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
     t_err: list[float] = []
     m_err: list[float] = []
     for label, plan in plans.items():
@@ -138,138 +199,177 @@ def single_process(name: str, repeats: int) -> tuple[list[float], list[float], C
         pred = tl.iteration_ms
         pmem = tl.groups["cpu"].peak_memory_bytes
         mmem = measure_plan_memory(name, plan, b).peak_bytes
-        meas = measured[label]
+        meas, lo, hi = med[label], min(runs[label]), max(runs[label])
         e = (pred - meas) / meas
+        e_lo, e_hi = (pred - hi) / hi, (pred - lo) / lo
         em = (pmem - mmem) / mmem
-        held = not label.startswith("uniform")
-        if held:
+        if label in held:
             t_err.append(abs(e))
         m_err.append(abs(em))
-        print(f"{label:>22} {pred:9.2f} {meas:9.2f} {e:+7.1%}   {pmem / MIB:9.2f} "
-              f"{mmem / MIB:9.2f} {em:+7.1%}" + ("  (held out)" if held else ""))
-    print(f"held-out mixed plans: time median |error| {statistics.median(t_err):.1%}, worst "
-          f"{max(t_err):.1%} (noise {noise:.1%}); memory, all plans: median |error| "
-          f"{statistics.median(m_err):.1%}, worst {max(m_err):.1%}")
+        print(f"{label:>22} {pred:9.2f} {meas:9.2f} {f'{lo:.2f}-{hi:.2f}':>13} {e:+7.1%} "
+              f"{f'{e_lo:+.1%}..{e_hi:+.1%}':>15}   {pmem / MIB:9.2f} {mmem / MIB:9.2f} "
+              f"{em:+7.1%}" + ("  (held out)" if label in held else ""))
+    if t_err:
+        print(f"held-out mixed plans: time median |error| {statistics.median(t_err):.1%}, "
+              f"worst {max(t_err):.1%} (noise up to {noise:.1%}); ", end="")
+    print(f"memory, all plans: median |error| {statistics.median(m_err):.1%}, worst "
+          f"{max(m_err):.1%}")
     return t_err, m_err, costs
 
 
 # ----------------------------------------------------------------------------- two processes
 
 
-def _ddp_peaks(rank: int, name: str, b: int, plans: dict[str, str]) -> dict[str, int]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    wl = get_workload(name)
-    out = {}
-    for label, text in plans.items():
-        torch.manual_seed(0)
-        model = wl.build().float().train()
-        apply_plan(model, Plan.model_validate_json(text), "cpu")
-        ddp = DDP(model, forward_sync_buffers=False)  # the runtime's DDPSync wrapping
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        x = wl.make_inputs(b, torch.device("cpu"))
-        y = wl.make_targets(b, torch.device("cpu"))
-
-        def step(ddp: Any = ddp, opt: Any = opt, x: Any = x, y: Any = y) -> None:
-            compute_loss(wl, ddp(*x), y).backward()
-            opt.step()
-
-        opt.zero_grad(set_to_none=True)
-        step()
-        opt.zero_grad(set_to_none=True)
-        out[label] = measure_step_memory(model, step, optimizer=opt, extra=(*x, y)).peak_bytes
-    return out
-
-
-def ddp_peak_bytes(name: str, b: int, plans: dict[str, Plan]) -> dict[str, int]:
-    """Rank 0's exact peak of one DDP step (2 gloo processes) per plan."""
-    texts = {k: p.model_dump_json() for k, p in plans.items()}
-    return spawn_local(_ddp_peaks, 2, name, b, texts)
-
-
-def train_step_ms(name: str, plan: Plan, steps: int, tmp: Path, label: str) -> float:
+def train_run(name: str, plan: Plan, steps: int, tmp: Path, label: str,
+              memory_step: int | None = None) -> tuple[float, int | None]:
+    """``qsync-opt train --nproc 2``: the slower rank's median ``step_ms`` (from step 5, the
+    measured step left out) and rank 0's exact peak of step ``memory_step``, measured inside
+    the rank (``--measure-memory``)."""
     path = tmp / f"{label}.plan.json"
     plan.save(path)
     out = tmp / label
     cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", name, "--plan", str(path),
-           "--nproc", "2", "--steps", str(steps), "--out", str(out)]
+           "--nproc", "2", "--steps", str(steps), "--out", str(out), "--no-resume"]
+    if memory_step is not None:
+        cmd += ["--measure-memory", str(memory_step)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     per_rank = []
     for r in (0, 1):
         rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
-        per_rank.append(statistics.median(x["step_ms"] for x in rows[5:]))
-    return max(per_rank)
+        per_rank.append(statistics.median(x["step_ms"] for x in rows[5:]
+                                          if x["step"] != memory_step))
+    peak = None
+    if memory_step is not None:
+        peak = json.loads((out / "summary.rank0.json").read_text())["memory"]["peak_bytes"]
+    return max(per_rank), peak
 
 
-def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel
+def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel, repeats: int = 2
                   ) -> tuple[list[float], list[float]]:
     """Raw and runtime-calibrated |errors| of the held-out mixed plans, two gloo ranks.
 
     The single-process profile cannot see what the launched runtime adds per step (DDP's
     hooks and bucket copies, gloo's reduction work on the same cores, batch slicing, the
-    finite check, metrics). One uniform fp32 run of the launcher measures it, as a factor
-    on the prediction; the other plans are predicted with that factor.
+    finite check, metrics). The uniform fp32 launches measure it, as a factor on the
+    prediction; the other plans are predicted with that factor. Every plan is launched
+    ``repeats`` times, the plans interleaved; peak memory is measured inside rank 0 of the
+    first launch of each plan.
     """
     b = BATCH.get(name, 8)
     g = trace(name, b)
     costs = with_comm(costs, g, comm)
     prob = AllocationProblem(g, parse_shorthand(f"cpux2@{b}"), costs, random_indicator(g))
-    plans = make_plans(prob)
-    keep = (["uniform fp32", "uniform bf16"] + [k for k in plans if k.startswith("solver")][:1]
-            + ["random mixed 0"])
+    plans, held = make_plans(prob)
+    keep = (["uniform fp32", "uniform bf16"]
+            + [k for k in plans if k.startswith("solver") and k in held][:1]
+            + [k for k in plans if k.startswith("random") and k in held][:1])
     raw_errs: list[float] = []
     cal_errs: list[float] = []
     mem_errs: list[float] = []
     print(f"\n== {name}, batch {b} per rank, 2 gloo processes (qsync-opt train --nproc 2, "
-          f"{steps} steps, median step_ms of the slower rank from step 5); predicted all-reduce "
-          f"{sum(prob.replayer.bucket_ms):.2f} ms in {len(prob.replayer.bucket_ms)} buckets, "
-          f"stats + buffer syncs {prob.replayer.step_sync_ms:.2f} ms")
-    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'x runtime':>10} "
-          f"{'error':>7}   {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
-    factor = None
-    peaks = ddp_peak_bytes(name, b, {k: plans[k] for k in keep})
+          f"{steps} steps, median step_ms of the slower rank from step 5; {repeats} launches "
+          f"per plan, interleaved); predicted all-reduce {sum(prob.replayer.bucket_ms):.2f} ms "
+          f"in {len(prob.replayer.bucket_ms)} buckets, stats + buffer syncs "
+          f"{prob.replayer.step_sync_ms:.2f} ms")
+    print(f"{'plan':>22} {'pred ms':>9} {'meas ms':>9} {'range ms':>13} {'error':>7} "
+          f"{'x runtime':>10} {'error':>7}   {'pred MiB':>9} {'in-rank MiB':>11} {'error':>7}")
+    times: dict[str, list[float]] = {k: [] for k in keep}
+    peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as d:
-        for label in keep:
-            tl = prob.replayer.simulate(plans[label], events=False)
-            meas = train_step_ms(name, plans[label], steps, Path(d), label.replace(" ", "_"))
-            pred = tl.iteration_ms
-            if factor is None:
-                factor = meas / pred  # the uniform fp32 run: the runtime's factor
-            cal = pred * factor
-            e, ec = (pred - meas) / meas, (cal - meas) / meas
-            held = not label.startswith("uniform")
-            if held:
-                raw_errs.append(abs(e))
-                cal_errs.append(abs(ec))
-            tag = ("  (sets the runtime factor)" if label == "uniform fp32"
-                   else "  (held out)" if held else "")
-            pm = tl.groups["cpu"].peak_memory_bytes
-            mm = peaks[label]
-            mem_errs.append(abs(pm - mm) / mm)
-            print(f"{label:>22} {pred:9.2f} {meas:9.2f} {e:+7.1%} {cal:10.2f} {ec:+7.1%}   "
-                  f"{pm / MIB:9.2f} {mm / MIB:9.2f} {(pm - mm) / mm:+7.1%}{tag}")
+        for rep in range(repeats):
+            for label in keep:
+                t, peak = train_run(name, plans[label], steps, Path(d),
+                                    f"{label.replace(' ', '_')}_{rep}",
+                                    memory_step=3 if rep == 0 else None)
+                times[label].append(t)
+                if peak is not None:
+                    peaks[label] = peak
+    pred_fp32 = prob.replayer.simulate(plans["uniform fp32"], events=False).iteration_ms
+    factor = statistics.median(times["uniform fp32"]) / pred_fp32
+    for label in keep:
+        tl = prob.replayer.simulate(plans[label], events=False)
+        meas = statistics.median(times[label])
+        pred = tl.iteration_ms
+        cal = pred * factor
+        e, ec = (pred - meas) / meas, (cal - meas) / meas
+        if label in held:
+            raw_errs.append(abs(e))
+            cal_errs.append(abs(ec))
+        tag = ("  (sets the runtime factor)" if label == "uniform fp32"
+               else "  (held out)" if label in held else "")
+        pm = tl.groups["cpu"].peak_memory_bytes
+        mm = peaks[label]
+        mem_errs.append(abs(pm - mm) / mm)
+        rng = f"{min(times[label]):.2f}-{max(times[label]):.2f}"
+        print(f"{label:>22} {pred:9.2f} {meas:9.2f} {rng:>13} {e:+7.1%} {cal:10.2f} {ec:+7.1%}"
+              f"   {pm / MIB:9.2f} {mm / MIB:11.2f} {(pm - mm) / mm:+7.1%}{tag}")
     print(f"runtime factor (launched step / single-process prediction, uniform fp32): "
-          f"x{factor:.3f}; memory: rank 0's exact peak of one DDP step, worst |error| "
-          f"{max(mem_errs):.1%}")
+          f"x{factor:.3f}; memory: rank 0's exact peak of step 3 measured inside "
+          f"`qsync-opt train`, worst |error| {max(mem_errs):.1%}")
     return raw_errs, cal_errs
+
+
+def memory_only(name: str, batch: int, steps: int = 5) -> list[float]:
+    """Peak memory of a workload the memory model's constants were not fitted on: estimated
+    costs (time is not checked), the fp32 activation flow of the runtime; the exact peak of
+    one step in one process and inside rank 0 of a two-rank launch."""
+    g = trace(name, batch)
+    base = None
+    errs: list[float] = []
+    for world in (1, 2):
+        cl = parse_shorthand(f"cpux{world}@{batch}")
+        costs = estimate(g, cl).model_copy(update={"activation_flow": "fp32"})
+        prob = AllocationProblem(g, cl, costs, random_indicator(g))
+        if base is None:
+            made, _ = make_plans(prob, n_random=1)
+            base = {k: prob.assignment(p)["cpu"] for k, p in made.items()
+                    if not k.startswith("solver")}
+        where = "one process" if world == 1 else "2 gloo ranks, inside rank 0"
+        print(f"\n== {name}, batch {batch}, memory only ({where}; a workload the memory "
+              "model was not fitted on)")
+        print(f"{'plan':>22} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
+        with tempfile.TemporaryDirectory() as d:
+            for label, a in base.items():
+                plan = prob.make_plan({"cpu": a})
+                pm = prob.replayer.simulate(plan, events=False).groups["cpu"].peak_memory_bytes
+                if world == 1:
+                    mm: int | None = measure_plan_memory(name, plan, batch).peak_bytes
+                else:
+                    _, mm = train_run(name, plan, steps, Path(d), label.replace(" ", "_"),
+                                      memory_step=3)
+                assert mm is not None
+                errs.append(abs(pm - mm) / mm)
+                print(f"{label:>22} {pm / MIB:9.2f} {mm / MIB:9.2f} {(pm - mm) / mm:+7.1%}")
+    print(f"{name}: worst |memory error| {max(errs):.1%}")
+    return errs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="digits_cnn,tiny_gpt,resnet18")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--processes", type=int, default=3,
+                    help="fresh processes timing every plan, one after the other (default 3)")
     ap.add_argument("--gloo", action="store_true", help="also two gloo processes")
     ap.add_argument("--steps", type=int, default=30, help="training steps per gloo run")
+    ap.add_argument("--gloo-repeats", type=int, default=2, help="launches per plan (default 2)")
+    ap.add_argument("--memory-models", default="vgg16_bn@2",
+                    help="workloads the memory model was not fitted on, as NAME@BATCH; memory "
+                         "only ('' to skip)")
     ap.add_argument("--tables", default=None, help="folder: save each model's profiled "
                     "CostTable there, and with --gloo-only read them back")
     ap.add_argument("--gloo-only", action="store_true",
                     help="only the two-process part, from the tables in --tables")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        return measure_child(args.child)
     torch.set_num_threads(1)
     pin_malloc()
     print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process, glibc "
-          "malloc thresholds pinned (qsync_opt._env.pin_malloc)")
+          f"malloc thresholds pinned (qsync_opt._env.pin_malloc); load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start")
     t_all: list[float] = []
     m_all: list[float] = []
     tables: dict[str, CostTable] = {}
@@ -280,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error("--gloo-only needs --tables")
             tables[name] = CostTable.load(folder / f"{name}.costs.json")
             continue
-        t, m, tables[name] = single_process(name, args.repeats)
+        t, m, tables[name] = single_process(name, args.repeats, args.processes)
         if folder is not None:
             tables[name].save(folder / f"{name}.costs.json")
         t_all += t
@@ -296,14 +396,18 @@ def main(argv: list[str] | None = None) -> int:
         g_raw: list[float] = []
         g_cal: list[float] = []
         for name in args.models.split(","):
-            r, c = two_processes(name, tables[name], args.steps, comm)
+            r, c = two_processes(name, tables[name], args.steps, comm, args.gloo_repeats)
             g_raw += r
             g_cal += c
         if g_raw:
             print(f"\ntwo gloo processes, held-out mixed plans: median |error| "
                   f"{statistics.median(g_raw):.1%}, worst {max(g_raw):.1%} from the profile "
                   f"alone; {statistics.median(g_cal):.1%}, worst {max(g_cal):.1%} with the "
-                  "runtime factor of one uniform fp32 launch")
+                  "runtime factor of the uniform fp32 launches")
+    for spec in filter(None, args.memory_models.split(",")):
+        name, _, b = spec.partition("@")
+        memory_only(name, int(b or 2))
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
 

@@ -6,9 +6,11 @@ compute stretched 2x). Steps, each printed with its figures:
 
 1. trace the model; 2. profile it on this CPU in context (uniform plans only) and derive the
 ``cpu/2`` costs; 3. the qsync indicator on real digits batches; 4. every allocator on the
-two-group problem; 5. train two gloo ranks (torchrun) with all-fp32 and with the exact plan;
-6. predicted against measured: step time per rank, peak memory per group (exact live tensor
-bytes, :mod:`qsync_opt.runtime.memory`), and the held-out accuracy of both runs.
+two-group problem; 5. train two gloo ranks (torchrun) with all-fp32 and with the exact plan, interleaved
+(A B B A: drift in the machine's speed hits both alike), each run fresh;
+6. predicted against measured: step time per rank (median over runs, with the range), peak memory per group (exact live tensor
+bytes, :mod:`qsync_opt.runtime.memory`), and the held-out accuracy of both runs. When the machine was loaded before training, or repeated
+runs of one plan differ by more than 5%, the timings are printed as noise, not as a verdict.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _peak_bytes(plan: Plan, group: str) -> int:
     return measure_plan_memory(MODEL, plan, BATCH, group=group).peak_bytes
 
 
-def local_job(out: Path, steps: int = 120, repeats: int = 10) -> dict[str, Any]:
+def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
+              ) -> dict[str, Any]:
     """Run the whole job (see the module docstring); prints as it goes, returns the figures."""
     print(f"== the whole job on this CPU: {MODEL} on {SHORTHAND} (cpu/2: this CPU, every op "
           "stretched 2x)")
@@ -115,22 +118,35 @@ def local_job(out: Path, steps: int = 120, repeats: int = 10) -> dict[str, Any]:
     save(plan, out / "local_plan.json")
     save(fp32, out / "local_fp32.json")
     save(costs, out / "local_costs.json")
-    print(f"5. training two gloo ranks (cpu, cpu/2), {steps} steps each, with all-fp32 and "
-          f"{chosen.solver}'s plan (written to {out / 'local_plan.json'}) ...")
-    runs = {}
+    load0 = os.getloadavg()[0]
+    order = [0, 1, 1, 0][: 2 * rounds] if rounds <= 2 else [0, 1] * rounds
+    labels = [("all fp32", fp32, out / "local_fp32.json"),
+              (f"{chosen.solver} plan", plan, out / "local_plan.json")]
+    print(f"5. training two gloo ranks (cpu, cpu/2), {steps} steps a run, all-fp32 and "
+          f"{chosen.solver}'s plan (written to {out / 'local_plan.json'}) interleaved "
+          f"{' '.join('AB'[i] for i in order)} (A fp32, B the plan), each run fresh ...")
+    runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="qsync-demo-") as tmp:  # fresh runs, never resumed
-        for label, p, path in (("all fp32", fp32, out / "local_fp32.json"),
-                               (f"{chosen.solver} plan", plan, out / "local_plan.json")):
+        for n, i in enumerate(order):
+            label, p, path = labels[i]
             t0 = time.perf_counter()
-            runs[label] = _train(path, Path(tmp) / label.replace(" ", "_"), steps)
-            runs[label]["plan"] = p
-            runs[label]["secs"] = time.perf_counter() - t0
-    print("6. predicted (profiled costs, replayer) against measured (median step_ms from step 5;"
-          " peak live tensor bytes of one step; held-out accuracy after training):")
-    hdr = (f"{'plan':>12} {'group':>6} {'pred ms':>8} {'meas ms':>8} {'err':>7} "
-           f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accuracy':>9}")
+            res = _train(path, Path(tmp) / f"run{n}", steps)
+            r = runs.setdefault(label, {"plan": p, "samples": [], "secs": 0.0})
+            r["samples"].append(res["ranks"])
+            r["secs"] += time.perf_counter() - t0
+            r.update({k: v for k, v in res.items() if k != "ranks"})
+    load1 = os.getloadavg()[0]
+    for r in runs.values():  # per rank: the median over runs of each run's median step
+        r["ranks"] = {g: statistics.median(x[g] for x in r["samples"]) for g in r["samples"][0]}
+        r["spread"] = max((max(x[g] for x in r["samples"]) - min(x[g] for x in r["samples"]))
+                          / r["ranks"][g] for g in r["samples"][0])
+    print("6. predicted (profiled costs, replayer) against measured (median over runs of each "
+          "run's median step_ms; peak live tensor bytes of one step; held-out accuracy of the "
+          "last run):")
+    hdr = (f"{'plan':>12} {'group':>6} {'pred ms':>8} {'meas ms':>8} {'range ms':>13} "
+           f"{'err':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accuracy':>9}")
     print(hdr)
-    figures: dict[str, Any] = {}
+    figures: dict[Any, Any] = {}
     for label, res in runs.items():
         ev = evaluate(problem, res["plan"])
         tl = ev.timeline
@@ -139,24 +155,55 @@ def local_job(out: Path, steps: int = 120, repeats: int = 10) -> dict[str, Any]:
             gt = tl.groups[g.name]
             pred = gt.end_ms
             meas = res["ranks"][g.name]
+            lo = min(x[g.name] for x in res["samples"])
+            hi = max(x[g.name] for x in res["samples"])
             pm = gt.peak_memory_bytes
             mm = _peak_bytes(res["plan"], g.name)
             figures[(label, g.name)] = (pred, meas, pm, mm)
-            print(f"{label:>12} {g.name:>6} {pred:8.2f} {meas:8.2f} {(pred - meas) / meas:+7.1%} "
-                  f"{pm / MIB:9.2f} {mm / MIB:9.2f} {(pm - mm) / mm:+7.1%} "
-                  f"{res.get('eval_accuracy', float('nan')):9.4f}")
+            print(f"{label:>12} {g.name:>6} {pred:8.2f} {meas:8.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
+                  f"{(pred - meas) / meas:+7.1%} {pm / MIB:9.2f} {mm / MIB:9.2f} "
+                  f"{(pm - mm) / mm:+7.1%} {res.get('eval_accuracy', float('nan')):9.4f}")
     a, b = runs["all fp32"], runs[f"{chosen.solver} plan"]
     sa, sb = max(a["ranks"].values()), max(b["ranks"].values())
     pa = max(figures[("all fp32", g.name)][0] for g in problem.groups)
     pb = max(figures[(f"{chosen.solver} plan", g.name)][0] for g in problem.groups)
     factor = sa / pa
+    cores = os.cpu_count() or 1
+    spread = max(a["spread"], b["spread"])
+    verdict = quiet_verdict(load0, cores, spread, len(order) // 2)
+    print(f"   load average {load0:.2f} before training, {load1:.2f} after ({cores} cores; "
+          f"the demo's own two ranks account for up to 2); the same plan's runs differ by up "
+          f"to {spread:.1%}.")
     print(f"The launched runtime adds work the one-process profile cannot see (DDP, gloo on "
           f"the same cores, the emulated card's sleeps): the all-fp32 launch measures it as "
           f"x{factor:.2f}; with it, the plan (never run before) is predicted at "
           f"{pb * factor:.2f} ms against {sb:.2f} ms measured ({(pb * factor - sb) / sb:+.1%}).")
-    print(f"Measured: the plan's slowest rank steps in {sb:.2f} ms against {sa:.2f} ms at fp32 "
-          f"({sa / sb:.2f}x); held-out accuracy {b.get('eval_accuracy', float('nan')):.4f} "
-          f"against {a.get('eval_accuracy', float('nan')):.4f} (one seed: "
+    speed = (f"the plan's slowest rank steps in {sb:.2f} ms against {sa:.2f} ms at fp32 "
+             f"({sa / sb:.2f}x)")
+    if verdict is None:
+        print(f"Measured: {speed}; ", end="")
+    else:
+        print(f"NOT A RESULT: {verdict}. As measured (noise, not a verdict): {speed}; ", end="")
+    print(f"held-out accuracy {b.get('eval_accuracy', float('nan')):.4f} against "
+          f"{a.get('eval_accuracy', float('nan')):.4f} (one seed: "
           "`benchmarks/bench_accuracy.py` gives the seed noise). Training took "
           f"{a['secs']:.0f} s and {b['secs']:.0f} s.\n")
-    return {"figures": figures, "runs": runs}
+    return {"figures": figures, "runs": runs, "verdict": verdict, "load": (load0, load1),
+            "spread": spread}
+
+
+#: Above this 1-minute load average per core before training, timings are not a result.
+LOADED_PER_CORE = 0.5
+#: Above this run-to-run spread of one plan's step time, timings are not a result.
+NOISY_SPREAD = 0.05
+
+
+def quiet_verdict(load: float, cores: int, spread: float, repeats: int) -> str | None:
+    """None when the timings can be read as a result; else why not, in words."""
+    if load > LOADED_PER_CORE * cores:
+        return (f"the machine is loaded (load average {load:.2f} on {cores} cores before "
+                "training); re-run `qsync-opt demo` on a quiet machine")
+    if repeats >= 2 and spread > NOISY_SPREAD:
+        return (f"repeated runs of one plan differ by {spread:.1%} (over "
+                f"{NOISY_SPREAD:.0%}), more than the effect being measured could be told from")
+    return None

@@ -43,6 +43,10 @@ class TrainConfig(Document):
                                                       "others fail within it, never hang.")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     eval_batches: int = Field(4, ge=0, description="Held-out batches scored at the end.")
+    memory_step: int | None = Field(
+        None, ge=0, description="Measure this step's exact peak live tensor bytes inside each "
+        "rank (CPU ranks, one replica per process; qsync_opt.runtime.memory): the summary's "
+        "'memory' field. None: not measured.")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

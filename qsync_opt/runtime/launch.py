@@ -85,6 +85,9 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="collective timeout in seconds: a dead rank fails the others (default 120)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--measure-memory", type=int, default=None, metavar="STEP",
+                   help="measure step STEP's exact peak live tensor bytes inside every CPU rank "
+                        "(summary.rankR.json 'memory'); the step's time includes the tracking")
     p.add_argument("--print-command", action="store_true",
                    help="write the config and print the torchrun commands for the plan's "
                         "nodes (multi-node), without launching")
@@ -174,7 +177,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             steps=args.steps, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
             resume=not args.no_resume, emulate_dp=args.emulate_dp,
-            slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend)
+            slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend,
+            memory_step=getattr(args, "measure_memory", None))
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
 

@@ -73,6 +73,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -386,6 +387,22 @@ def set_qseeds(model: nn.Module, seeds: dict[str, int]) -> None:
             m.qseed = int(seeds[n])
 
 
+def ddp_bucket_bytes(model: nn.Module) -> int | None:
+    """Bytes of DDP's flat gradient buckets when they are storage of their own (0 when the
+    gradients are views into them, or without DDP; None when DDP does not say)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not isinstance(model, DDP):
+        return 0
+    try:
+        data = model._get_ddp_logging_data()
+        if int(data.get("gradient_as_bucket_view", 0)):
+            return 0
+        return sum(int(x) for x in re.findall(r"\d+", str(data["bucket_sizes"])))
+    except (AttributeError, KeyError, RuntimeError, ValueError):
+        return None
+
+
 def grads_finite(model: nn.Module) -> bool:
     return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
                if p.grad is not None)
@@ -491,6 +508,7 @@ class _Trainer:
             self.rngs.append(torch.get_rng_state())
         self.last_loss = float("nan")
         self.out = Path(self.cfg.out_dir)
+        self.memory: dict[str, Any] | None = None  # filled by measure_memory()
 
     # -- checkpoints
     def save(self) -> None:
@@ -607,6 +625,34 @@ class _Trainer:
                                 f"gradient (max_bad_steps={cfg.max_bad_steps}); stopping at "
                                 f"step {step}")
 
+    def measure_memory(self, metrics: list[_Metrics]) -> None:
+        """One training step as any other, with its exact peak live tensor bytes measured
+        on this rank (allocator events of the CPU; :mod:`qsync_opt.runtime.memory`).
+
+        The baseline is what lives before the step: parameters, gradients, buffers and
+        optimizer state (each storage once). Everything the step allocates counts: the global
+        batch drawn and sliced, the saved buffers, activations, gradients, the all-reduce and
+        the optimizer step. DDP's flat gradient buckets outlive every step and belong to no
+        module, so the allocator events of one step never see them: their size comes from
+        DDP's own record (``bucket_sizes``, bytes) and is added to the baseline when they are
+        separate storage (``gradient_as_bucket_view`` off, the default).
+        """
+        from .memory import measure_step_memory
+
+        step = self.step
+        if len(self.models) != 1 or self.device.type != "cpu":
+            self.memory = {"step": step, "peak_bytes": None,
+                           "note": "measured only on CPU ranks with one replica per process"}
+            self.train_step(metrics)
+            return
+        m = measure_step_memory(self.models[0], lambda: self.train_step(metrics),
+                                optimizer=self.opts[0], clear_grads=False)
+        buckets = ddp_bucket_bytes(self.forward_models[0])
+        self.memory = {"step": step, "peak_bytes": m.peak_bytes + (buckets or 0),
+                       "baseline_bytes": m.baseline_bytes + (buckets or 0),
+                       "ddp_bucket_bytes": buckets, "peak_phase": m.peak_phase,
+                       "peak_op": m.peak_op}
+
     def evaluate(self, model: nn.Module, rng_i: int) -> tuple[float, float | None]:
         from ..models import TASK_CLASSIFICATION, compute_loss
 
@@ -639,6 +685,9 @@ class _Trainer:
         metrics = [_Metrics(self.out / f"metrics.rank{r}.jsonl", start) for r in self.ranks]
         try:
             while self.step < cfg.steps:
+                if cfg.memory_step == self.step:
+                    self.measure_memory(metrics)
+                    continue
                 self.train_step(metrics)
                 _progress(self.step, cfg.steps, self.last_loss, progress)
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
@@ -669,6 +718,7 @@ class _Trainer:
             "loss_scale": self.scale,
             "eval_loss": evals[0]["loss"], "eval_accuracy": evals[0]["accuracy"],
             "eval_per_rank": evals, "state_sha256": sha, "wall_s": round(wall_s, 3),
+            **({"memory": self.memory} if self.memory is not None else {}),
         }
 
 

@@ -1,0 +1,65 @@
+"""Peak memory measured inside `qsync-opt train`'s own ranks (--measure-memory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qsync_opt as qs
+from qsync_opt.cluster import parse_shorthand
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.synthetic import random_indicator
+
+
+def _plan_and_prediction(tmp: Path, name: str, batch: int, precision: str) -> tuple[Path, int]:
+    g = qs.trace(name, batch)
+    cl = parse_shorthand(f"cpux2@{batch}")
+    costs = qs.estimate(g, cl).model_copy(update={"activation_flow": "fp32"})
+    prob = AllocationProblem(g, cl, costs, random_indicator(g))
+    gm = prob.groups[0]
+    p = qs.Precision(precision)
+    plan = prob.make_plan({"cpu": [c.index(p) if p in c else c.index(qs.Precision.fp32)
+                                   for c in gm.choices]})
+    path = tmp / f"{precision}.plan.json"
+    plan.save(path)
+    pred = prob.replayer.simulate(plan, events=False).groups["cpu"].peak_memory_bytes
+    return path, pred
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_ranks_measure_their_own_peak(tmp_path: Path, precision: str) -> None:
+    plan, pred = _plan_and_prediction(tmp_path, "digits_cnn", 32, precision)
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn", "--plan",
+         str(plan), "--nproc", "2", "--steps", "4", "--out", str(out), "--measure-memory", "2",
+         "--timeout", "300"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    g = qs.trace("digits_cnn", 32)
+    for r in (0, 1):
+        mem = json.loads((out / f"summary.rank{r}.json").read_text())["memory"]
+        assert mem["step"] == 2
+        # DDP's flat buckets: one FP32 copy of the gradients, from DDP's own record
+        assert mem["ddp_bucket_bytes"] == g.param_bytes
+        assert mem["baseline_bytes"] >= 3 * g.param_bytes  # weights, grads, momentum, buckets
+        # the replayer's fp32-flow model of the runtime, against the rank's own exact peak
+        assert abs(pred - mem["peak_bytes"]) / mem["peak_bytes"] < 0.05, (pred, mem)
+        rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in rows] == [0, 1, 2, 3]  # the measured step is a real step
+
+
+def test_measure_memory_refuses_negative_step(tmp_path: Path) -> None:
+    plan, _ = _plan_and_prediction(tmp_path, "digits_cnn", 32, "fp32")
+    res = subprocess.run(
+        [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn", "--plan",
+         str(plan), "--nproc", "2", "--steps", "4", "--out", str(tmp_path / "o"),
+         "--measure-memory", "-1", "--dry-run"], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "memory_step" in res.stderr and len(res.stderr.strip().splitlines()) == 1
