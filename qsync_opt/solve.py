@@ -21,6 +21,7 @@ from .io import load
 from .problem import AllocationProblem, Evaluation, ProblemOptions, evaluate
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
 from .solvers import SolveOptions, get_backend, registry
+from .units import GIB, fmt_bytes
 
 #: Per-device batch at which the indicator runs on this CPU when none is given.
 INDICATOR_BATCH = 8
@@ -513,13 +514,14 @@ def format_rows(rows: Sequence[CompareRow]) -> str:
     """The comparison as a fixed-width table."""
     head = (f"{'solver':>17} {'status':>10} {'ok':>3} {'objective':>11} {'linear ms':>10} "
             f"{'replay ms':>10} {'samples/s':>10} {'rounds':>6} {'wall s':>8}  batches; "
-            "peak GiB per group")
+            "peak memory per group")
     lines = [head]
     for r in rows:
         def num(v: float | None, fmt: str) -> str:
             width = int(fmt.split(".")[0])
             return format(v, fmt) if v is not None else "-".rjust(width)
-        mem = " ".join(f"{g}={v:.1f}" for g, v in r.peak_memory_gib.items())
+        mem = " ".join(f"{g}={fmt_bytes(v * GIB).replace(' ', '')}"
+                       for g, v in r.peak_memory_gib.items())
         split = ",".join(str(b) for b in r.batches.values())
         lines.append(f"{r.solver:>17} {r.status:>10} {'yes' if r.feasible else 'no':>3} "
                      f"{num(r.objective, '11.5g')} {num(r.makespan_ms, '10.2f')} "
