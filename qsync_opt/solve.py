@@ -20,7 +20,8 @@ from .graph import trace
 from .io import load
 from .problem import AllocationProblem, Evaluation, ProblemOptions, evaluate
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
-from .solvers import SolveOptions, get_backend, registry
+from .solvers import SolveOptions, _common, get_backend, registry
+from .solvers._common import Deadline, mode_text, objective_scale
 from .units import GIB, fmt_bytes
 
 #: Per-device batch at which the indicator runs on this CPU when none is given.
@@ -36,6 +37,42 @@ class InfeasibleError(QsyncInputError):
         self.report = report
         self.head = message
         self.lines: list[str] = []
+
+
+class SolveTimeLimit(QsyncInputError):
+    """The time limit of the whole call ran out before any plan was found (a plan may
+    exist: this is not infeasibility). ``report`` is the last solver report, ``bound`` the
+    best bound on the objective found (None: none)."""
+
+    def __init__(self, message: str, report: SolveReport | None = None,
+                 bound: float | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+        self.bound = bound
+
+
+@dataclass
+class _Call:
+    """One call's deadline (every solve, refinement round, fallback, tie comparison and
+    diagnosis inside it gets at most what remains) and the reachable makespans it found
+    (they do not depend on the target; keyed by the problem's group models)."""
+
+    deadline: Deadline
+    reach: dict[int, tuple[Any, float | None]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, options: SolveOptions) -> _Call:
+        return cls(Deadline(options.time_limit_s))
+
+    @property
+    def limit_s(self) -> float:
+        return self.deadline.seconds
+
+    def child(self, seconds: float) -> _Call:
+        """A call ending after ``seconds`` or with this one, whichever is first."""
+        sub = Deadline(self.deadline.seconds)
+        sub.end = min(self.deadline.end, _common.clock() + max(seconds, 0.0))
+        return _Call(sub, self.reach)
 
 
 def build_problem(
@@ -98,43 +135,72 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
     ``mode``: ``"target"`` (least degradation under the makespan target), ``"budget"``
     (least makespan under ``degradation_budget``), or ``"auto"``: the target mode, and when
     the *default* target is out of reach even at the fastest precisions, lexicographic —
-    first the smallest reachable makespan, then the least degradation within ``slack`` of
-    it. The report's ``mode`` says which ran and why. ``refine``: rounds of solve-replay
-    refinement for the exact backends (re-solve with the target tightened by the replayer's
-    excess). ``joint_split``: choose the per-group batch split (global batch fixed,
-    multiples of ``batch_multiple``) together with the precisions. With tie groups, the
-    untied optimum is also solved and the report says what tying cost.
+    first the smallest reachable makespan (the backend's own figure for greedy and the
+    baselines), then the least degradation within ``slack`` of it. The report's ``mode``
+    says which ran and why. ``refine``: rounds of solve-replay refinement for the exact
+    backends (re-solve with the target tightened by the replayer's excess, never below the
+    smallest reachable makespan; the best round is kept). ``joint_split``: choose the
+    per-group batch split (global batch fixed, multiples of ``batch_multiple``) together
+    with the precisions. With tie groups, the untied optimum is also solved and the report
+    says what tying cost.
+
+    ``options.time_limit_s`` bounds the WHOLE call: every solve, refinement round, fallback,
+    tie comparison and diagnosis gets only what remains.
 
     Raises :class:`InfeasibleError` (carrying the report, and a diagnosis of what would make
-    it feasible when one is available) when no plan exists.
+    it feasible when one is available) when no plan exists, and :class:`SolveTimeLimit`
+    when the time limit ran out before any plan was found.
     """
     opts = options or SolveOptions()
     if mode not in ("auto", "target", "budget"):
         raise QsyncInputError(f"mode: expected auto, target or budget, got {mode!r}")
     if refine < 0:
         raise QsyncInputError(f"refine: expected a non-negative number of rounds, got {refine}")
+    call = _Call.start(opts)
     if mode == "budget":
         if degradation_budget is None or not degradation_budget >= 0:
             raise QsyncInputError("degradation_budget: the budget mode needs a number >= 0")
-        plan, report = _solve_budget(problem, solver, opts, degradation_budget)
+        plan, report = _solve_budget(problem, solver, opts, degradation_budget, call=call)
     elif joint_split:
-        plan, report = _solve_joint(problem, solver, opts, refine, batch_multiple, mode, slack)
+        plan, report = _solve_joint(problem, solver, opts, refine, batch_multiple, mode, slack,
+                                    call=call)
     else:
-        plan, report = _solve_modes(problem, solver, opts, refine, mode, slack)
+        plan, report = _solve_modes(problem, solver, opts, refine, mode, slack, call)
     if compare_ties and plan is not None:
-        report = _tie_note(problem, solver, opts, plan, report)
+        report = _tie_note(problem, solver, opts, plan, report, call)
     return plan, report
 
 
-def _fail(problem: AllocationProblem, solver: str, report: SolveReport) -> InfeasibleError:
+#: The diagnosis of an infeasible problem runs only with at least this much time left.
+MIN_DIAGNOSIS_S = 0.05
+
+
+def _fail(problem: AllocationProblem, solver: str, report: SolveReport,
+          call: _Call | None = None) -> InfeasibleError:
+    """The error of a solve without a plan: the diagnosis (exact least memory and fastest
+    makespan per group) when there is time for it; for a backend that is not exact, its
+    own figure first (the diagnosis is the exact model's)."""
     said = "; ".join(m.replace("\n", " ") for m in report.messages[-3:])
     lines: list[str] = []
-    try:
-        from .diagnose import explain
+    left = call.deadline.remaining() if call is not None else 60.0
+    if left >= MIN_DIAGNOSIS_S:
+        try:
+            from .diagnose import explain
 
-        lines = explain(problem).lines
-    except Exception:  # noqa: BLE001 - the diagnosis is a help, never a second error
-        lines = []
+            # explain gives each group's least-memory program the limit, and the fastest
+            # plans share it: n + 1 shares at most.
+            lines = explain(problem, time_limit_s=left / (len(problem.groups) + 1)).lines
+        except Exception:  # noqa: BLE001 - the diagnosis is a help, never a second error
+            lines = []
+    exact = _is_exact(solver)
+    if not exact:
+        own = _own_fastest(report)
+        first = (f"{solver}'s fastest plan takes {own:.3f} ms against the target "
+                 f"{problem.target_ms:.3f} ms ({solver}'s own makespan)" if own is not None
+                 else said)
+        lines = [first, *(f"exact model: {ln}" for ln in lines)]
+    elif left < MIN_DIAGNOSIS_S:
+        lines = [said, "(no time left for a diagnosis)"]
     err = InfeasibleError(f"{solver}: no plan ({report.status}); "
                           + ("; ".join(lines) if lines else said), report)
     err.head = f"{solver}: no plan ({report.status})"
@@ -142,119 +208,239 @@ def _fail(problem: AllocationProblem, solver: str, report: SolveReport) -> Infea
     return err
 
 
-def _reachable_ms(problem: AllocationProblem) -> float | None:
-    """The smallest makespan any memory-feasible plan reaches (None: nothing fits)."""
-    from .solvers.ilp import PulpIlp, fastest_times
+def _time_limit(problem: AllocationProblem, solver: str, report: SolveReport,
+                call: _Call) -> SolveTimeLimit:
+    """No plan within the call's time limit: say so, with the best bound found."""
+    scale, _, low = objective_scale(problem)
+    bound = report.bound if report.bound is not None else low
+    trivial = abs(bound - low) <= _common.ZERO_REL * max(scale, 1e-300)
+    msg = (f"{solver}: no plan found within {call.limit_s:g} s (the time limit of the whole "
+           f"solve; status TIME_LIMIT, not infeasible; best bound on the degradation "
+           f"{bound:.6g}" + (" (the trivial one: every op at its least Omega)" if trivial
+                             else "")
+           + "); give more time (time_limit_s, --time-limit)")
+    return SolveTimeLimit(msg, report, bound)
 
-    if not PulpIlp("highs").is_available():
+
+def _is_exact(solver: str) -> bool:
+    try:
+        return bool(get_backend(solver).exact)
+    except KeyError:
+        return False
+
+
+def _own_fastest(report: SolveReport) -> float | None:
+    """A backend's own smallest makespan when it reports one (greedy: its fastest plan,
+    in the makespan of its acceptance check)."""
+    v = report.options.get("fastest_makespan_ms")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _reachable_ms(problem: AllocationProblem, call: _Call | None = None) -> float | None:
+    """The smallest makespan any memory-feasible plan reaches in the linear model (None:
+    some group fits nothing, or no PuLP solver). Within ``call``'s deadline (60 s without
+    one); raises :class:`~qsync_opt.solvers.ilp.FastestTimeLimit` when time runs out."""
+    from .solvers.ilp import FastestTimeLimit, PulpIlp, fastest_times
+
+    key = id(problem.groups)
+    if call is not None and key in call.reach:
+        return call.reach[key][1]
+    backend = next((b for b in ("highs", "cbc") if PulpIlp(b).is_available()), None)
+    if backend is None:
         return None
-    times = fastest_times(problem)
-    if any(t is None for t in times.values()):
-        return None
-    return max(t for t in times.values() if t is not None) + problem.tail_ms
+    limit = call.deadline.remaining() if call is not None else 60.0
+    if not limit > 0:
+        raise FastestTimeLimit("fastest plans: no time left")
+    times = fastest_times(problem, backend=backend, time_limit_s=limit)
+    best = (None if any(t is None for t in times.values())
+            else max(t for t in times.values() if t is not None) + problem.tail_ms)
+    if call is not None:
+        call.reach[key] = (problem.groups, best)
+    return best
 
 
 def _solve_modes(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
-                 mode: str, slack: float) -> tuple[Plan, SolveReport]:
-    plan, report = _solve_refined(problem, solver, opts, refine)
+                 mode: str, slack: float, call: _Call) -> tuple[Plan, SolveReport]:
+    from .solvers.ilp import FastestTimeLimit
+
+    plan, report = _solve_refined(problem, solver, opts, refine, call)
     if plan is not None:
         return plan, report
+    if report.status == "TIME_LIMIT":
+        raise _time_limit(problem, solver, report, call)
     default_target = problem.options.target_ms is None
     if mode == "auto" and default_target and report.status == "INFEASIBLE":
-        best = _reachable_ms(problem)
+        if _backend(solver).exact:
+            try:
+                best = _reachable_ms(problem, call)
+            except FastestTimeLimit:
+                raise _time_limit(problem, solver, report, call) from None
+            whose = "smallest reachable makespan"
+        else:  # the backend's own figure: what it reaches, in its own makespan
+            best = _own_fastest(report)
+            whose = f"smallest makespan {solver} reaches (its fastest plan)"
         if best is not None and best > problem.target_ms:
             lex = problem.retarget(best * (1 + slack), source=(
                 f"lexicographic: the default target {problem.target_ms:.3f} ms is out of reach "
-                f"even at the fastest precisions; smallest reachable makespan {best:.3f} ms, "
+                f"even at the fastest precisions; {whose} {best:.3f} ms, "
                 f"least degradation within {slack:.0%} of it"))
-            plan, report2 = _solve_refined(lex, solver, opts, refine)
+            plan, report2 = _solve_refined(lex, solver, opts, refine, call)
             if plan is not None:
                 msgs = [f"default target {problem.target_ms:.3f} ms out of reach: "
-                        f"smallest reachable makespan {best:.3f} ms", *report2.messages]
+                        f"{whose} {best:.3f} ms", *report2.messages]
                 return plan, report2.model_copy(update={
                     "mode": f"lexicographic (makespan first, then degradation within "
                             f"{slack:.0%}): {lex.target_source}", "messages": msgs})
-    raise _fail(problem, solver, report)
+            if report2.status == "TIME_LIMIT":
+                raise _time_limit(problem, solver, report2, call)
+    raise _fail(problem, solver, report, call)
 
 
-def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int
-                   ) -> tuple[Plan | None, SolveReport]:
-    """Solve; for exact backends, re-solve with the target tightened by the replayer's
-    excess, at most ``refine`` times. The report lists the rounds."""
+#: A replayer makespan within this relative margin of the target meets it.
+MEETS_REL = 1e-7
+
+
+def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
+                   call: _Call | None = None) -> tuple[Plan | None, SolveReport]:
+    """Solve; for exact backends, re-solve with the linear target tightened by the
+    replayer's excess, at most ``refine`` times, never below the floor (the smallest
+    makespan the linear model reaches). The best round is kept: the least objective among
+    those meeting the target in the replayer, else the least replayer makespan. The report
+    lists the rounds (``kept`` marks the one returned) and says plainly when re-targeting
+    the linear model cannot meet the replayer's target."""
+    from .solvers.ilp import FastestTimeLimit
+
+    call = call or _Call.start(opts)
     target = problem.target_ms
     backend = _backend(solver)
     prob = problem
     rounds: list[dict[str, Any]] = []
-    best: tuple[Plan, SolveReport] | None = None
+    results: list[tuple[Plan, SolveReport, Evaluation]] = []
     last_report: SolveReport | None = None
     messages: list[str] = []
+    floor: float | None = None
+    at_floor = stuck = False
+
+    def meets(ev: Evaluation) -> bool:
+        return ev.replay_makespan_ms <= target * (1 + MEETS_REL)
+
     for r in range(refine + 1 if backend.exact else 1):
-        plan, report, ev = _run(prob, solver, opts)
+        if r and call.deadline.expired():
+            messages.append(f"refinement stopped at the time limit ({call.limit_s:g} s) "
+                            f"after {r} round(s)")
+            break
+        plan, report, ev = _run(prob, solver, opts, call)
         last_report = report
         if plan is None or ev is None:
             if r:
                 messages.append(f"refinement round {r}: target {prob.target_ms:.3f} ms leaves "
-                                f"no plan ({report.status}); keeping round {r - 1}'s plan")
+                                f"no plan ({report.status}); keeping the best earlier round")
             break
         replay = ev.replay_makespan_ms
         rounds.append({"round": r, "target_ms": prob.target_ms, "objective": ev.objective,
                        "makespan_ms": ev.makespan_ms, "replay_makespan_ms": replay,
                        "status": report.status})
-        best = (plan, report)
-        if replay <= target * (1 + 1e-7) or not backend.exact:
+        results.append((plan, report, ev))
+        if meets(ev) or not backend.exact or r == refine:
             break
-        if r == refine:
+        if at_floor:  # the linear target cannot go lower
+            stuck = True
             break
-        prob = problem.retarget(prob.target_ms - (replay - target),
-                                source=f"refined: {problem.target_source}")
-    if best is None:
+        nxt = prob.target_ms - (replay - target)
+        if floor is None:
+            try:
+                floor = _reachable_ms(problem, call)
+            except FastestTimeLimit:
+                floor = None
+            if floor is None:  # unknown: the tail alone, and never 0
+                floor = max(problem.tail_ms, 1e-9 * target)
+        if nxt <= floor:
+            if prob.target_ms <= floor * (1 + 1e-12):
+                stuck = True
+                break
+            nxt, at_floor = floor, True
+        prob = problem.retarget(nxt, source=f"refined: {problem.target_source}")
+    if not results:
         assert last_report is not None
         return None, last_report.model_copy(update={"messages": [*last_report.messages,
                                                                  *messages]})
-    plan, report = best
-    final = rounds[-1]
-    if final["replay_makespan_ms"] <= target * (1 + 1e-7):
+    good = [i for i, (_, _, ev) in enumerate(results) if meets(ev)]
+    if good:
+        k = min(good, key=lambda i: (results[i][2].objective,
+                                     results[i][2].replay_makespan_ms))
+    else:
+        k = min(range(len(results)), key=lambda i: (results[i][2].replay_makespan_ms,
+                                                    results[i][2].objective))
+    plan, report, ev = results[k]
+    for i, row in enumerate(rounds):
+        row["kept"] = i == k
+    which = (f" (round {k} of rounds 0-{len(rounds) - 1} kept)" if len(rounds) > 1 else "")
+    if meets(ev):
         verdict = (f"meets the target {target:.3f} ms in the replayer "
-                   f"({final['replay_makespan_ms']:.3f} ms)")
+                   f"({ev.replay_makespan_ms:.3f} ms)")
         if len(rounds) > 1:
-            verdict += f" after {len(rounds) - 1} refinement round(s)"
+            verdict += f" after {len(rounds) - 1} refinement round(s){which}"
     else:
         verdict = (f"does NOT meet the target {target:.3f} ms in the replayer: "
-                   f"{final['replay_makespan_ms']:.3f} ms after {len(rounds) - 1} refinement "
-                   f"round(s) (linear model {final['makespan_ms']:.3f} ms)")
+                   f"{ev.replay_makespan_ms:.3f} ms after {len(rounds) - 1} refinement "
+                   f"round(s){which} (linear model {ev.makespan_ms:.3f} ms)")
+        if stuck:
+            floor_ms = rounds[-1]["target_ms"]
+            verdict += (f"; the replayer's target cannot be met by re-targeting the linear "
+                        f"model: at its floor {floor_ms:.3f} ms (the smallest makespan any "
+                        f"plan reaches in the linear model) the replayer gives "
+                        f"{rounds[-1]['replay_makespan_ms']:.3f} ms; raise the target to at "
+                        f"least {min(r_['replay_makespan_ms'] for r_ in rounds):.3f} ms or "
+                        "change the cluster")
     plan = plan.model_copy(update={"provenance": {**plan.provenance, "target_ms": target,
-                                                  "refine_rounds": len(rounds) - 1}})
-    from .solvers._common import mode_text
-
-    mode = mode_text(problem) + (f"; refined to a linear target of {prob.target_ms:.3f} ms"
-                                 if len(rounds) > 1 else "")
+                                                  "refine_rounds": len(rounds) - 1,
+                                                  "refine_round_kept": k}})
+    mode = mode_text(problem) + (f"; refined to a linear target of "
+                                 f"{rounds[k]['target_ms']:.3f} ms" if k else "")
     return plan, report.model_copy(update={"rounds": rounds, "mode": mode,
                                            "messages": [*report.messages, *messages, verdict]})
 
 
 def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
-                  budget: float, rel_tol: float = 1e-3) -> tuple[Plan, SolveReport]:
+                  budget: float, rel_tol: float = 1e-3, call: _Call | None = None
+                  ) -> tuple[Plan, SolveReport]:
     """Least linear makespan whose optimal degradation is within ``budget``: bisection on the
-    target (the optimum of the target mode is non-increasing in the target)."""
-    lo = _reachable_ms(problem)
+    target (the optimum of the target mode is non-increasing in the target), within the
+    call's deadline (stopped early, the best plan so far is returned and the mode says so)."""
+    from .solvers.ilp import FastestTimeLimit
+
+    call = call or _Call.start(opts)
+    try:
+        lo = _reachable_ms(problem, call)
+    except FastestTimeLimit:
+        raise SolveTimeLimit(f"{solver}: no plan found within {call.limit_s:g} s (the time "
+                             "limit ran out finding the smallest reachable makespan)") from None
     if lo is None:
         lo = problem.tail_ms + 1e-6
     best: tuple[Plan, SolveReport] | None = None
+    last: list[SolveReport] = []
 
     def probe(t: float) -> tuple[Plan, SolveReport] | None:
-        plan, report, ev = _run(problem.retarget(t), solver, opts)
+        plan, report, ev = _run(problem.retarget(t), solver, opts, call)
+        last[:] = [report]
         if plan is None or ev is None or ev.objective > budget * (1 + 1e-9) + 1e-15:
             return None
         return plan, report
 
+    def out_of_time() -> bool:
+        return bool(last) and last[0].status == "TIME_LIMIT"
+
     got = probe(lo)
     probes = 1
+    stopped = False
     if got is not None:
         best, hi = got, lo
     else:
         hi = max(lo * 1.25, problem.target_ms)
         while (got := probe(hi)) is None:
             probes += 1
+            if out_of_time():
+                raise _time_limit(problem, solver, last[0], call)
             if hi > 64 * lo:
                 raise InfeasibleError(
                     f"degradation_budget: no plan within {budget:.6g} at any makespan up to "
@@ -262,16 +448,25 @@ def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
             hi *= 2
         best = got
         while hi - lo > rel_tol * hi:
+            if call.deadline.expired():
+                stopped = True
+                break
             mid = (lo + hi) / 2
             probes += 1
             got = probe(mid)
             if got is None:
+                if out_of_time():
+                    stopped = True
+                    break
                 lo = mid
             else:
                 hi, best = mid, got
     plan, report = best
     mode = (f"least makespan under degradation budget {budget:.6g}: bisection on the target "
             f"to {rel_tol:.0e} relative ({probes} solves), makespan target {hi:.3f} ms")
+    if stopped:
+        mode += (f"; stopped at the time limit ({call.limit_s:g} s) with the interval "
+                 f"[{lo:.3f}, {hi:.3f}] ms")
     return plan, report.model_copy(update={"mode": mode})
 
 
@@ -318,12 +513,15 @@ def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> Cluster
 
 def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
                  multiple: int | None, mode: str, slack: float,
-                 extra_splits: Sequence[dict[str, int]] = ()) -> tuple[Plan, SolveReport]:
+                 extra_splits: Sequence[dict[str, int]] = (), call: _Call | None = None
+                 ) -> tuple[Plan, SolveReport]:
     """Precisions and batch split together: one copy of the program per candidate split,
     the best copy selected. The copies share no variable, so the disjunctive program (a
     binary per split) is solved exactly by solving each copy and taking the least
-    objective; ties go to the shorter replayer makespan."""
+    objective; ties go to the shorter replayer makespan. Within the call's deadline: each
+    copy's first solve gets an equal share of the time that remains."""
     t0 = time.perf_counter()
+    call = call or _Call.start(opts)
     splits = batch_splits(problem, multiple)
     for extra in extra_splits:
         if extra not in splits:
@@ -337,16 +535,19 @@ def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, re
     # refined objective is at least its unrefined one: refine in ascending order and stop
     # once the best refined objective beats the next copy's unrefined one.
     first: list[tuple[float, dict[str, int], AllocationProblem]] = []
-    for split in splits:
+    timed_out = 0
+    for i, split in enumerate(splits):
         key = tuple(sorted(split.items()))
         sub = problem.split_cache.get(key)
         if sub is None:
             sub = problem.split_cache[key] = problem.with_cluster(
                 _split_cluster(problem, split), fixed_opts)
         sub = sub.retarget(target, source=problem.target_source)
-        plan, report = _solve_refined(sub, solver, opts, 0)
+        plan, report = _solve_refined(sub, solver, opts, 0,
+                                      call.child(call.deadline.share(len(splits) - i)))
         n_vars += report.n_variables
         n_cons += report.n_constraints
+        timed_out += report.status == "TIME_LIMIT"
         if plan is not None:
             first.append((evaluate(problem, plan).objective, split, sub))
     first.sort(key=lambda r: r[0])
@@ -354,15 +555,22 @@ def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, re
     for lower, split, sub in first:
         if results and min(r[3].objective for r in results) <= lower:
             break
-        plan, report = _solve_refined(sub, solver, opts, refine)
+        if results and call.deadline.expired():
+            break
+        plan, report = _solve_refined(sub, solver, opts, refine, call)
         refined += 1
         if plan is not None:
             results.append((split, plan, report, evaluate(problem, plan)))
     if not results:
-        rep = SolveReport(solver=solver, status="INFEASIBLE", mode="joint split",
+        status = "TIME_LIMIT" if timed_out else "INFEASIBLE"
+        rep = SolveReport(solver=solver, status=status, mode="joint split",
                           messages=[f"no plan meets the target {target:.3f} ms at any of "
-                                    f"{len(splits)} batch splits"])
-        raise _fail(problem, solver, rep)
+                                    f"{len(splits)} batch splits"
+                                    + (f" ({timed_out} stopped at the time limit)"
+                                       if timed_out else "")])
+        if timed_out:
+            raise _time_limit(problem, solver, rep, call)
+        raise _fail(problem, solver, rep, call)
     own = {g.name: int(g.batch_per_device or problem.graph.batch_size)
            for g in problem.cluster.groups}
     split, plan, report, ev = min(results, key=lambda r: (r[3].objective,
@@ -385,15 +593,21 @@ def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, re
 
 
 def _tie_note(problem: AllocationProblem, solver: str, opts: SolveOptions, plan: Plan,
-              report: SolveReport) -> SolveReport:
-    """With tie groups, solve the untied problem too and say what tying costs."""
+              report: SolveReport, call: _Call | None = None) -> SolveReport:
+    """With tie groups, solve the untied problem too and say what tying costs (within the
+    call's deadline)."""
     tied = [u for u in problem.units if len(u.ops) > 1 and not u.name.startswith("module:")]
     if not tied or not _backend(solver).exact or not problem.options.ties:
         return report
+    call = call or _Call.start(opts)
+    if call.deadline.expired():
+        note = (f"tie groups: {len(tied)} tied decisions restrict the problem; what tying "
+                f"costs was not measured (the time limit of {call.limit_s:g} s was spent)")
+        return report.model_copy(update={"messages": [*report.messages, note]})
     free = AllocationProblem(problem.graph, problem.cluster, problem.costs, problem.indicator,
                              dataclasses.replace(problem.options, ties=False,
                                                  target_ms=problem.target_ms))
-    fplan, freport, _ = _run(free, solver, opts)
+    fplan, freport, _ = _run(free, solver, opts, call)
     if fplan is None or report.objective is None or freport.objective is None:
         note = (f"tie groups: {len(tied)} tied decisions restrict the problem; the untied "
                 f"problem found no plan ({freport.status})")
@@ -417,9 +631,20 @@ def _backend(solver: str) -> Any:
     return backend
 
 
-def _run(problem: AllocationProblem, solver: str, options: SolveOptions
-         ) -> tuple[Plan | None, SolveReport, Evaluation | None]:
+def _run(problem: AllocationProblem, solver: str, options: SolveOptions,
+         call: _Call | None = None) -> tuple[Plan | None, SolveReport, Evaluation | None]:
+    """One backend solve, scored by the evaluator; with ``call``, its time limit is what
+    remains of the call (nothing is run once that is spent: status TIME_LIMIT)."""
     backend = _backend(solver)
+    if call is not None:
+        left = call.deadline.remaining()
+        if not left > 0:
+            return None, SolveReport(
+                solver=solver, status="TIME_LIMIT", mode=mode_text(problem),
+                options=options.to_json(),
+                messages=[f"not run: the time limit of the whole solve "
+                          f"({call.limit_s:g} s) was spent"]), None
+        options = dataclasses.replace(options, time_limit_s=left)
     plan, report = backend.solve(problem, options)
     if plan is None:
         return None, report, None
@@ -481,12 +706,13 @@ def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
                 try:
                     plan, report = _solve_joint(problem, base, options or SolveOptions(), refine,
                                                 batch_multiple, "target", LEXICOGRAPHIC_SLACK)
-                except InfeasibleError as exc:
+                except (InfeasibleError, SolveTimeLimit) as exc:
                     assert exc.report is not None
                     plan, report = None, exc.report
                 ev = evaluate(problem, plan) if plan is not None else None
             elif _backend(name).exact and refine:
-                plan, report = _solve_refined(problem, name, options or SolveOptions(), refine)
+                plan, report = _solve_refined(problem, name, options or SolveOptions(), refine,
+                                              _Call.start(options or SolveOptions()))
                 ev = evaluate(problem, plan) if plan is not None else None
             else:
                 plan, report, ev = _run(problem, name, options or SolveOptions())

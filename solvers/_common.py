@@ -144,6 +144,9 @@ def solve_parts(problem: AllocationProblem, parts: Sequence[Sequence[int]],
         return problem.groups[gis[0]].name if len(gis) == 1 else "all"
 
     for i, gis in enumerate(parts):
+        if deadline.expired():  # nothing is run past the deadline
+            results[i] = PartResult("TIME_LIMIT", None, None)
+            continue
         res = solve_part(gis, deadline.share(len(parts) - i), None)
         n_vars += res.n_variables
         n_cons += res.n_constraints

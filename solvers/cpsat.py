@@ -334,7 +334,7 @@ class CpSat:
         without them; without hints the plan is kept as FEASIBLE and the bound dropped."""
         t_end = _common.clock() + max(time_limit, 0.0)
         solved, nv, nc = self._solve_raw(cp_model, problem, gis, ints, hints, options,
-                                         time_limit, sc, sw)
+                                         t_end, sc, sw)
         why = self._inconsistency(solved, options.rel_gap)
         if why is None:
             return solved, nv, nc
@@ -344,7 +344,7 @@ class CpSat:
                 messages.append(f"{tag}: CP-SAT reported {solved.name}, but {why}; re-solved "
                                 "without the hints")
             solved, nv, nc = self._solve_raw(cp_model, problem, gis, ints, None, options,
-                                             t_end - _common.clock(), sc, sw)
+                                             t_end, sc, sw)
             why = self._inconsistency(solved, options.rel_gap)
             if why is None:
                 return solved, nv, nc
@@ -369,10 +369,15 @@ class CpSat:
 
     def _solve_raw(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
                    ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None,
-                   options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch
+                   options: SolveOptions, t_end: float, sc: Scaling, sw: Stopwatch
                    ) -> tuple[_Solved, int, int]:
+        """Build and run CP-SAT until ``t_end`` (a :data:`_common.clock` time); nothing is
+        run when building used up the time (status TIME_LIMIT)."""
         with sw.building():
             model, xs, nv, nc = self._build(cp_model, problem, gis, ints, hints)
+        time_limit = t_end - _common.clock()
+        if not time_limit > 0:
+            return _Solved("TIME_LIMIT", None, -math.inf, "not run (no time left)", 0.0), nv, nc
         solver = cp_model.CpSolver()
         prm = solver.parameters
         prm.num_workers = options.threads or default_workers(nv)

@@ -696,6 +696,10 @@ class PulpIlp:
         attempt = 0
         while True:
             left = deadline - _common.clock()
+            if not left > 0:  # nothing is run past the deadline (building took it)
+                messages.append(f"{tag}: no time left to run {self.name} (the time limit "
+                                "was spent before it)")
+                return _Outcome("TIME_LIMIT", None, 0.0), None, prog.n_variables, prog.n_constraints
             out = self._run(pulp, prog, options, left, start, sw, messages)
             if out.status not in ("OPTIMAL", "FEASIBLE"):
                 return self._unscaled(out, prog), None, prog.n_variables, prog.n_constraints

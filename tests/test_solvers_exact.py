@@ -37,15 +37,14 @@ ILPS = [PulpIlp("cbc"), PulpIlp("highs")]
 EXACT = [*ILPS, CpSat()]
 
 
-def _param(b):
-    return pytest.param(b, id=b.name, marks=pytest.mark.skipif(
-        not b.is_available(), reason=f"{b.name} not available"))
+def _require(b):
+    """The exact backends are dependencies of the package: a missing one fails the test."""
+    assert b.is_available(), f"{b.name} is not available here (pulp, highspy and ortools " \
+        "are required dependencies)"
+    return b
 
 
-EXACT_PARAMS = [_param(b) for b in EXACT]
-ILP_PARAMS = [_param(b) for b in ILPS]
-needs_ilp = pytest.mark.skipif(not any(b.is_available() for b in ILPS),
-                               reason="no PuLP solver available")
+EXACT_PARAMS = [pytest.param(b, id=b.name) for b in EXACT]
 OPTS = SolveOptions(time_limit_s=30.0, rel_gap=1e-9)
 
 
@@ -163,8 +162,8 @@ def _check_cpsat(prob, tables, opt, plan, rep) -> None:
         assert rep.objective <= reduced + err + 1e-9 * max(1.0, abs(reduced))
     if plan is not None and rep.status == "OPTIMAL":
         assert rep.objective == pytest.approx(opt, rel=1e-6, abs=err + 1e-9)
-    if plan is None:
-        assert rep.status in ("INFEASIBLE", "TIME_LIMIT")
+    if plan is None:  # (30 s is far more than these programs need)
+        assert rep.status == "INFEASIBLE", rep.messages
 
 
 @settings(max_examples=30, deadline=None,
@@ -174,8 +173,7 @@ def test_exact_backends_match_brute_force(prob: AllocationProblem) -> None:
     tables = [_table(g) for g in prob.groups]
     opt = _brute(prob, tables)
     for b in EXACT:
-        if not b.is_available():
-            continue
+        _require(b)
         plan, rep = b.solve(prob, OPTS)
         if plan is not None:
             _check_plan(prob, plan, rep)
@@ -203,27 +201,29 @@ def test_exact_backends_match_brute_force(prob: AllocationProblem) -> None:
             _check_plan(prob, plan, rep)
         _check_cpsat(prob, tables, opt, plan, rep)
     # additive-ilp: a plan it calls feasible is never better than the optimum
-    add = AdditiveIlp()
-    if add.is_available():
-        plan, rep = add.solve(prob, OPTS)
-        if rep.status == "FEASIBLE":
-            assert plan is not None and opt is not None
-            _check_plan(prob, plan, rep)
-            assert rep.objective >= opt - 1e-9 * max(1.0, abs(opt))
-        elif plan is not None:  # returned, but it fails the cast-aware model
-            a = prob.assignment(plan)
-            assert rep.status == "INFEASIBLE"
-            assert any(max(exact_violation(g, a[g.name], prob.group_budget_ms())) > 0
-                       for g in prob.groups)
+    add = _require(AdditiveIlp())
+    plan, rep = add.solve(prob, OPTS)
+    if rep.status == "FEASIBLE":
+        assert plan is not None and opt is not None
+        _check_plan(prob, plan, rep)
+        assert rep.objective >= opt - 1e-9 * max(1.0, abs(opt))
+    elif plan is not None:  # returned, but it fails the cast-aware model
+        a = prob.assignment(plan)
+        assert rep.status == "INFEASIBLE"
+        assert any(max(exact_violation(g, a[g.name], prob.group_budget_ms())) > 0
+                   for g in prob.groups)
+    else:  # the additive model has no plan: then neither has the real one
+        assert opt is None and rep.status == "INFEASIBLE", (rep.status, rep.messages)
 
 
-@needs_ilp
-def test_fastest_times_match_brute_force() -> None:
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_fastest_times_match_brute_force(backend) -> None:
+    _require(PulpIlp(backend))
     prob = _base_problem(3, 1, "a100x2+t4x2", 7, 1.5)
-    backend = "highs" if PulpIlp("highs").is_available() else "cbc"
     fast = fastest_times(prob, backend=backend)
     for g in prob.groups:
-        assert fast[g.name] == pytest.approx(min(t for _, t, _, _ in _table(g)), rel=1e-9)
+        fits = [t for _, t, m, _ in _table(g) if m <= g.capacity_bytes * (1 + FEAS_REL)]
+        assert fast[g.name] == pytest.approx(min(fits), rel=1e-9)
 
 
 # --------------------------------------------------------------------------- known answer
@@ -258,6 +258,7 @@ def _hand_problem(capacity_extra: float) -> AllocationProblem:
     (0.0, [1, 0], 3.0),  # unit 1's int8 needs 0.5 MB more than fits: unit 0 drops
 ])
 def test_known_answer(backend, extra, expect, objective) -> None:
+    _require(backend)
     prob = _hand_problem(extra)
     plan, rep = backend.solve(prob, OPTS)
     assert rep.status == "OPTIMAL", rep.messages
@@ -268,6 +269,7 @@ def test_known_answer(backend, extra, expect, objective) -> None:
 
 @pytest.mark.parametrize("backend", EXACT_PARAMS)
 def test_known_answer_infeasible(backend) -> None:
+    _require(backend)
     prob = _hand_problem(1e6)
     prob.target_ms = prob.tail_ms + 12.5  # both int8 take 13
     plan, rep = backend.solve(prob, OPTS)
@@ -287,47 +289,45 @@ def _real(workload: str, cluster: str) -> AllocationProblem:
     return AllocationProblem(g, c, estimate(g, c), random_indicator(g, 0), ProblemOptions())
 
 
-@pytest.mark.parametrize(("workload", "cluster"), [("resnet50", "v100x16+t4x16"),
-                                                   ("bert_base", "a100x8+t4x8")])
-@pytest.mark.parametrize("where", ["default", "mid"])
-def test_real_instances_agree(workload, cluster, where) -> None:
+@pytest.mark.parametrize(("workload", "cluster", "where", "expect"), [
+    ("resnet50", "v100x16+t4x16", "default", "OPTIMAL"),
+    ("resnet50", "v100x16+t4x16", "mid", "OPTIMAL"),
+    # the T4s cannot match the A100s at fp32 even at their fastest: no plan
+    ("bert_base", "a100x8+t4x8", "default", "INFEASIBLE"),
+    ("bert_base", "a100x8+t4x8", "mid", "OPTIMAL"),
+])
+def test_real_instances_agree(workload, cluster, where, expect) -> None:
     prob = _real(workload, cluster)
     if where == "mid":  # halfway to the reference makespan (no group lowered at all)
         ref = max(prob.reference_times.values()) + prob.tail_ms
         prob = prob.with_options(target_ms=(prob.target_ms + ref) / 2)
     results = {}
     for b in EXACT:
-        if not b.is_available():
-            continue
+        _require(b)
         for decompose in (True, False):
             plan, rep = b.solve(prob, SolveOptions(time_limit_s=60.0, rel_gap=1e-9,
                                                    decompose=decompose))
-            assert rep.status in ("OPTIMAL", "INFEASIBLE"), (b.name, rep.status, rep.messages)
+            assert rep.status == expect, (b.name, rep.status, rep.messages)
             assert any(("decomposed" if decompose else "monolithic") in m
                        for m in rep.messages)
             if plan is not None:
                 _check_plan(prob, plan, rep)
             results[b.name, decompose] = rep
-    if not results:
-        pytest.skip("no exact backend available")
-    statuses = {r.status for r in results.values()}
-    assert len(statuses) == 1, {k: r.status for k, r in results.items()}
     objs = [r.objective for r in results.values() if r.objective is not None]
     if objs:
         for (name, _), r in results.items():
             tol = 2 * float(r.options.get("max_objective_error", 0.0)) + 1e-6 * abs(objs[0])
             assert r.objective == pytest.approx(objs[0], abs=tol), name
-    if where == "mid":
-        assert statuses == {"OPTIMAL"}
+    assert len(objs) == (len(results) if expect == "OPTIMAL" else 0)
 
 
 # --------------------------------------------------------------------------- the baseline
 
 
-@needs_ilp
 def test_additive_ilp_ignores_casts() -> None:
     """Ignoring casts, the additive ILP believes plans fit that do not: on this problem its
     plan exceeds the target once casts count, while the exact optimum meets it."""
+    _require(AdditiveIlp())
     base = _base_problem(4, 1, "a100x2+t4x2", 0, 1.5)
     tables = [_table(g) for g in base.groups]
     fast = max(min(t for _, t, _, _ in tab) for tab in tables)
@@ -355,6 +355,7 @@ def test_additive_ilp_ignores_casts() -> None:
 
 @pytest.mark.parametrize("backend", EXACT_PARAMS)
 def test_options_and_report(backend) -> None:
+    _require(backend)
     prob = _make(4, 0, "a100x2+t4x2", 3, 1.5, "range", 0.4, None)
     opt = _brute(prob, [_table(g) for g in prob.groups])
     assert opt is not None
@@ -364,7 +365,6 @@ def test_options_and_report(backend) -> None:
     assert rep.options["threads"] == 1
     assert rep.n_variables > 0 and rep.n_constraints > 0
     assert rep.build_s > 0 and rep.solve_s > 0 and rep.wall_s >= rep.solve_s
-    assert rep.wall_s < 7.5 + 5
     assert rep.mode.startswith("least degradation")
     assert rep.gap is not None and rep.gap <= 1e-6
     # hints: accepted (the reference is a feasible start), same optimum
@@ -382,17 +382,46 @@ def test_options_and_report(backend) -> None:
 
 
 @pytest.mark.parametrize("backend", EXACT_PARAMS)
-def test_time_limit_is_honoured(backend) -> None:
+def test_time_limit_is_honoured(backend, monkeypatch) -> None:
+    """With a clock that charges every solver run the whole limit it is given, the runs of
+    one backend call (per group, repairs, second passes) are given 1 s in all, never more
+    than what is left; whatever the solver reaches in that time is reported as such."""
+    from qsync_opt.solvers import _common
+
+    _require(backend)
     g = synthetic_graph(150, batch=256, width=1024)
     c = parse_shorthand("a100x2+t4x2")
     prob = AllocationProblem(g, c, estimate(g, c), random_indicator(g), ProblemOptions())
     ref = max(prob.reference_times.values()) + prob.tail_ms
     prob = prob.with_options(target_ms=(prob.target_ms + ref) / 2)
+    now = [0.0]
+    monkeypatch.setattr(_common, "clock", lambda: now[0])
+    given: list[tuple[float, float]] = []
+
+    def charge(limit: float) -> None:
+        given.append((limit, 1.0 - now[0]))
+        now[0] += max(limit, 0.0)
+
+    real_run, real_raw = PulpIlp._run, CpSat._solve_raw
+
+    def run(self, pulp, prog, options, time_limit, *rest):
+        charge(time_limit)
+        return real_run(self, pulp, prog, options, time_limit, *rest)
+
+    def raw(self, cp_model, problem, gis, ints, hints, options, t_end, *rest):
+        charge(t_end - now[0])
+        return real_raw(self, cp_model, problem, gis, ints, hints, options, t_end, *rest)
+
+    monkeypatch.setattr(PulpIlp, "_run", run)
+    monkeypatch.setattr(CpSat, "_solve_raw", raw)
     plan, rep = backend.solve(prob, SolveOptions(time_limit_s=1.0))
     assert rep.options["time_limit_s"] == 1.0
-    assert rep.status in ("OPTIMAL", "FEASIBLE", "TIME_LIMIT")
-    assert rep.solve_s < 1.0 + 2.0
-    if plan is not None:
+    assert given and all(limit <= left + 1e-12 for limit, left in given), given
+    assert sum(limit for limit, _ in given) <= 1.0 + 1e-9
+    assert given[0][0] == pytest.approx(0.5 if backend.name != "cpsat" else 0.375)
+    if plan is None:  # not a verdict of infeasibility: a time limit, with its bound
+        assert rep.status == "TIME_LIMIT" and rep.bound is not None
+    else:
         _check_plan(prob, plan, rep)
 
 
@@ -426,8 +455,7 @@ def test_tiny_omegas_are_not_lost_in_solver_tolerances() -> None:
                                              for op, row in big.values.items()}})
     costs = estimate(g, c)
     for b in EXACT:
-        if not b.is_available():
-            continue
+        _require(b)
         objs = []
         for table in (big, tiny):
             prob = AllocationProblem(g, c, costs, table, ProblemOptions())
