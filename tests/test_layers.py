@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from qsync_opt.models import compute_loss, get_workload
+from qsync_opt.models.layers import MatMul
 
 from qsync_opt import QsyncInputError
 from qsync_opt.precision import Precision
@@ -53,3 +54,72 @@ def test_refusals_name_the_module() -> None:
         apply_precisions(model, {"1": "int8"})
     with pytest.raises(QsyncInputError, match="unknown precision"):
         apply_precisions(model, {"0": "int4"})
+
+
+# ------------------------------------------------------------------ in-place ops after a layer
+
+_INPLACE = {
+    "ReLU": (torch.nn.ReLU(inplace=True), torch.nn.ReLU()),
+    "SiLU": (torch.nn.SiLU(inplace=True), torch.nn.SiLU()),
+    "Hardswish": (torch.nn.Hardswish(inplace=True), torch.nn.Hardswish()),
+}
+
+
+def _layer_cases() -> list[tuple[str, object, list[tuple[int, ...]]]]:
+    return [
+        ("linear batch1", lambda: torch.nn.Linear(8, 4), [(1, 8)]),
+        ("linear 3d", lambda: torch.nn.Linear(8, 5), [(2, 3, 8)]),
+        ("linear one output", lambda: torch.nn.Linear(8, 1), [(3, 8)]),
+        ("conv1x1 on 1x1 (SE)", lambda: torch.nn.Conv2d(8, 4, 1), [(1, 8, 1, 1)]),
+        ("depthwise on 1x1", lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4),
+         [(2, 4, 1, 1)]),
+        ("depthwise 3x3", lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), [(2, 4, 5, 5)]),
+        ("matmul", lambda: MatMul(), [(2, 3, 4), (2, 4, 5)]),
+        ("matmul 1x1", lambda: MatMul(), [(1, 1, 4), (1, 4, 1)]),
+    ]
+
+
+@pytest.mark.parametrize("act", list(_INPLACE))
+@pytest.mark.parametrize("precision", [p for p in Precision])
+@pytest.mark.parametrize("case", _layer_cases(), ids=lambda c: c[0])
+def test_inplace_activation_after_every_layer_and_precision(case, precision: Precision,
+                                                            act: str) -> None:
+    """Every layer at every precision followed by an in-place activation (squeeze-excitation
+    blocks, MobileNet heads) runs forward and backward, with exactly the gradients of the
+    out-of-place activation."""
+    _, make, shapes = case
+    inplace, outofplace = _INPLACE[act]
+    gen = torch.Generator().manual_seed(1)
+    inputs0 = [torch.randn(s, generator=gen) for s in shapes]
+    results = []
+    for activation in (inplace, outofplace):
+        torch.manual_seed(2)
+        model = torch.nn.Sequential(make())
+        apply_precisions(model, {"0": precision}, seed=5)
+        inputs = [t.clone().requires_grad_() for t in inputs0]
+        y = activation(model[0](*inputs))
+        g = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        (y * g).sum().backward()
+        grads = [t.grad for t in inputs] + [p.grad for p in model.parameters()]
+        assert all(torch.isfinite(t).all() for t in grads)
+        results.append([y.detach(), *grads])
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("precision", [p for p in Precision])
+def test_conv_padding_mode_is_honoured_at_every_precision(mode: str, precision: Precision
+                                                          ) -> None:
+    """A Conv2d with padding_mode reflect / replicate / circular pads the same way at every
+    precision (the low-precision paths used to zero-pad)."""
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    x = torch.randn(2, 3, 6, 6) + 2.0  # away from zero: zero padding would differ clearly
+    with torch.no_grad():
+        want = conv(x)
+        model = torch.nn.Sequential(conv)
+        apply_precisions(model, {"0": precision})
+        got = model(x)
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 0.05, rel

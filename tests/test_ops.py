@@ -1,14 +1,21 @@
-"""Low-precision ops: exact integer GEMMs, opcheck, references, stochastic rounding."""
+"""Low-precision ops: exact integer GEMMs, opcheck, references, stochastic rounding; outputs
+that own their memory (in-place ops after them), every op against its reference over groups,
+1x1 maps, strides and layouts, on the C++ kernels and on the Python references."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import qsync_opt.ops as ops
 from qsync_opt.ops import reference as ref
@@ -327,3 +334,383 @@ def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path):
     os.utime(lock, (old, old))
     _clear_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+# ------------------------------------------------------------------ outputs own their memory
+#
+# Every op runs on both CPU implementations: the C++ kernels ("cpp") and the Python
+# references that serve when they are not built or QSYNC_DISABLE_CPP is set ("python").
+
+BACKENDS = ["cpp", "python"]
+
+
+@contextlib.contextmanager
+def _backend(name: str) -> Iterator[None]:
+    if name == "cpp":
+        if not CPP:
+            pytest.skip(f"C++ kernels not built: {load_cpu()[1]}")
+        yield
+        return
+    with mock.patch.object(ops, "_use_cpp", lambda t: False):
+        yield
+
+
+@contextlib.contextmanager
+def _strict_int_mm() -> Iterator[list[tuple]]:
+    """``torch._int_mm`` refusing operands whose strides give no valid leading dimension
+    (what oneDNN's s8 GEMM, used by ``torch._int_mm`` on AVX512-VNNI CPUs, misreads)."""
+    real = torch._int_mm
+    calls: list[tuple] = []
+
+    def checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        for name, t in (("a", a), ("b", b)):
+            rows, cols = t.shape
+            s0, s1 = t.stride()
+            # oneDNN reads a row-major operand when stride(1) == 1, leading dimension
+            # stride(0); a transposed one otherwise, leading dimension stride(1).
+            ok = s0 >= max(1, cols) if s1 == 1 else s0 == 1 and s1 >= max(1, rows)
+            assert ok, f"{name} {tuple(t.shape)} strides {t.stride()}: no valid leading dim"
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b)
+
+    with mock.patch.object(torch, "_int_mm", checked):
+        yield calls
+
+
+def _owns_its_memory(outs: tuple[torch.Tensor, ...], ins: tuple[object, ...]) -> None:
+    tensors = [t for t in ins if isinstance(t, torch.Tensor)]
+    for i, t in enumerate(outs):
+        assert not t._is_view(), f"output {i} is a view"
+        for j, other in enumerate(tensors + list(outs[:i])):
+            assert t.numel() == 0 or other.numel() == 0 or (
+                t.untyped_storage().data_ptr() != other.untyped_storage().data_ptr()), \
+                f"output {i} aliases tensor {j}"
+
+
+def _alias_cases() -> list[tuple[str, object, tuple]]:
+    gen = torch.Generator().manual_seed(20)
+    bf, f32 = torch.bfloat16, torch.float32
+    cases: list[tuple[str, object, tuple]] = []
+    for shape_x, n in (((1, 8), 4), ((2, 3, 8), 4), ((5, 8), 1), ((5, 1), 3), ((1, 1), 1)):
+        x = torch.randn(shape_x, generator=gen)
+        w = torch.randn(n, shape_x[-1], generator=gen)
+        for full in (False, True):
+            cases.append((f"int8_linear x{shape_x} n{n} full={full}", torch.ops.qsync.int8_linear,
+                          (x, w, None, full, True, 1, bf)))
+            _, qx, sx, qw, sw = torch.ops.qsync.int8_linear(x, w, None, full, True, 1, bf)
+            g = torch.randn(qx.shape[0], n, generator=gen)
+            cases.append((f"int8_linear_backward x{shape_x} n{n} full={full}",
+                          torch.ops.qsync.int8_linear_backward,
+                          (g, qx, sx, qw, sw, full, True, 1, bf, f32, f32)))
+    conv_shapes = (((2, 8, 1, 1), (4, 8, 1, 1), 1, 0, 1),   # squeeze-excitation 1x1 on 1x1
+                   ((1, 4, 1, 1), (4, 1, 3, 3), 4, 1, 1),   # depthwise on a 1x1 map
+                   ((2, 4, 5, 5), (4, 1, 3, 3), 4, 1, 2),   # depthwise, stride 2
+                   ((1, 4, 4, 4), (1, 4, 1, 1), 1, 0, 1),   # one output channel
+                   ((2, 4, 3, 3), (6, 2, 1, 1), 2, 0, 2))   # grouped 1x1, stride 2
+    for xs, ws, groups, pad, stride in conv_shapes:
+        x = torch.randn(xs, generator=gen)
+        w = torch.randn(ws, generator=gen)
+        conv = ([stride] * 2, [pad] * 2, [1, 1], groups)
+        for full in (False, True):
+            cases.append((f"int8_conv2d x{xs} w{ws} full={full}", torch.ops.qsync.int8_conv2d,
+                          (x, w, None, *conv, full, True, 2, bf)))
+            out, qx, sx, qw, sw = torch.ops.qsync.int8_conv2d(x, w, None, *conv, full, True, 2, bf)
+            g = torch.randn(out.shape, generator=gen)
+            cases.append((f"int8_conv2d_backward x{xs} w{ws} full={full}",
+                          torch.ops.qsync.int8_conv2d_backward,
+                          (g, qx, sx, qw, sw, *conv, full, True, 2, bf, f32, f32)))
+    for shape in ((1, 6), (6, 1), (1, 1), (3, 1, 1)):
+        t = torch.randn(shape, generator=gen)
+        for axis in (None, 0, len(shape) - 1):
+            cases.append((f"quantize_int8 {shape} axis={axis}", torch.ops.qsync.quantize_int8,
+                          (t, axis, True, 3)))
+            q, s = torch.ops.qsync.quantize_int8(t, axis, True, 3)
+            cases.append((f"dequantize_int8 {shape} axis={axis}",
+                          torch.ops.qsync.dequantize_int8, (q, s, axis, f32)))
+            cases.append((f"fake_quant_int8 {shape} axis={axis}",
+                          torch.ops.qsync.fake_quant_int8, (t, axis, True, 3)))
+    acc = torch.randint(-100, 100, (1, 5), dtype=torch.int32, generator=gen)
+    cases.append(("rescale_int32 1x5", torch.ops.qsync.rescale_int32,
+                  (acc, torch.tensor(0.5), torch.rand(5, generator=gen), None, f32)))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        t = torch.randn(1, 7, generator=gen).to(dtype)
+        for fmt in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+            cases.append((f"fake_quant_float {dtype} -> {fmt}", torch.ops.qsync.fake_quant_float,
+                          (t, fmt)))
+    return cases
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", _alias_cases(), ids=lambda c: c[0])
+def test_no_op_output_is_a_view_or_an_alias(case, backend: str) -> None:
+    """No output of a qsync op is a view, or shares memory with an input or another output
+    (a view would make any following in-place op raise; fake_quant_float of an fp16 tensor
+    to fp16 returned its input)."""
+    _, op, args = case
+    with _backend(backend):
+        out = op(*args)
+    _owns_its_memory(out if isinstance(out, tuple) else (out,), args)
+
+
+_INPLACE = {
+    "relu_": (lambda y: y.relu_(), F.relu),
+    "silu_": (lambda y: F.silu(y, inplace=True), F.silu),
+    "hardswish_": (lambda y: F.hardswish(y, inplace=True), F.hardswish),
+    "add_": (lambda y: y.add_(1.0), lambda y: y + 1.0),
+}
+
+
+def _inplace_cases() -> list[tuple[str, tuple[int, ...], tuple[int, ...], dict]]:
+    lin = [(f"linear x{xs} n{n}", xs, (n, xs[-1]), {})
+           for xs, n in (((1, 8), 4), ((3, 8), 4), ((2, 3, 8), 5), ((4, 8), 1))]
+    conv = [(f"conv x{xs} w{ws} g{g}", xs, ws, {"groups": g, "padding": p})
+            for xs, ws, g, p in (((1, 8, 1, 1), (4, 8, 1, 1), 1, 0),    # SE / MobileNet head
+                                 ((2, 8, 1, 1), (8, 1, 1, 1), 8, 0),    # depthwise 1x1 on 1x1
+                                 ((2, 4, 5, 5), (4, 1, 3, 3), 4, 1),    # depthwise 3x3
+                                 ((1, 4, 1, 1), (1, 4, 1, 1), 1, 0))]   # one output channel
+    return lin + conv
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("full", [False, True], ids=["int8", "int8_full"])
+@pytest.mark.parametrize("inplace", list(_INPLACE))
+@pytest.mark.parametrize("case", _inplace_cases(), ids=lambda c: c[0])
+def test_inplace_op_after_int8_op(case, inplace: str, full: bool, backend: str) -> None:
+    """An in-place op after an int8 / int8_full linear or conv runs, and gives exactly the
+    gradients of its out-of-place version; the gradients own their memory."""
+    _, xs, ws, conv = case
+    fn_inplace, fn = _INPLACE[inplace]
+    gen = torch.Generator().manual_seed(21)
+    x0, w0, b0 = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen), \
+        torch.randn(ws[0], generator=gen)
+    results = []
+    with _backend(backend):
+        for f in (fn_inplace, fn):
+            x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+            if len(xs) == 4:
+                y = ops.int8_conv2d(x, w, b, int8_backward=full, seed=4, **conv)
+            else:
+                y = ops.int8_linear(x, w, b, int8_backward=full, seed=4)
+            g = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+            z = f(y)
+            (z * g).sum().backward()
+            results.append((z.detach(), x.grad, w.grad, b.grad))
+            _owns_its_memory((x.grad, w.grad, b.grad), (g, z))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("inplace", list(_INPLACE))
+def test_inplace_op_after_fake_quant(inplace: str, backend: str) -> None:
+    fn_inplace, fn = _INPLACE[inplace]
+    with _backend(backend):
+        for quant in (lambda t: ops.fake_quant_int8(t, seed=2),
+                      lambda t: ops.fake_quant_int8(t, axis=0, seed=2),
+                      lambda t: ops.fake_quant_float(t, "fp8_e4m3"),
+                      lambda t: ops.fake_quant_float(t, "bf16")):
+            for shape in ((1, 1), (1, 5), (3, 1)):
+                x = torch.randn(shape, requires_grad=True)
+                x2 = x.detach().clone().requires_grad_()
+                (fn_inplace(quant(x)) * 3).sum().backward()
+                (fn(quant(x2)) * 3).sum().backward()
+                assert torch.equal(x.grad, x2.grad)
+
+
+# ------------------------------------------------------------------ every op == its reference
+#
+# Integer-valued operands whose abs-max is 127 (per tensor for inputs and gradients) and
+# weights of +-127 (abs-max 127 per output channel and per input column) quantize exactly,
+# by stochastic rounding too (floor(y + u) = y for an integer y and u < 1). Every int8 op is
+# then an exact integer computation, equal to float64 autograd bit for bit, whatever the
+# groups, strides, paddings, dilations, map sizes and input layouts.
+
+
+def _int_operand(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    t = torch.randint(-127, 128, shape, generator=gen).to(torch.float32)
+    t.view(-1)[0] = 127.0
+    return t
+
+
+def _sign_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return (torch.randint(0, 2, shape, generator=gen) * 254 - 127).to(torch.float32)
+
+
+def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values in another memory layout (a non-contiguous view, or channels_last)."""
+    if layout == "channels_last":
+        return t.clone(memory_format=torch.channels_last)
+    if layout == "permuted":  # stored with the last two axes swapped
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "sliced":  # every other element of a larger buffer
+        big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1])
+        big[..., 1::2] = t
+        return big[..., 1::2]
+    return t.clone()
+
+
+conv_cases = st.fixed_dictionaries({
+    "batch": st.sampled_from([1, 2]),
+    "groups": st.sampled_from([1, 2, 4]),
+    "cin_g": st.sampled_from([1, 1, 2, 3]),   # 1: one input channel per group
+    "cout_g": st.sampled_from([1, 2]),
+    "k": st.sampled_from([(1, 1), (3, 3), (1, 3), (7, 7)]),
+    "hw": st.sampled_from([(1, 1), (2, 3), (5, 5), (8, 7)]),
+    "stride": st.sampled_from([1, 2]),
+    "padding": st.sampled_from([0, 1, 3]),
+    "dilation": st.sampled_from([1, 2]),
+    "layout": st.sampled_from(["contiguous", "channels_last", "permuted", "sliced"]),
+    "bias": st.booleans(),
+})
+
+
+def _conv_fits(case: dict) -> bool:
+    (kh, kw), (h, w), p, d = case["k"], case["hw"], case["padding"], case["dilation"]
+    return h + 2 * p - d * (kh - 1) >= 1 and w + 2 * p - d * (kw - 1) >= 1
+
+
+def _check_conv_exact(case: dict, full: bool, gen: torch.Generator) -> None:
+    groups, cin_g, cout_g = case["groups"], case["cin_g"], case["cout_g"]
+    (kh, kw), (h, w), s, p, d = case["k"], case["hw"], case["stride"], case["padding"], \
+        case["dilation"]
+    x0 = _int_operand((case["batch"], groups * cin_g, h, w), gen)
+    w0 = _sign_weight((groups * cout_g, cin_g, kh, kw), gen)
+    b0 = torch.randint(-5, 6, (groups * cout_g,), generator=gen).float() if case["bias"] else None
+    x = _layout(x0, case["layout"]).requires_grad_()
+    wt = _layout(w0, case["layout"]).requires_grad_()
+    bt = None if b0 is None else b0.clone().requires_grad_()
+    out = ops.int8_conv2d(x, wt, bt, s, p, d, groups, int8_backward=full, seed=7,
+                          bwd_dtype=torch.float32)
+    g = _int_operand(tuple(out.shape), gen)
+    out.backward(g)
+    xr, wr = x0.detach().double().requires_grad_(), w0.detach().double().requires_grad_()
+    br = None if b0 is None else b0.double().requires_grad_()
+    want = F.conv2d(xr, wr, br, s, p, d, groups)
+    want.backward(g.double())
+    assert torch.equal(out.double(), want)
+    assert torch.equal(x.grad.double(), xr.grad)
+    assert torch.equal(wt.grad.double(), wr.grad)
+    if b0 is not None:
+        assert torch.equal(bt.grad.double(), br.grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("full", [False, True], ids=["int8", "int8_full"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(case=conv_cases, seed=st.integers(0, 2**16))
+def test_int8_conv2d_forward_and_backward_are_exact(backend: str, full: bool, case: dict,
+                                                     seed: int) -> None:
+    """int8 / int8_full conv2d, forward and both gradients, equal float64 autograd exactly
+    over groups {1, 2, 4, C}, 1x1 maps, strides, paddings, dilations and input layouts; every
+    integer GEMM gets operands with a valid leading dimension."""
+    assume(_conv_fits(case))
+    with _backend(backend), _strict_int_mm():
+        _check_conv_exact(case, full, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("full", [False, True], ids=["int8", "int8_full"])
+@pytest.mark.parametrize("groups", [1, 2, 4, "C"])
+def test_int8_conv2d_exact_for_each_groups_class(backend: str, full: bool, groups) -> None:
+    """The named classes, each for sure: groups 1, 2, 4 and C (depthwise 7x7, ConvNeXt) with
+    one channel per group, on a 1x1 map and on a 7x7 map."""
+    c = 8
+    g = c if groups == "C" else groups
+    base = {"batch": 2, "groups": g, "cin_g": c // g if groups != "C" else 1, "cout_g": 1,
+            "stride": 1, "dilation": 1, "layout": "contiguous", "bias": True}
+    with _backend(backend), _strict_int_mm():
+        for k, hw, p in (((7, 7), (7, 7), 3), ((7, 7), (1, 1), 3), ((1, 1), (1, 1), 0)):
+            _check_conv_exact({**base, "k": k, "hw": hw, "padding": p}, full,
+                              torch.Generator().manual_seed(g))
+
+
+linear_cases = st.fixed_dictionaries({
+    "lead": st.sampled_from([(1,), (3,), (2, 3), (1, 1)]),
+    "k": st.sampled_from([1, 5, 16]),
+    "n": st.sampled_from([1, 6]),
+    "layout": st.sampled_from(["contiguous", "permuted", "sliced"]),
+    "bias": st.booleans(),
+})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("full", [False, True], ids=["int8", "int8_full"])
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(case=linear_cases, seed=st.integers(0, 2**16))
+def test_int8_linear_forward_and_backward_are_exact(backend: str, full: bool, case: dict,
+                                                     seed: int) -> None:
+    """int8 / int8_full linear equals float64 autograd exactly, with batch 1, one input or
+    one output feature and non-contiguous inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    x0 = _int_operand((*case["lead"], case["k"]), gen)
+    w0 = _sign_weight((case["n"], case["k"]), gen)
+    b0 = torch.randint(-5, 6, (case["n"],), generator=gen).float() if case["bias"] else None
+    x = _layout(x0, case["layout"]).requires_grad_()
+    w = _layout(w0, case["layout"]).requires_grad_()
+    b = None if b0 is None else b0.clone().requires_grad_()
+    with _backend(backend), _strict_int_mm():
+        out = ops.int8_linear(x, w, b, int8_backward=full, seed=3, bwd_dtype=torch.float32)
+        g = _int_operand(tuple(out.shape), gen)
+        out.backward(g)
+    xr, wr = x0.detach().double().requires_grad_(), w0.detach().double().requires_grad_()
+    br = None if b0 is None else b0.double().requires_grad_()
+    want = F.linear(xr, wr, br)
+    want.backward(g.double())
+    assert torch.equal(out.double(), want)
+    assert torch.equal(x.grad.double(), xr.grad) and torch.equal(w.grad.double(), wr.grad)
+    if b0 is not None:
+        assert torch.equal(b.grad.double(), br.grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("conv", [
+    dict(c=16, groups=16, k=7, padding=3, hw=7),     # ConvNeXt depthwise 7x7
+    dict(c=16, groups=16, k=3, padding=1, hw=1),     # depthwise on a 1x1 map
+    dict(c=8, groups=4, k=3, padding=2, hw=6, dilation=2),
+    dict(c=8, groups=1, k=1, padding=0, hw=1),       # squeeze-excitation 1x1 on 1x1
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_int8_full_conv_gradients_within_quantization_error(backend: str, conv: dict) -> None:
+    """Random float operands: int8_full gradients against fp32 autograd, relative error within
+    int8's (a few percent; the misread GEMM operand gave 4e4-9e5)."""
+    c, groups, k, hw = conv["c"], conv["groups"], conv["k"], conv["hw"]
+    gen = torch.Generator().manual_seed(30)
+    x0 = torch.randn(4, c, hw, hw, generator=gen)
+    w0 = torch.randn(c, c // groups, k, k, generator=gen)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    args = (1, conv["padding"], conv.get("dilation", 1), groups)
+    with _backend(backend), _strict_int_mm():
+        out = ops.int8_conv2d(x, w, None, *args, int8_backward=True, seed=5)
+        g = torch.randn(out.shape, generator=gen)
+        out.backward(g)
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    want = F.conv2d(xr, wr, None, *args)
+    want.backward(g)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).detach().norm() / b.detach().norm())
+
+    assert rel(out, want) < 0.05
+    assert rel(x.grad, xr.grad) < 0.1 and rel(w.grad, wr.grad) < 0.1
+
+
+def test_inplace_and_depthwise_with_cpp_disabled_by_environment() -> None:
+    """QSYNC_DISABLE_CPP=1 (the Python references, selected as a user would): an in-place
+    ReLU after int8 linear and an exact int8_full depthwise conv with an in-place add."""
+    code = """
+import torch, torch.nn.functional as F, qsync_opt.ops as o
+assert o.available()['cpu'].startswith('Python references')
+x = torch.randn(1, 8, requires_grad=True); w = torch.randn(4, 8, requires_grad=True)
+o.int8_linear(x, w, int8_backward=True).relu_().sum().backward()
+x = torch.randint(-127, 128, (2, 4, 5, 5)).float(); x[0, 0, 0, 0] = 127; x.requires_grad_()
+w = (torch.randint(0, 2, (4, 1, 3, 3)) * 254 - 127).float().requires_grad_()
+y = o.int8_conv2d(x, w, None, 1, 1, 1, 4, int8_backward=True, bwd_dtype=torch.float32)
+g = torch.randint(-127, 128, y.shape).float(); g[0, 0, 0, 0] = 127
+y.add_(1.0).backward(g)
+xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+F.conv2d(xr, wr, None, 1, 1, 1, 4).backward(g.double())
+print(torch.equal(x.grad.double(), xr.grad), torch.equal(w.grad.double(), wr.grad))
+"""
+    env = {**os.environ, "QSYNC_DISABLE_CPP": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "True True"

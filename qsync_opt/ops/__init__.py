@@ -24,6 +24,11 @@ tests hold the compiled kernels to, bit for bit. :func:`available` says which ar
 
 On this CPU the 16-bit backward of int8 ops runs in bf16 by default (fp16 GEMMs have no fast
 kernel here), on CUDA in fp16 (the T4 has no bf16); ``bwd_dtype`` overrides it.
+
+Every op's outputs own their memory (:func:`_owned`): no output is a view or shares memory
+with an input or another output, so an in-place op may follow any of them. Every integer
+GEMM goes through :func:`int_mm`, which hands ``torch._int_mm`` only operands with a valid
+leading dimension (:func:`gemm_layout_ok`).
 """
 
 from __future__ import annotations
@@ -104,6 +109,49 @@ def _check_float(name: str, t: Tensor) -> None:
         raise ValueError(f"{name}: expected float32, float16 or bfloat16, got {t.dtype}")
 
 
+# ----------------------------------------------------------------------------- aliasing
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.nbytes() > 0 and sb.nbytes() > 0 and sa.data_ptr() == sb.data_ptr()
+
+
+def _owned(outputs: Any, inputs: Sequence[Any]) -> Any:
+    """The outputs of a custom op as tensors that own their memory: none is a view, none
+    shares memory with an input or with another output.
+
+    Every ``qsync::`` op returns through this. A view (``reshape`` of a GEMM result,
+    ``permute().contiguous()``, which is a no-op on a 1x1 map, ``movedim`` over a size-1
+    axis) would reach autograd as a view created inside a custom Function, and an in-place
+    op on it (``ReLU(inplace=True)``) raises; an output aliasing an input (``x.to(x.dtype)``)
+    breaks the op's schema. A view that spans its whole buffer is re-wrapped without a copy
+    (nothing else holds that buffer); one aliasing an input or another output, or covering
+    only part of its buffer, is copied.
+    """
+    single = isinstance(outputs, Tensor)
+    outs = [outputs] if single else list(outputs)
+    seen = [t for t in inputs if isinstance(t, Tensor)]
+    for i, t in enumerate(outs):
+        if not isinstance(t, Tensor):
+            continue
+        if any(_shares_memory(t, o) for o in seen):
+            t = t.clone(memory_format=torch.contiguous_format)
+        elif t._is_view():
+            storage = t.untyped_storage()
+            if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size() \
+                    and t.is_contiguous():
+                t = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    storage, 0, t.shape, torch.empty(t.shape, device="meta").stride())
+            else:
+                t = t.clone(memory_format=torch.contiguous_format)
+        outs[i] = t
+        seen.append(t)
+    return outs[0] if single else tuple(outs)
+
+
 # ----------------------------------------------------------------------------- quantize
 
 
@@ -130,7 +178,7 @@ def _quantize_impl(x: Tensor, axis: int | None, stochastic: bool, seed: int
 @torch.library.custom_op("qsync::quantize_int8", mutates_args=())
 def _quantize_op(x: Tensor, axis: int | None, stochastic: bool, seed: int
                  ) -> tuple[Tensor, Tensor]:
-    return _quantize_impl(x, axis, stochastic, seed)
+    return _owned(_quantize_impl(x, axis, stochastic, seed), (x,))
 
 
 @_quantize_op.register_fake
@@ -166,7 +214,7 @@ def _dequantize_impl(q: Tensor, scale: Tensor, axis: int | None, dtype: torch.dt
 
 @torch.library.custom_op("qsync::dequantize_int8", mutates_args=())
 def _dequantize_op(q: Tensor, scale: Tensor, axis: int | None, dtype: torch.dtype) -> Tensor:
-    return _dequantize_impl(q, scale, axis, dtype)
+    return _owned(_dequantize_impl(q, scale, axis, dtype), (q, scale))
 
 
 @_dequantize_op.register_fake
@@ -184,11 +232,13 @@ def dequantize_int8(q: Tensor, scale: Tensor, axis: int | None = None,
 def _rescale_op(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
                 dtype: torch.dtype) -> Tensor:
     if _use_cpp(acc):
-        return torch.ops.qsync_cpu.rescale_int32(acc, sx, sw, bias, dtype)
-    if acc.is_cuda and _cuda() is not None:
-        return _cuda().rescale_int32(acc.contiguous(), float(sx), sw.float().contiguous(),
-                                     None if bias is None else bias.float().contiguous(), dtype)
-    return ref.rescale_int32(acc, sx, sw, bias, dtype)
+        out = torch.ops.qsync_cpu.rescale_int32(acc, sx, sw, bias, dtype)
+    elif acc.is_cuda and _cuda() is not None:
+        out = _cuda().rescale_int32(acc.contiguous(), float(sx), sw.float().contiguous(),
+                                    None if bias is None else bias.float().contiguous(), dtype)
+    else:
+        out = ref.rescale_int32(acc, sx, sw, bias, dtype)
+    return _owned(out, (acc, sx, sw, bias))
 
 
 @_rescale_op.register_fake
@@ -205,11 +255,39 @@ def rescale_int32(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = Non
 # ----------------------------------------------------------------------------- integer GEMM
 
 
+def gemm_layout_ok(t: Tensor, row_major_only: bool = False) -> bool:
+    """Whether a 2-D GEMM operand's strides give a valid leading dimension.
+
+    ``torch._int_mm`` on a CPU with AVX512-VNNI hands its operands to oneDNN's s8 GEMM as
+    row-major when ``stride(1) == 1`` (leading dimension ``stride(0)``) and transposed
+    otherwise (leading dimension ``stride(1)``), without checking that leading dimension.
+    A tensor with a size-1 dimension can be "contiguous" with any stride on that dimension
+    (``[1, K]`` with strides ``(1, 1)``: a transposed column, or ``movedim`` over a size-1
+    axis; ``[M, 1]`` with strides ``(1, L)`` from an unfold): its leading dimension is then
+    smaller than its row and the GEMM misreads it. Valid: row-major with
+    ``stride(0) >= max(1, cols)``, or transposed with ``stride(0) == 1`` and
+    ``stride(1) >= max(1, rows)``.
+    """
+    rows, cols = t.shape
+    s0, s1 = t.stride()
+    if s1 == 1:
+        return s0 >= max(1, cols)
+    return not row_major_only and s0 == 1 and s1 >= max(1, rows)
+
+
+def _gemm_operand(t: Tensor, row_major_only: bool = False) -> Tensor:
+    if gemm_layout_ok(t, row_major_only):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # strides (cols, 1)
+
+
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
     """int8 [M, K] @ int8 [K, N] -> int32 with ``torch._int_mm``.
 
-    cuBLASLt wants M > 16 and K, N multiples of 8: on CUDA the operands are zero-padded to
-    that and the result cropped (zeros add nothing to an integer sum).
+    ``a`` goes in row-major, ``b`` row-major or transposed, each with a valid leading
+    dimension (:func:`gemm_layout_ok`; a copy where not). cuBLASLt wants M > 16 and K, N
+    multiples of 8: on CUDA the operands are zero-padded to that and the result cropped
+    (zeros add nothing to an integer sum).
     """
     if a.is_cuda:
         m, k = a.shape
@@ -218,9 +296,8 @@ def int_mm(a: Tensor, b: Tensor) -> Tensor:
         if (pm, pk, pn) != (m, k, n):
             a = F.pad(a, (0, pk - k, 0, pm - m))
             b = F.pad(b, (0, pn - n, 0, pk - k))
-            return torch._int_mm(a.contiguous(), b.contiguous())[:m, :n]
-        return torch._int_mm(a.contiguous(), b)
-    return torch._int_mm(a.contiguous(), b)
+            return torch._int_mm(_gemm_operand(a, True), _gemm_operand(b, True))[:m, :n]
+    return torch._int_mm(_gemm_operand(a, True), _gemm_operand(b))
 
 
 def _seeds(seed: int) -> tuple[int, int, int, int]:
@@ -243,7 +320,8 @@ def _int8_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backwar
     qw, sw = _quantize_impl(weight, 0, stochastic, w_seed)
     acc = int_mm(qx, qw.t())
     out = _rescale_op(acc, sx, sw, bias, x.dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0]), qx, sx, qw, sw
+    return _owned((out.reshape(*x.shape[:-1], weight.shape[0]), qx, sx, qw, sw),
+                  (x, weight, bias))
 
 
 @_int8_linear_op.register_fake
@@ -282,7 +360,7 @@ def _int8_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
         x16 = _dequantize_impl(qx, sx, None, bwd_dtype)
         grad_x = (g16 @ w16).to(x_dtype)
         grad_w = (g16.t() @ x16).to(w_dtype)
-    return grad_x, grad_w
+    return _owned((grad_x, grad_w), (grad, qx, sx, qw, sw))
 
 
 @_int8_linear_backward_op.register_fake
@@ -371,7 +449,7 @@ def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list
                                 bias_g, x.dtype))
     out = torch.cat(outs, dim=1) if groups > 1 else outs[0]
     out = out.reshape(b, ho, wo, cout).permute(0, 3, 1, 2).contiguous()
-    return out, qx, sx, qw, sw
+    return _owned((out, qx, sx, qw, sw), (x, weight, bias))
 
 
 @_int8_conv2d_op.register_fake
@@ -403,7 +481,7 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
                                             dilation, groups)
         grad_w = torch.nn.grad.conv2d_weight(x16, list(qw.shape), g16, stride, padding,
                                              dilation, groups)
-        return grad_x.to(x_dtype), grad_w.to(w_dtype)
+        return _owned((grad_x.to(x_dtype), grad_w.to(w_dtype)), (grad, qx, sx, qw, sw))
     _, _, g_seed, w2_seed = _seeds(seed)
     b, cin, h, w = qx.shape
     cout, cin_g, kh, kw = qw.shape
@@ -426,7 +504,7 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
                                 stride=stride))
     grad_w = torch.cat(grad_ws, 0).reshape(qw.shape)
     grad_x = torch.cat(grad_cols, 1) if groups > 1 else grad_cols[0]
-    return grad_x.to(x_dtype), grad_w
+    return _owned((grad_x.to(x_dtype), grad_w), (grad, qx, sx, qw, sw))
 
 
 @_int8_conv2d_backward_op.register_fake
@@ -480,7 +558,7 @@ def int8_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 @torch.library.custom_op("qsync::fake_quant_int8", mutates_args=())
 def _fake_int8_op(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> Tensor:
     q, scale = _quantize_impl(x, axis, stochastic, seed)
-    return _dequantize_impl(q, scale, axis, x.dtype)
+    return _owned(_dequantize_impl(q, scale, axis, x.dtype), (x,))
 
 
 @_fake_int8_op.register_fake
@@ -517,8 +595,8 @@ def _fake_float_op(x: Tensor, fmt: str) -> Tensor:
         amax = ref.channel_amax(x, per_channel=False).reshape(())
         scale = FP8_MAX[fmt] / amax
         y = (x.to(torch.float32) * scale).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(target)
-        return (y.to(torch.float32) / scale).to(x.dtype)
-    return x.to(target).to(x.dtype)
+        return _owned((y.to(torch.float32) / scale).to(x.dtype), (x,))
+    return _owned(x.to(target).to(x.dtype), (x,))  # x itself when x is already in fmt
 
 
 @_fake_float_op.register_fake

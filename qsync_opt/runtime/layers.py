@@ -63,21 +63,25 @@ class QConv2d(nn.Conv2d, _QMixin):
         p = self.precision
         if isinstance(self.padding, str):
             raise QsyncInputError(f"QConv2d: string padding {self.padding!r} is not supported")
+        if p not in (*_HALF, Precision.int8, Precision.int8_full, Precision.fp8):
+            return super().forward(x)
+        padding: Any = self.padding
+        if self.padding_mode != "zeros":  # reflect / replicate / circular: pad first, as torch
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0, 0)
         if p in _HALF:
             d = _HALF[p]
             b = None if self.bias is None else self.bias.to(d)
-            return F.conv2d(x.to(d), self.weight.to(d), b, self.stride, self.padding,
+            return F.conv2d(x.to(d), self.weight.to(d), b, self.stride, padding,
                             self.dilation, self.groups).to(x.dtype)
         if p in (Precision.int8, Precision.int8_full):
-            return ops.int8_conv2d(x, self.weight, self.bias, self.stride, self.padding,
+            return ops.int8_conv2d(x, self.weight, self.bias, self.stride, padding,
                                    self.dilation, self.groups,
                                    int8_backward=p == Precision.int8_full,
                                    seed=self._next_seed())
-        if p == Precision.fp8:
-            return F.conv2d(ops.fake_quant_float(x, "fp8_e4m3"),
-                            ops.fake_quant_float(self.weight, "fp8_e4m3"), self.bias,
-                            self.stride, self.padding, self.dilation, self.groups)
-        return super().forward(x)
+        return F.conv2d(ops.fake_quant_float(x, "fp8_e4m3"),
+                        ops.fake_quant_float(self.weight, "fp8_e4m3"), self.bias,
+                        self.stride, padding, self.dilation, self.groups)
 
 
 class QMatMul(MatMul, _QMixin):
