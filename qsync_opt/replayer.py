@@ -955,6 +955,16 @@ class IncrementalReplay:
 
     def set(self, group: str, op: str, precision: Precision) -> Change:
         """Change one op's precision on one group (validated) and return the new state."""
+        self._set(group, op, precision)
+        return self.state()
+
+    def set_ops(self, group: str, ops: Sequence[str], precision: Precision) -> Change:
+        """Change several ops (a tie group) to one precision; the state once, at the end."""
+        for op in ops:
+            self._set(group, op, precision)
+        return self.state()
+
+    def _set(self, group: str, op: str, precision: Precision) -> None:
         rep = self.rep
         gi = self._g(group)
         try:
@@ -994,14 +1004,13 @@ class IncrementalReplay:
             for col, v in zip(self.mem[gi], rep._mem_terms(grp, j, prec, din, dout),
                               strict=True):
                 col[j] = v
-        return self.state()
 
     def what_if(self, group: str, op: str, precision: Precision) -> Change:
         """The state if ``op`` ran at ``precision`` on ``group``; the plan is left as it was."""
         old = self.precision(group, op)
         result = self.set(group, op, precision)
         if old is not None and old != precision:
-            self.set(group, op, old)
+            self._set(group, op, old)
             self.calls -= 1
         return result
 

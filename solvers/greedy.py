@@ -2,10 +2,15 @@
 
 The algorithm of the paper (docs/PAPERS.md, QSync allocator paragraph), over every device group:
 
-1. **Start** from the fastest plan that fits memory on each group: per unit the choice with
-   the least unary time (ties to the lower precision); while the group does not fit, move
-   the unit whose move saves the most memory (with its current neighbours) to that choice.
-   A start that does not fit, or that misses the target, ends the solve: INFEASIBLE.
+1. **Start** from the fastest plan that fits memory on each group, casts counted. From
+   each candidate (per unit the choice with the least unary time, ties to the lower
+   precision; and each uniform precision, since casts favour uniform plans): while the
+   group does not fit, move the unit whose move saves the most memory (with its current
+   neighbours) to that choice; then a single-unit descent on the group's time with every
+   cast against the current neighbours. The fastest candidate wins. Where it misses the
+   group's time budget or memory, the exact fastest plan (``solvers.ilp.fastest_plans``:
+   least time under memory, HiGHS or CBC) replaces it, so a start exists whenever any plan
+   meets the target. A group with no start ends the solve: INFEASIBLE, with the figure.
 2. **Raise.** A max-heap holds, per (group, unit), the indicator gain of raising the unit
    one step on that group's menu, ``weight_g * (Omega[u][k] - Omega[u][k-1])``. Pop, apply
    the move, check it; keep it only if every group fits memory and the makespan stays
@@ -17,8 +22,12 @@ The algorithm of the paper (docs/PAPERS.md, QSync allocator paragraph), over eve
 The check is pluggable (``SolveOptions.acceptance``):
 
 * ``"replayer"`` (QSync's way): an :class:`~qsync_opt.replayer.IncrementalReplay` of the
-  whole cluster re-scores every move: replayer iteration time <= target and every group's
-  replayer peak memory <= its capacity (after headroom).
+  whole cluster re-scores every move: the makespan as the target defines it, every group's
+  replayer compute (casts included) plus the tail (last bucket, optimizer), <= target, and
+  every group's replayer peak memory <= its capacity (after headroom); the evaluator's
+  linear rows must hold too, so every plan returned is one ``evaluate`` calls feasible.
+  The replayer's whole iteration (with the all-reduce the backward leaves exposed) is
+  reported, not checked: the target does not count it.
 * ``"linear"``: the problem's linear model, updated per move in O(degree of the unit):
   group time <= ``group_budget_ms()`` and group memory <= capacity.
 
@@ -37,6 +46,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from ..errors import QsyncInputError
 from ..precision import Precision
@@ -53,6 +63,8 @@ log = logging.getLogger(__name__)
 REL_TOL = 1e-9
 #: How many times the rejected moves are re-tried after the heap empties.
 MAX_SWEEPS = 8
+#: At most this many sweeps of the start's single-unit descent per candidate.
+MAX_DESCENT_SWEEPS = 20
 ACCEPTANCES = ("replayer", "linear")
 
 
@@ -78,8 +90,7 @@ class LinearState:
         self.work: list[list[float]] = []
         self.work_max: list[float] = []
         for g in self.groups:
-            full = g.complete(assignment[g.name]) if g.derived else list(assignment[g.name])
-            self.a.append(full)
+            self.a.append([])
             self.ext.append(g.all_choices)
             adj: list[list[int]] = [[] for _ in g.time1]
             for pi, p in enumerate(g.pairs):
@@ -103,13 +114,23 @@ class LinearState:
                             stack.append(d.index)
                 down.append([found[i] for i in sorted(found)])
             self.downstream.append(down)
-            self.time.append(g.time_ms(assignment[g.name]))
-            self.mem_sum.append(
-                g.mem0 + sum(row[c] for row, c in zip(g.mem1, full, strict=True))
-                + sum(p.mem[full[p.a]][full[p.b]] for p in g.pairs))
-            w = [row[c] for row, c in zip(g.work1, full, strict=True)]
-            self.work.append(w)
-            self.work_max.append(max([g.work0, *w]))
+            self.time.append(0.0)
+            self.mem_sum.append(0.0)
+            self.work.append([])
+            self.work_max.append(0.0)
+            self.load(len(self.a) - 1, assignment[g.name])
+
+    def load(self, gi: int, real: Sequence[int]) -> None:
+        """Set group gi's whole assignment (its real units' choices), recomputing its sums."""
+        g = self.groups[gi]
+        full = g.complete(real) if g.derived else list(real)
+        self.a[gi] = full
+        self.time[gi] = g.time_ms(real)
+        self.mem_sum[gi] = (g.mem0 + sum(row[c] for row, c in zip(g.mem1, full, strict=True))
+                            + sum(p.mem[full[p.a]][full[p.b]] for p in g.pairs))
+        w = [row[c] for row, c in zip(g.work1, full, strict=True)]
+        self.work[gi] = w
+        self.work_max[gi] = max([g.work0, *w])
 
     def assignment(self) -> dict[str, list[int]]:
         """The real units' choices per group."""
@@ -177,7 +198,12 @@ class LinearState:
         new = self.changes(gi, u, k)
         _, dm = self._delta(gi, new)
         g, w = self.groups[gi], self.work[gi]
-        work = max([g.work0, *(g.work1[v][new[v]] if v in new else x for v, x in enumerate(w))])
+        top = self.work_max[gi]
+        if all(w[v] < top for v in new):  # the largest working set stays: no rescan
+            work = max(top, *(g.work1[v][kv] for v, kv in new.items()))
+        else:
+            work = max([g.work0, *(g.work1[v][new[v]] if v in new else x
+                                   for v, x in enumerate(w))])
         return self.mem_sum[gi] + dm + work
 
 
@@ -217,6 +243,17 @@ class LinearAcceptance:
 class ReplayAcceptance:
     """QSync's check: the incremental replayer of the whole cluster after every move.
 
+    The replayer scores the makespan as the target defines it (``AllocationProblem``: every
+    group's compute, casts included, plus the tail: the last bucket's all-reduce and the
+    optimizer step), i.e. ``max_g compute_g + tail`` with the replayer's per-group compute,
+    and every group's peak memory against its capacity (after headroom). The all-reduce the
+    backward does not hide is the target's business (the default target already includes
+    what the strong groups expose), not a move's: counting it here refused plans the target
+    admits. A move must also keep the group inside the evaluator's linear rows (time budget
+    and the linear memory, which on fp32-flow tables is a conservative sum of the replayer's
+    timeline), so that every accepted plan is one :func:`~qsync_opt.problem.evaluate` calls
+    feasible; ``vetoes`` counts the moves only those rows refused.
+
     Every op of a tie unit is set; a rejected move is undone by setting the old precision
     back, which re-costs the same neighbourhood, so the replay equals a fresh replay of the
     plan that was kept.
@@ -224,13 +261,17 @@ class ReplayAcceptance:
 
     name = "replayer"
 
-    def __init__(self, problem: AllocationProblem, assignment: dict[str, Sequence[int]]) -> None:
+    def __init__(self, problem: AllocationProblem, assignment: Mapping[str, Sequence[int]],
+                 lin: LinearState | None = None) -> None:
         self.problem = problem
         self.groups = problem.groups
         self.target = problem.target_ms
+        self.tail = problem.tail_ms
+        self.linear = LinearAcceptance(problem, lin or LinearState(problem, assignment))
         self.inc: IncrementalReplay = problem.replayer.incremental(problem.precisions(assignment))
         self.change: Change = self.inc.state()
         self.checks = 0
+        self.vetoes = 0
 
     @property
     def calls(self) -> int:
@@ -238,27 +279,48 @@ class ReplayAcceptance:
 
     def apply(self, gi: int, u: int, k: int) -> None:
         g = self.groups[gi]
-        p = g.choices[u][k]
-        for op in self.problem.units[u].ops:
-            self.change = self.inc.set(g.name, op, p)
+        self.change = self.inc.set_ops(g.name, self.problem.units[u].ops, g.choices[u][k])
 
     def group_memory(self, gi: int) -> float:
         return float(self.change.peak_memory_bytes[self.groups[gi].name])
 
-    def ok(self, gi: int) -> bool:
-        """Replayer iteration within the target and every group within its capacity."""
-        self.checks += 1
+    def replay_ok(self, gi: int) -> bool:
+        """The replayer's verdict on group gi (a move changes only its group)."""
         ch = self.change
-        if ch.iteration_ms > self.target * (1 + REL_TOL):
+        g = self.groups[gi]
+        return (ch.compute_ms[g.name] + self.tail <= self.target * (1 + REL_TOL)
+                and ch.peak_memory_bytes[g.name] <= g.capacity_bytes * (1 + REL_TOL))
+
+    def ok(self, gi: int) -> bool:
+        """The replayer's verdict, then the evaluator's linear rows."""
+        self.checks += 1
+        if not self.replay_ok(gi):
             return False
-        return all(ch.peak_memory_bytes[g.name] <= g.capacity_bytes * (1 + REL_TOL)
-                   for g in self.groups)
+        if not self.linear.ok(gi):
+            self.vetoes += 1
+            return False
+        return True
 
     def makespan_ms(self) -> float:
+        """The replayer's makespan as the target defines it."""
+        return max(self.change.compute_ms.values()) + self.tail
+
+    def iteration_ms(self) -> float:
+        """The replayer's whole iteration (with the all-reduce the backward does not hide)."""
         return self.change.iteration_ms
 
 
 Acceptance = LinearAcceptance | ReplayAcceptance
+
+
+class _StartFailure(NamedTuple):
+    """Why no start exists: ``kind`` "memory" (``figure``: the smallest bytes found) or
+    "time" (``figure``: the fastest makespan found, ms) on ``group``."""
+
+    kind: str
+    group: GroupModel
+    figure: float
+    note: str
 
 
 class Greedy:
@@ -289,12 +351,13 @@ class Greedy:
         return out
 
     @staticmethod
-    def _fit_memory(lin: LinearState, acc: Acceptance, gi: int) -> tuple[bool, float, int]:
+    def _fit_memory(lin: LinearState, gi: int) -> tuple[bool, float, int]:
         """Move units of group gi to lower-memory choices, largest saving first, until the
-        group fits (by the acceptance's memory). Returns (fits, bytes, moves)."""
+        group fits (the linear memory, which the replayer's never exceeds). Returns (fits,
+        bytes, moves)."""
         g = lin.groups[gi]
         moves = 0
-        while acc.group_memory(gi) > g.capacity_bytes * (1 + REL_TOL):
+        while lin.memory(gi) > g.capacity_bytes * (1 + REL_TOL):
             now = lin.memory(gi)
             best: tuple[float, int, int] | None = None
             for u, ch in enumerate(g.choices):
@@ -306,12 +369,134 @@ class Greedy:
                     if after < now and (best is None or (after, -k) < (best[0], -best[2])):
                         best = (after, u, k)
             if best is None:
-                return False, acc.group_memory(gi), moves
+                return False, lin.memory(gi), moves
             _, u, k = best
             lin.move(gi, u, k)
-            acc.apply(gi, u, k)
             moves += 1
-        return True, acc.group_memory(gi), moves
+        return True, lin.memory(gi), moves
+
+    @staticmethod
+    def _descend(lin: LinearState, gi: int, deadline: float, sw: Stopwatch) -> int:
+        """Single-unit descent on group gi's time, casts against the current neighbours
+        included: sweep the units, moving each to its choice that saves the most time while
+        the group still fits memory, until a sweep saves nothing. Returns the moves made."""
+        g = lin.groups[gi]
+        cap = g.capacity_bytes * (1 + REL_TOL)
+        moves = 0
+        for _ in range(MAX_DESCENT_SWEEPS):
+            moved = False
+            for u, ch in enumerate(g.choices):
+                if len(ch) < 2:
+                    continue
+                if sw.wall_s > deadline:
+                    return moves
+                cur = lin.a[gi][u]
+                tol = 1e-12 * max(abs(lin.time[gi]), 1.0)
+                best_dt, best_k = -tol, -1
+                for k in range(len(ch)):
+                    if k == cur:
+                        continue
+                    dt, _ = lin.delta(gi, u, k)
+                    if dt < best_dt and lin.memory_after(gi, u, k) <= cap:
+                        best_dt, best_k = dt, k
+                if best_k >= 0:
+                    lin.move(gi, u, best_k)
+                    moves += 1
+                    moved = True
+            if not moved:
+                break
+        return moves
+
+    def _start_group(self, lin: LinearState, gi: int, deadline: float, sw: Stopwatch
+                     ) -> tuple[str, float, list[int], int] | None:
+        """The fastest memory-feasible start this allocator finds for group gi, cast-aware:
+        from the unary-fastest plan and from each uniform precision (casts favour a uniform
+        plan), fit memory, then descend; the fastest wins. (name, ms, assignment, units moved
+        to fit memory), or None when no candidate fits memory. Leaves group gi at the
+        winner."""
+        g = lin.groups[gi]
+        fast = list(lin.a[gi][:g.n_units])
+        cands: list[tuple[str, list[int]]] = [("unary-fastest", fast)]
+        for p in sorted({p for ch in g.choices for p in ch}, key=lambda q: q.info.rank):
+            a = [ch.index(p) if p in ch else fast[u] for u, ch in enumerate(g.choices)]
+            if all(a != c for _, c in cands):
+                cands.append((f"uniform {p.value}", a))
+        best: tuple[str, float, list[int], int] | None = None
+        for name, a in cands:
+            lin.load(gi, a)
+            fits, _, fit_moves = self._fit_memory(lin, gi)
+            if not fits:
+                continue
+            self._descend(lin, gi, deadline, sw)
+            if best is None or lin.time[gi] < best[1]:
+                best = (name, lin.time[gi], list(lin.a[gi][:g.n_units]), fit_moves)
+            if sw.wall_s > deadline:
+                break
+        if best is not None:
+            lin.load(gi, best[2])
+        return best
+
+    @staticmethod
+    def _exact_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
+                       ) -> tuple[str, tuple[float, list[int]] | None] | None:
+        """Group gi's least time under its memory by the exact program (HiGHS, else CBC):
+        (backend, (ms, assignment) or None when nothing fits), or None with no backend."""
+        from .ilp import PulpIlp, fastest_plans
+
+        others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)
+        for backend in ("highs", "cbc"):
+            if PulpIlp(backend).is_available():
+                found = fastest_plans(problem, backend, max(time_limit_s, 1.0), skip=others)
+                return backend, found[problem.groups[gi].name]
+        return None
+
+    def _start(self, problem: AllocationProblem, lin: LinearState, options: SolveOptions,
+               sw: Stopwatch, messages: list[str]) -> _StartFailure | None:
+        """Set ``lin`` to the start: per group the fastest plan that fits memory, found by
+        :meth:`_start_group` and, where that misses the group's time budget or memory, by
+        the exact program. None when every group has a start within its budget; else what
+        failed."""
+        budget = problem.group_budget_ms()
+        tol = REL_TOL * problem.target_ms
+        deadline = options.time_limit_s
+        for gi, g in enumerate(lin.groups):
+            found = self._start_group(lin, gi, deadline, sw)
+            exact_note = ""
+            if found is None or found[1] > budget + tol:
+                limit = max(1.0, options.time_limit_s - sw.wall_s)
+                exact = self._exact_fastest(problem, gi, limit)
+                if exact is None:
+                    exact_note = " (no MIP backend for the exact fastest plan)"
+                else:
+                    backend, res = exact
+                    if res is not None and (found is None or res[0] < found[1]):
+                        lin.load(gi, res[1])
+                        messages.append(
+                            f"start: group {g.name}: the exact fastest plan ({backend}, least "
+                            f"time under memory), {res[0]:.4f} ms"
+                            + (f"; this allocator's own start took {found[1]:.4f} ms"
+                               if found is not None else "") + f" (budget {budget:.4f} ms)")
+                        found = ("exact fastest", res[0], list(res[1]), 0)
+                    elif res is None:
+                        exact_note = (f" (the exact program, {backend}, found no plan"
+                                      + (" that fits memory either" if found is None else "")
+                                      + f" within {limit:.0f} s)")
+                    else:
+                        exact_note = (f" (the exact fastest plan, {backend}, is no faster: "
+                                      f"{res[0] + problem.tail_ms:.3f} ms)")
+            if found is None:
+                fits, need, _ = self._fit_memory(lin, gi)
+                return _StartFailure("memory", g, need, exact_note)
+            if found[0] != "exact fastest":
+                messages.append(
+                    f"start: group {g.name}: fastest plan found from the {found[0]} plan "
+                    + (f"({found[3]} unit(s) moved to lower-memory choices to fit, then "
+                       "single-unit descent, " if found[3] else "(single-unit descent, ")
+                    + f"casts against the neighbours counted), {found[1]:.4f} ms (budget "
+                    f"{budget:.4f} ms){exact_note}")
+            if found[1] > budget + tol:
+                return _StartFailure("time", g, found[1] + problem.tail_ms, exact_note)
+        return None
 
     # ------------------------------------------------------------------ the solve
 
@@ -333,43 +518,59 @@ class Greedy:
         if ignored:
             messages.append(f"{self.name} ignores {', '.join(ignored)} (it builds its own start)")
         with sw.building():
-            start = self.fastest(problem)
-            lin = LinearState(problem, start)
-            acc: Acceptance = (ReplayAcceptance(problem, start) if options.acceptance == "replayer"
-                               else LinearAcceptance(problem, lin))
+            lin = LinearState(problem, self.fastest(problem))
+        accepted = 0
+        acc: Acceptance | None = None
 
         def extra() -> dict[str, object]:
-            return {"replayer_calls": acc.calls, "checks": acc.checks, "accepted": accepted,
-                    "per_ms": self.per_ms}
+            out: dict[str, object] = {"replayer_calls": acc.calls if acc else 0,
+                                      "checks": acc.checks if acc else 0, "accepted": accepted,
+                                      "per_ms": self.per_ms}
+            if isinstance(acc, ReplayAcceptance):
+                out["linear_vetoes"] = acc.vetoes
+            return out
 
-        accepted = 0
         groups = lin.groups
         with sw.solving():
             # 1. The fastest plan that fits memory, group by group.
-            for gi, g in enumerate(groups):
-                fits, need, moves = self._fit_memory(lin, acc, gi)
-                if moves:
-                    messages.append(f"start: {moves} unit(s) of group {g.name} moved to "
-                                    "lower-memory choices to fit")
-                if not fits:
-                    messages.append(
-                        f"group {g.name} ({g.device}) cannot fit memory: the smallest plan found "
-                        f"needs {need / 2**30:.3f} GiB ({need:.0f} bytes) against a capacity of "
-                        f"{g.capacity_bytes / 2**30:.3f} GiB ({g.capacity_bytes:.0f} bytes); lower "
-                        "its batch or the memory headroom")
-                    return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                                  options=options, sw=sw, messages=messages,
-                                  extra_options=extra())
+            failed = self._start(problem, lin, options, sw, messages)
+        if failed is not None and failed.kind == "memory":
+            g, need = failed.group, failed.figure
+            messages.append(
+                f"group {g.name} ({g.device}) cannot fit memory: the smallest plan found "
+                f"needs {need / 2**30:.3f} GiB ({need:.0f} bytes) against a capacity of "
+                f"{g.capacity_bytes / 2**30:.3f} GiB ({g.capacity_bytes:.0f} bytes)"
+                f"{failed.note}; lower its batch or the memory headroom")
+            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
+                          options=options, sw=sw, messages=messages, extra_options=extra())
+        if failed is not None:
+            ms, g = failed.figure, failed.group
+            messages.append(
+                f"the fastest memory-feasible plan takes {ms:.3f} ms (linear makespan: "
+                f"group {g.name}'s compute plus the tail){failed.note} against the "
+                f"target {problem.target_ms:.3f} ms: no plan of this allocator meets it; "
+                "raise the target or give the slower groups a smaller batch "
+                "(dynamic-batching)")
+            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
+                          options=options, sw=sw, messages=messages,
+                          extra_options={**extra(), "fastest_makespan_ms": ms})
+        with sw.building():
+            start = lin.assignment()
+            acc = (ReplayAcceptance(problem, start, lin) if options.acceptance == "replayer"
+                   else LinearAcceptance(problem, lin))
+        with sw.solving():
             start_ms = acc.makespan_ms()
-            if not all(acc.ok(gi) for gi in range(len(groups))):
-                messages.append(
-                    f"the fastest memory-feasible plan takes {start_ms:.3f} ms ({acc.name} "
-                    f"makespan) against the target {problem.target_ms:.3f} ms: no plan of this "
-                    "allocator meets it; raise the target or give the slower groups a smaller "
-                    "batch (dynamic-batching)")
-                return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                              options=options, sw=sw, messages=messages,
-                              extra_options={**extra(), "fastest_makespan_ms": start_ms})
+            start_ok = all(acc.ok(gi) for gi in range(len(groups)))
+        if not start_ok:
+            messages.append(
+                f"the fastest memory-feasible plan takes {start_ms:.3f} ms ({acc.name} "
+                f"makespan) against the target {problem.target_ms:.3f} ms, or does not fit "
+                f"the {acc.name} model's memory, though the linear model admits it: no "
+                "plan of this allocator meets it")
+            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
+                          options=options, sw=sw, messages=messages,
+                          extra_options={**extra(), "fastest_makespan_ms": start_ms})
+        with sw.solving():
             messages.append(f"start: fastest plan, {start_ms:.3f} ms ({acc.name} makespan) "
                             f"against the target {problem.target_ms:.3f} ms")
 
@@ -470,7 +671,19 @@ class Greedy:
                 f"{accepted} move(s) accepted in {acc.checks} check(s)"
                 + (f", {acc.calls} replayer call(s)" if acc.calls else "")
                 + f"; {acc.name} makespan {end_ms:.3f} ms")
+            ext: dict[str, object] = {**extra(), "sweeps": sweeps, "makespan_ms": end_ms}
+            if isinstance(acc, ReplayAcceptance):
+                it = acc.iteration_ms()
+                ext["replay_iteration_ms"] = it
+                if acc.vetoes:
+                    messages.append(
+                        f"{acc.vetoes} move(s) the replayer admitted were refused by the "
+                        "evaluator's linear rows (its memory bounds the replayer's from above)")
+                if it > problem.target_ms * (1 + REL_TOL):
+                    messages.append(
+                        f"the replayer's whole iteration is {it:.3f} ms: {it - end_ms:.3f} ms "
+                        "more of the all-reduce stays exposed than the target's definition "
+                        "(compute plus the last bucket and the optimizer) counts")
         assignment = lin.assignment()
-        ext = {**extra(), "sweeps": sweeps, "makespan_ms": end_ms}
         return finish(problem, self.name, assignment, status=status, mode=mode, options=options,
                       sw=sw, messages=messages, extra_options=ext)

@@ -122,14 +122,16 @@ def test_replayer_predicts_the_runtime_peak_within_5_percent() -> None:
 
     from qsync_opt import estimate, parse_shorthand, trace
     from qsync_opt.precision import Precision
-    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.problem import AllocationProblem, ProblemOptions
     from qsync_opt.runtime.memory import measure_plan_memory
     from qsync_opt.synthetic import random_indicator
 
     g = trace("digits_cnn", 32)
     cl = parse_shorthand("cpux1@32")
     costs = estimate(g, cl).model_copy(update={"activation_flow": "fp32"})
-    prob = AllocationProblem(g, cl, costs, random_indicator(g))
+    # One group is the strong group: let it take the mixed plans (not held at fp32).
+    prob = AllocationProblem(g, cl, costs, random_indicator(g),
+                             ProblemOptions(lower_reference=True))
     gm = prob.groups[0]
     ps = (Precision.fp32, Precision.bf16, Precision.int8)
     plans = [[c.index(p) if p in c else c.index(Precision.fp32) for c in gm.choices] for p in ps]
