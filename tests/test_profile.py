@@ -224,9 +224,13 @@ def test_in_context_runs_only_uniform_plans_and_predicts_mixed_ones(
     from qsync_opt.precision import Precision
 
     ran = digits_profile.assignments_run
-    assert len(ran) >= 3
-    for a in ran:
-        assert len(set(a.values()) - {"fp32"}) <= 1, a  # uniform: one precision (or fp32)
+    # one uniform assignment per precision of the CPU's menu, and nothing else
+    from qsync_opt.devices import get_device
+
+    menu = [p.value for p in get_device("cpu").precisions]
+    assert len(menu) == 5  # fp32, bf16, fp16, int8, int8_full
+    assert ran == [{o.name: p for o in digits_graph.choosable_ops()} for p in menu]
+    assert sorted(digits_profile.uniform_ms) == sorted(menu)
     table = digits_profile.table
     cluster = parse_shorthand("cpux1")
     replayer = Replayer(digits_graph, cluster, table)

@@ -180,7 +180,11 @@ def test_emulate_dp_two_plans_learns_and_writes(mixed_plan: Path, tmp_path: Path
     assert summary["loss_scale"] == 2.0 ** 16  # the second group's plan has fp16
     m0, m1 = _metrics(tmp_path / "run", 0), _metrics(tmp_path / "run", 1)
     assert [r["step"] for r in m0] == list(range(30)) and len(m1) == 30
-    assert m1[0]["group"] == "cpu_2" and m1[0]["bytes_allreduced"] > 0
+    # every step all-reduces the FP32 gradient of every parameter
+    n_params = sum(q.numel() for q in build_model(prepare(cfg), 1, torch.device("cpu"))
+                   .parameters())
+    assert m1[0]["group"] == "cpu_2" and n_params == trace("digits_cnn").param_count
+    assert {r["bytes_allreduced"] for r in m0 + m1} == {4 * n_params}
     first = sum(r["loss"] for r in m0[:5]) / 5
     last = sum(r["loss"] for r in m0[-5:]) / 5
     assert last < 0.6 * first
