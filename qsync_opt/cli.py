@@ -104,6 +104,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
     print(_table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
                         "fp8", "precisions"]))
     print("\nDense peak TFLOPS (TOPS for int8) from datasheets; sources in qsync_opt/devices.py.")
+    print("Emulated, but costed at the peaks above: fp8 = e4m3-rounded inputs and weights, FP32 "
+          "GEMM, FP32 gradients;\nint8/int8_full attention matmuls = int8-rounded operands, FP32 "
+          "matmul. int8 Linear/Conv2d run real int8 GEMMs.")
     if not args.cpu:
         print("`cpu` (this machine) is measured on first use: add --cpu to show it.")
     return 0

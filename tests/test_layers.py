@@ -123,3 +123,63 @@ def test_conv_padding_mode_is_honoured_at_every_precision(mode: str, precision: 
         got = model(x)
     rel = float((got - want).norm() / want.norm())
     assert rel < 0.05, rel
+
+
+# ------------------------------------------------------------------ what fp8 and int8 matmuls compute
+
+
+def test_fp8_is_emulated_e4m3_operands_fp32_gemm_and_fp32_gradients() -> None:
+    """fp8 Linear: inputs and weight rounded to e4m3 (scaled per tensor), the GEMM and both
+    gradients in FP32 on the rounded operands (straight through the rounding; no e5m2). What
+    `qsync-opt devices` and the README say; a real FP8 GEMM must change them both."""
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(16, 8)
+    model = torch.nn.Sequential(lin)
+    apply_precisions(model, {"0": "fp8"})
+    x = torch.randn(5, 16, requires_grad=True)
+    y = model(x)
+    g = torch.randn(5, 8)
+    y.backward(g)
+    from qsync_opt import ops
+
+    xq = ops.fake_quant_float(x.detach(), "fp8_e4m3")
+    wq = ops.fake_quant_float(lin.weight.detach(), "fp8_e4m3")
+    assert torch.equal(y.detach(), torch.nn.functional.linear(xq, wq, lin.bias.detach()))
+    assert y.dtype == torch.float32
+    assert torch.allclose(x.grad, g @ wq, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(lin.weight.grad, g.t() @ xq, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", [Precision.int8, Precision.int8_full])
+def test_int8_attention_matmul_is_emulated(precision: Precision) -> None:
+    """int8 / int8_full attention matmuls: both operands fake-quantized to int8 (per tensor,
+    stochastic rounding), the matmul in FP32; the gradient is not quantized, so int8_full
+    computes exactly what int8 does."""
+    from qsync_opt import ops
+
+    gen = torch.Generator().manual_seed(5)
+    a0, b0 = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 4, 5, generator=gen)
+    g = torch.randn(2, 3, 5, generator=gen)
+    grads = {}
+    for p in (precision, Precision.int8):
+        model = torch.nn.Sequential(MatMul())
+        apply_precisions(model, {"0": p}, seed=2)
+        s = model[0].qseed + 1
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = model[0](a, b)
+        aq, bq = ops.fake_quant_int8(a0, seed=2 * s), ops.fake_quant_int8(b0, seed=2 * s + 1)
+        assert torch.equal(y.detach(), torch.matmul(aq, bq))
+        y.backward(g)
+        assert torch.allclose(a.grad, g @ bq.transpose(1, 2), rtol=1e-6, atol=1e-6)
+        grads[p] = (a.grad, b.grad)
+    assert all(torch.equal(u, v) for u, v in zip(grads[precision], grads[Precision.int8],
+                                                 strict=True))
+
+
+def test_devices_command_says_what_is_emulated(capsys) -> None:
+    from qsync_opt.cli import main
+
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 = e4m3-rounded inputs and weights, FP32 GEMM, FP32 gradients" in out
+    assert "attention matmuls = int8-rounded operands, FP32 matmul" in out

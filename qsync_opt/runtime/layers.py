@@ -10,9 +10,14 @@ FP32 gradients. Per precision:
   back to the input dtype (the 16-bit output's rounding is kept).
 * ``int8`` / ``int8_full``: ``qsync::int8_linear`` / ``qsync::int8_conv2d`` (a real integer
   GEMM, stochastic rounding, a fresh seed each call from the layer's counter); attention
-  matmuls fake-quantize both operands to int8 (there is no batched int8 GEMM op yet).
-* ``fp8``: both operands fake-quantized to e4m3 (scaled per tensor); the gradient passes
-  through in FP32 (e5m2 gradients are not emulated).
+  matmuls fake-quantize both operands to int8 and multiply in the input dtype, with an
+  unquantized gradient, so ``int8_full`` computes there exactly what ``int8`` does (there is
+  no batched int8 GEMM op yet).
+* ``fp8`` (emulated): both operands fake-quantized to e4m3 (scaled per tensor), the GEMM in
+  the input dtype (FP32), the gradient passed straight through in FP32 (no FP8 GEMM, no e5m2
+  gradients), on a CPU and on CUDA alike. The cost model still charges FP8 peaks.
+
+Convolutions with a ``padding_mode`` other than zeros are padded first, as torch does.
 """
 
 from __future__ import annotations
