@@ -16,7 +16,7 @@ from qsync_opt.solvers._common import Stopwatch
 from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
 from qsync_opt.solvers.greedy import REL_TOL, Greedy, LinearState, ReplayAcceptance
 
-from qsync_opt import ModelGraph, QsyncInputError, estimate, parse_shorthand
+from qsync_opt import ModelGraph, QsyncInputError, estimate, parse_shorthand, trace
 from qsync_opt.precision import DType, Precision
 from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
 from qsync_opt.schemas import OpRole
@@ -290,11 +290,13 @@ def brute_fastest(problem: AllocationProblem) -> dict[str, float | None]:
 
 def random_instance(seed: int) -> AllocationProblem:
     """A small random problem whose target lies near the exact fastest makespan (at it,
-    above it, or below it) and whose memory sometimes binds."""
+    above it, or below it) and whose memory sometimes binds; native or fp32 flow."""
     rng = random.Random(seed)
     graph_ = graph(rng.choice(GRAPH_KEYS))
     c = parse_shorthand(rng.choice(CLUSTERS))
     costs = perturb_costs(estimate(graph_, c), seed)
+    if rng.random() < 0.25:  # as if profiled on the runtime: fp32 flow, timeline memory
+        costs = costs.model_copy(update={"activation_flow": "fp32"})
     opts = {} if rng.random() < 0.3 else {"lower_reference": True}
     base = AllocationProblem(graph_, c, costs, random_indicator(graph_, seed),
                              ProblemOptions(**opts))
@@ -332,6 +334,33 @@ def test_greedy_finds_a_plan_whenever_the_fastest_plan_is_feasible() -> None:
                 else:
                     assert plan is None and report.status == "INFEASIBLE", where
     assert min(outcomes.values()) >= 10, outcomes  # both kinds of instance were drawn
+
+
+def test_replayer_acceptance_keeps_the_evaluators_linear_memory() -> None:
+    """On an fp32-flow table the replayer's memory is the runtime's timeline, the linear
+    model's a sum that bounds it from above, and the evaluator checks both. With a capacity
+    between the two for the fp32 plan, the replayer admits raises the linear rows refuse:
+    the plan returned still passes the evaluator."""
+    g = trace("tiny_gpt", 4)
+    cl = parse_shorthand("cpux1@4")
+    costs = estimate(g, cl).model_copy(update={"activation_flow": "fp32"})
+    base = AllocationProblem(g, cl, costs, random_indicator(g, 0),
+                             ProblemOptions(lower_reference=True))
+    gm = base.groups[0]
+    fp32 = list(gm.reference)
+    bf16 = [c.index(P.bf16) for c in gm.choices]
+    cap = (gm.memory_bytes(bf16) + gm.memory_bytes(fp32)) / 2
+    problem = base.with_options(memory_headroom=1 - cap / gm.usable_bytes,
+                                target_ms=10 * base.makespan_ms({"cpu": fp32}))
+    gm = problem.groups[0]
+    timeline = problem.replayer.simulate(problem.make_plan({"cpu": fp32}), events=False)
+    assert timeline.groups["cpu"].peak_memory_bytes <= gm.capacity_bytes < gm.memory_bytes(fp32)
+    plan, report = Greedy().solve(problem, REPLAYER)
+    assert plan is not None and report.status == "FEASIBLE"
+    ev = evaluate(problem, plan)
+    assert ev.feasible, ev.violations
+    assert report.options["linear_vetoes"] > 0
+    assert any("refused by the evaluator's linear rows" in m for m in report.messages)
 
 
 def test_the_exact_fastest_plan_rescues_a_start_that_misses(monkeypatch) -> None:
