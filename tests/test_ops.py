@@ -714,3 +714,33 @@ print(torch.equal(x.grad.double(), xr.grad), torch.equal(w.grad.double(), wr.gra
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "True True"
+
+
+def _degenerate_layouts() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(40)
+    col = torch.randint(-127, 128, (9, 1), dtype=torch.int8, generator=gen)
+    return [
+        ("[1,K] strides (1,1): a transposed column", col.t()),
+        ("[M,1] strides (1,L): im2col of one channel",  # [B, 1, L] -> [B*L, 1]
+         torch.randint(-127, 128, (2, 1, 9), dtype=torch.int8, generator=gen)
+         .transpose(1, 2).reshape(18, 1)),
+        ("[1,K] from movedim over a size-1 axis", col.movedim(0, 1).contiguous()),
+        ("[K,N] transposed weight", torch.randint(-127, 128, (4, 9), dtype=torch.int8,
+                                                  generator=gen).t()),
+        ("[M,K] row-major slice", torch.randint(-127, 128, (9, 20), dtype=torch.int8,
+                                                generator=gen)[:, 3:12]),
+    ]
+
+
+@pytest.mark.parametrize("case", _degenerate_layouts(), ids=lambda c: c[0])
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_int_mm_gives_torch_int_mm_valid_leading_dimensions(case, side: str) -> None:
+    _, t = case
+    gen = torch.Generator().manual_seed(41)
+    if side == "a":
+        a, b = t, torch.randint(-127, 128, (t.shape[1], 5), dtype=torch.int8, generator=gen)
+    else:
+        a, b = torch.randint(-127, 128, (3, t.shape[0]), dtype=torch.int8, generator=gen), t
+    with _strict_int_mm() as calls:
+        got = ops.int_mm(a, b)
+    assert calls and torch.equal(got.to(torch.int64), ref.int_mm_reference(a, b))

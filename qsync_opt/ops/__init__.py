@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",
-    "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "default_bwd_dtype",
+    "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "gemm_layout_ok",
+    "default_bwd_dtype",
 ]
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
