@@ -82,7 +82,7 @@ def _free_port() -> int:
 #: machine is shared, and a rank that starts late must not fail a run meant to succeed.
 COLLECTIVE_TIMEOUT_S = 300
 #: Wall-clock bound of one launched run: only a hang reaches it.
-RUN_LIMIT_S = 900
+RUN_LIMIT_S = 600
 #: Fields of a metrics row that are wall times (never reproducible).
 TIMED = ("step_ms", "compute_ms", "sync_ms")
 GLOO_STEPS = 6
