@@ -206,9 +206,11 @@ def test_every_solver_run_gets_at_most_the_time_left(monkeypatch, name) -> None:
     assert now[0] - 1000.0 <= 10.0 + 1e-9
 
 
-def test_per_group_programs_share_the_time_that_remains(monkeypatch) -> None:
+@pytest.mark.parametrize("name", ["highs", "cbc"])
+def test_per_group_programs_share_the_time_that_remains(monkeypatch, name) -> None:
     """The first group's program runs out of its share without a plan; the call does not
     end there: the other group is solved, then the first one again with all that is left."""
+    backend = _exact(name)
     prob = _large()
     now = [0.0]
     monkeypatch.setattr(_common, "clock", lambda: now[0])
@@ -223,12 +225,37 @@ def test_per_group_programs_share_the_time_that_remains(monkeypatch) -> None:
         return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag)
 
     monkeypatch.setattr(PulpIlp, "_solve_program", program)
-    plan, rep = _exact("highs").solve(prob, SolveOptions(time_limit_s=8.0))
+    plan, rep = backend.solve(prob, SolveOptions(time_limit_s=8.0))
     first = prob.groups[0].name
     assert [t for t, _ in limits] == [first, prob.groups[1].name, first]
     assert limits[0][1] == pytest.approx(4.0)  # an equal share of 8 s
     assert limits[1][1] == pytest.approx(4.0)  # what remains, for the one left
     assert limits[2][1] == pytest.approx(4.0)  # the second pass: all that is left
+    assert plan is not None and rep.status == "OPTIMAL"
+    assert any("second pass" in m for m in rep.messages)
+
+
+def test_cpsat_groups_share_the_time_that_remains(monkeypatch) -> None:
+    """The same for CP-SAT: its first group's time passes without a plan (outer and inner
+    model), the second group is solved, then the first again in a second pass."""
+    prob = _large()
+    now = [0.0]
+    monkeypatch.setattr(_common, "clock", lambda: now[0])
+    runs: list[tuple[str, float]] = []
+    real = CpSat._solve_raw
+
+    def raw(self, cp_model, problem, gis, ints, hints, options, t_end, sc, sw):
+        runs.append((problem.groups[gis[0]].name, t_end - now[0]))
+        if len(runs) == 1:
+            now[0] = t_end + 1.0  # the first group's whole share passes
+        return real(self, cp_model, problem, gis, ints, hints, options, t_end, sc, sw)
+
+    monkeypatch.setattr(CpSat, "_solve_raw", raw)
+    plan, rep = _exact("cpsat").solve(prob, SolveOptions(time_limit_s=8.0))
+    first, second = prob.groups[0].name, prob.groups[1].name
+    names = [n for n, _ in runs]
+    assert names[:3] == [first, first, second], runs  # outer, inner (no time), next group
+    assert first in names[3:]  # the second pass
     assert plan is not None and rep.status == "OPTIMAL"
     assert any("second pass" in m for m in rep.messages)
 
