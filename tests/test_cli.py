@@ -156,9 +156,22 @@ def test_demo_runs(capsys, tmp_path) -> None:
     # two trained ranks, predicted against measured.
     for step in ("1. traced digits_cnn", "2. profiled on this CPU in context",
                  "3. qsync indicator on 10 real", "4. every allocator", "5. training two gloo",
-                 "6. predicted", "Measured:"):
+                 "6. predicted", "load average"):
         assert step in out
+    # a verdict on a quiet machine, "NOT A RESULT" (with the reason) on a loaded or noisy one
+    assert ("Measured: the plan's slowest rank" in out) != ("NOT A RESULT: " in out)
     assert Plan.load(tmp_path / "local_plan.json").workload == "digits_cnn"
+
+
+def test_demo_gives_no_verdict_on_a_loaded_or_noisy_machine() -> None:
+    from qsync_opt.demo import quiet_verdict
+
+    assert quiet_verdict(0.3, 2, 0.01, 2) is None
+    loaded = quiet_verdict(6.0, 2, 0.01, 2)
+    assert loaded is not None and "loaded (load average 6.00 on 2 cores" in loaded
+    noisy = quiet_verdict(0.3, 2, 0.12, 2)
+    assert noisy is not None and "differ by 12.0%" in noisy
+    assert quiet_verdict(0.3, 2, 0.12, 1) is None  # one run of each: no spread to judge
 
 
 def test_solve_writes_a_plan_and_report(capsys, tmp_path) -> None:

@@ -63,3 +63,21 @@ def test_measure_memory_refuses_negative_step(tmp_path: Path) -> None:
          "--measure-memory", "-1", "--dry-run"], capture_output=True, text=True)
     assert res.returncode == 2
     assert "memory_step" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_measured_step_keeps_its_checkpoint(tmp_path: Path) -> None:
+    """The measured step is a step like any other: the checkpoint due after it is written
+    (a kill at the next step resumes from there)."""
+    import torch
+
+    plan, _ = _plan_and_prediction(tmp_path, "digits_cnn", 32, "fp32")
+    out = tmp_path / "o"
+    res = subprocess.run(
+        [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn", "--plan",
+         str(plan), "--nproc", "1", "--rank-groups", "0:cpu", "--steps", "5", "--out", str(out),
+         "--checkpoint-every", "3", "--measure-memory", "2", "--timeout", "300"],
+        capture_output=True, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "QSYNC_TEST_DIE_AT_STEP": "0:4"})
+    assert res.returncode != 0  # killed at step 4, after the checkpoint of step 3
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert int(ck["step"]) == 3

@@ -686,9 +686,9 @@ class _Trainer:
         try:
             while self.step < cfg.steps:
                 if cfg.memory_step == self.step:
-                    self.measure_memory(metrics)
-                    continue
-                self.train_step(metrics)
+                    self.measure_memory(metrics)  # the step, with its peak measured
+                else:
+                    self.train_step(metrics)
                 _progress(self.step, cfg.steps, self.last_loss, progress)
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                         and self.step < cfg.steps):
