@@ -638,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
         sp.add_argument("--pin", action="append", metavar="OP=PRECISION",
                         help="fix an op's precision on every group (repeatable)")
-        sp.add_argument("--time-limit", type=float, default=None, help="seconds per solve")
+        sp.add_argument("--time-limit", type=float, default=None, help="seconds for the whole solve: every round, fallback and diagnosis (default 60)")
         sp.add_argument("--threads", type=int, default=0, help="solver threads (0: default)")
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--gap", type=float, default=1e-6, help="relative optimality gap")

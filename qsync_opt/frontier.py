@@ -72,7 +72,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
              allocators: Sequence[str] = SWEPT + ONCE, options: SolveOptions | None = None,
              batch_multiple: int | None = None) -> list[FrontierPoint]:
     """Sweep the makespan target over ``points`` values and score every allocator."""
-    from .solve import InfeasibleError, _run, _solve_joint
+    from .solve import InfeasibleError, SolveTimeLimit, _run, _solve_joint
 
     if points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {points}")
@@ -131,6 +131,8 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
                 except InfeasibleError as exc:
                     series.append(point(name, t, None, exc.report.status if exc.report else
                                         "INFEASIBLE"))
+                except SolveTimeLimit:  # no plan within the limit: a point without a plan
+                    series.append(point(name, t, None, "TIME_LIMIT"))
                 continue
             plan, rep, _ = _run(prob, exact, opts)
             series.append(point(name, t, plan, rep.status))
