@@ -373,6 +373,51 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
         pinned=pinned)
 
 
+#: What :func:`precheck` verifies, weakest first.
+PRECHECKS = ("fixed", "memory", "target")
+
+
+def precheck(problem: AllocationProblem, check: str = "target", *,
+             time_limit_s: float = 60.0) -> list[str]:
+    """What blocks every plan and needs no indicator (the problem may carry a placeholder:
+    memory and time do not depend on it), as :func:`explain`'s lines; empty if nothing does.
+
+    ``"fixed"``: a group whose fixed memory (fp32 weights, gradients, optimizer state,
+    buffers, context) alone exceeds its capacity, which no precision and no batch split
+    changes; ``"memory"``: also a group whose least-memory plan does not fit at this batch
+    split; ``"target"``: also a target the fastest memory-feasible plans miss (for a given
+    target; the default one falls back to the lexicographic mode when out of reach).
+    Without a PuLP solver only ``"fixed"`` is checked.
+    """
+    from .solvers.ilp import FEAS_REL
+
+    if check not in PRECHECKS:
+        raise QsyncInputError(f"check: expected one of {', '.join(PRECHECKS)}, got {check!r}")
+    rep = problem.replayer
+    fixed_lines = []
+    for gi, g in enumerate(problem.groups):
+        fixed = float(sum(rep._static_memory(rep.groups[gi]).values()))
+        if fixed > g.capacity_bytes * (1 + FEAS_REL):
+            fixed_lines.append(
+                f"{g.name} ({g.device}): {fixed / GIB:.2f} GiB fixed (fp32 weights, gradients, "
+                f"optimizer state, buffers, context) exceed its {g.capacity_bytes / GIB:.2f} GiB "
+                "at every precision and every batch")
+    if not fixed_lines and check == "fixed":
+        return []
+    try:
+        diagnosis = explain(problem, time_limit_s=time_limit_s)
+    except QsyncInputError:  # no PuLP solver: the fixed memory is all that can be said
+        return fixed_lines
+    if fixed_lines:
+        return fixed_lines + diagnosis.lines
+    memory = [n for n in diagnosis.blocking
+              if diagnosis.min_memory_bytes[n] > problem.group(n).capacity_bytes * (1 + FEAS_REL)]
+    time_bound = check == "target" and problem.target_source == "given"
+    if memory or (time_bound and diagnosis.blocking):
+        return diagnosis.lines
+    return []
+
+
 class InfeasibleProblem(QsyncInputError):
     """No plan exists; ``diagnosis`` says why. ``str()`` is one line (the lines joined with
     "; "), :meth:`format_lines` one line per finding."""

@@ -61,6 +61,7 @@ notes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -451,6 +452,133 @@ def _progress(enabled: bool, method: str, i: int, n: int) -> None:
         sys.stderr.flush()
 
 
+#: Working copies the term computations keep of the largest op's tensors (variances,
+#: squares and propagated terms of its operands, output and output gradient).
+TERM_COPIES = 3
+#: The Hessian method's double backward keeps about this many times the activations.
+HESSIAN_ACTIVATION_FACTOR = 3
+#: What a model run adds besides its tensors: autograd and allocator arenas, the data
+#: loading (scikit-learn for digits_cnn). Measured: 137 MB for digits_cnn, whose tensors
+#: take 4 MB (VmHWM over the resident size before the run).
+RUNTIME_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class IndicatorMemory:
+    """What running ``indicate()`` on this CPU holds at its peak (bytes), from the graph
+    traced at the indicator's batch: the fp32 weights and buffers, their gradients, the
+    activations saved for backward, the captures the hooks keep (each choosable op's output
+    and output gradient; its inputs are among the saved activations) and the working copies
+    of the largest op's terms, and a fixed :data:`RUNTIME_BYTES`. No optimizer runs (nothing
+    is stepped). ``random`` runs no model: all zero."""
+
+    method: str
+    batch: int
+    weights: int
+    gradients: int
+    activations: int
+    captures: int
+    terms: int
+    runtime: int = 0
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.activations + self.captures + self.terms
+                + self.runtime)
+
+    def describe(self) -> str:
+        if not self.total:
+            return f"{self.method} runs no model"
+        parts = [("weights", self.weights), ("gradients", self.gradients),
+                 ("activations", self.activations), ("captures", self.captures),
+                 ("terms", self.terms), ("runtime", self.runtime)]
+        return (f"{_gib(self.total)} GiB at batch {self.batch} ("
+                + ", ".join(f"{name} {_gib(v)}" for name, v in parts if v) + ")")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}" if n < 10 * 2**30 else f"{n / 2**30:.1f}"
+
+
+def indicator_memory(graph: ModelGraph, method: str = "qsync") -> IndicatorMemory:
+    """The memory ``indicate(method=...)`` needs for ``graph`` at ``graph.batch_size``
+    (trace the graph at the indicator's batch). See :class:`IndicatorMemory`."""
+    if method not in METHODS:
+        raise QsyncInputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if method == "random":
+        return IndicatorMemory(method, graph.batch_size, 0, 0, 0, 0, 0)
+    ops = [o for o in graph.ops if o.role == OpRole.choosable]
+    captures = sum(2 * 4 * o.output_numel for o in ops)
+    largest = max((4 * (o.input_numel + 2 * o.output_numel + o.param_count) for o in ops),
+                  default=0)
+    acts = graph.saved_activation_bytes
+    if method == "hessian":
+        acts *= HESSIAN_ACTIVATION_FACTOR
+    return IndicatorMemory(method, graph.batch_size, weights=graph.param_bytes + graph.buffer_bytes,
+                           gradients=graph.param_bytes, activations=acts, captures=captures,
+                           terms=TERM_COPIES * largest if method != "wvar" else 0,
+                           runtime=RUNTIME_BYTES)
+
+
+def placeholder_indicator(graph: ModelGraph) -> IndicatorTable:
+    """Zeros for every choosable op and precision: a problem built with it has the real
+    problem's time and memory (they need no indicator), for checks made before computing
+    one. Not an indicator: every plan scores 0."""
+    values = {o.name: {p: 0.0 for p in o.allowed_precisions} for o in graph.choosable_ops()}
+    return IndicatorTable(workload=graph.workload, graph_hash=graph.structure_hash(),
+                          method="placeholder", batch_size=graph.batch_size, batches=1, seed=0,
+                          data="none", values=values,
+                          notes=["placeholder: zeros, for checks that need no indicator"])
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still take: MemAvailable (/proc/meminfo), lowered by a
+    cgroup limit (memory.max less memory.current) and by an address-space limit
+    (RLIMIT_AS less the current VmSize) where set. None where nothing can be read."""
+    import resource
+
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmSize:"):
+                    found.append(soft - int(line.split()[1]) * 1024)
+        except (OSError, ValueError, IndexError):
+            found.append(soft)
+    return max(0, min(found)) if found else None
+
+
+def check_indicator_memory(need: IndicatorMemory, workload: str,
+                           available: int | None = None) -> None:
+    """Refuse (one line, QsyncInputError) when ``need`` exceeds the memory this machine has
+    (``available``, default :func:`available_memory_bytes`), naming both figures and the
+    cheaper choices."""
+    have = available_memory_bytes() if available is None else available
+    if have is None or need.total <= have:
+        return
+    raise QsyncInputError(
+        f"indicator: the {need.method} indicator of {workload} runs the model on this CPU and "
+        f"needs about {need.describe()}; this machine has {_gib(have)} GiB available. "
+        "Cheaper: an IndicatorTable made elsewhere (--indicator FILE; `qsync-opt indicate "
+        f"--model {workload} --out FILE` on a larger machine), the random method (--method "
+        "random: no model run; a control, not a measurement), a smaller indicator batch "
+        "(--indicator-batch; --batch for `qsync-opt indicate`), or a model with fewer layers")
+
+
 def fast_options() -> dict[str, Any]:
     """``indicate(**fast_options())``: propagate the qsync variances in bf16 for 2 samples
     per batch (scales and variances still from whole batches) — for large models."""
@@ -479,6 +607,7 @@ def indicate(
     hutchinson_samples: int = 2,
     term_dtype: torch.dtype = torch.float32,
     term_rows: int | None = None,
+    memory_check: bool = True,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -487,6 +616,10 @@ def indicate(
     synthetic, unless ``data`` yields ``(inputs, targets)``. Results are cached on disk when
     neither ``model`` nor ``data`` is given, keyed by workload, batch, batches, method, seed,
     gamma and rounding.
+
+    Before it builds and runs a model, it estimates the memory that takes
+    (:func:`indicator_memory`) and refuses with one line when this machine has less
+    (``memory_check=False`` skips that); ``random`` runs no model.
     """
     if method not in METHODS:
         raise QsyncInputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
@@ -516,24 +649,40 @@ def indicate(
             except QsyncInputError as exc:
                 log.warning("indicator cache %s unreadable (%s); recomputing", path, exc)
     torch.manual_seed(seed)
-    if model is None:
-        model = wl.build()
-    model = model.float().train()
+    ops = [o for o in graph.ops if o.role == OpRole.choosable]
+    names = [o.name for o in ops]
+    if method != "random":
+        need = indicator_memory(graph, method)
+        if model is not None:  # its weights are already in memory
+            need = dataclasses.replace(need, weights=0)
+        if memory_check:
+            check_indicator_memory(need, wl.name)
+        if progress:
+            have = available_memory_bytes()
+            sys.stderr.write(f"indicator {method}: {wl.name} ({graph.param_count / 1e6:.1f} M "
+                             f"parameters) on this CPU, about {need.describe()}"
+                             + (f" of {_gib(have)} GiB available" if have is not None else "")
+                             + "\n")
+        if model is None:
+            model = wl.build()
+        model = model.float().train()
+        modules = dict(model.named_modules())
+    else:
+        modules = {}
     data_kind = "given"
     if data is None:
         if wl.real_data:
             data, data_kind = real_batches(wl, b, batches, seed), "real"
         else:
             data, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
-    ops = [o for o in graph.ops if o.role == OpRole.choosable]
-    names = [o.name for o in ops]
-    modules = dict(model.named_modules())
-    missing = [n for n in names if n not in modules or _bilinear(modules[n]) is None]
+    missing = [n for n in names if method != "random"
+               and (n not in modules or _bilinear(modules[n]) is None)]
     stats = {n: _OpStats() for n in names}
     gen = torch.Generator().manual_seed(seed)
     rng_values = {n: torch.rand((), generator=gen).item() for n in names}
     seen = 0
     if method != "random":
+        assert model is not None
         for i, (inputs, targets) in enumerate(data):
             if i >= batches:
                 break

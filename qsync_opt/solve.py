@@ -88,12 +88,20 @@ def build_problem(
     indicator_batch: int | None = None,
     indicator_fast: bool = True,
     progress: bool = False,
+    check: str | None = "fixed",
 ) -> AllocationProblem:
     """Graph + cluster + costs + indicator -> :class:`AllocationProblem`.
 
     ``model``: a registry name, ``path.py:fn`` or a traced graph. Costs default to the
     roofline estimate; the indicator defaults to ``indicate()`` on this CPU (cached), at a
     small batch for the catalog workloads (Omega is relative, so it holds at every batch).
+
+    Before an indicator is computed (it runs the model), what needs none is checked on the
+    problem built with a placeholder indicator (``diagnose.precheck``): ``check="fixed"``
+    (default: fixed memory no precision or batch split removes), ``"memory"`` (also the
+    least-memory plan at this split) or ``"target"`` (also a given target out of reach);
+    a failure raises :class:`InfeasibleError` with the diagnosis, and no model is run.
+    ``indicate()`` then refuses when its memory estimate exceeds what this machine has.
     """
     graph = model if isinstance(model, ModelGraph) else trace(model, batch)
     cl = load_cluster(cluster)
@@ -104,8 +112,19 @@ def build_problem(
     else:
         table = load(costs, CostTable)
     if indicator is None:
-        from .indicator import fast_options, indicate
+        from .indicator import fast_options, indicate, placeholder_indicator
 
+        if check is not None and indicator_method != "random":
+            from .diagnose import precheck
+
+            trial = AllocationProblem(graph, cl, table, placeholder_indicator(graph), options)
+            lines = precheck(trial, check)
+            if lines:
+                head = (f"no plan, found before computing the {indicator_method} indicator "
+                        "(no model was run)")
+                err = InfeasibleError(f"{head}: " + "; ".join(lines))
+                err.head, err.lines = head, lines
+                raise err
         ind = indicate(graph.workload, indicator_batches, indicator_method,
                        batch=indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
                        progress=progress, **(fast_options() if indicator_fast else {}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -213,6 +214,84 @@ def test_lower_reference_flag_and_the_note_on_a_target_that_frees_the_strong_gro
     assert "note: the target 0.350 ms is below the strong group(s)'" in out
     assert "l4 may be lowered too" in out
     assert Plan.load(path).provenance["held_at_reference"] == ""
+
+
+def _no_indicator(monkeypatch) -> None:
+    import qsync_opt.indicator as ind
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("indicate() was called: a model ran")
+
+    monkeypatch.setattr(ind, "indicate", refuse)
+
+
+@pytest.mark.slow
+def test_gpt2_xl_on_t4s_is_explained_without_running_the_model(capsys, tmp_path,
+                                                               monkeypatch) -> None:
+    """The 1.56 G-parameter model on T4s: 17.95 GiB of fp32 weights, gradients and optimizer
+    state before any activation, more than a T4's 15 GiB, said before any indicator runs
+    (it used to run the model on this CPU first and outgrow a 24 GB machine)."""
+    _no_indicator(monkeypatch)
+    code, out, err = run(capsys, "solve", "--model", "gpt2_xl", "--cluster", "h100x8+t4x8",
+                         "--solver", "highs", "--out", str(tmp_path / "p.json"))
+    lines = err.splitlines()
+    assert code == 2 and "Traceback" not in err and out == ""
+    assert lines[0] == ("qsync-opt: error: no plan, found before computing the qsync "
+                        "indicator (no model was run)")
+    assert lines[1].startswith("  t4 (t4): 17.95 GiB fixed (fp32 weights, gradients, "
+                               "optimizer state, buffers, context) exceed its 15.00 GiB")
+    assert any("t4 (t4): needs 33.2 GiB at its least-memory plan" in line for line in lines)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_memory_infeasible_split_is_explained_before_the_indicator(capsys, tmp_path,
+                                                                   monkeypatch) -> None:
+    """The same class at a small cost: ResNet-50 with 400 samples per T4 (no plan fits 15
+    GiB) exits 2 with the diagnosis and runs no model; the joint split, which may move
+    samples off the T4s, checks only the fixed memory and goes on to the indicator."""
+    _no_indicator(monkeypatch)
+    argv = ("solve", "--model", "resnet50", "--cluster", "v100x16@64+t4x16@400",
+            "--solver", "highs", "--out", str(tmp_path / "p.json"))
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[0].endswith("found before computing the qsync indicator "
+                                        "(no model was run)")
+    assert "t4 (t4): needs" in err and "at its least-memory plan, has 15.0 GiB" in err
+    with pytest.raises(AssertionError, match="indicate\\(\\) was called"):
+        main(list(argv) + ["--joint-split"])
+    capsys.readouterr()
+
+
+_LIMITED_CHILD = r"""
+import resource, sys
+from qsync_opt.cli import main
+for line in open("/proc/self/status"):
+    if line.startswith("VmSize:"):
+        size = int(line.split()[1]) * 1024
+extra = int(sys.argv[1]) * 2**20
+resource.setrlimit(resource.RLIMIT_AS, (size + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_small_memory_limit_gives_the_indicator_refusal_line(tmp_path) -> None:
+    """Under an address-space limit 400 MiB above what the process holds (prlimit --as),
+    ResNet-18's qsync indicator at batch 8 (about 0.7 GiB) is refused in one line naming
+    both figures and the cheaper choices, exit 2, before any model runs."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # no cached indicator
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIMITED_CHILD, "400", "solve", "--model", "resnet18",
+         "--cluster", "v100x1+t4x1", "--solver", "highs", "--out", str(tmp_path / "p.json")],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip()
+    assert line.startswith("qsync-opt: error: indicator: the qsync indicator of resnet18 runs "
+                           "the model on this CPU and needs about ")
+    assert "GiB at batch 8 (weights" in line and "GiB available. Cheaper:" in line
+    for choice in ("--indicator FILE", "--method random", "--indicator-batch", "fewer layers"):
+        assert choice in line
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_infeasible_target_says_what_would_work(capsys, tmp_path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -223,3 +225,101 @@ def test_fast_variance_propagation_stays_close_to_the_full_one() -> None:
         for p, v in row.items():
             if v > 0:
                 assert fast.values[op][p] == pytest.approx(v, rel=0.3), (op, p)
+
+
+# ----------------------------------------------------------------------------- memory
+
+_PEAK_CHILD = r"""
+import gc, json, sys
+from qsync_opt.graph import trace
+from qsync_opt.indicator import fast_options, indicate, indicator_memory
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+model, batch, method = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+graph = trace(model, batch)
+est = indicator_memory(graph, method)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS: the peak from here on
+base = status("VmRSS")
+indicate(model, 1, method, batch=batch, graph=graph, cache=False, memory_check=False,
+         **fast_options())
+print(json.dumps({"estimate": est.total, "peak": status("VmHWM") - base}))
+"""
+
+
+@pytest.mark.parametrize("model,batch,method", [
+    ("resnet18", 4, "wvar"),
+    pytest.param("tiny_gpt", 8, "qsync", marks=pytest.mark.slow),  # 20-35 s on 2 cores
+])
+def test_indicator_memory_estimate_is_within_a_factor_of_the_measured_peak(model, batch,
+                                                                           method) -> None:
+    """The child's own peak (VmHWM in /proc/self/status after resetting it, less the
+    resident size before the run; ru_maxrss would count the parent's size across exec)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD, model, str(batch), method],
+                          capture_output=True, text=True, timeout=600, check=True)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    ratio = got["peak"] / got["estimate"]
+    assert 0.5 <= ratio <= 2.0, got
+
+
+def test_indicator_memory_components_come_from_the_graph() -> None:
+    from qsync_opt.indicator import RUNTIME_BYTES, indicator_memory
+
+    g = trace("resnet18", 4)
+    m = indicator_memory(g, "qsync")
+    assert m.weights == g.param_bytes + g.buffer_bytes and m.gradients == g.param_bytes
+    assert m.activations == g.saved_activation_bytes and m.runtime == RUNTIME_BYTES
+    assert m.captures == sum(8 * o.output_numel for o in g.choosable_ops())
+    g8 = trace("resnet18", 8)
+    assert indicator_memory(g8, "qsync").activations == pytest.approx(2 * m.activations,
+                                                                      rel=0.01)
+    assert indicator_memory(g, "random").total == 0
+    assert indicator_memory(g, "hessian").activations == 3 * m.activations
+    with pytest.raises(QsyncInputError, match="method"):
+        indicator_memory(g, "nope")
+
+
+def test_indicate_refuses_in_one_line_when_the_model_would_not_fit(monkeypatch) -> None:
+    import qsync_opt.indicator as mod
+
+    def guarded(wl):
+        def build():
+            if torch.empty(0).device.type != "meta":  # tracing builds on the meta device
+                raise AssertionError("the model was built")
+            return wl.build()
+        return dataclasses.replace(wl, build=build)
+
+    # A machine with 100 MiB free; building the model would fail the test: the refusal
+    # comes first, before any model is built.
+    real = mod.resolve_workload
+    monkeypatch.setattr(mod, "resolve_workload", lambda name: guarded(real(name)))
+    monkeypatch.setattr(mod, "available_memory_bytes", lambda: 100 * 2**20)
+    with pytest.raises(QsyncInputError) as exc:
+        indicate("resnet18", 1, batch=4, cache=False)
+    msg = str(exc.value)
+    need = mod.indicator_memory(trace("resnet18", 4), "qsync")
+    assert "\n" not in msg
+    assert msg.startswith(f"indicator: the qsync indicator of resnet18 runs the model on this "
+                          f"CPU and needs about {need.describe()}; this machine has 0.10 GiB "
+                          "available")
+    for choice in ("--indicator FILE", "--method random", "--indicator-batch", "fewer layers"):
+        assert choice in msg
+    # The random method runs no model, whatever the memory.
+    table = indicate("resnet18", 1, "random", batch=4, cache=False)
+    assert table.method == "random" and len(table.values) == len(
+        trace("resnet18", 4).choosable_ops())
+
+
+def test_indicate_shows_its_memory_and_progress(capsys) -> None:
+    indicate("digits_cnn", 2, "wvar", batch=8, cache=False, progress=True)
+    err = capsys.readouterr().err
+    assert "indicator wvar: digits_cnn (" in err and "M parameters) on this CPU, about" in err
+    assert "GiB available" in err and "batch 2/2" in err
