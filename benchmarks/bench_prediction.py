@@ -4,23 +4,26 @@ Per model, at a small batch, one thread per process:
 
 1. **Profile** once (``qsync_opt.profile``, the default in-context method): only *uniform*
    plans run (every choosable op at fp32, at bf16, at fp16, at int8, at int8_full).
-2. **Plans**: uniform fp32, bf16 and int8; two mixed plans from the exact solver (HiGHS) at
+2. **Plans**: uniform fp32, bf16 and int8; mixed plans from the exact solver (HiGHS) at
    makespan targets a third and two thirds of the way from the fastest to the fp32
-   iteration; two random mixed plans (each op fp32, bf16 or int8 at random, seeded). No
-   mixed plan is ever profiled: their error is the honest figure ("held out"). The uniform
-   plans were run by the profiler, so their error only shows the run-to-run drift.
-3. **Measure**, single process: every plan's model is built once and the plans are stepped
-   in interleaved rounds (forward, loss, backward, SGD step; median after warm-up), so a
-   drift of the machine touches all plans alike. The noise is the fp32 plan built and timed
-   twice in the same rounds. Peak memory: the live tensor bytes of one step, measured
+   iteration; two random mixed plans (each op fp32, bf16 or int8, seeded). Duplicates are
+   dropped (said so); a plan is "held out" only when it is really mixed (two precisions at
+   least), and no mixed plan is ever profiled.
+3. **Measure**, single process: every plan is timed in each of ``--processes`` fresh
+   processes (forward, loss, backward, SGD step; interleaved rounds; median after warm-up).
+   The spread of one plan across processes is the run-to-run noise, and errors are given
+   with their range over processes. Peak memory: the live tensor bytes of one step, measured
    exactly with the profiler's allocator events (:mod:`qsync_opt.runtime.memory`).
 4. **Two gloo processes** (``--gloo``): the all-reduce is fitted on a real 2-rank gloo group
-   (alpha-beta), then ``qsync-opt train --nproc 2`` runs each of three plans and the median
-   ``step_ms`` of the slower rank (compute, all-reduce and optimizer) is compared with the
-   replayer's iteration for ``cpux2``.
+   (alpha-beta), then ``qsync-opt train --nproc 2`` runs each of four plans
+   ``--gloo-repeats`` times, interleaved; the median ``step_ms`` of the slower rank is
+   compared with the replayer's iteration for ``cpux2``, and rank 0's peak memory is measured
+   inside the rank (``--measure-memory``).
+5. **Memory on workloads the memory model was not fitted on** (``--memory-models``, default
+   resnet50 at batch 2): one process and inside rank 0 of two gloo ranks.
 
     .venv/bin/python benchmarks/bench_prediction.py [--models digits_cnn,tiny_gpt,resnet18]
-        [--repeats 15] [--gloo]
+        [--repeats 15] [--processes 3] [--gloo] [--gloo-repeats 2] [--memory-models resnet50@2]
 """
 
 from __future__ import annotations
@@ -237,8 +240,8 @@ def train_run(name: str, plan: Plan, steps: int, tmp: Path, label: str,
     per_rank = []
     for r in (0, 1):
         rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
-        per_rank.append(statistics.median(x["step_ms"] for x in rows[5:]
-                                          if x["step"] != memory_step))
+        timed = [x["step_ms"] for x in rows[5:] if x["step"] != memory_step]
+        per_rank.append(statistics.median(timed) if timed else float("nan"))
     peak = None
     if memory_step is not None:
         peak = json.loads((out / "summary.rank0.json").read_text())["memory"]["peak_bytes"]
@@ -310,7 +313,7 @@ def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel, repe
     return raw_errs, cal_errs
 
 
-def memory_only(name: str, batch: int, steps: int = 5) -> list[float]:
+def memory_only(name: str, batch: int, steps: int = 4) -> list[float]:
     """Peak memory of a workload the memory model's constants were not fitted on: estimated
     costs (time is not checked), the fp32 activation flow of the runtime; the exact peak of
     one step in one process and inside rank 0 of a two-rank launch."""
@@ -337,7 +340,7 @@ def memory_only(name: str, batch: int, steps: int = 5) -> list[float]:
                     mm: int | None = measure_plan_memory(name, plan, batch).peak_bytes
                 else:
                     _, mm = train_run(name, plan, steps, Path(d), label.replace(" ", "_"),
-                                      memory_step=3)
+                                      memory_step=2)
                 assert mm is not None
                 errs.append(abs(pm - mm) / mm)
                 print(f"{label:>22} {pm / MIB:9.2f} {mm / MIB:9.2f} {(pm - mm) / mm:+7.1%}")
@@ -354,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gloo", action="store_true", help="also two gloo processes")
     ap.add_argument("--steps", type=int, default=30, help="training steps per gloo run")
     ap.add_argument("--gloo-repeats", type=int, default=2, help="launches per plan (default 2)")
-    ap.add_argument("--memory-models", default="vgg16_bn@2",
+    ap.add_argument("--memory-models", default="resnet50@2",
                     help="workloads the memory model was not fitted on, as NAME@BATCH; memory "
                          "only ('' to skip)")
     ap.add_argument("--tables", default=None, help="folder: save each model's profiled "
