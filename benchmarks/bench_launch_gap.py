@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qsync_opt import parse_shorthand, trace
 from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.schemas import CostTable
 from qsync_opt.synthetic import random_indicator
 
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'plan':>8} {'ranks':>5} {'step ms':>8} {'compute ms':>11} {'sync ms':>8} "
           f"{'predicted ms':>13}")
     for n in (1, 2):
-        prob = AllocationProblem(g, parse_shorthand(f"cpux{n}@{b}"), costs, random_indicator(g))
+        prob = AllocationProblem(g, parse_shorthand(f"cpux{n}@{b}"), costs, random_indicator(g),
+                             ProblemOptions(lower_reference=True))
         gm = prob.groups[0]
         rng = random.Random(0)
         pool = (Precision.fp32, Precision.bf16, Precision.int8)

@@ -45,7 +45,7 @@ from qsync_opt.models import compute_loss, get_workload
 from qsync_opt import Plan, estimate, parse_shorthand, trace
 from qsync_opt._env import cpu_model, pin_malloc
 from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
 from qsync_opt.runtime import apply_plan
 from qsync_opt.runtime.memory import measure_plan_memory
@@ -184,7 +184,8 @@ def single_process(name: str, repeats: int, processes: int = 3
     g = trace(name, b)
     prof = profile_detailed(name, b, device="cpu", repeats=repeats, threads=1)
     costs = prof.table
-    prob = AllocationProblem(g, parse_shorthand(f"cpux1@{b}"), costs, random_indicator(g))
+    prob = AllocationProblem(g, parse_shorthand(f"cpux1@{b}"), costs, random_indicator(g),
+                             ProblemOptions(lower_reference=True))
     plans, held = make_plans(prob)
     runs = measure_processes(name, b, plans, repeats, processes)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -262,7 +263,8 @@ def two_processes(name: str, costs: CostTable, steps: int, comm: CommModel, repe
     b = BATCH.get(name, 8)
     g = trace(name, b)
     costs = with_comm(costs, g, comm)
-    prob = AllocationProblem(g, parse_shorthand(f"cpux2@{b}"), costs, random_indicator(g))
+    prob = AllocationProblem(g, parse_shorthand(f"cpux2@{b}"), costs, random_indicator(g),
+                             ProblemOptions(lower_reference=True))
     plans, held = make_plans(prob)
     keep = (["uniform fp32", "uniform bf16"]
             + [k for k in plans if k.startswith("solver") and k in held][:1]
@@ -323,7 +325,8 @@ def memory_only(name: str, batch: int, steps: int = 4) -> list[float]:
     for world in (1, 2):
         cl = parse_shorthand(f"cpux{world}@{batch}")
         costs = estimate(g, cl).model_copy(update={"activation_flow": "fp32"})
-        prob = AllocationProblem(g, cl, costs, random_indicator(g))
+        prob = AllocationProblem(g, cl, costs, random_indicator(g),
+                             ProblemOptions(lower_reference=True))
         if base is None:
             made, _ = make_plans(prob, n_random=1)
             base = {k: prob.assignment(p)["cpu"] for k, p in made.items()

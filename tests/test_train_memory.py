@@ -12,7 +12,7 @@ import pytest
 
 import qsync_opt as qs
 from qsync_opt.cluster import parse_shorthand
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.synthetic import random_indicator
 
 
@@ -20,11 +20,13 @@ def _plan_and_prediction(tmp: Path, name: str, batch: int, precision: str) -> tu
     g = qs.trace(name, batch)
     cl = parse_shorthand(f"cpux2@{batch}")
     costs = qs.estimate(g, cl).model_copy(update={"activation_flow": "fp32"})
-    prob = AllocationProblem(g, cl, costs, random_indicator(g))
+    prob = AllocationProblem(g, cl, costs, random_indicator(g),
+                             ProblemOptions(lower_reference=True))
     gm = prob.groups[0]
     p = qs.Precision(precision)
     plan = prob.make_plan({"cpu": [c.index(p) if p in c else c.index(qs.Precision.fp32)
                                    for c in gm.choices]})
+    assert any(v == p for v in plan.groups["cpu"].precisions.values())  # really that precision
     path = tmp / f"{precision}.plan.json"
     plan.save(path)
     pred = prob.replayer.simulate(plan, events=False).groups["cpu"].peak_memory_bytes
