@@ -83,3 +83,23 @@ def test_the_measured_step_keeps_its_checkpoint(tmp_path: Path) -> None:
     assert res.returncode != 0  # killed at step 4, after the checkpoint of step 3
     ck = torch.load(out / "checkpoint.pt", weights_only=False)
     assert int(ck["step"]) == 3
+
+
+def test_the_finite_check_allocates_no_copy_of_the_gradients() -> None:
+    """At a small batch the rank's peak was the finite check (isfinite made a float and a
+    bool copy of each gradient); it is reductions only now, and still exact."""
+    import torch
+
+    from qsync_opt.runtime.memory import measure_step_memory
+    from qsync_opt.runtime.train import grads_finite
+
+    model = torch.nn.Linear(512, 512)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    m = measure_step_memory(model, lambda: grads_finite(model))
+    assert m.peak_bytes - m.baseline_bytes < 4096  # a few scalars, not 1 MiB of copies
+    assert grads_finite(model)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        model.weight.grad[3, 7] = bad
+        assert not grads_finite(model)
+        model.weight.grad[3, 7] = 0.0
