@@ -9,8 +9,9 @@ compute stretched 2x). Steps, each printed with its figures:
 two-group problem; 5. train two gloo ranks (torchrun) with all-fp32 and with the exact plan, interleaved
 (A B B A: drift in the machine's speed hits both alike), each run fresh;
 6. predicted against measured: step time per rank (median over runs, with the range), peak memory per group (exact live tensor
-bytes, :mod:`qsync_opt.runtime.memory`), and the held-out accuracy of both runs. When the machine was loaded before training, or repeated
-runs of one plan differ by more than 5%, the timings are printed as noise, not as a verdict.
+bytes measured inside each rank, ``qsync-opt train --measure-memory``), and the held-out
+accuracy of both runs. When the machine was loaded as the demo started, or repeated runs of
+one plan differ by more than 5%, the timings are printed as noise, not as a verdict.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from .cluster import parse_shorthand
 from .graph import trace
 from .indicator import indicate
 from .io import save
-from .plan import Plan
 from .precision import Precision
 from .problem import AllocationProblem, evaluate
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
@@ -41,33 +41,34 @@ MODEL = "digits_cnn"
 BATCH = 32
 SHORTHAND = f"cpux1@{BATCH}+cpu/2x1@{BATCH}"
 MIB = 1024 * 1024
+#: The training step whose peak memory each rank measures (``--measure-memory``).
+MEMORY_STEP = 3
 
 
 def _train(plan_path: Path, out: Path, steps: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", MODEL, "--plan",
-           str(plan_path), "--nproc", "2", "--steps", str(steps), "--out", str(out)]
+           str(plan_path), "--nproc", "2", "--steps", str(steps), "--out", str(out),
+           "--measure-memory", str(MEMORY_STEP)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"qsync-opt train failed ({res.returncode}): {tail[0]}")
-    ranks = {}
+    ranks, peaks = {}, {}
     for r in (0, 1):
         rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
-        ranks[rows[0]["group"]] = statistics.median(x["step_ms"] for x in rows[5:])
+        ranks[rows[0]["group"]] = statistics.median(x["step_ms"] for x in rows[5:]
+                                                    if x["step"] != MEMORY_STEP)
+        mem = json.loads((out / f"summary.rank{r}.json").read_text()).get("memory") or {}
+        peaks[rows[0]["group"]] = mem.get("peak_bytes")
     summary = json.loads((out / "summary.json").read_text())
-    return {"ranks": ranks, **summary}
-
-
-def _peak_bytes(plan: Plan, group: str) -> int:
-    from .runtime.memory import measure_plan_memory
-
-    return measure_plan_memory(MODEL, plan, BATCH, group=group).peak_bytes
+    return {"ranks": ranks, "peaks": peaks, **summary}
 
 
 def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
               ) -> dict[str, Any]:
     """Run the whole job (see the module docstring); prints as it goes, returns the figures."""
+    load0 = os.getloadavg()[0]  # before the demo's own work (its profile would count)
     print(f"== the whole job on this CPU: {MODEL} on {SHORTHAND} (cpu/2: this CPU, every op "
           "stretched 2x)")
     t0 = time.perf_counter()
@@ -95,10 +96,11 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
         f32 = sum(prof.uniform_ms["fp32"])
         b16 = sum(prof.uniform_ms.get("bf16", (f32, 0.0)))
         print(f"   the default target {problem.target_ms:.2f} ms (cpu at fp32) is out of reach: "
-              f"cpu/2's fastest plan gives {best:.2f} ms (on this CPU a bf16 step is only "
-              f"{f32 / b16:.2f}x faster than fp32, {b16:.2f} against {f32:.2f} ms, not a GPU's "
-              "2-8x), so the plan takes the smallest reachable makespan (+2%) and the least "
-              "degradation there")
+              f"cpu/2's fastest plan gives {best:.2f} ms (on this CPU a bf16 step is "
+              + (f"only {f32 / b16:.2f}x faster than fp32" if b16 < f32 else
+                 f"{b16 / f32:.1f}x SLOWER than fp32 (no AMX here)")
+              + f", {b16:.2f} against {f32:.2f} ms, not a GPU's 2-8x faster), so the plan "
+              "takes the smallest reachable makespan (+2%) and the least degradation there")
         problem = problem.retarget(best * 1.02, source="smallest reachable makespan + 2%")
     rows = compare(problem, joint_split=False)
     print(f"4. every allocator, target {problem.target_ms:.2f} ms ({problem.target_source}):")
@@ -118,7 +120,6 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     save(plan, out / "local_plan.json")
     save(fp32, out / "local_fp32.json")
     save(costs, out / "local_costs.json")
-    load0 = os.getloadavg()[0]
     order = [0, 1, 1, 0][: 2 * rounds] if rounds <= 2 else [0, 1] * rounds
     labels = [("all fp32", fp32, out / "local_fp32.json"),
               (f"{chosen.solver} plan", plan, out / "local_plan.json")]
@@ -141,7 +142,8 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
         r["spread"] = max((max(x[g] for x in r["samples"]) - min(x[g] for x in r["samples"]))
                           / r["ranks"][g] for g in r["samples"][0])
     print("6. predicted (profiled costs, replayer) against measured (median over runs of each "
-          "run's median step_ms; peak live tensor bytes of one step; held-out accuracy of the "
+          "run's median step_ms; step 3's exact peak of live tensor bytes inside each rank; "
+          "held-out accuracy of the "
           "last run):")
     hdr = (f"{'plan':>12} {'group':>6} {'pred ms':>8} {'meas ms':>8} {'range ms':>13} "
            f"{'err':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accuracy':>9}")
@@ -158,7 +160,7 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
             lo = min(x[g.name] for x in res["samples"])
             hi = max(x[g.name] for x in res["samples"])
             pm = gt.peak_memory_bytes
-            mm = _peak_bytes(res["plan"], g.name)
+            mm = res["peaks"][g.name]  # measured inside the rank (--measure-memory)
             figures[(label, g.name)] = (pred, meas, pm, mm)
             print(f"{label:>12} {g.name:>6} {pred:8.2f} {meas:8.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
                   f"{(pred - meas) / meas:+7.1%} {pm / MIB:9.2f} {mm / MIB:9.2f} "
@@ -171,9 +173,9 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     cores = os.cpu_count() or 1
     spread = max(a["spread"], b["spread"])
     verdict = quiet_verdict(load0, cores, spread, len(order) // 2)
-    print(f"   load average {load0:.2f} before training, {load1:.2f} after ({cores} cores; "
-          f"the demo's own two ranks account for up to 2); the same plan's runs differ by up "
-          f"to {spread:.1%}.")
+    print(f"   load average {load0:.2f} when the demo started, {load1:.2f} after training "
+          f"({cores} cores; the demo's own work accounts for 1-2 of it); the same plan's runs "
+          f"differ by up to {spread:.1%}.")
     print(f"The launched runtime adds work the one-process profile cannot see (DDP, gloo on "
           f"the same cores, the emulated card's sleeps): the all-fp32 launch measures it as "
           f"x{factor:.2f}; with it, the plan (never run before) is predicted at "
@@ -201,8 +203,8 @@ NOISY_SPREAD = 0.05
 def quiet_verdict(load: float, cores: int, spread: float, repeats: int) -> str | None:
     """None when the timings can be read as a result; else why not, in words."""
     if load > LOADED_PER_CORE * cores:
-        return (f"the machine is loaded (load average {load:.2f} on {cores} cores before "
-                "training); re-run `qsync-opt demo` on a quiet machine")
+        return (f"the machine is loaded (load average {load:.2f} on {cores} cores when the "
+                "demo started); re-run `qsync-opt demo` on a quiet machine")
     if repeats >= 2 and spread > NOISY_SPREAD:
         return (f"repeated runs of one plan differ by {spread:.1%} (over "
                 f"{NOISY_SPREAD:.0%}), more than the effect being measured could be told from")
