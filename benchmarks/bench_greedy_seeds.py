@@ -25,7 +25,7 @@ from qsync_opt.solvers.ilp import PulpIlp
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
-from qsync_opt.solve import LEXICOGRAPHIC_SLACK, _reachable_ms
+from qsync_opt.solve import LEXICOGRAPHIC_SLACK, reachable_ms
 from qsync_opt.synthetic import random_indicator
 
 VARIANTS = (("greedy", False, "replayer"), ("greedy", False, "linear"),
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                      options)
             tag = ""
             if args.target == "halfway":
-                lo = _reachable_ms(prob)
+                lo = reachable_ms(prob)
                 ref = prob.makespan_ms(prob.reference_assignment())
                 if lo is None:
                     print(f"{seed:>4} no memory-feasible plan")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 tag = " h"
             plan, rep = exact.solve(prob, SolveOptions())
             if plan is None:
-                best = _reachable_ms(prob)
+                best = reachable_ms(prob)
                 if best is None:
                     print(f"{seed:>4} no memory-feasible plan")
                     continue

@@ -50,7 +50,7 @@ from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
 from qsync_opt.runtime import apply_plan
 from qsync_opt.runtime.memory import measure_plan_memory
 from qsync_opt.schemas import CommModel, CostTable
-from qsync_opt.solve import _reachable_ms, solve
+from qsync_opt.solve import reachable_ms, solve
 from qsync_opt.synthetic import random_indicator
 
 BATCH = {"digits_cnn": 64, "tiny_gpt": 16, "resnet18": 8}
@@ -124,7 +124,7 @@ def make_plans(prob: AllocationProblem, seed: int = 0, n_random: int = 2
     for p in (Precision.fp32, Precision.bf16, Precision.int8):
         add(f"uniform {p.value}", uniform(p))
     ref = prob.makespan_ms({gm.name: uniform(Precision.fp32)})
-    lo = _reachable_ms(prob) or ref
+    lo = reachable_ms(prob) or ref
     for frac in (1 / 3, 2 / 3):
         target = lo + frac * (ref - lo)
         try:

@@ -45,9 +45,9 @@ INSTANCES = [
 
 def fastest_makespan(prob: AllocationProblem) -> float:
     """The least makespan any memory-feasible plan reaches (each group's exact minimum)."""
-    from qsync_opt.solve import _reachable_ms
+    from qsync_opt.solve import reachable_ms
 
-    best = _reachable_ms(prob)
+    best = reachable_ms(prob)
     if best is None:
         raise SystemExit(f"{prob.graph.workload}: some group fits no plan (or no HiGHS)")
     return best

@@ -35,7 +35,7 @@ from .io import save
 from .precision import Precision
 from .problem import AllocationProblem, evaluate
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
-from .solve import _reachable_ms, compare, format_rows
+from .solve import compare, format_rows, reachable_ms
 
 MODEL = "digits_cnn"
 BATCH = 32
@@ -91,7 +91,7 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     print(f"3. qsync indicator on {ind.batches} {ind.data} digits batches of {ind.batch_size} in "
           f"{time.perf_counter() - t0:.1f} s")
     problem = AllocationProblem(graph, cluster, costs, ind)
-    best = _reachable_ms(problem)
+    best = reachable_ms(problem)
     if best is not None and best > problem.target_ms:
         f32 = sum(prof.uniform_ms["fp32"])
         b16 = sum(prof.uniform_ms.get("bf16", (f32, 0.0)))

@@ -59,9 +59,9 @@ class FrontierPoint:
 
 def target_range(problem: AllocationProblem) -> tuple[float, float]:
     """(smallest reachable makespan, all-reference makespan) of the linear model."""
-    from .solve import _reachable_ms
+    from .solve import reachable_ms
 
-    lo = _reachable_ms(problem)
+    lo = reachable_ms(problem)
     if lo is None:
         raise QsyncInputError("frontier: no plan fits memory; see `qsync-opt solve` for why")
     hi = problem.makespan_ms(problem.reference_assignment())

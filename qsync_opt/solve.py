@@ -255,7 +255,7 @@ def _own_fastest(report: SolveReport) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _reachable_ms(problem: AllocationProblem, call: _Call | None = None) -> float | None:
+def reachable_ms(problem: AllocationProblem, call: _Call | None = None) -> float | None:
     """The smallest makespan any memory-feasible plan reaches in the linear model (None:
     some group fits nothing, or no PuLP solver). Within ``call``'s deadline (60 s without
     one); raises :class:`~qsync_opt.solvers.ilp.FastestTimeLimit` when time runs out."""
@@ -291,7 +291,7 @@ def _solve_modes(problem: AllocationProblem, solver: str, opts: SolveOptions, re
     if mode == "auto" and default_target and report.status == "INFEASIBLE":
         if _backend(solver).exact:
             try:
-                best = _reachable_ms(problem, call)
+                best = reachable_ms(problem, call)
             except FastestTimeLimit:
                 raise _time_limit(problem, solver, report, call) from None
             whose = "smallest reachable makespan"
@@ -368,7 +368,7 @@ def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, 
         nxt = prob.target_ms - (replay - target)
         if floor is None:
             try:
-                floor = _reachable_ms(problem, call)
+                floor = reachable_ms(problem, call)
             except FastestTimeLimit:
                 floor = None
             if floor is None:  # unknown: the tail alone, and never 0
@@ -430,7 +430,7 @@ def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
 
     call = call or _Call.start(opts)
     try:
-        lo = _reachable_ms(problem, call)
+        lo = reachable_ms(problem, call)
     except FastestTimeLimit:
         raise SolveTimeLimit(f"{solver}: no plan found within {call.limit_s:g} s (the time "
                              "limit ran out finding the smallest reachable makespan)") from None

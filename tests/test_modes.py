@@ -49,11 +49,11 @@ def _brute(prob: AllocationProblem) -> float | None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_joint_split_is_never_worse_than_the_best_fixed_split(seed):
-    from qsync_opt.solve import _reachable_ms
+    from qsync_opt.solve import reachable_ms
 
     base = _small(seed)
     ref = base.makespan_ms(base.reference_assignment())
-    prob = base.retarget((_reachable_ms(base) + ref) / 2)
+    prob = base.retarget((reachable_ms(base) + ref) / 2)
     splits = batch_splits(prob, 32)
     assert {"a100": 128, "t4": 128} in splits
     assert all(s["a100"] + s["t4"] == 256 for s in splits)
@@ -107,11 +107,11 @@ def test_lexicographic_mode_when_the_default_target_is_out_of_reach():
 
 
 def test_budget_mode_finds_the_least_makespan_within_the_degradation_budget():
-    from qsync_opt.solve import _reachable_ms
+    from qsync_opt.solve import reachable_ms
 
     prob = _small(4)
     ref = prob.makespan_ms(prob.reference_assignment())
-    mid = (_reachable_ms(prob) + ref) / 2
+    mid = (reachable_ms(prob) + ref) / 2
     low = prob.retarget(mid)
     _, at_low = solve(low, "highs", refine=0, compare_ties=False)
     budget = at_low.objective

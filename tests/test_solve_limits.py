@@ -16,7 +16,7 @@ from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.problem import AllocationProblem, evaluate
-from qsync_opt.solve import InfeasibleError, SolveTimeLimit, _reachable_ms, solve
+from qsync_opt.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 
 EXACT = ["highs", "cbc", "cpsat"]
@@ -71,7 +71,7 @@ def _bert() -> AllocationProblem:
 def test_refinement_stops_at_the_floor_and_says_the_target_cannot_be_met(name) -> None:
     _exact(name)
     base = _comm_bound()
-    reach = _reachable_ms(base)
+    reach = reachable_ms(base)
     assert reach is not None
     prob = base.retarget(reach * 1.05)
     plan, rep = solve(prob, name, refine=4, compare_ties=False)
@@ -120,7 +120,7 @@ def test_refinement_keeps_the_best_round_not_the_last(monkeypatch) -> None:
     r_fast = evaluate(prob0, prob0.make_plan(fast)).replay_makespan_ms
     r_ref = evaluate(prob0, prob0.make_plan(ref)).replay_makespan_ms
     assert r_ref > r_fast
-    reach = _reachable_ms(prob0)
+    reach = reachable_ms(prob0)
     assert reach is not None
     assert r_fast > reach
     prob = prob0.retarget(reach + 0.75 * (r_fast - reach))  # round 1 lands above the floor
@@ -308,7 +308,7 @@ def test_a_backend_that_is_not_exact_falls_back_on_its_own_figure(monkeypatch) -
     """Its fastest plan is far slower than the exact model's: the fallback target comes from
     its own figure (the exact one would leave it without a plan again)."""
     prob = _bert()
-    exact = _reachable_ms(prob)
+    exact = reachable_ms(prob)
     own = prob.makespan_ms(prob.reference_assignment())
     assert exact is not None and own > exact * 1.1 and own > prob.target_ms
     backend = _ReferenceOnly()
