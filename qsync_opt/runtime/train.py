@@ -867,12 +867,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(config)
     except QsyncInputError as exc:
         print(f"qsync-opt train: {exc}", file=sys.stderr)
-        return 2
+        return _failed(2)
     except Exception as exc:  # one line per failing rank; torchrun reports the exit code
         msg = " ".join(str(exc).split())
         print(f"qsync-opt train: rank {rank}: {type(exc).__name__}: {msg}", file=sys.stderr)
-        return 1
+        return _failed(1)
     return 0
+
+
+def _failed(code: int) -> int:
+    """Leave a failed distributed rank with ``code``, skipping C++ teardown.
+
+    After a peer dies, gloo's process group can still own a joinable worker thread when the
+    interpreter shuts down; its destructor then calls ``std::terminate`` and the rank dies by
+    SIGABRT (exit -6) instead of the code it chose. Everything this process writes is written
+    atomically before this point, so the streams are flushed and the process leaves at once.
+    A single-process run returns normally.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
