@@ -2,10 +2,16 @@
 
 Two gloo ranks under torchrun on this machine; rank 1 is the derived device ``cpu/2`` (every
 op's measured time stretched 2x: an emulated card half as fast). The same model trains with
-every op at fp32, then with the exact solver's plan (which here lowers the slow rank's ops to
-bf16, fast on this CPU's AMX). Printed: median step time per rank (steps 6 on), wall time,
-final and held-out loss, and the replayer's prediction from this CPU's in-context profile
-(`cpu/2` derived from it, the all-reduce fitted on two local gloo processes).
+every op at fp32, with the exact solver's precision plan, and with the exact solver's joint
+plan (precisions and the batch split chosen together; per-op costs at other batches scaled
+from the profile by the fitted batch model). Printed: median step time per rank (steps 6 on),
+wall time, final and held-out loss, the replayer's prediction from this CPU's in-context
+profile (`cpu/2` derived from it, the all-reduce fitted on two local gloo processes), and each
+plan's precisions and per-rank batches.
+
+Whether precision can remove the straggler depends on the CPU: with AMX, bf16 is faster than
+fp32 and the precision plan lowers the slow rank's ops; on an AVX2-only CPU every lower
+precision is slower, the precision plan is all-fp32, and only the batch split helps.
 
     .venv/bin/python benchmarks/bench_runtime.py [--model tiny_gpt] [--steps 40]
 """
@@ -54,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     costs = with_comm(derive(prof.table, ["cpu/2"]), g, measure_comm_local(2))
     prob = AllocationProblem(g, c, costs, random_indicator(g))
     plan, rep = solve(prob, "highs")
+    joint, jrep = solve(prob, "highs", joint_split=True)
     fp32 = prob.make_plan({gm.name: [ch.index(Precision.fp32) for ch in gm.choices]
                            for gm in prob.groups}, {"solver": "all-fp32"})
     print(f"machine: {cpu_model()}; {args.model}, 2 ranks (cpu, cpu/2), {args.steps} steps")
-    print(f"plan: {rep.mode}")
+    print(f"precision plan: {rep.mode}; joint plan: {jrep.mode}")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, p in (("all fp32", fp32), ("solver's plan", plan)):
+        for name, p in (("all fp32", fp32), ("precision plan", plan), ("joint plan", joint)):
             path = Path(tmp) / f"{name.replace(' ', '_')}.json"
             p.save(path)
             res = train(args.model, path, Path(tmp) / name.replace(" ", "_"), args.steps)
@@ -68,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>14}: step ms median " + ", ".join(f"{gname} {ms:.0f}" for gname, ms in
                                                            res["ranks"])
                   + f"; wall {res['wall_s']:.1f} s; final loss {res['final_loss']:.4f}, held-out "
-                  f"{res['eval_loss']:.4f}; predicted iteration {pred:.0f} ms; precisions {mix}")
+                  f"{res['eval_loss']:.4f}; predicted iteration {pred:.0f} ms; precisions {mix}; "
+                  "batches " + ", ".join(f"{k} {v.batch_per_device}" for k, v in p.groups.items()))
     return 0
 
 

@@ -538,77 +538,125 @@ def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, re
     the best copy selected. The copies share no variable, so the disjunctive program (a
     binary per split) is solved exactly by solving each copy and taking the least
     objective; ties go to the shorter replayer makespan. Within the call's deadline: each
-    copy's first solve gets an equal share of the time that remains."""
+    copy's first solve gets an equal share of the time that remains.
+
+    In ``auto`` mode with the default target, when no split meets it (the default target is
+    the strong groups' time at their *given* batch, which a split that moves samples onto
+    them cannot meet), it falls back as :func:`solve` does: first the smallest makespan any
+    split reaches (exact backends), then the least degradation within ``slack`` of it."""
+    from .solvers.ilp import FastestTimeLimit
+
     t0 = time.perf_counter()
     call = call or _Call.start(opts)
     splits = batch_splits(problem, multiple)
     for extra in extra_splits:
         if extra not in splits:
             splits.append(dict(extra))
-    target = problem.target_ms
-    fixed_opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": target,
+    fixed_opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": problem.target_ms,
                                    "strong_groups": None})
-    results: list[tuple[dict[str, int], Plan, SolveReport, Evaluation]] = []
-    n_vars = n_cons = 0
-    # Every copy once without refinement; refinement only tightens a target, so a copy's
-    # refined objective is at least its unrefined one: refine in ascending order and stop
-    # once the best refined objective beats the next copy's unrefined one.
-    first: list[tuple[float, dict[str, int], AllocationProblem]] = []
-    timed_out = 0
-    for i, split in enumerate(splits):
+    subs: list[AllocationProblem] = []
+    for split in splits:
         key = tuple(sorted(split.items()))
         sub = problem.split_cache.get(key)
         if sub is None:
             sub = problem.split_cache[key] = problem.with_cluster(
                 _split_cluster(problem, split), fixed_opts)
-        sub = sub.retarget(target, source=problem.target_source)
-        plan, report = _solve_refined(sub, solver, opts, 0,
-                                      call.child(call.deadline.share(len(splits) - i)))
-        n_vars += report.n_variables
-        n_cons += report.n_constraints
-        timed_out += report.status == "TIME_LIMIT"
-        if plan is not None:
-            first.append((evaluate(problem, plan).objective, split, sub))
-    first.sort(key=lambda r: r[0])
-    refined = 0
-    for lower, split, sub in first:
-        if results and min(r[3].objective for r in results) <= lower:
-            break
-        if results and call.deadline.expired():
-            break
-        plan, report = _solve_refined(sub, solver, opts, refine, call)
-        refined += 1
-        if plan is not None:
-            results.append((split, plan, report, evaluate(problem, plan)))
-    if not results:
-        status = "TIME_LIMIT" if timed_out else "INFEASIBLE"
+        subs.append(sub)
+    target, source = problem.target_ms, problem.target_source
+    attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, source, call)
+    lexi = None
+    if (not attempt.results and not attempt.timed_out and mode == "auto"
+            and problem.options.target_ms is None and _backend(solver).exact):
+        try:
+            reach = [reachable_ms(sub.retarget(target, source=source), call) for sub in subs]
+        except FastestTimeLimit:
+            reach = []
+            attempt.timed_out += 1
+        best = min((r for r in reach if r is not None), default=None)
+        if best is not None and best > target:
+            at = splits[reach.index(best)]
+            lexi = (f"lexicographic: the default target {target:.3f} ms is out of reach at "
+                    f"every batch split; smallest reachable makespan {best:.3f} ms (at "
+                    + ", ".join(f"{k}={v}" for k, v in at.items())
+                    + f"), least degradation within {slack:.0%} of it")
+            target = best * (1 + slack)
+            attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, lexi,
+                                     call)
+    if not attempt.results:
+        status = "TIME_LIMIT" if attempt.timed_out else "INFEASIBLE"
         rep = SolveReport(solver=solver, status=status, mode="joint split",
                           messages=[f"no plan meets the target {target:.3f} ms at any of "
                                     f"{len(splits)} batch splits"
-                                    + (f" ({timed_out} stopped at the time limit)"
-                                       if timed_out else "")])
-        if timed_out:
+                                    + (f" ({attempt.timed_out} stopped at the time limit)"
+                                       if attempt.timed_out else "")])
+        if attempt.timed_out:
             raise _time_limit(problem, solver, rep, call)
         raise _fail(problem, solver, rep, call)
     own = {g.name: int(g.batch_per_device or problem.graph.batch_size)
            for g in problem.cluster.groups}
-    split, plan, report, ev = min(results, key=lambda r: (r[3].objective,
-                                                          r[3].replay_makespan_ms))
-    at_own = next((r[0] for r in first if r[1] == own), None)
+    split, plan, report, ev = min(attempt.results, key=lambda r: (r[3].objective,
+                                                                  r[3].replay_makespan_ms))
+    at_own = next((r[0] for r in attempt.first if r[1] == own), None)
     msgs = [f"joint batch split: {len(splits)} candidate splits (global batch "
-            f"{problem.global_batch}), {len(first)} feasible, {refined} refined; chosen "
-            + ", ".join(f"{k}={v}" for k, v in split.items())
+            f"{problem.global_batch}), {len(attempt.first)} feasible, {attempt.refined} "
+            "refined; chosen " + ", ".join(f"{k}={v}" for k, v in split.items())
             + f", objective {ev.objective:.6g}"
             + (f" against {at_own:.6g} at the given split (before refinement)"
                if at_own is not None else "; the given split has no plan"), *report.messages]
+    if lexi is not None:
+        msgs.insert(0, lexi)
+        how = (f"joint precision and batch split, lexicographic (makespan first, then "
+               f"degradation within {slack:.0%}): {lexi}")
+    else:
+        how = (f"joint precision and batch split, least degradation under makespan target "
+               f"{target:.3f} ms ({source})")
     report = report.model_copy(update={
-        "mode": f"joint precision and batch split, least degradation under makespan target "
-                f"{target:.3f} ms ({problem.target_source})",
-        "messages": msgs, "n_variables": n_vars, "n_constraints": n_cons,
-        "wall_s": time.perf_counter() - t0})
+        "mode": how, "messages": msgs, "n_variables": attempt.n_vars,
+        "n_constraints": attempt.n_cons, "wall_s": time.perf_counter() - t0})
     plan = plan.model_copy(update={"provenance": {
         **plan.provenance, "joint_split": True, "candidate_splits": len(splits)}})
     return plan, report
+
+
+@dataclasses.dataclass
+class _JointAttempt:
+    """The copies of one joint solve at one target: first solves, refined results."""
+
+    first: list[tuple[float, dict[str, int], AllocationProblem]]
+    results: list[tuple[dict[str, int], Plan, SolveReport, Evaluation]]
+    refined: int = 0
+    timed_out: int = 0
+    n_vars: int = 0
+    n_cons: int = 0
+
+
+def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
+                   splits: list[dict[str, int]], subs: list[AllocationProblem], target: float,
+                   source: str, call: _Call) -> _JointAttempt:
+    """Every copy once without refinement; refinement only tightens a target, so a copy's
+    refined objective is at least its unrefined one: refine in ascending order and stop
+    once the best refined objective beats the next copy's unrefined one."""
+    out = _JointAttempt(first=[], results=[])
+    for i, (split, sub) in enumerate(zip(splits, subs, strict=True)):
+        sub = sub.retarget(target, source=source)
+        plan, report = _solve_refined(sub, solver, opts, 0,
+                                      call.child(call.deadline.share(len(splits) - i)))
+        out.n_vars += report.n_variables
+        out.n_cons += report.n_constraints
+        out.timed_out += report.status == "TIME_LIMIT"
+        if plan is not None:
+            out.first.append((evaluate(problem, plan).objective, split, sub))
+    out.first.sort(key=lambda r: r[0])
+    for lower, split, sub in out.first:
+        if out.results and min(r[3].objective for r in out.results) <= lower:
+            break
+        if out.results and call.deadline.expired():
+            break
+        plan, report = _solve_refined(sub, solver, opts, refine, call)
+        out.refined += 1
+        if plan is not None:
+            out.results.append((split, plan, report, evaluate(problem, plan)))
+    return out
 
 
 def _tie_note(problem: AllocationProblem, solver: str, opts: SolveOptions, plan: Plan,

@@ -74,6 +74,36 @@ def test_joint_split_is_never_worse_than_the_best_fixed_split(seed):
     assert "joint batch split" in rep.messages[0]
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_joint_split_falls_back_lexicographically_when_the_default_target_is_out_of_reach(seed):
+    """The default target is the strong group's time at its *given* batch: a split that moves
+    samples onto it cannot meet it. Auto mode must then take the smallest makespan any split
+    reaches and the least degradation within the slack of it (it raised INFEASIBLE)."""
+    from qsync_opt.solve import LEXICOGRAPHIC_SLACK, reachable_ms
+
+    prob = _small(seed)
+    splits = batch_splits(prob, 8)
+    subs = []
+    for split in splits:
+        cluster = prob.cluster.model_copy(update={"groups": [
+            g.model_copy(update={"batch_per_device": split[g.name]})
+            for g in prob.cluster.groups]})
+        subs.append(prob.with_cluster(cluster, ProblemOptions(target_ms=prob.target_ms)))
+    best = min(r for r in (reachable_ms(s) for s in subs) if r is not None)
+    assert best > prob.target_ms  # the premise: no split meets the default target
+    with pytest.raises(InfeasibleError):
+        solve(prob, "highs", joint_split=True, batch_multiple=8, mode="target", refine=0,
+              compare_ties=False)
+    plan, rep = solve(prob, "highs", joint_split=True, batch_multiple=8, refine=0,
+                      compare_ties=False)
+    assert "lexicographic" in rep.mode and "every batch split" in rep.messages[0]
+    target = best * (1 + LEXICOGRAPHIC_SLACK)
+    ev = evaluate(prob, plan)
+    assert ev.makespan_ms <= target * (1 + 1e-6)
+    optima = [o for o in (_brute(s.retarget(target)) for s in subs) if o is not None]
+    assert rep.objective == pytest.approx(min(optima), rel=1e-6, abs=1e-12)
+
+
 def test_refinement_ends_within_its_bound_and_meets_the_target_in_the_replayer():
     """BERT on two nodes exposes all-reduce the linear model does not charge: the first
     exact plan misses the target in the replayer; refinement tightens and re-solves."""
