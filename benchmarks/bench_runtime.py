@@ -13,7 +13,7 @@ Whether precision can remove the straggler depends on the CPU: with AMX, bf16 is
 fp32 and the precision plan lowers the slow rank's ops; on an AVX2-only CPU every lower
 precision is slower, the precision plan is all-fp32, and only the batch split helps.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--model tiny_gpt] [--steps 40]
+    .venv/bin/python benchmarks/bench_runtime.py [--model tiny_gpt] [--steps 40] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -48,10 +48,18 @@ def train(model: str, plan: Path, out: Path, steps: int) -> dict:
     return {"ranks": per_rank, **json.loads((out / "summary.json").read_text())}
 
 
+def _key(plan: Plan) -> str:
+    """What makes two plans run the same: precisions and batches per group."""
+    return json.dumps({k: [v.batch_per_device, {o: x.value for o, x in v.precisions.items()}]
+                       for k, v in plan.groups.items()}, sort_keys=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny_gpt")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of each distinct plan, interleaved (A B B A ...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     g = trace(args.model)
@@ -65,18 +73,36 @@ def main(argv: list[str] | None = None) -> int:
                            for gm in prob.groups}, {"solver": "all-fp32"})
     print(f"machine: {cpu_model()}; {args.model}, 2 ranks (cpu, cpu/2), {args.steps} steps")
     print(f"precision plan: {rep.mode}; joint plan: {jrep.mode}")
+    candidates = (("all fp32", fp32), ("precision plan", plan), ("joint plan", joint))
+    plans: list[tuple[str, Plan]] = []
+    for name, p in candidates:  # a plan equal to an earlier one is said so, not re-run
+        same = next((n for n, q in plans if _key(q) == _key(p)), None)
+        if same is not None:
+            print(f"{name:>14}: the same plan as {same}")
+        else:
+            plans.append((name, p))
+    runs: dict[str, list[dict]] = {name: [] for name, _ in plans}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, p in (("all fp32", fp32), ("precision plan", plan), ("joint plan", joint)):
+        order = [x for r in range(args.repeats)
+                 for x in (plans if r % 2 == 0 else plans[::-1])]  # A B C C B A ...
+        for i, (name, p) in enumerate(order):
             path = Path(tmp) / f"{name.replace(' ', '_')}.json"
             p.save(path)
-            res = train(args.model, path, Path(tmp) / name.replace(" ", "_"), args.steps)
-            pred = evaluate(prob, Plan.load(path)).replay_makespan_ms
+            runs[name].append(train(args.model, path, Path(tmp) / f"run{i}", args.steps))
+        base = statistics.median(max(ms for _, ms in r["ranks"]) for r in runs[plans[0][0]])
+        for name, p in plans:
+            pred = evaluate(prob, p).replay_makespan_ms
+            res = runs[name]
+            iters = [max(ms for _, ms in r["ranks"]) for r in res]
             mix = {k: sorted({x.value for x in v.precisions.values()}) for k, v in p.groups.items()}
-            print(f"{name:>14}: step ms median " + ", ".join(f"{gname} {ms:.0f}" for gname, ms in
-                                                           res["ranks"])
-                  + f"; wall {res['wall_s']:.1f} s; final loss {res['final_loss']:.4f}, held-out "
-                  f"{res['eval_loss']:.4f}; predicted iteration {pred:.0f} ms; precisions {mix}; "
-                  "batches " + ", ".join(f"{k} {v.batch_per_device}" for k, v in p.groups.items()))
+            print(f"{name:>14}: iteration ms (slowest rank's median step) over {len(res)} runs: "
+                  f"median {statistics.median(iters):.0f}, range {min(iters):.0f}-"
+                  f"{max(iters):.0f}; speed-up over all fp32 "
+                  f"{base / statistics.median(iters):.2f}x; predicted {pred:.0f} ms; wall "
+                  f"{statistics.median(r['wall_s'] for r in res):.1f} s; final loss "
+                  f"{res[0]['final_loss']:.4f}, held-out {res[0]['eval_loss']:.4f}; precisions "
+                  f"{mix}; batches "
+                  + ", ".join(f"{k} {v.batch_per_device}" for k, v in p.groups.items()))
     return 0
 
 
