@@ -1,6 +1,9 @@
 """Accuracy of plans: a two-group CPU hybrid trained under each plan, many seeds (issue 9).
 
 One strong group (this CPU) and one weak group (`cpu/2`, an emulated card half as fast),
+or with ``--cluster`` two catalog cards (e.g. ``v100x1+t4x1``: the plans are chosen from the
+catalog's estimates for those cards, where lower precision is faster; on a CPU without AMX
+every lower precision is slower, so with the default cluster every plan but UP is all-fp32),
 both at ``--batch`` per rank, trained with single-process data-parallel emulation
 (``TrainConfig(emulate_dp=True)``, mathematically the synchronous run) under: every op at
 fp32 (reference); the weak group uniformly at its lowest precision (QSync's UP); the exact
@@ -32,6 +35,7 @@ noise. The same paired test compares the exact plan with greedy, the random plan
 
     .venv/bin/python benchmarks/bench_accuracy.py --model tiny_gpt --seeds 5
     .venv/bin/python benchmarks/bench_accuracy.py --model digits_cnn --seeds 5 --steps 150
+    .venv/bin/python benchmarks/bench_accuracy.py --model digits_cnn --seeds 5 --cluster v100x1+t4x1
 
 Per-model defaults (override with the flags): digits_cnn batch 32, 150 steps, SGD lr 0.05;
 tiny_gpt batch 16, 120 steps, Adam lr 1e-3; 8 held-out batches each.
@@ -184,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
                     help="default: per model")
     ap.add_argument("--eval-batches", type=int, default=None, help="default: per model")
+    ap.add_argument("--cluster", default=None,
+                    help="two one-device groups whose catalog estimates choose the plans, e.g. "
+                         "v100x1+t4x1 (default: cpux1+cpu/2x1, this CPU's own ratios); the "
+                         "training is emulated on this CPU either way")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     d = DEFAULTS.get(args.model, FALLBACK)
@@ -193,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = args.optimizer or d["optimizer"]
     eval_batches = args.eval_batches if args.eval_batches is not None else d["eval_batches"]
     lm = args.model == "tiny_gpt"
-    shorthand = f"cpux1@{batch}+cpu/2x1@{batch}"
+    shorthand = "+".join(f"{part.split('@')[0]}@{batch}" for part in
+                         (args.cluster or "cpux1+cpu/2x1").split("+"))
     t_start = time.perf_counter()
 
     g = trace(args.model, batch)
     cluster = parse_shorthand(shorthand)
+    if len(cluster.groups) != 2 or any(gr.count != 1 for gr in cluster.groups):
+        raise SystemExit("--cluster: expected two groups of one device each, e.g. v100x1+t4x1")
+    rank_groups = [gr.name for gr in cluster.groups]
     t0 = time.perf_counter()
     ind = indicate(args.model, 10, "qsync", batch=batch, cache=False)
     t_ind = time.perf_counter() - t0
@@ -240,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.save(path)
             for seed in range(args.seeds):
                 cfg = TrainConfig(workload=args.model, plan_path=str(path),
-                                  rank_groups=["cpu", "cpu_2"], steps=steps, lr=lr,
+                                  rank_groups=rank_groups, steps=steps, lr=lr,
                                   optimizer=optimizer, seed=seed,
                                   out_dir=str(Path(tmp) / f"{i}-{seed}"), emulate_dp=True,
                                   resume=False, eval_batches=eval_batches)
