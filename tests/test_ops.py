@@ -4,12 +4,9 @@ that own their memory (in-place ops after them), every op against its reference 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +17,8 @@ from hypothesis import strategies as st
 import qsync_opt.ops as ops
 from qsync_opt.ops import reference as ref
 from qsync_opt.ops._build import load_cpu
+from qsync_opt.ops.testing import BACKENDS as OPS_BACKENDS
+from qsync_opt.ops.testing import strict_int_mm, use_backend
 
 CPP = load_cpu()[0]
 needs_cpp = pytest.mark.skipif(not CPP, reason=f"C++ kernels not built: {load_cpu()[1]}")
@@ -249,7 +248,7 @@ def test_python_fallback_when_cpp_is_disabled() -> None:
     assert out == "Python references [-127, -102, -76, -51, -25, 0, 25, 51, 76, 102, 127]"
 
 
-def test_available_reports_every_backend() -> None:
+def test_available_reports_everyuse_backend() -> None:
     info = ops.available()
     assert set(info) >= {"cpu", "cuda", "int_mm"}
     assert info["cpu"].startswith("C++ kernels" if CPP else "Python references")
@@ -341,40 +340,7 @@ def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path):
 # Every op runs on both CPU implementations: the C++ kernels ("cpp") and the Python
 # references that serve when they are not built or QSYNC_DISABLE_CPP is set ("python").
 
-BACKENDS = ["cpp", "python"]
-
-
-@contextlib.contextmanager
-def _backend(name: str) -> Iterator[None]:
-    if name == "cpp":
-        if not CPP:
-            pytest.skip(f"C++ kernels not built: {load_cpu()[1]}")
-        yield
-        return
-    with mock.patch.object(ops, "_use_cpp", lambda t: False):
-        yield
-
-
-@contextlib.contextmanager
-def _strict_int_mm() -> Iterator[list[tuple]]:
-    """``torch._int_mm`` refusing operands whose strides give no valid leading dimension
-    (what oneDNN's s8 GEMM, used by ``torch._int_mm`` on AVX512-VNNI CPUs, misreads)."""
-    real = torch._int_mm
-    calls: list[tuple] = []
-
-    def checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        for name, t in (("a", a), ("b", b)):
-            rows, cols = t.shape
-            s0, s1 = t.stride()
-            # oneDNN reads a row-major operand when stride(1) == 1, leading dimension
-            # stride(0); a transposed one otherwise, leading dimension stride(1).
-            ok = s0 >= max(1, cols) if s1 == 1 else s0 == 1 and s1 >= max(1, rows)
-            assert ok, f"{name} {tuple(t.shape)} strides {t.stride()}: no valid leading dim"
-        calls.append((tuple(a.shape), tuple(b.shape)))
-        return real(a, b)
-
-    with mock.patch.object(torch, "_int_mm", checked):
-        yield calls
+BACKENDS = list(OPS_BACKENDS)
 
 
 def _owns_its_memory(outs: tuple[torch.Tensor, ...], ins: tuple[object, ...]) -> None:
@@ -447,7 +413,7 @@ def test_no_op_output_is_a_view_or_an_alias(case, backend: str) -> None:
     (a view would make any following in-place op raise; fake_quant_float of an fp16 tensor
     to fp16 returned its input)."""
     _, op, args = case
-    with _backend(backend):
+    with use_backend(backend):
         out = op(*args)
     _owns_its_memory(out if isinstance(out, tuple) else (out,), args)
 
@@ -484,7 +450,7 @@ def test_inplace_op_after_int8_op(case, inplace: str, full: bool, backend: str) 
     x0, w0, b0 = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen), \
         torch.randn(ws[0], generator=gen)
     results = []
-    with _backend(backend):
+    with use_backend(backend):
         for f in (fn_inplace, fn):
             x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
             if len(xs) == 4:
@@ -504,7 +470,7 @@ def test_inplace_op_after_int8_op(case, inplace: str, full: bool, backend: str) 
 @pytest.mark.parametrize("inplace", list(_INPLACE))
 def test_inplace_op_after_fake_quant(inplace: str, backend: str) -> None:
     fn_inplace, fn = _INPLACE[inplace]
-    with _backend(backend):
+    with use_backend(backend):
         for quant in (lambda t: ops.fake_quant_int8(t, seed=2),
                       lambda t: ops.fake_quant_int8(t, axis=0, seed=2),
                       lambda t: ops.fake_quant_float(t, "fp8_e4m3"),
@@ -604,7 +570,7 @@ def test_int8_conv2d_forward_and_backward_are_exact(backend: str, full: bool, ca
     over groups {1, 2, 4, C}, 1x1 maps, strides, paddings, dilations and input layouts; every
     integer GEMM gets operands with a valid leading dimension."""
     assume(_conv_fits(case))
-    with _backend(backend), _strict_int_mm():
+    with use_backend(backend), strict_int_mm():
         _check_conv_exact(case, full, torch.Generator().manual_seed(seed))
 
 
@@ -618,7 +584,7 @@ def test_int8_conv2d_exact_for_each_groups_class(backend: str, full: bool, group
     g = c if groups == "C" else groups
     base = {"batch": 2, "groups": g, "cin_g": c // g if groups != "C" else 1, "cout_g": 1,
             "stride": 1, "dilation": 1, "layout": "contiguous", "bias": True}
-    with _backend(backend), _strict_int_mm():
+    with use_backend(backend), strict_int_mm():
         for k, hw, p in (((7, 7), (7, 7), 3), ((7, 7), (1, 1), 3), ((1, 1), (1, 1), 0)):
             _check_conv_exact({**base, "k": k, "hw": hw, "padding": p}, full,
                               torch.Generator().manual_seed(g))
@@ -648,7 +614,7 @@ def test_int8_linear_forward_and_backward_are_exact(backend: str, full: bool, ca
     x = _layout(x0, case["layout"]).requires_grad_()
     w = _layout(w0, case["layout"]).requires_grad_()
     b = None if b0 is None else b0.clone().requires_grad_()
-    with _backend(backend), _strict_int_mm():
+    with use_backend(backend), strict_int_mm():
         out = ops.int8_linear(x, w, b, int8_backward=full, seed=3, bwd_dtype=torch.float32)
         g = _int_operand(tuple(out.shape), gen)
         out.backward(g)
@@ -678,7 +644,7 @@ def test_int8_full_conv_gradients_within_quantization_error(backend: str, conv: 
     w0 = torch.randn(c, c // groups, k, k, generator=gen)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     args = (1, conv["padding"], conv.get("dilation", 1), groups)
-    with _backend(backend), _strict_int_mm():
+    with use_backend(backend), strict_int_mm():
         out = ops.int8_conv2d(x, w, None, *args, int8_backward=True, seed=5)
         g = torch.randn(out.shape, generator=gen)
         out.backward(g)
@@ -741,6 +707,6 @@ def test_int_mm_gives_torch_int_mm_valid_leading_dimensions(case, side: str) -> 
         a, b = t, torch.randint(-127, 128, (t.shape[1], 5), dtype=torch.int8, generator=gen)
     else:
         a, b = torch.randint(-127, 128, (3, t.shape[0]), dtype=torch.int8, generator=gen), t
-    with _strict_int_mm() as calls:
+    with strict_int_mm() as calls:
         got = ops.int_mm(a, b)
     assert calls and torch.equal(got.to(torch.int64), ref.int_mm_reference(a, b))

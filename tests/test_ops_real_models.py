@@ -11,45 +11,13 @@ CPUs, misread: non-finite ConvNeXt blocks from the second step).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from unittest import mock
-
 import pytest
 import torch
 from torch import nn
 
-import qsync_opt.ops as ops
-from qsync_opt.ops._build import load_cpu
+from qsync_opt.ops.testing import strict_int_mm, use_backend
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
-
-
-@contextlib.contextmanager
-def _backend(name: str) -> Iterator[None]:
-    if name == "cpp":
-        if not load_cpu()[0]:
-            pytest.skip(f"C++ kernels not built: {load_cpu()[1]}")
-        yield
-        return
-    with mock.patch.object(ops, "_use_cpp", lambda t: False):
-        yield
-
-
-@contextlib.contextmanager
-def _strict_int_mm() -> Iterator[None]:
-    real = torch._int_mm
-
-    def checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        for name, t in (("a", a), ("b", b)):
-            rows, cols = t.shape
-            s0, s1 = t.stride()
-            ok = s0 >= max(1, cols) if s1 == 1 else s0 == 1 and s1 >= max(1, rows)
-            assert ok, f"{name} {tuple(t.shape)} strides {t.stride()}: no valid leading dim"
-        return real(a, b)
-
-    with mock.patch.object(torch, "_int_mm", checked):
-        yield
 
 
 class ConvNeXtBlock(nn.Module):
@@ -140,7 +108,7 @@ def test_convnext_and_squeeze_excitation_train_close_to_fp32(backend: str,
                                                              batch: int) -> None:
     steps = 3
     ref_losses, ref_grads, ref_model = _train(None, steps, batch)
-    with _backend(backend), _strict_int_mm():
+    with use_backend(backend), strict_int_mm():
         losses, grads, model = _train(precision, steps, batch)
     assert all(torch.isfinite(torch.tensor(losses)))
     for p in model.parameters():
