@@ -83,7 +83,8 @@ def cmd_models(args: argparse.Namespace) -> int:
                      "description": r[4]} for r in rows])
     else:
         print(_table(rows, ["model", "batch", "inputs", "data", "description"]))
-        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs).")
+        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs); "
+              "that file is run (imported), so pass only a file you trust.")
     return 0
 
 
