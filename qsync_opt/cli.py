@@ -24,7 +24,7 @@ from .errors import QsyncInputError, describe_validation_error
 from .graph import TIE_MODES, trace
 from .io import atomic_write_text, load, save, to_json
 from .models import WORKLOADS
-from .plan import make_plan
+from .plan import check_plan, make_plan, plan_model
 from .replayer import Replayer, Timeline
 from .report import straggler_reason
 from .schemas import ModelGraph, OpRole, Plan, json_schema, schema_names
@@ -83,7 +83,8 @@ def cmd_models(args: argparse.Namespace) -> int:
                      "description": r[4]} for r in rows])
     else:
         print(_table(rows, ["model", "batch", "inputs", "data", "description"]))
-        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs).")
+        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs); "
+              "that file is run (imported), so pass only a file you trust.")
     return 0
 
 
@@ -117,8 +118,11 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_args(args: argparse.Namespace) -> ModelGraph:
-    return trace(args.model, args.batch, pin_head=not args.unpin_head, tie=args.tie)
+def _trace_args(args: argparse.Namespace, model_sha256: str | None = None) -> ModelGraph:
+    """The graph of ``--model`` (a ``PATH.py:FUNCTION`` file is run: the user named it; with
+    ``model_sha256`` it must have that content hash first)."""
+    return trace(args.model, args.batch, pin_head=not args.unpin_head, tie=args.tie,
+                 model_sha256=model_sha256)
 
 
 def graph_summary_lines(graph: ModelGraph, seconds: float | None = None) -> list[str]:
@@ -234,8 +238,14 @@ def _trace_path(base: str, name: str, several: bool) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    graph = _trace_args(args)
-    plan_doc: Plan | None = load(args.plan, Plan) if args.plan else None
+    plan_doc: Plan | None = None
+    sha: str | None = None
+    if args.plan:
+        plan_doc = load(args.plan, Plan)
+        sha = plan_model(plan_doc, args.model)  # before --model's file runs
+    graph = _trace_args(args, sha)
+    if plan_doc is not None:
+        check_plan(plan_doc, graph)
     if args.cluster:
         cluster = load_cluster(args.cluster)
     elif plan_doc is not None:
@@ -586,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", required=True,
-                        help="workload name (qsync-opt models) or path/file.py:fn")
+                        help="workload name (qsync-opt models) or path/file.py:fn (that file "
+                             "is run: it is imported and fn() called)")
         sp.add_argument("--batch", type=int, default=None, help="per-device batch to trace at")
         sp.add_argument("--unpin-head", action="store_true",
                         help="let the classifier head's precision be chosen")

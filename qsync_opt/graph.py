@@ -22,7 +22,7 @@ How it works:
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import logging
 import operator
 import re
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -686,44 +687,113 @@ def _assign_ties(nodes: list[dict[str, Any]], preds: dict[str, list[str]], tie: 
 # ----------------------------------------------------------------------------- public API
 
 
-def load_user_model(spec: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Import ``path/file.py:fn``; ``fn()`` returns ``(module, example_inputs)``."""
+def is_user_model(spec: str) -> bool:
+    """True when ``spec`` names a user's Python file (``path/file.py:fn``), which importing
+    runs; anything else is a registry name (qsync-opt models), which runs only our code."""
+    path_s, sep, fn_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    return bool(sep) and path_s.endswith(".py")
+
+
+def _one_line(text: str) -> str:
+    """``text`` as it is when it is one printable line, else its repr (one line, escaped)."""
+    return text if text.isprintable() else repr(text)
+
+
+def _user_model_path(spec: str) -> tuple[Path, str]:
     path_s, _, fn_name = spec.rpartition(":")
     if not path_s or not fn_name:
         raise QsyncInputError(f"model: {spec!r} is not PATH.py:FUNCTION")
     path = Path(path_s)
-    if not path.is_file():
-        raise QsyncInputError(f"model: file {path} not found")
-    mod_name = f"qsync_user_model_{abs(hash(str(path.resolve())))}"
-    loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise QsyncInputError(f"model: cannot import {path}")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[mod_name] = module
     try:
-        loader_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file: report, do not crash
-        raise QsyncInputError(f"model: importing {path} failed: {exc.__class__.__name__}: {exc}") from None
+        found = path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        found = False
+    if not found:
+        raise QsyncInputError(f"model: file {_one_line(str(path))} not found")
+    return path, fn_name
+
+
+def _read_model_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise QsyncInputError(f"model: cannot read {_one_line(str(path))} "
+                              f"({exc.__class__.__name__})") from None
+
+
+def model_file_sha256(spec: str) -> str:
+    """sha256 (hex) of the file a ``path/file.py:fn`` spec names; reading it runs nothing."""
+    path, _ = _user_model_path(spec)
+    return hashlib.sha256(_read_model_file(path)).hexdigest()
+
+
+def _user_model(spec: str, sha256: str | None = None
+                ) -> tuple[nn.Module, tuple[torch.Tensor, ...], str]:
+    """Import ``spec``'s file, call its function: (module, example_inputs, file sha256).
+
+    With ``sha256``, the file's content must have that hash, checked before anything runs;
+    the bytes hashed are the bytes executed (the file is read once).
+    """
+    path, fn_name = _user_model_path(spec)
+    shown = _one_line(str(path))
+    source = _read_model_file(path)
+    digest = hashlib.sha256(source).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise QsyncInputError(
+            f"model: {shown} is not the file the plan was made from (its sha256 is "
+            f"{digest[:16]}..., the plan's workload_sha256 {_one_line(sha256)[:16]}...); "
+            f"nothing was run")
+    mod_name = f"qsync_user_model_{abs(hash(str(path.resolve())))}"
+    module = ModuleType(mod_name)
+    module.__file__ = str(path)
+    sys.modules[mod_name] = module
+    # The user's file: report what it raised, do not crash. BaseException too (a file or a
+    # build() that calls sys.exit raises SystemExit), all but a Ctrl-C.
+    try:
+        code = compile(source, str(path), "exec")
+        exec(code, module.__dict__)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        sys.modules.pop(mod_name, None)
+        raise QsyncInputError(f"model: importing {shown} failed: {exc.__class__.__name__}: "
+                              f"{_one_line(str(exc))}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise QsyncInputError(f"model: {path} has no function {fn_name!r}")
+        raise QsyncInputError(f"model: {shown} has no function {fn_name!r}")
     try:
         result = fn()
-    except Exception as exc:
-        raise QsyncInputError(f"model: {spec} raised {exc.__class__.__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise QsyncInputError(f"model: {_one_line(spec)} raised {exc.__class__.__name__}: "
+                              f"{_one_line(str(exc))}") from None
     if (not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], nn.Module)):
-        raise QsyncInputError(f"model: {spec} must return (nn.Module, example_inputs)")
+        raise QsyncInputError(f"model: {_one_line(spec)} must return (nn.Module, example_inputs)")
     model, ex = result
-    ex = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+    try:
+        ex = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+    except TypeError:
+        ex = (None,)
     if not all(isinstance(t, torch.Tensor) for t in ex):
-        raise QsyncInputError(f"model: {spec} example_inputs must be tensors")
+        raise QsyncInputError(f"model: {_one_line(spec)} example_inputs must be tensors")
+    return model, ex, digest
+
+
+def load_user_model(spec: str, *, sha256: str | None = None
+                    ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Import ``path/file.py:fn`` (this RUNS the file) and call ``fn()``, which returns
+    ``(module, example_inputs)``. With ``sha256``, the file must have that content hash,
+    checked before it runs."""
+    model, ex, _ = _user_model(spec, sha256)
     return model, ex
 
 
-def resolve_workload(name: str) -> Workload | tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A registry name, or ``path.py:fn`` for a user's model."""
-    if ":" in name and name.split(":")[0].endswith(".py"):
-        return load_user_model(name)
+def resolve_workload(name: str, *, sha256: str | None = None
+                     ) -> Workload | tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A registry name, or ``path.py:fn`` for a user's model (imported: it runs)."""
+    if is_user_model(name):
+        return load_user_model(name, sha256=sha256)
     try:
         return get_workload(name)
     except (KeyError, ValueError) as exc:
@@ -741,6 +811,7 @@ def trace(
     tie: str = "none",
     name: str | None = None,
     method: str = "auto",
+    model_sha256: str | None = None,
 ) -> ModelGraph:
     """Trace a workload into a :class:`ModelGraph` without allocating real memory.
 
@@ -749,10 +820,18 @@ def trace(
     ``example_inputs``. ``batch`` overrides the batch of registry workloads (default: the
     workload's default batch); a user's model is traced at its example inputs' batch.
     ``method`` is ``auto`` (fx, then the function-mode fallback), ``fx`` or ``function_mode``.
+    A ``path/file.py:fn`` workload is imported, which runs that file; with ``model_sha256``
+    the file must have that content hash, checked before it runs. The graph records the
+    file's hash (``workload_sha256``), and so do the plans made from it.
     """
     loss_fn: Callable[[Any, Any], Any] | None = None
     targets: torch.Tensor | None = None
-    if isinstance(workload, str):
+    file_sha256: str | None = None
+    if isinstance(workload, str) and is_user_model(workload):
+        model_, ex_, file_sha256 = _user_model(workload, model_sha256)
+        resolved: Workload | tuple[nn.Module, Any] = (model_, ex_)
+        label = name or workload
+    elif isinstance(workload, str):
         resolved = resolve_workload(workload)
         label = name or workload
     else:
@@ -813,5 +892,6 @@ def trace(
         model.train(was_training)
     if not raw:
         raise TraceError(f"cannot trace {label}: the model ran no operators")
-    return _build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
-                        pin_head=pin_head, unpin=unpin, tie=tie)
+    graph = _build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
+                         pin_head=pin_head, unpin=unpin, tie=tie)
+    return graph.model_copy(update={"workload_sha256": file_sha256}) if file_sha256 else graph

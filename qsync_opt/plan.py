@@ -1,4 +1,12 @@
-"""Plans: build a Plan document from per-group precisions, and check it against a graph."""
+"""Plans: build a Plan document from per-group precisions, and check it against a graph.
+
+Every command that reads a plan goes through :func:`plan_model` (which model the plan may be
+traced from, checked before anything is imported), :func:`graph_for_plan` (the graph it was
+made for) and :func:`check_plan` (the plan against that graph). A plan is data: it never
+makes qsync-opt import a file. A plan whose ``workload`` is a user's ``PATH.py:FUNCTION``
+is used only with the file the user passes (``--model``), whose sha256 must be the plan's
+``workload_sha256``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,9 @@ from collections.abc import Mapping
 from .errors import QsyncInputError
 from .precision import Precision
 from .schemas import ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
+
+#: Most samples per device a plan may give a group (beyond it no card's memory holds a step).
+MAX_BATCH_PER_DEVICE = 1 << 20
 
 
 def make_plan(
@@ -34,8 +45,14 @@ def make_plan(
                         f"{given.get(op.name)!r}") from None
         groups[g.name] = GroupPlan(batch_per_device=int(g.batch_per_device or graph.batch_size),
                                    precisions=row)
-    return Plan(workload=graph.workload, graph_hash=graph.structure_hash(), cluster=cluster,
-                groups=groups, provenance=dict(provenance or {}))
+    return Plan(workload=graph.workload, workload_sha256=graph.workload_sha256,
+                graph_hash=graph.structure_hash(), cluster=cluster, groups=groups,
+                provenance=dict(provenance or {}))
+
+
+def _shown(text: str) -> str:
+    """A name from a file, for a one-line message: repr when it holds control characters."""
+    return text if text.isprintable() else repr(text)
 
 
 def plan_graph_difference(plan: Plan, graph: ModelGraph) -> str:
@@ -49,10 +66,11 @@ def plan_graph_difference(plan: Plan, graph: ModelGraph) -> str:
     missing = [n for n in choosable if n not in set(planned)]
 
     def few(names: list[str]) -> str:
+        names = [_shown(n) for n in names]
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
-    parts = [f"plan: made for graph {plan.graph_hash} ({plan.workload}), not "
-             f"{graph.structure_hash()} ({graph.workload})"]
+    parts = [f"plan: made for graph {_shown(plan.graph_hash)} ({_shown(plan.workload)}), not "
+             f"{graph.structure_hash()} ({_shown(graph.workload)})"]
     if extra:
         parts.append(f"ops the graph lacks: {few(extra)}")
     if missing:
@@ -60,3 +78,167 @@ def plan_graph_difference(plan: Plan, graph: ModelGraph) -> str:
     if not extra and not missing:
         parts.append("same op names, different shapes, kinds or edges")
     return "; ".join(parts)
+
+
+def check_plan(plan: Plan, graph: ModelGraph) -> None:
+    """Refuse, in one line naming what is wrong, a plan that does not belong to ``graph``.
+
+    The one check of every command that reads a plan (report, replay, train and its
+    ``--dry-run``, ``Plan.load(path, graph=...)``): the graph's structure hash; every planned
+    op exists in the graph; a pinned op keeps its pin and a pass-through op is not set; a
+    choosable op gets a precision the op allows and the group's card runs; ops of one tie
+    group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`.
+    """
+    from .devices import get_device
+
+    if plan.graph_hash != graph.structure_hash():
+        raise QsyncInputError(plan_graph_difference(plan, graph))
+    ops = {o.name: o for o in graph.ops}
+    devices = {g.name: g.device for g in plan.cluster.groups}
+    for gname, gp in plan.groups.items():
+        where = f"plan: group {_shown(gname)}"
+        if gp.batch_per_device > MAX_BATCH_PER_DEVICE:
+            raise QsyncInputError(
+                f"{where}: batch_per_device {gp.batch_per_device} is over the limit of "
+                f"{MAX_BATCH_PER_DEVICE} samples per device")
+        device = devices.get(gname, "")
+        try:
+            menu = set(get_device(device).precisions)
+        except (KeyError, ValueError) as exc:
+            raise QsyncInputError(f"{where}: device {_shown(device)}: "
+                                  f"{exc.args[0] if exc.args else exc}") from None
+        ties: dict[str, tuple[str, Precision]] = {}
+        for name, p in gp.precisions.items():
+            op = ops.get(name)
+            if op is None:
+                raise QsyncInputError(f"{where} names op {_shown(name)}, which graph "
+                                      f"{_shown(graph.workload)} lacks")
+            p = Precision(p)
+            if op.role != OpRole.choosable:
+                if op.role == OpRole.pinned and p in op.allowed_precisions:
+                    continue
+                raise QsyncInputError(
+                    f"{where}, op {_shown(name)} is {op.role.value}"
+                    + (f" ({op.pin_reason})" if op.pin_reason else "")
+                    + f"; its precision cannot be set to {p.value}")
+            allowed = [q for q in op.allowed_precisions if q in menu]
+            if p not in allowed:
+                raise QsyncInputError(
+                    f"{where} ({device}), op {_shown(name)}: {p.value} is not allowed; "
+                    f"allowed: {', '.join(q.value for q in allowed) or 'none'}")
+            if op.tie_group:
+                first = ties.setdefault(op.tie_group, (name, p))
+                if first[1] != p:
+                    raise QsyncInputError(
+                        f"{where}: ops {_shown(first[0])} and {_shown(name)} share tie group "
+                        f"{_shown(op.tie_group)} but get {first[1].value} and {p.value}")
+
+
+def _registry_name(spec: str) -> str | None:
+    """The registry's own name of workload ``spec``; None when it names none."""
+    from .models import get_workload
+
+    try:
+        return get_workload(spec).name
+    except (KeyError, ValueError):
+        return None
+
+
+def plan_model(plan: Plan, model: str | None, flag: str = "--model") -> str | None:
+    """Check, before anything is imported, that ``model`` (what the user passed as ``flag``;
+    None: not given) may be traced for ``plan``, and return the sha256 its file must have
+    (None for a registry workload). Refused in one line:
+
+    - the plan names a user's Python file and no file is given: a plan never runs code;
+    - the plan and ``model`` name different workloads (a registry name against a file,
+      or two registry names);
+    - the plan names a file but carries no ``workload_sha256``, or the given file's content
+      has another hash (the file is read, not run).
+    """
+    from .graph import is_user_model, model_file_sha256
+
+    wl = repr(plan.workload)
+    if is_user_model(plan.workload):
+        if model is None:
+            raise QsyncInputError(
+                f"plan: workload {wl} is a Python file, and a plan never makes qsync-opt run "
+                f"code: pass that file yourself as {flag} PATH.py:FUNCTION (it is run, and its "
+                f"sha256 must be the plan's workload_sha256)")
+        if not is_user_model(model):
+            raise QsyncInputError(
+                f"{flag} {_shown(model)}: the plan was made for the model file {wl}, not a "
+                f"built-in workload")
+        if plan.workload_sha256 is None:
+            raise QsyncInputError(
+                f"plan: workload {wl} is a Python file but the plan has no workload_sha256 to "
+                f"check {flag} {_shown(model)} against; make the plan again with this qsync-opt")
+        digest = model_file_sha256(model)
+        if digest != plan.workload_sha256:
+            raise QsyncInputError(
+                f"{flag} {_shown(model)}: not the file the plan was made from (sha256 "
+                f"{digest[:16]}..., the plan's workload_sha256 {plan.workload_sha256[:16]}...); "
+                f"nothing was run")
+        return digest
+    if model is None:
+        return None
+    if is_user_model(model):
+        raise QsyncInputError(
+            f"{flag} {_shown(model)}: the plan was made for the built-in workload {wl}, not a "
+            f"model file")
+    mine, theirs = _registry_name(model), _registry_name(plan.workload)
+    if mine is None or mine != theirs:
+        raise QsyncInputError(f"{flag} {_shown(model)}: the plan was made for model {wl}, not "
+                              f"{model!r}")
+    return None
+
+
+def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model") -> ModelGraph:
+    """The graph ``plan`` was made for, traced and checked (:func:`check_plan`).
+
+    A registry workload is traced by its name in the registry; a user's file only as
+    ``model`` (see :func:`plan_model`), after its hash is checked. The trace is at the
+    plan's ``provenance.graph_batch`` and ``graph_tie_mode`` (plans that lack them: the
+    workload's default batch, no ties); a plan made with the classifier head unpinned is
+    recognised by a second trace.
+    """
+    from .graph import TIE_MODES, trace
+    from .models import get_workload
+
+    prov = plan.provenance
+    batch = prov.get("graph_batch")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
+                              or batch > MAX_BATCH_PER_DEVICE):
+        raise QsyncInputError(
+            f"plan: provenance.graph_batch: expected an integer from 1 to "
+            f"{MAX_BATCH_PER_DEVICE}, got {batch!r}")
+    tie = prov.get("graph_tie_mode") or "none"
+    if not isinstance(tie, str) or tie not in TIE_MODES:
+        raise QsyncInputError(f"plan: provenance.graph_tie_mode: expected one of "
+                              f"{', '.join(TIE_MODES)}, got {tie!r}")
+    sha = plan_model(plan, model, flag)
+    try:
+        if sha is not None:
+            assert model is not None
+            graph = trace(model, batch, tie=tie, model_sha256=sha)
+            retrace = lambda: trace(model, batch, tie=tie, pin_head=False,  # noqa: E731
+                                    model_sha256=sha)
+        else:
+            try:
+                wl = get_workload(plan.workload)
+            except (KeyError, ValueError) as exc:
+                raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
+            graph = trace(wl, batch, tie=tie, name=plan.workload)
+            retrace = lambda: trace(wl, batch, tie=tie, pin_head=False,  # noqa: E731
+                                    name=plan.workload)
+        if graph.structure_hash() != plan.graph_hash:
+            unpinned = retrace()
+            if unpinned.structure_hash() != plan.graph_hash:
+                raise QsyncInputError(plan_graph_difference(plan, graph))
+            graph = unpinned
+    except QsyncInputError as exc:
+        msg = str(exc)
+        if sha is not None or msg.startswith(("plan:", flag)):
+            raise  # about the user's own --model file, or already says it is the plan
+        raise type(exc)(f"plan: workload {plan.workload!r}: {msg}") from None
+    check_plan(plan, graph)
+    return graph

@@ -411,18 +411,19 @@ def report_summary(plan: Plan, timeline: Timeline) -> dict[str, Any]:
 
 
 def load_report_inputs(plan_path: str | os.PathLike[str],
-                       costs_path: str | os.PathLike[str] | None = None) -> ReportInputs:
+                       costs_path: str | os.PathLike[str] | None = None,
+                       model: str | None = None) -> ReportInputs:
     """Read a plan, re-trace its graph, cost it and replay it.
 
-    The graph is traced at the plan's ``provenance.graph_batch`` and ``graph_tie_mode``
-    (plans that lack them: the workload's default batch, no ties). A plan made with the
-    classifier head unpinned is recognised by a second trace. Costs are the roofline
-    estimates unless a CostTable file is given.
+    The graph is :func:`qsync_opt.plan.graph_for_plan`'s: traced at the plan's
+    ``provenance.graph_batch`` and ``graph_tie_mode`` and checked against the plan. A plan
+    made from a user's model file is read only with ``model``, that file (it is run; its
+    sha256 must be the plan's ``workload_sha256``): a plan never runs code. Costs are the
+    roofline estimates unless a CostTable file is given.
     """
     from .costs import estimate
-    from .graph import trace
     from .io import load
-    from .plan import plan_graph_difference
+    from .plan import graph_for_plan
     from .replayer import Replayer
 
     try:
@@ -430,24 +431,7 @@ def load_report_inputs(plan_path: str | os.PathLike[str],
     except QsyncInputError as exc:
         raise type(exc)(f"plan: {exc}") from None
     prov = plan.provenance
-    batch = prov.get("graph_batch")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise QsyncInputError(
-            f"plan: provenance.graph_batch: expected a positive integer, got {batch!r}")
-    tie = prov.get("graph_tie_mode") or "none"
-    if not isinstance(tie, str):
-        raise QsyncInputError(f"plan: provenance.graph_tie_mode: expected a string, got {tie!r}")
-    try:
-        graph = trace(plan.workload, batch, tie=tie)
-        if graph.structure_hash() != plan.graph_hash:
-            unpinned = trace(plan.workload, batch, tie=tie, pin_head=False)
-            if unpinned.structure_hash() != plan.graph_hash:
-                raise QsyncInputError(plan_graph_difference(plan, graph))
-            graph = unpinned
-    except QsyncInputError as exc:
-        msg = str(exc)
-        raise type(exc)(msg if msg.startswith("plan:") else
-                        f"plan: workload {plan.workload!r}: {msg}") from None
+    graph = graph_for_plan(plan, model)
     if costs_path is not None:
         try:
             costs = load(costs_path, CostTable)
@@ -471,13 +455,17 @@ def add_report_parser(sub: Any) -> argparse.ArgumentParser:
     sp.add_argument("--plan", required=True, help="Plan JSON to report on")
     sp.add_argument("--png", help="write the figure (heatmap, time and memory bars) here")
     sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
+    sp.add_argument("--model", default=None, metavar="PATH.py:FUNCTION",
+                    help="the model file of a plan made from one: it is run (a plan never "
+                         "runs code), and its sha256 must be the plan's workload_sha256")
     sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     sp.set_defaults(fn=cmd_report)
     return sp
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    inputs = load_report_inputs(args.plan, getattr(args, "costs", None))
+    inputs = load_report_inputs(args.plan, getattr(args, "costs", None),
+                                getattr(args, "model", None))
     png = getattr(args, "png", None)
     if png:
         plan_figure(inputs.plan, inputs.graph, inputs.timeline, png)

@@ -356,6 +356,11 @@ class ModelGraph(Document):
     schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     workload: str = Field(description="Registry name, or the user's module spec.")
+    workload_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the user's model file the graph was traced from (None for a "
+        "registry workload); a plan made from it carries it, and the file given to a command "
+        "reading that plan must have it before it is run.")
     batch_size: int = Field(ge=1, description="Batch the graph was traced at.")
     inputs: list[TensorSpec]
     ops: list[OpNode] = Field(min_length=1)
@@ -601,6 +606,11 @@ class Plan(Document):
     schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     workload: str
+    workload_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the user's model file (workload PATH.py:FUNCTION) the plan was "
+        "made from; None for a registry workload. A plan never runs that file: the user passes "
+        "it (--model), and its content must have this hash.")
     graph_hash: str
     cluster: ClusterSpec
     groups: dict[str, GroupPlan]
@@ -617,6 +627,18 @@ class Plan(Document):
                 f"groups {sorted(self.groups)} do not match the cluster's {sorted(names)}"
             )
         return self
+
+    @classmethod
+    def load(cls, path: Any, graph: ModelGraph | None = None) -> Any:
+        """Read a Plan; given ``graph``, refuse a plan that does not belong to it (another
+        graph, an op it lacks, a pinned op lowered, a precision an op or card cannot run):
+        :func:`qsync_opt.plan.check_plan`."""
+        plan = super().load(path)
+        if graph is not None:
+            from .plan import check_plan
+
+            check_plan(plan, graph)
+        return plan
 
 
 class SolveReport(Document):

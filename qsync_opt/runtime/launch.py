@@ -4,8 +4,10 @@
 
     qsync-opt train --model digits_cnn --plan plan.json --nproc 2 [--rank-groups 0:v100,1:t4]
 
-The launcher validates (the plan file loads, was made for ``--model``, names every group of
-``--rank-groups``, and ``--nproc`` matches the ranks), writes ``OUT/train_config.json``
+The launcher validates (the plan file loads, was made for ``--model``'s graph and passes
+:func:`qsync_opt.plan.check_plan` (every op there, no pin overridden, precisions the cards
+run), names every group of ``--rank-groups``, and ``--nproc`` matches the ranks), also under
+``--dry-run``; writes ``OUT/train_config.json``
 (:class:`~qsync_opt.runtime.config.TrainConfig`, atomically) and runs
 ``python -m torch.distributed.run --nproc-per-node N ... -m qsync_opt.runtime.train CONFIG``
 with ``OMP_NUM_THREADS=1`` unless set, streaming the ranks' output; a failed run returns 1
@@ -164,11 +166,19 @@ def _slowdowns(plan: Plan, ranks: Sequence[str]) -> dict[str, float]:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """Validate the arguments against the plan and return the run's TrainConfig."""
+    from ..graph import is_user_model
+    from ..plan import graph_for_plan
+
     plan_path = Path(args.plan)
     plan = Plan.load(plan_path)  # missing, not JSON, another kind of file: one line each
-    if args.model != plan.workload:
+    if is_user_model(args.model):  # refused before the file runs
         raise QsyncInputError(
-            f"--plan {plan_path} was made for model {plan.workload!r}, not {args.model!r}")
+            f"--model {args.model}: train runs the built-in workloads (qsync-opt models); to "
+            f"train your own model under a plan, call qsync_opt.runtime.apply_plan in your "
+            f"training script")
+    # The plan against the model, as every command that reads a plan checks it: made for
+    # this model's graph, every op there, no pin overridden, precisions the cards run.
+    graph_for_plan(plan, args.model)
     ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
     out = Path(args.out) if args.out else Path("runs") / args.model
     try:
