@@ -391,6 +391,15 @@ def test_a_plan_batch_beyond_the_limit_is_one_line(plan_path: Path, tmp_path: Pa
     assert "Traceback" not in p.stderr
 
 
+def test_an_infinite_slowdown_is_refused_by_the_hooks_too() -> None:
+    """cpu/inf reached SlowdownHooks as a factor whose sleep never ends (OverflowError)."""
+    from qsync_opt.runtime.emulate import SlowdownHooks
+
+    for bad in (float("inf"), float("nan"), 0.5):
+        with pytest.raises(ValueError, match="finite number >= 1"):
+            SlowdownHooks(torch.nn.Linear(2, 2), bad)
+
+
 # ----------------------------------------------------------------------------- signals
 
 
@@ -469,7 +478,11 @@ def _start_launcher(script: str, tag: str) -> tuple[subprocess.Popen[str], list[
     return proc, [int(x) for x in line.split()[1:]]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [
+    signal.SIGTERM,
+    pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+    pytest.param(signal.SIGKILL, marks=pytest.mark.slow),  # and with torchrun, below
+])
 def test_the_child_and_its_ranks_die_with_the_launcher(sig: int) -> None:
     """SIGKILL: torchrun's parent-death signal and the rank's watchdog; SIGTERM and SIGINT:
     forwarded to torchrun's process group, then the launcher dies of the same signal."""
