@@ -24,6 +24,7 @@ from qsync_opt.runtime.train import (
     TrainingError,
     build_model,
     emulate,
+    latest_checkpoint,
     load_checkpoint,
     prepare,
     rank_slice,
@@ -103,8 +104,15 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMED} for r in rows]
 
 
+def _ckpt(out: Path, rank: int = 0) -> dict:
+    """``rank``'s file of the newest complete checkpoint set in ``out``."""
+    path = latest_checkpoint(out, rank)
+    assert path is not None, out
+    return load_checkpoint(path)
+
+
 def _rank_checkpoints(out: Path) -> list[dict]:
-    return [load_checkpoint(out / f"checkpoint.rank{r}.pt") for r in (0, 1)]
+    return [_ckpt(out, r) for r in (0, 1)]
 
 
 def _assert_same_tree(a: object, b: object, where: str) -> None:
@@ -191,7 +199,7 @@ def test_emulate_dp_two_plans_learns_and_writes(mixed_plan: Path, tmp_path: Path
     assert summary["eval_accuracy"] > 0.5 and summary["final_loss"] < first
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["state_sha256"] == summary["state_sha256"]
-    ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")  # weights_only=True
+    ck = _ckpt(tmp_path / "run")  # weights_only=True
     assert ck["step"] == 30 and "conv2.weight" in ck["model"]
 
 
@@ -201,11 +209,10 @@ def test_resume_reproduces_the_uninterrupted_run(mixed_plan: Path, tmp_path: Pat
     resumed = emulate(_config(mixed_plan, tmp_path / "b", steps=6))
     assert resumed["resumed_from_step"] == 3
     assert resumed["state_sha256"] == straight["state_sha256"]
-    a = load_checkpoint(tmp_path / "a" / "checkpoint.pt")
-    b = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    a, b = _ckpt(tmp_path / "a", 1), _ckpt(tmp_path / "b", 1)
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
-    assert a["replicas"][1]["qseeds"] == b["replicas"][1]["qseeds"]
+    assert a["replicas"][0]["qseeds"] == b["replicas"][0]["qseeds"]
     assert [r["loss"] for r in _metrics(tmp_path / "a", 1)] == \
         [r["loss"] for r in _metrics(tmp_path / "b", 1)]
 
@@ -246,8 +253,8 @@ def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
         emulate(_config(mixed_plan, tmp_path / "emu", steps=steps))
     finally:
         torch.set_num_threads(threads)
-    a = load_checkpoint(gloo_straight / "checkpoint.rank0.pt")["model"]
-    b = load_checkpoint(tmp_path / "emu" / "checkpoint.pt")["model"]
+    a = _ckpt(gloo_straight)["model"]
+    b = _ckpt(tmp_path / "emu")["model"]
     for k, v in a.items():
         if v.is_floating_point():
             torch.testing.assert_close(v, b[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -269,7 +276,7 @@ def test_two_gloo_ranks_killed_and_resumed_reproduce_the_straight_run(
     killed = _cli_train(mixed_plan, out, GLOO_STEPS, "--checkpoint-every", "2",
                         QSYNC_LOG_STATE_HASH="1", QSYNC_TEST_DIE_AT_STEP="1:3")
     assert killed.returncode == 1, killed.stdout[-3000:] + killed.stderr[-3000:]
-    assert [load_checkpoint(out / f"checkpoint.rank{r}.pt")["step"] for r in (0, 1)] == [2, 2]
+    assert [c["step"] for c in _rank_checkpoints(out)] == [2, 2]
     # rank 1 logged step 2 before dying at step 3: rows past the checkpoint, to be dropped
     assert [r["step"] for r in _metrics(out, 1)] == [0, 1, 2]
     assert [r["step"] for r in _metrics(out, 0)][:2] == [0, 1]

@@ -1,12 +1,77 @@
-"""What a training run is told: one JSON document shared by the launcher and every rank."""
+"""What a training run is told: one JSON document shared by the launcher and every rank.
+
+Also the checkpoint layout (torch-free, so the launcher can check a resume before it writes
+anything): a run's checkpoints are *sets*, one folder per step,
+``OUT/ckpt/step-00000010/rank{r}.pt`` (every rank's file, written atomically) and
+``commit.json`` (written atomically by rank 0 after every rank has written its file). A set
+is complete when its marker and all ``world_size`` rank files are there; a resume uses the
+newest complete set, on every rank. The last complete set is kept until the next one is
+committed; then every other set goes. The marker records the run's :func:`run_fingerprint`,
+which a resume compares with the new config (:func:`check_resume`).
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import hashlib
+import json
+import math
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from ..errors import QsyncInputError
 from ..schemas import Document
+
+if TYPE_CHECKING:
+    from ..schemas import Plan
+
+#: Sane limits: beyond them a value is a typo or an attack, not a run (named when refused).
+MAX_BATCH_PER_DEVICE = 1 << 20
+MAX_TIMEOUT_S = 7 * 86400.0
+MAX_SLOWDOWN = 1000.0
+MAX_ABS_SEED = 1 << 48  # seed * 1000 + rank seeds torch's generators (64-bit)
+
+#: The ``qsync-opt train`` flag that sets a field, named in messages next to the field.
+FLAGS: dict[str, str] = {
+    "steps": "--steps", "lr": "--lr", "momentum": "--momentum", "seed": "--seed",
+    "checkpoint_every": "--checkpoint-every", "timeout_s": "--timeout",
+    "memory_step": "--measure-memory", "optimizer": "--optimizer", "workload": "--model",
+    "rank_groups": "--rank-groups",
+}
+
+#: field -> (integer?, low, low included?, high or None, high included?)
+_RANGES: dict[str, tuple[bool, float, bool, float | None, bool]] = {
+    "steps": (True, 1, True, None, False),
+    "lr": (False, 0, False, None, False),
+    "momentum": (False, 0, True, 1, False),
+    "seed": (True, -MAX_ABS_SEED, True, MAX_ABS_SEED, True),
+    "checkpoint_every": (True, 0, True, None, False),
+    "loss_scale": (False, 0, False, None, False),
+    "max_bad_steps": (True, 1, True, None, False),
+    "timeout_s": (False, 0, False, MAX_TIMEOUT_S, True),
+    "eval_batches": (True, 0, True, None, False),
+    "memory_step": (True, 0, True, None, False),
+}
+
+
+def _show(v: object) -> str:
+    """A value as the user most likely wrote it (-1, not -1.0), on one line."""
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e16:
+        return str(int(v))
+    text = str(v) if isinstance(v, (int, float)) else repr(v)
+    return text if text.isprintable() else ascii(text)
+
+
+def _range_text(integer: bool, lo: float, lo_in: bool, hi: float | None, hi_in: bool) -> str:
+    kind = "an integer" if integer else "a finite number"
+    lo_s = f"{'>=' if lo_in else '>'} {_show(lo)}"
+    if hi is None:
+        return f"{kind} {lo_s}"
+    return f"{kind} {lo_s} and {'<=' if hi_in else '<'} {_show(hi)}"
 
 
 class TrainConfig(Document):
@@ -21,13 +86,17 @@ class TrainConfig(Document):
     rank_groups: list[str] = Field(
         description="Group name of each rank, in rank order (world size = its length).")
     steps: int = Field(ge=1, description="Optimizer steps to run (in total, across resumes).")
-    lr: float = Field(0.05, gt=0)
+    lr: float = Field(0.05, gt=0, allow_inf_nan=False)
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
-    seed: int = 0
+    seed: int = Field(0, ge=-MAX_ABS_SEED, le=MAX_ABS_SEED)
     out_dir: str = Field(description="Checkpoints, metrics.jsonl and the final summary go here.")
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints (0: at the end only).")
     resume: bool = Field(True, description="Continue from out_dir's checkpoint when present.")
+    resume_anyway: bool = Field(
+        False, description="Resume out_dir's checkpoint even when it was written under other "
+                           "settings (seed, lr, plan, batch split; never another model, "
+                           "optimizer or world size). Off: such a resume is refused.")
     emulate_dp: bool = Field(False, description="One process computes every rank's micro-batch.")
     slowdown: dict[str, float] = Field(
         default_factory=dict,
@@ -39,8 +108,9 @@ class TrainConfig(Document):
     max_bad_steps: int = Field(
         10, ge=1, description="Consecutive non-finite steps (skipped on every rank) before the "
                               "run stops with an error.")
-    timeout_s: float = Field(120.0, gt=0, description="Collective timeout: a dead rank makes the "
-                                                      "others fail within it, never hang.")
+    timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
+                             description="Collective timeout: a dead rank makes the "
+                                         "others fail within it, never hang.")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     eval_batches: int = Field(4, ge=0, description="Held-out batches scored at the end.")
     memory_step: int | None = Field(
@@ -48,15 +118,259 @@ class TrainConfig(Document):
         "rank (CPU ranks, one replica per process; qsync_opt.runtime.memory): the summary's "
         "'memory' field. None: not measured.")
 
+    @field_validator(*_RANGES, mode="before")
+    @classmethod
+    def _in_range(cls, v: Any, info: ValidationInfo) -> Any:
+        """Every number finite and in its range, refused with the flag that sets it named
+        (``--lr inf`` reached the ranks and failed there with exit 1)."""
+        name = info.field_name or ""
+        flag = FLAGS.get(name)
+        who = f"{flag} must be" if flag else "expected"
+        if isinstance(v, bool):
+            raise ValueError(f"{who} a number, got {_show(v).lower()}")
+        if v is None or not isinstance(v, (int, float)):
+            return v  # None where allowed, and the type errors: pydantic's own message
+        integer, lo, lo_in, hi, hi_in = _RANGES[name]
+        ok = math.isfinite(v) and (v >= lo if lo_in else v > lo)
+        if ok and hi is not None:
+            ok = v <= hi if hi_in else v < hi
+        if not ok:
+            raise ValueError(f"{who} {_range_text(integer, lo, lo_in, hi, hi_in)}, "
+                             f"got {_show(v)}")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if not self.rank_groups:
             raise ValueError("rank_groups must name at least one rank's group")
         for g, f in self.slowdown.items():
-            if not f >= 1:
-                raise ValueError(f"slowdown[{g}] must be >= 1, got {f}")
+            if not (math.isfinite(f) and 1 <= f <= MAX_SLOWDOWN):
+                raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "
+                                 f"{_show(MAX_SLOWDOWN)}, got {_show(f)}")
         return self
 
     @property
     def world_size(self) -> int:
         return len(self.rank_groups)
+
+
+# ----------------------------------------------------------------------------- plan limits
+
+
+def check_batches(plan: Plan, rank_groups: list[str]) -> list[int]:
+    """Each rank's batch from the plan, refused beyond :data:`MAX_BATCH_PER_DEVICE` (a batch
+    of 10**12 made the ranks try to allocate it); QsyncInputError names the group."""
+    out = []
+    for r, g in enumerate(rank_groups):
+        if g not in plan.groups:
+            raise QsyncInputError(f"rank_groups[{r}]: the plan has no group {_show(g)}; its "
+                                  f"groups: {', '.join(map(_show, plan.groups))}")
+        b = plan.groups[g].batch_per_device
+        if b > MAX_BATCH_PER_DEVICE:
+            raise QsyncInputError(
+                f"plan: groups.{g}.batch_per_device is {b}, above the runtime's limit of "
+                f"{MAX_BATCH_PER_DEVICE} samples per device")
+        out.append(b)
+    return out
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+#: How a fingerprint field is named in a refusal.
+_LABELS = {"workload": "--model", "world_size": "world size", "rank_groups": "--rank-groups",
+           "batches": "batch split", "plan_sha256": "plan (hash of the ranks' groups)",
+           "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr",
+           "momentum": "--momentum", "loss_scale": "loss_scale"}
+#: Differences no resume can bridge, not even with --resume-anyway.
+_FATAL = ("workload", "world_size", "optimizer")
+
+
+def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
+    """What must be equal for a checkpoint to continue the run it was written by."""
+    groups = list(config.rank_groups)
+    used = {g: plan.groups[g].model_dump(mode="json") for g in sorted(set(groups))
+            if g in plan.groups}
+    payload = json.dumps({"graph_hash": plan.graph_hash, "groups": used}, sort_keys=True,
+                         separators=(",", ":"))
+    return {
+        "workload": config.workload.replace("-", "_").lower(),
+        "world_size": config.world_size, "rank_groups": groups,
+        "batches": [plan.groups[g].batch_per_device if g in plan.groups else None
+                    for g in groups],
+        "plan_sha256": hashlib.sha256(payload.encode()).hexdigest()[:16],
+        "seed": config.seed, "optimizer": config.optimizer, "lr": config.lr,
+        "momentum": config.momentum if config.optimizer == "sgd" else None,
+        "loss_scale": config.loss_scale,
+    }
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return _show(v)
+
+
+def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``field old -> new`` for every field that differs (a field missing counts)."""
+    out = []
+    for k in _LABELS:
+        if saved.get(k) != now.get(k):
+            out.append(f"{_LABELS[k]} {_value(saved.get(k))} -> {_value(now.get(k))}")
+    return out
+
+
+# ----------------------------------------------------------------------------- layout
+
+CKPT_DIR = "ckpt"
+COMMIT_NAME = "commit.json"
+LEGACY_NAME = "checkpoint.pt"  # a link to the newest set's rank0.pt in single-process runs
+_STEP_DIR = re.compile(r"step-(\d{1,18})")
+
+
+def set_path(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / CKPT_DIR / f"step-{step:08d}"
+
+
+def rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class CheckpointSet:
+    """A committed set: every rank's file of one step, and rank 0's marker."""
+
+    step: int
+    path: Path
+    world_size: int
+    run: dict[str, Any]
+
+    def rank_file(self, rank: int) -> Path:
+        return rank_file(self.path, rank)
+
+
+def step_folders(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` folder under ``OUT/ckpt``, complete or not, by step."""
+    root = Path(out_dir) / CKPT_DIR
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    found = []
+    for p in entries:
+        m = _STEP_DIR.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink():
+            found.append((int(m[1]), p))
+    return sorted(found)
+
+
+def read_commit(folder: Path, step: int) -> CheckpointSet | None:
+    """The set in ``folder`` when it is complete (marker valid, every rank's file there)."""
+    try:
+        doc = json.loads((folder / COMMIT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    world, run = doc.get("world_size"), doc.get("run")
+    if (doc.get("step") != step or not isinstance(world, int) or isinstance(world, bool)
+            or world < 1 or not isinstance(run, dict)):
+        return None
+    if not all(rank_file(folder, r).is_file() for r in range(world)):
+        return None
+    return CheckpointSet(step, folder, world, run)
+
+
+def latest_complete_set(out_dir: str | Path) -> CheckpointSet | None:
+    """The newest complete checkpoint set in ``out_dir`` (None: there is none)."""
+    for step, folder in reversed(step_folders(out_dir)):
+        cs = read_commit(folder, step)
+        if cs is not None:
+            return cs
+    return None
+
+
+def commit_document(step: int, world_size: int, run: dict[str, Any]) -> str:
+    return json.dumps({"step": step, "world_size": world_size, "run": run}, indent=2,
+                      sort_keys=True) + "\n"
+
+
+def legacy_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Checkpoints of the one-file-per-rank layout of earlier versions (not resumable)."""
+    out = Path(out_dir)
+    found = [p for p in [out / LEGACY_NAME, *sorted(out.glob("checkpoint.rank*.pt"))]
+             if p.is_file() and not p.is_symlink()]
+    return found
+
+
+def _where(out_dir: str | Path) -> str:
+    return f"--out {_show(str(out_dir))}"
+
+
+def check_resume(config: TrainConfig, plan: Plan) -> CheckpointSet | None:
+    """The set a resume of ``config`` continues (None: it starts afresh).
+
+    Refuses (QsyncInputError, one line) a checkpoint written under other settings, listing
+    each difference as ``field old -> new``, unless ``config.resume_anyway`` (never another
+    model, optimizer or world size); a checkpoint already past ``config.steps``; and a
+    checkpoint of the old layout.
+    """
+    if not config.resume:
+        return None
+    out = config.out_dir
+    cs = latest_complete_set(out)
+    if cs is None:
+        old = legacy_checkpoints(out)
+        if old:
+            raise QsyncInputError(
+                f"{_where(out)} holds {old[0].name}, a checkpoint of an earlier qsync-opt's "
+                "layout, which this one does not resume: pass --no-resume to start afresh "
+                "(it is left in place), or use another --out")
+        return None
+    now = run_fingerprint(config, plan)
+    diffs = fingerprint_differences(cs.run, now)
+    fatal_diffs = [f"{_LABELS[k]} {_value(cs.run.get(k))} -> {_value(now.get(k))}"
+                   for k in _FATAL if cs.run.get(k) != now.get(k)]
+    if fatal_diffs:
+        raise QsyncInputError(
+            f"{_where(out)} holds the checkpoint (step {cs.step}) of another run: "
+            f"{', '.join(diffs)}; no checkpoint resumes under another model, optimizer or "
+            "world size: pass --no-resume to start afresh, or use another --out")
+    if diffs and not config.resume_anyway:
+        raise QsyncInputError(
+            f"{_where(out)} holds the checkpoint (step {cs.step}) of another run: "
+            f"{', '.join(diffs)}; pass --resume-anyway to continue it with the new settings, "
+            "--no-resume to start afresh, or use another --out")
+    if cs.step > config.steps:
+        raise QsyncInputError(
+            f"--steps {config.steps}: the checkpoint in {_where(out)} is already at step "
+            f"{cs.step}; pass --steps {cs.step} or more to continue it, or --no-resume")
+    return cs
+
+
+def remove_stale(out_dir: str | Path, keep: CheckpointSet | None) -> None:
+    """At the start of a run: every checkpoint set but ``keep`` (incomplete sets a kill left,
+    or the sets of a run that starts afresh) and every ``.tmp`` file an interrupted atomic
+    write left in ``out_dir`` and its checkpoints."""
+    out = Path(out_dir)
+    for _, folder in step_folders(out):
+        if keep is None or folder != keep.path:
+            shutil.rmtree(folder, ignore_errors=True)
+    for folder in (out, out / CKPT_DIR, *([keep.path] if keep else [])):
+        try:
+            stale = [p for p in folder.iterdir()
+                     if p.name.startswith(".") and p.name.endswith(".tmp")]
+        except OSError:
+            continue
+        for p in stale:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
+    """After a commit: every set but the one just committed."""
+    for _, folder in step_folders(out_dir):
+        if folder != keep:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -30,6 +30,7 @@ credited against later debt, so many tiny ops still add up to the right total.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -63,8 +64,8 @@ class SlowdownHooks:
     """
 
     def __init__(self, model: nn.Module, factor: float, *, min_sleep_s: float = 2e-4) -> None:
-        if not factor >= 1:
-            raise ValueError(f"slowdown factor must be >= 1, got {factor}")
+        if not (factor >= 1 and math.isfinite(factor)):  # inf: a sleep that never ends
+            raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor}")
         self.model = model
         self.factor = float(factor)
         self.min_sleep_s = float(min_sleep_s)

@@ -28,6 +28,15 @@ node (the config file and ``--out`` on a shared filesystem, or copied to the sam
 ``--print-command`` prints those commands for the plan's nodes. Ranks are numbered node by
 node, so rank ``i`` is ``node_rank * nproc_per_node + local_rank`` and gets
 ``rank_groups[i]``; on a GPU each rank detects its card and warns when the plan says another.
+
+Resuming: when ``--out`` holds a committed checkpoint set (qsync_opt.runtime.config), the run
+continues it, but only under the settings that wrote it (model, plan, seed, optimizer, lr,
+batch split, world size); otherwise it is refused, each difference named, before anything in
+``--out`` changes, unless ``--resume-anyway`` (``--no-resume`` starts afresh).
+
+Stopping: torchrun runs in its own session; SIGTERM, SIGINT and SIGHUP to the launcher are
+forwarded to it (it stops its ranks), and a launcher killed by SIGKILL still takes torchrun
+(a parent-death signal) and every rank (a watchdog on the launcher's pid) with it.
 """
 
 from __future__ import annotations
@@ -38,9 +47,12 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +94,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="steps between checkpoints (default 0: at the end only)")
     p.add_argument("--no-resume", action="store_true",
                    help="start afresh even when --out holds a checkpoint")
+    p.add_argument("--resume-anyway", action="store_true",
+                   help="resume --out's checkpoint even when it was written with another "
+                        "seed, lr, plan or batch split (refused by default, with the "
+                        "differences named; never another model, optimizer or world size)")
     p.add_argument("--emulate-dp", action="store_true",
                    help="one process computes every rank's micro-batch (emulated data parallel)")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -188,13 +204,25 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
             resume=not args.no_resume, emulate_dp=args.emulate_dp,
             slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend,
-            memory_step=getattr(args, "measure_memory", None))
+            memory_step=getattr(args, "measure_memory", None),
+            resume_anyway=getattr(args, "resume_anyway", False))
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
 
 
 def write_config(config: TrainConfig) -> Path:
-    """Write ``OUT/train_config.json`` atomically and return its path."""
+    """Write ``OUT/train_config.json`` atomically and return its path.
+
+    First, before anything in ``OUT`` changes: the plan's batches must be within the
+    runtime's limits, and a resume must continue a run made with the same settings
+    (:func:`~qsync_opt.runtime.config.check_resume`; QsyncInputError names each difference),
+    so the old run's config is never overwritten by one that cannot resume it.
+    """
+    from .config import check_batches, check_resume
+
+    plan = Plan.load(config.plan_path)
+    check_batches(plan, config.rank_groups)
+    check_resume(config, plan)
     out = Path(config.out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -271,24 +299,167 @@ def _failed_rank(lines: Sequence[str]) -> tuple[int | None, int | None]:
     return rank, code
 
 
-def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[str]]:
-    """Run ``cmd``, copy its output (stdout and stderr merged) to ours line by line."""
-    tail: list[str] = []
-    with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          env=env, text=True, bufsize=1) as proc:
-        assert proc.stdout is not None
+#: Run by the child before it becomes ``cmd``: on Linux, a parent-death signal (SIGTERM,
+#: kept across exec) so that torchrun stops its ranks when the launcher dies, even by
+#: SIGKILL; then, if the launcher is already gone, exit instead of starting.
+_EXEC_WITH_PARENT_DEATH_SIGNAL = """\
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    try:
+        u = ctypes.c_ulong  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(1, u(int(signal.SIGTERM)), u(0), u(0), u(0))
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+#: Signals forwarded to the child's process group (a second one sends SIGKILL).
+FORWARDED = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP")
+                  if hasattr(signal, n))
+#: After a forwarded signal, how long torchrun has to stop its ranks before SIGKILL.
+STOP_GRACE_S = 45.0
+#: After the child exited, how long its output may still come (from its children).
+EOF_GRACE_S = 5.0
+
+
+def _signal_group(proc: subprocess.Popen[str], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError, AttributeError):
         try:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                tail.append(line.rstrip("\n"))
-                del tail[:-400]  # the failure summary is at the end
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait()
-            raise
-        rc = proc.wait()
+            proc.send_signal(sig)
+        except (ProcessLookupError, OSError):
+            pass
+
+
+def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    """Run ``cmd``, copy its output (stdout and stderr merged) to ours line by line.
+
+    The child runs in its own session (process group), with a parent-death signal on Linux
+    and ``QSYNC_LAUNCHER_PID`` in its environment (each rank's watchdog polls it), so no
+    rank outlives the launcher, however it dies. SIGTERM, SIGINT and SIGHUP sent to the
+    launcher are forwarded to the child's process group (a second one, or
+    :data:`STOP_GRACE_S` without the child exiting, sends SIGKILL); once the child has
+    exited the launcher says so in one line and dies of the same signal.
+    """
+    tail: list[str] = []
+    env = dict(env, QSYNC_LAUNCHER_PID=str(os.getpid()))
+    got: list[int] = []
+    box: list[subprocess.Popen[str]] = []
+    timers: list[threading.Timer] = []
+
+    def forward(signum: int, frame: object) -> None:
+        got.append(signum)
+        if not box:
+            return
+        _signal_group(box[0], signal.SIGKILL if len(got) > 1 else signum)
+        if len(got) == 1:
+            t = threading.Timer(STOP_GRACE_S, _signal_group, (box[0], signal.SIGKILL))
+            t.daemon = True
+            t.start()
+            timers.append(t)
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in FORWARDED:
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                previous[sig] = signal.signal(sig, forward)
+
+    def copy_lines(stream: Any) -> None:
+        for line in stream:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            tail.append(line.rstrip("\n"))
+            del tail[:-400]  # the failure summary is at the end
+
+    try:
+        argv = [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid()),
+                *cmd]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, text=True, bufsize=1, start_new_session=True)
+        box.append(proc)
+        if got:  # a signal came before the child existed
+            forward(got.pop(), None)
+        reader = threading.Thread(target=copy_lines, args=(proc.stdout,), daemon=True)
+        reader.start()
+        rc = proc.wait()  # the signal handlers run while it waits
+        # The output ends when the last holder of the pipe exits: normally with the child.
+        # An orphaned grandchild must not keep the launcher alive (the rank's watchdog
+        # stops it once the launcher is gone), so the pipe is left to it after a grace.
+        reader.join(EOF_GRACE_S)
+        if not reader.is_alive() and proc.stdout is not None:
+            proc.stdout.close()
+    finally:
+        for t in timers:
+            t.cancel()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        sig = got[0]
+        sys.stdout.flush()
+        sys.stderr.write(f"qsync-opt: train: stopped by {signal.Signals(sig).name}; "
+                         f"torchrun and its ranks were stopped (exit code {rc})\n")
+        sys.stderr.flush()
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)  # die of it, as the caller expects
     return rc, tail
+
+
+def _pid_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: alive as far as we can tell
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def watch_parents(rank: int, interval_s: float = 0.5) -> threading.Thread | None:
+    """End this rank (exit code 1) once the launcher or the rank's parent is gone.
+
+    Under ``qsync-opt train`` the launcher's pid is in ``QSYNC_LAUNCHER_PID``; the rank's
+    parent is torchrun (``TORCHELASTIC_RUN_ID`` set). The launcher starts torchrun in its own
+    session with a parent-death signal (SIGTERM), so a killed launcher takes torchrun down,
+    and torchrun's death reparents the rank: either way the watchdog (a daemon thread polling
+    twice a second) sees it, even after a SIGKILL no handler can catch. A rank started by hand
+    (neither variable set) is not watched. Returns the thread, or None.
+    """
+    launcher = os.environ.get("QSYNC_LAUNCHER_PID", "")
+    watch_launcher = launcher.isdigit() and int(launcher) > 1
+    watch_parent = "TORCHELASTIC_RUN_ID" in os.environ
+    if not (watch_launcher or watch_parent):
+        return None
+    parent = os.getppid()
+
+    def gone() -> str | None:
+        if watch_parent and os.getppid() != parent:
+            return "its parent (torchrun)"
+        if watch_launcher and not _pid_alive(int(launcher)):
+            return f"the launcher (pid {launcher})"
+        return None
+
+    def loop() -> None:
+        while True:
+            who = gone()
+            if who is not None:
+                try:
+                    os.write(2, f"qsync-opt train: rank {rank}: {who} is gone; stopping\n"
+                             .encode())
+                except OSError:
+                    pass  # the stream went with the launcher
+                os._exit(1)
+            time.sleep(interval_s)
+
+    t = threading.Thread(target=loop, name="qsync-watch-parents", daemon=True)
+    t.start()
+    return t
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -33,12 +33,19 @@ Precision
     restores its buffers; ``config.max_bad_steps`` consecutive skips stop the run.
 
 Checkpoints
-    Atomic (temporary file in the same folder, fsync, ``os.replace``), holding only tensors
-    and plain values (model and optimizer ``state_dict``, step, loss scale, the torch RNG state,
-    the qsync layers' seed counters ``qseed``) so they load with ``weights_only=True``.
-    ``config.resume`` continues from out_dir's checkpoint and reproduces the uninterrupted
-    run bit for bit. A multi-process run writes one file per rank
-    (``checkpoint.rank{r}.pt``); a single process (world 1 or emulation) ``checkpoint.pt``.
+    Saved as a *set* per step (layout in :mod:`.config`): every rank writes
+    ``out_dir/ckpt/step-N/rank{r}.pt`` atomically (temporary file in the same folder, fsync,
+    ``os.replace``); after a barrier rank 0 writes the commit marker ``commit.json`` (also
+    atomically, holding the run's fingerprint) and removes every older set. A kill at any
+    moment leaves the last committed set whole; a resume takes the newest complete set on
+    every rank (the ranks check they agree), after refusing one written under other settings
+    (:func:`~qsync_opt.runtime.config.check_resume`), and removes incomplete sets and stale
+    ``.tmp`` files first. A rank's file holds only tensors and plain values (model and
+    optimizer ``state_dict``, step, loss scale, the torch RNG state, the qsync layers' seed
+    counters ``qseed``) so it loads with ``weights_only=True``. ``config.resume`` continues
+    from the newest set and reproduces the uninterrupted run bit for bit. Emulation writes
+    one file per emulated rank, the same layout; a single-process run (world 1 or emulation)
+    also keeps ``out_dir/checkpoint.pt``, a link to the newest set's ``rank0.pt``.
 
 Metrics
     ``out_dir/metrics.rank{r}.jsonl``: one JSON line per step per rank (step, rank, group,
@@ -63,7 +70,14 @@ Slowdown emulation
 Test hooks (environment)
     ``QSYNC_TEST_DIE_AT_STEP="RANK:STEP"`` makes that rank exit abruptly at that step;
     ``QSYNC_TEST_HANG_AT_STEP="RANK:STEP"`` makes it stall (alive, silent) there;
-    ``QSYNC_TEST_NAN_AT_STEP="RANK:STEP[,STEP...]"`` makes its loss NaN at those steps.
+    ``QSYNC_TEST_NAN_AT_STEP="RANK:STEP[,STEP...]"`` makes its loss NaN at those steps;
+    ``QSYNC_TEST_DIE_IN_SAVE="RANK:STEP"`` makes it exit abruptly in the save of the
+    checkpoint of that step, after writing its own file, before the set is committed.
+
+Dying with the launcher
+    Under ``qsync-opt train`` (``QSYNC_LAUNCHER_PID`` set) or torchrun, a watchdog thread
+    ends the rank within a second once the launcher or the rank's parent (torchrun) is gone,
+    even when they were killed by SIGKILL (:func:`qsync_opt.runtime.launch.watch_parents`).
 """
 
 from __future__ import annotations
@@ -90,7 +104,21 @@ from ..errors import QsyncInputError
 from ..precision import Precision
 from ..schemas import Plan
 from .apply import apply_plan
-from .config import TrainConfig
+from .config import (
+    COMMIT_NAME,
+    LEGACY_NAME,
+    CheckpointSet,
+    TrainConfig,
+    check_batches,
+    check_resume,
+    commit_document,
+    latest_complete_set,
+    rank_file,
+    remove_other_sets,
+    remove_stale,
+    run_fingerprint,
+    set_path,
+)
 from .layers import _QMixin
 
 __all__ = [
@@ -100,6 +128,7 @@ __all__ = [
     "LocalSync",
     "TrainingError",
     "emulate",
+    "latest_checkpoint",
     "load_checkpoint",
     "main",
     "run",
@@ -126,6 +155,7 @@ class Setup:
     offsets: list[int]          # per rank
     global_batch: int
     init_scale: float
+    run: dict[str, Any]         # the run's fingerprint (config.run_fingerprint)
 
 
 def prepare(config: TrainConfig) -> Setup:
@@ -143,19 +173,16 @@ def prepare(config: TrainConfig) -> Setup:
     if plan.workload.replace("-", "_").lower() != wl.name:
         raise QsyncInputError(f"plan_path: the plan was made for {plan.workload}, the config "
                               f"trains {wl.name}")
-    for r, g in enumerate(config.rank_groups):
-        if g not in plan.groups:
-            raise QsyncInputError(f"rank_groups[{r}]: the plan has no group {g!r}; its groups: "
-                                  f"{', '.join(plan.groups)}")
+    batches = check_batches(plan, config.rank_groups)  # groups known, batches bounded
     for g in config.slowdown:
         if g not in plan.groups:
             raise QsyncInputError(f"slowdown: the plan has no group {g!r}")
-    batches = [plan.groups[g].batch_per_device for g in config.rank_groups]
     offsets = [sum(batches[:r]) for r in range(len(batches))]
     fp16 = any(Precision(p) == Precision.fp16
                for g in set(config.rank_groups) for p in plan.groups[g].precisions.values())
     init = config.loss_scale if config.loss_scale is not None else (2.0 ** 16 if fp16 else 1.0)
-    return Setup(config, plan, wl, batches, offsets, sum(batches), float(init))
+    return Setup(config, plan, wl, batches, offsets, sum(batches), float(init),
+                 run_fingerprint(config, plan))
 
 
 def card_mismatch(setup: Setup, rank: int, card_name: str) -> str | None:
@@ -281,6 +308,13 @@ class GradientSync:
             return 0
         return sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
 
+    def min_max(self, value: float) -> tuple[float, float]:
+        """The least and the greatest of ``value`` over the ranks (one process: itself)."""
+        return value, value
+
+    def barrier(self) -> None:
+        """Return once every rank got here (one process: at once)."""
+
 
 class LocalSync(GradientSync):
     """One process, one rank: nothing to agree on."""
@@ -320,6 +354,18 @@ class DDPSync(GradientSync):
         t = stats.to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu()
+
+    def min_max(self, value: float) -> tuple[float, float]:
+        lo = torch.tensor([value], dtype=torch.float64, device=self.device)
+        hi = lo.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        return float(lo), float(hi)
+
+    def barrier(self) -> None:
+        # an all-reduce is a barrier on every backend (NCCL's barrier guesses the device)
+        t = torch.zeros(1, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
     def sync_buffers(self, models: Sequence[nn.Module]) -> None:
         # One broadcast per dtype (a ResNet-18 has 60 BN buffers: 60 latency-bound
@@ -453,6 +499,28 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def latest_checkpoint(out_dir: str | os.PathLike[str], rank: int = 0) -> Path | None:
+    """``rank``'s file in ``out_dir``'s newest complete checkpoint set (None: no set)."""
+    cs = latest_complete_set(out_dir)
+    if cs is None or rank >= cs.world_size:
+        return None
+    return cs.rank_file(rank)
+
+
+def _link_latest(out: Path, target: Path) -> None:
+    """``out/checkpoint.pt`` -> the newest set's rank0.pt (readers of the old layout)."""
+    link = out / LEGACY_NAME
+    if link.exists() and not link.is_symlink():
+        return  # an old run's checkpoint: left alone
+    tmp = out / f".{LEGACY_NAME}.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(target, out), tmp)
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 def _write_json(path: Path, obj: Any) -> None:
     from ..io import atomic_write_text
 
@@ -473,7 +541,9 @@ class _Metrics:
                         keep.append(line)
                 except json.JSONDecodeError:
                     continue
-            path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+            from ..io import atomic_write_text
+
+            atomic_write_text(path, "".join(k + "\n" for k in keep))  # a kill keeps them
         self.fh = path.open("a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
@@ -502,12 +572,13 @@ class _Trainer:
     """The training loop shared by :func:`run` (one local replica) and :func:`emulate`."""
 
     def __init__(self, setup: Setup, ranks: list[int], models: list[nn.Module],
-                 sync: GradientSync, device: torch.device, ckpt: Path) -> None:
+                 sync: GradientSync, device: torch.device) -> None:
         self.s, self.cfg = setup, setup.config
         self.ranks, self.models, self.sync = ranks, models, sync
         self.forward_models = [sync.wrap(m) for m in models]
         self.opts = [make_optimizer(self.cfg, m) for m in models]
-        self.device, self.ckpt = device, ckpt
+        self.device = device
+        self.resumed: CheckpointSet | None = None
         self.data = GlobalBatches(setup.workload, self.cfg.seed, setup.global_batch)
         self.scale, self.good, self.bad_run, self.skipped, self.step = setup.init_scale, 0, 0, 0, 0
         # every replica has its own torch RNG stream (dropout), as its process would
@@ -520,30 +591,64 @@ class _Trainer:
         self.memory: dict[str, Any] | None = None  # filled by measure_memory()
 
     # -- checkpoints
-    def save(self) -> None:
-        atomic_torch_save({
-            "format": 1, "step": self.step, "scale": self.scale, "good": self.good,
-            "bad_run": self.bad_run, "skipped": self.skipped, "last_loss": self.last_loss,
-            "model": self.models[0].state_dict(), "optimizer": self.opts[0].state_dict(),
-            "replicas": [{"rank": r, "rng": rng, "qseeds": qseeds(m)}
-                         for r, rng, m in zip(self.ranks, self.rngs, self.models, strict=True)],
-        }, self.ckpt)
+    def begin(self) -> int:
+        """Where this run starts: the newest complete checkpoint set when resuming (checked
+        against the config, the same on every rank), else 0; rank 0 then removes every other
+        set and the stale ``.tmp`` files."""
+        cfg = self.cfg
+        cs = check_resume(cfg, self.s.plan)
+        lo, hi = self.sync.min_max(float(cs.step) if cs is not None else -1.0)
+        if lo != hi:
+            raise TrainingError(
+                f"the ranks found different newest checkpoint sets in {self.out} (steps "
+                f"{int(lo)}..{int(hi)}; -1: none): is out_dir the same folder on every node?")
+        if 0 in self.ranks:
+            remove_stale(self.out, cs)
+        self.sync.barrier()  # nobody writes before the cleaning is done
+        if cs is not None:
+            self.restore(cs)
+        self.resumed = cs
+        return self.step
 
-    def restore(self) -> None:
-        ck = load_checkpoint(self.ckpt)
-        reps = {int(x["rank"]): x for x in ck["replicas"]}
-        if set(self.ranks) - set(reps):
-            raise TrainingError(f"{self.ckpt}: written for ranks {sorted(reps)}, not {self.ranks}")
-        for r, m, opt, i in zip(self.ranks, self.models, self.opts, range(len(self.ranks)),
-                                strict=True):
+    def save(self) -> None:
+        """Every local rank's file of this step's set, a barrier, rank 0's commit marker."""
+        folder = set_path(self.out, self.step)
+        die = _hook("QSYNC_TEST_DIE_IN_SAVE")
+        for r, rng, m, opt in zip(self.ranks, self.rngs, self.models, self.opts, strict=True):
+            atomic_torch_save({
+                "format": 2, "step": self.step, "scale": self.scale, "good": self.good,
+                "bad_run": self.bad_run, "skipped": self.skipped, "last_loss": self.last_loss,
+                "model": m.state_dict(), "optimizer": opt.state_dict(),
+                "replicas": [{"rank": r, "rng": rng, "qseeds": qseeds(m)}],
+            }, rank_file(folder, r))
+            if die is not None and die[0] == r and self.step in die[1]:
+                os._exit(17)
+        self.sync.barrier()  # every rank's file is on disk
+        if 0 in self.ranks:
+            from ..io import atomic_write_text
+
+            atomic_write_text(folder / COMMIT_NAME,
+                              commit_document(self.step, self.cfg.world_size, self.s.run))
+            remove_other_sets(self.out, folder)
+            if self.cfg.world_size == 1 or len(self.ranks) == self.cfg.world_size:
+                _link_latest(self.out, rank_file(folder, 0))
+
+    def restore(self, cs: CheckpointSet) -> None:
+        for i, (r, m, opt) in enumerate(zip(self.ranks, self.models, self.opts, strict=True)):
+            path = cs.rank_file(r)
+            ck = load_checkpoint(path)
+            reps = {int(x["rank"]): x for x in ck["replicas"]}
+            if int(ck["step"]) != cs.step or r not in reps:
+                raise TrainingError(f"{path}: not rank {r}'s checkpoint of step {cs.step}")
             m.load_state_dict(ck["model"])
-            # a copy each: load_state_dict keeps the given tensors (shared momentum otherwise)
+            # a copy: load_state_dict keeps the given tensors
             opt.load_state_dict(copy.deepcopy(ck["optimizer"]))
             set_qseeds(m, reps[r]["qseeds"])
             self.rngs[i] = reps[r]["rng"]
-        self.step, self.scale, self.good = int(ck["step"]), float(ck["scale"]), int(ck["good"])
-        self.bad_run, self.skipped = int(ck["bad_run"]), int(ck["skipped"])
-        self.last_loss = float(ck["last_loss"])
+            if i == 0:
+                self.step, self.scale = int(ck["step"]), float(ck["scale"])
+                self.good, self.bad_run = int(ck["good"]), int(ck["bad_run"])
+                self.skipped, self.last_loss = int(ck["skipped"]), float(ck["last_loss"])
 
     # -- one step
     def train_step(self, metrics: list[_Metrics]) -> None:
@@ -687,10 +792,7 @@ class _Trainer:
     def train(self, progress: bool) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        start = 0
-        if cfg.resume and self.ckpt.exists():
-            self.restore()
-            start = self.step
+        start = self.begin()
         metrics = [_Metrics(self.out / f"metrics.rank{r}.jsonl", start) for r in self.ranks]
         try:
             while self.step < cfg.steps:
@@ -702,7 +804,7 @@ class _Trainer:
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                         and self.step < cfg.steps):
                     self.save()
-            if self.step > start or not self.ckpt.exists():
+            if self.step > start or self.resumed is None:
                 self.save()
         finally:
             for met in metrics:
@@ -753,7 +855,7 @@ def emulate(config: TrainConfig) -> dict[str, Any]:
     models = [build_model(setup, r, device) for r in ranks]
     sync: GradientSync = EmulatedSync(config.world_size)
     out = Path(config.out_dir)
-    tr = _Trainer(setup, ranks, models, sync, device, out / "checkpoint.pt")
+    tr = _Trainer(setup, ranks, models, sync, device)
     res = tr.train(progress=sys.stderr.isatty())
     evals = [res["evals"][r] for r in ranks]
     summary = _clean(tr.summary(res["state_sha256"], evals, res["wall_s"], res["resumed_from"]))
@@ -812,20 +914,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
         hooks = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
         sync: GradientSync = DDPSync(world, device) if world > 1 else LocalSync()
-        ckpt = out / (f"checkpoint.rank{rank}.pt" if world > 1 else "checkpoint.pt")
-        tr = _Trainer(setup, [rank], [model], sync, device, ckpt)
+        tr = _Trainer(setup, [rank], [model], sync, device)
         tr.slowdown = hooks  # type: ignore[attr-defined]  # kept for the run's life
-        if world > 1 and config.resume:
-            # every rank must resume from the same step (or all start fresh)
-            have = torch.tensor([float(load_checkpoint(ckpt)["step"]) if ckpt.exists() else -1.0],
-                                dtype=torch.float64)
-            lo, hi = have.clone().to(device), have.clone().to(device)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-            if float(lo) != float(hi):
-                raise TrainingError(f"ranks' checkpoints in {out} are at different steps "
-                                    f"({int(lo)}..{int(hi)}); remove them or restore a "
-                                    "consistent set")
         res = tr.train(progress=rank == 0 and sys.stderr.isatty())
         ev = res["evals"][rank]
         evals = [ev]
@@ -862,6 +952,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m qsync_opt.runtime.train CONFIG.json", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
+    from .launch import watch_parents
+
+    watch_parents(rank)  # die with the launcher and torchrun, even when they are SIGKILLed
     try:
         config = load(args[0], TrainConfig)
         run(config)
