@@ -10,8 +10,15 @@ variable), with every coefficient made an integer. The scaling is explicit:
   600-op model and cost optimality; 1e8-1e9 keeps every sum far inside int64 and solves as
   fast.)
 * the objective ``weight * Omega`` is scaled by ``omega_scale`` (a power of ten that keeps
-  the largest possible total below 1e12) and rounded to nearest; ``max_objective_error``
-  bounds ``|scaled / omega_scale - exact|`` for any assignment.
+  the largest possible total below 1e15; int64 holds 9.2e18) and rounded to nearest;
+  ``max_objective_error`` bounds ``|scaled / omega_scale - exact|`` for any assignment.
+  An OPTIMAL plan whose rounding error could exceed the relative gap of its objective
+  (Omegas of very different sizes) is re-solved without the choices whose Omega alone
+  exceeds the plan's, on a scale fitted to what is left; if that does not prove it, it is
+  FEASIBLE.
+* every coefficient is at most 2**50 units; a number beyond that (or not finite) is
+  refused, naming the quantity, and a capacity or budget no assignment can reach is
+  replaced by one just above what any assignment takes (exact: the row never binds).
 * the **inner** model rounds every time and memory cost up (ceil) and every budget and
   capacity down (floor): every assignment it accepts is feasible in the exact
   floating-point model. It may lose assignments within ``max_time_slack_ms`` of the budget
@@ -71,7 +78,7 @@ from .ilp import (
 
 #: Target range of the scaled budget / capacity (units) and of the scaled objective total.
 _UNITS_LOW = 1e8
-_OBJECTIVE_MAX = 1e12
+_OBJECTIVE_MAX = 1e15
 #: The largest |coefficient| in units CP-SAT is given (2**50: exact in a double, so the
 #: rounding loops below settle within a step, and sums of 8000 such terms stay inside
 #: int64). A cost beyond it (more than ~1e7 times the budget or the smallest capacity)
@@ -183,7 +190,7 @@ def scaling_for(problem: AllocationProblem, units: float = _UNITS_LOW) -> Scalin
 
 
 def _omega_scale(total: float) -> float:
-    """The power of ten that keeps an objective total of ``total`` below 1e12 units."""
+    """The power of ten that keeps an objective total of ``total`` below 1e15 units."""
     if not total > 0:
         return 1.0
     return 10.0 ** max(-_EXP_RANGE, min(_EXP_RANGE,
