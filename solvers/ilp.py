@@ -24,6 +24,14 @@ tolerances act relatively. Every assignment is then checked with the exact model
 case a solver tolerance let a row slip, the row is tightened (by the violation plus 1e-9,
 then 1e-7, 1e-5 of the bound) and the program re-solved, with a message.
 
+The objective is each unit's ``w * Omega`` less its least (a constant), divided by its
+largest coefficient; the solvers' absolute gap is 1e-3 of the relative one in those units.
+An OPTIMAL plan whose objective is so small beside the largest coefficient that this gap
+exceeds the relative gap of it (one Omega 1e5 times the rest) is not trusted as proven: the
+program is re-solved without the choices whose term alone exceeds the plan's whole
+objective (no better plan takes one), which makes the largest coefficient at most the
+plan's objective; a plan still not proven that way is FEASIBLE, its bound dropped.
+
 Solver specifics. HiGHS runs through pulp's ``HiGHS`` class (highspy), subclassed to pass
 the model in bulk, to warm-start with ``setSolution`` (pulp's class has no warm start) and
 to read the model status and ``mip_dual_bound``. CBC runs through pulp's bundled command

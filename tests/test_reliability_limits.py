@@ -408,3 +408,13 @@ def test_a_loader_never_sees_a_half_built_library(tmp_path) -> None:
     assert results == [lib, lib]
     assert seen <= {size} and lib.stat().st_size == size
     assert sorted(p.name for p in folder.iterdir()) == ["lib"]
+
+
+def test_the_cache_root_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path) -> None:
+    from qsync_opt._env import cache_root
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_root() == tmp_path / "qsync-opt"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "qsync-opt"
