@@ -19,8 +19,19 @@ def cpu_model() -> str:
 
 
 def cache_root() -> Path:
-    """qsync-opt's cache folder: $XDG_CACHE_HOME/qsync-opt (default ~/.cache/qsync-opt)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    """qsync-opt's cache folder: $XDG_CACHE_HOME/qsync-opt (default ~/.cache/qsync-opt).
+
+    A relative ``XDG_CACHE_HOME`` is ignored (the XDG spec says so: it would put the cache
+    wherever the command runs); with no home folder either, a per-user temporary folder."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):
+            import tempfile
+
+            uid = os.getuid() if hasattr(os, "getuid") else 0
+            base = os.path.join(tempfile.gettempdir(), f"qsync-opt-cache-{uid}")
     return Path(base) / "qsync-opt"
 
 

@@ -49,6 +49,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,11 @@ class ProblemOptions:
     lower_reference: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.target_ms is not None and not self.target_ms > 0:
-            raise QsyncInputError(f"target_ms: expected a positive number, got {self.target_ms}")
+        if self.target_ms is not None and not (
+                isinstance(self.target_ms, (int, float)) and not isinstance(self.target_ms, bool)
+                and 0 < self.target_ms < math.inf):
+            raise QsyncInputError(
+                f"target_ms: expected a positive finite number, got {self.target_ms!r}")
         if not 0 <= self.memory_headroom < 1:
             raise QsyncInputError(
                 f"memory_headroom: expected a fraction in [0, 1), got {self.memory_headroom}")
@@ -274,6 +278,44 @@ class GroupModel:
         return [len(c) - 1 for c in self.choices]
 
 
+def check_finite(groups: Sequence[GroupModel], unit_names: Sequence[str] | None = None) -> None:
+    """Refuse (one line, naming the group, the quantity and the op) any coefficient the
+    solvers would be given that is not a finite number: Infinity or NaN in a cost, a
+    capacity or an indicator value would otherwise reach the solvers' scaling."""
+
+    def name(u: int) -> str:
+        return (unit_names[u] if unit_names is not None and u < len(unit_names)
+                else f"unit {u}")
+
+    def bad(v: Any) -> bool:
+        return not isinstance(v, (int, float)) or not math.isfinite(v)
+
+    for g in groups:
+        where = f"group {g.name}"
+        for what, v in (("weight", g.weight), ("capacity_bytes", g.capacity_bytes),
+                        ("time0 (fixed time, ms)", g.time0), ("mem0 (fixed memory, bytes)",
+                                                              g.mem0),
+                        ("work0 (working set, bytes)", g.work0)):
+            if bad(v):
+                raise QsyncInputError(f"{where}: {what} is {v!r}; expected a finite number "
+                                      "(check the costs and cluster files)")
+        for what, rows in (("time cost (ms)", g.time1), ("memory cost (bytes)", g.mem1),
+                           ("working set (bytes)", g.work1),
+                           ("indicator value (Omega)", g.omega1)):
+            for u, row in enumerate(rows):
+                for v in row:
+                    if bad(v):
+                        raise QsyncInputError(
+                            f"{where}, op {name(u)}: {what} is {v!r}; expected a finite "
+                            "number (check the costs and indicator files)")
+        for p in g.pairs:
+            for what, mat in (("cast time (ms)", p.time), ("cast memory (bytes)", p.mem)):
+                if any(bad(v) for row in mat for v in row):
+                    raise QsyncInputError(
+                        f"{where}, ops {name(p.a)} -> {name(p.b)}: a {what} is not a finite "
+                        "number (check the costs file)")
+
+
 def _held_at_reference(g: GroupModel) -> GroupModel:
     """``g`` with every real unit held at its reference choice (one choice each); a derived
     unit keeps the choices its inputs can still give. The coefficients are sliced from
@@ -380,6 +422,7 @@ class AllocationProblem:
         self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
         self._approx: dict[str, int] = {"memory_or": 0}
         self.groups = [self._group_model(gi) for gi in range(len(rep.groups))]
+        check_finite(self.groups, [u.ops[0] for u in self.units])
         if self._approx["memory_or"]:
             self.notes.append(
                 f"linear model: {self._approx['memory_or']} ops with several choosable producers "
@@ -849,8 +892,9 @@ class AllocationProblem:
 
     def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
         """The same problem with another makespan target (no coefficient is rebuilt)."""
-        if not target_ms > 0:
-            raise QsyncInputError(f"target_ms: expected a positive number, got {target_ms}")
+        if not 0 < target_ms < math.inf:
+            raise QsyncInputError(
+                f"target_ms: expected a positive finite number, got {target_ms!r}")
         other = copy.copy(self)
         other.target_ms = float(target_ms)
         other.target_source = source

@@ -10,8 +10,15 @@ variable), with every coefficient made an integer. The scaling is explicit:
   600-op model and cost optimality; 1e8-1e9 keeps every sum far inside int64 and solves as
   fast.)
 * the objective ``weight * Omega`` is scaled by ``omega_scale`` (a power of ten that keeps
-  the largest possible total below 1e12) and rounded to nearest; ``max_objective_error``
-  bounds ``|scaled / omega_scale - exact|`` for any assignment.
+  the largest possible total below 1e15; int64 holds 9.2e18) and rounded to nearest;
+  ``max_objective_error`` bounds ``|scaled / omega_scale - exact|`` for any assignment.
+  An OPTIMAL plan whose rounding error could exceed the relative gap of its objective
+  (Omegas of very different sizes) is re-solved without the choices whose Omega alone
+  exceeds the plan's, on a scale fitted to what is left; if that does not prove it, it is
+  FEASIBLE.
+* every coefficient is at most 2**50 units; a number beyond that (or not finite) is
+  refused, naming the quantity, and a capacity or budget no assignment can reach is
+  replaced by one just above what any assignment takes (exact: the row never binds).
 * the **inner** model rounds every time and memory cost up (ceil) and every budget and
   capacity down (floor): every assignment it accepts is feasible in the exact
   floating-point model. It may lose assignments within ``max_time_slack_ms`` of the budget
@@ -39,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import QsyncInputError
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
 from . import SolveOptions, _common
@@ -49,15 +57,20 @@ from ._common import (
     finish,
     infeasible_messages,
     mode_text,
+    part_floor,
+    part_objective,
     program_parts,
     solve_parts,
 )
 from .ilp import (
+    _MAX_RESCALES,
     FEAS_REL,
     active_pairs,
+    check_numbers,
     complete,
     derived_rows,
     exact_violation,
+    excluded_choices,
     ext_choices,
     start_hints,
     work_rows,
@@ -65,34 +78,64 @@ from .ilp import (
 
 #: Target range of the scaled budget / capacity (units) and of the scaled objective total.
 _UNITS_LOW = 1e8
-_OBJECTIVE_MAX = 1e12
+_OBJECTIVE_MAX = 1e15
+#: The largest |coefficient| in units CP-SAT is given (2**50: exact in a double, so the
+#: rounding loops below settle within a step, and sums of 8000 such terms stay inside
+#: int64). A cost beyond it (more than ~1e7 times the budget or the smallest capacity)
+#: cannot be scaled with the precision the budget needs: refused, naming the quantity.
+_INT_LIMIT = float(2 ** 50)
+#: The decimal exponents a unit may take (10**-300 .. 10**300: never 0, never inf).
+_EXP_RANGE = 300
 
 
-def _up(v: float, unit: float) -> int:
-    """The least integer r with r * unit >= v (checked in floating point)."""
-    r = math.ceil(v / unit)
-    while r * unit < v:
+def _quotient(v: float, unit: float, what: str) -> float:
+    """``v / unit``, refused (one line, naming ``what``) when ``v`` is not finite or the
+    quotient is beyond :data:`_INT_LIMIT` units."""
+    q = v / unit
+    if not math.isfinite(v) or not math.isfinite(q) or abs(q) > _INT_LIMIT:
+        raise QsyncInputError(
+            f"{what}: {v!r} cannot be scaled to CP-SAT's integers (a finite value within "
+            f"{_INT_LIMIT * unit:.6g} is needed at this problem's scale, {unit:g} per unit); "
+            "highs or cbc solve it in floating point")
+    return q
+
+
+def _up(v: float, unit: float, what: str = "coefficient") -> int:
+    """The least integer r with r * unit >= v (checked in floating point; at most a few
+    steps: |v / unit| <= 2**50, where consecutive multiples of ``unit`` differ)."""
+    r = math.ceil(_quotient(v, unit, what))
+    for _ in range(4):
+        if r * unit >= v:
+            break
         r += 1
-    while (r - 1) * unit >= v:
+    for _ in range(4):
+        if (r - 1) * unit < v:
+            break
         r -= 1
     return r
 
 
-def _down(v: float, unit: float) -> int:
-    """The greatest integer r with r * unit <= v."""
-    r = math.floor(v / unit)
-    while r * unit > v:
+def _down(v: float, unit: float, what: str = "coefficient") -> int:
+    """The greatest integer r with r * unit <= v (bounded like :func:`_up`)."""
+    r = math.floor(_quotient(v, unit, what))
+    for _ in range(4):
+        if r * unit <= v:
+            break
         r -= 1
-    while (r + 1) * unit <= v:
+    for _ in range(4):
+        if (r + 1) * unit > v:
+            break
         r += 1
     return r
 
 
 def _decade_unit(span: float, units: float = _UNITS_LOW) -> float:
-    """A power of ten that puts ``span`` between ``units`` and ``10 * units`` units."""
+    """A power of ten that puts ``span`` between ``units`` and ``10 * units`` units
+    (the exponent kept within +-300, so the unit is never 0 or infinite)."""
     if not span > 0 or not math.isfinite(span):
         return 1.0
-    return 10.0 ** (math.floor(math.log10(span)) - round(math.log10(units)))
+    exp = math.floor(math.log10(span)) - round(math.log10(units))
+    return 10.0 ** max(-_EXP_RANGE, min(_EXP_RANGE, exp))
 
 
 @dataclass
@@ -122,25 +165,61 @@ class _IntGroup:
     mem_rhs: int  # floor(capacity) - ceil(mem0)
     obj_min: float  # the least possible exact objective (sum of row minima), a trivial bound
     obj_err: float  # max |scaled / omega_scale - exact| over the group's assignments
+    forbid: frozenset[tuple[int, int]] = frozenset()  # (unit, choice) fixed to 0
 
 
 def scaling_for(problem: AllocationProblem, units: float = _UNITS_LOW) -> Scaling:
     """The units: the budget and the smallest capacity between ``units`` and 10x as many
-    (``SolveOptions.extra["cpsat_units"]`` overrides it, e.g. coarse units in tests)."""
+    (``SolveOptions.extra["cpsat_units"]`` overrides it, e.g. coarse units in tests).
+    Numbers that are not finite are refused here, naming the quantity (one line)."""
+    if not (isinstance(units, (int, float)) and 1.0 <= units <= 1e12):
+        raise QsyncInputError(f"cpsat_units: expected a number in [1, 1e12], got {units!r}")
+    check_numbers(problem)
     budget = problem.group_budget_ms()
     if not budget > 0:
         budget = max([abs(g.time0) for g in problem.groups]
                      + [abs(v) for g in problem.groups for r in g.time1 for v in r] + [1e-9])
     caps = [g.capacity_bytes for g in problem.groups if g.capacity_bytes > 0]
     cap = min(caps) if caps else 1.0
-    total = sum(g.weight * max(r) for g in problem.groups for r in g.omega1 if r)
-    scale = 1.0
-    if total > 0 and math.isfinite(total):
-        scale = 10.0 ** math.floor(math.log10(_OBJECTIVE_MAX / total))
-    return Scaling(_decade_unit(budget, units), _decade_unit(cap, units), scale)
+    total = sum(abs(g.weight) * max(abs(v) for v in r) for g in problem.groups
+                for r in g.omega1 if r)
+    if not math.isfinite(total):
+        raise QsyncInputError(f"indicator: the weighted sum of the largest values is {total!r}; "
+                              "expected a finite number")
+    return Scaling(_decade_unit(budget, units), _decade_unit(cap, units), _omega_scale(total))
 
 
-def integer_group(g: GroupModel, budget: float, sc: Scaling, outer: bool = False
+def _omega_scale(total: float) -> float:
+    """The power of ten that keeps an objective total of ``total`` below 1e15 units."""
+    if not total > 0:
+        return 1.0
+    return 10.0 ** max(-_EXP_RANGE, min(_EXP_RANGE,
+                                        math.floor(math.log10(_OBJECTIVE_MAX / total))))
+
+
+def _time_max(g: GroupModel) -> float:
+    """The most time any assignment of ``g`` takes (each term at its largest)."""
+    return (g.time0 + sum(max(r) for r in g.time1 if r)
+            + sum(max(max(row) for row in p.time) for p in g.pairs if p.time and p.time[0]))
+
+
+def _memory_max(g: GroupModel) -> float:
+    """The most memory any assignment of ``g`` takes (each term at its largest)."""
+    return (g.mem0 + sum(max(r) for r in g.mem1 if r)
+            + sum(max(max(row) for row in p.mem) for p in g.pairs if p.mem and p.mem[0])
+            + max([g.work0] + [max(r) for r in g.work1 if r]))
+
+
+def _never_binding(bound: float, most: float, unit: float) -> float:
+    """``bound``, or, when it exceeds ``most`` (what any assignment reaches) by far, a value
+    just above ``most``: the row then accepts every assignment either way."""
+    if math.isfinite(most) and bound > 2 * abs(most) + 4 * unit:
+        return 2 * abs(most) + 4 * unit
+    return bound
+
+
+def integer_group(g: GroupModel, budget: float, sc: Scaling, outer: bool = False,
+                  forbid: frozenset[tuple[int, int]] = frozenset()
                   ) -> tuple[_IntGroup, float, float, float]:
     """The group's integer coefficients and its time slack (ms), memory slack (bytes) and
     objective error bound.
@@ -149,60 +228,78 @@ def integer_group(g: GroupModel, budget: float, sc: Scaling, outer: bool = False
     assignment it accepts is feasible in the exact model; the slacks bound what it may lose.
     ``outer=True``: costs rounded down, bounds (with the tolerance ``FEAS_REL``) up, so it
     accepts every exactly feasible assignment (a relaxation: its optimum bounds the exact
-    one); the slacks are then meaningless (returned as 0).
+    one); the slacks are then meaningless (returned as 0). ``forbid``: (unit, choice) pairs
+    fixed to 0 (no plan better than a known one takes them); their Omega is not counted.
     """
     tu, mu, s = sc.time_unit_ms, sc.mem_unit_bytes, sc.omega_scale
+    # A capacity above the most memory any assignment can take never binds: it is replaced
+    # by that most (plus a margin), exactly, so a huge capacity beside a small one (whose
+    # unit sets mu) still fits CP-SAT's integers. Likewise the budget.
+    capacity = _never_binding(g.capacity_bytes, _memory_max(g), mu)
+    budget = _never_binding(budget, _time_max(g), tu)
     if outer:
         cost, sign = _down, -1.0
-        t_cap = _up(budget + FEAS_REL * abs(budget), tu)
-        m_cap = _up(g.capacity_bytes * (1 + FEAS_REL), mu)
+        t_cap = _up(budget + FEAS_REL * abs(budget), tu, "target_ms (group budget, ms)")
+        m_cap = _up(capacity * (1 + FEAS_REL), mu, f"group {g.name}: capacity_bytes")
     else:
         cost, sign = _up, 1.0
-        t_cap = _down(budget, tu)
-        m_cap = _down(g.capacity_bytes, mu)
+        t_cap = _down(budget, tu, "target_ms (group budget, ms)")
+        m_cap = _down(capacity, mu, f"group {g.name}: capacity_bytes")
     t_slack = budget - t_cap * tu
-    m_slack = g.capacity_bytes - m_cap * mu
-    t0 = cost(g.time0, tu)
-    m0 = cost(g.mem0, mu)
+    m_slack = capacity - m_cap * mu
+    gt, gm = f"group {g.name}: a time cost (ms)", f"group {g.name}: a memory cost (bytes)"
+    t0 = cost(g.time0, tu, gt)
+    m0 = cost(g.mem0, mu, gm)
     t_slack += t0 * tu - g.time0
     m_slack += m0 * mu - g.mem0
     time1, mem1, obj1 = [], [], []
     obj_err = 0.0
     obj_min = 0.0
     for u in range(len(g.time1)):  # real units, then derived ones (no objective)
-        tr = [cost(v, tu) for v in g.time1[u]]
-        mr = [cost(v, mu) for v in g.mem1[u]]
+        tr = [cost(v, tu, gt) for v in g.time1[u]]
+        mr = [cost(v, mu, gm) for v in g.mem1[u]]
         t_slack += max(sign * (r * tu - v) for r, v in zip(tr, g.time1[u], strict=True))
         m_slack += max(sign * (r * mu - v) for r, v in zip(mr, g.mem1[u], strict=True))
         time1.append(tr)
         mem1.append(mr)
         if u < len(g.choices):
             exact = [g.weight * v for v in g.omega1[u]]
-            orow = [round(v * s) for v in exact]
-            obj_err += max(abs(r / s - v) for r, v in zip(orow, exact, strict=True))
-            obj_min += min(exact)
+            orow = [0 if (u, k) in forbid else round(v * s) for k, v in enumerate(exact)]
+            allowed = [k for k in range(len(exact)) if (u, k) not in forbid]
+            obj_err += max(abs(orow[k] / s - exact[k]) for k in allowed)
+            obj_min += min(exact[k] for k in allowed)
             obj1.append(orow)
     pairs = []
     for pi in active_pairs(g):
         p = g.pairs[pi]
-        pt = [[cost(v, tu) for v in row] for row in p.time]
-        pm = [[cost(v, mu) for v in row] for row in p.mem]
+        pt = [[cost(v, tu, gt) for v in row] for row in p.time]
+        pm = [[cost(v, mu, gm) for v in row] for row in p.mem]
         t_slack += max(sign * (r * tu - v) for rr, vv in zip(pt, p.time, strict=True)
                        for r, v in zip(rr, vv, strict=True))
         m_slack += max(sign * (r * mu - v) for rr, vv in zip(pm, p.mem, strict=True)
                        for r, v in zip(rr, vv, strict=True))
         pairs.append((pi, pt, pm))
-    w0 = cost(g.work0, mu)
+    w0 = cost(g.work0, mu, gm)
     w_over = sign * (w0 * mu - g.work0)
     work1 = {}
     for u in work_rows(g):
-        row = [cost(v, mu) for v in g.work1[u]]
+        row = [cost(v, mu, gm) for v in g.work1[u]]
         w_over = max(w_over, max(sign * (r * mu - v)
                                  for r, v in zip(row, g.work1[u], strict=True)))
         work1[u] = row
     m_slack += w_over
+    # CP-SAT checks that no linear row can overflow int64: refuse such rows here, by name.
+    for what, rows, extra in (
+            ("time", time1 + [r for _, pt, _ in pairs for r in pt], abs(t_cap) + abs(t0)),
+            ("memory", mem1 + [r for _, _, pm in pairs for r in pm] + list(work1.values()),
+             abs(m_cap) + abs(m0) + abs(w0))):
+        if sum(max((abs(v) for v in r), default=0) for r in rows) + extra > 2 ** 62:
+            raise QsyncInputError(
+                f"group {g.name}: the {what} costs sum beyond CP-SAT's integer range at this "
+                "problem's scale (costs far above the budget or capacity); highs or cbc "
+                "solve it in floating point")
     ig = _IntGroup(time1, mem1, obj1, pairs, w0, work1, t_cap - t0, m_cap - m0, obj_min,
-                   obj_err)
+                   obj_err, frozenset(forbid))
     if outer:
         return ig, 0.0, 0.0, obj_err
     return ig, t_slack, m_slack, obj_err
@@ -280,6 +377,9 @@ class CpSat:
                     if u < n_real and ig.obj1[u][k]:
                         obj_vars.append(v)
                         obj_coefs.append(ig.obj1[u][k])
+                    if (u, k) in ig.forbid:
+                        model.Add(v == 0)
+                        n_cons += 1
                     if hint is not None:
                         model.AddHint(v, 1 if hint[u] == k else 0)
             # Derived units: x[d,k] = AND_i (input i gives k's dtype).
@@ -459,8 +559,10 @@ class CpSat:
         if hints is not None:
             messages.append("warm start: hints given to CP-SAT (AddHint)")
 
-        def solve_part(gis: Sequence[int], limit: float,
-                       start: Mapping[str, Sequence[int]] | None) -> PartResult:
+        def solve_with(gis: Sequence[int], limit: float,
+                       start: Mapping[str, Sequence[int]] | None,
+                       inner: Mapping[int, _IntGroup], outer: Mapping[int, _IntGroup],
+                       sc: Scaling) -> PartResult:
             tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
             t_end = _common.clock() + max(limit, 0.0)
             seed0 = start if start is not None else hints
@@ -521,6 +623,63 @@ class CpSat:
                     f"{tag}: {why}; plan from the inner model ({res.name})"
                     + ("" if proven else f", {obj - lb:.3g} above the outer bound"))
             return PartResult(status, found, lb, nv, nc)
+
+        def solve_part(gis: Sequence[int], limit: float,
+                       start: Mapping[str, Sequence[int]] | None) -> PartResult:
+            """:func:`solve_with` on the call's scaling; an OPTIMAL plan that the objective's
+            rounding could hide a better one from (its error bound above the relative gap of
+            the plan's objective: Omegas of very different sizes) is re-solved without the
+            choices no better plan takes, on an objective scale fitted to what is left."""
+            tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
+            t_end = _common.clock() + max(limit, 0.0)
+            res = solve_with(gis, limit, start, inner, outer, sc)
+            ints = inner
+            forbid: dict[int, frozenset[tuple[int, int]]] | None = None
+            for rnd in range(_MAX_RESCALES + 1):
+                if res.status != "OPTIMAL" or res.assignment is None:
+                    break
+                err = sum(ints[gi].obj_err for gi in gis)
+                obj = part_objective(problem, gis, res.assignment)
+                if part_floor(problem, gis) >= obj or 2 * err <= options.rel_gap * abs(obj):
+                    break
+                why = (f"the objective's rounding error (up to {2 * err:.3g}) is more than the "
+                       f"relative gap {options.rel_gap:g} of the plan's objective {obj:.6g} "
+                       "(Omegas of very different sizes)")
+                new = excluded_choices(problem, gis, res.assignment)
+                if new == forbid or _common.clock() >= t_end or rnd == _MAX_RESCALES:
+                    messages.append(f"{tag}: CP-SAT's plan is OPTIMAL in integers, but {why}; "
+                                    "status FEASIBLE")
+                    res = dataclasses.replace(res, status="FEASIBLE",
+                                              bound=min(res.bound, obj - 2 * err)
+                                              if res.bound is not None else None)
+                    break
+                forbid = new
+                total = sum(abs(g.weight) * max(abs(v) for k, v in enumerate(row)
+                                                if (u, k) not in forbid[gi])
+                            for gi in gis for g in [problem.groups[gi]]
+                            for u, row in enumerate(g.omega1) if row)
+                sc_p = dataclasses.replace(sc, omega_scale=_omega_scale(total))
+                ints = {gi: integer_group(problem.groups[gi], budget, sc_p,
+                                          forbid=forbid[gi])[0] for gi in gis}
+                ints_out = {gi: integer_group(problem.groups[gi], budget, sc_p, outer=True,
+                                              forbid=forbid[gi])[0] for gi in gis}
+                n_out = sum(len(v) for v in forbid.values())
+                messages.append(f"{tag}: {why}; re-solved without the {n_out} choice(s) whose "
+                                "Omega alone exceeds the plan's (no better plan takes them), "
+                                f"objective x{sc_p.omega_scale:g}")
+                res2 = solve_with(gis, t_end - _common.clock(), res.assignment, ints, ints_out,
+                                  sc_p)
+                if res2.assignment is None or part_objective(
+                        problem, gis, res2.assignment) > obj:
+                    messages.append(f"{tag}: the re-solve gave {res2.status} and no better "
+                                    "plan; the first plan is kept as FEASIBLE")
+                    res = dataclasses.replace(res, status="FEASIBLE",
+                                              bound=min(res.bound, obj - 2 * err)
+                                              if res.bound is not None else None)
+                    break
+                res = dataclasses.replace(res2, n_variables=res.n_variables,
+                                          n_constraints=res.n_constraints)
+            return res
 
         status, assignment, bound, n_vars, n_cons = solve_parts(
             problem, parts, solve_part, deadline, messages, options.rel_gap)

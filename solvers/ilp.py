@@ -24,6 +24,14 @@ tolerances act relatively. Every assignment is then checked with the exact model
 case a solver tolerance let a row slip, the row is tightened (by the violation plus 1e-9,
 then 1e-7, 1e-5 of the bound) and the program re-solved, with a message.
 
+The objective is each unit's ``w * Omega`` less its least (a constant), divided by its
+largest coefficient; the solvers' absolute gap is 1e-3 of the relative one in those units.
+An OPTIMAL plan whose objective is so small beside the largest coefficient that this gap
+exceeds the relative gap of it (one Omega 1e5 times the rest) is not trusted as proven: the
+program is re-solved without the choices whose term alone exceeds the plan's whole
+objective (no better plan takes one), which makes the largest coefficient at most the
+plan's objective; a plan still not proven that way is FEASIBLE, its bound dropped.
+
 Solver specifics. HiGHS runs through pulp's ``HiGHS`` class (highspy), subclassed to pass
 the model in bulk, to warm-start with ``setSolution`` (pulp's class has no warm start) and
 to read the model status and ``mip_dual_bound``. CBC runs through pulp's bundled command
@@ -49,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import QsyncInputError
-from ..problem import AllocationProblem, GroupModel
+from ..problem import AllocationProblem, GroupModel, check_finite
 from ..schemas import Plan, SolveReport
 from . import SolveOptions, _common
 from ._common import (
@@ -75,6 +83,19 @@ _REPAIR_MARGIN = 1e-9
 _MAX_REPAIRS = 3
 #: Feasibility and integrality tolerance asked of CBC and HiGHS (rows are normalised to ~1).
 _FEAS_TOL = 1e-9
+#: The absolute gap asked of CBC and HiGHS, as a fraction of ``rel_gap`` (in the program's
+#: units, where the largest objective coefficient is 1): an OPTIMAL plan whose objective is
+#: at least 1e-3 of that coefficient is then proven within the relative gap; a smaller one is
+#: re-solved without the choices that cannot be in a better plan (see
+#: :func:`loose_optimum`), which rescales its objective.
+_ABS_GAP_OF_REL = 1e-3
+#: Re-solves of a program whose OPTIMAL was only proven within the absolute gap.
+_MAX_RESCALES = 3
+
+
+def abs_gap(rel_gap: float) -> float:
+    """The absolute gap (program units) asked of the solver for a relative gap."""
+    return max(_ABS_GAP_OF_REL * min(max(rel_gap, 0.0), 1e-3), 1e-13)
 
 
 def _pulp() -> Any:
@@ -154,6 +175,16 @@ def derived_rows(g: GroupModel) -> list[tuple[int, int, list[list[tuple[int, int
     return g.derived_rows() if getattr(g, "derived", None) else []
 
 
+def check_numbers(problem: AllocationProblem) -> None:
+    """Refuse, in one line naming the quantity, a problem whose coefficients or budget are
+    not finite (they reach the solvers' scaling otherwise)."""
+    check_finite(problem.groups, [u.ops[0] for u in problem.units])
+    budget = problem.group_budget_ms()
+    if not math.isfinite(budget):
+        raise QsyncInputError(f"target_ms: expected a finite number, got {problem.target_ms!r} "
+                              f"(group budget {budget!r} ms)")
+
+
 def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float = FEAS_REL
                     ) -> tuple[float, float]:
     """How far ``a`` exceeds the group's time budget (ms) and capacity (bytes), beyond the
@@ -204,21 +235,35 @@ class _Program:
     #: The objective is multiplied by this (largest coefficient -> 1) so that the solvers'
     #: absolute tolerances do not swallow small Omegas; bounds are divided back.
     obj_scale: float = 1.0
+    #: Each unit's coefficients are shifted by their least (``w * min Omega``, a constant
+    #: of every assignment): the program's objective is the exact one minus this.
+    obj_offset: float = 0.0
 
 
 def _row_scale(v: float) -> float:
     return abs(v) if abs(v) > 1e-300 else 1.0
 
 
+def shifted_omega(g: GroupModel) -> list[list[float]]:
+    """``w * Omega`` of each real unit's choices less the unit's least (all >= 0, one 0)."""
+    out = []
+    for row in g.omega1:
+        terms = [g.weight * v for v in row]
+        low = min(terms, default=0.0)
+        out.append([t - low for t in terms])
+    return out
+
+
 def _add_group(pulp: Any, prog: _Program, g: GroupModel, gi: int, budget: float,
-               min_time: bool = False) -> _GroupVars:
+               min_time: bool = False, forbid: frozenset[tuple[int, int]] = frozenset()
+               ) -> _GroupVars:
     """Add group ``g``'s variables and rows to ``prog``. ``min_time``: the objective is the
-    group's time (ms, without time0) and there is no time row."""
+    group's time (ms, without time0) and there is no time row. ``forbid``: (unit, choice)
+    pairs fixed to 0 (choices no plan better than a known one can take)."""
     lp = prog.lp
     LpAffineExpression, LpConstraint = pulp.LpAffineExpression, pulp.LpConstraint
     EQ, LE, GE = pulp.LpConstraintEQ, pulp.LpConstraintLE, pulp.LpConstraintGE
     add_var, add_con = lp.add_variable, lp.addConstraint
-    w_g = g.weight
     x: list[list[Any]] = []
     time_terms: list[tuple[Any, float]] = []
     mem_terms: list[tuple[Any, float]] = []
@@ -226,21 +271,27 @@ def _add_group(pulp: Any, prog: _Program, g: GroupModel, gi: int, budget: float,
     ms = _row_scale(g.capacity_bytes)
     n_vars = n_cons = 0
     n_real = len(g.choices)
+    shifted = shifted_omega(g) if not min_time else []
+    if not min_time:
+        prog.obj_offset += sum(g.weight * min(r) for r in g.omega1 if r)
     for u, ch in enumerate(ext_choices(g)):
         row = [add_var(f"x{gi}_{u}_{k}", 0, 1, pulp.LpBinary) for k in range(len(ch))]
+        for k, v in enumerate(row):
+            if (u, k) in forbid:
+                v.upBound = 0  # (after creation: a binary's bounds are set to 0..1)
         n_vars += len(row)
         x.append(row)
         add_con(LpConstraint(LpAffineExpression([(v, 1) for v in row]), EQ, f"one{gi}_{u}", 1))
         n_cons += 1
         t1, m1 = g.time1[u], g.mem1[u]
-        om = g.omega1[u] if u < n_real and not min_time else None
+        om = shifted[u] if u < n_real and not min_time else None
         for k, v in enumerate(row):
             if t1[k]:
                 time_terms.append((v, t1[k] / ts))
             if m1[k]:
                 mem_terms.append((v, m1[k] / ms))
-            if om is not None and om[k]:
-                prog.obj_terms.append((v, w_g * om[k]))
+            if om is not None and om[k] and (u, k) not in forbid:
+                prog.obj_terms.append((v, om[k]))
     # Derived units (promoting ops fed only by units): x[d,k] = AND_i (input i gives k).
     for r, (d, k, inputs) in enumerate(derived_rows(g)):
         xd = x[d][k]
@@ -299,12 +350,14 @@ def _add_group(pulp: Any, prog: _Program, g: GroupModel, gi: int, budget: float,
     return _GroupVars(gi, x, pair_vars, w, time_row, mem_row, ts, ms)
 
 
-def _build(pulp: Any, problem: AllocationProblem, gis: Sequence[int], name: str) -> _Program:
+def _build(pulp: Any, problem: AllocationProblem, gis: Sequence[int], name: str,
+           forbid: Mapping[int, frozenset[tuple[int, int]]] | None = None) -> _Program:
     lp = pulp.LpProblem(name, pulp.LpMinimize)
     prog = _Program(lp, [])
     budget = problem.group_budget_ms()
     for gi in gis:
-        prog.groups.append(_add_group(pulp, prog, problem.groups[gi], gi, budget))
+        prog.groups.append(_add_group(pulp, prog, problem.groups[gi], gi, budget,
+                                      forbid=(forbid or {}).get(gi, frozenset())))
     top = max((abs(c) for _, c in prog.obj_terms), default=0.0)
     if top > 0:
         prog.obj_scale = 1.0 / top
@@ -400,6 +453,8 @@ class _Outcome:
     detail: str = ""
     #: The objective the solver reports for its solution (the program's scaled units).
     objective: float | None = None
+    #: The absolute gap the solver was allowed, in objective units (None: not known).
+    abs_tol: float | None = None
 
 
 #: The thread count of HiGHS's process-wide scheduler (None: not started by us yet).
@@ -599,7 +654,8 @@ class PulpIlp:
             cls = _highs_class(pulp)
             params: dict[str, Any] = {"random_seed": int(options.seed),
                                       "mip_feasibility_tolerance": _FEAS_TOL,
-                                      "primal_feasibility_tolerance": _FEAS_TOL}
+                                      "primal_feasibility_tolerance": _FEAS_TOL,
+                                      "mip_abs_gap": abs_gap(options.rel_gap)}
             params.update(options.extra.get("highs", {}))
             solver = cls(msg=False, timeLimit=max(time_limit, 1e-3), gapRel=options.rel_gap,
                          threads=options.threads or None, **params)
@@ -636,7 +692,10 @@ class PulpIlp:
         fd, log_path = tempfile.mkstemp(suffix=".log", prefix="qsync_cbc_")
         os.close(fd)
         try:
-            extra = [f"integerTolerance {_FEAS_TOL}", f"primalTolerance {_FEAS_TOL}"]
+            # (CBC's cutoff increment, 1e-5 by default, would act as an absolute gap too)
+            extra = [f"integerTolerance {_FEAS_TOL}", f"primalTolerance {_FEAS_TOL}",
+                     f"allowableGap {abs_gap(options.rel_gap):g}",
+                     f"increment {abs_gap(options.rel_gap):g}"]
             if options.seed:
                 extra.append(f"randomCbcSeed {int(options.seed)}")
             extra += list(options.extra.get("cbc", []))
@@ -677,7 +736,8 @@ class PulpIlp:
 
     def _solve_program(self, pulp: Any, problem: AllocationProblem, gis: Sequence[int],
                        options: SolveOptions, hints: Mapping[str, Sequence[int]] | None,
-                       deadline: float, sw: Stopwatch, messages: list[str], tag: str
+                       deadline: float, sw: Stopwatch, messages: list[str], tag: str,
+                       forbid: Mapping[int, frozenset[tuple[int, int]]] | None = None
                        ) -> tuple[_Outcome, dict[str, list[int]] | None, int, int]:
         """Build and solve one program (the groups ``gis``) by ``deadline`` (a
         :data:`_common.clock` time); repair rows a solver tolerance let slip; check the
@@ -685,7 +745,7 @@ class PulpIlp:
         disagree, re-solve without the start. Returns the outcome (bound in objective
         units), the assignment of those groups, and the program's size."""
         with sw.building():
-            prog = _build(pulp, problem, gis, f"qsync_{tag}")
+            prog = _build(pulp, problem, gis, f"qsync_{tag}", forbid)
             if hints is not None:
                 _set_start(prog, problem, hints)
         budget = problem.group_budget_ms()
@@ -705,8 +765,8 @@ class PulpIlp:
                 return self._unscaled(out, prog), None, prog.n_variables, prog.n_constraints
             assign = {problem.groups[gv.gi].name: _read_assignment(
                 gv, len(problem.groups[gv.gi].choices)) for gv in prog.groups}
-            why = self._inconsistency(out, part_objective(problem, gis, assign) * prog.obj_scale,
-                                      options.rel_gap)
+            own = (part_objective(problem, gis, assign) - prog.obj_offset) * prog.obj_scale
+            why = self._inconsistency(out, own, options.rel_gap)
             if why is not None:
                 if start and not rechecked and deadline - _common.clock() > 0:
                     messages.append(f"{tag}: {self.name} reported {out.status}, but {why}; "
@@ -735,6 +795,7 @@ class PulpIlp:
                         f"{tag}: {attempt} re-solve(s) after a row exceeded its bound within "
                         f"the solver's tolerance (rows tightened by up to "
                         f"{_REPAIR_MARGIN * 100.0 ** (attempt - 1):.0e} relative)")
+                out = dataclasses.replace(out, abs_tol=abs_gap(options.rel_gap))
                 return self._unscaled(out, prog), assign, prog.n_variables, prog.n_constraints
             if attempt == _MAX_REPAIRS:
                 messages.append(f"{tag}: the solver's assignment still exceeds a bound after "
@@ -752,9 +813,11 @@ class PulpIlp:
     @staticmethod
     def _unscaled(out: _Outcome, prog: _Program) -> _Outcome:
         """The outcome with its bound and objective in objective units."""
+        off = prog.obj_offset
         return dataclasses.replace(
-            out, bound=None if out.bound is None else out.bound / prog.obj_scale,
-            objective=None if out.objective is None else out.objective / prog.obj_scale)
+            out, bound=None if out.bound is None else out.bound / prog.obj_scale + off,
+            objective=None if out.objective is None else out.objective / prog.obj_scale + off,
+            abs_tol=None if out.abs_tol is None else out.abs_tol / prog.obj_scale)
 
     @staticmethod
     def _inconsistency(out: _Outcome, own: float, rel_gap: float) -> str | None:
@@ -783,6 +846,7 @@ class PulpIlp:
         groups share what remains (:func:`_common.solve_parts`)."""
         pulp = _pulp()
         deadline = Deadline(options.time_limit_s)
+        check_numbers(problem)
         hints = start_hints(problem, options, messages, deadline)
         budget = problem.group_budget_ms()
         if self.backend == "highs" and hints is not None:
@@ -793,9 +857,38 @@ class PulpIlp:
         def solve_part(gis: Sequence[int], limit: float,
                        start: Mapping[str, Sequence[int]] | None) -> PartResult:
             tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            out, a, nv, nc = self._solve_program(
-                pulp, problem, gis, options, start if start is not None else hints,
-                _common.clock() + max(limit, 0.0), sw, messages, tag)
+            end = _common.clock() + max(limit, 0.0)
+            seed = start if start is not None else hints
+            out, a, nv, nc = self._solve_program(pulp, problem, gis, options, seed, end, sw,
+                                                 messages, tag)
+            forbid: dict[int, frozenset[tuple[int, int]]] | None = None
+            for rnd in range(_MAX_RESCALES + 1):
+                if out.status != "OPTIMAL" or a is None:
+                    break
+                why = loose_optimum(problem, gis, a, out.abs_tol, options.rel_gap)
+                if why is None:
+                    break
+                new = excluded_choices(problem, gis, a)
+                if new == forbid or _common.clock() >= end or rnd == _MAX_RESCALES:
+                    messages.append(f"{tag}: {self.name} reported OPTIMAL, but {why}; status "
+                                    "FEASIBLE, its bound dropped")
+                    out = dataclasses.replace(out, status="FEASIBLE", bound=None)
+                    break
+                n_out = sum(len(v) for v in new.values())
+                messages.append(f"{tag}: {self.name} reported OPTIMAL, but {why}; re-solved "
+                                f"without the {n_out} choice(s) whose Omega alone exceeds the "
+                                "plan's (no better plan takes them), the objective rescaled")
+                forbid = new
+                out2, a2, nv, nc = self._solve_program(pulp, problem, gis, options, a, end,
+                                                       sw, messages, tag, forbid)
+                if a2 is None or part_objective(problem, gis, a2) > part_objective(
+                        problem, gis, a):
+                    messages.append(f"{tag}: the re-solve gave {out2.status} and no better "
+                                    "plan; the first plan is kept as FEASIBLE (no bound: the "
+                                    "first solve's is not proven)")
+                    out = dataclasses.replace(out, status="FEASIBLE", bound=None)
+                    break
+                out, a = out2, a2
             if out.detail:
                 messages.append(f"{tag}: {out.detail}")
             if out.status == "INFEASIBLE":
@@ -819,6 +912,37 @@ class PulpIlp:
         return finish(problem, self.name, a, status=status, mode=mode_text(problem),
                       options=options, sw=sw, bound=bound, n_variables=nv, n_constraints=nc,
                       messages=messages, extra_options={"backend": self.backend})
+
+
+def loose_optimum(problem: AllocationProblem, gis: Sequence[int],
+                  assignment: Mapping[str, Sequence[int]], abs_tol: float | None,
+                  rel_gap: float) -> str | None:
+    """Why an OPTIMAL plan is not proven within the relative gap (None: it is): the
+    solver's absolute gap ``abs_tol`` (objective units) exceeds ``rel_gap`` of the plan's
+    objective, as when one Omega is 1e5 times the rest and the optimum is made of the
+    rest. A plan whose shifted objective is 0 is optimal whatever the tolerances."""
+    if abs_tol is None:
+        return None
+    z = part_objective(problem, gis, assignment)
+    low = sum(g.weight * min(r) for gi in gis for g in [problem.groups[gi]] for r in g.omega1
+              if r)
+    if z - low <= 0.0 or abs_tol <= rel_gap * abs(z):
+        return None
+    return (f"its absolute gap tolerance {abs_tol:.3g} is more than the relative gap "
+            f"{rel_gap:g} of the plan's objective {z:.6g} (Omegas of very different sizes)")
+
+
+def excluded_choices(problem: AllocationProblem, gis: Sequence[int],
+                     assignment: Mapping[str, Sequence[int]]
+                     ) -> dict[int, frozenset[tuple[int, int]]]:
+    """Per group, the (unit, choice) pairs whose shifted ``w * Omega`` alone exceeds the
+    plan's whole shifted objective: every term is >= 0, so no plan at least as good takes
+    one. Leaving them out makes the largest coefficient at most the plan's objective."""
+    shifted = {gi: shifted_omega(problem.groups[gi]) for gi in gis}
+    z = sum(row[k] for gi in gis
+            for row, k in zip(shifted[gi], assignment[problem.groups[gi].name], strict=True))
+    return {gi: frozenset((u, k) for u, row in enumerate(shifted[gi])
+                          for k, v in enumerate(row) if v > z) for gi in gis}
 
 
 class AdditiveIlp:
