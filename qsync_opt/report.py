@@ -24,7 +24,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,26 +338,12 @@ def _step(ticks: list[int]) -> int:
 
 
 def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file in the same folder, then rename)."""
-    target = Path(path)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as exc:
-        raise QsyncInputError(f"png: cannot write {target} ({exc.__class__.__name__})") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise QsyncInputError(
-                f"png: cannot write {target} ({exc.__class__.__name__})") from None
-        raise
-    return target
+    """Write ``data`` to ``path`` atomically with the package's one writer
+    (:func:`qsync_opt.io.atomic_write_bytes`: mode kept, links written through); a failure
+    is one line, ``png: cannot write PATH (reason)``."""
+    from .io import atomic_write_bytes
+
+    return atomic_write_bytes(path, data, what="png")
 
 
 # ----------------------------------------------------------------------------- summary
