@@ -214,8 +214,9 @@ def _title(plan: Plan, timeline: Timeline) -> str:
 
 
 def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
-                path: str | os.PathLike[str]) -> PlanFigure:
-    """Draw the plan's heatmap, time bars and memory bars; write them as a PNG, atomically.
+                path: str | os.PathLike[str], *, what: str = "png") -> PlanFigure:
+    """Draw the plan's heatmap, time bars and memory bars; write them as a PNG, atomically
+    (a failed write: one line naming ``what``, the flag the path came from).
 
     Returns the heatmap's data (every choosable op of ``graph``, every group of the plan).
     Refuses (QsyncInputError) a plan made for another graph or a timeline of other groups.
@@ -323,7 +324,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    target = _atomic_write_bytes(path, buf.getvalue())
+    target = _atomic_write_bytes(path, buf.getvalue(), what)
     return PlanFigure(path=target, ops=ops, groups=groups, matrix=matrix, legend=legend,
                       tick_ops=ticks)
 
@@ -337,13 +338,13 @@ def _step(ticks: list[int]) -> int:
     return ticks[1] - ticks[0] if len(ticks) > 1 else 1
 
 
-def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes, what: str = "png") -> Path:
     """Write ``data`` to ``path`` atomically with the package's one writer
     (:func:`qsync_opt.io.atomic_write_bytes`: mode kept, links written through); a failure
-    is one line, ``png: cannot write PATH (reason)``."""
+    is one line, ``WHAT: cannot write PATH (reason)``."""
     from .io import atomic_write_bytes
 
-    return atomic_write_bytes(path, data, what="png")
+    return atomic_write_bytes(path, data, what=what)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -465,7 +466,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     inputs = load_report_inputs(args.plan, getattr(args, "costs", None))
     png = getattr(args, "png", None)
     if png:
-        plan_figure(inputs.plan, inputs.graph, inputs.timeline, png)
+        plan_figure(inputs.plan, inputs.graph, inputs.timeline, png, what="--png")
     if getattr(args, "json", False):
         summary = report_summary(inputs.plan, inputs.timeline)
         summary["png"] = str(png) if png else None

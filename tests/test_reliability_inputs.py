@@ -576,6 +576,16 @@ def test_solve_out_a_folder_and_report_unwritable_are_one_line(
     assert _snapshot(ro) == {"report.json": b"old report"}
 
 
+def test_report_png_failure_names_the_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                          digits_graph: ModelGraph) -> None:
+    plan = make_plan(digits_graph, parse_shorthand("v100x1+t4x1"), {})
+    qio.save(plan, tmp_path / "plan.json")
+    (tmp_path / "fig.png").mkdir()
+    code, _, err = run_exit(capsys, "report", "--plan", str(tmp_path / "plan.json"), "--png",
+                            str(tmp_path / "fig.png"))
+    assert assert_one_line(code, err).startswith("qsync-opt: error: --png: cannot write")
+
+
 def test_graph_out_keeps_the_mode_and_writes_through_a_link(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, umask022: None) -> None:
     target = tmp_path / "g.json"
