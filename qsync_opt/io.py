@@ -5,8 +5,9 @@ fsynced, then the temporary file is renamed over the target, so a crash never le
 half-written file and an existing file is replaced whole or not at all. The new file keeps the
 permission bits of the file it replaces (a new file gets the umask's default, as ``open()``
 would give it), and a target that is a symbolic link is written through: the link stays, the
-file it points to is replaced. Every writer of the package (documents, traces, PNGs,
-checkpoints) goes through :func:`atomic_write`.
+file it points to is replaced. A target that is not a regular file (``/dev/null``,
+``/dev/stdout``, a FIFO) is written into, not replaced. Every writer of the package
+(documents, traces, PNGs, checkpoints) goes through :func:`atomic_write`.
 
 Reads refuse, in one line naming the file: files that do not parse, numbers of more digits
 than Python converts, and documents nested deeper than :data:`MAX_DEPTH` levels (a
@@ -86,9 +87,15 @@ def _replace(target: Path, write: Callable[[BinaryIO], object]) -> None:
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+        st = os.stat(target)
     except FileNotFoundError:
-        mode = None
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # /dev/null, /dev/stdout, a FIFO: written into, never replaced by a regular file
+        with open(target, "wb") as fh:
+            write(fh)
+        return
+    mode = stat.S_IMODE(st.st_mode) if st is not None else None
     fd, tmp = _open_temp(target.parent, target.name)
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -498,6 +498,20 @@ def test_report_and_frontier_pngs_use_the_one_writer(tmp_path: Path, umask022: N
         plot_frontier([], tmp_path / "folder.png", what="--png")
 
 
+def test_a_device_or_fifo_is_written_into_not_replaced(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        qio.atomic_write_text(fifo, "through")
+        assert os.read(reader, 100) == b"through"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    qio.atomic_write_text(os.devnull, "nothing")
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
 def test_a_library_write_failure_raises_the_oserror_and_leaves_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "out"
     folder.mkdir()
