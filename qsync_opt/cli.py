@@ -88,9 +88,12 @@ def finite_float(lo: float | None = None, hi: float | None = None, *, lo_open: b
                 and (lo is None or (v > lo if lo_open else v >= lo))
                 and (hi is None or (v < hi if hi_open else v <= hi)))
 
+    def shown(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else repr(x)
+
     if expected is None:
-        left = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
-        right = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
+        left = "" if lo is None else f"{'>' if lo_open else '>='} {shown(lo)}"
+        right = "" if hi is None else f"{'<' if hi_open else '<='} {shown(hi)}"
         expected = "a finite number" + (f" {left}" if left else "") + (
             f"{' and' if left else ''} {right}" if right else "")
     return _flag_type("float", float, ok, expected)
