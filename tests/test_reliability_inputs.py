@@ -214,7 +214,7 @@ def _nested(depth: int, kind: str) -> str:
 def test_deeply_nested_json_is_refused_in_one_line(depth: int, kind: str, where: str) -> None:
     """A RecursionError traceback before: json's decoder recurses once per level."""
     inner = _nested(depth - 1, kind)
-    text = {"root": inner, "groups": '{"groups": ' + inner + "}",
+    text = {"root": _nested(depth, kind), "groups": '{"groups": ' + inner + "}",
             "provenance": '{"provenance": ' + inner + "}"}[where]
     msg = refusal(parse_json_doc, text, Plan)
     assert f"nested deeper than {qio.MAX_DEPTH} levels" in msg, msg
