@@ -1,7 +1,10 @@
 """The ``qsync-opt`` command line.
 
 Tables for people, ``--json`` for programs. Bad input exits with code 2 and one line on
-stderr naming the field and what was expected; files are written atomically.
+stderr naming the field and what was expected (control characters in it escaped); every
+numeric flag is checked by its argparse type (finite, in its range); files are written
+atomically, and a write that fails (read-only folder, full disk, file-size limit, a folder
+in the way) is one line naming the flag, exit 2, the file that was there unchanged.
 """
 
 from __future__ import annotations
@@ -9,9 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
@@ -20,14 +26,14 @@ from . import __version__
 from .cluster import SHORTHAND_HELP, load_cluster
 from .costs import estimate, group_summary
 from .devices import CATALOG, get_device
-from .errors import QsyncInputError, describe_validation_error
+from .errors import QsyncInputError, describe_validation_error, one_line
 from .graph import TIE_MODES, trace
 from .io import atomic_write_text, load, save, to_json
 from .models import WORKLOADS
 from .plan import check_plan, make_plan, plan_model
 from .replayer import Replayer, Timeline
 from .report import straggler_reason
-from .schemas import ModelGraph, OpRole, Plan, json_schema, schema_names
+from .schemas import MAX_BATCH, ModelGraph, OpRole, Plan, json_schema, schema_names
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +44,67 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line with exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
         raise SystemExit(2)
+
+
+# ----------------------------------------------------------------------------- flag types
+# argparse types: a bad value is "argument --flag: expected ..., got 'VALUE'" (the value as
+# written), exit 2, before any work. Every numeric flag has one.
+
+
+def _flag_type(name: str, parse: Callable[[str], Any], ok: Callable[[Any], bool],
+               expected: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    convert.__name__ = name
+    return convert
+
+
+def int_range(lo: int, hi: int, expected: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]."""
+    return _flag_type("int", int, lambda v: lo <= v <= hi,
+                      expected or f"an integer from {lo} to {hi}")
+
+
+def positive_int(hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [1, hi]."""
+    return int_range(1, hi, f"a positive integer (at most {hi})")
+
+
+def finite_float(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+                 hi_open: bool = False, expected: str | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite float (never inf or nan) in the given range."""
+
+    def ok(v: float) -> bool:
+        return (math.isfinite(v)
+                and (lo is None or (v > lo if lo_open else v >= lo))
+                and (hi is None or (v < hi if hi_open else v <= hi)))
+
+    def shown(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else repr(x)
+
+    if expected is None:
+        left = "" if lo is None else f"{'>' if lo_open else '>='} {shown(lo)}"
+        right = "" if hi is None else f"{'<' if hi_open else '<='} {shown(hi)}"
+        expected = "a finite number" + (f" {left}" if left else "") + (
+            f"{' and' if left else ''} {right}" if right else "")
+    return _flag_type("float", float, ok, expected)
+
+
+BATCH = positive_int(MAX_BATCH)
+BATCHES = positive_int(100_000)
+SEED = int_range(0, 2**31 - 1)  # CP-SAT's random_seed is an int32
+POSITIVE_SECONDS = finite_float(0, 1e7, lo_open=True,
+                                expected="a positive finite number of seconds (at most 1e7)")
+FRACTION = finite_float(0, 1, hi_open=True, expected="a fraction from 0 up to (not including) 1")
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
@@ -151,7 +216,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     graph = _trace_args(args)
     secs = time.perf_counter() - t0
     if args.out:
-        save(graph, args.out)
+        save(graph, args.out, what="--out")
     if args.json:
         sys.stdout.write(to_json(graph))
         return 0
@@ -189,7 +254,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     costs = estimate(graph, cluster)
     if args.out:
-        save(costs, args.out)
+        save(costs, args.out, what="--out")
     if args.json:
         sys.stdout.write(to_json(costs))
         return 0
@@ -254,18 +319,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise QsyncInputError("cluster: --cluster is required without --plan")
     costs = estimate(graph, cluster)
     rep = Replayer(graph, cluster, costs, optimizer=args.optimizer,
-                   bucket_cap_bytes=int(args.bucket_mb * 2**20) if args.bucket_mb else None)
+                   bucket_cap_bytes=(int(args.bucket_mb * 2**20) if args.bucket_mb is not None
+                                     else None))
     plans: dict[str, Any] = {"plan": plan_doc} if plan_doc is not None else uniform_plans(rep)
     timelines = {name: rep.simulate(p) for name, p in plans.items()}
     if args.trace:
         for name, tl in timelines.items():
             atomic_write_text(_trace_path(args.trace, name, len(timelines) > 1),
-                              tl.chrome_trace_json())
+                              tl.chrome_trace_json(), what="--trace")
     if args.write_plans:
         for name, p in plans.items():
             if not isinstance(p, Plan):
                 save(make_plan(graph, cluster, p, {"solver": name}),
-                     f"{args.write_plans}/{name}.plan.json")
+                     f"{args.write_plans}/{name}.plan.json", what="--write-plans")
     if args.json:
         _emit_json({name: tl.summary() for name, tl in timelines.items()})
         return 0
@@ -293,7 +359,7 @@ def cmd_indicate(args: argparse.Namespace) -> int:
                      progress=sys.stderr.isatty() and not args.json, **fast)
     secs = time.perf_counter() - t0
     if args.out:
-        save(table, args.out)
+        save(table, args.out, what="--out")
     if args.json:
         sys.stdout.write(to_json(table))
         return 0
@@ -383,9 +449,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
                          degradation_budget=args.budget, refine=args.refine,
                          joint_split=args.joint_split, batch_multiple=args.batch_multiple)
     ev = evaluate(problem, plan)
-    save(plan, args.out)
+    save(plan, args.out, what="--out")
     if args.report:
-        save(report, args.report)
+        save(report, args.report, what="--report")
     if args.json:
         _emit_json({"plan": args.out, "report": report.model_dump(mode="json"),
                     "evaluation": ev.to_json()})
@@ -420,9 +486,10 @@ def cmd_pareto(args: argparse.Namespace) -> int:
                    options=_solve_options(args), batch_multiple=args.batch_multiple)
     doc = {"workload": problem.graph.workload, "cluster": args.cluster,
            "global_batch": problem.global_batch, **frontier_json(pts)}
-    atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n")
+    atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n", what="--out")
     if args.png:
-        plot_frontier(pts, args.png, f"{problem.graph.workload} on {args.cluster}")
+        plot_frontier(pts, args.png, f"{problem.graph.workload} on {args.cluster}",
+                      what="--png")
     if args.json:
         _emit_json(doc)
         return 0
@@ -446,13 +513,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.plans:
         for r in rows:
             if r.plan is not None:
-                save(r.plan, f"{args.plans}/{r.solver}.plan.json")
+                save(r.plan, f"{args.plans}/{r.solver}.plan.json", what="--plans")
     if args.json is not None:
         text = json.dumps(doc, indent=2) + "\n"
         if args.json == "-":
             sys.stdout.write(text)
             return 0
-        atomic_write_text(args.json, text)
+        atomic_write_text(args.json, text, what="--json")
     print(f"{problem.graph.workload} on {args.cluster}: target {problem.target_ms:.2f} ms "
           f"({problem.target_source})")
     print(format_rows(rows))
@@ -528,7 +595,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = args.out or "qsync-demo"
     if chosen is not None and chosen.plan is not None:
         ev = evaluate(problem, chosen.plan)
-        save(chosen.plan, f"{out}/plan.json")
+        save(chosen.plan, f"{out}/plan.json", what="--out")
         by = {r.solver: r for r in rows}
         print(f"\n{chosen.solver}'s plan ({chosen.status}):")
         print("\n".join(plan_lines(problem, chosen.plan, ev)))
@@ -559,15 +626,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\nPareto frontier (degradation against throughput as the target sweeps; "
               "`qsync-opt pareto` adds the joint split):")
         print(format_points(pts))
-        plot_frontier(pts, f"{out}/frontier.png", f"{model} on {shorthand}")
+        plot_frontier(pts, f"{out}/frontier.png", f"{model} on {shorthand}", what="--out")
         print(f"wrote {out}/frontier.png")
     else:
         print("\nno exact allocator found a feasible plan; see the table above")
     if args.out:
-        save(graph, f"{args.out}/graph.json")
-        save(costs, f"{args.out}/costs.json")
-        save(ind, f"{args.out}/indicator.json")
-        atomic_write_text(f"{args.out}/cluster.json", to_json(cluster))
+        save(graph, f"{args.out}/graph.json", what="--out")
+        save(costs, f"{args.out}/costs.json", what="--out")
+        save(ind, f"{args.out}/indicator.json", what="--out")
+        atomic_write_text(f"{args.out}/cluster.json", to_json(cluster), what="--out")
         print(f"wrote {args.out}/graph.json, costs.json, indicator.json, cluster.json")
     return 0
 
@@ -598,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", required=True,
                         help="workload name (qsync-opt models) or path/file.py:fn (that file "
                              "is run: it is imported and fn() called)")
-        sp.add_argument("--batch", type=int, default=None, help="per-device batch to trace at")
+        sp.add_argument("--batch", type=BATCH, default=None, help="per-device batch to trace at")
         sp.add_argument("--unpin-head", action="store_true",
                         help="let the classifier head's precision be chosen")
         sp.add_argument("--tie", choices=TIE_MODES, default="none", help="tie groups")
@@ -619,18 +686,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", help="Plan JSON to replay")
     sp.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    sp.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket cap in MiB")
+    sp.add_argument("--bucket-mb", type=finite_float(0, 2**20, lo_open=True), default=None,
+                    help="DDP bucket cap in MiB")
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
     sp.set_defaults(fn=cmd_replay)
     sp = add("indicate", "measure each op's sensitivity to each precision")
     sp.add_argument("--model", required=True, help="workload name (qsync-opt models)")
     sp.add_argument("--method", default="qsync",
                     choices=["qsync", "wvar", "hessian", "fisher", "random"])
-    sp.add_argument("--batches", type=int, default=10, help="batches to average over")
-    sp.add_argument("--batch", type=int, default=None, help="batch size (default: workload's)")
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--gamma", type=float, default=4.0, help="forward weight (qsync)")
-    sp.add_argument("--top", type=int, default=5, help="rows in each table")
+    sp.add_argument("--batches", type=BATCHES, default=10, help="batches to average over")
+    sp.add_argument("--batch", type=BATCH, default=None, help="batch size (default: workload's)")
+    sp.add_argument("--seed", type=SEED, default=0)
+    sp.add_argument("--gamma", type=finite_float(0), default=4.0, help="forward weight (qsync)")
+    sp.add_argument("--top", type=positive_int(100_000), default=5, help="rows in each table")
     sp.add_argument("--no-cache", action="store_true", help="recompute even if cached")
     sp.add_argument("--fast", action="store_true",
                     help="qsync: propagate variances in bf16 for 2 samples per batch (large "
@@ -644,15 +712,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--method", default="qsync",
                         choices=["qsync", "wvar", "hessian", "fisher", "random"],
                         help="indicator method when it is computed")
-        sp.add_argument("--indicator-batches", type=int, default=10,
+        sp.add_argument("--indicator-batches", type=BATCHES, default=10,
                         help="batches the computed indicator averages over")
-        sp.add_argument("--indicator-batch", type=int, default=None,
+        sp.add_argument("--indicator-batch", type=BATCH, default=None,
                         help="batch the computed indicator runs at (default: the traced "
                              "batch, at most 8)")
         sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
-        sp.add_argument("--target-ms", type=float, default=None,
+        sp.add_argument("--target-ms", type=finite_float(0, lo_open=True), default=None,
                         help="makespan target (default: strong groups at their reference)")
-        sp.add_argument("--headroom", type=float, default=0.0,
+        sp.add_argument("--headroom", type=FRACTION, default=0.0,
                         help="fraction of each card's memory kept free")
         sp.add_argument("--reference", default="fp32", help="strong groups' reference precision")
         sp.add_argument("--lower-reference", action="store_true",
@@ -662,17 +730,21 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
         sp.add_argument("--pin", action="append", metavar="OP=PRECISION",
                         help="fix an op's precision on every group (repeatable)")
-        sp.add_argument("--time-limit", type=float, default=None, help="seconds for the whole solve: every round, fallback and diagnosis (default 60)")
-        sp.add_argument("--threads", type=int, default=0, help="solver threads (0: default)")
-        sp.add_argument("--seed", type=int, default=0)
-        sp.add_argument("--gap", type=float, default=1e-6, help="relative optimality gap")
+        sp.add_argument("--time-limit", type=POSITIVE_SECONDS, default=None,
+                        help="seconds for the whole solve: every round, fallback and "
+                             "diagnosis (default 60)")
+        sp.add_argument("--threads", type=int_range(0, 1024), default=0,
+                        help="solver threads (0: default)")
+        sp.add_argument("--seed", type=SEED, default=0)
+        sp.add_argument("--gap", type=finite_float(0, 1), default=1e-6,
+                        help="relative optimality gap")
         sp.add_argument("--warm-start", choices=["greedy"], default=None,
                         help="hint the exact solvers with greedy's plan")
         sp.add_argument("--acceptance", choices=["replayer", "linear"], default="replayer",
                         help="greedy's move check")
-        sp.add_argument("--refine", type=int, default=3,
+        sp.add_argument("--refine", type=int_range(0, 100), default=3,
                         help="solve-replay refinement rounds for the exact solvers")
-        sp.add_argument("--batch-multiple", type=int, default=None,
+        sp.add_argument("--batch-multiple", type=BATCH, default=None,
                         help="joint split: per-device batches are multiples of this")
 
     sp = add("solve", "choose every op's precision on every group")
@@ -685,7 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mode", choices=["auto", "target", "budget"], default="auto",
                     help="least degradation under the target (auto: lexicographic when the "
                          "default target is out of reach), or least makespan under --budget")
-    sp.add_argument("--budget", type=float, default=None, help="degradation budget (--mode budget)")
+    sp.add_argument("--budget", type=finite_float(0), default=None,
+                    help="degradation budget (--mode budget)")
     sp.add_argument("--joint-split", action="store_true",
                     help="choose the per-group batch split together with the precisions")
     sp.set_defaults(fn=cmd_solve)
@@ -710,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     problem_args(sp)
     sp.add_argument("--out", required=True, help="write the frontier's points (JSON) here")
     sp.add_argument("--png", help="also plot it here")
-    sp.add_argument("--points", type=int, default=8, help="targets swept")
+    sp.add_argument("--points", type=int_range(2, 1000), default=8, help="targets swept")
     sp.add_argument("--exact", default="highs", help="exact backend (highs, cbc, cpsat)")
     sp.add_argument("--no-split", action="store_true",
                     help="leave out the joint batch split series (faster)")
@@ -721,14 +794,29 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--method", default="qsync",
                     choices=["qsync", "wvar", "hessian", "fisher", "random"],
                     help="indicator method")
-    sp.add_argument("--indicator-batches", type=int, default=4,
+    sp.add_argument("--indicator-batches", type=BATCHES, default=4,
                     help="synthetic batches of 8 the indicator averages over")
     sp.add_argument("--no-local", action="store_true",
                     help="skip part 1 (profile, plan, train and check on this CPU)")
-    sp.add_argument("--steps", type=int, default=80,
+    sp.add_argument("--steps", type=positive_int(1_000_000), default=80,
                     help="training steps per run in part 1 (default 80; four runs, A B B A)")
     sp.set_defaults(fn=cmd_demo)
     return p
+
+
+def _error(message: str) -> int:
+    """The CLI's one error line: control characters in ``message`` shown escaped."""
+    sys.stderr.write(f"qsync-opt: error: {one_line(str(message))}\n")
+    return 2
+
+
+def _fail_writes_with_efbig() -> None:
+    """A write past the file-size limit (RLIMIT_FSIZE) kills the process with SIGXFSZ by
+    default, mid-write; ignored, the write fails with EFBIG and the atomic writer reports it
+    in one line, the file that was there unchanged."""
+    sigxfsz = getattr(signal, "SIGXFSZ", None)
+    if sigxfsz is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(sigxfsz, signal.SIG_IGN)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -736,27 +824,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if getattr(args, "batch", None) is not None and args.batch < 1:
-        parser.error(f"argument --batch: expected a positive integer, got {args.batch}")
-    if getattr(args, "batches", None) is not None and args.batches < 1:
-        parser.error(f"argument --batches: expected a positive integer, got {args.batches}")
+    # parsers of other modules (profile, train) may type these plain int: checked here too
+    batch = getattr(args, "batch", None)
+    if isinstance(batch, int) and not 1 <= batch <= MAX_BATCH:
+        parser.error(f"argument --batch: expected a positive integer (at most {MAX_BATCH}), "
+                     f"got {batch}")
+    batches = getattr(args, "batches", None)
+    if isinstance(batches, int) and batches < 1:
+        parser.error(f"argument --batches: expected a positive integer, got {batches}")
+    _fail_writes_with_efbig()
     from .solve import InfeasibleError
 
     try:
         return int(args.fn(args))
     except InfeasibleError as exc:  # what would make it feasible, one finding per line
-        sys.stderr.write(f"qsync-opt: error: {exc.head}\n")
+        _error(exc.head)
         for line in exc.lines:
-            sys.stderr.write(f"  {line}\n")
+            sys.stderr.write(f"  {one_line(str(line))}\n")
         return 2
     except QsyncInputError as exc:
-        sys.stderr.write(f"qsync-opt: error: {exc}\n")
-        return 2
+        return _error(str(exc))
     except ValidationError as exc:
-        sys.stderr.write(f"qsync-opt: error: {describe_validation_error(exc)}\n")
-        return 2
+        return _error(describe_validation_error(exc))
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # a file no writer labelled: still one line, never a traceback
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _error(f"{where}{exc.strerror or exc.__class__.__name__}")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,15 @@ same global batch, dynamic batching included. ``strong-only`` trains a smaller g
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import QsyncInputError
+from .io import atomic_write_bytes
 from .problem import AllocationProblem
 from .solvers import SolveOptions
 
@@ -152,8 +153,10 @@ STYLE = {"exact": ("tab:blue", "o", "-"), "exact+split": ("tab:purple", "D", "-"
 
 
 def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
-                  title: str = "") -> Path:
-    """Degradation against samples/s (linear model), one series per allocator; PNG, atomic."""
+                  title: str = "", *, what: str | None = None) -> Path:
+    """Degradation against samples/s (linear model), one series per allocator; a PNG
+    written by :func:`qsync_opt.io.atomic_write_bytes` (``what``: the flag the path came
+    from, for a one-line error when it cannot be written)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,19 +179,12 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     ax.set_title(title or "Pareto frontier")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-    os.close(fd)
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
-    return target
+    return atomic_write_bytes(path, buf.getvalue(), what=what)
 
 
 def format_points(points: Sequence[FrontierPoint]) -> str:

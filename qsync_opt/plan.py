@@ -14,10 +14,11 @@ from collections.abc import Mapping
 
 from .errors import QsyncInputError
 from .precision import Precision
-from .schemas import ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
+from .schemas import MAX_BATCH, ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
 
-#: Most samples per device a plan may give a group (beyond it no card's memory holds a step).
-MAX_BATCH_PER_DEVICE = 1 << 20
+#: Most samples per device a plan may give a group (beyond it no card's memory holds a
+#: step): the schemas' one limit.
+MAX_BATCH_PER_DEVICE = MAX_BATCH
 
 
 def make_plan(

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,8 +214,9 @@ def _title(plan: Plan, timeline: Timeline) -> str:
 
 
 def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
-                path: str | os.PathLike[str]) -> PlanFigure:
-    """Draw the plan's heatmap, time bars and memory bars; write them as a PNG, atomically.
+                path: str | os.PathLike[str], *, what: str = "png") -> PlanFigure:
+    """Draw the plan's heatmap, time bars and memory bars; write them as a PNG, atomically
+    (a failed write: one line naming ``what``, the flag the path came from).
 
     Returns the heatmap's data (every choosable op of ``graph``, every group of the plan).
     Refuses (QsyncInputError) a plan made for another graph or a timeline of other groups.
@@ -324,7 +324,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    target = _atomic_write_bytes(path, buf.getvalue())
+    target = _atomic_write_bytes(path, buf.getvalue(), what)
     return PlanFigure(path=target, ops=ops, groups=groups, matrix=matrix, legend=legend,
                       tick_ops=ticks)
 
@@ -338,27 +338,13 @@ def _step(ticks: list[int]) -> int:
     return ticks[1] - ticks[0] if len(ticks) > 1 else 1
 
 
-def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file in the same folder, then rename)."""
-    target = Path(path)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as exc:
-        raise QsyncInputError(f"png: cannot write {target} ({exc.__class__.__name__})") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise QsyncInputError(
-                f"png: cannot write {target} ({exc.__class__.__name__})") from None
-        raise
-    return target
+def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes, what: str = "png") -> Path:
+    """Write ``data`` to ``path`` atomically with the package's one writer
+    (:func:`qsync_opt.io.atomic_write_bytes`: mode kept, links written through); a failure
+    is one line, ``WHAT: cannot write PATH (reason)``."""
+    from .io import atomic_write_bytes
+
+    return atomic_write_bytes(path, data, what=what)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -468,7 +454,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                                 getattr(args, "model", None))
     png = getattr(args, "png", None)
     if png:
-        plan_figure(inputs.plan, inputs.graph, inputs.timeline, png)
+        plan_figure(inputs.plan, inputs.graph, inputs.timeline, png, what="--png")
     if getattr(args, "json", False):
         summary = report_summary(inputs.plan, inputs.timeline)
         summary["png"] = str(png) if png else None

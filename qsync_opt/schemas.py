@@ -5,16 +5,33 @@ All models are frozen and forbid unknown fields. The ones written to disk derive
 another kind or of a version it does not know, with a message that says which. Units are in
 the field names (``_ms``, ``_bytes``, ``_gb_per_s``, ``_us``, ``_tflops``); FLOPs count a
 multiply-add as two.
+
+Numbers are checked for the whole class of input, not field by field: every float of every
+schema must be finite (``allow_inf_nan=False``: Infinity and NaN are refused naming the
+field; only SolveReport, an output no command reads, may hold a bound of -inf); integer and float fields refuse ``true``/``false`` and strings (:data:`Int`,
+:data:`Real`: a bool is an int in Python); sizes have sane upper limits, named in the
+message (:data:`MAX_GROUPS`, :data:`MAX_DEVICES`, :data:`MAX_DEVICES_PER_NODE`,
+:data:`MAX_BATCH`, :data:`MAX_OPS`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections import Counter
 from enum import StrEnum
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .precision import DType, Precision
 
@@ -25,11 +42,55 @@ FLOP_CONVENTION = "a multiply-add counts as 2 FLOPs"
 
 JSONScalar = float | int | str | bool | None
 
+#: Sane limits. Beyond them an input is a mistake (10^30 devices, a batch of 25 digits), and
+#: the solvers' integer scaling or a quadratic check would loop on it.
+MAX_GROUPS = 1024  # device groups in a cluster (decision copies of the program)
+MAX_DEVICES = 1_000_000  # devices in a group, and in the whole cluster
+MAX_DEVICES_PER_NODE = 1024
+MAX_BATCH = 1_048_576  # samples per device per iteration (2**20)
+MAX_OPS = 100_000  # operators in a graph
+
+#: Validation context of a document read from a file (see qsync_opt.io.parse_document).
+FROM_FILE = "qsync_from_file"
+
+
+def _no_bool_or_str(kind: str) -> Any:
+    def check(v: Any) -> Any:
+        if isinstance(v, (bool, str, bytes)):
+            raise ValueError(f"expected {kind}, got {json.dumps(v) if isinstance(v, bool) else repr(v)}")
+        return v
+    return BeforeValidator(check)
+
+
+#: An integer field: ``true``/``false`` and strings are refused (pydantic's lax mode takes
+#: ``true`` as 1 and ``"16"`` as 16).
+Int = Annotated[int, _no_bool_or_str("an integer")]
+#: A float field (finite: every schema has ``allow_inf_nan=False``); bools and strings refused.
+Real = Annotated[float, _no_bool_or_str("a number")]
+
 
 class Schema(BaseModel):
-    """Base of every schema: frozen, unknown fields refused."""
+    """Base of every schema: frozen, unknown fields refused, every float finite."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False,
+                              allow_inf_nan=False)
+
+
+def _finite_or_none(values: Any, field: str, info: ValidationInfo) -> Any:
+    """Free-form JSON scalars (provenance, options): a non-finite float made in memory (a
+    solver's bound of -inf) becomes None, as it is written to JSON; one read from a file is
+    refused, naming the key."""
+    if not isinstance(values, dict):
+        return values
+    from_file = bool(info.context and info.context.get(FROM_FILE))
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            if from_file:
+                raise ValueError(f"{field}.{k}: Input should be a finite number")
+            v = None
+        out[k] = v
+    return out
 
 
 class Document(Schema):
@@ -39,7 +100,7 @@ class Document(Schema):
     SCHEMA_VERSION: ClassVar[int] = 1
 
     schema_name: str = Field("Document", description="Kind of document; fixed per schema.")
-    schema_version: int = Field(1, description="Version of that schema's layout.")
+    schema_version: Int = Field(1, description="Version of that schema's layout.")
 
     @model_validator(mode="before")
     @classmethod
@@ -47,13 +108,16 @@ class Document(Schema):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        name = data.get("schema_name", cls.SCHEMA_NAME) or cls.SCHEMA_NAME
-        version = data.get("schema_version", cls.SCHEMA_VERSION) or cls.SCHEMA_VERSION
+        name = data.get("schema_name", cls.SCHEMA_NAME)
+        version = data.get("schema_version", cls.SCHEMA_VERSION)
         if name != cls.SCHEMA_NAME:
             raise ValueError(f"schema_name is {name!r}, expected {cls.SCHEMA_NAME!r}")
-        if version != cls.SCHEMA_VERSION:
+        # exactly the integer: true == 1 and 1.0 == 1 in Python, but neither is a version
+        if type(version) is not int or version != cls.SCHEMA_VERSION:
+            shown = json.dumps(version) if version is None or isinstance(version, bool) \
+                else repr(version)
             raise ValueError(
-                f"schema_version {version!r} of {cls.SCHEMA_NAME} is not one this qsync-opt "
+                f"schema_version {shown} of {cls.SCHEMA_NAME} is not one this qsync-opt "
                 f"reads (it reads version {cls.SCHEMA_VERSION})"
             )
         data["schema_name"] = name
@@ -96,26 +160,26 @@ class DeviceSpec(Document):
         description="CUDA compute capability 'major.minor'; None for a CPU.",
         pattern=r"^\d+\.\d+$",
     )
-    memory_bytes: int = Field(gt=0, description="Vendor memory capacity in bytes (binary GiB).")
-    usable_memory_bytes: int = Field(
+    memory_bytes: Int = Field(gt=0, description="Vendor memory capacity in bytes (binary GiB).")
+    usable_memory_bytes: Int = Field(
         gt=0, description="Memory a process can see (driver-reported total, ECC on), bytes."
     )
-    memory_bandwidth_gb_per_s: float = Field(gt=0, description="Peak DRAM bandwidth, GB/s (1e9).")
-    peak_tflops: dict[DType, float] = Field(
+    memory_bandwidth_gb_per_s: Real = Field(gt=0, description="Peak DRAM bandwidth, GB/s (1e9).")
+    peak_tflops: dict[DType, Real] = Field(
         description="Dense peak rate per compute dtype, TFLOPS (TOPS for int8); "
         "fp32 is the non-tensor-core rate."
     )
     precisions: list[Precision] = Field(
         min_length=1, description="Precision menu the device runs fast (its tensor-core modes)."
     )
-    intra_node_bandwidth_gb_per_s: float = Field(
+    intra_node_bandwidth_gb_per_s: Real = Field(
         gt=0, description="Per-direction device-to-device bandwidth inside a node, GB/s."
     )
-    host_link_gb_per_s: float = Field(gt=0, description="Per-direction PCIe host link, GB/s.")
-    tdp_w: float | None = Field(None, gt=0, description="Board power, W.")
+    host_link_gb_per_s: Real = Field(gt=0, description="Per-direction PCIe host link, GB/s.")
+    tdp_w: Real | None = Field(None, gt=0, description="Board power, W.")
     source: str = Field(description="Where the figures come from (datasheet ids, measurement).")
     measured: bool = Field(False, description="True when the figures were measured here.")
-    slowdown: float = Field(
+    slowdown: Real = Field(
         1.0, ge=1, description="Factor by which the runtime stretches this device's measured "
         "compute time (emulation of a slower card on this CPU; 1 for real devices).")
 
@@ -155,12 +219,14 @@ class DeviceGroup(Schema):
 
     name: str = Field(pattern=NAME_RE, description="Group name, unique in the cluster.")
     device: str = Field(description="Catalog device name (see `qsync-opt devices`).")
-    count: int = Field(ge=1, description="Number of devices in the group.")
-    devices_per_node: int = Field(8, ge=1, description="Devices of this group per node.")
-    batch_per_device: int | None = Field(
-        None, ge=1, description="Samples per device per iteration; None: the workload default."
+    count: Int = Field(ge=1, le=MAX_DEVICES, description="Number of devices in the group.")
+    devices_per_node: Int = Field(8, ge=1, le=MAX_DEVICES_PER_NODE,
+                                  description="Devices of this group per node.")
+    batch_per_device: Int | None = Field(
+        None, ge=1, le=MAX_BATCH,
+        description="Samples per device per iteration; None: the workload default."
     )
-    intra_node_bandwidth_gb_per_s: float | None = Field(
+    intra_node_bandwidth_gb_per_s: Real | None = Field(
         None, gt=0, description="Override of the device's per-direction intra-node bandwidth."
     )
 
@@ -169,7 +235,16 @@ class DeviceGroup(Schema):
     def _known_device(cls, v: str) -> str:
         from .devices import canonical_name
 
-        return canonical_name(v)  # raises ValueError listing the known names
+        canon = canonical_name(v)  # raises ValueError listing the known names
+        if canon != v.strip().lower():
+            try:  # every later step reads the canonical spelling back
+                canonical_name(canon)
+            except ValueError:
+                raise ValueError(
+                    f"device {v!r}: its slowdown factor or memory cap is too small or too "
+                    "large for a device name (it would need an exponent); write the memory "
+                    "cap in the other unit (m or g)") from None
+        return canon
 
     @property
     def nodes(self) -> int:
@@ -184,24 +259,39 @@ class ClusterSpec(Document):
     schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
     name: str = Field("", description="Free-form cluster name.")
-    groups: list[DeviceGroup] = Field(min_length=1, description="Device groups.")
-    inter_node_bandwidth_gb_per_s: float = Field(
+    groups: list[DeviceGroup] = Field(min_length=1, max_length=MAX_GROUPS,
+                                      description="Device groups.")
+    inter_node_bandwidth_gb_per_s: Real = Field(
         12.5, gt=0, description="Per-direction NIC bandwidth between nodes, GB/s "
         "(default 100 Gb/s Ethernet/InfiniBand EDR = 12.5 GB/s)."
     )
-    inter_node_latency_us: float = Field(
+    inter_node_latency_us: Real = Field(
         10.0, ge=0, description="One-hop latency between nodes, microseconds."
     )
-    intra_node_latency_us: float = Field(
+    intra_node_latency_us: Real = Field(
         5.0, ge=0, description="One-hop latency inside a node, microseconds."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        # before validating each group: a file of 600,000 groups is refused at once
+        groups = data.get("groups") if isinstance(data, dict) else None
+        if isinstance(groups, (list, tuple)) and len(groups) > MAX_GROUPS:
+            raise ValueError(f"groups: {len(groups)} groups, more than the {MAX_GROUPS} a "
+                             "cluster may have")
+        return data
+
     @model_validator(mode="after")
     def _unique(self) -> ClusterSpec:
-        names = [g.name for g in self.groups]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(g.name for g in self.groups)  # linear in the number of groups
+        dup = sorted(n for n, k in counts.items() if k > 1)
         if dup:
             raise ValueError(f"group names must be unique; repeated: {', '.join(dup)}")
+        world = sum(g.count for g in self.groups)
+        if world > MAX_DEVICES:
+            raise ValueError(f"groups: {world} devices in all, more than the {MAX_DEVICES} a "
+                             "cluster may have")
         return self
 
     @property
@@ -266,7 +356,7 @@ class OpRole(StrEnum):
 
 class TensorSpec(Schema):
     name: str = Field(description="Input name.")
-    shape: list[int] = Field(description="Shape.")
+    shape: list[Int] = Field(description="Shape.")
     dtype: str = Field(description="torch dtype name, e.g. 'float32', 'int64'.")
 
 
@@ -281,26 +371,26 @@ class OpNode(Schema):
         description="Precisions the op kind allows (the device menu is intersected later)."
     )
     pin_reason: str | None = Field(None, description="Why a pinned op is pinned.")
-    input_shapes: list[list[int]] = Field(description="Shapes of tensor inputs.")
-    output_shapes: list[list[int]] = Field(description="Shapes of tensor outputs.")
-    weight_shape: list[int] | None = Field(None, description="Shape of the main weight.")
-    param_count: int = Field(ge=0, description="Parameters owned by the op's module.")
-    input_numel: int = Field(ge=0, description="Elements read from activation inputs.")
-    output_numel: int = Field(ge=0, description="Elements written to outputs.")
-    fwd_flops: int = Field(ge=0, description=f"Forward FLOPs ({FLOP_CONVENTION}).")
-    bwd_flops: int = Field(ge=0, description=f"Backward FLOPs ({FLOP_CONVENTION}).")
-    fwd_bytes: int = Field(ge=0, description="Bytes moved forward at FP32 (inputs+outputs+params).")
-    saved_bytes: int = Field(
+    input_shapes: list[list[Int]] = Field(description="Shapes of tensor inputs.")
+    output_shapes: list[list[Int]] = Field(description="Shapes of tensor outputs.")
+    weight_shape: list[Int] | None = Field(None, description="Shape of the main weight.")
+    param_count: Int = Field(ge=0, description="Parameters owned by the op's module.")
+    input_numel: Int = Field(ge=0, description="Elements read from activation inputs.")
+    output_numel: Int = Field(ge=0, description="Elements written to outputs.")
+    fwd_flops: Int = Field(ge=0, description=f"Forward FLOPs ({FLOP_CONVENTION}).")
+    bwd_flops: Int = Field(ge=0, description=f"Backward FLOPs ({FLOP_CONVENTION}).")
+    fwd_bytes: Int = Field(ge=0, description="Bytes moved forward at FP32 (inputs+outputs+params).")
+    saved_bytes: Int = Field(
         ge=0, description="Activation bytes this op saves for backward, measured at FP32 "
         "(saved-tensor hooks; parameters excluded)."
     )
-    saved_shared_bytes: int = Field(
+    saved_shared_bytes: Int = Field(
         ge=0, description="Part of saved_bytes already saved by an earlier op (same storage)."
     )
     needs_input_grad: bool = Field(
         True, description="Whether backward computes the input gradient (False on the first layer)."
     )
-    depth: int = Field(ge=0, description="Longest path from the input counting computing ops.")
+    depth: Int = Field(ge=0, description="Longest path from the input counting computing ops.")
     tie_group: str | None = Field(
         None, description="Ops of one tie group share one decision ('module:' groups are the "
         "calls of one module, always tied; others come from the optional tie mode)."
@@ -337,9 +427,9 @@ class Edge(Schema):
 
     src: str
     dst: str
-    shape: list[int]
-    numel: int = Field(ge=0)
-    bytes: int = Field(ge=0, description="Bytes at the traced dtype.")
+    shape: list[Int]
+    numel: Int = Field(ge=0)
+    bytes: Int = Field(ge=0, description="Bytes at the traced dtype.")
     dtype: str = Field("float32", description="torch dtype of the tensor as traced, e.g. "
                        "'float32', 'int64', 'bool'; only floating edges carry casts.")
 
@@ -361,18 +451,26 @@ class ModelGraph(Document):
         description="sha256 of the user's model file the graph was traced from (None for a "
         "registry workload); a plan made from it carries it, and the file given to a command "
         "reading that plan must have it before it is run.")
-    batch_size: int = Field(ge=1, description="Batch the graph was traced at.")
+    batch_size: Int = Field(ge=1, le=MAX_BATCH, description="Batch the graph was traced at.")
     inputs: list[TensorSpec]
-    ops: list[OpNode] = Field(min_length=1)
+    ops: list[OpNode] = Field(min_length=1, max_length=MAX_OPS)
     edges: list[Edge]
-    max_depth: int = Field(ge=0, description="Largest depth L (the indicator's graph depth).")
-    param_count: int = Field(ge=0)
-    param_bytes: int = Field(ge=0, description="FP32 parameter bytes.")
-    buffer_bytes: int = Field(ge=0, description="Bytes of buffers (BN running stats, masks).")
+    max_depth: Int = Field(ge=0, description="Largest depth L (the indicator's graph depth).")
+    param_count: Int = Field(ge=0)
+    param_bytes: Int = Field(ge=0, description="FP32 parameter bytes.")
+    buffer_bytes: Int = Field(ge=0, description="Bytes of buffers (BN running stats, masks).")
     trace_method: str = Field(description="'fx' or 'function_mode' (the fallback).")
     tie_mode: str = Field("none", description="How tie groups were formed.")
     flop_convention: str = Field(FLOP_CONVENTION)
     torch_version: str = Field(description="torch that traced it.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        ops = data.get("ops") if isinstance(data, dict) else None
+        if isinstance(ops, (list, tuple)) and len(ops) > MAX_OPS:
+            raise ValueError(f"ops: {len(ops)} ops, more than the {MAX_OPS} a graph may have")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelGraph:
@@ -427,11 +525,11 @@ CostSource = Literal["estimated", "measured", "scaled"]
 
 class OpCost(Schema):
     device: str
-    batch_size: int = Field(ge=1, description="Per-device batch the cost is for.")
+    batch_size: Int = Field(ge=1, le=MAX_BATCH, description="Per-device batch the cost is for.")
     op: str
     precision: Precision
-    fwd_ms: float = Field(ge=0)
-    bwd_ms: float = Field(ge=0)
+    fwd_ms: Real = Field(ge=0)
+    bwd_ms: Real = Field(ge=0)
     source: CostSource
 
 
@@ -441,8 +539,8 @@ class CastCost(Schema):
     device: str
     src: DType
     dst: DType
-    a_ms_per_element: float = Field(ge=0)
-    b_ms: float = Field(ge=0)
+    a_ms_per_element: Real = Field(ge=0)
+    b_ms: Real = Field(ge=0)
     source: CostSource
 
     def ms(self, numel: int) -> float:
@@ -452,9 +550,9 @@ class CastCost(Schema):
 class CommModel(Schema):
     """Ring all-reduce over the whole cluster: 2(n-1)/n * bytes/bw + 2(n-1) * latency."""
 
-    world_size: int = Field(ge=1)
-    bandwidth_gb_per_s: float = Field(gt=0, description="Bottleneck per-direction bandwidth.")
-    latency_us: float = Field(ge=0, description="Per-hop latency.")
+    world_size: Int = Field(ge=1, le=MAX_DEVICES)
+    bandwidth_gb_per_s: Real = Field(gt=0, description="Bottleneck per-direction bandwidth.")
+    latency_us: Real = Field(ge=0, description="Per-hop latency.")
     bottleneck: str = Field(description="Which link sets the bandwidth.")
     source: CostSource
 
@@ -478,45 +576,45 @@ class CommModel(Schema):
 class GradBucket(Schema):
     """A DDP gradient bucket: the ops whose FP32 gradients it holds, in reverse order."""
 
-    index: int = Field(ge=0)
+    index: Int = Field(ge=0)
     ops: list[str]
-    bytes: int = Field(ge=0)
-    allreduce_ms: float = Field(ge=0)
+    bytes: Int = Field(ge=0)
+    allreduce_ms: Real = Field(ge=0)
 
 
 class OptimizerCost(Schema):
     device: str
     optimizer: Literal["sgd", "adam"]
-    ms: float = Field(ge=0, description="One optimizer step over all FP32 parameters.")
-    state_bytes: int = Field(ge=0, description="Optimizer state bytes per device.")
+    ms: Real = Field(ge=0, description="One optimizer step over all FP32 parameters.")
+    state_bytes: Int = Field(ge=0, description="Optimizer state bytes per device.")
 
 
 class Efficiencies(Schema):
     """Fractions of datasheet peaks the roofline assumes. See docs/COSTS.md for provenance."""
 
-    tensor_core_gemm: float = Field(
+    tensor_core_gemm: Real = Field(
         0.6, gt=0, le=1,
         description="Achieved fraction of dense tensor-core peak for training GEMMs/convs "
         "(Megatron-LM reports 52% of A100 peak end to end; per-GEMM cuBLAS is higher).",
     )
-    fp32_gemm: float = Field(
+    fp32_gemm: Real = Field(
         0.75, gt=0, le=1, description="Achieved fraction of the non-tensor-core FP32 peak."
     )
-    int8_gemm: float = Field(
+    int8_gemm: Real = Field(
         0.5, gt=0, le=1,
         description="Fraction of INT8 peak; lower than 16-bit because of rescale epilogues.",
     )
-    memory: float = Field(
+    memory: Real = Field(
         0.8, gt=0, le=1, description="Achieved fraction of DRAM bandwidth (STREAM-like copies)."
     )
-    launch_overhead_us: float = Field(
+    launch_overhead_us: Real = Field(
         5.0, ge=0, description="Per-kernel launch and framework overhead, microseconds."
     )
-    quantize_cast_factor: float = Field(
+    quantize_cast_factor: Real = Field(
         5.0, ge=1, description="A quantize (abs-max + scale + round) costs this many casts "
         "(QSync, IPDPS 2024)."
     )
-    network: float = Field(
+    network: Real = Field(
         0.8, gt=0, le=1, description="Achieved fraction of link bandwidth by NCCL rings."
     )
 
@@ -534,7 +632,7 @@ class CostTable(Document):
     casts: list[CastCost]
     comm: CommModel
     buckets: list[GradBucket]
-    bucket_cap_bytes: int = Field(gt=0, description="DDP bucket size cap (25 MiB default).")
+    bucket_cap_bytes: Int = Field(gt=0, description="DDP bucket size cap (25 MiB default).")
     optimizer: list[OptimizerCost]
     efficiencies: Efficiencies
     activation_flow: Literal["native", "fp32"] = Field(
@@ -567,16 +665,16 @@ class IndicatorTable(Document):
     workload: str
     graph_hash: str
     method: str = Field(description="qsync, wvar, hessian, fisher or random.")
-    batch_size: int = Field(ge=1, description="Batch the statistics were measured at.")
-    batches: int = Field(ge=1, description="Number of batches averaged.")
-    seed: int
-    gamma: float | None = Field(None, description="Forward weight of the qsync indicator.")
+    batch_size: Int = Field(ge=1, le=MAX_BATCH, description="Batch the statistics were measured at.")
+    batches: Int = Field(ge=1, description="Number of batches averaged.")
+    seed: Int
+    gamma: Real | None = Field(None, description="Forward weight of the qsync indicator.")
     data: str = Field(description="'real', 'synthetic' or 'given' inputs.")
-    values: dict[str, dict[Precision, float]]
+    values: dict[str, dict[Precision, Real]]
     stochastic: bool = Field(True, description="int8 rounding assumed: stochastic or nearest.")
-    monotone_fixes: int = Field(0, ge=0, description="Values raised to keep each family "
+    monotone_fixes: Int = Field(0, ge=0, description="Values raised to keep each family "
                                 "monotone (a lower precision never scores below a higher).")
-    terms: dict[str, dict[Precision, list[float]]] | None = Field(
+    terms: dict[str, dict[Precision, list[Real]]] | None = Field(
         None, description="qsync method: [Var_fwd, Var_bwd] per op and precision (relative).")
     notes: list[str] = Field(default_factory=list)
 
@@ -594,8 +692,9 @@ class IndicatorTable(Document):
 
 
 class GroupPlan(Schema):
-    batch_per_device: int = Field(ge=1)
-    precisions: dict[str, Precision] = Field(description="Op name -> precision, every op chosen.")
+    batch_per_device: Int = Field(ge=1, le=MAX_BATCH)
+    precisions: dict[str, Precision] = Field(max_length=MAX_OPS,
+                                             description="Op name -> precision, every op chosen.")
 
 
 class Plan(Document):
@@ -613,11 +712,16 @@ class Plan(Document):
         "it (--model), and its content must have this hash.")
     graph_hash: str
     cluster: ClusterSpec
-    groups: dict[str, GroupPlan]
+    groups: dict[str, GroupPlan] = Field(max_length=MAX_GROUPS)
     provenance: dict[str, JSONScalar] = Field(
         default_factory=dict,
         description="solver, status, objective, gap, wall_s, costs/indicator hashes, options.",
     )
+
+    @field_validator("provenance", mode="before")
+    @classmethod
+    def _finite_provenance(cls, v: Any, info: ValidationInfo) -> Any:
+        return _finite_or_none(v, "provenance", info)
 
     @model_validator(mode="after")
     def _groups_match(self) -> Plan:
@@ -642,6 +746,10 @@ class Plan(Document):
 
 
 class SolveReport(Document):
+    """What a solver did. Written by the program, read by none of its commands: its floats
+    may be non-finite in memory (a bound of -inf: no bound), written as null."""
+
+    model_config = ConfigDict(allow_inf_nan=True)
     SCHEMA_NAME: ClassVar[str] = "SolveReport"
     schema_name: Literal["SolveReport"] = Field("SolveReport", description="Kind of document.")
     schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
@@ -649,14 +757,14 @@ class SolveReport(Document):
     solver: str
     status: Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "TIME_LIMIT", "ERROR"]
     mode: str = Field(description="Objective mode that ran, and why.")
-    objective: float | None = None
-    bound: float | None = None
-    gap: float | None = None
-    build_s: float = Field(0.0, ge=0)
-    solve_s: float = Field(0.0, ge=0)
-    wall_s: float = Field(0.0, ge=0)
-    n_variables: int = Field(0, ge=0)
-    n_constraints: int = Field(0, ge=0)
+    objective: Real | None = None
+    bound: Real | None = None
+    gap: Real | None = None
+    build_s: Real = Field(0.0, ge=0)
+    solve_s: Real = Field(0.0, ge=0)
+    wall_s: Real = Field(0.0, ge=0)
+    n_variables: Int = Field(0, ge=0)
+    n_constraints: Int = Field(0, ge=0)
     options: dict[str, JSONScalar] = Field(default_factory=dict)
     messages: list[str] = Field(default_factory=list)
     rounds: list[dict[str, JSONScalar]] = Field(

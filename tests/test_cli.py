@@ -319,7 +319,7 @@ def test_compare_json_rows(capsys, tmp_path) -> None:
 
 @pytest.mark.parametrize("args,field", [
     (["--solver", "nope"], "solver"),
-    (["--headroom", "2"], "memory_headroom"),
+    (["--headroom", "2"], "--headroom"),
     (["--pin", "conv1=int9"], "pinned"),
     (["--pin", "conv1"], "pin"),
     (["--reference", "int8"], "reference"),

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import QsyncInputError
-from ..schemas import Document
+from ..schemas import MAX_BATCH, Document
 
 if TYPE_CHECKING:
     from ..schemas import Plan
 
 #: Sane limits: beyond them a value is a typo or an attack, not a run (named when refused).
-MAX_BATCH_PER_DEVICE = 1 << 20
+MAX_BATCH_PER_DEVICE = MAX_BATCH  # the schemas' one limit
 MAX_TIMEOUT_S = 7 * 86400.0
 MAX_SLOWDOWN = 1000.0
 MAX_ABS_SEED = 1 << 48  # seed * 1000 + rank seeds torch's generators (64-bit)
