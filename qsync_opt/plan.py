@@ -86,7 +86,7 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
 
     The one check of every command that reads a plan (report, replay, train and its
     ``--dry-run``, ``Plan.load(path, graph=...)``): the graph's structure hash; every planned
-    op exists in the graph; a pinned op keeps its pin and a pass-through op is not set; a
+    op exists in the graph and every choosable op is planned; a pinned op keeps its pin and a pass-through op is not set; a
     choosable op gets a precision the op allows and the group's card runs; ops of one tie
     group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`.
     """
@@ -108,6 +108,12 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
         except (KeyError, ValueError) as exc:
             raise QsyncInputError(f"{where}: device {_shown(device)}: "
                                   f"{exc.args[0] if exc.args else exc}") from None
+        missing = [o.name for o in graph.choosable_ops() if o.name not in gp.precisions]
+        if missing:
+            raise QsyncInputError(
+                f"{where} sets no precision for op {_shown(missing[0])}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                + " (a plan sets every choosable op of the graph)")
         ties: dict[str, tuple[str, Precision]] = {}
         for name, p in gp.precisions.items():
             op = ops.get(name)

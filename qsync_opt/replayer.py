@@ -331,6 +331,14 @@ class Replayer:
         buckets = costs.buckets if bucket_cap_bytes is None else gradient_buckets(
             graph, costs.comm, bucket_cap_bytes)
         self.bucket_cap_bytes = bucket_cap_bytes or costs.bucket_cap_bytes or DDP_BUCKET_CAP_BYTES
+        for k, b in enumerate(buckets):  # a cost table is a data file: check what it names
+            unknown = next((n for n in b.ops if n not in self.index), None)
+            if unknown is not None or not b.ops:
+                raise QsyncInputError(
+                    f"costs: buckets.{k}.ops "
+                    + (f"names op {unknown!r}, which graph {graph.workload!r} lacks"
+                       if unknown is not None else "is empty")
+                    + " (the table was made for another graph)")
         self.bucket_ops = [[self.index[n] for n in b.ops] for b in buckets]
         self.bucket_first = [min(ix) for ix in self.bucket_ops]  # its last gradient ready
         self.bucket_ms = [b.allreduce_ms for b in buckets]
