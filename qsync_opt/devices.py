@@ -193,7 +193,12 @@ def canonical_name(name: str) -> str:
 
 
 def _num(x: float) -> str:
-    return f"{x:g}"
+    """``x`` written out positionally (0.000001, never 1e-06: a derived name must read back
+    through its own pattern), without trailing zeros."""
+    from decimal import Decimal
+
+    text = format(Decimal(repr(float(x))).normalize(), "f")
+    return text
 
 
 def _canonical_derived(name: str, key: str) -> str:

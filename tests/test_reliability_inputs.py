@@ -416,15 +416,16 @@ def test_a_path_with_control_characters_is_echoed_escaped(
 
 def test_a_derived_cpu_is_echoed_as_written(tmp_path: Path) -> None:
     """``cpu/2:0.000001g`` was echoed as ``cpu/2:1e-06g``, a value the user never wrote (its
-    canonical spelling, which then failed to parse itself)."""
-    msg = refusal(parse_shorthand, "t4x1+CPU/2:0.000001gx1")
-    assert "groups.1.device: device 'cpu/2:0.000001g'" in msg, msg
-    assert "e-06" not in msg
+    canonical spelling, which then failed to parse itself). Derived names are now written
+    positionally, so the name reads back and is kept as written."""
+    c = parse_shorthand("t4x1+CPU/2:0.000001gx1")
+    assert c.groups[1].device == "cpu/2:0.000001g"
     f = tmp_path / "c.toml"
     f.write_text("[[groups]]\nname = 'c'\ndevice = 'cpu/2:0.000001g'\ncount = 1\n")
-    msg = refusal(load_cluster_file, f)
-    assert "groups.0.device: device 'cpu/2:0.000001g'" in msg and "e-06" not in msg, msg
+    assert load_cluster_file(f).groups[0].device == "cpu/2:0.000001g"
     assert parse_shorthand("cpu/2:0.001gx1").groups[0].device == "cpu/2:0.001g"
+    msg = refusal(parse_shorthand, "t4x1+cpu/2:0.000001qx1")  # a bad one still echoes as written
+    assert "0.000001q" in msg and "e-06" not in msg, msg
 
 
 # ----------------------------------------------------------------------------- writes
@@ -642,3 +643,29 @@ def test_the_file_size_limit_is_one_line_not_a_signal(tmp_path: Path) -> None:
 def test_a_shorthand_that_is_no_path_is_still_a_shorthand() -> None:
     """``Path.is_file`` raises on a name longer than a path may be."""
     assert "not DEVICExCOUNT" in refusal(load_cluster, "x" * 5000)
+
+
+@pytest.mark.parametrize("field,value", [("steps", True), ("seed", "3"), ("lr", True),
+                                         ("timeout_s", "60"), ("slowdown", {"t4": True})])
+def test_a_train_config_refuses_booleans_and_strings_as_numbers(field, value) -> None:
+    """``steps: true`` was a 1-step run: TrainConfig's numbers are the schemas' Int/Real."""
+    from pydantic import ValidationError
+
+    from qsync_opt.runtime.config import TrainConfig
+
+    base = {"workload": "digits_cnn", "plan_path": "p.json", "rank_groups": ["a"],
+            "steps": 2, "out_dir": "o"}
+    TrainConfig.model_validate(base)
+    with pytest.raises(ValidationError, match=field):
+        TrainConfig.model_validate({**base, field: value})
+
+
+@pytest.mark.parametrize("x", [2, 0.5, 1e-6, 0.000123, 3.0, 1.25, 40])
+def test_a_derived_device_name_is_written_positionally_and_reads_back(x) -> None:
+    from qsync_opt.devices import _num, get_device
+
+    text = _num(x)
+    assert "e" not in text.lower() and float(text) == x
+    assert get_device(f"cpu/2:{text}g").name == f"cpu/2:{text}g"
+    if x >= 1:
+        assert get_device(f"cpu/{text}").name == f"cpu/{text}"
