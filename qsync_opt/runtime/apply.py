@@ -44,7 +44,7 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
     """Swap ``model``'s modules to ``plan``'s precisions for device group ``group``.
 
     Refused, with one line naming what differs: a group the plan lacks, a plan made for
-    another graph (when ``graph`` is given: its structure hash must match; always: every
+    another graph (when ``graph`` is given: :func:`qsync_opt.plan.check_plan`; always: every
     planned op must be a Linear/Conv2d/MatMul module of ``model``). Reported: swappable
     modules the plan does not cover (they keep running as they are). ``seed`` seeds the
     layers' stochastic rounding (give each rank its own).
@@ -52,10 +52,10 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
     if group not in plan.groups:
         raise QsyncInputError(f"group: the plan has no group {group!r}; its groups: "
                               f"{', '.join(plan.groups)}")
-    if graph is not None and graph.structure_hash() != plan.graph_hash:
-        from ..plan import plan_graph_difference
+    if graph is not None:  # the one plan check of every reader (hash, ops, pins, menus)
+        from ..plan import check_plan
 
-        raise QsyncInputError(plan_graph_difference(plan, graph))
+        check_plan(plan, graph)
     modules = dict(model.named_modules())
     wanted = plan.groups[group].precisions
     missing = [n for n in wanted if n not in modules]
