@@ -14,6 +14,7 @@ import pytest
 from qsync_opt import CostTable, ModelGraph, Plan, SolveReport, load
 from qsync_opt.cli import main
 from qsync_opt.precision import Precision
+from qsync_opt.testing import run_cli
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -22,13 +23,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def run_exit(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+def run_exit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # what ran before is not this command's
+    return run_cli(*argv)
 
 
 def test_models_and_devices(capsys) -> None:

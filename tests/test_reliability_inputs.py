@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsync_opt import io as qio
-from qsync_opt.cli import main
 from qsync_opt.cluster import load_cluster, load_cluster_file, parse_shorthand
 from qsync_opt.costs import estimate
 from qsync_opt.errors import QsyncInputError, one_line
@@ -42,6 +41,7 @@ from qsync_opt.schemas import (
     Plan,
 )
 from qsync_opt.synthetic import random_indicator
+from qsync_opt.testing import run_cli
 
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -49,12 +49,8 @@ FAST = settings(max_examples=40, deadline=None,
 
 
 def run_exit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+    capsys.readouterr()  # what ran before is not this command's
+    return run_cli(*argv)
 
 
 def assert_one_line(code: int, err: str) -> str:

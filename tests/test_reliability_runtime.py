@@ -40,6 +40,7 @@ from qsync_opt.runtime.config import (
 )
 from qsync_opt.runtime.launch import add_train_parser, cmd_train
 from qsync_opt.schemas import Plan
+from qsync_opt.testing import assert_same_tree
 
 REPO = Path(__file__).resolve().parents[1]
 #: Only a hang reaches it.
@@ -98,21 +99,6 @@ def _metrics(out: Path, rank: int) -> list[dict]:
 def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("step_ms", "compute_ms", "sync_ms")}
             for r in rows]
-
-
-def _same_tree(a: object, b: object, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _same_tree(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same_tree(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def _ckpt(out: Path, rank: int) -> dict:
@@ -216,7 +202,7 @@ def test_a_kill_inside_a_save_resumes_from_the_last_complete_set(
     assert resumed["resumed_from_step"] == 2
     assert resumed["state_sha256"] == straight["state_sha256"]
     for r in (0, 1):
-        _same_tree(_ckpt(out, r), _ckpt(tmp_path / "a", r), f"rank{r}")
+        assert_same_tree(_ckpt(out, r), _ckpt(tmp_path / "a", r), f"rank{r}")
         assert _untimed(_metrics(out, r)) == _untimed(_metrics(tmp_path / "a", r))
     assert [s for s, _ in rc.step_folders(out)] == [6]  # older sets gone once 6 committed
     assert not (out / "ckpt" / ".x.tmp").exists()
@@ -543,7 +529,7 @@ def test_two_gloo_ranks_killed_inside_a_save_resume_bit_for_bit(plan_path: Path,
         for key in ("state_sha256", "eval_per_rank", "final_loss", "loss_scale"):
             assert s[key] == want[key], (r, key)
         assert _untimed(_metrics(out, r)) == _untimed(_metrics(straight, r)), r
-        _same_tree(_ckpt(out, r), _ckpt(straight, r), f"rank{r}")
+        assert_same_tree(_ckpt(out, r), _ckpt(straight, r), f"rank{r}")
     assert [s for s, _ in rc.step_folders(out)] == [6]
 
 

@@ -30,6 +30,7 @@ from qsync_opt.runtime.train import (
     rank_slice,
     weighted_backward,
 )
+from qsync_opt.testing import assert_same_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,22 +114,6 @@ def _ckpt(out: Path, rank: int = 0) -> dict:
 
 def _rank_checkpoints(out: Path) -> list[dict]:
     return [_ckpt(out, r) for r in (0, 1)]
-
-
-def _assert_same_tree(a: object, b: object, where: str) -> None:
-    """Checkpoint contents equal bit for bit (tensors by torch.equal, NaN-free plain values)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_same_tree(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same_tree(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +281,7 @@ def test_two_gloo_ranks_killed_and_resumed_reproduce_the_straight_run(
     for r, (a, b) in enumerate(zip(_rank_checkpoints(out), _rank_checkpoints(gloo_straight),
                                    strict=True)):
         assert a["step"] == GLOO_STEPS
-        _assert_same_tree(a, b, f"checkpoint.rank{r}")
+        assert_same_tree(a, b, f"checkpoint.rank{r}")
 
 
 @pytest.mark.slow
@@ -333,8 +318,8 @@ def test_a_nan_loss_on_one_gloo_rank_skips_the_step_on_both(mixed_plan: Path,
         assert s["final_loss"] is None
     c0, c1 = _rank_checkpoints(out)
     assert (c0["skipped"], c1["skipped"]) == (2, 2)
-    _assert_same_tree(c0["model"], c1["model"], "model")
-    _assert_same_tree(c0["optimizer"], c1["optimizer"], "optimizer")
+    assert_same_tree(c0["model"], c1["model"], "model")
+    assert_same_tree(c0["optimizer"], c1["optimizer"], "optimizer")
 
 
 @pytest.mark.slow

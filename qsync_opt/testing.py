@@ -1,0 +1,47 @@
+"""Helpers for tests of qsync-opt and of code built on it (the project's own tests use them).
+
+- :func:`run_cli` runs the ``qsync-opt`` command line in this process and returns its exit
+  code, stdout and stderr (an argparse error's ``SystemExit`` becomes its code).
+- :func:`assert_same_tree` asserts two checkpoint-like trees (dicts, lists, tensors, plain
+  values) are equal bit for bit, naming the first place they differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+__all__ = ["assert_same_tree", "run_cli"]
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """``qsync-opt ARGV...`` in process: (exit code, stdout, stderr)."""
+    from .cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse usage errors
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` equal bit for bit: tensors by dtype and ``torch.equal``, containers
+    by keys/length and type, other values by ``==`` (so NaN-free plain values)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
