@@ -87,7 +87,8 @@ _MODULE_KINDS: list[tuple[tuple[type[nn.Module], ...], OpKind]] = [
 _FUNCTION_KINDS: dict[Any, OpKind] = {}
 for _fns, _kind in [
     ((torch.matmul, torch.bmm, torch.mm, operator.matmul, torch.baddbmm, torch.einsum,
-      torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.mm), OpKind.matmul),
+      torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.mm, torch.Tensor.__matmul__,
+      torch.Tensor.__rmatmul__), OpKind.matmul),
     ((F.linear,), OpKind.linear),
     ((F.conv1d, F.conv2d, F.conv3d), OpKind.conv),
     ((F.embedding,), OpKind.embedding),
@@ -136,7 +137,37 @@ _CHOOSABLE = {OpKind.linear, OpKind.conv, OpKind.matmul}
 _COMPUTING_FOR_DEPTH = _CHOOSABLE | set(PIN_REASONS)
 
 
+def is_conv1d_like(mod: nn.Module) -> bool:
+    """True for a HuggingFace-style ``Conv1D`` (found by duck typing, transformers is never
+    imported): a class named ``Conv1D`` with a 2-D ``weight`` of shape (nx, nf) and an int
+    ``nf``; it computes ``addmm(bias, x, weight)``, a Linear with a transposed weight."""
+    w = getattr(mod, "weight", None)
+    nf = getattr(mod, "nf", None)
+    return (type(mod).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+            and isinstance(nf, int) and int(w.shape[1]) == nf)
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def is_leaf_module(mod: nn.Module) -> bool:
+    """The modules both tracers (and the runtime dispatcher) treat as one op, never looking
+    inside: qsync's MatMul, ``nn.MultiheadAttention`` (expanded into its sub-ops), a
+    HuggingFace-style Conv1D, and childless torch.nn modules (or subclasses of the kinds
+    qsync knows: Linear, Conv, norms, ...). Custom modules and torch.nn modules with children
+    are traced through, so functional GEMMs inside them are seen."""
+    if isinstance(mod, (MatMul, nn.MultiheadAttention)) or is_conv1d_like(mod):
+        return True
+    if isinstance(mod, _CONTAINERS) or next(iter(mod.children()), None) is not None:
+        return False
+    if any(isinstance(mod, types) for types, _ in _MODULE_KINDS):
+        return True
+    return type(mod).__module__.startswith(("torch.nn", "torch.ao.nn"))
+
+
 def _module_kind(mod: nn.Module) -> OpKind:
+    if is_conv1d_like(mod):
+        return OpKind.linear
     for types, kind in _MODULE_KINDS:
         if isinstance(mod, types):
             return kind
@@ -157,6 +188,56 @@ def _method_kind(name: str) -> OpKind:
     if name in _RESHAPE_METHODS:
         return OpKind.reshape
     return OpKind.other
+
+
+#: The functional calls the runtime dispatches per call (and the tracers name alike).
+_GEMM_CALL_KINDS = {OpKind.linear: "linear", OpKind.matmul: "matmul"}
+
+
+def gemm_call_kind(func: Any, method: str | None = None) -> str | None:
+    """``"linear"``, ``"matmul"`` or ``"sdpa"`` for a functional GEMM or attention call
+    (``func`` a torch function, or ``method`` the name of a Tensor method), else None."""
+    if func is F.scaled_dot_product_attention:
+        return "sdpa"
+    kind = _function_kind(func) if func is not None else OpKind.other
+    if kind == OpKind.other:
+        name = method if method is not None else getattr(func, "__name__", "")
+        kind = _method_kind(name.strip("_") if name in ("__matmul__", "__rmatmul__") else name)
+    return _GEMM_CALL_KINDS.get(kind)
+
+
+class CallNamer:
+    """Op names of functional GEMM and attention calls, one rule for both tracers and the
+    runtime dispatcher (:mod:`qsync_opt.runtime.dispatch`), so a plan's names always match.
+
+    A call reading a parameter (``F.linear(x, self.qkv_w)``, ``x @ self.w``) is named by that
+    parameter's full name (``blocks.0.attn.qkv_w``); other calls by their module scope, the
+    call's kind and order: ``blocks.0.attn.matmul``, ``blocks.0.attn.matmul_1``, and
+    ``blocks.0.attn.sdpa`` for ``F.scaled_dot_product_attention`` (whose sub-ops are
+    ``<that>.qk`` and ``<that>.av``). A repeated name gets ``_1``, ``_2``... in call order;
+    :meth:`reset` starts a new forward.
+    """
+
+    def __init__(self, param_names: dict[int, str]) -> None:
+        self.param_names = param_names
+        self.counts: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def name(self, kind: str, scope: str, args: Any = ()) -> str:
+        base = None
+        if kind != "sdpa":
+            flat = _tensors(args)
+            # F.linear's weight names the call before its input does.
+            order = ([flat[1]] + flat[:1] + flat[2:]) if kind == "linear" and len(flat) > 1 else flat
+            base = next((self.param_names[id(t)] for t in order if id(t) in self.param_names),
+                        None)
+        if base is None:
+            base = f"{scope}.{kind}" if scope else kind
+        n = self.counts.get(base, 0)
+        self.counts[base] = n + 1
+        return base if n == 0 else f"{base}_{n}"
 
 
 def _target_name(fn: Any) -> str:
@@ -184,6 +265,11 @@ class _RawOp:
     params: list[torch.Tensor]  # parameters the op reads
     saved: list[torch.Tensor] = field(default_factory=list)
     is_loss_part: bool = False
+    tie_key: Any = None  # ops with one key share one decision (default: their module)
+
+
+def _class_name(mod: nn.Module) -> str:
+    return type(mod).__module__ + "." + type(mod).__qualname__
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -221,12 +307,82 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
 
 
+class _Expansion:
+    """The step function (``step(suffix, kind, fn, *args)``) a decomposed attention
+    (:func:`qsync_opt.runtime.dispatch.mha_forward` / ``sdpa_forward``) runs under while
+    tracing: each step runs under the saved-tensor recorder and becomes a raw op named
+    ``<base>.<suffix>``, linked to its producers by tensor identity. The runtime runs the
+    very same decomposition, so the graph's FLOPs and memory are those the runtime spends."""
+
+    def __init__(self, base: str, target: str, rec: _SavedRecorder, raw: list[_RawOp],
+                 producer: dict[int, str], unique: Callable[[str], str],
+                 param_storages: set[int], alive: list[Any], is_loss: bool,
+                 tie: Any = None) -> None:
+        self.base, self.target, self.rec, self.raw = base, target, rec, raw
+        self.producer, self.unique, self.param_storages = producer, unique, param_storages
+        self.alive, self.is_loss, self.tie = alive, is_loss, tie
+        self.last: str | None = None
+
+    def __call__(self, suffix: str, kind: OpKind, fn: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> Any:
+        self.rec.current = []
+        try:
+            with self.rec.hooks():
+                value = fn(*args, **kwargs)
+        finally:
+            saved, self.rec.current = self.rec.current, None
+        outs = _tensors(value)
+        if not outs:
+            return value
+        flat = _tensors((args, kwargs))
+        params = [t for t in flat if _storage_id(t) in self.param_storages]
+        ins = [t for t in flat if _storage_id(t) not in self.param_storages]
+        name = self.unique(f"{self.base}.{suffix}" if self.base else suffix)
+        self.raw.append(_RawOp(
+            name=name, kind=kind, target=f"{self.target}.{suffix}", module=None,
+            inputs=[(self.producer[id(t)], t) for t in ins if id(t) in self.producer],
+            input_tensors=ins, outputs=outs, params=params, saved=saved,
+            is_loss_part=self.is_loss,
+            tie_key=(self.tie, suffix) if self.tie is not None else None,
+        ))
+        for t in outs:
+            self.producer[id(t)] = name
+        self.alive.append(value)
+        self.last = name
+        return value
+
+
+def _expand_mha(step: _Expansion, mod: nn.Module, args: Any, kwargs: Any) -> Any:
+    from .runtime.dispatch import mha_forward
+
+    return mha_forward(step, mod, *args, **kwargs)
+
+
+def _expand_sdpa(step: _Expansion, args: Any, kwargs: Any) -> Any:
+    from .runtime.dispatch import sdpa_forward
+
+    return sdpa_forward(step, *args, **kwargs)
+
+
+def _meta_param_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[int, str]:
+    """id(meta copy of a parameter) -> the parameter's name as ``model.named_parameters()``
+    gives it (a tied parameter: its first name), as the runtime dispatcher names it."""
+    first: dict[int, str] = {}
+    for n, p in model.named_parameters():
+        first.setdefault(id(p), n)
+    out: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in state:
+            out.setdefault(id(state[n]), first[id(p)])
+    return out
+
+
 # ----------------------------------------------------------------------------- fx path
 
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, MatMul) or super().is_leaf_module(m, qualname)
+        return is_leaf_module(m)
 
 
 def _meta_state(root: nn.Module) -> dict[str, torch.Tensor]:
@@ -283,15 +439,45 @@ def _fx_raw_ops(
     names: dict[fx.Node, str] = {}
     raw: list[_RawOp] = []
     used_names: dict[str, int] = {}
+    namer = CallNamer(_meta_param_names(model, state))
+    param_storages = {_storage_id(t) for t in state.values()}
+    alive: list[Any] = []
 
     def unique(base: str) -> str:
         used_names[base] = used_names.get(base, 0) + 1
         return base if used_names[base] == 1 else f"{base}_{used_names[base] - 1}"
 
+    def scope_of(n: fx.Node) -> str:
+        if n.meta.get("qsync_loss"):
+            return "loss"
+        stack = n.meta.get("nn_module_stack") or {}
+        return next(reversed(stack.values()))[0] if stack else ""
+
     class _Interp(fx.Interpreter):
+        def expand(self, n: fx.Node, base: str, target: str, tie: Any,
+                   run: Callable[[_Expansion, Any, Any], Any]) -> Any:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            producer = {id(t): names[a] for a in n.all_input_nodes if a in names
+                        for t in _tensors(self.env[a])}
+            step = _Expansion(base, target, rec, raw, producer, unique, param_storages, alive,
+                              bool(n.meta.get("qsync_loss")), tie)
+            value = run(step, args, kwargs)
+            outs = _tensors(value)
+            if outs and step.last is not None:
+                names[n] = producer.get(id(outs[0]), step.last)
+            return value
+
         def run_node(self, n: fx.Node) -> Any:
             if n.op in ("placeholder", "output", "get_attr"):
                 return super().run_node(n)
+            if n.op == "call_module" and isinstance(self.fetch_attr(n.target),
+                                                    nn.MultiheadAttention):
+                mod = self.fetch_attr(n.target)
+                return self.expand(n, str(n.target), _class_name(mod), id(mod),
+                                   lambda st, a, k: _expand_mha(st, mod, a, k))
+            if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+                return self.expand(n, namer.name("sdpa", scope_of(n)), _target_name(n.target),
+                                   None, _expand_sdpa)
             rec.current = []
             try:
                 with rec.hooks():
@@ -308,19 +494,21 @@ def _fx_raw_ops(
                 mod = self.fetch_attr(n.target)
                 kind = _module_kind(mod)
                 name = unique(str(n.target))
-                target = type(mod).__module__ + "." + type(mod).__qualname__
+                target = _class_name(mod)
                 params = list(mod.parameters()) + params
             else:
                 mod = None
                 kind = _function_kind(n.target) if n.op == "call_function" else _method_kind(
                     str(n.target))
-                if n.meta.get("qsync_loss"):
-                    scope = "loss"
+                scope = scope_of(n)
+                gemm = gemm_call_kind(n.target if n.op == "call_function" else None,
+                                      None if n.op == "call_function" else str(n.target))
+                if gemm is not None and not n.meta.get("qsync_loss"):
+                    call_args, call_kwargs = self.fetch_args_kwargs_from_env(n)
+                    name = unique(namer.name(gemm, scope, (call_args, call_kwargs)))
                 else:
-                    stack = n.meta.get("nn_module_stack") or {}
-                    scope = next(reversed(stack.values()))[0] if stack else ""
-                fname = (getattr(n.target, "__name__", None) or str(n.target)).strip("_")
-                name = unique(f"{scope}.{fname}" if scope else fname)
+                    fname = (getattr(n.target, "__name__", None) or str(n.target)).strip("_")
+                    name = unique(f"{scope}.{fname}" if scope else fname)
                 target = _target_name(n.target) if n.op == "call_function" else f"Tensor.{n.target}"
             names[n] = name
             raw.append(_RawOp(
@@ -359,9 +547,12 @@ def _function_mode_raw_ops(
     used_names: dict[str, int] = {}
     depth = [0]  # >0 while inside a leaf module
     scope: list[str] = []
+    mhas = {m: n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     leaf_names = {m: n for n, m in model.named_modules()
-                  if isinstance(m, MatMul) or (not list(m.children()) and n)}
+                  if (isinstance(m, MatMul) or (is_leaf_module(m) and n)) and m not in mhas}
     in_loss = [False]
+    namer = CallNamer(_meta_param_names(model, state))
+    param_storages = {_storage_id(t) for t in state.values()}
 
     def unique(base: str) -> str:
         used_names[base] = used_names.get(base, 0) + 1
@@ -391,6 +582,12 @@ def _function_mode_raw_ops(
             kwargs = kwargs or {}
             if depth[0] > 0 or getattr(func, "__name__", "") in ("size", "dim", "__get__"):
                 return func(*args, **kwargs)
+            prefix = "loss" if in_loss[0] else (scope[-1] if scope else "")
+            gemm = gemm_call_kind(func)
+            if gemm == "sdpa":
+                step = _Expansion(namer.name("sdpa", prefix), _target_name(func), rec, raw,
+                                  producer, unique, param_storages, alive, in_loss[0])
+                return _expand_sdpa(step, args, kwargs)
             rec.current = []
             try:
                 with rec.hooks():
@@ -398,13 +595,15 @@ def _function_mode_raw_ops(
             finally:
                 saved, rec.current = rec.current, None
             fname = (getattr(func, "__name__", None) or "op").strip("_")
-            prefix = "loss" if in_loss[0] else (scope[-1] if scope else "")
             kind = _function_kind(func)
             if kind == OpKind.other:
                 kind = _method_kind(getattr(func, "__name__", ""))
             params = [t for t in _tensors((args, kwargs)) if id(t) in param_ids]
-            record(unique(f"{prefix}.{fname}" if prefix else fname), kind, _target_name(func),
-                   None, (args, kwargs), value, saved, params)
+            if gemm is not None and not in_loss[0]:
+                name = unique(namer.name(gemm, prefix, (args, kwargs)))
+            else:
+                name = unique(f"{prefix}.{fname}" if prefix else fname)
+            record(name, kind, _target_name(func), None, (args, kwargs), value, saved, params)
             return value
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
@@ -428,14 +627,28 @@ def _function_mode_raw_ops(
     def scope_post(mod: nn.Module, args: Any, value: Any) -> None:
         scope.pop()
 
+    def mha_forward(mod: nn.Module, name: str) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            step = _Expansion(name, _class_name(mod), rec, raw, producer, unique,
+                              param_storages, alive, in_loss[0], id(mod))
+            depth[0] += 1  # the decomposition's own calls are its steps, not more ops
+            try:
+                return _expand_mha(step, mod, args, kwargs)
+            finally:
+                depth[0] -= 1
+        return forward
+
     with ExitStack() as stack:
+        for mod, name in mhas.items():
+            mod.forward = mha_forward(mod, name)  # type: ignore[method-assign]
+            stack.callback(mod.__dict__.pop, "forward", None)
         for mod in leaf_names:
             h1 = mod.register_forward_pre_hook(pre_hook)
             h2 = mod.register_forward_hook(post_hook)
             stack.callback(h1.remove)
             stack.callback(h2.remove)
         for name, mod in model.named_modules():
-            if name and mod not in leaf_names:
+            if name and mod not in leaf_names and mod not in mhas:
                 h1 = mod.register_forward_pre_hook(scope_pre(name))
                 h2 = mod.register_forward_hook(scope_post)
                 stack.callback(h1.remove)
@@ -472,7 +685,11 @@ def _flops(op: _RawOp) -> tuple[int, int, list[int] | None]:
     out_numel = sum(t.numel() for t in op.outputs)
     mod = op.module
     if op.kind == OpKind.linear:
-        w = mod.weight if mod is not None else (op.params[0] if op.params else None)
+        if mod is not None and is_conv1d_like(mod):  # weight (in, out): report Linear's (out, in)
+            nx, nf = (int(s) for s in mod.weight.shape)
+            return 2 * out_numel * nx, nx, [nf, nx]
+        w = mod.weight if mod is not None else next(
+            (p for p in op.params if p.dim() == 2), None)
         k = int(w.shape[1]) if w is not None else int(op.input_tensors[0].shape[-1])
         return 2 * out_numel * k, k, list(w.shape) if w is not None else None
     if op.kind == OpKind.conv:
@@ -536,7 +753,7 @@ def _build_graph(
     names = [o.name for o in raw]
     index = {n: i for i, n in enumerate(names)}
     seen_saved: set[int] = set()
-    seen_params: set[int] = set()
+    seen_params: set[tuple[int, int, int]] = set()
     nodes: list[dict[str, Any]] = []
     edges: dict[tuple[str, str], Edge] = {}
 
@@ -555,9 +772,12 @@ def _build_graph(
         param_bytes = 0
         for p in op.params:
             param_bytes += _nbytes(p)
-            if _storage_id(p) not in seen_params:
+            # A parameter read whole or by slices (nn.MultiheadAttention's q/k/v rows of
+            # in_proj_weight): each distinct slice counts once, a tied one once in all.
+            key = (_storage_id(p), p.storage_offset(), p.numel())
+            if key not in seen_params:
                 own_params += p.numel()
-                seen_params.add(_storage_id(p))
+                seen_params.add(key)
         fwd_flops, _, wshape = _flops(op)
         needs_in = any(t.requires_grad for t in op.input_tensors)
         has_wgrad = any(p.requires_grad for p in op.params)
@@ -636,10 +856,12 @@ def _build_graph(
     _assign_ties(nodes, preds, tie)
     # A module called more than once is one set of weights the runtime swaps once: its calls
     # always share one decision, whatever the tie mode.
-    by_module: dict[int, list[int]] = {}
+    by_module: dict[Any, list[int]] = {}
     for i, op in enumerate(raw):
-        if op.module is not None and nodes[i]["role"] == OpRole.choosable:
-            by_module.setdefault(id(op.module), []).append(i)
+        key = op.tie_key if op.tie_key is not None else (
+            id(op.module) if op.module is not None else None)
+        if key is not None and nodes[i]["role"] == OpRole.choosable:
+            by_module.setdefault(key, []).append(i)
     for members in by_module.values():
         if len(members) > 1:
             for i in members:

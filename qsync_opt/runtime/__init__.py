@@ -1,6 +1,8 @@
 """Runtime: run a plan's precisions in real PyTorch modules and train with them."""
 
 from .apply import ApplyReport, apply_plan
-from .layers import QConv2d, QLinear, QMatMul, apply_precisions
+from .dispatch import FunctionalDispatch, count_calls
+from .layers import QConv1d, QConv2d, QLinear, QMatMul, QMultiheadAttention, apply_precisions
 
-__all__ = ["ApplyReport", "QConv2d", "QLinear", "QMatMul", "apply_plan", "apply_precisions"]
+__all__ = ["ApplyReport", "FunctionalDispatch", "QConv1d", "QConv2d", "QLinear", "QMatMul",
+           "QMultiheadAttention", "apply_plan", "apply_precisions", "count_calls"]

@@ -1,4 +1,5 @@
-"""Put a plan into a model: swap each planned op's module for its precision-specific layer.
+"""Put a plan into a model: each planned op runs at its precision (swapped layers, per-call
+dispatch for functional GEMMs).
 
 Three lines in an existing training script::
 
@@ -20,7 +21,7 @@ from torch import nn
 from ..errors import QsyncInputError
 from ..precision import Precision
 from ..schemas import ModelGraph, Plan
-from .layers import _SWAPS, apply_precisions
+from .layers import apply_precisions, classify_ops, swappable_kind
 
 
 @dataclass
@@ -34,20 +35,26 @@ class ApplyReport:
         for p in self.applied.values():
             counts[p.value] = counts.get(p.value, 0) + 1
         mix = ", ".join(f"{n} {p}" for p, n in sorted(counts.items(), key=lambda x: -x[1]))
-        extra = (f"; {len(self.not_covered)} Linear/Conv2d/MatMul modules not in the plan run "
-                 "as they are" if self.not_covered else "")
+        extra = (f"; {len(self.not_covered)} GEMM modules not in the plan run as they are"
+                 if self.not_covered else "")
         return f"group {self.group}: {mix}{extra}"
 
 
 def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | None = None,
                seed: int = 0) -> ApplyReport:
-    """Swap ``model``'s modules to ``plan``'s precisions for device group ``group``.
+    """Make ``model`` run ``plan``'s precisions for device group ``group``.
+
+    Each planned op runs at its precision the way the tracer saw it: GEMM modules swapped for
+    their precision-specific layers (Linear, Conv1d/2d, MatMul, HF-style Conv1D), the sub-ops
+    of nn.MultiheadAttention in :class:`~qsync_opt.runtime.layers.QMultiheadAttention`, and
+    functional GEMMs and ``F.scaled_dot_product_attention`` per call
+    (:class:`~qsync_opt.runtime.dispatch.FunctionalDispatch`).
 
     Refused, with one line naming what differs: a group the plan lacks, a plan made for
     another graph (when ``graph`` is given: :func:`qsync_opt.plan.check_plan`; always: every
-    planned op must be a Linear/Conv2d/MatMul module of ``model``). Reported: swappable
-    modules the plan does not cover (they keep running as they are). ``seed`` seeds the
-    layers' stochastic rounding (give each rank its own).
+    planned op must be an op of ``model``). Reported: GEMM modules the plan does not cover
+    (they keep running as they are). ``seed`` seeds the layers' stochastic rounding (give
+    each rank its own).
     """
     if group not in plan.groups:
         raise QsyncInputError(f"group: the plan has no group {group!r}; its groups: "
@@ -56,15 +63,17 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
         from ..plan import check_plan
 
         check_plan(plan, graph)
-    modules = dict(model.named_modules())
     wanted = plan.groups[group].precisions
-    missing = [n for n in wanted if n not in modules]
+    how = classify_ops(model, wanted)
+    missing = [n for n, h in how.items() if h in ("missing", "not_gemm")]
     if missing:
         few = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise QsyncInputError(f"plan: made for {plan.workload}; this model lacks the planned "
                               f"ops {few}")
-    swappable = {n for n, m in modules.items()
-                 if any(isinstance(m, base) for _, base in _SWAPS)}
+    modules = dict(model.named_modules())
+    mhas = {n for n, m in modules.items() if isinstance(m, nn.MultiheadAttention)}
+    swappable = {n for n, m in modules.items() if swappable_kind(m) is not None
+                 and n.rpartition(".")[0] not in mhas}
     applied = apply_precisions(model, wanted, seed=seed)
     return ApplyReport(group=group, applied={k: Precision(v) for k, v in applied.items()},
                        not_covered=sorted(swappable - set(wanted)))

@@ -1,4 +1,6 @@
-"""Precision-specific Linear, Conv2d and attention MatMul on the qsync ops library.
+"""Precision-specific Linear, Conv1d/2d, attention MatMul, HuggingFace-style Conv1D and
+nn.MultiheadAttention on the qsync ops library (functional GEMMs and SDPA calls are
+dispatched per call: :mod:`qsync_opt.runtime.dispatch`).
 
 Each layer is a subclass of the torch module it replaces and keeps its parameters, so a swap
 (:func:`apply_precisions`) changes no ``state_dict`` key and keeps FP32 master weights and
@@ -22,12 +24,13 @@ Convolutions with a ``padding_mode`` other than zeros are padded first, as torch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
 from ..errors import QsyncInputError
@@ -36,18 +39,86 @@ from ..precision import Precision
 
 _HALF = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}
 
+#: Active :func:`~qsync_opt.runtime.count_calls` tallies: {op: {precision: calls}}.
+_COUNTERS: list[dict[str, dict[str, int]]] = []
+
+
+def record_call(name: str, p: Precision) -> None:
+    """Count one call of op ``name`` at precision ``p`` in every active tally."""
+    for c in _COUNTERS:
+        per = c.setdefault(name, {})
+        per[p.value] = per.get(p.value, 0) + 1
+
+
+def run_linear(x: Tensor, w: Tensor, b: Tensor | None, p: Precision,
+               next_seed: Callable[[], int]) -> Tensor:
+    """``F.linear(x, w, b)`` at precision ``p`` (as :class:`QLinear` runs it)."""
+    if p in _HALF:
+        d = _HALF[p]
+        return F.linear(x.to(d), w.to(d), None if b is None else b.to(d)).to(x.dtype)
+    if p in (Precision.int8, Precision.int8_full):
+        return ops.int8_linear(x, w, b, int8_backward=p == Precision.int8_full,
+                               seed=next_seed())
+    if p == Precision.fp8:
+        return F.linear(ops.fake_quant_float(x, "fp8_e4m3"), ops.fake_quant_float(w, "fp8_e4m3"),
+                        b)
+    return F.linear(x, w, b)
+
+
+def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Precision,
+             next_seed: Callable[[], int]) -> Any:
+    """One functional GEMM call ``fn(*args, **kwargs)`` at precision ``p``: ``kind`` linear
+    (``F.linear``'s arguments) or matmul (matmul, bmm, mm, ``@``, einsum, baddbmm: every
+    floating-point tensor operand cast to 16 bit, or fake-quantized to int8 / fp8 as
+    :class:`QMatMul` does, the result back in the first operand's dtype)."""
+    if p in (Precision.fp32, Precision.tf32):
+        return fn(*args, **kwargs)
+    if kind == "linear":
+        names = ("input", "weight", "bias")
+        vals = list(args) + [kwargs.get(n) for n in names[len(args):]]
+        x, w, b = (vals + [None] * 3)[:3]
+        return run_linear(x, w, b, p, next_seed)
+    flat, spec = tree_flatten((args, kwargs))
+    floats = [t for t in flat if isinstance(t, Tensor) and t.is_floating_point()]
+    if not floats:
+        return fn(*args, **kwargs)
+    dtype = floats[0].dtype
+    base = next_seed() if p in (Precision.int8, Precision.int8_full) else 0
+    k = 0
+
+    def conv(t: Any) -> Any:
+        nonlocal k
+        if not (isinstance(t, Tensor) and t.is_floating_point()):
+            return t
+        k += 1
+        if p in _HALF:
+            return t.to(_HALF[p])
+        if p == Precision.fp8:
+            return ops.fake_quant_float(t, "fp8_e4m3")
+        return ops.fake_quant_int8(t, seed=(2 * base + k - 1) & 0x7FFFFFFF)
+
+    a2, k2 = tree_unflatten([conv(t) for t in flat], spec)
+    out = fn(*a2, **k2)
+    return out.to(dtype) if p in _HALF and isinstance(out, Tensor) else out
+
 
 class _QMixin:
     precision: Precision
     qseed: int
+    qname: str = ""
 
     def _next_seed(self) -> int:
         self.qseed += 1
         return self.qseed
 
+    def _count(self) -> None:
+        if _COUNTERS:
+            record_call(self.qname, self.precision)
+
 
 class QLinear(nn.Linear, _QMixin):
     def forward(self, x: Tensor) -> Tensor:
+        self._count()
         p = self.precision
         if p in _HALF:
             d = _HALF[p]
@@ -65,6 +136,7 @@ class QLinear(nn.Linear, _QMixin):
 
 class QConv2d(nn.Conv2d, _QMixin):
     def forward(self, x: Tensor) -> Tensor:
+        self._count()
         p = self.precision
         if isinstance(self.padding, str):
             raise QsyncInputError(f"QConv2d: string padding {self.padding!r} is not supported")
@@ -91,6 +163,7 @@ class QConv2d(nn.Conv2d, _QMixin):
 
 class QMatMul(MatMul, _QMixin):
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        self._count()
         p = self.precision
         if p in _HALF:
             d = _HALF[p]
@@ -105,36 +178,225 @@ class QMatMul(MatMul, _QMixin):
         return torch.matmul(a, b)
 
 
+class QConv1d(nn.Conv1d, _QMixin):
+    """nn.Conv1d at a precision: 16 bit and fp8 as :class:`QConv2d`; int8 through
+    ``qsync::int8_conv2d`` on a height-1 image (the same integer GEMM)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._count()
+        p = self.precision
+        if p not in (*_HALF, Precision.int8, Precision.int8_full, Precision.fp8):
+            return super().forward(x)
+        padding: Any = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0,)
+        if p in _HALF:
+            d = _HALF[p]
+            b = None if self.bias is None else self.bias.to(d)
+            return F.conv1d(x.to(d), self.weight.to(d), b, self.stride, padding, self.dilation,
+                            self.groups).to(x.dtype)
+        if p == Precision.fp8:
+            return F.conv1d(ops.fake_quant_float(x, "fp8_e4m3"),
+                            ops.fake_quant_float(self.weight, "fp8_e4m3"), self.bias,
+                            self.stride, padding, self.dilation, self.groups)
+        if padding == "valid":
+            padding = (0,)
+        elif padding == "same":  # stride 1 (torch's rule): pad (left, right) first
+            total = self.dilation[0] * (self.kernel_size[0] - 1)
+            x = F.pad(x, (total // 2, total - total // 2))
+            padding = (0,)
+        y = ops.int8_conv2d(x.unsqueeze(-2), self.weight.unsqueeze(-2), self.bias,
+                            (1, self.stride[0]), (0, padding[0]), (1, self.dilation[0]),
+                            self.groups, int8_backward=p == Precision.int8_full,
+                            seed=self._next_seed())
+        return y.squeeze(-2)
+
+
+class _QConv1DMixin(_QMixin):
+    """A HuggingFace-style Conv1D (``out = addmm(bias, x, weight)``, weight (in, out)) at a
+    precision: its transposed weight through :func:`run_linear` (int8: ``ops.int8_linear``;
+    16 bit and fp8 as :class:`QLinear`)."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._count()
+        p = self.precision
+        if p in (Precision.fp32, Precision.tf32):
+            return super().forward(x)  # type: ignore[misc]
+        return run_linear(x, self.weight.t(), self.bias, p, self._next_seed)
+
+
+class _QMHAMixin(_QMixin):
+    """nn.MultiheadAttention with a precision per sub-op (``precisions``: in_proj or
+    q_proj/k_proj/v_proj/kv_proj, qk, av, out_proj): the decomposed attention
+    (:func:`~qsync_opt.runtime.dispatch.mha_forward`, the computation the planner traced),
+    or torch's own forward when every sub-op is fp32/tf32."""
+
+    precisions: dict[str, Precision]
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Tensor | None = None, need_weights: bool = True,
+                attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        from .dispatch import RuntimeStep, mha_forward, mha_gemms
+
+        subs = mha_gemms(self, query, key, value)  # type: ignore[arg-type]
+        prefix = f"{self.qname}." if self.qname else ""
+        if all(self.precisions.get(s, Precision.fp32) in (Precision.fp32, Precision.tf32)
+               for s in subs):
+            for s in subs:
+                record_call(prefix + s, self.precisions.get(s, Precision.fp32))
+            return super().forward(query, key, value, key_padding_mask,  # type: ignore[misc]
+                                   need_weights, attn_mask, average_attn_weights, is_causal)
+        return mha_forward(RuntimeStep(self.qname, self.precisions, self._next_seed),
+                           self, query, key, value, key_padding_mask,  # type: ignore[arg-type]
+                           need_weights, attn_mask, average_attn_weights, is_causal)
+
+
+class QMultiheadAttention(_QMHAMixin, nn.MultiheadAttention):
+    pass
+
+
+_DYNAMIC: dict[tuple[type, type], type] = {(nn.MultiheadAttention, _QMHAMixin): QMultiheadAttention}
+
+
+def _q_class(base: type[nn.Module], mixin: type) -> type[nn.Module]:
+    """The precision-specific subclass of ``base`` (made once per class: HF's Conv1D, a
+    user's subclass of nn.MultiheadAttention)."""
+    key = (base, mixin)
+    if key not in _DYNAMIC:
+        _DYNAMIC[key] = type(f"Q{base.__name__}", (mixin, base), {"__module__": __name__})
+    return _DYNAMIC[key]
+
+
 _SWAPS: list[tuple[type[nn.Module], type[nn.Module]]] = [
-    (QLinear, nn.Linear), (QConv2d, nn.Conv2d), (QMatMul, MatMul)]
+    (QLinear, nn.Linear), (QConv2d, nn.Conv2d), (QConv1d, nn.Conv1d), (QMatMul, MatMul)]
+
+
+def swappable_kind(mod: nn.Module) -> str | None:
+    """``"linear"``, ``"conv"``, ``"matmul"`` or ``"conv1d_hf"`` for a GEMM module with a
+    precision-specific layer (the out_proj of an nn.MultiheadAttention is run by its parent:
+    see :class:`QMultiheadAttention`), else None."""
+    from ..graph import is_conv1d_like
+
+    if is_conv1d_like(mod):
+        return "conv1d_hf"
+    if isinstance(mod, nn.Linear):
+        return "linear"
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+        return "conv"
+    if isinstance(mod, MatMul):
+        return "matmul"
+    return None
+
+
+def _mha_of(modules: Mapping[str, nn.Module], name: str) -> tuple[str, str] | None:
+    """(mha name, sub-op) when ``name`` is ``<an nn.MultiheadAttention>.<sub-op>[_N]``."""
+    from .dispatch import MHA_GEMMS, base_name
+
+    parent, _, last = name.rpartition(".")
+    if isinstance(modules.get(parent), nn.MultiheadAttention) and base_name(last) in MHA_GEMMS:
+        return parent, base_name(last)
+    return None
+
+
+def classify_ops(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """How the runtime runs each op name of a plan on ``model``: ``module`` (a GEMM module
+    swapped for its precision-specific layer), ``mha`` (a sub-op of an
+    nn.MultiheadAttention), ``functional`` (a call dispatched per call), ``missing`` (no such
+    op in this model) or ``not_gemm`` (a module with no precision-specific layer)."""
+    from .dispatch import functional_op_exists
+
+    modules = dict(model.named_modules())
+    out: dict[str, str] = {}
+    for name in names:
+        mod = modules.get(name)
+        if _mha_of(modules, name) is not None:
+            out[name] = "mha"
+        elif mod is not None:
+            out[name] = "module" if swappable_kind(mod) is not None else "not_gemm"
+        elif functional_op_exists(model, name):
+            out[name] = "functional"
+        else:
+            out[name] = "missing"
+    return out
 
 
 def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str],
                      seed: int = 0) -> dict[str, Any]:
-    """Swap the named modules in place to run at the given precisions.
+    """Make the named ops of ``model`` run at the given precisions, in place.
 
-    Returns ``{name: precision}`` as applied. Unknown names and modules of a kind with no
-    precision-specific layer are refused with the name in the message.
+    GEMM modules (Linear, Conv1d/2d, MatMul, HF-style Conv1D) are swapped for their
+    precision-specific layers; sub-ops of an nn.MultiheadAttention (``<mha>.in_proj``,
+    ``.qk``, ``.av``, ``.out_proj``...) make it a :class:`QMultiheadAttention`; other names
+    (functional GEMMs and SDPA sub-ops, named as the tracers name them) go to a
+    :class:`~qsync_opt.runtime.dispatch.FunctionalDispatch` installed on ``model`` (one per
+    model: a new call replaces it). Returns ``{name: precision}`` as applied. Refused, with
+    the name in the message: a name that is no op of ``model``, a module with no
+    precision-specific layer, an unknown precision, two precisions for one
+    nn.MultiheadAttention sub-op.
     """
+    from .dispatch import FunctionalDispatch
+
     modules = dict(model.named_modules())
-    applied: dict[str, Any] = {}
-    for i, (name, value) in enumerate(sorted(precisions.items())):
-        mod = modules.get(name)
-        if mod is None:
-            raise QsyncInputError(f"precisions: no module named {name!r} in the model")
+    parsed: dict[str, Precision] = {}
+    for name, value in sorted(precisions.items()):
         try:
-            p = Precision(value)
+            parsed[name] = Precision(value)
         except ValueError:
             raise QsyncInputError(f"precisions: {name}: unknown precision {value!r}") from None
-        for qcls, base in _SWAPS:
-            if isinstance(mod, base):
-                mod.__class__ = qcls
-                mod.precision = p  # type: ignore[attr-defined]
-                mod.qseed = (seed * 1_000_003 + i * 7919) & 0x7FFFFFFF  # type: ignore[attr-defined]
-                applied[name] = p
-                break
-        else:
+    how = classify_ops(model, parsed)
+    for name, h in how.items():
+        if h == "missing":
+            raise QsyncInputError(f"precisions: no module named {name!r} in the model")
+        if h == "not_gemm":
             raise QsyncInputError(
-                f"precisions: {name} is a {type(mod).__name__}; only Linear, Conv2d and MatMul "
-                "have precision-specific layers")
+                f"precisions: {name} is a {type(modules[name]).__name__}; only Linear, "
+                "Conv1d/Conv2d, MatMul, Conv1D, nn.MultiheadAttention sub-ops and functional "
+                "GEMMs have precision-specific layers")
+    applied: dict[str, Any] = {}
+    mha: dict[str, dict[str, Precision]] = {}
+    functional: dict[str, Precision] = {}
+    for i, (name, p) in enumerate(parsed.items()):
+        seed_i = (seed * 1_000_003 + i * 7919) & 0x7FFFFFFF
+        if how[name] == "mha":
+            parent, sub = _mha_of(modules, name)  # type: ignore[misc]
+            subs = mha.setdefault(parent, {})
+            if subs.get(sub, p) != p:
+                raise QsyncInputError(f"precisions: {name}: {parent}.{sub} is one set of "
+                                      f"weights; it cannot run at both {subs[sub].value} and "
+                                      f"{p.value}")
+            subs[sub] = p
+        elif how[name] == "functional":
+            functional[name] = p
+        else:
+            mod = modules[name]
+            if swappable_kind(mod) == "conv1d_hf":
+                mod.__class__ = _q_class(type(mod), _QConv1DMixin)
+            else:
+                for qcls, base in _SWAPS:
+                    if isinstance(mod, base):
+                        mod.__class__ = qcls
+                        break
+            mod.precision = p  # type: ignore[assignment]
+            mod.qseed = seed_i  # type: ignore[assignment]
+            mod.qname = name  # type: ignore[assignment]
+        applied[name] = p
+    for i, (parent, subs) in enumerate(sorted(mha.items())):
+        mod = modules[parent]
+        if not isinstance(mod, _QMHAMixin):
+            mod.__class__ = _q_class(type(mod), _QMHAMixin)
+        mod.precisions = subs  # type: ignore[assignment]
+        mod.precision = Precision.fp32  # type: ignore[assignment]
+        mod.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF  # type: ignore[assignment]
+        mod.qname = parent  # type: ignore[assignment]
+    old = model.__dict__.pop("_qsync_dispatch", None)
+    if old is not None:
+        old.remove()
+    if functional:
+        model.__dict__["_qsync_dispatch"] = FunctionalDispatch(model, functional,
+                                                               seed=seed * 1_000_003 + 17)
     return applied
