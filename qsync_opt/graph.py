@@ -879,6 +879,31 @@ def _build_graph(
     )
 
 
+def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
+    """The ops of kind "other" (computations the planner cannot choose a precision for and
+    the cost model only guesses) that hold more than ``threshold`` (1%) of the model's
+    parameters or forward FLOPs, one line each: name, target, their shares. :func:`trace`
+    logs them as a warning; the CLI's ``graph`` command can print them."""
+    total_flops = sum(o.fwd_flops for o in graph.ops) or 1
+    total_params = graph.param_count or 1
+    out = []
+    for o in graph.ops:
+        if o.kind != OpKind.other:
+            continue
+        pf, pp = o.fwd_flops / total_flops, o.param_count / total_params
+        if pf > threshold or pp > threshold:
+            out.append(f"{o.name} ({o.target}): {100 * pp:.1f}% of the parameters, "
+                       f"{100 * pf:.1f}% of the forward FLOPs")
+    return out
+
+
+def _warn_unseen(graph: ModelGraph) -> None:
+    lines = unseen_ops(graph)
+    if lines:
+        log.warning("%s: %d op(s) the planner cannot see inside (kind other, over 1%% of the "
+                    "parameters or FLOPs): %s", graph.workload, len(lines), "; ".join(lines))
+
+
 TIE_MODES = ("none", "blocks", "siblings")
 
 
@@ -1116,4 +1141,5 @@ def trace(
         raise TraceError(f"cannot trace {label}: the model ran no operators")
     graph = _build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
                          pin_head=pin_head, unpin=unpin, tie=tie)
+    _warn_unseen(graph)
     return graph.model_copy(update={"workload_sha256": file_sha256}) if file_sha256 else graph
