@@ -141,8 +141,9 @@ def is_conv1d_like(mod: nn.Module) -> bool:
     """True for a HuggingFace-style ``Conv1D`` (found by duck typing, transformers is never
     imported): a class named ``Conv1D`` with a 2-D ``weight`` of shape (nx, nf) and an int
     ``nf``; it computes ``addmm(bias, x, weight)``, a Linear with a transposed weight."""
-    w = getattr(mod, "weight", None)
-    nf = getattr(mod, "nf", None)
+    # Read past __getattr__: while torch.fx traces, parameters read as attributes are proxies.
+    w = mod._parameters.get("weight") if "_parameters" in mod.__dict__ else None
+    nf = mod.__dict__.get("nf")
     return (type(mod).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
             and isinstance(nf, int) and int(w.shape[1]) == nf)
 
@@ -377,6 +378,13 @@ def _meta_param_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     return out
 
 
+def _meta_inputs(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Meta copies of the example inputs; one tensor given twice stays one tensor (so
+    ``attn(x, x, x)`` with the same input is traced as self-attention, as it runs)."""
+    by_id: dict[int, torch.Tensor] = {}
+    return [by_id.setdefault(id(t), _meta_like(t)) for t in inputs]
+
+
 # ----------------------------------------------------------------------------- fx path
 
 
@@ -521,7 +529,7 @@ def _fx_raw_ops(
             ))
             return value
 
-    args: list[torch.Tensor] = [_meta_like(t) for t in inputs]
+    args: list[torch.Tensor] = _meta_inputs(inputs)
     if loss_fn is not None and targets is not None:
         args.append(_meta_like(targets))
     with torch.nn.utils.stateless._reparametrize_module(gm, state), torch.enable_grad():
@@ -656,7 +664,7 @@ def _function_mode_raw_ops(
         stack.enter_context(torch.nn.utils.stateless._reparametrize_module(model, state))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(rec.hooks())
-        args = [_meta_like(t) for t in inputs]
+        args = _meta_inputs(inputs)
         meta_targets = _meta_like(targets) if targets is not None else None
         with _Mode():
             out = model(*args)

@@ -18,6 +18,7 @@ tracers and the runtime, so the planner sees exactly the GEMMs the runtime runs.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -35,6 +36,8 @@ from .layers import _COUNTERS, _QMixin, record_call, run_gemm, swappable_kind
 
 __all__ = ["FunctionalDispatch", "count_calls", "mha_forward", "mha_gemms", "sdpa_forward",
            "MHA_GEMMS", "SDPA_GEMMS"]
+
+log = logging.getLogger(__name__)
 
 Step = Callable[..., Any]
 
@@ -266,7 +269,9 @@ class _Mode(TorchFunctionMode):
         if kind is None:
             return func(*args, **kwargs)
         name = o.namer.name(kind, o.scope[-1] if o.scope else "", (args, kwargs))
+        o.seen.add(name)
         if kind == "sdpa":
+            o.seen.update(f"{name}.{s}" for s in SDPA_GEMMS)
             subs = {s: o.precisions[f"{name}.{s}"] for s in SDPA_GEMMS
                     if f"{name}.{s}" in o.precisions}
             if all(p in (Precision.fp32, Precision.tf32) for p in subs.values()):
@@ -300,6 +305,8 @@ class FunctionalDispatch:
         self.active = 0
         self.seed = seed & 0x7FFFFFFF
         self.mode: _Mode | None = None
+        self.seen: set[str] = set()  # op names dispatched so far
+        self.checked = False
         self.handles: list[Any] = []
         self.handles.append(model.register_forward_pre_hook(self._root_pre))
         self.handles.append(model.register_forward_hook(self._root_post, always_call=True))
@@ -333,6 +340,18 @@ class FunctionalDispatch:
         if self.active == 0 and self.mode is not None:
             mode, self.mode = self.mode, None
             mode.__exit__(None, None, None)
+            if not self.checked:
+                self.checked = True
+                unseen = self.unseen()
+                if unseen:
+                    log.warning("plan: %d planned op(s) did not run in the first forward, so "
+                                "their precisions are not used: %s", len(unseen),
+                                ", ".join(unseen[:5]) + (" ..." if len(unseen) > 5 else ""))
+
+    def unseen(self) -> list[str]:
+        """Planned functional ops no forward has run so far (a name the model's calls do
+        not produce: the plan was made for another model, or another code path)."""
+        return sorted(set(self.precisions) - self.seen)
 
     def _leaf_pre(self, mod: nn.Module, args: Any) -> None:
         self.depth += 1
