@@ -723,6 +723,19 @@ def _snake(target: str) -> str:
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", target).lower()
 
 
+def _no_runtime_layer(op: _RawOp) -> str | None:
+    """Why a GEMM the runtime cannot run at another precision is pinned fp32, else None:
+    a GEMM of the loss (computed outside the model's forward, where nothing dispatches), a
+    functional convolution, a Conv3d (no precision-specific layer)."""
+    if op.is_loss_part:
+        return "loss GEMM: the loss runs outside the model's forward, in fp32"
+    if op.kind == OpKind.conv and op.module is None:
+        return "functional convolution: the runtime dispatches F.linear/matmul calls, not convs"
+    if op.kind == OpKind.conv and not isinstance(op.module, (nn.Conv1d, nn.Conv2d)):
+        return f"{type(op.module).__name__}: no precision-specific layer; runs fp32"
+    return None
+
+
 def _role(kind: OpKind, n_float_inputs: int) -> OpRole:
     if kind in _CHOOSABLE:
         return OpRole.choosable
@@ -807,6 +820,9 @@ def _build_graph(
             # Autocast lists batch_norm in neither its fp32 nor its 16-bit list: it runs in its
             # input's dtype (cuDNN keeps the statistics in fp32), so it passes dtypes through.
             role = OpRole.pass_through
+        no_runtime = _no_runtime_layer(op) if role == OpRole.choosable else None
+        if no_runtime:
+            role = OpRole.pinned
         allowed: list[Precision]
         if role == OpRole.choosable:
             allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)
@@ -817,7 +833,7 @@ def _build_graph(
         nodes.append(dict(
             name=op.name, kind=op.kind, target=op.target, role=role,
             allowed_precisions=allowed,
-            pin_reason=PIN_REASONS.get(op.kind) if role == OpRole.pinned else None,
+            pin_reason=(no_runtime or PIN_REASONS.get(op.kind)) if role == OpRole.pinned else None,
             input_shapes=[list(t.shape) for t in op.input_tensors],
             output_shapes=[list(t.shape) for t in op.outputs],
             weight_shape=wshape, param_count=own_params,

@@ -390,6 +390,19 @@ def test_a_planned_functional_op_no_forward_runs_is_named_in_a_warning(caplog) -
     assert "1 planned op(s)" in caplog.text and "blocks.0.attn.sdpa.qk" in caplog.text
 
 
+def test_a_deep_copy_of_an_applied_model_dispatches_on_its_own() -> None:
+    import copy
+
+    model, ex = PATTERNS["swin_like"]()
+    g = trace(model, example_inputs=ex)
+    plan = _mixed(g)
+    apply_precisions(model, plan)
+    twin = copy.deepcopy(model)
+    with count_calls(twin) as counts:
+        twin(*ex)
+    _check_counts(g, plan, counts)
+
+
 def test_ops_inside_swapped_layers_are_not_dispatched_again() -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -506,3 +519,41 @@ def test_other_ops_holding_over_one_percent_are_named_in_a_warning(caplog) -> No
     with caplog.at_level(logging.WARNING, logger="qsync_opt.graph"):
         trace(PATTERNS["timm_vit"]()[0], example_inputs=PATTERNS["timm_vit"]()[1])
     assert "cannot see inside" not in caplog.text
+
+
+def test_gemms_the_runtime_cannot_lower_are_pinned_not_offered() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c3 = nn.Conv3d(2, 2, 1)
+            self.w = nn.Parameter(torch.randn(2, 2, 1, 1))
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = F.conv2d(self.c3(x).flatten(1, 2), self.w.repeat(1, 2, 1, 1))
+            return self.lin(y.mean(dim=(2, 3)))
+
+    g = trace(M(), example_inputs=(torch.randn(1, 2, 2, 3, 3),), pin_head=False)
+    by = {o.name: o for o in g.ops}
+    assert by["c3"].role == OpRole.pinned and "Conv3d" in by["c3"].pin_reason
+    conv = next(o for o in g.ops if o.kind == OpKind.conv and o.name != "c3")
+    assert conv.role == OpRole.pinned and "functional convolution" in conv.pin_reason
+    assert _choosable(g) == ["lin"]
+
+
+def test_torch_transformer_encoder_is_traced_through_and_runs_its_plan() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                          nn.Linear(32, 5))
+    x = torch.randn(2, 6, 32)
+    ref = model(x).detach()
+    g, plan = _apply_mixed(model, (x,))
+    names = _choosable(g)
+    assert len(names) == 2 * 6 and "0.layers.1.self_attn.qk" in names
+    assert unseen_ops(g) == []
+    with count_calls(model) as counts:
+        out = model(x)
+        out.sum().backward()
+    _check_counts(g, plan, counts)
+    assert ((out - ref).norm() / ref.norm()) < 0.15

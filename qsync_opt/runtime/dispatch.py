@@ -252,6 +252,12 @@ def base_name(name: str) -> str:
     return _REPEAT.sub("", name)
 
 
+def _gemm_call_kind(func: Any) -> str | None:
+    from ..graph import gemm_call_kind  # graph imports this module lazily; no import cycle
+
+    return gemm_call_kind(func)
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, owner: FunctionalDispatch) -> None:
         super().__init__()
@@ -263,9 +269,7 @@ class _Mode(TorchFunctionMode):
         o = self.owner
         if o.depth > 0:
             return func(*args, **kwargs)
-        from ..graph import gemm_call_kind
-
-        kind = gemm_call_kind(func)
+        kind = _gemm_call_kind(func)
         if kind is None:
             return func(*args, **kwargs)
         name = o.namer.name(kind, o.scope[-1] if o.scope else "", (args, kwargs))
@@ -360,9 +364,7 @@ class FunctionalDispatch:
         self.depth -= 1
 
     def _scope_pre(self, name: str) -> Callable[[nn.Module, Any], None]:
-        def hook(mod: nn.Module, args: Any) -> None:
-            self.scope.append(name)
-        return hook
+        return _ScopePush(self, name)
 
     def _scope_post(self, mod: nn.Module, args: Any, out: Any) -> None:
         if self.scope:
@@ -372,6 +374,17 @@ class FunctionalDispatch:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+class _ScopePush:
+    """A scope pre-hook as an object (not a closure), so a deep copy of the model gets hooks
+    that push onto the copy's dispatcher."""
+
+    def __init__(self, owner: FunctionalDispatch, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __call__(self, mod: nn.Module, args: Any) -> None:
+        self.owner.scope.append(self.name)
 
 
 def functional_op_exists(model: nn.Module, name: str) -> bool:
