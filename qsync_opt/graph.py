@@ -648,8 +648,10 @@ def _function_mode_raw_ops(
 
     with ExitStack() as stack:
         for mod, name in mhas.items():
+            own = mod.__dict__.get("forward")  # an instance's own forward, put back after
             mod.forward = mha_forward(mod, name)  # type: ignore[method-assign]
-            stack.callback(mod.__dict__.pop, "forward", None)
+            stack.callback(lambda m=mod, f=own: (m.__dict__.pop("forward", None), f and
+                                                 m.__dict__.__setitem__("forward", f)))
         for mod in leaf_names:
             h1 = mod.register_forward_pre_hook(pre_hook)
             h2 = mod.register_forward_hook(post_hook)

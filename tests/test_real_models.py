@@ -41,10 +41,13 @@ def _gemm_flops(g: ModelGraph) -> int:
 def _mixed(g: ModelGraph) -> dict[str, Precision]:
     """int8 / bf16 / fp16 / fp32 / fp8 / int8_full spread over the choosable ops (each op
     gets one its menu allows)."""
-    out = {}
+    out: dict[str, Precision] = {}
+    tied: dict[str, Precision] = {}
     for i, o in enumerate(o for o in g.ops if o.role == OpRole.choosable):
         menu = [p for p in MIX if p in o.allowed_precisions]
         out[o.name] = menu[i % len(menu)]
+        if o.tie_group:  # one decision per tie group (a module called twice)
+            out[o.name] = tied.setdefault(o.tie_group, out[o.name])
     return out
 
 
@@ -259,12 +262,10 @@ def test_multihead_attention_decomposes_exactly_and_runs_its_plan(case: str) -> 
     q, k, v = qkv
     ex = (q, k, v)
     g = trace(model, example_inputs=ex, method="function_mode", pin_head=False)
-    try:
-        fx = trace(model, example_inputs=ex, method="fx", pin_head=False)
-    except Exception:  # noqa: BLE001 - fx may not trace every call; function mode must
-        fx = None
-    if fx is not None:
-        assert _choosable(fx) == _choosable(g)
+    fx = trace(model, example_inputs=ex, method="fx", pin_head=False)
+    assert _choosable(fx) == _choosable(g)
+    assert [o.fwd_flops for o in fx.ops if o.kind in GEMM_KINDS] == \
+        [o.fwd_flops for o in g.ops if o.kind in GEMM_KINDS]
     names = _choosable(g)
     assert names[-3:] == ["attn.qk", "attn.av", "attn.out_proj"]
     assert names[0] in ("attn.in_proj", "attn.q_proj")
@@ -557,3 +558,64 @@ def test_torch_transformer_encoder_is_traced_through_and_runs_its_plan() -> None
         out.sum().backward()
     _check_counts(g, plan, counts)
     assert ((out - ref).norm() / ref.norm()) < 0.15
+
+
+def test_a_module_called_twice_runs_both_planned_calls_at_its_precision() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lin(torch.relu(self.lin(x))))
+
+    model = Twice()
+    x = torch.randn(3, 8)
+    g, plan = _apply_mixed(model, (x,))  # the planned ops lin and lin_1 are one layer
+    assert _choosable(g) == ["lin", "lin_1"] and plan["lin"] == plan["lin_1"]
+    with count_calls(model) as counts:
+        model(x)
+    assert counts == {"lin": {plan["lin"].value: 2}, "head": {"fp32": 1}}
+    with pytest.raises(QsyncInputError, match="lin_1: a repeated call of module lin"):
+        apply_precisions(model, {"lin": "int8", "lin_1": "bf16"})
+
+
+@pytest.mark.parametrize("which", ["mha", "sdpa"])
+def test_the_graph_saves_what_the_decomposed_attention_saves(which: str) -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.1)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if which == "mha":
+                return self.attn(x, x, x, need_weights=False)[0]
+            q = x.unflatten(-1, (4, 4)).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+    model = M().train()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    g = trace(model, example_inputs=(x,), method="function_mode", pin_head=False)
+    assert {"attn.qk", "attn.av"} <= set(_choosable(g)) or {"sdpa.qk", "sdpa.av"} <= set(
+        _choosable(g))
+    graph_bytes = sum(o.saved_bytes - o.saved_shared_bytes for o in g.ops)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr != x.untyped_storage().data_ptr():
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if which == "mha":
+            mha_forward(_identity_step, mha, x, x, x, need_weights=False)
+        else:
+            q = x.unflatten(-1, (4, 4)).transpose(1, 2)
+            sdpa_forward(_identity_step, q, q, q, dropout_p=0.1, is_causal=True)
+    assert graph_bytes == sum(seen.values())

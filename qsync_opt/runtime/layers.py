@@ -306,18 +306,22 @@ def _mha_of(modules: Mapping[str, nn.Module], name: str) -> tuple[str, str] | No
 def classify_ops(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
     """How the runtime runs each op name of a plan on ``model``: ``module`` (a GEMM module
     swapped for its precision-specific layer), ``mha`` (a sub-op of an
-    nn.MultiheadAttention), ``functional`` (a call dispatched per call), ``missing`` (no such
-    op in this model) or ``not_gemm`` (a module with no precision-specific layer)."""
-    from .dispatch import functional_op_exists
+    nn.MultiheadAttention), ``repeat`` (``<module>_N``: a GEMM module's N-th extra call, which
+    runs at the module's precision), ``functional`` (a call dispatched per call), ``missing``
+    (no such op in this model) or ``not_gemm`` (a module with no precision-specific layer)."""
+    from .dispatch import base_name, functional_op_exists
 
     modules = dict(model.named_modules())
     out: dict[str, str] = {}
     for name in names:
         mod = modules.get(name)
+        again = modules.get(base_name(name)) if mod is None else None
         if _mha_of(modules, name) is not None:
             out[name] = "mha"
         elif mod is not None:
             out[name] = "module" if swappable_kind(mod) is not None else "not_gemm"
+        elif again is not None and swappable_kind(again) is not None:
+            out[name] = "repeat"  # a module's second, third... call: its own weights, tied
         elif functional_op_exists(model, name):
             out[name] = "functional"
         else:
@@ -360,7 +364,21 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
     applied: dict[str, Any] = {}
     mha: dict[str, dict[str, Precision]] = {}
     functional: dict[str, Precision] = {}
-    for i, (name, p) in enumerate(parsed.items()):
+    from .dispatch import base_name
+
+    for name, h in how.items():  # a module's repeated calls share its one layer
+        if h == "repeat":
+            base = base_name(name)
+            if parsed.setdefault(base, parsed[name]) != parsed[name]:
+                raise QsyncInputError(
+                    f"precisions: {name}: a repeated call of module {base}, which is one set of "
+                    f"weights; it cannot run at both {parsed[base].value} and "
+                    f"{parsed[name].value}")
+            how.setdefault(base, "module")
+    for i, (name, p) in enumerate(sorted(parsed.items())):
+        if how[name] == "repeat":
+            applied[name] = p
+            continue
         seed_i = (seed * 1_000_003 + i * 7919) & 0x7FFFFFFF
         if how[name] == "mha":
             parent, sub = _mha_of(modules, name)  # type: ignore[misc]
