@@ -149,8 +149,10 @@ def cmd_models(args: argparse.Namespace) -> int:
                      "description": r[4]} for r in rows])
     else:
         print(_table(rows, ["model", "batch", "inputs", "data", "description"]))
-        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs); "
-              "that file is run (imported), so pass only a file you trust.")
+        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs) "
+              "(a tensor, a tuple or a dict of keyword tensors); optional loss(outputs, batch) "
+              "and data(batch_size, seed) in the same file. That file is run (imported), so "
+              "pass only a file you trust.")
     return 0
 
 

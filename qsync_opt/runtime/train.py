@@ -258,8 +258,8 @@ class GlobalBatches:
 
             x, y = load_digits_tensors()
             xtr, ytr, xte, yte = train_test_split(x, y, seed=0)
-            self.train: Any = ((xtr,), ytr)
-            self.test: Any = ((xte,), yte)
+            self.train: Any = ((xtr,), ytr, int(ytr.shape[0]))
+            self.test: Any = ((xte,), yte, int(yte.shape[0]))
             self.kind = "digits"
         elif workload.name == "tiny_gpt":
             from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
