@@ -130,6 +130,17 @@ class Workload:
     task: str = TASK_CLASSIFICATION
     seq_len: int | None = None
 
+    def forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The model on one batch's inputs (``model(*inputs)``); a user's model file
+        (``qsync_opt.user_model.UserWorkload``) has the same method, with keyword inputs."""
+        return model(*inputs)
+
+    def loss_of(self, outputs: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one batch: :func:`compute_loss` (``inputs`` unused; a
+        user's model file reads its targets from them)."""
+        return compute_loss(self, outputs, targets)
+
 
 class UnknownWorkloadError(KeyError, ValueError):
     """Raised by :func:`get_workload` for a name that is not registered.

@@ -27,13 +27,14 @@ from .cluster import SHORTHAND_HELP, load_cluster
 from .costs import estimate, group_summary
 from .devices import CATALOG, get_device
 from .errors import QsyncInputError, describe_validation_error, one_line
-from .graph import TIE_MODES, trace
+from .graph import TIE_MODES, is_user_model, load_user_workload, trace
 from .io import atomic_write_text, load, save, to_json
 from .models import WORKLOADS
 from .plan import check_plan, make_plan, plan_model
 from .replayer import Replayer, Timeline
 from .report import straggler_reason
 from .schemas import MAX_BATCH, ModelGraph, OpRole, Plan, json_schema, schema_names
+from .user_model import UserWorkload
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,10 @@ def cmd_models(args: argparse.Namespace) -> int:
                      "description": r[4]} for r in rows])
     else:
         print(_table(rows, ["model", "batch", "inputs", "data", "description"]))
-        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs); "
-              "that file is run (imported), so pass only a file you trust.")
+        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs) "
+              "(a tensor, a tuple or a dict of keyword tensors); optional loss(outputs, batch) "
+              "and data(batch_size, seed) in the same file. That file is run (imported), so "
+              "pass only a file you trust.")
     return 0
 
 
@@ -183,11 +186,27 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_args(args: argparse.Namespace, model_sha256: str | None = None) -> ModelGraph:
-    """The graph of ``--model`` (a ``PATH.py:FUNCTION`` file is run: the user named it; with
-    ``model_sha256`` it must have that content hash first)."""
-    return trace(args.model, args.batch, pin_head=not args.unpin_head, tie=args.tie,
-                 model_sha256=model_sha256)
+def _workload_arg(args: argparse.Namespace, model_sha256: str | None = None) -> Any:
+    """``--model``: a registry name as it is, a ``PATH.py:FUNCTION`` file loaded (it is run:
+    the user named it; with ``model_sha256`` it must have that content hash first)."""
+    if is_user_model(args.model):
+        return load_user_workload(args.model, sha256=model_sha256)
+    return args.model
+
+
+def _trace_args(args: argparse.Namespace, model_sha256: str | None = None,
+                workload: Any = None) -> ModelGraph:
+    """The graph of ``--model`` (see :func:`_workload_arg`), at ``--batch``: a user's file at
+    its example's batch by default, at another on synthetic inputs shaped like them."""
+    wl = workload if workload is not None else _workload_arg(args, model_sha256)
+    return trace(wl, args.batch, pin_head=not args.unpin_head, tie=args.tie)
+
+
+def _user_lines(wl: Any) -> list[str]:
+    """What a user's file uses (its loss and data), one line each; none for a registry name."""
+    if not isinstance(wl, UserWorkload):
+        return []
+    return [wl.loss_line(), wl.data_line()]
 
 
 def graph_summary_lines(graph: ModelGraph, seconds: float | None = None) -> list[str]:
@@ -213,7 +232,8 @@ def graph_summary_lines(graph: ModelGraph, seconds: float | None = None) -> list
 
 def cmd_graph(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    graph = _trace_args(args)
+    wl = _workload_arg(args)
+    graph = _trace_args(args, workload=wl)
     secs = time.perf_counter() - t0
     if args.out:
         save(graph, args.out, what="--out")
@@ -221,6 +241,8 @@ def cmd_graph(args: argparse.Namespace) -> int:
         sys.stdout.write(to_json(graph))
         return 0
     print("\n".join(graph_summary_lines(graph, secs)))
+    for line in _user_lines(wl):
+        print(f"  {line}")
     if args.ops:
         rows = [(o.name, o.kind.value, o.role.value, "x".join(map(str, o.output_shapes[0])),
                  o.fwd_flops / 1e6, o.saved_bytes / 2**20, o.depth) for o in graph.ops]
@@ -354,7 +376,8 @@ def cmd_indicate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     fast = fast_options() if args.fast else {}
-    table = indicate(args.model, args.batches, args.method, batch=args.batch, seed=args.seed,
+    table = indicate(_workload_arg(args), args.batches, args.method, batch=args.batch,
+                     seed=args.seed,
                      gamma=args.gamma, cache=not args.no_cache,
                      progress=sys.stderr.isatty() and not args.json, **fast)
     secs = time.perf_counter() - t0
@@ -691,7 +714,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
     sp.set_defaults(fn=cmd_replay)
     sp = add("indicate", "measure each op's sensitivity to each precision")
-    sp.add_argument("--model", required=True, help="workload name (qsync-opt models)")
+    sp.add_argument("--model", required=True,
+                    help="workload name (qsync-opt models) or path/file.py:fn (that file is "
+                         "run; its data() and loss() are used where it has them)")
     sp.add_argument("--method", default="qsync",
                     choices=["qsync", "wvar", "hessian", "fisher", "random"])
     sp.add_argument("--batches", type=BATCHES, default=10, help="batches to average over")

@@ -22,16 +22,13 @@ How it works:
 
 from __future__ import annotations
 
-import hashlib
+import inspect
 import logging
 import operator
 import re
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -46,6 +43,7 @@ from .models import Workload, get_workload
 from .models.layers import MatMul
 from .precision import Precision
 from .schemas import Edge, ModelGraph, OpKind, OpNode, OpRole, TensorSpec
+from .user_model import UserWorkload, split_inputs
 
 log = logging.getLogger(__name__)
 
@@ -378,11 +376,23 @@ def _meta_param_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def _meta_inputs(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Meta copies of the example inputs; one tensor given twice stays one tensor (so
-    ``attn(x, x, x)`` with the same input is traced as self-attention, as it runs)."""
-    by_id: dict[int, torch.Tensor] = {}
-    return [by_id.setdefault(id(t), _meta_like(t)) for t in inputs]
+def _once(like: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``like`` (meta or real copies of the example inputs) applied once per tensor: one
+    tensor given twice stays one tensor (so ``attn(x, x, x)`` with the same input is traced
+    as self-attention, as it runs)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = like(t)
+        return memo[id(t)]
+
+    return copy
+
+
+def _real_like(t: torch.Tensor) -> torch.Tensor:
+    out = t.detach().clone()
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
 
 
 # ----------------------------------------------------------------------------- fx path
@@ -437,8 +447,23 @@ def _fx_raw_ops(
     inputs: Sequence[torch.Tensor],
     targets: torch.Tensor | None,
     loss_fn: Callable[[Any, Any], Any] | None,
+    *,
+    kwargs: dict[str, torch.Tensor] | None = None,
+    sink: list[Any] | None = None,
 ) -> list[_RawOp]:
-    graph = _Tracer().trace(model)
+    kwargs = kwargs or {}
+    concrete: dict[str, Any] | None = None
+    if kwargs:
+        # Keyword inputs: the forward's other parameters keep their defaults (fx
+        # specialises on them), the given ones become placeholders.
+        params = list(inspect.signature(model.forward).parameters.values())[len(inputs):]
+        unknown = [k for k in kwargs if k not in {p.name for p in params}]
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+            raise TypeError(f"forward() got an unexpected keyword argument {unknown[0]!r}")
+        concrete = {p.name: p.default for p in params
+                    if p.name not in kwargs and p.default is not p.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    graph = _Tracer().trace(model, concrete_args=concrete)
     gm = fx.GraphModule(model, graph)
     if loss_fn is not None and targets is not None:
         _splice_loss(gm, loss_fn)
@@ -529,11 +554,23 @@ def _fx_raw_ops(
             ))
             return value
 
-    args: list[torch.Tensor] = _meta_inputs(inputs)
+    meta = _once(_meta_like)
+    args: list[Any] = [meta(t) for t in inputs]
+    if kwargs:
+        # placeholders in graph order: the positional inputs, then the rest by name
+        rest = [n for n in gm.graph.nodes if n.op == "placeholder"][len(inputs):]
+        for n in rest:
+            if n.target == "targets" and loss_fn is not None and targets is not None:
+                continue
+            key = str(n.target).lstrip("*")
+            args.append(meta(kwargs[key]) if key in kwargs
+                        else (n.args[0] if n.args else None))
     if loss_fn is not None and targets is not None:
         args.append(_meta_like(targets))
     with torch.nn.utils.stateless._reparametrize_module(gm, state), torch.enable_grad():
-        _Interp(gm, garbage_collect_values=True).run(*args)
+        value = _Interp(gm, garbage_collect_values=True).run(*args)
+    if sink is not None:
+        sink.append(value)
     return raw
 
 
@@ -545,9 +582,18 @@ def _function_mode_raw_ops(
     inputs: Sequence[torch.Tensor],
     targets: torch.Tensor | None,
     loss_fn: Callable[[Any, Any], Any] | None,
+    *,
+    kwargs: dict[str, torch.Tensor] | None = None,
+    sink: list[Any] | None = None,
+    real: bool = False,
 ) -> list[_RawOp]:
-    """Run once on meta tensors; leaf modules and top-level torch calls become ops."""
-    state = _meta_state(model)
+    """Run once on meta tensors (``real``: on the model's own parameters and copies of the
+    inputs); leaf modules and top-level torch calls become ops."""
+    kwargs = kwargs or {}
+    state = _meta_state(model) if not real else {
+        n: t for n, t in [*model.named_parameters(remove_duplicate=False),
+                          *model.named_buffers(remove_duplicate=False)]}
+    like = _real_like if real else _meta_like
     rec = _SavedRecorder()
     raw: list[_RawOp] = []
     producer: dict[int, str] = {}  # id(tensor) -> op name
@@ -663,16 +709,21 @@ def _function_mode_raw_ops(
                 h2 = mod.register_forward_hook(scope_post)
                 stack.callback(h1.remove)
                 stack.callback(h2.remove)
-        stack.enter_context(torch.nn.utils.stateless._reparametrize_module(model, state))
+        if not real:
+            stack.enter_context(torch.nn.utils.stateless._reparametrize_module(model, state))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(rec.hooks())
-        args = _meta_inputs(inputs)
-        meta_targets = _meta_like(targets) if targets is not None else None
+        once = _once(like)
+        args = [once(t) for t in inputs]
+        kw = {k: once(t) for k, t in kwargs.items()}
+        meta_targets = like(targets) if targets is not None else None
         with _Mode():
-            out = model(*args)
+            out = model(*args, **kw)
             if loss_fn is not None and meta_targets is not None:
                 in_loss[0] = True
                 loss_fn(out, meta_targets)
+    if sink is not None:
+        sink.append(out)
     return raw
 
 
@@ -967,117 +1018,60 @@ def is_user_model(spec: str) -> bool:
     return bool(sep) and path_s.endswith(".py")
 
 
-def _one_line(text: str) -> str:
-    """``text`` as it is when it is one printable line, else its repr (one line, escaped)."""
-    return text if text.isprintable() else repr(text)
-
-
-def _user_model_path(spec: str) -> tuple[Path, str]:
-    path_s, _, fn_name = spec.rpartition(":")
-    if not path_s or not fn_name:
-        raise QsyncInputError(f"model: {spec!r} is not PATH.py:FUNCTION")
-    path = Path(path_s)
-    try:
-        found = path.is_file()
-    except (OSError, ValueError):  # a name too long, a NUL byte
-        found = False
-    if not found:
-        raise QsyncInputError(f"model: file {_one_line(str(path))} not found")
-    return path, fn_name
-
-
-def _read_model_file(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise QsyncInputError(f"model: cannot read {_one_line(str(path))} "
-                              f"({exc.__class__.__name__})") from None
-
-
 def model_file_sha256(spec: str) -> str:
     """sha256 (hex) of the file a ``path/file.py:fn`` spec names; reading it runs nothing."""
-    path, _ = _user_model_path(spec)
-    return hashlib.sha256(_read_model_file(path)).hexdigest()
+    from .user_model import model_file_sha256 as digest
+
+    return digest(spec)
 
 
-def _user_model(spec: str, sha256: str | None = None
-                ) -> tuple[nn.Module, tuple[torch.Tensor, ...], str]:
-    """Import ``spec``'s file, call its function: (module, example_inputs, file sha256).
+def load_user_workload(spec: str, *, sha256: str | None = None) -> UserWorkload:
+    """``path/file.py:fn`` as a :class:`~qsync_opt.user_model.UserWorkload` (this RUNS the
+    file; with ``sha256`` its content must have that hash, checked before it runs)."""
+    from .user_model import load_user_workload as load
 
-    With ``sha256``, the file's content must have that hash, checked before anything runs;
-    the bytes hashed are the bytes executed (the file is read once).
-    """
-    path, fn_name = _user_model_path(spec)
-    shown = _one_line(str(path))
-    source = _read_model_file(path)
-    digest = hashlib.sha256(source).hexdigest()
-    if sha256 is not None and digest != sha256:
-        raise QsyncInputError(
-            f"model: {shown} is not the file the plan was made from (its sha256 is "
-            f"{digest[:16]}..., the plan's workload_sha256 {_one_line(sha256)[:16]}...); "
-            f"nothing was run")
-    mod_name = f"qsync_user_model_{abs(hash(str(path.resolve())))}"
-    module = ModuleType(mod_name)
-    module.__file__ = str(path)
-    sys.modules[mod_name] = module
-    # The user's file: report what it raised, do not crash. BaseException too (a file or a
-    # build() that calls sys.exit raises SystemExit), all but a Ctrl-C.
-    try:
-        code = compile(source, str(path), "exec")
-        exec(code, module.__dict__)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        sys.modules.pop(mod_name, None)
-        raise QsyncInputError(f"model: importing {shown} failed: {exc.__class__.__name__}: "
-                              f"{_one_line(str(exc))}") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise QsyncInputError(f"model: {shown} has no function {fn_name!r}")
-    try:
-        result = fn()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        raise QsyncInputError(f"model: {_one_line(spec)} raised {exc.__class__.__name__}: "
-                              f"{_one_line(str(exc))}") from None
-    if (not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], nn.Module)):
-        raise QsyncInputError(f"model: {_one_line(spec)} must return (nn.Module, example_inputs)")
-    model, ex = result
-    try:
-        ex = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
-    except TypeError:
-        ex = (None,)
-    if not all(isinstance(t, torch.Tensor) for t in ex):
-        raise QsyncInputError(f"model: {_one_line(spec)} example_inputs must be tensors")
-    return model, ex, digest
+    return load(spec, sha256)
 
 
 def load_user_model(spec: str, *, sha256: str | None = None
-                    ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+                    ) -> tuple[nn.Module, tuple[torch.Tensor, ...] | dict[str, torch.Tensor]]:
     """Import ``path/file.py:fn`` (this RUNS the file) and call ``fn()``, which returns
-    ``(module, example_inputs)``. With ``sha256``, the file must have that content hash,
+    ``(module, example_inputs)``: the module and its inputs (a tuple of positional tensors,
+    or a dict of keyword tensors). With ``sha256``, the file must have that content hash,
     checked before it runs."""
-    model, ex, _ = _user_model(spec, sha256)
-    return model, ex
+    wl = load_user_workload(spec, sha256=sha256)
+    ex = wl.example
+    return wl.model, ((ex,) if isinstance(ex, torch.Tensor) else ex)
 
 
-def resolve_workload(name: str, *, sha256: str | None = None
-                     ) -> Workload | tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A registry name, or ``path.py:fn`` for a user's model (imported: it runs)."""
+def resolve_workload(name: str, *, sha256: str | None = None) -> Workload | UserWorkload:
+    """A registry name, or ``path.py:fn`` for a user's model (imported: it runs), as a
+    workload object (:class:`Workload` or :class:`~qsync_opt.user_model.UserWorkload`)."""
     if is_user_model(name):
-        return load_user_model(name, sha256=sha256)
+        return load_user_workload(name, sha256=sha256)
     try:
         return get_workload(name)
     except (KeyError, ValueError) as exc:
         raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
 
 
+def _input_specs(inputs: Any) -> list[TensorSpec]:
+    args, kwargs = split_inputs(inputs)
+    named = [(f"input{i}", t) for i, t in enumerate(args)] + list(kwargs.items())
+    return [TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""))
+            for n, t in named]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def trace(
-    workload: str | Workload | nn.Module,
+    workload: str | Workload | UserWorkload | nn.Module,
     batch: int | None = None,
     *,
-    example_inputs: Sequence[torch.Tensor] | None = None,
+    example_inputs: Any = None,
     include_loss: bool = True,
     pin_head: bool = True,
     unpin: Sequence[str] = (),
@@ -1088,30 +1082,46 @@ def trace(
 ) -> ModelGraph:
     """Trace a workload into a :class:`ModelGraph` without allocating real memory.
 
-    ``workload`` is a registry name (``qsync-opt models``), ``path/file.py:fn`` (``fn()``
-    returns ``(module, example_inputs)``), a :class:`Workload`, or an ``nn.Module`` with
-    ``example_inputs``. ``batch`` overrides the batch of registry workloads (default: the
-    workload's default batch); a user's model is traced at its example inputs' batch.
-    ``method`` is ``auto`` (fx, then the function-mode fallback), ``fx`` or ``function_mode``.
-    A ``path/file.py:fn`` workload is imported, which runs that file; with ``model_sha256``
-    the file must have that content hash, checked before it runs. The graph records the
-    file's hash (``workload_sha256``), and so do the plans made from it.
+    ``workload`` is a registry name (``qsync-opt models``), ``path/file.py:fn`` (a user's
+    model file, :mod:`qsync_opt.user_model`), a :class:`Workload`, a
+    :class:`~qsync_opt.user_model.UserWorkload`, or an ``nn.Module`` with ``example_inputs``
+    (a Tensor, a tuple of positional tensors, or a dict of keyword tensors). ``batch``
+    overrides the batch (default: a registry workload's default batch, a user file's example
+    batch; a user file at another batch is traced on synthetic inputs shaped like its
+    example); an ``nn.Module`` is traced at its example inputs' batch. ``method`` is ``auto``
+    (fx, then the function-mode fallback), ``fx`` or ``function_mode``. Where tracing on
+    meta tensors fails (a model that reads its inputs' values, as HuggingFace BERT does with
+    an attention mask) and the model and inputs are real, ``auto`` traces in function mode on
+    real tensors of the example's shapes (``trace_method`` ``function_mode_real``). A
+    ``path/file.py:fn`` workload is imported, which runs that file; with ``model_sha256`` the
+    file must have that content hash, checked before it runs. The graph records the file's
+    hash (``workload_sha256``), and so do the plans made from it. Graph input specs name
+    keyword inputs by their keys (positional ones ``input0``, ...).
     """
+    from .user_model import UserWorkload
+
     loss_fn: Callable[[Any, Any], Any] | None = None
     targets: torch.Tensor | None = None
     file_sha256: str | None = None
+    user: UserWorkload | None = None
     if isinstance(workload, str) and is_user_model(workload):
-        model_, ex_, file_sha256 = _user_model(workload, model_sha256)
-        resolved: Workload | tuple[nn.Module, Any] = (model_, ex_)
-        label = name or workload
+        workload = load_user_workload(workload, sha256=model_sha256)
     elif isinstance(workload, str):
-        resolved = resolve_workload(workload)
         label = name or workload
-    else:
-        resolved = workload if isinstance(workload, Workload) else (workload, example_inputs)
-        label = name or (workload.name if isinstance(workload, Workload) else type(workload).__name__)
-    if isinstance(resolved, Workload):
-        wl = resolved
+        workload = resolve_workload(workload)
+        name = label
+    if isinstance(workload, UserWorkload):
+        user = workload
+        label = name or user.name
+        file_sha256 = user.sha256
+        model = user.model
+        b = batch if batch is not None else user.default_batch
+        if b < 1:
+            raise QsyncInputError(f"batch: expected a positive integer, got {b}")
+        inputs: Any = user.example if b == user.default_batch else user.make_inputs(b, "cpu")
+    elif isinstance(workload, Workload):
+        wl = workload
+        label = name or wl.name
         b = batch if batch is not None else wl.default_batch
         if b < 1:
             raise QsyncInputError(f"batch: expected a positive integer, got {b}")
@@ -1125,47 +1135,80 @@ def trace(
 
             loss_fn = lambda out, tgt, _wl=wl: compute_loss(_wl, out, tgt)  # noqa: E731
     else:
-        model, ex = resolved
+        model = workload
+        label = name or type(workload).__name__
+        ex = example_inputs
         if ex is None:
             raise QsyncInputError("example_inputs: required when tracing an nn.Module")
-        inputs = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
-        if not inputs:
+        if isinstance(ex, dict):
+            inputs = dict(ex)
+        else:
+            inputs = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+        flat = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+        if not flat:
             raise QsyncInputError("example_inputs: expected at least one tensor")
-        b = int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            raise QsyncInputError("example_inputs: expected tensors (a Tensor, a tuple or a "
+                                  "dict of them)")
+        b = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
         if batch is not None and batch != b:
             raise QsyncInputError(
-                f"batch: a user model is traced at its example inputs' batch ({b}), not {batch}")
-    specs = [TensorSpec(name=f"input{i}", shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""))
-             for i, t in enumerate(inputs)]
+                f"batch: an nn.Module is traced at its example inputs' batch ({b}), not {batch}")
+    specs = _input_specs(inputs)
     if method not in ("auto", "fx", "function_mode"):
         raise QsyncInputError(f"method: expected auto, fx or function_mode, got {method!r}")
+    args, kwargs = split_inputs(inputs)
     was_training = model.training
     model.train()
     errors: list[str] = []
     raw: list[_RawOp] | None = None
     used = method
+    outputs: list[Any] = []
     try:
         if method in ("auto", "fx"):
             try:
-                raw = _fx_raw_ops(model, inputs, targets, loss_fn)
+                raw = _fx_raw_ops(model, args, targets, loss_fn, kwargs=kwargs, sink=outputs)
                 used = "fx"
             except Exception as exc:  # any tracer failure falls back, with its reason kept
-                errors.append(f"torch.fx: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                errors.append(f"torch.fx: {_first_line(exc)}")
                 log.info("fx tracing of %s failed (%s); falling back", label, errors[-1])
                 if method == "fx":
                     raise TraceError(f"cannot trace {label}: {errors[-1]}") from None
         if raw is None:
             try:
-                raw = _function_mode_raw_ops(model, inputs, targets, loss_fn)
+                raw = _function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
+                                             sink=outputs)
                 used = "function_mode"
             except Exception as exc:
-                errors.append(f"function mode: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                errors.append(f"function mode: {_first_line(exc)}")
+                real = method == "auto" and _all_real(model, args, kwargs)
+                if not real:
+                    raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
+        if raw is None:
+            # The model reads its inputs' values (a mask checked with .item(), say): meta
+            # tensors have none, so it runs once on real tensors of the example's shapes.
+            try:
+                raw = _function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
+                                             sink=outputs, real=True)
+                used = "function_mode_real"
+                log.info("%s: traced on real tensors (meta tracing failed: %s)", label,
+                            errors[-1].removeprefix("function mode: "))
+            except Exception as exc:
+                errors.append(f"function mode on real tensors: {_first_line(exc)}")
                 raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
     finally:
         model.train(was_training)
     if not raw:
         raise TraceError(f"cannot trace {label}: the model ran no operators")
+    if user is not None and outputs:
+        user.example_outputs = outputs[0]
     graph = _build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
                          pin_head=pin_head, unpin=unpin, tie=tie)
     _warn_unseen(graph)
     return graph.model_copy(update={"workload_sha256": file_sha256}) if file_sha256 else graph
+
+
+def _all_real(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Every parameter, buffer and input holds data (none is on the meta device)."""
+    tensors = [*model.parameters(), *model.buffers(), *_tensors((list(args), kwargs))]
+    return all(t.device.type != "meta" for t in tensors)

@@ -77,10 +77,11 @@ from ._env import cache_root
 from .errors import QsyncInputError
 from .graph import resolve_workload, trace
 from .io import load, save
-from .models import Workload, compute_loss
+from .models import Workload
 from .models.layers import MatMul
 from .precision import Precision
 from .schemas import IndicatorTable, ModelGraph, OpRole
+from .user_model import UserWorkload
 
 log = logging.getLogger(__name__)
 
@@ -611,11 +612,15 @@ def indicate(
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
-    The model is the registry's (seeded init) unless ``model`` is given (e.g. a trained
-    one); data are the workload's real data where it has them (digits_cnn, tiny_gpt), else
-    synthetic, unless ``data`` yields ``(inputs, targets)``. Results are cached on disk when
-    neither ``model`` nor ``data`` is given, keyed by workload, batch, batches, method, seed,
-    gamma and rounding.
+    ``workload``: a registry name or workload, or a user's model (``PATH.py:FUNCTION``,
+    which is run, or a :class:`~qsync_opt.user_model.UserWorkload`): its ``build()`` under
+    the seed, its ``loss()`` or the default loss, its ``data()`` or synthetic batches shaped
+    like its example inputs, at any ``batch`` (the notes say which loss and data were used).
+    The model is the workload's (seeded init) unless ``model`` is given (e.g. a trained
+    one); data are the workload's real data where it has them (digits_cnn, tiny_gpt, a
+    file's ``data()``), else synthetic, unless ``data`` yields ``(inputs, targets)``.
+    Results are cached on disk (registry workloads) when neither ``model`` nor ``data`` is
+    given, keyed by workload, batch, batches, method, seed, gamma and rounding.
 
     Before it builds and runs a model, it estimates the memory that takes
     (:func:`indicator_memory`) and refuses with one line when this machine has less
@@ -626,14 +631,16 @@ def indicate(
     if batches < 1:
         raise QsyncInputError(f"batches: expected a positive integer, got {batches}")
     wl = resolve_workload(workload) if isinstance(workload, str) else workload
-    if not isinstance(wl, Workload):
-        raise QsyncInputError("model: indicate() takes a registry workload; pass model= and "
-                              "data= for your own module")
+    if not isinstance(wl, (Workload, UserWorkload)):
+        raise QsyncInputError("model: indicate() takes a registry name, a PATH.py:FUNCTION "
+                              f"file or a workload object, not {type(wl).__name__}")
+    user = isinstance(wl, UserWorkload)
     b = batch if batch is not None else wl.default_batch
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
     graph = graph or trace(wl, b)
-    cacheable = cache and model is None and data is None
+    # a user's file is not cached: its name is a path, and its content may change
+    cacheable = cache and model is None and data is None and not user
     path = None
     if cacheable:
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -670,11 +677,15 @@ def indicate(
     else:
         modules = {}
     data_kind = "given"
+    if data is None and isinstance(wl, UserWorkload):
+        data = ((x, None) for x in wl.batches(b, batches, seed))
+        data_kind = "real" if wl.real_data else "synthetic"
     if data is None:
         if wl.real_data:
             data, data_kind = real_batches(wl, b, batches, seed), "real"
         else:
             data, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
+    user_lines: list[str] = []
     missing = [n for n in names if method != "random"
                and (n not in modules or _bilinear(modules[n]) is None)]
     stats = {n: _OpStats() for n in names}
@@ -700,8 +711,10 @@ def indicate(
                 handles += live_hooks
             try:
                 model.zero_grad(set_to_none=True)
-                out = model(*inputs)
-                loss = compute_loss(wl, out, targets)
+                out = wl.forward(model, inputs)
+                loss = wl.loss_of(out, inputs, targets)
+                if i == 0 and isinstance(wl, UserWorkload):
+                    user_lines = [wl.loss_line(out, inputs), wl.data_line()]
                 if method == "hessian":
                     traces = _hutchinson(model, loss, names, acts, hutchinson_samples, gen)
                 else:
@@ -766,9 +779,11 @@ def indicate(
                 row[p] = _mean(st.value.get(p, []))
         values[op.name] = row
     fixes = enforce_monotone(values)
+    init = f"{wl.fn_name}() of {wl.path.name}" if isinstance(wl, UserWorkload) else "registry init"
     notes = [f"{data_kind} data, {seen if method != 'random' else 0} batches of {b}; model: "
-             f"{'given' if data_kind == 'given' else 'registry init, seed ' + str(seed)}",
+             f"{'given' if data_kind == 'given' else init + ', seed ' + str(seed)}",
              f"monotonicity: {fixes} value(s) raised to their higher-precision neighbour"]
+    notes += user_lines
     if missing:
         notes.append(f"{len(missing)} choosable op(s) without a module got no statistics "
                      f"(value 0): {', '.join(missing[:5])}")

@@ -11,6 +11,7 @@ is used only with the file the user passes (``--model``), whose sha256 must be t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from .errors import QsyncInputError
 from .precision import Precision
@@ -30,6 +31,8 @@ def make_plan(
     """A Plan covering every choosable op of ``graph`` on every group of ``cluster``.
 
     Ops a group's mapping leaves out are written as fp32, so the file says everything.
+    The provenance records the graph's batch and tie mode (``graph_batch``,
+    ``graph_tie_mode``) unless ``provenance`` gives them.
     """
     cluster = cluster.with_default_batch(graph.batch_size)
     groups: dict[str, GroupPlan] = {}
@@ -46,9 +49,11 @@ def make_plan(
                         f"{given.get(op.name)!r}") from None
         groups[g.name] = GroupPlan(batch_per_device=int(g.batch_per_device or graph.batch_size),
                                    precisions=row)
+    prov = {"graph_batch": graph.batch_size, "graph_tie_mode": graph.tie_mode,
+            **dict(provenance or {})}
     return Plan(workload=graph.workload, workload_sha256=graph.workload_sha256,
                 graph_hash=graph.structure_hash(), cluster=cluster, groups=groups,
-                provenance=dict(provenance or {}))
+                provenance=prov)
 
 
 def _shown(text: str) -> str:
@@ -76,7 +81,12 @@ def plan_graph_difference(plan: Plan, graph: ModelGraph) -> str:
         parts.append(f"ops the graph lacks: {few(extra)}")
     if missing:
         parts.append(f"choosable ops the plan lacks: {few(missing)}")
-    if not extra and not missing:
+    batch = plan.provenance.get("graph_batch")
+    if (not extra and not missing and isinstance(batch, int) and not isinstance(batch, bool)
+            and batch != graph.batch_size):
+        parts.append(f"the batch differs (plan batch {batch}, graph batch {graph.batch_size}): "
+                     f"trace the graph at batch {batch}")
+    elif not extra and not missing:
         parts.append("same op names, different shapes, kinds or edges")
     return "; ".join(parts)
 
@@ -199,14 +209,17 @@ def plan_model(plan: Plan, model: str | None, flag: str = "--model") -> str | No
     return None
 
 
-def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model") -> ModelGraph:
+def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", *,
+                   workload: Any = None) -> ModelGraph:
     """The graph ``plan`` was made for, traced and checked (:func:`check_plan`).
 
     A registry workload is traced by its name in the registry; a user's file only as
     ``model`` (see :func:`plan_model`), after its hash is checked. The trace is at the
     plan's ``provenance.graph_batch`` and ``graph_tie_mode`` (plans that lack them: the
     workload's default batch, no ties); a plan made with the classifier head unpinned is
-    recognised by a second trace.
+    recognised by a second trace. ``workload``: ``model``'s file already loaded (a
+    :class:`~qsync_opt.user_model.UserWorkload` whose sha256 is the plan's), traced instead
+    of importing the file again.
     """
     from .graph import TIE_MODES, trace
     from .models import get_workload
@@ -226,9 +239,13 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model") 
     try:
         if sha is not None:
             assert model is not None
-            graph = trace(model, batch, tie=tie, model_sha256=sha)
-            retrace = lambda: trace(model, batch, tie=tie, pin_head=False,  # noqa: E731
-                                    model_sha256=sha)
+            if workload is None or getattr(workload, "sha256", None) != sha:
+                from .graph import load_user_workload
+
+                workload = load_user_workload(model, sha256=sha)
+            wl_ = workload
+            graph = trace(wl_, batch, tie=tie)
+            retrace = lambda: trace(wl_, batch, tie=tie, pin_head=False)  # noqa: E731
         else:
             try:
                 wl = get_workload(plan.workload)

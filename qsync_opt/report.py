@@ -398,8 +398,14 @@ def report_summary(plan: Plan, timeline: Timeline) -> dict[str, Any]:
 
 def load_report_inputs(plan_path: str | os.PathLike[str],
                        costs_path: str | os.PathLike[str] | None = None,
-                       model: str | None = None) -> ReportInputs:
-    """Read a plan, re-trace its graph, cost it and replay it.
+                       model: str | None = None,
+                       graph_path: str | os.PathLike[str] | None = None) -> ReportInputs:
+    """Read a plan, re-trace its graph (or read it: ``graph_path``), cost it and replay it.
+
+    With ``graph_path``, a ModelGraph JSON (``qsync-opt graph --out``), nothing is traced and
+    no model file is imported: the graph must be the plan's (:func:`qsync_opt.plan.
+    check_plan`; for a plan made from a file, also the same file's sha256), and ``model`` is
+    not needed.
 
     The graph is :func:`qsync_opt.plan.graph_for_plan`'s: traced at the plan's
     ``provenance.graph_batch`` and ``graph_tie_mode`` and checked against the plan. A plan
@@ -417,7 +423,21 @@ def load_report_inputs(plan_path: str | os.PathLike[str],
     except QsyncInputError as exc:
         raise type(exc)(f"plan: {exc}") from None
     prov = plan.provenance
-    graph = graph_for_plan(plan, model)
+    if graph_path is not None:
+        from .plan import check_plan
+
+        try:
+            graph = load(graph_path, ModelGraph)
+        except QsyncInputError as exc:
+            raise type(exc)(f"--graph: {exc}") from None
+        if graph.workload_sha256 != plan.workload_sha256:
+            raise QsyncInputError(
+                f"--graph {graph_path}: traced from {graph.workload!r} (sha256 "
+                f"{(graph.workload_sha256 or 'none')[:16]}), the plan was made from "
+                f"{plan.workload!r} (sha256 {(plan.workload_sha256 or 'none')[:16]})")
+        check_plan(plan, graph)
+    else:
+        graph = graph_for_plan(plan, model)
     if costs_path is not None:
         try:
             costs = load(costs_path, CostTable)
@@ -444,6 +464,9 @@ def add_report_parser(sub: Any) -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None, metavar="PATH.py:FUNCTION",
                     help="the model file of a plan made from one: it is run (a plan never "
                          "runs code), and its sha256 must be the plan's workload_sha256")
+    sp.add_argument("--graph", default=None, metavar="GRAPH.json",
+                    help="the plan's ModelGraph (qsync-opt graph --out): reused, nothing is "
+                         "traced or imported (no --model needed)")
     sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     sp.set_defaults(fn=cmd_report)
     return sp
@@ -451,7 +474,7 @@ def add_report_parser(sub: Any) -> argparse.ArgumentParser:
 
 def cmd_report(args: argparse.Namespace) -> int:
     inputs = load_report_inputs(args.plan, getattr(args, "costs", None),
-                                getattr(args, "model", None))
+                                getattr(args, "model", None), getattr(args, "graph", None))
     png = getattr(args, "png", None)
     if png:
         plan_figure(inputs.plan, inputs.graph, inputs.timeline, png, what="--png")

@@ -81,7 +81,12 @@ class TrainConfig(Document):
     schema_name: Literal["TrainConfig"] = Field("TrainConfig", description="Kind of document.")
     schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
 
-    workload: str = Field(description="Registry name of the model (qsync-opt models).")
+    workload: str = Field(description="Registry name of the model (qsync-opt models), or "
+                          "a user's model file as /absolute/path.py:FUNCTION.")
+    workload_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the user's model file (None for a registry workload): every "
+                    "rank checks the file has it before running it.")
     plan_path: str = Field(description="Plan JSON; its groups and batches drive the ranks.")
     rank_groups: list[str] = Field(
         description="Group name of each rank, in rank order (world size = its length).")
@@ -194,7 +199,10 @@ def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
     payload = json.dumps({"graph_hash": plan.graph_hash, "groups": used}, sort_keys=True,
                          separators=(",", ":"))
     return {
-        "workload": config.workload.replace("-", "_").lower(),
+        # a model file is its content (it may be run from another path), a registry name
+        # its spelling
+        "workload": (f"sha256:{config.workload_sha256}" if config.workload_sha256
+                     else config.workload.replace("-", "_").lower()),
         "world_size": config.world_size, "rank_groups": groups,
         "batches": [plan.groups[g].batch_per_device if g in plan.groups else None
                     for g in groups],

@@ -75,7 +75,9 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model under a plan with torchrun (DDP, gloo on CPU, NCCL on GPU)",
         description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", required=True, help="workload the plan was made for (qsync-opt models)")
+    p.add_argument("--model", required=True,
+                   help="workload the plan was made for (qsync-opt models), or its model file "
+                        "PATH.py:FUNCTION (run on every rank; its sha256 must be the plan's)")
     p.add_argument("--plan", required=True, help="Plan JSON (qsync-opt solve / plan)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes (ranks) on this node; default: one per rank group, or the "
@@ -180,26 +182,42 @@ def _slowdowns(plan: Plan, ranks: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def build_config(args: argparse.Namespace) -> TrainConfig:
-    """Validate the arguments against the plan and return the run's TrainConfig."""
-    from ..graph import is_user_model
-    from ..plan import graph_for_plan
+def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> TrainConfig:
+    """Validate the arguments against the plan and return the run's TrainConfig.
+
+    A user's model file (``--model PATH.py:FUNCTION``) is checked here, before any rank
+    starts: its sha256 against the plan's (before it runs), the plan against its graph, then
+    one batch of the global batch (its ``data()``, or synthetic) against the example inputs
+    and its loss on two samples (a scalar). ``lines`` receives what was chosen (the loss and
+    the data)."""
+    from ..graph import is_user_model, load_user_workload
+    from ..plan import graph_for_plan, plan_model
 
     plan_path = Path(args.plan)
     plan = Plan.load(plan_path)  # missing, not JSON, another kind of file: one line each
-    if is_user_model(args.model):  # refused before the file runs
-        raise QsyncInputError(
-            f"--model {args.model}: train runs the built-in workloads (qsync-opt models); to "
-            f"train your own model under a plan, call qsync_opt.runtime.apply_plan in your "
-            f"training script")
+    workload, sha = args.model, None
+    user = None
+    if is_user_model(args.model):
+        sha = plan_model(plan, args.model)  # the file's hash, before it runs
+        user = load_user_workload(args.model, sha256=sha)
+        workload = user.name  # absolute: the ranks may run in another folder
     # The plan against the model, as every command that reads a plan checks it: made for
     # this model's graph, every op there, no pin overridden, precisions the cards run.
-    graph_for_plan(plan, args.model)
+    graph_for_plan(plan, args.model, workload=user)
     ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
-    out = Path(args.out) if args.out else Path("runs") / args.model
+    if user is not None:
+        from .config import check_batches
+
+        global_batch = sum(check_batches(plan, ranks))
+        loss_line = user.check(global_batch, args.seed)
+        if lines is not None:
+            lines += [loss_line, user.data_line()]
+    name = user.path.stem if user is not None else args.model
+    out = Path(args.out) if args.out else Path("runs") / name
     try:
         return TrainConfig(
-            workload=args.model, plan_path=str(plan_path.resolve()), rank_groups=ranks,
+            workload=workload, workload_sha256=sha, plan_path=str(plan_path.resolve()),
+            rank_groups=ranks,
             steps=args.steps, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
             resume=not args.no_resume, emulate_dp=args.emulate_dp,
@@ -464,8 +482,11 @@ def watch_parents(rank: int, interval_s: float = 0.5) -> threading.Thread | None
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``qsync-opt train``: 0 on success, 1 when a rank failed; bad input raises (exit 2)."""
-    config = build_config(args)
+    lines: list[str] = []
+    config = build_config(args, lines)
     path = write_config(config)
+    for line in lines:
+        sys.stdout.write(line + "\n")
     sys.stdout.write(f"wrote {path} ({config.world_size} rank(s): "
                      f"{', '.join(config.rank_groups)})\n")
     if config.slowdown:

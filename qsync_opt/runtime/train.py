@@ -160,19 +160,33 @@ class Setup:
 
 def prepare(config: TrainConfig) -> Setup:
     """Validate the config against its plan and workload; QsyncInputError names the field."""
+    from ..graph import is_user_model, load_user_workload
     from ..io import load
     from ..models import UnknownWorkloadError, get_workload
 
-    try:
-        wl = get_workload(config.workload)
-    except UnknownWorkloadError as exc:
-        raise QsyncInputError(f"workload: {exc}") from None
-    if not Path(config.plan_path).is_file():
-        raise QsyncInputError(f"plan_path: {config.plan_path}: file not found")
-    plan = load(config.plan_path, Plan)
-    if plan.workload.replace("-", "_").lower() != wl.name:
-        raise QsyncInputError(f"plan_path: the plan was made for {plan.workload}, the config "
-                              f"trains {wl.name}")
+    wl: Any
+    if is_user_model(config.workload):
+        # A user's model file: run only when it is the file the plan was made from.
+        if not Path(config.plan_path).is_file():
+            raise QsyncInputError(f"plan_path: {config.plan_path}: file not found")
+        plan = load(config.plan_path, Plan)
+        sha = config.workload_sha256 or plan.workload_sha256
+        if not is_user_model(plan.workload) or sha is None or sha != plan.workload_sha256:
+            raise QsyncInputError(
+                f"workload: {config.workload} is a model file, but the plan was made for "
+                f"{plan.workload} (workload_sha256 {plan.workload_sha256})")
+        wl = load_user_workload(config.workload, sha256=sha)
+    else:
+        try:
+            wl = get_workload(config.workload)
+        except UnknownWorkloadError as exc:
+            raise QsyncInputError(f"workload: {exc}") from None
+        if not Path(config.plan_path).is_file():
+            raise QsyncInputError(f"plan_path: {config.plan_path}: file not found")
+        plan = load(config.plan_path, Plan)
+        if plan.workload.replace("-", "_").lower() != wl.name:
+            raise QsyncInputError(f"plan_path: the plan was made for {plan.workload}, the "
+                                  f"config trains {wl.name}")
     batches = check_batches(plan, config.rank_groups)  # groups known, batches bounded
     for g in config.slowdown:
         if g not in plan.groups:
@@ -223,18 +237,29 @@ def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimiz
 
 
 class GlobalBatches:
-    """Deterministic global batches (seeded by seed and step) and held-out batches."""
+    """Deterministic global batches (seeded by seed and step) and held-out batches.
+
+    A batch is ``(inputs, targets)``: ``inputs`` a tuple of positional tensors or (a user's
+    model with keyword inputs) a dict; ``targets`` a Tensor, or None for a user's model,
+    whose batch carries its own (:mod:`qsync_opt.user_model`). A user's file with ``data()``
+    gives the batches: step ``k`` is the ``k``-th batch of ``data(B, seed)`` (then of
+    ``data(B, seed + 1)`` ... when it ends), evaluation the first of ``data(B, seed +
+    EVAL_SEED_OFFSET)``.
+    """
 
     def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
         self.wl, self.seed, self.B = workload, seed, global_batch
         self.kind = "synthetic"
-        if workload.name == "digits_cnn":
+        self._stream: tuple[int, Iterator[Any]] | None = None
+        if getattr(workload, "user_data", None) is not None:
+            self.kind = "user"
+        elif workload.name == "digits_cnn":
             from ..models.digits_cnn import load_digits_tensors, train_test_split
 
             x, y = load_digits_tensors()
             xtr, ytr, xte, yte = train_test_split(x, y, seed=0)
-            self.train: Any = ((xtr,), ytr)
-            self.test: Any = ((xte,), yte)
+            self.train: Any = ((xtr,), ytr, int(ytr.shape[0]))
+            self.test: Any = ((xte,), yte, int(yte.shape[0]))
             self.kind = "digits"
         elif workload.name == "tiny_gpt":
             from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
@@ -244,8 +269,8 @@ class GlobalBatches:
             self.kind = "text"
         else:
             n = max(4 * global_batch, 64)
-            self.train = (workload.make_inputs(n, torch.device("cpu")),
-                          workload.make_targets(n, torch.device("cpu")))
+            self.train = (_as_inputs(workload.make_inputs(n, torch.device("cpu"))),
+                          workload.make_targets(n, torch.device("cpu")), n)
             self.test = self.train
 
     def _gen(self, salt: int, step: int) -> torch.Generator:
@@ -258,24 +283,72 @@ class GlobalBatches:
 
             xb, yb = sample_batch(pool, b, self.seq, gen)
             return (xb,), yb
-        inputs, targets = pool
-        n = targets.shape[0]
+        inputs, targets, n = pool
         idx = (torch.randperm(n, generator=gen)[:b] if b <= n
                else torch.randint(0, n, (b,), generator=gen))
-        return tuple(t[idx] for t in inputs), targets[idx]
+        return _take(inputs, idx), (targets[idx] if targets is not None else None)
 
-    def batch(self, step: int) -> tuple[tuple[Tensor, ...], Tensor]:
+    def batch(self, step: int) -> tuple[Any, Tensor | None]:
+        if self.kind == "user":
+            if self._stream is None or self._stream[0] > step:
+                self._stream = (0, self.wl.batches(self.B, None, self.seed))
+            pos, it = self._stream
+            for _ in range(step - pos):  # a resume: the batches before it are skipped
+                next(it)
+            self._stream = (step + 1, it)
+            return _as_inputs(next(it)), None
         return self._draw(self.train, self._gen(1, step), self.B)
 
-    def eval_batches(self, n: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    def eval_batches(self, n: int) -> Iterator[tuple[Any, Tensor | None]]:
+        if self.kind == "user":
+            from ..user_model import EVAL_SEED_OFFSET
+
+            for b in self.wl.batches(self.B, n, self.seed + EVAL_SEED_OFFSET):
+                yield _as_inputs(b), None
+            return
         for i in range(n):
             yield self._draw(self.test, self._gen(2, i), self.B)
 
 
-def rank_slice(batch: tuple[tuple[Tensor, ...], Tensor], offset: int, b: int
-               ) -> tuple[tuple[Tensor, ...], Tensor]:
+def _as_inputs(batch: Any) -> Any:
+    """A user's batch as model inputs: a dict stays a dict, a Tensor is one positional
+    input, a list a tuple."""
+    if isinstance(batch, Tensor):
+        return (batch,)
+    return batch if isinstance(batch, dict) else tuple(batch)
+
+
+def _take(inputs: Any, idx: Tensor) -> Any:
+    """Samples ``idx`` of every batched tensor (dicts and tuples kept)."""
+    from ..user_model import map_tensors
+
+    return map_tensors(lambda t: t[idx] if t.dim() > 0 else t, inputs)
+
+
+def batch_size_of(inputs: Any) -> int:
+    """Samples in a batch's inputs (dim 0 of its first batched tensor)."""
+    from ..user_model import _items
+
+    for _, t in _items(inputs):
+        if isinstance(t, Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return 1
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    from ..user_model import map_tensors
+
+    return map_tensors(lambda t: t.to(device), batch)
+
+
+def rank_slice(batch: tuple[Any, Tensor | None], offset: int, b: int
+               ) -> tuple[Any, Tensor | None]:
+    """Rank's contiguous samples ``offset .. offset+b`` of a global batch."""
+    from ..user_model import slice_batch
+
     inputs, targets = batch
-    return tuple(t[offset:offset + b] for t in inputs), targets[offset:offset + b]
+    return (slice_batch(inputs, offset, b),
+            targets[offset:offset + b] if targets is not None else None)
 
 
 # ----------------------------------------------------------------------------- the seam
@@ -471,14 +544,16 @@ def _hook(name: str) -> tuple[int, set[int]] | None:
     return int(r), {int(s) for s in steps.split(",") if s}
 
 
-def weighted_backward(model: nn.Module, workload: Any, inputs: Sequence[Tensor], targets: Tensor,
+def weighted_backward(model: nn.Module, workload: Any, inputs: Any, targets: Tensor | None,
                       weight: float, scale: float = 1.0, poison: bool = False
                       ) -> tuple[float, float]:
-    """Forward one micro-batch, backward ``loss * weight * scale``; return (loss, #correct)."""
-    from ..models import TASK_CLASSIFICATION, compute_loss
+    """Forward one micro-batch, backward ``loss * weight * scale``; return (loss, #correct).
+    The workload's ``forward`` and ``loss_of`` run it (a user's file: keyword inputs, its
+    own loss or the default)."""
+    from ..models import TASK_CLASSIFICATION
 
-    out = model(*inputs)
-    loss = compute_loss(workload, out, targets)
+    out = workload.forward(model, inputs)
+    loss = workload.loss_of(out, inputs, targets)
     if poison:
         loss = loss * float("nan")
     (loss * (weight * scale)).backward()
@@ -655,8 +730,8 @@ class _Trainer:
         cfg, s = self.cfg, self.s
         step = self.step
         inputs, targets = self.data.batch(step)
-        inputs = tuple(t.to(self.device) for t in inputs)
-        targets = targets.to(self.device)
+        inputs = to_device(inputs, self.device)
+        targets = targets.to(self.device) if targets is not None else None
         die, nan = _hook("QSYNC_TEST_DIE_AT_STEP"), _hook("QSYNC_TEST_NAN_AT_STEP")
         hang = _hook("QSYNC_TEST_HANG_AT_STEP")
         saved = [[b.detach().clone() for b in m.buffers()] for m in self.models]
@@ -768,7 +843,7 @@ class _Trainer:
                        "peak_op": m.peak_op}
 
     def evaluate(self, model: nn.Module, rng_i: int) -> tuple[float, float | None]:
-        from ..models import TASK_CLASSIFICATION, compute_loss
+        from ..models import TASK_CLASSIFICATION
 
         if self.cfg.eval_batches == 0:
             return float("nan"), None
@@ -777,11 +852,11 @@ class _Trainer:
         torch.set_rng_state(self.rngs[rng_i])
         with torch.no_grad():
             for inputs, targets in self.data.eval_batches(self.cfg.eval_batches):
-                inputs = tuple(t.to(self.device) for t in inputs)
-                targets = targets.to(self.device)
-                out = model(*inputs)
-                k = targets.shape[0]
-                tot_loss += float(compute_loss(self.s.workload, out, targets)) * k
+                inputs = to_device(inputs, self.device)
+                targets = targets.to(self.device) if targets is not None else None
+                out = self.s.workload.forward(model, inputs)
+                k = batch_size_of(inputs)
+                tot_loss += float(self.s.workload.loss_of(out, inputs, targets)) * k
                 if self.s.workload.task == TASK_CLASSIFICATION:
                     tot_correct += float((out.argmax(-1) == targets).sum())
                 n += k
