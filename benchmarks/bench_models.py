@@ -9,8 +9,10 @@ row of the table in docs/MODELS.md:
   tracer's warning), the time to trace, and the time to solve the allocation on
   ``v100x16+t4x16`` (HiGHS, a random monotone indicator: the indicator needs real batches,
   which at full size take minutes per model on this CPU);
-* small size (the same code with fewer and narrower layers): the T4 group's plan of the
-  same solve applied with ``apply_plan``, the calls each precision saw counted during one
+* small size (the same code with fewer and narrower layers): a T4 plan that cycles every
+  op through its menu (fp32, bf16, fp16, int8, int8_full, fp8 in turn; at these sizes a
+  T4's estimated step is bound by kernel launches, so a solved plan stays all fp32) applied
+  with ``apply_plan``, the calls each precision saw counted during one
   training step (a planned op that ran at another precision, or an unplanned op that ran
   at a lower one, is a failure), and three SGD steps on one synthetic batch with the model's
   default loss: the first and last loss (finite and falling is a pass).
@@ -168,12 +170,15 @@ class Row:
     choosable: int = 0
     params_m: float = 0.0
     gflops: float = 0.0
+    gemm_flops_pct: float = 0.0
     choosable_flops_pct: float = 0.0
     unseen: list[str] = field(default_factory=list)
     trace_method: str = ""
     trace_s: float = 0.0
     solve_s: float = 0.0
     solve_status: str = ""
+    t4_fp32_ms: float = math.nan
+    t4_mixed_ms: float = math.nan
     t4_mix: str = ""
     swapped_ok: bool | None = None
     swap_problem: str = ""
@@ -190,6 +195,20 @@ def _solve(graph: qs.ModelGraph) -> tuple[qs.Plan, Any, float]:
                                 random_indicator(graph), ProblemOptions())
     plan, report = solve(problem, solver="highs")
     return plan, report, time.perf_counter() - t0
+
+
+def _mixed_t4_plan(graph: qs.ModelGraph) -> tuple[qs.Plan, float, float]:
+    """A T4 plan that cycles every unit through its menu (fp32, bf16, fp16, int8, ... in
+    turn): every precision the runtime has is applied and counted. (At these small sizes a
+    T4's estimated step is bound by kernel launches, so a solved plan would stay all fp32.)
+    Returns (plan, the T4's estimated fp32 ms, this plan's ms)."""
+    cluster = qs.load_cluster("t4x1")
+    problem = AllocationProblem(graph, cluster, qs.estimate(graph, cluster),
+                                random_indicator(graph), ProblemOptions(lower_reference=True))
+    assignment = {g.name: [(u + 1) % len(c) for u, c in enumerate(g.choices)]
+                  for g in problem.groups}
+    return (problem.make_plan(assignment), problem.makespan_ms(problem.reference_assignment()),
+            problem.makespan_ms(assignment))
 
 
 def _mix(plan: qs.Plan, group: str) -> str:
@@ -216,6 +235,8 @@ def run_family(name: str, what: str, build: Builder) -> Row:
         row.params_m = g.param_count / 1e6
         total = g.total_fwd_flops
         row.gflops = total / 1e9
+        row.gemm_flops_pct = 100 * sum(o.fwd_flops for o in g.ops if o.kind.value in
+                                       ("linear", "conv", "matmul")) / max(total, 1)
         row.choosable_flops_pct = 100 * sum(o.fwd_flops for o in g.choosable_ops()) / max(total, 1)
         row.unseen = unseen_ops(g)
         row.trace_method = g.trace_method
@@ -226,7 +247,7 @@ def run_family(name: str, what: str, build: Builder) -> Row:
         torch.manual_seed(0)
         model, ex = build(False)
         g = qs.trace(model, example_inputs=ex)
-        plan, _, _ = _solve(g)
+        plan, row.t4_fp32_ms, row.t4_mixed_ms = _mixed_t4_plan(g)
         row.t4_mix = _mix(plan, "t4")
         apply_plan(model, plan, "t4", graph=g)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -251,7 +272,7 @@ def run_family(name: str, what: str, build: Builder) -> Row:
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         row.loss_first, row.loss_last = losses[0], losses[-1]
         row.trained = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     except Exception as exc:  # a row that failed says how, and the table goes on
@@ -269,8 +290,9 @@ def main() -> None:
         load = fh.read().split()[:3]
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, load {' '.join(load)}; cluster {CLUSTER}")
-    header = ("family", "method", "params M", "ops", "choosable", "GEMM FLOPs %", "unseen",
-              "trace s", "solve s", "t4 plan (small)", "swaps", "loss 1st->3rd", "trained")
+    header = ("family", "method", "params M", "ops", "choosable", "GEMM % FLOPs", "choosable % FLOPs",
+              "unseen",
+              "trace s", "solve s", "small: mixed t4 plan", "swaps", "loss 1st->3rd", "trained")
     print(" | ".join(header))
     rows = []
     for name in names:
@@ -282,8 +304,9 @@ def main() -> None:
             continue
         print(" | ".join(str(c) for c in (
             r.name, r.trace_method, f"{r.params_m:.1f}", r.ops, r.choosable,
-            f"{r.choosable_flops_pct:.1f}", len(r.unseen), f"{r.trace_s:.2f}",
-            f"{r.solve_s:.2f}", r.t4_mix, "ok" if r.swapped_ok else f"FAIL {r.swap_problem}",
+            f"{r.gemm_flops_pct:.1f}", f"{r.choosable_flops_pct:.1f}", len(r.unseen), f"{r.trace_s:.2f}",
+            f"{r.solve_s:.2f}",
+            r.t4_mix, "ok" if r.swapped_ok else f"FAIL {r.swap_problem}",
             f"{r.loss_first:.3f}->{r.loss_last:.3f}", "yes" if r.trained else "NO")))
     if args.json:
         atomic_write_text(args.json, json.dumps([asdict(r) for r in rows], indent=1))

@@ -27,7 +27,7 @@ from .cluster import SHORTHAND_HELP, load_cluster
 from .costs import estimate, group_summary
 from .devices import CATALOG, get_device
 from .errors import QsyncInputError, describe_validation_error, one_line
-from .graph import TIE_MODES, is_user_model, load_user_workload, trace
+from .graph import TIE_MODES, is_user_model, load_user_workload, trace, unseen_ops
 from .io import atomic_write_text, load, save, to_json
 from .models import WORKLOADS
 from .plan import check_plan, make_plan, plan_model
@@ -227,7 +227,8 @@ def graph_summary_lines(graph: ModelGraph, seconds: float | None = None) -> list
         f"  activations saved for backward (measured, FP32): "
         f"{graph.saved_activation_bytes / 2**20:.1f} MiB",
         f"  classifier head pinned to fp32: {', '.join(head) or 'none'}",
-    ]
+    ] + [f"  unseen (the planner cannot look inside; over 1% of the parameters or FLOPs): "
+         f"{line}" for line in unseen_ops(graph)]
 
 
 def cmd_graph(args: argparse.Namespace) -> int:

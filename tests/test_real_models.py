@@ -522,6 +522,26 @@ def test_other_ops_holding_over_one_percent_are_named_in_a_warning(caplog) -> No
     assert "cannot see inside" not in caplog.text
 
 
+def test_cli_graph_names_the_ops_it_cannot_see_inside(tmp_path: Any) -> None:
+    from qsync_opt.testing import run_cli
+
+    f = tmp_path / "opaque.py"
+    f.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Opaque(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.w = nn.Parameter(torch.randn(64, 64))\n"
+        "    def forward(self, x):\n        return torch.tensordot(x, self.w, dims=([1], [0]))\n\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(64, 64), Opaque(), nn.Linear(64, 10)), torch.randn(8, 64)\n")
+    code, out, _ = run_cli("graph", "--model", f"{f}:build")
+    assert code == 0
+    unseen = [line for line in out.splitlines() if line.strip().startswith("unseen")]
+    assert len(unseen) == 1 and "1.tensordot" in unseen[0] and "of the parameters" in unseen[0]
+    code, out, _ = run_cli("graph", "--model", "digits_cnn")
+    assert code == 0 and "unseen" not in out
+
+
 def test_gemms_the_runtime_cannot_lower_are_pinned_not_offered() -> None:
     class M(nn.Module):
         def __init__(self) -> None:
