@@ -166,6 +166,7 @@ FAMILIES: dict[str, tuple[str, Builder]] = {
 class Row:
     name: str
     what: str
+    batch: int = 0
     ops: int = 0
     choosable: int = 0
     params_m: float = 0.0
@@ -231,7 +232,7 @@ def run_family(name: str, what: str, build: Builder) -> Row:
         t0 = time.perf_counter()
         g = qs.trace(model, example_inputs=ex)
         row.trace_s = time.perf_counter() - t0
-        row.ops, row.choosable = len(g.ops), len(g.choosable_ops())
+        row.batch, row.ops, row.choosable = g.batch_size, len(g.ops), len(g.choosable_ops())
         row.params_m = g.param_count / 1e6
         total = g.total_fwd_flops
         row.gflops = total / 1e9
@@ -290,7 +291,7 @@ def main() -> None:
         load = fh.read().split()[:3]
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, load {' '.join(load)}; cluster {CLUSTER}")
-    header = ("family", "method", "params M", "ops", "choosable", "GEMM % FLOPs", "choosable % FLOPs",
+    header = ("family", "method", "params M", "batch", "ops", "choosable", "GEMM % FLOPs", "choosable % FLOPs",
               "unseen",
               "trace s", "solve s", "small: mixed t4 plan", "swaps", "loss 1st->3rd", "trained")
     print(" | ".join(header))
@@ -303,7 +304,7 @@ def main() -> None:
             print(f"{r.name} | ERROR {r.error}")
             continue
         print(" | ".join(str(c) for c in (
-            r.name, r.trace_method, f"{r.params_m:.1f}", r.ops, r.choosable,
+            r.name, r.trace_method, f"{r.params_m:.1f}", r.batch, r.ops, r.choosable,
             f"{r.gemm_flops_pct:.1f}", f"{r.choosable_flops_pct:.1f}", len(r.unseen), f"{r.trace_s:.2f}",
             f"{r.solve_s:.2f}",
             r.t4_mix, "ok" if r.swapped_ok else f"FAIL {r.swap_problem}",
