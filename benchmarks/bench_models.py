@@ -138,6 +138,19 @@ def _hf_distilbert(full: bool) -> tuple[nn.Module, Any]:
         "labels": torch.randint(0, 2, (b,), generator=torch.Generator().manual_seed(1))}
 
 
+def _hf_t5(full: bool) -> tuple[nn.Module, Any]:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    # T5Config()'s defaults are t5-small's dimensions (6+6 layers, d=512).
+    cfg = (T5Config(decoder_start_token_id=0, pad_token_id=0) if full else
+           T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=512,
+                    decoder_start_token_id=0, pad_token_id=0))
+    b, seq = (1, 512) if full else (4, 32)
+    ids = _tokens(cfg.vocab_size, b, seq)
+    return T5ForConditionalGeneration(cfg), {"input_ids": ids, "labels": _tokens(
+        cfg.vocab_size, b, seq // 4, seed=1)}
+
+
 FAMILIES: dict[str, tuple[str, Builder]] = {
     "resnet50": ("qsync-opt built-in (torchvision layout)",
                  _builtin("resnet50", lambda: (_small_resnet(), torch.randn(4, 3, 32, 32)))),
@@ -156,6 +169,8 @@ FAMILIES: dict[str, tuple[str, Builder]] = {
     "hf_llama": ("transformers LlamaForCausalLM (RMSNorm, rotary, GQA, SDPA)", _hf_llama),
     "hf_vit": ("transformers ViTForImageClassification", _hf_vit),
     "hf_distilbert": ("transformers DistilBertForSequenceClassification", _hf_distilbert),
+    "hf_t5": ("transformers T5ForConditionalGeneration (encoder-decoder, cross-attention)",
+              _hf_t5),
 }
 
 
