@@ -98,7 +98,7 @@ SLOW_CASES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _problem(name: str) -> Any:
     import qsync_opt as qs
     from qsync_opt.problem import AllocationProblem, ProblemOptions
@@ -111,7 +111,7 @@ def _problem(name: str) -> Any:
                              random_indicator(graph, 0), ProblemOptions(**options))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(workload: str) -> Any:
     import qsync_opt as qs
 
