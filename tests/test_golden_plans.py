@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,26 @@ SLOW_CASES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "resnet50_cli-compare-highs+split": ("resnet50_cli", "compare", "highs+split",
                                          {"joint_split": True}),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fixed_cpu() -> Any:
+    """The ``cpu`` device of the digits_cnn instance with fixed figures
+    (``golden/input.cpu.DeviceSpec.json``): the real one is measured on this machine (matmul
+    rates, MemAvailable), so its plans would differ between machines and between runs."""
+    from qsync_opt import devices
+    from qsync_opt.io import load
+    from qsync_opt.schemas import DeviceSpec
+
+    spec = load(GOLDEN / "input.cpu.DeviceSpec.json", DeviceSpec)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(devices, "measure_cpu", lambda: spec)
+    devices._derived_cpu.cache_clear()  # cpu/2 is derived from the (now fixed) cpu
+    try:
+        yield spec
+    finally:
+        mp.undo()
+        devices._derived_cpu.cache_clear()
 
 
 @functools.cache
@@ -235,6 +256,32 @@ def test_stripped_fields_are_timings() -> None:
     assert set(TIMING_PROVENANCE) <= set(docs[0])
     same = {k for k in docs[0] if docs[0][k] == docs[1].get(k)}
     assert set(docs[0]) - same <= set(TIMING_PROVENANCE)
+
+
+def test_digits_cnn_uses_the_fixed_cpu(_fixed_cpu: Any) -> None:
+    """The CPU instance is planned on the fixed figures, not this machine's."""
+    from qsync_opt.devices import get_device
+
+    problem = _problem("digits_cnn")
+
+    assert get_device("cpu") is _fixed_cpu
+    assert get_device("cpu/2").peak_tflops["fp32"] == _fixed_cpu.peak_tflops["fp32"] / 2
+    assert sorted(g.device for g in problem.cluster.groups) == ["cpu", "cpu/2"]
+
+
+def test_a_changed_precision_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is not vacuous: one op's precision changed in a golden file fails it,
+    naming the group and op."""
+    case = "digits_cnn-highs"
+    doc = json.loads((GOLDEN / f"{case}.json").read_text())
+    group, row = next(iter(doc["plan"]["groups"].items()))
+    op = next(iter(row["precisions"]))
+    row["precisions"][op] = "fp16" if row["precisions"][op] != "fp16" else "fp32"
+    (tmp_path / f"{case}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    monkeypatch.setattr(sys.modules[__name__], "GOLDEN", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "REGEN", False)
+    with pytest.raises(pytest.fail.Exception, match=f"group {group} / op {op}: "):
+        _check(case, CASES[case])
 
 
 def test_difference_names_group_op_precision() -> None:
