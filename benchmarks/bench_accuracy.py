@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt._env import cpu_model
+from qsync_opt.machine import cpu_model
 from qsync_opt.indicator import indicate
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem

@@ -33,8 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ._env import cache_root
-from ._env import cpu_model as cpu_model_name
+from .machine import cache_root
+from .machine import cpu_model as cpu_model_name
 from .errors import QsyncInputError
 from .precision import DType, Precision
 from .schemas import DeviceSpec

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._env import cache_root
+from .machine import cache_root
 from .errors import QsyncInputError
 from .graph import resolve_workload, trace
 from .io import load, save

@@ -90,7 +90,7 @@ _FEAS_TOL = 1e-9
 #: :func:`loose_optimum`), which rescales its objective.
 _ABS_GAP_OF_REL = 1e-3
 #: Re-solves of a program whose OPTIMAL was only proven within the absolute gap.
-_MAX_RESCALES = 3
+MAX_RESCALES = 3
 
 
 def abs_gap(rel_gap: float) -> float:
@@ -862,14 +862,14 @@ class PulpIlp:
             out, a, nv, nc = self._solve_program(pulp, problem, gis, options, seed, end, sw,
                                                  messages, tag)
             forbid: dict[int, frozenset[tuple[int, int]]] | None = None
-            for rnd in range(_MAX_RESCALES + 1):
+            for rnd in range(MAX_RESCALES + 1):
                 if out.status != "OPTIMAL" or a is None:
                     break
                 why = loose_optimum(problem, gis, a, out.abs_tol, options.rel_gap)
                 if why is None:
                     break
                 new = excluded_choices(problem, gis, a)
-                if new == forbid or _common.clock() >= end or rnd == _MAX_RESCALES:
+                if new == forbid or _common.clock() >= end or rnd == MAX_RESCALES:
                     messages.append(f"{tag}: {self.name} reported OPTIMAL, but {why}; status "
                                     "FEASIBLE, its bound dropped")
                     out = dataclasses.replace(out, status="FEASIBLE", bound=None)
