@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
-from . import SolveOptions, _common
+from . import _common
 from ._common import (
     Deadline,
     PartResult,
@@ -62,9 +62,10 @@ from ._common import (
     program_parts,
     solve_parts,
 )
+from .base import SolveOptions
 from .ilp import (
-    MAX_RESCALES,
     FEAS_REL,
+    MAX_RESCALES,
     active_pairs,
     check_numbers,
     complete,

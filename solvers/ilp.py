@@ -59,7 +59,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..problem import AllocationProblem, GroupModel, check_finite
 from ..schemas import Plan, SolveReport
-from . import SolveOptions, _common
+from . import _common
 from ._common import (
     Deadline,
     PartResult,
@@ -72,6 +72,7 @@ from ._common import (
     program_parts,
     solve_parts,
 )
+from .base import SolveOptions
 
 _PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
@@ -191,12 +192,6 @@ def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float =
     relative tolerance ``rel``; 0 if not."""
     return (max(0.0, g.time_ms(a) - budget - rel * abs(budget)),
             max(0.0, g.memory_bytes(a) - g.capacity_bytes * (1 + rel)))
-
-
-def time_lower_bound(g: GroupModel) -> float:
-    """A cheap lower bound on the group's time (each term at its minimum)."""
-    return (g.time0 + sum(min(r) for r in g.time1)
-            + sum(min(min(row) for row in p.time) for p in g.pairs))
 
 
 def active_pairs(g: GroupModel) -> list[int]:

@@ -12,7 +12,8 @@ package) becomes an edge of the import graph. The tests assert:
 * no module imports another module's private (underscore) name or a private module, nor
   reads one as ``module._name``, except ``PRIVATE_ALLOWED`` (exact: an entry that no longer
   occurs fails, so the list only shrinks);
-* the graph has no cycles except ``CYCLES_ALLOWED`` (exact, each with its reason).
+* the graph (less ``UPWARD``) has no cycles except ``CYCLES_ALLOWED`` (exact, each with its
+  reason).
 """
 
 from __future__ import annotations
@@ -82,11 +83,12 @@ PRIVATE_ALLOWED: dict[tuple[str, str, str | None], str] = {
        for m in ("ops", "ops.testing", "runtime.launch", "runtime.train")},
 }
 
-#: Import cycles kept, exactly: frozenset of the cycle's modules -> why.
+#: Import cycles kept, exactly: frozenset of the cycle's modules -> why. Counted without the
+#: ``UPWARD`` edges (each of those closes a cycle by definition and is justified there).
 CYCLES_ALLOWED: dict[frozenset[str], str] = {
-    frozenset({"graph", "runtime.dispatch", "runtime.layers"}):
-        "graph's tracers call the runtime's attention forwards (see UPWARD); the precision "
-        "layers name calls with graph's CallNamer; removed by the graph split",
+    frozenset({"runtime.dispatch", "runtime.layers"}):
+        "the dispatcher builds on the precision layers, which hand attention and functional "
+        "calls back to the dispatcher (lazily); removed by the runtime in parts",
     frozenset({"runtime.launch", "runtime.train"}):
         "the launcher starts the worker (train.emulate) and the worker watches the launcher's "
         "parents (launch.watch_parents); removed by the runtime in parts",
@@ -252,7 +254,7 @@ def cycles() -> set[frozenset[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     succ: dict[str, set[str]] = defaultdict(set)
     for m, es in GRAPH.items():
-        succ[m] |= {t for t, _, _ in es}
+        succ[m] |= {t for t, _, _ in es if (m, t) not in UPWARD}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
