@@ -314,3 +314,37 @@ def test_the_parser_sees_every_kind_of_import(tmp_path: Path, source: str,
     path.write_text(source)
     got = [(t, n) for t, n, _ in _edges("frontier", path)]
     assert sorted(got, key=str) == sorted(expected, key=str)
+
+
+def test_the_dependency_free_names_are_the_catalogs() -> None:
+    """``device_names`` lists the catalog's names without importing it; ``devices`` refuses
+    at import a catalog that differs, and both resolve every alias alike."""
+    from qsync_opt import device_names, devices
+
+    assert device_names.CATALOG_NAMES == tuple(devices.CATALOG)
+    assert devices.canonical_name is device_names.canonical_name
+    for alias, name in device_names.ALIASES.items():
+        assert devices.get_device(alias).name == name
+
+
+@pytest.mark.parametrize("header", [
+    {"schema_name": "Plan"}, {"schema_name": None}, {"schema_version": 2},
+    {"schema_version": True}, {"schema_version": 1.0}, {"schema_version": None},
+    {"schema_version": "1"}])
+def test_the_header_is_checked_once_for_files_and_objects(header: dict) -> None:
+    """A bad header reads the same through io (a file's JSON) and through the schema's own
+    validator (an object): one check, ``schemas.header_problem``."""
+    from pydantic import ValidationError
+
+    from qsync_opt.errors import SchemaVersionError
+    from qsync_opt.io import parse_document
+    from qsync_opt.schemas import ClusterSpec, header_problem
+
+    problem = header_problem(header, ClusterSpec)
+    assert problem is not None
+    with pytest.raises(SchemaVersionError) as from_file:
+        parse_document(dict(header), ClusterSpec, where="c.json")
+    assert str(from_file.value) == f"c.json: {problem}"
+    with pytest.raises(ValidationError, match="schema_") as from_object:
+        ClusterSpec.model_validate(dict(header))
+    assert problem in str(from_object.value)
