@@ -78,8 +78,8 @@ PRIVATE_ALLOWED: dict[tuple[str, str, str | None], str] = {
                                      "helpers become the formulation's public module)"
        for m in ("diagnose", "solve", "solvers.baselines", "solvers.cpsat", "solvers.greedy",
                  "solvers.ilp")},
-    **{(m, "ops._build", None): "the runtime in parts (the extension build gets a public "
-                                "module)"
+    **{(m, "ops._build", None): "the runtime in parts (the runtime and ops.testing load the "
+                                "C++ extension through a public module)"
        for m in ("ops", "ops.testing", "runtime.launch", "runtime.train")},
 }
 
