@@ -55,8 +55,8 @@ from pathlib import Path
 import torch
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt._env import cpu_model
 from qsync_opt.indicator import indicate
+from qsync_opt.machine import cpu_model
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.runtime.config import TrainConfig

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt._env import cpu_model
 from qsync_opt.frontier import format_points, frontier, plot_frontier
+from qsync_opt.machine import cpu_model
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.solve import batch_splits, solve
 from qsync_opt.synthetic import random_indicator

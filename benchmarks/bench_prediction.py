@@ -43,7 +43,7 @@ import torch
 from qsync_opt.models import compute_loss, get_workload
 
 from qsync_opt import Plan, estimate, parse_shorthand, trace
-from qsync_opt._env import cpu_model, pin_malloc
+from qsync_opt.machine import cpu_model, pin_malloc
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     pin_malloc()
     print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process, glibc "
-          f"malloc thresholds pinned (qsync_opt._env.pin_malloc); load average "
+          f"malloc thresholds pinned (qsync_opt.machine.pin_malloc); load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start")
     t_all: list[float] = []
     m_all: list[float] = []

@@ -24,7 +24,7 @@ import time
 from qsync_opt.solvers import SolveOptions, registry
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt._env import cpu_model
+from qsync_opt.machine import cpu_model
 from qsync_opt.problem import AllocationProblem, evaluate
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 

@@ -27,15 +27,26 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ._env import cache_root
-from ._env import cpu_model as cpu_model_name
-from .errors import QsyncInputError
+# the names live in the dependency-free device_names (the schemas check names with it);
+# re-exported here, where callers look for the catalog
+from .device_names import (  # noqa: F401
+    ALIASES,
+    CATALOG_NAMES,
+    CPU,
+    DERIVED_HELP,
+    DERIVED_RE,
+    canonical_name,
+    is_derived,
+    known_device_names,
+    number_text,
+)
+from .machine import cache_root
+from .machine import cpu_model as cpu_model_name
 from .precision import DType, Precision
 from .schemas import DeviceSpec
 
@@ -148,84 +159,9 @@ _CATALOG: tuple[DeviceSpec, ...] = (
 )
 
 CATALOG: dict[str, DeviceSpec] = {d.name: d for d in _CATALOG}
-ALIASES: dict[str, str] = {
-    "v100_sxm2": "v100",
-    "v100_sxm2_32gb": "v100",
-    "a100": "a100_80gb",
-    "a100_sxm": "a100_80gb",
-    "h100_sxm": "h100",
-}
-CPU = "cpu"
-
-
-def known_device_names() -> list[str]:
-    """Canonical catalog names (aliases excluded), ``cpu`` last."""
-    return [*CATALOG, CPU]
-
-
-#: ``cpu/F[:MEM][~CARD]`` (see the module docstring).
-_DERIVED_RE = re.compile(
-    r"^cpu/(?P<factor>[0-9]*\.?[0-9]+)(?::(?P<mem>[0-9]*\.?[0-9]+)(?P<unit>[gm]))?"
-    r"(?:~(?P<card>[a-z][a-z0-9_]*))?$")
-DERIVED_HELP = "cpu/F[:MEM][~CARD], e.g. cpu/2, cpu/2:4g, cpu/3~t4 (this CPU slowed F times)"
-
-
-def _unknown(name: str) -> QsyncInputError:
-    return QsyncInputError(
-        f"unknown device {name!r}; known: {', '.join(known_device_names())} "
-        f"(aliases: {', '.join(f'{a}={c}' for a, c in sorted(ALIASES.items()))}; "
-        f"derived: {DERIVED_HELP})"
-    )
-
-
-def canonical_name(name: str) -> str:
-    """Resolve an alias (``a100`` -> ``a100_80gb``); unknown names raise with the known list.
-
-    A derived CPU comes back in its canonical spelling: ``CPU/2.0~a100`` -> ``cpu/2~a100_80gb``.
-    """
-    key = name.strip().lower()
-    if key.startswith("cpu/"):
-        return _canonical_derived(name, key)
-    key = ALIASES.get(key, key)
-    if key in CATALOG or key == CPU:
-        return key
-    raise _unknown(name)
-
-
-def _num(x: float) -> str:
-    """``x`` written out positionally (0.000001, never 1e-06: a derived name must read back
-    through its own pattern), without trailing zeros."""
-    from decimal import Decimal
-
-    text = format(Decimal(repr(float(x))).normalize(), "f")
-    return text
-
-
-def _canonical_derived(name: str, key: str) -> str:
-    m = _DERIVED_RE.match(key)
-    if not m:
-        raise QsyncInputError(f"device {name!r}: a derived CPU is written {DERIVED_HELP}")
-    factor = float(m["factor"])
-    if not factor >= 1:
-        raise QsyncInputError(f"device {name!r}: slowdown factor must be >= 1, got {m['factor']}")
-    out = f"cpu/{_num(factor)}"
-    if m["mem"] is not None:
-        mem = float(m["mem"])
-        if not mem > 0:
-            raise QsyncInputError(f"device {name!r}: memory cap must be > 0, got {m['mem']}")
-        out += f":{_num(mem)}{m['unit']}"
-    if m["card"] is not None:
-        card = ALIASES.get(m["card"], m["card"])
-        if card not in CATALOG:
-            raise QsyncInputError(
-                f"device {name!r}: ~{m['card']} is not a catalog card; known: {', '.join(CATALOG)}")
-        out += f"~{card}"
-    return out
-
-
-def is_derived(name: str) -> bool:
-    """Whether ``name`` is a derived CPU (``cpu/F...``)."""
-    return name.strip().lower().startswith("cpu/")
+if tuple(CATALOG) != CATALOG_NAMES:  # one list of names, the schemas check it
+    raise RuntimeError(f"device_names.CATALOG_NAMES {CATALOG_NAMES} does not match the "
+                       f"catalog {tuple(CATALOG)}")
 
 
 def base_device(name: str) -> str:
@@ -249,16 +185,16 @@ def get_device(name: str) -> DeviceSpec:
 
 @lru_cache(maxsize=64)
 def _derived_cpu(key: str) -> DeviceSpec:
-    m = _DERIVED_RE.match(key)
+    m = DERIVED_RE.match(key)
     assert m is not None  # canonical_name checked it
     base = measure_cpu()
     factor = float(m["factor"])
     memory, usable = base.memory_bytes, base.usable_memory_bytes
-    notes = [f"slowed {_num(factor)}x"]
+    notes = [f"slowed {number_text(factor)}x"]
     if m["mem"] is not None:
         cap = int(float(m["mem"]) * (GiB if m["unit"] == "g" else MiB))
         memory, usable = cap, min(usable, cap)
-        notes.append(f"memory capped at {_num(float(m['mem']))} {'GiB' if m['unit'] == 'g' else 'MiB'}")
+        notes.append(f"memory capped at {number_text(float(m['mem']))} {'GiB' if m['unit'] == 'g' else 'MiB'}")
     precisions = list(base.precisions)
     display = base.display_name
     if m["card"] is not None:
@@ -270,7 +206,7 @@ def _derived_cpu(key: str) -> DeviceSpec:
               for dt in (p.info.fwd_compute, p.info.bwd_compute)}
     return DeviceSpec(
         name=key,
-        display_name=f"{display} / {_num(factor)}",
+        display_name=f"{display} / {number_text(factor)}",
         compute_capability=None,
         memory_bytes=memory,
         usable_memory_bytes=usable,
@@ -281,7 +217,7 @@ def _derived_cpu(key: str) -> DeviceSpec:
         host_link_gb_per_s=base.host_link_gb_per_s,
         tdp_w=None,
         source=f"emulation: derived from the measured cpu ({'; '.join(notes)}); the runtime "
-        f"stretches this rank's measured compute time {_num(factor)}x. Base cpu: {base.source}",
+        f"stretches this rank's measured compute time {number_text(factor)}x. Base cpu: {base.source}",
         measured=True,
         slowdown=factor,
     )

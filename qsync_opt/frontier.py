@@ -73,7 +73,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
              allocators: Sequence[str] = SWEPT + ONCE, options: SolveOptions | None = None,
              batch_multiple: int | None = None) -> list[FrontierPoint]:
     """Sweep the makespan target over ``points`` values and score every allocator."""
-    from .solve import InfeasibleError, SolveTimeLimit, _run, _solve_joint
+    from .solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
 
     if points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {points}")
@@ -103,7 +103,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
 
     once = [n for n in allocators if n in ONCE]
     for name in once:
-        plan, rep, _ = _run(problem, name, opts)
+        plan, rep, _ = run_backend(problem, name, opts)
         out.append(point(name, None, plan, rep.status))
     extra_splits = [p.batches for p in out if p.allocator == "dynamic-batching" and p.batches]
     for t in targets:
@@ -111,7 +111,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
         for name in allocators:
             if name in ONCE or name.startswith("exact"):
                 continue
-            plan, rep, _ = _run(prob, name, opts)
+            plan, rep, _ = run_backend(prob, name, opts)
             out.append(point(name, t, plan, rep.status))
     # The exact series also at every other same-batch point's makespan, so that a tie in
     # degradation cannot hide a faster plan; then only its non-dominated points are kept.
@@ -126,7 +126,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
             prob = problem.retarget(t)
             if name == "exact+split":
                 try:
-                    plan, rep = _solve_joint(prob, exact, opts, 0, batch_multiple, "target", 0.0,
+                    plan, rep = solve_joint(prob, exact, opts, 0, batch_multiple, "target", 0.0,
                                              extra_splits=extra_splits)
                     series.append(point(name, t, plan, rep.status))
                 except InfeasibleError as exc:
@@ -135,7 +135,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
                 except SolveTimeLimit:  # no plan within the limit: a point without a plan
                     series.append(point(name, t, None, "TIME_LIMIT"))
                 continue
-            plan, rep, _ = _run(prob, exact, opts)
+            plan, rep, _ = run_backend(prob, exact, opts)
             series.append(point(name, t, plan, rep.status))
         out.extend(p for p in series
                    if p.objective is None or not any(q.dominates(p) for q in series))

@@ -73,10 +73,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._env import cache_root
 from .errors import QsyncInputError
 from .graph import resolve_workload, trace
 from .io import load, save
+from .machine import cache_root
 from .models import Workload
 from .models.layers import MatMul
 from .precision import Precision

@@ -35,7 +35,7 @@ from .errors import (
     describe_validation_error,
     one_line,
 )
-from .schemas import FROM_FILE, Document
+from .schemas import FROM_FILE, Document, header_problem
 
 D = TypeVar("D", bound=Document)
 
@@ -217,32 +217,15 @@ def parse_document(data: object, cls: type[D], where: str = "") -> D:
         raise QsyncInputError(one_line(f"{prefix}expected a JSON object holding a "
                                        f"{cls.SCHEMA_NAME}"))
     check_depth(data, where)
-    name = data.get("schema_name", cls.SCHEMA_NAME)
-    version = data.get("schema_version", cls.SCHEMA_VERSION)
-    if name != cls.SCHEMA_NAME:
-        raise SchemaVersionError(one_line(
-            f"{prefix}schema_name is {_written(name)}, expected {cls.SCHEMA_NAME!r}"))
-    if not _same_version(version, cls.SCHEMA_VERSION):
-        raise SchemaVersionError(one_line(
-            f"{prefix}schema_version {_written(version)} of {cls.SCHEMA_NAME} is not one this "
-            f"qsync-opt reads (it reads version {cls.SCHEMA_VERSION})"))
+    problem = header_problem(data, cls)
+    if problem is not None:
+        raise SchemaVersionError(one_line(prefix + problem))
     try:
         return cls.model_validate(data, context={FROM_FILE: True})
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, where)) from None
     except RecursionError:  # cannot happen below MAX_DEPTH; never a traceback
         raise QsyncInputError(one_line(f"{prefix}nested too deeply")) from None
-
-
-def _written(value: object) -> str:
-    """A parsed JSON/TOML value spelled as in the file where Python's repr differs
-    (``true``, ``null``); strings quoted."""
-    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
-
-
-def _same_version(version: object, expected: int) -> bool:
-    """``version`` is the integer ``expected`` (``true`` is not 1, ``1.0`` is not 1)."""
-    return type(version) is int and version == expected
 
 
 def load(path: str | os.PathLike[str], cls: type[D]) -> D:

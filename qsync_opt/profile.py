@@ -357,7 +357,7 @@ def _gloo_rank(rank: int, world: int, init: str, q: Any, fn: Callable[..., Any],
                args: tuple[Any, ...]) -> None:
     import torch.distributed as dist
 
-    from ._env import pin_malloc
+    from .machine import pin_malloc
 
     torch.set_num_threads(1)
     pin_malloc()
@@ -511,7 +511,7 @@ def profile_detailed(
     """
     if method not in ("context", "isolated"):
         raise QsyncInputError(f"method: expected 'context' or 'isolated', got {method!r}")
-    from ._env import pin_malloc
+    from .machine import pin_malloc
 
     pin_malloc()  # as the training ranks do: large buffers cost the same in every process
     if threads is None:

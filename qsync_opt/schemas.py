@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from .device_names import canonical_name
 from .precision import DType, Precision
 
 NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
@@ -93,6 +94,27 @@ def _finite_or_none(values: Any, field: str, info: ValidationInfo) -> Any:
     return out
 
 
+def written(value: object) -> str:
+    """A parsed JSON value spelled as in the file where Python's repr differs (``true``,
+    ``null``); strings quoted."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+
+
+def header_problem(data: dict[str, Any], cls: type[Document]) -> str | None:
+    """What is wrong with a document's header for ``cls`` (another ``schema_name``, or a
+    ``schema_version`` that is not exactly the integer this qsync-opt reads: ``true`` is not
+    1, ``1.0`` is not 1), or None; a missing field reads as ``cls``'s. The one version check:
+    :class:`Document`'s validator and :func:`qsync_opt.io.parse_document` both call it."""
+    name = data.get("schema_name", cls.SCHEMA_NAME)
+    version = data.get("schema_version", cls.SCHEMA_VERSION)
+    if name != cls.SCHEMA_NAME:
+        return f"schema_name is {written(name)}, expected {cls.SCHEMA_NAME!r}"
+    if type(version) is not int or version != cls.SCHEMA_VERSION:
+        return (f"schema_version {written(version)} of {cls.SCHEMA_NAME} is not one this "
+                f"qsync-opt reads (it reads version {cls.SCHEMA_VERSION})")
+    return None
+
+
 class Document(Schema):
     """A schema that is written to disk. Subclasses set ``SCHEMA_NAME``/``SCHEMA_VERSION``."""
 
@@ -108,20 +130,11 @@ class Document(Schema):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        name = data.get("schema_name", cls.SCHEMA_NAME)
-        version = data.get("schema_version", cls.SCHEMA_VERSION)
-        if name != cls.SCHEMA_NAME:
-            raise ValueError(f"schema_name is {name!r}, expected {cls.SCHEMA_NAME!r}")
-        # exactly the integer: true == 1 and 1.0 == 1 in Python, but neither is a version
-        if type(version) is not int or version != cls.SCHEMA_VERSION:
-            shown = json.dumps(version) if version is None or isinstance(version, bool) \
-                else repr(version)
-            raise ValueError(
-                f"schema_version {shown} of {cls.SCHEMA_NAME} is not one this qsync-opt "
-                f"reads (it reads version {cls.SCHEMA_VERSION})"
-            )
-        data["schema_name"] = name
-        data["schema_version"] = version
+        problem = header_problem(data, cls)
+        if problem is not None:
+            raise ValueError(problem)
+        data["schema_name"] = data.get("schema_name", cls.SCHEMA_NAME)
+        data["schema_version"] = data.get("schema_version", cls.SCHEMA_VERSION)
         return data
 
     def save(self, path: Any) -> Any:
@@ -233,8 +246,6 @@ class DeviceGroup(Schema):
     @field_validator("device")
     @classmethod
     def _known_device(cls, v: str) -> str:
-        from .devices import canonical_name
-
         canon = canonical_name(v)  # raises ValueError listing the known names
         if canon != v.strip().lower():
             try:  # every later step reads the canonical spelling back

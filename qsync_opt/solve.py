@@ -181,7 +181,7 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
             raise QsyncInputError("degradation_budget: the budget mode needs a number >= 0")
         plan, report = _solve_budget(problem, solver, opts, degradation_budget, call=call)
     elif joint_split:
-        plan, report = _solve_joint(problem, solver, opts, refine, batch_multiple, mode, slack,
+        plan, report = solve_joint(problem, solver, opts, refine, batch_multiple, mode, slack,
                                     call=call)
     else:
         plan, report = _solve_modes(problem, solver, opts, refine, mode, slack, call)
@@ -348,7 +348,7 @@ def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, 
             messages.append(f"refinement stopped at the time limit ({call.limit_s:g} s) "
                             f"after {r} round(s)")
             break
-        plan, report, ev = _run(prob, solver, opts, call)
+        plan, report, ev = run_backend(prob, solver, opts, call)
         last_report = report
         if plan is None or ev is None:
             if r:
@@ -440,7 +440,7 @@ def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
     last: list[SolveReport] = []
 
     def probe(t: float) -> tuple[Plan, SolveReport] | None:
-        plan, report, ev = _run(problem.retarget(t), solver, opts, call)
+        plan, report, ev = run_backend(problem.retarget(t), solver, opts, call)
         last[:] = [report]
         if plan is None or ev is None or ev.objective > budget * (1 + 1e-9) + 1e-15:
             return None
@@ -530,10 +530,10 @@ def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> Cluster
         g.model_copy(update={"batch_per_device": split[g.name]}) for g in problem.cluster.groups]})
 
 
-def _solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
-                 multiple: int | None, mode: str, slack: float,
-                 extra_splits: Sequence[dict[str, int]] = (), call: _Call | None = None
-                 ) -> tuple[Plan, SolveReport]:
+def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
+                multiple: int | None, mode: str, slack: float,
+                extra_splits: Sequence[dict[str, int]] = (), call: _Call | None = None
+                ) -> tuple[Plan, SolveReport]:
     """Precisions and batch split together: one copy of the program per candidate split,
     the best copy selected. The copies share no variable, so the disjunctive program (a
     binary per split) is solved exactly by solving each copy and taking the least
@@ -674,7 +674,7 @@ def _tie_note(problem: AllocationProblem, solver: str, opts: SolveOptions, plan:
     free = AllocationProblem(problem.graph, problem.cluster, problem.costs, problem.indicator,
                              dataclasses.replace(problem.options, ties=False,
                                                  target_ms=problem.target_ms))
-    fplan, freport, _ = _run(free, solver, opts, call)
+    fplan, freport, _ = run_backend(free, solver, opts, call)
     if fplan is None or report.objective is None or freport.objective is None:
         note = (f"tie groups: {len(tied)} tied decisions restrict the problem; the untied "
                 f"problem found no plan ({freport.status})")
@@ -698,8 +698,8 @@ def _backend(solver: str) -> Any:
     return backend
 
 
-def _run(problem: AllocationProblem, solver: str, options: SolveOptions,
-         call: _Call | None = None) -> tuple[Plan | None, SolveReport, Evaluation | None]:
+def run_backend(problem: AllocationProblem, solver: str, options: SolveOptions,
+                call: _Call | None = None) -> tuple[Plan | None, SolveReport, Evaluation | None]:
     """One backend solve, scored by the evaluator; with ``call``, its time limit is what
     remains of the call (nothing is run once that is spent: status TIME_LIMIT)."""
     backend = _backend(solver)
@@ -771,7 +771,7 @@ def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
             if name.endswith("+split"):
                 base = name.removesuffix("+split")
                 try:
-                    plan, report = _solve_joint(problem, base, options or SolveOptions(), refine,
+                    plan, report = solve_joint(problem, base, options or SolveOptions(), refine,
                                                 batch_multiple, "target", LEXICOGRAPHIC_SLACK)
                 except (InfeasibleError, SolveTimeLimit) as exc:
                     assert exc.report is not None
@@ -782,7 +782,7 @@ def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
                                               _Call.start(options or SolveOptions()))
                 ev = evaluate(problem, plan) if plan is not None else None
             else:
-                plan, report, ev = _run(problem, name, options or SolveOptions())
+                plan, report, ev = run_backend(problem, name, options or SolveOptions())
         except QsyncInputError as exc:
             rows.append(CompareRow(name, "ERROR", False, None, None, None, None, {},
                                    time.perf_counter() - t0, messages=[str(exc)]))

@@ -104,7 +104,9 @@ def _describe(t: Any) -> str:
     return f"a {type(t).__name__}"
 
 
-def _items(inputs: Any) -> list[tuple[str, Any]]:
+def named_inputs(inputs: Any) -> list[tuple[str, Any]]:
+    """A batch's inputs as (name, value): a mapping's keys, ``input`` for one tensor, else
+    ``input i`` by position."""
     if isinstance(inputs, Mapping):
         return [(str(k), v) for k, v in inputs.items()]
     if isinstance(inputs, Tensor):
@@ -139,7 +141,7 @@ def _normalise_example(spec: str, ex: Any) -> Tensor | tuple[Tensor, ...] | dict
 
 
 def _batch_of(example: Any) -> int:
-    for _, t in _items(example):
+    for _, t in named_inputs(example):
         if t.dim() > 0:
             return int(t.shape[0])
     return 1
@@ -181,7 +183,7 @@ def _logits(outputs: Any) -> Tensor | None:
 
 def sample_seeds(batch: Any) -> list[int]:
     """One seed per sample: a hash of the sample's content in every batched tensor."""
-    tensors = [t for _, t in _items(batch) if isinstance(t, Tensor) and t.dim() > 0]
+    tensors = [t for _, t in named_inputs(batch) if isinstance(t, Tensor) and t.dim() > 0]
     n = int(tensors[0].shape[0]) if tensors else 0
     cpu = [t.detach().cpu().contiguous() for t in tensors]
     seeds = []
@@ -293,7 +295,7 @@ class UserWorkload:
         self.user_data: Callable[[int, int], Any] | None = user_data if callable(user_data) else None
         self.real_data = self.user_data is not None
         self.description = f"your model {path.name}:{fn_name}"
-        self.input_doc = ", ".join(f"{k} {_describe(t)}" for k, t in _items(example))
+        self.input_doc = ", ".join(f"{k} {_describe(t)}" for k, t in named_inputs(example))
         self.loss_doc = ("loss(outputs, batch) of the file" if self.user_loss is not None
                          else "the default loss (qsync_opt.user_model)")
         #: outputs of the last trace (meta or real tensors): what loss_line() describes
@@ -474,7 +476,7 @@ def _check_like(wl: UserWorkload, batch: Any, size: int, where: str) -> None:
             ex, Tensor) else "a tuple"
         raise QsyncInputError(f"model: {where} is {_describe(batch)}, not {want} like the "
                               f"example inputs")
-    got, want = dict(_items(batch)), dict(_items(ex))
+    got, want = dict(named_inputs(batch)), dict(named_inputs(ex))
     if list(got) != list(want) and set(got) != set(want):
         raise QsyncInputError(f"model: {where} has inputs {', '.join(got) or 'none'}; the "
                               f"example inputs have {', '.join(want)}")

@@ -9,49 +9,9 @@ backend unavailable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from .base import Backend, SolveOptions
 
-
-@dataclass(frozen=True)
-class SolveOptions:
-    """Options every backend accepts (a backend ignores what does not apply, and says so
-    in its report's messages).
-
-    ``hints``: a warm start, choice indices per group (``AllocationProblem.assignment``);
-    ``warm_start="greedy"`` makes the exact backends run greedy first and hint its plan.
-    ``acceptance``: greedy's move check, ``"replayer"`` (QSync's way) or ``"linear"``.
-    ``decompose``: with a fixed target the groups do not interact; solve one small program
-    per group (False: one program for all groups, for comparison).
-    """
-
-    time_limit_s: float = 60.0
-    threads: int = 0  # 0: the backend's default
-    seed: int = 0
-    rel_gap: float = 1e-6
-    warm_start: str | None = None  # None or "greedy"
-    hints: dict[str, list[int]] | None = None
-    acceptance: str = "replayer"
-    decompose: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"time_limit_s": self.time_limit_s, "threads": self.threads, "seed": self.seed,
-                "rel_gap": self.rel_gap, "warm_start": self.warm_start,
-                "acceptance": self.acceptance, "decompose": self.decompose,
-                "hints": self.hints is not None}
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """What every allocator provides."""
-
-    name: str
-    exact: bool  # proves optimality of the linear model when it reports OPTIMAL
-
-    def is_available(self) -> bool: ...
-
-    def solve(self, problem: Any, options: SolveOptions) -> tuple[Any, Any]: ...
+__all__ = ["EXACT", "Backend", "SolveOptions", "get_backend", "registry"]
 
 
 def registry() -> dict[str, Backend]:

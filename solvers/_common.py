@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import QsyncInputError
-from ..problem import AllocationProblem
+from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
-from . import SolveOptions
+from .base import SolveOptions
 
 #: The clock every deadline reads (monotonic seconds). Tests may replace it (a fake clock).
 clock: Callable[[], float] = time.perf_counter
@@ -319,10 +319,14 @@ def program_parts(problem: AllocationProblem, options: SolveOptions,
     return [list(range(n))]
 
 
+def time_lower_bound(g: GroupModel) -> float:
+    """A cheap lower bound on the group's time (each term at its minimum)."""
+    return (g.time0 + sum(min(r) for r in g.time1)
+            + sum(min(min(row) for row in p.time) for p in g.pairs))
+
+
 def infeasible_messages(problem: AllocationProblem, gis: Sequence[int], budget: float) -> list[str]:
     """For groups whose cheapest choices alone exceed the time budget, say so."""
-    from .ilp import time_lower_bound
-
     out = []
     for gi in gis:
         g = problem.groups[gi]

@@ -25,8 +25,8 @@ from ..errors import QsyncInputError
 from ..precision import Precision
 from ..problem import AllocationProblem, Evaluation, GroupModel, evaluate
 from ..schemas import ClusterSpec, Plan, SolveReport
-from . import SolveOptions
 from ._common import Stopwatch, finish
+from .base import SolveOptions
 
 log = logging.getLogger(__name__)
 

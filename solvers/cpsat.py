@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
-from . import SolveOptions, _common
+from . import _common
 from ._common import (
     Deadline,
     PartResult,
@@ -62,9 +62,10 @@ from ._common import (
     program_parts,
     solve_parts,
 )
+from .base import SolveOptions
 from .ilp import (
-    _MAX_RESCALES,
     FEAS_REL,
+    MAX_RESCALES,
     active_pairs,
     check_numbers,
     complete,
@@ -635,7 +636,7 @@ class CpSat:
             res = solve_with(gis, limit, start, inner, outer, sc)
             ints = inner
             forbid: dict[int, frozenset[tuple[int, int]]] | None = None
-            for rnd in range(_MAX_RESCALES + 1):
+            for rnd in range(MAX_RESCALES + 1):
                 if res.status != "OPTIMAL" or res.assignment is None:
                     break
                 err = sum(ints[gi].obj_err for gi in gis)
@@ -646,7 +647,7 @@ class CpSat:
                        f"relative gap {options.rel_gap:g} of the plan's objective {obj:.6g} "
                        "(Omegas of very different sizes)")
                 new = excluded_choices(problem, gis, res.assignment)
-                if new == forbid or _common.clock() >= t_end or rnd == _MAX_RESCALES:
+                if new == forbid or _common.clock() >= t_end or rnd == MAX_RESCALES:
                     messages.append(f"{tag}: CP-SAT's plan is OPTIMAL in integers, but {why}; "
                                     "status FEASIBLE")
                     res = dataclasses.replace(res, status="FEASIBLE",

@@ -53,8 +53,8 @@ from ..precision import Precision
 from ..problem import AllocationProblem, DerivedUnit, GroupModel, _widest_precision
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
-from . import SolveOptions
 from ._common import Stopwatch, finish, mode_text
+from .base import SolveOptions
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..problem import AllocationProblem, GroupModel, check_finite
 from ..schemas import Plan, SolveReport
-from . import SolveOptions, _common
+from . import _common
 from ._common import (
     Deadline,
     PartResult,
@@ -72,6 +72,7 @@ from ._common import (
     program_parts,
     solve_parts,
 )
+from .base import SolveOptions
 
 _PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
@@ -90,7 +91,7 @@ _FEAS_TOL = 1e-9
 #: :func:`loose_optimum`), which rescales its objective.
 _ABS_GAP_OF_REL = 1e-3
 #: Re-solves of a program whose OPTIMAL was only proven within the absolute gap.
-_MAX_RESCALES = 3
+MAX_RESCALES = 3
 
 
 def abs_gap(rel_gap: float) -> float:
@@ -191,12 +192,6 @@ def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float =
     relative tolerance ``rel``; 0 if not."""
     return (max(0.0, g.time_ms(a) - budget - rel * abs(budget)),
             max(0.0, g.memory_bytes(a) - g.capacity_bytes * (1 + rel)))
-
-
-def time_lower_bound(g: GroupModel) -> float:
-    """A cheap lower bound on the group's time (each term at its minimum)."""
-    return (g.time0 + sum(min(r) for r in g.time1)
-            + sum(min(min(row) for row in p.time) for p in g.pairs))
 
 
 def active_pairs(g: GroupModel) -> list[int]:
@@ -862,14 +857,14 @@ class PulpIlp:
             out, a, nv, nc = self._solve_program(pulp, problem, gis, options, seed, end, sw,
                                                  messages, tag)
             forbid: dict[int, frozenset[tuple[int, int]]] | None = None
-            for rnd in range(_MAX_RESCALES + 1):
+            for rnd in range(MAX_RESCALES + 1):
                 if out.status != "OPTIMAL" or a is None:
                     break
                 why = loose_optimum(problem, gis, a, out.abs_tol, options.rel_gap)
                 if why is None:
                     break
                 new = excluded_choices(problem, gis, a)
-                if new == forbid or _common.clock() >= end or rnd == _MAX_RESCALES:
+                if new == forbid or _common.clock() >= end or rnd == MAX_RESCALES:
                     messages.append(f"{tag}: {self.name} reported OPTIMAL, but {why}; status "
                                     "FEASIBLE, its bound dropped")
                     out = dataclasses.replace(out, status="FEASIBLE", bound=None)

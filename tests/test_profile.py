@@ -282,7 +282,7 @@ def test_derive_builds_a_slower_cpu_from_the_cpu_entries(digits_graph: ModelGrap
 
 
 def test_pin_malloc_is_idempotent() -> None:
-    from qsync_opt._env import pin_malloc
+    from qsync_opt.machine import pin_malloc
 
     first = pin_malloc()
     assert pin_malloc() is first

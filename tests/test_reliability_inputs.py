@@ -658,9 +658,10 @@ def test_a_train_config_refuses_booleans_and_strings_as_numbers(field, value) ->
 
 @pytest.mark.parametrize("x", [2, 0.5, 1e-6, 0.000123, 3.0, 1.25, 40])
 def test_a_derived_device_name_is_written_positionally_and_reads_back(x) -> None:
-    from qsync_opt.devices import _num, get_device
+    from qsync_opt.device_names import number_text
+    from qsync_opt.devices import get_device
 
-    text = _num(x)
+    text = number_text(x)
     assert "e" not in text.lower() and float(text) == x
     assert get_device(f"cpu/2:{text}g").name == f"cpu/2:{text}g"
     if x >= 1:

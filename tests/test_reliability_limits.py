@@ -411,7 +411,7 @@ def test_a_loader_never_sees_a_half_built_library(tmp_path) -> None:
 
 
 def test_the_cache_root_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path) -> None:
-    from qsync_opt._env import cache_root
+    from qsync_opt.machine import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_root() == tmp_path / "qsync-opt"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .._env import cache_root, cpu_model
+from ..machine import cache_root, cpu_model
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..precision import Precision
 from ..schemas import OpKind
-from .layers import _COUNTERS, _QMixin, record_call, run_gemm, swappable_kind
+from .layers import COUNTERS, QMixin, record_call, run_gemm, swappable_kind
 
 __all__ = ["FunctionalDispatch", "count_calls", "mha_forward", "mha_gemms", "sdpa_forward",
            "MHA_GEMMS", "SDPA_GEMMS"]
@@ -317,7 +317,7 @@ class FunctionalDispatch:
         for name, mod in model.named_modules():
             if not name:
                 continue
-            if is_leaf_module(mod) or isinstance(mod, _QMixin):
+            if is_leaf_module(mod) or isinstance(mod, QMixin):
                 self.handles.append(mod.register_forward_pre_hook(self._leaf_pre))
                 self.handles.append(mod.register_forward_hook(self._leaf_post, always_call=True))
             else:
@@ -414,7 +414,7 @@ def count_calls(model: nn.Module) -> Iterator[dict[str, dict[str, int]]]:
     functional GEMMs outside a plan too (a dispatcher with no precisions is installed for the
     block when ``model`` has none)."""
     counts: dict[str, dict[str, int]] = {}
-    _COUNTERS.append(counts)
+    COUNTERS.append(counts)
     handles: list[Any] = []
 
     def count_module(name: str) -> Callable[..., None]:
@@ -432,7 +432,7 @@ def count_calls(model: nn.Module) -> Iterator[dict[str, dict[str, int]]]:
         return hook
 
     for name, mod in model.named_modules():
-        if isinstance(mod, _QMixin):
+        if isinstance(mod, QMixin):
             continue
         if isinstance(mod, nn.MultiheadAttention):
             handles.append(mod.register_forward_pre_hook(count_mha(name), with_kwargs=True))
@@ -446,4 +446,4 @@ def count_calls(model: nn.Module) -> Iterator[dict[str, dict[str, int]]]:
             h.remove()
         if temp is not None:
             temp.remove()
-        _COUNTERS.remove(counts)
+        COUNTERS.remove(counts)

@@ -40,12 +40,12 @@ from ..precision import Precision
 _HALF = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}
 
 #: Active :func:`~qsync_opt.runtime.count_calls` tallies: {op: {precision: calls}}.
-_COUNTERS: list[dict[str, dict[str, int]]] = []
+COUNTERS: list[dict[str, dict[str, int]]] = []
 
 
 def record_call(name: str, p: Precision) -> None:
     """Count one call of op ``name`` at precision ``p`` in every active tally."""
-    for c in _COUNTERS:
+    for c in COUNTERS:
         per = c.setdefault(name, {})
         per[p.value] = per.get(p.value, 0) + 1
 
@@ -102,7 +102,10 @@ def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Preci
     return out.to(dtype) if p in _HALF and isinstance(out, Tensor) else out
 
 
-class _QMixin:
+class QMixin:
+    """What every precision-switching layer shares: its precision, stochastic-rounding seed
+    and name (the dispatcher and the trainer recognise the layers by this class)."""
+
     precision: Precision
     qseed: int
     qname: str = ""
@@ -112,11 +115,11 @@ class _QMixin:
         return self.qseed
 
     def _count(self) -> None:
-        if _COUNTERS:
+        if COUNTERS:
             record_call(self.qname, self.precision)
 
 
-class QLinear(nn.Linear, _QMixin):
+class QLinear(nn.Linear, QMixin):
     def forward(self, x: Tensor) -> Tensor:
         self._count()
         p = self.precision
@@ -134,7 +137,7 @@ class QLinear(nn.Linear, _QMixin):
         return F.linear(x, self.weight, self.bias)
 
 
-class QConv2d(nn.Conv2d, _QMixin):
+class QConv2d(nn.Conv2d, QMixin):
     def forward(self, x: Tensor) -> Tensor:
         self._count()
         p = self.precision
@@ -161,7 +164,7 @@ class QConv2d(nn.Conv2d, _QMixin):
                         self.stride, padding, self.dilation, self.groups)
 
 
-class QMatMul(MatMul, _QMixin):
+class QMatMul(MatMul, QMixin):
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         self._count()
         p = self.precision
@@ -178,7 +181,7 @@ class QMatMul(MatMul, _QMixin):
         return torch.matmul(a, b)
 
 
-class QConv1d(nn.Conv1d, _QMixin):
+class QConv1d(nn.Conv1d, QMixin):
     """nn.Conv1d at a precision: 16 bit and fp8 as :class:`QConv2d`; int8 through
     ``qsync::int8_conv2d`` on a height-1 image (the same integer GEMM)."""
 
@@ -213,7 +216,7 @@ class QConv1d(nn.Conv1d, _QMixin):
         return y.squeeze(-2)
 
 
-class _QConv1DMixin(_QMixin):
+class _QConv1DMixin(QMixin):
     """A HuggingFace-style Conv1D (``out = addmm(bias, x, weight)``, weight (in, out)) at a
     precision: its transposed weight through :func:`run_linear` (int8: ``ops.int8_linear``;
     16 bit and fp8 as :class:`QLinear`)."""
@@ -229,7 +232,7 @@ class _QConv1DMixin(_QMixin):
         return run_linear(x, self.weight.t(), self.bias, p, self._next_seed)
 
 
-class _QMHAMixin(_QMixin):
+class _QMHAMixin(QMixin):
     """nn.MultiheadAttention with a precision per sub-op (``precisions``: in_proj or
     q_proj/k_proj/v_proj/kv_proj, qk, av, out_proj): the decomposed attention
     (:func:`~qsync_opt.runtime.dispatch.mha_forward`, the computation the planner traced),

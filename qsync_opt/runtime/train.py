@@ -119,7 +119,7 @@ from .config import (
     run_fingerprint,
     set_path,
 )
-from .layers import _QMixin
+from .layers import QMixin
 
 __all__ = [
     "DDPSync",
@@ -327,9 +327,9 @@ def _take(inputs: Any, idx: Tensor) -> Any:
 
 def batch_size_of(inputs: Any) -> int:
     """Samples in a batch's inputs (dim 0 of its first batched tensor)."""
-    from ..user_model import _items
+    from ..user_model import named_inputs
 
-    for _, t in _items(inputs):
+    for _, t in named_inputs(inputs):
         if isinstance(t, Tensor) and t.dim() > 0:
             return int(t.shape[0])
     return 1
@@ -497,12 +497,12 @@ def state_hash(model: nn.Module) -> str:
 
 
 def qseeds(model: nn.Module) -> dict[str, int]:
-    return {n: int(m.qseed) for n, m in model.named_modules() if isinstance(m, _QMixin)}
+    return {n: int(m.qseed) for n, m in model.named_modules() if isinstance(m, QMixin)}
 
 
 def set_qseeds(model: nn.Module, seeds: dict[str, int]) -> None:
     for n, m in model.named_modules():
-        if isinstance(m, _QMixin) and n in seeds:
+        if isinstance(m, QMixin) and n in seeds:
             m.qseed = int(seeds[n])
 
 
@@ -947,7 +947,7 @@ def _dist_env() -> tuple[int, int, int]:
 
 def run(config: TrainConfig) -> dict[str, Any]:
     """The per-rank entry (see the module docstring); returns the run's summary."""
-    from .._env import pin_malloc
+    from ..machine import pin_malloc
 
     pin_malloc()  # step times independent of the process's allocation history
     if config.emulate_dp:
