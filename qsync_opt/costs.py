@@ -83,7 +83,7 @@ class _Roofline:
         return max(t_compute, t_memory) * 1e3 + kernels * self.launch_ms
 
 
-def _op_precisions(op: OpNode, dev: DeviceSpec) -> list[Precision]:
+def op_precisions(op: OpNode, dev: DeviceSpec) -> list[Precision]:
     if op.role == OpRole.choosable:
         return [p for p in op.allowed_precisions if dev.supports(p)]
     if op.role == OpRole.pinned:
@@ -120,7 +120,7 @@ def _op_cost(op: OpNode, p: Precision, scale: float, roof: _Roofline) -> tuple[f
     return fwd, bwd
 
 
-def _cast_pairs(dev: DeviceSpec) -> list[tuple[DType, DType]]:
+def cast_pairs(dev: DeviceSpec) -> list[tuple[DType, DType]]:
     floats = [d for d in ACTIVATION_DTYPES if dev.supports(_PASS_PRECISION[d])]
     pairs = [(a, b) for a in floats for b in floats if a != b]
     if dev.supports(Precision.int8):
@@ -201,11 +201,11 @@ def estimate(
         for b in sorted(dev_batches):
             scale = b / graph.batch_size
             for op in graph.ops:
-                for p in _op_precisions(op, dev):
+                for p in op_precisions(op, dev):
                     fwd, bwd = _op_cost(op, p, scale, roof)
                     entries.append(OpCost(device=device, batch_size=b, op=op.name, precision=p,
                                           fwd_ms=fwd, bwd_ms=bwd, source="estimated"))
-        for src, dst in _cast_pairs(dev):
+        for src, dst in cast_pairs(dev):
             a = (src.itemsize + dst.itemsize) / roof.mem_bps * 1e3
             if dst in (DType.int8, DType.fp8_e4m3, DType.fp8_e5m2):
                 a *= eff.quantize_cast_factor
@@ -248,7 +248,7 @@ def group_summary(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
         b = int(g.batch_per_device or graph.batch_size)
         ref = fast = 0.0
         for op in graph.ops:
-            opts = [table[(g.device, b, op.name, p)] for p in _op_precisions(op, dev)
+            opts = [table[(g.device, b, op.name, p)] for p in op_precisions(op, dev)
                     if (g.device, b, op.name, p) in table]
             if not opts:
                 continue

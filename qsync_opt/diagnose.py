@@ -66,20 +66,20 @@ def _exact_backend() -> Any:
 def _solve(backend: Any, prog: Any, time_limit_s: float) -> str:
     from .solvers import SolveOptions
     from .solvers._common import Stopwatch
-    from .solvers.ilp import _pulp
+    from .solvers.ilp import pulp_module
 
     # No gap at all: the least memory is reported as a bound the user can rely on.
     opts = SolveOptions(rel_gap=0.0, extra={"highs": {"mip_abs_gap": 0.0},
                                             "cbc": ["allowableGap 0"]})
-    out = backend._run(_pulp(), prog, opts, time_limit_s, False, Stopwatch(), [])
+    out = backend._run(pulp_module(), prog, opts, time_limit_s, False, Stopwatch(), [])
     return str(out.status)
 
 
 def _group_min_memory(g: GroupModel, gi: int, backend: Any, time_limit_s: float
                       ) -> tuple[float, list[int]]:
-    from .solvers.ilp import _add_group, _Program, _pulp, _read_assignment
+    from .solvers.ilp import Program, add_group, pulp_module, read_assignment
 
-    pulp = _pulp()
+    pulp = pulp_module()
     n_real = len(g.choices)
     if n_real == 0:
         return g.memory_bytes([]), []
@@ -88,8 +88,8 @@ def _group_min_memory(g: GroupModel, gi: int, backend: Any, time_limit_s: float
     ub = _memory_upper_bound(g)
     loose = dataclasses.replace(g, capacity_bytes=ub * (1 + 1e-6) + 1.0)
     lp = pulp.LpProblem(f"min_memory_{gi}", pulp.LpMinimize)
-    prog = _Program(lp, [])
-    gv = _add_group(pulp, prog, loose, gi, 1.0, min_time=True)  # no time row
+    prog = Program(lp, [])
+    gv = add_group(pulp, prog, loose, gi, 1.0, min_time=True)  # no time row
     prog.groups.append(gv)
     ms = gv.mem_scale
     terms: list[tuple[Any, float]] = []
@@ -110,7 +110,7 @@ def _group_min_memory(g: GroupModel, gi: int, backend: Any, time_limit_s: float
         raise QsyncInputError(
             f"diagnose: the least-memory program of group {g.name} ended {status} "
             f"({backend.name}); no exact minimum")
-    a = _read_assignment(gv, n_real)
+    a = read_assignment(gv, n_real)
     return g.memory_bytes(a), a
 
 

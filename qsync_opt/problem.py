@@ -175,7 +175,7 @@ class DerivedUnit:
 _PASS = {DType.fp32: Precision.fp32, DType.fp16: Precision.fp16, DType.bf16: Precision.bf16}
 
 
-def _widest_precision(dtypes: set[DType]) -> Precision:
+def widest_precision(dtypes: set[DType]) -> Precision:
     return _PASS[next(iter(dtypes))] if len(dtypes) == 1 else Precision.fp32
 
 
@@ -237,7 +237,7 @@ class GroupModel:
         """Derived unit ``d``'s choice index given its inputs' choices in ``full``."""
         ext = self.all_choices
         dtypes = {ext[u][full[u]].info.gives_out for u in d.inputs}
-        return d.choices.index(_widest_precision(dtypes))
+        return d.choices.index(widest_precision(dtypes))
 
     def time_ms(self, a: Sequence[int]) -> float:
         a = self.complete(a) if self.derived else a

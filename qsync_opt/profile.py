@@ -44,7 +44,7 @@ from torch import nn
 
 from . import __version__
 from .cluster import parse_shorthand
-from .costs import _cast_pairs, _op_precisions, estimate, gradient_buckets
+from .costs import cast_pairs, estimate, gradient_buckets, op_precisions
 from .devices import get_device, known_device_names
 from .errors import QsyncInputError
 from .precision import DType, Precision
@@ -296,7 +296,7 @@ def _measure_casts(dev_name: str, device: torch.device, repeats: int, warmup: in
     timer = _Timer(device)
     casts: list[CastCost] = []
     notes: list[str] = []
-    for src, dst in _cast_pairs(get_device(dev_name)):
+    for src, dst in cast_pairs(get_device(dev_name)):
         if src not in _TORCH_DTYPE or (dst not in _TORCH_DTYPE and dst != DType.int8):
             continue
         times = []
@@ -570,10 +570,10 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
     for op in graph.ops:
         if context and op.role == OpRole.choosable:
             continue  # timed in context below
-        for p in _op_precisions(op, spec):
+        for p in op_precisions(op, spec):
             if wanted is not None and p not in wanted:
                 continue
-            if context and p != _op_precisions(op, spec)[0]:
+            if context and p != op_precisions(op, spec)[0]:
                 continue  # the runtime runs every other op at fp32 (activations stay fp32)
             try:
                 run, sig = builder.build(op, p)
@@ -695,7 +695,7 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
     choosable = [o for o in graph.ops if o.role == OpRole.choosable]
     menu: list[Precision] = []
     for o in choosable:
-        for p in _op_precisions(o, spec):
+        for p in op_precisions(o, spec):
             if p not in menu and (wanted is None or p in wanted or p == Precision.fp32):
                 menu.append(p)
     if Precision.fp32 not in menu:
@@ -712,7 +712,7 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
             continue
         for o in choosable:
             ran = run.assignment.get(o.module_name, Precision.fp32)
-            if p not in _op_precisions(o, spec) or (p != Precision.fp32 and ran != p):
+            if p not in op_precisions(o, spec) or (p != Precision.fp32 and ran != p):
                 continue  # not run at p in the uniform run (the op does not allow it)
             f = run.op_fwd.get(o.name, 0.0) + run.seg_fwd.get(o.name, 0.0) - ref.seg_fwd.get(
                 o.name, 0.0)
@@ -730,14 +730,14 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
     others = [o for o in graph.ops if o.role != OpRole.choosable]
     weights: dict[str, tuple[float, float]] = {}
     for o in others:
-        p0 = _op_precisions(o, spec)[0]
+        p0 = op_precisions(o, spec)[0]
         weights[o.name] = isolated.get((o.name, p0)) or estimated.get((o.name, p0), (0.0, 0.0))
     wf = sum(w[0] for w in weights.values())
     wb = sum(w[1] for w in weights.values())
     for o in others:
         f = rest_f * weights[o.name][0] / wf if wf > 0 else 0.0
         b = rest_b * weights[o.name][1] / wb if wb > 0 else 0.0
-        for p in _op_precisions(o, spec):
+        for p in op_precisions(o, spec):
             if wanted is None or p in wanted:
                 out[(o.name, p)] = (f, b)
     notes = []

@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 from ..errors import QsyncInputError
 from ..precision import Precision
-from ..problem import AllocationProblem, DerivedUnit, GroupModel, _widest_precision
+from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precision
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from ._common import Stopwatch, finish, mode_text
@@ -144,7 +144,7 @@ class LinearState:
         ext = self.ext[gi]
         for d in self.downstream[gi][u]:
             dtypes = {ext[x][new.get(x, a[x])].info.gives_out for x in d.inputs}
-            c = d.choices.index(_widest_precision(dtypes))
+            c = d.choices.index(widest_precision(dtypes))
             if c != a[d.index]:
                 new[d.index] = c
         return new

@@ -99,7 +99,7 @@ def abs_gap(rel_gap: float) -> float:
     return max(_ABS_GAP_OF_REL * min(max(rel_gap, 0.0), 1e-3), 1e-13)
 
 
-def _pulp() -> Any:
+def pulp_module() -> Any:
     import pulp
 
     return pulp
@@ -107,7 +107,7 @@ def _pulp() -> Any:
 
 def _available_pulp_solvers() -> list[str]:
     try:
-        pulp = _pulp()
+        pulp = pulp_module()
     except Exception:
         return []
     with warnings.catch_warnings():
@@ -221,7 +221,7 @@ class _GroupVars:
 
 
 @dataclass
-class _Program:
+class Program:
     lp: Any
     groups: list[_GroupVars]
     n_variables: int = 0
@@ -249,7 +249,7 @@ def shifted_omega(g: GroupModel) -> list[list[float]]:
     return out
 
 
-def _add_group(pulp: Any, prog: _Program, g: GroupModel, gi: int, budget: float,
+def add_group(pulp: Any, prog: Program, g: GroupModel, gi: int, budget: float,
                min_time: bool = False, forbid: frozenset[tuple[int, int]] = frozenset()
                ) -> _GroupVars:
     """Add group ``g``'s variables and rows to ``prog``. ``min_time``: the objective is the
@@ -346,12 +346,12 @@ def _add_group(pulp: Any, prog: _Program, g: GroupModel, gi: int, budget: float,
 
 
 def _build(pulp: Any, problem: AllocationProblem, gis: Sequence[int], name: str,
-           forbid: Mapping[int, frozenset[tuple[int, int]]] | None = None) -> _Program:
+           forbid: Mapping[int, frozenset[tuple[int, int]]] | None = None) -> Program:
     lp = pulp.LpProblem(name, pulp.LpMinimize)
-    prog = _Program(lp, [])
+    prog = Program(lp, [])
     budget = problem.group_budget_ms()
     for gi in gis:
-        prog.groups.append(_add_group(pulp, prog, problem.groups[gi], gi, budget,
+        prog.groups.append(add_group(pulp, prog, problem.groups[gi], gi, budget,
                                       forbid=(forbid or {}).get(gi, frozenset())))
     top = max((abs(c) for _, c in prog.obj_terms), default=0.0)
     if top > 0:
@@ -370,7 +370,7 @@ def fastest_plans(problem: AllocationProblem, backend: str = "highs",
     what remains). A program stopped at its limit with a plan gives that plan's time (an
     upper bound on the least); one stopped without a plan raises :class:`FastestTimeLimit`
     (the group's least time is unknown, not absent)."""
-    pulp = _pulp()
+    pulp = pulp_module()
     solver = PulpIlp(backend)
     deadline = Deadline(time_limit_s)
     out: dict[str, tuple[float, list[int]] | None] = {}
@@ -381,14 +381,14 @@ def fastest_plans(problem: AllocationProblem, backend: str = "highs",
             continue
         share = deadline.share(len(todo) - todo.index(g.name))
         lp = pulp.LpProblem(f"fastest_{gi}", pulp.LpMinimize)
-        prog = _Program(lp, [])
-        gv = _add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
+        prog = Program(lp, [])
+        gv = add_group(pulp, prog, g, gi, problem.group_budget_ms(), min_time=True)
         prog.groups.append(gv)
         lp.setObjective(pulp.LpAffineExpression(prog.obj_terms))
         res = solver._run(pulp, prog, SolveOptions(rel_gap=1e-9), share, False,
                           Stopwatch(), [])
         if res.status in ("OPTIMAL", "FEASIBLE"):
-            a = _read_assignment(gv, len(g.choices))
+            a = read_assignment(gv, len(g.choices))
             out[g.name] = (g.time_ms(a), a)
         elif res.status == "INFEASIBLE":
             out[g.name] = None
@@ -411,7 +411,7 @@ def fastest_times(problem: AllocationProblem, backend: str = "highs",
             for name, v in fastest_plans(problem, backend, time_limit_s).items()}
 
 
-def _set_start(prog: _Program, problem: AllocationProblem,
+def _set_start(prog: Program, problem: AllocationProblem,
                hints: Mapping[str, Sequence[int]]) -> None:
     for gv in prog.groups:
         g = problem.groups[gv.gi]
@@ -428,7 +428,7 @@ def _set_start(prog: _Program, problem: AllocationProblem,
         gv.w.setInitialValue(work / gv.mem_scale, check=False)
 
 
-def _read_assignment(gv: _GroupVars, n_real: int) -> list[int]:
+def read_assignment(gv: _GroupVars, n_real: int) -> list[int]:
     """The real units' choices (the derived ones follow from them)."""
     out = []
     for row in gv.x[:n_real]:
@@ -642,7 +642,7 @@ class PulpIlp:
 
     # ----------------------------------------------------------------- one solve
 
-    def _run(self, pulp: Any, prog: _Program, options: SolveOptions, time_limit: float,
+    def _run(self, pulp: Any, prog: Program, options: SolveOptions, time_limit: float,
              start: bool, sw: Stopwatch, messages: list[str]) -> _Outcome:
         lp = prog.lp
         if self.backend == "highs":
@@ -758,7 +758,7 @@ class PulpIlp:
             out = self._run(pulp, prog, options, left, start, sw, messages)
             if out.status not in ("OPTIMAL", "FEASIBLE"):
                 return self._unscaled(out, prog), None, prog.n_variables, prog.n_constraints
-            assign = {problem.groups[gv.gi].name: _read_assignment(
+            assign = {problem.groups[gv.gi].name: read_assignment(
                 gv, len(problem.groups[gv.gi].choices)) for gv in prog.groups}
             own = (part_objective(problem, gis, assign) - prog.obj_offset) * prog.obj_scale
             why = self._inconsistency(out, own, options.rel_gap)
@@ -806,7 +806,7 @@ class PulpIlp:
             attempt += 1
 
     @staticmethod
-    def _unscaled(out: _Outcome, prog: _Program) -> _Outcome:
+    def _unscaled(out: _Outcome, prog: Program) -> _Outcome:
         """The outcome with its bound and objective in objective units."""
         off = prog.obj_offset
         return dataclasses.replace(
@@ -839,7 +839,7 @@ class PulpIlp:
 
         ``options.time_limit_s`` bounds the whole solve (greedy's warm start included); the
         groups share what remains (:func:`_common.solve_parts`)."""
-        pulp = _pulp()
+        pulp = pulp_module()
         deadline = Deadline(options.time_limit_s)
         check_numbers(problem)
         hints = start_hints(problem, options, messages, deadline)

@@ -69,18 +69,12 @@ UPWARD: dict[tuple[str, str], str] = {
 #: Cross-module private imports kept, exactly: (importer, imported, name) -> the step that
 #: removes it. ``name`` None: the private module itself.
 PRIVATE_ALLOWED: dict[tuple[str, str, str | None], str] = {
-    **{("diagnose", "solvers.ilp", n): "the integer program written once"
-       for n in ("_add_group", "_Program", "_pulp", "_read_assignment")},
-    ("profile", "costs", "_cast_pairs"): "one cost-and-memory rule engine",
-    ("profile", "costs", "_op_precisions"): "one cost-and-memory rule engine",
-    ("solvers.greedy", "problem", "_widest_precision"): "one cost-and-memory rule engine",
     **{(m, "solvers._common", None): "the integer program written once (solvers' shared "
                                      "helpers become the formulation's public module)"
        for m in ("diagnose", "solve", "solvers.baselines", "solvers.cpsat", "solvers.greedy",
                  "solvers.ilp")},
-    **{(m, "ops._build", None): "the runtime in parts (the runtime and ops.testing load the "
-                                "C++ extension through a public module)"
-       for m in ("ops", "ops.testing", "runtime.launch", "runtime.train")},
+    ("ops", "ops._build", None): "the ops package itself re-exports its build module's "
+                                 "load_cpu (everyone else imports it from qsync_opt.ops)",
 }
 
 #: Import cycles kept, exactly: frozenset of the cycle's modules -> why. Counted without the

@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from . import _build
+from . import load_cpu
 
 __all__ = ["BACKENDS", "strict_int_mm", "use_backend"]
 
@@ -31,7 +31,7 @@ def use_backend(name: str) -> Iterator[None]:
     from .. import ops
 
     if name == "cpp":
-        ok, why = _build.load_cpu()
+        ok, why = load_cpu()
         if not ok:
             import pytest
 

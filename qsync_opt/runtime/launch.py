@@ -511,7 +511,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
-    from ..ops._build import load_cpu
+    from ..ops import load_cpu
 
     load_cpu()  # compile the C++ kernels once here, not in every rank at once
     env = dict(os.environ)

@@ -959,7 +959,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     setup = prepare(config)
     # Load (and on first use, compile) the C++ kernels before any collective, so a build can
     # never hold up a rendezvous or an all-reduce past its timeout.
-    from ..ops._build import load_cpu
+    from ..ops import load_cpu
 
     load_cpu()
     backend = config.backend
