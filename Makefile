@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch pinned for this machine; an unpinned torch would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-fast demo lint bench clean
+.PHONY: setup test test-fast demo lint typecheck bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,15 @@ test-fast: setup
 
 demo: setup
 	$(BIN)/qsync-opt demo
+
+# mypy cannot follow package-dir, so it checks a tree of links laid out as the installed package
+typecheck: setup
+	rm -rf build/typecheck && mkdir -p build/typecheck/qsync_opt
+	for f in qsync_opt/*; do ln -s "$$PWD/$$f" build/typecheck/qsync_opt/; done
+	ln -s "$$PWD/solvers" build/typecheck/qsync_opt/solvers
+	ln -s "$$PWD/models" build/typecheck/qsync_opt/models
+	ln -s "$$PWD/cuda" build/typecheck/qsync_opt/cuda
+	cd build/typecheck && MYPYPATH=. ../../$(BIN)/mypy --config-file ../../pyproject.toml -p qsync_opt
 
 lint: setup
 	$(BIN)/ruff check qsync_opt solvers models cuda tests benchmarks
