@@ -40,8 +40,11 @@ LAYERS: list[tuple[str, list[str]]] = [
         "user_model", "models", "models.layers", "models.bert", "models.digits_cnn",
         "models.gpt2", "models.patterns", "models.resnet", "models.tiny_gpt", "models.vgg",
         "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
-        "ops.reference", "ops.testing"]),
-    ("graph, devices, costs", ["graph", "devices", "costs", "cluster", "batchmodel"]),
+        "ops.reference", "ops.testing", "attention"]),
+    ("graph, devices, costs", [
+        "graph", "graph.annotate", "graph.capture", "graph.fallback", "graph.kinds",
+        "graph.naming", "graph.recording", "graph.tracing", "graph.user_files",
+        "devices", "costs", "cluster", "batchmodel"]),
     ("precision layers", ["runtime.layers", "runtime.dispatch"]),
     ("indicator, replayer", ["indicator", "replayer", "plan", "synthetic", "profile_context",
                              "profile", ""]),
@@ -61,9 +64,6 @@ UPWARD: dict[tuple[str, str], str] = {
                        "io.load (the public API: Plan.load(path) in README, tests, benchmarks); "
                        "they import io only when called. Removed when callers use io directly.",
     ("schemas", "plan"): "Plan.load(path, graph) calls plan.check_plan lazily (same reason).",
-    ("graph", "runtime.dispatch"): "the tracers run attention through the runtime's "
-                                   "mha_forward/sdpa_forward so names match; removed by the "
-                                   "graph split (capture) moving those below both.",
 }
 
 #: Cross-module private imports kept, exactly: (importer, imported, name) -> the step that

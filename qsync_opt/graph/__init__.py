@@ -1,0 +1,55 @@
+"""Graph extraction: a workload (registry name, user file, or nn.Module) -> ModelGraph.
+
+How it works:
+
+1. The model is traced with ``torch.fx`` (torch.nn modules and qsync's ``MatMul`` are leaves,
+   so op names are the module names users see in ``named_modules()``). For a registry
+   workload the loss is spliced into the graph, so it appears as a pinned op.
+2. The traced graph is run node by node on the ``meta`` device: parameters are swapped for
+   meta tensors (no real allocation, whatever device the user's model lives on), inputs are
+   meta tensors, autograd records as usual. Each node's output shapes come from that run,
+   and each node's activations saved for backward are *measured* with
+   ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers excluded; a storage
+   saved by an earlier op is recorded as shared, so memory is not counted twice).
+3. Where symbolic tracing fails (data-dependent Python control flow, say), a fallback runs the
+   model once on meta tensors under a ``TorchFunctionMode`` with module hooks: leaf modules
+   and top-level torch functions become ops, edges follow tensor identity. If both fail,
+   :class:`TraceError` says why in one line.
+4. Post-processing is shared: kinds, roles (choosable / pinned with a reason / pass-through /
+   promote), FLOPs (a multiply-add is 2 FLOPs), bytes, depths, the classifier head pin,
+   optional tie groups.
+
+The package, by job: :mod:`.tracing` (the entry point :func:`trace`), :mod:`.capture` (the
+torch.fx tracer), :mod:`.fallback` (the function-mode tracer), :mod:`.recording` (what both
+tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`.kinds` (op kinds, leaf
+modules), :mod:`.naming` (:class:`CallNamer`) and :mod:`.user_files` (workloads named by a
+string).
+"""
+
+from __future__ import annotations
+
+from .annotate import (
+    ALL_GEMM_PRECISIONS,
+    CONV_PRECISIONS,
+    HEAD_REASON,
+    PIN_REASONS,
+    TIE_MODES,
+    unseen_ops,
+)
+from .kinds import is_conv1d_like, is_leaf_module
+from .naming import CallNamer, gemm_call_kind
+from .tracing import trace
+from .user_files import (
+    is_user_model,
+    load_user_model,
+    load_user_workload,
+    model_file_sha256,
+    resolve_workload,
+)
+
+__all__ = [
+    "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",
+    "CallNamer", "gemm_call_kind", "is_conv1d_like", "is_leaf_module", "is_user_model",
+    "load_user_model", "load_user_workload", "model_file_sha256", "resolve_workload", "trace",
+    "unseen_ops",
+]

@@ -1,0 +1,327 @@
+"""Raw ops -> :class:`ModelGraph`: kinds, roles and pins, FLOPs, bytes, saved
+activations, depths, the classifier head pin, tie groups; unseen ops."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import QsyncInputError
+from ..precision import Precision
+from ..schemas import Edge, ModelGraph, OpKind, OpNode, OpRole, TensorSpec
+from .kinds import is_conv1d_like
+from .recording import RawOp, storage_id
+
+log = logging.getLogger("qsync_opt.graph")  # one logger for the whole package
+
+
+ALL_GEMM_PRECISIONS = [
+    Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16,
+    Precision.int8, Precision.int8_full, Precision.fp8,
+]
+
+
+#: FP8 training kernels (Transformer Engine) cover GEMMs, not convolutions.
+CONV_PRECISIONS = [p for p in ALL_GEMM_PRECISIONS if p != Precision.fp8]
+
+
+PIN_REASONS = {
+    OpKind.norm: "norm: fp32, as autocast runs layer_norm/group_norm (QSync let norms drop to "
+    "16 bit; qsync-opt keeps autocast's choice; batch_norm runs in its input's dtype)",
+    OpKind.softmax: "softmax: fp32, as autocast runs softmax/log_softmax",
+    OpKind.loss: "loss: fp32, as autocast runs cross_entropy/nll_loss/mse_loss",
+    OpKind.embedding: "embedding: a gather with no arithmetic to lower; runs in its weight dtype",
+    OpKind.reduce: "reduction: fp32, as autocast runs sum/prod/cumsum/exp/log/pow",
+}
+
+
+HEAD_REASON = "classifier head: kept fp32 as QSync does (trace(..., pin_head=False) unpins it)"
+
+
+_CHOOSABLE = {OpKind.linear, OpKind.conv, OpKind.matmul}
+
+
+_COMPUTING_FOR_DEPTH = _CHOOSABLE | set(PIN_REASONS)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _flops(op: RawOp) -> tuple[int, int, list[int] | None]:
+    """(forward FLOPs, reduction length K for GEMMs, main weight shape)."""
+    out_numel = sum(t.numel() for t in op.outputs)
+    mod = op.module
+    if op.kind == OpKind.linear:
+        if mod is not None and is_conv1d_like(mod):  # weight (in, out): report Linear's (out, in)
+            nx, nf = (int(s) for s in mod.weight.shape)
+            return 2 * out_numel * nx, nx, [nf, nx]
+        w = mod.weight if mod is not None else next(
+            (p for p in op.params if p.dim() == 2), None)
+        k = int(w.shape[1]) if w is not None else int(op.input_tensors[0].shape[-1])
+        return 2 * out_numel * k, k, list(w.shape) if w is not None else None
+    if op.kind == OpKind.conv:
+        w = mod.weight if mod is not None else (op.params[0] if op.params else None)
+        if w is None:
+            return out_numel, 0, None
+        k = _numel(w.shape[1:])  # Cin/groups * kernel volume
+        return 2 * out_numel * k, k, list(w.shape)
+    if op.kind == OpKind.matmul:
+        if op.input_tensors:
+            k = int(op.input_tensors[0].shape[-1])
+            return 2 * out_numel * k, k, None
+        return out_numel, 0, None
+    if op.kind in (OpKind.reshape, OpKind.dropout, OpKind.embedding):
+        return 0, 0, list(mod.weight.shape) if isinstance(mod, nn.Embedding) else None
+    # Elementwise, norms, softmax, losses, pooling: a few FLOPs per element read.
+    per = {OpKind.norm: 5, OpKind.softmax: 5, OpKind.loss: 5}.get(op.kind, 1)
+    return per * max(out_numel, sum(t.numel() for t in op.input_tensors)), 0, None
+
+
+def _snake(target: str) -> str:
+    """'torch.nn.modules.batchnorm.BatchNorm2d' -> '...batch_norm2d' (for name checks)."""
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", target).lower()
+
+
+def _no_runtime_layer(op: RawOp) -> str | None:
+    """Why a GEMM the runtime cannot run at another precision is pinned fp32, else None:
+    a GEMM of the loss (computed outside the model's forward, where nothing dispatches), a
+    functional convolution, a Conv3d (no precision-specific layer)."""
+    if op.is_loss_part:
+        return "loss GEMM: the loss runs outside the model's forward, in fp32"
+    if op.kind == OpKind.conv and op.module is None:
+        return "functional convolution: the runtime dispatches F.linear/matmul calls, not convs"
+    if op.kind == OpKind.conv and not isinstance(op.module, (nn.Conv1d, nn.Conv2d)):
+        return f"{type(op.module).__name__}: no precision-specific layer; runs fp32"
+    return None
+
+
+def _role(kind: OpKind, n_float_inputs: int) -> OpRole:
+    if kind in _CHOOSABLE:
+        return OpRole.choosable
+    if kind in PIN_REASONS:
+        return OpRole.pinned
+    if kind in (OpKind.elementwise, OpKind.concat) and n_float_inputs >= 2:
+        return OpRole.promote
+    return OpRole.pass_through
+
+
+def build_graph(
+    raw: list[RawOp],
+    *,
+    workload: str,
+    batch: int,
+    inputs: list[TensorSpec],
+    model: nn.Module,
+    method: str,
+    pin_head: bool,
+    unpin: Sequence[str],
+    tie: str,
+) -> ModelGraph:
+    state_storages = set()
+    param_ids: set[int] = set()
+    for p in model.parameters():
+        param_ids.add(id(p))
+    for op in raw:
+        for p in op.params:
+            state_storages.add(storage_id(p))
+    # Buffers and parameters of leaf modules are read inside them; their storages too.
+    for op in raw:
+        if op.module is not None:
+            for t in list(op.module.parameters()) + list(op.module.buffers()):
+                state_storages.add(storage_id(t))
+
+    names = [o.name for o in raw]
+    index = {n: i for i, n in enumerate(names)}
+    seen_saved: set[int] = set()
+    seen_params: set[tuple[int, int, int]] = set()
+    nodes: list[dict[str, Any]] = []
+    edges: dict[tuple[str, str], Edge] = {}
+
+    for op in raw:
+        saved_bytes = shared = 0
+        for t in op.saved:
+            sid = storage_id(t)
+            if sid in state_storages:
+                continue
+            nb = _nbytes(t)
+            saved_bytes += nb
+            if sid in seen_saved:
+                shared += nb
+            seen_saved.add(sid)
+        own_params = 0
+        param_bytes = 0
+        for p in op.params:
+            param_bytes += _nbytes(p)
+            # A parameter read whole or by slices (nn.MultiheadAttention's q/k/v rows of
+            # in_proj_weight): each distinct slice counts once, a tied one once in all.
+            key = (storage_id(p), p.storage_offset(), p.numel())
+            if key not in seen_params:
+                own_params += p.numel()
+                seen_params.add(key)
+        fwd_flops, _, wshape = _flops(op)
+        needs_in = any(t.requires_grad for t in op.input_tensors)
+        has_wgrad = any(p.requires_grad for p in op.params)
+        if op.kind in _CHOOSABLE:
+            # One backward GEMM per input that needs a gradient (weights included).
+            if op.kind == OpKind.matmul:
+                n_grads = sum(t.requires_grad for t in op.input_tensors)
+            else:
+                n_grads = int(needs_in) + int(has_wgrad)
+            bwd_flops = fwd_flops * n_grads
+        else:
+            bwd_flops = 2 * fwd_flops if (needs_in or has_wgrad) else 0
+        in_numel = sum(t.numel() for t in op.input_tensors)
+        out_numel = sum(t.numel() for t in op.outputs)
+        fwd_bytes = sum(_nbytes(t) for t in op.input_tensors) + sum(
+            _nbytes(t) for t in op.outputs) + param_bytes
+        role = _role(op.kind, sum(1 for t in op.input_tensors if t.is_floating_point()))
+        if op.kind == OpKind.norm and "batch_norm" in _snake(op.target):
+            # Autocast lists batch_norm in neither its fp32 nor its 16-bit list: it runs in its
+            # input's dtype (cuDNN keeps the statistics in fp32), so it passes dtypes through.
+            role = OpRole.pass_through
+        no_runtime = _no_runtime_layer(op) if role == OpRole.choosable else None
+        if no_runtime:
+            role = OpRole.pinned
+        allowed: list[Precision]
+        if role == OpRole.choosable:
+            allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)
+        elif role == OpRole.pinned:
+            allowed = [Precision.fp32]
+        else:
+            allowed = []
+        nodes.append(dict(
+            name=op.name, kind=op.kind, target=op.target, role=role,
+            allowed_precisions=allowed,
+            pin_reason=(no_runtime or PIN_REASONS.get(op.kind)) if role == OpRole.pinned else None,
+            input_shapes=[list(t.shape) for t in op.input_tensors],
+            output_shapes=[list(t.shape) for t in op.outputs],
+            weight_shape=wshape, param_count=own_params,
+            input_numel=in_numel, output_numel=out_numel,
+            fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes),
+            saved_bytes=saved_bytes, saved_shared_bytes=shared,
+            needs_input_grad=needs_in, depth=0,
+        ))
+        for src, t in op.inputs:
+            if src in index and index[src] < index[op.name]:
+                edges.setdefault((src, op.name), Edge(
+                    src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t),
+                    dtype=str(t.dtype).removeprefix("torch.")))
+
+    # Depth: longest path from the input, counting ops that compute (GEMMs and pinned ops).
+    preds: dict[str, list[str]] = {n: [] for n in names}
+    succs: dict[str, list[str]] = {n: [] for n in names}
+    for s, d in edges:
+        preds[d].append(s)
+        succs[s].append(d)
+    depth: dict[str, int] = {}
+    for nd in nodes:
+        base = max((depth[p] for p in preds[nd["name"]]), default=0)
+        depth[nd["name"]] = base + (1 if nd["kind"] in _COMPUTING_FOR_DEPTH else 0)
+        nd["depth"] = depth[nd["name"]]
+
+    # Classifier head: a GEMM from which an output is reached without another GEMM.
+    unpin_set = set(unpin)
+    if pin_head:
+        reaches_out: dict[str, bool] = {}
+        for nd in reversed(nodes):
+            n = nd["name"]
+            clear = [s for s in succs[n] if nodes[index[s]]["role"] != OpRole.choosable]
+            reaches_out[n] = not succs[n] or any(reaches_out[s] for s in clear)
+        for nd in nodes:
+            if nd["role"] == OpRole.choosable and reaches_out[nd["name"]] and nd["name"] not in unpin_set:
+                nd["role"] = OpRole.pinned
+                nd["allowed_precisions"] = [Precision.fp32]
+                nd["pin_reason"] = HEAD_REASON
+    unknown = unpin_set - set(names)
+    if unknown:
+        raise QsyncInputError(f"unpin: no op named {', '.join(sorted(unknown))} in the graph")
+
+    _assign_ties(nodes, preds, tie)
+    # A module called more than once is one set of weights the runtime swaps once: its calls
+    # always share one decision, whatever the tie mode.
+    by_module: dict[Any, list[int]] = {}
+    for i, op in enumerate(raw):
+        key = op.tie_key if op.tie_key is not None else (
+            id(op.module) if op.module is not None else None)
+        if key is not None and nodes[i]["role"] == OpRole.choosable:
+            by_module.setdefault(key, []).append(i)
+    for members in by_module.values():
+        if len(members) > 1:
+            for i in members:
+                nodes[i]["tie_group"] = f"module:{raw[members[0]].name}"
+    buffers = {id(b): b for b in model.buffers()}
+    params = {id(p): p for p in model.parameters()}
+    return ModelGraph(
+        workload=workload, batch_size=batch, inputs=inputs,
+        ops=[OpNode(**nd) for nd in nodes], edges=list(edges.values()),
+        max_depth=max(depth.values(), default=0),
+        param_count=sum(p.numel() for p in params.values()),
+        param_bytes=sum(p.numel() * 4 for p in params.values() if p.is_floating_point()),
+        buffer_bytes=sum(_nbytes(b) for b in buffers.values()),
+        trace_method=method, tie_mode=tie, torch_version=torch.__version__,
+    )
+
+
+def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
+    """The ops of kind "other" (computations the planner cannot choose a precision for and
+    the cost model only guesses) that hold more than ``threshold`` (1%) of the model's
+    parameters or forward FLOPs, one line each: name, target, their shares. :func:`trace`
+    logs them as a warning; the CLI's ``graph`` command can print them."""
+    total_flops = sum(o.fwd_flops for o in graph.ops) or 1
+    total_params = graph.param_count or 1
+    out = []
+    for o in graph.ops:
+        if o.kind != OpKind.other:
+            continue
+        pf, pp = o.fwd_flops / total_flops, o.param_count / total_params
+        if pf > threshold or pp > threshold:
+            out.append(f"{o.name} ({o.target}): {100 * pp:.1f}% of the parameters, "
+                       f"{100 * pf:.1f}% of the forward FLOPs")
+    return out
+
+
+def warn_unseen(graph: ModelGraph) -> None:
+    lines = unseen_ops(graph)
+    if lines:
+        log.warning("%s: %d op(s) the planner cannot see inside (kind other, over 1%% of the "
+                    "parameters or FLOPs): %s", graph.workload, len(lines), "; ".join(lines))
+
+
+TIE_MODES = ("none", "blocks", "siblings")
+
+
+def _assign_ties(nodes: list[dict[str, Any]], preds: dict[str, list[str]], tie: str) -> None:
+    if tie not in TIE_MODES:
+        raise QsyncInputError(f"tie: expected one of {', '.join(TIE_MODES)}, got {tie!r}")
+    if tie == "none":
+        return
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for nd in nodes:
+        if nd["role"] != OpRole.choosable:
+            continue
+        if tie == "blocks":
+            key = "blocks:" + re.sub(r"\.\d+(?=\.|$)", ".*", nd["name"]) + str(
+                (nd["input_shapes"], nd["output_shapes"], nd["weight_shape"]))
+        else:
+            src = preds[nd["name"]][0] if preds[nd["name"]] else "<input>"
+            key = f"siblings:{src}:{nd['kind'].value}"
+        groups.setdefault(key, []).append(nd)
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        label = key.split("(")[0].split("[")[0] if tie == "blocks" else key.rsplit(":", 1)[0]
+        for nd in members:
+            nd["tie_group"] = label

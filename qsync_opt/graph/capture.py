@@ -1,0 +1,190 @@
+"""The main tracer: ``torch.fx`` symbolic tracing, then the traced graph run node by
+node on meta tensors (the loss spliced in for a registry workload)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from .kinds import function_kind, is_leaf_module, method_kind, module_kind
+from .naming import CallNamer, class_name, gemm_call_kind, target_name, tensors_of
+from .recording import (
+    Expansion,
+    RawOp,
+    SavedRecorder,
+    expand_mha,
+    expand_sdpa,
+    meta_like,
+    meta_param_names,
+    meta_state,
+    once_per_tensor,
+    storage_id,
+)
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_leaf_module(m)
+
+
+def _splice_loss(gm: fx.GraphModule, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """Append ``loss_fn(output, targets)`` to the traced graph as ops named ``loss.*``."""
+
+    class _Loss(nn.Module):
+        def forward(self, output: Any, targets: Any) -> Any:
+            return loss_fn(output, targets)
+
+    loss_graph = fx.symbolic_trace(_Loss()).graph
+    g = gm.graph
+    out_node = next(n for n in g.nodes if n.op == "output")
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(placeholders[-1]):
+        target_ph = g.placeholder("targets")
+    lph = [n for n in loss_graph.nodes if n.op == "placeholder"]
+    val_map: dict[fx.Node, Any] = {lph[0]: out_node.args[0], lph[1]: target_ph}
+    before = set(g.nodes)
+    with g.inserting_before(out_node):
+        loss_val = g.graph_copy(loss_graph, val_map)
+    for n in g.nodes:
+        if n not in before:
+            n.meta["qsync_loss"] = True
+    out_node.args = (loss_val,)
+    gm.recompile()
+
+
+def fx_raw_ops(
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: torch.Tensor | None,
+    loss_fn: Callable[[Any, Any], Any] | None,
+    *,
+    kwargs: dict[str, torch.Tensor] | None = None,
+    sink: list[Any] | None = None,
+) -> list[RawOp]:
+    kwargs = kwargs or {}
+    concrete: dict[str, Any] | None = None
+    if kwargs:
+        # Keyword inputs: the forward's other parameters keep their defaults (fx
+        # specialises on them), the given ones become placeholders.
+        params = list(inspect.signature(model.forward).parameters.values())[len(inputs):]
+        unknown = [k for k in kwargs if k not in {p.name for p in params}]
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+            raise TypeError(f"forward() got an unexpected keyword argument {unknown[0]!r}")
+        concrete = {p.name: p.default for p in params
+                    if p.name not in kwargs and p.default is not p.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    graph = _Tracer().trace(model, concrete_args=concrete)
+    gm = fx.GraphModule(model, graph)
+    if loss_fn is not None and targets is not None:
+        _splice_loss(gm, loss_fn)
+    state = meta_state(gm)
+    rec = SavedRecorder()
+    names: dict[fx.Node, str] = {}
+    raw: list[RawOp] = []
+    used_names: dict[str, int] = {}
+    namer = CallNamer(meta_param_names(model, state))
+    param_storages = {storage_id(t) for t in state.values()}
+    alive: list[Any] = []
+
+    def unique(base: str) -> str:
+        used_names[base] = used_names.get(base, 0) + 1
+        return base if used_names[base] == 1 else f"{base}_{used_names[base] - 1}"
+
+    def scope_of(n: fx.Node) -> str:
+        if n.meta.get("qsync_loss"):
+            return "loss"
+        stack = n.meta.get("nn_module_stack") or {}
+        return next(reversed(stack.values()))[0] if stack else ""
+
+    class _Interp(fx.Interpreter):
+        def expand(self, n: fx.Node, base: str, target: str, tie: Any,
+                   run: Callable[[Expansion, Any, Any], Any]) -> Any:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            producer = {id(t): names[a] for a in n.all_input_nodes if a in names
+                        for t in tensors_of(self.env[a])}
+            step = Expansion(base, target, rec, raw, producer, unique, param_storages, alive,
+                              bool(n.meta.get("qsync_loss")), tie)
+            value = run(step, args, kwargs)
+            outs = tensors_of(value)
+            if outs and step.last is not None:
+                names[n] = producer.get(id(outs[0]), step.last)
+            return value
+
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op in ("placeholder", "output", "get_attr"):
+                return super().run_node(n)
+            if n.op == "call_module" and isinstance(self.fetch_attr(n.target),
+                                                    nn.MultiheadAttention):
+                mod = self.fetch_attr(n.target)
+                return self.expand(n, str(n.target), class_name(mod), id(mod),
+                                   lambda st, a, k: expand_mha(st, mod, a, k))
+            if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+                return self.expand(n, namer.name("sdpa", scope_of(n)), target_name(n.target),
+                                   None, expand_sdpa)
+            rec.current = []
+            try:
+                with rec.hooks():
+                    value = super().run_node(n)
+            finally:
+                saved, rec.current = rec.current, None
+            outs = tensors_of(value)
+            if not outs:
+                return value
+            in_nodes = [a for a in n.all_input_nodes if a.op != "get_attr"]
+            act_inputs = [self.env[a] for a in in_nodes]
+            params = [self.env[a] for a in n.all_input_nodes if a.op == "get_attr"]
+            if n.op == "call_module":
+                mod = self.fetch_attr(n.target)
+                kind = module_kind(mod)
+                name = unique(str(n.target))
+                target = class_name(mod)
+                params = list(mod.parameters()) + params
+            else:
+                mod = None
+                kind = function_kind(n.target) if n.op == "call_function" else method_kind(
+                    str(n.target))
+                scope = scope_of(n)
+                gemm = gemm_call_kind(n.target if n.op == "call_function" else None,
+                                      None if n.op == "call_function" else str(n.target))
+                if gemm is not None and not n.meta.get("qsync_loss"):
+                    call_args, call_kwargs = self.fetch_args_kwargs_from_env(n)
+                    name = unique(namer.name(gemm, scope, (call_args, call_kwargs)))
+                else:
+                    fname = (getattr(n.target, "__name__", None) or str(n.target)).strip("_")
+                    name = unique(f"{scope}.{fname}" if scope else fname)
+                target = target_name(n.target) if n.op == "call_function" else f"Tensor.{n.target}"
+            names[n] = name
+            raw.append(RawOp(
+                name=name, kind=kind, target=target, module=mod,
+                inputs=[(names[a], t) for a in in_nodes if a in names
+                        for t in tensors_of(self.env[a])[:1]],
+                input_tensors=[t for v in act_inputs for t in tensors_of(v)],
+                outputs=outs, params=[p for p in params if isinstance(p, torch.Tensor)],
+                saved=saved, is_loss_part=bool(n.meta.get("qsync_loss")),
+            ))
+            return value
+
+    meta = once_per_tensor(meta_like)
+    args: list[Any] = [meta(t) for t in inputs]
+    if kwargs:
+        # placeholders in graph order: the positional inputs, then the rest by name
+        rest = [n for n in gm.graph.nodes if n.op == "placeholder"][len(inputs):]
+        for n in rest:
+            if n.target == "targets" and loss_fn is not None and targets is not None:
+                continue
+            key = str(n.target).lstrip("*")
+            args.append(meta(kwargs[key]) if key in kwargs
+                        else (n.args[0] if n.args else None))
+    if loss_fn is not None and targets is not None:
+        args.append(meta_like(targets))
+    with torch.nn.utils.stateless._reparametrize_module(gm, state), torch.enable_grad():
+        value = _Interp(gm, garbage_collect_values=True).run(*args)
+    if sink is not None:
+        sink.append(value)
+    return raw

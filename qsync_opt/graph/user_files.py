@@ -1,0 +1,54 @@
+"""Workloads named by a string: a registry name or a user's ``path/file.py:fn``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import QsyncInputError
+from ..models import Workload, get_workload
+from ..user_model import UserWorkload
+
+
+def is_user_model(spec: str) -> bool:
+    """True when ``spec`` names a user's Python file (``path/file.py:fn``), which importing
+    runs; anything else is a registry name (qsync-opt models), which runs only our code."""
+    path_s, sep, fn_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    return bool(sep) and path_s.endswith(".py")
+
+
+def model_file_sha256(spec: str) -> str:
+    """sha256 (hex) of the file a ``path/file.py:fn`` spec names; reading it runs nothing."""
+    from ..user_model import model_file_sha256 as digest
+
+    return digest(spec)
+
+
+def load_user_workload(spec: str, *, sha256: str | None = None) -> UserWorkload:
+    """``path/file.py:fn`` as a :class:`~qsync_opt.user_model.UserWorkload` (this RUNS the
+    file; with ``sha256`` its content must have that hash, checked before it runs)."""
+    from ..user_model import load_user_workload as load
+
+    return load(spec, sha256)
+
+
+def load_user_model(spec: str, *, sha256: str | None = None
+                    ) -> tuple[nn.Module, tuple[torch.Tensor, ...] | dict[str, torch.Tensor]]:
+    """Import ``path/file.py:fn`` (this RUNS the file) and call ``fn()``, which returns
+    ``(module, example_inputs)``: the module and its inputs (a tuple of positional tensors,
+    or a dict of keyword tensors). With ``sha256``, the file must have that content hash,
+    checked before it runs."""
+    wl = load_user_workload(spec, sha256=sha256)
+    ex = wl.example
+    return wl.model, ((ex,) if isinstance(ex, torch.Tensor) else ex)
+
+
+def resolve_workload(name: str, *, sha256: str | None = None) -> Workload | UserWorkload:
+    """A registry name, or ``path.py:fn`` for a user's model (imported: it runs), as a
+    workload object (:class:`Workload` or :class:`~qsync_opt.user_model.UserWorkload`)."""
+    if is_user_model(name):
+        return load_user_workload(name, sha256=sha256)
+    try:
+        return get_workload(name)
+    except (KeyError, ValueError) as exc:
+        raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
