@@ -8,11 +8,12 @@ its solvers, the replayer, the plan and the training runtime. Every arrow is a s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .cluster import load_cluster, parse_shorthand
 from .costs import estimate
 from .devices import CATALOG, get_device, known_device_names
 from .errors import QsyncInputError, SchemaVersionError, TraceError
-from .graph import trace
 from .io import load, save
 from .precision import DType, Precision
 from .schemas import (
@@ -28,7 +29,20 @@ from .schemas import (
     SolveReport,
 )
 
+if TYPE_CHECKING:
+    from .graph import trace
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """:func:`trace` is imported when first used: the tracer needs torch, and the rest of the
+    package's top level does not (``qsync_opt.profile.tables`` imports without torch)."""
+    if name == "trace":
+        from .graph import trace
+
+        return trace
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CATALOG", "ClusterSpec", "CostTable", "DType", "DeviceGroup", "DeviceSpec",

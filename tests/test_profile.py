@@ -127,7 +127,7 @@ def test_dispatch_overhead_is_the_median_after_warmup(monkeypatch) -> None:
         readings += [t, t + d]
         t += d + 0.5
     it = iter(readings)
-    monkeypatch.setattr(prof._Timer, "now", lambda self: next(it))
+    monkeypatch.setattr(prof.Timer, "now", lambda self: next(it))
     assert measure_dispatch_us("cpu", repeats=5) == pytest.approx(3.0, rel=1e-6)
     assert next(it, None) is None  # every reading used, no more
 

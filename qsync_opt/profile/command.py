@@ -1,0 +1,66 @@
+"""The ``qsync-opt profile`` command: its parser and its body."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..schemas import CostTable
+from .orchestrate import profile_detailed
+from .tables import merge
+from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP
+
+#: The command's help description: the first line of :mod:`qsync_opt.profile`'s docstring.
+DESCRIPTION = (
+    "The profiler: a CostTable measured on the local device, in the estimator's exact shape.")
+
+
+def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``profile`` to a subparsers object; its default ``fn`` is :func:`cmd_profile`."""
+    p = sub.add_parser("profile", help="measure a CostTable on this machine",
+                       description=DESCRIPTION)
+    p.add_argument("--model", required=True, help="workload (qsync-opt models)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device-name", default=None,
+                   help="catalog key of this device (default: cpu, or matched from the GPU name)")
+    p.add_argument("--batch", type=int, default=None, help="per-device batch (default: the "
+                   "workload's)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
+    p.add_argument("--method", choices=["context", "isolated"], default="context",
+                   help="context (default): choosable ops timed inside whole steps of uniform "
+                        "plans; isolated: every op alone on random inputs")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads while measuring (default: torch's; use the "
+                        "count training will run with)")
+    p.add_argument("--out", required=True, help="CostTable JSON to write")
+    p.add_argument("--merge", nargs="*", default=[], metavar="COSTS",
+                   help="profiles of other machines to merge into --out")
+    p.add_argument("--json", action="store_true", help="print the table on stdout")
+    p.set_defaults(fn=cmd_profile)
+    return p
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ..io import save, to_json
+
+    prof = profile_detailed(args.model, args.batch, device=args.device,
+                            device_name=args.device_name, repeats=args.repeats,
+                            warmup=args.warmup, threads=args.threads,
+                            method=getattr(args, "method", "context"))
+    table = prof.table
+    if args.merge:
+        table = merge([table] + [CostTable.load(x) for x in args.merge])
+    save(table, args.out)
+    if getattr(args, "json", False):
+        import sys
+
+        sys.stdout.write(to_json(table))
+        return 0
+    n_meas = sum(e.source == "measured" for e in table.entries)
+    print(f"profiled {args.model} in {prof.seconds:.1f} s: {n_meas}/{len(table.entries)} "
+          f"entries measured, dispatch {prof.dispatch_us:.1f} us")
+    for n in table.notes[:4]:
+        print(f"  {n}")
+    print(f"wrote {args.out}")
+    return 0
