@@ -28,14 +28,27 @@ from typing import Any
 
 import torch
 
-from .cluster import parse_shorthand
+from . import __version__
+from .cluster import load_cluster, parse_shorthand
+from .costs import estimate, group_summary
 from .graph import trace
 from .indicator import indicate
-from .io import save
+from .io import atomic_write_text, save, to_json
 from .precision import Precision
 from .problem import AllocationProblem, evaluate
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
+from .replayer import Replayer
+from .report import straggler_reason
 from .solve import compare, format_rows, reachable_ms
+from .summaries import (
+    REPLAY_HEADER,
+    estimate_summary_lines,
+    graph_summary_lines,
+    plan_lines,
+    replay_rows,
+    table,
+    uniform_plans,
+)
 
 MODEL = "digits_cnn"
 BATCH = 32
@@ -209,3 +222,121 @@ def quiet_verdict(load: float, cores: int, spread: float, repeats: int) -> str |
         return (f"repeated runs of one plan differ by {spread:.1%} (over "
                 f"{NOISY_SPREAD:.0%}), more than the effect being measured could be told from")
     return None
+
+
+def run_demo(*, out: str | None = None, method: str = "qsync", indicator_batches: int = 4,
+             local: bool = True, steps: int = 80) -> int:
+    """``qsync-opt demo``: part 1, the whole job on this machine (:func:`local_job`, skipped
+    without ``local``), then part 2, the planning showcase (:func:`showcase`). ``out``: the
+    folder written (default ``./qsync-demo``, the plan only)."""
+    if local:
+        print(f"qsync-opt {__version__} demo, part 1 of 2: the whole job, measured on this machine\n")
+        local_job(Path(out or "qsync-demo"), steps=steps)
+        print("== part 2 of 2: planning showcase from catalog estimates\n")
+    return showcase(folder=out, method=method, indicator_batches=indicator_batches)
+
+
+def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batches: int = 4
+             ) -> int:
+    """resnet50 on v100x16+t4x16 from catalog estimates (no GPU): the graph, the costs, the
+    uniform plans replayed, the indicator (``method`` on ``indicator_batches`` synthetic
+    batches of 8), every allocator, the chosen plan written to ``folder`` (default
+    ``./qsync-demo``; with ``folder`` also the graph, costs, indicator and cluster) and the
+    Pareto frontier."""
+    model, shorthand = "resnet50", "v100x16+t4x16"
+    t0 = time.perf_counter()
+    graph = trace(model)
+    secs = time.perf_counter() - t0
+    cluster = load_cluster(shorthand)
+    costs = estimate(graph, cluster)
+    print(f"qsync-opt {__version__} demo: {model} on {shorthand} (catalog estimates, no GPU)\n")
+    print("\n".join(graph_summary_lines(graph, secs)))
+    print()
+    print(f"cluster: {shorthand} ({cluster.world_size} devices, {cluster.nodes} nodes)")
+    print("\n".join(estimate_summary_lines(graph, cluster, costs)))
+    rows = {r["group"]: r for r in group_summary(graph, cluster, costs)}
+    v, t = rows["v100"], rows["t4"]
+    print(f"\nAt FP32 the T4 group computes {float(t['compute_fp32_ms']) / float(v['compute_fp32_ms']):.1f}x "
+          f"slower than the V100 group: the V100s wait for it, the wait the allocator must remove.")
+    rep = Replayer(graph, cluster, costs)
+    timelines = {name: rep.simulate(p) for name, p in uniform_plans(rep).items()}
+    print("\nreplayer: one iteration, casts and bucketed all-reduce overlapped with backward")
+    rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
+    print(table(rows, REPLAY_HEADER))
+    high, low = timelines["uniform-highest"], timelines.get("weak-lowest")
+    print(f"straggler at FP32 (the group whose iteration ends last): {straggler_reason(high)}")
+    if low is not None:
+        t_hi, t_lo = high.groups["t4"], low.groups["t4"]
+        print(f"Uniform lowest precision on the T4s cuts their compute from {t_hi.compute_ms:.0f} "
+              f"to {t_lo.compute_ms:.0f} ms ({t_lo.n_casts} casts, {t_lo.cast_ms:.0f} ms of them) "
+              f"against the V100s' {high.groups['v100'].compute_ms:.0f} ms: the iteration goes "
+              f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
+              f"straggler: {straggler_reason(low)}.")
+    # The planning job: indicator, every allocator, the plan written, the straggler gone.
+    from .indicator import fast_options, indicate
+    from .problem import AllocationProblem, evaluate
+    from .solve import compare, format_rows
+    from .solvers.ilp import fastest_times
+
+    t0 = time.perf_counter()
+    ind = indicate(model, indicator_batches, method, batch=8,
+                   progress=sys.stderr.isatty(), **fast_options())
+    print(f"\nindicator: {ind.method} on {ind.batches} {ind.data} batch(es) of {ind.batch_size} "
+          f"on this CPU in {time.perf_counter() - t0:.1f} s (cached for the next run)")
+    problem = AllocationProblem(graph, cluster, costs, ind)
+    fastest = fastest_times(problem)["t4"]
+    print(f"allocation problem: {len(problem.units)} decisions per group, target "
+          f"{problem.target_ms:.1f} ms ({problem.target_source}); the T4s' fastest plan "
+          f"computes in {fastest:.0f} ms, so precision alone can end the V100s' wait\n"
+          if fastest is not None else "")
+    rows = compare(problem, joint_split=True)
+    print(format_rows(rows))
+    print("(rounds: solve-replay refinement rounds; highs+split chooses the per-card batch "
+          "split together with the precisions, global batch fixed)")
+    chosen = next((r for r in rows if r.solver in ("cpsat", "highs", "cbc") and r.plan is not None
+                   and r.feasible), None)
+    out = folder or "qsync-demo"
+    if chosen is not None and chosen.plan is not None:
+        ev = evaluate(problem, chosen.plan)
+        save(chosen.plan, f"{out}/plan.json", what="--out")
+        by = {r.solver: r for r in rows}
+        print(f"\n{chosen.solver}'s plan ({chosen.status}):")
+        print("\n".join(plan_lines(problem, chosen.plan, ev)))
+        tl = ev.timeline
+        assert tl is not None
+        ratio = tl.groups["t4"].compute_ms / tl.groups["v100"].compute_ms
+        wait, wait_hi = tl.groups["v100"].straggler_wait_ms, high.groups["v100"].straggler_wait_ms
+        print(f"The T4s compute in {ratio:.2f}x the V100s' time ("
+              + ("the V100s no longer wait for the T4s" if wait <= 1e-6 * tl.iteration_ms
+                 else f"the V100s still wait {wait:.0f} ms for the T4s")
+              + f"; {wait_hi:.0f} ms with every card at FP32): iteration "
+              f"{ev.replay_makespan_ms:.0f} ms in the replayer against {high.iteration_ms:.0f} ms "
+              f"with every card at FP32; straggler: {straggler_reason(tl)}.")
+        so = by.get("strong-only")
+        if so is not None and so.samples_per_s:
+            print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "
+                  f"with the V100s alone ({ev.samples_per_s / so.samples_per_s:.2f}x).")
+        split = next((r for r in rows if r.solver.endswith("+split") and r.plan is not None), None)
+        if split is not None and split.objective is not None and chosen.objective:
+            print(f"With the batch split chosen too ({', '.join(f'{g}={b}' for g, b in split.batches.items())} "
+                  f"per card), the same makespan costs {split.objective / chosen.objective:.0%} of "
+                  "the precision-only plan's degradation.")
+        print(f"wrote {out}/plan.json")
+        from .frontier import format_points, frontier, plot_frontier
+
+        pts = frontier(problem, points=4, allocators=("exact", "greedy", "uniform",
+                                                      "dynamic-batching", "strong-only"))
+        print("\nPareto frontier (degradation against throughput as the target sweeps; "
+              "`qsync-opt pareto` adds the joint split):")
+        print(format_points(pts))
+        plot_frontier(pts, f"{out}/frontier.png", f"{model} on {shorthand}", what="--out")
+        print(f"wrote {out}/frontier.png")
+    else:
+        print("\nno exact allocator found a feasible plan; see the table above")
+    if folder:
+        save(graph, f"{folder}/graph.json", what="--out")
+        save(costs, f"{folder}/costs.json", what="--out")
+        save(ind, f"{folder}/indicator.json", what="--out")
+        atomic_write_text(f"{folder}/cluster.json", to_json(cluster), what="--out")
+        print(f"wrote {folder}/graph.json, costs.json, indicator.json, cluster.json")
+    return 0

@@ -85,6 +85,8 @@ from .user_model import UserWorkload
 
 log = logging.getLogger(__name__)
 
+#: The indicator methods, the one list (``qsync-opt indicate/solve/compare/pareto/demo
+#: --method`` offer these choices): the default first.
 METHODS = ("qsync", "wvar", "hessian", "fisher", "random")
 #: Ladders within a family, most exact first: Omega must not decrease along them.
 LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Precision.fp8),
@@ -95,6 +97,12 @@ LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Prec
 FLOAT_KINDS = {"m10": (10, -14, None), "tf32": (10, -126, None), "fp16g": (10, -14, 2.0**14),
                "m7": (7, -126, None), "e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0),
                "f10": (10, -100_000, None)}
+
+
+def check_method(method: str) -> None:
+    """Refuse a method that is not one of :data:`METHODS` (a :class:`QsyncInputError`)."""
+    if method not in METHODS:
+        raise QsyncInputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
 
 
 def _parts(kind: str) -> list[tuple[str, float]]:
@@ -504,8 +512,7 @@ def _gib(n: float) -> str:
 def indicator_memory(graph: ModelGraph, method: str = "qsync") -> IndicatorMemory:
     """The memory ``indicate(method=...)`` needs for ``graph`` at ``graph.batch_size``
     (trace the graph at the indicator's batch). See :class:`IndicatorMemory`."""
-    if method not in METHODS:
-        raise QsyncInputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    check_method(method)
     if method == "random":
         return IndicatorMemory(method, graph.batch_size, 0, 0, 0, 0, 0)
     ops = [o for o in graph.ops if o.role == OpRole.choosable]
@@ -626,8 +633,7 @@ def indicate(
     (:func:`indicator_memory`) and refuses with one line when this machine has less
     (``memory_check=False`` skips that); ``random`` runs no model.
     """
-    if method not in METHODS:
-        raise QsyncInputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    check_method(method)
     if batches < 1:
         raise QsyncInputError(f"batches: expected a positive integer, got {batches}")
     wl = resolve_workload(workload) if isinstance(workload, str) else workload

@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "profile.gloo"]),
     ("precision layers", ["runtime.layers", "runtime.dispatch", "profile.builders"]),
     ("indicator, replayer", ["indicator", "replayer", "plan", "synthetic", "profile_context",
-                             "profile", "profile.orchestrate", "profile.command", ""]),
+                             "profile", "profile.orchestrate", "profile.command", "summaries", ""]),
     ("runtime", ["runtime", "runtime.apply", "runtime.config", "runtime.emulate",
                  "runtime.memory", "runtime.launch", "runtime.train"]),
     ("problem", ["problem"]),
@@ -56,7 +56,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "solvers.cpsat", "solvers.greedy", "solvers.ilp", "diagnose"]),
     ("solve", ["solve"]),
     ("frontier, report", ["frontier", "report", "demo"]),
-    ("cli", ["cli", "testing"]),
+    ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
+             "cli.planning", "testing"]),
 ]
 
 #: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.

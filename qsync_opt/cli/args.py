@@ -1,0 +1,96 @@
+"""The CLI's argument types (every numeric flag checked: finite, in its range; a bad
+value is one line, exit 2, before any work), JSON output, and ``--model`` traced."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..graph import is_user_model, load_user_workload, trace
+from ..schemas import MAX_BATCH, ModelGraph
+
+
+def _flag_type(name: str, parse: Callable[[str], Any], ok: Callable[[Any], bool],
+               expected: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    convert.__name__ = name
+    return convert
+
+
+def int_range(lo: int, hi: int, expected: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]."""
+    return _flag_type("int", int, lambda v: lo <= v <= hi,
+                      expected or f"an integer from {lo} to {hi}")
+
+
+def positive_int(hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [1, hi]."""
+    return int_range(1, hi, f"a positive integer (at most {hi})")
+
+
+def finite_float(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+                 hi_open: bool = False, expected: str | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite float (never inf or nan) in the given range."""
+
+    def ok(v: float) -> bool:
+        return (math.isfinite(v)
+                and (lo is None or (v > lo if lo_open else v >= lo))
+                and (hi is None or (v < hi if hi_open else v <= hi)))
+
+    def shown(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else repr(x)
+
+    if expected is None:
+        left = "" if lo is None else f"{'>' if lo_open else '>='} {shown(lo)}"
+        right = "" if hi is None else f"{'<' if hi_open else '<='} {shown(hi)}"
+        expected = "a finite number" + (f" {left}" if left else "") + (
+            f"{' and' if left else ''} {right}" if right else "")
+    return _flag_type("float", float, ok, expected)
+
+
+BATCH = positive_int(MAX_BATCH)
+
+
+BATCHES = positive_int(100_000)
+
+
+SEED = int_range(0, 2**31 - 1)  # CP-SAT's random_seed is an int32
+
+
+POSITIVE_SECONDS = finite_float(0, 1e7, lo_open=True,
+                                expected="a positive finite number of seconds (at most 1e7)")
+
+
+FRACTION = finite_float(0, 1, hi_open=True, expected="a fraction from 0 up to (not including) 1")
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def workload_arg(args: argparse.Namespace, model_sha256: str | None = None) -> Any:
+    """``--model``: a registry name as it is, a ``PATH.py:FUNCTION`` file loaded (it is run:
+    the user named it; with ``model_sha256`` it must have that content hash first)."""
+    if is_user_model(args.model):
+        return load_user_workload(args.model, sha256=model_sha256)
+    return args.model
+
+
+def trace_args(args: argparse.Namespace, model_sha256: str | None = None,
+                workload: Any = None) -> ModelGraph:
+    """The graph of ``--model`` (see :func:`workload_arg`), at ``--batch``: a user's file at
+    its example's batch by default, at another on synthetic inputs shaped like them."""
+    wl = workload if workload is not None else workload_arg(args, model_sha256)
+    return trace(wl, args.batch, pin_head=not args.unpin_head, tie=args.tie)

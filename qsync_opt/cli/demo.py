@@ -1,0 +1,12 @@
+"""The ``demo`` command: its arguments handed to :func:`qsync_opt.demo.run_demo`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ..demo import run_demo
+
+    return run_demo(out=args.out, method=args.method, indicator_batches=args.indicator_batches,
+                    local=not getattr(args, "no_local", False), steps=args.steps)

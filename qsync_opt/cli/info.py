@@ -1,0 +1,56 @@
+"""Commands that list what qsync-opt knows: ``models``, ``devices``, ``schema``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..devices import CATALOG, get_device
+from ..models import WORKLOADS
+from ..schemas import json_schema
+from ..summaries import GiB, table
+from .args import emit_json
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    rows = [(w.name, w.default_batch, w.input_doc, "real" if w.real_data else "synthetic",
+             w.description) for w in WORKLOADS.values()]
+    if args.json:
+        emit_json([{"name": r[0], "default_batch": r[1], "inputs": r[2], "data": r[3],
+                     "description": r[4]} for r in rows])
+    else:
+        print(table(rows, ["model", "batch", "inputs", "data", "description"]))
+        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs) "
+              "(a tensor, a tuple or a dict of keyword tensors); optional loss(outputs, batch) "
+              "and data(batch_size, seed) in the same file. That file is run (imported), so "
+              "pass only a file you trust.")
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    specs = [*CATALOG.values()]
+    if args.cpu:
+        specs.append(get_device("cpu"))
+    if args.json:
+        emit_json([s.model_dump(mode="json") for s in specs])
+        return 0
+    rows = []
+    for s in specs:
+        r = s.peak_tflops
+        rows.append((s.name, s.compute_capability or "-", f"{s.usable_memory_bytes / GiB:.1f}",
+                     s.memory_bandwidth_gb_per_s,
+                     *(r.get(k, "-") for k in ("fp32", "tf32", "fp16", "bf16", "int8", "fp8_e4m3")),
+                     ",".join(p.value for p in s.precisions)))
+    print(table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
+                        "fp8", "precisions"]))
+    print("\nDense peak TFLOPS (TOPS for int8) from datasheets; sources in qsync_opt/devices.py.")
+    print("Emulated, but costed at the peaks above: fp8 = e4m3-rounded inputs and weights, FP32 "
+          "GEMM, FP32 gradients;\nint8/int8_full attention matmuls = int8-rounded operands, FP32 "
+          "matmul. int8 Linear/Conv2d run real int8 GEMMs.")
+    if not args.cpu:
+        print("`cpu` (this machine) is measured on first use: add --cpu to show it.")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    emit_json(json_schema(args.name))
+    return 0

@@ -1,0 +1,164 @@
+"""Commands on one workload: ``graph`` (trace), ``estimate`` (roofline costs),
+``replay`` (simulate plans) and ``indicate`` (per-op sensitivity)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from ..cluster import load_cluster
+from ..costs import estimate
+from ..errors import QsyncInputError
+from ..io import atomic_write_text, load, save, to_json
+from ..plan import check_plan, make_plan, plan_model
+from ..replayer import Replayer
+from ..schemas import Plan
+from ..summaries import (
+    REPLAY_HEADER,
+    estimate_summary_lines,
+    graph_summary_lines,
+    replay_rows,
+    table,
+    uniform_plans,
+)
+from ..user_model import UserWorkload
+from .args import emit_json, trace_args, workload_arg
+
+
+def _user_lines(wl: Any) -> list[str]:
+    """What a user's file uses (its loss and data), one line each; none for a registry name."""
+    if not isinstance(wl, UserWorkload):
+        return []
+    return [wl.loss_line(), wl.data_line()]
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    wl = workload_arg(args)
+    graph = trace_args(args, workload=wl)
+    secs = time.perf_counter() - t0
+    if args.out:
+        save(graph, args.out, what="--out")
+    if args.json:
+        sys.stdout.write(to_json(graph))
+        return 0
+    print("\n".join(graph_summary_lines(graph, secs)))
+    for line in _user_lines(wl):
+        print(f"  {line}")
+    if args.ops:
+        rows = [(o.name, o.kind.value, o.role.value, "x".join(map(str, o.output_shapes[0])),
+                 o.fwd_flops / 1e6, o.saved_bytes / 2**20, o.depth) for o in graph.ops]
+        print()
+        print(table(rows, ["op", "kind", "role", "output", "fwd MFLOP", "saved MiB", "depth"]))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    graph = trace_args(args)
+    cluster = load_cluster(args.cluster)
+    costs = estimate(graph, cluster)
+    if args.out:
+        save(costs, args.out, what="--out")
+    if args.json:
+        sys.stdout.write(to_json(costs))
+        return 0
+    print(f"cluster: {args.cluster} ({cluster.world_size} devices, {cluster.nodes} nodes)")
+    print("\n".join(estimate_summary_lines(graph, cluster, costs)))
+    print(f"  {len(costs.entries)} op-cost entries, {len(costs.casts)} cast models "
+          f"({costs.notes[0]})")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _trace_path(base: str, name: str, several: bool) -> str:
+    if not several:
+        return base
+    stem, dot, ext = base.rpartition(".")
+    return f"{stem}.{name}.{ext}" if dot else f"{base}.{name}"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    plan_doc: Plan | None = None
+    sha: str | None = None
+    if args.plan:
+        plan_doc = load(args.plan, Plan)
+        sha = plan_model(plan_doc, args.model)  # before --model's file runs
+    graph = trace_args(args, sha)
+    if plan_doc is not None:
+        check_plan(plan_doc, graph)
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    elif plan_doc is not None:
+        cluster = plan_doc.cluster
+    else:
+        raise QsyncInputError("cluster: --cluster is required without --plan")
+    costs = estimate(graph, cluster)
+    rep = Replayer(graph, cluster, costs, optimizer=args.optimizer,
+                   bucket_cap_bytes=(int(args.bucket_mb * 2**20) if args.bucket_mb is not None
+                                     else None))
+    plans: dict[str, Any] = {"plan": plan_doc} if plan_doc is not None else uniform_plans(rep)
+    timelines = {name: rep.simulate(p) for name, p in plans.items()}
+    if args.trace:
+        for name, tl in timelines.items():
+            atomic_write_text(_trace_path(args.trace, name, len(timelines) > 1),
+                              tl.chrome_trace_json(), what="--trace")
+    if args.write_plans:
+        for name, p in plans.items():
+            if not isinstance(p, Plan):
+                save(make_plan(graph, cluster, p, {"solver": name}),
+                     f"{args.write_plans}/{name}.plan.json", what="--write-plans")
+    if args.json:
+        emit_json({name: tl.summary() for name, tl in timelines.items()})
+        return 0
+    rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
+    print(table(rows, REPLAY_HEADER))
+    for name, tl in timelines.items():
+        path = " -> ".join(
+            (f"{s['kind']} {s.get('group', '')}".strip() if s["kind"] != "allreduce"
+             else f"bucket {s['bucket']}") for s in tl.critical_path)
+        print(f"{name}: iteration {tl.iteration_ms:.1f} ms, straggler {tl.straggler}; "
+              f"critical path: {path}")
+    if args.trace:
+        print(f"wrote trace(s) for chrome://tracing or ui.perfetto.dev at {args.trace}")
+    return 0
+
+
+def cmd_indicate(args: argparse.Namespace) -> int:
+    from ..indicator import fast_options, indicate, rank_table
+    from ..precision import Precision
+
+    t0 = time.perf_counter()
+    fast = fast_options() if args.fast else {}
+    table = indicate(workload_arg(args), args.batches, args.method, batch=args.batch,
+                     seed=args.seed,
+                     gamma=args.gamma, cache=not args.no_cache,
+                     progress=sys.stderr.isatty() and not args.json, **fast)
+    secs = time.perf_counter() - t0
+    if args.out:
+        save(table, args.out, what="--out")
+    if args.json:
+        sys.stdout.write(to_json(table))
+        return 0
+    ranked = rank_table(table, Precision.int8)
+    k = min(args.top, len(ranked))
+    cols = [p for p in (Precision.int8, Precision.int8_full, Precision.fp8, Precision.bf16,
+                        Precision.fp16) if any(p in r for r in table.values.values())]
+
+    def rows(items: list[tuple[str, float]]) -> list[tuple[Any, ...]]:
+        return [(op, *(table.values[op].get(p, "-") for p in cols)) for op, _ in items]
+
+    print(f"indicator {table.method} of {table.workload}: {len(ranked)} choosable ops, "
+          f"{table.batches} batch(es) of {table.batch_size}, {table.data} data, {secs:.1f} s")
+    header = ["op", *(p.value for p in cols)]
+    print(f"\nmost sensitive (by int8):\n{table(rows(ranked[:k]), header)}")
+    print(f"\nleast sensitive:\n{table(rows(ranked[-k:][::-1]), header)}")
+    for note in table.notes:
+        print(f"  {note}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,147 @@
+"""Commands that choose precisions: ``solve``, ``compare`` (every allocator and
+baseline) and ``pareto`` (the frontier as the target sweeps)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..errors import QsyncInputError
+from ..io import atomic_write_text, save
+from ..summaries import plan_lines
+from .args import emit_json, trace_args
+
+
+def _problem_options(args: argparse.Namespace) -> Any:
+    from ..problem import ProblemOptions
+
+    pins = {}
+    for item in args.pin or []:
+        op, sep, prec = item.partition("=")
+        if not sep or not op or not prec:
+            raise QsyncInputError(f"pin: expected OP=PRECISION, got {item!r}")
+        pins[op] = prec
+    return ProblemOptions(target_ms=args.target_ms, memory_headroom=args.headroom, pinned=pins,
+                          optimizer=args.optimizer, reference=args.reference,
+                          lower_reference=True if args.lower_reference else None)
+
+
+def _solve_options(args: argparse.Namespace) -> Any:
+    from ..solvers import SolveOptions
+
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise QsyncInputError(f"time-limit: expected a positive number of seconds, got {args.time_limit}")
+    return SolveOptions(time_limit_s=args.time_limit or 60.0, threads=args.threads,
+                        seed=args.seed, rel_gap=args.gap, warm_start=args.warm_start,
+                        acceptance=args.acceptance)
+
+
+def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
+    """The problem of a solve/compare/pareto command. ``check``: what to verify before a
+    computed indicator runs the model (``build_problem``)."""
+    from ..solve import build_problem
+
+    if args.indicator_batch is not None and args.indicator_batch < 1:
+        raise QsyncInputError(
+            f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
+    graph = trace_args(args)
+    return build_problem(graph, args.cluster, indicator=args.indicator, costs=args.costs,
+                         options=_problem_options(args), indicator_method=args.method,
+                         indicator_batches=args.indicator_batches,
+                         indicator_batch=args.indicator_batch,
+                         progress=sys.stderr.isatty(), check=check)
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from ..problem import evaluate
+    from ..solve import solve
+
+    # Another batch split can fit what this one does not; the budget mode has no target.
+    check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
+    problem = _build_problem(args, check)
+    plan, report = solve(problem, args.solver, _solve_options(args), mode=args.mode,
+                         degradation_budget=args.budget, refine=args.refine,
+                         joint_split=args.joint_split, batch_multiple=args.batch_multiple)
+    ev = evaluate(problem, plan)
+    save(plan, args.out, what="--out")
+    if args.report:
+        save(report, args.report, what="--report")
+    if args.json:
+        emit_json({"plan": args.out, "report": report.model_dump(mode="json"),
+                    "evaluation": ev.to_json()})
+        return 0
+    print(f"{args.solver}: {report.status}, objective {ev.objective:.6g}"
+          + (f", gap {report.gap:.2g}" if report.gap is not None else "")
+          + f"; {report.mode}")
+    print(f"  makespan {ev.makespan_ms:.2f} ms linear, {ev.replay_makespan_ms:.2f} ms replayer "
+          f"(target {ev.target_ms:.2f}); {ev.samples_per_s:.1f} samples/s; "
+          f"build {report.build_s:.3f} s, solve {report.solve_s:.3f} s, wall {report.wall_s:.3f} s")
+    print("\n".join(plan_lines(problem, plan, ev)))
+    for r in report.rounds:
+        print(f"  round {r['round']}: target {r['target_ms']:.2f} ms -> linear "
+              f"{r['makespan_ms']:.2f} ms, replayer {r['replay_makespan_ms']:.2f} ms, "
+              f"objective {r['objective']:.6g}")
+    for m in report.messages:
+        print(f"  {m}")
+    for note in problem.notes:
+        print(f"  note: {note}")
+    print(f"wrote {args.out}" + (f" and {args.report}" if args.report else ""))
+    return 0
+
+
+def cmd_pareto(args: argparse.Namespace) -> int:
+    from ..frontier import ONCE, SWEPT, format_points, frontier, frontier_json, plot_frontier
+
+    if args.points < 2:
+        raise QsyncInputError(f"points: expected at least 2, got {args.points}")
+    problem = _build_problem(args, "memory")  # the sweep starts at the split's fastest plan
+    allocators = [a for a in SWEPT + ONCE if not (args.no_split and a == "exact+split")]
+    pts = frontier(problem, points=args.points, exact=args.exact, allocators=allocators,
+                   options=_solve_options(args), batch_multiple=args.batch_multiple)
+    doc = {"workload": problem.graph.workload, "cluster": args.cluster,
+           "global_batch": problem.global_batch, **frontier_json(pts)}
+    atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n", what="--out")
+    if args.png:
+        plot_frontier(pts, args.png, f"{problem.graph.workload} on {args.cluster}",
+                      what="--png")
+    if args.json:
+        emit_json(doc)
+        return 0
+    print(format_points(pts))
+    print(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from ..solve import compare, format_rows
+
+    # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
+    # the rest; the indicator still refuses to outgrow this machine.
+    problem = _build_problem(args, None)
+    names = [s.strip() for s in args.solvers.split(",")] if args.solvers else None
+    rows = compare(problem, names, _solve_options(args), refine=args.refine,
+                   joint_split=args.joint_split, batch_multiple=args.batch_multiple)
+    doc = {"workload": problem.graph.workload, "cluster": args.cluster,
+           "target_ms": problem.target_ms, "target_source": problem.target_source,
+           "rows": [r.to_json() for r in rows]}
+    if args.plans:
+        for r in rows:
+            if r.plan is not None:
+                save(r.plan, f"{args.plans}/{r.solver}.plan.json", what="--plans")
+    if args.json is not None:
+        text = json.dumps(doc, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+            return 0
+        atomic_write_text(args.json, text, what="--json")
+    print(f"{problem.graph.workload} on {args.cluster}: target {problem.target_ms:.2f} ms "
+          f"({problem.target_source})")
+    print(format_rows(rows))
+    for r in rows:
+        if r.status in ("ERROR", "INFEASIBLE") and r.messages:
+            print(f"  {r.solver}: {r.messages[-1]}")
+    if args.json not in (None, "-"):
+        print(f"wrote {args.json}")
+    return 0
