@@ -43,10 +43,10 @@ from .solve import compare, format_rows, reachable_ms
 from .summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
+    format_table,
     graph_summary_lines,
     plan_lines,
     replay_rows,
-    table,
     uniform_plans,
 )
 
@@ -145,15 +145,15 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
             label, p, path = labels[i]
             t0 = time.perf_counter()
             res = _train(path, Path(tmp) / f"run{n}", steps)
-            r = runs.setdefault(label, {"plan": p, "samples": [], "secs": 0.0})
-            r["samples"].append(res["ranks"])
-            r["secs"] += time.perf_counter() - t0
-            r.update({k: v for k, v in res.items() if k != "ranks"})
+            acc = runs.setdefault(label, {"plan": p, "samples": [], "secs": 0.0})
+            acc["samples"].append(res["ranks"])
+            acc["secs"] += time.perf_counter() - t0
+            acc.update({k: v for k, v in res.items() if k != "ranks"})
     load1 = os.getloadavg()[0]
-    for r in runs.values():  # per rank: the median over runs of each run's median step
-        r["ranks"] = {g: statistics.median(x[g] for x in r["samples"]) for g in r["samples"][0]}
-        r["spread"] = max((max(x[g] for x in r["samples"]) - min(x[g] for x in r["samples"]))
-                          / r["ranks"][g] for g in r["samples"][0])
+    for acc in runs.values():  # per rank: the median over runs of each run's median step
+        acc["ranks"] = {g: statistics.median(x[g] for x in acc["samples"]) for g in acc["samples"][0]}
+        acc["spread"] = max((max(x[g] for x in acc["samples"]) - min(x[g] for x in acc["samples"]))
+                          / acc["ranks"][g] for g in acc["samples"][0])
     print("6. predicted (profiled costs, replayer) against measured (median over runs of each "
           "run's median step_ms; step 3's exact peak of live tensor bytes inside each rank; "
           "held-out accuracy of the "
@@ -254,15 +254,15 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
     print()
     print(f"cluster: {shorthand} ({cluster.world_size} devices, {cluster.nodes} nodes)")
     print("\n".join(estimate_summary_lines(graph, cluster, costs)))
-    rows = {r["group"]: r for r in group_summary(graph, cluster, costs)}
-    v, t = rows["v100"], rows["t4"]
+    by_group = {r["group"]: r for r in group_summary(graph, cluster, costs)}
+    v, t = by_group["v100"], by_group["t4"]
     print(f"\nAt FP32 the T4 group computes {float(t['compute_fp32_ms']) / float(v['compute_fp32_ms']):.1f}x "
           f"slower than the V100 group: the V100s wait for it, the wait the allocator must remove.")
     rep = Replayer(graph, cluster, costs)
     timelines = {name: rep.simulate(p) for name, p in uniform_plans(rep).items()}
     print("\nreplayer: one iteration, casts and bucketed all-reduce overlapped with backward")
-    rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
-    print(table(rows, REPLAY_HEADER))
+    replayed = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
+    print(format_table(replayed, REPLAY_HEADER))
     high, low = timelines["uniform-highest"], timelines.get("weak-lowest")
     print(f"straggler at FP32 (the group whose iteration ends last): {straggler_reason(high)}")
     if low is not None:

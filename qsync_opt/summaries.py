@@ -14,7 +14,7 @@ from .schemas import ModelGraph, OpRole, Plan
 GiB = 1024**3
 
 
-def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+def format_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = []
@@ -70,7 +70,7 @@ def estimate_summary_lines(graph: ModelGraph, cluster: Any, costs: Any) -> list[
                      r["optimizer_ms"], f"{int(r['memory_fp32_bytes']) / GiB:.1f}",
                      f"{int(r['capacity_bytes']) / GiB:.1f}"))
     lines = [
-        table(rows, ["group", "device", "n", "batch", "fp32 ms", "fastest ms", "allreduce ms",
+        format_table(rows, ["group", "device", "n", "batch", "fp32 ms", "fastest ms", "allreduce ms",
                       "optim ms", "mem GiB", "cap GiB"]),
         f"  all-reduce: {len(costs.buckets)} buckets over {costs.comm.world_size} devices, "
         f"bottleneck {costs.comm.bottleneck}",

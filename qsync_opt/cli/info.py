@@ -6,8 +6,9 @@ import argparse
 
 from ..devices import CATALOG, get_device
 from ..models import WORKLOADS
+from ..precision import DType
 from ..schemas import json_schema
-from ..summaries import GiB, table
+from ..summaries import GiB, format_table
 from .args import emit_json
 
 
@@ -18,7 +19,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         emit_json([{"name": r[0], "default_batch": r[1], "inputs": r[2], "data": r[3],
                      "description": r[4]} for r in rows])
     else:
-        print(table(rows, ["model", "batch", "inputs", "data", "description"]))
+        print(format_table(rows, ["model", "batch", "inputs", "data", "description"]))
         print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs) "
               "(a tensor, a tuple or a dict of keyword tensors); optional loss(outputs, batch) "
               "and data(batch_size, seed) in the same file. That file is run (imported), so "
@@ -38,9 +39,10 @@ def cmd_devices(args: argparse.Namespace) -> int:
         r = s.peak_tflops
         rows.append((s.name, s.compute_capability or "-", f"{s.usable_memory_bytes / GiB:.1f}",
                      s.memory_bandwidth_gb_per_s,
-                     *(r.get(k, "-") for k in ("fp32", "tf32", "fp16", "bf16", "int8", "fp8_e4m3")),
+                     *(r.get(DType(k), "-") for k in ("fp32", "tf32", "fp16", "bf16", "int8",
+                                                   "fp8_e4m3")),
                      ",".join(p.value for p in s.precisions)))
-    print(table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
+    print(format_table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
                         "fp8", "precisions"]))
     print("\nDense peak TFLOPS (TOPS for int8) from datasheets; sources in qsync_opt/devices.py.")
     print("Emulated, but costed at the peaks above: fp8 = e4m3-rounded inputs and weights, FP32 "

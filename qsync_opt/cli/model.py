@@ -18,9 +18,9 @@ from ..schemas import Plan
 from ..summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
+    format_table,
     graph_summary_lines,
     replay_rows,
-    table,
     uniform_plans,
 )
 from ..user_model import UserWorkload
@@ -51,7 +51,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         rows = [(o.name, o.kind.value, o.role.value, "x".join(map(str, o.output_shapes[0])),
                  o.fwd_flops / 1e6, o.saved_bytes / 2**20, o.depth) for o in graph.ops]
         print()
-        print(table(rows, ["op", "kind", "role", "output", "fwd MFLOP", "saved MiB", "depth"]))
+        print(format_table(rows, ["op", "kind", "role", "output", "fwd MFLOP", "saved MiB", "depth"]))
     if args.out:
         print(f"wrote {args.out}")
     return 0
@@ -116,7 +116,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         emit_json({name: tl.summary() for name, tl in timelines.items()})
         return 0
     rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
-    print(table(rows, REPLAY_HEADER))
+    print(format_table(rows, REPLAY_HEADER))
     for name, tl in timelines.items():
         path = " -> ".join(
             (f"{s['kind']} {s.get('group', '')}".strip() if s["kind"] != "allreduce"
@@ -155,8 +155,8 @@ def cmd_indicate(args: argparse.Namespace) -> int:
     print(f"indicator {table.method} of {table.workload}: {len(ranked)} choosable ops, "
           f"{table.batches} batch(es) of {table.batch_size}, {table.data} data, {secs:.1f} s")
     header = ["op", *(p.value for p in cols)]
-    print(f"\nmost sensitive (by int8):\n{table(rows(ranked[:k]), header)}")
-    print(f"\nleast sensitive:\n{table(rows(ranked[-k:][::-1]), header)}")
+    print(f"\nmost sensitive (by int8):\n{format_table(rows(ranked[:k]), header)}")
+    print(f"\nleast sensitive:\n{format_table(rows(ranked[-k:][::-1]), header)}")
     for note in table.notes:
         print(f"  {note}")
     if args.out:

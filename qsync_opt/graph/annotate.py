@@ -60,20 +60,27 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _weight(mod: nn.Module) -> torch.Tensor:
+    """A GEMM module's ``weight`` (nn.Module's ``__getattr__`` types it Tensor | Module)."""
+    w = mod.weight
+    assert isinstance(w, torch.Tensor), f"{type(mod).__name__}.weight is not a tensor"
+    return w
+
+
 def _flops(op: RawOp) -> tuple[int, int, list[int] | None]:
     """(forward FLOPs, reduction length K for GEMMs, main weight shape)."""
     out_numel = sum(t.numel() for t in op.outputs)
     mod = op.module
     if op.kind == OpKind.linear:
         if mod is not None and is_conv1d_like(mod):  # weight (in, out): report Linear's (out, in)
-            nx, nf = (int(s) for s in mod.weight.shape)
+            nx, nf = (int(s) for s in _weight(mod).shape)
             return 2 * out_numel * nx, nx, [nf, nx]
-        w = mod.weight if mod is not None else next(
+        w: torch.Tensor | None = _weight(mod) if mod is not None else next(
             (p for p in op.params if p.dim() == 2), None)
         k = int(w.shape[1]) if w is not None else int(op.input_tensors[0].shape[-1])
         return 2 * out_numel * k, k, list(w.shape) if w is not None else None
     if op.kind == OpKind.conv:
-        w = mod.weight if mod is not None else (op.params[0] if op.params else None)
+        w = _weight(mod) if mod is not None else (op.params[0] if op.params else None)
         if w is None:
             return out_numel, 0, None
         k = _numel(w.shape[1:])  # Cin/groups * kernel volume
@@ -132,8 +139,8 @@ def build_graph(
 ) -> ModelGraph:
     state_storages = set()
     param_ids: set[int] = set()
-    for p in model.parameters():
-        param_ids.add(id(p))
+    for param in model.parameters():
+        param_ids.add(id(param))
     for op in raw:
         for p in op.params:
             state_storages.add(storage_id(p))
@@ -167,10 +174,10 @@ def build_graph(
             param_bytes += _nbytes(p)
             # A parameter read whole or by slices (nn.MultiheadAttention's q/k/v rows of
             # in_proj_weight): each distinct slice counts once, a tied one once in all.
-            key = (storage_id(p), p.storage_offset(), p.numel())
-            if key not in seen_params:
+            piece = (storage_id(p), int(p.storage_offset()), p.numel())
+            if piece not in seen_params:
                 own_params += p.numel()
-                seen_params.add(key)
+                seen_params.add(piece)
         fwd_flops, _, wshape = _flops(op)
         needs_in = any(t.requires_grad for t in op.input_tensors)
         has_wgrad = any(p.requires_grad for p in op.params)

@@ -119,9 +119,9 @@ def fx_raw_ops(
         def run_node(self, n: fx.Node) -> Any:
             if n.op in ("placeholder", "output", "get_attr"):
                 return super().run_node(n)
-            if n.op == "call_module" and isinstance(self.fetch_attr(n.target),
+            if n.op == "call_module" and isinstance(self.fetch_attr(str(n.target)),
                                                     nn.MultiheadAttention):
-                mod = self.fetch_attr(n.target)
+                mod = self.fetch_attr(str(n.target))
                 return self.expand(n, str(n.target), class_name(mod), id(mod),
                                    lambda st, a, k: expand_mha(st, mod, a, k))
             if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
@@ -140,7 +140,7 @@ def fx_raw_ops(
             act_inputs = [self.env[a] for a in in_nodes]
             params = [self.env[a] for a in n.all_input_nodes if a.op == "get_attr"]
             if n.op == "call_module":
-                mod = self.fetch_attr(n.target)
+                mod = self.fetch_attr(str(n.target))
                 kind = module_kind(mod)
                 name = unique(str(n.target))
                 target = class_name(mod)

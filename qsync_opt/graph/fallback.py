@@ -30,6 +30,13 @@ from .recording import (
 )
 
 
+def _put_back_forward(mod: nn.Module, own: Any) -> None:
+    """Drop the patched ``forward`` of ``mod``; put back the instance's own one, if it had one."""
+    mod.__dict__.pop("forward", None)
+    if own:
+        mod.__dict__["forward"] = own
+
+
 def function_mode_raw_ops(
     model: nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -134,7 +141,7 @@ def function_mode_raw_ops(
     def scope_post(mod: nn.Module, args: Any, value: Any) -> None:
         scope.pop()
 
-    def mha_forward(mod: nn.Module, name: str) -> Callable[..., Any]:
+    def mha_forward(mod: nn.MultiheadAttention, name: str) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             step = Expansion(name, class_name(mod), rec, raw, producer, unique,
                               param_storages, alive, in_loss[0], id(mod))
@@ -149,8 +156,7 @@ def function_mode_raw_ops(
         for mod, name in mhas.items():
             own = mod.__dict__.get("forward")  # an instance's own forward, put back after
             mod.forward = mha_forward(mod, name)  # type: ignore[method-assign]
-            stack.callback(lambda m=mod, f=own: (m.__dict__.pop("forward", None), f and
-                                                 m.__dict__.__setitem__("forward", f)))
+            stack.callback(_put_back_forward, mod, own)
         for mod in leaf_names:
             h1 = mod.register_forward_pre_hook(pre_hook)
             h2 = mod.register_forward_hook(post_hook)

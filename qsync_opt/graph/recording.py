@@ -107,7 +107,7 @@ class Expansion:
         return value
 
 
-def expand_mha(step: Expansion, mod: nn.Module, args: Any, kwargs: Any) -> Any:
+def expand_mha(step: Expansion, mod: nn.MultiheadAttention, args: Any, kwargs: Any) -> Any:
     return mha_forward(step, mod, *args, **kwargs)
 
 

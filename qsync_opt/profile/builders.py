@@ -80,7 +80,7 @@ class OpBuilder:
             holder = nn.Module()
             holder.add_module("m", m)
             apply_precisions(holder, {"m": p})
-            m = holder.m
+            m = holder.get_submodule("m")
         if isinstance(m, nn.Embedding):
             inputs = [self._index(s, m.num_embeddings) for s in op.input_shapes]
         elif isinstance(m, (nn.CrossEntropyLoss, nn.NLLLoss)) and len(op.input_shapes) == 2:

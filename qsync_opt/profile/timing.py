@@ -97,7 +97,7 @@ def measure_casts(dev_name: str, device: torch.device, repeats: int, warmup: int
         for n in CAST_SIZES:
             x = torch.randn(n).to(device, _TORCH_DTYPE[src])
             if dst == DType.int8:
-                def run(x: torch.Tensor = x) -> Any:
+                def run(x: torch.Tensor = x, d: torch.dtype = torch.int8) -> Any:
                     return quantize_int8(x)
             else:
                 def run(x: torch.Tensor = x, d: torch.dtype = _TORCH_DTYPE[dst]) -> Any:
