@@ -575,8 +575,9 @@ class AllocationProblem:
                 src[i] = src[rep.in_edges[i][0][0]]
             elif o.role == OpRole.promote and rep.in_edges[i] and rep.native_flow:
                 ins = [src[u] for u, _ in rep.in_edges[i]]
-                if all(x is not None for x in ins):
-                    key = tuple(sorted(set(ins)))  # type: ignore[arg-type]
+                known = [x for x in ins if x is not None]
+                if len(known) == len(ins):
+                    key = tuple(sorted(set(known)))
                     if key not in by_inputs:
                         dchoices = _widest_choices([ext[u] for u in key])
                         by_inputs[key] = n_real + len(derived)

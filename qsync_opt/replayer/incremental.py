@@ -165,9 +165,9 @@ class IncrementalReplay:
             fi, bi = rules.op_items(grp, j, prec, din, dout)
             self.fwd[gi].set(j, sum(x[2] for x in fi))
             self.bwd[gi].set(j, sum(x[2] for x in bi))
-            for col, v in zip(self.mem[gi], rules.mem_terms(grp, j, prec, din, dout),
-                              strict=True):
-                col[j] = v
+            for col, term in zip(self.mem[gi], rules.mem_terms(grp, j, prec, din, dout),
+                                 strict=True):
+                col[j] = term
 
     def what_if(self, group: str, op: str, precision: Precision) -> Change:
         """The state if ``op`` ran at ``precision`` on ``group``; the plan is left as it was."""

@@ -97,6 +97,7 @@ class PreparedReplay:
         pinned op set to anything but its pin, a precision the op or the card cannot run,
         tied ops with different precisions.
         """
+        table: Mapping[str, Mapping[str, Precision | str]]
         if isinstance(plan, Plan):
             if plan.graph_hash != self.graph.structure_hash():
                 raise QsyncInputError(

@@ -27,7 +27,10 @@ class SyncModel(Protocol):
     """How groups synchronise gradients. Local SGD, pipeline transfers and packet-level
     networks plug in here with the same inputs: per-group bucket ready times."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The model's name (``"allreduce"``)."""
+        ...
 
     def schedule(self, ready_ms: Sequence[Sequence[float]], bucket_ms: Sequence[float]) -> SyncSchedule:
         """``ready_ms[g][k]``: when group g has bucket k's gradients; ``bucket_ms[k]``: its cost."""
