@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 from .devices import get_device
 from .precision import ACTIVATION_DTYPES, DType, Precision
+from .rules import PASS_PRECISION, allowed_on
 from .schemas import (
     CastCost,
     ClusterSpec,
@@ -52,9 +53,6 @@ DDP_FIRST_BUCKET_BYTES = 1 * MiB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTE
 #: FP32 bytes read+written per parameter by one optimizer step (w, g, state in; w, state out).
 OPTIMIZER_BYTES_PER_PARAM = {"sgd": 5 * 4, "adam": 7 * 4}
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"sgd": 4, "adam": 8}
-
-_PASS_PRECISION = {DType.fp32: Precision.fp32, DType.bf16: Precision.bf16,
-                   DType.fp16: Precision.fp16}
 
 
 class _Roofline:
@@ -85,11 +83,11 @@ class _Roofline:
 
 def op_precisions(op: OpNode, dev: DeviceSpec) -> list[Precision]:
     if op.role == OpRole.choosable:
-        return [p for p in op.allowed_precisions if dev.supports(p)]
+        return allowed_on(op, dev.precisions)
     if op.role == OpRole.pinned:
         return list(op.allowed_precisions)
     # Pass-through and promoting ops run in whatever float dtype reaches them.
-    return [_PASS_PRECISION[d] for d in ACTIVATION_DTYPES if dev.supports(_PASS_PRECISION[d])]
+    return [PASS_PRECISION[d] for d in ACTIVATION_DTYPES if dev.supports(PASS_PRECISION[d])]
 
 
 def _op_cost(op: OpNode, p: Precision, scale: float, roof: _Roofline) -> tuple[float, float]:
@@ -121,7 +119,7 @@ def _op_cost(op: OpNode, p: Precision, scale: float, roof: _Roofline) -> tuple[f
 
 
 def cast_pairs(dev: DeviceSpec) -> list[tuple[DType, DType]]:
-    floats = [d for d in ACTIVATION_DTYPES if dev.supports(_PASS_PRECISION[d])]
+    floats = [d for d in ACTIVATION_DTYPES if dev.supports(PASS_PRECISION[d])]
     pairs = [(a, b) for a in floats for b in floats if a != b]
     if dev.supports(Precision.int8):
         pairs += [(a, DType.int8) for a in floats]

@@ -174,11 +174,12 @@ def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[i
     """Every pinned op (graph-pinned, with its ``pin_reason``, and the user's
     ``options.pinned``) with its memory and time in ``group`` under ``assignment``."""
     rep = problem.replayer
+    rules = rep.rules
     gi = next(i for i, g in enumerate(problem.groups) if g.name == group)
     g = problem.groups[gi]
-    grp = rep.groups[gi]
+    grp = rules.groups[gi]
     prec = _precisions(problem, g, assignment)
-    din, dout = rep._dtypes(prec)
+    din, dout = rules.dtypes(prec)
     total_mem = g.memory_bytes(assignment)
     total_ms = g.time_ms(assignment)
     user = problem.options.pinned
@@ -190,9 +191,8 @@ def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[i
             reason = f"pinned by you to {user[op.name].value}"  # type: ignore[union-attr]
         else:
             continue
-        saved, wcopy, _ = rep._op_memory(grp, i, prec, din, dout)
-        f, b = rep._op_items(grp, i, prec, din, dout)
-        ms = sum(x[2] for x in f) + sum(x[2] for x in b)
+        saved, wcopy, _ = rules.op_memory(grp, i, prec, din, dout)
+        ms = rules.op_ms(grp, i, prec, din, dout)
         mem = saved + wcopy
         out.append(PinnedShare(op.name, reason, mem, mem / total_mem if total_mem else 0.0,
                                ms, ms / total_ms if total_ms else 0.0))
@@ -273,13 +273,14 @@ def memory_split(problem: AllocationProblem, group: str, assignment: Sequence[in
     ``group`` under ``assignment``: fixed is the fp32 weights, gradients, optimizer state,
     buffers and context; the rest (saved activations, the working set) is proportional to
     the per-device batch."""
-    rep = problem.replayer
+    rules = problem.replayer.rules
     gi = next(i for i, g in enumerate(problem.groups) if g.name == group)
     g = problem.groups[gi]
-    fixed = float(sum(rep._static_memory(rep.groups[gi]).values()))
+    grp = rules.groups[gi]
+    fixed = float(sum(rules.static_memory(grp).values()))
     prec = _precisions(problem, g, assignment)
-    din, dout = rep._dtypes(prec)
-    copies = sum(rep._op_memory(rep.groups[gi], i, prec, din, dout)[1] for i in range(rep.n))
+    din, dout = rules.dtypes(prec)
+    copies = sum(rules.op_memory(grp, i, prec, din, dout)[1] for i in range(rules.n))
     return fixed, copies, g.memory_bytes(assignment) - fixed - copies
 
 
@@ -396,7 +397,7 @@ def precheck(problem: AllocationProblem, check: str = "target", *,
     rep = problem.replayer
     fixed_lines = []
     for gi, g in enumerate(problem.groups):
-        fixed = float(sum(rep._static_memory(rep.groups[gi]).values()))
+        fixed = float(sum(rep.rules.static_memory(rep.groups[gi]).values()))
         if fixed > g.capacity_bytes * (1 + FEAS_REL):
             fixed_lines.append(
                 f"{g.name} ({g.device}): {fixed / GIB:.2f} GiB fixed (fp32 weights, gradients, "

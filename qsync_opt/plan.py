@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import QsyncInputError
 from .precision import Precision
+from .rules import allowed_on
 from .schemas import MAX_BATCH, ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
 
 #: Most samples per device a plan may give a group (beyond it no card's memory holds a
@@ -138,7 +139,7 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
                     f"{where}, op {_shown(name)} is {op.role.value}"
                     + (f" ({op.pin_reason})" if op.pin_reason else "")
                     + f"; its precision cannot be set to {p.value}")
-            allowed = [q for q in op.allowed_precisions if q in menu]
+            allowed = allowed_on(op, menu)
             if p not in allowed:
                 raise QsyncInputError(
                     f"{where} ({device}), op {_shown(name)}: {p.value} is not allowed; "

@@ -11,8 +11,8 @@ docs/DESIGN.md (The allocation problem):
 
       C_g(x) = c0 + sum_u t_u[x_u] + sum_{(a,b)} t_ab[x_a, x_b]
 
-  The unary and pair terms are *derived from the replayer's own cost rules* (the same
-  ``Replayer._op_items``), op by op: every op's items depend on the unit that sets its own
+  The unary and pair terms are *derived from the replayer's own cost rules*
+  (:meth:`qsync_opt.rules.CostRules.op_items`, which the replayer runs), op by op: every op's items depend on the unit that sets its own
   dtype (itself if choosable, the producer upstream of a pass-through) and, per float
   in-edge, on the unit that sets that producer's dtype. Items are additive over in-edges,
   so each op splits into a self term and one pair term per edge: casts sit exactly on the
@@ -56,16 +56,13 @@ from typing import Any
 
 from .costs import estimate
 from .errors import QsyncInputError
-from .precision import PRECISION_INFO, DType, Precision
+from .precision import DType, Precision
 from .replayer import Replayer, Timeline
+from .rules import PASS_PRECISION, allowed_on, fidelity, widest_precision
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, OpRole, Plan
 
 #: Precisions a strong group may run as its reference.
 REFERENCE_PRECISIONS = (Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16)
-
-
-def _fidelity(p: Precision) -> int:
-    return PRECISION_INFO[p].rank
 
 
 @dataclass(frozen=True)
@@ -172,13 +169,6 @@ class DerivedUnit:
     choices: tuple[Precision, ...]
 
 
-_PASS = {DType.fp32: Precision.fp32, DType.fp16: Precision.fp16, DType.bf16: Precision.bf16}
-
-
-def widest_precision(dtypes: set[DType]) -> Precision:
-    return _PASS[next(iter(dtypes))] if len(dtypes) == 1 else Precision.fp32
-
-
 def _widest_choices(inputs: Sequence[tuple[Precision, ...]]) -> tuple[Precision, ...]:
     """The dtypes a promoting op can end up in, given its inputs' choices."""
     can = [{p.info.gives_out for p in c} for c in inputs]
@@ -187,8 +177,8 @@ def _widest_choices(inputs: Sequence[tuple[Precision, ...]]) -> tuple[Precision,
         out.append(Precision.fp32)
     for dt in (DType.fp16, DType.bf16):
         if all(dt in c for c in can):
-            out.append(_PASS[dt])
-    return tuple(sorted(out, key=_fidelity, reverse=True))
+            out.append(PASS_PRECISION[dt])
+    return tuple(sorted(out, key=fidelity, reverse=True))
 
 
 @dataclass
@@ -364,7 +354,7 @@ def _hash(doc: Any) -> str:
 
 def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
                 group: str, device: str) -> list[Precision]:
-    allowed = [p for p in op.allowed_precisions if p in menu]
+    allowed = allowed_on(op, menu)
     if pin is not None:
         if pin not in allowed:
             raise QsyncInputError(
@@ -524,6 +514,7 @@ class AllocationProblem:
         buckets (each starts when theirs are ready and the previous one is done), then the
         step syncs and the slowest optimizer step (as ``Replayer.simulate`` times them)."""
         rep = self.replayer
+        rules = rep.rules
         ready: list[list[float]] = []
         ends: list[float] = []
         for gi, g in enumerate(self.groups):
@@ -534,8 +525,8 @@ class AllocationProblem:
             for u, unit in enumerate(self.units):
                 for op in unit.ops:
                     prec[rep.index[op]] = g.choices[u][g.reference[u]]
-            din, dout = rep._dtypes(prec)
-            items = [rep._op_items(grp, i, prec, din, dout) for i in range(rep.n)]
+            din, dout = rules.dtypes(prec)
+            items = [rules.op_items(grp, i, prec, din, dout) for i in range(rep.n)]
             t = sum(x[2] for fwd, _ in items for x in fwd)
             done = [0.0] * rep.n
             for i in range(rep.n - 1, -1, -1):
@@ -549,7 +540,8 @@ class AllocationProblem:
 
     def _group_model(self, gi: int) -> GroupModel:
         rep = self.replayer
-        grp = rep.groups[gi]
+        rules = rep.rules
+        grp = rules.groups[gi]
         spec = self.cluster.groups[gi]
         n = rep.n
         units = self.units
@@ -566,7 +558,7 @@ class AllocationProblem:
                 raise QsyncInputError(
                     f"group {grp.name} ({grp.device}): tied ops {', '.join(unit.ops)} share no "
                     "precision the card runs")
-            choices.append(tuple(sorted(common, key=_fidelity, reverse=True)))
+            choices.append(tuple(sorted(common, key=fidelity, reverse=True)))
         # Which unit sets each op's output dtype (None: fp32 whatever the plan). A promoting
         # op whose inputs all come from units gets a *derived* unit: its dtype is the widest
         # of theirs (fp16 only if all give fp16, likewise bf16, else fp32), not a decision.
@@ -583,8 +575,9 @@ class AllocationProblem:
                 src[i] = src[rep.in_edges[i][0][0]]
             elif o.role == OpRole.promote and rep.in_edges[i] and rep.native_flow:
                 ins = [src[u] for u, _ in rep.in_edges[i]]
-                if all(x is not None for x in ins):
-                    key = tuple(sorted(set(ins)))  # type: ignore[arg-type]
+                known = [x for x in ins if x is not None]
+                if len(known) == len(ins):
+                    key = tuple(sorted(set(known)))
                     if key not in by_inputs:
                         dchoices = _widest_choices([ext[u] for u in key])
                         by_inputs[key] = n_real + len(derived)
@@ -596,10 +589,10 @@ class AllocationProblem:
         def out_dtype(u: int | None, k: int | None) -> DType:
             if u is None or k is None:
                 return DType.fp32
-            return rep.gives_out(ext[u][k])
+            return rules.gives_out(ext[u][k])
 
         time0 = 0.0
-        mem0 = float(sum(rep._static_memory(grp).values()))
+        mem0 = float(sum(rules.static_memory(grp).values()))
         work0 = 0.0
         time1 = [[0.0] * len(c) for c in ext]
         mem1 = [[0.0] * len(c) for c in ext]
@@ -645,7 +638,7 @@ class AllocationProblem:
             if o.role == OpRole.choosable:
                 p = choices[s][ks]  # type: ignore[index]
                 prec[i] = p
-                din[i], dout[i] = rep.takes_in(p), rep.gives_out(p)
+                din[i], dout[i] = rules.takes_in(p), rules.gives_out(p)
             else:
                 prec[i] = None
                 if o.role in (OpRole.pass_through, OpRole.promote) and rep.in_edges[i]:
@@ -654,8 +647,7 @@ class AllocationProblem:
                     din[i] = dout[i] = DType.fp32
 
         def items_ms(i: int, edges: list[tuple[int, int]]) -> float:
-            f, b = rep._op_items(grp, i, prec, din, dout, edges)
-            return sum(x[2] for x in f) + sum(x[2] for x in b)
+            return rules.op_ms(grp, i, prec, din, dout, edges)
 
         for i in range(n):
             o = rep.ops[i]
@@ -671,7 +663,7 @@ class AllocationProblem:
                 base = items_ms(i, [])
                 add([(s, ks)], base, 0.0)
                 # Working set and weight copy depend on the op's own dtypes only.
-                _, wcopy, work = rep._op_memory(grp, i, prec, din, dout)
+                _, wcopy, work = rules.op_memory(grp, i, prec, din, dout)
                 if s is None:
                     work0 = max(work0, work)
                 else:
@@ -705,7 +697,7 @@ class AllocationProblem:
                     for u, _ in edges:
                         eu = src[u]
                         dout[u] = out_dtype(eu, ks if eu == s else assign.get(eu))  # type: ignore[arg-type]
-                    saved, _, _ = rep._op_memory(grp, i, prec, din, dout)
+                    saved, _, _ = rules.op_memory(grp, i, prec, din, dout)
                     vals.append((combo, saved))
                 if len(var_edges) == 1:
                     for combo, saved in vals:
@@ -745,18 +737,18 @@ class AllocationProblem:
     def _additive_times(self, gi: int, choices: list[tuple[Precision, ...]],
                         unit_of: list[int | None]
                         ) -> tuple[float, list[list[float]]]:
-        rep = self.replayer
-        grp = rep.groups[gi]
+        rules = self.replayer.rules
+        grp = rules.groups[gi]
         time0 = 0.0
         time1 = [[0.0] * len(c) for c in choices]
-        for i in range(rep.n):
+        for i in range(rules.n):
             u = unit_of[i]
             if u is None:
-                f, b = rep._compute_ms(grp, i, None, DType.fp32)
+                f, b = rules.compute_ms(grp, i, None, DType.fp32)
                 time0 += f + b
             else:
                 for k, p in enumerate(choices[u]):
-                    f, b = rep._compute_ms(grp, i, p, p.info.gives_out)
+                    f, b = rules.compute_ms(grp, i, p, p.info.gives_out)
                     time1[u][k] += f + b
         return time0, time1
 
