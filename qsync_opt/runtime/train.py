@@ -102,15 +102,17 @@ def _log_state_hash() -> bool:
 # ----------------------------------------------------------------------------- entries
 
 
-def emulate(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
+def emulate(config: TrainConfig, faults: FaultPlan | None = None,
+            sync: GradientSync | None = None) -> dict[str, Any]:
     """One process, one replica per rank: synchronous data parallelism, emulated.
-    ``faults``: the faults to inject (None: those the environment asks for)."""
+    ``faults``: the faults to inject (None: those the environment asks for); ``sync``: the
+    gradient-sync mode over the replicas (None: :class:`EmulatedSync`, the all-reduce)."""
     faults = FaultPlan.from_env() if faults is None else faults
     setup = prepare(config)
     device = torch.device("cpu")
     ranks = list(range(config.world_size))
     models = [build_model(setup, r, device) for r in ranks]
-    sync: GradientSync = EmulatedSync(config.world_size)
+    sync = EmulatedSync(config.world_size) if sync is None else sync
     out = Path(config.out_dir)
     tr = Trainer(setup, ranks, models, sync, device, faults=faults,
                  log_state_hash=_log_state_hash())
