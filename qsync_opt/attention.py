@@ -1,17 +1,24 @@
-"""Attention decomposed into steps: one computation for the tracers and the runtime.
+"""Attention decomposed into its sub-ops: one computation for the tracers and the runtime, so
+the planner sees exactly the GEMMs the runtime runs.
 
-:func:`mha_forward` computes ``nn.MultiheadAttention`` as its sub-ops: ``in_proj`` (or
-``q_proj``/``k_proj``/``v_proj``, ``q_proj``/``kv_proj`` for cross-attention), ``qk``, a
-softmax, ``av`` and ``out_proj``; :func:`sdpa_forward` computes
-``F.scaled_dot_product_attention`` as ``qk``, a softmax and ``av``. Both run every step
-through ``step(suffix, kind, fn, *args)``: the tracers (:mod:`qsync_opt.graph`) record each
-step as an op, the runtime (:mod:`qsync_opt.runtime.dispatch`) runs the GEMM steps at their
-planned precision. This module knows nothing of plans, so both sides import it.
+* :func:`mha_forward` computes ``nn.MultiheadAttention`` as its sub-ops: ``in_proj`` (or
+  ``q_proj``/``k_proj``/``v_proj``, ``q_proj``/``kv_proj`` for cross-attention), ``qk``, a
+  softmax, ``av`` and ``out_proj``; :func:`sdpa_forward` computes
+  ``F.scaled_dot_product_attention`` as ``qk``, a softmax and ``av``. Both run every step
+  through ``step(suffix, kind, fn, *args)``: the tracers record each step as an op (under the
+  saved-tensor recorder), the runtime runs the GEMM steps at their planned precision
+  (:class:`qsync_opt.runtime.gemm.RuntimeStep`).
+* :func:`mha_gemms` names the GEMM sub-ops a call runs; :func:`base_name` strips a repeat
+  suffix (``x.qk_1`` -> ``x.qk``).
+
+It needs only torch and the op kinds, so it sits below both the graph's tracers and the
+runtime (issue 17: acyclic layers).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +28,15 @@ from torch import Tensor, nn
 
 from .schemas import OpKind
 
-__all__ = ["MHA_GEMMS", "SDPA_GEMMS", "Step", "mha_forward", "mha_gemms", "sdpa_forward"]
+__all__ = ["MHA_GEMMS", "SDPA_GEMMS", "Step", "base_name", "mha_forward", "mha_gemms",
+           "sdpa_forward"]
 
 Step = Callable[..., Any]
 
 #: The GEMM sub-ops of nn.MultiheadAttention and of F.scaled_dot_product_attention.
 MHA_GEMMS = ("in_proj", "q_proj", "k_proj", "v_proj", "kv_proj", "qk", "av", "out_proj")
 SDPA_GEMMS = ("qk", "av")
+_REPEAT = re.compile(r"_\d+$")
 
 
 def _causal_fill(scores: Tensor) -> Tensor:
@@ -206,3 +215,8 @@ def mha_forward(step: Step, mha: nn.MultiheadAttention, query: Tensor, key: Tens
 
         weights = step("weights", OpKind.reshape, attn_weights, probs)
     return out, weights
+
+
+def base_name(name: str) -> str:
+    """``name`` without a repeat suffix (``x.qk_1`` -> ``x.qk``)."""
+    return _REPEAT.sub("", name)

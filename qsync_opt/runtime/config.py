@@ -78,48 +78,56 @@ class TrainConfig(Document):
     """A training run of a plan. Written by ``qsync-opt train``, read by every rank."""
 
     SCHEMA_NAME: ClassVar[str] = "TrainConfig"
-    schema_name: Literal["TrainConfig"] = Field("TrainConfig", description="Kind of document.")
-    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
+    schema_name: Literal["TrainConfig"] = Field(default="TrainConfig",
+                                                description="Kind of document.")
+    schema_version: Literal[1] = Field(default=1, description="Layout version this file uses.")
 
     workload: str = Field(description="Registry name of the model (qsync-opt models), or "
                           "a user's model file as /absolute/path.py:FUNCTION.")
     workload_sha256: str | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$",
+        default=None, pattern=r"^[0-9a-f]{64}$",
         description="sha256 of the user's model file (None for a registry workload): every "
                     "rank checks the file has it before running it.")
     plan_path: str = Field(description="Plan JSON; its groups and batches drive the ranks.")
     rank_groups: list[str] = Field(
         description="Group name of each rank, in rank order (world size = its length).")
     steps: Int = Field(ge=1, description="Optimizer steps to run (in total, across resumes).")
-    lr: Real = Field(0.05, gt=0, allow_inf_nan=False)
+    lr: Real = Field(default=0.05, gt=0, allow_inf_nan=False)
     optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: Real = Field(0.9, ge=0, lt=1)
-    seed: Int = Field(0, ge=-MAX_ABS_SEED, le=MAX_ABS_SEED)
+    momentum: Real = Field(default=0.9, ge=0, lt=1)
+    seed: Int = Field(default=0, ge=-MAX_ABS_SEED, le=MAX_ABS_SEED)
     out_dir: str = Field(description="Checkpoints, metrics.jsonl and the final summary go here.")
-    checkpoint_every: Int = Field(0, ge=0, description="Steps between checkpoints (0: at the end only).")
-    resume: bool = Field(True, description="Continue from out_dir's checkpoint when present.")
+    checkpoint_every: Int = Field(default=0, ge=0,
+                                  description="Steps between checkpoints (0: at the end only).")
+    resume: bool = Field(default=True,
+                         description="Continue from out_dir's checkpoint when present.")
     resume_anyway: bool = Field(
-        False, description="Resume out_dir's checkpoint even when it was written under other "
-                           "settings (seed, lr, plan, batch split; never another model, "
-                           "optimizer or world size). Off: such a resume is refused.")
-    emulate_dp: bool = Field(False, description="One process computes every rank's micro-batch.")
+        default=False,
+        description="Resume out_dir's checkpoint even when it was written under other "
+                    "settings (seed, lr, plan, batch split; never another model, "
+                    "optimizer or world size). Off: such a resume is refused.")
+    emulate_dp: bool = Field(default=False,
+                             description="One process computes every rank's micro-batch.")
     slowdown: dict[str, Real] = Field(
         default_factory=dict,
         description="Group -> factor by which that group's measured compute time is stretched "
                     "(emulation of a slower card on equal CPUs; from devices like 'cpu/2').")
     loss_scale: Real | None = Field(
-        None, description="Initial dynamic loss scale for fp16 (None: 2**16 when any rank runs "
-                          "fp16, else 1).")
+        default=None,
+        description="Initial dynamic loss scale for fp16 (None: 2**16 when any rank runs "
+                    "fp16, else 1).")
     max_bad_steps: Int = Field(
-        10, ge=1, description="Consecutive non-finite steps (skipped on every rank) before the "
-                              "run stops with an error.")
-    timeout_s: Real = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
-                             description="Collective timeout: a dead rank makes the "
-                                         "others fail within it, never hang.")
+        default=10, ge=1,
+        description="Consecutive non-finite steps (skipped on every rank) before the "
+                    "run stops with an error.")
+    timeout_s: Real = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S,
+                            description="Collective timeout: a dead rank makes the "
+                                        "others fail within it, never hang.")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    eval_batches: Int = Field(4, ge=0, description="Held-out batches scored at the end.")
+    eval_batches: Int = Field(default=4, ge=0, description="Held-out batches scored at the end.")
     memory_step: Int | None = Field(
-        None, ge=0, description="Measure this step's exact peak live tensor bytes inside each "
+        default=None, ge=0,
+        description="Measure this step's exact peak live tensor bytes inside each "
         "rank (CPU ranks, one replica per process; qsync_opt.runtime.memory): the summary's "
         "'memory' field. None: not measured.")
 

@@ -1,12 +1,10 @@
-"""Decomposed attention and per-call dispatch of functional GEMMs: one computation for the
-tracers and the runtime, so the planner sees exactly the GEMMs the runtime runs.
+"""Per-call dispatch of functional GEMMs, so the planner sees exactly the GEMMs the runtime
+runs.
 
-* :func:`mha_forward` computes ``nn.MultiheadAttention`` as its sub-ops: ``in_proj`` (or
-  ``q_proj``/``k_proj``/``v_proj``, ``q_proj``/``kv_proj`` for cross-attention), ``qk``, a
-  softmax, ``av`` and ``out_proj``; :func:`sdpa_forward` computes
-  ``F.scaled_dot_product_attention`` as ``qk``, a softmax and ``av``. Both run every step
-  through ``step(suffix, kind, fn, *args)``: the tracers record each step as an op (under the
-  saved-tensor recorder), the runtime runs the GEMM steps at their planned precision.
+* The decomposed attention (:func:`mha_forward`, :func:`sdpa_forward`, :func:`mha_gemms`,
+  :func:`base_name`, :data:`MHA_GEMMS`, :data:`SDPA_GEMMS`) lives in
+  :mod:`qsync_opt.attention`, below both the tracers and the runtime; it is re-exported here
+  for the callers that import it from this module.
 * :class:`FunctionalDispatch` (installed by :func:`~qsync_opt.runtime.apply_plan` when a plan
   names functional ops) is a ``TorchFunctionMode`` active during the root model's forward,
   with module hooks tracking the scope; it names each top-level ``F.linear`` / ``matmul`` /
@@ -19,7 +17,6 @@ tracers and the runtime, so the planner sees exactly the GEMMs the runtime runs.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -27,45 +24,25 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-# the decomposed attention lives below both the tracers and the runtime; re-exported here
-from ..attention import MHA_GEMMS, SDPA_GEMMS, mha_forward, mha_gemms, sdpa_forward
+from ..attention import (
+    MHA_GEMMS,
+    SDPA_GEMMS,
+    Step,
+    base_name,
+    mha_forward,
+    mha_gemms,
+    sdpa_forward,
+)
 from ..precision import Precision
-from ..schemas import OpKind
-from .layers import COUNTERS, QMixin, record_call, run_gemm, swappable_kind
+from .gemm import COUNTERS, QMixin, RuntimeStep, record_call, run_gemm, swappable_kind
 
-__all__ = ["FunctionalDispatch", "count_calls", "mha_forward", "mha_gemms", "sdpa_forward",
-           "MHA_GEMMS", "SDPA_GEMMS"]
+__all__ = ["FunctionalDispatch", "RuntimeStep", "Step", "base_name", "count_calls",
+           "functional_op_exists", "mha_forward", "mha_gemms", "sdpa_forward", "MHA_GEMMS",
+           "SDPA_GEMMS"]
 
 log = logging.getLogger(__name__)
 
-_REPEAT = re.compile(r"_\d+$")
-
-
-# ----------------------------------------------------------------------------- runtime steps
-
-
-class RuntimeStep:
-    """A ``step`` running the GEMM steps of a decomposition at their planned precision:
-    ``<base>.<suffix>`` looked up in ``precisions`` (by suffix), fp32 when absent; every
-    other step runs as written. Each GEMM call is counted (:func:`count_calls`)."""
-
-    def __init__(self, base: str, precisions: Mapping[str, Precision],
-                 next_seed: Callable[[], int]) -> None:
-        self.base, self.precisions, self.next_seed = base, precisions, next_seed
-
-    def __call__(self, suffix: str, kind: OpKind, fn: Callable[..., Any], *args: Any,
-                 **kwargs: Any) -> Any:
-        if kind not in (OpKind.linear, OpKind.matmul):
-            return fn(*args, **kwargs)
-        p = self.precisions.get(suffix, Precision.fp32)
-        record_call(f"{self.base}.{suffix}" if self.base else suffix, p)
-        return run_gemm("linear" if kind == OpKind.linear else "matmul", fn, args, kwargs, p,
-                        self.next_seed)
-
-
-def base_name(name: str) -> str:
-    """``name`` without a repeat suffix (``x.qk_1`` -> ``x.qk``)."""
-    return _REPEAT.sub("", name)
+# ----------------------------------------------------------------------------- the dispatcher
 
 
 def _gemm_call_kind(func: Any) -> str | None:
@@ -240,6 +217,7 @@ def count_calls(model: nn.Module) -> Iterator[dict[str, dict[str, int]]]:
 
     def count_mha(name: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
+            assert isinstance(mod, nn.MultiheadAttention)  # registered on those only
             qkv = list(args[:3])
             for key in ("query", "key", "value")[len(qkv):]:
                 qkv.append(kwargs.get(key))

@@ -24,100 +24,35 @@ Convolutions with a ``padding_mode`` other than zeros are padded first, as torch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import ops
+from ..attention import MHA_GEMMS, base_name, mha_forward, mha_gemms
 from ..errors import QsyncInputError
 from ..models.layers import MatMul
 from ..precision import Precision
+from .dispatch import FunctionalDispatch, functional_op_exists
+from .gemm import (
+    COUNTERS,
+    HALF_DTYPES,
+    QMixin,
+    RuntimeStep,
+    record_call,
+    run_gemm,
+    run_linear,
+    swappable_kind,
+)
 
-_HALF = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}
+__all__ = ["COUNTERS", "QConv1d", "QConv2d", "QLinear", "QMatMul", "QMixin",
+           "QMultiheadAttention", "apply_precisions", "classify_ops", "record_call", "run_gemm",
+           "run_linear", "swappable_kind"]
 
-#: Active :func:`~qsync_opt.runtime.count_calls` tallies: {op: {precision: calls}}.
-COUNTERS: list[dict[str, dict[str, int]]] = []
-
-
-def record_call(name: str, p: Precision) -> None:
-    """Count one call of op ``name`` at precision ``p`` in every active tally."""
-    for c in COUNTERS:
-        per = c.setdefault(name, {})
-        per[p.value] = per.get(p.value, 0) + 1
-
-
-def run_linear(x: Tensor, w: Tensor, b: Tensor | None, p: Precision,
-               next_seed: Callable[[], int]) -> Tensor:
-    """``F.linear(x, w, b)`` at precision ``p`` (as :class:`QLinear` runs it)."""
-    if p in _HALF:
-        d = _HALF[p]
-        return F.linear(x.to(d), w.to(d), None if b is None else b.to(d)).to(x.dtype)
-    if p in (Precision.int8, Precision.int8_full):
-        return ops.int8_linear(x, w, b, int8_backward=p == Precision.int8_full,
-                               seed=next_seed())
-    if p == Precision.fp8:
-        return F.linear(ops.fake_quant_float(x, "fp8_e4m3"), ops.fake_quant_float(w, "fp8_e4m3"),
-                        b)
-    return F.linear(x, w, b)
-
-
-def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Precision,
-             next_seed: Callable[[], int]) -> Any:
-    """One functional GEMM call ``fn(*args, **kwargs)`` at precision ``p``: ``kind`` linear
-    (``F.linear``'s arguments) or matmul (matmul, bmm, mm, ``@``, einsum, baddbmm: every
-    floating-point tensor operand cast to 16 bit, or fake-quantized to int8 / fp8 as
-    :class:`QMatMul` does, the result back in the first operand's dtype)."""
-    if p in (Precision.fp32, Precision.tf32):
-        return fn(*args, **kwargs)
-    if kind == "linear":
-        names = ("input", "weight", "bias")
-        vals = list(args) + [kwargs.get(n) for n in names[len(args):]]
-        x, w, b = (vals + [None] * 3)[:3]
-        return run_linear(x, w, b, p, next_seed)
-    flat, spec = tree_flatten((args, kwargs))
-    floats = [t for t in flat if isinstance(t, Tensor) and t.is_floating_point()]
-    if not floats:
-        return fn(*args, **kwargs)
-    dtype = floats[0].dtype
-    base = next_seed() if p in (Precision.int8, Precision.int8_full) else 0
-    k = 0
-
-    def conv(t: Any) -> Any:
-        nonlocal k
-        if not (isinstance(t, Tensor) and t.is_floating_point()):
-            return t
-        k += 1
-        if p in _HALF:
-            return t.to(_HALF[p])
-        if p == Precision.fp8:
-            return ops.fake_quant_float(t, "fp8_e4m3")
-        return ops.fake_quant_int8(t, seed=(2 * base + k - 1) & 0x7FFFFFFF)
-
-    a2, k2 = tree_unflatten([conv(t) for t in flat], spec)
-    out = fn(*a2, **k2)
-    return out.to(dtype) if p in _HALF and isinstance(out, Tensor) else out
-
-
-class QMixin:
-    """What every precision-switching layer shares: its precision, stochastic-rounding seed
-    and name (the dispatcher and the trainer recognise the layers by this class)."""
-
-    precision: Precision
-    qseed: int
-    qname: str = ""
-
-    def _next_seed(self) -> int:
-        self.qseed += 1
-        return self.qseed
-
-    def _count(self) -> None:
-        if COUNTERS:
-            record_call(self.qname, self.precision)
-
+_HALF = HALF_DTYPES
 
 class QLinear(nn.Linear, QMixin):
     def forward(self, x: Tensor) -> Tensor:
@@ -235,7 +170,7 @@ class _QConv1DMixin(QMixin):
 class _QMHAMixin(QMixin):
     """nn.MultiheadAttention with a precision per sub-op (``precisions``: in_proj or
     q_proj/k_proj/v_proj/kv_proj, qk, av, out_proj): the decomposed attention
-    (:func:`~qsync_opt.runtime.dispatch.mha_forward`, the computation the planner traced),
+    (:func:`~qsync_opt.attention.mha_forward`, the computation the planner traced),
     or torch's own forward when every sub-op is fp32/tf32."""
 
     precisions: dict[str, Precision]
@@ -244,8 +179,6 @@ class _QMHAMixin(QMixin):
                 key_padding_mask: Tensor | None = None, need_weights: bool = True,
                 attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        from .dispatch import RuntimeStep, mha_forward, mha_gemms
-
         subs = mha_gemms(self, query, key, value)  # type: ignore[arg-type]
         prefix = f"{self.qname}." if self.qname else ""
         if all(self.precisions.get(s, Precision.fp32) in (Precision.fp32, Precision.tf32)
@@ -279,27 +212,8 @@ _SWAPS: list[tuple[type[nn.Module], type[nn.Module]]] = [
     (QLinear, nn.Linear), (QConv2d, nn.Conv2d), (QConv1d, nn.Conv1d), (QMatMul, MatMul)]
 
 
-def swappable_kind(mod: nn.Module) -> str | None:
-    """``"linear"``, ``"conv"``, ``"matmul"`` or ``"conv1d_hf"`` for a GEMM module with a
-    precision-specific layer (the out_proj of an nn.MultiheadAttention is run by its parent:
-    see :class:`QMultiheadAttention`), else None."""
-    from ..graph import is_conv1d_like
-
-    if is_conv1d_like(mod):
-        return "conv1d_hf"
-    if isinstance(mod, nn.Linear):
-        return "linear"
-    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
-        return "conv"
-    if isinstance(mod, MatMul):
-        return "matmul"
-    return None
-
-
 def _mha_of(modules: Mapping[str, nn.Module], name: str) -> tuple[str, str] | None:
     """(mha name, sub-op) when ``name`` is ``<an nn.MultiheadAttention>.<sub-op>[_N]``."""
-    from .dispatch import MHA_GEMMS, base_name
-
     parent, _, last = name.rpartition(".")
     if isinstance(modules.get(parent), nn.MultiheadAttention) and base_name(last) in MHA_GEMMS:
         return parent, base_name(last)
@@ -312,8 +226,6 @@ def classify_ops(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
     nn.MultiheadAttention), ``repeat`` (``<module>_N``: a GEMM module's N-th extra call, which
     runs at the module's precision), ``functional`` (a call dispatched per call), ``missing``
     (no such op in this model) or ``not_gemm`` (a module with no precision-specific layer)."""
-    from .dispatch import base_name, functional_op_exists
-
     modules = dict(model.named_modules())
     out: dict[str, str] = {}
     for name in names:
@@ -346,8 +258,6 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
     precision-specific layer, an unknown precision, two precisions for one
     nn.MultiheadAttention sub-op.
     """
-    from .dispatch import FunctionalDispatch
-
     modules = dict(model.named_modules())
     parsed: dict[str, Precision] = {}
     for name, value in sorted(precisions.items()):
@@ -367,8 +277,6 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
     applied: dict[str, Any] = {}
     mha: dict[str, dict[str, Precision]] = {}
     functional: dict[str, Precision] = {}
-    from .dispatch import base_name
-
     for name, h in how.items():  # a module's repeated calls share its one layer
         if h == "repeat":
             base = base_name(name)
@@ -398,22 +306,22 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
             if swappable_kind(mod) == "conv1d_hf":
                 mod.__class__ = _q_class(type(mod), _QConv1DMixin)
             else:
-                for qcls, base in _SWAPS:
-                    if isinstance(mod, base):
+                for qcls, plain in _SWAPS:
+                    if isinstance(mod, plain):
                         mod.__class__ = qcls
                         break
-            mod.precision = p  # type: ignore[assignment]
-            mod.qseed = seed_i  # type: ignore[assignment]
-            mod.qname = name  # type: ignore[assignment]
+            mod.precision = p
+            mod.qseed = seed_i
+            mod.qname = name
         applied[name] = p
     for i, (parent, subs) in enumerate(sorted(mha.items())):
         mod = modules[parent]
         if not isinstance(mod, _QMHAMixin):
             mod.__class__ = _q_class(type(mod), _QMHAMixin)
-        mod.precisions = subs  # type: ignore[assignment]
-        mod.precision = Precision.fp32  # type: ignore[assignment]
-        mod.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF  # type: ignore[assignment]
-        mod.qname = parent  # type: ignore[assignment]
+        mod.precisions = subs
+        mod.precision = Precision.fp32
+        mod.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF
+        mod.qname = parent
     old = model.__dict__.pop("_qsync_dispatch", None)
     if old is not None:
         old.remove()

@@ -1,0 +1,133 @@
+"""The training data: one deterministic global batch per step, each rank's slice of it.
+
+Each step draws one deterministic global batch (seeded by ``config.seed`` and the step) of
+B = sum of every rank's ``batch_per_device``; rank r takes its contiguous slice (offset =
+the batches of the ranks before it, :func:`rank_slice`): an uneven sampler. digits_cnn and
+tiny_gpt use their real data; other workloads a seeded pool of synthetic samples; a user's
+model file with ``data()`` its own batches (:class:`GlobalBatches`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["GlobalBatches", "as_inputs", "batch_size_of", "rank_slice", "take", "to_device"]
+
+
+class GlobalBatches:
+    """Deterministic global batches (seeded by seed and step) and held-out batches.
+
+    A batch is ``(inputs, targets)``: ``inputs`` a tuple of positional tensors or (a user's
+    model with keyword inputs) a dict; ``targets`` a Tensor, or None for a user's model,
+    whose batch carries its own (:mod:`qsync_opt.user_model`). A user's file with ``data()``
+    gives the batches: step ``k`` is the ``k``-th batch of ``data(B, seed)`` (then of
+    ``data(B, seed + 1)`` ... when it ends), evaluation the first of ``data(B, seed +
+    EVAL_SEED_OFFSET)``.
+    """
+
+    def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
+        self.wl, self.seed, self.B = workload, seed, global_batch
+        self.kind = "synthetic"
+        self._stream: tuple[int, Iterator[Any]] | None = None
+        if getattr(workload, "user_data", None) is not None:
+            self.kind = "user"
+        elif workload.name == "digits_cnn":
+            from ..models.digits_cnn import load_digits_tensors, train_test_split
+
+            x, y = load_digits_tensors()
+            xtr, ytr, xte, yte = train_test_split(x, y, seed=0)
+            self.train: Any = ((xtr,), ytr, int(ytr.shape[0]))
+            self.test: Any = ((xte,), yte, int(yte.shape[0]))
+            self.kind = "digits"
+        elif workload.name == "tiny_gpt":
+            from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
+
+            self.train, self.test = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
+            self.seq = workload.seq_len or 128
+            self.kind = "text"
+        else:
+            n = max(4 * global_batch, 64)
+            self.train = (as_inputs(workload.make_inputs(n, torch.device("cpu"))),
+                          workload.make_targets(n, torch.device("cpu")), n)
+            self.test = self.train
+
+    def _gen(self, salt: int, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + salt * 7_919 + step)
+                                             & 0x7FFFFFFFFFFF)
+
+    def _draw(self, pool: Any, gen: torch.Generator, b: int) -> tuple[Any, Tensor | None]:
+        if self.kind == "text":
+            from ..models.tiny_gpt import sample_batch
+
+            xb, yb = sample_batch(pool, b, self.seq, gen)
+            return (xb,), yb
+        inputs, targets, n = pool
+        idx = (torch.randperm(n, generator=gen)[:b] if b <= n
+               else torch.randint(0, n, (b,), generator=gen))
+        return take(inputs, idx), (targets[idx] if targets is not None else None)
+
+    def batch(self, step: int) -> tuple[Any, Tensor | None]:
+        if self.kind == "user":
+            if self._stream is None or self._stream[0] > step:
+                self._stream = (0, self.wl.batches(self.B, None, self.seed))
+            pos, it = self._stream
+            for _ in range(step - pos):  # a resume: the batches before it are skipped
+                next(it)
+            self._stream = (step + 1, it)
+            return as_inputs(next(it)), None
+        return self._draw(self.train, self._gen(1, step), self.B)
+
+    def eval_batches(self, n: int) -> Iterator[tuple[Any, Tensor | None]]:
+        if self.kind == "user":
+            from ..user_model import EVAL_SEED_OFFSET
+
+            for b in self.wl.batches(self.B, n, self.seed + EVAL_SEED_OFFSET):
+                yield as_inputs(b), None
+            return
+        for i in range(n):
+            yield self._draw(self.test, self._gen(2, i), self.B)
+
+
+def as_inputs(batch: Any) -> Any:
+    """A user's batch as model inputs: a dict stays a dict, a Tensor is one positional
+    input, a list a tuple."""
+    if isinstance(batch, Tensor):
+        return (batch,)
+    return batch if isinstance(batch, dict) else tuple(batch)
+
+
+def take(inputs: Any, idx: Tensor) -> Any:
+    """Samples ``idx`` of every batched tensor (dicts and tuples kept)."""
+    from ..user_model import map_tensors
+
+    return map_tensors(lambda t: t[idx] if t.dim() > 0 else t, inputs)
+
+
+def batch_size_of(inputs: Any) -> int:
+    """Samples in a batch's inputs (dim 0 of its first batched tensor)."""
+    from ..user_model import named_inputs
+
+    for _, t in named_inputs(inputs):
+        if isinstance(t, Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return 1
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    from ..user_model import map_tensors
+
+    return map_tensors(lambda t: t.to(device), batch)
+
+
+def rank_slice(batch: tuple[Any, Tensor | None], offset: int, b: int
+               ) -> tuple[Any, Tensor | None]:
+    """Rank's contiguous samples ``offset .. offset+b`` of a global batch."""
+    from ..user_model import slice_batch
+
+    inputs, targets = batch
+    return (slice_batch(inputs, offset, b),
+            targets[offset:offset + b] if targets is not None else None)

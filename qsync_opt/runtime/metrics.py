@@ -1,0 +1,107 @@
+"""What a run reports: a JSON line per step per rank, the progress bar and the summary.
+
+``out_dir/metrics.rank{r}.jsonl`` holds one row per step of rank r (:func:`step_row`: step,
+rank, group, loss, step_ms, compute_ms, sync_ms, bytes_allreduced, skipped, loss_scale;
+accuracy for classification; ``state_sha256`` when asked). ``summary.json`` (and
+``summary.rank{r}.json``) hold the final result, written atomically as strict JSON
+(:func:`write_json`, non-finite numbers as null: :func:`clean`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MetricsWriter", "clean", "progress", "state_hash", "step_row", "write_json"]
+
+
+def state_hash(model: nn.Module) -> str:
+    """sha256 over the state_dict (names, dtypes, shapes, bytes), in key order."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        t = v.detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def step_row(*, step: int, rank: int, group: str, loss: float, compute_s: float,
+             sync_s: float, nbytes: int, skipped: bool, loss_scale: float,
+             accuracy: float | None = None, state_sha256: str | None = None
+             ) -> dict[str, Any]:
+    """One metrics row: times in ms (3 decimals), ``step_ms`` = compute + sync;
+    ``accuracy`` and ``state_sha256`` only when given."""
+    row: dict[str, Any] = {
+        "step": step, "rank": rank, "group": group, "loss": loss,
+        "step_ms": round((compute_s + sync_s) * 1000, 3),
+        "compute_ms": round(compute_s * 1000, 3), "sync_ms": round(sync_s * 1000, 3),
+        "bytes_allreduced": nbytes, "skipped": skipped, "loss_scale": loss_scale}
+    if accuracy is not None:
+        row["accuracy"] = accuracy
+    if state_sha256 is not None:
+        row["state_sha256"] = state_sha256
+    return row
+
+
+class MetricsWriter:
+    """Append-only JSON lines; on resume, lines of steps not covered by the checkpoint go."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            keep = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line).get("step", 0) < start_step:
+                        keep.append(line)
+                except json.JSONDecodeError:
+                    continue
+            from ..io import atomic_write_text
+
+            atomic_write_text(path, "".join(k + "\n" for k in keep))  # a kill keeps them
+        self.fh = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(row) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def progress(step: int, total: int, loss: float, enabled: bool) -> None:
+    """A one-line progress bar on stderr (nothing when not ``enabled``)."""
+    if not enabled:
+        return
+    width = 30
+    done = int(width * step / total)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.4f}")
+    if step == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def clean(x: Any) -> Any:
+    """NaN/inf as None so the summary is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    return x
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented, key-sorted JSON, written atomically."""
+    from ..io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
