@@ -25,8 +25,8 @@ from ..errors import QsyncInputError
 from ..precision import Precision
 from ..problem import AllocationProblem, Evaluation, GroupModel, evaluate
 from ..schemas import ClusterSpec, Plan, SolveReport
-from ._common import Stopwatch, finish
 from .base import SolveOptions
+from .common import Stopwatch, finish
 
 log = logging.getLogger(__name__)
 
