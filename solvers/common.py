@@ -286,11 +286,11 @@ def finish(
     opts: dict[str, Any] = options.to_json()
     opts.update(extra_options or {})
     clean = {k: v for k, v in opts.items() if v is None or isinstance(v, (str, int, float, bool))}
-    report = SolveReport(
-        solver=solver, status=status, mode=mode,  # type: ignore[arg-type]
+    report = SolveReport.model_validate(dict(
+        solver=solver, status=status, mode=mode,
         objective=objective, bound=bound, gap=gap, build_s=sw.build_s, solve_s=sw.solve_s,
         wall_s=sw.wall_s, n_variables=n_variables, n_constraints=n_constraints, options=clean,
-        messages=messages)
+        messages=messages))
     if plan is None and assignment is not None:
         plan = problem.make_plan(assignment, {
             "solver": solver, "status": status, "objective": objective, "bound": bound,

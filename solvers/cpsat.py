@@ -1,8 +1,12 @@
 """The exact program in OR-Tools CP-SAT (Boolean x and y, integer coefficients).
 
-The model is the one of :mod:`.ilp` (one-hot ``x``, pair variables ``y`` tied to ``x`` by
-their marginal rows, AND rows for derived units, the working set ``W`` as an integer
-variable), with every coefficient made an integer. The scaling is explicit:
+The model is a translation of :mod:`.formulation`'s program (one-hot ``x``, pair variables
+``y`` tied to ``x`` by their marginal rows, AND rows for derived units, the working set
+``W`` as an integer variable), in two steps: :func:`integer_group` turns each group's block
+of the formulation into integers (the rounding below, its scale factors and slacks kept in
+:class:`Scaling` and recorded in the report's options and messages), then
+:meth:`CpSat._build` writes the rows of the chosen groups, family by family (one-hot rows
+become ``add_exactly_one``). The scaling is explicit:
 
 * time in units of ``time_unit_ms``, a power of ten that puts the group budget between 1e8
   and 1e9 units; memory in units of ``mem_unit_bytes``, likewise for the smallest capacity.
@@ -342,6 +346,12 @@ def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
     return ig, t_slack, m_slack, obj_err
 
 
+def _chosen(solver: Any, row: Sequence[Any]) -> int:
+    """The index of the variable of a one-hot row that is 1 in the solver's solution."""
+    values = [solver.value(v) for v in row]
+    return max(range(len(values)), key=values.__getitem__)
+
+
 @dataclass
 class _Solved:
     status: str  # OPTIMAL, FEASIBLE, INFEASIBLE, TIME_LIMIT, ERROR
@@ -544,9 +554,7 @@ class CpSat:
             own = 0
             for gi in gis:
                 g = problem.groups[gi]
-                assignment[g.name] = [
-                    max(range(len(row)), key=lambda k, row=row: solver.value(row[k]))
-                    for row in xs[gi][:len(g.choices)]]
+                assignment[g.name] = [_chosen(solver, row) for row in xs[gi][:len(g.choices)]]
                 own += sum(r[k] for r, k in zip(ints[gi].obj1, assignment[g.name], strict=True))
             reported = solver.objective_value
         has_bound = status in ("OPTIMAL", "FEASIBLE", "TIME_LIMIT")
@@ -589,8 +597,9 @@ class CpSat:
                 sc.max_objective_error += oe
         workers = options.threads or "auto"  # default_workers(size of each program)
         messages.append(
-            f"integer scaling: time unit {sc.time_unit_ms:g} ms, memory unit "
-            f"{sc.mem_unit_bytes:g} B, objective x{sc.omega_scale:g}; the inner model rounds "
+            f"integer scaling (the formulation's {len(form.rows)} rows translated twice): "
+            f"time unit {sc.time_unit_ms:g} ms, memory unit {sc.mem_unit_bytes:g} B, "
+            f"objective x{sc.omega_scale:g} rounded to nearest; the inner model rounds "
             "costs up and bounds down (its plans are feasible in the exact model) and may "
             f"lose assignments within {sc.max_time_slack_ms:.3g} ms of the budget or "
             f"{sc.max_mem_slack_bytes:.3g} B of the capacity; the outer model (costs down, "

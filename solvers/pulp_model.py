@@ -146,10 +146,6 @@ def _objective_terms(form: Formulation, lpv: list[Any]) -> tuple[list[tuple[Any,
     return [(lpv[v], c * variables[v].unit / obj.scale) for v, c in obj.terms if c], 0.0
 
 
-def _coef(c: float, unit: float, scale: float) -> float:
-    return c / scale if unit == 1.0 else c * unit / scale
-
-
 def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
     """The PuLP model of ``form`` (see the module's docstring for the numerics)."""
     lp = pulp.LpProblem(name, pulp.LpMinimize)
@@ -166,10 +162,11 @@ def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
             v = add_var(var.name, var.lb / var.unit if var.unit != 1.0 else var.lb, var.ub)
         lpv.append(v)
     cons: list[Any] = []
-    variables = form.variables
+    units = [var.unit for var in form.variables]
     for row in form.rows:
         s = row.scale
-        terms = [(lpv[v], _coef(c, variables[v].unit, s)) for v, c in row.terms if c]
+        terms = [(lpv[v], c / s if units[v] == 1.0 else c * units[v] / s)
+                 for v, c in row.terms if c]
         rhs = row.rhs if s == 1.0 and not row.constant else (row.rhs - row.constant) / s
         con = LpConstraint(LpAffineExpression(terms), senses[row.sense], row.name, rhs)
         add_con(con)
@@ -258,7 +255,7 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _highs_class(pulp: Any) -> Any:
-    class _Highs(pulp.HiGHS):  # type: ignore[misc, name-defined]
+    class _Highs(pulp.HiGHS):
         """pulp's HiGHS, with the model passed to highspy in bulk (numpy arrays, not one
         column and row at a time), a warm start (highspy setSolution), the run timed apart
         from the transfer, and the model status and dual bound kept."""
@@ -299,7 +296,11 @@ def _highs_class(pulp: Any) -> Any:
                 h.changeColsIntegrality(
                     len(ints), np.array(ints, dtype=np.int32),
                     np.full(len(ints), int(highspy.HighsVarType.kInteger), dtype=np.uint8))
-            lower, upper, starts, index, value = [], [], [], [], []
+            lower: list[float] = []
+            upper: list[float] = []
+            starts: list[int] = []
+            index: list[int] = []
+            value: list[float] = []
             for i, con in enumerate(lp._constraints.values()):
                 con.index = i
                 starts.append(len(index))
