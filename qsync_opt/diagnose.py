@@ -5,11 +5,11 @@ group (with a fixed target the groups do not interact):
 
 * **memory**: even the assignment with the least memory does not fit the group's capacity.
   :func:`min_memory` finds that least memory exactly: a small integer program per group
-  (PuLP + HiGHS, or CBC) minimising the memory expression of the linear model (unary and pair
-  terms, derived units' AND rows, the working-set max ``W``), re-scored with
-  ``GroupModel.memory_bytes``;
+  (the formulation of :mod:`qsync_opt.solvers.formulation` with the memory as objective,
+  solved by HiGHS or CBC: unary and pair terms, derived units' AND rows, the working-set max
+  ``W``), re-scored with ``GroupModel.memory_bytes``;
 * **time**: even the fastest assignment that fits memory takes longer than the target
-  allows (``solvers.ilp.fastest_times``).
+  allows (``solvers.fastest.fastest_times``).
 
 :func:`explain` states both in lines a user can act on (resnet50, a batch of 384 on a T4)::
 
@@ -53,64 +53,39 @@ def _memory_upper_bound(g: GroupModel) -> float:
     return ub
 
 
-def _exact_backend() -> Any:
-    from .solvers.ilp import PulpIlp
+def _exact_backend() -> str:
+    from .solvers.pulp_model import available
 
     for name in ("highs", "cbc"):
-        b = PulpIlp(name)
-        if b.is_available():
-            return b
+        if available(name):
+            return name
     raise QsyncInputError("diagnose: no PuLP solver (HiGHS or CBC) is available")
 
 
-def _solve(backend: Any, prog: Any, time_limit_s: float) -> str:
-    from .solvers import SolveOptions
-    from .solvers._common import Stopwatch
-    from .solvers.ilp import pulp_module
-
-    # No gap at all: the least memory is reported as a bound the user can rely on.
-    opts = SolveOptions(rel_gap=0.0, extra={"highs": {"mip_abs_gap": 0.0},
-                                            "cbc": ["allowableGap 0"]})
-    out = backend._run(pulp_module(), prog, opts, time_limit_s, False, Stopwatch(), [])
-    return str(out.status)
-
-
-def _group_min_memory(g: GroupModel, gi: int, backend: Any, time_limit_s: float
+def _group_min_memory(g: GroupModel, gi: int, backend: str, time_limit_s: float
                       ) -> tuple[float, list[int]]:
-    from .solvers.ilp import Program, add_group, pulp_module, read_assignment
+    from .solvers import SolveOptions
+    from .solvers.common import Stopwatch
+    from .solvers.formulation import formulate_group
+    from .solvers.pulp_model import pulp_module, read_assignment, run, to_pulp
 
-    pulp = pulp_module()
-    n_real = len(g.choices)
-    if n_real == 0:
+    if not g.choices:
         return g.memory_bytes([]), []
     # The group's own rows, with a capacity no assignment reaches: its memory row never
     # binds, and the rows keep the scale of the real program (normalised to ~1).
     ub = _memory_upper_bound(g)
     loose = dataclasses.replace(g, capacity_bytes=ub * (1 + 1e-6) + 1.0)
-    lp = pulp.LpProblem(f"min_memory_{gi}", pulp.LpMinimize)
-    prog = Program(lp, [])
-    gv = add_group(pulp, prog, loose, gi, 1.0, min_time=True)  # no time row
-    prog.groups.append(gv)
-    ms = gv.mem_scale
-    terms: list[tuple[Any, float]] = []
-    for u, row in enumerate(gv.x):
-        for k, v in enumerate(row):
-            if g.mem1[u][k]:
-                terms.append((v, g.mem1[u][k] / ms))
-    for pi, y in gv.pairs:
-        p = g.pairs[pi]
-        for ka, yrow in enumerate(y):
-            for kb, v in enumerate(yrow):
-                if p.mem[ka][kb]:
-                    terms.append((v, p.mem[ka][kb] / ms))
-    terms.append((gv.w, 1.0))
-    lp.setObjective(pulp.LpAffineExpression(terms))
-    status = _solve(backend, prog, time_limit_s)
+    pulp = pulp_module()
+    prog = to_pulp(pulp, formulate_group(loose, gi, objective="memory"), f"min_memory_{gi}")
+    # No gap at all: the least memory is reported as a bound the user can rely on.
+    opts = SolveOptions(rel_gap=0.0, extra={"highs": {"mip_abs_gap": 0.0},
+                                            "cbc": ["allowableGap 0"]})
+    status = run(pulp, prog, backend, opts, time_limit_s, False, Stopwatch(), []).status
     if status != "OPTIMAL":
         raise QsyncInputError(
             f"diagnose: the least-memory program of group {g.name} ended {status} "
-            f"({backend.name}); no exact minimum")
-    a = read_assignment(gv, n_real)
+            f"({backend}); no exact minimum")
+    a = read_assignment(prog.groups[0])
     return g.memory_bytes(a), a
 
 
@@ -132,9 +107,9 @@ def _fastest(problem: AllocationProblem, time_limit_s: float,
              skip: frozenset[str] = frozenset()) -> dict[str, tuple[float, list[int]] | None]:
     """Per group the least time over memory-feasible assignments and one reaching it (None:
     none, or the group is in ``skip``, known not to fit)."""
-    from .solvers.ilp import fastest_plans
+    from .solvers.fastest import fastest_plans
 
-    return fastest_plans(problem, _exact_backend().backend, time_limit_s, skip)
+    return fastest_plans(problem, _exact_backend(), time_limit_s, skip)
 
 
 # --------------------------------------------------------------------------- pinned ops
@@ -314,7 +289,7 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
     blocking group, the pinned ops that weigh most in its least-memory (or fastest) plan,
     with their share.
     """
-    from .solvers.ilp import FEAS_REL
+    from .solvers.common import FEAS_REL
 
     mins = min_memory(problem, time_limit_s=time_limit_s)
     too_big = frozenset(g.name for g in problem.groups
@@ -390,7 +365,7 @@ def precheck(problem: AllocationProblem, check: str = "target", *,
     target; the default one falls back to the lexicographic mode when out of reach).
     Without a PuLP solver only ``"fixed"`` is checked.
     """
-    from .solvers.ilp import FEAS_REL
+    from .solvers.common import FEAS_REL
 
     if check not in PRECHECKS:
         raise QsyncInputError(f"check: expected one of {', '.join(PRECHECKS)}, got {check!r}")

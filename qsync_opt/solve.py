@@ -20,8 +20,8 @@ from .graph import trace
 from .io import load
 from .problem import AllocationProblem, Evaluation, ProblemOptions, evaluate
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
-from .solvers import SolveOptions, _common, get_backend, registry
-from .solvers._common import Deadline, mode_text, objective_scale
+from .solvers import SolveOptions, common, get_backend, registry
+from .solvers.common import Deadline, mode_text, objective_scale
 from .units import GIB, fmt_bytes
 
 #: Per-device batch at which the indicator runs on this CPU when none is given.
@@ -71,7 +71,7 @@ class _Call:
     def child(self, seconds: float) -> _Call:
         """A call ending after ``seconds`` or with this one, whichever is first."""
         sub = Deadline(self.deadline.seconds)
-        sub.end = min(self.deadline.end, _common.clock() + max(seconds, 0.0))
+        sub.end = min(self.deadline.end, common.clock() + max(seconds, 0.0))
         return _Call(sub, self.reach)
 
 
@@ -232,7 +232,7 @@ def _time_limit(problem: AllocationProblem, solver: str, report: SolveReport,
     """No plan within the call's time limit: say so, with the best bound found."""
     scale, _, low = objective_scale(problem)
     bound = report.bound if report.bound is not None else low
-    trivial = abs(bound - low) <= _common.ZERO_REL * max(scale, 1e-300)
+    trivial = abs(bound - low) <= common.ZERO_REL * max(scale, 1e-300)
     msg = (f"{solver}: no plan found within {call.limit_s:g} s (the time limit of the whole "
            f"solve; status TIME_LIMIT, not infeasible; best bound on the degradation "
            f"{bound:.6g}" + (" (the trivial one: every op at its least Omega)" if trivial

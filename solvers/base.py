@@ -5,7 +5,11 @@ registry that imports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..problem import AllocationProblem
+    from ..schemas import Plan, SolveReport
 
 
 @dataclass(frozen=True)
@@ -46,4 +50,7 @@ class Backend(Protocol):
 
     def is_available(self) -> bool: ...
 
-    def solve(self, problem: Any, options: SolveOptions) -> tuple[Any, Any]: ...
+    def solve(self, problem: AllocationProblem, options: SolveOptions
+              ) -> tuple[Plan | None, SolveReport]:
+        """The plan (None when there is none) and the report of one solve."""
+        ...

@@ -25,8 +25,8 @@ from ..errors import QsyncInputError
 from ..precision import Precision
 from ..problem import AllocationProblem, Evaluation, GroupModel, evaluate
 from ..schemas import ClusterSpec, Plan, SolveReport
-from ._common import Stopwatch, finish
 from .base import SolveOptions
+from .common import Stopwatch, finish
 
 log = logging.getLogger(__name__)
 
@@ -301,13 +301,18 @@ class _Split:
         if not cands:
             return None
 
+        def batches(j: int) -> list[int]:
+            got = self._with(w, cands[j])
+            assert got is not None  # (cands holds only the batches that fill)
+            return got
+
         def at(j: int) -> tuple[list[float], list[bool], float]:
-            return self.score(self._with(w, cands[j]))  # type: ignore[arg-type]
+            return self.score(batches(j))
 
         # The other group's time grows with its batch and the absorber's shrinks.
         first = _first_true(0, len(cands), lambda j: at(j)[0][w] > at(j)[0][a])
         near = [j for j in (first - 1, first) if 0 <= j < len(cands)]
-        j = min(near, key=lambda k: self._rank(self._with(w, cands[k])))  # type: ignore[arg-type]
+        j = min(near, key=lambda k: self._rank(batches(k)))
         fits = at(j)[1]
         if not fits[w]:
             # Its memory grows with its batch: the largest smaller batch that fits.

@@ -1,8 +1,12 @@
 """The exact program in OR-Tools CP-SAT (Boolean x and y, integer coefficients).
 
-The model is the one of :mod:`.ilp` (one-hot ``x``, pair variables ``y`` tied to ``x`` by
-their marginal rows, AND rows for derived units, the working set ``W`` as an integer
-variable), with every coefficient made an integer. The scaling is explicit:
+The model is a translation of :mod:`.formulation`'s program (one-hot ``x``, pair variables
+``y`` tied to ``x`` by their marginal rows, AND rows for derived units, the working set
+``W`` as an integer variable), in two steps: :func:`integer_group` turns each group's block
+of the formulation into integers (the rounding below, its scale factors and slacks kept in
+:class:`Scaling` and recorded in the report's options and messages), then
+:meth:`CpSat._build` writes the rows of the chosen groups, family by family (one-hot rows
+become ``add_exactly_one``). The scaling is explicit:
 
 * time in units of ``time_unit_ms``, a power of ten that puts the group budget between 1e8
   and 1e9 units; memory in units of ``mem_unit_bytes``, likewise for the smallest capacity.
@@ -47,13 +51,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import QsyncInputError
-from ..problem import AllocationProblem, GroupModel
+from ..problem import AllocationProblem
 from ..schemas import Plan, SolveReport
-from . import _common
-from ._common import (
+from . import common
+from .base import SolveOptions
+from .common import (
+    FEAS_REL,
+    MAX_RESCALES,
     Deadline,
     PartResult,
     Stopwatch,
+    check_numbers,
+    exact_violation,
+    excluded_choices,
     finish,
     infeasible_messages,
     mode_text,
@@ -62,20 +72,8 @@ from ._common import (
     program_parts,
     solve_parts,
 )
-from .base import SolveOptions
-from .ilp import (
-    FEAS_REL,
-    MAX_RESCALES,
-    active_pairs,
-    check_numbers,
-    complete,
-    derived_rows,
-    exact_violation,
-    excluded_choices,
-    ext_choices,
-    start_hints,
-    work_rows,
-)
+from .formulation import Block, Formulation, formulate
+from .warmstart import start_hints
 
 #: Target range of the scaled budget / capacity (units) and of the scaled objective total.
 _UNITS_LOW = 1e8
@@ -166,7 +164,9 @@ class _IntGroup:
     mem_rhs: int  # floor(capacity) - ceil(mem0)
     obj_min: float  # the least possible exact objective (sum of row minima), a trivial bound
     obj_err: float  # max |scaled / omega_scale - exact| over the group's assignments
-    forbid: frozenset[tuple[int, int]] = frozenset()  # (unit, choice) fixed to 0
+    forbid: frozenset[tuple[int, int]]  # (unit, choice) fixed to 0
+    form: Formulation  # what was translated
+    block: Block
 
 
 def scaling_for(problem: AllocationProblem, units: float = _UNITS_LOW) -> Scaling:
@@ -198,19 +198,6 @@ def _omega_scale(total: float) -> float:
                                         math.floor(math.log10(_OBJECTIVE_MAX / total))))
 
 
-def _time_max(g: GroupModel) -> float:
-    """The most time any assignment of ``g`` takes (each term at its largest)."""
-    return (g.time0 + sum(max(r) for r in g.time1 if r)
-            + sum(max(max(row) for row in p.time) for p in g.pairs if p.time and p.time[0]))
-
-
-def _memory_max(g: GroupModel) -> float:
-    """The most memory any assignment of ``g`` takes (each term at its largest)."""
-    return (g.mem0 + sum(max(r) for r in g.mem1 if r)
-            + sum(max(max(row) for row in p.mem) for p in g.pairs if p.mem and p.mem[0])
-            + max([g.work0] + [max(r) for r in g.work1 if r]))
-
-
 def _never_binding(bound: float, most: float, unit: float) -> float:
     """``bound``, or, when it exceeds ``most`` (what any assignment reaches) by far, a value
     just above ``most``: the row then accepts every assignment either way."""
@@ -219,19 +206,73 @@ def _never_binding(bound: float, most: float, unit: float) -> float:
     return bound
 
 
-def integer_group(g: GroupModel, budget: float, sc: Scaling, outer: bool = False,
-                  forbid: frozenset[tuple[int, int]] = frozenset()
+@dataclass
+class _Numbers:
+    """One block's coefficients read back from the formulation, per unit and pair (the
+    layout the rounding works on): exact, in ms and bytes."""
+
+    name: str
+    capacity_bytes: float
+    weight_omega: list[list[float]]  # real units: w * Omega
+    time0: float
+    time1: list[list[float]]
+    mem0: float
+    mem1: list[list[float]]
+    pairs: list[tuple[int, list[list[float]], list[list[float]]]]  # active pairs only
+    work0: float
+    work1: dict[int, list[float]]  # the working-set rows
+
+
+def block_numbers(form: Formulation, b: Block) -> _Numbers:
+    """The coefficients of block ``b``'s rows and objective, by unit and pair."""
+    if b.time_row is None:
+        raise ValueError("CP-SAT translates the degradation objective with its time row")
+    trow, mrow = form.rows[b.time_row], form.rows[b.mem_row]
+    tc, mc, oc = dict(trow.terms), dict(mrow.terms), dict(form.objective.terms)
+    unit_of = {v: u for u, row in enumerate(b.x) for v in row}
+    work1: dict[int, list[float]] = {}
+    for ri in b.rows:
+        r = form.rows[ri]
+        if r.family == "working_set":
+            u = unit_of[r.terms[0][0]]
+            work1[u] = [-c for _, c in r.terms[:-1]]
+    return _Numbers(
+        b.group.name, mrow.rhs, [[oc[v] for v in b.x[u]] for u in range(b.n_real)],
+        trow.constant, [[tc[v] for v in row] for row in b.x], mrow.constant,
+        [[mc[v] for v in row] for row in b.x],
+        [(pi, [[tc[v] for v in yrow] for yrow in y], [[mc[v] for v in yrow] for yrow in y])
+         for pi, y in b.pairs],
+        form.variables[b.w].lb, work1)
+
+
+def _time_max(n: _Numbers) -> float:
+    """The most time any assignment takes (each term at its largest)."""
+    return (n.time0 + sum(max(r) for r in n.time1 if r)
+            + sum(max(max(row) for row in pt) for _, pt, _ in n.pairs if pt and pt[0]))
+
+
+def _memory_max(n: _Numbers) -> float:
+    """The most memory any assignment takes (each term at its largest)."""
+    return (n.mem0 + sum(max(r) for r in n.mem1 if r)
+            + sum(max(max(row) for row in pm) for _, _, pm in n.pairs if pm and pm[0])
+            + max([n.work0] + [max(r) for r in n.work1.values() if r]))
+
+
+def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
                   ) -> tuple[_IntGroup, float, float, float]:
-    """The group's integer coefficients and its time slack (ms), memory slack (bytes) and
-    objective error bound.
+    """The translation of block ``b`` of ``form`` into integers: its coefficients and its
+    time slack (ms), memory slack (bytes) and objective error bound.
 
     ``outer=False`` (the inner model): costs rounded up, budget and capacity down, so every
     assignment it accepts is feasible in the exact model; the slacks bound what it may lose.
     ``outer=True``: costs rounded down, bounds (with the tolerance ``FEAS_REL``) up, so it
     accepts every exactly feasible assignment (a relaxation: its optimum bounds the exact
-    one); the slacks are then meaningless (returned as 0). ``forbid``: (unit, choice) pairs
-    fixed to 0 (no plan better than a known one takes them); their Omega is not counted.
+    one); the slacks are then meaningless (returned as 0). The block's forbidden choices
+    (fixed to 0: no plan better than a known one takes them) have no Omega counted.
     """
+    g = block_numbers(form, b)
+    budget = form.rows[b.time_row].rhs if b.time_row is not None else form.budget
+    forbid = b.forbid
     tu, mu, s = sc.time_unit_ms, sc.mem_unit_bytes, sc.omega_scale
     # A capacity above the most memory any assignment can take never binds: it is replaced
     # by that most (plus a margin), exactly, so a huge capacity beside a small one (whose
@@ -263,30 +304,29 @@ def integer_group(g: GroupModel, budget: float, sc: Scaling, outer: bool = False
         m_slack += max(sign * (r * mu - v) for r, v in zip(mr, g.mem1[u], strict=True))
         time1.append(tr)
         mem1.append(mr)
-        if u < len(g.choices):
-            exact = [g.weight * v for v in g.omega1[u]]
+        if u < len(g.weight_omega):
+            exact = g.weight_omega[u]
             orow = [0 if (u, k) in forbid else round(v * s) for k, v in enumerate(exact)]
             allowed = [k for k in range(len(exact)) if (u, k) not in forbid]
             obj_err += max(abs(orow[k] / s - exact[k]) for k in allowed)
             obj_min += min(exact[k] for k in allowed)
             obj1.append(orow)
     pairs = []
-    for pi in active_pairs(g):
-        p = g.pairs[pi]
-        pt = [[cost(v, tu, gt) for v in row] for row in p.time]
-        pm = [[cost(v, mu, gm) for v in row] for row in p.mem]
-        t_slack += max(sign * (r * tu - v) for rr, vv in zip(pt, p.time, strict=True)
+    for pi, p_time, p_mem in g.pairs:
+        pt = [[cost(v, tu, gt) for v in row] for row in p_time]
+        pm = [[cost(v, mu, gm) for v in row] for row in p_mem]
+        t_slack += max(sign * (r * tu - v) for rr, vv in zip(pt, p_time, strict=True)
                        for r, v in zip(rr, vv, strict=True))
-        m_slack += max(sign * (r * mu - v) for rr, vv in zip(pm, p.mem, strict=True)
+        m_slack += max(sign * (r * mu - v) for rr, vv in zip(pm, p_mem, strict=True)
                        for r, v in zip(rr, vv, strict=True))
         pairs.append((pi, pt, pm))
     w0 = cost(g.work0, mu, gm)
     w_over = sign * (w0 * mu - g.work0)
     work1 = {}
-    for u in work_rows(g):
-        row = [cost(v, mu, gm) for v in g.work1[u]]
+    for u, exact_row in g.work1.items():
+        row = [cost(v, mu, gm) for v in exact_row]
         w_over = max(w_over, max(sign * (r * mu - v)
-                                 for r, v in zip(row, g.work1[u], strict=True)))
+                                 for r, v in zip(row, exact_row, strict=True)))
         work1[u] = row
     m_slack += w_over
     # CP-SAT checks that no linear row can overflow int64: refuse such rows here, by name.
@@ -300,10 +340,16 @@ def integer_group(g: GroupModel, budget: float, sc: Scaling, outer: bool = False
                 "problem's scale (costs far above the budget or capacity); highs or cbc "
                 "solve it in floating point")
     ig = _IntGroup(time1, mem1, obj1, pairs, w0, work1, t_cap - t0, m_cap - m0, obj_min,
-                   obj_err, frozenset(forbid))
+                   obj_err, frozenset(forbid), form, b)
     if outer:
         return ig, 0.0, 0.0, obj_err
     return ig, t_slack, m_slack, obj_err
+
+
+def _chosen(solver: Any, row: Sequence[Any]) -> int:
+    """The index of the variable of a one-hot row that is 1 in the solver's solution."""
+    values = [solver.value(v) for v in row]
+    return max(range(len(values)), key=values.__getitem__)
 
 
 @dataclass
@@ -314,8 +360,8 @@ class _Solved:
     name: str  # CP-SAT's status name
     wall_s: float
     own: int | None = None  # the assignment's scaled objective, recomputed
-    reported: float | None = None  # CP-SAT's ObjectiveValue()
-    scaled_bound: float | None = None  # CP-SAT's BestObjectiveBound()
+    reported: float | None = None  # CP-SAT's objective_value
+    scaled_bound: float | None = None  # CP-SAT's best_objective_bound
 
 
 #: Programs at most this large (variables) run on one CP-SAT worker by default: measured on
@@ -347,6 +393,10 @@ class CpSat:
     def _build(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
                ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None
                ) -> tuple[Any, dict[int, list[list[Any]]], int, int]:
+        """The CP-SAT model of the groups ``gis``: each group's block of the formulation,
+        row by row, with its integer coefficients (``ints``). One-hot rows become
+        ``add_exactly_one``, a forbidden choice an equality to 0, the working set ``W`` an
+        integer variable in memory units."""
         model = cp_model.CpModel()
         LinearExpr = cp_model.LinearExpr
         xs: dict[int, list[list[Any]]] = {}
@@ -354,75 +404,73 @@ class CpSat:
         obj_coefs: list[int] = []
         n_vars = n_cons = 0
         for gi in gis:
-            g, ig = problem.groups[gi], ints[gi]
-            hint = complete(g, hints[g.name]) if hints is not None else None
-            x = [[model.NewBoolVar(f"x{gi}_{u}_{k}") for k in range(len(ch))]
-                 for u, ch in enumerate(ext_choices(g))]
-            n_real = len(g.choices)
-            xs[gi] = x
-            t_vars: list[Any] = []
-            t_coefs: list[int] = []
-            m_vars: list[Any] = []
-            m_coefs: list[int] = []
-            for u, row in enumerate(x):
-                n_vars += len(row)
-                model.AddExactlyOne(row)
-                n_cons += 1
-                for k, v in enumerate(row):
-                    if ig.time1[u][k]:
-                        t_vars.append(v)
-                        t_coefs.append(ig.time1[u][k])
-                    if ig.mem1[u][k]:
-                        m_vars.append(v)
-                        m_coefs.append(ig.mem1[u][k])
-                    if u < n_real and ig.obj1[u][k]:
-                        obj_vars.append(v)
-                        obj_coefs.append(ig.obj1[u][k])
-                    if (u, k) in ig.forbid:
-                        model.Add(v == 0)
-                        n_cons += 1
-                    if hint is not None:
-                        model.AddHint(v, 1 if hint[u] == k else 0)
-            # Derived units: x[d,k] = AND_i (input i gives k's dtype).
-            for d, k, inputs in derived_rows(g):
-                sums = [[x[u][j] for u, j in opts] for opts in inputs]
-                for terms in sums:
-                    model.Add(x[d][k] <= LinearExpr.Sum(terms))
-                model.Add(x[d][k] >= LinearExpr.Sum([v for t in sums for v in t])
-                          - (len(inputs) - 1))
-                n_cons += len(inputs) + 1
-            for pi, pt, pm in ig.pairs:
-                p = g.pairs[pi]
-                xa, xb = x[p.a], x[p.b]
-                y = [[model.NewBoolVar(f"y{gi}_{pi}_{ka}_{kb}") for kb in range(len(xb))]
-                     for ka in range(len(xa))]
-                n_vars += len(xa) * len(xb)
-                for ka, yrow in enumerate(y):
-                    model.Add(LinearExpr.Sum(yrow) == xa[ka])
-                    for kb, v in enumerate(yrow):
-                        if pt[ka][kb]:
-                            t_vars.append(v)
-                            t_coefs.append(pt[ka][kb])
-                        if pm[ka][kb]:
-                            m_vars.append(v)
-                            m_coefs.append(pm[ka][kb])
-                        if hint is not None:
-                            model.AddHint(v, 1 if (hint[p.a] == ka and hint[p.b] == kb) else 0)
-                for kb in range(len(xb)):
-                    model.Add(LinearExpr.Sum([y[ka][kb] for ka in range(len(xa))]) == xb[kb])
-                n_cons += len(xa) + len(xb)
+            ig = ints[gi]
+            form, b = ig.form, ig.block
+            variables = form.variables
             w_hi = max([ig.work0] + [max(r) for r in ig.work1.values()])
-            w = model.NewIntVar(ig.work0, w_hi, f"w{gi}")
-            n_vars += 1
-            for u, row in ig.work1.items():
-                model.Add(w >= LinearExpr.WeightedSum(x[u], row))
-                n_cons += 1
-            m_vars.append(w)
-            m_coefs.append(1)
-            model.Add(LinearExpr.WeightedSum(t_vars, t_coefs) <= ig.time_rhs)
-            model.Add(LinearExpr.WeightedSum(m_vars, m_coefs) <= ig.mem_rhs)
-            n_cons += 2
-        model.Minimize(LinearExpr.WeightedSum(obj_vars, obj_coefs))
+            cv: dict[int, Any] = {}
+            for i in range(b.x[0][0] if b.x else b.w, b.w + 1):
+                var = variables[i]
+                cv[i] = (model.new_int_var(ig.work0, w_hi, var.name) if i == b.w
+                         else model.new_bool_var(var.name))
+            n_vars += len(cv)
+            x = [[cv[v] for v in row] for row in b.x]
+            xs[gi] = x
+            # the integer coefficients by variable, for the time, memory and objective rows
+            t_int: dict[int, int] = {}
+            m_int: dict[int, int] = {}
+            for u, row in enumerate(b.x):
+                for k, v in enumerate(row):
+                    t_int[v], m_int[v] = ig.time1[u][k], ig.mem1[u][k]
+                    if u < b.n_real and ig.obj1[u][k]:
+                        obj_vars.append(cv[v])
+                        obj_coefs.append(ig.obj1[u][k])
+            for (_, y), (_, pt, pm) in zip(b.pairs, ig.pairs, strict=True):
+                for ka, yrow in enumerate(y):
+                    for kb, v in enumerate(yrow):
+                        t_int[v], m_int[v] = pt[ka][kb], pm[ka][kb]
+            m_int[b.w] = 1
+            unit_of = {v: u for u, row in enumerate(b.x) for v in row}
+            for ri in b.rows:
+                r = form.rows[ri]
+                fam = r.family
+                if fam == "one_hot":
+                    model.add_exactly_one([cv[v] for v, _ in r.terms])
+                    n_cons += 1
+                    for v, _ in r.terms:
+                        if variables[v].ub == 0.0:
+                            model.add(cv[v] == 0)
+                            n_cons += 1
+                elif fam == "derived_and":  # sum S_i - x[d,k] >= 0
+                    model.add(cv[r.terms[-1][0]] <= LinearExpr.sum(
+                        [cv[v] for v, _ in r.terms[:-1]]))
+                    n_cons += 1
+                elif fam == "derived_all":  # sum_i S_i - x[d,k] <= n - 1
+                    model.add(cv[r.terms[-1][0]] >= LinearExpr.sum(
+                        [cv[v] for v, _ in r.terms[:-1]]) - int(r.rhs))
+                    n_cons += 1
+                elif fam in ("pair_a", "pair_b"):  # sum y - x = 0
+                    model.add(LinearExpr.sum([cv[v] for v, _ in r.terms[:-1]])
+                              == cv[r.terms[-1][0]])
+                    n_cons += 1
+                elif fam == "working_set":  # W - sum work1 x >= 0
+                    u = unit_of[r.terms[0][0]]
+                    model.add(cv[b.w] >= LinearExpr.weighted_sum(x[u], ig.work1[u]))
+                    n_cons += 1
+                elif fam in ("time", "memory"):
+                    coefs = t_int if fam == "time" else m_int
+                    terms = [(cv[v], coefs[v]) for v, _ in r.terms if coefs[v]]
+                    rhs = ig.time_rhs if fam == "time" else ig.mem_rhs
+                    model.add(LinearExpr.weighted_sum([v for v, _ in terms],
+                                                      [c for _, c in terms]) <= rhs)
+                    n_cons += 1
+                else:  # pragma: no cover - a family this translation does not know
+                    raise ValueError(f"cpsat: no translation of the row family {fam!r}")
+            if hints is not None:
+                point = form.point({b.group.name: hints[b.group.name]})
+                for v in range(b.x[0][0] if b.x else b.w, b.w):
+                    model.add_hint(cv[v], int(point[v]))
+        model.minimize(LinearExpr.weighted_sum(obj_vars, obj_coefs))
         return model, xs, n_vars, n_cons
 
     def _solve_once(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
@@ -430,17 +478,17 @@ class CpSat:
                     options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch,
                     messages: list[str] | None = None) -> tuple[_Solved, int, int]:
         """One CP-SAT run; its solution is checked against CP-SAT's own report (the scaled
-        objective of the returned assignment must equal ``ObjectiveValue()``, and an OPTIMAL
+        objective of the returned assignment must equal ``objective_value``, and an OPTIMAL
         one must lie within the gap of the bound). On a mismatch with hints it is re-solved
         without them; without hints the plan is kept as FEASIBLE and the bound dropped."""
-        t_end = _common.clock() + max(time_limit, 0.0)
+        t_end = common.clock() + max(time_limit, 0.0)
         solved, nv, nc = self._solve_raw(cp_model, problem, gis, ints, hints, options,
                                          t_end, sc, sw)
         why = self._inconsistency(solved, options.rel_gap)
         if why is None:
             return solved, nv, nc
         tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-        if hints is not None and t_end - _common.clock() > 0:
+        if hints is not None and t_end - common.clock() > 0:
             if messages is not None:
                 messages.append(f"{tag}: CP-SAT reported {solved.name}, but {why}; re-solved "
                                 "without the hints")
@@ -472,11 +520,11 @@ class CpSat:
                    ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None,
                    options: SolveOptions, t_end: float, sc: Scaling, sw: Stopwatch
                    ) -> tuple[_Solved, int, int]:
-        """Build and run CP-SAT until ``t_end`` (a :data:`_common.clock` time); nothing is
+        """Build and run CP-SAT until ``t_end`` (a :data:`common.clock` time); nothing is
         run when building used up the time (status TIME_LIMIT)."""
         with sw.building():
             model, xs, nv, nc = self._build(cp_model, problem, gis, ints, hints)
-        time_limit = t_end - _common.clock()
+        time_limit = t_end - common.clock()
         if not time_limit > 0:
             return _Solved("TIME_LIMIT", None, -math.inf, "not run (no time left)", 0.0), nv, nc
         solver = cp_model.CpSolver()
@@ -493,8 +541,8 @@ class CpSat:
         for k, v in options.extra.get("cpsat", {}).items():  # raw CP-SAT parameters
             setattr(prm, k, v)
         with sw.solving():
-            st = solver.Solve(model)
-        name = solver.StatusName(st)
+            st = solver.solve(model)
+        name = solver.status_name(st)
         status = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
                   cp_model.INFEASIBLE: "INFEASIBLE", cp_model.UNKNOWN: "TIME_LIMIT"
                   }.get(st, "ERROR")
@@ -506,17 +554,15 @@ class CpSat:
             own = 0
             for gi in gis:
                 g = problem.groups[gi]
-                assignment[g.name] = [
-                    max(range(len(row)), key=lambda k, row=row: solver.Value(row[k]))
-                    for row in xs[gi][:len(g.choices)]]
+                assignment[g.name] = [_chosen(solver, row) for row in xs[gi][:len(g.choices)]]
                 own += sum(r[k] for r, k in zip(ints[gi].obj1, assignment[g.name], strict=True))
-            reported = solver.ObjectiveValue()
+            reported = solver.objective_value
         has_bound = status in ("OPTIMAL", "FEASIBLE", "TIME_LIMIT")
-        raw_bound = solver.BestObjectiveBound() if has_bound else None
+        raw_bound = solver.best_objective_bound if has_bound else None
         bound = raw_bound / sc.omega_scale if raw_bound is not None else -math.inf
         if status == "ERROR":
-            name += f" ({model.Validate()})"
-        return _Solved(status, assignment, bound, name, solver.WallTime(), own, reported,
+            name += f" ({model.validate()})"
+        return _Solved(status, assignment, bound, name, solver.wall_time, own, reported,
                        raw_bound), nv, nc
 
     def solve(self, problem: AllocationProblem, options: SolveOptions
@@ -539,33 +585,35 @@ class CpSat:
         budget = problem.group_budget_ms()
         with sw.building():
             sc = scaling_for(problem, float(options.extra.get("cpsat_units", _UNITS_LOW)))
+            form = formulate(problem)
             inner: dict[int, _IntGroup] = {}
             outer: dict[int, _IntGroup] = {}
-            for gi, g in enumerate(problem.groups):
-                ig, ts, ms, oe = integer_group(g, budget, sc)
-                inner[gi] = ig
-                outer[gi] = integer_group(g, budget, sc, outer=True)[0]
+            for b in form.blocks:
+                ig, ts, ms, oe = integer_group(form, b, sc)
+                inner[b.gi] = ig
+                outer[b.gi] = integer_group(form, b, sc, outer=True)[0]
                 sc.max_time_slack_ms = max(sc.max_time_slack_ms, ts)
                 sc.max_mem_slack_bytes = max(sc.max_mem_slack_bytes, ms)
                 sc.max_objective_error += oe
         workers = options.threads or "auto"  # default_workers(size of each program)
         messages.append(
-            f"integer scaling: time unit {sc.time_unit_ms:g} ms, memory unit "
-            f"{sc.mem_unit_bytes:g} B, objective x{sc.omega_scale:g}; the inner model rounds "
+            f"integer scaling (the formulation's {len(form.rows)} rows translated twice): "
+            f"time unit {sc.time_unit_ms:g} ms, memory unit {sc.mem_unit_bytes:g} B, "
+            f"objective x{sc.omega_scale:g} rounded to nearest; the inner model rounds "
             "costs up and bounds down (its plans are feasible in the exact model) and may "
             f"lose assignments within {sc.max_time_slack_ms:.3g} ms of the budget or "
             f"{sc.max_mem_slack_bytes:.3g} B of the capacity; the outer model (costs down, "
             f"bounds up) gives the bound; objective error <= {sc.max_objective_error:.3g}")
         parts = program_parts(problem, options, messages)
         if hints is not None:
-            messages.append("warm start: hints given to CP-SAT (AddHint)")
+            messages.append("warm start: hints given to CP-SAT (add_hint)")
 
         def solve_with(gis: Sequence[int], limit: float,
                        start: Mapping[str, Sequence[int]] | None,
                        inner: Mapping[int, _IntGroup], outer: Mapping[int, _IntGroup],
                        sc: Scaling) -> PartResult:
             tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            t_end = _common.clock() + max(limit, 0.0)
+            t_end = common.clock() + max(limit, 0.0)
             seed0 = start if start is not None else hints
             err = sum(inner[gi].obj_err for gi in gis)
             obj_min = sum(inner[gi].obj_min for gi in gis)
@@ -591,7 +639,7 @@ class CpSat:
                 # 2. The inner model: every solution is feasible in the exact model.
                 seed = out.assignment or seed0
                 res, _, _ = self._solve_once(cp_model, problem, gis, inner, seed, options,
-                                             t_end - _common.clock(), sc, sw, messages)
+                                             t_end - common.clock(), sc, sw, messages)
                 if res.assignment is None:
                     if res.status == "INFEASIBLE":
                         messages.append(
@@ -632,7 +680,7 @@ class CpSat:
             the plan's objective: Omegas of very different sizes) is re-solved without the
             choices no better plan takes, on an objective scale fitted to what is left."""
             tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            t_end = _common.clock() + max(limit, 0.0)
+            t_end = common.clock() + max(limit, 0.0)
             res = solve_with(gis, limit, start, inner, outer, sc)
             ints = inner
             forbid: dict[int, frozenset[tuple[int, int]]] | None = None
@@ -647,7 +695,7 @@ class CpSat:
                        f"relative gap {options.rel_gap:g} of the plan's objective {obj:.6g} "
                        "(Omegas of very different sizes)")
                 new = excluded_choices(problem, gis, res.assignment)
-                if new == forbid or _common.clock() >= t_end or rnd == MAX_RESCALES:
+                if new == forbid or common.clock() >= t_end or rnd == MAX_RESCALES:
                     messages.append(f"{tag}: CP-SAT's plan is OPTIMAL in integers, but {why}; "
                                     "status FEASIBLE")
                     res = dataclasses.replace(res, status="FEASIBLE",
@@ -660,15 +708,15 @@ class CpSat:
                             for gi in gis for g in [problem.groups[gi]]
                             for u, row in enumerate(g.omega1) if row)
                 sc_p = dataclasses.replace(sc, omega_scale=_omega_scale(total))
-                ints = {gi: integer_group(problem.groups[gi], budget, sc_p,
-                                          forbid=forbid[gi])[0] for gi in gis}
-                ints_out = {gi: integer_group(problem.groups[gi], budget, sc_p, outer=True,
-                                              forbid=forbid[gi])[0] for gi in gis}
+                form_p = formulate(problem, gis, forbid=forbid)
+                ints = {b.gi: integer_group(form_p, b, sc_p)[0] for b in form_p.blocks}
+                ints_out = {b.gi: integer_group(form_p, b, sc_p, outer=True)[0]
+                            for b in form_p.blocks}
                 n_out = sum(len(v) for v in forbid.values())
                 messages.append(f"{tag}: {why}; re-solved without the {n_out} choice(s) whose "
                                 "Omega alone exceeds the plan's (no better plan takes them), "
                                 f"objective x{sc_p.omega_scale:g}")
-                res2 = solve_with(gis, t_end - _common.clock(), res.assignment, ints, ints_out,
+                res2 = solve_with(gis, t_end - common.clock(), res.assignment, ints, ints_out,
                                   sc_p)
                 if res2.assignment is None or part_objective(
                         problem, gis, res2.assignment) > obj:

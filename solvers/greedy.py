@@ -8,7 +8,7 @@ The algorithm of the paper (docs/PAPERS.md, QSync allocator paragraph), over eve
    group does not fit, move the unit whose move saves the most memory (with its current
    neighbours) to that choice; then a single-unit descent on the group's time with every
    cast against the current neighbours. The fastest candidate wins. Where it misses the
-   group's time budget or memory, the exact fastest plan (``solvers.ilp.fastest_plans``:
+   group's time budget or memory, the exact fastest plan (``solvers.fastest.fastest_plans``:
    least time under memory, HiGHS or CBC) replaces it, so a start exists whenever any plan
    meets the target. A group with no start ends the solve: INFEASIBLE, with the figure.
 2. **Raise.** A max-heap holds, per (group, unit), the indicator gain of raising the unit
@@ -53,8 +53,8 @@ from ..precision import Precision
 from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precision
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
-from ._common import Stopwatch, finish, mode_text
 from .base import SolveOptions
+from .common import Stopwatch, finish, mode_text
 
 log = logging.getLogger(__name__)
 
@@ -441,11 +441,12 @@ class Greedy:
                        ) -> tuple[str, tuple[float, list[int]] | None] | None:
         """Group gi's least time under its memory by the exact program (HiGHS, else CBC):
         (backend, (ms, assignment) or None when nothing fits), or None with no backend."""
-        from .ilp import PulpIlp, fastest_plans
+        from .fastest import fastest_plans
+        from .pulp_model import available
 
         others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)
         for backend in ("highs", "cbc"):
-            if PulpIlp(backend).is_available():
+            if available(backend):
                 found = fastest_plans(problem, backend, max(time_limit_s, 1.0), skip=others)
                 return backend, found[problem.groups[gi].name]
         return None

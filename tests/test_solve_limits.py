@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-from qsync_opt.solvers import SolveOptions, _common
-from qsync_opt.solvers._common import Stopwatch, finish
+from qsync_opt.solvers import SolveOptions, common
+from qsync_opt.solvers.common import Stopwatch, finish
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
@@ -171,7 +171,7 @@ def test_every_solver_run_gets_at_most_the_time_left(monkeypatch, name) -> None:
     _exact(name)
     prob = _bert()  # the default target is out of reach: fallback, then refinement rounds
     now = [1000.0]
-    monkeypatch.setattr(_common, "clock", lambda: now[0])
+    monkeypatch.setattr(common, "clock", lambda: now[0])
     end = now[0] + 10.0
     seen: list[tuple[float, float]] = []  # (limit given, time left)
 
@@ -213,7 +213,7 @@ def test_per_group_programs_share_the_time_that_remains(monkeypatch, name) -> No
     backend = _exact(name)
     prob = _large()
     now = [0.0]
-    monkeypatch.setattr(_common, "clock", lambda: now[0])
+    monkeypatch.setattr(common, "clock", lambda: now[0])
     limits: list[tuple[str, float]] = []
     real = PulpIlp._solve_program
 
@@ -240,7 +240,7 @@ def test_cpsat_groups_share_the_time_that_remains(monkeypatch) -> None:
     model), the second group is solved, then the first again in a second pass."""
     prob = _large()
     now = [0.0]
-    monkeypatch.setattr(_common, "clock", lambda: now[0])
+    monkeypatch.setattr(common, "clock", lambda: now[0])
     runs: list[tuple[str, float]] = []
     real = CpSat._solve_raw
 

@@ -386,7 +386,7 @@ def test_time_limit_is_honoured(backend, monkeypatch) -> None:
     """With a clock that charges every solver run the whole limit it is given, the runs of
     one backend call (per group, repairs, second passes) are given 1 s in all, never more
     than what is left; whatever the solver reaches in that time is reported as such."""
-    from qsync_opt.solvers import _common
+    from qsync_opt.solvers import common
 
     _require(backend)
     g = synthetic_graph(150, batch=256, width=1024)
@@ -395,7 +395,7 @@ def test_time_limit_is_honoured(backend, monkeypatch) -> None:
     ref = max(prob.reference_times.values()) + prob.tail_ms
     prob = prob.with_options(target_ms=(prob.target_ms + ref) / 2)
     now = [0.0]
-    monkeypatch.setattr(_common, "clock", lambda: now[0])
+    monkeypatch.setattr(common, "clock", lambda: now[0])
     given: list[tuple[float, float]] = []
 
     def charge(limit: float) -> None:
@@ -434,12 +434,12 @@ def test_constructors() -> None:
 
 
 def test_cbc_log_bound_is_rounded_down() -> None:
-    from qsync_opt.solvers.ilp import _cbc_log_value
+    from qsync_opt.solvers.pulp_model import cbc_log_value
 
     log = "Result - Stopped on time limit\nObjective value:   408.48463960\nLower bound:   408.085\n"
-    assert _cbc_log_value(log, "Objective value") == pytest.approx(408.4846396)
-    assert _cbc_log_value(log, "Lower bound", lower=True) == pytest.approx(408.0845)
-    assert _cbc_log_value(log, "Gap") is None
+    assert cbc_log_value(log, "Objective value") == pytest.approx(408.4846396)
+    assert cbc_log_value(log, "Lower bound", lower=True) == pytest.approx(408.0845)
+    assert cbc_log_value(log, "Gap") is None
 
 
 def test_tiny_omegas_are_not_lost_in_solver_tolerances() -> None:

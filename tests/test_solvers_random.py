@@ -17,7 +17,7 @@ import random
 
 import pytest
 from qsync_opt.solvers import SolveOptions
-from qsync_opt.solvers._common import Stopwatch, finish, relative_gap
+from qsync_opt.solvers.common import Stopwatch, finish, relative_gap
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.ilp import FEAS_REL, PulpIlp
 

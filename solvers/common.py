@@ -1,6 +1,8 @@
 """What every backend shares: turning an assignment into a Plan and a SolveReport, the one
-definition of the optimality gap, the deadline of a whole call, and solving a problem
-part by part (one program per group) within it."""
+definition of the optimality gap, the deadline of a whole call, solving a problem part by
+part (one program per group) within it, and the exact backends' check of an assignment
+against the floating-point model (``FEAS_REL``) and their rescaling rule
+(:func:`excluded_choices`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import QsyncInputError
-from ..problem import AllocationProblem, GroupModel
+from ..problem import AllocationProblem, GroupModel, check_finite
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
 
@@ -20,6 +22,12 @@ clock: Callable[[], float] = time.perf_counter
 #: Objective differences below this fraction of the largest possible objective are zero
 #: (bounds of -3.9e-16 on an optimum of 0 are solver noise, not a gap).
 ZERO_REL = 1e-12
+#: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
+#: capacity * (1 + FEAS_REL) in the floating-point model (100x inside the evaluator's
+#: EVAL_TOL; it absorbs the last-ulp differences of ``target - tail`` against a sum of terms).
+FEAS_REL = 1e-9
+#: Re-solves of a program whose OPTIMAL was only proven within the absolute gap.
+MAX_RESCALES = 3
 
 
 class Deadline:
@@ -278,11 +286,11 @@ def finish(
     opts: dict[str, Any] = options.to_json()
     opts.update(extra_options or {})
     clean = {k: v for k, v in opts.items() if v is None or isinstance(v, (str, int, float, bool))}
-    report = SolveReport(
-        solver=solver, status=status, mode=mode,  # type: ignore[arg-type]
+    report = SolveReport.model_validate(dict(
+        solver=solver, status=status, mode=mode,
         objective=objective, bound=bound, gap=gap, build_s=sw.build_s, solve_s=sw.solve_s,
         wall_s=sw.wall_s, n_variables=n_variables, n_constraints=n_constraints, options=clean,
-        messages=messages)
+        messages=messages))
     if plan is None and assignment is not None:
         plan = problem.make_plan(assignment, {
             "solver": solver, "status": status, "objective": objective, "bound": bound,
@@ -335,3 +343,44 @@ def infeasible_messages(problem: AllocationProblem, gis: Sequence[int], budget: 
             out.append(f"group {g.name}: infeasible, even its fastest choices take at least "
                        f"{lb:.4f} ms > budget {budget:.4f} ms")
     return out
+
+
+def check_numbers(problem: AllocationProblem) -> None:
+    """Refuse, in one line naming the quantity, a problem whose coefficients or budget are
+    not finite (they reach the solvers' scaling otherwise)."""
+    check_finite(problem.groups, [u.ops[0] for u in problem.units])
+    budget = problem.group_budget_ms()
+    if not math.isfinite(budget):
+        raise QsyncInputError(f"target_ms: expected a finite number, got {problem.target_ms!r} "
+                              f"(group budget {budget!r} ms)")
+
+
+def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float = FEAS_REL
+                    ) -> tuple[float, float]:
+    """How far ``a`` exceeds the group's time budget (ms) and capacity (bytes), beyond the
+    relative tolerance ``rel``; 0 if not."""
+    return (max(0.0, g.time_ms(a) - budget - rel * abs(budget)),
+            max(0.0, g.memory_bytes(a) - g.capacity_bytes * (1 + rel)))
+
+
+def shifted_omega(g: GroupModel) -> list[list[float]]:
+    """``w * Omega`` of each real unit's choices less the unit's least (all >= 0, one 0)."""
+    out = []
+    for row in g.omega1:
+        terms = [g.weight * v for v in row]
+        low = min(terms, default=0.0)
+        out.append([t - low for t in terms])
+    return out
+
+
+def excluded_choices(problem: AllocationProblem, gis: Sequence[int],
+                     assignment: Mapping[str, Sequence[int]]
+                     ) -> dict[int, frozenset[tuple[int, int]]]:
+    """Per group, the (unit, choice) pairs whose shifted ``w * Omega`` alone exceeds the
+    plan's whole shifted objective: every term is >= 0, so no plan at least as good takes
+    one. Leaving them out makes the largest coefficient at most the plan's objective."""
+    shifted = {gi: shifted_omega(problem.groups[gi]) for gi in gis}
+    z = sum(row[k] for gi in gis
+            for row, k in zip(shifted[gi], assignment[problem.groups[gi].name], strict=True))
+    return {gi: frozenset((u, k) for u, row in enumerate(shifted[gi])
+                          for k, v in enumerate(row) if v > z) for gi in gis}
