@@ -25,6 +25,7 @@ from typing import Any
 from .errors import QsyncInputError
 from .io import atomic_write_bytes
 from .problem import AllocationProblem
+from .progress import Progress
 from .solvers import SolveOptions
 
 #: Allocators swept over the targets, and baselines scored once.
@@ -71,8 +72,9 @@ def target_range(problem: AllocationProblem) -> tuple[float, float]:
 
 def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs",
              allocators: Sequence[str] = SWEPT + ONCE, options: SolveOptions | None = None,
-             batch_multiple: int | None = None) -> list[FrontierPoint]:
-    """Sweep the makespan target over ``points`` values and score every allocator."""
+             batch_multiple: int | None = None, progress: bool = False) -> list[FrontierPoint]:
+    """Sweep the makespan target over ``points`` values and score every allocator
+    (``progress``: a bar on stderr, drawn once the sweep has run 2 s)."""
     from .solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
 
     if points < 2:
@@ -102,9 +104,12 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
             feasible=ev.fits and (target is None or ev.meets_target))
 
     once = [n for n in allocators if n in ONCE]
+    swept = [n for n in allocators if n not in ONCE and not n.startswith("exact")]
+    bar = Progress("pareto", total=len(once) + len(targets) * len(swept), enabled=progress)
     for name in once:
         plan, rep, _ = run_backend(problem, name, opts)
         out.append(point(name, None, plan, rep.status))
+        bar.advance(note=name)
     extra_splits = [p.batches for p in out if p.allocator == "dynamic-batching" and p.batches]
     for t in targets:
         prob = problem.retarget(t)
@@ -113,16 +118,20 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
                 continue
             plan, rep, _ = run_backend(prob, name, opts)
             out.append(point(name, t, plan, rep.status))
+            bar.advance(note=name)
     # The exact series also at every other same-batch point's makespan, so that a tie in
     # degradation cannot hide a faster plan; then only its non-dominated points are kept.
     same = [p.makespan_ms for p in out if p.makespan_ms is not None
             and p.global_batch == problem.global_batch and lo <= p.makespan_ms <= hi]
     exact_targets = sorted(set(targets) | set(same))
+    series_names = [n for n in ("exact", "exact+split") if n in allocators]
+    bar.total = (bar.total or 0) + len(exact_targets) * len(series_names)
     for name in ("exact", "exact+split"):
         if name not in allocators:
             continue
         series = []
         for t in exact_targets:
+            bar.advance(note=f"{name} at {t:.1f} ms")
             prob = problem.retarget(t)
             if name == "exact+split":
                 try:
@@ -139,6 +148,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
             series.append(point(name, t, plan, rep.status))
         out.extend(p for p in series
                    if p.objective is None or not any(q.dominates(p) for q in series))
+    bar.close()
     return out
 
 

@@ -383,6 +383,8 @@ class AllocationProblem:
         self.cost_provider = cost_provider
         #: Problems re-made for other batch splits (shared by retarget() copies).
         self.split_cache: dict[tuple[tuple[str, int], ...], AllocationProblem] = {}
+        #: What the joint split search keeps about a set of those problems (solve.py).
+        self.split_search_cache: dict[tuple[int, ...], Any] = {}
         if indicator.graph_hash != graph.structure_hash() and (
                 indicator.workload != graph.workload
                 or any(o.name not in indicator.values for o in graph.choosable_ops())):

@@ -19,9 +19,11 @@ from .errors import QsyncInputError
 from .graph import trace
 from .io import load
 from .problem import AllocationProblem, Evaluation, ProblemOptions, evaluate
+from .progress import Progress
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
 from .solvers import SolveOptions, common, get_backend, registry
 from .solvers.common import Deadline, mode_text, objective_scale
+from .splits import BOUND_REL, SplitBounds, batch_splits
 from .units import GIB, fmt_bytes
 
 #: Per-device batch at which the indicator runs on this CPU when none is given.
@@ -147,8 +149,8 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
           options: SolveOptions | None = None, *, mode: str = "auto",
           degradation_budget: float | None = None, refine: int = REFINE_ROUNDS,
           joint_split: bool = False, batch_multiple: int | None = None,
-          slack: float = LEXICOGRAPHIC_SLACK, compare_ties: bool = True
-          ) -> tuple[Plan, SolveReport]:
+          slack: float = LEXICOGRAPHIC_SLACK, compare_ties: bool = True,
+          progress: bool = False) -> tuple[Plan, SolveReport]:
     """Solve with one backend; the plan is checked by the evaluator before it is returned.
 
     ``mode``: ``"target"`` (least degradation under the makespan target), ``"budget"``
@@ -161,7 +163,8 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
     smallest reachable makespan; the best round is kept). ``joint_split``: choose the
     per-group batch split (global batch fixed, multiples of ``batch_multiple``) together
     with the precisions. With tie groups, the untied optimum is also solved and the report
-    says what tying cost.
+    says what tying cost. ``progress``: a bar on stderr for the joint split's candidates
+    (drawn once the step has run 2 s, :mod:`qsync_opt.progress`).
 
     ``options.time_limit_s`` bounds the WHOLE call: every solve, refinement round, fallback,
     tie comparison and diagnosis gets only what remains.
@@ -182,7 +185,7 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
         plan, report = _solve_budget(problem, solver, opts, degradation_budget, call=call)
     elif joint_split:
         plan, report = solve_joint(problem, solver, opts, refine, batch_multiple, mode, slack,
-                                    call=call)
+                                    call=call, progress=progress)
     else:
         plan, report = _solve_modes(problem, solver, opts, refine, mode, slack, call)
     if compare_ties and plan is not None:
@@ -321,6 +324,13 @@ MEETS_REL = 1e-7
 
 def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
                    call: _Call | None = None) -> tuple[Plan | None, SolveReport]:
+    plan, report, _ = _solve_refined_ev(problem, solver, opts, refine, call)
+    return plan, report
+
+
+def _solve_refined_ev(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
+                      call: _Call | None = None
+                      ) -> tuple[Plan | None, SolveReport, Evaluation | None]:
     """Solve; for exact backends, re-solve with the linear target tightened by the
     replayer's excess, at most ``refine`` times, never below the floor (the smallest
     makespan the linear model reaches). The best round is kept: the least objective among
@@ -382,7 +392,7 @@ def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, 
     if not results:
         assert last_report is not None
         return None, last_report.model_copy(update={"messages": [*last_report.messages,
-                                                                 *messages]})
+                                                                 *messages]}), None
     good = [i for i, (_, _, ev) in enumerate(results) if meets(ev)]
     if good:
         k = min(good, key=lambda i: (results[i][2].objective,
@@ -417,7 +427,7 @@ def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, 
     mode = mode_text(problem) + (f"; refined to a linear target of "
                                  f"{rounds[k]['target_ms']:.3f} ms" if k else "")
     return plan, report.model_copy(update={"rounds": rounds, "mode": mode,
-                                           "messages": [*report.messages, *messages, verdict]})
+                                           "messages": [*report.messages, *messages, verdict]}), ev
 
 
 def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
@@ -489,40 +499,20 @@ def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
     return plan, report.model_copy(update={"mode": mode})
 
 
-def batch_splits(problem: AllocationProblem, multiple: int | None = None,
-                 limit: int = MAX_SPLITS) -> list[dict[str, int]]:
-    """Per-group per-device batches (multiples of ``multiple``) keeping the global batch.
+#: False: the joint split solves every candidate (the reference procedure, for tests).
+PRUNE_SPLITS = True
 
-    Default multiple: the smallest per-device batch / 16, at least 1. More than ``limit``
-    candidates are thinned evenly; the problem's own split is always a candidate.
-    """
-    groups = problem.cluster.groups
-    counts = [g.count for g in groups]
-    own = [int(g.batch_per_device or problem.graph.batch_size) for g in groups]
-    total = sum(n * b for n, b in zip(counts, own, strict=True))
-    m = multiple or max(1, min(own) // 16)
-    if m < 1:
-        raise QsyncInputError(f"batch_multiple: expected a positive integer, got {m}")
-    out: list[list[int]] = []
 
-    def rec(i: int, left: int, acc: list[int]) -> None:
-        if i == len(groups) - 1:
-            if left > 0 and left % counts[i] == 0 and (left // counts[i]) % m == 0:
-                out.append([*acc, left // counts[i]])
-            return
-        b = m
-        while counts[i] * b < left:
-            rec(i + 1, left - counts[i] * b, [*acc, b])
-            b += m
-
-    rec(0, total, [])
-    if len(out) > limit:
-        step = len(out) / limit
-        out = [out[int(k * step)] for k in range(limit)]
-    if own not in out:
-        out.append(own)
-    names = [g.name for g in groups]
-    return [dict(zip(names, split, strict=True)) for split in out]
+def _bounds(problem: AllocationProblem, subs: list[AllocationProblem]) -> SplitBounds:
+    """The split bounds of these candidates, their monotonicity checked once per set of
+    candidates (shared by the problem's retargeted copies, as the candidates are)."""
+    if not PRUNE_SPLITS:
+        return SplitBounds(subs, [False] * len(problem.groups), enabled=False)
+    key = tuple(id(s) for s in subs)
+    got = problem.split_search_cache.get(key)
+    if not isinstance(got, SplitBounds):
+        got = problem.split_search_cache[key] = SplitBounds(subs)
+    return got.fresh()
 
 
 def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> ClusterSpec:
@@ -532,8 +522,8 @@ def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> Cluster
 
 def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
                 multiple: int | None, mode: str, slack: float,
-                extra_splits: Sequence[dict[str, int]] = (), call: _Call | None = None
-                ) -> tuple[Plan, SolveReport]:
+                extra_splits: Sequence[dict[str, int]] = (), call: _Call | None = None,
+                progress: bool = False) -> tuple[Plan, SolveReport]:
     """Precisions and batch split together: one copy of the program per candidate split,
     the best copy selected. The copies share no variable, so the disjunctive program (a
     binary per split) is solved exactly by solving each copy and taking the least
@@ -548,7 +538,7 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
 
     t0 = time.perf_counter()
     call = call or _Call.start(opts)
-    splits = batch_splits(problem, multiple)
+    splits = batch_splits(problem, multiple, MAX_SPLITS)
     for extra in extra_splits:
         if extra not in splits:
             splits.append(dict(extra))
@@ -563,7 +553,9 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
                 _split_cluster(problem, split), fixed_opts)
         subs.append(sub)
     target, source = problem.target_ms, problem.target_source
-    attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, source, call)
+    bounds = _bounds(problem, subs)
+    attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, source, call,
+                             bounds, progress)
     lexi = None
     if (not attempt.results and not attempt.timed_out and mode == "auto"
             and problem.options.target_ms is None and _backend(solver).exact):
@@ -581,7 +573,7 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
                     + f"), least degradation within {slack:.0%} of it")
             target = best * (1 + slack)
             attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, lexi,
-                                     call)
+                                     call, bounds.fresh(), progress)
     if not attempt.results:
         status = "TIME_LIMIT" if attempt.timed_out else "INFEASIBLE"
         rep = SolveReport(solver=solver, status=status, mode="joint split",
@@ -598,7 +590,9 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
                                                                   r[3].replay_makespan_ms))
     at_own = next((r[0] for r in attempt.first if r[1] == own), None)
     msgs = [f"joint batch split: {len(splits)} candidate splits (global batch "
-            f"{problem.global_batch}), {len(attempt.first)} feasible, {attempt.refined} "
+            f"{problem.global_batch}): {attempt.solved} solved, {len(attempt.first)} with a "
+            f"plan, {attempt.proven_infeasible} without one by their floors, "
+            f"{attempt.bounded} skipped (bounded above the best), {attempt.refined} "
             "refined; chosen " + ", ".join(f"{k}={v}" for k, v in split.items())
             + f", objective {ev.objective:.6g}"
             + (f" against {at_own:.6g} at the given split (before refinement)"
@@ -628,34 +622,109 @@ class _JointAttempt:
     timed_out: int = 0
     n_vars: int = 0
     n_cons: int = 0
+    #: candidates never solved: proven infeasible by the floors, or bounded above the best
+    proven_infeasible: int = 0
+    bounded: int = 0
+    solved: int = 0
+
+
+def _parts(sub: AllocationProblem, plan: Plan) -> list[float]:
+    """Each group's part of the plan's objective on ``sub``."""
+    a = sub.assignment(plan)
+    return [g.weight * g.degradation(a[g.name]) for g in sub.groups]
 
 
 def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
                    splits: list[dict[str, int]], subs: list[AllocationProblem], target: float,
-                   source: str, call: _Call) -> _JointAttempt:
-    """Every copy once without refinement; refinement only tightens a target, so a copy's
-    refined objective is at least its unrefined one: refine in ascending order and stop
-    once the best refined objective beats the next copy's unrefined one."""
+                   source: str, call: _Call, bounds: SplitBounds, progress: bool = False
+                   ) -> _JointAttempt:
+    """The best copy, exactly, solving as few copies as the bounds allow.
+
+    The reference procedure solves every copy once without refinement, then refines them
+    in ascending order of that objective (ties in candidate order) and stops once the best
+    refined objective is no more than the next copy's (refinement only tightens a target,
+    so a refined objective is at least the unrefined one). Here a copy is solved only while
+    its lower bound (:class:`~qsync_opt.splits.SplitBounds`) can match the best refined
+    objective so far: copies in ascending bound, the one farthest from any solved copy
+    first among equal bounds (a bisection of the split axis), the given split first; a copy
+    whose floors prove it has no plan is not solved. Every skipped copy's objective is
+    above the best refined one, which the reference procedure would have kept as well, so
+    the result is the same plan."""
     out = _JointAttempt(first=[], results=[])
-    for i, (split, sub) in enumerate(zip(splits, subs, strict=True)):
-        sub = sub.retarget(target, source=source)
-        plan, report = _solve_refined(sub, solver, opts, 0,
-                                      call.child(call.deadline.share(len(splits) - i)))
+    own = next((i for i, sp in enumerate(splits)
+                if sp == {g.name: int(g.batch_per_device or problem.graph.batch_size)
+                          for g in problem.cluster.groups}), 0)
+    left = set(range(len(splits)))
+    solved: list[int] = []
+    firsts: dict[int, tuple[float, Plan, SolveReport, Evaluation]] = {}
+    refined: dict[int, tuple[Plan | None, SolveReport, Evaluation | None]] = {}
+    best = float("inf")
+
+    def refine_loop() -> float:
+        """The reference refinement over the copies solved so far (memoised)."""
+        out.results = []
+        order = sorted(firsts, key=lambda i: (firsts[i][0], i))
+        out.first = [(firsts[i][0], splits[i], subs[i]) for i in order]
+        for i in order:
+            lower = firsts[i][0]
+            if out.results and min(r[3].objective for r in out.results) <= lower:
+                break
+            if out.results and call.deadline.expired():
+                break
+            if i not in refined:
+                f_obj, f_plan, f_rep, f_ev = firsts[i]
+                if refine == 0 and f_rep.status == "OPTIMAL":
+                    refined[i] = (f_plan, f_rep, f_ev)  # the same solve again gives the same
+                else:
+                    refined[i] = _solve_refined_ev(subs[i].retarget(target, source=source),
+                                                   solver, opts, refine, call)
+                out.refined += 1
+            plan, report, ev = refined[i]
+            if plan is not None and ev is not None:
+                out.results.append((splits[i], plan, report, ev))
+        return min((r[3].objective for r in out.results), default=float("inf"))
+
+    def pick() -> int | None:
+        open_ = sorted(left)
+        if not open_:
+            return None
+        if not bounds.enabled:  # the reference procedure: every candidate, in order
+            return open_[0]
+        if own in left and not solved:
+            return own
+        lbs = {i: bounds.lower_bound(i) for i in open_}
+        low = min(lbs.values())
+        ties = [i for i in open_ if lbs[i] <= low + BOUND_REL * max(abs(low), 1e-300)]
+        return max(ties, key=lambda i: (min((abs(i - j) for j in solved), default=0), -i))
+
+    bar = Progress("joint split", total=len(splits), enabled=progress)
+    while (i := pick()) is not None:
+        bar.update(len(splits) - len(left), note=f"{out.solved} solved")
+        if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
+            out.bounded = len(left)
+            break
+        left.discard(i)
+        if bounds.proven_infeasible(i, target):
+            out.proven_infeasible += 1
+            bounds.record(i, None)
+            continue
+        sub = subs[i].retarget(target, source=source)
+        plan, report, ev = _solve_refined_ev(
+            sub, solver, opts, 0, call.child(call.deadline.share(len(left) + 1)))
+        solved.append(i)
+        out.solved += 1
         out.n_vars += report.n_variables
         out.n_cons += report.n_constraints
         out.timed_out += report.status == "TIME_LIMIT"
-        if plan is not None:
-            out.first.append((evaluate(problem, plan).objective, split, sub))
-    out.first.sort(key=lambda r: r[0])
-    for lower, split, sub in out.first:
-        if out.results and min(r[3].objective for r in out.results) <= lower:
-            break
-        if out.results and call.deadline.expired():
-            break
-        plan, report = _solve_refined(sub, solver, opts, refine, call)
-        out.refined += 1
-        if plan is not None:
-            out.results.append((split, plan, report, evaluate(problem, plan)))
+        if plan is None or ev is None:
+            bounds.record(i, None)
+            continue
+        bounds.record(i, _parts(sub, plan) if report.status == "OPTIMAL" else None)
+        firsts[i] = (ev.objective, plan, report, ev)
+        best = refine_loop()
+    refine_loop()
+    bar.update(len(splits), note=f"{out.solved} solved")
+    bar.close()
     return out
 
 

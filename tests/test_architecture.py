@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train"]),
     ("problem", ["problem"]),
-    ("solvers", ["solvers", "solvers.base", "solvers.common", "solvers.formulation",
+    ("solvers", ["solvers", "solvers.base", "solvers.common", "solvers.formulation", "splits",
                  "solvers.pulp_model", "solvers.fastest", "solvers.warmstart",
                  "solvers.baselines", "solvers.cpsat", "solvers.greedy", "solvers.ilp",
                  "diagnose"]),

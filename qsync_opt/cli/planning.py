@@ -63,7 +63,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     problem = _build_problem(args, check)
     plan, report = solve(problem, args.solver, _solve_options(args), mode=args.mode,
                          degradation_budget=args.budget, refine=args.refine,
-                         joint_split=args.joint_split, batch_multiple=args.batch_multiple)
+                         joint_split=args.joint_split, batch_multiple=args.batch_multiple,
+                         progress=sys.stderr.isatty() and not args.json)
     ev = evaluate(problem, plan)
     save(plan, args.out, what="--out")
     if args.report:
@@ -99,7 +100,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     problem = _build_problem(args, "memory")  # the sweep starts at the split's fastest plan
     allocators = [a for a in SWEPT + ONCE if not (args.no_split and a == "exact+split")]
     pts = frontier(problem, points=args.points, exact=args.exact, allocators=allocators,
-                   options=_solve_options(args), batch_multiple=args.batch_multiple)
+                   options=_solve_options(args), batch_multiple=args.batch_multiple,
+                   progress=sys.stderr.isatty() and not args.json)
     doc = {"workload": problem.graph.workload, "cluster": args.cluster,
            "global_batch": problem.global_batch, **frontier_json(pts)}
     atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n", what="--out")

@@ -1,0 +1,182 @@
+"""Batch splits for the joint precision-and-split search, and the bounds that prune it.
+
+:func:`batch_splits` lists the candidate per-group batches (global batch kept).
+:class:`SplitBounds` lets the search skip candidates without solving them, exactly:
+
+* **Monotone groups.** With a fixed target the groups do not interact, so a split's least
+  degradation is the sum over groups of each group's own least (batch-weighted)
+  degradation at its batch. When a group's coefficients (time, memory, working set, pair
+  terms) do not decrease as its batch grows, its Omega rows are equal and non-negative and
+  its share of the global batch grows with its batch, every plan feasible at a larger batch
+  is feasible at a smaller one and costs no less there: its least degradation does not
+  decrease with its batch, and if it has no plan at some batch it has none at any larger
+  one. :meth:`SplitBounds.monotone` checks this on the coefficients of every candidate
+  (nothing is assumed; a group that fails the check gets no bound from other splits).
+* **Lower bounds.** A candidate's objective is at least the sum over groups of the largest
+  part that group had in a solved split at a batch no larger than this one (monotone
+  groups), else the group's trivial floor.
+* **Provably infeasible.** A group whose least possible time (every term at its minimum)
+  exceeds its time budget, or whose least possible memory exceeds its capacity, has no
+  plan; for a monotone group, neither has it at any larger batch.
+
+A candidate is solved only when its bound does not exceed the best objective found; the
+ties are solved too (they are broken by the replayer's makespan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import QsyncInputError
+from .problem import AllocationProblem, GroupModel
+from .solvers.common import part_floor, time_lower_bound
+
+#: Relative margin below which a bound is taken to equal the best objective (not prune).
+BOUND_REL = 1e-9
+#: A cheap infeasibility proof must exceed the budget by this relative margin.
+PROOF_REL = 1e-6
+
+
+def batch_splits(problem: AllocationProblem, multiple: int | None = None,
+                 limit: int = 64) -> list[dict[str, int]]:
+    """Per-group per-device batches (multiples of ``multiple``) keeping the global batch.
+
+    Default multiple: the smallest per-device batch / 16, at least 1. More than ``limit``
+    candidates are thinned evenly; the problem's own split is always a candidate.
+    """
+    groups = problem.cluster.groups
+    counts = [g.count for g in groups]
+    own = [int(g.batch_per_device or problem.graph.batch_size) for g in groups]
+    total = sum(n * b for n, b in zip(counts, own, strict=True))
+    m = multiple or max(1, min(own) // 16)
+    if m < 1:
+        raise QsyncInputError(f"batch_multiple: expected a positive integer, got {m}")
+    out: list[list[int]] = []
+
+    def rec(i: int, left: int, acc: list[int]) -> None:
+        if i == len(groups) - 1:
+            if left > 0 and left % counts[i] == 0 and (left // counts[i]) % m == 0:
+                out.append([*acc, left // counts[i]])
+            return
+        b = m
+        while counts[i] * b < left:
+            rec(i + 1, left - counts[i] * b, [*acc, b])
+            b += m
+
+    rec(0, total, [])
+    if len(out) > limit:
+        step = len(out) / limit
+        out = [out[int(k * step)] for k in range(limit)]
+    if own not in out:
+        out.append(own)
+    names = [g.name for g in groups]
+    return [dict(zip(names, split, strict=True)) for split in out]
+
+
+def memory_floor(g: GroupModel) -> float:
+    """The least memory any assignment of the group has (each term at its minimum; the
+    working set at least the largest of the units' least working sets)."""
+    work = max([g.work0] + [min(r) for r in g.work1])
+    return (g.mem0 + sum(min(r) for r in g.mem1)
+            + sum(min(min(row) for row in p.mem) for p in g.pairs) + work)
+
+
+def _no_less(a: GroupModel, b: GroupModel) -> bool:
+    """Every coefficient of ``b`` at least ``a``'s, on the same structure (``b`` at the
+    larger batch), the same Omega (non-negative) and capacity, a share no smaller."""
+    if (a.choices != b.choices or a.derived != b.derived or len(a.pairs) != len(b.pairs)
+            or a.omega1 != b.omega1 or a.capacity_bytes != b.capacity_bytes
+            or b.weight < a.weight or b.time0 < a.time0 or b.mem0 < a.mem0
+            or b.work0 < a.work0):
+        return False
+    if any(v < 0 for row in a.omega1 for v in row):
+        return False
+    for ra, rb in ((a.time1, b.time1), (a.mem1, b.mem1), (a.work1, b.work1)):
+        if any(len(x) != len(y) or any(q < p for p, q in zip(x, y, strict=True))
+               for x, y in zip(ra, rb, strict=True)):
+            return False
+    for pa, pb in zip(a.pairs, b.pairs, strict=True):
+        if (pa.a, pa.b) != (pb.a, pb.b):
+            return False
+        for ma, mb in ((pa.time, pb.time), (pa.mem, pb.mem)):
+            if any(q < p for x, y in zip(ma, mb, strict=True)
+                   for p, q in zip(x, y, strict=True)):
+                return False
+    return True
+
+
+class SplitBounds:
+    """What solved candidates tell about the others (see the module's docstring).
+
+    ``subs``: the problem re-made at each candidate split (same group order). The check of
+    monotonicity runs once, here; :meth:`record` and :meth:`lower_bound` are cheap.
+    """
+
+    def __init__(self, subs: Sequence[AllocationProblem],
+                 monotone: Sequence[bool] | None = None, *, enabled: bool = True) -> None:
+        #: False: no bound and no proof (every candidate is solved: the reference procedure)
+        self.enabled = enabled
+        self.subs = list(subs)
+        n_groups = len(self.subs[0].groups) if self.subs else 0
+        self.batch = [[g.batch for g in s.groups] for s in self.subs]
+        if monotone is None:
+            same_tail = len({s.tail_ms for s in self.subs}) <= 1
+            monotone = [same_tail and self._monotone(gi) for gi in range(n_groups)]
+        self.monotone = list(monotone)
+        self.floor = [[part_floor(s, [gi]) for gi in range(n_groups)] for s in self.subs]
+        #: per solved candidate: its per-group parts (None: no plan)
+        self.parts: dict[int, list[float] | None] = {}
+        #: per group: the smallest batch at which it is known to have no plan
+        self.dead_from: list[float] = [float("inf")] * n_groups
+
+    def fresh(self) -> SplitBounds:
+        """The same candidates with nothing recorded (for another target)."""
+        return SplitBounds(self.subs, self.monotone, enabled=self.enabled)
+
+    def _monotone(self, gi: int) -> bool:
+        order = sorted(range(len(self.subs)), key=lambda i: self.batch[i][gi])
+        return all(_no_less(self.subs[i].groups[gi], self.subs[j].groups[gi])
+                   for i, j in zip(order, order[1:], strict=False))
+
+    def proven_infeasible(self, i: int, target_ms: float) -> list[int]:
+        """The groups of candidate ``i`` that have no plan at ``target_ms``, by the cheap
+        floors or (monotone groups) by a smaller batch already known to have none; each is
+        remembered for the larger batches."""
+        if not self.enabled:
+            return []
+        sub = self.subs[i]
+        budget = target_ms - sub.tail_ms
+        dead = []
+        for gi, g in enumerate(sub.groups):
+            if self.monotone[gi] and self.batch[i][gi] >= self.dead_from[gi]:
+                dead.append(gi)
+            elif (time_lower_bound(g) > budget + PROOF_REL * abs(budget)
+                  or memory_floor(g) > g.capacity_bytes * (1 + PROOF_REL)):
+                dead.append(gi)
+                if self.monotone[gi]:
+                    self.dead_from[gi] = min(self.dead_from[gi], self.batch[i][gi])
+        return dead
+
+    def record(self, i: int, parts: list[float] | None) -> None:
+        """Candidate ``i`` solved: its per-group parts of the objective, or None (no plan)."""
+        self.parts[i] = parts
+
+    def lower_bound(self, i: int) -> float:
+        """A lower bound on candidate ``i``'s least objective from what is recorded."""
+        if not self.enabled:
+            return float("-inf")
+        total = 0.0
+        for gi in range(len(self.batch[i])):
+            best = self.floor[i][gi]
+            if self.monotone[gi]:
+                for j, parts in self.parts.items():
+                    if parts is not None and self.batch[j][gi] <= self.batch[i][gi]:
+                        best = max(best, parts[gi])
+            total += best
+        return total
+
+    def beats(self, bound: float, best: float) -> bool:
+        """Whether a candidate with this lower bound can still match or beat ``best``."""
+        if not self.enabled:
+            return True
+        return bound <= best + BOUND_REL * max(abs(best), 1e-300)
