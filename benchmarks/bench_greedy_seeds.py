@@ -24,7 +24,8 @@ from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.ilp import PulpIlp
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.evaluator import evaluate
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.solve import LEXICOGRAPHIC_SLACK, reachable_ms
 from qsync_opt.synthetic import random_indicator
 

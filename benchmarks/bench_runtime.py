@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 from qsync_opt import Plan, parse_shorthand, trace
+from qsync_opt.evaluator import evaluate
 from qsync_opt.machine import cpu_model
 from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, evaluate
+from qsync_opt.problem import AllocationProblem
 from qsync_opt.profile import derive, measure_comm_local, profile_detailed, with_comm
 from qsync_opt.solve import solve
 from qsync_opt.synthetic import random_indicator

@@ -24,8 +24,9 @@ import time
 from qsync_opt.solvers import SolveOptions, registry
 
 from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt.evaluator import evaluate
 from qsync_opt.machine import cpu_model
-from qsync_opt.problem import AllocationProblem, evaluate
+from qsync_opt.problem import AllocationProblem
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 
 #: (model, cluster, target). None: the default target (strong groups at fp32, no

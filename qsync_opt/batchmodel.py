@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from .costs import gradient_buckets
+from .costs import estimate, gradient_buckets
 from .errors import QsyncInputError
 from .precision import Precision
 from .schemas import ClusterSpec, CostTable, ModelGraph, OpCost
@@ -154,3 +154,21 @@ class BatchScaling:
                           f"{table.comm.latency_us:.3g} us per hop) re-evaluated at world size "
                           f"{cluster.world_size} (was {table.comm.world_size})"]})
         return table
+
+
+class TableCosts:
+    """The default cost provider of a problem: costs for another cluster or batch split made
+    from the problem's own table. Estimated tables are re-estimated with the same
+    efficiencies and bucket cap (edits made to the table, such as
+    ``synthetic.perturb_costs``, do not carry over); measured tables get the missing batches
+    from a fitted batch model (:class:`BatchScaling`, whose notes say so; profile those
+    batches for measured figures). The problem calls it; it never calls the problem."""
+
+    def __init__(self, costs: CostTable, graph: ModelGraph) -> None:
+        self.costs, self.graph = costs, graph
+
+    def __call__(self, cluster: ClusterSpec) -> CostTable:
+        if all(c.source == "estimated" for c in self.costs.entries):
+            return estimate(self.graph, cluster, efficiencies=self.costs.efficiencies,
+                            bucket_cap_bytes=self.costs.bucket_cap_bytes)
+        return BatchScaling(self.costs, self.graph)(cluster)

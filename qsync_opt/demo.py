@@ -31,11 +31,12 @@ import torch
 from . import __version__
 from .cluster import load_cluster, parse_shorthand
 from .costs import estimate, group_summary
+from .evaluator import evaluate
 from .graph import trace
 from .indicator import indicate
 from .io import atomic_write_text, save, to_json
 from .precision import Precision
-from .problem import AllocationProblem, evaluate
+from .problem import AllocationProblem
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
 from .replayer import Replayer
 from .report import straggler_reason
@@ -273,8 +274,9 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
               f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
               f"straggler: {straggler_reason(low)}.")
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
+    from .evaluator import evaluate
     from .indicator import fast_options, indicate
-    from .problem import AllocationProblem, evaluate
+    from .problem import AllocationProblem
     from .solve import compare, format_rows
     from .solvers.ilp import fastest_times
 

@@ -92,7 +92,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
         if plan is None:
             return FrontierPoint(name, target, status, None, None, None, None, None, None, None,
                                  False)
-        from .problem import evaluate
+        from .evaluator import evaluate
 
         ev = evaluate(problem, plan, target_ms=target)
         return FrontierPoint(

@@ -48,16 +48,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costs import estimate
+from .batchmodel import TableCosts
 from .errors import QsyncInputError
 from .precision import DType, Precision
-from .replayer import Replayer, Timeline
+from .replayer import Replayer
 from .rules import PASS_PRECISION, allowed_on, fidelity, widest_precision
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, OpRole, Plan
 
@@ -364,12 +363,18 @@ def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
     return allowed
 
 
+#: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
+EVAL_TOL = 1e-7
+
+
 class AllocationProblem:
     """The integer program's data for one (graph, cluster with batches, costs, indicator).
 
     ``cost_provider`` makes costs for another cluster or batch split (dynamic batching,
-    leaving groups out); by default estimated costs are re-estimated with the same
-    efficiencies, and measured costs must already hold the batches asked for.
+    leaving groups out, the joint split); by default
+    :class:`~qsync_opt.batchmodel.TableCosts` of ``costs`` (estimated costs re-estimated
+    with the same efficiencies, measured ones from a fitted batch model). The problem never
+    estimates costs itself.
     """
 
     def __init__(self, graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
@@ -385,6 +390,8 @@ class AllocationProblem:
         self.split_cache: dict[tuple[tuple[str, int], ...], AllocationProblem] = {}
         #: What the joint split search keeps about a set of those problems (solve.py).
         self.split_search_cache: dict[tuple[int, ...], Any] = {}
+        #: Problems the evaluator re-made for plans of other clusters, by cluster and options.
+        self.remade: dict[str, AllocationProblem] = {}
         if indicator.graph_hash != graph.structure_hash() and (
                 indicator.workload != graph.workload
                 or any(o.name not in indicator.values for o in graph.choosable_ops())):
@@ -854,9 +861,9 @@ class AllocationProblem:
         """The same problem on another cluster or batch split.
 
         Costs are kept when they already cover the new batches and world size; otherwise
-        they come from ``cost_provider``, or, for estimated costs, from a fresh roofline
-        estimate with the same efficiencies (edits made to the original table, such as
-        ``synthetic.perturb_costs``, do not carry over).
+        they come from ``cost_provider``, by default :class:`~qsync_opt.batchmodel.TableCosts`
+        of this problem's table (estimated costs re-estimated with the same efficiencies,
+        measured ones from a fitted batch model).
         """
         cluster = cluster.with_default_batch(self.graph.batch_size)
         have = {(c.device, c.batch_size) for c in self.costs.entries}
@@ -864,17 +871,8 @@ class AllocationProblem:
         same_world = cluster.world_size == self.cluster.world_size
         costs = self.costs
         if not need <= have or not same_world:
-            if self.cost_provider is not None:
-                costs = self.cost_provider(cluster)
-            elif all(c.source == "estimated" for c in self.costs.entries):
-                costs = estimate(self.graph, cluster, efficiencies=self.costs.efficiencies,
-                                 bucket_cap_bytes=self.costs.bucket_cap_bytes)
-            else:
-                # Measured costs: the missing batches from a fitted batch model, whose notes
-                # (``batch model: ...``) say so; profile those batches for measured figures.
-                from .batchmodel import BatchScaling
-
-                costs = BatchScaling(self.costs, self.graph)(cluster)
+            provider = self.cost_provider or TableCosts(self.costs, self.graph)
+            costs = provider(cluster)
         opts = options or self.options
         names = {g.name for g in cluster.groups}
         if opts.strong_groups is None and self.held_groups and set(self.held_groups) <= names:
@@ -919,109 +917,3 @@ class AllocationProblem:
             "target_ms": self.target_ms, "target_source": self.target_source,
             "held_at_reference": list(self.held_groups),
             "tail_ms": self.tail_ms, **self.size(), "notes": self.notes}
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-@dataclass
-class GroupEvaluation:
-    name: str
-    device: str
-    batch: int
-    linear_ms: float
-    replay_compute_ms: float
-    degradation: float
-    linear_memory_bytes: float
-    replay_memory_bytes: int
-    capacity_bytes: float
-    fits: bool
-
-
-@dataclass
-class Evaluation:
-    """How good a plan is, independent of the allocator that made it."""
-
-    objective: float
-    makespan_ms: float  # linear model
-    replay_makespan_ms: float
-    samples_per_s: float  # global batch / replayer makespan
-    global_batch: int
-    target_ms: float
-    meets_target: bool  # linear model
-    replay_meets_target: bool
-    fits: bool
-    groups: dict[str, GroupEvaluation]
-    violations: list[str]
-    timeline: Timeline | None = field(default=None, repr=False)
-
-    @property
-    def feasible(self) -> bool:
-        return not self.violations
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "objective": self.objective, "makespan_ms": self.makespan_ms,
-            "replay_makespan_ms": self.replay_makespan_ms, "samples_per_s": self.samples_per_s,
-            "global_batch": self.global_batch, "target_ms": self.target_ms,
-            "meets_target": self.meets_target, "replay_meets_target": self.replay_meets_target,
-            "fits": self.fits, "feasible": self.feasible, "violations": self.violations,
-            "groups": {n: g.__dict__ for n, g in self.groups.items()},
-        }
-
-
-#: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
-EVAL_TOL = 1e-7
-
-
-def evaluate(problem: AllocationProblem, plan: Plan, *, target_ms: float | None = None
-             ) -> Evaluation:
-    """Score ``plan`` on ``problem``: objective, linear and replayer makespans, throughput,
-    memory per group and every violated constraint.
-
-    A plan whose cluster differs from the problem's (another batch split, groups left out)
-    is scored on the problem re-made for that cluster, against the same target.
-    """
-    if plan.graph_hash != problem.graph.structure_hash():
-        from .plan import plan_graph_difference
-
-        raise QsyncInputError(plan_graph_difference(plan, problem.graph))
-    target = problem.target_ms if target_ms is None else target_ms
-    prob = problem
-    if _cluster_key(plan.cluster) != _cluster_key(problem.cluster):
-        prob = problem.with_cluster(plan.cluster, ProblemOptions(
-            **{**problem.options.to_json(), "target_ms": target, "strong_groups": None}))
-    a = prob.assignment(plan)
-    tl = prob.replayer.simulate(plan, events=False)
-    violations: list[str] = []
-    groups: dict[str, GroupEvaluation] = {}
-    for g in prob.groups:
-        lin = g.time_ms(a[g.name])
-        mem = g.memory_bytes(a[g.name])
-        gt = tl.groups[g.name]
-        fits = mem <= g.capacity_bytes * (1 + EVAL_TOL) and gt.peak_memory_bytes <= g.capacity_bytes * (1 + EVAL_TOL)
-        if not fits:
-            violations.append(
-                f"{g.name}: memory {max(mem, gt.peak_memory_bytes) / 2**30:.2f} GiB exceeds "
-                f"{g.capacity_bytes / 2**30:.2f} GiB")
-        groups[g.name] = GroupEvaluation(
-            name=g.name, device=g.device, batch=g.batch, linear_ms=lin,
-            replay_compute_ms=gt.compute_ms, degradation=g.degradation(a[g.name]),
-            linear_memory_bytes=mem, replay_memory_bytes=gt.peak_memory_bytes,
-            capacity_bytes=g.capacity_bytes, fits=fits)
-    makespan = prob.makespan_ms(a)
-    meets = makespan <= target * (1 + EVAL_TOL)
-    if not meets:
-        violations.append(f"linear makespan {makespan:.3f} ms exceeds the target {target:.3f} ms")
-    replay = tl.iteration_ms
-    return Evaluation(
-        objective=prob.objective(a), makespan_ms=makespan, replay_makespan_ms=replay,
-        samples_per_s=prob.global_batch / replay * 1e3 if replay > 0 else float("inf"),
-        global_batch=prob.global_batch, target_ms=target, meets_target=meets,
-        replay_meets_target=replay <= target * (1 + EVAL_TOL),
-        fits=all(g.fits for g in groups.values()), groups=groups, violations=violations,
-        timeline=tl)
-
-
-def _cluster_key(cluster: ClusterSpec) -> str:
-    return json.dumps([(g.name, g.device, g.count, g.batch_per_device) for g in cluster.groups])

@@ -1,6 +1,6 @@
 """The allocator API: build a problem, solve it with any backend, compare backends.
 
-Every plan any backend returns passes through :func:`qsync_opt.problem.evaluate`; the
+Every plan any backend returns passes through :func:`qsync_opt.evaluator.evaluate`; the
 report's messages carry the evaluation, and :func:`compare` tabulates it.
 """
 
@@ -16,9 +16,10 @@ from typing import Any
 from .cluster import load_cluster
 from .costs import estimate
 from .errors import QsyncInputError
+from .evaluator import Evaluation, evaluate
 from .graph import trace
 from .io import load
-from .problem import AllocationProblem, Evaluation, ProblemOptions, evaluate
+from .problem import AllocationProblem, ProblemOptions
 from .progress import Progress
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
 from .solvers import SolveOptions, common, get_backend, registry
@@ -503,16 +504,29 @@ def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
 PRUNE_SPLITS = True
 
 
-def _bounds(problem: AllocationProblem, subs: list[AllocationProblem]) -> SplitBounds:
+def _bounds(problem: AllocationProblem, subs: list[AllocationProblem], solver: str,
+            opts: SolveOptions) -> SplitBounds:
     """The split bounds of these candidates, their monotonicity checked once per set of
-    candidates (shared by the problem's retargeted copies, as the candidates are)."""
+    candidates (shared by the problem's retargeted copies, as the candidates are).
+
+    Bounds from solved splits are used only with the exact PuLP backends, whose optimum is
+    the model's within ``rel_gap`` (the parts are discounted by twice that): CP-SAT solves
+    a rounded model and the heuristics no model at all, so their objectives bound nothing.
+    The floors' proofs of no plan hold for every backend (none returns a plan the exact
+    model refuses)."""
+    from .solvers.ilp import PulpIlp
+
     if not PRUNE_SPLITS:
         return SplitBounds(subs, [False] * len(problem.groups), enabled=False)
     key = tuple(id(s) for s in subs)
     got = problem.split_search_cache.get(key)
     if not isinstance(got, SplitBounds):
         got = problem.split_search_cache[key] = SplitBounds(subs)
-    return got.fresh()
+    out = got.fresh()
+    backend = get_backend(solver)
+    out.use_parts = type(backend) is PulpIlp
+    out.discount = 1.0 - 2.0 * opts.rel_gap
+    return out
 
 
 def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> ClusterSpec:
@@ -553,7 +567,7 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
                 _split_cluster(problem, split), fixed_opts)
         subs.append(sub)
     target, source = problem.target_ms, problem.target_source
-    bounds = _bounds(problem, subs)
+    bounds = _bounds(problem, subs, solver, opts)
     attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, source, call,
                              bounds, progress)
     lexi = None

@@ -14,7 +14,9 @@
   (nothing is assumed; a group that fails the check gets no bound from other splits).
 * **Lower bounds.** A candidate's objective is at least the sum over groups of the largest
   part that group had in a solved split at a batch no larger than this one (monotone
-  groups), else the group's trivial floor.
+  groups), else the group's trivial floor. Solved parts count only from the exact PuLP
+  backends and are discounted by twice their optimality gap (``rel_gap``); CP-SAT solves a
+  rounded model and the heuristics none, so their objectives bound nothing (the floors do).
 * **Provably infeasible.** A group whose least possible time (every term at its minimum)
   exceeds its time budget, or whose least possible memory exceeds its capacity, has no
   plan; for a monotone group, neither has it at any larger batch.
@@ -126,12 +128,18 @@ class SplitBounds:
         self.floor = [[part_floor(s, [gi]) for gi in range(n_groups)] for s in self.subs]
         #: per solved candidate: its per-group parts (None: no plan)
         self.parts: dict[int, list[float] | None] = {}
+        #: whether solved parts bound other candidates (exact backends only), and the
+        #: factor they are discounted by for the solver's optimality gap
+        self.use_parts = True
+        self.discount = 1.0
         #: per group: the smallest batch at which it is known to have no plan
         self.dead_from: list[float] = [float("inf")] * n_groups
 
     def fresh(self) -> SplitBounds:
         """The same candidates with nothing recorded (for another target)."""
-        return SplitBounds(self.subs, self.monotone, enabled=self.enabled)
+        out = SplitBounds(self.subs, self.monotone, enabled=self.enabled)
+        out.use_parts, out.discount = self.use_parts, self.discount
+        return out
 
     def _monotone(self, gi: int) -> bool:
         order = sorted(range(len(self.subs)), key=lambda i: self.batch[i][gi])
@@ -168,10 +176,10 @@ class SplitBounds:
         total = 0.0
         for gi in range(len(self.batch[i])):
             best = self.floor[i][gi]
-            if self.monotone[gi]:
+            if self.monotone[gi] and self.use_parts:
                 for j, parts in self.parts.items():
                     if parts is not None and self.batch[j][gi] <= self.batch[i][gi]:
-                        best = max(best, parts[gi])
+                        best = max(best, parts[gi] * self.discount)
             total += best
         return total
 

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import QsyncInputError
+from ..evaluator import Evaluation, evaluate
 from ..precision import Precision
-from ..problem import AllocationProblem, Evaluation, GroupModel, evaluate
+from ..problem import AllocationProblem, GroupModel
 from ..schemas import ClusterSpec, Plan, SolveReport
 from .base import SolveOptions
 from .common import Stopwatch, finish

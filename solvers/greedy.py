@@ -251,7 +251,7 @@ class ReplayAcceptance:
     what the strong groups expose), not a move's: counting it here refused plans the target
     admits. A move must also keep the group inside the evaluator's linear rows (time budget
     and the linear memory, which on fp32-flow tables is a conservative sum of the replayer's
-    timeline), so that every accepted plan is one :func:`~qsync_opt.problem.evaluate` calls
+    timeline), so that every accepted plan is one :func:`~qsync_opt.evaluator.evaluate` calls
     feasible; ``vetoes`` counts the moves only those rows refused.
 
     Every op of a tie unit is set; a rejected move is undone by setting the old precision

@@ -56,7 +56,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train"]),
-    ("problem", ["problem"]),
+    ("problem", ["problem", "evaluator"]),
     ("solvers", ["solvers", "solvers.base", "solvers.common", "solvers.formulation", "splits",
                  "solvers.pulp_model", "solvers.fastest", "solvers.warmstart",
                  "solvers.baselines", "solvers.cpsat", "solvers.greedy", "solvers.ilp",

@@ -30,7 +30,8 @@ from qsync_opt.solvers.common import FEAS_REL
 from qsync_opt.solvers.formulation import FAMILIES, formulate
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.evaluator import evaluate
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 BACKENDS = registry()

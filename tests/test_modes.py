@@ -10,8 +10,9 @@ import pytest
 from qsync_opt.solvers.ilp import PulpIlp
 
 from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt.evaluator import evaluate
 from qsync_opt.frontier import frontier, plot_frontier
-from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.solve import InfeasibleError, batch_splits, solve
 from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
 

@@ -8,8 +8,9 @@ import pytest
 
 from qsync_opt import Plan, estimate, parse_shorthand, trace
 from qsync_opt.errors import QsyncInputError
+from qsync_opt.evaluator import evaluate
 from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 

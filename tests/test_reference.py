@@ -9,8 +9,9 @@ import pytest
 from qsync_opt.solvers import get_backend
 
 from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt.evaluator import evaluate
 from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.solve import InfeasibleError, solve
 from qsync_opt.synthetic import random_indicator
 

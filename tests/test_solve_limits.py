@@ -15,7 +15,8 @@ from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.problem import AllocationProblem, evaluate
+from qsync_opt.evaluator import evaluate
+from qsync_opt.problem import AllocationProblem
 from qsync_opt.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 

@@ -17,8 +17,9 @@ from qsync_opt.solvers.common import Stopwatch
 from qsync_opt.solvers.greedy import REL_TOL, Greedy, LinearState, ReplayAcceptance
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, parse_shorthand, trace
+from qsync_opt.evaluator import evaluate
 from qsync_opt.precision import DType, Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions, evaluate
+from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.schemas import OpRole
 from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
 

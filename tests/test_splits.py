@@ -46,12 +46,12 @@ def _strip(doc: dict) -> dict:
     return doc
 
 
-def _both(prob: AllocationProblem, multiple: int, refine: int):
+def _both(prob: AllocationProblem, multiple: int, refine: int, solver: str = "highs"):
     out = []
     for prune in (True, False):
         solve_mod.PRUNE_SPLITS = prune
         try:
-            plan, rep = solve(prob, "highs", joint_split=True, batch_multiple=multiple,
+            plan, rep = solve(prob, solver, joint_split=True, batch_multiple=multiple,
                               refine=refine, compare_ties=False)
         finally:
             solve_mod.PRUNE_SPLITS = True
@@ -80,6 +80,21 @@ def test_pruned_search_returns_the_reference_plan(seed, shorthand, perturb, frac
     assert _strip(p1.model_dump(mode="json")) == _strip(p2.model_dump(mode="json"))
     assert r1.objective == r2.objective and r1.status == r2.status
     assert r1.mode == r2.mode
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "greedy", "cbc"])
+def test_other_backends_get_the_reference_plan_too(solver):
+    """CP-SAT and greedy use only the floors (their objectives bound nothing); CBC the
+    solved parts as HiGHS does."""
+    from qsync_opt.solve import reachable_ms
+
+    base = _problem(1, "a100x1@64+t4x1@64")
+    lo = reachable_ms(base)
+    hi = base.makespan_ms(base.reference_assignment())
+    prob = base.retarget(lo + (hi - lo) * 0.4)
+    (p1, r1), (p2, r2) = _both(prob, 8, 0, solver)
+    assert _strip(p1.model_dump(mode="json")) == _strip(p2.model_dump(mode="json"))
+    assert r1.objective == r2.objective
 
 
 def test_bounds_skip_candidates_on_monotone_costs():

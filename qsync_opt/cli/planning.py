@@ -55,7 +55,7 @@ def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
-    from ..problem import evaluate
+    from ..evaluator import evaluate
     from ..solve import solve
 
     # Another batch split can fit what this one does not; the budget mode has no target.
