@@ -505,7 +505,7 @@ PRUNE_SPLITS = True
 
 
 def _bounds(problem: AllocationProblem, subs: list[AllocationProblem], solver: str,
-            opts: SolveOptions) -> SplitBounds:
+            opts: SolveOptions, target_ms: float) -> SplitBounds:
     """The split bounds of these candidates, their monotonicity checked once per set of
     candidates (shared by the problem's retargeted copies, as the candidates are).
 
@@ -517,16 +517,14 @@ def _bounds(problem: AllocationProblem, subs: list[AllocationProblem], solver: s
     from .solvers.ilp import PulpIlp
 
     if not PRUNE_SPLITS:
-        return SplitBounds(subs, [False] * len(problem.groups), enabled=False)
+        return SplitBounds(subs, [False] * len(problem.groups), enabled=False).at(
+            target_ms, exact=False)
     key = tuple(id(s) for s in subs)
     got = problem.split_search_cache.get(key)
     if not isinstance(got, SplitBounds):
         got = problem.split_search_cache[key] = SplitBounds(subs)
-    out = got.fresh()
-    backend = get_backend(solver)
-    out.use_parts = type(backend) is PulpIlp
-    out.discount = 1.0 - 2.0 * opts.rel_gap
-    return out
+    return got.at(target_ms, exact=type(get_backend(solver)) is PulpIlp,
+                  discount=1.0 - 2.0 * opts.rel_gap)
 
 
 def _split_cluster(problem: AllocationProblem, split: dict[str, int]) -> ClusterSpec:
@@ -567,7 +565,7 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
                 _split_cluster(problem, split), fixed_opts)
         subs.append(sub)
     target, source = problem.target_ms, problem.target_source
-    bounds = _bounds(problem, subs, solver, opts)
+    bounds = _bounds(problem, subs, solver, opts, target)
     attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, source, call,
                              bounds, progress)
     lexi = None
@@ -587,7 +585,8 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
                     + f"), least degradation within {slack:.0%} of it")
             target = best * (1 + slack)
             attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, lexi,
-                                     call, bounds.fresh(), progress)
+                                     call, _bounds(problem, subs, solver, opts, target),
+                                     progress)
     if not attempt.results:
         status = "TIME_LIMIT" if attempt.timed_out else "INFEASIBLE"
         rep = SolveReport(solver=solver, status=status, mode="joint split",
@@ -718,7 +717,7 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
             out.bounded = len(left)
             break
         left.discard(i)
-        if bounds.proven_infeasible(i, target):
+        if bounds.proven_infeasible(i):
             out.proven_infeasible += 1
             bounds.record(i, None)
             continue
@@ -731,9 +730,11 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
         out.n_cons += report.n_constraints
         out.timed_out += report.status == "TIME_LIMIT"
         if plan is None or ev is None:
-            bounds.record(i, None)
+            if report.status == "INFEASIBLE":
+                bounds.record(i, None)
             continue
-        bounds.record(i, _parts(sub, plan) if report.status == "OPTIMAL" else None)
+        if report.status == "OPTIMAL":
+            bounds.record(i, _parts(sub, plan))
         firsts[i] = (ev.objective, plan, report, ev)
         best = refine_loop()
     refine_loop()

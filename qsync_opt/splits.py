@@ -27,6 +27,7 @@ ties are solved too (they are broken by the replayer's makespan).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from .errors import QsyncInputError
@@ -111,7 +112,11 @@ class SplitBounds:
     """What solved candidates tell about the others (see the module's docstring).
 
     ``subs``: the problem re-made at each candidate split (same group order). The check of
-    monotonicity runs once, here; :meth:`record` and :meth:`lower_bound` are cheap.
+    monotonicity runs once, here. What is learnt is a fact about a candidate *at a target*
+    and holds at every smaller target too (a smaller target only removes plans), so it is
+    kept across calls: :meth:`at` gives the view for one call's target and backend, sharing
+    what every earlier call recorded (the Pareto sweep asks for the same candidates at many
+    targets). :meth:`record` and :meth:`lower_bound` are cheap.
     """
 
     def __init__(self, subs: Sequence[AllocationProblem],
@@ -126,59 +131,77 @@ class SplitBounds:
             monotone = [same_tail and self._monotone(gi) for gi in range(n_groups)]
         self.monotone = list(monotone)
         self.floor = [[part_floor(s, [gi]) for gi in range(n_groups)] for s in self.subs]
-        #: per solved candidate: its per-group parts (None: no plan)
-        self.parts: dict[int, list[float] | None] = {}
-        #: whether solved parts bound other candidates (exact backends only), and the
-        #: factor they are discounted by for the solver's optimality gap
-        self.use_parts = True
+        #: (candidate, target, per-group parts of its optimum there), exact backends only
+        self.parts: list[tuple[int, float, list[float]]] = []
+        #: (candidate, target): the exact model has no plan there
+        self.no_plan: list[tuple[int, float]] = []
+        #: (group, batch, target): the group has no plan at that batch and target
+        self.dead: list[tuple[int, int, float]] = []
+        #: this view's target; whether solved parts and no-plan results count (exact PuLP
+        #: backends only) and the factor parts are discounted by for the optimality gap
+        self.target = float("inf")
+        self.exact = True
         self.discount = 1.0
-        #: per group: the smallest batch at which it is known to have no plan
-        self.dead_from: list[float] = [float("inf")] * n_groups
 
-    def fresh(self) -> SplitBounds:
-        """The same candidates with nothing recorded (for another target)."""
-        out = SplitBounds(self.subs, self.monotone, enabled=self.enabled)
-        out.use_parts, out.discount = self.use_parts, self.discount
+    def at(self, target_ms: float, *, exact: bool, discount: float = 1.0) -> SplitBounds:
+        """The view for one call at ``target_ms`` (sharing everything recorded)."""
+        out = copy.copy(self)
+        out.target, out.exact, out.discount = float(target_ms), exact, discount
         return out
+
+    def _holds(self, recorded_at: float) -> bool:
+        """A fact recorded at that target holds at this view's target."""
+        return recorded_at >= self.target * (1 - 1e-12)
 
     def _monotone(self, gi: int) -> bool:
         order = sorted(range(len(self.subs)), key=lambda i: self.batch[i][gi])
         return all(_no_less(self.subs[i].groups[gi], self.subs[j].groups[gi])
                    for i, j in zip(order, order[1:], strict=False))
 
-    def proven_infeasible(self, i: int, target_ms: float) -> list[int]:
-        """The groups of candidate ``i`` that have no plan at ``target_ms``, by the cheap
-        floors or (monotone groups) by a smaller batch already known to have none; each is
-        remembered for the larger batches."""
+    def proven_infeasible(self, i: int) -> bool:
+        """Whether candidate ``i`` has no plan at this target: an exact solve found none at
+        a target no smaller, or a group of it has none, by the cheap floors or (monotone
+        groups) at a batch no larger; what the floors prove is remembered."""
         if not self.enabled:
-            return []
+            return False
+        if self.exact and any(j == i and self._holds(t) for j, t in self.no_plan):
+            return True
         sub = self.subs[i]
-        budget = target_ms - sub.tail_ms
-        dead = []
+        budget = self.target - sub.tail_ms
         for gi, g in enumerate(sub.groups):
-            if self.monotone[gi] and self.batch[i][gi] >= self.dead_from[gi]:
-                dead.append(gi)
-            elif (time_lower_bound(g) > budget + PROOF_REL * abs(budget)
-                  or memory_floor(g) > g.capacity_bytes * (1 + PROOF_REL)):
-                dead.append(gi)
-                if self.monotone[gi]:
-                    self.dead_from[gi] = min(self.dead_from[gi], self.batch[i][gi])
-        return dead
+            b = self.batch[i][gi]
+            if any(h == gi and (bb == b or self.monotone[gi] and bb <= b) and self._holds(t)
+                   for h, bb, t in self.dead):
+                return True
+            if (time_lower_bound(g) > budget + PROOF_REL * abs(budget)
+                    or memory_floor(g) > g.capacity_bytes * (1 + PROOF_REL)):
+                self.dead.append((gi, b, self.target))
+                return True
+        return False
 
     def record(self, i: int, parts: list[float] | None) -> None:
-        """Candidate ``i`` solved: its per-group parts of the objective, or None (no plan)."""
-        self.parts[i] = parts
+        """Candidate ``i`` solved at this target by an exact backend to optimality: its
+        per-group parts of the objective, or None (no plan). Other backends record nothing."""
+        if not self.exact:
+            return
+        if parts is None:
+            self.no_plan.append((i, self.target))
+        else:
+            self.parts.append((i, self.target, parts))
 
     def lower_bound(self, i: int) -> float:
-        """A lower bound on candidate ``i``'s least objective from what is recorded."""
+        """A lower bound on candidate ``i``'s least objective at this target."""
         if not self.enabled:
             return float("-inf")
         total = 0.0
         for gi in range(len(self.batch[i])):
             best = self.floor[i][gi]
-            if self.monotone[gi] and self.use_parts:
-                for j, parts in self.parts.items():
-                    if parts is not None and self.batch[j][gi] <= self.batch[i][gi]:
+            if self.exact:
+                b = self.batch[i][gi]
+                for j, t, parts in self.parts:
+                    bj = self.batch[j][gi]
+                    if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
+                            and self._holds(t):
                         best = max(best, parts[gi] * self.discount)
             total += best
         return total
