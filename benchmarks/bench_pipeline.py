@@ -1,0 +1,90 @@
+"""The loops back of the solve pipeline, timed side by side (issue 17's goals).
+
+For resnet50 on v100x16+t4x16 and bert_base on a100x8+t4x8 (catalog estimates, the seeded
+random indicator, so no model runs): the plain solve, the joint batch split with its bounds
+(``qsync_opt.splits``) and the reference procedure that solves every candidate split
+(``solve.PRUNE_SPLITS = False``), each from a fresh problem (the joint split re-makes the
+problem at every candidate, and that is part of its cost); the plans of the two joint runs
+are compared. With ``--pareto``, the whole Pareto sweep of resnet50 (``frontier``, as
+``qsync-opt pareto`` runs it) with and without the bounds.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 3] [--pareto]
+
+Times are medians of wall seconds; say the load average beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from _timing import timed  # benchmarks/ is on sys.path when a script here runs
+
+import qsync_opt.solve as solve_mod
+from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt.frontier import frontier
+from qsync_opt.machine import cpu_model
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.solve import solve
+from qsync_opt.synthetic import random_indicator
+
+INSTANCES = [("resnet50", "v100x16+t4x16"), ("bert_base", "a100x8+t4x8")]
+
+
+def _problem(model: str, cluster: str) -> AllocationProblem:
+    g = trace(model)
+    c = parse_shorthand(cluster)
+    return AllocationProblem(g, c, estimate(g, c), random_indicator(g, 0))
+
+
+def _plan_doc(plan) -> str:
+    doc = plan.model_dump(mode="json")
+    for key in ("wall_s", "option.time_limit_s"):
+        doc["provenance"].pop(key, None)
+    return json.dumps(doc, sort_keys=True)
+
+
+def _joint(model: str, cluster: str, prune: bool):
+    solve_mod.PRUNE_SPLITS = prune
+    try:
+        return solve(_problem(model, cluster), "highs", joint_split=True)
+    finally:
+        solve_mod.PRUNE_SPLITS = True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pareto", action="store_true", help="also time the resnet50 sweep")
+    args = ap.parse_args()
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; load average "
+          f"{os.getloadavg()[0]:.2f} at the start")
+    for model, cluster in INSTANCES:
+        _problem(model, cluster)  # trace once (cached), outside the timings
+        plain, _ = timed(lambda m=model, c=cluster: solve(_problem(m, c), "highs"),
+                         args.repeats)
+        pruned, (p1, r1) = timed(lambda m=model, c=cluster: _joint(m, c, True), args.repeats)
+        ref, (p2, r2) = timed(lambda m=model, c=cluster: _joint(m, c, False), args.repeats)
+        same = _plan_doc(p1) == _plan_doc(p2)
+        print(f"{model} on {cluster}: plain solve {plain:.2f} s; joint split {pruned:.2f} s "
+              f"({pruned / plain:.2f}x the plain solve) against {ref:.2f} s solving every "
+              f"candidate ({ref / plain:.2f}x); same plan: {same}")
+        print(f"  {r1.messages[0]}")
+    if args.pareto:
+        for prune in (True, False):
+            solve_mod.PRUNE_SPLITS = prune
+            try:
+                t0 = time.perf_counter()
+                pts = frontier(_problem("resnet50", "v100x16+t4x16"))
+                dt = time.perf_counter() - t0
+            finally:
+                solve_mod.PRUNE_SPLITS = True
+            print(f"pareto resnet50 on v100x16+t4x16 ({'bounds' if prune else 'every split'}): "
+                  f"{dt:.1f} s, {len(pts)} points")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
