@@ -28,6 +28,7 @@ from qsync_opt.frontier import frontier
 from qsync_opt.machine import cpu_model
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.solve import solve
+from qsync_opt.solvers import SolveOptions
 from qsync_opt.synthetic import random_indicator
 
 INSTANCES = [("resnet50", "v100x16+t4x16"), ("bert_base", "a100x8+t4x8")]
@@ -46,10 +47,14 @@ def _plan_doc(plan) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
+#: Long enough that neither joint search stops at the time limit (then plans would differ).
+OPTIONS = SolveOptions(time_limit_s=900)
+
+
 def _joint(model: str, cluster: str, prune: bool):
     solve_mod.PRUNE_SPLITS = prune
     try:
-        return solve(_problem(model, cluster), "highs", joint_split=True)
+        return solve(_problem(model, cluster), "highs", OPTIONS, joint_split=True)
     finally:
         solve_mod.PRUNE_SPLITS = True
 
@@ -63,7 +68,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f} at the start")
     for model, cluster in INSTANCES:
         _problem(model, cluster)  # trace once (cached), outside the timings
-        plain, _ = timed(lambda m=model, c=cluster: solve(_problem(m, c), "highs"),
+        plain, _ = timed(lambda m=model, c=cluster: solve(_problem(m, c), "highs", OPTIONS),
                          args.repeats)
         pruned, (p1, r1) = timed(lambda m=model, c=cluster: _joint(m, c, True), args.repeats)
         ref, (p2, r2) = timed(lambda m=model, c=cluster: _joint(m, c, False), args.repeats)
@@ -77,7 +82,7 @@ def main() -> None:
             solve_mod.PRUNE_SPLITS = prune
             try:
                 t0 = time.perf_counter()
-                pts = frontier(_problem("resnet50", "v100x16+t4x16"))
+                pts = frontier(_problem("resnet50", "v100x16+t4x16"), options=OPTIONS)
                 dt = time.perf_counter() - t0
             finally:
                 solve_mod.PRUNE_SPLITS = True
