@@ -159,7 +159,7 @@ def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[i
         if op.role == OpRole.pinned:
             reason = op.pin_reason or "pinned"
         elif op.name in user:
-            reason = f"pinned by you to {user[op.name].value}"  # type: ignore[union-attr]
+            reason = f"pinned by you to {Precision(user[op.name]).value}"
         else:
             continue
         saved, wcopy, _ = rules.op_memory(grp, i, prec, din, dout)

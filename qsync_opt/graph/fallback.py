@@ -158,7 +158,7 @@ def function_mode_raw_ops(
     with ExitStack() as stack:
         for mod, name in mhas.items():
             own = mod.__dict__.get("forward")  # an instance's own forward, put back after
-            mod.forward = mha_forward(mod, name)  # type: ignore[method-assign]
+            mod.__dict__["forward"] = mha_forward(mod, name)
             stack.callback(_put_back_forward, mod, own)
         for mod in leaf_names:
             h1 = mod.register_forward_pre_hook(pre_hook)
