@@ -21,6 +21,7 @@ setup: $(STAMP)
 
 test: setup
 	$(BIN)/ruff check qsync_opt solvers models cuda tests benchmarks
+	$(MAKE) typecheck
 	$(BIN)/python -m pytest
 
 test-fast: setup

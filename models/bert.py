@@ -53,6 +53,8 @@ class BertConfig:
 class BertEmbeddings(nn.Module):
     """Sum of word, position and token-type embeddings, then LayerNorm and dropout."""
 
+    position_ids: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)

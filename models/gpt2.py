@@ -72,6 +72,8 @@ GPT2_XL = GPTConfig(n_layer=48, n_embd=1600, n_head=25)
 class GPT2Attention(nn.Module):
     """Causal multi-head self-attention with a fused ``c_attn`` projection."""
 
+    causal_mask: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if config.n_embd % config.n_head != 0:
@@ -141,6 +143,8 @@ class GPT2Block(nn.Module):
 
 class GPT2Model(nn.Module):
     """Embeddings + decoder blocks + final LayerNorm (returns hidden states)."""
+
+    position_ids: torch.Tensor  # a buffer (register_buffer)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()

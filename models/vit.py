@@ -160,9 +160,8 @@ class VisionTransformer(nn.Module):
         )
         self.class_token = nn.Parameter(torch.zeros(1, 1, config.hidden_dim))
         self.encoder = Encoder(config)
-        self.heads = nn.Sequential(
-            OrderedDict([("head", nn.Linear(config.hidden_dim, config.num_classes))])
-        )
+        head = nn.Linear(config.hidden_dim, config.num_classes)
+        self.heads = nn.Sequential(OrderedDict([("head", head)]))
 
         fan_in = (
             self.conv_proj.in_channels
@@ -172,8 +171,8 @@ class VisionTransformer(nn.Module):
         nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / fan_in))
         if self.conv_proj.bias is not None:
             nn.init.zeros_(self.conv_proj.bias)
-        nn.init.zeros_(self.heads.head.weight)
-        nn.init.zeros_(self.heads.head.bias)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """images (B, 3, 224, 224) float -> logits (B, num_classes)."""

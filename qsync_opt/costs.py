@@ -212,7 +212,7 @@ def estimate(
         for kind, per_param in OPTIMIZER_BYTES_PER_PARAM.items():
             ms = graph.param_count * per_param / roof.mem_bps * 1e3 + roof.launch_ms
             optimizer.append(OptimizerCost(
-                device=device, optimizer=kind, ms=ms,  # type: ignore[arg-type]
+                device=device, optimizer=kind, ms=ms,
                 state_bytes=graph.param_count * OPTIMIZER_STATE_BYTES_PER_PARAM[kind]))
     comm = _comm_model(cluster, eff)
     buckets = gradient_buckets(graph, comm, bucket_cap_bytes)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -226,13 +227,13 @@ def _derived_cpu(key: str) -> DeviceSpec:
 # ----------------------------------------------------------------------------- the CPU
 
 
-def _median_seconds(fn: object, repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     import statistics
 
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -261,7 +262,7 @@ def _measure_cpu_figures(size: int = 1024, repeats: int = 5) -> dict[str, float]
         n = size if dtype != torch.float16 else 256
         a, b = a32[:n, :n].to(dtype), b32[:n, :n].to(dtype)
         torch.mm(a, b)  # warm-up (oneDNN primitive creation)
-        secs = _median_seconds(lambda a=a, b=b: torch.mm(a, b), repeats)
+        secs = _median_seconds(partial(torch.mm, a, b), repeats)
         out[key] = 2.0 * n**3 / secs / 1e12
     ai = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
     bi = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)

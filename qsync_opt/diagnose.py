@@ -30,7 +30,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .errors import QsyncInputError
 from .precision import Precision
@@ -134,14 +133,11 @@ class PinnedShare:
 
 
 def _precisions(problem: AllocationProblem, g: GroupModel, assignment: Sequence[int]
-                ) -> list[Any]:
+                ) -> list[Precision | None]:
     """Each op's precision in the replayer's form (None: not choosable) for ``g``."""
-    rep = problem.replayer
-    prec: list[Any] = [None] * rep.n
-    for u, unit in enumerate(problem.units):
-        for op in unit.ops:
-            prec[rep.index[op]] = g.choices[u][assignment[u]]
-    return prec
+    return problem.replayer.rules.plan_row(
+        [unit.ops for unit in problem.units],
+        [g.choices[u][assignment[u]] for u in range(len(problem.units))])
 
 
 def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[int]
@@ -163,7 +159,7 @@ def pinned_shares(problem: AllocationProblem, group: str, assignment: Sequence[i
         if op.role == OpRole.pinned:
             reason = op.pin_reason or "pinned"
         elif op.name in user:
-            reason = f"pinned by you to {user[op.name].value}"  # type: ignore[union-attr]
+            reason = f"pinned by you to {Precision(user[op.name]).value}"
         else:
             continue
         saved, wcopy, _ = rules.op_memory(grp, i, prec, din, dout)

@@ -406,6 +406,7 @@ def _capture_hooks(model: nn.Module, names: Sequence[str]
         def hook(m: nn.Module, inputs: tuple[Any, ...], output: Tensor, _n: str = name) -> None:
             a = inputs[0]
             b = inputs[1] if isinstance(m, MatMul) else m.weight
+            assert isinstance(b, Tensor)  # the second operand, or a Linear's or a conv's weight
             cap = _Capture(a=a.detach().float(), b=b.detach().float(), y=output.detach().float(),
                            a_needs_grad=bool(a.requires_grad))
             if output.requires_grad:
@@ -650,10 +651,10 @@ def indicate(
     path = None
     if cacheable:
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
-        terms = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
-        terms += f"-r{term_rows}" if term_rows else ""
+        tag = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
+        tag += f"-r{term_rows}" if term_rows else ""
         path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
-                         f"{'sr' if stochastic else 'rtn'}{terms}-{graph.structure_hash()}.json")
+                         f"{'sr' if stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
         if path.is_file():
             try:
                 table = load(path, IndicatorTable)
@@ -682,15 +683,19 @@ def indicate(
         modules = dict(model.named_modules())
     else:
         modules = {}
+    # (inputs, targets): a registry model's tensors; a user's file's batches are whatever its
+    # data() yields (its loss reads the targets from them), paired with None
+    stream: Iterable[tuple[Any, Any]]
     data_kind = "given"
-    if data is None and isinstance(wl, UserWorkload):
-        data = ((x, None) for x in wl.batches(b, batches, seed))
+    if data is not None:
+        stream = data
+    elif isinstance(wl, UserWorkload):
+        stream = ((x, None) for x in wl.batches(b, batches, seed))
         data_kind = "real" if wl.real_data else "synthetic"
-    if data is None:
-        if wl.real_data:
-            data, data_kind = real_batches(wl, b, batches, seed), "real"
-        else:
-            data, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
+    elif wl.real_data:
+        stream, data_kind = real_batches(wl, b, batches, seed), "real"
+    else:
+        stream, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
     user_lines: list[str] = []
     missing = [n for n in names if method != "random"
                and (n not in modules or _bilinear(modules[n]) is None)]
@@ -700,7 +705,7 @@ def indicate(
     seen = 0
     if method != "random":
         assert model is not None
-        for i, (inputs, targets) in enumerate(data):
+        for i, (inputs, targets) in enumerate(stream):
             if i >= batches:
                 break
             caps, handles = _capture_hooks(model, names)

@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import QsyncInputError
 from .precision import Precision
-from .rules import allowed_on
+from .rules import allowed_on, check_plan_entry, check_tie
 from .schemas import MAX_BATCH, ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
 
 #: Most samples per device a plan may give a group (beyond it no card's memory holds a
@@ -132,24 +132,10 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
                 raise QsyncInputError(f"{where} names op {_shown(name)}, which graph "
                                       f"{_shown(graph.workload)} lacks")
             p = Precision(p)
-            if op.role != OpRole.choosable:
-                if op.role == OpRole.pinned and p in op.allowed_precisions:
-                    continue
-                raise QsyncInputError(
-                    f"{where}, op {_shown(name)} is {op.role.value}"
-                    + (f" ({op.pin_reason})" if op.pin_reason else "")
-                    + f"; its precision cannot be set to {p.value}")
-            allowed = allowed_on(op, menu)
-            if p not in allowed:
-                raise QsyncInputError(
-                    f"{where} ({device}), op {_shown(name)}: {p.value} is not allowed; "
-                    f"allowed: {', '.join(q.value for q in allowed) or 'none'}")
+            if check_plan_entry(op, p, allowed_on(op, menu), where, _shown(name), device):
+                continue
             if op.tie_group:
-                first = ties.setdefault(op.tie_group, (name, p))
-                if first[1] != p:
-                    raise QsyncInputError(
-                        f"{where}: ops {_shown(first[0])} and {_shown(name)} share tie group "
-                        f"{_shown(op.tie_group)} but get {first[1].value} and {p.value}")
+                check_tie(ties, op.tie_group, name, p, where, _shown)
 
 
 def _registry_name(spec: str) -> str | None:

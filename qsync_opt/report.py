@@ -236,7 +236,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     code = {p.value: i for i, p in enumerate(order)}
     codes = [[code[v] for v in row] for row in matrix]
     present = {v for row in matrix for v in row}
-    legend = [p.value for p in order if p.value in present]
+    legend: list[str] = [p.value for p in order if p.value in present]
 
     heat_h = 0.38 * ng + 1.9
     bars_h = 0.55 * ng + 1.6
@@ -309,7 +309,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     for i, g in enumerate(groups):
         gt = timeline.groups[g]
         ax_mem.vlines(caps[i], i - 0.42, i + 0.42, colors="black", linewidth=2.2,
-                      label="capacity" if i == 0 else None)
+                      label="capacity" if i == 0 else "_nolegend_")
         ax_mem.text(max(caps[i], left[i]), i,
                     f"  {gt.peak_memory_bytes / GiB:.1f} / {caps[i]:.1f} GiB"
                     + ("" if gt.fits else "  OVER"),

@@ -46,7 +46,7 @@ Three memory views, different on purpose, built from the same per-op terms:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,38 @@ def widest_precision(dtypes: set[DType]) -> Precision:
 def allowed_on(op: OpNode, menu: Collection[Precision]) -> list[Precision]:
     """The precisions ``op`` allows that the card runs (its menu), in the op's order."""
     return [p for p in op.allowed_precisions if p in menu]
+
+
+def check_plan_entry(op: OpNode, p: Precision, allowed: Collection[Precision], where: str,
+                     name: str, device: str) -> bool:
+    """The rule for one op's precision in a plan's group: a pass-through op is not set, a
+    pinned op keeps a precision it allows (True: nothing to set), a choosable op gets one of
+    ``allowed`` (False: set it). Refused in one line otherwise; ``where`` names the group
+    (``plan: group NAME``), ``name`` the op as shown, ``device`` the group's card."""
+    if op.role != OpRole.choosable:
+        if op.role == OpRole.pinned and p in op.allowed_precisions:
+            return True
+        raise QsyncInputError(
+            f"{where}, op {name} is {op.role.value}"
+            + (f" ({op.pin_reason})" if op.pin_reason else "")
+            + f"; its precision cannot be set to {p.value}")
+    if p not in allowed:
+        raise QsyncInputError(
+            f"{where} ({device}), op {name}: {p.value} is not allowed; "
+            f"allowed: {', '.join(q.value for q in allowed) or 'none'}")
+    return False
+
+
+def check_tie(ties: dict[str, tuple[str, Precision]], tie_group: str, name: str, p: Precision,
+              where: str, show: Callable[[str], str] = str) -> None:
+    """The rule that ops of one tie group get one precision: ``ties`` holds, per tie group
+    seen so far, its first op and precision; refused in one line naming both ops (names
+    passed through ``show`` for the message)."""
+    first = ties.setdefault(tie_group, (name, p))
+    if first[1] != p:
+        raise QsyncInputError(
+            f"{where}: ops {show(first[0])} and {show(name)} share tie group "
+            f"{show(tie_group)} but get {first[1].value} and {p.value}")
 
 
 @dataclass(frozen=True)
@@ -239,6 +271,17 @@ class CostRules:
             return DType.fp32, DType.fp32
         d = ins[0] if role == OpRole.pass_through else widest(ins)
         return d, d
+
+    def plan_row(self, unit_ops: Sequence[Sequence[str]], chosen: Sequence[Precision]
+                 ) -> list[Precision | None]:
+        """One group's precisions per op (the ``prec`` of the methods here) from a choice per
+        unit: every op of unit ``u`` (``unit_ops[u]``, names) at ``chosen[u]``; None for an
+        op no unit holds (not choosable)."""
+        prec: list[Precision | None] = [None] * self.n
+        for ops, p in zip(unit_ops, chosen, strict=True):
+            for op in ops:
+                prec[self.index[op]] = p
+        return prec
 
     def dtypes(self, prec: Sequence[Precision | None]) -> tuple[list[DType], list[DType]]:
         """(dtype each op takes in, dtype it gives out) for one group's precisions."""

@@ -239,7 +239,7 @@ def default_loss(outputs: Any, batch: Any) -> Tensor:
     """The loss of a file without ``loss()`` (see the module docstring)."""
     kind = default_loss_kind(outputs, batch)
     if kind == "model":
-        return _get(outputs, "loss")  # type: ignore[no-any-return]
+        return _get(outputs, "loss")
     if kind == "qa":
         return (_ce(_get(outputs, "start_logits"), batch["start_positions"])
                 + _ce(_get(outputs, "end_logits"), batch["end_positions"])) / 2
@@ -472,9 +472,9 @@ def _check_like(wl: UserWorkload, batch: Any, size: int, where: str) -> None:
     if isinstance(ex, Mapping) != isinstance(batch, Mapping) or (
             isinstance(ex, Tensor) != isinstance(batch, Tensor)) or not isinstance(
             batch, (Mapping, Tensor, tuple, list)):
-        want = "a dict" if isinstance(ex, Mapping) else "a tensor" if isinstance(
+        like = "a dict" if isinstance(ex, Mapping) else "a tensor" if isinstance(
             ex, Tensor) else "a tuple"
-        raise QsyncInputError(f"model: {where} is {_describe(batch)}, not {want} like the "
+        raise QsyncInputError(f"model: {where} is {_describe(batch)}, not {like} like the "
                               f"example inputs")
     got, want = dict(named_inputs(batch)), dict(named_inputs(ex))
     if list(got) != list(want) and set(got) != set(want):

@@ -372,6 +372,14 @@ class _Solved:
 SMALL_PROGRAM_VARS = 20_000
 
 
+def _kept_feasible(res: PartResult, obj: float, err: float) -> PartResult:
+    """An OPTIMAL plan kept as FEASIBLE when the objective's rounding (error ``err`` per
+    side) could hide a better one: its bound lowered to ``obj - 2 * err`` at most."""
+    return dataclasses.replace(res, status="FEASIBLE",
+                               bound=min(res.bound, obj - 2 * err)
+                               if res.bound is not None else None)
+
+
 def default_workers(n_variables: int) -> int:
     """CP-SAT workers when the user sets no thread count."""
     return 1 if n_variables <= SMALL_PROGRAM_VARS else 8
@@ -698,9 +706,7 @@ class CpSat:
                 if new == forbid or common.clock() >= t_end or rnd == MAX_RESCALES:
                     messages.append(f"{tag}: CP-SAT's plan is OPTIMAL in integers, but {why}; "
                                     "status FEASIBLE")
-                    res = dataclasses.replace(res, status="FEASIBLE",
-                                              bound=min(res.bound, obj - 2 * err)
-                                              if res.bound is not None else None)
+                    res = _kept_feasible(res, obj, err)
                     break
                 forbid = new
                 total = sum(abs(g.weight) * max(abs(v) for k, v in enumerate(row)
@@ -722,9 +728,7 @@ class CpSat:
                         problem, gis, res2.assignment) > obj:
                     messages.append(f"{tag}: the re-solve gave {res2.status} and no better "
                                     "plan; the first plan is kept as FEASIBLE")
-                    res = dataclasses.replace(res, status="FEASIBLE",
-                                              bound=min(res.bound, obj - 2 * err)
-                                              if res.bound is not None else None)
+                    res = _kept_feasible(res, obj, err)
                     break
                 res = dataclasses.replace(res2, n_variables=res.n_variables,
                                           n_constraints=res.n_constraints)

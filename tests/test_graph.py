@@ -313,3 +313,19 @@ def test_meta_trace_allocates_no_parameter_memory() -> None:
     """)
     assert int(lines[-1]) == 1_557_611_200
     assert peak < 1.5e9, peak
+
+
+def test_a_name_used_again_gets_a_suffix_in_order_of_use() -> None:
+    """One rule for both tracers and the call namer: base, base_1, base_2..."""
+    from qsync_opt.graph.naming import CallNamer, UniqueNames
+
+    unique = UniqueNames()
+    assert [unique(n) for n in ("relu", "relu", "fc", "relu")] == ["relu", "relu_1", "fc",
+                                                                   "relu_2"]
+    unique.reset()
+    assert unique("relu") == "relu"
+    namer = CallNamer({})
+    assert [namer.name("matmul", "attn") for _ in range(3)] == [
+        "attn.matmul", "attn.matmul_1", "attn.matmul_2"]
+    namer.reset()
+    assert namer.name("matmul", "attn") == "attn.matmul"

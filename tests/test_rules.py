@@ -15,6 +15,8 @@ from qsync_opt.rules import (
     PASS_PRECISION,
     CostRules,
     allowed_on,
+    check_plan_entry,
+    check_tie,
     fidelity,
     pass_precision,
     widest,
@@ -145,6 +147,49 @@ def test_allowed_and_on_the_menu_keeps_the_ops_order() -> None:
     assert grp.allowed(rules.ops[1]) == []  # a pass-through op has no choice
     assert sorted([P.fp16, P.int8, P.fp32, P.bf16], key=fidelity) == [
         P.int8, P.bf16, P.fp16, P.fp32]
+
+
+def test_a_plan_entry_is_set_kept_or_refused_by_one_rule() -> None:
+    """check_plan_entry: a choosable op within the allowed set is set, a pinned op at a
+    precision it allows is kept (True), anything else refused in one line."""
+    ops = {o.name: o for o in _graph().ops}
+    where = "plan: group t4"
+    assert check_plan_entry(ops["a"], P.fp16, [P.fp32, P.fp16], where, "a", "t4") is False
+    assert check_plan_entry(ops["e"], P.fp32, [], where, "e", "t4") is True
+    with pytest.raises(QsyncInputError, match=r"^plan: group t4 \(t4\), op a: int8 is not "
+                                              r"allowed; allowed: fp32, fp16$"):
+        check_plan_entry(ops["a"], P.int8, [P.fp32, P.fp16], where, "a", "t4")
+    with pytest.raises(QsyncInputError, match=r"allowed; allowed: none$"):
+        check_plan_entry(ops["a"], P.int8, [], where, "a", "t4")
+    with pytest.raises(QsyncInputError, match=r"^plan: group t4, op e is pinned \(test pin\); "
+                                              r"its precision cannot be set to fp16$"):
+        check_plan_entry(ops["e"], P.fp16, [P.fp32, P.fp16], where, "e", "t4")
+    with pytest.raises(QsyncInputError, match=r"^plan: group t4, op b is pass_through; its "
+                                              r"precision cannot be set to fp32$"):
+        check_plan_entry(ops["b"], P.fp32, [P.fp32], where, "b", "t4")
+
+
+def test_ops_of_one_tie_group_get_one_precision() -> None:
+    ties: dict[str, tuple[str, Precision]] = {}
+    check_tie(ties, "module:m", "a", P.fp16, "plan: group t4")
+    check_tie(ties, "module:m", "c", P.fp16, "plan: group t4")
+    check_tie(ties, "other", "b", P.fp32, "plan: group t4")
+    assert ties == {"module:m": ("a", P.fp16), "other": ("b", P.fp32)}
+    with pytest.raises(QsyncInputError, match=r"^plan: group t4: ops a and d share tie group "
+                                              r"module:m but get fp16 and int8$"):
+        check_tie(ties, "module:m", "d", P.int8, "plan: group t4")
+    with pytest.raises(QsyncInputError, match=r"ops 'a' and 'd\\x00' share tie group "):
+        check_tie(ties, "module:m", "d\x00", P.int8, "plan: group t4", repr)
+
+
+def test_a_plan_row_from_one_choice_per_unit() -> None:
+    """plan_row: every op of a unit at the unit's choice, None where no unit holds the op."""
+    rules = _rules()
+    assert rules.plan_row([("a",), ("c",)], [P.fp16, P.int8]) == \
+        [P.fp16, None, P.int8, None, None]
+    assert rules.plan_row([("a", "c")], [P.bf16]) == [P.bf16, None, P.bf16, None, None]
+    with pytest.raises(ValueError):
+        rules.plan_row([("a",), ("c",)], [P.fp16])
 
 
 def test_the_gradient_dtype_of_each_precision() -> None:

@@ -14,7 +14,7 @@ from ..errors import QsyncInputError
 from ..io import atomic_write_text, load, save, to_json
 from ..plan import check_plan, make_plan, plan_model
 from ..replayer import Replayer
-from ..schemas import Plan
+from ..schemas import Document, Plan
 from ..summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
@@ -34,15 +34,23 @@ def _user_lines(wl: Any) -> list[str]:
     return [wl.loss_line(), wl.data_line()]
 
 
+def _save_or_json(doc: Document, args: argparse.Namespace) -> bool:
+    """``--out``: write ``doc`` there (atomically); ``--json``: print it on stdout, and True:
+    the command prints nothing more."""
+    if args.out:
+        save(doc, args.out, what="--out")
+    if args.json:
+        sys.stdout.write(to_json(doc))
+        return True
+    return False
+
+
 def cmd_graph(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     wl = workload_arg(args)
     graph = trace_args(args, workload=wl)
     secs = time.perf_counter() - t0
-    if args.out:
-        save(graph, args.out, what="--out")
-    if args.json:
-        sys.stdout.write(to_json(graph))
+    if _save_or_json(graph, args):
         return 0
     print("\n".join(graph_summary_lines(graph, secs)))
     for line in _user_lines(wl):
@@ -61,10 +69,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     graph = trace_args(args)
     cluster = load_cluster(args.cluster)
     costs = estimate(graph, cluster)
-    if args.out:
-        save(costs, args.out, what="--out")
-    if args.json:
-        sys.stdout.write(to_json(costs))
+    if _save_or_json(costs, args):
         return 0
     print(f"cluster: {args.cluster} ({cluster.world_size} devices, {cluster.nodes} nodes)")
     print("\n".join(estimate_summary_lines(graph, cluster, costs)))
@@ -139,10 +144,7 @@ def cmd_indicate(args: argparse.Namespace) -> int:
                      gamma=args.gamma, cache=not args.no_cache,
                      progress=sys.stderr.isatty() and not args.json, **fast)
     secs = time.perf_counter() - t0
-    if args.out:
-        save(table, args.out, what="--out")
-    if args.json:
-        sys.stdout.write(to_json(table))
+    if _save_or_json(table, args):
         return 0
     ranked = rank_table(table, Precision.int8)
     k = min(args.top, len(ranked))

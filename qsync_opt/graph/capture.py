@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kinds import function_kind, is_leaf_module, method_kind, module_kind
-from .naming import CallNamer, class_name, gemm_call_kind, target_name, tensors_of
+from .naming import (
+    CallNamer,
+    UniqueNames,
+    class_name,
+    gemm_call_kind,
+    target_name,
+    tensors_of,
+)
 from .recording import (
     Expansion,
     RawOp,
@@ -87,14 +94,10 @@ def fx_raw_ops(
     rec = SavedRecorder()
     names: dict[fx.Node, str] = {}
     raw: list[RawOp] = []
-    used_names: dict[str, int] = {}
+    unique = UniqueNames()
     namer = CallNamer(meta_param_names(model, state))
     param_storages = {storage_id(t) for t in state.values()}
     alive: list[Any] = []
-
-    def unique(base: str) -> str:
-        used_names[base] = used_names.get(base, 0) + 1
-        return base if used_names[base] == 1 else f"{base}_{used_names[base] - 1}"
 
     def scope_of(n: fx.Node) -> str:
         if n.meta.get("qsync_loss"):

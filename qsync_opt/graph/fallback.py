@@ -14,7 +14,14 @@ from torch.overrides import TorchFunctionMode
 from ..models.layers import MatMul
 from ..schemas import OpKind
 from .kinds import function_kind, is_leaf_module, method_kind, module_kind
-from .naming import CallNamer, class_name, gemm_call_kind, target_name, tensors_of
+from .naming import (
+    CallNamer,
+    UniqueNames,
+    class_name,
+    gemm_call_kind,
+    target_name,
+    tensors_of,
+)
 from .recording import (
     Expansion,
     RawOp,
@@ -58,7 +65,7 @@ def function_mode_raw_ops(
     raw: list[RawOp] = []
     producer: dict[int, str] = {}  # id(tensor) -> op name
     alive: list[Any] = []  # keep outputs alive so ids stay unique
-    used_names: dict[str, int] = {}
+    unique = UniqueNames()
     depth = [0]  # >0 while inside a leaf module
     scope: list[str] = []
     mhas = {m: n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
@@ -67,10 +74,6 @@ def function_mode_raw_ops(
     in_loss = [False]
     namer = CallNamer(meta_param_names(model, state))
     param_storages = {storage_id(t) for t in state.values()}
-
-    def unique(base: str) -> str:
-        used_names[base] = used_names.get(base, 0) + 1
-        return base if used_names[base] == 1 else f"{base}_{used_names[base] - 1}"
 
     def record(name: str, kind: OpKind, target: str, mod: nn.Module | None, args: Any,
                value: Any, saved: list[torch.Tensor], params: list[torch.Tensor]) -> None:
@@ -155,7 +158,7 @@ def function_mode_raw_ops(
     with ExitStack() as stack:
         for mod, name in mhas.items():
             own = mod.__dict__.get("forward")  # an instance's own forward, put back after
-            mod.forward = mha_forward(mod, name)  # type: ignore[method-assign]
+            mod.__dict__["forward"] = mha_forward(mod, name)
             stack.callback(_put_back_forward, mod, own)
         for mod in leaf_names:
             h1 = mod.register_forward_pre_hook(pre_hook)

@@ -29,6 +29,22 @@ def gemm_call_kind(func: Any, method: str | None = None) -> str | None:
     return _GEMM_CALL_KINDS.get(kind)
 
 
+class UniqueNames:
+    """The one rule for a name used again, in both tracers and :class:`CallNamer`: ``base``
+    the first time, then ``base_1``, ``base_2``... in order of use."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, base: str) -> str:
+        n = self.counts.get(base, 0)
+        self.counts[base] = n + 1
+        return base if n == 0 else f"{base}_{n}"
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+
 class CallNamer:
     """Op names of functional GEMM and attention calls, one rule for both tracers and the
     runtime dispatcher (:mod:`qsync_opt.runtime.dispatch`), so a plan's names always match.
@@ -43,10 +59,10 @@ class CallNamer:
 
     def __init__(self, param_names: dict[int, str]) -> None:
         self.param_names = param_names
-        self.counts: dict[str, int] = {}
+        self.unique = UniqueNames()
 
     def reset(self) -> None:
-        self.counts.clear()
+        self.unique.reset()
 
     def name(self, kind: str, scope: str, args: Any = ()) -> str:
         base = None
@@ -58,9 +74,7 @@ class CallNamer:
                         None)
         if base is None:
             base = f"{scope}.{kind}" if scope else kind
-        n = self.counts.get(base, 0)
-        self.counts[base] = n + 1
-        return base if n == 0 else f"{base}_{n}"
+        return self.unique(base)
 
 
 def target_name(fn: Any) -> str:

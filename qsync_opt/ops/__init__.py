@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.grad import conv2d_input, conv2d_weight
 
 from . import reference as ref
 from ._build import load_cpu
@@ -423,8 +424,8 @@ def _im2col_int8(q: Tensor, kernel: Sequence[int], stride: Sequence[int],
     if (kh, kw) == (1, 1) and tuple(stride) == (1, 1) and tuple(padding) == (0, 0):
         cols = q.permute(0, 2, 3, 1).reshape(b * h * w, c)
         return cols.contiguous(), ho, wo
-    cols = F.unfold(q.to(torch.float32), (kh, kw), dilation=dilation, padding=padding,
-                    stride=stride)  # [B, C*kh*kw, L]
+    cols = F.unfold(q.to(torch.float32), (kh, kw), dilation=tuple(dilation),
+                    padding=tuple(padding), stride=tuple(stride))  # [B, C*kh*kw, L]
     return cols.transpose(1, 2).reshape(b * ho * wo, c * kh * kw).to(torch.int8), ho, wo
 
 
@@ -478,9 +479,9 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
         g16 = grad.to(bwd_dtype)
         w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
         x16 = _dequantize_impl(qx, sx, None, bwd_dtype)
-        grad_x = torch.nn.grad.conv2d_input(list(qx.shape), w16, g16, stride, padding,
+        grad_x = conv2d_input(list(qx.shape), w16, g16, stride, padding,
                                             dilation, groups)
-        grad_w = torch.nn.grad.conv2d_weight(x16, list(qw.shape), g16, stride, padding,
+        grad_w = conv2d_weight(x16, list(qw.shape), g16, stride, padding,
                                              dilation, groups)
         return _owned((grad_x.to(x_dtype), grad_w.to(w_dtype)), (grad, qx, sx, qw, sw))
     _, _, g_seed, w2_seed = _seeds(seed)
@@ -501,8 +502,8 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
                                   stochastic, w2_seed + g)
         gc = _rescale_op(int_mm(go_g, qwc), sgo, swc, None, torch.float32)  # [B*L, cin_g*k]
         gc = gc.reshape(b, ho * wo, -1).transpose(1, 2)
-        grad_cols.append(F.fold(gc, (h, w), (kh, kw), dilation=dilation, padding=padding,
-                                stride=stride))
+        grad_cols.append(F.fold(gc, (h, w), (kh, kw), dilation=tuple(dilation),
+                                padding=tuple(padding), stride=tuple(stride)))
     grad_w = torch.cat(grad_ws, 0).reshape(qw.shape)
     grad_x = torch.cat(grad_cols, 1) if groups > 1 else grad_cols[0]
     return _owned((grad_x.to(x_dtype), grad_w), (grad, qx, sx, qw, sw))

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from ..costs import DDP_BUCKET_CAP_BYTES, gradient_buckets
 from ..errors import QsyncInputError
 from ..precision import Precision
-from ..rules import DEFAULT_CONTEXT_BYTES, CostRules, fidelity
+from ..rules import DEFAULT_CONTEXT_BYTES, CostRules, check_plan_entry, check_tie, fidelity
 from ..schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
 from .sync import AllReduceSync, SyncModel
 
@@ -127,28 +127,15 @@ class PreparedReplay:
                     raise QsyncInputError(
                         f"plan: group {grp.name}, op {name}: unknown precision {value!r}") from None
                 op = self.ops[i]
-                allowed = grp.allowed(op)
-                if op.role != OpRole.choosable:
-                    if op.role == OpRole.pinned and p in op.allowed_precisions:
-                        continue
-                    raise QsyncInputError(
-                        f"plan: group {grp.name}, op {name} is {op.role.value}"
-                        + (f" ({op.pin_reason})" if op.pin_reason else "")
-                        + f"; its precision cannot be set to {p.value}")
-                if p not in allowed:
-                    raise QsyncInputError(
-                        f"plan: group {grp.name} ({grp.device}), op {name}: {p.value} is not "
-                        f"allowed; allowed: {', '.join(q.value for q in allowed)}")
+                if check_plan_entry(op, p, grp.allowed(op), f"plan: group {grp.name}", name,
+                                    grp.device):
+                    continue
                 row[i] = p
             ties: dict[str, tuple[str, Precision]] = {}
-            for i, op in enumerate(self.ops):
-                if op.tie_group and row[i] is not None and (
+            for op, q in zip(self.ops, row, strict=True):
+                if op.tie_group and q is not None and (
                         self.enforce_ties or op.tie_group.startswith("module:")):
-                    seen = ties.setdefault(op.tie_group, (op.name, row[i]))  # type: ignore[arg-type]
-                    if seen[1] != row[i]:
-                        raise QsyncInputError(
-                            f"plan: group {grp.name}: ops {seen[0]} and {op.name} share tie group "
-                            f"{op.tie_group} but get {seen[1].value} and {row[i].value}")  # type: ignore[union-attr]
+                    check_tie(ties, op.tie_group, op.name, q, f"plan: group {grp.name}")
             out.append(row)
         return out
 

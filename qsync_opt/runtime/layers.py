@@ -25,7 +25,7 @@ Convolutions with a ``padding_mode`` other than zeros are padded first, as torch
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,14 @@ __all__ = ["COUNTERS", "QConv1d", "QConv2d", "QLinear", "QMatMul", "QMixin",
            "run_linear", "swappable_kind"]
 
 _HALF = HALF_DTYPES
+
+# The two mixins below join a class only known at run time (HF's Conv1D, a user's subclass of
+# nn.MultiheadAttention; see _q_class): to the type checker they derive from the base they join.
+if TYPE_CHECKING:
+    _Conv1DBase = nn.Module
+    _MHABase = nn.MultiheadAttention
+else:
+    _Conv1DBase = _MHABase = object
 
 class QLinear(nn.Linear, QMixin):
     def forward(self, x: Tensor) -> Tensor:
@@ -151,7 +159,7 @@ class QConv1d(nn.Conv1d, QMixin):
         return y.squeeze(-2)
 
 
-class _QConv1DMixin(QMixin):
+class _QConv1DMixin(QMixin, _Conv1DBase):
     """A HuggingFace-style Conv1D (``out = addmm(bias, x, weight)``, weight (in, out)) at a
     precision: its transposed weight through :func:`run_linear` (int8: ``ops.int8_linear``;
     16 bit and fp8 as :class:`QLinear`)."""
@@ -163,11 +171,11 @@ class _QConv1DMixin(QMixin):
         self._count()
         p = self.precision
         if p in (Precision.fp32, Precision.tf32):
-            return super().forward(x)  # type: ignore[misc]
+            return super().forward(x)
         return run_linear(x, self.weight.t(), self.bias, p, self._next_seed)
 
 
-class _QMHAMixin(QMixin):
+class _QMHAMixin(QMixin, _MHABase):
     """nn.MultiheadAttention with a precision per sub-op (``precisions``: in_proj or
     q_proj/k_proj/v_proj/kv_proj, qk, av, out_proj): the decomposed attention
     (:func:`~qsync_opt.attention.mha_forward`, the computation the planner traced),
@@ -179,16 +187,16 @@ class _QMHAMixin(QMixin):
                 key_padding_mask: Tensor | None = None, need_weights: bool = True,
                 attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        subs = mha_gemms(self, query, key, value)  # type: ignore[arg-type]
+        subs = mha_gemms(self, query, key, value)
         prefix = f"{self.qname}." if self.qname else ""
         if all(self.precisions.get(s, Precision.fp32) in (Precision.fp32, Precision.tf32)
                for s in subs):
             for s in subs:
                 record_call(prefix + s, self.precisions.get(s, Precision.fp32))
-            return super().forward(query, key, value, key_padding_mask,  # type: ignore[misc]
+            return super().forward(query, key, value, key_padding_mask,
                                    need_weights, attn_mask, average_attn_weights, is_causal)
         return mha_forward(RuntimeStep(self.qname, self.precisions, self._next_seed),
-                           self, query, key, value, key_padding_mask,  # type: ignore[arg-type]
+                           self, query, key, value, key_padding_mask,
                            need_weights, attn_mask, average_attn_weights, is_causal)
 
 
@@ -292,7 +300,9 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
             continue
         seed_i = (seed * 1_000_003 + i * 7919) & 0x7FFFFFFF
         if how[name] == "mha":
-            parent, sub = _mha_of(modules, name)  # type: ignore[misc]
+            found = _mha_of(modules, name)
+            assert found is not None  # how[name] is "mha" only where _mha_of found one
+            parent, sub = found
             subs = mha.setdefault(parent, {})
             if subs.get(sub, p) != p:
                 raise QsyncInputError(f"precisions: {name}: {parent}.{sub} is one set of "
