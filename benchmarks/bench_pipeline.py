@@ -21,6 +21,7 @@ import os
 import time
 
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
+from qsync_opt.solvers import SolveOptions
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
@@ -28,7 +29,6 @@ from qsync_opt.frontier import frontier
 from qsync_opt.machine import cpu_model
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.solve import solve
-from qsync_opt.solvers import SolveOptions
 from qsync_opt.synthetic import random_indicator
 
 INSTANCES = [("resnet50", "v100x16+t4x16"), ("bert_base", "a100x8+t4x8")]

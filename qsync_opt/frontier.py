@@ -178,11 +178,13 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
                       and p.samples_per_s is not None), key=lambda p: p.samples_per_s or 0.0)
         if not pts:
             continue
+        xs = [float(p.samples_per_s or 0.0) for p in pts]  # both set: filtered above
+        ys = [float(p.objective or 0.0) for p in pts]
         colour, marker, line = STYLE[name]
         label = name + ("" if all(p.feasible for p in pts) else " (some miss the target)")
         if name == "strong-only":
             label = "strong-only (smaller global batch)"
-        ax.plot([p.samples_per_s for p in pts], [p.objective for p in pts], color=colour,
+        ax.plot(xs, ys, color=colour,
                 marker=marker, linestyle=line or "none", label=label, alpha=0.85)
     ax.set_xlabel("throughput, samples/s (linear model)")
     ax.set_ylabel("degradation (sum of batch-weighted Omega)")

@@ -132,7 +132,7 @@ class ProblemOptions:
 
     def to_json(self) -> dict[str, Any]:
         return {"target_ms": self.target_ms, "memory_headroom": self.memory_headroom,
-                "pinned": {k: v.value for k, v in self.pinned.items()},  # type: ignore[union-attr]
+                "pinned": {k: Precision(v).value for k, v in self.pinned.items()},
                 "optimizer": self.optimizer, "reference": Precision(self.reference).value,
                 "strong_groups": list(self.strong_groups) if self.strong_groups else None,
                 "casts": self.casts, "ties": self.ties, "lower_reference": self.lower_reference}
@@ -530,10 +530,8 @@ class AllocationProblem:
             if g.name not in self.strong_groups:
                 continue
             grp = rep.groups[gi]
-            prec: list[Precision | None] = [None] * rep.n
-            for u, unit in enumerate(self.units):
-                for op in unit.ops:
-                    prec[rep.index[op]] = g.choices[u][g.reference[u]]
+            prec = rules.plan_row([unit.ops for unit in self.units],
+                                  [g.choices[u][g.reference[u]] for u in range(len(self.units))])
             din, dout = rules.dtypes(prec)
             items = [rules.op_items(grp, i, prec, din, dout) for i in range(rep.n)]
             t = sum(x[2] for fwd, _ in items for x in fwd)
@@ -554,7 +552,7 @@ class AllocationProblem:
         spec = self.cluster.groups[gi]
         n = rep.n
         units = self.units
-        pins: Mapping[str, Precision] = self.options.pinned  # type: ignore[assignment]
+        pins = {k: Precision(v) for k, v in self.options.pinned.items()}
         # Choices per unit: the intersection over its ops, most exact first.
         choices: list[tuple[Precision, ...]] = []
         for unit in units:
@@ -625,18 +623,18 @@ class AllocationProblem:
             term.mem[ka][kb] += m
 
         def add(units_choices: Sequence[tuple[int | None, int | None]], t: float, m: float) -> None:
-            var = [(u, k) for u, k in units_choices if u is not None]
+            var = [(u, k) for u, k in units_choices if u is not None and k is not None]
             if not var:
                 nonlocal time0, mem0
                 time0 += t
                 mem0 += m
             elif len(var) == 1:
                 u, k = var[0]
-                time1[u][k] += t  # type: ignore[index]
-                mem1[u][k] += m  # type: ignore[index]
+                time1[u][k] += t
+                mem1[u][k] += m
             else:
                 (a, ka), (b, kb) = var
-                add_pair(a, ka, b, kb, t, m)  # type: ignore[arg-type]
+                add_pair(a, ka, b, kb, t, m)
 
         prec: list[Precision | None] = [None] * n
         din = [DType.fp32] * n
@@ -645,7 +643,8 @@ class AllocationProblem:
         def setup(i: int, s: int | None, ks: int | None) -> None:
             o = rep.ops[i]
             if o.role == OpRole.choosable:
-                p = choices[s][ks]  # type: ignore[index]
+                assert s is not None and ks is not None  # a choosable op is its own unit
+                p = choices[s][ks]
                 prec[i] = p
                 din[i], dout[i] = rules.takes_in(p), rules.gives_out(p)
             else:
@@ -676,7 +675,8 @@ class AllocationProblem:
                 if s is None:
                     work0 = max(work0, work)
                 else:
-                    work1[s][ks] = max(work1[s][ks], work)  # type: ignore[index]
+                    assert ks is not None  # s set: ks ranges over its choices
+                    work1[s][ks] = max(work1[s][ks], work)
                 add([(s, ks)], 0.0, wcopy)
                 # One pair term per in-edge for the casts on it.
                 if self.options.casts:
@@ -705,7 +705,8 @@ class AllocationProblem:
                     assign = dict(zip(var_edges, combo, strict=True))
                     for u, _ in edges:
                         eu = src[u]
-                        dout[u] = out_dtype(eu, ks if eu == s else assign.get(eu))  # type: ignore[arg-type]
+                        k = ks if eu == s else None if eu is None else assign.get(eu)
+                        dout[u] = out_dtype(eu, k)
                     saved, _, _ = rules.op_memory(grp, i, prec, din, dout)
                     vals.append((combo, saved))
                 if len(var_edges) == 1:
@@ -805,7 +806,7 @@ class AllocationProblem:
                     raise QsyncInputError(
                         f"plan: group {g.name}, op {unit.ops[0]}: {p} is not among the "
                         f"problem's choices {', '.join(q.value for q in g.choices[u])}{held}")
-                a.append(g.choices[u].index(p))  # type: ignore[arg-type]
+                a.append(g.choices[u].index(p))
             out[g.name] = a
         return out
 
@@ -867,7 +868,8 @@ class AllocationProblem:
         """
         cluster = cluster.with_default_batch(self.graph.batch_size)
         have = {(c.device, c.batch_size) for c in self.costs.entries}
-        need = {(g.device, int(g.batch_per_device)) for g in cluster.groups}  # type: ignore[arg-type]
+        need = {(g.device, int(g.batch_per_device or self.graph.batch_size))
+                for g in cluster.groups}
         same_world = cluster.world_size == self.cluster.world_size
         costs = self.costs
         if not need <= have or not same_world:
