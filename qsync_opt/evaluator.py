@@ -70,7 +70,9 @@ def evaluate(problem: AllocationProblem, plan: Plan, *, target_ms: float | None 
     memory per group and every violated constraint.
 
     A plan whose cluster differs from the problem's (another batch split, groups left out)
-    is scored on the problem re-made for that cluster, against the same target.
+    is scored on the problem re-made for that cluster (kept per cluster: a held group costs
+what it costs free, and the target only decides ``meets_target``), against the same
+target.
     """
     if plan.graph_hash != problem.graph.structure_hash():
         from .plan import plan_graph_difference
@@ -79,8 +81,11 @@ def evaluate(problem: AllocationProblem, plan: Plan, *, target_ms: float | None 
     target = problem.target_ms if target_ms is None else target_ms
     prob = problem
     if _cluster_key(plan.cluster) != _cluster_key(problem.cluster):
-        opts = ProblemOptions(
-            **{**problem.options.to_json(), "target_ms": target, "strong_groups": None})
+        # No group held at its reference (any plan assigns) and no target (scores do not
+        # depend on one: the target is compared below), so one re-made problem per
+        # cluster serves every target.
+        opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": None,
+                                 "strong_groups": None, "lower_reference": True})
         key = _cluster_key(plan.cluster) + json.dumps(opts.to_json(), sort_keys=True,
                                                       default=str)
         remade = problem.remade.get(key)

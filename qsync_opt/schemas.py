@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import weakref
 from collections import Counter
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -68,6 +70,28 @@ def _no_bool_or_str(kind: str) -> Any:
 Int = Annotated[int, _no_bool_or_str("an integer")]
 #: A float field (finite: every schema has ``allow_inf_nan=False``); bools and strings refused.
 Real = Annotated[float, _no_bool_or_str("a number")]
+
+
+#: Hashes of documents, computed once each: (id, kind) -> (weak reference, hash).
+_HASHES: dict[tuple[int, str], tuple[weakref.ref[Any], str]] = {}
+
+
+def _memo(doc: Any, kind: str, compute: Callable[[], str]) -> str:
+    """``compute()`` for ``doc``, once per document: the schemas are frozen, so a
+    document's hash never changes (``model_copy`` makes a new document, hashed anew). The
+    entry goes when the document does."""
+    key = (id(doc), kind)
+    hit = _HASHES.get(key)
+    if hit is not None and hit[0]() is doc:
+        return hit[1]
+    value = compute()
+
+    def gone(ref: weakref.ref[Any], key: tuple[int, str] = key) -> None:
+        if _HASHES.get(key, (None, ""))[0] is ref:
+            del _HASHES[key]
+
+    _HASHES[key] = (weakref.ref(doc, gone), value)
+    return value
 
 
 class Schema(BaseModel):
@@ -151,9 +175,14 @@ class Document(Schema):
         return load(path, cls)
 
     def content_hash(self) -> str:
-        """sha256 of the canonical JSON, the first 16 hex digits (provenance, plan checks)."""
-        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+        """sha256 of the canonical JSON, the first 16 hex digits (provenance, plan checks);
+        computed once per document (:func:`_memo`)."""
+        def compute() -> str:
+            payload = json.dumps(self.model_dump(mode="json"), sort_keys=True,
+                                 separators=(",", ":"))
+            return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+        return _memo(self, "content", compute)
 
 
 # --------------------------------------------------------------------------- devices
@@ -510,11 +539,14 @@ class ModelGraph(Document):
         return [o for o in self.ops if o.choosable]
 
     def structure_hash(self) -> str:
-        """Hash of what a plan depends on: op names, kinds, roles, shapes and edges."""
-        payload = [
-            (o.name, o.kind.value, o.role.value, o.input_shapes, o.output_shapes) for o in self.ops
-        ] + [(e.src, e.dst) for e in self.edges]
-        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+        """Hash of what a plan depends on: op names, kinds, roles, shapes and edges
+        (computed once per graph, :func:`_memo`)."""
+        def compute() -> str:
+            payload = [(o.name, o.kind.value, o.role.value, o.input_shapes, o.output_shapes)
+                       for o in self.ops] + [(e.src, e.dst) for e in self.edges]
+            return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+        return _memo(self, "structure", compute)
 
     @property
     def total_fwd_flops(self) -> int:

@@ -130,6 +130,25 @@ def part_floor(problem: AllocationProblem, gis: Sequence[int]) -> float:
                if r)
 
 
+def least_part(problem: AllocationProblem, gis: Sequence[int]) -> PartResult | None:
+    """The part's optimum when no solver is needed (None otherwise): every real unit at its
+    least ``Omega`` (the first, most exact, of equal ones) has the least objective any
+    assignment has; when it meets each group's time budget and capacity exactly (no
+    tolerance), it is optimal, its objective its own bound."""
+    budget = problem.group_budget_ms()
+    out: dict[str, list[int]] = {}
+    for gi in gis:
+        g = problem.groups[gi]
+        if not all(g.omega1):
+            return None
+        a = [min(range(len(row)), key=row.__getitem__) for row in g.omega1]
+        dt, dm = exact_violation(g, a, budget, rel=0.0)
+        if dt > 0 or dm > 0:
+            return None
+        out[g.name] = a
+    return PartResult("OPTIMAL", out, part_objective(problem, gis, out))
+
+
 #: A second pass over unsolved or unproven parts only when this much time is left.
 MIN_RETRY_S = 0.05
 
@@ -152,6 +171,12 @@ def solve_parts(problem: AllocationProblem, parts: Sequence[Sequence[int]],
         return problem.groups[gis[0]].name if len(gis) == 1 else "all"
 
     for i, gis in enumerate(parts):
+        least = least_part(problem, gis)
+        if least is not None:
+            results[i] = least
+            messages.append(f"{tag(gis)}: every unit at its least degradation meets the "
+                            "target and capacity: that is the optimum, no solver run")
+            continue
         if deadline.expired():  # nothing is run past the deadline
             results[i] = PartResult("TIME_LIMIT", None, None)
             continue

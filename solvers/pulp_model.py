@@ -22,6 +22,7 @@ solver's run as solving.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -60,16 +61,22 @@ def pulp_module() -> Any:
 
 
 def available_pulp_solvers() -> list[str]:
+    """The solvers PuLP can run here (asked of PuLP once per process: it probes each one)."""
+    return list(_pulp_solvers())
+
+
+@functools.cache
+def _pulp_solvers() -> tuple[str, ...]:
     try:
         pulp = pulp_module()
     except Exception:
-        return []
+        return ()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return list(pulp.listSolvers(onlyAvailable=True))
+            return tuple(pulp.listSolvers(onlyAvailable=True))
         except Exception:
-            return []
+            return ()
 
 
 def available(backend: str) -> bool:
