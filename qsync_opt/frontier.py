@@ -11,13 +11,17 @@ increase with the target, so no plan is both faster (in the linear model) and le
 than an exact point. With the joint split this holds against every plan that trains the
 same global batch, dynamic batching included. ``strong-only`` trains a smaller global batch
 (the weak cards' samples are dropped), so it is drawn as a reference, not a competitor.
+
+So that this shows in the points, each exact series is also solved at the makespan of every
+other same-batch point, unless one of its points already matches that point (is as fast
+and as little degraded): then no solve there could show anything the series does not.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +79,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
              batch_multiple: int | None = None, progress: bool = False) -> list[FrontierPoint]:
     """Sweep the makespan target over ``points`` values and score every allocator
     (``progress``: a bar on stderr, drawn once the sweep has run 2 s)."""
-    from .solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
+    from .solve import run_backend
 
     if points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {points}")
@@ -119,37 +123,64 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
             plan, rep, _ = run_backend(prob, name, opts)
             out.append(point(name, t, plan, rep.status))
             bar.advance(note=name)
-    # The exact series also at every other same-batch point's makespan, so that a tie in
-    # degradation cannot hide a faster plan; then only its non-dominated points are kept.
-    same = [p.makespan_ms for p in out if p.makespan_ms is not None
-            and p.global_batch == problem.global_batch and lo <= p.makespan_ms <= hi]
-    exact_targets = sorted(set(targets) | set(same))
+    # The exact series also at the makespan of every other same-batch point that none of
+    # its points yet matches (as fast and as little degraded), so that a tie in degradation
+    # cannot hide a faster plan; then only its non-dominated points are kept.
+    same: dict[float, float] = {}
+    for p in out:
+        if (p.makespan_ms is not None and p.objective is not None
+                and p.global_batch == problem.global_batch and lo <= p.makespan_ms <= hi):
+            same[p.makespan_ms] = min(same.get(p.makespan_ms, p.objective), p.objective)
+    extra = sorted(set(same) - set(targets))
     series_names = [n for n in ("exact", "exact+split") if n in allocators]
-    bar.total = (bar.total or 0) + len(exact_targets) * len(series_names)
-    for name in ("exact", "exact+split"):
-        if name not in allocators:
-            continue
-        series = []
-        for t in exact_targets:
-            bar.advance(note=f"{name} at {t:.1f} ms")
-            prob = problem.retarget(t)
-            if name == "exact+split":
-                try:
-                    plan, rep = solve_joint(prob, exact, opts, 0, batch_multiple, "target", 0.0,
-                                             extra_splits=extra_splits)
-                    series.append(point(name, t, plan, rep.status))
-                except InfeasibleError as exc:
-                    series.append(point(name, t, None, exc.report.status if exc.report else
-                                        "INFEASIBLE"))
-                except SolveTimeLimit:  # no plan within the limit: a point without a plan
-                    series.append(point(name, t, None, "TIME_LIMIT"))
+    bar.total = (bar.total or 0) + (len(targets) + len(extra)) * len(series_names)
+    for name in series_names:
+        series: list[FrontierPoint] = []
+        for t in targets:
+            series.append(_exact_point(problem, name, t, exact, opts, batch_multiple,
+                                       extra_splits, point, bar))
+        for t in extra:
+            if any(matched(q, t, same[t]) for q in series):
+                bar.advance(note=f"{name} at {t:.1f} ms: matched")
                 continue
-            plan, rep, _ = run_backend(prob, exact, opts)
-            series.append(point(name, t, plan, rep.status))
+            series.append(_exact_point(problem, name, t, exact, opts, batch_multiple,
+                                       extra_splits, point, bar))
         out.extend(p for p in series
                    if p.objective is None or not any(q.dominates(p) for q in series))
     bar.close()
     return out
+
+
+def matched(q: FrontierPoint, makespan_ms: float, objective: float, tol: float = 1e-9) -> bool:
+    """Whether ``q`` is as fast as ``makespan_ms`` and as little degraded as ``objective``
+    (a point there then dominates no point of ``q``'s series that is not dominated there
+    already: solving at that makespan can only add a point, never remove a domination)."""
+    if q.makespan_ms is None or q.objective is None:
+        return False
+    return (q.makespan_ms <= makespan_ms * (1 + tol)
+            and q.objective <= objective + tol * max(1.0, abs(objective)))
+
+
+def _exact_point(problem: AllocationProblem, name: str, t: float, exact: str,
+                 opts: SolveOptions, batch_multiple: int | None,
+                 extra_splits: list[dict[str, int]], point: Callable[..., FrontierPoint],
+                 bar: Progress) -> FrontierPoint:
+    """The ``exact`` (given split) or ``exact+split`` (joint split) point at target ``t``."""
+    from .solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
+
+    bar.advance(note=f"{name} at {t:.1f} ms")
+    prob = problem.retarget(t)
+    if name == "exact+split":
+        try:
+            plan, rep = solve_joint(prob, exact, opts, 0, batch_multiple, "target", 0.0,
+                                    extra_splits=extra_splits)
+            return point(name, t, plan, rep.status)
+        except InfeasibleError as exc:
+            return point(name, t, None, exc.report.status if exc.report else "INFEASIBLE")
+        except SolveTimeLimit:  # no plan within the limit: a point without a plan
+            return point(name, t, None, "TIME_LIMIT")
+    plan, rep, _ = run_backend(prob, exact, opts)
+    return point(name, t, plan, rep.status)
 
 
 def frontier_json(points: Sequence[FrontierPoint]) -> dict[str, Any]:

@@ -324,13 +324,14 @@ class CostRules:
 
     def op_items(self, grp: GroupCosts, i: int, prec: Sequence[Precision | None],
                  din: Sequence[DType], dout: Sequence[DType],
-                 edges: Sequence[tuple[int, int]] | None = None,
+                 edges: Sequence[tuple[int, int]] | None = None, named: bool = True,
                  ) -> tuple[list[WorkItem], list[WorkItem]]:
         """Forward and backward work items of op i: (kind, name, ms, args).
 
         ``edges`` restricts the per-input-edge casts to those edges (default: all of op i's
         float in-edges); the items are additive over edges, which the linear model of
         :mod:`qsync_opt.problem` uses to split an op's cost into per-edge pair terms.
+        ``named=False`` leaves the cast items' names empty (for sums of their times).
         """
         op = self.ops[i]
         p = prec[i]
@@ -351,7 +352,7 @@ class CostRules:
             # A choosable op on the model input: the input arrives in fp32.
             ms = self.cast_ms(grp, DType.fp32, takes, op.input_numel * grp.scale)
             if ms:
-                fwd_items.append(("cast", f"cast input fp32->{takes.value} > {op.name}", ms,
+                fwd_items.append(("cast", f"cast input fp32->{takes.value} > {op.name}" if named else "", ms,
                                   {"numel": op.input_numel * grp.scale}))
         for u, numel in edges:
             src = dout[u]
@@ -359,12 +360,13 @@ class CostRules:
                                  or self.role[i] == OpRole.promote):
                 ms = self.cast_ms(grp, src, takes, numel * grp.scale)
                 fwd_items.append(("cast", f"cast {src.value}->{takes.value} "
-                                  f"{self.ops[u].name} > {op.name}", ms,
+                                  f"{self.ops[u].name} > {op.name}" if named else "", ms,
                                   {"numel": numel * grp.scale}))
         wdt = p.info.weight_dtype if p is not None else None
         wn = self.weight_numel[i]
         if wdt is not None and wn:
-            fwd_items.append(("weight_cast", f"weight fp32->{wdt.value} {op.name}",
+            fwd_items.append(("weight_cast", f"weight fp32->{wdt.value} {op.name}" if named
+                              else "",
                               self.cast_ms(grp, DType.fp32, wdt, wn), {"numel": wn}))
         f_ms, b_ms = self.compute_ms(grp, i, p, dout[i])
         fwd_items.append(("fwd", op.name, f_ms,
@@ -373,7 +375,7 @@ class CostRules:
         # back to FP32, then input gradients cast to what each producer gives out.
         if p is not None and p.info.bwd_compute in (DType.int8, DType.fp8_e5m2):
             bwd_items.append(("grad_cast", f"grad {p.info.gives_out.value}->"
-                              f"{p.info.bwd_compute.value} {op.name}",
+                              f"{p.info.bwd_compute.value} {op.name}" if named else "",
                               self.cast_ms(grp, p.info.gives_out, p.info.bwd_compute,
                                            op.output_numel * grp.scale), None))
         bwd_items.append(("bwd", op.name, b_ms, None))
@@ -381,7 +383,8 @@ class CostRules:
             gdt = GRAD_DTYPE[p]
             ms = self.cast_ms(grp, gdt, DType.fp32, wn)
             if ms:
-                bwd_items.append(("grad_cast", f"weight grad {gdt.value}->fp32 {op.name}", ms,
+                bwd_items.append(("grad_cast", f"weight grad {gdt.value}->fp32 {op.name}"
+                                  if named else "", ms,
                                   None))
         if b_ms > 0 or p is not None:
             gin = GRAD_DTYPE[p] if p is not None else takes
@@ -389,7 +392,7 @@ class CostRules:
                 if dout[u] != gin:
                     ms = self.cast_ms(grp, gin, dout[u], numel * grp.scale)
                     bwd_items.append(("cast", f"grad cast {gin.value}->{dout[u].value} "
-                                      f"{op.name} > {self.ops[u].name}", ms,
+                                      f"{op.name} > {self.ops[u].name}" if named else "", ms,
                                       {"numel": numel * grp.scale}))
         return fwd_items, bwd_items
 
@@ -397,7 +400,7 @@ class CostRules:
               din: Sequence[DType], dout: Sequence[DType],
               edges: Sequence[tuple[int, int]] | None = None) -> float:
         """Op i's forward plus backward ms, casts included (the sum of :meth:`op_items`)."""
-        f, b = self.op_items(grp, i, prec, din, dout, edges)
+        f, b = self.op_items(grp, i, prec, din, dout, edges, named=False)
         return sum(x[2] for x in f) + sum(x[2] for x in b)
 
     # ------------------------------------------------------------------ memory

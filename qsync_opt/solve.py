@@ -24,6 +24,7 @@ from .progress import Progress
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
 from .solvers import SolveOptions, common, get_backend, registry
 from .solvers.common import Deadline, mode_text, objective_scale
+from .solvers.ilp import relaxation_bound
 from .splits import BOUND_REL, SplitBounds, batch_splits
 from .units import GIB, fmt_bytes
 
@@ -604,9 +605,9 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
     at_own = next((r[0] for r in attempt.first if r[1] == own), None)
     msgs = [f"joint batch split: {len(splits)} candidate splits (global batch "
             f"{problem.global_batch}): {attempt.solved} solved, {len(attempt.first)} with a "
-            f"plan, {attempt.proven_infeasible} without one by their floors, "
-            f"{attempt.bounded} skipped (bounded above the best), {attempt.refined} "
-            "refined; chosen " + ", ".join(f"{k}={v}" for k, v in split.items())
+            f"plan, {attempt.proven_infeasible} without one by their floors or LP "
+            f"relaxations, {attempt.bounded} skipped (bounded above the best; "
+            f"{attempt.relaxed} relaxations solved), {attempt.refined} refined; chosen " + ", ".join(f"{k}={v}" for k, v in split.items())
             + f", objective {ev.objective:.6g}"
             + (f" against {at_own:.6g} at the given split (before refinement)"
                if at_own is not None else "; the given split has no plan"), *report.messages]
@@ -639,6 +640,8 @@ class _JointAttempt:
     proven_infeasible: int = 0
     bounded: int = 0
     solved: int = 0
+    #: candidates whose LP relaxation was solved (for their bounds) before any solve
+    relaxed: int = 0
 
 
 def _parts(sub: AllocationProblem, plan: Plan) -> list[float]:
@@ -714,7 +717,7 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
     while (i := pick()) is not None:
         bar.update(len(splits) - len(left), note=f"{out.solved} solved")
         if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
-            out.bounded = len(left)
+            out.bounded += len(left)
             break
         left.discard(i)
         if bounds.proven_infeasible(i):
@@ -722,6 +725,19 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
             bounds.record(i, None)
             continue
         sub = subs[i].retarget(target, source=source)
+        if bounds.enabled:  # the LP relaxation first: it may prove the copy cannot win
+            relaxed = [relaxation_bound(sub, [gi], dataclasses.replace(
+                opts, time_limit_s=max(call.deadline.share(len(left) + 1), 1e-3)))
+                for gi in range(len(sub.groups))]
+            if all(st != "UNKNOWN" for st, _ in relaxed):
+                out.relaxed += 1
+                bounds.record_relaxed(i, [v if st == "OPTIMAL" else None for st, v in relaxed])
+                if bounds.proven_infeasible(i):
+                    out.proven_infeasible += 1
+                    continue
+                if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
+                    out.bounded += 1
+                    continue
         plan, report, ev = _solve_refined_ev(
             sub, solver, opts, 0, call.child(call.deadline.share(len(left) + 1)))
         solved.append(i)

