@@ -687,7 +687,7 @@ class AllocationProblem:
                             if eu is not None and eu == s and ke != ks:
                                 continue
                             dout[u] = out_dtype(eu, ke)
-                            t = items_ms(i, [(u, numel)]) - base
+                            t = rules.edge_ms(grp, i, prec, din, dout, u, numel)
                             dout[u] = DType.fp32
                             if t:
                                 add([(s, ks), (eu, ke)], t, 0.0)

@@ -355,12 +355,10 @@ class CostRules:
                 fwd_items.append(("cast", f"cast input fp32->{takes.value} > {op.name}" if named else "", ms,
                                   {"numel": op.input_numel * grp.scale}))
         for u, numel in edges:
-            src = dout[u]
-            if src != takes and (p is not None or self.role[i] == OpRole.pinned
-                                 or self.role[i] == OpRole.promote):
-                ms = self.cast_ms(grp, src, takes, numel * grp.scale)
-                fwd_items.append(("cast", f"cast {src.value}->{takes.value} "
-                                  f"{self.ops[u].name} > {op.name}" if named else "", ms,
+            fc = self._edge_cast(grp, i, p, takes, dout[u], numel)
+            if fc is not None:
+                fwd_items.append(("cast", f"cast {dout[u].value}->{takes.value} "
+                                  f"{self.ops[u].name} > {op.name}" if named else "", fc,
                                   {"numel": numel * grp.scale}))
         wdt = p.info.weight_dtype if p is not None else None
         wn = self.weight_numel[i]
@@ -386,15 +384,50 @@ class CostRules:
                 bwd_items.append(("grad_cast", f"weight grad {gdt.value}->fp32 {op.name}"
                                   if named else "", ms,
                                   None))
-        if b_ms > 0 or p is not None:
-            gin = GRAD_DTYPE[p] if p is not None else takes
-            for u, numel in edges:
-                if dout[u] != gin:
-                    ms = self.cast_ms(grp, gin, dout[u], numel * grp.scale)
-                    bwd_items.append(("cast", f"grad cast {gin.value}->{dout[u].value} "
-                                      f"{op.name} > {self.ops[u].name}" if named else "", ms,
-                                      {"numel": numel * grp.scale}))
+        for u, numel in edges:
+            bc = self._edge_grad_cast(grp, p, takes, b_ms, dout[u], numel)
+            if bc is not None:
+                bwd_items.append(("cast", f"grad cast {self._grad_in(p, takes).value}->"
+                                  f"{dout[u].value} {op.name} > {self.ops[u].name}"
+                                  if named else "", bc, {"numel": numel * grp.scale}))
         return fwd_items, bwd_items
+
+    def _edge_cast(self, grp: GroupCosts, i: int, p: Precision | None, takes: DType,
+                   src: DType, numel: int) -> float | None:
+        """The forward cast on an in-edge of op i whose producer gives ``src`` (None: no
+        cast): an op at a precision, pinned or promoting casts its input to what it takes."""
+        if src != takes and (p is not None or self.role[i] == OpRole.pinned
+                             or self.role[i] == OpRole.promote):
+            return self.cast_ms(grp, src, takes, numel * grp.scale)
+        return None
+
+    @staticmethod
+    def _grad_in(p: Precision | None, takes: DType) -> DType:
+        """The dtype of the input gradients an op at ``p`` (taking ``takes``) produces."""
+        return GRAD_DTYPE[p] if p is not None else takes
+
+    def _edge_grad_cast(self, grp: GroupCosts, p: Precision | None, takes: DType,
+                        b_ms: float, src: DType, numel: int) -> float | None:
+        """The backward cast of the input gradient on an in-edge back to what its producer
+        gives (``src``); None: none (the op has no backward, or the dtypes agree)."""
+        if not (b_ms > 0 or p is not None):
+            return None
+        gin = self._grad_in(p, takes)
+        return self.cast_ms(grp, gin, src, numel * grp.scale) if src != gin else None
+
+    def edge_ms(self, grp: GroupCosts, i: int, prec: Sequence[Precision | None],
+                din: Sequence[DType], dout: Sequence[DType], u: int, numel: int) -> float:
+        """What the in-edge from op ``u`` (``numel`` elements) adds to op i's time: its
+        forward cast and its gradient's cast back (the edge's items of :meth:`op_items`; 0
+        on the fp32 flow, whose measured op costs hold every cast)."""
+        if not self.native_flow:
+            return 0.0
+        p = prec[i]
+        takes = din[i]
+        fc = self._edge_cast(grp, i, p, takes, dout[u], numel)
+        bc = self._edge_grad_cast(grp, p, takes, self.compute_ms(grp, i, p, dout[i])[1],
+                                  dout[u], numel)
+        return (fc or 0.0) + (bc or 0.0)
 
     def op_ms(self, grp: GroupCosts, i: int, prec: Sequence[Precision | None],
               din: Sequence[DType], dout: Sequence[DType],
