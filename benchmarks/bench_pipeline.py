@@ -6,9 +6,12 @@ random indicator, so no model runs): the plain solve, the joint batch split with
 (``solve.PRUNE_SPLITS = False``), each from a fresh problem (the joint split re-makes the
 problem at every candidate, and that is part of its cost); the plans of the two joint runs
 are compared. With ``--pareto``, the whole Pareto sweep of resnet50 (``frontier``, as
-``qsync-opt pareto`` runs it) with and without the bounds.
+``qsync-opt pareto`` runs it) with and without the bounds. With ``--cli``, the issue's
+commands end to end, each a fresh process (model trace, the cached qsync indicator, solve,
+plan written): ``qsync-opt solve --model resnet50 --cluster v100x16+t4x16 --solver highs``
+with and without ``--joint-split``, and ``qsync-opt pareto`` on the same instance.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 3] [--pareto]
+    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 3] [--pareto] [--cli]
 
 Times are medians of wall seconds; say the load average beside them.
 """
@@ -18,7 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 from qsync_opt.solvers import SolveOptions
@@ -59,13 +66,44 @@ def _joint(model: str, cluster: str, prune: bool):
         solve_mod.PRUNE_SPLITS = True
 
 
+def _cli(args: list[str]) -> None:
+    """One ``qsync-opt`` command in a fresh process (its output discarded; it must succeed)."""
+    exe = Path(sys.executable).with_name("qsync-opt")
+    done = subprocess.run([str(exe), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"qsync-opt {' '.join(args)} failed ({done.returncode}):\n"
+                         f"{done.stderr[-2000:]}")
+
+
+def cli_figures(repeats: int) -> None:
+    base = ["--model", "resnet50", "--cluster", "v100x16+t4x16"]
+    with tempfile.TemporaryDirectory() as tmp:
+        _cli(["solve", *base, "--solver", "highs", "--out", f"{tmp}/warm.json"])  # caches
+        plain, _ = timed(lambda: _cli(["solve", *base, "--solver", "highs", "--out",
+                                       f"{tmp}/p.json"]), repeats)
+        joint, _ = timed(lambda: _cli(["solve", *base, "--solver", "highs", "--joint-split",
+                                       "--out", f"{tmp}/j.json"]), repeats)
+        pareto, _ = timed(lambda: _cli(["pareto", *base, "--out", f"{tmp}/f.json"]), repeats)
+    print(f"end to end (qsync indicator cached), medians of {repeats}: solve {plain:.2f} s; "
+          f"solve --joint-split {joint:.2f} s ({joint / plain:.2f}x); pareto {pareto:.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pareto", action="store_true", help="also time the resnet50 sweep")
+    ap.add_argument("--cli", action="store_true",
+                    help="also time the issue's commands end to end (computes and caches the "
+                         "qsync indicator first if it is not cached: about 30 min)")
+    ap.add_argument("--only-cli", action="store_true", help="only the --cli figures")
     args = ap.parse_args()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; load average "
           f"{os.getloadavg()[0]:.2f} at the start")
+    if args.cli or args.only_cli:
+        cli_figures(args.repeats)
+    if args.only_cli:
+        print(f"load average {os.getloadavg()[0]:.2f} at the end")
+        return
     for model, cluster in INSTANCES:
         _problem(model, cluster)  # trace once (cached), outside the timings
         plain, _ = timed(lambda m=model, c=cluster: solve(_problem(m, c), "highs", OPTIONS),

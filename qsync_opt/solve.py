@@ -331,14 +331,16 @@ def _solve_refined(problem: AllocationProblem, solver: str, opts: SolveOptions, 
 
 
 def _solve_refined_ev(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
-                      call: _Call | None = None
+                      call: _Call | None = None,
+                      first: tuple[Plan, SolveReport, Evaluation] | None = None
                       ) -> tuple[Plan | None, SolveReport, Evaluation | None]:
     """Solve; for exact backends, re-solve with the linear target tightened by the
     replayer's excess, at most ``refine`` times, never below the floor (the smallest
     makespan the linear model reaches). The best round is kept: the least objective among
     those meeting the target in the replayer, else the least replayer makespan. The report
     lists the rounds (``kept`` marks the one returned) and says plainly when re-targeting
-    the linear model cannot meet the replayer's target."""
+    the linear model cannot meet the replayer's target. ``first``: round 0 already solved
+    (an OPTIMAL solve of ``problem`` with these options: solving it again gives it again)."""
     from .solvers.ilp import FastestTimeLimit
 
     call = call or _Call.start(opts)
@@ -360,7 +362,10 @@ def _solve_refined_ev(problem: AllocationProblem, solver: str, opts: SolveOption
             messages.append(f"refinement stopped at the time limit ({call.limit_s:g} s) "
                             f"after {r} round(s)")
             break
-        plan, report, ev = run_backend(prob, solver, opts, call)
+        if r == 0 and first is not None:
+            plan, report, ev = first
+        else:
+            plan, report, ev = run_backend(prob, solver, opts, call)
         last_report = report
         if plan is None or ev is None:
             if r:
@@ -688,12 +693,12 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
             if out.results and call.deadline.expired():
                 break
             if i not in refined:
-                f_obj, f_plan, f_rep, f_ev = firsts[i]
-                if refine == 0 and f_rep.status == "OPTIMAL":
-                    refined[i] = (f_plan, f_rep, f_ev)  # the same solve again gives the same
-                else:
-                    refined[i] = _solve_refined_ev(subs[i].retarget(target, source=source),
-                                                   solver, opts, refine, call)
+                _, f_plan, f_rep, f_ev = firsts[i]
+                # An OPTIMAL first solve is the refinement's round 0 (the same solve again
+                # gives the same plan); another is solved again with the whole call's time.
+                refined[i] = _solve_refined_ev(
+                    subs[i].retarget(target, source=source), solver, opts, refine, call,
+                    first=(f_plan, f_rep, f_ev) if f_rep.status == "OPTIMAL" else None)
                 out.refined += 1
             plan, report, ev = refined[i]
             if plan is not None and ev is not None:
@@ -738,8 +743,8 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
                 if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
                     out.bounded += 1
                     continue
-        plan, report, ev = _solve_refined_ev(
-            sub, solver, opts, 0, call.child(call.deadline.share(len(left) + 1)))
+        plan, report, ev = run_backend(sub, solver, opts,
+                                       call.child(call.deadline.share(len(left) + 1)))
         solved.append(i)
         out.solved += 1
         out.n_vars += report.n_variables

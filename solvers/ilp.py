@@ -58,6 +58,7 @@ from .pulp_model import (
     PulpProgram,
     abs_gap,
     available,
+    lp_relaxation,
     pulp_module,
     read_assignment,
     run,
@@ -363,16 +364,11 @@ def relaxation_bound(problem: AllocationProblem, gis: Sequence[int],
         return "OPTIMAL", least.bound
     if not available("highs"):
         return "UNKNOWN", None
-    pulp = pulp_module()
-    prog = to_pulp(pulp, formulate(problem, gis), "qsync_lp")
-    for v in prog.lp.variables():
-        v.cat = pulp.LpContinuous
-    out = run(pulp, prog, "highs", options, options.time_limit_s, False, Stopwatch(), [])
-    if out.status == "INFEASIBLE":
+    status, value = lp_relaxation(formulate(problem, gis), options)
+    if status == "INFEASIBLE":
         return "INFEASIBLE", None
-    if out.status != "OPTIMAL" or out.objective is None:
+    if status != "OPTIMAL" or value is None:
         return "UNKNOWN", None
-    value = out.objective / prog.obj_scale + prog.obj_offset
     return "OPTIMAL", value - RELAX_REL * max(abs(value), part_floor_scale(problem, gis))
 
 

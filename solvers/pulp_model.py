@@ -153,6 +153,45 @@ def _objective_terms(form: Formulation, lpv: list[Any]) -> tuple[list[tuple[Any,
     return [(lpv[v], c * variables[v].unit / obj.scale) for v, c in obj.terms if c], 0.0
 
 
+def _column_bounds(form: Formulation) -> list[tuple[float, float | None]]:
+    """Each variable's (lower, upper) bound in the normalised units (a forbidden binary's
+    upper bound is 0)."""
+    out: list[tuple[float, float | None]] = []
+    for var in form.variables:
+        if var.kind == "binary":
+            out.append((0.0, 0.0 if var.ub == 0.0 else 1.0))
+        else:
+            out.append((var.lb / var.unit if var.unit != 1.0 else var.lb, var.ub))
+    return out
+
+
+def _normalised_rows(form: Formulation) -> Iterator[tuple[Any, list[tuple[int, float]], float]]:
+    """Each row as (row, its nonzero terms divided by its scale, its right-hand side less
+    its constant, divided by its scale)."""
+    units = [var.unit for var in form.variables]
+    for row in form.rows:
+        s = row.scale
+        terms = [(v, c / s if units[v] == 1.0 else c * units[v] / s) for v, c in row.terms if c]
+        rhs = row.rhs if s == 1.0 and not row.constant else (row.rhs - row.constant) / s
+        yield row, terms, rhs
+
+
+def _scaled_objective(form: Formulation, cols: list[Any]
+                      ) -> tuple[list[tuple[Any, float]], float, float]:
+    """The objective's terms over ``cols`` (one per variable) in the program's units, with
+    its scale and offset (see :class:`PulpProgram`)."""
+    terms, offset = _objective_terms(form, cols)
+    scale = 1.0
+    if form.objective.kind == "degradation":
+        top = max((abs(c) for _, c in terms), default=0.0)
+        if top > 0:
+            scale = 1.0 / top
+            terms = [(v, c * scale) for v, c in terms]
+    else:
+        offset = 0.0
+    return terms, scale, offset
+
+
 def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
     """The PuLP model of ``form`` (see the module's docstring for the numerics)."""
     lp = pulp.LpProblem(name, pulp.LpMinimize)
@@ -160,22 +199,18 @@ def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
     senses = {s: getattr(pulp, n) for s, n in _SENSES.items()}
     add_var, add_con = lp.add_variable, lp.addConstraint
     lpv: list[Any] = []
-    for var in form.variables:
+    for var, (lb, ub) in zip(form.variables, _column_bounds(form), strict=True):
         if var.kind == "binary":
             v = add_var(var.name, 0, 1, pulp.LpBinary)
-            if var.ub == 0.0:
+            if ub == 0.0:
                 v.upBound = 0  # (after creation: a binary's bounds are set to 0..1)
         else:
-            v = add_var(var.name, var.lb / var.unit if var.unit != 1.0 else var.lb, var.ub)
+            v = add_var(var.name, lb, ub)
         lpv.append(v)
     cons: list[Any] = []
-    units = [var.unit for var in form.variables]
-    for row in form.rows:
-        s = row.scale
-        terms = [(lpv[v], c / s if units[v] == 1.0 else c * units[v] / s)
-                 for v, c in row.terms if c]
-        rhs = row.rhs if s == 1.0 and not row.constant else (row.rhs - row.constant) / s
-        con = LpConstraint(LpAffineExpression(terms), senses[row.sense], row.name, rhs)
+    for row, terms, rhs in _normalised_rows(form):
+        con = LpConstraint(LpAffineExpression([(lpv[v], c) for v, c in terms]),
+                           senses[row.sense], row.name, rhs)
         add_con(con)
         cons.append(con)
     groups = []
@@ -186,16 +221,66 @@ def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
         groups.append(PulpGroup(b, x, pairs, lpv[b.w], time_row, cons[b.mem_row],
                                 b.time_scale, b.mem_scale))
     prog = PulpProgram(lp, form, groups, form.n_variables, form.n_constraints)
-    terms, offset = _objective_terms(form, lpv)
-    if form.objective.kind == "degradation":
-        prog.obj_offset = offset
-        top = max((abs(c) for _, c in terms), default=0.0)
-        if top > 0:
-            prog.obj_scale = 1.0 / top
-            terms = [(v, c * prog.obj_scale) for v, c in terms]
+    terms, prog.obj_scale, prog.obj_offset = _scaled_objective(form, lpv)
     prog.obj_terms = terms
     lp.setObjective(LpAffineExpression(terms))
     return prog
+
+
+def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float | None]:
+    """The optimum of ``form``'s LP relaxation (every binary continuous in [0, 1]), solved
+    by HiGHS on the same normalised rows as :func:`to_pulp` gives it, passed straight to
+    highspy: ("OPTIMAL", objective in the formulation's units), ("INFEASIBLE", None) or
+    (another status, None)."""
+    import highspy
+    import numpy as np
+
+    global _HIGHS_BANNER_DONE
+    if _HIGHS_BANNER_DONE:
+        h = highspy.Highs()
+    else:
+        with _quiet_stdout():
+            h = highspy.Highs()
+        _HIGHS_BANNER_DONE = True
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", max(float(options.time_limit_s), 1e-3))
+    h.setOptionValue("random_seed", int(options.seed))
+    h.setOptionValue("primal_feasibility_tolerance", FEAS_TOL)
+    if options.threads:
+        h.setOptionValue("threads", int(options.threads))
+    _use_threads(options.threads)
+    inf = highspy.kHighsInf
+    bounds = _column_bounds(form)
+    h.addVars(len(bounds), np.array([lb for lb, _ in bounds], dtype=np.float64),
+              np.array([inf if ub is None else ub for _, ub in bounds], dtype=np.float64))
+    terms, scale, offset = _scaled_objective(form, list(range(len(bounds))))
+    if terms:
+        h.changeColsCost(len(terms), np.array([v for v, _ in terms], dtype=np.int32),
+                         np.array([c for _, c in terms], dtype=np.float64))
+    lower: list[float] = []
+    upper: list[float] = []
+    starts: list[int] = []
+    index: list[int] = []
+    value: list[float] = []
+    for row, rterms, rhs in _normalised_rows(form):
+        starts.append(len(index))
+        index.extend(v for v, _ in rterms)
+        value.extend(c for _, c in rterms)
+        lower.append(rhs if row.sense in ("==", ">=") else -inf)
+        upper.append(rhs if row.sense in ("==", "<=") else inf)
+    if lower:
+        h.addRows(len(lower), np.array(lower, dtype=np.float64),
+                  np.array(upper, dtype=np.float64), len(index),
+                  np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
+                  np.array(value, dtype=np.float64))
+    h.run()
+    S = highspy.HighsModelStatus
+    status = h.getModelStatus()
+    if status == S.kOptimal:
+        return "OPTIMAL", h.getInfo().objective_function_value / scale + offset
+    if status in (S.kInfeasible, S.kUnboundedOrInfeasible):
+        return "INFEASIBLE", None
+    return str(status), None
 
 
 def set_start(prog: PulpProgram, hints: Mapping[str, Sequence[int]]) -> None:
@@ -259,6 +344,19 @@ def _quiet_stdout() -> Iterator[None]:
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def _use_threads(threads: int | None) -> None:
+    """HiGHS fixes its thread pool at the first run in a process; a run asking for another
+    thread count fails (model status kNotset) unless the pool is reset: reset it then."""
+    import highspy
+
+    global _HIGHS_THREADS
+    want = int(threads or 0)
+    if want != _HIGHS_THREADS:
+        if _HIGHS_THREADS is not None:
+            highspy.Highs.resetGlobalScheduler(True)
+        _HIGHS_THREADS = want
 
 
 def _highs_class(pulp: Any) -> Any:
@@ -328,14 +426,7 @@ def _highs_class(pulp: Any) -> Any:
                 val = [float(s) for _, s in self.start_values]
                 h.setSolution(len(idx), np.asarray(idx, dtype=np.int32),
                               np.asarray(val, dtype=np.float64))
-            # HiGHS fixes its thread pool at the first run in a process; a run asking for
-            # another thread count fails (model status kNotset) unless the pool is reset.
-            global _HIGHS_THREADS
-            want = int(self.threads or 0)
-            if want != _HIGHS_THREADS:
-                if _HIGHS_THREADS is not None:
-                    highspy.Highs.resetGlobalScheduler(True)
-                _HIGHS_THREADS = want
+            _use_threads(self.threads)
             t1 = time.perf_counter()
             self.callSolver(lp)
             t2 = time.perf_counter()

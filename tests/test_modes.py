@@ -204,3 +204,20 @@ def test_infeasible_memory_is_explained(capsys):
     assert code == 2
     assert "t4 (t4): needs" in err and "has 15.0 GiB" in err
     assert "Traceback" not in err
+
+
+def test_a_matched_extra_target_is_not_solved():
+    """An exact point as fast and as little degraded as another allocator's point matches
+    it (no solve at that makespan could show more); slower or more degraded does not."""
+    from qsync_opt.frontier import FrontierPoint, matched
+
+    def pt(ms, obj):
+        return FrontierPoint("exact", ms, "OPTIMAL", obj, ms, ms, 1e3 / ms, 1e3 / ms, 1,
+                             None, True)
+
+    assert matched(pt(10.0, 5.0), 10.0, 5.0)
+    assert matched(pt(9.0, 4.0), 10.0, 5.0)
+    assert not matched(pt(10.5, 4.0), 10.0, 5.0)
+    assert not matched(pt(9.0, 5.5), 10.0, 5.0)
+    assert not matched(FrontierPoint("exact", 9.0, "INFEASIBLE", None, None, None, None,
+                                     None, None, None, False), 10.0, 5.0)

@@ -15,7 +15,7 @@ import random
 import re
 
 import pytest
-from qsync_opt.solvers.common import time_lower_bound
+from qsync_opt.solvers.common import Stopwatch, time_lower_bound
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
@@ -143,3 +143,57 @@ def test_floors_are_lower_bounds(seed):
         for a in picks:
             assert g.time_ms(a) >= t_floor * (1 - 1e-12)
             assert g.memory_bytes(a) >= m_floor * (1 - 1e-12)
+
+
+def _targets(prob: AllocationProblem, fracs: tuple[float, ...]) -> list[AllocationProblem]:
+    from qsync_opt.solve import reachable_ms
+
+    lo = reachable_ms(prob)
+    hi = prob.makespan_ms(prob.reference_assignment())
+    return [prob.retarget(lo * 0.97 + (hi * 1.05 - lo * 0.97) * f) for f in fracs]
+
+
+@pytest.mark.parametrize("seed,shorthand,perturb",
+                         [(0, "a100x1@64+t4x1@64", False), (3, "a100x1@64+t4x1@64", True),
+                          (4, "a100x1@32+v100x1@32+t4x1@32", False)])
+def test_lp_relaxation_bounds_each_part_and_proves_no_plan(seed, shorthand, perturb):
+    """Every group's relaxation is at most its exact optimum (HiGHS with a tiny gap, one
+    program per group), below the reachable makespan it proves there is no plan, and every
+    INFEASIBLE relaxation is an INFEASIBLE program."""
+    from qsync_opt.solvers import SolveOptions
+    from qsync_opt.solvers.ilp import PulpIlp, relaxation_bound
+
+    opts = SolveOptions(rel_gap=1e-9)
+    seen = set()
+    for prob in _targets(_problem(seed, shorthand, perturb), (0.0, 0.1, 0.4, 0.7, 1.0)):
+        for gi, g in enumerate(prob.groups):
+            status, bound = relaxation_bound(prob, [gi], opts)
+            seen.add(status)
+            single = prob.retarget(prob.target_ms)
+            single.groups = [g]  # the group's own program (the groups do not interact)
+            st, a, _, _, _ = PulpIlp("highs").solve_assignment(single, opts, Stopwatch(), [])
+            if status == "INFEASIBLE":
+                assert st == "INFEASIBLE", (gi, prob.target_ms)
+                continue
+            assert status == "OPTIMAL" and st == "OPTIMAL", (status, st)
+            best = g.weight * g.degradation(a[g.name])
+            assert bound <= best + 1e-9 * max(1.0, abs(best)), (gi, bound, best)
+            assert bound >= best - 0.5 * max(abs(best), 1e-12) or best == 0.0
+    assert "OPTIMAL" in seen
+
+
+def test_least_degradation_parts_need_no_solver():
+    """A loose target: every group meets it at its least-Omega choices, so no program is
+    solved and the plan takes them; a tight one: the shortcut does not apply."""
+    from qsync_opt.solvers.common import least_part
+
+    prob = _problem(0, "a100x1@64+t4x1@64")
+    loose = prob.retarget(prob.makespan_ms(prob.reference_assignment()) * 1.5)
+    plan, rep = solve(loose, "highs", refine=0, compare_ties=False)
+    assert rep.status == "OPTIMAL" and rep.n_variables == 0
+    assert sum("no solver run" in m for m in rep.messages) == len(prob.groups)
+    least = {g.name: [min(range(len(r)), key=r.__getitem__) for r in g.omega1]
+             for g in loose.groups}
+    assert loose.assignment(plan) == least
+    tight = _targets(prob, (0.05,))[0]
+    assert any(least_part(tight, [gi]) is None for gi in range(len(tight.groups)))
