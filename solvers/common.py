@@ -6,6 +6,8 @@ against the floating-point model (``FEAS_REL``) and their rescaling rule
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -149,6 +151,60 @@ def least_part(problem: AllocationProblem, gis: Sequence[int]) -> PartResult | N
     return PartResult("OPTIMAL", out, part_objective(problem, gis, out))
 
 
+def group_digest(g: GroupModel) -> str:
+    """A digest of everything a group's program is made of (choices, coefficients, pair
+    terms, derived units, Omegas, share and capacity): equal digests, the same program at
+    the same budget."""
+    doc = (g.name, g.device, g.count, g.batch, g.weight, g.capacity_bytes,
+           [tuple(p.value for p in c) for c in g.choices], g.time0, g.time1, g.mem0, g.mem1,
+           g.work0, g.work1, g.omega1, [(p.a, p.b, p.time, p.mem) for p in g.pairs],
+           g.reference, [(d.index, d.op, d.inputs, tuple(p.value for p in d.choices))
+                         for d in g.derived])
+    return hashlib.sha256(repr(doc).encode()).hexdigest()
+
+
+#: Parts an exact backend solved in this process, by (backend's key, the groups' digests):
+#: (time budget, PartResult) of each OPTIMAL or INFEASIBLE solve, newest last.
+_PART_MEMO: dict[tuple[Any, ...], list[tuple[float, PartResult]]] = {}
+#: Programs kept at most (the oldest are dropped first).
+PART_MEMO_SIZE = 512
+
+
+def clear_part_memo() -> None:
+    """Forget every solved part (tests start from an empty memo)."""
+    _PART_MEMO.clear()
+
+
+def _memo_key(memo: tuple[Any, ...], problem: AllocationProblem,
+              gis: Sequence[int]) -> tuple[Any, ...]:
+    return (memo, tuple(group_digest(problem.groups[gi]) for gi in gis))
+
+
+def _memo_hit(key: tuple[Any, ...], problem: AllocationProblem, gis: Sequence[int],
+              budget: float) -> tuple[float, PartResult] | None:
+    """A solved part that answers this one: the same program at this budget; an optimum
+    at a budget no smaller whose plan meets this budget (it is feasible here, and no plan
+    here is better than the optimum there); no plan at a budget no smaller."""
+    for b, res in reversed(_PART_MEMO.get(key, [])):
+        if b < budget:
+            continue
+        a = res.assignment or {}
+        if b == budget or res.status == "INFEASIBLE" or all(
+                exact_violation(problem.groups[gi], a[problem.groups[gi].name], budget)
+                == (0.0, 0.0) for gi in gis):
+            return b, dataclasses.replace(res, assignment=(
+                {k: list(v) for k, v in a.items()} if res.assignment is not None else None))
+    return None
+
+
+def _memo_store(key: tuple[Any, ...], budget: float, res: PartResult) -> None:
+    if res.status not in ("OPTIMAL", "INFEASIBLE"):
+        return
+    if key not in _PART_MEMO and len(_PART_MEMO) >= PART_MEMO_SIZE:
+        del _PART_MEMO[next(iter(_PART_MEMO))]
+    _PART_MEMO.setdefault(key, []).append((budget, res))
+
+
 #: A second pass over unsolved or unproven parts only when this much time is left.
 MIN_RETRY_S = 0.05
 
@@ -156,14 +212,21 @@ MIN_RETRY_S = 0.05
 def solve_parts(problem: AllocationProblem, parts: Sequence[Sequence[int]],
                 solve_part: Callable[[Sequence[int], float, Mapping[str, Sequence[int]] | None],
                                      PartResult],
-                deadline: Deadline, messages: list[str], rel_gap: float
+                deadline: Deadline, messages: list[str], rel_gap: float,
+                memo: tuple[Any, ...] | None = None
                 ) -> tuple[str, dict[str, list[int]] | None, float | None, int, int]:
     """Solve each part (``solve_part(groups, time limit s, start or None)``) within the
     deadline: each part gets an equal share of the time that remains. A part that ran out
     of its share without a plan, or with one not proven optimal, does not end the call:
     once every part had its turn, the time left is shared among those again (started from
     their plan, if any), the better result kept. Returns status, assignment, bound (sum over
-    parts; a part with none counts its trivial floor), variables, constraints."""
+    parts; a part with none counts its trivial floor), variables, constraints.
+
+    ``memo``: what makes the backend's answer to a program (its name and the options that
+    change it); with it, a part already solved in this process, to optimality or to no
+    plan, at this budget or at a larger one that answers this one (:func:`_memo_hit`), is
+    not solved again (the Pareto sweep and the joint split meet the same group at the same
+    batch many times)."""
     results: list[PartResult | None] = [None] * len(parts)
     n_vars = n_cons = 0
 
@@ -177,10 +240,22 @@ def solve_parts(problem: AllocationProblem, parts: Sequence[Sequence[int]],
             messages.append(f"{tag(gis)}: every unit at its least degradation meets the "
                             "target and capacity: that is the optimum, no solver run")
             continue
-        if deadline.expired():  # nothing is run past the deadline
+        key = _memo_key(memo, problem, gis) if memo is not None else None
+        hit = _memo_hit(key, problem, gis, problem.group_budget_ms()) if key else None
+        if hit is not None:
+            at, res = hit
+            messages.append(f"{tag(gis)}: solved before in this process ({res.status} at a "
+                            f"time budget of {at:.4f} ms, which answers this budget, "
+                            f"{problem.group_budget_ms():.4f} ms): not solved again")
+            if res.status == "INFEASIBLE":
+                messages.extend(infeasible_messages(problem, gis, problem.group_budget_ms()))
+        elif deadline.expired():  # nothing is run past the deadline
             results[i] = PartResult("TIME_LIMIT", None, None)
             continue
-        res = solve_part(gis, deadline.share(len(parts) - i), None)
+        else:
+            res = solve_part(gis, deadline.share(len(parts) - i), None)
+            if key is not None:
+                _memo_store(key, problem.group_budget_ms(), res)
         n_vars += res.n_variables
         n_cons += res.n_constraints
         results[i] = res

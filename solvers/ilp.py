@@ -256,7 +256,11 @@ class PulpIlp:
                 messages.append(f"{tag}: no assignment meets the target and capacity")
             return PartResult(out.status, a, out.bound, nv, nc)
 
-        return solve_parts(problem, parts, solve_part, deadline, messages, options.rel_gap)
+        memo = (None if hints is not None else
+                ("pulp", self.backend, options.rel_gap, options.seed, options.threads,
+                 repr(sorted(options.extra.items()))))
+        return solve_parts(problem, parts, solve_part, deadline, messages, options.rel_gap,
+                           memo)
 
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:

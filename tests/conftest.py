@@ -22,6 +22,14 @@ if os.environ.get("CI") == "true":
     os.environ.setdefault("QSYNC_REQUIRE_CPP", "1")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_part_memo() -> None:
+    """Each test starts with no part solved before (solvers.common's memo is per process)."""
+    from qsync_opt.solvers.common import clear_part_memo
+
+    clear_part_memo()
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

@@ -51,6 +51,8 @@ def _two_cards() -> AllocationProblem:
 
 @functools.cache
 def _large() -> AllocationProblem:
+    """Two groups, each with a program to solve (the tests using it turn off the shortcut
+    for parts whose least-degradation plan meets the target: the a100 group's does)."""
     g = synthetic_graph(150, batch=256, width=1024)
     c = parse_shorthand("a100x2+t4x2")
     prob = AllocationProblem(g, c, estimate(g, c), random_indicator(g))
@@ -199,7 +201,9 @@ def test_every_solver_run_gets_at_most_the_time_left(monkeypatch, name) -> None:
         assert plan is not None and rep.mode.startswith("lexicographic")
     except SolveTimeLimit as exc:
         assert "no plan found within 10 s" in str(exc)
-    assert len(seen) >= 5  # several phases ran
+    # several phases ran (the fastest plans, the lexicographic solve, refinement rounds;
+    # the a100 group's parts need no run: its least-degradation plan meets every target)
+    assert len(seen) >= 3
     for limit, left in seen:
         assert limit <= left + 1e-12, seen
     lefts = [left for _, left in seen]
@@ -215,6 +219,7 @@ def test_per_group_programs_share_the_time_that_remains(monkeypatch, name) -> No
     prob = _large()
     now = [0.0]
     monkeypatch.setattr(common, "clock", lambda: now[0])
+    monkeypatch.setattr(common, "least_part", lambda problem, gis: None)
     limits: list[tuple[str, float]] = []
     real = PulpIlp._solve_program
 
@@ -242,6 +247,7 @@ def test_cpsat_groups_share_the_time_that_remains(monkeypatch) -> None:
     prob = _large()
     now = [0.0]
     monkeypatch.setattr(common, "clock", lambda: now[0])
+    monkeypatch.setattr(common, "least_part", lambda problem, gis: None)
     runs: list[tuple[str, float]] = []
     real = CpSat._solve_raw
 
