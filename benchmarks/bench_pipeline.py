@@ -29,6 +29,7 @@ from pathlib import Path
 
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 from qsync_opt.solvers import SolveOptions
+from qsync_opt.solvers.common import clear_part_memo
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
@@ -42,6 +43,9 @@ INSTANCES = [("resnet50", "v100x16+t4x16"), ("bert_base", "a100x8+t4x8")]
 
 
 def _problem(model: str, cluster: str) -> AllocationProblem:
+    """A fresh problem, and no part remembered from an earlier run (each timing starts
+    cold, as a new process would)."""
+    clear_part_memo()
     g = trace(model)
     c = parse_shorthand(cluster)
     return AllocationProblem(g, c, estimate(g, c), random_indicator(g, 0))
