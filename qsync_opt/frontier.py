@@ -172,9 +172,9 @@ def _exact_point(problem: AllocationProblem, name: str, t: float, exact: str,
     prob = problem.retarget(t)
     if name == "exact+split":
         try:
-            plan, rep = solve_joint(prob, exact, opts, 0, batch_multiple, "target", 0.0,
-                                    extra_splits=extra_splits)
-            return point(name, t, plan, rep.status)
+            joint, rep = solve_joint(prob, exact, opts, 0, batch_multiple, "target", 0.0,
+                                     extra_splits=extra_splits)
+            return point(name, t, joint, rep.status)
         except InfeasibleError as exc:
             return point(name, t, None, exc.report.status if exc.report else "INFEASIBLE")
         except SolveTimeLimit:  # no plan within the limit: a point without a plan

@@ -362,6 +362,8 @@ def _solve_refined_ev(problem: AllocationProblem, solver: str, opts: SolveOption
             messages.append(f"refinement stopped at the time limit ({call.limit_s:g} s) "
                             f"after {r} round(s)")
             break
+        plan: Plan | None
+        ev: Evaluation | None
         if r == 0 and first is not None:
             plan, report, ev = first
         else:
