@@ -9,8 +9,11 @@ missing or the CUDA kernels do not load.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +31,39 @@ def _fresh_part_memo() -> None:
     from qsync_opt.solvers.common import clear_part_memo
 
     clear_part_memo()
+
+
+@contextlib.contextmanager
+def _fixed_cpu() -> Iterator[Any]:
+    from qsync_opt import devices
+    from qsync_opt.io import load
+    from qsync_opt.schemas import DeviceSpec
+
+    spec = load(REPO / "tests" / "golden" / "input.cpu.DeviceSpec.json", DeviceSpec)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(devices, "measure_cpu", lambda: spec)
+    devices._derived_cpu.cache_clear()  # cpu/2 is derived from the (now fixed) cpu
+    try:
+        yield spec
+    finally:
+        mp.undo()
+        devices._derived_cpu.cache_clear()
+
+
+@pytest.fixture
+def fixed_cpu() -> Iterator[Any]:
+    """The ``cpu`` device with fixed figures (``golden/input.cpu.DeviceSpec.json``) for a
+    test whose outcome hangs on the CPU's speeds: the real one is measured on this machine
+    (matmul rates, MemAvailable), so it differs between machines and between runs."""
+    with _fixed_cpu() as spec:
+        yield spec
+
+
+@pytest.fixture(scope="module")
+def fixed_cpu_module() -> Iterator[Any]:
+    """:func:`fixed_cpu` for a whole module."""
+    with _fixed_cpu() as spec:
+        yield spec
 
 
 @pytest.fixture(scope="session")

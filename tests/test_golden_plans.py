@@ -104,23 +104,12 @@ SLOW_CASES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _fixed_cpu() -> Any:
+def _fixed_cpu(fixed_cpu_module: Any) -> Any:
     """The ``cpu`` device of the digits_cnn instance with fixed figures
-    (``golden/input.cpu.DeviceSpec.json``): the real one is measured on this machine (matmul
-    rates, MemAvailable), so its plans would differ between machines and between runs."""
-    from qsync_opt import devices
-    from qsync_opt.io import load
-    from qsync_opt.schemas import DeviceSpec
-
-    spec = load(GOLDEN / "input.cpu.DeviceSpec.json", DeviceSpec)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(devices, "measure_cpu", lambda: spec)
-    devices._derived_cpu.cache_clear()  # cpu/2 is derived from the (now fixed) cpu
-    try:
-        yield spec
-    finally:
-        mp.undo()
-        devices._derived_cpu.cache_clear()
+    (``golden/input.cpu.DeviceSpec.json``, conftest's ``fixed_cpu_module``): the real one is
+    measured on this machine (matmul rates, MemAvailable), so its plans would differ between
+    machines and between runs."""
+    return fixed_cpu_module
 
 
 @functools.cache
