@@ -12,6 +12,7 @@ plan written): ``qsync-opt solve --model resnet50 --cluster v100x16+t4x16 --solv
 with and without ``--joint-split``, and ``qsync-opt pareto`` on the same instance.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--repeats 3] [--pareto] [--cli]
+        [--only-cli --baseline OTHER/.venv/bin/qsync-opt]
 
 Times are medians of wall seconds; say the load average beside them.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,26 +72,57 @@ def _joint(model: str, cluster: str, prune: bool):
         solve_mod.PRUNE_SPLITS = True
 
 
-def _cli(args: list[str]) -> None:
+def _cli(args: list[str], exe: Path | None = None) -> None:
     """One ``qsync-opt`` command in a fresh process (its output discarded; it must succeed)."""
-    exe = Path(sys.executable).with_name("qsync-opt")
+    exe = exe or Path(sys.executable).with_name("qsync-opt")
     done = subprocess.run([str(exe), *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"qsync-opt {' '.join(args)} failed ({done.returncode}):\n"
+        raise SystemExit(f"{exe} {' '.join(args)} failed ({done.returncode}):\n"
                          f"{done.stderr[-2000:]}")
 
 
-def cli_figures(repeats: int) -> None:
+def _wall(args: list[str], exe: Path | None) -> float:
+    t0 = time.perf_counter()
+    _cli(args, exe)
+    return time.perf_counter() - t0
+
+
+def cli_figures(repeats: int, baseline: Path | None = None) -> None:
+    """The issue's three commands end to end; with ``baseline`` (another checkout's
+    ``qsync-opt``, e.g. the commit before the redesign) each command alternates between the
+    two executables, run by run, so both see the same machine."""
     base = ["--model", "resnet50", "--cluster", "v100x16+t4x16"]
+    exes: dict[str, Path | None] = {"this": None}
+    if baseline is not None:
+        exes["baseline"] = baseline
     with tempfile.TemporaryDirectory() as tmp:
-        _cli(["solve", *base, "--solver", "highs", "--out", f"{tmp}/warm.json"])  # caches
-        plain, _ = timed(lambda: _cli(["solve", *base, "--solver", "highs", "--out",
-                                       f"{tmp}/p.json"]), repeats)
-        joint, _ = timed(lambda: _cli(["solve", *base, "--solver", "highs", "--joint-split",
-                                       "--out", f"{tmp}/j.json"]), repeats)
-        pareto, _ = timed(lambda: _cli(["pareto", *base, "--out", f"{tmp}/f.json"]), repeats)
+        for exe in exes.values():
+            _cli(["solve", *base, "--solver", "highs", "--out", f"{tmp}/warm.json"], exe)
+        commands = {
+            "solve": ["solve", *base, "--solver", "highs", "--out", f"{tmp}/p.json"],
+            "solve --joint-split": ["solve", *base, "--solver", "highs", "--joint-split",
+                                    "--out", f"{tmp}/j.json"],
+            "pareto": ["pareto", *base, "--out", f"{tmp}/f.json"],
+        }
+        walls = {(name, who): [] for name in commands for who in exes}
+        for name, args in commands.items():
+            for _ in range(repeats):
+                for who, exe in exes.items():
+                    walls[name, who].append(_wall(args, exe))
+    med = {key: statistics.median(v) for key, v in walls.items()}
+    plain, joint, pareto = (med[name, "this"] for name in commands)
     print(f"end to end (qsync indicator cached), medians of {repeats}: solve {plain:.2f} s; "
           f"solve --joint-split {joint:.2f} s ({joint / plain:.2f}x); pareto {pareto:.2f} s")
+    if baseline is not None:
+        print(f"baseline {baseline}, interleaved run by run with the above:")
+        for name in commands:
+            b, t = walls[name, "baseline"], walls[name, "this"]
+            print(f"  {name:>20}: baseline {statistics.median(b):7.2f} s "
+                  f"({min(b):.2f}-{max(b):.2f}), this {statistics.median(t):7.2f} s "
+                  f"({min(t):.2f}-{max(t):.2f}); {statistics.median(b) / statistics.median(t):.1f}x"
+                  f" faster")
+        bj, bp = med["solve --joint-split", "baseline"], med["solve", "baseline"]
+        print(f"  baseline joint split / its plain solve: {bj / bp:.2f}x")
 
 
 def main() -> None:
@@ -100,11 +133,14 @@ def main() -> None:
                     help="also time the issue's commands end to end (computes and caches the "
                          "qsync indicator first if it is not cached: about 30 min)")
     ap.add_argument("--only-cli", action="store_true", help="only the --cli figures")
+    ap.add_argument("--baseline", type=Path, metavar="EXE",
+                    help="with --cli: also run another checkout's qsync-opt executable, "
+                         "interleaved (e.g. the commit before the redesign)")
     args = ap.parse_args()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; load average "
           f"{os.getloadavg()[0]:.2f} at the start")
     if args.cli or args.only_cli:
-        cli_figures(args.repeats)
+        cli_figures(args.repeats, args.baseline)
     if args.only_cli:
         print(f"load average {os.getloadavg()[0]:.2f} at the end")
         return
