@@ -22,12 +22,14 @@ from .io import parse_document, parse_text
 from .schemas import MAX_BATCH, MAX_DEVICES, MAX_GROUPS, ClusterSpec
 
 _GROUP_RE = re.compile(
-    r"^(?P<device>[a-z][a-z0-9_]*?(?:/[0-9.]+(?::[0-9.]+[gm])?(?:~[a-z][a-z0-9_]*?)?)?)"
+    r"^(?P<device>[a-z][a-z0-9_]*?(?:/[0-9.]+(?::[0-9.]+[gm])?(?:~[a-z][a-z0-9_]*?)?)?"
+    r"(?::int4)?)"
     r"x(?P<count>\d+)(?:@(?P<batch>\d+))?$")
 SHORTHAND_HELP = ("DEVICExCOUNT[@BATCH] joined by '+', e.g. v100x16+t4x16 or a100x8@64+t4x8@32; "
                   "DEVICE may be a derived CPU cpu/F[:MEM][~CARD] (this CPU slowed F times, "
                   "memory capped at MEM like 4g or 512m, CARD's precision menu), e.g. "
-                  "cpux1+cpu/2x1 or cpux1+cpu/3:4g~t4x1")
+                  "cpux1+cpu/2x1 or cpux1+cpu/3:4g~t4x1; DEVICE:int4 adds int4 to a card "
+                  "with an INT4 peak (t4:int4x8, cpu/2~t4:int4x1)")
 
 
 def _shown(text: str, limit: int = 120) -> str:
@@ -79,7 +81,7 @@ def parse_shorthand(text: str, devices_per_node: int = 8) -> ClusterSpec:
             except QsyncInputError as exc:
                 raise QsyncInputError(one_line(
                     f"cluster: group {i} {_shown(written)}: {exc}")) from None
-        base = device.split("/", 1)[0]
+        base = device.split("/", 1)[0].split(":", 1)[0]
         used[base] = used.get(base, 0) + 1
         name = base if used[base] == 1 else f"{base}_{used[base]}"
         count = _bounded_int(m["count"], "count", MAX_DEVICES, i, written)

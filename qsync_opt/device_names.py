@@ -25,6 +25,14 @@ ALIASES: dict[str, str] = {
     "h100_sxm": "h100",
 }
 CPU = "cpu"
+#: Catalog cards with a published INT4 tensor-core peak (docs/DEVICES.md; devices.py checks
+#: at import that these are exactly the entries whose ``peak_tflops`` has ``int4``).
+INT4_CARDS: tuple[str, ...] = ("t4", "a10")
+#: The opt-in suffix: ``t4:int4`` is the T4 with int4 on its menu (``cpu/2~t4:int4``: a
+#: derived CPU standing in for it). No default menu has int4 (precision.OPT_IN).
+INT4_SUFFIX = ":int4"
+INT4_HELP = ("int4 is enabled per device with the suffix :int4 (t4:int4, a10:int4, "
+             "cpu/2~t4:int4) on a card with a published INT4 peak: " + ", ".join(INT4_CARDS))
 
 #: ``cpu/F[:MEM][~CARD]`` (see :mod:`qsync_opt.devices`).
 DERIVED_RE = re.compile(
@@ -54,12 +62,50 @@ def canonical_name(name: str) -> str:
     below 1, a memory cap not above 0 and a ``~CARD`` that is not a catalog card.
     """
     key = name.strip().lower()
+    if key.endswith(INT4_SUFFIX):
+        return _canonical_int4(name, key[: -len(INT4_SUFFIX)])
     if key.startswith("cpu/"):
         return _canonical_derived(name, key)
     key = ALIASES.get(key, key)
     if key in CATALOG_NAMES or key == CPU:
         return key
     raise _unknown(name)
+
+
+def int4_card(name: str) -> str | None:
+    """The catalog card whose menu a device name takes (``cpu/2~t4`` -> ``t4``; ``cpu`` and
+    ``cpu/2`` -> None), for the INT4 check. ``name`` is canonical, without ``:int4``."""
+    if name.startswith("cpu/"):
+        m = DERIVED_RE.match(name)
+        return m["card"] if m else None
+    return None if name == CPU else name
+
+
+def _canonical_int4(name: str, base: str) -> str:
+    if base.endswith(INT4_SUFFIX):
+        raise QsyncInputError(f"device {name!r}: :int4 written twice")
+    canon = canonical_name(base)
+    card = int4_card(canon)
+    if card is None:
+        raise QsyncInputError(
+            f"device {name!r}: int4 needs a card with an INT4 peak; a CPU takes it from its "
+            f"~CARD, e.g. cpu/2~t4:int4 ({INT4_HELP})")
+    if card not in INT4_CARDS:
+        raise QsyncInputError(
+            f"device {name!r}: {card} has no INT4 peak in the catalog (docs/DEVICES.md), so "
+            f"int4 cannot be enabled on it; cards with one: {', '.join(INT4_CARDS)}")
+    return canon + INT4_SUFFIX
+
+
+def has_int4(name: str) -> bool:
+    """Whether the device ``name`` (canonical) has int4 enabled (the ``:int4`` suffix)."""
+    return name.endswith(INT4_SUFFIX)
+
+
+def can_enable_int4(name: str) -> bool:
+    """Whether ``name`` (canonical) is, or stands in for, a card with an INT4 peak."""
+    base = name[: -len(INT4_SUFFIX)] if has_int4(name) else name
+    return int4_card(base) in INT4_CARDS
 
 
 def number_text(x: float) -> str:
@@ -92,5 +138,5 @@ def _canonical_derived(name: str, key: str) -> str:
 
 
 def is_derived(name: str) -> bool:
-    """Whether ``name`` is a derived CPU (``cpu/F...``)."""
+    """Whether ``name`` is a derived CPU (``cpu/F...``, with or without ``:int4``)."""
     return name.strip().lower().startswith("cpu/")

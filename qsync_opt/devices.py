@@ -10,6 +10,14 @@ Bandwidths between devices are per direction (half of NVIDIA's bidirectional tot
 The precision menu follows the compute capability, as in QSync: SM70 {fp32, fp16} (V100 has
 no INT8 tensor cores, note V), SM75 adds int8, SM80/86 add tf32 and bf16, SM89/90 add fp8.
 
+INT4 is opt-in (precision.OPT_IN): ``peak_tflops`` carries the published dense INT4 peak
+(T4 260, A10 500 TOPS; docs/DEVICES.md) but no default menu lists int4. ``NAME:int4`` (e.g.
+``t4:int4``, ``cpu/2~t4:int4``) is the card with int4 added to its menu; a card without an
+INT4 peak (V100, L4, A100: no figure in docs/DEVICES.md; H100/H200: no INT4 tensor cores)
+refuses the suffix by name. :func:`enable_int4` does it for every eligible group of a cluster.
+On a derived CPU int4 runs through this CPU's int8 GEMM (values in int8 storage), so its
+int4 rate is its measured int8 rate: no speed gain here.
+
 The ``cpu`` entry is this machine, measured on first use (matmul throughput per dtype with
 torch, copy bandwidth, memory) and cached; it is never a guess.
 
@@ -41,7 +49,12 @@ from .device_names import (  # noqa: F401
     CPU,
     DERIVED_HELP,
     DERIVED_RE,
+    INT4_CARDS,
+    INT4_HELP,
+    INT4_SUFFIX,
+    can_enable_int4,
     canonical_name,
+    has_int4,
     is_derived,
     known_device_names,
     number_text,
@@ -49,7 +62,7 @@ from .device_names import (  # noqa: F401
 from .machine import cache_root
 from .machine import cpu_model as cpu_model_name
 from .precision import DType, Precision
-from .schemas import DeviceSpec
+from .schemas import ClusterSpec, DeviceSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +77,11 @@ _SM89 = [*_SM80, P.fp8]
 
 
 def _rates(fp32: float, fp16: float, tf32: float | None = None, bf16: float | None = None,
-           int8: float | None = None, fp8: float | None = None) -> dict[DType, float]:
+           int8: float | None = None, fp8: float | None = None,
+           int4: float | None = None) -> dict[DType, float]:
     out = {DType.fp32: fp32, DType.fp16: fp16}
     for key, val in ((DType.tf32, tf32), (DType.bf16, bf16), (DType.int8, int8),
-                     (DType.fp8_e4m3, fp8)):
+                     (DType.fp8_e4m3, fp8), (DType.int4, int4)):
         if val is not None:
             out[key] = val
     return out
@@ -78,11 +92,11 @@ def _spec(**kw: object) -> DeviceSpec:
 
 
 _CATALOG: tuple[DeviceSpec, ...] = (
-    # T4: datasheet N2 (8.1 FP32, 65 FP16/FP32-acc, 130 INT8, 300 GB/s, PCIe Gen3 32 GB/s
-    # bidirectional, 70 W); CC 7.5 (N1); 15,360 MiB reported with ECC (X5).
+    # T4: datasheet N2 (8.1 FP32, 65 FP16/FP32-acc, 130 INT8, 260 INT4, 300 GB/s, PCIe Gen3
+    # 32 GB/s bidirectional, 70 W); CC 7.5 (N1); 15,360 MiB reported with ECC (X5).
     _spec(name="t4", display_name="NVIDIA T4 16 GB", compute_capability="7.5",
           memory_bytes=16 * GiB, usable_memory_bytes=15360 * MiB,
-          memory_bandwidth_gb_per_s=300.0, peak_tflops=_rates(8.1, 65.0, int8=130.0),
+          memory_bandwidth_gb_per_s=300.0, peak_tflops=_rates(8.1, 65.0, int8=130.0, int4=260.0),
           precisions=_SM75, intra_node_bandwidth_gb_per_s=16.0, host_link_gb_per_s=16.0,
           tdp_w=70.0, source="DEVICES.md N1, N2, X3, X5"),
     # V100 SXM2 32 GB: datasheet N3 (15.7 FP32, 125 tensor, 900 GB/s, NVLink 2 300 GB/s
@@ -98,11 +112,12 @@ _CATALOG: tuple[DeviceSpec, ...] = (
           memory_bandwidth_gb_per_s=900.0, peak_tflops=_rates(14.0, 112.0),
           precisions=_SM70, intra_node_bandwidth_gb_per_s=16.0, host_link_gb_per_s=16.0,
           tdp_w=250.0, source="DEVICES.md N1, N3, X1, X3, X5"),
-    # A10: datasheet N6 (31.2 FP32, 62.5 TF32, 125 FP16/BF16, 250 INT8, 600 GB/s, PCIe Gen4).
+    # A10: datasheet N6 (31.2 FP32, 62.5 TF32, 125 FP16/BF16, 250 INT8, 500 INT4 dense,
+    # 600 GB/s, PCIe Gen4).
     _spec(name="a10", display_name="NVIDIA A10 24 GB", compute_capability="8.6",
           memory_bytes=24 * GiB, usable_memory_bytes=23028 * MiB,
           memory_bandwidth_gb_per_s=600.0,
-          peak_tflops=_rates(31.2, 125.0, tf32=62.5, bf16=125.0, int8=250.0),
+          peak_tflops=_rates(31.2, 125.0, tf32=62.5, bf16=125.0, int8=250.0, int4=500.0),
           precisions=_SM80, intra_node_bandwidth_gb_per_s=32.0, host_link_gb_per_s=32.0,
           tdp_w=150.0, source="DEVICES.md N1, N6, X3, X5 (note A: FP32-accumulate rate inferred)"),
     # L4: datasheet N7 prints sparse figures only; halved (TF32 60, FP16/BF16 121, FP8/INT8
@@ -163,20 +178,26 @@ CATALOG: dict[str, DeviceSpec] = {d.name: d for d in _CATALOG}
 if tuple(CATALOG) != CATALOG_NAMES:  # one list of names, the schemas check it
     raise RuntimeError(f"device_names.CATALOG_NAMES {CATALOG_NAMES} does not match the "
                        f"catalog {tuple(CATALOG)}")
+if tuple(n for n, d in CATALOG.items() if DType.int4 in d.peak_tflops) != INT4_CARDS:
+    raise RuntimeError(f"device_names.INT4_CARDS {INT4_CARDS} does not match the catalog's "
+                       "INT4 peaks")
 
 
 def base_device(name: str) -> str:
     """The device a name is built on: ``cpu`` for a derived CPU, else the canonical name."""
     key = canonical_name(name)
-    return CPU if key.startswith("cpu/") else key
+    return CPU if key.startswith("cpu/") else key.removesuffix(INT4_SUFFIX)
 
 
 def get_device(name: str) -> DeviceSpec:
     """The catalog entry for ``name`` (an alias works); ``cpu`` is measured on first use.
 
-    A derived CPU (``cpu/2``, ``cpu/2:4g~t4``) is built from the measured ``cpu``.
+    A derived CPU (``cpu/2``, ``cpu/2:4g~t4``) is built from the measured ``cpu``;
+    ``NAME:int4`` is NAME with int4 added to its menu (:func:`_with_int4`).
     """
     key = canonical_name(name)
+    if has_int4(key):
+        return _with_int4(key)
     if key == CPU:
         return measure_cpu()
     if key.startswith("cpu/"):
@@ -222,6 +243,53 @@ def _derived_cpu(key: str) -> DeviceSpec:
         measured=True,
         slowdown=factor,
     )
+
+
+@lru_cache(maxsize=64)
+def _with_int4(key: str) -> DeviceSpec:
+    """``NAME:int4``: NAME's spec with int4 on its menu (canonical_name checked the card).
+
+    A catalog card keeps its published INT4 peak; a derived CPU gets an int4 rate equal to
+    its int8 rate (int4 runs through this CPU's int8 GEMM: exact, no faster).
+    """
+    base = get_device(key.removesuffix(INT4_SUFFIX))
+    peaks = dict(base.peak_tflops)
+    note = "int4 enabled (opt-in) at its published INT4 peak"
+    if base.measured:
+        peaks[DType.int4] = peaks[DType.int8]
+        note = ("int4 enabled (opt-in): on this CPU int4 values live in int8 storage and run "
+                "through the int8 GEMM, so its rate is the int8 rate (no speed gain here)")
+    return base.model_copy(update={
+        "name": key, "display_name": f"{base.display_name} + int4",
+        "peak_tflops": peaks, "precisions": [*base.precisions, P.int4],
+        "source": f"{base.source}; {note}"})
+
+
+def int4_device(name: str) -> str | None:
+    """``name`` with int4 enabled (``t4`` -> ``t4:int4``), or None when its card has no INT4
+    peak. A name that already has int4 comes back as it is."""
+    key = canonical_name(name)
+    if has_int4(key):
+        return key
+    return key + INT4_SUFFIX if can_enable_int4(key) else None
+
+
+def enable_int4(cluster: ClusterSpec) -> tuple[ClusterSpec, list[str]]:
+    """Add int4 to the menu of every group whose card has an INT4 peak (T4, A10, or a
+    derived CPU standing in for one): the group's device becomes ``NAME:int4``.
+
+    Returns the cluster and the names of the groups that have int4 (enabled here or
+    already). Groups on other cards are left as they are.
+    """
+    groups, got = [], []
+    for g in cluster.groups:
+        dev = int4_device(g.device)
+        if dev is None:
+            groups.append(g)
+            continue
+        got.append(g.name)
+        groups.append(g if dev == g.device else g.model_copy(update={"device": dev}))
+    return cluster.model_copy(update={"groups": groups}), got
 
 
 # ----------------------------------------------------------------------------- the CPU

@@ -20,13 +20,20 @@ class DType(StrEnum):
     bf16 = "bf16"
     fp16 = "fp16"
     int8 = "int8"
+    int4 = "int4"  # 4-bit integer values in [-7, 7]; stored one per byte (see itemsize)
     int32 = "int32"
     fp8_e4m3 = "fp8_e4m3"
     fp8_e5m2 = "fp8_e5m2"
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element when stored."""
+        """Bytes per element when stored.
+
+        ``int4`` counts one byte: its values live in int8 storage (this package's CPU
+        kernels, its CUDA int4 path and the saved activations all keep one value per byte).
+        A GPU kernel that packs two values per byte would move half those bytes; the memory
+        and byte models do not assume it (docs/COSTS.md, "int4").
+        """
         return _ITEMSIZE[self]
 
 
@@ -36,6 +43,7 @@ _ITEMSIZE = {
     DType.bf16: 2,
     DType.fp16: 2,
     DType.int8: 1,
+    DType.int4: 1,
     DType.int32: 4,
     DType.fp8_e4m3: 1,
     DType.fp8_e5m2: 1,
@@ -52,6 +60,7 @@ class Precision(StrEnum):
     int8 = "int8"  # int8 forward GEMM (int32 accumulate), 16-bit (fp16) backward
     int8_full = "int8_full"  # int8 in the backward GEMMs too
     fp8 = "fp8"  # e4m3 forward, e5m2 backward
+    int4 = "int4"  # int4 forward GEMM (int32 accumulate), 16-bit (fp16) backward; opt-in
 
     @property
     def info(self) -> PrecisionInfo:
@@ -113,7 +122,18 @@ PRECISION_INFO: dict[Precision, PrecisionInfo] = {
         "Input and weight cast to e4m3, FP8 GEMM with FP32 accumulation, bf16 output; "
         "gradients in e5m2 (SM89+).",
     ),
+    Precision.int4: PrecisionInfo(
+        DType.int4, DType.fp16, DType.int4, DType.fp32, DType.int4, DType.int4, "fixed", -1,
+        "Input quantized to int4 ([-7, 7], abs-max/7 scale per tensor or per row group), "
+        "weight per output channel, int4 GEMM with int32 accumulation, rescaled FP32 output; "
+        "backward GEMMs in fp16 on the saved int4 operands (T4, A10; opt-in).",
+    ),
 }
+
+#: Precisions no default menu offers: a user enables them per group (``devices.enable_int4``,
+#: the ``:int4`` device suffix, the CLI's ``--int4``). int4 changes accuracy far more than
+#: int8, so every default plan stays what it was.
+OPT_IN: frozenset[Precision] = frozenset({Precision.int4})
 
 #: Precisions ordered from most to least exact; "one step higher" in the greedy allocator.
 BY_FIDELITY: tuple[Precision, ...] = tuple(

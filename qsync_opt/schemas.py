@@ -40,7 +40,7 @@ from .precision import DType, Precision
 
 NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 #: A device name: a catalog key, or a derived CPU such as ``cpu/2:4g~t4`` (devices.py).
-DEVICE_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*(/[0-9.]+(:[0-9.]+[gm])?(~[A-Za-z0-9_]+)?)?$"
+DEVICE_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*(/[0-9.]+(:[0-9.]+[gm])?(~[A-Za-z0-9_]+)?)?(:int4)?$"
 FLOP_CONVENTION = "a multiply-add counts as 2 FLOPs"
 
 JSONScalar = float | int | str | bool | None
