@@ -10,7 +10,7 @@ bytes do not). Backward runs the op's backward FLOPs at its backward compute dty
 twice its forward bytes (read the output gradient and the saved input, write the input
 gradient and the FP32 weight gradient). A cast of ``numel`` elements costs ``a * numel + b``
 with ``a`` the bytes read and written over the effective bandwidth and ``b`` one launch; a
-quantization (to int8 or fp8) costs ``quantize_cast_factor`` casts (abs-max pass and scale,
+quantization (to int8, int4 or fp8) costs ``quantize_cast_factor`` casts (abs-max pass and scale,
 QSync's "about 5x"). Gradients are FP32 and bucketed like DDP (a 1 MiB first bucket, then
 ``bucket_cap_bytes``, in reverse order of first use), each bucket a ring all-reduce over the
 whole cluster through its bottleneck link.
@@ -69,7 +69,7 @@ class _Roofline:
             return 1.0
         if dtype == DType.fp32:
             return self.eff.fp32_gemm
-        if dtype == DType.int8:
+        if dtype in (DType.int8, DType.int4):  # the integer tensor-core path, one efficiency
             return self.eff.int8_gemm
         return self.eff.tensor_core_gemm
 
@@ -123,6 +123,8 @@ def cast_pairs(dev: DeviceSpec) -> list[tuple[DType, DType]]:
     pairs = [(a, b) for a in floats for b in floats if a != b]
     if dev.supports(Precision.int8):
         pairs += [(a, DType.int8) for a in floats]
+    if dev.supports(Precision.int4):
+        pairs += [(a, DType.int4) for a in floats]
     if dev.supports(Precision.fp8):
         pairs += [(a, DType.fp8_e4m3) for a in floats] + [(a, DType.fp8_e5m2) for a in floats]
     return pairs
@@ -205,7 +207,7 @@ def estimate(
                                           fwd_ms=fwd, bwd_ms=bwd, source="estimated"))
         for src, dst in cast_pairs(dev):
             a = (src.itemsize + dst.itemsize) / roof.mem_bps * 1e3
-            if dst in (DType.int8, DType.fp8_e4m3, DType.fp8_e5m2):
+            if dst in (DType.int8, DType.int4, DType.fp8_e4m3, DType.fp8_e5m2):
                 a *= eff.quantize_cast_factor
             casts.append(CastCost(device=device, src=src, dst=dst, a_ms_per_element=a,
                                   b_ms=roof.launch_ms, source="estimated"))

@@ -55,8 +55,17 @@ Other methods, for comparison: ``wvar`` (relative weight quantization error E||d
 for the weight and for the op's input activation, times the expected squared perturbation),
 ``fisher`` (sum over output elements of G^2 times E[dY^2]) and ``random`` (a seeded draw per op
 times a fixed per-format factor: the control). Every table is made monotone within a family
-(fp32 <= tf32 <= fp16 <= bf16 <= fp8; int8 <= int8_full), and the fixes are counted in its
-notes.
+(fp32 <= tf32 <= fp16 <= bf16 <= fp8; int8 <= int8_full <= int4), and the fixes are counted
+in its notes.
+
+**int4.** The same derivation as int8 with 7 levels a side instead of 127: the scale is
+``s = amax / 7`` (per output channel for weights, per tensor for activations), the values
+are clamped to [-7, 7] (15 levels), and the rounding error of an element at ``y = x / s``
+has variance ``s^2 frac(y) (1 - frac(y))`` under stochastic rounding and ``s^2 e^2`` (``e``
+the distance to the nearest level) under round-to-nearest: :func:`_int_variance` with
+``qmax = 7``. For uniform fractions that is ``s^2 / 6`` (resp. ``s^2 / 12``), so an int4
+rounding is ``(127/7)^2 ~ 329`` times an int8 one on the same tensor. int4's backward is
+fp16 on the saved int4 operands, as int8's.
 """
 
 from __future__ import annotations
@@ -90,7 +99,7 @@ log = logging.getLogger(__name__)
 METHODS = ("qsync", "wvar", "hessian", "fisher", "random")
 #: Ladders within a family, most exact first: Omega must not decrease along them.
 LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Precision.fp8),
-           (Precision.fp32, Precision.int8, Precision.int8_full))
+           (Precision.fp32, Precision.int8, Precision.int8_full, Precision.int4))
 #: kind -> (mantissa bits, smallest normal exponent, per-tensor scale target or None).
 #: ``fp16g`` is an fp16 gradient under dynamic loss scaling: the scaler keeps the largest
 #: gradient near 2^14, so small gradients do not underflow (as they would unscaled).
@@ -140,11 +149,12 @@ SPECS: dict[Precision, _Kinds | None] = {
     Precision.int8: _Kinds("int8", "int8", "fp16g", "int8", "int8"),
     Precision.int8_full: _Kinds("int8", "int8", "int8", "int8", "int8+col"),
     Precision.fp8: _Kinds("e4m3", "e4m3", "e5m2", "e4m3", "e4m3"),
+    Precision.int4: _Kinds("int4", "int4", "fp16g", "int4", "int4"),
 }
 #: Random method: a per-format factor (about the relative variance of one rounding).
 _NOMINAL = {Precision.tf32: 2.0**-22, Precision.fp16: 2.0**-22, Precision.bf16: 2.0**-16,
             Precision.fp8: 2.0**-8, Precision.int8: (1 / 127) ** 2,
-            Precision.int8_full: 2 * (1 / 127) ** 2}
+            Precision.int8_full: 2 * (1 / 127) ** 2, Precision.int4: (1 / 7) ** 2}
 
 
 # ----------------------------------------------------------------------------- variances
@@ -158,6 +168,8 @@ def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
     re-quantization per input column that int8_full's backward applies to the weight.
     """
     x = t.detach().to(torch.float32)
+    if kind == "int4":
+        return _int_variance(x, 0 if per_channel else None, stochastic, INT4_QMAX)
     if kind == "int8col":
         return _int8_variance(x, 1, stochastic)
     if kind in ("int8", "int8+col"):
@@ -178,7 +190,17 @@ def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
     return torch.where(xs > 0, v, torch.zeros_like(v))
 
 
+#: Largest int4 level: symmetric [-7, 7], as int8 uses [-127, 127].
+INT4_QMAX = 7
+
+
 def _int8_variance(x: Tensor, axis: int | None, stochastic: bool) -> Tensor:
+    return _int_variance(x, axis, stochastic, 127)
+
+
+def _int_variance(x: Tensor, axis: int | None, stochastic: bool, qmax: int) -> Tensor:
+    """Per-element rounding variance of symmetric ``qmax``-level quantization (scale
+    ``amax / qmax`` per tensor or per slice along ``axis``)."""
     if axis is None:
         amax = x.abs().amax() if x.numel() else x.new_tensor(0.0)
         shape: Sequence[int] = ()
@@ -187,7 +209,7 @@ def _int8_variance(x: Tensor, axis: int | None, stochastic: bool) -> Tensor:
         amax = x.abs().amax(dim=dims, keepdim=True)
         shape = amax.shape
     amax = torch.where(amax > 0, amax, torch.ones_like(amax)).reshape(shape)
-    s = amax / 127.0
+    s = amax / float(qmax)
     y = x / s
     if stochastic:
         r = y - torch.floor(y)

@@ -45,6 +45,7 @@ PRECISION_COLORS: dict[Precision, str] = {
     Precision.fp8: "#fdae6b",
     Precision.int8: "#e6550d",
     Precision.int8_full: "#a50f15",
+    Precision.int4: "#67000d",
 }
 
 #: Time components of one iteration per group, in the order they happen: (key, label, colour).

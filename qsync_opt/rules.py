@@ -69,7 +69,7 @@ PASS_PRECISION: dict[DType, Precision] = {
 GRAD_DTYPE: dict[Precision, DType] = {
     Precision.fp32: DType.fp32, Precision.tf32: DType.fp32, Precision.bf16: DType.bf16,
     Precision.fp16: DType.fp16, Precision.int8: DType.fp16, Precision.int8_full: DType.fp16,
-    Precision.fp8: DType.bf16,
+    Precision.fp8: DType.bf16, Precision.int4: DType.fp16,
 }
 
 #: One work item of an op: (kind, name, ms, args). Kinds: fwd, bwd, cast, weight_cast,
@@ -463,7 +463,8 @@ class CostRules:
         op saves what the trace measured (shared storage once); a bf16/fp16 layer saves new
         16-bit copies of its inputs and weight; an int8 Linear/Conv2d saves its int8 input and
         weight with their scales, and its forward holds the int32 accumulator (a conv also the
-        fp32 and int8 im2col columns); an int8 or fp8 attention matmul fake-quantizes, so it
+        fp32 and int8 im2col columns; int4 the same, its values in int8 storage); an int8,
+        int4 or fp8 attention matmul fake-quantizes, so it
         saves fp32 copies. Transients are what lives only while the op runs (its output, input
         gradient, accumulators, 16-bit gradient copies).
         """
@@ -478,7 +479,8 @@ class CostRules:
         if p in (Precision.bf16, Precision.fp16):
             return (op.saved_bytes * s / 2, 2.0 * wn, inb + 1.5 * outb,
                     1.5 * outb + 1.5 * gin + 2 * wn)
-        if p in (Precision.int8, Precision.int8_full) and op.kind != OpKind.matmul \
+        if p in (Precision.int8, Precision.int8_full, Precision.int4) \
+                and op.kind != OpKind.matmul \
                 and op.weight_shape:
             cout = op.weight_shape[0]
             fwd = inb + 2 * outb

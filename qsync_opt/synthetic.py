@@ -86,18 +86,31 @@ def perturb_costs(costs: CostTable, seed: int, spread: float = 3.0) -> CostTable
                                     "notes": [*costs.notes, f"perturbed (seed {seed}, x{spread})"]})
 
 
-def random_indicator(graph: ModelGraph, seed: int = 0) -> IndicatorTable:
-    """A monotone random indicator (a lower precision never scores below a higher one)."""
+def random_indicator(graph: ModelGraph, seed: int = 0, *,
+                     opt_in: bool = False) -> IndicatorTable:
+    """A monotone random indicator (a lower precision never scores below a higher one).
+
+    The opt-in precisions (int4) get values only with ``opt_in=True``, drawn from a stream
+    of their own after the others, so a table without them is what it always was.
+    """
     from .indicator import enforce_monotone
+    from .precision import OPT_IN
 
     rng = random.Random(seed)
+    extra = random.Random(f"{seed}:opt-in")
     values = {}
     for o in graph.choosable_ops():
         base = rng.lognormvariate(0, 1)
         row = {}
         for p in o.allowed_precisions:
+            if p in OPT_IN:
+                continue
             rank = p.info.rank
             row[p] = 0.0 if p.value == "fp32" else base * (7 - rank) * rng.uniform(0.5, 1.5)
+        if opt_in:
+            for p in o.allowed_precisions:
+                if p in OPT_IN:
+                    row[p] = base * (7 - p.info.rank) * extra.uniform(0.5, 1.5)
         values[o.name] = row
     fixes = enforce_monotone(values)
     return IndicatorTable(workload=graph.workload, graph_hash=graph.structure_hash(),

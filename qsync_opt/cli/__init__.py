@@ -44,6 +44,7 @@ from .args import (
     BATCH,
     BATCHES,
     FRACTION,
+    INT4_FLAG_HELP,
     POSITIVE_SECONDS,
     SEED,
     finite_float,
@@ -108,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("estimate", "roofline cost estimates of a workload on a cluster")
     model_args(sp)
     sp.add_argument("--cluster", required=True, help=f"cluster file (.toml/.json) or {SHORTHAND_HELP}")
+    sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
     sp.add_argument("--out", help="write the CostTable JSON here")
     sp.set_defaults(fn=cmd_estimate)
     sp = add("replay", "simulate one iteration of a plan (default: the uniform plans)")
     model_args(sp)
     sp.add_argument("--cluster", help=f"cluster file or {SHORTHAND_HELP} (default: the plan's)")
+    sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
     sp.add_argument("--plan", help="Plan JSON to replay")
     sp.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
@@ -140,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     def problem_args(sp: argparse.ArgumentParser) -> None:
         model_args(sp)
         sp.add_argument("--cluster", required=True, help=f"cluster file or {SHORTHAND_HELP}")
+        sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
         sp.add_argument("--indicator", help="IndicatorTable JSON (default: computed and cached)")
         sp.add_argument("--method", default=METHODS[0],
                         choices=METHODS,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..graph import is_user_model, load_user_workload, trace
-from ..schemas import MAX_BATCH, ModelGraph
+from ..schemas import MAX_BATCH, ClusterSpec, ModelGraph
 
 
 def _flag_type(name: str, parse: Callable[[str], Any], ok: Callable[[Any], bool],
@@ -94,3 +94,30 @@ def trace_args(args: argparse.Namespace, model_sha256: str | None = None,
     its example's batch by default, at another on synthetic inputs shaped like them."""
     wl = workload if workload is not None else workload_arg(args, model_sha256)
     return trace(wl, args.batch, pin_head=not args.unpin_head, tie=args.tie)
+
+
+INT4_FLAG_HELP = ("add int4 (opt-in) to the menu of every group whose card has an INT4 peak "
+                  "(t4, a10, or a cpu/F~CARD standing in for one); the same as writing "
+                  "DEVICE:int4 for those groups")
+
+
+def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
+    """``--cluster`` (or ``text``) loaded, and with ``--int4`` int4 enabled on every group
+    whose card has an INT4 peak (:func:`qsync_opt.devices.enable_int4`). Says on stderr which
+    groups got it; refuses (one line, exit 2) when none can."""
+    from ..cluster import load_cluster
+    from ..devices import INT4_CARDS, enable_int4
+    from ..errors import QsyncInputError
+
+    cluster = load_cluster(args.cluster if text is None else text)
+    if not getattr(args, "int4", False):
+        return cluster
+    cluster, got = enable_int4(cluster)
+    if not got:
+        raise QsyncInputError(
+            "int4: no group's card has an INT4 peak (cards with one: "
+            f"{', '.join(INT4_CARDS)}; a derived CPU takes its ~CARD's)")
+    rest = [g.name for g in cluster.groups if g.name not in got]
+    sys.stderr.write(f"int4: enabled on group(s) {', '.join(got)}"
+                     + (f"; not on {', '.join(rest)} (no INT4 peak)" if rest else "") + "\n")
+    return cluster

@@ -8,7 +8,6 @@ import sys
 import time
 from typing import Any
 
-from ..cluster import load_cluster
 from ..costs import estimate
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, load, save, to_json
@@ -24,7 +23,7 @@ from ..summaries import (
     uniform_plans,
 )
 from ..user_model import UserWorkload
-from .args import emit_json, trace_args, workload_arg
+from .args import cluster_arg, emit_json, trace_args, workload_arg
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -67,7 +66,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     graph = trace_args(args)
-    cluster = load_cluster(args.cluster)
+    cluster = cluster_arg(args)
     costs = estimate(graph, cluster)
     if _save_or_json(costs, args):
         return 0
@@ -97,7 +96,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if plan_doc is not None:
         check_plan(plan_doc, graph)
     if args.cluster:
-        cluster = load_cluster(args.cluster)
+        cluster = cluster_arg(args)
     elif plan_doc is not None:
         cluster = plan_doc.cluster
     else:
@@ -148,8 +147,9 @@ def cmd_indicate(args: argparse.Namespace) -> int:
         return 0
     ranked = rank_table(table, Precision.int8)
     k = min(args.top, len(ranked))
-    cols = [p for p in (Precision.int8, Precision.int8_full, Precision.fp8, Precision.bf16,
-                        Precision.fp16) if any(p in r for r in table.values.values())]
+    cols = [p for p in (Precision.int4, Precision.int8, Precision.int8_full, Precision.fp8,
+                        Precision.bf16, Precision.fp16)
+            if any(p in r for r in table.values.values())]
 
     def rows(items: list[tuple[str, float]]) -> list[tuple[Any, ...]]:
         return [(op, *(table.values[op].get(p, "-") for p in cols)) for op, _ in items]

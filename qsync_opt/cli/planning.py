@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
-from .args import emit_json, trace_args
+from .args import cluster_arg, emit_json, trace_args
 
 
 def _problem_options(args: argparse.Namespace) -> Any:
@@ -47,7 +47,7 @@ def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
         raise QsyncInputError(
             f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
     graph = trace_args(args)
-    return build_problem(graph, args.cluster, indicator=args.indicator, costs=args.costs,
+    return build_problem(graph, cluster_arg(args), indicator=args.indicator, costs=args.costs,
                          options=_problem_options(args), indicator_method=args.method,
                          indicator_batches=args.indicator_batches,
                          indicator_batch=args.indicator_batch,

@@ -22,7 +22,7 @@ log = logging.getLogger("qsync_opt.graph")  # one logger for the whole package
 
 ALL_GEMM_PRECISIONS = [
     Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16,
-    Precision.int8, Precision.int8_full, Precision.fp8,
+    Precision.int8, Precision.int8_full, Precision.fp8, Precision.int4,
 ]
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from ..costs import gradient_buckets
 from ..devices import get_device
 from ..errors import QsyncInputError
-from ..precision import Precision
+from ..precision import DType, Precision
 from ..schemas import CommModel, CostTable, ModelGraph
 
 
@@ -77,9 +77,23 @@ def derive(table: CostTable, devices: Iterable[str]) -> CostTable:
                                          "bwd_ms": e.bwd_ms * f})
                     for e in table.entries if e.device == "cpu"
                     and (e.precision in menu or e.precision == Precision.fp32)]
+        # int4 (opt-in) runs on this CPU through the int8 kernels, values in int8 storage:
+        # where the cpu was not profiled at int4, its int8 times are int4's.
+        int4_from_int8 = Precision.int4 in menu and not any(
+            e.device == "cpu" and e.precision == Precision.int4 for e in table.entries)
+        if int4_from_int8:
+            entries += [e.model_copy(update={"device": key, "precision": Precision.int4,
+                                             "fwd_ms": e.fwd_ms * f, "bwd_ms": e.bwd_ms * f})
+                        for e in table.entries
+                        if e.device == "cpu" and e.precision == Precision.int8]
         casts += [c.model_copy(update={"device": key, "a_ms_per_element": c.a_ms_per_element * f,
                                        "b_ms": c.b_ms * f})
                   for c in table.casts if c.device == "cpu"]
+        if int4_from_int8:
+            casts += [c.model_copy(update={"device": key, "dst": DType.int4,
+                                           "a_ms_per_element": c.a_ms_per_element * f,
+                                           "b_ms": c.b_ms * f})
+                      for c in table.casts if c.device == "cpu" and c.dst == DType.int8]
         opt += [o.model_copy(update={"device": key}) for o in table.optimizer
                 if o.device == "cpu"]
         notes.append(f"{key}: derived from the cpu entries, every op and cast x{f:g} (the "

@@ -10,7 +10,7 @@ group of the cluster (all devices of a group run the same plan, so one represent
   gives fp32). Only floating edges carry dtypes.
 * **Casts.** Where an edge's producer gives out a dtype its consumer does not take in, a
   cast of that tensor runs before the consumer's forward (a quantization, with its abs-max
-  pass, when the target is int8 or fp8). In backward the consumer's input gradient has its
+  pass, when the target is int8, int4 or fp8). In backward the consumer's input gradient has its
   backward dtype and is cast back to the producer's dtype when they differ. Every
   low-precision op casts its FP32 master weight once per iteration and casts its weight
   gradient back to FP32; int8_full and fp8 ops quantize their incoming output gradient.
