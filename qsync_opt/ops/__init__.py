@@ -12,6 +12,12 @@ and, where it has a gradient, autograd:
 ``qsync::int8_linear``      int8 x int8 -> int32 GEMM (``torch._int_mm``), fused rescale and
                             bias; backward in 16 bit, or int8 GEMMs with ``int8_backward``
 ``qsync::int8_conv2d``      the same for conv2d through an im2col integer GEMM
+``qsync::quantize_int4``    symmetric int4 ([-7, 7] in int8 storage): per tensor, per channel
+                            or per group of rows; the int8 kernels at scale amax/7, clamped
+``qsync::int4_linear``      int4 x int4 -> int32 GEMM (the int8 GEMM on int4 values: exact,
+                            no speed gain on this CPU), weights per channel, activations per
+                            tensor or per row group; backward in 16 bit
+``qsync::int4_conv2d``      the same for conv2d (activations per tensor)
 ``qsync::fake_quant_int8``  quantize-dequantize with a straight-through gradient
 ``qsync::fake_quant_float`` round to fp16 / bf16 / fp8 (e4m3, e5m2; scaled by the abs-max)
                             and back, straight-through gradient
@@ -51,7 +57,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",
     "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "gemm_layout_ok",
-    "default_bwd_dtype",
+    "default_bwd_dtype", "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4",
 ]
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -157,20 +163,31 @@ def _owned(outputs: Any, inputs: Sequence[Any]) -> Any:
 # ----------------------------------------------------------------------------- quantize
 
 
-def _quantize_impl(x: Tensor, axis: int | None, stochastic: bool, seed: int
-                   ) -> tuple[Tensor, Tensor]:
-    _check_float("x", x)
-    moved = x if axis is None else x.movedim(axis, 0)
-    moved = moved.contiguous()
-    amax = ref.channel_amax(moved, per_channel=axis is not None)
-    inv = 127.0 / amax
-    scale = amax / 127.0
+def _quantize_kernel(moved: Tensor, inv: Tensor, stochastic: bool, seed: int,
+                     qmax: int) -> Tensor:
+    """The quantization kernel on contiguous ``moved`` ([C, inner], ``inv`` per channel).
+
+    The compiled kernels clamp to int8's [-127, 127]; int4 (``qmax`` 7) is the same kernel
+    at scale amax/7, clamped once more to [-7, 7] (a value at amax can round to 7 + 1 ulp,
+    which stochastic rounding could carry to 8): the reference's formula exactly."""
     if _use_cpp(moved):
         q = torch.ops.qsync_cpu.quantize_int8(moved, inv, stochastic, seed)
     elif moved.is_cuda and _cuda() is not None:
         q = _cuda().quantize_int8(moved, inv, moved.numel() // inv.numel(), stochastic, seed)
     else:
-        q = ref.quantize_int8(moved, inv, stochastic, seed)
+        return ref.quantize_levels(moved, inv, stochastic, seed, qmax)
+    return q if qmax == ref.INT8_QMAX else q.clamp_(-qmax, qmax)
+
+
+def _quantize_impl(x: Tensor, axis: int | None, stochastic: bool, seed: int,
+                   qmax: int = ref.INT8_QMAX) -> tuple[Tensor, Tensor]:
+    _check_float("x", x)
+    moved = x if axis is None else x.movedim(axis, 0)
+    moved = moved.contiguous()
+    amax = ref.channel_amax(moved, per_channel=axis is not None)
+    inv = float(qmax) / amax
+    scale = amax / float(qmax)
+    q = _quantize_kernel(moved, inv, stochastic, seed, qmax)
     if axis is not None:
         q = q.movedim(0, axis).contiguous()
         return q, scale
@@ -228,6 +245,53 @@ def dequantize_int8(q: Tensor, scale: Tensor, axis: int | None = None,
                     dtype: torch.dtype = torch.float32) -> Tensor:
     """``q * scale`` (per channel along ``axis``) in ``dtype``."""
     return torch.ops.qsync.dequantize_int8(q, scale, axis, dtype)
+
+
+def _quantize_rows_impl(x2d: Tensor, group_rows: int, stochastic: bool, seed: int,
+                        qmax: int) -> tuple[Tensor, Tensor]:
+    """2-D ``x2d`` quantized with one scale per group of ``group_rows`` consecutive rows
+    (``scale`` has one entry per row). The element order is the per-tensor one, so the
+    stochastic-rounding draws are those of a per-tensor quantization of the same tensor."""
+    _check_float("x", x2d)
+    moved = x2d.contiguous()
+    amax = ref.group_amax(moved, group_rows)
+    inv = float(qmax) / amax
+    return _quantize_kernel(moved, inv, stochastic, seed, qmax), amax / float(qmax)
+
+
+@torch.library.custom_op("qsync::quantize_int4", mutates_args=())
+def _quantize_int4_op(x: Tensor, axis: int | None, group_rows: int, stochastic: bool,
+                      seed: int) -> tuple[Tensor, Tensor]:
+    if group_rows > 0:
+        k = x.shape[-1] if x.dim() else 1
+        q, scale = _quantize_rows_impl(x.reshape(-1, k), group_rows, stochastic, seed,
+                                       ref.INT4_QMAX)
+        return _owned((q.reshape(x.shape), scale), (x,))
+    return _owned(_quantize_impl(x, axis, stochastic, seed, ref.INT4_QMAX), (x,))
+
+
+@_quantize_int4_op.register_fake
+def _(x: Tensor, axis: int | None, group_rows: int, stochastic: bool, seed: int
+      ) -> tuple[Tensor, Tensor]:
+    q = torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format)
+    if group_rows > 0:
+        rows = x.numel() // x.shape[-1] if x.dim() else 1
+        return q, x.new_empty((rows,), dtype=torch.float32)
+    scale = x.new_empty((x.shape[axis],) if axis is not None else (), dtype=torch.float32)
+    return q, scale
+
+
+def quantize_int4(x: Tensor, axis: int | None = None, stochastic: bool = True,
+                  seed: int = 0, group_rows: int = 0) -> tuple[Tensor, Tensor]:
+    """Symmetric int4: values in [-7, 7] (int8 storage), scale ``amax / 7``.
+
+    Per tensor (``axis=None``), per channel along ``axis``, or, with ``group_rows > 0``,
+    per group of that many consecutive rows of ``x`` viewed [-1, last dim] (``scale`` then
+    has one entry per row). Rounding as :func:`quantize_int8` (same seeds, same draws).
+    Dequantize with :func:`dequantize_int8` (the same ``q * scale``; per-row scales along
+    axis 0 of the 2-D view).
+    """
+    return torch.ops.qsync.quantize_int4(x, axis, int(group_rows), stochastic, int(seed))
 
 
 @torch.library.custom_op("qsync::rescale_int32", mutates_args=())
@@ -554,6 +618,180 @@ def int8_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                                        stochastic, int(seed), dtype)[0]
 
 
+# ----------------------------------------------------------------------------- int4
+
+
+def _rescale_rows(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
+                  dtype: torch.dtype) -> Tensor:
+    """Rescale an int32 GEMM result: per-tensor ``sx`` through ``qsync::rescale_int32``,
+    per-row ``sx`` [M] by the reference formula (``acc * (sx[m] * sw[n]) + bias[n]``)."""
+    if sx.dim() == 0:
+        return _rescale_op(acc, sx, sw, bias, dtype)
+    return ref.rescale_int32_rows(acc, sx, sw, bias, dtype)
+
+
+@torch.library.custom_op("qsync::int4_linear", mutates_args=())
+def _int4_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, group_rows: int,
+                    stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_float("x", x)
+    k = x.shape[-1]
+    x_seed, w_seed, _, _ = _seeds(seed)
+    x2 = x.reshape(-1, k)
+    if group_rows > 0:
+        qx, sx = _quantize_rows_impl(x2, group_rows, stochastic, x_seed, ref.INT4_QMAX)
+    else:
+        qx, sx = _quantize_impl(x2, None, stochastic, x_seed, ref.INT4_QMAX)
+    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed, ref.INT4_QMAX)
+    acc = int_mm(qx, qw.t())  # int4 values, int32 accumulation
+    out = _rescale_rows(acc, sx, sw, bias, x.dtype)
+    return _owned((out.reshape(*x.shape[:-1], weight.shape[0]), qx, sx, qw, sw),
+                  (x, weight, bias))
+
+
+@_int4_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, group_rows: int, stochastic: bool,
+      seed: int, bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    m = 1
+    for s in x.shape[:-1]:
+        m *= s
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return (out, x.new_empty((m, x.shape[-1]), dtype=torch.int8),
+            x.new_empty((m,) if group_rows > 0 else (), dtype=torch.float32),
+            weight.new_empty(weight.shape, dtype=torch.int8),
+            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("qsync::int4_linear_backward", mutates_args=())
+def _int4_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor,
+                             bwd_dtype: torch.dtype, x_dtype: torch.dtype,
+                             w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """16-bit backward GEMMs on the saved int4 operands (dequantized to ``bwd_dtype``)."""
+    go = grad.reshape(-1, qw.shape[0])
+    g16 = go.to(bwd_dtype)
+    w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
+    x16 = _dequantize_impl(qx, sx, None if sx.dim() == 0 else 0, bwd_dtype)
+    grad_x = (g16 @ w16).to(x_dtype)
+    grad_w = (g16.t() @ x16).to(w_dtype)
+    return _owned((grad_x, grad_w), (grad, qx, sx, qw, sw))
+
+
+@_int4_linear_backward_op.register_fake
+def _(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, bwd_dtype: torch.dtype,
+      x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (grad.new_empty(qx.shape, dtype=x_dtype), grad.new_empty(qw.shape, dtype=w_dtype))
+
+
+def _int4_linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, weight, bias, _group_rows, _stochastic, _seed, bwd_dtype = inputs
+    _, qx, sx, qw, sw = output
+    ctx.save_for_backward(qx, sx, qw, sw)
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+    ctx.has_bias = bias is not None
+    ctx.bwd_dtype = bwd_dtype
+
+
+def _int4_linear_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
+    qx, sx, qw, sw = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.qsync.int4_linear_backward(
+        grad.contiguous(), qx, sx, qw, sw, ctx.bwd_dtype, ctx.x_dtype, ctx.w_dtype)
+    grad_b = grad.reshape(-1, qw.shape[0]).sum(0).to(torch.float32) if ctx.has_bias else None
+    return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None, None, None, None
+
+
+_int4_linear_op.register_autograd(_int4_linear_backward, setup_context=_int4_linear_setup)
+
+
+def int4_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                group_rows: int = 0, stochastic: bool = True, seed: int = 0,
+                bwd_dtype: torch.dtype | None = None) -> Tensor:
+    """``x @ weight.T + bias`` with int4 operands and an integer GEMM (int32 accumulation).
+
+    ``weight`` is quantized per output channel, ``x`` (viewed [M, K]) per tensor or, with
+    ``group_rows > 0``, per group of that many rows (tokens), all to [-7, 7] at scale
+    ``amax / 7`` by stochastic rounding (``stochastic=False``: round to nearest). The values
+    live in int8 storage and run through :func:`int_mm` (exact; on this CPU no faster than
+    int8). Backward: 16-bit GEMMs on the saved int4 operands (``bwd_dtype``: bf16 on the
+    CPU, fp16 on CUDA), as :func:`int8_linear` without ``int8_backward``.
+    """
+    dtype = bwd_dtype or default_bwd_dtype(x.device)
+    return torch.ops.qsync.int4_linear(x, weight, bias, int(group_rows), stochastic,
+                                       int(seed), dtype)[0]
+
+
+@torch.library.custom_op("qsync::int4_conv2d", mutates_args=())
+def _int4_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
+                    padding: list[int], dilation: list[int], groups: int,
+                    stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_float("x", x)
+    x_seed, w_seed, _, _ = _seeds(seed)
+    qx, sx = _quantize_impl(x, None, stochastic, x_seed, ref.INT4_QMAX)
+    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed, ref.INT4_QMAX)
+    b = x.shape[0]
+    cout = weight.shape[0]
+    cin_g, cout_g = x.shape[1] // groups, cout // groups
+    outs = []
+    for g in range(groups):
+        cols, ho, wo = _im2col_int8(qx[:, g * cin_g:(g + 1) * cin_g], weight.shape[2:],
+                                    stride, padding, dilation)
+        wg = qw[g * cout_g:(g + 1) * cout_g].reshape(cout_g, -1)
+        bias_g = None if bias is None else bias[g * cout_g:(g + 1) * cout_g]
+        outs.append(_rescale_op(int_mm(cols, wg.t()), sx, sw[g * cout_g:(g + 1) * cout_g],
+                                bias_g, x.dtype))
+    out = torch.cat(outs, dim=1) if groups > 1 else outs[0]
+    out = out.reshape(b, ho, wo, cout).permute(0, 3, 1, 2).contiguous()
+    return _owned((out, qx, sx, qw, sw), (x, weight, bias))
+
+
+@_int4_conv2d_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+      dilation: list[int], groups: int, stochastic: bool, seed: int,
+      bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b, _, h, w = x.shape
+    kh, kw = weight.shape[2:]
+    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return (x.new_empty((b, weight.shape[0], ho, wo)),
+            torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format),
+            x.new_empty((), dtype=torch.float32),
+            torch.empty_like(weight, dtype=torch.int8, memory_format=torch.contiguous_format),
+            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+
+
+def _int4_conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    (x, weight, bias, stride, padding, dilation, groups, stochastic, seed, bwd_dtype) = inputs
+    _, qx, sx, qw, sw = output
+    ctx.save_for_backward(qx, sx, qw, sw)
+    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+    ctx.args = (stride, padding, dilation, groups, False, stochastic, seed, bwd_dtype)
+
+
+def _int4_conv_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
+    qx, sx, qw, sw = ctx.saved_tensors
+    # the 16-bit backward of int8_conv2d on the saved int4 values (int8_backward=False)
+    grad_x, grad_w = torch.ops.qsync.int8_conv2d_backward(
+        grad.contiguous(), qx, sx, qw, sw, *ctx.args, ctx.x_dtype, ctx.w_dtype)
+    grad_b = grad.sum((0, 2, 3)).to(torch.float32) if ctx.has_bias else None
+    return (grad_x, grad_w, grad_b) + (None,) * 7
+
+
+_int4_conv2d_op.register_autograd(_int4_conv_backward, setup_context=_int4_conv_setup)
+
+
+def int4_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+                dilation: int | Sequence[int] = 1, groups: int = 1, *,
+                stochastic: bool = True, seed: int = 0,
+                bwd_dtype: torch.dtype | None = None) -> Tensor:
+    """conv2d with int4 operands (activations per tensor, weights per output channel) and
+    the im2col integer GEMM of :func:`int8_conv2d`; 16-bit backward."""
+    dtype = bwd_dtype or default_bwd_dtype(x.device)
+    return torch.ops.qsync.int4_conv2d(x, weight, bias, _pair(stride), _pair(padding),
+                                       _pair(dilation), int(groups), stochastic, int(seed),
+                                       dtype)[0]
+
+
 # ----------------------------------------------------------------------------- fake quant
 
 
@@ -585,6 +823,26 @@ def fake_quant_int8(x: Tensor, axis: int | None = None, stochastic: bool = True,
                     seed: int = 0) -> Tensor:
     """Quantize to int8 and back (the noise of int8, in ``x.dtype``); gradient passes through."""
     return torch.ops.qsync.fake_quant_int8(x, axis, stochastic, int(seed))
+
+
+@torch.library.custom_op("qsync::fake_quant_int4", mutates_args=())
+def _fake_int4_op(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> Tensor:
+    q, scale = _quantize_impl(x, axis, stochastic, seed, ref.INT4_QMAX)
+    return _owned(_dequantize_impl(q, scale, axis, x.dtype), (x,))
+
+
+@_fake_int4_op.register_fake
+def _(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_fake_int4_op.register_autograd(_straight_through, setup_context=_st_setup(3))
+
+
+def fake_quant_int4(x: Tensor, axis: int | None = None, stochastic: bool = True,
+                    seed: int = 0) -> Tensor:
+    """Quantize to int4 ([-7, 7]) and back, in ``x.dtype``; gradient passes through."""
+    return torch.ops.qsync.fake_quant_int4(x, axis, stochastic, int(seed))
 
 
 @torch.library.custom_op("qsync::fake_quant_float", mutates_args=())

@@ -25,6 +25,12 @@ these formulas, in this order, so results agree bit for bit:
   Stochastic rounding is unbiased (E[q] = y away from the clamp) and its error has variance
   frac*(1-frac) per element, 1/6 of a step squared on average over uniform fractions;
   round-to-nearest has step^2/12. The indicator assumes whichever the op uses.
+* **Symmetric int4 quantization**: the same with ``qmax = 7`` in place of 127 (scale
+  ``amax / 7``, ``q`` clamped to [-7, 7], 15 levels), the values kept in int8 storage; per
+  channel for weights, per tensor or per group of ``G`` consecutive rows for activations
+  (``amax`` of a row is the max over its group). On this CPU the int4 GEMM is the int8 GEMM
+  on those values: exact, not faster. Per-row scales rescale as
+  ``v = float(acc[m, n]) * (sx[m] * sw[n]) + bias[n]``.
 * **Dequantize**: ``float(q) * scale[c]``.
 * **Fused rescale + bias + cast** of an int32 GEMM result ``acc[M, N]``::
 
@@ -77,9 +83,36 @@ def channel_amax(x: torch.Tensor, per_channel: bool) -> torch.Tensor:
     return torch.where(amax > 0, amax, torch.ones_like(amax))
 
 
+INT8_QMAX = 127
+INT4_QMAX = 7
+
+
 def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, stochastic: bool,
                   seed: int) -> torch.Tensor:
     """Quantize contiguous ``x`` (viewed [C, inner], C = len(inv_scale)) to int8."""
+    return quantize_levels(x, inv_scale, stochastic, seed, INT8_QMAX)
+
+
+def quantize_int4(x: torch.Tensor, inv_scale: torch.Tensor, stochastic: bool,
+                  seed: int) -> torch.Tensor:
+    """Quantize contiguous ``x`` (viewed [C, inner]) to int4 values [-7, 7] in int8 storage."""
+    return quantize_levels(x, inv_scale, stochastic, seed, INT4_QMAX)
+
+
+def group_amax(x: torch.Tensor, group_rows: int) -> torch.Tensor:
+    """abs-max of 2-D ``x`` per group of ``group_rows`` consecutive rows, one value per row
+    (the last group may be shorter), float32, zeros replaced by one."""
+    rows = channel_amax(x, per_channel=True)
+    m = rows.numel()
+    pad = -m % group_rows
+    padded = torch.cat([rows, rows.new_zeros(pad)]) if pad else rows
+    per_group = padded.reshape(-1, group_rows).amax(dim=1)
+    return per_group.repeat_interleave(group_rows)[:m].contiguous()
+
+
+def quantize_levels(x: torch.Tensor, inv_scale: torch.Tensor, stochastic: bool,
+                    seed: int, qmax: int) -> torch.Tensor:
+    """Quantize contiguous ``x`` (viewed [C, inner]) to integers in [-qmax, qmax] (int8)."""
     c = inv_scale.numel()
     y = x.reshape(c, -1).to(torch.float32) * inv_scale.reshape(c, 1)
     if stochastic:
@@ -87,7 +120,7 @@ def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, stochastic: bool,
         r = torch.floor(y + u)
     else:
         r = torch.round(y)  # round half to even
-    return torch.clamp(r, -127.0, 127.0).to(torch.int8).reshape(x.shape)
+    return torch.clamp(r, -float(qmax), float(qmax)).to(torch.int8).reshape(x.shape)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,6 +132,16 @@ def rescale_int32(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
                   bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``acc`` [M, N] int32 -> ``acc * (sx * sw) + bias`` in ``dtype``."""
     s = sx.to(torch.float32).reshape(()) * sw.to(torch.float32)
+    v = acc.to(torch.float32) * s
+    if bias is not None:
+        v = v + bias.to(torch.float32)
+    return v.to(dtype)
+
+
+def rescale_int32_rows(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+                       bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``acc`` [M, N] int32 with per-row ``sx`` [M] -> ``acc * (sx[m] * sw[n]) + bias``."""
+    s = sx.to(torch.float32).reshape(-1, 1) * sw.to(torch.float32).reshape(1, -1)
     v = acc.to(torch.float32) * s
     if bias is not None:
         v = v + bias.to(torch.float32)
