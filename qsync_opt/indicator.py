@@ -55,8 +55,9 @@ Other methods, for comparison: ``wvar`` (relative weight quantization error E||d
 for the weight and for the op's input activation, times the expected squared perturbation),
 ``fisher`` (sum over output elements of G^2 times E[dY^2]) and ``random`` (a seeded draw per op
 times a fixed per-format factor: the control). Every table is made monotone within a family
-(fp32 <= tf32 <= fp16 <= bf16 <= fp8; int8 <= int8_full <= int4), and the fixes are counted
-in its notes.
+(fp32 <= tf32 <= fp16 <= bf16 <= fp8; int8 <= int8_full; int8 <= int4: int8_full and int4
+are not ordered, one adds backward error, the other forward error), and the fixes are
+counted in its notes.
 
 **int4.** The same derivation as int8 with 7 levels a side instead of 127: the scale is
 ``s = amax / 7`` (per output channel for weights, per tensor for activations), the values
@@ -99,7 +100,8 @@ log = logging.getLogger(__name__)
 METHODS = ("qsync", "wvar", "hessian", "fisher", "random")
 #: Ladders within a family, most exact first: Omega must not decrease along them.
 LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Precision.fp8),
-           (Precision.fp32, Precision.int8, Precision.int8_full, Precision.int4))
+           (Precision.fp32, Precision.int8, Precision.int8_full),
+           (Precision.fp32, Precision.int8, Precision.int4))
 #: kind -> (mantissa bits, smallest normal exponent, per-tensor scale target or None).
 #: ``fp16g`` is an fp16 gradient under dynamic loss scaling: the scaler keeps the largest
 #: gradient near 2^14, so small gradients do not underflow (as they would unscaled).

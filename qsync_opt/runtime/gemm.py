@@ -2,8 +2,8 @@
 dispatcher (:mod:`.dispatch`) share.
 
 * :func:`run_linear` / :func:`run_gemm` run one linear or matmul-like call at a precision
-  (16 bit: operands cast, the result cast back; int8: the qsync integer GEMM or int8
-  fake-quantization with stochastic rounding; fp8: e4m3 fake-quantization);
+  (16 bit: operands cast, the result cast back; int8 / int4: the qsync integer GEMM or
+  int8 / int4 fake-quantization with stochastic rounding; fp8: e4m3 fake-quantization);
 * :class:`RuntimeStep` is the ``step`` of the attention decomposition
   (:mod:`qsync_opt.attention`) that runs its GEMM steps at their planned precisions;
 * :data:`COUNTERS` / :func:`record_call` are the active call tallies of
@@ -58,6 +58,8 @@ def run_linear(x: Tensor, w: Tensor, b: Tensor | None, p: Precision,
     if p == Precision.fp8:
         return F.linear(ops.fake_quant_float(x, "fp8_e4m3"), ops.fake_quant_float(w, "fp8_e4m3"),
                         b)
+    if p == Precision.int4:
+        return ops.int4_linear(x, w, b, seed=next_seed())
     return F.linear(x, w, b)
 
 
@@ -79,7 +81,7 @@ def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Preci
     if not floats:
         return fn(*args, **kwargs)
     dtype = floats[0].dtype
-    base = next_seed() if p in (Precision.int8, Precision.int8_full) else 0
+    base = next_seed() if p in (Precision.int8, Precision.int8_full, Precision.int4) else 0
     k = 0
 
     def conv(t: Any) -> Any:
@@ -91,6 +93,8 @@ def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Preci
             return t.to(HALF_DTYPES[p])
         if p == Precision.fp8:
             return ops.fake_quant_float(t, "fp8_e4m3")
+        if p == Precision.int4:
+            return ops.fake_quant_int4(t, seed=(2 * base + k - 1) & 0x7FFFFFFF)
         return ops.fake_quant_int8(t, seed=(2 * base + k - 1) & 0x7FFFFFFF)
 
     a2, k2 = tree_unflatten([conv(t) for t in flat], spec)

@@ -15,6 +15,11 @@ FP32 gradients. Per precision:
   matmuls fake-quantize both operands to int8 and multiply in the input dtype, with an
   unquantized gradient, so ``int8_full`` computes there exactly what ``int8`` does (there is
   no batched int8 GEMM op yet).
+* ``int4`` (opt-in): ``qsync::int4_linear`` / ``qsync::int4_conv2d``: values in [-7, 7]
+  (scale abs-max/7; weights per output channel, activations per tensor) in int8 storage
+  through the same integer GEMM (int32 accumulation; exact, no faster than int8 on this
+  CPU), a 16-bit backward on the saved int4 operands; attention matmuls fake-quantize both
+  operands to int4.
 * ``fp8`` (emulated): both operands fake-quantized to e4m3 (scaled per tensor), the GEMM in
   the input dtype (FP32), the gradient passed straight through in FP32 (no FP8 GEMM, no e5m2
   gradients), on a CPU and on CUDA alike. The cost model still charges FP8 peaks.
@@ -77,6 +82,8 @@ class QLinear(nn.Linear, QMixin):
         if p == Precision.fp8:
             return F.linear(ops.fake_quant_float(x, "fp8_e4m3"),
                             ops.fake_quant_float(self.weight, "fp8_e4m3"), self.bias)
+        if p == Precision.int4:
+            return ops.int4_linear(x, self.weight, self.bias, seed=self._next_seed())
         return F.linear(x, self.weight, self.bias)
 
 
@@ -86,7 +93,7 @@ class QConv2d(nn.Conv2d, QMixin):
         p = self.precision
         if isinstance(self.padding, str):
             raise QsyncInputError(f"QConv2d: string padding {self.padding!r} is not supported")
-        if p not in (*_HALF, Precision.int8, Precision.int8_full, Precision.fp8):
+        if p not in (*_HALF, Precision.int8, Precision.int8_full, Precision.fp8, Precision.int4):
             return super().forward(x)
         padding: Any = self.padding
         if self.padding_mode != "zeros":  # reflect / replicate / circular: pad first, as torch
@@ -102,6 +109,9 @@ class QConv2d(nn.Conv2d, QMixin):
                                    self.dilation, self.groups,
                                    int8_backward=p == Precision.int8_full,
                                    seed=self._next_seed())
+        if p == Precision.int4:
+            return ops.int4_conv2d(x, self.weight, self.bias, self.stride, padding,
+                                   self.dilation, self.groups, seed=self._next_seed())
         return F.conv2d(ops.fake_quant_float(x, "fp8_e4m3"),
                         ops.fake_quant_float(self.weight, "fp8_e4m3"), self.bias,
                         self.stride, padding, self.dilation, self.groups)
@@ -121,6 +131,10 @@ class QMatMul(MatMul, QMixin):
         if p == Precision.fp8:
             return torch.matmul(ops.fake_quant_float(a, "fp8_e4m3"),
                                 ops.fake_quant_float(b, "fp8_e4m3"))
+        if p == Precision.int4:
+            s = self._next_seed()
+            return torch.matmul(ops.fake_quant_int4(a, seed=2 * s),
+                                ops.fake_quant_int4(b, seed=2 * s + 1))
         return torch.matmul(a, b)
 
 
@@ -131,7 +145,7 @@ class QConv1d(nn.Conv1d, QMixin):
     def forward(self, x: Tensor) -> Tensor:
         self._count()
         p = self.precision
-        if p not in (*_HALF, Precision.int8, Precision.int8_full, Precision.fp8):
+        if p not in (*_HALF, Precision.int8, Precision.int8_full, Precision.fp8, Precision.int4):
             return super().forward(x)
         padding: Any = self.padding
         if self.padding_mode != "zeros":
@@ -152,6 +166,11 @@ class QConv1d(nn.Conv1d, QMixin):
             total = self.dilation[0] * (self.kernel_size[0] - 1)
             x = F.pad(x, (total // 2, total - total // 2))
             padding = (0,)
+        if p == Precision.int4:
+            y = ops.int4_conv2d(x.unsqueeze(-2), self.weight.unsqueeze(-2), self.bias,
+                                (1, self.stride[0]), (0, padding[0]), (1, self.dilation[0]),
+                                self.groups, seed=self._next_seed())
+            return y.squeeze(-2)
         y = ops.int8_conv2d(x.unsqueeze(-2), self.weight.unsqueeze(-2), self.bias,
                             (1, self.stride[0]), (0, padding[0]), (1, self.dilation[0]),
                             self.groups, int8_backward=p == Precision.int8_full,
