@@ -40,14 +40,17 @@ def cmd_devices(args: argparse.Namespace) -> int:
         rows.append((s.name, s.compute_capability or "-", f"{s.usable_memory_bytes / GiB:.1f}",
                      s.memory_bandwidth_gb_per_s,
                      *(r.get(DType(k), "-") for k in ("fp32", "tf32", "fp16", "bf16", "int8",
-                                                   "fp8_e4m3")),
+                                                   "fp8_e4m3", "int4")),
                      ",".join(p.value for p in s.precisions)))
     print(format_table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
-                        "fp8", "precisions"]))
-    print("\nDense peak TFLOPS (TOPS for int8) from datasheets; sources in qsync_opt/devices.py.")
+                        "fp8", "int4", "precisions"]))
+    print("\nDense peak TFLOPS (TOPS for int8/int4) from datasheets; sources in qsync_opt/devices.py.")
     print("Emulated, but costed at the peaks above: fp8 = e4m3-rounded inputs and weights, FP32 "
           "GEMM, FP32 gradients;\nint8/int8_full attention matmuls = int8-rounded operands, FP32 "
           "matmul. int8 Linear/Conv2d run real int8 GEMMs.")
+    print("int4 is opt-in (on no default menu): DEVICE:int4 (t4:int4, cpu/2~t4:int4) or --int4 "
+          "adds it where a card has an INT4 peak.\nHere int4 values [-7, 7] live in int8 storage "
+          "and run through the exact int8 GEMM: int4's rounding, no int4 speed gain on this CPU.")
     if not args.cpu:
         print("`cpu` (this machine) is measured on first use: add --cpu to show it.")
     return 0
