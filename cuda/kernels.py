@@ -24,7 +24,7 @@ from .build import CudaBuildError, build
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ENV_LIB = "QSYNC_CUDA_LIB"
 DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.float16: 1, torch.bfloat16: 2})
 FLOAT_DTYPES = tuple(DTYPE_CODES)
@@ -43,6 +43,13 @@ _SIGNATURES = MappingProxyType({
         [_c_void_p, _c_int, _c_void_p, _c_void_p, _c_i64, _c_i64, _c_int, _c_u64, _c_void_p],
         _c_int,
     ),
+    "qsync_quantize_int4": (
+        [_c_void_p, _c_int, _c_void_p, _c_void_p, _c_i64, _c_i64, _c_int, _c_u64, _c_void_p],
+        _c_int,
+    ),
+    "qsync_pack_int4": ([_c_void_p, _c_void_p, _c_i64, _c_i64, _c_void_p], _c_int),
+    "qsync_int4_gemm": (
+        [_c_void_p, _c_void_p, _c_void_p, _c_i64, _c_i64, _c_i64, _c_void_p], _c_int),
     "qsync_dequantize_int8": (
         [_c_void_p, _c_void_p, _c_void_p, _c_int, _c_i64, _c_i64, _c_void_p],
         _c_int,
@@ -159,6 +166,67 @@ class CudaKernels:
             )
         self._check("qsync_quantize_int8", code)
         return q
+
+    def quantize_int4(
+        self,
+        x: torch.Tensor,
+        inv_scale: torch.Tensor,
+        inner: int,
+        stochastic: bool,
+        seed: int,
+    ) -> torch.Tensor:
+        """Symmetric int4 quantization ([-7, 7], int8 storage) of ``x`` viewed as [C, inner];
+        ``inv_scale`` = 7 / amax per channel. Rounding as :meth:`quantize_int8`."""
+        x = _check_tensor("x", x, FLOAT_DTYPES)
+        inv_scale = _check_tensor("inv_scale", inv_scale, (torch.float32,), x.device)
+        n = x.numel()
+        inner = _check_inner(inner, n, inv_scale.numel(), "inv_scale")
+        q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        if n == 0:
+            return q
+        with torch.cuda.device(x.device):
+            code = self._lib.qsync_quantize_int4(
+                x.data_ptr(), DTYPE_CODES[x.dtype], q.data_ptr(), inv_scale.data_ptr(), n,
+                inner, 1 if stochastic else 0, int(seed) & 0xFFFFFFFFFFFFFFFF,
+                self._stream(x.device))
+        self._check("qsync_quantize_int4", code)
+        return q
+
+    def pack_int4(self, q: torch.Tensor) -> torch.Tensor:
+        """int4 values of a 2-D int8 [rows, k] tensor packed two per byte (low nibble first):
+        uint8 [rows, (k + 1) / 2]."""
+        q = _check_tensor("q", q, (torch.int8,))
+        if q.dim() != 2:
+            raise ValueError(f"q must be 2-D [rows, k], got shape {tuple(q.shape)}")
+        rows, k = q.shape
+        out = torch.empty((rows, (k + 1) // 2), dtype=torch.uint8, device=q.device)
+        if rows * k == 0:
+            return out
+        with torch.cuda.device(q.device):
+            code = self._lib.qsync_pack_int4(q.data_ptr(), out.data_ptr(), rows, k,
+                                             self._stream(q.device))
+        self._check("qsync_pack_int4", code)
+        return out
+
+    def int4_gemm(self, a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+        """int32 [M, N] = A @ B^T for packed int4 ``a`` [M, ceil(k/2)] and ``b`` [N, ceil(k/2)]
+        (:meth:`pack_int4`), exact int32 accumulation (a CUDA-core reference kernel)."""
+        a = _check_tensor("a", a, (torch.uint8,))
+        b = _check_tensor("b", b, (torch.uint8,), a.device)
+        k = int(k)
+        kp = (k + 1) // 2
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != kp or b.shape[1] != kp:
+            raise ValueError(f"a and b must be 2-D with {kp} packed columns for k={k}, got "
+                             f"{tuple(a.shape)} and {tuple(b.shape)}")
+        m, n = a.shape[0], b.shape[0]
+        out = torch.empty((m, n), dtype=torch.int32, device=a.device)
+        if m * n == 0:
+            return out
+        with torch.cuda.device(a.device):
+            code = self._lib.qsync_int4_gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n,
+                                             k, self._stream(a.device))
+        self._check("qsync_int4_gemm", code)
+        return out
 
     def dequantize_int8(
         self,

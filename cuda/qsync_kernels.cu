@@ -104,7 +104,8 @@ struct StridedIndex {
   }
 };
 
-template <typename T, bool kStochastic>
+// kQmax: 127 for int8, 7 for int4 (the same rounding, a narrower clamp).
+template <typename T, bool kStochastic, int kQmax = 127>
 __global__ void __launch_bounds__(kThreads)
     quantize_int8_kernel(const T* __restrict__ x, int8_t* __restrict__ q,
                          const float* __restrict__ inv_scale, int64_t n, int64_t inner,
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       r = rintf(y);  // round half to even
     }
-    r = fminf(fmaxf(r, -127.0f), 127.0f);
+    r = fminf(fmaxf(r, -static_cast<float>(kQmax)), static_cast<float>(kQmax));
     q[it.i] = static_cast<int8_t>(r);
   }
 }
@@ -156,19 +157,70 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T>
+template <typename T, int kQmax = 127>
 int launch_quantize(const void* x, int8_t* q, const float* inv_scale, int64_t n, int64_t inner,
                     int stochastic, uint64_t seed, cudaStream_t st) {
   const T* xt = static_cast<const T*>(x);
   const uint32_t mix = seed_term(seed);
   if (stochastic) {
-    quantize_int8_kernel<T, true><<<blocks_for(n), kThreads, 0, st>>>(xt, q, inv_scale, n,
-                                                                      inner, mix);
+    quantize_int8_kernel<T, true, kQmax><<<blocks_for(n), kThreads, 0, st>>>(xt, q, inv_scale,
+                                                                             n, inner, mix);
   } else {
-    quantize_int8_kernel<T, false><<<blocks_for(n), kThreads, 0, st>>>(xt, q, inv_scale, n,
-                                                                       inner, mix);
+    quantize_int8_kernel<T, false, kQmax><<<blocks_for(n), kThreads, 0, st>>>(xt, q, inv_scale,
+                                                                              n, inner, mix);
   }
   return static_cast<int>(cudaGetLastError());
+}
+
+template <int kQmax>
+int quantize_dispatch(const void* x, int x_dtype, int8_t* q, const float* inv_scale, int64_t n,
+                      int64_t inner, int stochastic, uint64_t seed, cudaStream_t st) {
+  switch (x_dtype) {
+    case QSYNC_DTYPE_FP32:
+      return launch_quantize<float, kQmax>(x, q, inv_scale, n, inner, stochastic, seed, st);
+    case QSYNC_DTYPE_FP16:
+      return launch_quantize<__half, kQmax>(x, q, inv_scale, n, inner, stochastic, seed, st);
+    case QSYNC_DTYPE_BF16:
+      return launch_quantize<__nv_bfloat16, kQmax>(x, q, inv_scale, n, inner, stochastic, seed,
+                                                   st);
+    default:
+      return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+// packed[r, j] = lo nibble q[r, 2j], hi nibble q[r, 2j + 1] (0 past the end of an odd row).
+__global__ void __launch_bounds__(kThreads)
+    pack_int4_kernel(const int8_t* __restrict__ q, uint8_t* __restrict__ packed, int64_t total,
+                     int64_t kp, int64_t k) {
+  for (StridedIndex it(kp); it.i < total; it.next()) {
+    const int64_t base = it.row * k + 2 * it.col;
+    const uint32_t lo = static_cast<uint32_t>(static_cast<uint8_t>(q[base])) & 0xFu;
+    const uint32_t hi = (2 * it.col + 1 < k)
+                            ? (static_cast<uint32_t>(static_cast<uint8_t>(q[base + 1])) & 0xFu)
+                            : 0u;
+    packed[it.i] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
+
+__device__ __forceinline__ int32_t nibble(uint32_t byte, int shift) {
+  // sign-extend the 4-bit field at `shift`
+  return static_cast<int32_t>(static_cast<int8_t>(static_cast<uint8_t>((byte >> shift) << 4))) >> 4;
+}
+
+// out[m, n] = sum_k a[m, k] * b[n, k] on packed rows of kp bytes; one thread per output.
+__global__ void __launch_bounds__(kThreads)
+    int4_gemm_kernel(const uint8_t* __restrict__ a, const uint8_t* __restrict__ b,
+                     int32_t* __restrict__ out, int64_t total, int64_t n, int64_t kp) {
+  for (StridedIndex it(n); it.i < total; it.next()) {
+    const uint8_t* ar = a + it.row * kp;
+    const uint8_t* br = b + it.col * kp;
+    int32_t acc = 0;
+    for (int64_t j = 0; j < kp; ++j) {
+      const uint32_t x = ar[j], y = br[j];
+      acc += nibble(x, 0) * nibble(y, 0) + nibble(x, 4) * nibble(y, 4);
+    }
+    out[it.i] = acc;
+  }
 }
 
 template <typename T>
@@ -216,6 +268,41 @@ QSYNC_API int qsync_quantize_int8(const void* x, int x_dtype, int8_t* q, const f
     default:
       return kInvalid;
   }
+}
+
+QSYNC_API int qsync_quantize_int4(const void* x, int x_dtype, int8_t* q, const float* inv_scale,
+                                  int64_t n, int64_t inner, int stochastic, uint64_t seed,
+                                  void* stream) {
+  if (n < 0) return kInvalid;
+  if (n == 0) return 0;
+  if (inner <= 0 || x == nullptr || q == nullptr || inv_scale == nullptr) return kInvalid;
+  return quantize_dispatch<7>(x, x_dtype, q, inv_scale, n, inner, stochastic, seed,
+                              as_stream(stream));
+}
+
+QSYNC_API int qsync_pack_int4(const int8_t* q, uint8_t* packed, int64_t rows, int64_t k,
+                              void* stream) {
+  if (rows < 0 || k < 0) return kInvalid;
+  if (rows == 0 || k == 0) return 0;
+  if (q == nullptr || packed == nullptr) return kInvalid;
+  const int64_t kp = (k + 1) / 2;
+  if (rows > INT64_MAX / kp) return kInvalid;
+  const int64_t total = rows * kp;
+  pack_int4_kernel<<<blocks_for(total), kThreads, 0, as_stream(stream)>>>(q, packed, total, kp,
+                                                                          k);
+  return static_cast<int>(cudaGetLastError());
+}
+
+QSYNC_API int qsync_int4_gemm(const uint8_t* a, const uint8_t* b, int32_t* out, int64_t m,
+                              int64_t n, int64_t k, void* stream) {
+  if (m < 0 || n < 0 || k < 0) return kInvalid;
+  if (m == 0 || n == 0) return 0;
+  if (m > INT64_MAX / n || k > (INT64_C(1) << 31) / 64) return kInvalid;
+  if (out == nullptr || (k > 0 && (a == nullptr || b == nullptr))) return kInvalid;
+  const int64_t total = m * n;
+  int4_gemm_kernel<<<blocks_for(total), kThreads, 0, as_stream(stream)>>>(a, b, out, total, n,
+                                                                          (k + 1) / 2);
+  return static_cast<int>(cudaGetLastError());
 }
 
 QSYNC_API int qsync_dequantize_int8(const int8_t* q, const float* scale, void* out,

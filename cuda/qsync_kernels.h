@@ -28,7 +28,7 @@
 #endif
 
 /* Bump when a signature or a formula changes; the ctypes loader refuses other versions. */
-#define QSYNC_CUDA_ABI_VERSION 1
+#define QSYNC_CUDA_ABI_VERSION 2
 
 /* Floating dtype codes for x / out. */
 #define QSYNC_DTYPE_FP32 0
@@ -56,6 +56,34 @@ QSYNC_API const char* qsync_cuda_error_string(int code);
 QSYNC_API int qsync_quantize_int8(const void* x, int x_dtype, int8_t* q, const float* inv_scale,
                                   int64_t n, int64_t inner, int stochastic, uint64_t seed,
                                   void* stream);
+
+/*
+ * Symmetric int4 quantization: as qsync_quantize_int8 with inv_scale = 7 / amax and the
+ * clamp at [-7, 7] (15 levels). The values are written one per byte (int8 storage), the
+ * layout torch._int_mm consumes; qsync_pack_int4 packs them two per byte.
+ */
+QSYNC_API int qsync_quantize_int4(const void* x, int x_dtype, int8_t* q, const float* inv_scale,
+                                  int64_t n, int64_t inner, int stochastic, uint64_t seed,
+                                  void* stream);
+
+/*
+ * Pack int4 values (int8 storage, each in [-8, 7]) of a row-major [rows, k] matrix two per
+ * byte: packed[r, j] = (q[r, 2j] & 0xF) | ((q[r, 2j + 1] & 0xF) << 4), with a zero high
+ * nibble in the last byte of a row when k is odd; packed is [rows, (k + 1) / 2].
+ */
+QSYNC_API int qsync_pack_int4(const int8_t* q, uint8_t* packed, int64_t rows, int64_t k,
+                              void* stream);
+
+/*
+ * Integer GEMM on packed int4 operands (the layout of qsync_pack_int4), int32 accumulation:
+ *   out[m, n] = sum_k a[m, k] * b[n, k]     (a: [M, K] packed, b: [N, K] packed, "NT")
+ * Each nibble is sign-extended. Exact for any K below 2^31 / 64 (|a*b| <= 64). A CUDA-core
+ * kernel (one thread per output element, eight int4 products per packed word): the
+ * reference of the int4 path and its memory layout, not a tensor-core kernel; the runtime's
+ * int4 GEMM runs torch._int_mm on the int8-stored values.
+ */
+QSYNC_API int qsync_int4_gemm(const uint8_t* a, const uint8_t* b, int32_t* out, int64_t m,
+                              int64_t n, int64_t k, void* stream);
 
 /* out[i] = (float)q[i] * scale[i / inner], written as out_dtype (round to nearest even). */
 QSYNC_API int qsync_dequantize_int8(const int8_t* q, const float* scale, void* out,

@@ -33,6 +33,9 @@ from qsync_opt.cuda.kernels import _SIGNATURES, CudaKernels, _load_cached, load,
 
 ENTRY_POINTS = (
     "qsync_quantize_int8",
+    "qsync_quantize_int4",
+    "qsync_pack_int4",
+    "qsync_int4_gemm",
     "qsync_dequantize_int8",
     "qsync_rescale_int32",
     "qsync_hash_uniform",
@@ -210,7 +213,7 @@ def test_every_cu_compiles_with_nvcc(tmp_path):
         if "libcuda" in str(exc):
             pytest.skip(f"library built; loading needs a CUDA driver: {exc}")
         raise
-    assert handle.qsync_cuda_abi_version() == 1
+    assert handle.qsync_cuda_abi_version() == 2
     for name in ENTRY_POINTS:
         assert callable(getattr(handle, name, None)), name
     handle.qsync_cuda_error_string.restype = ctypes.c_char_p
@@ -222,6 +225,23 @@ def test_every_cu_compiles_with_nvcc(tmp_path):
                                           ctypes.c_void_p]
     assert handle.qsync_hash_uniform(None, 0, 0, None) == 0  # empty: nothing to launch
     assert handle.qsync_hash_uniform(None, -1, 0, None) == 1  # cudaErrorInvalidValue
+    # the int4 path: argument checks before any launch
+    handle.qsync_pack_int4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_void_p]
+    assert handle.qsync_pack_int4(None, None, 0, 5, None) == 0
+    assert handle.qsync_pack_int4(None, None, -1, 5, None) == 1
+    assert handle.qsync_pack_int4(None, None, 2, 5, None) == 1  # null pointers
+    handle.qsync_int4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p]
+    assert handle.qsync_int4_gemm(None, None, None, 0, 4, 8, None) == 0
+    assert handle.qsync_int4_gemm(None, None, None, 2, 4, 2**31, None) == 1  # K too long
+    assert handle.qsync_int4_gemm(None, None, None, 2, 4, 8, None) == 1
+    handle.qsync_quantize_int4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p]
+    assert handle.qsync_quantize_int4(None, 0, None, None, 0, 1, 0, 0, None) == 0
+    assert handle.qsync_quantize_int4(None, 0, None, None, 4, 0, 0, 0, None) == 1
 
 
 def test_build_cache_and_cli(tmp_path, monkeypatch):
@@ -538,3 +558,54 @@ def test_gpu_argument_checks(kernels):
     with pytest.raises(ValueError, match="^bias must have dtype"):
         kernels.rescale_int32(acc, 1.0, inv[:6], inv[:6].half())
     assert kernels.quantize_int8(x[:0], inv[:0], 6, False, 0).numel() == 0
+
+
+# ----------------------------------------------------------------------------- GPU: int4
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["rtn", "sr"])
+def test_quantize_int4_bit_exact(kernels, dtype, per_channel, stochastic):
+    from qsync_opt.ops import reference as ref
+
+    x = _sample((48, 333), dtype, seed=4)
+    channels = 48 if per_channel else 1
+    amax, _ = _amax_inv(x, channels)
+    inv = (7.0 / amax).to(torch.float32)
+    inner = x.numel() // channels
+    got = kernels.quantize_int4(x.cuda(), inv.cuda(), inner, stochastic, 77)
+    want = ref.quantize_int4(x.contiguous(), inv, stochastic, 77)
+    assert_bits_equal(got.reshape(-1).cpu(), want.reshape(-1))
+    assert got.abs().max().item() <= 7
+
+
+@gpu
+@pytest.mark.parametrize("k", [1, 64, 77])
+def test_int4_pack_and_gemm_equal_the_integer_reference(kernels, k):
+    g = torch.Generator().manual_seed(k)
+    a = torch.randint(-7, 8, (19, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-7, 8, (23, k), generator=g, dtype=torch.int8)
+    pa, pb = kernels.pack_int4(a.cuda()), kernels.pack_int4(b.cuda())
+    assert pa.shape == (19, (k + 1) // 2) and pa.dtype == torch.uint8
+    lo = (pa.cpu().to(torch.int16) & 0xF)
+    assert torch.equal(torch.where(lo > 7, lo - 16, lo).to(torch.int8), a[:, 0::2])
+    got = kernels.int4_gemm(pa, pb, k).cpu().to(torch.int64)
+    assert torch.equal(got, a.to(torch.int64) @ b.to(torch.int64).t())
+    # the runtime's path: the same values in int8 storage through torch._int_mm
+    from qsync_opt.ops import int_mm
+
+    assert torch.equal(int_mm(a.cuda(), b.cuda().t()).cpu().to(torch.int64), got)
+
+
+@gpu
+def test_int4_linear_on_cuda_equals_cpu(kernels):
+    from qsync_opt import ops
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 64, generator=g)
+    w = torch.randn(16, 64, generator=g)
+    cpu = ops.int4_linear(x, w, None, seed=3, bwd_dtype=torch.float16)
+    gpu_out = ops.int4_linear(x.cuda(), w.cuda(), None, seed=3, bwd_dtype=torch.float16)
+    assert torch.equal(gpu_out.cpu(), cpu)

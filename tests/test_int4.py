@@ -15,8 +15,7 @@ from pydantic import ValidationError
 from torch import nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from qsync_opt import QsyncInputError, estimate, load_cluster, trace
-from qsync_opt import ops
+from qsync_opt import QsyncInputError, estimate, load_cluster, ops, trace
 from qsync_opt.devices import CATALOG, enable_int4, get_device, int4_device
 from qsync_opt.indicator import LADDERS, SPECS, element_variance, enforce_monotone
 from qsync_opt.io import to_json

@@ -53,7 +53,7 @@ def test_refusals_name_the_module() -> None:
     with pytest.raises(QsyncInputError, match="1 is a ReLU"):
         apply_precisions(model, {"1": "int8"})
     with pytest.raises(QsyncInputError, match="unknown precision"):
-        apply_precisions(model, {"0": "int4"})
+        apply_precisions(model, {"0": "int2"})
 
 
 # ------------------------------------------------------------------ in-place ops after a layer

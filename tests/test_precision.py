@@ -13,7 +13,7 @@ from qsync_opt.precision import (
     parse_precision,
 )
 
-ALL_NAMES = ["fp32", "tf32", "bf16", "fp16", "int8", "int8_full", "fp8"]
+ALL_NAMES = ["fp32", "tf32", "bf16", "fp16", "int8", "int8_full", "fp8", "int4"]
 
 # (fwd_compute, bwd_compute, takes_in, gives_out), written out by hand from docs/DESIGN.md's
 # "Precisions and casts": int8 quantizes its input on the edge (takes int8), computes
@@ -26,10 +26,11 @@ EXPECTED_RULES = {
     "int8": ("int8", "fp16", "int8", "fp32"),
     "int8_full": ("int8", "int8", "int8", "fp32"),
     "fp8": ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3", "bf16"),
+    "int4": ("int4", "fp16", "int4", "fp32"),
 }
 
 
-def test_vocabulary_is_exactly_the_seven_precisions() -> None:
+def test_vocabulary_is_exactly_the_eight_precisions() -> None:
     assert [p.value for p in Precision] == ALL_NAMES
     assert set(PRECISION_INFO) == set(Precision)
 
@@ -66,15 +67,15 @@ def test_fp32_and_tf32_need_no_cast_between_them() -> None:
 
 def test_families() -> None:
     fixed = {p.value for p in Precision if p.info.family == "fixed"}
-    assert fixed == {"int8", "int8_full"}
+    assert fixed == {"int8", "int8_full", "int4"}
     assert all(p.info.family in ("float", "fixed") for p in Precision)
 
 
 def test_by_fidelity_order() -> None:
     assert BY_FIDELITY[0] == Precision.fp32
-    assert BY_FIDELITY[-1] == Precision.int8_full
+    assert BY_FIDELITY[-1] == Precision.int4
     assert [p.value for p in BY_FIDELITY] == [
-        "fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int8_full"
+        "fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int8_full", "int4"
     ]
     assert set(BY_FIDELITY) == set(Precision)
     ranks = [p.info.rank for p in BY_FIDELITY]
@@ -87,20 +88,20 @@ def test_parse_precision_accepts_every_name(name: str) -> None:
     assert parse_precision(name) is Precision(name)
 
 
-@pytest.mark.parametrize("bad", ["fp64", "FP16", "int4", "", "fp8_e4m3"])
+@pytest.mark.parametrize("bad", ["fp64", "FP16", "int2", "", "fp8_e4m3"])
 def test_parse_precision_error_lists_the_vocabulary(bad: str) -> None:
     with pytest.raises(ValueError) as exc:
         parse_precision(bad)
     msg = str(exc.value)
     assert repr(bad) in msg
-    assert "fp32, tf32, bf16, fp16, int8, int8_full, fp8" in msg
+    assert "fp32, tf32, bf16, fp16, int8, int8_full, fp8, int4" in msg
 
 
 @pytest.mark.parametrize(
     ("dtype", "size"),
     [
         ("fp32", 4), ("tf32", 4), ("bf16", 2), ("fp16", 2),
-        ("int8", 1), ("int32", 4), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
+        ("int8", 1), ("int4", 1), ("int32", 4), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
     ],
 )
 def test_dtype_itemsize(dtype: str, size: int) -> None:
@@ -109,7 +110,7 @@ def test_dtype_itemsize(dtype: str, size: int) -> None:
 
 def test_dtype_members_and_activation_dtypes() -> None:
     assert {d.value for d in DType} == {
-        "fp32", "tf32", "bf16", "fp16", "int8", "int32", "fp8_e4m3", "fp8_e5m2"
+        "fp32", "tf32", "bf16", "fp16", "int8", "int4", "int32", "fp8_e4m3", "fp8_e5m2"
     }
     assert ACTIVATION_DTYPES == (DType.fp32, DType.bf16, DType.fp16)
 

@@ -173,7 +173,10 @@ def _quantize_kernel(moved: Tensor, inv: Tensor, stochastic: bool, seed: int,
     if _use_cpp(moved):
         q = torch.ops.qsync_cpu.quantize_int8(moved, inv, stochastic, seed)
     elif moved.is_cuda and _cuda() is not None:
-        q = _cuda().quantize_int8(moved, inv, moved.numel() // inv.numel(), stochastic, seed)
+        inner = moved.numel() // inv.numel()
+        if qmax == ref.INT4_QMAX:  # the CUDA int4 kernel clamps at 7 itself
+            return _cuda().quantize_int4(moved, inv, inner, stochastic, seed)
+        q = _cuda().quantize_int8(moved, inv, inner, stochastic, seed)
     else:
         return ref.quantize_levels(moved, inv, stochastic, seed, qmax)
     return q if qmax == ref.INT8_QMAX else q.clamp_(-qmax, qmax)
