@@ -682,8 +682,12 @@ def indicate(
         if path.is_file():
             try:
                 table = load(path, IndicatorTable)
-                log.info("indicator: reusing %s", path)
-                return table
+                # a table cached before a precision joined the ops' menus (int4) is stale
+                if all(p in table.values.get(o.name, {}) for o in graph.choosable_ops()
+                       for p in o.allowed_precisions):
+                    log.info("indicator: reusing %s", path)
+                    return table
+                log.info("indicator: %s lacks a precision the ops allow; recomputing", path)
             except QsyncInputError as exc:
                 log.warning("indicator cache %s unreadable (%s); recomputing", path, exc)
     torch.manual_seed(seed)

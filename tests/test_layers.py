@@ -118,11 +118,21 @@ def test_conv_padding_mode_is_honoured_at_every_precision(mode: str, precision: 
     x = torch.randn(2, 3, 6, 6) + 2.0  # away from zero: zero padding would differ clearly
     with torch.no_grad():
         want = conv(x)
+        padded = torch.nn.functional.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
         model = torch.nn.Sequential(conv)
         apply_precisions(model, {"0": precision})
+        seed = model[0].qseed + 1  # the seed this call's stochastic rounding takes
         got = model(x)
     rel = float((got - want).norm() / want.norm())
-    assert rel < 0.05, rel
+    if precision == Precision.int4:
+        # int4's rounding alone is ~10% here: check the padding against the int4 op itself
+        from qsync_opt import ops
+
+        exact = ops.int4_conv2d(padded, conv.weight, conv.bias, 1, 0, seed=seed)
+        assert torch.equal(got, exact)
+        assert rel < 0.25, rel
+    else:
+        assert rel < 0.05, rel
 
 
 # ------------------------------------------------------------------ what fp8 and int8 matmuls compute
