@@ -401,3 +401,38 @@ def test_cli_int4_flag_says_which_groups_got_it(tmp_path: Path) -> None:
     table = json.loads(out.read_text())
     devices = Counter((e["device"], e["precision"]) for e in table["entries"])
     assert devices[("t4:int4", "int4")] == 3 and devices[("v100", "int4")] == 0
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+def test_emulated_data_parallel_trains_an_int4_plan_on_a_derived_cpu(tmp_path: Path) -> None:
+    """``cpu/2~t4:int4`` (a CPU standing in for a T4 with int4) runs its int4 ops in the
+    runtime: the emulated data-parallel path trains the plan and counts int4 calls."""
+    from qsync_opt.runtime import count_calls
+    from qsync_opt.runtime.config import TrainConfig
+    from qsync_opt.runtime.train import build_model, emulate, prepare
+
+    cluster = load_cluster("cpux1@48+cpu/2~t4:int4x1@16")
+    assert [(g.name, g.device) for g in cluster.groups] == [("cpu", "cpu"),
+                                                            ("cpu_2", "cpu/2~t4:int4")]
+    plan = make_plan(trace("digits_cnn"), cluster,
+                     {"cpu_2": {"conv1": "int4", "conv2": "int4", "fc1": "int8"}})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    cfg = TrainConfig(workload="digits_cnn", plan_path=str(path), rank_groups=["cpu", "cpu_2"],
+                      steps=20, out_dir=str(tmp_path / "run"), emulate_dp=True,
+                      eval_batches=1, timeout_s=60)
+    model = build_model(prepare(cfg), 1, torch.device("cpu"))
+    x = torch.randn(4, 1, 8, 8)
+    with count_calls(model) as calls:
+        model(x).sum().backward()
+    assert calls["conv1"] == {"int4": 1} and calls["conv2"] == {"int4": 1}
+    assert calls["fc1"] == {"int8": 1}
+    summary = emulate(cfg)
+    assert summary["steps"] == 20 and summary["skipped_steps"] == 0
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.rank1.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in rows[:4]) / 4
+    last = sum(r["loss"] for r in rows[-4:]) / 4
+    assert rows[0]["group"] == "cpu_2" and last < 0.8 * first
