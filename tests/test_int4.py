@@ -390,6 +390,10 @@ def test_cli_refuses_int4_on_a_card_without_it(tmp_path: Path) -> None:
     assert "groups.0.device" in err and "h100 has no INT4 peak" in err
     code, _, err = run_cli("estimate", "--model", "digits_cnn", "--cluster", "h100x2", "--int4")
     assert code == 2 and err.count("\n") == 1 and "int4: no group's card has an INT4 peak" in err
+    code, _, err = run_cli("solve", "--model", "digits_cnn", "--cluster", "v100x1+h100x1",
+                           "--int4", "--out", str(tmp_path / "p.json"))
+    assert code == 2 and err.count("\n") == 1 and "int4: no group's card has an INT4 peak" in err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_cli_int4_flag_says_which_groups_got_it(tmp_path: Path) -> None:
