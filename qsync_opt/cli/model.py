@@ -147,8 +147,8 @@ def cmd_indicate(args: argparse.Namespace) -> int:
         return 0
     ranked = rank_table(table, Precision.int8)
     k = min(args.top, len(ranked))
-    cols = [p for p in (Precision.int4, Precision.int8, Precision.int8_full, Precision.fp8,
-                        Precision.bf16, Precision.fp16)
+    cols = [p for p in (Precision.int8, Precision.int8_full, Precision.fp8, Precision.bf16,
+                        Precision.fp16, Precision.int4)
             if any(p in r for r in table.values.values())]
 
     def rows(items: list[tuple[str, float]]) -> list[tuple[Any, ...]]:
