@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -641,6 +641,7 @@ def indicate(
     term_dtype: torch.dtype = torch.float32,
     term_rows: int | None = None,
     memory_check: bool = True,
+    needs: Collection[Precision] | None = None,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -652,7 +653,10 @@ def indicate(
     one); data are the workload's real data where it has them (digits_cnn, tiny_gpt, a
     file's ``data()``), else synthetic, unless ``data`` yields ``(inputs, targets)``.
     Results are cached on disk (registry workloads) when neither ``model`` nor ``data`` is
-    given, keyed by workload, batch, batches, method, seed, gamma and rounding.
+    given, keyed by workload, batch, batches, method, seed, gamma and rounding. A cached
+    table is reused when it has a value for every op at every precision in ``needs`` that
+    the op allows (``None``: every precision the op allows; e.g. a table made before int4
+    joined the menus serves every cluster without int4).
 
     Before it builds and runs a model, it estimates the memory that takes
     (:func:`indicator_memory`) and refuses with one line when this machine has less
@@ -683,8 +687,9 @@ def indicate(
             try:
                 table = load(path, IndicatorTable)
                 # a table cached before a precision joined the ops' menus (int4) is stale
+                # for a caller that needs that precision (``needs``: default, every one)
                 if all(p in table.values.get(o.name, {}) for o in graph.choosable_ops()
-                       for p in o.allowed_precisions):
+                       for p in o.allowed_precisions if needs is None or p in needs):
                     log.info("indicator: reusing %s", path)
                     return table
                 log.info("indicator: %s lacks a precision the ops allow; recomputing", path)

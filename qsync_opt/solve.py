@@ -131,7 +131,8 @@ def build_problem(
                 raise err
         ind = indicate(graph.workload, indicator_batches, indicator_method,
                        batch=indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
-                       progress=progress, **(fast_options() if indicator_fast else {}))
+                       progress=progress, needs={p for g in cl.groups for p in g.device.precisions},
+                       **(fast_options() if indicator_fast else {}))
     elif isinstance(indicator, IndicatorTable):
         ind = indicator
     else:

@@ -323,3 +323,30 @@ def test_indicate_shows_its_memory_and_progress(capsys) -> None:
     err = capsys.readouterr().err
     assert "indicator wvar: digits_cnn (" in err and "M parameters) on this CPU, about" in err
     assert "GiB available" in err and "batch 2/2" in err
+
+
+def test_a_cached_table_without_int4_serves_callers_that_do_not_need_it(tmp_path, monkeypatch) -> None:
+    """A table cached before int4 joined the ops' menus is reused for a cluster without
+    int4 (build_problem passes the cluster's menus as ``needs``) and recomputed for one
+    with it."""
+    from qsync_opt.io import load, save
+
+    first = indicate("digits_cnn", batches=2, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    doc = load(path, IndicatorTable)
+    old = doc.model_copy(update={"values": {op: {p: v for p, v in row.items() if p != P.int4}
+                                            for op, row in doc.values.items()}})
+    save(old, path)
+    assert all(P.int4 in row for row in first.values.values())
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed instead of reusing the cache")
+
+    with monkeypatch.context() as m:
+        m.setattr("qsync_opt.indicator._qsync_terms", boom)
+        reused = indicate("digits_cnn", batches=2, cache_dir=tmp_path,
+                          needs={P.fp32, P.fp16, P.int8, P.int8_full})
+        assert reused.values == old.values
+    again = indicate("digits_cnn", batches=2, cache_dir=tmp_path, needs={P.fp32, P.int4})
+    assert again.values == first.values
+    assert indicate("digits_cnn", batches=2, cache_dir=tmp_path) == again
