@@ -15,6 +15,7 @@ from typing import Any
 
 from .cluster import load_cluster
 from .costs import estimate
+from .devices import get_device
 from .errors import QsyncInputError
 from .evaluator import Evaluation, evaluate
 from .graph import trace
@@ -131,7 +132,8 @@ def build_problem(
                 raise err
         ind = indicate(graph.workload, indicator_batches, indicator_method,
                        batch=indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
-                       progress=progress, needs={p for g in cl.groups for p in g.device.precisions},
+                       progress=progress,
+                       needs={p for g in cl.groups for p in get_device(g.device).precisions},
                        **(fast_options() if indicator_fast else {}))
     elif isinstance(indicator, IndicatorTable):
         ind = indicator
