@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 
 #: The indicator methods, the one list (``qsync-opt indicate/solve/compare/pareto/demo
 #: --method`` offer these choices): the default first.
-METHODS = ("qsync", "wvar", "hessian", "fisher", "random")
+METHODS = ("qsync", "wvar", "hessian", "fisher", "random", "curv")
 #: Ladders within a family, most exact first: Omega must not decrease along them.
 LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Precision.fp8),
            (Precision.fp32, Precision.int8, Precision.int8_full))
@@ -454,6 +454,171 @@ def _hutchinson(model: nn.Module, loss: Tensor, names: Sequence[str],
     return out
 
 
+# ----------------------------------------------------------------------------- curv
+
+
+#: The ``curv`` method's default SGD learning rate for its backward (update) term: the
+#: accuracy study's SGD rate (benchmarks/bench_accuracy.py, digits_cnn). ``lr=0`` drops it.
+CURV_LR = 0.05
+
+
+@dataclass
+class _CurvCall:
+    """One call of one op in one batch, for ``curv``: its operands (detached), its live
+    output (in the double-backward graph), and dL/dy: live (``g_live``, for Hessian-vector
+    products) and detached (``g``)."""
+
+    a: Tensor
+    b: Tensor
+    y: Tensor
+    g: Tensor | None = None
+    g_live: Tensor | None = None
+
+
+def _rademacher(shape: Sequence[int], gen: torch.Generator) -> Tensor:
+    return torch.randint(0, 2, tuple(shape), generator=gen).float() * 2 - 1
+
+
+def _curv_pattern(kinds: Sequence[str]) -> tuple[tuple[str, ...], float]:
+    """Precisions whose error kinds differ only by a common factor share one probe: the
+    kinds' base kinds (:func:`_parts`) and that factor (float kinds are ``f10`` scaled by
+    4^(10 - mantissa bits)); otherwise the kinds themselves and 1."""
+    parts = [_parts(k) for k in kinds]
+    if all(len(ps) == 1 for ps in parts) and len({ps[0][1] for ps in parts}) == 1:
+        return tuple(ps[0][0] for ps in parts), parts[0][0][1]
+    return tuple(kinds), 1.0
+
+
+def _curv_batch(model: nn.Module, names: Sequence[str], loss_fn: Callable[[], Tensor],
+                precisions: dict[str, Sequence[Precision]], *, samples: int,
+                gen: torch.Generator, stochastic: bool = True, lr: float = CURV_LR
+                ) -> dict[str, dict[Precision, tuple[float, float]]]:
+    """The ``curv`` terms of one batch: per op and precision, (forward, backward) expected
+    loss increase in nats (docs/ALLOCATION.md, A loss-aware indicator).
+
+    ``loss_fn()`` runs the model and returns the scalar loss; hooks on the ops in ``names``
+    keep their operands and live outputs, and one gradient with ``create_graph`` gives
+    G = dL/dy. Forward: the operands' errors are independent with per-element variances
+    v_A, v_B (:func:`element_variance` under :data:`SPECS`, whatever precisions those know),
+    so E[dL] = 1/2 E[dy^T H_y dy] with dy = f(dA, B) + f(A, dB); each of ``samples`` probes
+    draws Rademacher z_A, z_B, forms u = f(sqrt(v_A) z_A, B) + f(A, sqrt(v_B) z_B) (a
+    perturbation with dy's covariance) and takes one Hessian-vector product with respect to
+    this op's output: 1/2 u^T H_y u, unbiased, and never negative where H_y is positive
+    semi-definite (ReLU networks under cross-entropy). Backward (weights only): the SGD step
+    moves the weight by -lr dG_B, so 1/2 lr^2 E[dG^T H_W dG] with Var(dG_B) = g_B(v_A', G^2) +
+    g_B(A^2, v_G), probed the same way through u = f(A, sqrt(Var dG_B) z). Precisions whose
+    variances differ by a common factor share a probe (:func:`_curv_pattern`).
+    """
+    modules = dict(model.named_modules())
+    calls: dict[str, list[_CurvCall]] = {}
+    bls: dict[str, _Bilinear] = {}
+    handles = []
+    for n in names:
+        mod = modules.get(n)
+        bl = _bilinear(mod) if mod is not None else None
+        if mod is None or bl is None:
+            continue
+        bls[n] = bl
+
+        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n) -> None:
+            b = inp[1] if isinstance(m, MatMul) else m.weight
+            assert isinstance(b, Tensor)
+            if isinstance(out, Tensor) and out.requires_grad:
+                calls.setdefault(_n, []).append(_CurvCall(
+                    a=inp[0].detach().float(), b=b.detach().float(), y=out))
+
+        handles.append(mod.register_forward_hook(keep))
+    try:
+        with torch.enable_grad():
+            loss = loss_fn()
+    finally:
+        for h in handles:
+            h.remove()
+    flat = [c for cs in calls.values() for c in cs]
+    if not flat:
+        return {}
+    with torch.enable_grad():
+        grads = torch.autograd.grad(loss, [c.y for c in flat], create_graph=True,
+                                    allow_unused=True)
+    for c, gy in zip(flat, grads, strict=True):
+        if gy is not None:
+            c.g = gy.detach().float()
+            c.g_live = gy if gy.requires_grad else None  # None: the loss is linear in y
+    del grads
+    out: dict[str, dict[Precision, tuple[float, float]]] = {}
+    for n, cs in calls.items():
+        done = [c for c in cs if c.g is not None]
+        if done:
+            out[n] = _curv_terms(bls[n], done, precisions[n], samples, gen, stochastic, lr)
+    return out
+
+
+def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
+    """u^T H_y u over the calls' outputs (one Hessian-vector product)."""
+    live = [(c, u) for c, u in zip(calls, us, strict=True) if c.g_live is not None]
+    if not live:
+        return 0.0
+    hvs = torch.autograd.grad([c.g_live for c, _ in live], [c.y for c, _ in live],
+                              [u.to(c.y.dtype) for c, u in live], retain_graph=True,
+                              allow_unused=True)
+    return sum(float((u * hv.detach().float()).sum()) for (_, u), hv in zip(live, hvs, strict=True)
+               if hv is not None)
+
+
+def _curv_terms(bl: _Bilinear, calls: Sequence[_CurvCall], precisions: Sequence[Precision],
+                samples: int, gen: torch.Generator, stochastic: bool, lr: float
+                ) -> dict[Precision, tuple[float, float]]:
+    """(forward, backward) nats per precision for one op's calls (see :func:`_curv_batch`)."""
+    fwd_memo: dict[tuple[str, ...], float] = {}
+    bwd_memo: dict[tuple[str, ...], float] = {}
+
+    def forward(key: tuple[str, ...]) -> float:
+        if key not in fwd_memo:
+            sds = [(element_variance(c.a, key[0], stochastic=stochastic).sqrt(),
+                    element_variance(c.b, key[1], per_channel=bl.b_is_weight,
+                                     stochastic=stochastic).sqrt()) for c in calls]
+            total = 0.0
+            for _ in range(samples):
+                us = [bl.f(sa * _rademacher(c.a.shape, gen), c.b)
+                      + bl.f(c.a, sb * _rademacher(c.b.shape, gen))
+                      for c, (sa, sb) in zip(calls, sds, strict=True)]
+                total += _quad(calls, us)
+            fwd_memo[key] = 0.5 * total / samples
+        return fwd_memo[key]
+
+    def backward(key: tuple[str, ...]) -> float:
+        if key not in bwd_memo:
+            var = sum(bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
+                                c.b.shape, c.g.square())  # type: ignore[union-attr]
+                      + bl.grad_b(c.a.square(), c.b.shape,
+                                  element_variance(c.g, key[1],  # type: ignore[arg-type]
+                                                   stochastic=stochastic))
+                      for c in calls)
+            assert isinstance(var, Tensor)
+            sd = var.sqrt()
+            total = 0.0
+            for _ in range(samples):
+                z = _rademacher(sd.shape, gen)  # one weight perturbation, every call
+                total += _quad(calls, [bl.f(c.a, sd * z) for c in calls])
+            bwd_memo[key] = 0.5 * lr * lr * total / samples
+        return bwd_memo[key]
+
+    out: dict[Precision, tuple[float, float]] = {}
+    for p in precisions:
+        k = SPECS[p]
+        if k is None:
+            out[p] = (0.0, 0.0)
+            continue
+        key_f, fac_f = _curv_pattern((k.a, k.b))
+        fwd = fac_f * forward(key_f)
+        bwd = 0.0
+        if bl.b_is_weight and lr > 0:
+            key_b, fac_b = _curv_pattern((k.a_bwd, k.g))
+            bwd = fac_b * backward(key_b)
+        out[p] = (fwd, bwd)
+    return out
+
+
 def _progress(enabled: bool, method: str, i: int, n: int) -> None:
     if enabled:
         sys.stderr.write(f"\rindicator {method}: batch {i}/{n}")
@@ -521,8 +686,10 @@ def indicator_memory(graph: ModelGraph, method: str = "qsync") -> IndicatorMemor
     largest = max((4 * (o.input_numel + 2 * o.output_numel + o.param_count) for o in ops),
                   default=0)
     acts = graph.saved_activation_bytes
-    if method == "hessian":
+    if method in ("hessian", "curv"):
         acts *= HESSIAN_ACTIVATION_FACTOR
+    if method == "curv":  # operands and Hessian diagonals kept per op: about two captures more
+        captures += sum(4 * (o.input_numel + o.param_count) * 2 for o in ops)
     return IndicatorMemory(method, graph.batch_size, weights=graph.param_bytes + graph.buffer_bytes,
                            gradients=graph.param_bytes, activations=acts, captures=captures,
                            terms=TERM_COPIES * largest if method != "wvar" else 0,
@@ -617,6 +784,7 @@ def indicate(
     term_dtype: torch.dtype = torch.float32,
     term_rows: int | None = None,
     memory_check: bool = True,
+    lr: float = CURV_LR,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -633,7 +801,13 @@ def indicate(
     Before it builds and runs a model, it estimates the memory that takes
     (:func:`indicator_memory`) and refuses with one line when this machine has less
     (``memory_check=False`` skips that); ``random`` runs no model.
+
+    ``curv``: the expected loss increase per step in nats, from ``hutchinson_samples``
+    Hessian probes per batch; ``lr`` is the SGD rate of its backward (update) term (0 drops
+    it; in the cache key).
     """
+    if not lr >= 0:
+        raise QsyncInputError(f"lr: expected a non-negative number, got {lr}")
     check_method(method)
     if batches < 1:
         raise QsyncInputError(f"batches: expected a positive integer, got {batches}")
@@ -653,6 +827,7 @@ def indicate(
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
         tag = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
         tag += f"-r{term_rows}" if term_rows else ""
+        tag += f"-h{hutchinson_samples}-lr{lr:g}" if method == "curv" else ""
         path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
                          f"{'sr' if stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
         if path.is_file():
@@ -708,6 +883,26 @@ def indicate(
         for i, (inputs, targets) in enumerate(stream):
             if i >= batches:
                 break
+            if method == "curv":
+                def run(_in: Any = inputs, _t: Any = targets, _i: int = i,
+                        _lines: list[str] = user_lines) -> Tensor:
+                    out = wl.forward(model, _in)
+                    loss = wl.loss_of(out, _in, _t)
+                    if _i == 0 and isinstance(wl, UserWorkload):
+                        _lines[:] = [wl.loss_line(out, _in), wl.data_line()]
+                    return loss
+
+                model.zero_grad(set_to_none=True)
+                allowed = {o.name: list(o.allowed_precisions) for o in ops}
+                for n, terms_c in _curv_batch(model, names, run, allowed,
+                                              samples=hutchinson_samples, gen=gen,
+                                              stochastic=stochastic, lr=lr).items():
+                    for p, (vf, vb) in terms_c.items():
+                        stats[n].fwd.setdefault(p, []).append(vf)
+                        stats[n].bwd.setdefault(p, []).append(vb)
+                seen += 1
+                _progress(progress, method, seen, batches)
+                continue
             caps, handles = _capture_hooks(model, names)
             acts: dict[str, list[Tensor]] = {}
             if method == "hessian":
@@ -774,6 +969,7 @@ def indicate(
         model.zero_grad(set_to_none=True)
     values: dict[str, dict[Precision, float]] = {}
     terms: dict[str, dict[Precision, list[float]]] = {}
+    clamped = 0
     L = graph.max_depth
     for op in ops:
         row: dict[Precision, float] = {}
@@ -786,6 +982,13 @@ def indicate(
                 vb = _mean(st.bwd.get(p, []))
                 row[p] = gamma * (L - op.depth) * vf + op.depth * vb
                 terms.setdefault(op.name, {})[p] = [vf, vb]
+            elif method == "curv":
+                vf = _mean(st.fwd.get(p, []))
+                vb = _mean(st.bwd.get(p, []))
+                terms.setdefault(op.name, {})[p] = [vf, vb]
+                if vf + vb < 0:  # Hutchinson noise, or a loss concave along this op
+                    clamped += 1
+                row[p] = max(0.0, vf + vb)
             else:
                 row[p] = _mean(st.value.get(p, []))
         values[op.name] = row
@@ -794,6 +997,14 @@ def indicate(
     notes = [f"{data_kind} data, {seen if method != 'random' else 0} batches of {b}; model: "
              f"{'given' if data_kind == 'given' else init + ', seed ' + str(seed)}",
              f"monotonicity: {fixes} value(s) raised to their higher-precision neighbour"]
+    if method == "curv":
+        notes.insert(0, "values: the expected increase of the batch-mean loss in one training "
+                     "step, in nats (second order: 1/2 sum of each operand element's error "
+                     "variance times the loss Hessian diagonal for it, Hutchinson, "
+                     f"{hutchinson_samples} probe(s) per batch; plus 1/2 lr^2 sum of the "
+                     "weight-gradient error variance times the weight Hessian diagonal, SGD "
+                     f"lr {lr:g}); terms: [forward, backward] nats, before clamping")
+        notes.append(f"negative estimates clamped to 0: {clamped} value(s)")
     notes += user_lines
     if missing:
         notes.append(f"{len(missing)} choosable op(s) without a module got no statistics "
@@ -803,7 +1014,7 @@ def indicate(
         batches=max(1, seen) if method != "random" else batches, seed=seed,
         gamma=gamma if method == "qsync" else None, data=data_kind, values=values,
         stochastic=stochastic, notes=notes, monotone_fixes=fixes,
-        terms=terms if method == "qsync" else None,
+        terms=terms if method in ("qsync", "curv") else None,
     )
     if path is not None:
         save(table, path)
