@@ -489,14 +489,22 @@ def _curv_pattern(kinds: Sequence[str]) -> tuple[tuple[str, ...], float]:
     return tuple(kinds), 1.0
 
 
-def _curv_batch(model: nn.Module, names: Sequence[str], loss_fn: Callable[[], Tensor],
+#: The curvature ``curv`` uses: ``gn`` (Gauss-Newton, J^T H_out J: positive semi-definite
+#: for cross-entropy and squared losses, so no estimate is negative) or ``hessian`` (the full
+#: Hessian; indefinite away from a minimum, e.g. at a registry init with batch norm).
+CURVATURES = ("gn", "hessian")
+
+
+def _curv_batch(model: nn.Module, names: Sequence[str],
+                loss_fn: Callable[[], tuple[Any, Tensor]],
                 precisions: dict[str, Sequence[Precision]], *, samples: int,
-                gen: torch.Generator, stochastic: bool = True, lr: float = CURV_LR
-                ) -> dict[str, dict[Precision, tuple[float, float]]]:
+                gen: torch.Generator, stochastic: bool = True, lr: float = CURV_LR,
+                curvature: str = "gn") -> tuple[dict[str, dict[Precision, tuple[float, float]]],
+                                                 str]:
     """The ``curv`` terms of one batch: per op and precision, (forward, backward) expected
     loss increase in nats (docs/ALLOCATION.md, A loss-aware indicator).
 
-    ``loss_fn()`` runs the model and returns the scalar loss; hooks on the ops in ``names``
+    ``loss_fn()`` runs the model and returns (its output, the scalar loss); hooks on the ops in ``names``
     keep their operands and live outputs, and one gradient with ``create_graph`` gives
     G = dL/dy. Forward: the operands' errors are independent with per-element variances
     v_A, v_B (:func:`element_variance` under :data:`SPECS`, whatever precisions those know),
@@ -508,6 +516,11 @@ def _curv_batch(model: nn.Module, names: Sequence[str], loss_fn: Callable[[], Te
     moves the weight by -lr dG_B, so 1/2 lr^2 E[dG^T H_W dG] with Var(dG_B) = g_B(v_A', G^2) +
     g_B(A^2, v_G), probed the same way through u = f(A, sqrt(Var dG_B) z). Precisions whose
     variances differ by a common factor share a probe (:func:`_curv_pattern`).
+
+    ``curvature="gn"`` replaces H_y by the Gauss-Newton matrix J^T H_out J (J = d out / dy,
+    H_out the loss Hessian in the model's output): u^T G u = (J u)^T H_out (J u), with J u
+    by the double-vector-Jacobian trick; where the output is not one tensor the full
+    Hessian serves. Returns the terms and the curvature used.
     """
     modules = dict(model.named_modules())
     calls: dict[str, list[_CurvCall]] = {}
@@ -530,13 +543,18 @@ def _curv_batch(model: nn.Module, names: Sequence[str], loss_fn: Callable[[], Te
         handles.append(mod.register_forward_hook(keep))
     try:
         with torch.enable_grad():
-            loss = loss_fn()
+            output, loss = loss_fn()
     finally:
         for h in handles:
             h.remove()
+    if curvature not in CURVATURES:
+        raise QsyncInputError(f"curvature: expected one of {', '.join(CURVATURES)}, "
+                              f"got {curvature!r}")
+    if curvature == "gn" and not (isinstance(output, Tensor) and output.requires_grad):
+        curvature = "hessian"
     flat = [c for cs in calls.values() for c in cs]
     if not flat:
-        return {}
+        return {}, curvature
     with torch.enable_grad():
         grads = torch.autograd.grad(loss, [c.y for c in flat], create_graph=True,
                                     allow_unused=True)
@@ -545,12 +563,26 @@ def _curv_batch(model: nn.Module, names: Sequence[str], loss_fn: Callable[[], Te
             c.g = gy.detach().float()
             c.g_live = gy if gy.requires_grad else None  # None: the loss is linear in y
     del grads
+    quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], float] = _quad
+    if curvature == "gn":
+        with torch.enable_grad():
+            g_out = torch.autograd.grad(loss, output, create_graph=True)[0]
+        dummy = torch.zeros_like(output, requires_grad=True)
+        jts: dict[int, list[Tensor | None]] = {}
+
+        def quad(cs: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
+            if id(cs[0]) not in jts:  # J^T w for this op's calls, once per batch
+                with torch.enable_grad():
+                    jts[id(cs[0])] = list(torch.autograd.grad(
+                        output, [c.y for c in cs], dummy, create_graph=True, allow_unused=True))
+            return _quad_gn(jts[id(cs[0])], us, output, g_out, dummy)
     out: dict[str, dict[Precision, tuple[float, float]]] = {}
     for n, cs in calls.items():
         done = [c for c in cs if c.g is not None]
         if done:
-            out[n] = _curv_terms(bls[n], done, precisions[n], samples, gen, stochastic, lr)
-    return out
+            out[n] = _curv_terms(bls[n], done, precisions[n], samples, gen, stochastic, lr,
+                                 quad)
+    return out, curvature
 
 
 def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
@@ -561,12 +593,30 @@ def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
     hvs = torch.autograd.grad([c.g_live for c, _ in live], [c.y for c, _ in live],
                               [u.to(c.y.dtype) for c, u in live], retain_graph=True,
                               allow_unused=True)
-    return sum(float((u * hv.detach().float()).sum()) for (_, u), hv in zip(live, hvs, strict=True)
-               if hv is not None)
+    return sum(float((u * hv.detach().float()).sum())
+               for (_, u), hv in zip(live, hvs, strict=True) if hv is not None)
+
+
+def _quad_gn(jt: Sequence[Tensor | None], us: Sequence[Tensor], output: Tensor, g_out: Tensor,
+             dummy: Tensor) -> float:
+    """(J u)^T H_out (J u): the Gauss-Newton form of u at the calls' outputs. J u comes from
+    the vector-Jacobian products ``jt`` = J^T w (linear in a dummy w) differentiated in w;
+    H_out (J u) is one Hessian-vector product of the loss in the model's output."""
+    with torch.enable_grad():
+        pairs = [(j, u) for j, u in zip(jt, us, strict=True) if j is not None and j.requires_grad]
+        if not pairs:
+            return 0.0
+        ju = torch.autograd.grad([j for j, _ in pairs], dummy,
+                                 [u.to(j.dtype) for j, u in pairs], retain_graph=True)[0]
+        if not g_out.requires_grad:  # the loss is linear in the output
+            return 0.0
+        hju = torch.autograd.grad(g_out, output, ju.detach(), retain_graph=True)[0]
+    return float((ju.detach().float() * hju.detach().float()).sum())
 
 
 def _curv_terms(bl: _Bilinear, calls: Sequence[_CurvCall], precisions: Sequence[Precision],
-                samples: int, gen: torch.Generator, stochastic: bool, lr: float
+                samples: int, gen: torch.Generator, stochastic: bool, lr: float,
+                quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], float] = _quad
                 ) -> dict[Precision, tuple[float, float]]:
     """(forward, backward) nats per precision for one op's calls (see :func:`_curv_batch`)."""
     fwd_memo: dict[tuple[str, ...], float] = {}
@@ -582,7 +632,7 @@ def _curv_terms(bl: _Bilinear, calls: Sequence[_CurvCall], precisions: Sequence[
                 us = [bl.f(sa * _rademacher(c.a.shape, gen), c.b)
                       + bl.f(c.a, sb * _rademacher(c.b.shape, gen))
                       for c, (sa, sb) in zip(calls, sds, strict=True)]
-                total += _quad(calls, us)
+                total += quad(calls, us)
             fwd_memo[key] = 0.5 * total / samples
         return fwd_memo[key]
 
@@ -599,7 +649,7 @@ def _curv_terms(bl: _Bilinear, calls: Sequence[_CurvCall], precisions: Sequence[
             total = 0.0
             for _ in range(samples):
                 z = _rademacher(sd.shape, gen)  # one weight perturbation, every call
-                total += _quad(calls, [bl.f(c.a, sd * z) for c in calls])
+                total += quad(calls, [bl.f(c.a, sd * z) for c in calls])
             bwd_memo[key] = 0.5 * lr * lr * total / samples
         return bwd_memo[key]
 
@@ -878,6 +928,7 @@ def indicate(
     gen = torch.Generator().manual_seed(seed)
     rng_values = {n: torch.rand((), generator=gen).item() for n in names}
     seen = 0
+    curvatures: set[str] = set()
     if method != "random":
         assert model is not None
         for i, (inputs, targets) in enumerate(stream):
@@ -890,13 +941,14 @@ def indicate(
                     loss = wl.loss_of(out, _in, _t)
                     if _i == 0 and isinstance(wl, UserWorkload):
                         _lines[:] = [wl.loss_line(out, _in), wl.data_line()]
-                    return loss
+                    return out, loss
 
                 model.zero_grad(set_to_none=True)
                 allowed = {o.name: list(o.allowed_precisions) for o in ops}
-                for n, terms_c in _curv_batch(model, names, run, allowed,
-                                              samples=hutchinson_samples, gen=gen,
-                                              stochastic=stochastic, lr=lr).items():
+                got, used = _curv_batch(model, names, run, allowed, samples=hutchinson_samples,
+                                        gen=gen, stochastic=stochastic, lr=lr)
+                curvatures.add(used)
+                for n, terms_c in got.items():
                     for p, (vf, vb) in terms_c.items():
                         stats[n].fwd.setdefault(p, []).append(vf)
                         stats[n].bwd.setdefault(p, []).append(vb)
@@ -998,12 +1050,14 @@ def indicate(
              f"{'given' if data_kind == 'given' else init + ', seed ' + str(seed)}",
              f"monotonicity: {fixes} value(s) raised to their higher-precision neighbour"]
     if method == "curv":
+        curv = " and ".join(sorted(curvatures)) or "gn"
         notes.insert(0, "values: the expected increase of the batch-mean loss in one training "
-                     "step, in nats (second order: 1/2 sum of each operand element's error "
-                     "variance times the loss Hessian diagonal for it, Hutchinson, "
-                     f"{hutchinson_samples} probe(s) per batch; plus 1/2 lr^2 sum of the "
-                     "weight-gradient error variance times the weight Hessian diagonal, SGD "
-                     f"lr {lr:g}); terms: [forward, backward] nats, before clamping")
+                     "step, in nats, to second order: 1/2 E[dy^T H dy] for the op's output "
+                     "error dy under the error model (forward), plus 1/2 lr^2 E[dG^T H_W dG] "
+                     f"for its weight-gradient error dG under SGD lr {lr:g} (backward); H: "
+                     f"{'Gauss-Newton' if curv == 'gn' else curv} curvature, "
+                     f"{hutchinson_samples} Hutchinson probe(s) per batch and precision "
+                     "pattern; terms: [forward, backward] nats, before clamping")
         notes.append(f"negative estimates clamped to 0: {clamped} value(s)")
     notes += user_lines
     if missing:
