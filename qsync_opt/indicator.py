@@ -587,14 +587,14 @@ def _curv_batch(model: nn.Module, names: Sequence[str],
 
 def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
     """u^T H_y u over the calls' outputs (one Hessian-vector product)."""
-    live = [(c, u) for c, u in zip(calls, us, strict=True) if c.g_live is not None]
+    live = [(c, c.g_live, u) for c, u in zip(calls, us, strict=True) if c.g_live is not None]
     if not live:
         return 0.0
-    hvs = torch.autograd.grad([c.g_live for c, _ in live], [c.y for c, _ in live],
-                              [u.to(c.y.dtype) for c, u in live], retain_graph=True,
+    hvs = torch.autograd.grad([g for _, g, _ in live], [c.y for c, _, _ in live],
+                              [u.to(c.y.dtype) for c, _, u in live], retain_graph=True,
                               allow_unused=True)
     return sum(float((u * hv.detach().float()).sum())
-               for (_, u), hv in zip(live, hvs, strict=True) if hv is not None)
+               for (_, _, u), hv in zip(live, hvs, strict=True) if hv is not None)
 
 
 def _quad_gn(jt: Sequence[Tensor | None], us: Sequence[Tensor], output: Tensor, g_out: Tensor,
@@ -638,13 +638,15 @@ def _curv_terms(bl: _Bilinear, calls: Sequence[_CurvCall], precisions: Sequence[
 
     def backward(key: tuple[str, ...]) -> float:
         if key not in bwd_memo:
-            var = sum(bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
-                                c.b.shape, c.g.square())  # type: ignore[union-attr]
-                      + bl.grad_b(c.a.square(), c.b.shape,
-                                  element_variance(c.g, key[1],  # type: ignore[arg-type]
-                                                   stochastic=stochastic))
-                      for c in calls)
-            assert isinstance(var, Tensor)
+            var: Tensor | None = None
+            for c in calls:
+                assert c.g is not None
+                v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
+                               c.b.shape, c.g.square())
+                     + bl.grad_b(c.a.square(), c.b.shape,
+                                 element_variance(c.g, key[1], stochastic=stochastic)))
+                var = v if var is None else var + v
+            assert var is not None
             sd = var.sqrt()
             total = 0.0
             for _ in range(samples):
@@ -936,7 +938,7 @@ def indicate(
                 break
             if method == "curv":
                 def run(_in: Any = inputs, _t: Any = targets, _i: int = i,
-                        _lines: list[str] = user_lines) -> Tensor:
+                        _lines: list[str] = user_lines) -> tuple[Any, Tensor]:
                     out = wl.forward(model, _in)
                     loss = wl.loss_of(out, _in, _t)
                     if _i == 0 and isinstance(wl, UserWorkload):
@@ -944,7 +946,8 @@ def indicate(
                     return out, loss
 
                 model.zero_grad(set_to_none=True)
-                allowed = {o.name: list(o.allowed_precisions) for o in ops}
+                allowed: dict[str, Sequence[Precision]] = {
+                    o.name: list(o.allowed_precisions) for o in ops}
                 got, used = _curv_batch(model, names, run, allowed, samples=hutchinson_samples,
                                         gen=gen, stochastic=stochastic, lr=lr)
                 curvatures.add(used)
