@@ -563,111 +563,144 @@ def _curv_batch(model: nn.Module, names: Sequence[str],
             c.g = gy.detach().float()
             c.g_live = gy if gy.requires_grad else None  # None: the loss is linear in y
     del grads
-    quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], float] = _quad
+    quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], list[float]] = _quad
     if curvature == "gn":
         with torch.enable_grad():
             g_out = torch.autograd.grad(loss, output, create_graph=True)[0]
-        dummy = torch.zeros_like(output, requires_grad=True)
-        jts: dict[int, list[Tensor | None]] = {}
+            dummy = torch.zeros_like(output, requires_grad=True)
+            # J^T w for every call at once (linear in the dummy w), built once per batch
+            jt = torch.autograd.grad(output, [c.y for c in flat], dummy, create_graph=True,
+                                     allow_unused=True)
+        jts = {id(c): j for c, j in zip(flat, jt, strict=True)}
 
-        def quad(cs: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
-            if id(cs[0]) not in jts:  # J^T w for this op's calls, once per batch
-                with torch.enable_grad():
-                    jts[id(cs[0])] = list(torch.autograd.grad(
-                        output, [c.y for c in cs], dummy, create_graph=True, allow_unused=True))
-            return _quad_gn(jts[id(cs[0])], us, output, g_out, dummy)
-    out: dict[str, dict[Precision, tuple[float, float]]] = {}
-    for n, cs in calls.items():
-        done = [c for c in cs if c.g is not None]
-        if done:
-            out[n] = _curv_terms(bls[n], done, precisions[n], samples, gen, stochastic, lr,
-                                 quad)
-    return out, curvature
+        def quad(cs: Sequence[_CurvCall], us: Sequence[Tensor]) -> list[float]:
+            return _quad_gn(cs, [jts[id(c)] for c in cs], us, output, g_out, dummy)
+    ops_calls = {n: [c for c in cs if c.g is not None] for n, cs in calls.items()}
+    ops_calls = {n: cs for n, cs in ops_calls.items() if cs}
+    terms = _curv_terms(bls, ops_calls, precisions, samples, gen, stochastic, lr, quad)
+    return terms, curvature
 
 
-def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> float:
-    """u^T H_y u over the calls' outputs (one Hessian-vector product)."""
-    live = [(c, c.g_live, u) for c, u in zip(calls, us, strict=True) if c.g_live is not None]
+def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> list[float]:
+    """u_c^T (H_y u)_c for each call c: one Hessian-vector product for all of them."""
+    live = [(i, c, c.g_live, u) for i, (c, u) in enumerate(zip(calls, us, strict=True))
+            if c.g_live is not None]
+    out = [0.0] * len(calls)
     if not live:
-        return 0.0
-    hvs = torch.autograd.grad([g for _, g, _ in live], [c.y for c, _, _ in live],
-                              [u.to(c.y.dtype) for c, _, u in live], retain_graph=True,
+        return out
+    hvs = torch.autograd.grad([g for _, _, g, _ in live], [c.y for _, c, _, _ in live],
+                              [u.to(c.y.dtype) for _, c, _, u in live], retain_graph=True,
                               allow_unused=True)
-    return sum(float((u * hv.detach().float()).sum())
-               for (_, _, u), hv in zip(live, hvs, strict=True) if hv is not None)
+    for (i, _, _, u), hv in zip(live, hvs, strict=True):
+        if hv is not None:
+            out[i] = float((u * hv.detach().float()).sum())
+    return out
 
 
-def _quad_gn(jt: Sequence[Tensor | None], us: Sequence[Tensor], output: Tensor, g_out: Tensor,
-             dummy: Tensor) -> float:
-    """(J u)^T H_out (J u): the Gauss-Newton form of u at the calls' outputs. J u comes from
-    the vector-Jacobian products ``jt`` = J^T w (linear in a dummy w) differentiated in w;
-    H_out (J u) is one Hessian-vector product of the loss in the model's output."""
+def _quad_gn(calls: Sequence[_CurvCall], jt: Sequence[Tensor | None], us: Sequence[Tensor],
+             output: Tensor, g_out: Tensor, dummy: Tensor) -> list[float]:
+    """u_c^T (J^T H_out J u)_c for each call c: the Gauss-Newton form. J u comes from the
+    vector-Jacobian products ``jt`` = J^T w (linear in a dummy w) differentiated in w, H_out
+    (J u) from one Hessian-vector product of the loss in the model's output, and its pull-back
+    J^T (H_out J u) to every call's output from one backward pass."""
+    out = [0.0] * len(calls)
+    pairs = [(i, j, u) for i, (j, u) in enumerate(zip(jt, us, strict=True))
+             if j is not None and j.requires_grad]
+    if not pairs or not g_out.requires_grad:  # the loss is linear in the output
+        return out
     with torch.enable_grad():
-        pairs = [(j, u) for j, u in zip(jt, us, strict=True) if j is not None and j.requires_grad]
-        if not pairs:
-            return 0.0
-        ju = torch.autograd.grad([j for j, _ in pairs], dummy,
-                                 [u.to(j.dtype) for j, u in pairs], retain_graph=True)[0]
-        if not g_out.requires_grad:  # the loss is linear in the output
-            return 0.0
+        ju = torch.autograd.grad([j for _, j, _ in pairs], dummy,
+                                 [u.to(j.dtype) for _, j, u in pairs], retain_graph=True)[0]
         hju = torch.autograd.grad(g_out, output, ju.detach(), retain_graph=True)[0]
-    return float((ju.detach().float() * hju.detach().float()).sum())
+        back = torch.autograd.grad(output, [calls[i].y for i, _, _ in pairs], hju.detach(),
+                                   retain_graph=True, allow_unused=True)
+    for (i, _, u), v in zip(pairs, back, strict=True):
+        if v is not None:
+            out[i] = float((u * v.detach().float()).sum())
+    return out
 
 
-def _curv_terms(bl: _Bilinear, calls: Sequence[_CurvCall], precisions: Sequence[Precision],
-                samples: int, gen: torch.Generator, stochastic: bool, lr: float,
-                quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], float] = _quad
-                ) -> dict[Precision, tuple[float, float]]:
-    """(forward, backward) nats per precision for one op's calls (see :func:`_curv_batch`)."""
-    fwd_memo: dict[tuple[str, ...], float] = {}
-    bwd_memo: dict[tuple[str, ...], float] = {}
+def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]],
+                precisions: dict[str, Sequence[Precision]], samples: int,
+                gen: torch.Generator, stochastic: bool, lr: float,
+                quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], list[float]] = _quad
+                ) -> dict[str, dict[Precision, tuple[float, float]]]:
+    """(forward, backward) nats per op and precision (see :func:`_curv_batch`). Each probe
+    perturbs every op that has a precision of the pattern at once; an op's estimate is its
+    own part ``u_op^T (H u)_op``: the cross terms with other ops' independent probes are
+    zero-mean, so it stays unbiased for one product per probe and pattern, whatever the
+    number of ops."""
+    fwd_keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]] = {}
+    bwd_keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]] = {}
+    for n in ops_calls:
+        for p in precisions[n]:
+            k = SPECS[p]
+            if k is None:
+                continue
+            fwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a, k.b))
+            if bls[n].b_is_weight and lr > 0:
+                bwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a_bwd, k.g))
 
-    def forward(key: tuple[str, ...]) -> float:
-        if key not in fwd_memo:
-            sds = [(element_variance(c.a, key[0], stochastic=stochastic).sqrt(),
-                    element_variance(c.b, key[1], per_channel=bl.b_is_weight,
-                                     stochastic=stochastic).sqrt()) for c in calls]
-            total = 0.0
+    def probe_all(keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]],
+                  make: Callable[[str, tuple[str, ...]], Callable[[], list[Tensor]]]
+                  ) -> dict[tuple[str, tuple[str, ...]], float]:
+        got: dict[tuple[str, tuple[str, ...]], float] = {}
+        for key in sorted({kf[0] for row in keys.values() for kf in row.values()}):
+            users = [n for n, row in keys.items() if any(kf[0] == key for kf in row.values())]
+            makers = {n: make(n, key) for n in users}
+            flat = [(n, c) for n in users for c in ops_calls[n]]
+            totals = dict.fromkeys(users, 0.0)
             for _ in range(samples):
-                us = [bl.f(sa * _rademacher(c.a.shape, gen), c.b)
-                      + bl.f(c.a, sb * _rademacher(c.b.shape, gen))
-                      for c, (sa, sb) in zip(calls, sds, strict=True)]
-                total += quad(calls, us)
-            fwd_memo[key] = 0.5 * total / samples
-        return fwd_memo[key]
+                us = [u for n in users for u in makers[n]()]
+                for (n, _), v in zip(flat, quad([c for _, c in flat], us), strict=True):
+                    totals[n] += v
+            for n in users:
+                got[(n, key)] = 0.5 * totals[n] / samples
+        return got
 
-    def backward(key: tuple[str, ...]) -> float:
-        if key not in bwd_memo:
-            var: Tensor | None = None
-            for c in calls:
-                assert c.g is not None
-                v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
-                               c.b.shape, c.g.square())
-                     + bl.grad_b(c.a.square(), c.b.shape,
-                                 element_variance(c.g, key[1], stochastic=stochastic)))
-                var = v if var is None else var + v
-            assert var is not None
-            sd = var.sqrt()
-            total = 0.0
-            for _ in range(samples):
-                z = _rademacher(sd.shape, gen)  # one weight perturbation, every call
-                total += quad(calls, [bl.f(c.a, sd * z) for c in calls])
-            bwd_memo[key] = 0.5 * lr * lr * total / samples
-        return bwd_memo[key]
+    def forward_probe(n: str, key: tuple[str, ...]) -> Callable[[], list[Tensor]]:
+        bl, cs = bls[n], ops_calls[n]
+        sds = [(element_variance(c.a, key[0], stochastic=stochastic).sqrt(),
+                element_variance(c.b, key[1], per_channel=bl.b_is_weight,
+                                 stochastic=stochastic).sqrt()) for c in cs]
+        return lambda: [bl.f(sa * _rademacher(c.a.shape, gen), c.b)
+                        + bl.f(c.a, sb * _rademacher(c.b.shape, gen))
+                        for c, (sa, sb) in zip(cs, sds, strict=True)]
 
-    out: dict[Precision, tuple[float, float]] = {}
-    for p in precisions:
-        k = SPECS[p]
-        if k is None:
-            out[p] = (0.0, 0.0)
-            continue
-        key_f, fac_f = _curv_pattern((k.a, k.b))
-        fwd = fac_f * forward(key_f)
-        bwd = 0.0
-        if bl.b_is_weight and lr > 0:
-            key_b, fac_b = _curv_pattern((k.a_bwd, k.g))
-            bwd = fac_b * backward(key_b)
-        out[p] = (fwd, bwd)
+    def backward_probe(n: str, key: tuple[str, ...]) -> Callable[[], list[Tensor]]:
+        bl, cs = bls[n], ops_calls[n]
+        var: Tensor | None = None
+        for c in cs:
+            assert c.g is not None
+            v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
+                           c.b.shape, c.g.square())
+                 + bl.grad_b(c.a.square(), c.b.shape,
+                             element_variance(c.g, key[1], stochastic=stochastic)))
+            var = v if var is None else var + v
+        assert var is not None
+        sd = var.sqrt()
+
+        def draw() -> list[Tensor]:
+            z = _rademacher(sd.shape, gen)  # one weight perturbation, every call
+            return [bl.f(c.a, sd * z) for c in cs]
+        return draw
+
+    fwd = probe_all(fwd_keys, forward_probe)
+    bwd = probe_all(bwd_keys, backward_probe) if bwd_keys else {}
+    out: dict[str, dict[Precision, tuple[float, float]]] = {}
+    for n in ops_calls:
+        row: dict[Precision, tuple[float, float]] = {}
+        for p in precisions[n]:
+            if SPECS[p] is None:
+                row[p] = (0.0, 0.0)
+                continue
+            key_f, fac_f = fwd_keys[n][p]
+            vb = 0.0
+            if n in bwd_keys:
+                key_b, fac_b = bwd_keys[n][p]
+                vb = fac_b * lr * lr * bwd[(n, key_b)]
+            row[p] = (fac_f * fwd[(n, key_f)], vb)
+        out[n] = row
     return out
 
 
