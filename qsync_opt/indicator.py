@@ -511,8 +511,9 @@ def _curv_batch(model: nn.Module, names: Sequence[str],
     so E[dL] = 1/2 E[dy^T H_y dy] with dy = f(dA, B) + f(A, dB); each of ``samples`` probes
     draws Rademacher z_A, z_B, forms u = f(sqrt(v_A) z_A, B) + f(A, sqrt(v_B) z_B) (a
     perturbation with dy's covariance) and takes one Hessian-vector product with respect to
-    this op's output: 1/2 u^T H_y u, unbiased, and never negative where H_y is positive
-    semi-definite (ReLU networks under cross-entropy). Backward (weights only): the SGD step
+    this op's output: 1/2 u^T H_y u, unbiased. One probe serves every op at once: an op's
+    estimate is its own part u_op^T (H u)_op (the other ops' probes are independent and
+    zero-mean), so the cost does not grow with the number of ops. Backward (weights only): the SGD step
     moves the weight by -lr dG_B, so 1/2 lr^2 E[dG^T H_W dG] with Var(dG_B) = g_B(v_A', G^2) +
     g_B(A^2, v_G), probed the same way through u = f(A, sqrt(Var dG_B) z). Precisions whose
     variances differ by a common factor share a probe (:func:`_curv_pattern`).
