@@ -50,6 +50,12 @@ forward noise passes through the ``L - d`` ops after the op, gradient noise thro
 ``d`` before it. Values are averaged over the batches; because both terms are relative, the
 table holds for other batch sizes too (``scale_to_batch`` says so and changes nothing).
 
+The loss-aware ``curv`` method (docs/ALLOCATION.md, A loss-aware indicator) turns the same
+error model into the expected loss increase per step, in nats: 1/2 E[dy^T H dy] with dy the
+op's output error and H the loss's Gauss-Newton curvature in the op's output (Hutchinson
+probes shaped by the operands' variances, so the output errors' correlations are kept), plus
+1/2 lr^2 E[dG^T H_W dG] for the weight-gradient error under SGD (``_curv_batch``).
+
 Other methods, for comparison: ``wvar`` (relative weight quantization error E||dW||^2 /
 ||W||^2), ``hessian`` (HAWQ: a Hutchinson estimate of the loss Hessian trace per parameter,
 for the weight and for the op's input activation, times the expected squared perturbation),
