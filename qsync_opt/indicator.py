@@ -50,6 +50,12 @@ forward noise passes through the ``L - d`` ops after the op, gradient noise thro
 ``d`` before it. Values are averaged over the batches; because both terms are relative, the
 table holds for other batch sizes too (``scale_to_batch`` says so and changes nothing).
 
+The loss-aware ``curv`` method (docs/ALLOCATION.md, A loss-aware indicator) turns the same
+error model into the expected loss increase per step, in nats: 1/2 E[dy^T H dy] with dy the
+op's output error and H the loss's Gauss-Newton curvature in the op's output (Hutchinson
+probes shaped by the operands' variances, so the output errors' correlations are kept), plus
+1/2 lr^2 E[dG^T H_W dG] for the weight-gradient error under SGD (``_curv_batch``).
+
 Other methods, for comparison: ``wvar`` (relative weight quantization error E||dW||^2 /
 ||W||^2), ``hessian`` (HAWQ: a Hutchinson estimate of the loss Hessian trace per parameter,
 for the weight and for the op's input activation, times the expected squared perturbation),
@@ -97,7 +103,7 @@ log = logging.getLogger(__name__)
 
 #: The indicator methods, the one list (``qsync-opt indicate/solve/compare/pareto/demo
 #: --method`` offer these choices): the default first.
-METHODS = ("qsync", "wvar", "hessian", "fisher", "random")
+METHODS = ("qsync", "wvar", "hessian", "fisher", "random", "curv")
 #: Ladders within a family, most exact first: Omega must not decrease along them.
 LADDERS = ((Precision.fp32, Precision.tf32, Precision.fp16, Precision.bf16, Precision.fp8),
            (Precision.fp32, Precision.int8, Precision.int8_full),
@@ -478,6 +484,257 @@ def _hutchinson(model: nn.Module, loss: Tensor, names: Sequence[str],
     return out
 
 
+# ----------------------------------------------------------------------------- curv
+
+
+#: The ``curv`` method's default SGD learning rate for its backward (update) term: the
+#: accuracy study's SGD rate (benchmarks/bench_accuracy.py, digits_cnn). ``lr=0`` drops it.
+CURV_LR = 0.05
+
+
+@dataclass
+class _CurvCall:
+    """One call of one op in one batch, for ``curv``: its operands (detached), its live
+    output (in the double-backward graph), and dL/dy: live (``g_live``, for Hessian-vector
+    products) and detached (``g``)."""
+
+    a: Tensor
+    b: Tensor
+    y: Tensor
+    g: Tensor | None = None
+    g_live: Tensor | None = None
+
+
+def _rademacher(shape: Sequence[int], gen: torch.Generator) -> Tensor:
+    return torch.randint(0, 2, tuple(shape), generator=gen).float() * 2 - 1
+
+
+def _curv_pattern(kinds: Sequence[str]) -> tuple[tuple[str, ...], float]:
+    """Precisions whose error kinds differ only by a common factor share one probe: the
+    kinds' base kinds (:func:`_parts`) and that factor (float kinds are ``f10`` scaled by
+    4^(10 - mantissa bits)); otherwise the kinds themselves and 1."""
+    parts = [_parts(k) for k in kinds]
+    if all(len(ps) == 1 for ps in parts) and len({ps[0][1] for ps in parts}) == 1:
+        return tuple(ps[0][0] for ps in parts), parts[0][0][1]
+    return tuple(kinds), 1.0
+
+
+#: The curvature ``curv`` uses: ``gn`` (Gauss-Newton, J^T H_out J: positive semi-definite
+#: for cross-entropy and squared losses, so no estimate is negative) or ``hessian`` (the full
+#: Hessian; indefinite away from a minimum, e.g. at a registry init with batch norm).
+CURVATURES = ("gn", "hessian")
+
+
+def _curv_batch(model: nn.Module, names: Sequence[str],
+                loss_fn: Callable[[], tuple[Any, Tensor]],
+                precisions: dict[str, Sequence[Precision]], *, samples: int,
+                gen: torch.Generator, stochastic: bool = True, lr: float = CURV_LR,
+                curvature: str = "gn") -> tuple[dict[str, dict[Precision, tuple[float, float]]],
+                                                 str]:
+    """The ``curv`` terms of one batch: per op and precision, (forward, backward) expected
+    loss increase in nats (docs/ALLOCATION.md, A loss-aware indicator).
+
+    ``loss_fn()`` runs the model and returns (its output, the scalar loss); hooks on the ops in ``names``
+    keep their operands and live outputs, and one gradient with ``create_graph`` gives
+    G = dL/dy. Forward: the operands' errors are independent with per-element variances
+    v_A, v_B (:func:`element_variance` under :data:`SPECS`, whatever precisions those know),
+    so E[dL] = 1/2 E[dy^T H_y dy] with dy = f(dA, B) + f(A, dB); each of ``samples`` probes
+    draws Rademacher z_A, z_B, forms u = f(sqrt(v_A) z_A, B) + f(A, sqrt(v_B) z_B) (a
+    perturbation with dy's covariance) and takes one Hessian-vector product with respect to
+    this op's output: 1/2 u^T H_y u, unbiased. One probe serves every op at once: an op's
+    estimate is its own part u_op^T (H u)_op (the other ops' probes are independent and
+    zero-mean), so the cost does not grow with the number of ops. Backward (weights only): the SGD step
+    moves the weight by -lr dG_B, so 1/2 lr^2 E[dG^T H_W dG] with Var(dG_B) = g_B(v_A', G^2) +
+    g_B(A^2, v_G), probed the same way through u = f(A, sqrt(Var dG_B) z). Precisions whose
+    variances differ by a common factor share a probe (:func:`_curv_pattern`).
+
+    ``curvature="gn"`` replaces H_y by the Gauss-Newton matrix J^T H_out J (J = d out / dy,
+    H_out the loss Hessian in the model's output): u^T G u = (J u)^T H_out (J u), with J u
+    by the double-vector-Jacobian trick; where the output is not one tensor the full
+    Hessian serves. Returns the terms and the curvature used.
+    """
+    modules = dict(model.named_modules())
+    calls: dict[str, list[_CurvCall]] = {}
+    bls: dict[str, _Bilinear] = {}
+    handles = []
+    for n in names:
+        mod = modules.get(n)
+        bl = _bilinear(mod) if mod is not None else None
+        if mod is None or bl is None:
+            continue
+        bls[n] = bl
+
+        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n) -> None:
+            b = inp[1] if isinstance(m, MatMul) else m.weight
+            assert isinstance(b, Tensor)
+            if isinstance(out, Tensor) and out.requires_grad:
+                calls.setdefault(_n, []).append(_CurvCall(
+                    a=inp[0].detach().float(), b=b.detach().float(), y=out))
+
+        handles.append(mod.register_forward_hook(keep))
+    try:
+        with torch.enable_grad():
+            output, loss = loss_fn()
+    finally:
+        for h in handles:
+            h.remove()
+    if curvature not in CURVATURES:
+        raise QsyncInputError(f"curvature: expected one of {', '.join(CURVATURES)}, "
+                              f"got {curvature!r}")
+    if curvature == "gn" and not (isinstance(output, Tensor) and output.requires_grad):
+        curvature = "hessian"
+    flat = [c for cs in calls.values() for c in cs]
+    if not flat:
+        return {}, curvature
+    with torch.enable_grad():
+        grads = torch.autograd.grad(loss, [c.y for c in flat], create_graph=True,
+                                    allow_unused=True)
+    for c, gy in zip(flat, grads, strict=True):
+        if gy is not None:
+            c.g = gy.detach().float()
+            c.g_live = gy if gy.requires_grad else None  # None: the loss is linear in y
+    del grads
+    quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], list[float]] = _quad
+    if curvature == "gn":
+        with torch.enable_grad():
+            g_out = torch.autograd.grad(loss, output, create_graph=True)[0]
+            dummy = torch.zeros_like(output, requires_grad=True)
+            # J^T w for every call at once (linear in the dummy w), built once per batch
+            jt = torch.autograd.grad(output, [c.y for c in flat], dummy, create_graph=True,
+                                     allow_unused=True)
+        jts = {id(c): j for c, j in zip(flat, jt, strict=True)}
+
+        def quad(cs: Sequence[_CurvCall], us: Sequence[Tensor]) -> list[float]:
+            return _quad_gn(cs, [jts[id(c)] for c in cs], us, output, g_out, dummy)
+    ops_calls = {n: [c for c in cs if c.g is not None] for n, cs in calls.items()}
+    ops_calls = {n: cs for n, cs in ops_calls.items() if cs}
+    terms = _curv_terms(bls, ops_calls, precisions, samples, gen, stochastic, lr, quad)
+    return terms, curvature
+
+
+def _quad(calls: Sequence[_CurvCall], us: Sequence[Tensor]) -> list[float]:
+    """u_c^T (H_y u)_c for each call c: one Hessian-vector product for all of them."""
+    live = [(i, c, c.g_live, u) for i, (c, u) in enumerate(zip(calls, us, strict=True))
+            if c.g_live is not None]
+    out = [0.0] * len(calls)
+    if not live:
+        return out
+    hvs = torch.autograd.grad([g for _, _, g, _ in live], [c.y for _, c, _, _ in live],
+                              [u.to(c.y.dtype) for _, c, _, u in live], retain_graph=True,
+                              allow_unused=True)
+    for (i, _, _, u), hv in zip(live, hvs, strict=True):
+        if hv is not None:
+            out[i] = float((u * hv.detach().float()).sum())
+    return out
+
+
+def _quad_gn(calls: Sequence[_CurvCall], jt: Sequence[Tensor | None], us: Sequence[Tensor],
+             output: Tensor, g_out: Tensor, dummy: Tensor) -> list[float]:
+    """u_c^T (J^T H_out J u)_c for each call c: the Gauss-Newton form. J u comes from the
+    vector-Jacobian products ``jt`` = J^T w (linear in a dummy w) differentiated in w, H_out
+    (J u) from one Hessian-vector product of the loss in the model's output, and its pull-back
+    J^T (H_out J u) to every call's output from one backward pass."""
+    out = [0.0] * len(calls)
+    pairs = [(i, j, u) for i, (j, u) in enumerate(zip(jt, us, strict=True))
+             if j is not None and j.requires_grad]
+    if not pairs or not g_out.requires_grad:  # the loss is linear in the output
+        return out
+    with torch.enable_grad():
+        ju = torch.autograd.grad([j for _, j, _ in pairs], dummy,
+                                 [u.to(j.dtype) for _, j, u in pairs], retain_graph=True)[0]
+        hju = torch.autograd.grad(g_out, output, ju.detach(), retain_graph=True)[0]
+        back = torch.autograd.grad(output, [calls[i].y for i, _, _ in pairs], hju.detach(),
+                                   retain_graph=True, allow_unused=True)
+    for (i, _, u), v in zip(pairs, back, strict=True):
+        if v is not None:
+            out[i] = float((u * v.detach().float()).sum())
+    return out
+
+
+def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]],
+                precisions: dict[str, Sequence[Precision]], samples: int,
+                gen: torch.Generator, stochastic: bool, lr: float,
+                quad: Callable[[Sequence[_CurvCall], Sequence[Tensor]], list[float]] = _quad
+                ) -> dict[str, dict[Precision, tuple[float, float]]]:
+    """(forward, backward) nats per op and precision (see :func:`_curv_batch`). Each probe
+    perturbs every op that has a precision of the pattern at once; an op's estimate is its
+    own part ``u_op^T (H u)_op``: the cross terms with other ops' independent probes are
+    zero-mean, so it stays unbiased for one product per probe and pattern, whatever the
+    number of ops."""
+    fwd_keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]] = {}
+    bwd_keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]] = {}
+    for n in ops_calls:
+        for p in precisions[n]:
+            k = SPECS[p]
+            if k is None:
+                continue
+            fwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a, k.b))
+            if bls[n].b_is_weight and lr > 0:
+                bwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a_bwd, k.g))
+
+    def probe_all(keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]],
+                  make: Callable[[str, tuple[str, ...]], Callable[[], list[Tensor]]]
+                  ) -> dict[tuple[str, tuple[str, ...]], float]:
+        got: dict[tuple[str, tuple[str, ...]], float] = {}
+        for key in sorted({kf[0] for row in keys.values() for kf in row.values()}):
+            users = [n for n, row in keys.items() if any(kf[0] == key for kf in row.values())]
+            makers = {n: make(n, key) for n in users}
+            flat = [(n, c) for n in users for c in ops_calls[n]]
+            totals = dict.fromkeys(users, 0.0)
+            for _ in range(samples):
+                us = [u for n in users for u in makers[n]()]
+                for (n, _), v in zip(flat, quad([c for _, c in flat], us), strict=True):
+                    totals[n] += v
+            for n in users:
+                got[(n, key)] = 0.5 * totals[n] / samples
+        return got
+
+    def forward_probe(n: str, key: tuple[str, ...]) -> Callable[[], list[Tensor]]:
+        bl, cs = bls[n], ops_calls[n]
+        sds = [(element_variance(c.a, key[0], stochastic=stochastic).sqrt(),
+                element_variance(c.b, key[1], per_channel=bl.b_is_weight,
+                                 stochastic=stochastic).sqrt()) for c in cs]
+        return lambda: [bl.f(sa * _rademacher(c.a.shape, gen), c.b)
+                        + bl.f(c.a, sb * _rademacher(c.b.shape, gen))
+                        for c, (sa, sb) in zip(cs, sds, strict=True)]
+
+    def backward_probe(n: str, key: tuple[str, ...]) -> Callable[[], list[Tensor]]:
+        bl, cs = bls[n], ops_calls[n]
+        var: Tensor | None = None
+        for c in cs:
+            assert c.g is not None
+            v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
+                           c.b.shape, c.g.square())
+                 + bl.grad_b(c.a.square(), c.b.shape,
+                             element_variance(c.g, key[1], stochastic=stochastic)))
+            var = v if var is None else var + v
+        assert var is not None
+        sd = var.sqrt()
+
+        def draw() -> list[Tensor]:
+            z = _rademacher(sd.shape, gen)  # one weight perturbation, every call
+            return [bl.f(c.a, sd * z) for c in cs]
+        return draw
+
+    fwd = probe_all(fwd_keys, forward_probe)
+    bwd = probe_all(bwd_keys, backward_probe) if bwd_keys else {}
+    out: dict[str, dict[Precision, tuple[float, float]]] = {}
+    for n in ops_calls:
+        row: dict[Precision, tuple[float, float]] = {}
+        for p in precisions[n]:
+            if SPECS[p] is None:
+                row[p] = (0.0, 0.0)
+                continue
+            key_f, fac_f = fwd_keys[n][p]
+            vb = 0.0
+            if n in bwd_keys:
+                key_b, fac_b = bwd_keys[n][p]
+                vb = fac_b * lr * lr * bwd[(n, key_b)]
+            row[p] = (fac_f * fwd[(n, key_f)], vb)
+        out[n] = row
+    return out
+
+
 def _progress(enabled: bool, method: str, i: int, n: int) -> None:
     if enabled:
         sys.stderr.write(f"\rindicator {method}: batch {i}/{n}")
@@ -545,8 +802,10 @@ def indicator_memory(graph: ModelGraph, method: str = "qsync") -> IndicatorMemor
     largest = max((4 * (o.input_numel + 2 * o.output_numel + o.param_count) for o in ops),
                   default=0)
     acts = graph.saved_activation_bytes
-    if method == "hessian":
+    if method in ("hessian", "curv"):
         acts *= HESSIAN_ACTIVATION_FACTOR
+    if method == "curv":  # operands and Hessian diagonals kept per op: about two captures more
+        captures += sum(4 * (o.input_numel + o.param_count) * 2 for o in ops)
     return IndicatorMemory(method, graph.batch_size, weights=graph.param_bytes + graph.buffer_bytes,
                            gradients=graph.param_bytes, activations=acts, captures=captures,
                            terms=TERM_COPIES * largest if method != "wvar" else 0,
@@ -642,6 +901,7 @@ def indicate(
     term_rows: int | None = None,
     memory_check: bool = True,
     needs: Collection[Precision] | None = None,
+    lr: float = CURV_LR,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -661,7 +921,13 @@ def indicate(
     Before it builds and runs a model, it estimates the memory that takes
     (:func:`indicator_memory`) and refuses with one line when this machine has less
     (``memory_check=False`` skips that); ``random`` runs no model.
+
+    ``curv``: the expected loss increase per step in nats, from ``hutchinson_samples``
+    Hessian probes per batch; ``lr`` is the SGD rate of its backward (update) term (0 drops
+    it; in the cache key).
     """
+    if not lr >= 0:
+        raise QsyncInputError(f"lr: expected a non-negative number, got {lr}")
     check_method(method)
     if batches < 1:
         raise QsyncInputError(f"batches: expected a positive integer, got {batches}")
@@ -681,6 +947,7 @@ def indicate(
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
         tag = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
         tag += f"-r{term_rows}" if term_rows else ""
+        tag += f"-h{hutchinson_samples}-lr{lr:g}" if method == "curv" else ""
         path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
                          f"{'sr' if stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
         if path.is_file():
@@ -736,11 +1003,34 @@ def indicate(
     gen = torch.Generator().manual_seed(seed)
     rng_values = {n: torch.rand((), generator=gen).item() for n in names}
     seen = 0
+    curvatures: set[str] = set()
     if method != "random":
         assert model is not None
         for i, (inputs, targets) in enumerate(stream):
             if i >= batches:
                 break
+            if method == "curv":
+                def run(_in: Any = inputs, _t: Any = targets, _i: int = i,
+                        _lines: list[str] = user_lines) -> tuple[Any, Tensor]:
+                    out = wl.forward(model, _in)
+                    loss = wl.loss_of(out, _in, _t)
+                    if _i == 0 and isinstance(wl, UserWorkload):
+                        _lines[:] = [wl.loss_line(out, _in), wl.data_line()]
+                    return out, loss
+
+                model.zero_grad(set_to_none=True)
+                allowed: dict[str, Sequence[Precision]] = {
+                    o.name: list(o.allowed_precisions) for o in ops}
+                got, used = _curv_batch(model, names, run, allowed, samples=hutchinson_samples,
+                                        gen=gen, stochastic=stochastic, lr=lr)
+                curvatures.add(used)
+                for n, terms_c in got.items():
+                    for p, (vf, vb) in terms_c.items():
+                        stats[n].fwd.setdefault(p, []).append(vf)
+                        stats[n].bwd.setdefault(p, []).append(vb)
+                seen += 1
+                _progress(progress, method, seen, batches)
+                continue
             caps, handles = _capture_hooks(model, names)
             acts: dict[str, list[Tensor]] = {}
             if method == "hessian":
@@ -807,6 +1097,7 @@ def indicate(
         model.zero_grad(set_to_none=True)
     values: dict[str, dict[Precision, float]] = {}
     terms: dict[str, dict[Precision, list[float]]] = {}
+    clamped = 0
     L = graph.max_depth
     for op in ops:
         row: dict[Precision, float] = {}
@@ -819,6 +1110,13 @@ def indicate(
                 vb = _mean(st.bwd.get(p, []))
                 row[p] = gamma * (L - op.depth) * vf + op.depth * vb
                 terms.setdefault(op.name, {})[p] = [vf, vb]
+            elif method == "curv":
+                vf = _mean(st.fwd.get(p, []))
+                vb = _mean(st.bwd.get(p, []))
+                terms.setdefault(op.name, {})[p] = [vf, vb]
+                if vf + vb < 0:  # Hutchinson noise, or a loss concave along this op
+                    clamped += 1
+                row[p] = max(0.0, vf + vb)
             else:
                 row[p] = _mean(st.value.get(p, []))
         values[op.name] = row
@@ -827,6 +1125,16 @@ def indicate(
     notes = [f"{data_kind} data, {seen if method != 'random' else 0} batches of {b}; model: "
              f"{'given' if data_kind == 'given' else init + ', seed ' + str(seed)}",
              f"monotonicity: {fixes} value(s) raised to their higher-precision neighbour"]
+    if method == "curv":
+        curv = " and ".join(sorted(curvatures)) or "gn"
+        notes.insert(0, "values: the expected increase of the batch-mean loss in one training "
+                     "step, in nats, to second order: 1/2 E[dy^T H dy] for the op's output "
+                     "error dy under the error model (forward), plus 1/2 lr^2 E[dG^T H_W dG] "
+                     f"for its weight-gradient error dG under SGD lr {lr:g} (backward); H: "
+                     f"{'Gauss-Newton' if curv == 'gn' else curv} curvature, "
+                     f"{hutchinson_samples} Hutchinson probe(s) per batch and precision "
+                     "pattern; terms: [forward, backward] nats, before clamping")
+        notes.append(f"negative estimates clamped to 0: {clamped} value(s)")
     notes += user_lines
     if missing:
         notes.append(f"{len(missing)} choosable op(s) without a module got no statistics "
@@ -836,7 +1144,7 @@ def indicate(
         batches=max(1, seen) if method != "random" else batches, seed=seed,
         gamma=gamma if method == "qsync" else None, data=data_kind, values=values,
         stochastic=stochastic, notes=notes, monotone_fixes=fixes,
-        terms=terms if method == "qsync" else None,
+        terms=terms if method in ("qsync", "curv") else None,
     )
     if path is not None:
         save(table, path)

@@ -405,7 +405,15 @@ class AllocationProblem:
             self.notes.append(
                 f"indicator measured on {indicator.workload} at batch {indicator.batch_size} "
                 f"(graph {indicator.graph_hash}); matched to this graph by op name (its values "
-                "are relative, so they hold at every batch)")
+                + ("are expected changes of the batch-mean loss, about the same at every batch)"
+                   if indicator.method == "curv" else
+                   "are relative, so they hold at every batch)"))
+        if indicator.method == "curv":
+            self.notes.append(
+                "indicator curv: each value is the op's expected increase of the batch-mean "
+                "loss per training step at that precision, in nats (second order); the "
+                "objective is the plan's predicted loss increase per step, each group's weighted "
+                "by its share of the batch")
         ops = {o.name: o for o in graph.ops}
         for name in self.options.pinned:
             if name not in ops:

@@ -707,7 +707,7 @@ class IndicatorTable(Document):
 
     workload: str
     graph_hash: str
-    method: str = Field(description="qsync, wvar, hessian, fisher or random.")
+    method: str = Field(description="qsync, wvar, hessian, fisher, random or curv.")
     batch_size: Int = Field(ge=1, le=MAX_BATCH, description="Batch the statistics were measured at.")
     batches: Int = Field(ge=1, description="Number of batches averaged.")
     seed: Int
@@ -718,7 +718,8 @@ class IndicatorTable(Document):
     monotone_fixes: Int = Field(0, ge=0, description="Values raised to keep each family "
                                 "monotone (a lower precision never scores below a higher).")
     terms: dict[str, dict[Precision, list[Real]]] | None = Field(
-        None, description="qsync method: [Var_fwd, Var_bwd] per op and precision (relative).")
+        None, description="qsync method: [Var_fwd, Var_bwd] per op and precision (relative); "
+        "curv: [forward, backward] expected loss increase (nats).")
     notes: list[str] = Field(default_factory=list)
 
     @field_validator("values")

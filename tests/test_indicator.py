@@ -254,6 +254,8 @@ print(json.dumps({"estimate": est.total, "peak": status("VmHWM") - base}))
 @pytest.mark.parametrize("model,batch,method", [
     ("resnet18", 4, "wvar"),
     pytest.param("tiny_gpt", 8, "qsync", marks=pytest.mark.slow),  # 20-35 s on 2 cores
+    # curv: 383 MB measured against 411 MB estimated; 25-55 s
+    pytest.param("tiny_gpt", 8, "curv", marks=pytest.mark.slow),
 ])
 def test_indicator_memory_estimate_is_within_a_factor_of_the_measured_peak(model, batch,
                                                                            method) -> None:
