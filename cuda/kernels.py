@@ -132,6 +132,25 @@ class CudaKernels:
 
     # -- kernels ---------------------------------------------------------------------------
 
+    def _quantize(self, fn: str, x: torch.Tensor, inv_scale: torch.Tensor, inner: int,
+                  stochastic: bool, seed: int) -> torch.Tensor:
+        """One symmetric quantization kernel (``qsync_quantize_int8`` or ``_int4``) of ``x``
+        viewed as [C, inner], into int8 storage; argument checks first."""
+        x = _check_tensor("x", x, FLOAT_DTYPES)
+        inv_scale = _check_tensor("inv_scale", inv_scale, (torch.float32,), x.device)
+        n = x.numel()
+        inner = _check_inner(inner, n, inv_scale.numel(), "inv_scale")
+        q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        if n == 0:
+            return q
+        with torch.cuda.device(x.device):
+            code = getattr(self._lib, fn)(
+                x.data_ptr(), DTYPE_CODES[x.dtype], q.data_ptr(), inv_scale.data_ptr(), n,
+                inner, 1 if stochastic else 0, int(seed) & 0xFFFFFFFFFFFFFFFF,
+                self._stream(x.device))
+        self._check(fn, code)
+        return q
+
     def quantize_int8(
         self,
         x: torch.Tensor,
@@ -145,27 +164,7 @@ class CudaKernels:
         ``inv_scale``: float32[C], 127 / amax per channel (amax 0 replaced by 1). Stochastic
         rounding draws the counter-based uniform of element i (low 32 bits of ``seed``).
         """
-        x = _check_tensor("x", x, FLOAT_DTYPES)
-        inv_scale = _check_tensor("inv_scale", inv_scale, (torch.float32,), x.device)
-        n = x.numel()
-        inner = _check_inner(inner, n, inv_scale.numel(), "inv_scale")
-        q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-        if n == 0:
-            return q
-        with torch.cuda.device(x.device):
-            code = self._lib.qsync_quantize_int8(
-                x.data_ptr(),
-                DTYPE_CODES[x.dtype],
-                q.data_ptr(),
-                inv_scale.data_ptr(),
-                n,
-                inner,
-                1 if stochastic else 0,
-                int(seed) & 0xFFFFFFFFFFFFFFFF,
-                self._stream(x.device),
-            )
-        self._check("qsync_quantize_int8", code)
-        return q
+        return self._quantize("qsync_quantize_int8", x, inv_scale, inner, stochastic, seed)
 
     def quantize_int4(
         self,
@@ -177,20 +176,7 @@ class CudaKernels:
     ) -> torch.Tensor:
         """Symmetric int4 quantization ([-7, 7], int8 storage) of ``x`` viewed as [C, inner];
         ``inv_scale`` = 7 / amax per channel. Rounding as :meth:`quantize_int8`."""
-        x = _check_tensor("x", x, FLOAT_DTYPES)
-        inv_scale = _check_tensor("inv_scale", inv_scale, (torch.float32,), x.device)
-        n = x.numel()
-        inner = _check_inner(inner, n, inv_scale.numel(), "inv_scale")
-        q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-        if n == 0:
-            return q
-        with torch.cuda.device(x.device):
-            code = self._lib.qsync_quantize_int4(
-                x.data_ptr(), DTYPE_CODES[x.dtype], q.data_ptr(), inv_scale.data_ptr(), n,
-                inner, 1 if stochastic else 0, int(seed) & 0xFFFFFFFFFFFFFFFF,
-                self._stream(x.device))
-        self._check("qsync_quantize_int4", code)
-        return q
+        return self._quantize("qsync_quantize_int4", x, inv_scale, inner, stochastic, seed)
 
     def pack_int4(self, q: torch.Tensor) -> torch.Tensor:
         """int4 values of a 2-D int8 [rows, k] tensor packed two per byte (low nibble first):

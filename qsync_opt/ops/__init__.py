@@ -496,15 +496,17 @@ def _im2col_int8(q: Tensor, kernel: Sequence[int], stride: Sequence[int],
     return cols.transpose(1, 2).reshape(b * ho * wo, c * kh * kw).to(torch.int8), ho, wo
 
 
-@torch.library.custom_op("qsync::int8_conv2d", mutates_args=())
-def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
-                    padding: list[int], dilation: list[int], groups: int,
-                    int8_backward: bool, stochastic: bool, seed: int, bwd_dtype: torch.dtype
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _int_conv2d_forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
+                        padding: list[int], dilation: list[int], groups: int,
+                        stochastic: bool, seed: int, qmax: int
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The integer conv2d forward of int8_conv2d and int4_conv2d: activations quantized per
+    tensor, weights per output channel, symmetric levels up to ``qmax`` (int8's or int4's), the
+    im2col integer GEMM per group, rescaled; returns (out, qx, sx, qw, sw)."""
     _check_float("x", x)
     x_seed, w_seed, _, _ = _seeds(seed)
-    qx, sx = _quantize_impl(x, None, stochastic, x_seed)
-    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed)
+    qx, sx = _quantize_impl(x, None, stochastic, x_seed, qmax)
+    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed, qmax)
     b = x.shape[0]
     cout = weight.shape[0]
     cin_g, cout_g = x.shape[1] // groups, cout // groups
@@ -521,10 +523,9 @@ def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list
     return _owned((out, qx, sx, qw, sw), (x, weight, bias))
 
 
-@_int8_conv2d_op.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
-      dilation: list[int], groups: int, int8_backward: bool, stochastic: bool, seed: int,
-      bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _int_conv2d_fake(x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
+                     dilation: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The shapes and dtypes :func:`_int_conv2d_forward` returns (the ops' fakes)."""
     b, _, h, w = x.shape
     kh, kw = weight.shape[2:]
     ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
@@ -534,6 +535,22 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding
             x.new_empty((), dtype=torch.float32),
             torch.empty_like(weight, dtype=torch.int8, memory_format=torch.contiguous_format),
             weight.new_empty((weight.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("qsync::int8_conv2d", mutates_args=())
+def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
+                    padding: list[int], dilation: list[int], groups: int,
+                    int8_backward: bool, stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _int_conv2d_forward(x, weight, bias, stride, padding, dilation, groups,
+                               stochastic, seed, ref.INT8_QMAX)
+
+
+@_int8_conv2d_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+      dilation: list[int], groups: int, int8_backward: bool, stochastic: bool, seed: int,
+      bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _int_conv2d_fake(x, weight, stride, padding, dilation)
 
 
 @torch.library.custom_op("qsync::int8_conv2d_backward", mutates_args=())
@@ -727,39 +744,15 @@ def _int4_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list
                     padding: list[int], dilation: list[int], groups: int,
                     stochastic: bool, seed: int, bwd_dtype: torch.dtype
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_float("x", x)
-    x_seed, w_seed, _, _ = _seeds(seed)
-    qx, sx = _quantize_impl(x, None, stochastic, x_seed, ref.INT4_QMAX)
-    qw, sw = _quantize_impl(weight, 0, stochastic, w_seed, ref.INT4_QMAX)
-    b = x.shape[0]
-    cout = weight.shape[0]
-    cin_g, cout_g = x.shape[1] // groups, cout // groups
-    outs = []
-    for g in range(groups):
-        cols, ho, wo = _im2col_int8(qx[:, g * cin_g:(g + 1) * cin_g], weight.shape[2:],
-                                    stride, padding, dilation)
-        wg = qw[g * cout_g:(g + 1) * cout_g].reshape(cout_g, -1)
-        bias_g = None if bias is None else bias[g * cout_g:(g + 1) * cout_g]
-        outs.append(_rescale_op(int_mm(cols, wg.t()), sx, sw[g * cout_g:(g + 1) * cout_g],
-                                bias_g, x.dtype))
-    out = torch.cat(outs, dim=1) if groups > 1 else outs[0]
-    out = out.reshape(b, ho, wo, cout).permute(0, 3, 1, 2).contiguous()
-    return _owned((out, qx, sx, qw, sw), (x, weight, bias))
+    return _int_conv2d_forward(x, weight, bias, stride, padding, dilation, groups,
+                               stochastic, seed, ref.INT4_QMAX)
 
 
 @_int4_conv2d_op.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
       dilation: list[int], groups: int, stochastic: bool, seed: int,
       bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    b, _, h, w = x.shape
-    kh, kw = weight.shape[2:]
-    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    return (x.new_empty((b, weight.shape[0], ho, wo)),
-            torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format),
-            x.new_empty((), dtype=torch.float32),
-            torch.empty_like(weight, dtype=torch.int8, memory_format=torch.contiguous_format),
-            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+    return _int_conv2d_fake(x, weight, stride, padding, dilation)
 
 
 def _int4_conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
