@@ -601,21 +601,32 @@ def _(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, stride: list
     return (grad.new_empty(qx.shape, dtype=x_dtype), grad.new_empty(qw.shape, dtype=w_dtype))
 
 
-def _conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    (x, weight, bias, stride, padding, dilation, groups, int8_backward, stochastic, seed,
-     bwd_dtype) = inputs
+def _save_conv(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...],
+               args: tuple[Any, ...]) -> None:
+    """What the integer convs' backward needs: the saved integer operands and scales, the
+    dtypes, and the arguments of ``int8_conv2d_backward``."""
+    x, weight, bias = inputs[:3]
     _, qx, sx, qw, sw = output
     ctx.save_for_backward(qx, sx, qw, sw)
     ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
-    ctx.args = (stride, padding, dilation, groups, int8_backward, stochastic, seed, bwd_dtype)
+    ctx.args, ctx.n_inputs = args, len(inputs)
+
+
+def _conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    (_, _, _, stride, padding, dilation, groups, int8_backward, stochastic, seed,
+     bwd_dtype) = inputs
+    _save_conv(ctx, inputs, output,
+               (stride, padding, dilation, groups, int8_backward, stochastic, seed, bwd_dtype))
 
 
 def _conv_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
+    """int8_conv2d's backward (int8 or 16-bit by its ``int8_backward``), and int4_conv2d's
+    (16-bit on the saved int4 values)."""
     qx, sx, qw, sw = ctx.saved_tensors
     grad_x, grad_w = torch.ops.qsync.int8_conv2d_backward(
         grad.contiguous(), qx, sx, qw, sw, *ctx.args, ctx.x_dtype, ctx.w_dtype)
     grad_b = grad.sum((0, 2, 3)).to(torch.float32) if ctx.has_bias else None
-    return (grad_x, grad_w, grad_b) + (None,) * 8
+    return (grad_x, grad_w, grad_b) + (None,) * (ctx.n_inputs - 3)
 
 
 _int8_conv2d_op.register_autograd(_conv_backward, setup_context=_conv_setup)
@@ -756,23 +767,13 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding
 
 
 def _int4_conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    (x, weight, bias, stride, padding, dilation, groups, stochastic, seed, bwd_dtype) = inputs
-    _, qx, sx, qw, sw = output
-    ctx.save_for_backward(qx, sx, qw, sw)
-    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
-    ctx.args = (stride, padding, dilation, groups, False, stochastic, seed, bwd_dtype)
-
-
-def _int4_conv_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
-    qx, sx, qw, sw = ctx.saved_tensors
+    (_, _, _, stride, padding, dilation, groups, stochastic, seed, bwd_dtype) = inputs
     # the 16-bit backward of int8_conv2d on the saved int4 values (int8_backward=False)
-    grad_x, grad_w = torch.ops.qsync.int8_conv2d_backward(
-        grad.contiguous(), qx, sx, qw, sw, *ctx.args, ctx.x_dtype, ctx.w_dtype)
-    grad_b = grad.sum((0, 2, 3)).to(torch.float32) if ctx.has_bias else None
-    return (grad_x, grad_w, grad_b) + (None,) * 7
+    _save_conv(ctx, inputs, output,
+               (stride, padding, dilation, groups, False, stochastic, seed, bwd_dtype))
 
 
-_int4_conv2d_op.register_autograd(_int4_conv_backward, setup_context=_int4_conv_setup)
+_int4_conv2d_op.register_autograd(_conv_backward, setup_context=_int4_conv_setup)
 
 
 def int4_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
