@@ -378,6 +378,20 @@ def _seeds(seed: int) -> tuple[int, int, int, int]:
 # ----------------------------------------------------------------------------- int8 linear
 
 
+def _int_linear_fake(x: Tensor, weight: Tensor, per_row: bool
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The shapes and dtypes the integer linears return: (out, qx [M, K], sx (one scale, or
+    one per row with ``per_row``), qw, sw per output channel)."""
+    m = 1
+    for s in x.shape[:-1]:
+        m *= s
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return (out, x.new_empty((m, x.shape[-1]), dtype=torch.int8),
+            x.new_empty((m,) if per_row else (), dtype=torch.float32),
+            weight.new_empty(weight.shape, dtype=torch.int8),
+            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+
+
 @torch.library.custom_op("qsync::int8_linear", mutates_args=())
 def _int8_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool,
                     stochastic: bool, seed: int, bwd_dtype: torch.dtype
@@ -396,14 +410,7 @@ def _int8_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backwar
 @_int8_linear_op.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool, stochastic: bool,
       seed: int, bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    m = 1
-    for s in x.shape[:-1]:
-        m *= s
-    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    return (out, x.new_empty((m, x.shape[-1]), dtype=torch.int8),
-            x.new_empty((), dtype=torch.float32),
-            weight.new_empty(weight.shape, dtype=torch.int8),
-            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+    return _int_linear_fake(x, weight, per_row=False)
 
 
 @torch.library.custom_op("qsync::int8_linear_backward", mutates_args=())
@@ -683,14 +690,7 @@ def _int4_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, group_rows: 
 @_int4_linear_op.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, group_rows: int, stochastic: bool,
       seed: int, bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    m = 1
-    for s in x.shape[:-1]:
-        m *= s
-    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    return (out, x.new_empty((m, x.shape[-1]), dtype=torch.int8),
-            x.new_empty((m,) if group_rows > 0 else (), dtype=torch.float32),
-            weight.new_empty(weight.shape, dtype=torch.int8),
-            weight.new_empty((weight.shape[0],), dtype=torch.float32))
+    return _int_linear_fake(x, weight, per_row=group_rows > 0)
 
 
 @torch.library.custom_op("qsync::int4_linear_backward", mutates_args=())
