@@ -4,16 +4,17 @@ For digits_cnn (scikit-learn digits; its classifier head unpinned so four ops co
 tiny_gpt (stdlib source text):
 
 1. train the FP32 model from a fixed seed;
-2. per op: put that op alone at int8 (the ops library's real int8 GEMM, stochastic
-   rounding; attention matmuls fake-quantized), fine-tune briefly with a fixed data order,
-   and measure the held-out loss increase over the same fine-tune at FP32 (two rounding
-   seeds, averaged; their spread is the noise floor), and the immediate increase without
-   fine-tuning (four rounding seeds), which is what the error models describe;
+2. per op: put that op alone at int8 (or ``--precision``: int4, ...; the ops library's real
+   integer GEMM, stochastic rounding; attention matmuls fake-quantized), fine-tune briefly
+   with a fixed data order, and measure the held-out loss increase over the same fine-tune
+   at FP32 (two rounding seeds, averaged; their spread is the noise floor), and the
+   immediate increase without fine-tuning (four rounding seeds), which is what the error
+   models describe;
 3. per method: the indicator of the trained model on real batches, its Spearman rank
    correlation with both measured per-op increases, and the loss increase when its k most
-   vs its k least sensitive ops go to int8 together.
+   vs its k least sensitive ops go to that precision together.
 
-    .venv/bin/python benchmarks/bench_indicator.py [--quick]
+    .venv/bin/python benchmarks/bench_indicator.py [--quick] [--precision int4]
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from qsync_opt import trace
 from qsync_opt.indicator import METHODS, indicate, real_batches
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
+
+#: The precision each op is put at alone (``--precision``; int8 by default).
+PREC = Precision.int8
 
 CONFIG = {
     "digits_cnn": dict(batch=64, pretrain=400, finetune=40, lr=1e-3, ft_lr=5e-4, k=2,
@@ -108,7 +112,7 @@ def run_immediate(name: str, seeds: int, n_eval: int) -> None:
         runs = []
         for s in range(seeds):
             m = copy.deepcopy(model)
-            apply_precisions(m, {op: Precision.int8}, seed=500 + s)
+            apply_precisions(m, {op: PREC}, seed=500 + s)
             runs.append(evaluate(m, name, ev) - plain)
         mean.append(statistics.fmean(runs))
         se.append(statistics.stdev(runs) / math.sqrt(seeds))
@@ -121,7 +125,7 @@ def run_immediate(name: str, seeds: int, n_eval: int) -> None:
         for s in (range(5) if method == "random" else (0,)):
             table = indicate(wl, batches=8, method=method, seed=s, model=copy.deepcopy(model),
                              data=real_batches(wl, cfg["batch"], 8, 99 + s), graph=graph)
-            omega = [table.values[o][Precision.int8] for o in ops]
+            omega = [table.values[o][PREC] for o in ops]
             rhos.append(float(spearmanr(omega, mean).statistic))
         sd = statistics.pstdev(rhos) if len(rhos) > 1 else 0.0
         print(f"{method + (' (5 seeds)' if method == 'random' else ''):>18} "
@@ -146,7 +150,7 @@ def run(name: str, quick: bool) -> dict:
     delta: dict[str, float] = {}
     spread: list[float] = []
     for op in ops:
-        runs = [finetuned_loss(model, name, {op: Precision.int8}, s, ev) - base for s in seeds]
+        runs = [finetuned_loss(model, name, {op: PREC}, s, ev) - base for s in seeds]
         delta[op] = statistics.fmean(runs)
         if len(runs) > 1:
             spread.append(abs(runs[0] - runs[1]))
@@ -160,17 +164,18 @@ def run(name: str, quick: bool) -> dict:
         runs = []
         for s in range(4):
             m = copy.deepcopy(model)
-            apply_precisions(m, {op: Precision.int8}, seed=100 + s)
+            apply_precisions(m, {op: PREC}, seed=100 + s)
             runs.append(evaluate(m, name, ev) - plain)
         immediate.append(statistics.fmean(runs))
-    print(f"per-op int8 loss increase: median {statistics.median(measured):+.5f}, max "
+    print(f"per-op {PREC.value} loss increase: median {statistics.median(measured):+.5f}, max "
           f"{max(measured):+.5f}; noise (median |difference| between two rounding seeds) "
           f"{noise:.5f}")
     k = cfg["k"]
     rows = []
     dump: dict = {"ops": ops, "depth": {o.name: o.depth for o in graph.choosable_ops()},
                   "max_depth": graph.max_depth, "finetuned": measured,
-                  "immediate": immediate, "omega_int8": {}, "terms_int8": {}}
+                  "immediate": immediate, "precision": PREC.value,
+                  f"omega_{PREC.value}": {}, f"terms_{PREC.value}": {}}
     for method in METHODS:
         seeds_m = range(5) if method == "random" else (0,)
         rhos, rhos_now, most_l, least_l = [], [], [], []
@@ -178,15 +183,15 @@ def run(name: str, quick: bool) -> dict:
             table = indicate(wl, batches=4 if quick else 8, method=method, seed=s,
                              model=copy.deepcopy(model),
                              data=real_batches(wl, cfg["batch"], 8, 99 + s), graph=graph)
-            omega = [table.values[o][Precision.int8] for o in ops]
-            dump["omega_int8"][f"{method}:{s}"] = omega
+            omega = [table.values[o][PREC] for o in ops]
+            dump[f"omega_{PREC.value}"][f"{method}:{s}"] = omega
             if table.terms:
-                dump["terms_int8"][f"{method}:{s}"] = [table.terms[o][Precision.int8] for o in ops]
+                dump[f"terms_{PREC.value}"][f"{method}:{s}"] = [table.terms[o][PREC] for o in ops]
             rhos.append(float(spearmanr(omega, measured).statistic))
             rhos_now.append(float(spearmanr(omega, immediate).statistic))
-            order = sorted(ops, key=lambda o: -table.values[o][Precision.int8])
-            most = finetuned_loss(model, name, {o: Precision.int8 for o in order[:k]}, 3, ev)
-            least = finetuned_loss(model, name, {o: Precision.int8 for o in order[-k:]}, 3, ev)
+            order = sorted(ops, key=lambda o: -table.values[o][PREC])
+            most = finetuned_loss(model, name, {o: PREC for o in order[:k]}, 3, ev)
+            least = finetuned_loss(model, name, {o: PREC for o in order[-k:]}, 3, ev)
             most_l.append(most - base)
             least_l.append(least - base)
         label = method + (" (5 seeds)" if method == "random" else "")
@@ -215,7 +220,13 @@ def main() -> None:
                     help="only the immediate effect, with --seeds seeds and --eval batches")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--eval", type=int, default=12)
+    ap.add_argument("--precision", default="int8",
+                    choices=[p.value for p in Precision if p != Precision.fp32],
+                    help="the precision each op is put at alone (default int8; int4 moves "
+                         "the loss far more)")
     args = ap.parse_args()
+    global PREC
+    PREC = Precision(args.precision)
     if args.immediate_only:
         for name in args.models:
             run_immediate(name, args.seeds, args.eval)
