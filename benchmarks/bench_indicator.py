@@ -116,9 +116,14 @@ def run_immediate(name: str, seeds: int, n_eval: int) -> None:
             runs.append(evaluate(m, name, ev) - plain)
         mean.append(statistics.fmean(runs))
         se.append(statistics.stdev(runs) / math.sqrt(seeds))
-    print(f"\n== {name}, immediate effect only: {seeds} rounding seeds, {len(ev)} held-out "
-          f"batches; per-op increase median {statistics.median(mean):+.6f}, max "
-          f"{max(mean):+.6f}; median standard error {statistics.median(se):.6f}")
+    spread = statistics.stdev(mean) if len(mean) > 1 else float("nan")
+    worst = max(se) / spread if spread > 0 else float("inf")
+    print(f"\n== {name}, immediate effect only, each op alone at {PREC.value}: {seeds} rounding "
+          f"seeds, {len(ev)} held-out batches; per-op increase median "
+          f"{statistics.median(mean):+.6f}, max {max(mean):+.6f}; median standard error "
+          f"{statistics.median(se):.6f}; spread of effects (sd over ops) {spread:.6f}, largest "
+          f"standard error / spread {worst:.3f} ({'under' if worst < 0.1 else 'NOT under'} "
+          f"a tenth: {'the ranking is resolved' if worst < 0.1 else 'more seeds or batches'})")
     print(f"{'method':>18} {'rho now':>8} {'(sd)':>6}")
     for method in METHODS:
         rhos = []
