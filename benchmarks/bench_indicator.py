@@ -92,9 +92,33 @@ def finetuned_loss(base: nn.Module, name: str, precisions: dict[str, Precision],
     return evaluate(model, name, ev)
 
 
-def run_immediate(name: str, seeds: int, n_eval: int) -> None:
-    """Only the immediate effect, with more rounding seeds and held-out batches, and its
-    standard error per op: a higher-powered check of the rankings (no fine-tunes)."""
+def batch_losses(model: nn.Module, name: str, batches: list, chunk: int = 64) -> list[float]:
+    """Held-out loss per piece of at most ``chunk`` samples (a large batch, such as the
+    digits' whole test split, is cut into pieces so that the sample noise can be measured)."""
+    wl = get_workload(name)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for x, y in batches:
+            n = y.shape[0]
+            for i in range(0, n, chunk) if n > 2 * chunk else (0,):
+                j = i + chunk if n > 2 * chunk else n
+                out.append(float(compute_loss(wl, model(*(t[i:j] for t in x)), y[i:j])))
+    model.train()
+    return out
+
+
+def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
+                  max_seeds: int = 0, budget_s: float = 0.0) -> dict:
+    """Only the immediate effect, with many rounding seeds and held-out batches, and its
+    standard error per op: a higher-powered check of the rankings (no fine-tunes).
+
+    Per op, ``d[s][b]`` is the loss increase on held-out piece ``b`` with rounding seed
+    ``s``; the effect is its mean. Its standard error combines the rounding noise (the
+    seeds' means) and the held-out sample (the pieces' means): ``sqrt(se_s^2 + se_b^2)``,
+    conservative (each piece's mean still carries rounding noise / S). Seeds are added in
+    rounds until the largest standard error is under ``target`` times the spread of effects
+    (sd over ops), or ``max_seeds`` or ``budget_s`` is reached."""
     import math
 
     cfg = CONFIG[name]
@@ -106,36 +130,88 @@ def run_immediate(name: str, seeds: int, n_eval: int) -> None:
     ev = eval_batches(name, n_eval)
     graph = trace(name, cfg["batch"], pin_head=cfg["pin_head"])
     ops = [o.name for o in graph.choosable_ops()]
-    plain = evaluate(model, name, ev)
-    mean, se = [], []
-    for op in ops:
-        runs = []
-        for s in range(seeds):
-            m = copy.deepcopy(model)
-            apply_precisions(m, {op: PREC}, seed=500 + s)
-            runs.append(evaluate(m, name, ev) - plain)
-        mean.append(statistics.fmean(runs))
-        se.append(statistics.stdev(runs) / math.sqrt(seeds))
-    spread = statistics.stdev(mean) if len(mean) > 1 else float("nan")
-    worst = max(se) / spread if spread > 0 else float("inf")
-    print(f"\n== {name}, immediate effect only, each op alone at {PREC.value}: {seeds} rounding "
-          f"seeds, {len(ev)} held-out batches; per-op increase median "
+    plain = batch_losses(model, name, ev)
+    d: dict[str, list[list[float]]] = {op: [] for op in ops}
+
+    def add(n: int) -> None:
+        for op in ops:
+            for s in range(len(d[op]), len(d[op]) + n):
+                m = copy.deepcopy(model)
+                apply_precisions(m, {op: PREC}, seed=500 + s)
+                d[op].append([a - b for a, b in zip(batch_losses(m, name, ev), plain,
+                                                    strict=True)])
+
+    parts: dict[str, list[float]] = {"seeds": [], "pieces": []}
+
+    def stats() -> tuple[list[float], list[float], float, float]:
+        mean, se = [], []
+        parts["seeds"], parts["pieces"] = [], []
+        for op in ops:
+            rows = d[op]
+            by_seed = [statistics.fmean(r) for r in rows]
+            by_piece = [statistics.fmean(c) for c in zip(*rows, strict=True)]
+            se_s = statistics.stdev(by_seed) / math.sqrt(len(by_seed))
+            se_b = (statistics.stdev(by_piece) / math.sqrt(len(by_piece))
+                    if len(by_piece) > 1 else 0.0)
+            mean.append(statistics.fmean(by_seed))
+            se.append(math.hypot(se_s, se_b))
+            parts["seeds"].append(se_s)
+            parts["pieces"].append(se_b)
+        spread = statistics.stdev(mean) if len(mean) > 1 else float("nan")
+        return mean, se, spread, (max(se) / spread if spread > 0 else float("inf"))
+
+    add(seeds)
+    mean, se, spread, worst = stats()
+    per_seed = (time.perf_counter() - t0) / seeds
+    while worst >= target and (max_seeds <= 0 or len(d[ops[0]]) < max_seeds):
+        have = len(d[ops[0]])
+        # SE ~ 1/sqrt(S): the seeds that would reach the target, within the caps
+        want = math.ceil(have * (worst / target) ** 2 * 1.1)
+        if max_seeds > 0:
+            want = min(want, max_seeds)
+        if budget_s > 0:
+            left = budget_s - (time.perf_counter() - t0)
+            want = min(want, have + int(left / per_seed))
+        if want <= have:
+            break
+        print(f"  {have} seeds: largest SE / spread {worst:.3f}; going to {want}", flush=True)
+        add(want - have)
+        mean, se, spread, worst = stats()
+    n_seeds = len(d[ops[0]])
+    print(f"\n== {name}, immediate effect only, each op alone at {PREC.value}: {n_seeds} "
+          f"rounding seeds, {len(plain)} held-out pieces; per-op increase median "
           f"{statistics.median(mean):+.6f}, max {max(mean):+.6f}; median standard error "
-          f"{statistics.median(se):.6f}; spread of effects (sd over ops) {spread:.6f}, largest "
-          f"standard error / spread {worst:.3f} ({'under' if worst < 0.1 else 'NOT under'} "
-          f"a tenth: {'the ranking is resolved' if worst < 0.1 else 'more seeds or batches'})")
+          f"{statistics.median(se):.6f} (rounding {statistics.median(parts['seeds']):.6f}, "
+          f"held-out sample {statistics.median(parts['pieces']):.6f}); spread of effects (sd over ops) {spread:.6f}, largest "
+          f"standard error / spread {worst:.3f} ({'under' if worst < target else 'NOT under'} "
+          f"{target:g}: {'the ranking is resolved' if worst < target else 'not resolved'})")
     print(f"{'method':>18} {'rho now':>8} {'(sd)':>6}")
+    rho: dict[str, float] = {}
+    omegas: dict[str, list[float]] = {}
     for method in METHODS:
         rhos = []
         for s in (range(5) if method == "random" else (0,)):
             table = indicate(wl, batches=8, method=method, seed=s, model=copy.deepcopy(model),
                              data=real_batches(wl, cfg["batch"], 8, 99 + s), graph=graph)
             omega = [table.values[o][PREC] for o in ops]
+            omegas[f"{method}:{s}"] = omega
             rhos.append(float(spearmanr(omega, mean).statistic))
+        rho[method] = statistics.fmean(rhos)
         sd = statistics.pstdev(rhos) if len(rhos) > 1 else 0.0
         print(f"{method + (' (5 seeds)' if method == 'random' else ''):>18} "
-              f"{statistics.fmean(rhos):>8.3f} {sd:>6.3f}")
-    print(f"({time.perf_counter() - t0:.0f} s)")
+              f"{rho[method]:>8.3f} {sd:>6.3f}")
+    if "curv" in rho:
+        print(f"curv: rho {rho['curv']:.3f} ({'>=' if rho['curv'] >= 0.7 else '<'} 0.7); above "
+              f"hessian ({rho.get('hessian', float('nan')):.3f}) "
+              f"{'yes' if rho['curv'] > rho.get('hessian', 1) else 'no'}, above fisher "
+              f"({rho.get('fisher', float('nan')):.3f}) "
+              f"{'yes' if rho['curv'] > rho.get('fisher', 1) else 'no'}")
+    wall = time.perf_counter() - t0
+    print(f"({wall:.0f} s, torch threads {torch.get_num_threads()})")
+    return {"ops": ops, "precision": PREC.value, "seeds": n_seeds, "pieces": len(plain),
+            "mean": mean, "se": se, "se_rounding": parts["seeds"],
+            "se_sample": parts["pieces"], "spread": spread, "worst_se_over_spread": worst,
+            "rho": rho, "omega": omegas, "wall_s": wall}
 
 
 def run(name: str, quick: bool) -> dict:
@@ -225,6 +301,12 @@ def main() -> None:
                     help="only the immediate effect, with --seeds seeds and --eval batches")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--eval", type=int, default=12)
+    ap.add_argument("--target-se", type=float, default=0.1,
+                    help="--immediate-only: add seeds until every op's standard error is under "
+                         "this fraction of the spread of effects (default 0.1)")
+    ap.add_argument("--max-seeds", type=int, default=0, help="cap on the seeds (0: none)")
+    ap.add_argument("--budget-min", type=float, default=0.0,
+                    help="cap on the minutes per model spent adding seeds (0: none)")
     ap.add_argument("--precision", default="int8",
                     choices=[p.value for p in Precision if p != Precision.fp32],
                     help="the precision each op is put at alone (default int8; int4 moves "
@@ -233,8 +315,11 @@ def main() -> None:
     global PREC
     PREC = Precision(args.precision)
     if args.immediate_only:
-        for name in args.models:
-            run_immediate(name, args.seeds, args.eval)
+        out = {name: run_immediate(name, args.seeds, args.eval, args.target_se,
+                                   args.max_seeds, args.budget_min * 60)
+               for name in args.models}
+        if args.dump:
+            Path(args.dump).write_text(json.dumps(out, indent=1))
         return
     dumps = {name: run(name, args.quick) for name in args.models}
     if args.dump:
