@@ -1,7 +1,8 @@
 """Does each indicator rank operators well? Measured on real data, on this CPU.
 
-For digits_cnn (scikit-learn digits; its classifier head unpinned so four ops compete) and
-tiny_gpt (stdlib source text):
+For digits_cnn (scikit-learn digits; its classifier head unpinned so four ops compete),
+digits_resnet (a ResNet-8 on the same digits upsampled to 32x32; its head unpinned too, so
+ten ops compete) and tiny_gpt (stdlib source text):
 
 1. train the FP32 model from a fixed seed;
 2. per op: put that op alone at int8 (or ``--precision``: int4, ...; the ops library's real
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from qsync_opt.models import compute_loss, get_workload
+from qsync_opt.models import compute_loss, get_workload, image_split
 from scipy.stats import spearmanr
 from torch import nn
 
@@ -43,6 +44,8 @@ PREC = Precision.int8
 CONFIG = {
     "digits_cnn": dict(batch=64, pretrain=400, finetune=40, lr=1e-3, ft_lr=5e-4, k=2,
                        pin_head=False),
+    "digits_resnet": dict(batch=64, pretrain=300, finetune=40, lr=1e-3, ft_lr=5e-4,
+                          k=3, pin_head=False),
     "tiny_gpt": dict(batch=32, pretrain=300, finetune=30, lr=3e-3, ft_lr=1e-3, k=6,
                      pin_head=True),
 }
@@ -50,11 +53,9 @@ CONFIG = {
 
 def eval_batches(name: str, n: int = 6) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
-    if name == "digits_cnn":
-        from qsync_opt.models.digits_cnn import load_digits_tensors, train_test_split
-
-        x, y = load_digits_tensors()
-        _, _, x_te, y_te = train_test_split(x, y, seed=0)
+    split = image_split(name)  # digits_cnn, digits_resnet: the same 359 held-out digits
+    if split is not None:
+        _, _, x_te, y_te = split
         return [((x_te,), y_te)]
     from qsync_opt.models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
 

@@ -16,6 +16,7 @@ gpt2_medium     GPT-2 medium LM, sequence 1024                       354.82 M
 gpt2_xl         GPT-2 XL LM, sequence 1024                           1557.61 M
 vit_b16         ViT-B/16, ImageNet 224x224, 1000 classes             86.57 M
 digits_cnn      small CNN, scikit-learn 8x8 digits (real data)       0.15 M
+digits_resnet   ResNet-8, the digits upsampled to 32x32 (real data)  0.08 M
 tiny_gpt        char-level GPT on the stdlib's source (real data)    0.82 M
 ==============  ===================================================  ==========
 
@@ -24,9 +25,11 @@ that they have names; every model is traceable with ``torch.fx`` both by
 ``symbolic_trace`` and by a tracer that keeps ``MatMul`` as a leaf, and builds
 under ``with torch.device("meta"):``.
 
-``models.digits_cnn`` and ``models.tiny_gpt`` are the submodules (with the
-real-data helpers); their builders are ``digits_cnn.digits_cnn`` and
-``tiny_gpt.tiny_gpt`` (or ``get_workload(name).build``).  The other builders
+``models.digits_cnn``, ``models.digits_resnet`` and ``models.tiny_gpt`` are the
+submodules (with the real-data helpers); their builders are ``digits_cnn.digits_cnn``,
+``digits_resnet.digits_resnet`` and ``tiny_gpt.tiny_gpt`` (or
+``get_workload(name).build``). :func:`image_split` gives the train/test split of the
+real-data image workloads (digits_cnn, digits_resnet: the same images).  The other builders
 (``resnet18``, ``resnet50``, ``vgg16_bn``, ``bert_base``, ``gpt2_small``,
 ``gpt2_medium``, ``gpt2_xl``, ``vit_b16``) are re-exported here.
 """
@@ -41,10 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Submodules with the real-data helpers; builders: digits_cnn.digits_cnn, tiny_gpt.tiny_gpt.
-from . import digits_cnn, tiny_gpt
+# Submodules with the real-data helpers; builders: digits_cnn.digits_cnn,
+# digits_resnet.digits_resnet, tiny_gpt.tiny_gpt.
+from . import digits_cnn, digits_resnet, tiny_gpt
 from .bert import BertConfig, BertForQuestionAnswering, bert_base
 from .digits_cnn import DigitsCNN, load_digits_tensors, train_test_split
+from .digits_resnet import DigitsResNet
 from .gpt2 import GPT, GPTConfig, gpt2_medium, gpt2_small, gpt2_xl
 from .layers import MatMul
 from .resnet import ResNet, resnet18, resnet50
@@ -59,6 +64,7 @@ __all__ = [
     "BertConfig",
     "BertForQuestionAnswering",
     "DigitsCNN",
+    "DigitsResNet",
     "GPTConfig",
     "MatMul",
     "ResNet",
@@ -69,10 +75,12 @@ __all__ = [
     "bert_base",
     "compute_loss",
     "digits_cnn",
+    "digits_resnet",
     "get_workload",
     "gpt2_medium",
     "gpt2_small",
     "gpt2_xl",
+    "image_split",
     "list_workloads",
     "load_digits_tensors",
     "resnet18",
@@ -358,6 +366,22 @@ WORKLOADS: dict[str, Workload] = {
             task=TASK_CLASSIFICATION,
         ),
         Workload(
+            name="digits_resnet",
+            description=(
+                "CIFAR-style ResNet-8 on scikit-learn's digits upsampled to 32x32 "
+                "(real data: digits_resnet.load_digits32_tensors)"
+            ),
+            build=digits_resnet.digits_resnet,
+            make_inputs=functools.partial(_image_inputs, channels=1, size=32, uniform=True),
+            make_targets=functools.partial(_class_targets, num_classes=10),
+            loss="cross_entropy",
+            default_batch=64,
+            input_doc="images (B,1,32,32) float32 in [0,1]",
+            real_data=True,
+            loss_doc=_CLASSIFICATION_LOSS_DOC,
+            task=TASK_CLASSIFICATION,
+        ),
+        Workload(
             name="tiny_gpt",
             description="character-level GPT (4 layers, d=128) on the Python stdlib's source (real data: tiny_gpt)",
             build=tiny_gpt.tiny_gpt,
@@ -398,6 +422,30 @@ def get_workload(name: str) -> Workload:
         raise UnknownWorkloadError(
             f"unknown model {name!r}; known: {', '.join(list_workloads())}"
         ) from None
+
+
+#: The real-data image workloads and the loader of all their images ``(x, y)``.
+_IMAGE_LOADERS: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
+    "digits_cnn": digits_cnn.load_digits_tensors,
+    "digits_resnet": digits_resnet.load_digits32_tensors,
+}
+
+
+def image_split(
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The real-data train/test split ``(x_train, y_train, x_test, y_test)`` of an image
+    workload, or None for a workload without real images (tiny_gpt's data are text).
+
+    digits_cnn (8x8) and digits_resnet (upsampled to 32x32) share one split,
+    ``digits_cnn.train_test_split(x, y, seed=0)``: 1438 training and 359 test images,
+    the same images for both.
+    """
+    loader = _IMAGE_LOADERS.get(name)
+    if loader is None:
+        return None
+    x, y = loader()
+    return train_test_split(x, y, seed=0)
 
 
 def compute_loss(

@@ -398,13 +398,13 @@ def synthetic_batches(workload: Workload, batch: int, n: int, seed: int
 
 def real_batches(workload: Workload, batch: int, n: int, seed: int
                  ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
-    """digits_cnn: scikit-learn's digits (training split); tiny_gpt: stdlib source text."""
-    gen = torch.Generator().manual_seed(seed)
-    if workload.name == "digits_cnn":
-        from .models.digits_cnn import load_digits_tensors, train_test_split
+    """digits_cnn, digits_resnet: scikit-learn's digits (training split,
+    :func:`qsync_opt.models.image_split`); tiny_gpt: stdlib source text."""
+    from .models import image_split
 
-        x, y = load_digits_tensors()
-        x_tr, y_tr, _, _ = train_test_split(x, y, seed=0)
+    gen = torch.Generator().manual_seed(seed)
+    if (split := image_split(workload.name)) is not None:
+        x_tr, y_tr, _, _ = split
         for _ in range(n):
             idx = torch.randint(0, x_tr.shape[0], (batch,), generator=gen)
             yield (x_tr[idx],), y_tr[idx]

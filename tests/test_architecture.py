@@ -38,8 +38,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
     ("workloads and kernels", [
         "user_model", "models", "models.layers", "models.bert", "models.digits_cnn",
-        "models.gpt2", "models.patterns", "models.resnet", "models.tiny_gpt", "models.vgg",
-        "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
+        "models.digits_resnet", "models.gpt2", "models.patterns", "models.resnet",
+        "models.tiny_gpt", "models.vgg", "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
         "ops.reference", "ops.testing", "attention"]),
     ("graph, devices, costs", [
         "graph", "graph.annotate", "graph.capture", "graph.fallback", "graph.kinds",

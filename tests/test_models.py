@@ -1,4 +1,4 @@
-"""The workload registry (qsync_opt.models): builders on meta, inputs, the two real data sets."""
+"""The workload registry (qsync_opt.models): builders on meta, inputs, the real data sets."""
 
 from __future__ import annotations
 
@@ -16,12 +16,19 @@ from qsync_opt import models
 META = torch.device("meta")
 CPU = torch.device("cpu")
 
-ALL = ["bert_base", "digits_cnn", "gpt2_medium", "gpt2_small", "gpt2_xl", "resnet18",
+ALL = ["bert_base", "digits_cnn", "digits_resnet", "gpt2_medium", "gpt2_small", "gpt2_xl", "resnet18",
        "resnet50", "tiny_gpt", "vgg16_bn", "vit_b16"]
 
 # Published parameter counts (torchvision / HuggingFace layouts); the small ones by hand:
 # digits_cnn = conv1 1*32*9 + bn1 2*32 + conv2 32*64*9 + bn2 2*64 + fc1 1024*128+128
 #              + fc2 128*10+10 = 288 + 64 + 18432 + 128 + 131200 + 1290 = 151,402.
+# digits_resnet = stem conv 1*16*9 + bn 2*16 = 176
+#               + layer1: 2 convs 16*16*9 + 2 bn 2*16 = 4608 + 64 = 4,672
+#               + layer2: conv 16*32*9 + conv 32*32*9 + 1x1 16*32 + 3 bn 2*32
+#                 = 4608 + 9216 + 512 + 192 = 14,528
+#               + layer3: conv 32*64*9 + conv 64*64*9 + 1x1 32*64 + 3 bn 2*64
+#                 = 18432 + 36864 + 2048 + 384 = 57,728
+#               + fc 64*10+10 = 650;  176 + 4672 + 14528 + 57728 + 650 = 77,754.
 # tiny_gpt   = wte 98*128 + wpe 128*128 + 4 * (2 LN 512 + qkv 128*384+384 + proj 128*128+128
 #              + fc 128*512+512 + proj 512*128+128) + ln_f 256
 #            = 12544 + 16384 + 4 * 198272 + 256 = 822,272 (lm_head tied to wte).
@@ -35,6 +42,7 @@ PARAMS = {
     "gpt2_xl": 1_557_611_200,
     "vit_b16": 86_567_656,
     "digits_cnn": 151_402,
+    "digits_resnet": 77_754,
     "tiny_gpt": 822_272,
 }
 
@@ -49,6 +57,7 @@ SHAPES_B2 = {
     "gpt2_medium": ([((2, 1024), torch.int64)], (2, 1024)),
     "gpt2_xl": ([((2, 1024), torch.int64)], (2, 1024)),
     "digits_cnn": ([((2, 1, 8, 8), torch.float32)], (2,)),
+    "digits_resnet": ([((2, 1, 32, 32), torch.float32)], (2,)),
     "tiny_gpt": ([((2, 128), torch.int64)], (2, 128)),
 }
 
@@ -121,7 +130,8 @@ def test_seq_len_field(name: str, seq: int | None) -> None:
 
 
 def test_real_data_flags() -> None:
-    assert {n for n in ALL if get_workload(n).real_data} == {"digits_cnn", "tiny_gpt"}
+    assert {n for n in ALL if get_workload(n).real_data} == {"digits_cnn", "digits_resnet",
+                                                                "tiny_gpt"}
 
 
 def test_cpu_inputs_are_seeded_and_in_range() -> None:
@@ -181,7 +191,8 @@ def test_char_batches_are_shifted_by_one() -> None:
 
 
 @pytest.mark.parametrize(("name", "classes", "out_shape"),
-                         [("digits_cnn", 10, (4, 10)), ("tiny_gpt", 98, (4, 128, 98))])
+                         [("digits_cnn", 10, (4, 10)), ("digits_resnet", 10, (4, 10)),
+                          ("tiny_gpt", 98, (4, 128, 98))])
 def test_real_forward_backward_on_cpu(name: str, classes: int, out_shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     wl = get_workload(name)

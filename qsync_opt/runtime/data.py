@@ -2,9 +2,10 @@
 
 Each step draws one deterministic global batch (seeded by ``config.seed`` and the step) of
 B = sum of every rank's ``batch_per_device``; rank r takes its contiguous slice (offset =
-the batches of the ranks before it, :func:`rank_slice`): an uneven sampler. digits_cnn and
-tiny_gpt use their real data; other workloads a seeded pool of synthetic samples; a user's
-model file with ``data()`` its own batches (:class:`GlobalBatches`).
+the batches of the ranks before it, :func:`rank_slice`): an uneven sampler. digits_cnn,
+digits_resnet (both :func:`qsync_opt.models.image_split`) and tiny_gpt use their real data;
+other workloads a seeded pool of synthetic samples; a user's model file with ``data()`` its
+own batches (:class:`GlobalBatches`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ class GlobalBatches:
         self.wl, self.seed, self.B = workload, seed, global_batch
         self.kind = "synthetic"
         self._stream: tuple[int, Iterator[Any]] | None = None
+        from ..models import image_split
+
         if getattr(workload, "user_data", None) is not None:
             self.kind = "user"
-        elif workload.name == "digits_cnn":
-            from ..models.digits_cnn import load_digits_tensors, train_test_split
-
-            x, y = load_digits_tensors()
-            xtr, ytr, xte, yte = train_test_split(x, y, seed=0)
+        elif (split := image_split(workload.name)) is not None:
+            xtr, ytr, xte, yte = split
             self.train: Any = ((xtr,), ytr, int(ytr.shape[0]))
             self.test: Any = ((xte,), yte, int(yte.shape[0]))
             self.kind = "digits"
