@@ -910,8 +910,8 @@ def indicate(
     the seed, its ``loss()`` or the default loss, its ``data()`` or synthetic batches shaped
     like its example inputs, at any ``batch`` (the notes say which loss and data were used).
     The model is the workload's (seeded init) unless ``model`` is given (e.g. a trained
-    one); data are the workload's real data where it has them (digits_cnn, digits_resnet, tiny_gpt, a
-    file's ``data()``), else synthetic, unless ``data`` yields ``(inputs, targets)``.
+    one); data are the workload's real data where it has them (digits_cnn, digits_resnet,
+    tiny_gpt, a file's ``data()``), else synthetic, unless ``data`` yields ``(inputs, targets)``.
     Results are cached on disk (registry workloads) when neither ``model`` nor ``data`` is
     given, keyed by workload, batch, batches, method, seed, gamma and rounding. A cached
     table is reused when it has a value for every op at every precision in ``needs`` that
