@@ -1,49 +1,75 @@
-"""Accuracy of plans: a two-group CPU hybrid trained under each plan, many seeds (issue 9).
+"""Accuracy of plans where plans really differ: a two-group hybrid trained under each plan,
+many seeds (issues 9 and 18).
 
-One strong group (this CPU) and one weak group (`cpu/2`, an emulated card half as fast),
-or with ``--cluster`` two catalog cards (e.g. ``v100x1+t4x1``: the plans are chosen from the
-catalog's estimates for those cards, where lower precision is faster; on a CPU without AMX
-every lower precision is slower, so with the default cluster every plan but UP is all-fp32),
-both at ``--batch`` per rank, trained with single-process data-parallel emulation
-(``TrainConfig(emulate_dp=True)``, mathematically the synchronous run) under: every op at
-fp32 (reference); the weak group uniformly at its lowest precision (QSync's UP); the exact
-solver's plan; greedy's plan at the exact plan's target; a random weak-group plan of about
-the exact plan's predicted makespan. The indicator is ``indicate(model, 10, "qsync",
-batch=--batch)`` on the workload's real data, computed afresh (no cache) and timed.
+Cluster. One strong and one weak group of one device each, both at ``--batch`` per rank:
+by default this CPU and ``cpu/2`` (an emulated card half as fast), or with ``--cluster`` two
+catalog cards (e.g. ``v100x1+t4x1``: the plans are chosen from the catalog's estimates for
+those cards). ``--int4`` adds int4 to the menu of every group whose card has an INT4 peak
+(the library's :func:`~qsync_opt.devices.enable_int4`: the T4 becomes ``t4:int4``); each
+group's menu is printed. The training is emulated on this CPU either way, single-process
+data parallel (``TrainConfig(emulate_dp=True)``, mathematically the synchronous run).
+
+Target. ``--target F`` sets ONE makespan target shared by every exact and greedy plan
+(``prob.retarget``): low + F * (fp32 - low), where fp32 is the linear model's makespan with
+every op at fp32 and low the smaller of the weak group's uniform lowest precision (UP) and
+the smallest makespan any plan reaches (``solve.reachable_ms``; on small models casts can
+make UP slower than fp32, then the fastest plan is the low end, and a note says so). F < 1
+forces the weak group below fp32 but leaves it a choice. The solver's own default target
+(the strong group at fp32, no straggler) and whether any plan reaches it are printed with
+UP, fp32 and the target. Without ``--target`` and ``--int4`` the old study runs: the solver's
+own default target (its lexicographic fallback when that is out of reach); with ``--int4``
+the default is F = 0.5.
+
+Plans. Every op at fp32 (reference); the weak group uniformly at its lowest precision (UP);
+the exact plan (HiGHS) under each indicator of ``--methods`` (default qsync curv hessian
+fisher), each computed by ``indicate(model, 10, method, batch=--batch, cache=False)`` on the
+workload's real data, afresh and timed; greedy at the same target, with the first method's
+indicator; ``--random-plans N`` distinct random weak-group plans (:func:`random_plans`) each
+within ``--tol`` (1%) of the first exact plan's predicted makespan, verified and printed (a
+SystemExit says so when fewer exist). Two methods giving the identical plan: it is trained
+once and the result reused (printed).
 
 Metrics (held-out, after the run). ``emulate``'s summary has ``eval_loss`` and
 ``eval_accuracy``: rank 0's replica in eval mode, *at rank 0's group's precisions*, on
 ``--eval-batches`` held-out batches of the global batch (2 x ``--batch`` samples), each
-batch's mean loss weighted by its number of samples. For tiny_gpt (causal LM) a batch's loss
-is ``F.cross_entropy`` over all its (sequence, position) tokens and every batch has the same
-number of tokens, so ``eval_loss`` is the mean per-token cross-entropy (nats) over every
-held-out token; for digits_cnn the mean cross-entropy per image. Since greedy also lowers
-the strong group (rank 0), that score would mix the plan's effect on training with
-low-precision inference; so every plan's trained weights (``emulate``'s checkpoint; all
-replicas hold the same weights) are re-scored here at fp32 on the very same held-out batches,
-weighted the same way (the largest gap to ``eval_loss`` is printed). Printed: for tiny_gpt
-the held-out perplexity ``exp(mean token CE)`` as the primary figure, with the token CE (the
-untrained model's is printed once, for context); for digits_cnn held-out loss and accuracy.
-The held-out batches depend on the seed only, so every plan is scored on the same data.
+batch's mean loss weighted by its number of samples. For a causal LM (tiny_gpt) a batch's
+loss is ``F.cross_entropy`` over all its (sequence, position) tokens and every batch has the
+same number of tokens, so ``eval_loss`` is the mean per-token cross-entropy (nats) over
+every held-out token; for a classifier (digits_cnn) the mean cross-entropy per image. Since
+greedy may also lower the strong group (rank 0), that score would mix the plan's effect on
+training with low-precision inference; so every plan's trained weights (``emulate``'s
+checkpoint; all replicas hold the same weights) are re-scored here at fp32 on the very same
+held-out batches, weighted the same way (the largest gap to ``eval_loss`` is printed).
+Primary figure: for a causal LM the held-out perplexity ``exp(mean token CE)`` (with the
+token CE; the untrained model's is printed once, for context); for a classifier the held-out
+loss, with the accuracy. The held-out batches depend on the seed only, so every plan is
+scored on the same data. Any registry workload with real data runs (``Workload.real_data``).
 
 Statistics. Mean and 95% confidence interval over the seeds (Student t). Seeds are shared
 across plans (same seed: same initial weights, same training batches, same held-out batches),
 so each plan is compared with the reference *paired*: per seed the difference plan minus
 reference, then the mean of those differences and its 95% t interval. "within noise" when
 the interval contains 0; otherwise the difference and its interval are stated as beyond
-noise. The same paired test compares the exact plan with greedy, the random plan and UP.
+noise. Each exact plan against the random plans: per seed the median of the N random plans'
+metric, then exact minus that median, paired over seeds (mean, 95% t interval). The goal
+(issue 18) holds for a method when that difference is negative and larger in size than the
+interval's half-width; one verdict line per method. The same paired test compares the first
+exact plan with greedy and UP. ``--dump FILE`` writes per-plan per-seed metrics, predicted
+makespans, plan descriptions, indicator timings and the target as JSON.
 
+    .venv/bin/python benchmarks/bench_accuracy.py --model digits_cnn --cluster v100x1+t4x1 --int4 --seeds 5
+    .venv/bin/python benchmarks/bench_accuracy.py --model tiny_gpt --cluster v100x1+t4x1 --int4 --seeds 5 --dump acc.json
     .venv/bin/python benchmarks/bench_accuracy.py --model tiny_gpt --seeds 5
-    .venv/bin/python benchmarks/bench_accuracy.py --model digits_cnn --seeds 5 --steps 150
     .venv/bin/python benchmarks/bench_accuracy.py --model digits_cnn --seeds 5 --cluster v100x1+t4x1
 
-Per-model defaults (override with the flags): digits_cnn batch 32, 150 steps, SGD lr 0.05;
-tiny_gpt batch 16, 120 steps, Adam lr 1e-3; 8 held-out batches each.
+Per-model defaults (override with the flags): digits_cnn and digits_resnet batch 32, 150
+steps, SGD lr 0.05; tiny_gpt batch 16, 120 steps, Adam lr 1e-3; 8 held-out batches each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -51,18 +77,20 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.indicator import indicate
+from qsync_opt.devices import enable_int4
+from qsync_opt.indicator import METHODS, indicate
 from qsync_opt.machine import cpu_model
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.train import emulate
-from qsync_opt.schemas import Plan
-from qsync_opt.solve import solve
+from qsync_opt.schemas import ClusterSpec, Plan
+from qsync_opt.solve import InfeasibleError, reachable_ms, solve
 
 #: Two-sided 95% Student t quantiles by sample size n (df = n - 1), when scipy is absent.
 T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
@@ -70,13 +98,20 @@ T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9:
        17: 2.120, 18: 2.110, 19: 2.101, 20: 2.093, 21: 2.086, 26: 2.060, 31: 2.042}
 
 #: Per-model defaults: per-rank batch, steps, optimizer, learning rate, held-out batches.
-DEFAULTS = {
+DEFAULTS: dict[str, dict[str, Any]] = {
     "digits_cnn": {"batch": 32, "steps": 150, "optimizer": "sgd", "lr": 0.05, "eval_batches": 8},
+    "digits_resnet": {"batch": 32, "steps": 150, "optimizer": "sgd", "lr": 0.05,
+                      "eval_batches": 8},
     "tiny_gpt": {"batch": 16, "steps": 120, "optimizer": "adam", "lr": 1e-3, "eval_batches": 8},
 }
-FALLBACK = {"batch": 32, "steps": 150, "optimizer": "sgd", "lr": 0.05, "eval_batches": 8}
+FALLBACK: dict[str, Any] = {"batch": 32, "steps": 150, "optimizer": "sgd", "lr": 0.05, "eval_batches": 8}
 
 REF = "reference fp32"
+UP = "weak lowest (UP)"
+GREEDY = "greedy"
+DEFAULT_METHODS = ("qsync", "curv", "hessian", "fisher")
+#: With --int4 and no --target: the target's fraction of the way from the low end to fp32.
+INT4_FRACTION = 0.5
 
 
 def t95(n: int) -> float:
@@ -105,39 +140,116 @@ def paired(xs: list[float], ys: list[float], digits: int) -> str:
     return f"within noise ({text})" if abs(d) <= h else f"{text} beyond noise"
 
 
+def versus_median(xs: list[float], others: list[list[float]]) -> tuple[float, float]:
+    """x minus, per seed, the median of ``others`` (each a per-seed list), paired over the
+    seeds: the mean difference and the half-width of its 95% t interval."""
+    meds = [statistics.median(col) for col in zip(*others, strict=True)]
+    return ci([x - m for x, m in zip(xs, meds, strict=True)])
+
+
+def goal_holds(d: float, h: float) -> bool:
+    """Issue 18's goal: the exact plan loses less (d < 0) by more than the 95% interval."""
+    return not math.isnan(h) and d < 0 and abs(d) > h
+
+
+def target_for(prob: AllocationProblem, fraction: float) -> dict[str, float]:
+    """The makespans the target is placed between, and the target: low + fraction * (fp32 -
+    low), low the smaller of UP's makespan and the smallest reachable one (when some group
+    fits no plan, UP's)."""
+    fp32 = prob.makespan_ms({g.name: [c.index(Precision.fp32) for c in g.choices]
+                             for g in prob.groups})
+    up = prob.makespan_ms(up_assignment(prob))
+    fastest = reachable_ms(prob)
+    low = min(up, fastest) if fastest is not None else up
+    return {"fp32_ms": fp32, "up_ms": up, "fastest_ms": fastest if fastest is not None
+            else float("nan"), "low_ms": low, "fraction": fraction,
+            "target_ms": low + fraction * (fp32 - low)}
+
+
+def up_assignment(prob: AllocationProblem) -> dict[str, list[int]]:
+    """QSync's UP: the strong groups at their reference, the others at their lowest."""
+    return {g.name: (list(g.reference) if g.name in prob.strong_groups else g.lowest())
+            for g in prob.groups}
+
+
 def random_plan(prob: AllocationProblem, target_ms: float, seed: int, tol: float = 0.01,
-                walk: int = 2000) -> dict[str, list[int]]:
+                walk: int = 2000, restarts: int = 20) -> dict[str, list[int]]:
     """A random weak-group assignment whose linear makespan is within ``tol`` of ``target_ms``.
 
     Independent uniform draws almost never land near a tight target (slow precisions and
     casts dominate), so this is a random walk: from a uniform random start, single-op changes
     are accepted when they do not move the makespan away from the target, then, once inside
-    the band, ``walk`` more proposals wander within it. The strong groups stay at fp32.
+    the band, ``walk`` more proposals wander within it. A walk stuck outside the band (no
+    single change gets closer) starts again from a new random start, up to ``restarts``
+    times. The strong groups stay at fp32. Where no assignment lies in the band it returns
+    the closest it found (the caller checks).
     """
     rng = random.Random(seed)
-    a = prob.reference_assignment()
     weak = [g for g in prob.groups if g.name not in prob.strong_groups]
-    for g in weak:
-        a[g.name] = [rng.randrange(len(c)) for c in g.choices]
     band = tol * target_ms
-    dist = abs(prob.makespan_ms(a) - target_ms)
-    inside = 0
-    for _ in range(200_000):
-        g = rng.choice(weak)
-        u = rng.randrange(len(g.choices))
-        b = dict(a)
-        b[g.name] = list(a[g.name])
-        b[g.name][u] = rng.randrange(len(g.choices[u]))
-        if g.memory_bytes(b[g.name]) > g.capacity_bytes:
-            continue
-        d = abs(prob.makespan_ms(b) - target_ms)
-        if d <= max(dist, band):
-            a, dist = b, d
+    best: dict[str, list[int]] | None = None
+    best_dist = math.inf
+    for _ in range(restarts):
+        a = prob.reference_assignment()
+        for g in weak:
+            a[g.name] = [rng.randrange(len(c)) for c in g.choices]
+        dist = abs(prob.makespan_ms(a) - target_ms)
+        inside = 0
+        for _ in range(200_000 // restarts):
+            g = rng.choice(weak)
+            u = rng.randrange(len(g.choices))
+            b = dict(a)
+            b[g.name] = list(a[g.name])
+            b[g.name][u] = rng.randrange(len(g.choices[u]))
+            if g.memory_bytes(b[g.name]) > g.capacity_bytes:
+                continue
+            d = abs(prob.makespan_ms(b) - target_ms)
+            if d <= max(dist, band):
+                a, dist = b, d
+            if dist <= band:
+                inside += 1
+                if inside >= walk:
+                    break
+        if dist < best_dist:
+            best, best_dist = a, dist
         if dist <= band:
-            inside += 1
-            if inside >= walk:
-                break
-    return a
+            break
+    assert best is not None
+    return best
+
+
+def key_of(assignment: dict[str, list[int]]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(sorted((g, tuple(a)) for g, a in assignment.items()))
+
+
+def random_plans(prob: AllocationProblem, target_ms: float, n: int, tol: float = 0.01,
+                 tries: int = 20) -> list[tuple[int, dict[str, list[int]]]]:
+    """``n`` distinct :func:`random_plan` assignments (seeds 0, 1, ...; a seed repeating an
+    earlier plan is skipped, at most ``tries * n`` seeds), each verified within ``tol`` of
+    ``target_ms``. SystemExit, with the reason, when a draw misses the band or fewer than
+    ``n`` distinct plans turn up."""
+    out: list[tuple[int, dict[str, list[int]]]] = []
+    seen: set[Any] = set()
+    for seed in range(tries * n):
+        a = random_plan(prob, target_ms, seed, tol)
+        ms = prob.makespan_ms(a)
+        if abs(ms - target_ms) > tol * target_ms:
+            raise SystemExit(
+                f"random plan seed {seed}: predicted makespan {ms:.4f} ms is "
+                f"{(ms - target_ms) / target_ms:+.2%} from the target {target_ms:.4f} ms, "
+                f"outside {tol:.0%} (the walk found no plan that close: the band holds few "
+                "or none; use another --target or a larger --tol)")
+        k = key_of(a)
+        if k in seen:
+            continue
+        seen.add(k)
+        out.append((seed, a))
+        if len(out) == n:
+            return out
+    raise SystemExit(
+        f"random plans: only {len(out)} distinct plan(s) within {tol:.0%} of "
+        f"{target_ms:.4f} ms after {tries * n} seeds, {n} wanted (the band holds too few "
+        "plans; use another --target, fewer --random-plans or a larger --tol)")
 
 
 def fp32_eval(model: str, seed: int, global_batch: int, eval_batches: int,
@@ -160,6 +272,7 @@ def fp32_eval(model: str, seed: int, global_batch: int, eval_batches: int,
     with torch.no_grad():
         for inputs, targets in data.eval_batches(eval_batches):
             out = net(*inputs)
+            assert targets is not None
             k = targets.shape[0]
             tot += float(compute_loss(wl, out, targets)) * k
             if wl.task == TASK_CLASSIFICATION:
@@ -178,6 +291,42 @@ def describe(plan: Plan) -> str:
     return "; ".join(parts)
 
 
+def menus(prob: AllocationProblem) -> dict[str, list[str]]:
+    """Per group, every precision some unit may take, most exact first."""
+    out = {}
+    for g in prob.groups:
+        seen: list[str] = []
+        for c in g.choices:
+            seen += [p.value for p in c if p.value not in seen]
+        out[g.name] = seen
+    return out
+
+
+def build_cluster(cluster: str | None, batch: int, int4: bool) -> tuple[str, ClusterSpec]:
+    shorthand = "+".join(f"{part.split('@')[0]}@{batch}" for part in
+                         (cluster or "cpux1+cpu/2x1").split("+"))
+    spec = parse_shorthand(shorthand)
+    if len(spec.groups) != 2 or any(gr.count != 1 for gr in spec.groups):
+        raise SystemExit("--cluster: expected two groups of one device each, e.g. v100x1+t4x1")
+    if int4:
+        spec, got = enable_int4(spec)
+        if not got:
+            raise SystemExit(f"--int4: no group of {shorthand} is on a card with an INT4 peak "
+                             "(T4, A10 or a derived CPU standing in for one)")
+        shorthand = "+".join(f"{g.device}x{g.count}@{batch}" for g in spec.groups)
+    return shorthand, spec
+
+
+def exact_plan(prob: AllocationProblem, target_ms: float | None) -> Plan:
+    try:
+        if target_ms is None:
+            return solve(prob, "highs", refine=0, compare_ties=False)[0]
+        return solve(prob.retarget(target_ms, "bench_accuracy --target"), "highs",
+                     mode="target", refine=0, compare_ties=False)[0]
+    except InfeasibleError as e:
+        raise SystemExit(f"exact plan at target {target_ms}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="digits_cnn")
@@ -192,53 +341,125 @@ def main(argv: list[str] | None = None) -> int:
                     help="two one-device groups whose catalog estimates choose the plans, e.g. "
                          "v100x1+t4x1 (default: cpux1+cpu/2x1, this CPU's own ratios); the "
                          "training is emulated on this CPU either way")
+    ap.add_argument("--int4", action="store_true",
+                    help="int4 on the menu of every group whose card has an INT4 peak (t4:int4)")
+    ap.add_argument("--target", type=float, default=None, metavar="F",
+                    help="target = low + F * (fp32 - low), low = min(UP, fastest plan); "
+                         f"default: {INT4_FRACTION} with --int4, else the solver's own target")
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS,
+                    help="indicators, one exact plan each (default: %(default)s)")
+    ap.add_argument("--random-plans", type=int, default=5, metavar="N",
+                    help="distinct random plans of the first exact plan's predicted makespan")
+    ap.add_argument("--tol", type=float, default=0.01,
+                    help="random plans' relative makespan tolerance (default 0.01)")
+    ap.add_argument("--dump", type=Path, default=None, metavar="FILE",
+                    help="JSON: per-plan per-seed metrics, predictions, target, timings")
     args = ap.parse_args(argv)
+    if args.random_plans < 1:
+        raise SystemExit("--random-plans: expected at least 1")
+    methods = list(dict.fromkeys(args.methods))
     torch.set_num_threads(1)
+    from qsync_opt.models import TASK_CAUSAL_LM, get_workload
+
+    wl = get_workload(args.model)
+    if not wl.real_data:
+        raise SystemExit(f"--model {args.model}: no real data set (the study trains and "
+                         "scores on real data)")
     d = DEFAULTS.get(args.model, FALLBACK)
     batch = args.batch or d["batch"]
     steps = args.steps or d["steps"]
     lr = args.lr or d["lr"]
     optimizer = args.optimizer or d["optimizer"]
     eval_batches = args.eval_batches if args.eval_batches is not None else d["eval_batches"]
-    lm = args.model == "tiny_gpt"
-    shorthand = "+".join(f"{part.split('@')[0]}@{batch}" for part in
-                         (args.cluster or "cpux1+cpu/2x1").split("+"))
+    lm = wl.task == TASK_CAUSAL_LM
+    fraction = args.target if args.target is not None else (INT4_FRACTION if args.int4 else None)
     t_start = time.perf_counter()
 
     g = trace(args.model, batch)
-    cluster = parse_shorthand(shorthand)
-    if len(cluster.groups) != 2 or any(gr.count != 1 for gr in cluster.groups):
-        raise SystemExit("--cluster: expected two groups of one device each, e.g. v100x1+t4x1")
+    shorthand, cluster = build_cluster(args.cluster, batch, args.int4)
     rank_groups = [gr.name for gr in cluster.groups]
-    t0 = time.perf_counter()
-    ind = indicate(args.model, 10, "qsync", batch=batch, cache=False)
-    t_ind = time.perf_counter() - t0
-    prob = AllocationProblem(g, cluster, estimate(g, cluster), ind)
-    exact, rep = solve(prob, "highs", refine=0, compare_ties=False)
-    greedy, _ = solve(prob.retarget(float(exact.provenance["target_ms"])), "greedy",
-                      refine=0, compare_ties=False)
-    ea = prob.assignment(exact)
-    plans = {
-        REF: prob.make_plan({gm.name: [c.index(Precision.fp32) for c in gm.choices]
-                             for gm in prob.groups}),
-        "weak lowest (UP)": prob.make_plan({gm.name: (gm.reference if gm.name in
-                                                      prob.strong_groups else gm.lowest())
-                                            for gm in prob.groups}),
-        "exact": exact,
-        "greedy": greedy,
-        "random, equal time": prob.make_plan(random_plan(prob, prob.makespan_ms(ea), 0)),
-    }
+    costs = estimate(g, cluster)
+    probs: dict[str, AllocationProblem] = {}
+    ind_s: dict[str, float] = {}
+    for m in methods:
+        t0 = time.perf_counter()
+        ind = indicate(args.model, 10, m, batch=batch, cache=False)
+        ind_s[m] = time.perf_counter() - t0
+        probs[m] = AllocationProblem(g, cluster, costs, ind)
+    prob = probs[methods[0]]
     print(f"machine: {cpu_model()}; torch threads {torch.get_num_threads()}")
     print(f"{args.model} on {shorthand}, {steps} steps, {optimizer} lr {lr:g}, {args.seeds} "
           f"seeds, emulated DP, {eval_batches} held-out batches of {2 * batch}")
-    print(f"indicator: qsync, 10 real batches of {batch}, {t_ind:.1f} s (not cached)")
-    print(f"exact plan: {rep.mode}")
+    for name, menu in menus(prob).items():
+        dev = prob.group(name).device
+        strong = " (strong, held at fp32)" if name in prob.held_groups else ""
+        print(f"menu of {name} ({dev}){strong}: {', '.join(menu)}")
+    print("indicators (10 real batches of " + f"{batch}, not cached): "
+          + ", ".join(f"{m} {s:.1f} s" for m, s in ind_s.items()))
+
+    tg = target_for(prob, fraction if fraction is not None else 0.0)
+    reach = "reached by" if tg["fastest_ms"] <= prob.target_ms * (1 + 1e-9) else "below"
+    print(f"makespans (linear model): fp32 {tg['fp32_ms']:.4f} ms, UP {tg['up_ms']:.4f} ms, "
+          f"fastest plan {tg['fastest_ms']:.4f} ms; solver's default target "
+          f"{prob.target_ms:.4f} ms ({prob.target_source}), {reach} the fastest plan")
+    if tg["up_ms"] > tg["low_ms"] * (1 + 1e-9):
+        print(f"note: UP is not the fastest plan ({tg['up_ms']:.4f} > {tg['low_ms']:.4f} ms: "
+              "casts and slow low precisions); the target's low end is the fastest plan")
+    if tg["fp32_ms"] <= tg["low_ms"] * (1 + 1e-9):
+        print("WARNING: no plan is faster than fp32; the target leaves no choice")
+    if fraction is None:
+        target_ms = None
+        print("target: the solver's own (no --target, no --int4: the old study)")
+    else:
+        target_ms = tg["target_ms"]
+        print(f"target: {target_ms:.4f} ms = low {tg['low_ms']:.4f} + {fraction:g} x (fp32 "
+              f"{tg['fp32_ms']:.4f} - low), shared by every exact and greedy plan")
+
+    plans: dict[str, Plan] = {
+        REF: prob.make_plan({gm.name: [c.index(Precision.fp32) for c in gm.choices]
+                             for gm in prob.groups}),
+        UP: prob.make_plan(up_assignment(prob)),
+    }
+    exact_names = []
+    for m in methods:
+        plan = exact_plan(probs[m], target_ms)
+        if target_ms is None:  # the first method's target is everyone's
+            target_ms = float(plan.provenance["target_ms"])  # type: ignore[arg-type]
+        plans[f"exact ({m})"] = plan
+        exact_names.append(f"exact ({m})")
+    first = exact_names[0]
+    assert target_ms is not None
+    greedy, _ = solve(prob.retarget(target_ms, "bench_accuracy"), "greedy", mode="target",
+                      refine=0, compare_ties=False)
+    plans[GREEDY] = greedy
+    exact_ms = prob.makespan_ms(prob.assignment(plans[first]))
+    rand = random_plans(prob, exact_ms, args.random_plans, args.tol)
+    rand_names = []
+    for seed, a in rand:
+        name = f"random {seed}"
+        plans[name] = prob.make_plan(a)
+        rand_names.append(name)
+
+    # one training per distinct plan; the others reuse its results
+    pred = {n: prob.makespan_ms(prob.assignment(p)) for n, p in plans.items()}
+    trained_as: dict[str, str] = {}
+    by_key: dict[Any, str] = {}
     for name, plan in plans.items():
-        print(f"  {name:>20}: {describe(plan)}")
+        k = key_of(prob.assignment(plan))
+        trained_as[name] = by_key.setdefault(k, name)
+
+    print(f"plans (predicted makespan; target {target_ms:.4f} ms):")
+    for name, plan in plans.items():
+        same = f"  [identical to {trained_as[name]}: trained once]" \
+            if trained_as[name] != name else ""
+        print(f"  {name:>20} {pred[name]:9.4f} ms: {describe(plan)}{same}")
+    print(f"random plans against {first}'s {exact_ms:.4f} ms (tolerance {args.tol:.0%}): "
+          + ", ".join(f"{n} {pred[n]:.4f} ({(pred[n] - exact_ms) / exact_ms:+.2%})"
+                      for n in rand_names))
     u, _ = fp32_eval(args.model, 0, 2 * batch, eval_batches)
     if lm:
         print(f"untrained (seed 0 init, fp32): held-out token CE {u:.4f} nats, "
-              f"perplexity {math.exp(u):.2f} (vocabulary 98)")
+              f"perplexity {math.exp(u):.2f}")
     else:
         print(f"untrained (seed 0 init, fp32): held-out loss {u:.4f}")
 
@@ -248,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     rank0_gap: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, plan) in enumerate(plans.items()):
+            if trained_as[name] != name:
+                continue
             path = Path(tmp) / f"{i}.plan.json"
             plan.save(path)
             for seed in range(args.seeds):
@@ -265,33 +488,37 @@ def main(argv: list[str] | None = None) -> int:
                 if fp32_acc is not None:
                     acc.setdefault(name, []).append(fp32_acc)
                 wall.setdefault(name, []).append(float(s["wall_s"]))
+    for name, src in trained_as.items():
+        for table in (loss, acc, wall):
+            if src in table:
+                table[name] = table[src]
+        rank0_gap.setdefault(name, rank0_gap[src])
 
     print()
+    w = max(len(n) for n in plans)
     if lm:
         metric = {n: [math.exp(x) for x in xs] for n, xs in loss.items()}
-        print(f"{'plan':>20} {'held-out perplexity':>21} {'token CE (nats)':>19} "
+        print(f"{'plan':>{w}} {'held-out perplexity':>21} {'token CE (nats)':>19} "
               f"{'predicted ms':>12} {'train s':>7}  perplexity vs reference (paired)")
         for name in plans:
             pm, ph = ci(metric[name])
             lo_m, lo_h = ci(loss[name])
-            pred = prob.makespan_ms(prob.assignment(plans[name]))
             verdict = "" if name == REF else paired(metric[name], metric[REF], 3)
-            print(f"{name:>20} {pm:10.3f} +- {ph:7.3f} {lo_m:8.4f} +- {lo_h:7.4f} {pred:12.2f} "
-                  f"{statistics.mean(wall[name]):7.1f}  {verdict}")
+            print(f"{name:>{w}} {pm:10.3f} +- {ph:7.3f} {lo_m:8.4f} +- {lo_h:7.4f} "
+                  f"{pred[name]:12.4f} {statistics.mean(wall[name]):7.1f}  {verdict}")
         print("per seed perplexity: " + "; ".join(
             f"{n}: " + " ".join(f"{x:.3f}" for x in metric[n]) for n in plans))
     else:
         metric = loss
-        print(f"{'plan':>20} {'held-out loss':>19} {'accuracy':>17} {'predicted ms':>12} "
+        print(f"{'plan':>{w}} {'held-out loss':>19} {'accuracy':>17} {'predicted ms':>12} "
               f"{'train s':>7}  loss vs reference (paired) | accuracy vs reference (paired)")
         for name in plans:
             lo_m, lo_h = ci(loss[name])
             am, ah = ci(acc[name]) if acc.get(name) else (float("nan"), float("nan"))
-            pred = prob.makespan_ms(prob.assignment(plans[name]))
             verdict = ("" if name == REF else paired(loss[name], loss[REF], 4) + " | "
                        + paired(acc[name], acc[REF], 4))
-            print(f"{name:>20} {lo_m:8.4f} +- {lo_h:7.4f} {am:7.4f} +- {ah:6.4f} {pred:12.2f} "
-                  f"{statistics.mean(wall[name]):7.1f}  {verdict}")
+            print(f"{name:>{w}} {lo_m:8.4f} +- {lo_h:7.4f} {am:7.4f} +- {ah:6.4f} "
+                  f"{pred[name]:12.4f} {statistics.mean(wall[name]):7.1f}  {verdict}")
         print("per seed loss: " + "; ".join(
             f"{n}: " + " ".join(f"{x:.4f}" for x in loss[n]) for n in plans))
         print("per seed accuracy: " + "; ".join(
@@ -300,10 +527,47 @@ def main(argv: list[str] | None = None) -> int:
           "fp32 score, largest |difference| over seeds: "
           + ", ".join(f"{n} {rank0_gap[n]:.2g}" for n in plans))
     what = "perplexity" if lm else "loss"
-    print(f"exact vs others, paired held-out {what} (exact minus other; negative: exact better):")
-    for other in ("greedy", "random, equal time", "weak lowest (UP)"):
-        print(f"  exact - {other}: {paired(metric['exact'], metric[other], 3 if lm else 4)}")
-    print(f"total {time.perf_counter() - t_start:.0f} s")
+    digits = 3 if lm else 4
+    print(f"exact minus the median of the {len(rand_names)} random plans, paired per seed "
+          f"(held-out {what}; negative: exact better):")
+    verdicts = {}
+    for name in exact_names:
+        dd, hh = versus_median(metric[name], [metric[r] for r in rand_names])
+        ok = goal_holds(dd, hh)
+        verdicts[name] = {"mean": dd, "half_width": hh, "goal_holds": ok}
+        interval = "no interval" if math.isnan(hh) else f"+- {hh:.{digits}f}"
+        print(f"  {name} - median random: {dd:+.{digits}f} {interval}; goal "
+              + ("HOLDS (exact loses less, beyond the 95% interval)" if ok else
+                 "does not hold" + (" (exact worse)" if dd > 0 else
+                                    " (within the 95% interval)")))
+    print(f"{first} vs others, paired held-out {what} (exact minus other; negative: exact "
+          "better):")
+    for other in (*exact_names[1:], GREEDY, UP):
+        print(f"  {first} - {other}: {paired(metric[first], metric[other], digits)}")
+    total = time.perf_counter() - t_start
+    print(f"total {total:.0f} s")
+    if args.dump is not None:
+        doc = {
+            "model": args.model, "cluster": shorthand, "menus": menus(prob),
+            "steps": steps, "batch": batch, "optimizer": optimizer, "lr": lr,
+            "eval_batches": eval_batches, "seeds": list(range(args.seeds)),
+            "methods": methods, "indicator_s": ind_s, "metric": what,
+            "target": {**tg, "target_ms": target_ms, "fraction": fraction,
+                       "solver_default_ms": prob.target_ms,
+                       "solver_default_source": prob.target_source},
+            "random": {"against": first, "makespan_ms": exact_ms, "tol": args.tol,
+                       "seeds": [s for s, _ in rand]},
+            "plans": {n: {"describe": describe(plans[n]), "predicted_ms": pred[n],
+                          "trained_as": trained_as[n], "loss": loss[n],
+                          "accuracy": acc.get(n), "metric": metric[n], "train_s": wall[n],
+                          "precisions": {gname: {op: Precision(p).value for op, p in
+                                                 gp.precisions.items()}
+                                         for gname, gp in plans[n].groups.items()}}
+                      for n in plans},
+            "exact_vs_median_random": verdicts, "total_s": total,
+        }
+        args.dump.write_text(json.dumps(doc, indent=1, allow_nan=True))
+        print(f"wrote {args.dump}")
     return 0
 
 
