@@ -223,13 +223,15 @@ def key_of(assignment: dict[str, list[int]]) -> tuple[tuple[str, tuple[int, ...]
 
 
 def random_plans(prob: AllocationProblem, target_ms: float, n: int, tol: float = 0.01,
-                 tries: int = 20) -> list[tuple[int, dict[str, list[int]]]]:
+                 tries: int = 20, exclude: set[Any] | None = None
+                 ) -> list[tuple[int, dict[str, list[int]]]]:
     """``n`` distinct :func:`random_plan` assignments (seeds 0, 1, ...; a seed repeating an
     earlier plan is skipped, at most ``tries * n`` seeds), each verified within ``tol`` of
     ``target_ms``. SystemExit, with the reason, when a draw misses the band or fewer than
-    ``n`` distinct plans turn up."""
+    ``n`` distinct plans turn up. Plans whose :func:`key_of` is in ``exclude`` (the exact
+    plans) are skipped too: a random plan is compared with them, so it is never one."""
     out: list[tuple[int, dict[str, list[int]]]] = []
-    seen: set[Any] = set()
+    seen: set[Any] = set(exclude or ())
     for seed in range(tries * n):
         a = random_plan(prob, target_ms, seed, tol)
         ms = prob.makespan_ms(a)
@@ -352,9 +354,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="distinct random plans of the first exact plan's predicted makespan")
     ap.add_argument("--tol", type=float, default=0.01,
                     help="random plans' relative makespan tolerance (default 0.01)")
+    ap.add_argument("--plan-batch", type=int, default=None, metavar="B",
+                    help="per-rank batch the plans are chosen for (the cost model's; default "
+                         "--batch): on these small models casts dominate at a small batch and "
+                         "no target favours int4/int8; the plan is trained at --batch")
+    ap.add_argument("--unpin-head", action="store_true",
+                    help="let the classifier head / lm_head compete (more decision units)")
+    ap.add_argument("--plans-only", action="store_true",
+                    help="print the target and the plans, train nothing")
     ap.add_argument("--dump", type=Path, default=None, metavar="FILE",
                     help="JSON: per-plan per-seed metrics, predictions, target, timings")
+    ap.add_argument("--float-gemm", action="store_true",
+                    help="run the integer GEMMs as bit-identical fp32 GEMMs "
+                         "(ops.float_exact_gemm): same results, far faster on a CPU without "
+                         "AMX-INT8 / AVX512-VNNI; wall times are then not the integer GEMM's")
     args = ap.parse_args(argv)
+    if args.float_gemm:
+        from qsync_opt import ops
+
+        ops.float_exact_gemm().__enter__()
+        print("integer GEMMs run as bit-identical fp32 GEMMs (--float-gemm)")
     if args.random_plans < 1:
         raise SystemExit("--random-plans: expected at least 1")
     methods = list(dict.fromkeys(args.methods))
@@ -375,21 +394,25 @@ def main(argv: list[str] | None = None) -> int:
     fraction = args.target if args.target is not None else (INT4_FRACTION if args.int4 else None)
     t_start = time.perf_counter()
 
-    g = trace(args.model, batch)
-    shorthand, cluster = build_cluster(args.cluster, batch, args.int4)
+    plan_batch = args.plan_batch or batch
+    g = trace(args.model, plan_batch, pin_head=not args.unpin_head)
+    shorthand, cluster = build_cluster(args.cluster, plan_batch, args.int4)
     rank_groups = [gr.name for gr in cluster.groups]
     costs = estimate(g, cluster)
     probs: dict[str, AllocationProblem] = {}
     ind_s: dict[str, float] = {}
     for m in methods:
         t0 = time.perf_counter()
-        ind = indicate(args.model, 10, m, batch=batch, cache=False)
+        ind = indicate(args.model, 10, m, batch=batch, cache=False, graph=g)
         ind_s[m] = time.perf_counter() - t0
         probs[m] = AllocationProblem(g, cluster, costs, ind)
     prob = probs[methods[0]]
     print(f"machine: {cpu_model()}; torch threads {torch.get_num_threads()}")
     print(f"{args.model} on {shorthand}, {steps} steps, {optimizer} lr {lr:g}, {args.seeds} "
-          f"seeds, emulated DP, {eval_batches} held-out batches of {2 * batch}")
+          f"seeds, emulated DP, {eval_batches} held-out batches of {2 * batch}; "
+          f"{len(g.choosable_ops())} choosable ops"
+          + ("" if plan_batch == batch else
+             f"; plans chosen for {plan_batch} per rank, trained at {batch} per rank"))
     for name, menu in menus(prob).items():
         dev = prob.group(name).device
         strong = " (strong, held at fp32)" if name in prob.held_groups else ""
@@ -433,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                       refine=0, compare_ties=False)
     plans[GREEDY] = greedy
     exact_ms = prob.makespan_ms(prob.assignment(plans[first]))
-    rand = random_plans(prob, exact_ms, args.random_plans, args.tol)
+    rand = random_plans(prob, exact_ms, args.random_plans, args.tol,
+                        exclude={key_of(prob.assignment(plans[n])) for n in exact_names})
     rand_names = []
     for seed, a in rand:
         name = f"random {seed}"
@@ -456,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"random plans against {first}'s {exact_ms:.4f} ms (tolerance {args.tol:.0%}): "
           + ", ".join(f"{n} {pred[n]:.4f} ({(pred[n] - exact_ms) / exact_ms:+.2%})"
                       for n in rand_names))
+    if args.plans_only:
+        return 0
     u, _ = fp32_eval(args.model, 0, 2 * batch, eval_batches)
     if lm:
         print(f"untrained (seed 0 init, fp32): held-out token CE {u:.4f} nats, "

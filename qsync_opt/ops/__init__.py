@@ -39,8 +39,10 @@ leading dimension (:func:`gemm_layout_ok`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",
     "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "gemm_layout_ok",
-    "default_bwd_dtype", "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4",
+    "default_bwd_dtype", "float_exact_gemm", "FLOAT_EXACT_MAX_K", "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4",
 ]
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -350,8 +352,34 @@ def _gemm_operand(t: Tensor, row_major_only: bool = False) -> Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # strides (cols, 1)
 
 
+#: K up to which an int8 GEMM is exact in fp32: every partial sum is an integer of size at
+#: most K * 128 * 128 <= 2**24, which fp32 holds exactly, whatever the order of the adds.
+FLOAT_EXACT_MAX_K = 2**24 // (128 * 128)
+
+_float_gemm = os.environ.get("QSYNC_OPT_INT_GEMM", "").strip().lower() == "float"
+
+
+@contextlib.contextmanager
+def float_exact_gemm(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a CPU :func:`int_mm` runs as fp32 GEMMs of the integer values over
+    pieces of K of at most :data:`FLOAT_EXACT_MAX_K`, each back to int32 and summed in
+    int32: bit for bit the integer GEMM's result (every partial sum of a piece is an integer
+    of size at most 2**24), at the fp32 GEMM's speed. For
+    accuracy measurements on a CPU without AVX512-VNNI / AMX-INT8, where ``torch._int_mm``
+    is many times slower than fp32; never for timing (the integer GEMM is what runs on a
+    card). ``QSYNC_OPT_INT_GEMM=float`` turns it on for a whole process."""
+    global _float_gemm
+    before = _float_gemm
+    _float_gemm = enabled
+    try:
+        yield
+    finally:
+        _float_gemm = before
+
+
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
-    """int8 [M, K] @ int8 [K, N] -> int32 with ``torch._int_mm``.
+    """int8 [M, K] @ int8 [K, N] -> int32 with ``torch._int_mm`` (or, inside
+    :func:`float_exact_gemm` on a CPU, the bit-identical fp32 GEMM where K allows).
 
     ``a`` goes in row-major, ``b`` row-major or transposed, each with a valid leading
     dimension (:func:`gemm_layout_ok`; a copy where not). cuBLASLt wants M > 16 and K, N
@@ -366,6 +394,13 @@ def int_mm(a: Tensor, b: Tensor) -> Tensor:
             a = F.pad(a, (0, pk - k, 0, pm - m))
             b = F.pad(b, (0, pn - n, 0, pk - k))
             return torch._int_mm(_gemm_operand(a, True), _gemm_operand(b, True))[:m, :n]
+    if _float_gemm and not a.is_cuda:
+        k, step = a.shape[1], FLOAT_EXACT_MAX_K
+        af, bf = a.float(), b.float()
+        acc = torch.mm(af[:, :step], bf[:step]).to(torch.int32)
+        for i in range(step, k, step):  # K in pieces of at most 1024, summed in int32
+            acc += torch.mm(af[:, i:i + step], bf[i:i + step]).to(torch.int32)
+        return acc
     return torch._int_mm(_gemm_operand(a, True), _gemm_operand(b))
 
 
