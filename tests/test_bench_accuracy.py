@@ -73,3 +73,11 @@ def test_versus_median_and_goal() -> None:
     d, h = B.versus_median([1.0, 2.0, 3.0], [[2.0, 3.0, 4.0], [2.1, 3.1, 4.1], [9.0, 9.0, 9.0]])
     assert d == pytest.approx(-1.1) and h == pytest.approx(0.0, abs=1e-9)
     assert not B.goal_holds(-0.1, 0.2) and B.goal_holds(-0.3, 0.2) and not B.goal_holds(0.3, 0.1)
+
+
+def test_random_plans_are_never_an_excluded_plan(prob: AllocationProblem) -> None:
+    target = B.target_for(prob, 1.0)["fp32_ms"]
+    first = B.random_plans(prob, target, 5)
+    banned = {B.key_of(a) for _, a in first[:2]}
+    again = B.random_plans(prob, target, 3, exclude=banned)
+    assert not banned & {B.key_of(a) for _, a in again}
