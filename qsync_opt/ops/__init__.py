@@ -34,7 +34,10 @@ kernel here), on CUDA in fp16 (the T4 has no bf16); ``bwd_dtype`` overrides it.
 Every op's outputs own their memory (:func:`_owned`): no output is a view or shares memory
 with an input or another output, so an in-place op may follow any of them. Every integer
 GEMM goes through :func:`int_mm`, which hands ``torch._int_mm`` only operands with a valid
-leading dimension (:func:`gemm_layout_ok`).
+leading dimension (:func:`gemm_layout_ok`). Inside :func:`float_exact_gemm` (or with
+``QSYNC_OPT_INT_GEMM=float``) a CPU's integer GEMM runs instead as fp32 GEMMs over pieces of
+K of at most 1024, bit for bit the same int32 result: for accuracy runs on a CPU whose
+``torch._int_mm`` is slow (no AVX512-VNNI / AMX-INT8), never for timing.
 """
 
 from __future__ import annotations
