@@ -364,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the target and the plans, train nothing")
     ap.add_argument("--dump", type=Path, default=None, metavar="FILE",
                     help="JSON: per-plan per-seed metrics, predictions, target, timings")
+    ap.add_argument("--emulate-half", action="store_true",
+                    help="run 16-bit GEMMs and convolutions in fp32 on the 16-bit values, "
+                         "results rounded to 16 bit (ops.emulated_half): a 16-bit GEMM with "
+                         "fp32 accumulation up to the order of the adds, many times faster on "
+                         "a CPU without fast fp16 / bf16 kernels; not bit for bit")
     ap.add_argument("--float-gemm", action="store_true",
                     help="run the integer GEMMs as bit-identical fp32 GEMMs "
                          "(ops.float_exact_gemm): same results, far faster on a CPU without "
@@ -374,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
 
         ops.float_exact_gemm().__enter__()
         print("integer GEMMs run as bit-identical fp32 GEMMs (--float-gemm)")
+    if args.emulate_half:
+        from qsync_opt import ops as _ops
+
+        _ops.emulated_half().__enter__()
+        print("16-bit GEMMs emulated: fp32 arithmetic on 16-bit values, 16-bit results "
+              "(--emulate-half)")
     if args.random_plans < 1:
         raise SystemExit("--random-plans: expected at least 1")
     methods = list(dict.fromkeys(args.methods))

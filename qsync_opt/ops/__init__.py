@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.grad import conv2d_input, conv2d_weight
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import reference as ref
 from ._build import load_cpu
@@ -62,7 +63,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",
     "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "gemm_layout_ok",
-    "default_bwd_dtype", "float_exact_gemm", "FLOAT_EXACT_MAX_K", "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4",
+    "default_bwd_dtype", "emulated_half", "float_exact_gemm", "FLOAT_EXACT_MAX_K",
+    "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4",
 ]
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -380,6 +382,69 @@ def float_exact_gemm(enabled: bool = True) -> Iterator[None]:
         _float_gemm = before
 
 
+_half_emulated = os.environ.get("QSYNC_OPT_HALF", "").strip().lower() == "emulate"
+
+#: The aten GEMMs :func:`emulated_half` runs in fp32 when an operand is 16-bit on a CPU.
+_HALF_GEMMS = ("mm.default", "addmm.default", "bmm.default", "baddbmm.default",
+               "convolution.default", "convolution_backward.default")
+
+
+def _mm16(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of two 16-bit tensors, in 16 bit (in fp32, rounded, under
+    :func:`emulated_half` on a CPU)."""
+    if _half_emulated and not a.is_cuda:
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+class _HalfAsFloat(TorchDispatchMode):
+    """Runs each CPU aten GEMM / convolution with a 16-bit operand in fp32 on the 16-bit
+    values, its results rounded back to that 16-bit dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemms = {getattr(torch.ops.aten, n.split(".")[0]).default for n in _HALF_GEMMS}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.gemms:
+            flat = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+            half = next((t.dtype for t in flat if t.dtype in (torch.float16, torch.bfloat16)
+                         and not t.is_cuda), None)
+            if half is not None:
+                def up(t: Any) -> Any:
+                    return t.float() if isinstance(t, Tensor) and t.dtype == half else t
+
+                out = func(*(up(a) for a in args), **{k: up(v) for k, v in kwargs.items()})
+                if isinstance(out, Tensor):
+                    return out.to(half)
+                return type(out)(o.to(half) if isinstance(o, Tensor) else o for o in out)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def emulated_half(enabled: bool = True) -> Iterator[None]:
+    """Within the block, every CPU GEMM and convolution with 16-bit (fp16 / bf16) operands,
+    forward and backward, the precision layers' and the integer ops' 16-bit backward alike,
+    runs in fp32 on the 16-bit values and rounds its results to 16 bit: the operands and
+    results a 16-bit GEMM with fp32 accumulation has, differing from it only in the order of
+    the fp32 adds (not bit for bit). For accuracy runs on a CPU with no fast fp16 / bf16
+    kernels, where a real 16-bit GEMM is many times slower than fp32; never for timing.
+    ``QSYNC_OPT_HALF=emulate`` turns the ops' part on for a whole process."""
+    global _half_emulated
+    before = _half_emulated
+    _half_emulated = enabled
+    try:
+        if enabled:
+            with _HalfAsFloat():
+                yield
+        else:
+            yield
+    finally:
+        _half_emulated = before
+
+
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
     """int8 [M, K] @ int8 [K, N] -> int32 with ``torch._int_mm`` (or, inside
     :func:`float_exact_gemm` on a CPU, the bit-identical fp32 GEMM where K allows).
@@ -472,8 +537,8 @@ def _int8_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
         g16 = go.to(bwd_dtype)
         w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
         x16 = _dequantize_impl(qx, sx, None, bwd_dtype)
-        grad_x = (g16 @ w16).to(x_dtype)
-        grad_w = (g16.t() @ x16).to(w_dtype)
+        grad_x = _mm16(g16, w16).to(x_dtype)
+        grad_w = _mm16(g16.t(), x16).to(w_dtype)
     return _owned((grad_x, grad_w), (grad, qx, sx, qw, sw))
 
 
@@ -608,10 +673,12 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
         g16 = grad.to(bwd_dtype)
         w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
         x16 = _dequantize_impl(qx, sx, None, bwd_dtype)
+        if _half_emulated and not grad.is_cuda:  # fp32 arithmetic, 16-bit results
+            w16, g16, x16 = w16.float(), g16.float(), x16.float()
         grad_x = conv2d_input(list(qx.shape), w16, g16, stride, padding,
-                                            dilation, groups)
+                              dilation, groups).to(bwd_dtype)
         grad_w = conv2d_weight(x16, list(qw.shape), g16, stride, padding,
-                                             dilation, groups)
+                               dilation, groups).to(bwd_dtype)
         return _owned((grad_x.to(x_dtype), grad_w.to(w_dtype)), (grad, qx, sx, qw, sw))
     _, _, g_seed, w2_seed = _seeds(seed)
     b, cin, h, w = qx.shape
@@ -740,8 +807,8 @@ def _int4_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
     g16 = go.to(bwd_dtype)
     w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
     x16 = _dequantize_impl(qx, sx, None if sx.dim() == 0 else 0, bwd_dtype)
-    grad_x = (g16 @ w16).to(x_dtype)
-    grad_w = (g16.t() @ x16).to(w_dtype)
+    grad_x = _mm16(g16, w16).to(x_dtype)
+    grad_w = _mm16(g16.t(), x16).to(w_dtype)
     return _owned((grad_x, grad_w), (grad, qx, sx, qw, sw))
 
 
