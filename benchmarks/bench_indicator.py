@@ -186,6 +186,10 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
           f"held-out sample {statistics.median(parts['pieces']):.6f}); spread of effects (sd over ops) {spread:.6f}, largest "
           f"standard error / spread {worst:.3f} ({'under' if worst < target else 'NOT under'} "
           f"{target:g}: {'the ranking is resolved' if worst < target else 'not resolved'})")
+    under = sum(e < target * spread for e in se)
+    print(f"ops whose standard error is under {target:g} x the spread: {under} of {len(ops)}; "
+          f"largest effect's standard error / spread "
+          f"{se[mean.index(max(mean))] / spread:.3f}")
     print(f"{'method':>18} {'rho now':>8} {'(sd)':>6}")
     rho: dict[str, float] = {}
     omegas: dict[str, list[float]] = {}
