@@ -69,6 +69,7 @@ steps, SGD lr 0.05; tiny_gpt batch 16, 120 steps, Adam lr 1e-3; 8 held-out batch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -91,6 +92,9 @@ from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.train import emulate
 from qsync_opt.schemas import ClusterSpec, Plan
 from qsync_opt.solve import InfeasibleError, reachable_ms, solve
+
+#: The switches (--float-gemm, --emulate-half) held for the whole run.
+_MODES = contextlib.ExitStack()
 
 #: Two-sided 95% Student t quantiles by sample size n (df = n - 1), when scipy is absent.
 T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
@@ -377,12 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.float_gemm:
         from qsync_opt import ops
 
-        ops.float_exact_gemm().__enter__()
+        _MODES.enter_context(ops.float_exact_gemm())  # held to the end of the process
         print("integer GEMMs run as bit-identical fp32 GEMMs (--float-gemm)")
     if args.emulate_half:
         from qsync_opt import ops as _ops
 
-        _ops.emulated_half().__enter__()
+        _MODES.enter_context(_ops.emulated_half())
         print("16-bit GEMMs emulated: fp32 arithmetic on 16-bit values, 16-bit results "
               "(--emulate-half)")
     if args.random_plans < 1:

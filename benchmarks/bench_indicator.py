@@ -21,6 +21,7 @@ ten ops compete) and tiny_gpt (stdlib source text):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -37,6 +38,9 @@ from qsync_opt import trace
 from qsync_opt.indicator import METHODS, indicate, real_batches
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
+
+#: The switches (--float-gemm, --emulate-half) held for the whole run.
+_MODES = contextlib.ExitStack()
 
 #: The precision each op is put at alone (``--precision``; int8 by default).
 PREC = Precision.int8
@@ -324,7 +328,7 @@ def main() -> None:
     if args.float_gemm:
         from qsync_opt import ops
 
-        ops.float_exact_gemm().__enter__()
+        _MODES.enter_context(ops.float_exact_gemm())  # held to the end of the process
         print("integer GEMMs run as bit-identical fp32 GEMMs (--float-gemm)")
     global PREC
     PREC = Precision(args.precision)
