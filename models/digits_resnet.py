@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .digits_cnn import NUM_CLASSES, load_digits_tensors
-from .resnet import BasicBlock, conv1x1, conv3x3
+from .resnet import BasicBlock, conv1x1, conv3x3, init_weights
 
 __all__ = ["IMAGE_SIZE", "WIDTHS", "DigitsResNet", "digits_resnet", "load_digits32_tensors"]
 
@@ -55,12 +55,7 @@ class DigitsResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(WIDTHS[2], num_classes)
 
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
+        init_weights(self)
 
     def _make_layer(self, planes: int, stride: int) -> nn.Sequential:
         """One BasicBlock; a 1x1 conv-BN downsample when the stride or width changes."""

@@ -26,6 +26,17 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
 
 
+def init_weights(model: nn.Module) -> None:
+    """torchvision's ResNet initialisation: Kaiming-normal (fan out) convolutions, BatchNorm
+    at weight 1 and bias 0."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a residual connection (ResNet-18/34)."""
 
@@ -112,12 +123,7 @@ class ResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512 * block.expansion, num_classes)
 
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
+        init_weights(self)
 
     def _make_layer(self, block: Block, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
         downsample: nn.Module | None = None

@@ -384,9 +384,11 @@ def float_exact_gemm(enabled: bool = True) -> Iterator[None]:
 
 _half_emulated = os.environ.get("QSYNC_OPT_HALF", "").strip().lower() == "emulate"
 
+_aten = torch.ops.aten
 #: The aten GEMMs :func:`emulated_half` runs in fp32 when an operand is 16-bit on a CPU.
-_HALF_GEMMS = ("mm.default", "addmm.default", "bmm.default", "baddbmm.default",
-               "convolution.default", "convolution_backward.default")
+_HALF_GEMMS = frozenset((_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+                         _aten.baddbmm.default, _aten.convolution.default,
+                         _aten.convolution_backward.default))
 
 
 def _mm16(a: Tensor, b: Tensor) -> Tensor:
@@ -401,14 +403,10 @@ class _HalfAsFloat(TorchDispatchMode):
     """Runs each CPU aten GEMM / convolution with a 16-bit operand in fp32 on the 16-bit
     values, its results rounded back to that 16-bit dtype."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.gemms = {getattr(torch.ops.aten, n.split(".")[0]).default for n in _HALF_GEMMS}
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in self.gemms:
+        if func in _HALF_GEMMS:
             flat = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
             half = next((t.dtype for t in flat if t.dtype in (torch.float16, torch.bfloat16)
                          and not t.is_cuda), None)
