@@ -482,6 +482,8 @@ def _cbc_class(pulp: Any, base_name: str) -> Any:
 
 
 _CBC_RESULT = re.compile(r"^Result - (.*)$", re.M)
+_CBC_GAP = re.compile(r"Exiting as integer gap of\s*([0-9.eE+-]+)")
+_CBC_BEST = re.compile(r"Search completed - best objective\s*([0-9.eE+-]+)")
 _CBC_NUM = r"\s*:?\s*(-?[0-9.eE+-]+|inf|-inf|1e\+50|-1e\+50)"
 
 
@@ -582,6 +584,16 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
         messages.append("cbc: warm start given but not reported in CBC's log")
     obj = cbc_log_value(text, "Objective value")
     lower = cbc_log_value(text, "Lower bound", lower=True)
+    # The summary prints the bound to a few digits only (1.735 for 1.73549438 with a gap of
+    # 4e-12); the search's own lines give it in full: best objective minus the gap it exited at.
+    gap, best = _CBC_GAP.search(text), _CBC_BEST.search(text)
+    if gap and best:
+        try:
+            full = float(best.group(1)) - float(gap.group(1))
+        except ValueError:
+            full = math.nan
+        if math.isfinite(full):
+            lower = full if lower is None else max(lower, full)
     if lp.status == pulp.LpStatusInfeasible or result.startswith(
             ("Problem proven infeasible", "Linear relaxation infeasible")):
         return Outcome("INFEASIBLE", None, run)
