@@ -97,7 +97,7 @@ def _metrics(out: Path, rank: int) -> list[dict]:
 
 
 def _untimed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("step_ms", "compute_ms", "sync_ms")}
+    return [{k: v for k, v in r.items() if k not in ("step_ms", "compute_ms", "sync_ms", "comm_ms")}
             for r in rows]
 
 

@@ -86,7 +86,7 @@ COLLECTIVE_TIMEOUT_S = 300
 #: Wall-clock bound of one launched run: only a hang reaches it.
 RUN_LIMIT_S = 600
 #: Fields of a metrics row that are wall times (never reproducible).
-TIMED = ("step_ms", "compute_ms", "sync_ms")
+TIMED = ("step_ms", "compute_ms", "sync_ms", "comm_ms")
 GLOO_STEPS = 6
 
 

@@ -40,7 +40,8 @@ FLAGS: dict[str, str] = {
     "steps": "--steps", "lr": "--lr", "momentum": "--momentum", "seed": "--seed",
     "checkpoint_every": "--checkpoint-every", "timeout_s": "--timeout",
     "memory_step": "--measure-memory", "optimizer": "--optimizer", "workload": "--model",
-    "rank_groups": "--rank-groups",
+    "rank_groups": "--rank-groups", "weight_decay": "--weight-decay", "sync": "--sync",
+    "comm": "--comm", "lr_schedule": "--lr-schedule",
 }
 
 #: field -> (integer?, low, low included?, high or None, high included?)
@@ -48,6 +49,7 @@ _RANGES: dict[str, tuple[bool, float, bool, float | None, bool]] = {
     "steps": (True, 1, True, None, False),
     "lr": (False, 0, False, None, False),
     "momentum": (False, 0, True, 1, False),
+    "weight_decay": (False, 0, True, None, False),
     "seed": (True, -MAX_ABS_SEED, True, MAX_ABS_SEED, True),
     "checkpoint_every": (True, 0, True, None, False),
     "loss_scale": (False, 0, False, None, False),
@@ -92,9 +94,29 @@ class TrainConfig(Document):
     rank_groups: list[str] = Field(
         description="Group name of each rank, in rank order (world size = its length).")
     steps: Int = Field(ge=1, description="Optimizer steps to run (in total, across resumes).")
-    lr: Real = Field(default=0.05, gt=0, allow_inf_nan=False)
-    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: Real = Field(default=0.05, gt=0, allow_inf_nan=False,
+                     description="The base learning rate (the schedule's peak).")
+    lr_schedule: str = Field(
+        default="constant",
+        description="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
+                    "(qsync_opt.runtime.schedule): every step's lr, in its metrics row.")
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: Real = Field(default=0.9, ge=0, lt=1)
+    weight_decay: Real = Field(default=0.0, ge=0,
+                               description="SGD's L2 term / AdamW's decoupled decay.")
+    sync: str = Field(
+        default="ddp",
+        description="How the replicas agree (qsync_opt.runtime.syncmode): ddp (gradients "
+                    "all-reduced every step), local:H (parameters averaged every H steps), "
+                    "qsr:alpha=A,h_base=H0[,power=P] (the quadratic synchronisation rule).")
+    comm: str = Field(
+        default="allreduce",
+        description="Gradient transport of the ddp mode's all-reduce: allreduce (FP32) or "
+                    "fp16 (torch's fp16 compression hook).")
+    average_optimizer_state: bool = Field(
+        default=False,
+        description="Local SGD / QSR: also average the optimizer's state (momentum, Adam's "
+                    "moments) at every sync, weighted like the parameters.")
     seed: Int = Field(default=0, ge=-MAX_ABS_SEED, le=MAX_ABS_SEED)
     out_dir: str = Field(description="Checkpoints, metrics.jsonl and the final summary go here.")
     checkpoint_every: Int = Field(default=0, ge=0,
@@ -156,6 +178,19 @@ class TrainConfig(Document):
     def _check(self) -> TrainConfig:
         if not self.rank_groups:
             raise ValueError("rank_groups must name at least one rank's group")
+        from .schedule import parse_schedule
+        from .syncmode import check_combination, parse_comm, parse_sync
+
+        for name, fn in (("sync", parse_sync), ("comm", parse_comm)):
+            try:
+                fn(getattr(self, name))
+            except QsyncInputError as exc:
+                raise ValueError(f"{FLAGS[name]}: {str(exc).partition(': ')[2]}") from None
+        try:
+            parse_schedule(self.lr_schedule, self.lr, self.steps)
+            check_combination(parse_sync(self.sync), parse_comm(self.comm))
+        except QsyncInputError as exc:
+            raise ValueError(str(exc)) from None
         for g, f in self.slowdown.items():
             if not (math.isfinite(f) and 1 <= f <= MAX_SLOWDOWN):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "
@@ -165,6 +200,24 @@ class TrainConfig(Document):
     @property
     def world_size(self) -> int:
         return len(self.rank_groups)
+
+    def schedule(self) -> Any:
+        """The run's :class:`~qsync_opt.runtime.schedule.LRSchedule`."""
+        from .schedule import parse_schedule
+
+        return parse_schedule(self.lr_schedule, self.lr, self.steps)
+
+    def sync_mode(self) -> Any:
+        """The run's :class:`~qsync_opt.runtime.syncmode.SyncMode`."""
+        from .syncmode import parse_sync
+
+        return parse_sync(self.sync)
+
+    def comm_mode(self) -> Any:
+        """The run's :class:`~qsync_opt.runtime.syncmode.CommMode`."""
+        from .syncmode import parse_comm
+
+        return parse_comm(self.comm)
 
 
 # ----------------------------------------------------------------------------- plan limits
@@ -194,7 +247,12 @@ def check_batches(plan: Plan, rank_groups: list[str]) -> list[int]:
 _LABELS = {"workload": "--model", "world_size": "world size", "rank_groups": "--rank-groups",
            "batches": "batch split", "plan_sha256": "plan (hash of the ranks' groups)",
            "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr",
-           "momentum": "--momentum", "loss_scale": "loss_scale"}
+           "momentum": "--momentum", "loss_scale": "loss_scale",
+           "lr_schedule": "--lr-schedule", "weight_decay": "--weight-decay", "sync": "--sync",
+           "comm": "--comm", "average_optimizer_state": "--average-optimizer-state"}
+#: What a fingerprint written before a field existed means by its absence (the defaults then).
+_ABSENT = {"lr_schedule": "constant", "weight_decay": 0.0, "sync": "ddp", "comm": "allreduce",
+           "average_optimizer_state": False}
 #: Differences no resume can bridge, not even with --resume-anyway.
 _FATAL = ("workload", "world_size", "optimizer")
 
@@ -218,6 +276,13 @@ def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
         "seed": config.seed, "optimizer": config.optimizer, "lr": config.lr,
         "momentum": config.momentum if config.optimizer == "sgd" else None,
         "loss_scale": config.loss_scale,
+        # a schedule that decays depends on the run's length: a resume under more steps
+        # changes every later lr, so the length is part of it
+        "lr_schedule": (config.schedule().describe()
+                        + ("" if config.schedule().kind == "constant" else f"@{config.steps}")),
+        "weight_decay": config.weight_decay,
+        "sync": config.sync_mode().describe(), "comm": config.comm_mode().describe(),
+        "average_optimizer_state": config.average_optimizer_state,
     }
 
 
@@ -231,8 +296,9 @@ def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[
     """``field old -> new`` for every field that differs (a field missing counts)."""
     out = []
     for k in _LABELS:
-        if saved.get(k) != now.get(k):
-            out.append(f"{_LABELS[k]} {_value(saved.get(k))} -> {_value(now.get(k))}")
+        old = saved.get(k, _ABSENT.get(k))
+        if old != now.get(k):
+            out.append(f"{_LABELS[k]} {_value(old)} -> {_value(now.get(k))}")
     return out
 
 

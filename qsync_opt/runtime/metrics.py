@@ -34,15 +34,23 @@ def state_hash(model: nn.Module) -> str:
 
 def step_row(*, step: int, rank: int, group: str, loss: float, compute_s: float,
              sync_s: float, nbytes: int, skipped: bool, loss_scale: float,
-             accuracy: float | None = None, state_sha256: str | None = None
-             ) -> dict[str, Any]:
-    """One metrics row: times in ms (3 decimals), ``step_ms`` = compute + sync;
-    ``accuracy`` and ``state_sha256`` only when given."""
+             lr: float | None = None, sync_round: int | None = None,
+             synced: bool | None = None, comm_ms: float | None = None,
+             bytes_sent: int | None = None, accuracy: float | None = None,
+             state_sha256: str | None = None) -> dict[str, Any]:
+    """One metrics row: times in ms (3 decimals), ``step_ms`` = compute + sync; the
+    step's ``lr``, its ``sync_round``, whether the replicas ``synced`` after it, the wall time
+    inside collectives (``comm_ms``) and the payload handed to them (``bytes_sent``) when
+    given; ``accuracy`` and ``state_sha256`` only when given."""
     row: dict[str, Any] = {
         "step": step, "rank": rank, "group": group, "loss": loss,
         "step_ms": round((compute_s + sync_s) * 1000, 3),
         "compute_ms": round(compute_s * 1000, 3), "sync_ms": round(sync_s * 1000, 3),
         "bytes_allreduced": nbytes, "skipped": skipped, "loss_scale": loss_scale}
+    for key, val in (("lr", lr), ("sync_round", sync_round), ("synced", synced),
+                     ("comm_ms", comm_ms), ("bytes_sent", bytes_sent)):
+        if val is not None:
+            row[key] = val
     if accuracy is not None:
         row["accuracy"] = accuracy
     if state_sha256 is not None:

@@ -108,6 +108,12 @@ def build_model(setup: Setup, rank: int, device: torch.device) -> nn.Module:
 
 
 def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum (``weight_decay`` as its L2 term), Adam (L2) or AdamW (decoupled
+    decay); the learning rate is the schedule's, set before every step by the trainer."""
+    wd = config.weight_decay
     if config.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=config.lr)
-    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+        return torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=wd)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=wd)
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                           weight_decay=wd)

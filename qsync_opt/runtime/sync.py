@@ -32,16 +32,20 @@ Implementations: :class:`DDPSync` (torch DDP's bucketed all-reduce in backward),
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["DDPSync", "EmulatedSync", "GradientSync", "LocalSync", "ddp_bucket_bytes"]
+__all__ = ["CommMeter", "DDPSync", "EmulatedSync", "GradientSync", "LocalSGDSync", "LocalSync",
+           "ddp_bucket_bytes", "make_sync"]
 
 
 class GradientSync:
@@ -52,11 +56,33 @@ class GradientSync:
     """
 
     world: int = 1
+    #: True: every replica steps on its own gradient and skips a non-finite step alone
+    #: (Local SGD, QSR); False: one gradient for all, and a step skipped by all.
+    independent_steps: bool = False
 
     # -- set-up
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module the trainer runs forward with (default: ``model`` itself)."""
         return model
+
+    def attach(self, shares: Sequence[float], optimizers: Sequence[Any]) -> None:
+        """Once, before the first step: each local replica's share of the global batch
+        (b_r / B) and its optimizer."""
+
+    def loss_weight(self, batch: int, global_batch: int) -> float:
+        """What a replica's mean loss is multiplied by before backward: ``b * world / B``,
+        so that the average of the ranks' gradients is the global-batch mean gradient."""
+        return batch * self.world / global_batch
+
+    # -- accounting of the step just run (the metrics row's sync_round, synced, comm_ms,
+    # bytes_sent)
+    def step_info(self, step: int) -> dict[str, Any]:
+        """``sync_round`` (the round ``step`` belongs to), ``synced`` (whether the replicas
+        agreed after it), ``comm_ms`` and ``bytes_sent`` (wall time inside this rank's
+        collectives and the payload bytes it handed them during the step), then reset."""
+        ms, nbytes = self.meter.take() if hasattr(self, "meter") else (0.0, 0)
+        return {"sync_round": step, "synced": self.world > 1, "comm_ms": ms,
+                "bytes_sent": nbytes}
 
     # -- one step, in order
     def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
@@ -96,7 +122,8 @@ class GradientSync:
         """Bytes one rank sends per step (the metrics' ``bytes_allreduced``)."""
         if self.world <= 1:
             return 0
-        return sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        per = 2 if getattr(self, "comm", "allreduce") == "fp16" else 4
+        return sum(p.numel() * per for p in model.parameters() if p.requires_grad)
 
     def persistent_bytes(self, forward_model: nn.Module) -> int | None:
         """Bytes the mode holds across steps outside every module (counted in a measured
@@ -112,8 +139,58 @@ class GradientSync:
         """Return once every rank got here (one process: at once)."""
 
 
+class CommMeter:
+    """Wall time inside collectives and the payload bytes handed to them, per step.
+
+    Blocking collectives are timed around the call (:meth:`timed`); DDP's bucket
+    all-reduces run asynchronously, overlapping backward, so each bucket records the
+    interval from its launch to its completion (:meth:`interval`) and a step's time is the
+    *union* of those intervals and the blocking ones: the wall time during which at least one
+    of this rank's collectives was in flight. ``bytes_sent`` is the size of the tensors
+    handed to the collectives (an all-reduce's wire traffic is about twice that on a ring,
+    set by the backend's algorithm)."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[float, float]] = []
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def interval(self, t0: float, t1: float, nbytes: int = 0) -> None:
+        with self._lock:
+            self._spans.append((t0, t1))
+            self._bytes += int(nbytes)
+
+    @contextlib.contextmanager
+    def timed(self, nbytes: int) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.interval(t0, time.perf_counter(), nbytes)
+
+    def take(self) -> tuple[float, int]:
+        """(ms in collectives, bytes) since the last call, and reset."""
+        with self._lock:
+            spans, nbytes = sorted(self._spans), self._bytes
+            self._spans, self._bytes = [], 0
+        total, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return round(total * 1000, 3), nbytes
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class LocalSync(GradientSync):
     """One process, one rank: nothing to agree on."""
+
+    def step_info(self, step: int) -> dict[str, Any]:
+        return {"sync_round": step, "synced": False, "comm_ms": 0.0, "bytes_sent": 0}
 
     def reduce(self, models: Sequence[nn.Module]) -> None:
         pass
@@ -141,11 +218,39 @@ def ddp_bucket_bytes(model: nn.Module) -> int | None:
         return None
 
 
-class DDPSync(GradientSync):
-    """torch DDP: the FP32 gradient average happens in backward (bucketed all-reduce)."""
+def _dist_min_max(value: float, device: torch.device | None) -> tuple[float, float]:
+    lo = torch.tensor([value], dtype=torch.float64, device=device)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return float(lo), float(hi)
 
-    def __init__(self, world: int, device: torch.device) -> None:
-        self.world, self.device = world, device
+
+def _dist_barrier(device: torch.device | None) -> None:
+    # an all-reduce is a barrier on every backend (NCCL's barrier guesses the device)
+    t = torch.zeros(1, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def _fp16_encode(buf: Tensor, world: int) -> Tensor:
+    """torch's fp16 compression: cast, then divide by the world size (in fp16)."""
+    from .commhooks import encode
+
+    return encode(buf, world, "fp16")
+
+
+class DDPSync(GradientSync):
+    """torch DDP: the gradient average happens in backward (bucketed all-reduce).
+
+    One comm hook is registered (DDP has a single slot), built from the transport chain of
+    ``comm`` (:mod:`.syncmode`): ``allreduce`` divides each FP32 bucket by the world and
+    all-reduces it (torch's ``allreduce_hook``), ``fp16`` casts it to fp16 first (torch's
+    ``fp16_compress_hook``) and back after. Every bucket's launch-to-completion interval and
+    payload go to :attr:`meter`."""
+
+    def __init__(self, world: int, device: torch.device, comm: str = "allreduce") -> None:
+        self.world, self.device, self.comm = world, device, comm
+        self.meter = CommMeter()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -156,30 +261,29 @@ class DDPSync(GradientSync):
         no_fwd_sync: dict[str, Any] = ({fwd: False}
                                        if fwd in inspect.signature(DDP.__init__).parameters
                                        else {"broadcast_buffers": False})
-        return DDP(model, device_ids=ids, **no_fwd_sync)
+        ddp = DDP(model, device_ids=ids, **no_fwd_sync)
+        from .commhooks import HookState, chain_hook
+
+        ddp.register_comm_hook(HookState(self.world, self.comm, self.meter), chain_hook)
+        return ddp
 
     def reduce(self, models: Sequence[nn.Module]) -> None:
         pass  # DDP's backward hooks already averaged the gradients
 
     def sum_stats(self, stats: Tensor) -> Tensor:
         t = stats.to(self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with self.meter.timed(_nbytes(t)):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu()
 
     def persistent_bytes(self, forward_model: nn.Module) -> int | None:
         return ddp_bucket_bytes(forward_model)
 
     def min_max(self, value: float) -> tuple[float, float]:
-        lo = torch.tensor([value], dtype=torch.float64, device=self.device)
-        hi = lo.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        return float(lo), float(hi)
+        return _dist_min_max(value, self.device)
 
     def barrier(self) -> None:
-        # an all-reduce is a barrier on every backend (NCCL's barrier guesses the device)
-        t = torch.zeros(1, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        _dist_barrier(self.device)
 
     def sync_buffers(self, models: Sequence[nn.Module]) -> None:
         # One broadcast per dtype (a ResNet-18 has 60 BN buffers: 60 latency-bound
@@ -191,38 +295,233 @@ class DDPSync(GradientSync):
             by_dtype.setdefault(buf.dtype, []).append(buf)
         for bufs in by_dtype.values():
             flat = _flatten_dense_tensors([b.data for b in bufs])
-            dist.broadcast(flat, src=0)
+            with self.meter.timed(_nbytes(flat)):
+                dist.broadcast(flat, src=0)
             for b, v in zip(bufs, _unflatten_dense_tensors(flat, bufs), strict=True):
                 b.data.copy_(v)
 
 
-class EmulatedSync(GradientSync):
-    """One process holding every rank's replica: sum, average by world, copy to all."""
+def _grad_bytes(model: nn.Module, comm: str) -> int:
+    per = 2 if comm == "fp16" else 4
+    return sum(p.numel() * per for p in model.parameters() if p.grad is not None)
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+
+def _buffer_bytes(model: nn.Module) -> int:
+    return sum(_nbytes(b) for b in model.buffers())
+
+
+class EmulatedSync(GradientSync):
+    """One process holding every rank's replica: sum, average by world, copy to all.
+
+    ``comm="fp16"`` emulates torch's fp16 compression hook: each replica's gradient cast to
+    fp16 and divided by the world there, summed in fp16 in rank order, cast back. The meter
+    records the in-process reduction's wall time (no network here) and the payload each
+    rank would hand its collectives (the bytes of a multi-process run)."""
+
+    def __init__(self, world: int, comm: str = "allreduce") -> None:
+        self.world, self.comm = world, comm
+        self.meter = CommMeter()
 
     def reduce(self, models: Sequence[nn.Module]) -> None:
+        t0 = time.perf_counter()
         params = [list(m.parameters()) for m in models]
         for i, p0 in enumerate(params[0]):
             if p0.grad is None:
                 continue
-            total = p0.grad.clone()
-            for ps in params[1:]:
-                g = ps[i].grad
-                assert g is not None  # every replica ran the same backward
-                total += g
-            total /= self.world
+            if self.comm == "fp16":
+                total = _fp16_encode(p0.grad, self.world)
+                for ps in params[1:]:
+                    g = ps[i].grad
+                    assert g is not None  # every replica ran the same backward
+                    total += _fp16_encode(g, self.world)
+                total = total.to(p0.grad.dtype)
+            else:
+                total = p0.grad.clone()
+                for ps in params[1:]:
+                    g = ps[i].grad
+                    assert g is not None  # every replica ran the same backward
+                    total += g
+                total /= self.world
             for ps in params:
                 g = ps[i].grad
                 assert g is not None
                 g.copy_(total)
+        self.meter.interval(t0, time.perf_counter(), _grad_bytes(models[0], self.comm))
 
     def sum_stats(self, stats: Tensor) -> Tensor:
+        self.meter.interval(0.0, 0.0, _nbytes(stats))
         return stats
 
     def sync_buffers(self, models: Sequence[nn.Module]) -> None:
+        t0 = time.perf_counter()
         src = list(models[0].buffers())
         for m in models[1:]:
             for b, s in zip(m.buffers(), src, strict=True):
                 b.copy_(s)
+        self.meter.interval(t0, time.perf_counter(), _buffer_bytes(models[0]))
+
+
+class LocalSGDSync(GradientSync):
+    """Local SGD and QSR (:mod:`.syncmode`): every replica steps on its own gradient; after
+    the last step of each round the FP32 parameters, the floating BatchNorm statistics and
+    (``average_optimizer_state``) the optimizer's floating state are averaged, weighted by
+    each rank's share of the global batch, in one flat all-reduce (a weighted average, so
+    torch's ``average_parameters``, an equal average, and its ``PeriodicModelAverager``, a
+    fixed period, do not fit; the collective is the same flat all-reduce they use). Integer
+    buffers (BatchNorm's step count) are averaged and rounded back.
+
+    ``group``: the process group (None: the emulation, every replica in this process, summed
+    in rank order). The statistics all-reduce runs once per round, at its end. The round
+    state (start, length, index) goes into every replica's checkpoint, so a resumed run
+    syncs at the same steps.
+    """
+
+    independent_steps = True
+
+    def __init__(self, world: int, mode: Any, schedule: Any, total_steps: int,
+                 device: torch.device | None = None, emulated: bool = False,
+                 average_optimizer_state: bool = False) -> None:
+        self.world, self.mode, self.schedule = world, mode, schedule
+        self.total_steps, self.device, self.emulated = int(total_steps), device, emulated
+        self.average_optimizer_state = average_optimizer_state
+        self.meter = CommMeter()
+        self.shares: list[float] = []
+        self.optimizers: list[Any] = []
+        self.round_index, self.round_start, self.round_len = 0, 0, 0
+        self._step = self._round_of_step = self._avg_bytes = 0
+        self._synced = False
+
+    def attach(self, shares: Sequence[float], optimizers: Sequence[Any]) -> None:
+        self.shares, self.optimizers = [float(x) for x in shares], list(optimizers)
+
+    def loss_weight(self, batch: int, global_batch: int) -> float:
+        return 1.0  # each replica descends its own mean loss; the average weighs the shares
+
+    # -- the rounds
+    def _enter(self, step: int) -> None:
+        from .syncmode import round_length
+
+        if self.round_len == 0 and step == 0:  # the first round of a fresh run
+            self.round_start, self.round_len = 0, round_length(self.mode, self.schedule, 0,
+                                                               self.total_steps)
+        elif step >= self.round_start + self.round_len:  # a new round starts here
+            self.round_index += 1
+            self.round_start = step
+            self.round_len = round_length(self.mode, self.schedule, step, self.total_steps)
+        # a resumed run under fewer steps cuts the round at its last step
+        self.round_len = max(1, min(self.round_len, self.total_steps - self.round_start))
+
+    def is_sync_step(self, step: int) -> bool:
+        return step == self.round_start + self.round_len - 1
+
+    def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
+        self._enter(step)
+        self._step, self._round_of_step, self._synced = step, self.round_index, False
+
+    def reduce(self, models: Sequence[nn.Module]) -> None:
+        pass  # no gradient all-reduce: each replica steps on its own gradient
+
+    def sum_stats(self, stats: Tensor) -> Tensor:
+        """The statistics all-reduce, once per round (at its last step); between syncs each
+        process keeps its own replicas' figures."""
+        if self.world <= 1 or not self.is_sync_step(self._step):
+            return stats
+        if self.emulated:  # the bytes a rank would hand the all-reduce
+            self.meter.interval(0.0, 0.0, _nbytes(stats))
+            return stats
+        t = stats.to(self.device)
+        with self.meter.timed(_nbytes(t)):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    def min_max(self, value: float) -> tuple[float, float]:
+        if self.emulated or self.world <= 1:
+            return value, value
+        return _dist_min_max(value, self.device)
+
+    def barrier(self) -> None:
+        if not self.emulated and self.world > 1:
+            _dist_barrier(self.device)
+
+    def after_step(self, step: int, models: Sequence[nn.Module], skipped: bool) -> None:
+        if self.is_sync_step(step):
+            self._average(models)
+            self._synced = True
+
+    def sync_buffers(self, models: Sequence[nn.Module]) -> None:
+        pass  # averaged with the parameters at each sync
+
+    def _tensors(self, i: int, model: nn.Module) -> list[Tensor]:
+        ts = [p.data for p in model.parameters()]
+        ts += [b.data for b in model.buffers()]
+        if self.average_optimizer_state and self.optimizers:
+            opt = self.optimizers[i]
+            for p in model.parameters():
+                st = opt.state.get(p, {})
+                for k in sorted(st):
+                    v = st[k]
+                    if k != "step" and isinstance(v, Tensor) and v.is_floating_point():
+                        ts.append(v)
+        return ts
+
+    def _average(self, models: Sequence[nn.Module]) -> None:
+        t0 = time.perf_counter()
+        groups = [self._tensors(i, m) for i, m in enumerate(models)]
+        sizes = [len(g) for g in groups]
+        if len(set(sizes)) != 1:
+            raise RuntimeError("local SGD: the replicas hold different state to average "
+                               f"({sizes} tensors): an optimizer state exists on some only")
+        flat: Tensor | None = None
+        for i, ts in enumerate(groups):
+            w = self.shares[i] if self.shares else 1.0 / self.world
+            part = torch.cat([t.reshape(-1).to(torch.float32) for t in ts]) * w
+            flat = part if flat is None else flat.add_(part)
+        assert flat is not None
+        if not self.emulated and self.world > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for ts in groups:
+            off = 0
+            for t in ts:
+                n = t.numel()
+                v = flat[off:off + n].view_as(t)
+                t.copy_(v.round() if not t.is_floating_point() else v)
+                off += n
+        nbytes = _nbytes(flat) if (self.world > 1) else 0
+        self._avg_bytes = nbytes
+        self.meter.interval(t0, time.perf_counter(), nbytes)
+
+    def bytes_per_step(self, model: nn.Module) -> int:
+        """The averaging's payload on a sync step, 0 between syncs."""
+        return self._avg_bytes if self._synced else 0
+
+    def step_info(self, step: int) -> dict[str, Any]:
+        ms, nbytes = self.meter.take()
+        return {"sync_round": self._round_of_step, "synced": self._synced, "comm_ms": ms,
+                "bytes_sent": nbytes}
+
+    # -- checkpoints
+    def state_dict(self, replica: int) -> dict[str, Any]:
+        return {"mode": self.mode.describe(), "round_index": self.round_index,
+                "round_start": self.round_start, "round_len": self.round_len}
+
+    def load_state_dict(self, replica: int, state: dict[str, Any]) -> None:
+        if state:
+            self.round_index = int(state["round_index"])
+            self.round_start = int(state["round_start"])
+            self.round_len = int(state["round_len"])
+
+
+def make_sync(config: Any, world: int, device: torch.device, emulated: bool) -> GradientSync:
+    """The gradient-sync mode a run's config asks for (``sync``, ``comm``), over ``world``
+    ranks, in one process (``emulated``) or one per rank."""
+    mode = config.sync_mode()
+    comm = config.comm_mode().kind
+    if mode.averages_parameters:
+        if world <= 1:
+            return LocalSync()
+        return LocalSGDSync(world, mode, config.schedule(), config.steps, device=device,
+                            emulated=emulated,
+                            average_optimizer_state=config.average_optimizer_state)
+    if emulated:
+        return EmulatedSync(world, comm)
+    return DDPSync(world, device, comm) if world > 1 else LocalSync()

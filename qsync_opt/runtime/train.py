@@ -76,7 +76,7 @@ from .faults import FaultPlan
 from .metrics import clean, state_hash, write_json
 from .prepare import Setup, build_model, card_mismatch, make_optimizer, prepare
 from .scaler import GROWTH_INTERVAL, MAX_SCALE, LossScaler, grads_finite
-from .sync import DDPSync, EmulatedSync, GradientSync, LocalSync, ddp_bucket_bytes
+from .sync import DDPSync, EmulatedSync, GradientSync, LocalSync, ddp_bucket_bytes, make_sync
 from .trainer import Trainer, TrainingError, weighted_backward
 from .watchdog import watch_parents
 
@@ -106,13 +106,14 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
             sync: GradientSync | None = None) -> dict[str, Any]:
     """One process, one replica per rank: synchronous data parallelism, emulated.
     ``faults``: the faults to inject (None: those the environment asks for); ``sync``: the
-    gradient-sync mode over the replicas (None: :class:`EmulatedSync`, the all-reduce)."""
+    gradient-sync mode over the replicas (None: the config's ``sync``/``comm``, emulated:
+    :class:`EmulatedSync`, the all-reduce, or :class:`LocalSGDSync`)."""
     faults = FaultPlan.from_env() if faults is None else faults
     setup = prepare(config)
     device = torch.device("cpu")
     ranks = list(range(config.world_size))
     models = [build_model(setup, r, device) for r in ranks]
-    sync = EmulatedSync(config.world_size) if sync is None else sync
+    sync = make_sync(config, config.world_size, device, emulated=True) if sync is None else sync
     out = Path(config.out_dir)
     tr = Trainer(setup, ranks, models, sync, device, faults=faults,
                  log_state_hash=_log_state_hash())
@@ -176,7 +177,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
         from .emulate import add_slowdown
 
         slowdown = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
-        sync: GradientSync = DDPSync(world, device) if world > 1 else LocalSync()
+        sync = make_sync(config, world, device, emulated=False)
         tr = Trainer(setup, [rank], [model], sync, device, faults=faults,
                      log_state_hash=_log_state_hash())
         res = tr.train(show_progress=rank == 0 and sys.stderr.isatty())

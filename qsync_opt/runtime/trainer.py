@@ -83,10 +83,14 @@ class Trainer:
         self.faults, self.log_state_hash = faults, log_state_hash
         self.forward_models = [sync.wrap(m) for m in models]
         self.opts = [make_optimizer(self.cfg, m) for m in models]
+        self.schedule = self.cfg.schedule()
+        sync.attach([setup.batches[r] / setup.global_batch for r in ranks], self.opts)
         self.device = device
         self.resumed: CheckpointSet | None = None
         self.data = GlobalBatches(setup.workload, self.cfg.seed, setup.global_batch)
-        self.scaler = LossScaler(setup.init_scale)
+        # one loss scale per replica: equal under ddp (every step agreed), each its own
+        # under Local SGD (a replica skips a non-finite step alone)
+        self.scalers = [LossScaler(setup.init_scale) for _ in ranks]
         self.bad_run, self.skipped, self.step = 0, 0, 0
         # every replica has its own torch RNG stream (dropout), as its process would
         self.rngs: list[Tensor] = []
@@ -98,8 +102,13 @@ class Trainer:
         self.memory: dict[str, Any] | None = None  # filled by measure_memory()
 
     @property
+    def scaler(self) -> LossScaler:
+        """The first local replica's loss scaler."""
+        return self.scalers[0]
+
+    @property
     def scale(self) -> float:
-        """The loss scale now."""
+        """The loss scale now (the first local replica's)."""
         return self.scaler.scale
 
     # -- checkpoints
@@ -130,7 +139,7 @@ class Trainer:
         for i, (r, rng, m, opt) in enumerate(zip(self.ranks, self.rngs, self.models, self.opts,
                                                  strict=True)):
             write_rank_file(folder, r, rank_document(
-                step=self.step, scaler=self.scaler.state_dict(), bad_run=self.bad_run,
+                step=self.step, scaler=self.scalers[i].state_dict(), bad_run=self.bad_run,
                 skipped=self.skipped, last_loss=self.last_loss, model=m, optimizer=opt,
                 rank=r, rng=rng, sync=self.sync.state_dict(i)))
             self.faults.in_save(r, self.step)
@@ -152,9 +161,9 @@ class Trainer:
             set_qseeds(m, rep["qseeds"])
             self.rngs[i] = rep["rng"]
             self.sync.load_state_dict(i, rep.get("sync", {}))
+            self.scalers[i].load_state_dict(ck)
             if i == 0:
                 self.step = int(ck["step"])
-                self.scaler.load_state_dict(ck)
                 self.bad_run, self.skipped = int(ck["bad_run"]), int(ck["skipped"])
                 self.last_loss = float(ck["last_loss"])
 
@@ -162,12 +171,16 @@ class Trainer:
     def train_step(self, metrics: list[MetricsWriter]) -> None:
         cfg, s = self.cfg, self.s
         step = self.step
+        lr = self.schedule.lr_at(step)
+        for opt in self.opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
         inputs, targets = self.data.batch(step)
         inputs = to_device(inputs, self.device)
         targets = targets.to(self.device) if targets is not None else None
         saved = [[b.detach().clone() for b in m.buffers()] for m in self.models]
         rows = []
-        local = torch.zeros(4, dtype=torch.float64)  # nonfinite, sum loss*b, correct, -
+        local = torch.zeros(4, dtype=torch.float64)  # nonfinite, sum loss*b, correct, sum b
         compute_s = []
         self.sync.before_backward(step, self.models)
         for i, (r, fm, opt) in enumerate(zip(self.ranks, self.forward_models, self.opts,
@@ -179,46 +192,53 @@ class Trainer:
             xi, yi = rank_slice((inputs, targets), s.offsets[r], b)
             torch.set_rng_state(self.rngs[i])
             loss, correct = weighted_backward(
-                fm, s.workload, xi, yi, weight=b * self.sync.world / s.global_batch,
-                scale=self.scaler.scale, poison=self.faults.nan_loss(r, step))
+                fm, s.workload, xi, yi, weight=self.sync.loss_weight(b, s.global_batch),
+                scale=self.scalers[i].scale, poison=self.faults.nan_loss(r, step))
             self.rngs[i] = torch.get_rng_state()
             compute_s.append(time.perf_counter() - t0)
             rows.append((r, b, loss, correct))
             local[1] += loss * b
             local[2] += correct
+            local[3] += b
         t_sync = time.perf_counter()
         self.sync.after_backward(step, self.models)
-        local[0] += self.scaler.nonfinite(self.models, [loss for _, _, loss, _ in rows])
+        bad = [self.scalers[i].nonfinite([m], [rows[i][2]]) for i, m in enumerate(self.models)]
+        local[0] += sum(bad)
         tot = self.sync.sum_stats(local)
-        skip = bool(tot[0] > 0)
-        if skip:
-            for m, bufs in zip(self.models, saved, strict=True):
+        if self.sync.independent_steps:  # each replica its own step (Local SGD)
+            skips = [n > 0 for n in bad]
+        else:  # one gradient: every replica steps, or none
+            skips = [bool(tot[0] > 0)] * len(self.models)
+        for m, opt, bufs, sc, skip in zip(self.models, self.opts, saved, self.scalers, skips,
+                                          strict=True):
+            if skip:
                 for b_, s_ in zip(m.buffers(), bufs, strict=True):
                     b_.copy_(s_)
-            for opt in self.opts:
                 opt.zero_grad(set_to_none=True)
+            else:
+                sc.unscale_(m)
+                opt.step()
+            sc.update(skipped=skip)
+        if any(skips):
             self.bad_run, self.skipped = self.bad_run + 1, self.skipped + 1
         else:
-            for m, opt in zip(self.models, self.opts, strict=True):
-                self.scaler.unscale_(m)
-                opt.step()
             self.bad_run = 0
-        self.scaler.update(skipped=skip)
-        self.sync.after_step(step, self.models, skip)
+        self.sync.after_step(step, self.models, all(skips))
         self.sync.sync_buffers(self.models)
         sync_s = time.perf_counter() - t_sync
-        self.last_loss = float(tot[1]) / s.global_batch
+        self.last_loss = float(tot[1]) / float(tot[3])
         nbytes = self.sync.bytes_per_step(self.models[0])
+        info = self.sync.step_info(step)
         classification = s.workload.task == "classification"
-        for (r, b, loss, correct), met, m, c_s in zip(rows, metrics, self.models, compute_s,
-                                                      strict=True):
+        for (r, b, loss, correct), met, m, c_s, sc, skip in zip(
+                rows, metrics, self.models, compute_s, self.scalers, skips, strict=True):
             g = cfg.rank_groups[r]
             # One local replica: its slowdown hooks already slept inside c_s. Emulated
             # replicas do not sleep; their step time is reported stretched.
             f = 1.0 if len(self.models) == 1 else cfg.slowdown.get(g, 1.0)
             met.write(step_row(
                 step=step, rank=r, group=g, loss=loss, compute_s=c_s * f, sync_s=sync_s,
-                nbytes=nbytes, skipped=skip, loss_scale=self.scaler.scale,
+                nbytes=nbytes, skipped=skip, loss_scale=sc.scale, lr=lr, **info,
                 accuracy=correct / b if classification else None,
                 state_sha256=state_hash(m) if self.log_state_hash else None))
         self.step += 1
@@ -317,7 +337,8 @@ class Trainer:
             "batches": self.s.batches, "global_batch": self.s.global_batch,
             "emulated": cfg.emulate_dp, "steps": self.step, "resumed_from_step": start,
             "skipped_steps": self.skipped, "final_loss": self.last_loss,
-            "loss_scale": self.scaler.scale,
+            "loss_scale": self.scaler.scale, "sync": cfg.sync_mode().describe(),
+            "comm": cfg.comm_mode().describe(), "lr_schedule": self.schedule.describe(),
             "eval_loss": evals[0]["loss"], "eval_accuracy": evals[0]["accuracy"],
             "eval_per_rank": evals, "state_sha256": sha, "wall_s": round(wall_s, 3),
             **({"memory": self.memory} if self.memory is not None else {}),

@@ -1,0 +1,194 @@
+"""Sync modes and gradient transports: what ``--sync`` and ``--comm`` mean, as pure functions.
+
+Sync modes (``--sync``, ``TrainConfig.sync``)
+
+``ddp``
+    Every step, DDP's bucketed all-reduce of the FP32 gradients in backward (the default).
+``local:H``
+    Local SGD: every rank steps on its own gradient; every ``H`` steps the parameters are
+    averaged (weighted by the ranks' batch shares).
+``qsr:alpha=A,h_base=H0[,power=2]``
+    Local SGD under the quadratic synchronisation rule (QSR, Gu et al., ICLR 2024): at the
+    start of each round the round's length is ``H = max(H0, floor((A / lr) ** power))`` with
+    ``lr`` the learning rate of that step (:mod:`.schedule`); ``H0`` during the warm-up;
+    ``A = 0`` gives the constant ``H0``.
+
+Every round is cut at the run's last step, so the last step always ends with a sync and the
+replicas finish identical (torch's ``PeriodicModelAverager`` alone would leave them
+different after its last period). :func:`round_length` and :func:`sync_steps` are the rule;
+the trainer and the replayer's sync model call them, so they cannot drift.
+
+Gradient transports (``--comm``, ``TrainConfig.comm``), composed into the one DDP hook chain
+
+``allreduce``
+    FP32 gradients (DDP's own all-reduce; the default).
+``fp16``
+    Gradients sent as fp16 (torch's ``fp16_compress_hook``: divided by the world size, cast,
+    all-reduced, cast back), in the emulation too.
+
+Which combine is :data:`COMPATIBLE`; :func:`check_combination` refuses the others with one
+line (a gradient transport needs gradients on the wire: Local SGD and QSR send parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import QsyncInputError
+from .schedule import LRSchedule, parse_options
+
+__all__ = ["COMM_KINDS", "COMPATIBLE", "CommMode", "SYNC_KINDS", "SyncMode",
+           "check_combination", "parse_comm", "parse_sync", "qsr_period", "round_length",
+           "rounds", "sync_steps"]
+
+SYNC_KINDS = ("ddp", "local", "qsr")
+COMM_KINDS = ("allreduce", "fp16")
+
+#: (sync kind, comm kind) pairs that run; the README's table is printed from this.
+COMPATIBLE: dict[tuple[str, str], bool] = {
+    ("ddp", "allreduce"): True, ("ddp", "fp16"): True,
+    ("local", "allreduce"): True, ("local", "fp16"): False,
+    ("qsr", "allreduce"): True, ("qsr", "fp16"): False,
+}
+
+#: A round never exceeds this many steps (``(A / lr) ** 2`` of a tiny lr is astronomic).
+MAX_PERIOD = 1 << 40
+
+
+@dataclass(frozen=True)
+class SyncMode:
+    """A parsed ``--sync`` (module docstring). ``period``: H of ``local``, H0 of ``qsr``."""
+
+    kind: str = "ddp"
+    period: int = 1
+    alpha: float = 0.0
+    power: float = 2.0
+
+    @property
+    def averages_parameters(self) -> bool:
+        """True for Local SGD and QSR (parameters averaged every round, no gradient
+        all-reduce)."""
+        return self.kind != "ddp"
+
+    def describe(self) -> str:
+        if self.kind == "ddp":
+            return "ddp"
+        if self.kind == "local":
+            return f"local:{self.period}"
+        p = "" if self.power == 2 else f",power={self.power:g}"
+        return f"qsr:alpha={self.alpha:g},h_base={self.period}{p}"
+
+
+@dataclass(frozen=True)
+class CommMode:
+    """A parsed ``--comm``."""
+
+    kind: str = "allreduce"
+
+    def describe(self) -> str:
+        return self.kind
+
+
+def parse_sync(text: str) -> SyncMode:
+    """``--sync`` text -> :class:`SyncMode` (QsyncInputError names the field)."""
+    raw = text.strip()
+    kind, _, rest = raw.partition(":")
+    kind = kind.strip().lower()
+    if kind == "ddp":
+        if rest.strip():
+            raise QsyncInputError(f"sync: ddp takes no options, got {raw!r}")
+        return SyncMode()
+    if kind == "local":
+        try:
+            h = float(rest)
+        except ValueError:
+            h = float("nan")
+        if not (math.isfinite(h) and h.is_integer() and 1 <= h <= MAX_PERIOD):
+            raise QsyncInputError(f"sync: local:H needs an integer H >= 1 (steps between "
+                                  f"parameter averages), got {raw!r}")
+        return SyncMode("local", int(h))
+    if kind == "qsr":
+        _, opts = parse_options(raw, "sync", {"alpha": float, "h_base": int, "power": float})
+        if "alpha" not in opts or "h_base" not in opts:
+            raise QsyncInputError(f"sync: qsr needs alpha=A and h_base=H0 "
+                                  f"(qsr:alpha=0.2,h_base=4), got {raw!r}")
+        alpha, h0, power = opts["alpha"], int(opts["h_base"]), opts.get("power", 2.0)
+        if alpha < 0:
+            raise QsyncInputError(f"sync: qsr's alpha must be >= 0, got {alpha:g}")
+        if not 1 <= h0 <= MAX_PERIOD:
+            raise QsyncInputError(f"sync: qsr's h_base must be an integer >= 1, got {h0}")
+        if not power > 0:
+            raise QsyncInputError(f"sync: qsr's power must be > 0, got {power:g}")
+        return SyncMode("qsr", h0, float(alpha), float(power))
+    raise QsyncInputError(f"sync: expected ddp, local:H or qsr:alpha=A,h_base=H0[,power=P], "
+                          f"got {raw!r}")
+
+
+def parse_comm(text: str) -> CommMode:
+    """``--comm`` text -> :class:`CommMode`."""
+    kind = text.strip().lower()
+    if kind not in COMM_KINDS:
+        raise QsyncInputError(f"comm: expected one of {', '.join(COMM_KINDS)}, got "
+                              f"{text.strip()!r}")
+    return CommMode(kind)
+
+
+def check_combination(sync: SyncMode, comm: CommMode) -> None:
+    """Refuse a sync/comm pair that cannot run, in one line naming both flags."""
+    if not COMPATIBLE.get((sync.kind, comm.kind), False):
+        raise QsyncInputError(
+            f"--sync {sync.describe()} with --comm {comm.describe()}: {comm.kind} is a "
+            f"gradient transport (DDP's all-reduce), and {sync.kind} sends no gradients (it "
+            "averages FP32 parameters every round); use --comm allreduce, or --sync ddp")
+
+
+def qsr_period(lr: float, alpha: float, h_base: int, power: float = 2.0) -> int:
+    """QSR's round length at learning rate ``lr``: max(H0, floor((alpha / lr) ** power));
+    ``alpha = 0``: H0. Never above :data:`MAX_PERIOD`."""
+    if alpha == 0:
+        return h_base
+    if not lr > 0:
+        return MAX_PERIOD
+    try:
+        x = (alpha / lr) ** power
+    except OverflowError:
+        return MAX_PERIOD
+    if not math.isfinite(x) or x >= MAX_PERIOD:
+        return MAX_PERIOD
+    # (0.2 / 0.02) ** 2 is 99.99999999999997 in floating point: a relative 1e-9 keeps the
+    # floor of an exact square where it belongs.
+    return max(int(h_base), int(math.floor(x * (1 + 1e-9))))
+
+
+def round_length(mode: SyncMode, schedule: LRSchedule, start: int, total: int) -> int:
+    """Steps of the round starting at step ``start`` of a ``total``-step run (cut at the
+    last step, so the run always ends with a sync)."""
+    remaining = total - start
+    if remaining <= 0:
+        return 0
+    if mode.kind == "ddp":
+        h = 1
+    elif mode.kind == "local":
+        h = mode.period
+    elif schedule.in_warmup(start):
+        h = mode.period
+    else:
+        h = qsr_period(schedule.lr_at(start), mode.alpha, mode.period, mode.power)
+    return max(1, min(h, remaining))
+
+
+def rounds(mode: SyncMode, schedule: LRSchedule, total: int) -> list[tuple[int, int]]:
+    """Every round of a run as (first step, length), in order."""
+    out = []
+    s = 0
+    while s < total:
+        h = round_length(mode, schedule, s, total)
+        out.append((s, h))
+        s += h
+    return out
+
+
+def sync_steps(mode: SyncMode, schedule: LRSchedule, total: int) -> list[int]:
+    """The steps after whose optimizer step the replicas synchronise (each round's last)."""
+    return [s + h - 1 for s, h in rounds(mode, schedule, total)]

@@ -1,0 +1,174 @@
+"""Local SGD and QSR on the runtime's sync layer (issue 19), in emulation: H = 1 equals DDP,
+replicas agree exactly after every sync, rounds and bytes follow the schedule, and a resume
+syncs at the same steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qsync_opt import parse_shorthand, trace
+from qsync_opt.plan import make_plan
+from qsync_opt.runtime import checkpoint as ck
+from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.faults import ENV, NO_FAULTS, FaultPlan
+from qsync_opt.runtime.syncmode import parse_sync, rounds
+from qsync_opt.runtime.train import emulate
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """digits_cnn at fp32 on two groups, with equal and with uneven batches."""
+    root = tmp_path_factory.mktemp("plans")
+    out = {}
+    for name, shorthand in (("equal", "cpux1@24+cpux1@24"), ("uneven", "cpux1@36+cpux1@12")):
+        path = root / f"{name}.json"
+        make_plan(trace("digits_cnn"), parse_shorthand(shorthand), {}).save(path)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> Any:
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(workload="digits_cnn", plan_path=str(plan),
+                                rank_groups=["cpu", "cpu_2"], steps=6, out_dir=str(out),
+                                emulate_dp=True, eval_batches=0, lr=0.05, momentum=0.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    path = ck.latest_checkpoint(out, rank)
+    assert path is not None
+    doc = ck.load_checkpoint(path)
+    return {k: v for k, v in doc["model"].items() if "running" not in k
+            and "num_batches" not in k}
+
+
+def _rows(out: Path, rank: int) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("split", ["equal", "uneven"])
+def test_local_sgd_with_h1_equals_ddp(plans: dict[str, Path], tmp_path: Path, split: str) -> None:
+    """Plain SGD, H = 1: averaging the parameters, weighted by the batch shares, after every
+    step is DDP's averaging of the gradients (uneven batches included)."""
+    emulate(_config(plans[split], tmp_path / "ddp"), faults=NO_FAULTS)
+    emulate(_config(plans[split], tmp_path / "local", sync="local:1"), faults=NO_FAULTS)
+    a, b = _params(tmp_path / "ddp", 0), _params(tmp_path / "local", 0)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
+    # an equal average would not: the weak rank's gradient would weigh a half, not a quarter
+    if split == "uneven":
+        c = _params(tmp_path / "local", 1)
+        assert all(torch.equal(b[k], c[k]) for k in b)
+
+
+def test_replicas_agree_after_every_sync_and_differ_between(
+        plans: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QSYNC_LOG_STATE_HASH", "1")
+    out = tmp_path / "run"
+    cfg = _config(plans["uneven"], out, steps=10, sync="local:3", momentum=0.9)
+    emulate(cfg, faults=NO_FAULTS)
+    r0, r1 = _rows(out, 0), _rows(out, 1)
+    synced = [r["step"] for r in r0 if r["synced"]]
+    assert synced == [2, 5, 8, 9]  # every 3 steps, and the cut last round at the end
+    assert [r["sync_round"] for r in r0] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    for a, b in zip(r0, r1, strict=True):
+        same = a["state_sha256"] == b["state_sha256"]
+        assert same == a["synced"], a["step"]
+
+
+def test_rounds_and_bytes_follow_the_schedule(plans: dict[str, Path], tmp_path: Path) -> None:
+    """Every metrics row's bytes_sent adds up to what the schedule predicts, and
+    bytes(QSR) < bytes(constant H_base) < bytes(DDP)."""
+    steps, sched = 40, "cosine:warmup=4"
+    totals = {}
+    for name, sync in (("ddp", "ddp"), ("const", "local:2"),
+                       ("qsr", "qsr:alpha=0.08,h_base=2")):
+        out = tmp_path / name
+        cfg = _config(plans["equal"], out, steps=steps, sync=sync, lr=0.1, lr_schedule=sched)
+        emulate(cfg, faults=NO_FAULTS)
+        rows = _rows(out, 0)
+        totals[name] = sum(r["bytes_sent"] for r in rows)
+        if name != "ddp":
+            expect = rounds(parse_sync(sync), cfg.schedule(), steps)
+            assert sum(r["synced"] for r in rows) == len(expect)
+            assert [r["step"] for r in rows if r["synced"]] == [s + h - 1 for s, h in expect]
+            per_sync = {r["bytes_sent"] for r in rows if r["synced"]}
+            assert len(per_sync) == 1 and {r["bytes_sent"] for r in rows if not r["synced"]} \
+                == {0}
+            assert totals[name] == len(expect) * per_sync.pop()
+        assert all(r["lr"] == pytest.approx(cfg.schedule().lr_at(r["step"])) for r in rows)
+    assert totals["qsr"] < totals["const"] < totals["ddp"]
+
+
+class _Died(Exception):
+    pass
+
+
+def _die(code: int) -> None:
+    raise _Died(code)
+
+
+@pytest.mark.parametrize("sync", ["local:4", "qsr:alpha=0.1,h_base=2"])
+def test_a_run_killed_between_syncs_resumes_bit_for_bit(plans: dict[str, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        sync: str) -> None:
+    """Killed at step 8 with the checkpoint of step 6 between two syncs: the resumed run syncs
+    at the uninterrupted run's steps, with its replicas, losses and final parameters bit for
+    bit (every replica's differing parameters are in its own rank file)."""
+    monkeypatch.setenv("QSYNC_LOG_STATE_HASH", "1")
+    kw: dict[str, Any] = dict(steps=14, sync=sync, momentum=0.9, checkpoint_every=3,
+                              lr_schedule="cosine:warmup=2")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    emulate(_config(plans["uneven"], whole, **kw), faults=NO_FAULTS)
+    with pytest.raises(_Died):
+        emulate(_config(plans["uneven"], part, **kw),
+                faults=FaultPlan(die_at={1: frozenset({8})}, exit=_die))
+    s = emulate(_config(plans["uneven"], part, **kw), faults=NO_FAULTS)
+    assert s["resumed_from_step"] == 6
+    for r in (0, 1):
+        a, b = _rows(whole, r), _rows(part, r)
+        assert [(x["step"], x["synced"], x["sync_round"], x["loss"], x["state_sha256"])
+                for x in a] == [(x["step"], x["synced"], x["sync_round"], x["loss"],
+                                 x["state_sha256"]) for x in b]
+    assert not _rows(whole, 0)[6]["synced"]  # the checkpoint really is inside a round
+    a0, b0 = _params(whole, 0), _params(part, 0)
+    assert all(torch.equal(a0[k], b0[k]) for k in a0)
+
+
+def test_bad_sync_and_comm_in_the_config_name_the_flag(plans: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    for kw, needle in ((dict(sync="local:0"), "--sync"), (dict(comm="topk"), "--comm"),
+                       (dict(sync="local:2", comm="fp16"), "--sync local:2 with --comm fp16"),
+                       (dict(lr_schedule="cosine:warmup=99"), "lr_schedule")):
+        with pytest.raises(ValidationError, match=needle):
+            _config(plans["equal"], tmp_path / "x", **kw)
+
+
+def test_fp16_comm_in_emulation_sends_half_the_bytes(plans: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    emulate(_config(plans["equal"], tmp_path / "a"), faults=NO_FAULTS)
+    emulate(_config(plans["equal"], tmp_path / "b", comm="fp16"), faults=NO_FAULTS)
+    a, b = _rows(tmp_path / "a", 0), _rows(tmp_path / "b", 0)
+    assert b[0]["bytes_allreduced"] * 2 == a[0]["bytes_allreduced"]
+    pa, pb = _params(tmp_path / "a", 0), _params(tmp_path / "b", 0)
+    diff = max(float((pa[k] - pb[k]).abs().max()) for k in pa)
+    assert 0 < diff < 1e-2  # fp16 rounding of the gradients, nothing more
