@@ -85,6 +85,9 @@ class ProblemOptions:
     whose reference plan does not fit its memory is never held (the notes say so). The
     decision is made when the problem is built; ``retarget`` keeps it (solve-replay
     refinement tightens the linear target, never by lowering the strong groups).
+    ``sync``: the replayer's sync model (None: DDP's all-reduce every step; a
+    :class:`~qsync_opt.replayer.PeriodicSync` for Local SGD / QSR, whose communication is paid
+    once per round, so the time it frees goes to higher precision).
     """
 
     target_ms: float | None = None
@@ -96,6 +99,7 @@ class ProblemOptions:
     casts: bool = True
     ties: bool = True
     lower_reference: bool | None = None
+    sync: Any = None
 
     def __post_init__(self) -> None:
         if self.target_ms is not None and not (
@@ -129,13 +133,23 @@ class ProblemOptions:
         object.__setattr__(self, "pinned", pins)
         if self.strong_groups is not None:
             object.__setattr__(self, "strong_groups", tuple(self.strong_groups))
+        if isinstance(self.sync, Mapping):  # as to_json wrote it
+            from .replayer import PeriodicSync
+
+            try:
+                object.__setattr__(self, "sync", PeriodicSync(**dict(self.sync)))
+            except (TypeError, ValueError) as exc:
+                raise QsyncInputError(f"sync: {exc}") from None
 
     def to_json(self) -> dict[str, Any]:
         return {"target_ms": self.target_ms, "memory_headroom": self.memory_headroom,
                 "pinned": {k: Precision(v).value for k, v in self.pinned.items()},
                 "optimizer": self.optimizer, "reference": Precision(self.reference).value,
                 "strong_groups": list(self.strong_groups) if self.strong_groups else None,
-                "casts": self.casts, "ties": self.ties, "lower_reference": self.lower_reference}
+                "casts": self.casts, "ties": self.ties, "lower_reference": self.lower_reference,
+                "sync": (None if self.sync is None else
+                         {"mean_period": self.sync.mean_period, "mode": self.sync.mode,
+                          "rounds": self.sync.rounds, "steps": self.sync.steps})}
 
 
 @dataclass(frozen=True)
@@ -399,7 +413,7 @@ class AllocationProblem:
                 f"indicator: made for graph {indicator.graph_hash} ({indicator.workload}), not "
                 f"{graph.structure_hash()} ({graph.workload})")
         self.replayer = Replayer(graph, self.cluster, costs, optimizer=self.options.optimizer,
-                                 enforce_ties=self.options.ties)
+                                 enforce_ties=self.options.ties, sync=self.options.sync)
         self.notes: list[str] = []
         if indicator.graph_hash != graph.structure_hash():
             self.notes.append(

@@ -47,6 +47,7 @@ from .args import (
     INT4_FLAG_HELP,
     POSITIVE_SECONDS,
     SEED,
+    add_sync_args,
     finite_float,
     int_range,
     positive_int,
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bucket-mb", type=finite_float(0, 2**20, lo_open=True), default=None,
                     help="DDP bucket cap in MiB")
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
+    add_sync_args(sp)
     sp.set_defaults(fn=cmd_replay)
     sp = add("indicate", "measure each op's sensitivity to each precision")
     sp.add_argument("--model", required=True,
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="solve-replay refinement rounds for the exact solvers")
         sp.add_argument("--batch-multiple", type=BATCH, default=None,
                         help="joint split: per-device batches are multiples of this")
+        add_sync_args(sp)
 
     sp = add("solve", "choose every op's precision on every group")
     problem_args(sp)

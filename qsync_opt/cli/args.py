@@ -121,3 +121,42 @@ def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
     sys.stderr.write(f"int4: enabled on group(s) {', '.join(got)}"
                      + (f"; not on {', '.join(rest)} (no INT4 peak)" if rest else "") + "\n")
     return cluster
+
+
+SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all-reduced every "
+                  "step, default), local:H or qsr:alpha=A,h_base=H0[,power=P] (parameters "
+                  "averaged once per round: communication paid once per round, the per-step "
+                  "time averaged over the round; QSR's rounds from --lr, --lr-schedule and "
+                  "--steps)")
+
+
+def add_sync_args(sp: argparse.ArgumentParser) -> None:
+    """``--sync`` and, for QSR's rounds, the run's ``--lr``, ``--lr-schedule``, ``--steps``."""
+    sp.add_argument("--sync", default=None, metavar="MODE", help=SYNC_FLAG_HELP)
+    sp.add_argument("--lr", type=float, default=0.05,
+                    help="with --sync qsr: the run's base learning rate (default 0.05)")
+    sp.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+                    help="with --sync qsr: the run's schedule (default constant)")
+    sp.add_argument("--steps", type=int, default=100,
+                    help="with --sync qsr/local: the run's steps (default 100)")
+
+
+def sync_arg(args: argparse.Namespace) -> Any:
+    """The replayer's sync model of ``--sync`` (None: DDP's); bad text: one line naming the
+    flag."""
+    from ..errors import QsyncInputError
+    from ..replayer import sync_model_for
+
+    text = getattr(args, "sync", None)
+    if text is None:
+        return None
+    if not (isinstance(args.steps, int) and args.steps >= 1):
+        raise QsyncInputError(f"--steps: expected an integer >= 1, got {args.steps}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise QsyncInputError(f"--lr: expected a finite number > 0, got {args.lr}")
+    try:
+        return sync_model_for(text, lr=args.lr, lr_schedule=args.lr_schedule, steps=args.steps)
+    except QsyncInputError as exc:
+        field, _, msg = str(exc).partition(": ")
+        flag = {"sync": "--sync", "lr_schedule": "--lr-schedule"}.get(field, field)
+        raise QsyncInputError(f"{flag}: {msg}") from None

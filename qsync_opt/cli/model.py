@@ -23,7 +23,7 @@ from ..summaries import (
     uniform_plans,
 )
 from ..user_model import UserWorkload
-from .args import cluster_arg, emit_json, trace_args, workload_arg
+from .args import cluster_arg, emit_json, sync_arg, trace_args, workload_arg
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -102,7 +102,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         raise QsyncInputError("cluster: --cluster is required without --plan")
     costs = estimate(graph, cluster)
-    rep = Replayer(graph, cluster, costs, optimizer=args.optimizer,
+    rep = Replayer(graph, cluster, costs, optimizer=args.optimizer, sync=sync_arg(args),
                    bucket_cap_bytes=(int(args.bucket_mb * 2**20) if args.bucket_mb is not None
                                      else None))
     plans: dict[str, Any] = {"plan": plan_doc} if plan_doc is not None else uniform_plans(rep)
@@ -119,6 +119,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({name: tl.summary() for name, tl in timelines.items()})
         return 0
+    if rep.sync.name != "allreduce":
+        sm = rep.sync
+        print(f"sync {sm.name}: {sm.rounds} rounds in {sm.steps} steps (mean H "  # type: ignore[attr-defined]
+              f"{sm.mean_period:.2f}); no gradient all-reduce, the round's averaging "  # type: ignore[attr-defined]
+              f"({rep.buffer_sync_ms:.3f} ms a step on average) paid after the optimizer")
     rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
     print(format_table(rows, REPLAY_HEADER))
     for name, tl in timelines.items():

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
-from .args import cluster_arg, emit_json, trace_args
+from .args import cluster_arg, emit_json, sync_arg, trace_args
 
 
 def _problem_options(args: argparse.Namespace) -> Any:
@@ -25,7 +25,8 @@ def _problem_options(args: argparse.Namespace) -> Any:
         pins[op] = prec
     return ProblemOptions(target_ms=args.target_ms, memory_headroom=args.headroom, pinned=pins,
                           optimizer=args.optimizer, reference=args.reference,
-                          lower_reference=True if args.lower_reference else None)
+                          lower_reference=True if args.lower_reference else None,
+                          sync=sync_arg(args))
 
 
 def _solve_options(args: argparse.Namespace) -> Any:

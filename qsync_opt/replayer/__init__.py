@@ -30,7 +30,8 @@ group of the cluster (all devices of a group run the same plan, so one represent
 The rules of the first three points and of memory are :mod:`qsync_opt.rules` (the problem
 compiler and the diagnosis read the same ones); this package is the event loop around them:
 
-* :mod:`.sync`: the sync models (:class:`SyncModel`, :class:`AllReduceSync`);
+* :mod:`.sync`: the sync models (:class:`SyncModel`, :class:`AllReduceSync`, and
+  :class:`PeriodicSync` for Local SGD / QSR, communication paid once per round);
 * :mod:`.timeline`: what an iteration reports (:class:`Timeline`, :class:`GroupTimeline`,
   :class:`Event`, the chrome trace);
 * :mod:`.prepared`: the inputs checked, buckets indexed, rules built, plans validated;
@@ -46,9 +47,10 @@ from ..rules import DEFAULT_CONTEXT_BYTES, GRAD_DTYPE, MiB, widest
 from .incremental import Change, IncrementalReplay
 from .loop import Replayer, simulate
 from .prepared import PreparedReplay
-from .sync import AllReduceSync, SyncModel, SyncSchedule
+from .sync import AllReduceSync, PeriodicSync, SyncModel, SyncSchedule, sync_model_for
 from .timeline import Event, GroupTimeline, Timeline
 
 __all__ = ["DEFAULT_CONTEXT_BYTES", "GRAD_DTYPE", "AllReduceSync", "Change", "Event",
-           "GroupTimeline", "IncrementalReplay", "MiB", "PreparedReplay", "Replayer",
-           "SyncModel", "SyncSchedule", "Timeline", "simulate", "widest"]
+           "GroupTimeline", "IncrementalReplay", "MiB", "PeriodicSync", "PreparedReplay",
+           "Replayer", "SyncModel", "SyncSchedule", "Timeline", "simulate", "sync_model_for",
+           "widest"]

@@ -10,7 +10,7 @@ from ..precision import Precision
 from ..schemas import ClusterSpec, CostTable, ModelGraph, Plan
 from .incremental import IncrementalReplay
 from .prepared import PreparedReplay
-from .sync import SyncSchedule
+from .sync import PeriodicSync, SyncSchedule
 from .timeline import Event, GroupTimeline, Timeline
 
 
@@ -64,7 +64,7 @@ class Replayer(PreparedReplay):
                               "cast": cast_ms, "n_casts": n_casts, "mem": mem})
         sched = self.sync.schedule(ready, self.bucket_ms)
         ev_list: list[Event] | None = all_events if events else None
-        if events:
+        if events and not isinstance(self.sync, PeriodicSync):
             for grp in self.groups:
                 for k, (s, e) in enumerate(zip(sched.start_ms, sched.end_ms, strict=True)):
                     all_events.append(Event(grp.name, "comm", "allreduce", f"bucket {k}", s, e - s,

@@ -12,7 +12,7 @@ from ..errors import QsyncInputError
 from ..precision import Precision
 from ..rules import DEFAULT_CONTEXT_BYTES, CostRules, check_plan_entry, check_tie, fidelity
 from ..schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
-from .sync import AllReduceSync, SyncModel
+from .sync import AllReduceSync, PeriodicSync, SyncModel
 
 
 class PreparedReplay:
@@ -55,9 +55,15 @@ class PreparedReplay:
         self.stats_sync_ms = 0.0 if native_flow else comm.allreduce_ms(32)
         self.buffer_sync_ms = (0.0 if native_flow or not graph.buffer_bytes
                                else comm.broadcast_ms(graph.buffer_bytes))
-        self.step_sync_ms = self.stats_sync_ms + self.buffer_sync_ms
         self.optimizer = optimizer
         self.sync: SyncModel = sync or AllReduceSync()
+        if isinstance(self.sync, PeriodicSync):
+            # Local SGD / QSR: no per-step bookkeeping; the round's averaging and statistics
+            # all-reduce, spread over its steps, after the optimizer (replayer.sync)
+            self.stats_sync_ms = 0.0
+            self.buffer_sync_ms = self.sync.per_step_ms(comm, graph.param_bytes,
+                                                        graph.buffer_bytes)
+        self.step_sync_ms = self.stats_sync_ms + self.buffer_sync_ms
         names = {o.name for o in graph.ops}
         # Gradient buckets: the op indices whose gradients each bucket holds.
         buckets = costs.buckets if bucket_cap_bytes is None else gradient_buckets(
@@ -86,6 +92,8 @@ class PreparedReplay:
         self.bucket_ops = [[self.index[n] for n in b.ops] for b in buckets]
         self.bucket_first = [min(ix) for ix in self.bucket_ops]  # its last gradient ready
         self.bucket_ms = [b.allreduce_ms for b in buckets]
+        if isinstance(self.sync, PeriodicSync):
+            self.bucket_ms = [0.0] * len(buckets)  # no gradient is sent
 
     # ------------------------------------------------------------------ plan handling
 

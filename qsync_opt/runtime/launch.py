@@ -82,7 +82,14 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="workload the plan was made for (qsync-opt models), or its model file "
                         "PATH.py:FUNCTION (run on every rank; its sha256 must be the plan's)")
-    p.add_argument("--plan", required=True, help="Plan JSON (qsync-opt solve / plan)")
+    p.add_argument("--plan", default=None,
+                   help="Plan JSON (qsync-opt solve / plan); without it every op runs at fp32 "
+                        "on every rank (a plan written to OUT/fp32.plan.json for --cluster)")
+    p.add_argument("--cluster", default=None,
+                   help="without --plan: the cluster of the fp32 plan (default cpuxN, N = "
+                        "--nproc or 1)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="without --plan: batch per device (default: the model's)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes (ranks) on this node; default: one per rank group, or the "
                         "plan's device count")
@@ -91,8 +98,21 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                         "order, one rank per device)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in total (default 100)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+                   help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
+                        "(default constant)")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
+    p.add_argument("--sync", default="ddp", metavar="MODE",
+                   help="ddp (gradients all-reduced every step, default), local:H (parameters "
+                        "averaged every H steps) or qsr:alpha=A,h_base=H0[,power=P] (QSR)")
+    p.add_argument("--comm", default="allreduce", metavar="TRANSPORT",
+                   help="gradient transport of ddp's all-reduce: allreduce (FP32, default) or "
+                        "fp16")
+    p.add_argument("--average-optimizer-state", action="store_true",
+                   help="local/qsr: also average the optimizer state at every sync")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="output folder: config, checkpoints, metrics.jsonl (default runs/MODEL)")
@@ -197,7 +217,19 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
     from ..graph import is_user_model, load_user_workload
     from ..plan import graph_for_plan, plan_model
 
-    plan_path = Path(args.plan)
+    _check_sync_flags(args)
+    name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
+    out = Path(args.out) if args.out else Path("runs") / name0
+    if args.plan is None:
+        plan_path = fp32_plan(args, out)
+        if lines is not None:
+            lines.append(f"no --plan: every op at fp32 on every rank ({plan_path})")
+    else:
+        for flag, val in (("--cluster", args.cluster), ("--batch", args.batch)):
+            if val is not None:
+                raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
+                                      "cluster and the batches)")
+        plan_path = Path(args.plan)
     plan = Plan.load(plan_path)  # missing, not JSON, another kind of file: one line each
     workload, sha = args.model, None
     user = None
@@ -216,13 +248,13 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
         loss_line = user.check(global_batch, args.seed)
         if lines is not None:
             lines += [loss_line, user.data_line()]
-    name = user.path.stem if user is not None else args.model
-    out = Path(args.out) if args.out else Path("runs") / name
     try:
         return TrainConfig(
             workload=workload, workload_sha256=sha, plan_path=str(plan_path.resolve()),
             rank_groups=ranks,
             steps=args.steps, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
+            lr_schedule=args.lr_schedule, weight_decay=args.weight_decay, sync=args.sync,
+            comm=args.comm, average_optimizer_state=args.average_optimizer_state,
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
             resume=not args.no_resume, emulate_dp=args.emulate_dp,
             slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend,
@@ -230,6 +262,46 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
             resume_anyway=getattr(args, "resume_anyway", False))
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
+
+
+def _check_sync_flags(args: argparse.Namespace) -> None:
+    """--sync, --comm and --lr-schedule, and whether the sync mode and the transport combine:
+    refused in one line before anything is written."""
+    from .schedule import parse_schedule
+    from .syncmode import check_combination, parse_comm, parse_sync
+
+    def flagged(fn: Any, text: str, flag: str) -> Any:
+        try:
+            return fn(text)
+        except QsyncInputError as exc:
+            raise QsyncInputError(f"{flag}: {str(exc).partition(': ')[2]}") from None
+
+    mode = flagged(parse_sync, args.sync, "--sync")
+    comm = flagged(parse_comm, args.comm, "--comm")
+    if args.steps >= 1 and args.lr > 0:  # else TrainConfig names --steps / --lr
+        flagged(lambda t: parse_schedule(t, args.lr, args.steps), args.lr_schedule,
+                "--lr-schedule")
+    check_combination(mode, comm)
+
+
+def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
+    """Without ``--plan``: every op at fp32 on every group of ``--cluster`` (default
+    ``cpuxN``, N = ``--nproc`` or 1) at ``--batch`` per device, written to
+    ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan)."""
+    from ..cluster import load_cluster
+    from ..graph import trace
+    from ..plan import make_plan
+
+    if args.batch is not None and args.batch < 1:
+        raise QsyncInputError(f"--batch: expected a positive integer, got {args.batch}")
+    cluster = load_cluster(args.cluster or f"cpux{args.nproc or 1}")
+    graph = trace(args.model, args.batch)
+    plan = make_plan(graph, cluster, {}, provenance={"solver": "none (train without --plan: "
+                                                     "fp32 everywhere)"})
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "fp32.plan.json"
+    plan.save(path)
+    return path
 
 
 def write_config(config: TrainConfig) -> Path:
