@@ -240,3 +240,19 @@ def test_two_gloo_ranks_under_qsr_resume_bit_for_bit_and_match_emulation(
     for k in pa:
         torch.testing.assert_close(pa[k], pe[k], rtol=1e-5, atol=1e-5, msg=k)
     assert [r["synced"] for r in _rows(emu, 0)] == [r["synced"] for r in r0]
+
+
+def test_a_commit_leaves_a_newer_set_being_written(tmp_path: Path) -> None:
+    """Under Local SGD a rank runs ahead of rank 0 between syncs: it can write its file of
+    the next set while rank 0 still commits this one. The commit removes only older sets
+    (it removed every other set, which deleted the faster rank's new file: found by the
+    two-rank resume test above, one run in four)."""
+    from qsync_opt.runtime.config import set_path
+
+    for step in (3, 6, 9):
+        set_path(tmp_path, step).mkdir(parents=True)
+        (set_path(tmp_path, step) / "rank1.pt").write_bytes(b"x")
+    ck.commit_set(tmp_path, set_path(tmp_path, 6), 6, 2, {}, link=False)
+    assert not set_path(tmp_path, 3).exists()
+    assert (set_path(tmp_path, 9) / "rank1.pt").exists()
+    assert (set_path(tmp_path, 6) / "commit.json").exists()

@@ -89,7 +89,7 @@ def write_rank_file(folder: Path, rank: int, doc: dict[str, Any]) -> Path:
 
 def commit_set(out: Path, folder: Path, step: int, world_size: int, run: dict[str, Any],
                link: bool) -> None:
-    """Rank 0, once every rank's file is on disk: the commit marker, then every other set
+    """Rank 0, once every rank's file is on disk: the commit marker, then every older set
     goes; ``link``: ``out/checkpoint.pt`` points at the set's ``rank0.pt``."""
     from ..io import atomic_write_text
 

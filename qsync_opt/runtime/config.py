@@ -6,8 +6,9 @@ anything): a run's checkpoints are *sets*, one folder per step,
 ``commit.json`` (written atomically by rank 0 after every rank has written its file). A set
 is complete when its marker and all ``world_size`` rank files are there; a resume uses the
 newest complete set, on every rank. The last complete set is kept until the next one is
-committed; then every other set goes. The marker records the run's :func:`run_fingerprint`,
-which a resume compares with the new config (:func:`check_resume`).
+committed; then every older set goes (a newer one may be in the writing: under Local SGD a
+rank runs ahead of rank 0 between syncs). The marker records the run's
+:func:`run_fingerprint`, which a resume compares with the new config (:func:`check_resume`).
 """
 
 from __future__ import annotations
@@ -452,7 +453,11 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None) -> None:
 
 
 def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
-    """After a commit: every set but the one just committed."""
-    for _, folder in step_folders(out_dir):
-        if folder != keep:
+    """After a commit: every *older* set than the one just committed. A newer folder is left
+    alone: a rank that is not in lock-step with rank 0 (Local SGD runs no collective between
+    syncs) may already be writing its file of the next set while rank 0 commits this one."""
+    m = _STEP_DIR.fullmatch(keep.name)
+    keep_step = int(m[1]) if m else None
+    for step, folder in step_folders(out_dir):
+        if folder != keep and (keep_step is None or step < keep_step):
             shutil.rmtree(folder, ignore_errors=True)
