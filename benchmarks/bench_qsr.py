@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from bench_accuracy import ci  # the benchmarks' one 95% t interval
-from qsync_opt import estimate, load_cluster, trace
+
+from qsync_opt import load_cluster, trace
 from qsync_opt.machine import cpu_model
 from qsync_opt.plan import make_plan
 from qsync_opt.replayer import Replayer, sync_model_for
@@ -203,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             m, h = ci(loss)
             dd, hh = ci([a - b for a, b in zip(loss, lossd, strict=True)])
             ok = name == "ddp" or (not math.isnan(hh) and dd + hh < d["margin"])
-            gm = (lambda k: statistics.mean(x[k] for x in g)) if g else (lambda k: float("nan"))
+
+            def gm(k: str, g: list[dict[str, Any]] = g) -> float:
+                return statistics.mean(x[k] for x in g) if g else float("nan")
+
             acc = ""
             if clf:
                 am, ah = ci([x["eval_accuracy"] for x in e])
