@@ -66,7 +66,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                        schedule="cosine:warmup=15", alpha=0.12, h_base=2, eval_batches=3,
                        margin=0.02),
     "tiny_gpt": dict(steps=200, batch=16, optimizer="adamw", lr=3e-3,
-                     schedule="cosine:warmup=10", alpha=0.009, h_base=2, eval_batches=8,
+                     schedule="cosine:warmup=10", alpha=0.0045, h_base=2, eval_batches=8,
                      margin=0.02),
 }
 
