@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import random
@@ -288,6 +289,41 @@ def fp32_eval(model: str, seed: int, global_batch: int, eval_batches: int,
     return tot / n, (correct / n if wl.task == TASK_CLASSIFICATION else None)
 
 
+def training_key(args: argparse.Namespace, plan: Plan, seed: int, steps: int, lr: float,
+                 optimizer: str, batch: int, eval_batches: int) -> str:
+    """What decides one training's result, hashed: the ``--results`` file's key."""
+    what = {"model": args.model, "seed": seed, "steps": steps, "lr": lr,
+            "optimizer": optimizer, "batch": batch, "eval_batches": eval_batches,
+            "float_gemm": bool(args.float_gemm), "emulate_half": bool(args.emulate_half),
+            "precisions": {g: {op: Precision(p).value for op, p in sorted(gp.precisions.items())}
+                           for g, gp in sorted(plan.groups.items())}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def read_results(path: Path | None) -> dict[str, dict[str, Any]]:
+    """The trainings a ``--results`` file holds, by key (a torn last line is skipped)."""
+    out: dict[str, dict[str, Any]] = {}
+    if path is None or not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out[row["key"]] = row
+    return out
+
+
+def at_batch(plan: Plan, batch: int) -> Plan:
+    """``plan`` with every group at ``batch`` per device: its precisions were chosen at
+    ``--plan-batch`` (the cost model's), the runtime trains the batch its plan file says."""
+    groups = {n: gp.model_copy(update={"batch_per_device": batch})
+              for n, gp in plan.groups.items()}
+    cluster = plan.cluster.model_copy(update={"groups": [
+        g.model_copy(update={"batch_per_device": batch}) for g in plan.cluster.groups]})
+    return plan.model_copy(update={"groups": groups, "cluster": cluster})
+
+
 def describe(plan: Plan) -> str:
     """Per group, how many ops run at each precision."""
     parts = []
@@ -369,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the target and the plans, train nothing")
     ap.add_argument("--dump", type=Path, default=None, metavar="FILE",
                     help="JSON: per-plan per-seed metrics, predictions, target, timings")
+    ap.add_argument("--results", type=Path, default=None, metavar="FILE.jsonl",
+                    help="every finished training appended here as one JSON line, keyed by "
+                         "what decides it (model, precisions, seed, steps, lr, optimizer, "
+                         "batch, held-out batches, switches); a training already there is "
+                         "read back, not run again: a study resumes across sessions")
     ap.add_argument("--emulate-half", action="store_true",
                     help="run 16-bit GEMMs and convolutions in fp32 on the 16-bit values, "
                          "results rounded to 16 bit (ops.emulated_half): a 16-bit GEMM with "
@@ -506,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"untrained (seed 0 init, fp32): held-out loss {u:.4f}")
 
+    cache = read_results(args.results)
     loss: dict[str, list[float]] = {}
     acc: dict[str, list[float]] = {}
     wall: dict[str, list[float]] = {}
@@ -515,16 +557,34 @@ def main(argv: list[str] | None = None) -> int:
             if trained_as[name] != name:
                 continue
             path = Path(tmp) / f"{i}.plan.json"
-            plan.save(path)
+            at_batch(plan, batch).save(path)  # chosen at --plan-batch, trained at --batch
             for seed in range(args.seeds):
-                cfg = TrainConfig(workload=args.model, plan_path=str(path),
-                                  rank_groups=rank_groups, steps=steps, lr=lr,
-                                  optimizer=optimizer, seed=seed,
-                                  out_dir=str(Path(tmp) / f"{i}-{seed}"), emulate_dp=True,
-                                  resume=False, eval_batches=eval_batches)
-                s = emulate(cfg)
-                fp32, fp32_acc = fp32_eval(args.model, seed, 2 * batch, eval_batches,
-                                           Path(cfg.out_dir) / "checkpoint.pt")
+                key = training_key(args, plan, seed, steps, lr, optimizer, batch,
+                                   eval_batches)
+                got = cache.get(key)
+                if got is None:
+                    cfg = TrainConfig(workload=args.model, plan_path=str(path),
+                                      rank_groups=rank_groups, steps=steps, lr=lr,
+                                      optimizer=optimizer, seed=seed,
+                                      out_dir=str(Path(tmp) / f"{i}-{seed}"), emulate_dp=True,
+                                      resume=False, eval_batches=eval_batches)
+                    s = emulate(cfg)
+                    if s["batches"] != [batch] * len(rank_groups):
+                        raise SystemExit(f"trained at {s['batches']} per rank, not --batch "
+                                         f"{batch}")
+                    fp32, fp32_acc = fp32_eval(args.model, seed, 2 * batch, eval_batches,
+                                               Path(cfg.out_dir) / "checkpoint.pt")
+                    got = {"key": key, "plan": name, "seed": seed, "fp32_loss": fp32,
+                           "fp32_accuracy": fp32_acc, "eval_loss": s["eval_loss"],
+                           "wall_s": s["wall_s"], "batches": s["batches"]}
+                    if args.results is not None:
+                        with args.results.open("a", encoding="utf-8") as fh:
+                            fh.write(json.dumps(got) + "\n")
+                    cache[key] = got
+                    print(f"  trained {name}, seed {seed}: {fp32:.4f} ({s['wall_s']:.0f} s)",
+                          flush=True)
+                s = {"eval_loss": got["eval_loss"], "wall_s": got["wall_s"]}
+                fp32, fp32_acc = got["fp32_loss"], got["fp32_accuracy"]
                 loss.setdefault(name, []).append(fp32)
                 rank0_gap[name] = max(rank0_gap.get(name, 0.0),
                                       abs(float(s["eval_loss"]) - fp32))
