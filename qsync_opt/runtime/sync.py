@@ -25,9 +25,10 @@ The next systems plug in as subclasses, without touching the trainer:
   registers its hooks in ``wrap``; per-rank hook state (error feedback) goes into
   ``state_dict(replica)``.
 
-Implementations: :class:`DDPSync` (torch DDP's bucketed all-reduce in backward),
-:class:`EmulatedSync` (one process holding every rank's replica) and :class:`LocalSync`
-(world 1).
+Implementations: :class:`DDPSync` (torch DDP's bucketed all-reduce in backward, one comm
+hook: :mod:`.commhooks`), :class:`EmulatedSync` (one process holding every rank's replica),
+:class:`LocalSGDSync` (Local SGD and QSR, both paths) and :class:`LocalSync` (world 1);
+:func:`make_sync` picks the one a config asks for.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from .commhooks import encode
 
 __all__ = ["CommMeter", "DDPSync", "EmulatedSync", "GradientSync", "LocalSGDSync", "LocalSync",
            "ddp_bucket_bytes", "make_sync"]
@@ -232,13 +235,6 @@ def _dist_barrier(device: torch.device | None) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
-def _fp16_encode(buf: Tensor, world: int) -> Tensor:
-    """torch's fp16 compression: cast, then divide by the world size (in fp16)."""
-    from .commhooks import encode
-
-    return encode(buf, world, "fp16")
-
-
 class DDPSync(GradientSync):
     """torch DDP: the gradient average happens in backward (bucketed all-reduce).
 
@@ -329,11 +325,11 @@ class EmulatedSync(GradientSync):
             if p0.grad is None:
                 continue
             if self.comm == "fp16":
-                total = _fp16_encode(p0.grad, self.world)
+                total = encode(p0.grad, self.world, "fp16")
                 for ps in params[1:]:
                     g = ps[i].grad
                     assert g is not None  # every replica ran the same backward
-                    total += _fp16_encode(g, self.world)
+                    total += encode(g, self.world, "fp16")
                 total = total.to(p0.grad.dtype)
             else:
                 total = p0.grad.clone()
