@@ -10,7 +10,9 @@ two-group problem; 5. train two gloo ranks (torchrun) with all-fp32 and with the
 (A B B A: drift in the machine's speed hits both alike), each run fresh;
 6. predicted against measured: step time per rank (median over runs, with the range), peak memory per group (exact live tensor
 bytes measured inside each rank, ``qsync-opt train --measure-memory``), and the held-out
-accuracy of both runs. When the machine was loaded as the demo started, or repeated runs of
+accuracy of both runs; 7. the plan's two ranks again under DDP and under QSR (Local SGD with
+the quadratic synchronisation rule), one cosine-schedule run each: rounds, bytes, time inside
+collectives, mean step. When the machine was loaded as the demo started, or repeated runs of
 one plan differ by more than 5%, the timings are printed as noise, not as a verdict.
 """
 
@@ -59,24 +61,31 @@ MIB = 1024 * 1024
 MEMORY_STEP = 3
 
 
-def _train(plan_path: Path, out: Path, steps: int) -> dict[str, Any]:
+def _train(plan_path: Path, out: Path, steps: int, extra: tuple[str, ...] = ()
+           ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", MODEL, "--plan",
            str(plan_path), "--nproc", "2", "--steps", str(steps), "--out", str(out),
-           "--measure-memory", str(MEMORY_STEP)]
+           "--measure-memory", str(MEMORY_STEP), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"qsync-opt train failed ({res.returncode}): {tail[0]}")
-    ranks, peaks = {}, {}
+    ranks, peaks, means, comm = {}, {}, {}, {}
     for r in (0, 1):
         rows = [json.loads(x) for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
-        ranks[rows[0]["group"]] = statistics.median(x["step_ms"] for x in rows[5:]
-                                                    if x["step"] != MEMORY_STEP)
+        timed = [x["step_ms"] for x in rows[5:] if x["step"] != MEMORY_STEP]
+        ranks[rows[0]["group"]] = statistics.median(timed)
+        means[rows[0]["group"]] = statistics.mean(timed)  # a sync every H steps: the mean
+        comm[rows[0]["group"]] = sum(x["comm_ms"] for x in rows)
         mem = json.loads((out / f"summary.rank{r}.json").read_text()).get("memory") or {}
         peaks[rows[0]["group"]] = mem.get("peak_bytes")
+        if r == 0:
+            rows0 = rows
     summary = json.loads((out / "summary.json").read_text())
-    return {"ranks": ranks, "peaks": peaks, **summary}
+    return {"ranks": ranks, "peaks": peaks, "mean_step_ms": means, "comm_ms": comm,
+            "rounds": sum(x["synced"] for x in rows0),
+            "bytes_sent": sum(x["bytes_sent"] for x in rows0), **summary}
 
 
 def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
@@ -203,9 +212,41 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     print(f"held-out accuracy {b.get('eval_accuracy', float('nan')):.4f} against "
           f"{a.get('eval_accuracy', float('nan')):.4f} (one seed: "
           "`benchmarks/bench_accuracy.py` gives the seed noise). Training took "
-          f"{a['secs']:.0f} s and {b['secs']:.0f} s.\n")
-    return {"figures": figures, "runs": runs, "verdict": verdict, "load": (load0, load1),
+          f"{a['secs']:.0f} s and {b['secs']:.0f} s.")
+    sync = sync_beside_ddp(out / "local_plan.json", steps, chosen.solver)
+    print()
+    return {"sync": sync, "figures": figures, "runs": runs, "verdict": verdict, "load": (load0, load1),
             "spread": spread}
+
+
+#: Part 1's QSR line: a cosine schedule from the runtime's default lr, and QSR's constants
+#: for it (H = max(2, floor((0.02 / lr)^2)): 2 until the lr falls under 0.014, then growing).
+DEMO_SCHEDULE = "cosine:warmup=5"
+DEMO_QSR = "qsr:alpha=0.02,h_base=2"
+
+
+def sync_beside_ddp(plan_path: Path, steps: int, solver: str) -> dict[str, Any]:
+    """The same two ranks and plan under DDP and under QSR, one fresh run each, the same
+    cosine schedule: rounds, bytes, time inside collectives and the mean step."""
+    res = {}
+    with tempfile.TemporaryDirectory(prefix="qsync-demo-sync-") as tmp:
+        for mode in ("ddp", DEMO_QSR):
+            res[mode] = _train(plan_path, Path(tmp) / mode.split(":")[0], steps,
+                               ("--sync", mode, "--lr-schedule", DEMO_SCHEDULE))
+    print(f"7. the same two ranks and {solver}'s plan, {steps} steps, lr {DEMO_SCHEDULE} "
+          f"from 0.05, under DDP and under QSR ({DEMO_QSR}), one run each:")
+    print(f"{'sync':>26} {'rounds':>7} {'MB sent':>8} {'comm ms':>8} {'mean step ms':>13} "
+          f"{'accuracy':>9}")
+    for mode, r in res.items():
+        print(f"{mode:>26} {r['rounds']:>7} {r['bytes_sent'] / 1e6:8.2f} "
+              f"{max(r['comm_ms'].values()):8.1f} {max(r['mean_step_ms'].values()):13.2f} "
+              f"{r.get('eval_accuracy', float('nan')):9.4f}")
+    d, q = res["ddp"], res[DEMO_QSR]
+    print(f"   QSR synchronises {q['rounds']} times against DDP's {d['rounds']}; comm ms is "
+          "the wall time inside collectives on the rank that waits most (in QSR it includes "
+          "waiting for the slower rank at each round); one seed each: "
+          "`benchmarks/bench_qsr.py` gives the quality over seeds.")
+    return res
 
 
 #: Above this 1-minute load average per core before training, timings are not a result.

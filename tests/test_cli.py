@@ -314,6 +314,39 @@ def test_compare_json_rows(capsys, tmp_path) -> None:
     assert (tmp_path / "plans" / "highs.plan.json").exists()
 
 
+def test_compare_and_solve_plan_for_the_sync_mode(capsys, tmp_path) -> None:
+    """``compare``/``solve --sync``: the figures are for that mode (issue 19): under Local
+    SGD the gradient all-reduce is gone and one averaging is paid per round, so the default
+    target (the strong group at fp32) falls; the JSON and the printout say which mode."""
+    base = ("--model", "digits_cnn", "--cluster", "l4x1+t4x1", "--method", "random",
+            "--solvers", "highs,uniform")
+    docs = {}
+    for sync in (None, "local:16", "qsr:alpha=0.02,h_base=2"):
+        extra = () if sync is None else ("--sync", sync, "--lr-schedule", "cosine",
+                                         "--steps", "160")
+        out_json = tmp_path / f"{sync}.json"
+        code, out, err = run(capsys, "compare", *base, *extra, "--json", str(out_json))
+        assert code == 0, err
+        docs[sync] = json.loads(out_json.read_text())
+        if sync is not None:
+            assert f"sync {sync}: " in out and docs[sync]["sync"]["mode"] == sync
+    assert docs[None]["sync"] is None
+    assert docs["local:16"]["sync"]["rounds"] == 10
+    assert docs["local:16"]["target_ms"] < docs[None]["target_ms"]
+    # QSR under a cosine decay syncs more often than every 16 steps but less than DDP
+    assert 10 < docs["qsr:alpha=0.02,h_base=2"]["sync"]["rounds"] < 160
+    assert (docs["local:16"]["target_ms"] <= docs["qsr:alpha=0.02,h_base=2"]["target_ms"]
+            < docs[None]["target_ms"])
+    code, out, err = run(capsys, "solve", *base[:6], "--solver", "highs", "--sync", "local:16",
+                         "--steps", "160", "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "sync local:16: 10 rounds in 160 steps" in out
+    for bad, field in ((("--sync", "local:0"), "--sync"), (("--sync", "qsr:alpha=x"), "--sync"),
+                       (("--sync", "local:4", "--steps", "0"), "--steps")):
+        code, _, err = run_exit(capsys, "compare", *base, *bad)
+        assert code == 2 and err.count("\n") == 1 and f"error: {field}: " in err, err
+
+
 @pytest.mark.parametrize("args,field", [
     (["--solver", "nope"], "solver"),
     (["--headroom", "2"], "--headroom"),

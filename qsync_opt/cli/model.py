@@ -120,10 +120,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         emit_json({name: tl.summary() for name, tl in timelines.items()})
         return 0
     if rep.sync.name != "allreduce":
-        sm = rep.sync
-        print(f"sync {sm.name}: {sm.rounds} rounds in {sm.steps} steps (mean H "  # type: ignore[attr-defined]
-              f"{sm.mean_period:.2f}); no gradient all-reduce, the round's averaging "  # type: ignore[attr-defined]
-              f"({rep.buffer_sync_ms:.3f} ms a step on average) paid after the optimizer")
+        print(f"{rep.sync.describe()}: {rep.buffer_sync_ms:.3f} ms a step")  # type: ignore[attr-defined]
     rows = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
     print(format_table(rows, REPLAY_HEADER))
     for name, tl in timelines.items():

@@ -81,6 +81,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
           f"(target {ev.target_ms:.2f}); {ev.samples_per_s:.1f} samples/s; "
           f"build {report.build_s:.3f} s, solve {report.solve_s:.3f} s, wall {report.wall_s:.3f} s")
     print("\n".join(plan_lines(problem, plan, ev)))
+    if problem.options.sync is not None:
+        print(f"  {problem.options.sync.describe()}")
     for r in report.rounds:
         print(f"  round {r['round']}: target {r['target_ms']:.2f} ms -> linear "
               f"{r['makespan_ms']:.2f} ms, replayer {r['replay_makespan_ms']:.2f} ms, "
@@ -128,7 +130,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                    joint_split=args.joint_split, batch_multiple=args.batch_multiple)
     doc = {"workload": problem.graph.workload, "cluster": args.cluster,
            "target_ms": problem.target_ms, "target_source": problem.target_source,
-           "rows": [r.to_json() for r in rows]}
+           "sync": problem.options.to_json()["sync"], "rows": [r.to_json() for r in rows]}
     if args.plans:
         for r in rows:
             if r.plan is not None:
@@ -141,6 +143,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         atomic_write_text(args.json, text, what="--json")
     print(f"{problem.graph.workload} on {args.cluster}: target {problem.target_ms:.2f} ms "
           f"({problem.target_source})")
+    if problem.options.sync is not None:
+        print(problem.options.sync.describe())
     print(format_rows(rows))
     for r in rows:
         if r.status in ("ERROR", "INFEASIBLE") and r.messages:

@@ -99,6 +99,12 @@ class PeriodicSync:
     def per_step_ms(self, comm: Any, param_bytes: int, buffer_bytes: int) -> float:
         return self.round_ms(comm, param_bytes, buffer_bytes) / self.mean_period
 
+    def describe(self) -> str:
+        """One line for the CLI: the mode, its rounds and mean period."""
+        return (f"sync {self.mode}: {self.rounds} rounds in {self.steps} steps (mean H "
+                f"{self.mean_period:.2f}); no gradient all-reduce, each round's parameter "
+                "averaging paid after the optimizer, averaged over its steps")
+
 
 def sync_model_for(text: str | None, *, lr: float = 0.05, lr_schedule: str = "constant",
                    steps: int = 100) -> SyncModel | None:
