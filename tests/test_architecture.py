@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "devices", "rules", "costs", "cluster", "batchmodel", "profile.tables",
         "profile.timing", "profile.gloo",
         # the sync rules (QSR's rule, learning-rate schedules): pure, read by the replayer
-        "runtime.schedule", "runtime.syncmode"]),
+        "runtime.schedule", "runtime.syncmode", "runtime.dlcp"]),
     ("precision layers", ["runtime.gemm", "runtime.dispatch", "runtime.layers",
                           "profile.builders"]),
     ("indicator, replayer", ["indicator", "replayer", "replayer.sync", "replayer.timeline",

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from qsync_opt.errors import QsyncInputError
 from qsync_opt.runtime.schedule import LRSchedule, parse_schedule
 from qsync_opt.runtime.syncmode import (
+    COMM_KINDS,
     COMPATIBLE,
     CommMode,
     SyncMode,
@@ -93,7 +94,7 @@ def test_bad_sync_specs_are_refused_in_one_line(text):
 
 def test_comm_and_the_combination_table():
     assert parse_comm("FP16") == CommMode("fp16")
-    with pytest.raises(QsyncInputError, match="^comm: expected one of allreduce, fp16"):
+    with pytest.raises(QsyncInputError, match="^comm: expected allreduce, fp16 or dlcp:"):
         parse_comm("topk")
     for (s, c), ok in COMPATIBLE.items():
         mode = parse_sync({"ddp": "ddp", "local": "local:2",
@@ -103,6 +104,22 @@ def test_comm_and_the_combination_table():
         else:
             with pytest.raises(QsyncInputError, match="--sync .* with --comm"):
                 check_combination(mode, CommMode(c))
+
+
+def test_the_readme_table_is_the_combination_table():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [x for x in text.splitlines() if x.startswith("| `--sync` \\ `--comm`")]
+    assert len(lines) == 1
+    rows = text.split(lines[0], 1)[1].splitlines()[2:5]
+    heads = [c.strip().strip("`").split(":")[0] for c in lines[0].split("|")[2:-1]]
+    assert heads == list(COMM_KINDS)
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        sync = cells[0].strip("`").split(":")[0]
+        for comm, cell in zip(heads, cells[1:], strict=True):
+            assert cell.startswith("yes") == COMPATIBLE[(sync, comm)], (sync, comm)
 
 
 # ----------------------------------------------------------------------------- QSR's rule

@@ -109,8 +109,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="ddp (gradients all-reduced every step, default), local:H (parameters "
                         "averaged every H steps) or qsr:alpha=A,h_base=H0[,power=P] (QSR)")
     p.add_argument("--comm", default="allreduce", metavar="TRANSPORT",
-                   help="gradient transport of ddp's all-reduce: allreduce (FP32, default) or "
-                        "fp16")
+                   help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
+                        "fp16, or dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=K]"
+                        "[,layer_bias=B] (bounded-loss priority: at most a fraction P of each "
+                        "rank's gradient zero-filled, in chunks of K KiB)")
     p.add_argument("--average-optimizer-state", action="store_true",
                    help="local/qsr: also average the optimizer state at every sync")
     p.add_argument("--seed", type=int, default=0)

@@ -37,11 +37,12 @@ def step_row(*, step: int, rank: int, group: str, loss: float, compute_s: float,
              lr: float | None = None, sync_round: int | None = None,
              synced: bool | None = None, comm_ms: float | None = None,
              bytes_sent: int | None = None, accuracy: float | None = None,
-             state_sha256: str | None = None) -> dict[str, Any]:
+             state_sha256: str | None = None, extra: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
     """One metrics row: times in ms (3 decimals), ``step_ms`` = compute + sync; the
     step's ``lr``, its ``sync_round``, whether the replicas ``synced`` after it, the wall time
     inside collectives (``comm_ms``) and the payload handed to them (``bytes_sent``) when
-    given; ``accuracy`` and ``state_sha256`` only when given."""
+    given; ``accuracy`` and ``state_sha256`` only when given; ``extra``: a sync mode's own fields."""
     row: dict[str, Any] = {
         "step": step, "rank": rank, "group": group, "loss": loss,
         "step_ms": round((compute_s + sync_s) * 1000, 3),
@@ -55,6 +56,7 @@ def step_row(*, step: int, rank: int, group: str, loss: float, compute_s: float,
         row["accuracy"] = accuracy
     if state_sha256 is not None:
         row["state_sha256"] = state_sha256
+    row.update(extra or {})  # a sync mode's own fields (dlcp: dropped_frac, dropped_by_layer)
     return row
 
 

@@ -244,24 +244,45 @@ class DDPSync(GradientSync):
     ``fp16_compress_hook``) and back after. Every bucket's launch-to-completion interval and
     payload go to :attr:`meter`."""
 
-    def __init__(self, world: int, device: torch.device, comm: str = "allreduce") -> None:
+    def __init__(self, world: int, device: torch.device, comm: str = "allreduce",
+                 dlcp: Any = None, seed: int = 0) -> None:
         self.world, self.device, self.comm = world, device, comm
         self.meter = CommMeter()
+        self.dlcp, self.seed = dlcp, seed  # dlcp: the parsed --comm dlcp:... (CommMode)
+        self.drops: Any = None
+        self.hook_state: Any = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         # buffers are synchronised after each step by sync_buffers, not before each forward
+        sig = inspect.signature(DDP.__init__).parameters
         fwd = "forward_sync_buffers"
-        no_fwd_sync: dict[str, Any] = ({fwd: False}
-                                       if fwd in inspect.signature(DDP.__init__).parameters
-                                       else {"broadcast_buffers": False})
-        ddp = DDP(model, device_ids=ids, **no_fwd_sync)
+        kw: dict[str, Any] = {fwd: False} if fwd in sig else {"broadcast_buffers": False}
+        params: list[nn.Parameter] = []
+        if self.dlcp is not None:
+            # the drop bound is over the whole gradient: one bucket holds it
+            kw.update({"bucket_cap_mb_list": [1 << 30]} if "bucket_cap_mb_list" in sig
+                      else {"bucket_cap_mb": float(1 << 30)})
+            self.drops, params = _drop_recorder(model, self.dlcp, self.seed)
+        ddp = DDP(model, device_ids=ids, **kw)
         from .commhooks import HookState, chain_hook
 
-        ddp.register_comm_hook(HookState(self.world, self.comm, self.meter), chain_hook)
+        self.hook_state = HookState(self.world, self.comm, self.meter, self.drops, params,
+                                    dist.get_rank())
+        ddp.register_comm_hook(self.hook_state, chain_hook)
         return ddp
+
+    def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
+        if self.hook_state is not None:
+            self.hook_state.step = step
+
+    def step_info(self, step: int) -> dict[str, Any]:
+        info = super().step_info(step)
+        if self.drops is not None:
+            info["per_rank"] = self.drops.take()
+        return info
 
     def reduce(self, models: Sequence[nn.Module]) -> None:
         pass  # DDP's backward hooks already averaged the gradients
@@ -297,6 +318,16 @@ class DDPSync(GradientSync):
                 b.data.copy_(v)
 
 
+def _drop_recorder(model: nn.Module, mode: Any, seed: int) -> tuple[Any, list[nn.Parameter]]:
+    """dlcp's :class:`~qsync_opt.runtime.dlcp.DropRecorder` over ``model``'s trainable
+    parameters (in the model's order, the order its chunks are numbered in)."""
+    from .dlcp import DropRecorder
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return (DropRecorder(mode, [n for n, _ in named], [p.numel() for _, p in named], seed),
+            [p for _, p in named])
+
+
 def _grad_bytes(model: nn.Module, comm: str) -> int:
     per = 2 if comm == "fp16" else 4
     return sum(p.numel() * per for p in model.parameters() if p.grad is not None)
@@ -314,11 +345,67 @@ class EmulatedSync(GradientSync):
     records the in-process reduction's wall time (no network here) and the payload each
     rank would hand its collectives (the bytes of a multi-process run)."""
 
-    def __init__(self, world: int, comm: str = "allreduce") -> None:
+    def __init__(self, world: int, comm: str = "allreduce", dlcp: Any = None,
+                 seed: int = 0) -> None:
         self.world, self.comm = world, comm
         self.meter = CommMeter()
+        self.dlcp, self.seed, self.step = dlcp, seed, 0
+        self.drops: Any = None
+
+    def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
+        self.step = step
+
+    def step_info(self, step: int) -> dict[str, Any]:
+        info = super().step_info(step)
+        if self.drops is not None:
+            info["per_rank"] = self.drops.take()
+        return info
+
+    def _reduce_dlcp(self, models: Sequence[nn.Module]) -> None:
+        """Each replica zero-fills its dropped chunks (the DDP hook's stage 1), then the sum
+        divided by the world, or for ``unbiased`` by each chunk's kept count."""
+        from .dlcp import kept_counts, rescale
+
+        t0 = time.perf_counter()
+        if self.drops is None:
+            self.drops, _ = _drop_recorder(models[0], self.dlcp, self.seed)
+        params = [[p for p in m.parameters() if p.requires_grad] for m in models]
+        grads: list[list[Tensor]] = []
+        for ps in params:
+            gs = [p.grad for p in ps if p.grad is not None]
+            if len(gs) != len(ps):
+                raise RuntimeError("dlcp: every trainable parameter needs a gradient")
+            grads.append(gs)
+        drops, counts = self.drops, None
+        if drops.active:
+            for r, gs in enumerate(grads):
+                dropped = drops.drop(gs, self.step, r)
+                if drops.unbiased:
+                    k = kept_counts(drops.table, dropped)
+                    counts = k if counts is None else counts + k
+        else:
+            for r in range(len(grads)):
+                drops.nothing(r)
+        totals = []
+        for i in range(len(params[0])):
+            total = grads[0][i].clone()
+            for gs in grads[1:]:
+                total += gs[i]
+            if counts is None:
+                total /= self.world
+            totals.append(total)
+        if counts is not None:
+            rescale(totals, drops.table, counts)
+        for gs in grads:
+            for g, t in zip(gs, totals, strict=True):
+                g.copy_(t)
+        extra = 0 if counts is None else counts.numel() * counts.element_size()
+        self.meter.interval(t0, time.perf_counter(), _grad_bytes(models[0], "allreduce") + extra)
 
     def reduce(self, models: Sequence[nn.Module]) -> None:
+        if self.dlcp is not None:
+            self._reduce_dlcp(models)
+            return
         t0 = time.perf_counter()
         params = [list(m.parameters()) for m in models]
         for i, p0 in enumerate(params[0]):
@@ -511,7 +598,9 @@ def make_sync(config: Any, world: int, device: torch.device, emulated: bool) -> 
     """The gradient-sync mode a run's config asks for (``sync``, ``comm``), over ``world``
     ranks, in one process (``emulated``) or one per rank."""
     mode = config.sync_mode()
-    comm = config.comm_mode().kind
+    cm = config.comm_mode()
+    comm = cm.kind
+    dlcp = cm if comm == "dlcp" else None
     if mode.averages_parameters:
         if world <= 1:
             return LocalSync()
@@ -519,5 +608,5 @@ def make_sync(config: Any, world: int, device: torch.device, emulated: bool) -> 
                             emulated=emulated,
                             average_optimizer_state=config.average_optimizer_state)
     if emulated:
-        return EmulatedSync(world, comm)
-    return DDPSync(world, device, comm) if world > 1 else LocalSync()
+        return EmulatedSync(world, comm, dlcp, config.seed)
+    return DDPSync(world, device, comm, dlcp, config.seed) if world > 1 else LocalSync()

@@ -25,6 +25,11 @@ Gradient transports (``--comm``, ``TrainConfig.comm``), composed into the one DD
 ``fp16``
     Gradients sent as fp16 (torch's ``fp16_compress_hook``: divided by the world size, cast,
     all-reduced, cast back), in the emulation too.
+``dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=64][,layer_bias=1]``
+    Bounded-loss priority communication (DLCP): each rank zero-fills at most a fraction
+    ``P`` of its gradient, in chunks of ``chunk_kib`` KiB chosen by ``policy``
+    (:mod:`.dlcp`), before the FP32 all-reduce; the whole gradient is one DDP bucket (the
+    bound is over the whole message).
 
 Which combine is :data:`COMPATIBLE`; :func:`check_combination` refuses the others with one
 line (a gradient transport needs gradients on the wire: Local SGD and QSR send parameters).
@@ -43,14 +48,17 @@ __all__ = ["COMM_KINDS", "COMPATIBLE", "CommMode", "SYNC_KINDS", "SyncMode",
            "rounds", "sync_steps"]
 
 SYNC_KINDS = ("ddp", "local", "qsr")
-COMM_KINDS = ("allreduce", "fp16")
+COMM_KINDS = ("allreduce", "fp16", "dlcp")
 
 #: (sync kind, comm kind) pairs that run; the README's table is printed from this.
 COMPATIBLE: dict[tuple[str, str], bool] = {
-    ("ddp", "allreduce"): True, ("ddp", "fp16"): True,
-    ("local", "allreduce"): True, ("local", "fp16"): False,
-    ("qsr", "allreduce"): True, ("qsr", "fp16"): False,
+    ("ddp", "allreduce"): True, ("ddp", "fp16"): True, ("ddp", "dlcp"): True,
+    ("local", "allreduce"): True, ("local", "fp16"): False, ("local", "dlcp"): False,
+    ("qsr", "allreduce"): True, ("qsr", "fp16"): False, ("qsr", "dlcp"): False,
 }
+
+#: ``dlcp``'s largest ``p`` (more than half a gradient lost is not a bounded loss).
+MAX_DROP = 0.5
 
 #: A round never exceeds this many steps (``(A / lr) ** 2`` of a tiny lr is astronomic).
 MAX_PERIOD = 1 << 40
@@ -85,9 +93,22 @@ class CommMode:
     """A parsed ``--comm``."""
 
     kind: str = "allreduce"
+    #: dlcp: the bound on the dropped fraction, the policy, the chunk size, the layer bias
+    p: float = 0.0
+    policy: str = "priority"
+    chunk_kib: float = 64.0
+    layer_bias: float = 1.0
+
+    @property
+    def chunk_elems(self) -> int:
+        """dlcp's chunk in fp32 elements."""
+        return max(1, int(self.chunk_kib * 1024) // 4)
 
     def describe(self) -> str:
-        return self.kind
+        if self.kind != "dlcp":
+            return self.kind
+        return (f"dlcp:p={self.p:g},policy={self.policy},chunk_kib={self.chunk_kib:g}"
+                + ("" if self.layer_bias == 1 else f",layer_bias={self.layer_bias:g}"))
 
 
 def parse_sync(text: str) -> SyncMode:
@@ -127,11 +148,42 @@ def parse_sync(text: str) -> SyncMode:
 
 def parse_comm(text: str) -> CommMode:
     """``--comm`` text -> :class:`CommMode`."""
-    kind = text.strip().lower()
-    if kind not in COMM_KINDS:
-        raise QsyncInputError(f"comm: expected one of {', '.join(COMM_KINDS)}, got "
-                              f"{text.strip()!r}")
+    raw = text.strip()
+    kind = raw.partition(":")[0].strip().lower()
+    if kind == "dlcp":
+        return _parse_dlcp(raw)
+    if kind not in COMM_KINDS or ":" in raw:
+        raise QsyncInputError(f"comm: expected allreduce, fp16 or dlcp:p=P[,policy=priority|"
+                              f"random|unbiased][,chunk_kib=K][,layer_bias=B], got {raw!r}")
     return CommMode(kind)
+
+
+def _parse_dlcp(raw: str) -> CommMode:
+    from .dlcp import POLICIES
+
+    head, _, rest = raw.partition(":")
+    items = [x for x in rest.split(",") if x.strip()]
+    policy = [x for x in items if x.partition("=")[0].strip().lower() == "policy"]
+    if len(policy) > 1:
+        raise QsyncInputError("comm: policy given twice")
+    pol = policy[0].partition("=")[2].strip().lower() if policy else "priority"
+    if pol not in POLICIES:
+        raise QsyncInputError(f"comm: dlcp's policy: expected one of {', '.join(POLICIES)}, "
+                              f"got {pol!r}")
+    others = ",".join(x for x in items if x not in policy)
+    _, opts = parse_options(f"dlcp:{others}" if others else "dlcp", "comm",
+                            {"p": float, "chunk_kib": float, "layer_bias": float})
+    if "p" not in opts:
+        raise QsyncInputError(f"comm: dlcp needs p=P, the largest fraction of a gradient "
+                              f"dropped (dlcp:p=0.05), got {raw!r}")
+    p, kib, bias = opts["p"], opts.get("chunk_kib", 64.0), opts.get("layer_bias", 1.0)
+    if not 0 <= p <= MAX_DROP:
+        raise QsyncInputError(f"comm: dlcp's p must be in [0, {MAX_DROP:g}], got {p:g}")
+    if not 1 / 256 <= kib <= 1 << 20:
+        raise QsyncInputError(f"comm: dlcp's chunk_kib must be in [1/256, 2^20] KiB, got {kib:g}")
+    if bias < 0:
+        raise QsyncInputError(f"comm: dlcp's layer_bias must be >= 0, got {bias:g}")
+    return CommMode("dlcp", float(p), pol, float(kib), float(bias))
 
 
 def check_combination(sync: SyncMode, comm: CommMode) -> None:

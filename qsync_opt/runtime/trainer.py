@@ -229,6 +229,7 @@ class Trainer:
         self.last_loss = float(tot[1]) / float(tot[3])
         nbytes = self.sync.bytes_per_step(self.models[0])
         info = self.sync.step_info(step)
+        per_rank = info.pop("per_rank", {})  # a mode's own per-rank fields (dlcp's drops)
         classification = s.workload.task == "classification"
         for (r, b, loss, correct), met, m, c_s, sc, skip in zip(
                 rows, metrics, self.models, compute_s, self.scalers, skips, strict=True):
@@ -239,6 +240,7 @@ class Trainer:
             met.write(step_row(
                 step=step, rank=r, group=g, loss=loss, compute_s=c_s * f, sync_s=sync_s,
                 nbytes=nbytes, skipped=skip, loss_scale=sc.scale, lr=lr, **info,
+                extra=per_rank.get(r),
                 accuracy=correct / b if classification else None,
                 state_sha256=state_hash(m) if self.log_state_hash else None))
         self.step += 1

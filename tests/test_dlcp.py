@@ -1,0 +1,281 @@
+"""Bounded-loss priority gradient communication (issue 20, part A): the one drop policy, the
+emulated data-parallel path and the DDP hook chain on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsync_opt import parse_shorthand, trace
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.plan import make_plan
+from qsync_opt.runtime import checkpoint as ck
+from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.dlcp import (
+    ChunkTable,
+    DropRecorder,
+    apply_drops,
+    choose_drops,
+    drop_generator,
+    kept_counts,
+    rescale,
+)
+from qsync_opt.runtime.faults import ENV, NO_FAULTS
+from qsync_opt.runtime.syncmode import check_combination, parse_comm, parse_sync
+from qsync_opt.runtime.train import emulate
+from qsync_opt.testing import run_cli
+
+# ----------------------------------------------------------------------------- the policy
+
+
+def test_parse_and_describe() -> None:
+    m = parse_comm("DLCP:p=0.05")
+    assert (m.kind, m.p, m.policy, m.chunk_kib, m.chunk_elems) == ("dlcp", 0.05, "priority",
+                                                                  64.0, 16384)
+    text = "dlcp:p=0.1,policy=unbiased,chunk_kib=4,layer_bias=0"
+    assert parse_comm(text).describe() == text and parse_comm(parse_comm(text).describe()) == \
+        parse_comm(text)
+    for bad, needle in (("dlcp", "needs p=P"), ("dlcp:p=0.6", "in [0, 0.5]"),
+                        ("dlcp:p=-0.1", "in [0, 0.5]"), ("dlcp:p=0.1,policy=best", "policy"),
+                        ("dlcp:p=0.1,chunk_kib=0", "chunk_kib"), ("dlcp:p=x", "number"),
+                        ("dlcp:p=0.1,layer_bias=-1", "layer_bias"), ("fp16:p=1", "expected"),
+                        ("dlcp:p=0.1,policy=random,policy=priority", "twice")):
+        with pytest.raises(QsyncInputError, match=re.escape(needle)):
+            parse_comm(bad)
+    check_combination(parse_sync("ddp"), parse_comm("dlcp:p=0.1"))
+    for sync in ("local:4", "qsr:alpha=0.1,h_base=2"):
+        with pytest.raises(QsyncInputError, match="gradient transport"):
+            check_combination(parse_sync(sync), parse_comm("dlcp:p=0.1"))
+
+
+def _grads(numels: list[int], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(k, generator=g) * (1 + i) for i, k in enumerate(numels)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=8),
+       chunk=st.integers(1, 64), p=st.floats(0, 0.99),
+       policy=st.sampled_from(["priority", "random", "unbiased"]), seed=st.integers(0, 99))
+def test_the_dropped_fraction_never_exceeds_p(numels: list[int], chunk: int, p: float,
+                                              policy: str, seed: int) -> None:
+    table = ChunkTable.build(numels, chunk)
+    assert int(table.sizes.sum()) == sum(numels) and table.n_chunks == sum(
+        math.ceil(k / chunk) for k in numels)
+    grads = _grads(numels, seed)
+    before = [g.clone() for g in grads]
+    dropped = choose_drops(grads, table, p, policy, drop_generator(seed, 3, 1))
+    per = apply_drops(grads, table, dropped)
+    assert sum(per) == int(table.sizes[dropped].sum()) <= math.floor(p * sum(numels))
+    # the budget is used up to less than one chunk (the greedy fill stops only then)
+    smallest_kept = table.sizes[~dropped].min() if bool((~dropped).any()) else 0
+    assert sum(per) + int(smallest_kept) > math.floor(p * sum(numels)) or not (~dropped).any()
+    for i, (a, b) in enumerate(zip(before, grads, strict=True)):
+        mask = table.element_mask(i, dropped)
+        assert torch.equal(b[mask], torch.zeros_like(b[mask]))
+        assert torch.equal(b[~mask], a[~mask])  # what is kept is untouched
+
+
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(1, 6), per=st.integers(1, 6), chunk=st.integers(1, 16),
+       p=st.floats(0.01, 0.9), bias=st.sampled_from([0.0, 1.0, 3.0]), seed=st.integers(0, 99))
+def test_priority_drops_in_score_order(layers: int, per: int, chunk: int, p: float,
+                                       bias: float, seed: int) -> None:
+    """Equal chunks: every dropped chunk scores at most every kept one, the score being
+    rms * (1 + bias * (1 - position))."""
+    numels = [per * chunk] * layers
+    table = ChunkTable.build(numels, chunk)
+    grads = _grads(numels, seed)
+    dropped = choose_drops(grads, table, p, "priority", layer_bias=bias)
+    rms = torch.cat([g.view(-1, chunk).double().pow(2).mean(1).sqrt() for g in grads])
+    score = rms * (1 + bias * (1 - table.pos))
+    assert int(dropped.sum()) == math.floor(p * sum(numels)) // chunk
+    if dropped.any() and (~dropped).any():
+        assert float(score[dropped].max()) <= float(score[~dropped].min())
+
+
+def test_front_layers_are_kept_and_small_chunks_go_first() -> None:
+    # equal magnitudes everywhere: the layer position decides, the last layers go first
+    table = ChunkTable.build([8, 8, 8, 8], 4)
+    grads = [torch.ones(8) for _ in range(4)]
+    d = choose_drops(grads, table, 0.25, "priority")
+    assert d.tolist() == [False] * 6 + [True] * 2
+    # no layer bias: magnitude alone (the smallest chunk, wherever it is)
+    grads[0][:4] = 0.01
+    d = choose_drops(grads, table, 0.125, "priority", layer_bias=0.0)
+    assert d.tolist() == [True] + [False] * 7
+    # random: seeded per (seed, step, rank), the same again, another for another rank
+    g1 = choose_drops(grads, table, 0.5, "random", drop_generator(0, 5, 0))
+    assert torch.equal(g1, choose_drops(grads, table, 0.5, "random", drop_generator(0, 5, 0)))
+    others = [choose_drops(grads, table, 0.5, "random", drop_generator(0, 5, r)) for r in
+              range(1, 6)]
+    assert any(not torch.equal(g1, o) for o in others)
+    with pytest.raises(ValueError, match="p"):
+        choose_drops(grads, table, 1.0, "random")
+
+
+def test_unbiased_rescale_is_the_mean_of_what_arrived() -> None:
+    """Two ranks, chunks of 2: chunk 0 dropped by rank 0, chunk 1 by both, chunk 2 by none."""
+    table = ChunkTable.build([6], 2)
+    a, b = torch.tensor([1., 2., 3., 4., 5., 6.]), torch.tensor([10., 20., 30., 40., 50., 60.])
+    da, db = torch.tensor([True, True, False]), torch.tensor([False, True, False])
+    apply_drops([a], table, da)
+    apply_drops([b], table, db)
+    total = a + b
+    rescale([total], table, kept_counts(table, da) + kept_counts(table, db))
+    assert total.tolist() == [10., 20., 0., 0., 27.5, 33.]
+
+
+def test_a_mask_handed_in_from_outside() -> None:
+    """The simulator's lost packets come as a chunk mask: apply_drops takes any mask, and
+    the recorder's statistics name the layers that lost them."""
+    rec = DropRecorder(parse_comm("dlcp:p=0.5,chunk_kib=0.0078125"), ["a.w", "a.b", "c.w"],
+                       [4, 2, 6], seed=0)  # chunks of 2 elements
+    assert rec.table.n_chunks == 6
+    grads = [torch.ones(4), torch.ones(2), torch.ones(6)]
+    mask = torch.tensor([False, True, True, False, False, True])
+    assert apply_drops(grads, rec.table, mask) == [2, 2, 2]
+    assert grads[0].tolist() == [1, 1, 0, 0] and grads[2].tolist() == [1] * 4 + [0, 0]
+    d = rec.drop([torch.ones(4), torch.ones(2), torch.ones(6)], step=0, rank=1)
+    stats = rec.take()[1]
+    assert stats["dropped_frac"] == pytest.approx(int(d.sum()) * 2 / 12) and \
+        stats["dropped_frac"] <= 0.5
+    assert set(stats["dropped_by_layer"]) <= {"a", "c"}
+
+
+# ----------------------------------------------------------------------------- emulation
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plans") / "uneven.json"
+    make_plan(trace("digits_cnn"), parse_shorthand("cpux1@36+cpux1@12"), {}).save(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> Any:
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(workload="digits_cnn", plan_path=str(plan),
+                                rank_groups=["cpu", "cpu_2"], steps=5, out_dir=str(out),
+                                emulate_dp=True, eval_batches=0, lr=0.05, momentum=0.9)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    path = ck.latest_checkpoint(out, rank)
+    assert path is not None
+    return dict(ck.load_checkpoint(path)["model"].items())
+
+
+def _rows(out: Path, rank: int) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
+
+
+def test_emulated_p0_is_the_plain_all_reduce_bit_for_bit(plan: Path, tmp_path: Path) -> None:
+    emulate(_config(plan, tmp_path / "a"), faults=NO_FAULTS)
+    for policy in ("priority", "unbiased"):
+        out = tmp_path / policy
+        emulate(_config(plan, out, comm=f"dlcp:p=0,policy={policy}"), faults=NO_FAULTS)
+        pa, pb = _params(tmp_path / "a", 0), _params(out, 0)
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), policy
+        assert {r["dropped_frac"] for r in _rows(out, 1)} == {0.0}
+
+
+@pytest.mark.parametrize("policy", ["priority", "random", "unbiased"])
+def test_emulated_drops_keep_replicas_identical(plan: Path, tmp_path: Path, policy: str) -> None:
+    out = tmp_path / policy
+    emulate(_config(plan, out, comm=f"dlcp:p=0.2,policy={policy},chunk_kib=0.5"),
+            faults=NO_FAULTS)
+    p0, p1 = _params(out, 0), _params(out, 1)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    ref = tmp_path / "ref"
+    emulate(_config(plan, ref), faults=NO_FAULTS)
+    pr = _params(ref, 0)
+    assert any(not torch.equal(p0[k], pr[k]) for k in p0)  # the drops changed the run
+    for r in (0, 1):
+        rows = _rows(out, r)
+        assert all(0.19 < x["dropped_frac"] <= 0.2 for x in rows)
+        assert all(0 < f <= 1 for x in rows for f in x["dropped_by_layer"].values())
+        extra = 4 * sum(math.ceil(p.numel() / 128) for k, p in p0.items()
+                        if "running" not in k and "num_batches" not in k)
+        base = _rows(ref, r)[0]["bytes_sent"]
+        assert rows[0]["bytes_sent"] == base + (extra if policy == "unbiased" else 0)
+    # the random policies draw per rank: the two ranks drop different chunks
+    if policy != "priority":
+        a, b = _rows(out, 0)[0]["dropped_by_layer"], _rows(out, 1)[0]["dropped_by_layer"]
+        assert a != b
+
+
+# ----------------------------------------------------------------------------- two gloo ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gloo(plan: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn",
+           "--plan", str(plan), "--nproc", "2", "--rank-groups", "0:cpu,1:cpu_2",
+           "--out", str(out), "--backend", "gloo", "--timeout", "300", "--steps", "5",
+           "--lr", "0.05", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), QSYNC_LOG_STATE_HASH="1")
+    for var in ENV.values():
+        env.pop(var, None)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_p0_bit_identical_and_drops_match_emulation(plan: Path,
+                                                                    tmp_path: Path) -> None:
+    """p = 0: the DDP hook chain's dlcp stage leaves the all-reduce bit for bit; p = 0.2:
+    the replicas stay identical every step, each rank drops what the emulation drops at the
+    first step (same gradients), and the runs agree within 1e-5."""
+    runs = {}
+    for name, comm in (("plain", "allreduce"), ("p0", "dlcp:p=0"),
+                       ("p20", "dlcp:p=0.2,policy=unbiased,chunk_kib=0.5")):
+        out = tmp_path / name
+        res = _gloo(plan, out, "--comm", comm)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[name] = out
+    pa, pb = _params(runs["plain"], 0), _params(runs["p0"], 0)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    r0, r1 = _rows(runs["p20"], 0), _rows(runs["p20"], 1)
+    assert all(a["state_sha256"] == b["state_sha256"] for a, b in zip(r0, r1, strict=True))
+    emu = tmp_path / "emu"
+    emulate(_config(plan, emu, comm="dlcp:p=0.2,policy=unbiased,chunk_kib=0.5", momentum=0.9),
+            faults=NO_FAULTS)
+    for r, rows in ((0, r0), (1, r1)):
+        e = _rows(emu, r)
+        assert [x["dropped_by_layer"] for x in rows] == [x["dropped_by_layer"] for x in e]
+    pg, pe = _params(runs["p20"], 0), _params(emu, 0)
+    for k in pg:
+        torch.testing.assert_close(pg[k], pe[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_the_cli_refuses_dlcp_with_local_sgd(tmp_path: Path) -> None:
+    code, _, err = run_cli("train", "--model", "digits_cnn", "--nproc", "2", "--steps", "2",
+                           "--sync", "local:4", "--comm", "dlcp:p=0.1", "--out",
+                           str(tmp_path / "o"))
+    assert code == 2 and err.count("\n") == 1 and "--comm dlcp" in err, err
+    code, _, err = run_cli("train", "--model", "digits_cnn", "--nproc", "2", "--steps", "2",
+                           "--comm", "dlcp:p=0.7", "--out", str(tmp_path / "o"))
+    assert code == 2 and err.count("\n") == 1 and "--comm" in err, err
