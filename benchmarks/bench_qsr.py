@@ -23,11 +23,14 @@ docs/BENCHMARKS.md).
 The replayer's prediction: ``replay --sync MODE`` for two ranks of this CPU, every op's time
 profiled here (fp32, in context, one thread) and the all-reduce fitted on two gloo
 processes, against the gloo runs' measured per-step time (mean ``step_ms`` from step 5,
-slower rank: the mean, since a median would skip the rare sync steps); raw, and with the
+slower rank: the mean, since a median would skip the rare sync steps); raw, with the
 runtime factor that DDP's run sets (what the launched runtime adds per step, as
-bench_prediction.py calibrates it).
+bench_prediction.py calibrates it), and with the factor ``local:H0``'s run sets (the same
+runtime without the DDP wrapper, whose reducer and gloo thread share this CPU's cores with
+backward). QSR's claim is also read directly: QSR minus ``local:Hq``, paired per seed.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_qsr.py --models digits_cnn tiny_gpt --seeds 5 --gloo-seeds 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_qsr.py --models digits_cnn tiny_gpt --seeds 5 --gloo-seeds 1 --dump F
+    .venv/bin/python benchmarks/bench_qsr.py --report F     # the tables again, from F
 """
 
 from __future__ import annotations
@@ -148,6 +151,67 @@ def fmt(m: float, h: float, digits: int) -> str:
     return f"{m:.{digits}f}" + ("" if math.isnan(h) else f" +- {h:.{digits}f}")
 
 
+def report(model: str, doc: dict[str, Any], gloo: bool) -> None:
+    """Print one model's tables from its figures (``doc``: ``settings`` and ``modes``, as
+    ``--dump`` writes them): the modes against DDP, QSR against the constant period of the
+    same round count, and the replayer's prediction against the gloo runs."""
+    d, res = doc["settings"], doc["modes"]
+    lossd = [r["eval_loss"] for r in res["ddp"]["emulated"]]
+    clf = res["ddp"]["emulated"][0]["eval_accuracy"] is not None
+    head = (f"  {'mode':<22} {'rounds':>6} {'MB sent':>8} {'comm ms':>9} {'share':>6} "
+            f"{'wall s':>7} {'step ms':>8} {'pred ms':>8}  {'held-out loss':>16}"
+            + (f"  {'accuracy':>16}" if clf else "") + "  loss - ddp (paired)   verdict")
+    print(head)
+    for name, r in res.items():
+        e, g = r["emulated"], r["gloo"]
+        loss = [x["eval_loss"] for x in e]
+        m, h = ci(loss)
+        dd, hh = ci([a - b for a, b in zip(loss, lossd, strict=True)])
+        ok = name == "ddp" or (not math.isnan(hh) and dd + hh < d["margin"])
+
+        def gm(k: str, g: list[dict[str, Any]] = g) -> float:
+            return statistics.mean(x[k] for x in g) if g else float("nan")
+
+        acc = ""
+        if clf:
+            am, ah = ci([x["eval_accuracy"] for x in e])
+            acc = f"  {fmt(am, ah, 4):>16}"
+        verdict = "(reference)" if name == "ddp" else (
+            "non-inferior" if ok else "NOT shown non-inferior")
+        print(f"  {name:<22} {e[0]['rounds']:>6} {e[0]['bytes'] / 1e6:>8.2f} "
+              f"{gm('comm_ms'):>9.1f} {gm('comm_share'):>6.1%} {gm('train_wall_s'):>7.1f} "
+              f"{gm('step_ms_mean'):>8.2f} {r['predicted_step_ms']:>8.2f}  "
+              f"{fmt(m, h, 4):>16}{acc}  "
+              + ("" if name == "ddp" else f"{fmt(dd, hh, 4):>18}") + f"   {verdict}")
+        r["verdict"] = {"mean": dd, "half_width": hh, "non_inferior": ok}
+    names = list(res)
+    qsr, equal = names[-1], names[-2]  # modes_for's order: ..., local:Hq, qsr
+    lq = [x["eval_loss"] for x in res[qsr]["emulated"]]
+    le = [x["eval_loss"] for x in res[equal]["emulated"]]
+    m, h = ci([a - b for a, b in zip(lq, le, strict=True)])
+    print(f"  QSR's claim, at equal communication: {qsr} ({res[qsr]['emulated'][0]['rounds']} "
+          f"rounds) - {equal} ({res[equal]['emulated'][0]['rounds']} rounds) held-out loss "
+          f"{fmt(m, h, 4)} (paired): "
+          + ("QSR better" if m + h < 0 else "QSR worse" if m - h > 0 else "no difference shown"))
+    if not gloo:
+        return
+    meas = {n: statistics.mean(x["step_ms_mean"] for x in r["gloo"]) for n, r in res.items()}
+    local0 = names[1]  # local:H0: the runtime without DDP, the local modes' own calibration
+    f_ddp = meas["ddp"] / res["ddp"]["predicted_step_ms"]
+    f_loc = meas[local0] / res[local0]["predicted_step_ms"]
+    print("  replay --sync MODE against the measured per-step time (mean from step 5, slower "
+          f"rank): raw; with the runtime factor x{f_ddp:.3f} DDP's run sets; with "
+          f"x{f_loc:.3f} {local0}'s run sets (the same runtime without DDP)")
+    for n, r in res.items():
+        pred = r["predicted_step_ms"]
+        e = (pred - meas[n]) / meas[n]
+        ec = (pred * f_ddp - meas[n]) / meas[n]
+        el = (pred * f_loc - meas[n]) / meas[n]
+        print(f"    {n:<22} predicted {pred:7.2f} ms, measured {meas[n]:7.2f} ms: {e:+.1%}; "
+              f"x ddp's factor {ec:+.1%}; x {local0}'s factor {el:+.1%}")
+        r["prediction_error"], r["calibrated_error"], r["local_calibrated_error"] = e, ec, el
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(DEFAULTS), choices=list(DEFAULTS))
@@ -156,7 +220,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="of the seeds, how many also run on two real gloo ranks")
     ap.add_argument("--steps", type=int, default=None, help="default: per model")
     ap.add_argument("--dump", type=Path, default=None, help="JSON of every figure")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the tables of a --dump file again, training nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        doc = json.loads(args.report.read_text())
+        for model, m in doc.items():
+            s = m["settings"]
+            print(f"\n{model}: 2 ranks x {s['batch']}, {s['steps']} steps, {s['optimizer']} lr "
+                  f"{s['lr']:g} {s['schedule']}; non-inferiority margin {s['margin']:g} nats")
+            report(model, m, any(r["gloo"] for r in m["modes"].values()))
+        return 0
     if args.seeds < 2:
         raise SystemExit("--seeds: expected at least 2 (a 95% interval)")
     torch.set_num_threads(1)
@@ -191,47 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 res[name] = {"sync": sync, "emulated": emu, "gloo": glo,
                              "predicted_step_ms": step_ms(sync) if step_ms else float("nan")}
                 print(f"  {name}: done", flush=True)
-        lossd = [r["eval_loss"] for r in res["ddp"]["emulated"]]
-        clf = res["ddp"]["emulated"][0]["eval_accuracy"] is not None
-        head = (f"  {'mode':<22} {'rounds':>6} {'MB sent':>8} {'comm ms':>9} {'share':>6} "
-                f"{'wall s':>7} {'step ms':>8} {'pred ms':>8}  {'held-out loss':>16}"
-                + (f"  {'accuracy':>16}" if clf else "") + "  loss - ddp (paired)   verdict")
-        print(head)
-        for name, r in res.items():
-            e, g = r["emulated"], r["gloo"]
-            loss = [x["eval_loss"] for x in e]
-            m, h = ci(loss)
-            dd, hh = ci([a - b for a, b in zip(loss, lossd, strict=True)])
-            ok = name == "ddp" or (not math.isnan(hh) and dd + hh < d["margin"])
-
-            def gm(k: str, g: list[dict[str, Any]] = g) -> float:
-                return statistics.mean(x[k] for x in g) if g else float("nan")
-
-            acc = ""
-            if clf:
-                am, ah = ci([x["eval_accuracy"] for x in e])
-                acc = f"  {fmt(am, ah, 4):>16}"
-            verdict = "(reference)" if name == "ddp" else (
-                "non-inferior" if ok else "NOT shown non-inferior")
-            print(f"  {name:<22} {e[0]['rounds']:>6} {e[0]['bytes'] / 1e6:>8.2f} "
-                  f"{gm('comm_ms'):>9.1f} {gm('comm_share'):>6.1%} {gm('train_wall_s'):>7.1f} "
-                  f"{gm('step_ms_mean'):>8.2f} {r['predicted_step_ms']:>8.2f}  "
-                  f"{fmt(m, h, 4):>16}{acc}  "
-                  + ("" if name == "ddp" else f"{fmt(dd, hh, 4):>18}") + f"   {verdict}")
-            r["verdict"] = {"mean": dd, "half_width": hh, "non_inferior": ok}
-        if args.gloo_seeds:
-            meas = {n: statistics.mean(x["step_ms_mean"] for x in r["gloo"]) for n, r in res.items()}
-            factor = meas["ddp"] / res["ddp"]["predicted_step_ms"]
-            print("  replay --sync MODE against the measured per-step time (mean from step 5, "
-                  f"slower rank): runtime factor x{factor:.3f} set by ddp")
-            for n, r in res.items():
-                pred = r["predicted_step_ms"]
-                e = (pred - meas[n]) / meas[n]
-                ec = (pred * factor - meas[n]) / meas[n]
-                print(f"    {n:<22} predicted {pred:7.2f} ms, measured {meas[n]:7.2f} ms: "
-                      f"{e:+.1%}; with ddp's factor {pred * factor:7.2f} ms: {ec:+.1%}")
-                r["prediction_error"], r["calibrated_error"] = e, ec
         dump[model] = {"settings": d, "modes": res}
+        report(model, dump[model], args.gloo_seeds > 0)
     if args.dump:
         args.dump.write_text(json.dumps(dump, indent=2, default=float) + "\n")
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")

@@ -1,0 +1,159 @@
+"""Bounded-loss priority gradient communication (DLCP), its quality side (issue 20, part A).
+
+Per model, two ranks in the emulated data-parallel path (the same drop decisions and
+arithmetic as the DDP hook on two gloo ranks: tests/test_dlcp.py), every op at fp32, one
+cosine schedule, ``--seeds`` paired seeds: ``--comm dlcp:p=P,policy=POLICY`` for P in
+``--ps`` and the three policies (``priority``, ``random``, ``unbiased``), against the plain
+all-reduce (p = 0, the same run for every policy: tested bit for bit). Columns: the dropped
+fraction actually reached (mean over steps and ranks; the budget is filled in whole chunks,
+so it sits just under P), held-out loss (and accuracy for a classifier) as mean and 95%
+Student t interval over the seeds, and (mode - p0) paired per seed. Then the claim to
+test: priority against random at the largest P, paired per seed, and where each policy's
+drops fall (mean fraction dropped per layer).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_dlcp.py --models digits_cnn tiny_gpt --seeds 5
+
+Every figure is of fixed seeds and one thread, so it does not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_accuracy import ci  # the benchmarks' one 95% t interval
+
+from qsync_opt import load_cluster, trace
+from qsync_opt.machine import cpu_model
+from qsync_opt.plan import make_plan
+from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.dlcp import POLICIES
+from qsync_opt.runtime.faults import NO_FAULTS
+from qsync_opt.runtime.train import emulate
+
+#: Per model: steps, per-rank batch, optimizer, peak lr, schedule, held-out batches, and the
+#: chunk (KiB): small enough that 1% of the gradient is many chunks.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits_cnn": dict(steps=300, batch=32, optimizer="sgd", lr=0.1,
+                       schedule="cosine:warmup=15", eval_batches=3, chunk_kib=1),
+    "tiny_gpt": dict(steps=200, batch=16, optimizer="adamw", lr=3e-3,
+                     schedule="cosine:warmup=10", eval_batches=8, chunk_kib=4),
+}
+
+
+def run(model: str, plan: Path, d: dict[str, Any], comm: str, seed: int, out: Path
+        ) -> dict[str, Any]:
+    cfg = TrainConfig(workload=model, plan_path=str(plan), rank_groups=["cpu", "cpu"],
+                      steps=d["steps"], lr=d["lr"], lr_schedule=d["schedule"],
+                      optimizer=d["optimizer"], momentum=0.9, seed=seed, out_dir=str(out),
+                      emulate_dp=True, eval_batches=d["eval_batches"], comm=comm)
+    s = emulate(cfg, faults=NO_FAULTS)
+    rows = [json.loads(x) for r in (0, 1)
+            for x in (out / f"metrics.rank{r}.jsonl").read_text().splitlines()]
+    layers: dict[str, float] = {}
+    for x in rows:
+        for k, v in (x.get("dropped_by_layer") or {}).items():
+            layers[k] = layers.get(k, 0.0) + v / len(rows)
+    return {"eval_loss": s["eval_loss"], "eval_accuracy": s["eval_accuracy"],
+            "dropped_frac": statistics.mean(x.get("dropped_frac", 0.0) for x in rows),
+            "dropped_by_layer": layers}
+
+
+def fmt(m: float, h: float, digits: int = 4) -> str:
+    return f"{m:.{digits}f} +- {h:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(DEFAULTS), choices=list(DEFAULTS))
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--ps", default="0.01,0.05,0.1,0.3",
+                    help="the bounds p, comma-separated (p = 0 always runs)")
+    ap.add_argument("--steps", type=int, default=None, help="default: per model")
+    ap.add_argument("--dump", type=Path, default=None, help="JSON of every training")
+    args = ap.parse_args(argv)
+    if args.seeds < 2:
+        raise SystemExit("--seeds: expected at least 2 (a 95% interval)")
+    try:
+        ps = [float(x) for x in args.ps.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--ps: expected comma-separated fractions, got {args.ps!r}") from None
+    if not ps or not all(0 < p <= 0.5 for p in ps):
+        raise SystemExit(f"--ps: expected fractions in (0, 0.5], got {args.ps!r}")
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    print(f"machine: {cpu_model()}; torch threads 1; load average "
+          f"{os.getloadavg()[0]:.2f} at the start")
+    dump: dict[str, Any] = {}
+    for model in args.models:
+        d = dict(DEFAULTS[model])
+        if args.steps:
+            d["steps"] = args.steps
+        print(f"\n{model}: 2 ranks x {d['batch']} (emulated), {d['steps']} steps, "
+              f"{d['optimizer']} lr {d['lr']:g} {d['schedule']}, chunks of {d['chunk_kib']} KiB, "
+              f"{args.seeds} paired seeds", flush=True)
+        res: dict[str, list[dict[str, Any]]] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            plan = Path(tmp) / "fp32.plan.json"
+            make_plan(trace(model, d["batch"]), load_cluster(f"cpux2@{d['batch']}"), {}).save(plan)
+            combos = [("p0", "allreduce")] + [
+                (f"p{p:g} {pol}", f"dlcp:p={p:g},policy={pol},chunk_kib={d['chunk_kib']:g}")
+                for p in ps for pol in POLICIES]
+            for name, comm in combos:
+                t0 = time.perf_counter()
+                res[name] = [run(model, plan, d, comm, s, Path(tmp) / f"{len(res)}-{s}")
+                             for s in range(args.seeds)]
+                print(f"  {name}: {args.seeds} trainings in {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+        base = [x["eval_loss"] for x in res["p0"]]
+        clf = res["p0"][0]["eval_accuracy"] is not None
+        print(f"  {'mode':<16} {'dropped':>8}  {'held-out loss':>16}"
+              + (f"  {'accuracy':>16}" if clf else "") + f"  {'loss - p0 (paired)':>18}")
+        for name, rs in res.items():
+            loss = [x["eval_loss"] for x in rs]
+            m, h = ci(loss)
+            acc = ""
+            if clf:
+                am, ah = ci([x["eval_accuracy"] for x in rs])
+                acc = f"  {fmt(am, ah):>16}"
+            dd = "" if name == "p0" else fmt(*ci([a - b for a, b in zip(loss, base, strict=True)]))
+            drop = statistics.mean(x["dropped_frac"] for x in rs)
+            print(f"  {name:<16} {drop:>8.2%}  {fmt(m, h):>16}{acc}  {dd:>18}")
+        top = max(ps)
+        pri = [x["eval_loss"] for x in res[f"p{top:g} priority"]]
+        for other in ("random", "unbiased"):
+            o = [x["eval_loss"] for x in res[f"p{top:g} {other}"]]
+            m, h = ci([a - b for a, b in zip(pri, o, strict=True)])
+            verdict = ("priority better" if m + h < 0 else "priority worse" if m - h > 0
+                       else "no difference shown")
+            print(f"  at p = {top:g}: priority - {other} held-out loss {fmt(m, h)} "
+                  f"(paired over {args.seeds} seeds): {verdict}")
+        print(f"  where the drops fall at p = {top:g} (mean fraction of each layer's gradient "
+              "dropped per step, over steps, ranks and seeds):")
+        layer_names = list(res[f"p{top:g} random"][0]["dropped_by_layer"]) or list(
+            res[f"p{top:g} priority"][0]["dropped_by_layer"])
+        seen = {k for pol in POLICIES for x in res[f"p{top:g} {pol}"] for k in x["dropped_by_layer"]}
+        layer_names += sorted(seen - set(layer_names))
+        print(f"    {'layer':<28}" + "".join(f"{pol:>10}" for pol in POLICIES))
+        for layer in layer_names:
+            vals = [statistics.mean(x["dropped_by_layer"].get(layer, 0.0)
+                                    for x in res[f"p{top:g} {pol}"]) for pol in POLICIES]
+            print(f"    {layer:<28}" + "".join(f"{v:>10.1%}" for v in vals))
+        dump[model] = {"settings": d, "runs": res}
+    if args.dump:
+        args.dump.write_text(json.dumps(dump, indent=2, default=float) + "\n")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average "
+          f"{os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
