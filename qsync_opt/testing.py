@@ -12,7 +12,7 @@ import contextlib
 import io
 from typing import Any
 
-__all__ = ["assert_same_tree", "run_cli"]
+__all__ = ["assert_same_tree", "run_cli", "run_params", "run_rows"]
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -45,3 +45,24 @@ def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
             assert_same_tree(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
+
+
+def run_params(out: Any, rank: int, buffers: bool = False) -> dict[str, Any]:
+    """The model tensors of a training run's latest checkpoint of ``rank`` (``out``: its
+    folder); without ``buffers``, BatchNorm's running statistics and counters left out."""
+    from .runtime import checkpoint as ck
+
+    path = ck.latest_checkpoint(out, rank)
+    assert path is not None, f"no checkpoint of rank {rank} in {out}"
+    doc = ck.load_checkpoint(path)
+    return {k: v for k, v in doc["model"].items()
+            if buffers or ("running" not in k and "num_batches" not in k)}
+
+
+def run_rows(out: Any, rank: int) -> list[dict[str, Any]]:
+    """The metrics rows of a training run's ``rank``."""
+    import json
+    from pathlib import Path
+
+    text = (Path(out) / f"metrics.rank{rank}.jsonl").read_text()
+    return [json.loads(x) for x in text.splitlines()]

@@ -84,3 +84,19 @@ def bert_graph() -> ModelGraph:
 @pytest.fixture(scope="session")
 def digits_graph() -> ModelGraph:
     return trace("digits_cnn")
+
+
+@pytest.fixture
+def runtime_quiet(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For training-run tests: no fault variable set (the plans are handed in) and one
+    torch thread (the runs are tiny, and the machine is shared)."""
+    import torch
+
+    from qsync_opt.runtime.faults import ENV
+
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,6 @@ emulated data-parallel path and the DDP hook chain on two gloo ranks."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -20,7 +19,6 @@ from hypothesis import strategies as st
 from qsync_opt import parse_shorthand, trace
 from qsync_opt.errors import QsyncInputError
 from qsync_opt.plan import make_plan
-from qsync_opt.runtime import checkpoint as ck
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.dlcp import (
     ChunkTable,
@@ -34,7 +32,7 @@ from qsync_opt.runtime.dlcp import (
 from qsync_opt.runtime.faults import ENV, NO_FAULTS
 from qsync_opt.runtime.syncmode import check_combination, parse_comm, parse_sync
 from qsync_opt.runtime.train import emulate
-from qsync_opt.testing import run_cli
+from qsync_opt.testing import run_cli, run_params, run_rows
 
 # ----------------------------------------------------------------------------- the policy
 
@@ -164,14 +162,7 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch: pytest.MonkeyPatch) -> Any:
-    for var in ENV.values():
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("runtime_quiet")
 
 
 def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
@@ -182,24 +173,14 @@ def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    path = ck.latest_checkpoint(out, rank)
-    assert path is not None
-    return dict(ck.load_checkpoint(path)["model"].items())
-
-
-def _rows(out: Path, rank: int) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
-
-
 def test_emulated_p0_is_the_plain_all_reduce_bit_for_bit(plan: Path, tmp_path: Path) -> None:
     emulate(_config(plan, tmp_path / "a"), faults=NO_FAULTS)
     for policy in ("priority", "unbiased"):
         out = tmp_path / policy
         emulate(_config(plan, out, comm=f"dlcp:p=0,policy={policy}"), faults=NO_FAULTS)
-        pa, pb = _params(tmp_path / "a", 0), _params(out, 0)
+        pa, pb = run_params(tmp_path / "a", 0, True), run_params(out, 0, True)
         assert all(torch.equal(pa[k], pb[k]) for k in pa), policy
-        assert {r["dropped_frac"] for r in _rows(out, 1)} == {0.0}
+        assert {r["dropped_frac"] for r in run_rows(out, 1)} == {0.0}
 
 
 @pytest.mark.parametrize("policy", ["priority", "random", "unbiased"])
@@ -207,23 +188,23 @@ def test_emulated_drops_keep_replicas_identical(plan: Path, tmp_path: Path, poli
     out = tmp_path / policy
     emulate(_config(plan, out, comm=f"dlcp:p=0.2,policy={policy},chunk_kib=0.5"),
             faults=NO_FAULTS)
-    p0, p1 = _params(out, 0), _params(out, 1)
+    p0, p1 = run_params(out, 0), run_params(out, 1)
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
     ref = tmp_path / "ref"
     emulate(_config(plan, ref), faults=NO_FAULTS)
-    pr = _params(ref, 0)
+    pr = run_params(ref, 0)
     assert any(not torch.equal(p0[k], pr[k]) for k in p0)  # the drops changed the run
     for r in (0, 1):
-        rows = _rows(out, r)
+        rows = run_rows(out, r)
         assert all(0.19 < x["dropped_frac"] <= 0.2 for x in rows)
         assert all(0 < f <= 1 for x in rows for f in x["dropped_by_layer"].values())
         extra = 4 * sum(math.ceil(p.numel() / 128) for k, p in p0.items()
                         if "running" not in k and "num_batches" not in k)
-        base = _rows(ref, r)[0]["bytes_sent"]
+        base = run_rows(ref, r)[0]["bytes_sent"]
         assert rows[0]["bytes_sent"] == base + (extra if policy == "unbiased" else 0)
     # the random policies draw per rank: the two ranks drop different chunks
     if policy != "priority":
-        a, b = _rows(out, 0)[0]["dropped_by_layer"], _rows(out, 1)[0]["dropped_by_layer"]
+        a, b = run_rows(out, 0)[0]["dropped_by_layer"], run_rows(out, 1)[0]["dropped_by_layer"]
         assert a != b
 
 
@@ -256,17 +237,17 @@ def test_two_gloo_ranks_p0_bit_identical_and_drops_match_emulation(plan: Path,
         res = _gloo(plan, out, "--comm", comm)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         runs[name] = out
-    pa, pb = _params(runs["plain"], 0), _params(runs["p0"], 0)
+    pa, pb = run_params(runs["plain"], 0, True), run_params(runs["p0"], 0, True)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    r0, r1 = _rows(runs["p20"], 0), _rows(runs["p20"], 1)
+    r0, r1 = run_rows(runs["p20"], 0), run_rows(runs["p20"], 1)
     assert all(a["state_sha256"] == b["state_sha256"] for a, b in zip(r0, r1, strict=True))
     emu = tmp_path / "emu"
     emulate(_config(plan, emu, comm="dlcp:p=0.2,policy=unbiased,chunk_kib=0.5", momentum=0.9),
             faults=NO_FAULTS)
     for r, rows in ((0, r0), (1, r1)):
-        e = _rows(emu, r)
+        e = run_rows(emu, r)
         assert [x["dropped_by_layer"] for x in rows] == [x["dropped_by_layer"] for x in e]
-    pg, pe = _params(runs["p20"], 0), _params(emu, 0)
+    pg, pe = run_params(runs["p20"], 0), run_params(emu, 0)
     for k in pg:
         torch.testing.assert_close(pg[k], pe[k], rtol=1e-5, atol=1e-5, msg=k)
 

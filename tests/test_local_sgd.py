@@ -21,6 +21,7 @@ from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import ENV, NO_FAULTS, FaultPlan
 from qsync_opt.runtime.syncmode import parse_sync, rounds
 from qsync_opt.runtime.train import emulate
+from qsync_opt.testing import run_params, run_rows
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +36,7 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch: pytest.MonkeyPatch) -> Any:
-    for var in ENV.values():
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("runtime_quiet")
 
 
 def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
@@ -53,31 +47,19 @@ def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    path = ck.latest_checkpoint(out, rank)
-    assert path is not None
-    doc = ck.load_checkpoint(path)
-    return {k: v for k, v in doc["model"].items() if "running" not in k
-            and "num_batches" not in k}
-
-
-def _rows(out: Path, rank: int) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("split", ["equal", "uneven"])
 def test_local_sgd_with_h1_equals_ddp(plans: dict[str, Path], tmp_path: Path, split: str) -> None:
     """Plain SGD, H = 1: averaging the parameters, weighted by the batch shares, after every
     step is DDP's averaging of the gradients (uneven batches included)."""
     emulate(_config(plans[split], tmp_path / "ddp"), faults=NO_FAULTS)
     emulate(_config(plans[split], tmp_path / "local", sync="local:1"), faults=NO_FAULTS)
-    a, b = _params(tmp_path / "ddp", 0), _params(tmp_path / "local", 0)
+    a, b = run_params(tmp_path / "ddp", 0), run_params(tmp_path / "local", 0)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
     # an equal average would not: the weak rank's gradient would weigh a half, not a quarter
     if split == "uneven":
-        c = _params(tmp_path / "local", 1)
+        c = run_params(tmp_path / "local", 1)
         assert all(torch.equal(b[k], c[k]) for k in b)
 
 
@@ -87,7 +69,7 @@ def test_replicas_agree_after_every_sync_and_differ_between(
     out = tmp_path / "run"
     cfg = _config(plans["uneven"], out, steps=10, sync="local:3", momentum=0.9)
     emulate(cfg, faults=NO_FAULTS)
-    r0, r1 = _rows(out, 0), _rows(out, 1)
+    r0, r1 = run_rows(out, 0), run_rows(out, 1)
     synced = [r["step"] for r in r0 if r["synced"]]
     assert synced == [2, 5, 8, 9]  # every 3 steps, and the cut last round at the end
     assert [r["sync_round"] for r in r0] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
@@ -106,7 +88,7 @@ def test_rounds_and_bytes_follow_the_schedule(plans: dict[str, Path], tmp_path: 
         out = tmp_path / name
         cfg = _config(plans["equal"], out, steps=steps, sync=sync, lr=0.1, lr_schedule=sched)
         emulate(cfg, faults=NO_FAULTS)
-        rows = _rows(out, 0)
+        rows = run_rows(out, 0)
         totals[name] = sum(r["bytes_sent"] for r in rows)
         if name != "ddp":
             expect = rounds(parse_sync(sync), cfg.schedule(), steps)
@@ -146,12 +128,12 @@ def test_a_run_killed_between_syncs_resumes_bit_for_bit(plans: dict[str, Path], 
     s = emulate(_config(plans["uneven"], part, **kw), faults=NO_FAULTS)
     assert s["resumed_from_step"] == 6
     for r in (0, 1):
-        a, b = _rows(whole, r), _rows(part, r)
+        a, b = run_rows(whole, r), run_rows(part, r)
         assert [(x["step"], x["synced"], x["sync_round"], x["loss"], x["state_sha256"])
                 for x in a] == [(x["step"], x["synced"], x["sync_round"], x["loss"],
                                  x["state_sha256"]) for x in b]
-    assert not _rows(whole, 0)[6]["synced"]  # the checkpoint really is inside a round
-    a0, b0 = _params(whole, 0), _params(part, 0)
+    assert not run_rows(whole, 0)[6]["synced"]  # the checkpoint really is inside a round
+    a0, b0 = run_params(whole, 0), run_params(part, 0)
     assert all(torch.equal(a0[k], b0[k]) for k in a0)
 
 
@@ -170,9 +152,9 @@ def test_fp16_comm_in_emulation_sends_half_the_bytes(plans: dict[str, Path],
                                                      tmp_path: Path) -> None:
     emulate(_config(plans["equal"], tmp_path / "a"), faults=NO_FAULTS)
     emulate(_config(plans["equal"], tmp_path / "b", comm="fp16"), faults=NO_FAULTS)
-    a, b = _rows(tmp_path / "a", 0), _rows(tmp_path / "b", 0)
+    a, b = run_rows(tmp_path / "a", 0), run_rows(tmp_path / "b", 0)
     assert b[0]["bytes_allreduced"] * 2 == a[0]["bytes_allreduced"]
-    pa, pb = _params(tmp_path / "a", 0), _params(tmp_path / "b", 0)
+    pa, pb = run_params(tmp_path / "a", 0), run_params(tmp_path / "b", 0)
     diff = max(float((pa[k] - pb[k]).abs().max()) for k in pa)
     assert 0 < diff < 1e-2  # fp16 rounding of the gradients, nothing more
 
@@ -206,7 +188,7 @@ def test_two_gloo_ranks_under_qsr_resume_bit_for_bit_and_match_emulation(
     straight = tmp_path / "straight"
     p = _gloo(plans["uneven"], straight)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    r0, r1 = _rows(straight, 0), _rows(straight, 1)
+    r0, r1 = run_rows(straight, 0), run_rows(straight, 1)
     for a, b in zip(r0, r1, strict=True):
         assert a["synced"] == b["synced"] and a["sync_round"] == b["sync_round"]
         assert (a["state_sha256"] == b["state_sha256"]) == a["synced"], a["step"]
@@ -227,19 +209,19 @@ def test_two_gloo_ranks_under_qsr_resume_bit_for_bit_and_match_emulation(
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert json.loads((cut / "summary.json").read_text())["resumed_from_step"] == 9
     for r in (0, 1):
-        a, b = _rows(straight, r), _rows(cut, r)
+        a, b = run_rows(straight, r), run_rows(cut, r)
         keys = ("step", "synced", "sync_round", "loss", "state_sha256", "lr", "bytes_sent")
         assert [[x[k] for k in keys] for x in a] == [[x[k] for k in keys] for x in b], r
-        pa, pb = _params(straight, r), _params(cut, r)
+        pa, pb = run_params(straight, r), run_params(cut, r)
         assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
     emu = tmp_path / "emu"
     emulate(_config(plans["uneven"], emu, steps=12, sync="qsr:alpha=0.15,h_base=2", lr=0.1,
                     lr_schedule="cosine:warmup=2", momentum=0.9), faults=NO_FAULTS)
-    pa, pe = _params(straight, 0), _params(emu, 0)
+    pa, pe = run_params(straight, 0), run_params(emu, 0)
     for k in pa:
         torch.testing.assert_close(pa[k], pe[k], rtol=1e-5, atol=1e-5, msg=k)
-    assert [r["synced"] for r in _rows(emu, 0)] == [r["synced"] for r in r0]
+    assert [r["synced"] for r in run_rows(emu, 0)] == [r["synced"] for r in r0]
 
 
 def test_a_commit_leaves_a_newer_set_being_written(tmp_path: Path) -> None:

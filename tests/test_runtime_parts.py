@@ -36,16 +36,7 @@ def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _no_fault_env(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """No test here sets the fault variables: the plans are handed in. One thread: the
-    runs are tiny, and the machine is shared."""
-    for var in ENV.values():
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("runtime_quiet")
 
 
 def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
