@@ -19,8 +19,11 @@ Which chunks a rank drops (:func:`choose_drops`), by ``policy``:
   the number of ranks whose chunk arrived (the kept counts are all-reduced beside the
   gradient) instead of by the world: the mean of the gradients that arrived.
 
-Chunks are taken in that order while they fit the budget (one that does not is skipped, a
-later smaller one may still fit), so the dropped fraction never exceeds ``p``. The same three
+Chunks are dropped in that order while they fit the budget, stopping at the first that
+does not: the dropped fraction never exceeds ``p``, less than one chunk of the budget is
+left unused, and the order is strict (a fill that skipped a chunk too long for the rest of
+the budget and took later, shorter ones would over-drop the short chunks, BatchNorm's
+parameters and the biases, under every policy: the first digits_cnn study found it). The same three
 functions serve the DDP hook chain (:mod:`.commhooks`), the emulated data-parallel path
 (:class:`~qsync_opt.runtime.sync.EmulatedSync`) and a drop decision handed in from outside
 (:func:`apply_drops` takes any mask, e.g. the network simulator's lost packets), so the three
@@ -116,17 +119,10 @@ def choose_drops(grads: Sequence[Tensor], table: ChunkTable, p: float, policy: s
         order = torch.sort(score, stable=True).indices  # ties: the model's order
     else:
         order = torch.randperm(n, generator=generator)
-    sizes = table.sizes[order]
-    if int(sizes.max()) == int(sizes.min()):  # equal chunks: the first budget // size
-        dropped[order[: min(n, budget // int(sizes[0]))]] = True
-        return dropped
-    left = budget
-    for c, s in zip(order.tolist(), sizes.tolist(), strict=True):
-        if s <= left:
-            dropped[c] = True
-            left -= s
-            if left < int(table.sizes.min()):
-                break
+    # the longest prefix of that order that fits: strictly in order (a chunk is never
+    # dropped before one ranked below it), less than one chunk of the budget unused
+    take = int((torch.cumsum(table.sizes[order], 0) <= budget).sum())
+    dropped[order[:take]] = True
     return dropped
 
 
