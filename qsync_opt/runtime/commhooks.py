@@ -57,16 +57,11 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     drops = state.drops
     grads: list[torch.Tensor] = []
     counts = None
-    if drops is not None and drops.active:  # stage 1: zero-fill the dropped chunks
+    if drops is not None:  # stage 1: zero-fill the dropped chunks
         grads = _in_model_order(state, bucket)
-        dropped = drops.drop(grads, state.step, state.rank)
-        if drops.unbiased:  # the kept counts first, the same order on every rank
-            from .dlcp import kept_counts
-
-            counts = kept_counts(drops.table, dropped)
+        counts = drops.stage(grads, state.step, state.rank)
+        if counts is not None:  # unbiased: the kept counts first, the same order everywhere
             dist.all_reduce(counts)
-    elif drops is not None:
-        drops.nothing(state.rank)
     # stage 2: the payload (unbiased: summed as is, rescaled per chunk afterwards)
     payload = buf if counts is not None else encode(buf, state.world, state.comm)
     nbytes = payload.numel() * payload.element_size() + (

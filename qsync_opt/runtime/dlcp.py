@@ -212,6 +212,16 @@ class DropRecorder:
             "dropped_by_layer": {k: v / self.layer_total[k] for k, v in by_layer.items()}}
         return dropped
 
+    def stage(self, grads: Sequence[Tensor], step: int, rank: int) -> Tensor | None:
+        """The chain's first stage for one rank's gradient: :meth:`drop` (or, when nothing
+        can be dropped, :meth:`nothing`); returns the rank's kept counts for ``unbiased``
+        (to be summed over the ranks), else None."""
+        if not self.active:
+            self.nothing(rank)
+            return None
+        dropped = self.drop(grads, step, rank)
+        return kept_counts(self.table, dropped) if self.unbiased else None
+
     def nothing(self, rank: int) -> None:
         """Rank ``rank`` dropped nothing this step (p too small for one element)."""
         self.last[rank] = {"dropped_frac": 0.0, "dropped_by_layer": {}}

@@ -62,6 +62,8 @@ class GradientSync:
     #: True: every replica steps on its own gradient and skips a non-finite step alone
     #: (Local SGD, QSR); False: one gradient for all, and a step skipped by all.
     independent_steps: bool = False
+    #: dlcp's :class:`~qsync_opt.runtime.dlcp.DropRecorder` (None: nothing is dropped)
+    drops: Any = None
 
     # -- set-up
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -84,8 +86,11 @@ class GradientSync:
         agreed after it), ``comm_ms`` and ``bytes_sent`` (wall time inside this rank's
         collectives and the payload bytes it handed them during the step), then reset."""
         ms, nbytes = self.meter.take() if hasattr(self, "meter") else (0.0, 0)
-        return {"sync_round": step, "synced": self.world > 1, "comm_ms": ms,
-                "bytes_sent": nbytes}
+        info: dict[str, Any] = {"sync_round": step, "synced": self.world > 1, "comm_ms": ms,
+                                "bytes_sent": nbytes}
+        if self.drops is not None:  # dlcp: each rank's drop statistics, for its own row
+            info["per_rank"] = self.drops.take()
+        return info
 
     # -- one step, in order
     def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
@@ -278,12 +283,6 @@ class DDPSync(GradientSync):
         if self.hook_state is not None:
             self.hook_state.step = step
 
-    def step_info(self, step: int) -> dict[str, Any]:
-        info = super().step_info(step)
-        if self.drops is not None:
-            info["per_rank"] = self.drops.take()
-        return info
-
     def reduce(self, models: Sequence[nn.Module]) -> None:
         pass  # DDP's backward hooks already averaged the gradients
 
@@ -355,16 +354,10 @@ class EmulatedSync(GradientSync):
     def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
         self.step = step
 
-    def step_info(self, step: int) -> dict[str, Any]:
-        info = super().step_info(step)
-        if self.drops is not None:
-            info["per_rank"] = self.drops.take()
-        return info
-
     def _reduce_dlcp(self, models: Sequence[nn.Module]) -> None:
         """Each replica zero-fills its dropped chunks (the DDP hook's stage 1), then the sum
         divided by the world, or for ``unbiased`` by each chunk's kept count."""
-        from .dlcp import kept_counts, rescale
+        from .dlcp import rescale
 
         t0 = time.perf_counter()
         if self.drops is None:
@@ -377,15 +370,10 @@ class EmulatedSync(GradientSync):
                 raise RuntimeError("dlcp: every trainable parameter needs a gradient")
             grads.append(gs)
         drops, counts = self.drops, None
-        if drops.active:
-            for r, gs in enumerate(grads):
-                dropped = drops.drop(gs, self.step, r)
-                if drops.unbiased:
-                    k = kept_counts(drops.table, dropped)
-                    counts = k if counts is None else counts + k
-        else:
-            for r in range(len(grads)):
-                drops.nothing(r)
+        for r, gs in enumerate(grads):
+            k = drops.stage(gs, self.step, r)
+            if k is not None:
+                counts = k if counts is None else counts + k
         totals = []
         for i in range(len(params[0])):
             total = grads[0][i].clone()
