@@ -14,6 +14,12 @@ drops fall (mean fraction dropped per layer).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_dlcp.py --models digits_cnn tiny_gpt --seeds 5
 
 Every figure is of fixed seeds and one thread, so it does not depend on the machine's load.
+
+``--network``: the network half, on the packet simulator (qsync_opt.netsim, docs/NETSIM.md):
+resnet50 on v100x16+t4x16 by default, its real DDP buckets emitted at the replayer's ready
+times, 100 seeded iterations per cell, simulated time (not this machine's):
+
+    .venv/bin/python benchmarks/bench_dlcp.py --network --dump benchmarks/results/dlcp_network.json
 """
 
 from __future__ import annotations
@@ -71,8 +77,88 @@ def fmt(m: float, h: float, digits: int = 4) -> str:
     return f"{m:.{digits}f} +- {h:.{digits}f}"
 
 
+def network(args: argparse.Namespace) -> int:
+    """The network half: p50/p99 over seeded iterations for {fifo+tcp, priority+bounded} x
+    {hash, spray} x the three scenarios, the workload's real buckets emitted at the
+    replayer's ready times (every group at its highest precision)."""
+    from qsync_opt.costs import estimate
+    from qsync_opt.netsim.cluster import (
+        SCENARIO_PATTERN,
+        SCENARIOS,
+        cluster_network,
+        group_ready_ms,
+        run_iterations,
+        workload_buckets,
+    )
+    from qsync_opt.netsim.traffic import POLICIES as NET_POLICIES
+    from qsync_opt.netsim.traffic import NetConfig, summarise
+
+    graph = trace(args.net_model)
+    cluster = load_cluster(args.net_cluster).with_default_batch(graph.batch_size)
+    costs = estimate(graph, cluster)
+    ready, tl = group_ready_ms(graph, cluster, costs)
+    buckets = workload_buckets(graph, costs.buckets)
+    print(f"{args.net_model} on {args.net_cluster}: {len(buckets)} buckets "
+          f"({', '.join(f'{b.bytes / 2**20:.1f}' for b in buckets)} MiB), replayed compute "
+          f"{tl.iteration_ms:.1f} ms, last bucket ready at {max(max(r) for r in ready):.1f} ms; "
+          f"{args.iterations} seeded iterations, {args.cell_kib} KiB cells, compute jitter "
+          f"{args.jitter:g}, bounded p = {args.p:g}; analytic ring all-reduce "
+          f"{sum(b.allreduce_ms for b in costs.buckets):.2f} ms in all")
+    rows, dump = [], {}
+    for scenario in SCENARIOS:
+        net = cluster_network(cluster, scenario)
+        for policy in NET_POLICIES:
+            for routing in ("hash", "spray"):
+                cfg = NetConfig(policy=policy, routing=routing, p=args.p,
+                                cell_bytes=args.cell_kib << 10, jitter=args.jitter)
+                t0 = time.perf_counter()
+                runs = run_iterations(net, buckets, ready, cfg,
+                                      pattern=SCENARIO_PATTERN[scenario],
+                                      iterations=args.iterations, seed=0)
+                s = summarise(runs)
+                # busiest link over the communication window (first bucket out to the end)
+                span = [(r.comm_end_ms - min(r.bucket_start_ms)) * 1e-3 for r in runs]
+                util = max(max(b / sp for b in r.link_busy_s) for r, sp in zip(runs, span, strict=True))
+                lost: dict[str, int] = {}
+                sent: dict[str, int] = {}
+                for r in runs:
+                    for k, v in r.lost_bytes.items():
+                        lost[k] = lost.get(k, 0) + v
+                    for k, v in r.sent_bytes.items():
+                        sent[k] = sent.get(k, 0) + v
+                order = [op.name for op in graph.ops if op.name in sent]
+                third = max(1, len(order) // 3)
+                parts = [order[:third], order[third:-third], order[-third:]]
+                by_part = [sum(lost.get(n, 0) for n in part) / max(1, sum(sent[n] for n in part))
+                           for part in parts]
+                s.update(scenario=scenario, policy=policy, routing=routing,
+                         max_link_busy=util, lost_front_mid_back=by_part,
+                         wall_s=time.perf_counter() - t0)
+                dump[f"{scenario}/{policy}/{routing}"] = s
+                rows.append(s)
+                print(f"  {scenario:14s} {policy:17s} {routing:5s} comm end p50 "
+                      f"{s['comm_end_ms']['p50']:8.2f} p99 {s['comm_end_ms']['p99']:8.2f} ms; "
+                      f"exposed p50 {s['exposed_ms']['p50']:7.2f} p99 {s['exposed_ms']['p99']:7.2f}"
+                      f" ms; lost {s['lost_fraction']:.4f} (front/mid/back "
+                      f"{by_part[0]:.3f}/{by_part[1]:.3f}/{by_part[2]:.3f}); busiest link "
+                      f"{util:.2f}; drops {s['drops']}, timeouts {s['timeouts']} "
+                      f"[{s['wall_s']:.0f} s]", flush=True)
+    if args.dump:
+        args.dump.write_text(json.dumps(dump, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--network", action="store_true",
+                    help="the network half (packet simulator) instead of the quality half")
+    ap.add_argument("--net-model", default="resnet50")
+    ap.add_argument("--net-cluster", default="v100x16+t4x16")
+    ap.add_argument("--iterations", type=int, default=100)
+    ap.add_argument("--cell-kib", type=int, default=256)
+    ap.add_argument("--jitter", type=float, default=0.01,
+                    help="relative compute-time noise of each rank's bucket ready times")
+    ap.add_argument("--p", type=float, default=0.05, help="the bounded-loss transport's p")
     ap.add_argument("--models", nargs="+", default=list(DEFAULTS), choices=list(DEFAULTS))
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--ps", default="0.01,0.05,0.1,0.3",
@@ -80,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="default: per model")
     ap.add_argument("--dump", type=Path, default=None, help="JSON of every training")
     args = ap.parse_args(argv)
+    if args.network:
+        return network(args)
     if args.seeds < 2:
         raise SystemExit("--seeds: expected at least 2 (a 95% interval)")
     try:

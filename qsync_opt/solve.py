@@ -94,6 +94,7 @@ def build_problem(
     indicator_fast: bool = True,
     progress: bool = False,
     check: str | None = "fixed",
+    comm_model: str | None = None,
 ) -> AllocationProblem:
     """Graph + cluster + costs + indicator -> :class:`AllocationProblem`.
 
@@ -107,6 +108,9 @@ def build_problem(
     least-memory plan at this split) or ``"target"`` (also a given target out of reach);
     a failure raises :class:`InfeasibleError` with the diagnosis, and no model is run.
     ``indicate()`` then refuses when its memory estimate exceeds what this machine has.
+    ``comm_model``: ``netsim:p50|p99[,...]`` takes every bucket's all-reduce time from the
+    packet simulator (:func:`qsync_opt.netsim.cluster.parse_comm_model`), so the plan is
+    made against the network's median or its tail.
     """
     graph = model if isinstance(model, ModelGraph) else trace(model, batch)
     cl = load_cluster(cluster)
@@ -116,6 +120,10 @@ def build_problem(
         table = costs
     else:
         table = load(costs, CostTable)
+    if comm_model is not None:
+        from .netsim.cluster import parse_comm_model, with_netsim_comm
+
+        table = with_netsim_comm(graph, cl, table, parse_comm_model(comm_model))
     if indicator is None:
         from .indicator import fast_options, indicate, placeholder_indicator
 

@@ -47,13 +47,16 @@ LAYERS: list[tuple[str, list[str]]] = [
         "devices", "rules", "costs", "cluster", "batchmodel", "profile.tables",
         "profile.timing", "profile.gloo",
         # the sync rules (QSR's rule, learning-rate schedules): pure, read by the replayer
-        "runtime.schedule", "runtime.syncmode", "runtime.dlcp"]),
+        "runtime.schedule", "runtime.syncmode", "runtime.dlcp",
+        # the packet simulator's core: pure Python, imports nothing of the package
+        "netsim", "netsim.topology", "netsim.engine", "netsim.traffic", "netsim.ns3ref"]),
     ("precision layers", ["runtime.gemm", "runtime.dispatch", "runtime.layers",
                           "profile.builders"]),
     ("indicator, replayer", ["indicator", "replayer", "replayer.sync", "replayer.timeline",
                              "replayer.prepared", "replayer.loop", "replayer.incremental",
                              "plan", "synthetic", "profile_context", "profile",
-                             "profile.orchestrate", "profile.command", "summaries", ""]),
+                             "profile.orchestrate", "profile.command", "summaries", "",
+                             "netsim.cluster"]),
     ("runtime", ["runtime", "runtime.apply", "runtime.config", "runtime.emulate",
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
@@ -67,7 +70,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("solve", ["solve"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "testing"]),
+             "cli.planning", "cli.netsim", "testing"]),
 ]
 
 #: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.

@@ -30,6 +30,7 @@ from ..cluster import SHORTHAND_HELP
 from ..errors import QsyncInputError, describe_validation_error, one_line
 from ..graph import TIE_MODES
 from ..indicator import METHODS
+from ..netsim.cluster import COMM_MODEL_HELP
 from ..schemas import MAX_BATCH, schema_names
 from ..summaries import (
     REPLAY_HEADER,
@@ -55,12 +56,13 @@ from .args import (
 from .demo import cmd_demo
 from .info import cmd_devices, cmd_models, cmd_schema
 from .model import cmd_estimate, cmd_graph, cmd_indicate, cmd_replay
+from .netsim import cmd_netsim
 from .planning import cmd_compare, cmd_pareto, cmd_solve
 
 __all__ = [
     "BATCH", "BATCHES", "FRACTION", "POSITIVE_SECONDS", "REPLAY_HEADER", "SEED", "GiB",
     "build_parser", "cmd_compare", "cmd_demo", "cmd_devices", "cmd_estimate", "cmd_graph",
-    "cmd_indicate", "cmd_models", "cmd_pareto", "cmd_replay", "cmd_schema", "cmd_solve",
+    "cmd_indicate", "cmd_models", "cmd_netsim", "cmd_pareto", "cmd_replay", "cmd_schema", "cmd_solve",
     "estimate_summary_lines", "finite_float", "graph_summary_lines", "int_range", "main",
     "plan_lines", "positive_int", "replay_rows", "uniform_plans",
 ]
@@ -124,7 +126,36 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DDP bucket cap in MiB")
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
     add_sync_args(sp)
+    sp.add_argument("--comm-model", default=None, metavar="MODEL",
+                    help=f"bucket all-reduce times: {COMM_MODEL_HELP}")
     sp.set_defaults(fn=cmd_replay)
+    sp = sub.add_parser("netsim", help="simulate an iteration's gradient traffic packet by packet",
+                        description="simulate an iteration's gradient traffic packet by packet")
+    sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help="write the summary JSON to FILE (stdout without FILE)")
+    model_args(sp)
+    sp.add_argument("--cluster", required=True, help=f"cluster file or {SHORTHAND_HELP}")
+    sp.add_argument("--plan", help="Plan JSON whose compute timeline emits the buckets "
+                    "(default: every group at its highest precision)")
+    sp.add_argument("--scenario", choices=["ring", "incast", "oversubscribed"], default="ring")
+    sp.add_argument("--pattern", choices=["ring", "ps", "hierarchical"], default=None,
+                    help="the collective (default: the scenario's)")
+    sp.add_argument("--policy", choices=["fifo+tcp", "priority+bounded"], default="fifo+tcp")
+    sp.add_argument("--routing", choices=["hash", "spray"], default="hash")
+    sp.add_argument("--p", type=finite_float(0, 0.5), default=0.05,
+                    help="priority+bounded: the loss bound per message (default 0.05)")
+    sp.add_argument("--iterations", type=positive_int(100_000), default=100)
+    sp.add_argument("--cell-kib", type=positive_int(1 << 20), default=256,
+                    help="packet (cell) payload in KiB (default 256: larger cells, fewer events)")
+    sp.add_argument("--buffer-kib", type=positive_int(1 << 30), default=4096,
+                    help="switch port buffer in KiB (default 4096)")
+    sp.add_argument("--jitter", type=finite_float(0, 1), default=0.01,
+                    help="relative noise of each rank's ready times per iteration")
+    sp.add_argument("--min-rto-ms", type=finite_float(0, 1e5, lo_open=True), default=1.0)
+    sp.add_argument("--seed", type=SEED, default=0)
+    sp.add_argument("--max-events", type=positive_int(10**9), default=5_000_000)
+    sp.add_argument("--png", help="draw the busiest links' load over time (first iteration)")
+    sp.set_defaults(fn=cmd_netsim)
     sp = add("indicate", "measure each op's sensitivity to each precision")
     sp.add_argument("--model", required=True,
                     help="workload name (qsync-opt models) or path/file.py:fn (that file is "
@@ -185,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--batch-multiple", type=BATCH, default=None,
                         help="joint split: per-device batches are multiples of this")
         add_sync_args(sp)
+        sp.add_argument("--comm-model", default=None, metavar="MODEL",
+                        help=f"bucket all-reduce times: {COMM_MODEL_HELP}")
 
     sp = add("solve", "choose every op's precision on every group")
     problem_args(sp)

@@ -102,6 +102,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         raise QsyncInputError("cluster: --cluster is required without --plan")
     costs = estimate(graph, cluster)
+    if getattr(args, "comm_model", None):
+        from ..netsim.cluster import parse_comm_model, with_netsim_comm
+
+        spec = parse_comm_model(args.comm_model)
+        costs = with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec)
+        if not args.json:
+            print(f"comm model: {spec.describe()}")
     rep = Replayer(graph, cluster, costs, optimizer=args.optimizer, sync=sync_arg(args),
                    bucket_cap_bytes=(int(args.bucket_mb * 2**20) if args.bucket_mb is not None
                                      else None))

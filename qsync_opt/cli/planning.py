@@ -52,7 +52,8 @@ def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
                          options=_problem_options(args), indicator_method=args.method,
                          indicator_batches=args.indicator_batches,
                          indicator_batch=args.indicator_batch,
-                         progress=sys.stderr.isatty(), check=check)
+                         progress=sys.stderr.isatty(), check=check,
+                         comm_model=getattr(args, "comm_model", None))
 
 
 def cmd_solve(args: argparse.Namespace) -> int:

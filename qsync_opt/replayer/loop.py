@@ -95,7 +95,8 @@ class Replayer(PreparedReplay):
         return Timeline(iteration_ms=iteration, groups=groups, bucket_start_ms=sched.start_ms,
                         bucket_end_ms=sched.end_ms,
                         critical_path=self._critical_path(groups, ready, sched),
-                        events=events if events is not None else [])
+                        events=events if events is not None else [],
+                        bucket_ready_ms=[list(r) for r in ready])
 
     def _critical_path(self, groups: dict[str, GroupTimeline], ready: list[list[float]],
                        sched: SyncSchedule) -> list[dict[str, Any]]:

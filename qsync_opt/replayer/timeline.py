@@ -60,6 +60,9 @@ class Timeline:
     critical_path: list[dict[str, Any]]
     events: list[Event] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: ``[group][bucket]``: when each group has each bucket's gradients (ms; the packet
+    #: simulator emits the buckets at these times)
+    bucket_ready_ms: list[list[float]] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:

@@ -1,0 +1,306 @@
+"""A cluster's network and a workload's gradient traffic for the simulator; the replayer's
+``--comm-model netsim:p50|p99``.
+
+The fabric (:func:`cluster_network`): every device is a host; every node of a group is a
+leaf switch with one link per device at the device's intra-node bandwidth (NVLink or PCIe,
+half the cluster's intra-node hop latency each way); every leaf has one uplink to each of
+``spines`` spine switches, the uplinks together carrying the cluster's inter-node
+bandwidth (a node's NICs), half the inter-node hop latency each. One node alone has no
+spines. Ranks are the groups' devices in order, node by node.
+
+Scenarios: ``ring`` -- ring all-reduce in rank order (a ring hop leaves a node only at its
+ends); ``incast`` -- a parameter server (its own leaf, one NIC of the inter-node bandwidth)
+that every rank pushes each bucket to; ``oversubscribed`` -- ring all-reduce with the ranks
+interleaved across nodes (as a scheduler placing ranks round-robin would), so every hop
+crosses the fabric and each node's devices share its uplinks (devices-per-node flows on
+them at once). ``hierarchical`` (a pattern, not a scenario of the CLI's three) is
+available in :func:`run_iterations`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..devices import get_device
+from ..errors import QsyncInputError
+from ..schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
+from .engine import DEFAULT_MAX_EVENTS, NetsimLimit
+from .topology import Topology
+from .traffic import POLICIES, Bucket, IterationResult, NetConfig, quantile, simulate_iteration
+
+SCENARIOS = ("ring", "incast", "oversubscribed")
+SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
+DEFAULT_BUFFER_BYTES = 4 << 20
+COMM_MODEL_HELP = ("analytic (the ring formula, default) or netsim:p50|p99[,scenario=ring|incast|"
+                   "oversubscribed][,policy=fifo+tcp|priority+bounded][,routing=hash|spray]"
+                   "[,iterations=100][,cell_kib=256][,p=0.05][,seed=0]")
+
+
+@dataclass(frozen=True)
+class Network:
+    topo: Topology
+    ranks: list[int]  # host id of each rank, in the pattern's order
+    rank_group: list[int]  # each rank's group index (for ready times)
+    nodes: list[list[int]]  # host ids per node (for the hierarchical pattern)
+    ps: int | None
+
+
+def cluster_network(cluster: ClusterSpec, scenario: str = "ring", *, spines: int = 2,
+                    buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> Network:
+    """The fabric of ``cluster`` and the rank order of ``scenario`` (module docstring)."""
+    if scenario not in SCENARIOS:
+        raise QsyncInputError(f"scenario: expected one of {', '.join(SCENARIOS)}, got {scenario!r}")
+    t = Topology()
+    hosts: list[int] = []
+    groups: list[int] = []
+    nodes: list[list[int]] = []
+    node_bw: list[float] = []
+    for gi, g in enumerate(cluster.groups):
+        bw = (g.intra_node_bandwidth_gb_per_s if g.intra_node_bandwidth_gb_per_s is not None
+              else get_device(g.device).intra_node_bandwidth_gb_per_s) * 8
+        for j in range(g.count):
+            if j % g.devices_per_node == 0:
+                nodes.append([])
+                node_bw.append(bw)
+            h = t.host(f"{g.name}{j}")
+            hosts.append(h)
+            groups.append(gi)
+            nodes[-1].append(h)
+    ps = t.host("ps") if scenario == "incast" else None
+    leaves = [t.switch(f"node{i}") for i in range(len(nodes))]
+    multi = len(nodes) > 1 or ps is not None
+    intra_us = cluster.intra_node_latency_us / 2
+    inter_us = cluster.inter_node_latency_us / 2
+    inter_gbps = cluster.inter_node_bandwidth_gb_per_s * 8
+    for i, members in enumerate(nodes):
+        for h in members:
+            t.connect(h, leaves[i], node_bw[i], intra_us, buffer_bytes)
+    if multi:
+        sp = [t.switch(f"spine{s}") for s in range(spines)]
+        uplinked = list(leaves)
+        if ps is not None:
+            xleaf = t.switch("psnode")
+            t.connect(ps, xleaf, inter_gbps, intra_us, buffer_bytes)
+            uplinked.append(xleaf)
+        for leaf in uplinked:
+            for s in sp:
+                t.connect(leaf, s, inter_gbps / spines, inter_us, buffer_bytes)
+    order = list(range(len(hosts)))
+    if scenario == "oversubscribed" and len(nodes) > 1:
+        where = {h: (ni, j) for ni, members in enumerate(nodes) for j, h in enumerate(members)}
+        order.sort(key=lambda r: (where[hosts[r]][1], where[hosts[r]][0]))
+    return Network(topo=t, ranks=[hosts[r] for r in order], rank_group=[groups[r] for r in order],
+                   nodes=nodes, ps=ps)
+
+
+def workload_buckets(graph: ModelGraph, buckets: Sequence[GradBucket]) -> list[Bucket]:
+    """The cost table's DDP buckets with each op's FP32 gradient bytes and its position."""
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    last = max(1, len(graph.ops) - 1)
+    out = []
+    for b in buckets:
+        layers = tuple((name, graph.ops[index[name]].param_count * 4, index[name] / last)
+                       for name in b.ops if graph.ops[index[name]].param_count > 0)
+        if not layers:
+            layers = ((b.ops[0], max(1, b.bytes), index.get(b.ops[0], 0) / last),)
+        out.append(Bucket(layers))
+    return out
+
+
+def estimate_events(net: Network, buckets: Sequence[Bucket], pattern: str, cell: int) -> int:
+    """An upper estimate of the events one iteration takes (packets x hops x 2, plus acks)."""
+    n = len(net.ranks)
+    total = sum(b.bytes for b in buckets)
+    if pattern == "ring":
+        wire = 2 * (n - 1) * total  # every rank sends 2(n-1)/n of each bucket
+        msgs = 2 * (n - 1) * n * len(buckets)
+    else:
+        wire = 2 * n * total
+        msgs = 2 * n * len(buckets)
+    packets = wire / cell + msgs
+    return int(packets * (2 * 4 + 1))
+
+
+def check_events(net: Network, buckets: Sequence[Bucket], pattern: str, cfg: NetConfig) -> None:
+    est = estimate_events(net, buckets, pattern, cfg.cell_bytes)
+    if est > cfg.max_events:
+        need = cfg.cell_bytes * est / cfg.max_events
+        suggest = 1 << max(10, math.ceil(math.log2(need)) - 10) if need > 0 else 1
+        raise NetsimLimit(
+            f"netsim: an iteration needs about {est:,} events at a {cfg.cell_bytes >> 10} KiB "
+            f"cell, above the cap of {cfg.max_events:,}; use cell_kib={suggest} or more, or "
+            "raise max_events")
+
+
+def group_ready_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
+                   plan: Any = None, optimizer: str = "sgd") -> tuple[list[list[float]], Any]:
+    """Each group's bucket ready times (ms) from the replayer's compute timeline of ``plan``
+    (default: every group at its highest precision) and that timeline."""
+    from ..replayer import Replayer
+
+    rep = Replayer(graph, cluster, costs, optimizer=optimizer)
+    tl = rep.simulate(plan if plan is not None else rep.uniform("highest"), events=False)
+    return tl.bucket_ready_ms, tl
+
+
+def run_iterations(net: Network, buckets: Sequence[Bucket], group_ready: Sequence[Sequence[float]],
+                   cfg: NetConfig, *, pattern: str, iterations: int, seed: int = 0,
+                   keep_bins: bool = False) -> list[IterationResult]:
+    """``iterations`` seeded iterations (seed, seed + 1, ...); ready times per rank from its
+    group's row (jittered per iteration by ``cfg.jitter``)."""
+    if iterations < 1:
+        raise QsyncInputError(f"iterations: expected >= 1, got {iterations}")
+    check_events(net, buckets, pattern, cfg)
+    ready = [list(group_ready[g]) for g in net.rank_group]
+    return [simulate_iteration(net.topo, net.ranks, buckets, ready, cfg, pattern=pattern,
+                               seed=seed + i, ps=net.ps, nodes=net.nodes,
+                               keep_bins=keep_bins and i == 0)
+            for i in range(iterations)]
+
+
+def params_bucket(numels: Sequence[int]) -> Bucket:
+    """One bucket of FP32 parameters ``numels`` (the model's order), in DDP's wire order
+    (last parameter first); layer names are the parameter indices."""
+    last = max(1, len(numels) - 1)
+    return Bucket(tuple((str(i), int(numels[i]) * 4, i / last)
+                        for i in range(len(numels) - 1, -1, -1)))
+
+
+def drop_mask(table: Any, bucket: Bucket, lost: Sequence[tuple[int, int]]) -> Any:
+    """The simulator's loss handed to the runtime's DLCP: the chunks of ``table``
+    (:class:`qsync_opt.runtime.dlcp.ChunkTable`) that any lost byte range ``(offset,
+    bytes)`` of ``bucket`` (:func:`params_bucket` of the same numels) touches, as the bool
+    mask :func:`qsync_opt.runtime.dlcp.apply_drops` takes."""
+    import torch
+
+    dropped = torch.zeros(table.n_chunks, dtype=torch.bool)
+    starts, acc = [], 0
+    for _, b, _ in bucket.layers:
+        starts.append(acc)
+        acc += b
+    for off, size in lost:
+        a, end = off, off + size
+        while a < end:
+            j = bucket.layer_at(a)
+            param = int(bucket.layers[j][0])
+            lo = starts[j]
+            hi = min(end, lo + bucket.layers[j][1])
+            e0, e1 = (a - lo) // 4, -(-(hi - lo) // 4)
+            c0 = table.first[param] + e0 // table.chunk_elems
+            c1 = table.first[param] + (e1 - 1) // table.chunk_elems
+            dropped[c0:c1 + 1] = True
+            a = hi
+    return dropped
+
+
+@dataclass(frozen=True)
+class CommModelSpec:
+    """A ``--comm-model`` text: ``analytic`` or ``netsim:QUANTILE,...``."""
+
+    kind: str = "analytic"
+    quantile: float = 0.5
+    scenario: str = "ring"
+    config: NetConfig = NetConfig(cell_bytes=256 << 10)
+    iterations: int = 100
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "analytic":
+            return "analytic ring all-reduce"
+        c = self.config
+        return (f"netsim p{round(self.quantile * 100)} of {self.iterations} iterations, "
+                f"{self.scenario}, {c.policy}" + (f" p={c.p:g}" if c.bounded else "")
+                + f", {c.routing}, {c.cell_bytes >> 10} KiB cells")
+
+
+def parse_comm_model(text: str | None) -> CommModelSpec:
+    if text is None or text.strip() in ("", "analytic"):
+        return CommModelSpec()
+    head, _, rest = text.strip().partition(",")
+    kind, _, q = head.partition(":")
+    if kind != "netsim" or q not in ("p50", "p99"):
+        raise QsyncInputError(f"comm-model: expected {COMM_MODEL_HELP}, got {text!r}")
+    fields: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or key in fields:
+            raise QsyncInputError(f"comm-model: {item!r} is not KEY=VALUE (once each); "
+                                  f"expected {COMM_MODEL_HELP}")
+        fields[key] = val
+    known = {"scenario", "policy", "routing", "iterations", "cell_kib", "p", "seed"}
+    bad = sorted(set(fields) - known)
+    if bad:
+        raise QsyncInputError(f"comm-model: unknown key {bad[0]!r}; expected {COMM_MODEL_HELP}")
+    scenario = fields.get("scenario", "ring")
+    if scenario not in SCENARIOS:
+        raise QsyncInputError(f"comm-model: scenario: expected one of {', '.join(SCENARIOS)}, "
+                              f"got {scenario!r}")
+    policy = fields.get("policy", "fifo+tcp")
+    if policy not in POLICIES:
+        raise QsyncInputError(f"comm-model: policy: expected one of {', '.join(POLICIES)}, "
+                              f"got {policy!r}")
+    routing = fields.get("routing", "hash")
+    if routing not in ("hash", "spray"):
+        raise QsyncInputError(f"comm-model: routing: expected hash or spray, got {routing!r}")
+
+    def number(key: str, default: float, lo: float, hi: float, integer: bool) -> float:
+        raw = fields.get(key)
+        if raw is None:
+            return default
+        try:
+            v = int(raw) if integer else float(raw)
+        except ValueError:
+            v = math.nan
+        if not (lo <= v <= hi):
+            raise QsyncInputError(f"comm-model: {key}: expected a number in [{lo:g}, {hi:g}], "
+                                  f"got {raw!r}")
+        return v
+    iterations = int(number("iterations", 100, 1, 100_000, True))
+    cell = int(number("cell_kib", 256, 1, 1 << 20, True)) << 10
+    p = number("p", 0.05, 0, 0.5, False)
+    seed = int(number("seed", 0, 0, 2**31 - 1, True))
+    cfg = NetConfig(policy=policy, routing=routing, p=p, cell_bytes=cell,
+                    max_events=DEFAULT_MAX_EVENTS)
+    return CommModelSpec(kind="netsim", quantile=0.5 if q == "p50" else 0.99, scenario=scenario,
+                         config=cfg, iterations=iterations, seed=seed)
+
+
+def bucket_times_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
+                    spec: CommModelSpec) -> list[float]:
+    """Per bucket, the quantile over iterations of the time it adds to the communication
+    when every bucket is ready at once and they run in order (the replayer's serial bucket
+    stream): bucket k's share is its end minus bucket k-1's end."""
+    cl = cluster.with_default_batch(graph.batch_size)
+    net = cluster_network(cl, spec.scenario)
+    buckets = workload_buckets(graph, costs.buckets)
+    zero = [[0.0] * len(buckets) for _ in cl.groups]
+    runs = run_iterations(net, buckets, zero, spec.config, pattern=SCENARIO_PATTERN[spec.scenario],
+                          iterations=spec.iterations, seed=spec.seed)
+    out = []
+    for k in range(len(buckets)):
+        shares = [r.bucket_end_ms[k] - (r.bucket_end_ms[k - 1] if k else 0.0) for r in runs]
+        out.append(max(0.0, quantile(shares, spec.quantile)))
+    return out
+
+
+def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
+                     spec: CommModelSpec) -> CostTable:
+    """``costs`` with every bucket's all-reduce time from the simulator (``spec``)."""
+    if spec.kind == "analytic" or cluster.world_size <= 1 or not costs.buckets:
+        return costs
+    times = bucket_times_ms(graph, cluster, costs, spec)
+    buckets = [b.model_copy(update={"allreduce_ms": t})
+               for b, t in zip(costs.buckets, times, strict=True)]
+    note = (f"bucket all-reduce times from the packet simulator: {spec.describe()} (the "
+            f"analytic ring gave {sum(b.allreduce_ms for b in costs.buckets):.3f} ms in all, "
+            f"the simulator {sum(times):.3f} ms)")
+    return costs.model_copy(update={"buckets": buckets, "notes": [*costs.notes, note]})
+
+
+__all__ = ["COMM_MODEL_HELP", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
+           "bucket_times_ms", "check_events", "cluster_network", "drop_mask", "params_bucket", "estimate_events",
+           "group_ready_ms", "parse_comm_model", "run_iterations",
+           "with_netsim_comm", "workload_buckets"]

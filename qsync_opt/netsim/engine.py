@@ -1,0 +1,488 @@
+"""The packet-level event loop: queues, forwarding, and two transports.
+
+Every packet ("cell") is one event per hop: it waits in its link's output queue, is
+serialised at the link's rate, and arrives ``delay_us`` later at the next node, which
+forwards it on a shortest path (ECMP by flow hash, or sprayed per packet) or delivers it.
+
+Queues (:class:`Sim` ``queue=``): ``"fifo"`` -- one drop-tail queue per port; ``"priority"``
+-- strict priority over ``classes`` classes (0 is the highest), and when the buffer is full
+an arriving packet pushes out the newest packet of the lowest class below its own (it is
+dropped itself when nothing lower is queued); a host's own NIC queue stays FIFO (the
+transport's order: priority is the switches'). Buffers are bytes of waiting packets (the one
+being serialised is not counted, as ns-3's device queues count). A host's own NIC queue
+never drops: a sender's kernel holds what its window lets out (back-pressure).
+
+Transports (:class:`Connection`): one persistent connection per (src, dst) pair carries
+successive messages (a ring step, a bucket push) in sequence-number order, NewReno-like:
+slow start from ``init_cwnd`` packets, congestion avoidance (+1/cwnd per ack), every packet
+acked (selective acks, no delayed acks); a packet is lost when ``dupthresh`` packets above
+it are acked (fast retransmit, window halved once per window) or when nothing is acked for
+a retransmission timeout (RTO = max(min_rto, srtt + 4 rttvar), doubling on each timeout,
+window back to 1). Acks are not queued: each returns after the reverse path's propagation
+and its own serialisation (``ack_bytes``; acks are 3% of a 1500-byte packet and the
+reverse direction of a gradient pattern's busiest link carries other data, a stated
+approximation). ``bounded=p``: DLCP's bounded-loss transport -- a packet found lost is given up (not
+retransmitted) while its message's given-up count is below ``floor(p n)`` of its ``n``
+packets, retransmitted after that; the sender's notice that it gave a packet up reaches the
+receiver one base one-way delay later, and the receiver completes the message once every
+packet has arrived or been given up (so at least ``ceil((1 - p) n)`` arrived), zero-filling
+the rest, and tells the sender, which stops sending what is left of it. Without loss the
+two transports are the same; congestion control is the same in both, so the comparison
+isolates waiting and retransmission.
+
+Deterministic: randomness (spraying, ECMP salt) comes from the ``seed``; ties in time run
+in scheduling order. ``max_events`` caps the loop with a message naming the cell size.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .topology import Topology
+
+QUEUES = ("fifo", "priority")
+ROUTING = ("hash", "spray")
+DEFAULT_MAX_EVENTS = 5_000_000
+
+
+class NetsimLimit(RuntimeError):
+    """The event cap was reached (or would be): raise the cell size or the cap."""
+
+
+class Pkt:
+    __slots__ = ("conn", "seq", "size", "prio", "dst")
+
+    def __init__(self, conn: Connection, seq: int, size: int, prio: int, dst: int) -> None:
+        self.conn, self.seq, self.size, self.prio, self.dst = conn, seq, size, prio, dst
+
+
+@dataclass
+class LinkStats:
+    bytes: int = 0
+    packets: int = 0
+    drops: int = 0
+    busy_s: float = 0.0
+    bins: dict[int, int] = field(default_factory=dict)  # time bin -> bytes sent
+
+
+class _Port:
+    __slots__ = ("queues", "qbytes", "busy", "host")
+
+    def __init__(self, classes: int, host: bool) -> None:
+        self.queues: list[deque[Pkt]] = [deque() for _ in range(classes)]
+        self.qbytes = 0
+        self.busy = False
+        self.host = host
+
+
+def _mix(*xs: int) -> int:
+    """A fixed 64-bit mix (Python's hash() is salted for str; ints are not, but be explicit)."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h ^= (x + 0x9E3779B97F4A7C15 + ((h << 6) & 0xFFFFFFFFFFFFFFFF) + (h >> 2))
+        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h
+
+
+class Sim:
+    """One simulation over a :class:`~qsync_opt.netsim.topology.Topology` (module docstring)."""
+
+    def __init__(self, topo: Topology, *, queue: str = "fifo", routing: str = "hash",
+                 seed: int = 0, classes: int = 8, bin_us: float = 100.0,
+                 max_events: int = DEFAULT_MAX_EVENTS, cell_bytes: int | None = None) -> None:
+        if queue not in QUEUES:
+            raise ValueError(f"queue: expected one of {', '.join(QUEUES)}, got {queue!r}")
+        if routing not in ROUTING:
+            raise ValueError(f"routing: expected one of {', '.join(ROUTING)}, got {routing!r}")
+        self.topo = topo
+        self.queue = queue
+        self.routing = routing
+        self.classes = classes if queue == "priority" else 1
+        self.rng = random.Random(_mix(seed, 1))
+        self.salt = _mix(seed, 2)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._n = 0
+        self.events = 0
+        self.max_events = int(max_events)
+        self.cell_bytes = cell_bytes
+        self.bin_s = bin_us * 1e-6
+        self.ports = [_Port(self.classes, topo.is_host[link.src]) for link in topo.links]
+        self.stats = [LinkStats() for _ in topo.links]
+        self._rate = [link.bytes_per_s for link in topo.links]
+        self._delay = [link.delay_us * 1e-6 for link in topo.links]
+        self._buf = [link.buffer_bytes for link in topo.links]
+        self._dst = [link.dst for link in topo.links]
+        self.connections: dict[tuple[int, int], Connection] = {}
+
+    # ------------------------------------------------------------------ the loop
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        self._n += 1
+        heapq.heappush(self._heap, (t, self._n, fn, args))
+
+    def run(self) -> None:
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, fn, args = pop(heap)
+            self.now = t
+            self.events += 1
+            if self.events > self.max_events:
+                cell = f" (cell {self.cell_bytes} bytes)" if self.cell_bytes else ""
+                raise NetsimLimit(
+                    f"netsim: more than {self.max_events} events{cell}; raise the cell size "
+                    "(fewer, larger packets) or max_events")
+            fn(*args)
+
+    # ------------------------------------------------------------------ queues
+    def enqueue(self, li: int, pkt: Pkt) -> None:
+        port = self.ports[li]
+        if not port.busy:
+            port.busy = True
+            self.at(self.now + pkt.size / self._rate[li], self._tx_done, li, pkt)
+            return
+        prio = pkt.prio if self.classes > 1 and not port.host else 0
+        if not port.host and port.qbytes + pkt.size > self._buf[li]:
+            if self.classes > 1:
+                # push out the newest packets of the lowest classes below this one
+                for c in range(self.classes - 1, prio, -1):
+                    q = port.queues[c]
+                    while q and port.qbytes + pkt.size > self._buf[li]:
+                        victim = q.pop()
+                        port.qbytes -= victim.size
+                        self._drop(li, victim)
+                    if port.qbytes + pkt.size <= self._buf[li]:
+                        break
+            if port.qbytes + pkt.size > self._buf[li]:
+                self._drop(li, pkt)
+                return
+        port.queues[prio].append(pkt)
+        port.qbytes += pkt.size
+
+    def _drop(self, li: int, pkt: Pkt) -> None:
+        self.stats[li].drops += 1
+        pkt.conn.dropped += 1
+
+    def _tx_done(self, li: int, pkt: Pkt) -> None:
+        st = self.stats[li]
+        st.bytes += pkt.size
+        st.packets += 1
+        dur = pkt.size / self._rate[li]
+        st.busy_s += dur
+        b = int(self.now / self.bin_s)
+        st.bins[b] = st.bins.get(b, 0) + pkt.size
+        self.at(self.now + self._delay[li], self._arrive, self._dst[li], pkt)
+        port = self.ports[li]
+        for q in port.queues:
+            if q:
+                nxt = q.popleft()
+                port.qbytes -= nxt.size
+                self.at(self.now + nxt.size / self._rate[li], self._tx_done, li, nxt)
+                return
+        port.busy = False
+
+    def _arrive(self, node: int, pkt: Pkt) -> None:
+        if node == pkt.dst:
+            pkt.conn.on_data(pkt)
+            return
+        self.enqueue(self.choose(node, pkt), pkt)
+
+    def choose(self, node: int, pkt: Pkt) -> int:
+        hops = self.topo.next_links(node, pkt.dst)
+        if len(hops) == 1:
+            return hops[0]
+        if not hops:
+            raise ValueError(f"no route from {self.topo.names[node]} to "
+                             f"{self.topo.names[pkt.dst]}")
+        if self.routing == "spray":
+            return hops[self.rng.randrange(len(hops))]
+        return hops[_mix(self.salt, pkt.conn.flow_key, node) % len(hops)]
+
+    # ------------------------------------------------------------------ helpers
+    def connection(self, src: int, dst: int, **kw: Any) -> Connection:
+        """The persistent connection ``src -> dst`` (created on first use with ``kw``)."""
+        key = (src, dst)
+        conn = self.connections.get(key)
+        if conn is None:
+            conn = Connection(self, src, dst, **kw)
+            self.connections[key] = conn
+        return conn
+
+    def base_delay(self, path: list[int], nbytes: int) -> float:
+        """Propagation plus serialisation of ``nbytes`` at every hop of ``path`` (seconds)."""
+        return sum(self._delay[li] + nbytes / self._rate[li] for li in path)
+
+    def utilisation(self, li: int, span_s: float) -> float:
+        return self.stats[li].busy_s / span_s if span_s > 0 else 0.0
+
+
+@dataclass
+class Message:
+    """Packets ``first .. first + n - 1`` of a connection; complete when each has arrived
+    or been given up (at most ``budget`` of them)."""
+
+    first: int
+    n: int
+    budget: int
+    on_done: Callable[[float], None] | None
+    tag: Any = None
+    received: int = 0
+    given_up: int = 0  # by the sender
+    told: int = 0  # given-up notices the receiver has
+    done_s: float | None = None
+    acked_done: bool = False
+    missing: list[int] = field(default_factory=list)  # packets not there at completion
+
+
+class Connection:
+    """A persistent NewReno-like connection, optionally bounded-loss (module docstring)."""
+
+    def __init__(self, sim: Sim, src: int, dst: int, *, mss: int, header: int = 40,
+                 init_cwnd: int = 10, min_rto_ms: float = 1.0,
+                 initial_rto_ms: float | None = None, dupthresh: int = 3,
+                 bounded: float | None = None, ack_bytes: int = 40, flow_key: int | None = None,
+                 handshake: bool = False) -> None:
+        if mss < 1:
+            raise ValueError("mss must be >= 1 byte")
+        self.sim, self.src, self.dst = sim, src, dst
+        self.mss, self.header = int(mss), int(header)
+        self.bounded = bounded
+        self.flow_key = _mix(src, dst) if flow_key is None else flow_key
+        self.cwnd = float(init_cwnd)
+        self.ssthresh = math.inf
+        self.min_rto = min_rto_ms * 1e-3
+        self.dupthresh = dupthresh
+        back = sim.topo.path(dst, src)
+        self.ack_delay = sim.base_delay(back, ack_bytes)
+        self.one_way = sim.base_delay(sim.topo.path(src, dst), header)
+        base_rtt = self.one_way + self.ack_delay
+        self.base_rtt = base_rtt
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.rto = (initial_rto_ms * 1e-3 if initial_rto_ms is not None
+                    else max(self.min_rto, 3 * base_rtt))
+        if handshake:  # the SYN exchange is the first RTT sample (as ns-3 takes it)
+            self.srtt, self.rttvar = base_rtt, base_rtt / 2
+            self.rto = max(self.min_rto, self.srtt + 4 * self.rttvar)
+        # per packet
+        self.size: list[int] = []
+        self.prio: list[int] = []
+        self.msg: list[Message] = []
+        self.sent: list[int] = []
+        self.sent_at: list[float] = []
+        self.acked: list[bool] = []
+        self.lost: list[bool] = []
+        self.got: list[bool] = []
+        self.next_new = 0
+        self.snd_una = 0
+        # loss detection per priority class (strict priority reorders across classes, not
+        # within one): each class's packets in sequence order, the highest acked position
+        # in each, and how far each has been scanned
+        self.cpos: list[int] = []
+        self.cseq: dict[int, list[int]] = {}
+        self.chigh: dict[int, int] = {}
+        self.cscan: dict[int, int] = {}
+        self.pipe = 0
+        self.retx: deque[int] = deque()
+        self.recovery_point = -1
+        self.last_progress = 0.0
+        self.timer_armed = False
+        self.ready_at = sim.now + (base_rtt if handshake else 0.0)
+        self.dropped = 0
+        self.retransmits = 0
+        self.timeouts = 0
+        self.messages: list[Message] = []
+
+    # ------------------------------------------------------------------ sender
+    def send(self, nbytes: int, *, prio: list[int] | Callable[[int, int], int] | None = None,
+             on_done: Callable[[float], None] | None = None, tag: Any = None) -> Message:
+        """Queue a message of ``nbytes`` payload bytes (at least one packet). ``prio``: a
+        class per packet, or ``f(i, n)`` for packet ``i`` of ``n``."""
+        n = max(1, -(-int(nbytes) // self.mss))
+        p = self.bounded or 0.0
+        msg = Message(first=len(self.size), n=n, budget=int(math.floor(p * n + 1e-9)),
+                      on_done=on_done, tag=tag)
+        last = int(nbytes) - (n - 1) * self.mss
+        for i in range(n):
+            payload = self.mss if i < n - 1 else max(1, last)
+            self.size.append(payload + self.header)
+            c = 0 if prio is None else prio(i, n) if callable(prio) else prio[i]
+            c = c if self.sim.classes > 1 else 0
+            self.prio.append(c)
+            seqs = self.cseq.setdefault(c, [])
+            self.cpos.append(len(seqs))
+            seqs.append(len(self.msg))
+            self.msg.append(msg)
+        k = n
+        self.sent += [0] * k
+        self.sent_at += [0.0] * k
+        self.acked += [False] * k
+        self.lost += [False] * k
+        self.got += [False] * k
+        self.messages.append(msg)
+        if self.sim.now < self.ready_at:
+            self.sim.at(self.ready_at, self.try_send)
+        else:
+            self.try_send()
+        return msg
+
+    def try_send(self) -> None:
+        if self.sim.now < self.ready_at:
+            return
+        while self.pipe < self.cwnd:
+            if self.retx:
+                s = self.retx.popleft()
+                if self.acked[s] or not self.lost[s]:
+                    continue
+                self.retransmits += 1
+                self._transmit(s)
+            elif self.next_new < len(self.size):
+                s = self.next_new
+                self.next_new += 1
+                if self.acked[s]:  # its message completed before it was sent
+                    continue
+                self._transmit(s)
+            else:
+                break
+
+    def _transmit(self, s: int) -> None:
+        sim = self.sim
+        self.sent[s] += 1
+        self.sent_at[s] = sim.now
+        self.lost[s] = False
+        if self.pipe == 0:
+            self.last_progress = sim.now  # the timer measures from the first packet out
+        self.pipe += 1
+        pkt = Pkt(self, s, self.size[s], self.prio[s], self.dst)
+        sim.enqueue(sim.choose(self.src, pkt), pkt)
+        if not self.timer_armed:
+            self.timer_armed = True
+            self.last_progress = sim.now
+            sim.at(sim.now + self.rto, self._timer)
+
+    # ------------------------------------------------------------------ receiver
+    def on_data(self, pkt: Pkt) -> None:
+        s = pkt.seq
+        if not self.got[s]:
+            self.got[s] = True
+            m = self.msg[s]
+            m.received += 1
+            self._check_done(m)
+        self.sim.at(self.sim.now + self.ack_delay, self._on_ack, s)
+
+    def _check_done(self, m: Message) -> None:
+        if m.done_s is None and m.received + m.told >= m.n:
+            m.done_s = self.sim.now
+            if m.received < m.n:
+                m.missing = [q for q in range(m.first, m.first + m.n) if not self.got[q]]
+            if m.on_done is not None:
+                m.on_done(self.sim.now)
+
+    def _told(self, m: Message) -> None:
+        m.told += 1
+        self._check_done(m)
+
+    # ------------------------------------------------------------------ acks, loss
+    def _ack_one(self, s: int) -> None:
+        self.acked[s] = True
+        if not self.lost[s] and self.sent[s] > 0:
+            self.pipe -= 1
+
+    def _on_ack(self, s: int) -> None:
+        sim = self.sim
+        m = self.msg[s]
+        if m.done_s is not None and not m.acked_done:
+            # the receiver has all it needs: the sender stops the rest of the message
+            m.acked_done = True
+            for q in range(m.first, m.first + m.n):
+                if not self.acked[q] and q != s:
+                    self._ack_one(q)
+        if self.acked[s]:
+            self._advance()
+            self.try_send()
+            return
+        self._ack_one(s)
+        if self.sent[s] == 1:
+            sample = sim.now - self.sent_at[s]
+            if self.srtt is None:
+                self.srtt, self.rttvar = sample, sample / 2
+            else:
+                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
+                self.srtt = 0.875 * self.srtt + 0.125 * sample
+            self.rto = max(self.min_rto, self.srtt + 4 * self.rttvar)
+        self.last_progress = sim.now
+        if s > self.recovery_point:
+            if self.cwnd < self.ssthresh:
+                self.cwnd += 1.0
+            else:
+                self.cwnd += 1.0 / self.cwnd
+        c = self.prio[s]
+        if self.cpos[s] > self.chigh.get(c, -1):
+            self.chigh[c] = self.cpos[s]
+        self._advance()
+        self._detect(c)
+        self.try_send()
+
+    def _advance(self) -> None:
+        while self.snd_una < len(self.acked) and self.acked[self.snd_una]:
+            self.snd_una += 1
+
+    def _detect(self, c: int) -> None:
+        """A first transmission is lost when ``dupthresh`` later packets of its class are
+        acked (within a class the network keeps the order on one path)."""
+        seqs = self.cseq[c]
+        start = self.cscan.get(c, 0)
+        stop = self.chigh.get(c, -1) - self.dupthresh + 1
+        flight = self.pipe
+        losses = False
+        for i in range(start, stop):
+            s = seqs[i]
+            if not self.acked[s] and not self.lost[s] and self.sent[s] == 1:
+                self._mark_lost(s)
+                losses = True
+        if stop > start:
+            self.cscan[c] = stop
+        if losses and self.snd_una > self.recovery_point:
+            self.ssthresh = max(flight / 2.0, 2.0)
+            self.cwnd = self.ssthresh
+            self.recovery_point = self.next_new - 1
+
+    def _mark_lost(self, s: int) -> None:
+        self.lost[s] = True
+        self.pipe -= 1
+        m = self.msg[s]
+        if self.bounded and m.given_up < m.budget and not self.got[s]:
+            m.given_up += 1
+            self.acked[s] = True  # given up: the sender will not wait for it
+            self.sim.at(self.sim.now + self.one_way, self._told, m)
+            return
+        self.retx.append(s)
+
+    def _timer(self) -> None:
+        sim = self.sim
+        outstanding = self.pipe > 0
+        if not outstanding:
+            self.timer_armed = False
+            return
+        due = self.last_progress + self.rto
+        if sim.now + 1e-12 < due:
+            sim.at(due, self._timer)
+            return
+        self.timeouts += 1
+        self.ssthresh = max(self.pipe / 2.0, 2.0)
+        self.cwnd = 1.0
+        for s in range(self.snd_una, self.next_new):
+            if not self.acked[s] and not self.lost[s] and self.sent[s] > 0:
+                self._mark_lost(s)
+        self.recovery_point = self.next_new - 1
+        self.rto = min(self.rto * 2, 60.0)
+        self.last_progress = sim.now
+        sim.at(sim.now + self.rto, self._timer)
+        self.try_send()
