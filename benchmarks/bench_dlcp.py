@@ -91,7 +91,7 @@ def network(args: argparse.Namespace) -> int:
         workload_buckets,
     )
     from qsync_opt.netsim.traffic import POLICIES as NET_POLICIES
-    from qsync_opt.netsim.traffic import NetConfig, summarise
+    from qsync_opt.netsim.traffic import NetConfig, layer_bytes, summarise
 
     graph = trace(args.net_model)
     cluster = load_cluster(args.net_cluster).with_default_batch(graph.batch_size)
@@ -119,13 +119,7 @@ def network(args: argparse.Namespace) -> int:
                 # busiest link over the communication window (first bucket out to the end)
                 span = [(r.comm_end_ms - min(r.bucket_start_ms)) * 1e-3 for r in runs]
                 util = max(max(b / sp for b in r.link_busy_s) for r, sp in zip(runs, span, strict=True))
-                lost: dict[str, int] = {}
-                sent: dict[str, int] = {}
-                for r in runs:
-                    for k, v in r.lost_bytes.items():
-                        lost[k] = lost.get(k, 0) + v
-                    for k, v in r.sent_bytes.items():
-                        sent[k] = sent.get(k, 0) + v
+                lost, sent = layer_bytes(runs)
                 order = [op.name for op in graph.ops if op.name in sent]
                 third = max(1, len(order) // 3)
                 parts = [order[:third], order[third:-third], order[-third:]]

@@ -23,7 +23,7 @@ def cmd_netsim(args: argparse.Namespace) -> int:
         run_iterations,
         workload_buckets,
     )
-    from ..netsim.traffic import NetConfig, summarise
+    from ..netsim.traffic import NetConfig, layer_bytes, summarise
     from ..plan import check_plan, plan_model
     from ..schemas import Plan
 
@@ -63,13 +63,7 @@ def cmd_netsim(args: argparse.Namespace) -> int:
     util = [max(r.link_busy_s[li] / sp for r, sp in zip(runs, span, strict=True))
             for li in range(len(topo.links))]
     busiest = sorted(range(len(topo.links)), key=lambda li: -util[li])[:5]
-    lost: dict[str, int] = {}
-    sent: dict[str, int] = {}
-    for r in runs:
-        for k, v in r.lost_bytes.items():
-            lost[k] = lost.get(k, 0) + v
-        for k, v in r.sent_bytes.items():
-            sent[k] = sent.get(k, 0) + v
+    lost, sent = layer_bytes(runs)
     per_layer = {op.name: lost.get(op.name, 0) / sent[op.name] for op in graph.ops
                  if op.name in sent}
     doc: dict[str, Any] = {

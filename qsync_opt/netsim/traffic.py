@@ -335,6 +335,18 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def layer_bytes(results: Sequence[IterationResult]) -> tuple[dict[str, int], dict[str, int]]:
+    """(lost, sent) gradient bytes per layer, summed over ``results``."""
+    lost: dict[str, int] = {}
+    sent: dict[str, int] = {}
+    for r in results:
+        for k, v in r.lost_bytes.items():
+            lost[k] = lost.get(k, 0) + v
+        for k, v in r.sent_bytes.items():
+            sent[k] = sent.get(k, 0) + v
+    return lost, sent
+
+
 def summarise(results: Sequence[IterationResult]) -> dict[str, Any]:
     """p50/p99 of the communication end and the exposed time over iterations, loss."""
     ends = [r.comm_end_ms for r in results]
