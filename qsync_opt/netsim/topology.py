@@ -194,6 +194,7 @@ def fabric(spec: FabricSpec) -> Topology:
         t.connect(i, leaves[i // spec.hosts_per_leaf], spec.host_gbps, spec.host_delay_us,
                   spec.buffer_bytes)
     for h in extra:
+        assert xleaf is not None
         t.connect(h, xleaf, spec.extra_gbps or spec.uplink_gbps * spec.spines,
                   spec.host_delay_us, spec.buffer_bytes)
     for leaf in leaves + ([xleaf] if xleaf is not None else []):

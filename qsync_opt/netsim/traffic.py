@@ -23,6 +23,7 @@ missing packets are zero-filled and counted as lost bytes of their layers.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -196,7 +197,7 @@ def _ring(run: _Run, members: list[int], k: int, start: Callable[[int, Callable[
         run.send(members[i], members[nxt], k, off, size, arrived)
 
     for i in range(n):
-        start(i, lambda i=i: step(i, 0))
+        start(i, functools.partial(step, i, 0))
 
 
 def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[Bucket],
@@ -246,9 +247,12 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
 
     if pattern == "ring":
         for k in range(nb):
-            _ring(run, [ranks[i] for i in range(n)], k,
-                  lambda i, go, k=k: gate(i, k, go),
-                  lambda i, t, k=k: member_done(i, k, t))
+            def ring_start(i: int, go: Callable[[], None], k: int = k) -> None:
+                gate(i, k, go)
+
+            def ring_done(i: int, t: float, k: int = k) -> None:
+                member_done(i, k, t)
+            _ring(run, [ranks[i] for i in range(n)], k, ring_start, ring_done)
     elif pattern == "ps":
         if ps is None:
             raise ValueError("pattern ps: a parameter-server host is needed")
@@ -260,11 +264,10 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
                 count[0] += 1
                 if count[0] == n:
                     for i in range(n):
-                        run.send(ps, ranks[i], k, 0, size,
-                                 lambda t, i=i, k=k: member_done(i, k, t))
+                        run.send(ps, ranks[i], k, 0, size, functools.partial(member_done, i, k))
             for i in range(n):
-                gate(i, k, lambda i=i, k=k, pushed=pushed:
-                     run.send(ranks[i], ps, k, 0, buckets[k].bytes, pushed))
+                gate(i, k, functools.partial(run.send, ranks[i], ps, k, 0, buckets[k].bytes,
+                                             pushed))
     else:
         groups = [list(g) for g in (nodes or [list(range(n))])]
         index = {r: i for i, r in enumerate(ranks)}
@@ -282,16 +285,16 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
                         go()
                 gate(index[g[0]], k, one)
                 for h in g[1:]:
-                    gate(index[h], k, lambda h=h: run.send(h, g[0], k, 0, buckets[k].bytes, one))
+                    gate(index[h], k, functools.partial(run.send, h, g[0], k, 0, buckets[k].bytes,
+                                                        one))
 
             def leader_done(gi: int, t: float, k: int = k) -> None:
                 g = groups[gi]
                 member_done(index[g[0]], k, t)
                 for h in g[1:]:
                     run.send(g[0], h, k, 0, buckets[k].bytes,
-                             lambda t, h=h: member_done(index[h], k, t))
-            _ring(run, leaders, k, lambda gi, go, f=at_leader: f(gi, go),
-                  lambda gi, t, f=leader_done: f(gi, t))
+                             functools.partial(member_done, index[h], k))
+            _ring(run, leaders, k, at_leader, leader_done)
     sim.run()
     lost: dict[str, int] = {}
     sent: dict[str, int] = {}
