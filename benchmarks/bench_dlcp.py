@@ -78,7 +78,8 @@ def fmt(m: float, h: float, digits: int = 4) -> str:
 
 
 def network(args: argparse.Namespace) -> int:
-    """The network half: p50/p99 over seeded iterations for {fifo+tcp, priority+bounded} x
+    """The network half: p50/p99 over seeded iterations for the policies (fifo+tcp,
+    priority+bounded and the two mixed ones) x
     {hash, spray} x the three scenarios, the workload's real buckets emitted at the
     replayer's ready times (every group at its highest precision)."""
     from qsync_opt.costs import estimate
@@ -107,7 +108,9 @@ def network(args: argparse.Namespace) -> int:
     rows, dump = [], {}
     for scenario in SCENARIOS:
         net = cluster_network(cluster, scenario)
-        for policy in NET_POLICIES:
+        for policy in args.net_policies.split(","):
+            if policy not in NET_POLICIES:
+                raise SystemExit(f"--net-policies: expected names from {', '.join(NET_POLICIES)}")
             for routing in ("hash", "spray"):
                 cfg = NetConfig(policy=policy, routing=routing, p=args.p,
                                 cell_bytes=args.cell_kib << 10, jitter=args.jitter)
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the network half (packet simulator) instead of the quality half")
     ap.add_argument("--net-model", default="resnet50")
     ap.add_argument("--net-cluster", default="v100x16+t4x16")
+    ap.add_argument("--net-policies", default="fifo+tcp,priority+bounded,fifo+bounded,priority+tcp",
+                    help="queue+transport pairs; the mixed two separate what each half does")
     ap.add_argument("--iterations", type=int, default=100)
     ap.add_argument("--cell-kib", type=int, default=256)
     ap.add_argument("--jitter", type=float, default=0.01,

@@ -91,9 +91,10 @@ def _ours_incast(case: dict[str, Any]) -> float:
 
 @pytest.mark.slow
 def test_our_model_agrees_with_ns3_where_both_run() -> None:
-    """One bottleneck link (bandwidth-bound and slow-start-bound) and N-to-1 TCP incast
-    without loss: ours within 10% of ns-3 (they agree to about 1e-4 today). Lossy incast
-    is not among them: ns-3's PRR/SACK recovery and ours differ (docs/NETSIM.md)."""
+    """One bottleneck link (bandwidth-bound and slow-start-bound) and N-to-1 TCP incast,
+    without loss and with it (buffers of 20 to 100 packets: hundreds of drops): ours within
+    10% of ns-3 in completion time. Lossless they agree to about 1e-4; lossy within 6%,
+    though we drop 1.1 to 3 times as many packets (docs/NETSIM.md)."""
     cases: list[dict[str, Any]] = [
         {"kind": "bottleneck", "bytes": 10_000_000, "gbps": 1.0, "delay_us": 50.0,
          "buffer_packets": 10000},
@@ -104,6 +105,9 @@ def test_our_model_agrees_with_ns3_where_both_run() -> None:
         {"kind": "incast", "senders": 4, "bytes_each": 250_000, "gbps": 10.0,
          "delay_us": 10.0, "buffer_packets": 1000},
     ]
+    lossy = [(8, 20, 1_000_000), (16, 50, 1_000_000), (4, 20, 1_000_000), (32, 100, 500_000)]
+    cases += [{"kind": "incast", "senders": n, "bytes_each": b, "gbps": 10.0, "delay_us": 10.0,
+               "buffer_packets": q} for n, q, b in lossy]
     for c in cases:
         c.update(mss=MSS, min_rto_ms=1.0)
     results = run(cases, timeout_s=300)
@@ -111,6 +115,6 @@ def test_our_model_agrees_with_ns3_where_both_run() -> None:
         if case["kind"] == "bottleneck":
             theirs, ours = res["fct_ms"], _ours_bottleneck(case)
         else:
-            assert res["lost_packets"] == 0
+            assert (res["lost_packets"] == 0) == (case["buffer_packets"] >= 1000)
             theirs, ours = res["completion_ms"], _ours_incast(case)
         assert ours == pytest.approx(theirs, rel=0.10), (case, theirs, ours)

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--scenario", choices=["ring", "incast", "oversubscribed"], default="ring")
     sp.add_argument("--pattern", choices=["ring", "ps", "hierarchical"], default=None,
                     help="the collective (default: the scenario's)")
-    sp.add_argument("--policy", choices=["fifo+tcp", "priority+bounded"], default="fifo+tcp")
+    sp.add_argument("--policy", choices=["fifo+tcp", "priority+bounded", "fifo+bounded",
+                                            "priority+tcp"], default="fifo+tcp")
     sp.add_argument("--routing", choices=["hash", "spray"], default="hash")
     sp.add_argument("--p", type=finite_float(0, 0.5), default=0.05,
                     help="priority+bounded: the loss bound per message (default 0.05)")

@@ -10,23 +10,32 @@ an arriving packet pushes out the newest packet of the lowest class below its ow
 dropped itself when nothing lower is queued); a host's own NIC queue stays FIFO (the
 transport's order: priority is the switches'). Buffers are bytes of waiting packets (the one
 being serialised is not counted, as ns-3's device queues count). A host's own NIC queue
-never drops: a sender's kernel holds what its window lets out (back-pressure).
+never drops: a sender's kernel holds what its window lets out (back-pressure), and the
+retransmission timer does not run while a connection has packets still in that queue (they
+have not left the host; Linux's TCP small queues keep this queue short for the same
+reason).
 
 Transports (:class:`Connection`): one persistent connection per (src, dst) pair carries
 successive messages (a ring step, a bucket push) in sequence-number order, NewReno-like:
 slow start from ``init_cwnd`` packets, congestion avoidance (+1/cwnd per ack), every packet
 acked (selective acks, no delayed acks); a packet is lost when ``dupthresh`` packets above
-it are acked (fast retransmit, window halved once per window) or when nothing is acked for
-a retransmission timeout (RTO = max(min_rto, srtt + 4 rttvar), doubling on each timeout,
-window back to 1). Acks are not queued: each returns after the reverse path's propagation
+it are acked (fast retransmit, ssthresh = half the packets in flight, once per window) or
+when nothing is acked for a retransmission timeout (RTO = max(min_rto, srtt + 4 rttvar),
+doubling on each timeout, window back to 1). As ns-3's TCP does by default: the first two
+duplicate acks each let one new packet out beyond the window (limited transmit, RFC 3042),
+fast recovery paces its sending by proportional rate reduction (PRR with slow-start
+reduction bound, RFC 6937) and the window does not grow until the recovery point is acked;
+a lost retransmission waits for the timeout (no RACK), as there. Acks are not queued: each returns after the reverse path's propagation
 and its own serialisation (``ack_bytes``; acks are 3% of a 1500-byte packet and the
 reverse direction of a gradient pattern's busiest link carries other data, a stated
 approximation). ``bounded=p``: DLCP's bounded-loss transport -- a packet found lost is given up (not
 retransmitted) while its message's given-up count is below ``floor(p n)`` of its ``n``
 packets, retransmitted after that; the sender's notice that it gave a packet up reaches the
-receiver one base one-way delay later, and the receiver completes the message once every
-packet has arrived or been given up (so at least ``ceil((1 - p) n)`` arrived), zero-filling
-the rest, and tells the sender, which stops sending what is left of it. Without loss the
+receiver one base one-way delay later. The receiver completes the message once every packet
+has arrived or been given up, or once the message's last packet has arrived with at least
+``n - floor(p n)`` of its packets (it stops the tensor at 1 - p instead of waiting for the
+tail: what is still on its way is not waited for), zero-filling the rest, and tells the
+sender, which stops sending what is left of it. Without loss the
 two transports are the same; congestion control is the same in both, so the comparison
 isolates waiting and retransmission.
 
@@ -165,6 +174,8 @@ class Sim:
                 return
         port.queues[prio].append(pkt)
         port.qbytes += pkt.size
+        if port.host:
+            pkt.conn.local += 1
 
     def _drop(self, li: int, pkt: Pkt) -> None:
         self.stats[li].drops += 1
@@ -184,6 +195,11 @@ class Sim:
             if q:
                 nxt = q.popleft()
                 port.qbytes -= nxt.size
+                if port.host:
+                    conn = nxt.conn
+                    conn.local -= 1
+                    if conn.local == 0:  # its queue at its own NIC drained: the RTO runs from here
+                        conn.last_progress = max(conn.last_progress, self.now)
                 self.at(self.now + nxt.size / self._rate[li], self._tx_done, li, nxt)
                 return
         port.busy = False
@@ -226,7 +242,7 @@ class Sim:
 @dataclass
 class Message:
     """Packets ``first .. first + n - 1`` of a connection; complete when each has arrived
-    or been given up (at most ``budget`` of them)."""
+    or been given up, or (bounded) once its last packet and ``n - budget`` of them arrived."""
 
     first: int
     n: int
@@ -236,6 +252,7 @@ class Message:
     received: int = 0
     given_up: int = 0  # by the sender
     told: int = 0  # given-up notices the receiver has
+    tail: bool = False  # its last packet has arrived
     done_s: float | None = None
     acked_done: bool = False
     missing: list[int] = field(default_factory=list)  # packets not there at completion
@@ -292,9 +309,22 @@ class Connection:
         self.pipe = 0
         self.retx: deque[int] = deque()
         self.recovery_point = -1
+        # fast recovery by PRR (RFC 6937): in it, what was delivered and sent since it began,
+        # and the flight when it began; duplicate acks since snd_una last moved
+        self.in_prr = False
+        self.prr_delivered = 0
+        self.prr_out = 0
+        self.recover_fs = 0
+        self.dupacks = 0
+        # lost retransmissions: each outstanding retransmission counts the acks of packets of
+        # its class sent after it; ``dupthresh`` of them and it is lost again (time order)
+        self.tx_count = 0
+        self.tx_id: list[int] = []
+        self.rtx_out: dict[int, int] = {}
         self.last_progress = 0.0
         self.timer_armed = False
         self.ready_at = sim.now + (base_rtt if handshake else 0.0)
+        self.local = 0  # its packets waiting in its own host's NIC queue
         self.dropped = 0
         self.retransmits = 0
         self.timeouts = 0
@@ -322,6 +352,7 @@ class Connection:
             self.msg.append(msg)
         k = n
         self.sent += [0] * k
+        self.tx_id += [0] * k
         self.sent_at += [0.0] * k
         self.acked += [False] * k
         self.lost += [False] * k
@@ -336,7 +367,9 @@ class Connection:
     def try_send(self) -> None:
         if self.sim.now < self.ready_at:
             return
-        while self.pipe < self.cwnd:
+        # limited transmit: one new packet per duplicate ack, for the first two
+        extra = 0 if self.in_prr or self.snd_una <= self.recovery_point else min(self.dupacks, 2)
+        while self.pipe < self.cwnd + extra:
             if self.retx:
                 s = self.retx.popleft()
                 if self.acked[s] or not self.lost[s]:
@@ -356,7 +389,13 @@ class Connection:
         sim = self.sim
         self.sent[s] += 1
         self.sent_at[s] = sim.now
+        self.tx_count += 1
+        self.tx_id[s] = self.tx_count
+        if self.sent[s] > 1:
+            self.rtx_out[s] = 0
         self.lost[s] = False
+        if self.in_prr:
+            self.prr_out += 1
         if self.pipe == 0:
             self.last_progress = sim.now  # the timer measures from the first packet out
         self.pipe += 1
@@ -374,11 +413,14 @@ class Connection:
             self.got[s] = True
             m = self.msg[s]
             m.received += 1
+            if s == m.first + m.n - 1:
+                m.tail = True
             self._check_done(m)
         self.sim.at(self.sim.now + self.ack_delay, self._on_ack, s)
 
     def _check_done(self, m: Message) -> None:
-        if m.done_s is None and m.received + m.told >= m.n:
+        if m.done_s is None and (m.received + m.told >= m.n or (
+                self.bounded and m.tail and m.received >= m.n - m.budget)):
             m.done_s = self.sim.now
             if m.received < m.n:
                 m.missing = [q for q in range(m.first, m.first + m.n) if not self.got[q]]
@@ -418,7 +460,13 @@ class Connection:
                 self.srtt = 0.875 * self.srtt + 0.125 * sample
             self.rto = max(self.min_rto, self.srtt + 4 * self.rttvar)
         self.last_progress = sim.now
-        if s > self.recovery_point:
+        una = self.snd_una
+        self._advance()
+        self.dupacks = self.dupacks + 1 if self.snd_una == una else 0
+        if self.in_prr and self.snd_una > self.recovery_point:
+            self.in_prr = False  # recovery ends: the window is ssthresh (RFC 6937)
+            self.cwnd = self.ssthresh
+        if self.snd_una > self.recovery_point:  # no growth while recovering
             if self.cwnd < self.ssthresh:
                 self.cwnd += 1.0
             else:
@@ -426,17 +474,35 @@ class Connection:
         c = self.prio[s]
         if self.cpos[s] > self.chigh.get(c, -1):
             self.chigh[c] = self.cpos[s]
-        self._advance()
-        self._detect(c)
+        entered = self._detect(c)
+        if self.rtx_out:
+            entered = self._detect_retx(s) or entered
+        if self.in_prr:
+            self._prr(1, entered)
         self.try_send()
+
+    def _prr(self, delivered: int, entered: bool) -> None:
+        """The window for this ack in fast recovery: proportional rate reduction while the
+        flight is above ssthresh, the slow-start reduction bound below it (RFC 6937)."""
+        self.prr_delivered += delivered
+        if self.pipe > self.ssthresh:
+            sndcnt = (math.ceil(self.prr_delivered * self.ssthresh / max(self.recover_fs, 1))
+                      - self.prr_out)
+        else:
+            sndcnt = min(math.ceil(self.ssthresh) - self.pipe,
+                         max(self.prr_delivered - self.prr_out, delivered) + 1)
+        if entered:
+            sndcnt = max(sndcnt, 1)  # the fast retransmission itself
+        self.cwnd = float(self.pipe + max(sndcnt, 0))
 
     def _advance(self) -> None:
         while self.snd_una < len(self.acked) and self.acked[self.snd_una]:
             self.snd_una += 1
 
-    def _detect(self, c: int) -> None:
+    def _detect(self, c: int) -> bool:
         """A first transmission is lost when ``dupthresh`` later packets of its class are
-        acked (within a class the network keeps the order on one path)."""
+        acked (within a class the network keeps the order on one path). True when this
+        starts a fast recovery."""
         seqs = self.cseq[c]
         start = self.cscan.get(c, 0)
         stop = self.chigh.get(c, -1) - self.dupthresh + 1
@@ -453,6 +519,38 @@ class Connection:
             self.ssthresh = max(flight / 2.0, 2.0)
             self.cwnd = self.ssthresh
             self.recovery_point = self.next_new - 1
+            self.in_prr = True
+            self.prr_delivered = self.prr_out = 0
+            self.recover_fs = flight
+            return True
+        return False
+
+    def _detect_retx(self, s: int) -> bool:
+        """Count the ack of ``s`` against every outstanding retransmission of its class sent
+        before it (strict priority reorders across classes, not within one);
+        one with ``dupthresh`` such acks is lost again. True when this starts a recovery."""
+        self.rtx_out.pop(s, None)
+        lost = False
+        for r in list(self.rtx_out):
+            if self.acked[r]:
+                del self.rtx_out[r]
+            elif self.tx_id[s] > self.tx_id[r] and self.prio[s] == self.prio[r]:
+                self.rtx_out[r] += 1
+                if self.rtx_out[r] >= self.dupthresh:
+                    del self.rtx_out[r]
+                    if not self.lost[r]:
+                        self._mark_lost(r)
+                        lost = True
+        if lost and self.snd_una > self.recovery_point:
+            flight = self.pipe
+            self.ssthresh = max(flight / 2.0, 2.0)
+            self.cwnd = self.ssthresh
+            self.recovery_point = self.next_new - 1
+            self.in_prr = True
+            self.prr_delivered = self.prr_out = 0
+            self.recover_fs = flight
+            return True
+        return False
 
     def _mark_lost(self, s: int) -> None:
         self.lost[s] = True
@@ -472,12 +570,16 @@ class Connection:
             self.timer_armed = False
             return
         due = self.last_progress + self.rto
+        if self.local:  # what has not left the host is not timed (the kernel holds it)
+            due = max(due, sim.now + self.rto)
         if sim.now + 1e-12 < due:
             sim.at(due, self._timer)
             return
         self.timeouts += 1
         self.ssthresh = max(self.pipe / 2.0, 2.0)
         self.cwnd = 1.0
+        self.in_prr = False
+        self.dupacks = 0
         for s in range(self.snd_una, self.next_new):
             if not self.acked[s] and not self.lost[s] and self.sent[s] > 0:
                 self._mark_lost(s)

@@ -35,7 +35,9 @@ from .engine import DEFAULT_MAX_EVENTS, Connection, Message, Sim
 from .topology import Topology
 
 PATTERNS = ("ring", "ps", "hierarchical")
-POLICIES = {"fifo+tcp": ("fifo", None), "priority+bounded": ("priority", "bounded")}
+# queue discipline + transport; the two mixed ones separate what each half does
+POLICIES = {"fifo+tcp": ("fifo", None), "priority+bounded": ("priority", "bounded"),
+            "fifo+bounded": ("fifo", "bounded"), "priority+tcp": ("priority", None)}
 
 
 @dataclass(frozen=True)
