@@ -35,7 +35,8 @@ SCENARIOS = ("ring", "incast", "oversubscribed")
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
 COMM_MODEL_HELP = ("analytic (the ring formula, default) or netsim:p50|p99[,scenario=ring|incast|"
-                   "oversubscribed][,policy=fifo+tcp|priority+bounded][,routing=hash|spray]"
+                   "oversubscribed][,policy=fifo+tcp|priority+bounded|fifo+bounded|priority+tcp]"
+                   "[,routing=hash|spray]"
                    "[,iterations=100][,cell_kib=256][,p=0.05][,seed=0]")
 
 
