@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "devices", "rules", "costs", "cluster", "batchmodel", "profile.tables",
         "profile.timing", "profile.gloo",
         # the sync rules (QSR's rule, learning-rate schedules): pure, read by the replayer
-        "runtime.schedule", "runtime.syncmode", "runtime.dlcp",
+        "runtime.schedule", "runtime.syncmode", "runtime.dlcp", "runtime.compress",
         # the packet simulator's core: pure Python, imports nothing of the package
         "netsim", "netsim.topology", "netsim.engine", "netsim.traffic", "netsim.ns3ref"]),
     ("precision layers", ["runtime.gemm", "runtime.dispatch", "runtime.layers",
@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
-                 "runtime.commhooks"]),
+                 "runtime.commhooks", "runtime.pipeline"]),
     ("problem", ["problem", "evaluator"]),
     ("solvers", ["solvers", "solvers.base", "solvers.common", "solvers.formulation", "splits",
                  "solvers.pulp_model", "solvers.fastest", "solvers.warmstart",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GlobalBatches", "as_inputs", "batch_size_of", "rank_slice", "take", "to_device"]
+__all__ = ["GlobalBatches", "IndexedBatches", "as_inputs", "batch_size_of", "rank_slice", "take", "to_device"]
 
 
 class GlobalBatches:
@@ -131,3 +131,62 @@ def rank_slice(batch: tuple[Any, Tensor | None], offset: int, b: int
     inputs, targets = batch
     return (slice_batch(inputs, offset, b),
             targets[offset:offset + b] if targets is not None else None)
+
+
+class IndexedBatches:
+    """Batches that carry each sample's index in the training set (AQ-SGD keys its
+    buffers by it): ``batch(step) -> (inputs, targets, idx)``.
+
+    The digits: the images of the training split, drawn without replacement per step.
+    tiny_gpt: the training text cut into fixed windows of ``seq`` tokens (window i is
+    tokens ``i*seq .. i*seq+seq``, its targets shifted by one), so a sample is the same
+    tokens at every visit (the random offsets of :class:`GlobalBatches` would make every
+    sample new). Deterministic in ``seed`` and the step.
+    """
+
+    def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
+        from ..errors import QsyncInputError
+        from ..models import image_split
+
+        self.wl, self.seed, self.B = workload, seed, global_batch
+        if (split := image_split(workload.name)) is not None:
+            xtr, ytr, xte, yte = split
+            self.train: tuple[Tensor, Tensor] = (xtr, ytr)
+            self.test: tuple[Tensor, Tensor] = (xte, yte)
+        elif workload.name == "tiny_gpt":
+            from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
+
+            tr, te = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
+            seq = workload.seq_len or 128
+            self.train, self.test = self._windows(tr, seq), self._windows(te, seq)
+        else:
+            raise QsyncInputError(f"model: indexed batches need a workload with real data "
+                                  f"(digits_cnn, digits_resnet, tiny_gpt), got {workload.name!r}")
+        self.n_samples = int(self.train[1].shape[0])
+        if global_batch > self.n_samples:
+            raise QsyncInputError(f"batch: {global_batch} is more than the {self.n_samples} "
+                                  "training samples")
+
+    @staticmethod
+    def _windows(tokens: Tensor, seq: int) -> tuple[Tensor, Tensor]:
+        n = (tokens.numel() - 1) // seq
+        x = tokens[: n * seq].reshape(n, seq)
+        y = tokens[1: n * seq + 1].reshape(n, seq)
+        return x, y
+
+    def _gen(self, salt: int, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + salt * 7_919 + step)
+                                             & 0x7FFFFFFFFFFF)
+
+    def batch(self, step: int) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+        idx = torch.randperm(self.n_samples, generator=self._gen(1, step))[: self.B]
+        x, y = self.train
+        return (x[idx],), y[idx], idx
+
+    def eval_batches(self, n: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        """``n`` held-out batches of ``B`` (the first ``n * B`` test samples, cycled)."""
+        x, y = self.test
+        total = int(y.shape[0])
+        for i in range(n):
+            idx = torch.arange(i * self.B, (i + 1) * self.B) % total
+            yield (x[idx],), y[idx]

@@ -1,0 +1,484 @@
+"""A model cut into sequential stages, with compressed boundaries between them.
+
+:func:`split_stages` traces the model with ``torch.fx`` (the tracers' leaf rule:
+:func:`qsync_opt.graph.kinds.is_leaf_module`) and cuts it where asked: a cut is a name of
+the traced graph's module scopes (an op name such as ``conv2`` or ``fc1``, or a block such
+as ``transformer.h.2``); the stage it starts begins at the first op inside that scope. With
+``n_stages`` and no cuts, the cuts are balanced from per-op costs (the traced graph's
+forward + backward FLOPs by default): among the points where the fewest tensors cross
+(a residual stream's block boundaries, a CNN's layer boundaries), the ones that minimise the
+largest stage's cost (an exact linear-partition dynamic program).
+
+Each stage is its own module (its own copy of its parameters). A parameter two stages use
+(tiny_gpt ties ``lm_head.weight`` to ``transformer.wte.weight``) is held by both, and its
+gradient is summed between them after backward (:meth:`Pipeline.sync_tied_grads`: the
+all-reduce between the stages that hold it), so the copies step identically.
+
+A :class:`Boundary` is one tensor crossing between two stages, as an autograd function:
+forward sends the activation through its compressor (sender codec, then receiver codec,
+:mod:`qsync_opt.runtime.compress`), backward sends its gradient through another. Bytes are
+counted per direction. In eval mode the activation is compressed only with
+``compress_at_eval`` (by the compressor alone: no feedback state is read or changed);
+gradients never flow at eval.
+
+:meth:`Pipeline.train_step` runs a GPipe schedule in one process: the batch in ``M``
+micro-batches, every micro-batch's forward through all stages, then their backwards in
+reverse order, each micro-batch's loss weighted by its share of the batch (so with identity
+boundaries the gradient is the whole batch's, up to the order of sums; BatchNorm sees
+micro-batch statistics, as in any GPipe pipeline). The multi-process pipeline runs the same
+stages and boundaries with the codec halves on either side of a send/recv.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from ..errors import QsyncInputError
+from ..graph.kinds import is_leaf_module
+from .compress import Codec, Compressor, Identity, make_codec
+
+__all__ = ["Boundary", "Pipeline", "StageSplit", "split_stages", "trace_model"]
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_leaf_module(m)
+
+
+def trace_model(model: nn.Module) -> fx.GraphModule:
+    graph = _Tracer().trace(model)
+    return fx.GraphModule(model, graph)
+
+
+def _scope(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.keys())[-1]) if stack else ""
+
+
+def _in_scope(scope: str, name: str) -> bool:
+    return scope == name or scope.startswith(name + ".")
+
+
+@dataclass
+class StageSplit:
+    """Where the cuts fall: each compute node's stage, and the cut names."""
+
+    gm: fx.GraphModule
+    stage_of: dict[str, int]
+    cuts: list[str]
+    n_stages: int
+    costs: list[float] = field(default_factory=list)  # per stage, the balancing's costs
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+def _crossing(nodes: list[fx.Node], i: int) -> int:
+    """Values produced before position i (or inputs) and used at or after it."""
+    pos = {n: k for k, n in enumerate(nodes)}
+    live = set()
+    for n in nodes[i:]:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                continue
+            if a.op == "placeholder" or pos.get(a, len(nodes)) < i:
+                live.add(a)
+    return len(live)
+
+
+def _default_costs(model: nn.Module, example: Any) -> dict[str, float]:
+    """Forward + backward FLOPs of the module ops of the traced graph (functions cost 0)."""
+    from ..graph import trace
+
+    g = trace(model, example_inputs=example, include_loss=False)
+    return {op.name: float(op.fwd_flops + op.bwd_flops) for op in g.ops}
+
+
+def _balanced_cuts(nodes: list[fx.Node], n_stages: int, costs: dict[str, float]
+                   ) -> tuple[list[int], list[float]]:
+    w = [costs.get(_scope(n), 0.0) if n.op == "call_module" else 0.0 for n in nodes]
+    starts = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])]
+    cross = {i: _crossing(nodes, i) for i in starts}
+    if not cross:
+        raise QsyncInputError("stages: the traced model has no point to cut at")
+    fewest = min(cross.values())
+    cand = [i for i in starts if cross[i] == fewest]
+    if len(cand) < n_stages - 1:
+        cand = starts
+    if len(cand) < n_stages - 1:
+        raise QsyncInputError(f"stages: expected at most {len(cand) + 1} for this model, "
+                              f"got {n_stages}")
+    prefix = [0.0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    pts = [0, *cand, len(nodes)]
+    # best[s][j]: the least largest-stage cost of s stages covering nodes[:pts[j]]
+    inf = math.inf
+    best = [[inf] * len(pts) for _ in range(n_stages + 1)]
+    back = [[-1] * len(pts) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(1, len(pts)):
+            if s == n_stages and j != len(pts) - 1:
+                continue
+            for i in range(j):
+                if best[s - 1][i] == inf:
+                    continue
+                c = max(best[s - 1][i], prefix[pts[j]] - prefix[pts[i]])
+                if c < best[s][j] - 1e-12:
+                    best[s][j], back[s][j] = c, i
+    j, cut_pos = len(pts) - 1, []
+    for s in range(n_stages, 0, -1):
+        i = back[s][j]
+        if i > 0:
+            cut_pos.append(pts[i])
+        j = i
+    cut_pos.sort()
+    bounds = [0, *cut_pos, len(nodes)]
+    stage_costs = [prefix[bounds[k + 1]] - prefix[bounds[k]] for k in range(n_stages)]
+    return cut_pos, stage_costs
+
+
+def _resolve(nodes: list[fx.Node], cut: str) -> int | None:
+    """A cut's position: the first op in the scope it names, or the fx node it names."""
+    hit = next((i for i, n in enumerate(nodes) if _in_scope(_scope(n), cut)), None)
+    if hit is None:
+        hit = next((i for i, n in enumerate(nodes) if n.name == cut), None)
+    return hit
+
+
+def _cut_name(nodes: list[fx.Node], p: int) -> str:
+    """The shortest-reading name that resolves back to position ``p``: the op's scope or a
+    parent block whose first op it is, else the fx node's own name."""
+    parts = _scope(nodes[p]).split(".")
+    for k in range(1, len(parts) + 1):
+        name = ".".join(parts[:k])
+        if name and _resolve(nodes, name) == p:
+            return name
+    return nodes[p].name
+
+
+def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
+                 n_stages: int | None = None, costs: dict[str, float] | None = None,
+                 example_inputs: Any = None) -> StageSplit:
+    """Assign the traced model's nodes to stages (module docstring). ``costs``: op name ->
+    cost for the balancing (default: traced FLOPs, which need ``example_inputs``)."""
+    gm = trace_model(model)
+    nodes = _compute_nodes(gm)
+    stage_costs: list[float] = []
+    if cuts:
+        positions = []
+        for c in cuts:
+            hit = _resolve(nodes, c)
+            if hit is None:
+                scopes = sorted({_scope(n) for n in nodes if n.op == "call_module"})
+                raise QsyncInputError(f"cuts: {c!r} names no op or block of the traced model "
+                                      f"(ops: {', '.join(scopes[:6])}, ...)")
+            if hit == 0:
+                raise QsyncInputError(f"cuts: {c!r} is the model's first op; a cut starts a "
+                                      "later stage")
+            positions.append(hit)
+        if positions != sorted(positions) or len(set(positions)) != len(positions):
+            raise QsyncInputError(f"cuts: expected distinct cuts in forward order, got "
+                                  f"{', '.join(cuts)}")
+        if n_stages is not None and n_stages != len(cuts) + 1:
+            raise QsyncInputError(f"stages: {n_stages} stages need {n_stages - 1} cuts, got "
+                                  f"{len(cuts)}")
+        cut_names = list(cuts)
+    else:
+        if n_stages is None or n_stages < 1:
+            raise QsyncInputError(f"stages: expected >= 1, got {n_stages}")
+        if n_stages == 1:
+            positions = []
+        else:
+            if costs is None:
+                if example_inputs is None:
+                    raise QsyncInputError("stages: balancing needs per-op costs or example "
+                                          "inputs to trace them")
+                costs = _default_costs(model, example_inputs)
+            positions, stage_costs = _balanced_cuts(nodes, n_stages, costs)
+        cut_names = [_cut_name(nodes, p) for p in positions]
+    stage_of: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        stage_of[n.name] = sum(1 for p in positions if p <= i)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            stage_of[n.name] = 0
+        elif n.op == "get_attr":
+            users = [stage_of.get(u.name, 0) for u in n.users]
+            stage_of[n.name] = min(users) if users else 0
+    return StageSplit(gm, stage_of, cut_names, len(positions) + 1, stage_costs)
+
+
+class _BoundaryFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, b: Boundary, slot: int, idx: Tensor | None) -> Tensor:
+        ctx.b, ctx.slot = b, slot
+        return b.send_activation(x, slot, idx)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
+        return ctx.b.send_gradient(g, ctx.slot), None, None, None
+
+
+class Boundary:
+    """One tensor crossing from stage ``src`` to stage ``dst`` (module docstring)."""
+
+    def __init__(self, name: str, src: int, dst: int, act: tuple[Codec, Codec],
+                 grad: tuple[Codec, Codec], act_comp: Compressor) -> None:
+        self.name, self.src, self.dst = name, src, dst
+        self.act_send, self.act_recv = act
+        self.grad_send, self.grad_recv = grad
+        self.act_comp = act_comp  # the compressor alone, for eval
+        self.act_bytes = 0
+        self.grad_bytes = 0
+        self.act_raw = 0
+        self.grad_raw = 0
+        self.compress_at_eval = False
+        self.training = True
+
+    def send_activation(self, x: Tensor, slot: int, idx: Tensor | None) -> Tensor:
+        if not self.training:
+            if not self.compress_at_eval:
+                return x
+            p = self.act_comp.compress(x)
+            return self.act_comp.decompress(p)
+        p = self.act_send.encode(x, idx, slot)
+        self.act_bytes += p.nbytes
+        self.act_raw += x.numel() * x.element_size()
+        y = self.act_recv.decode(p, idx, slot)
+        return y.clone() if y is x else y
+
+    def send_gradient(self, g: Tensor, slot: int) -> Tensor:
+        p = self.grad_send.encode(g, None, slot)
+        self.grad_bytes += p.nbytes
+        self.grad_raw += g.numel() * g.element_size()
+        y = self.grad_recv.decode(p, None, slot)
+        return y.clone() if y is g else y
+
+    def __call__(self, x: Any, slot: int, idx: Tensor | None) -> Any:
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            return x  # integer tensors and Python values cross as they are
+        if self.training and x.requires_grad:
+            return _BoundaryFn.apply(x, self, slot, idx)
+        if self.training:
+            return self.send_activation(x, slot, idx)
+        with torch.no_grad():
+            return self.send_activation(x, slot, idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: c.state_dict() for k, c in (("act_send", self.act_send),
+                                                ("act_recv", self.act_recv),
+                                                ("grad_send", self.grad_send),
+                                                ("grad_recv", self.grad_recv))} | {
+            "bytes": [self.act_bytes, self.grad_bytes, self.act_raw, self.grad_raw],
+            "act_comp": self.act_comp.state_dict()}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        for k in ("act_send", "act_recv", "grad_send", "grad_recv"):
+            getattr(self, k).load_state_dict(s[k])
+        self.act_bytes, self.grad_bytes, self.act_raw, self.grad_raw = s["bytes"]
+        self.act_comp.load_state_dict(s["act_comp"])
+
+
+CompressorFactory = Callable[[], Compressor]
+
+
+class Pipeline(nn.Module):
+    """The stages of a :class:`StageSplit` and the boundaries between them, in one process.
+
+    ``act`` / ``grad``: factories of the activation and gradient compressors (one fresh
+    compressor per codec, so no state is shared by accident); ``feedback``: ``none``,
+    ``ef``, ``ef21`` or ``aqsgd`` (AQ-SGD wraps the activations only -- it is defined on a
+    sample's activation across visits -- and the gradients go through the compressor with
+    no feedback; it needs ``n_samples``)."""
+
+    def __init__(self, split: StageSplit, *, act: CompressorFactory = Identity,
+                 grad: CompressorFactory = Identity, feedback: str = "none",
+                 n_samples: int | None = None) -> None:
+        super().__init__()
+        from torch.fx.passes.split_module import split_module
+
+        gm = split.gm
+        qualnames: dict[str, str] = {}
+        top = split_module(gm, gm, lambda n: split.stage_of[n.name], qualname_map=qualnames,
+                           keep_original_order=True)
+        self._consts: dict[str, Tensor] = {}
+        for n in top.graph.nodes:
+            if n.op == "get_attr":  # a buffer read outside every stage: a constant input
+                value = operator.attrgetter(str(n.target))(top)
+                if isinstance(value, nn.Parameter) and value.requires_grad:
+                    raise QsyncInputError(f"stages: parameter {n.target!r} is read outside "
+                                          "every stage; cut elsewhere")
+                self._consts[n.name] = value.detach().clone()
+        originals = [getattr(top, f"submod_{k}") for k in range(split.n_stages)
+                     if hasattr(top, f"submod_{k}")]
+        if len(originals) != split.n_stages:
+            raise QsyncInputError(f"stages: {split.n_stages} asked, {len(originals)} non-empty")
+        holders: dict[int, list[tuple[int, str]]] = {}
+        for k, m in enumerate(originals):
+            for name, p in m.named_parameters(remove_duplicate=False):
+                holders.setdefault(id(p), []).append((k, name))
+        self.stages = nn.ModuleList([copy.deepcopy(m) for m in originals])
+        #: per stage, its parameters' names in the original model
+        self.original_names: list[dict[str, str]] = []
+        for k, m in enumerate(self.stages):
+            names = {}
+            for name, _ in m.named_parameters(remove_duplicate=False):
+                head, _, leaf = name.rpartition(".")
+                orig = qualnames.get(f"submod_{k}.{head}", head.replace("_", "."))
+                names[name] = f"{orig}.{leaf}" if orig else leaf
+            self.original_names.append(names)
+        #: parameters held by more than one stage: [(stage, name), ...] per tie
+        self.ties = [h for h in holders.values() if len({k for k, _ in h}) > 1]
+        self.split = split
+        self.feedback = feedback
+        self._plan = self._schedule(top)
+        self.boundaries: dict[str, Boundary] = {}
+        for name, src, dst in self._crossings():
+            act_fb = feedback
+            grad_fb = "none" if feedback == "aqsgd" else feedback
+            self.boundaries[name] = Boundary(
+                name, src, dst,
+                (make_codec(act(), act_fb, n_samples=n_samples),
+                 make_codec(act(), act_fb, n_samples=n_samples)),
+                (make_codec(grad(), grad_fb), make_codec(grad(), grad_fb)), act())
+        self.micro_losses: list[float] = []
+
+    @staticmethod
+    def _schedule(top: fx.GraphModule) -> list[fx.Node]:
+        return list(top.graph.nodes)
+
+    def _producer(self, node: fx.Node) -> int | None:
+        """The stage whose output ``node`` is (through getitem), None for an input."""
+        while node.op == "call_function" and node.target is operator.getitem:
+            node = node.args[0]  # type: ignore[assignment]
+        if node.op == "call_module":
+            return int(str(node.target).removeprefix("submod_"))
+        return None
+
+    def _crossings(self) -> list[tuple[str, int, int]]:
+        out = []
+        for n in self._plan:
+            if n.op != "call_module":
+                continue
+            dst = int(str(n.target).removeprefix("submod_"))
+            for a in n.all_input_nodes:
+                src = self._producer(a)
+                if src is not None and src != dst:
+                    out.append((f"{a.name}->{dst}", src, dst))
+        return out
+
+    def set_compress_at_eval(self, on: bool) -> None:
+        for b in self.boundaries.values():
+            b.compress_at_eval = on
+
+    def train(self, mode: bool = True) -> Pipeline:
+        super().train(mode)
+        for b in getattr(self, "boundaries", {}).values():
+            b.training = mode
+        return self
+
+    def run(self, inputs: Sequence[Any], slot: int = 0, idx: Tensor | None = None) -> Any:
+        """One micro-batch through every stage, boundaries applied."""
+        env: dict[str, Any] = {}
+        it = iter(inputs)
+        result: Any = None
+        for n in self._plan:
+            if n.op == "placeholder":
+                env[n.name] = next(it)
+            elif n.op == "call_module":
+                k = int(str(n.target).removeprefix("submod_"))
+                args = []
+                for a in n.args:
+                    v = env[a.name] if isinstance(a, fx.Node) else a
+                    if isinstance(a, fx.Node):
+                        src = self._producer(a)
+                        if src is not None and src != k:
+                            v = self.boundaries[f"{a.name}->{k}"](v, slot, idx)
+                    args.append(v)
+                env[n.name] = self.stages[k](*args)
+            elif n.op == "call_function" and n.target is operator.getitem:
+                env[n.name] = env[n.args[0].name][n.args[1]]  # type: ignore[union-attr,index]
+            elif n.op == "get_attr":
+                env[n.name] = self._consts[n.name]
+            elif n.op == "output":
+                result = fx.node.map_arg(n.args[0], lambda a: env[a.name])
+            else:  # pragma: no cover - split_module's top graph has only these
+                raise RuntimeError(f"unexpected node {n.op} in the pipeline's top graph")
+        return result
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.run(inputs)
+
+    def sync_tied_grads(self) -> None:
+        """Sum each tied parameter's gradient over the stages that hold it."""
+        for tie in self.ties:
+            params = [self.stages[k].get_parameter(name) for k, name in tie]
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total += g
+            for p in params:
+                p.grad = total.clone()
+
+    def train_step(self, loss_of: Callable[[Any, Sequence[Any], Tensor], Tensor],
+                   inputs: Sequence[Tensor], targets: Tensor, *, micro_batches: int = 1,
+                   idx: Tensor | None = None) -> float:
+        """Forward and backward of one batch in ``micro_batches`` (GPipe); the gradients
+        are left in the stages' parameters, tied ones summed. Returns the batch's loss."""
+        b = int(targets.shape[0])
+        if not 1 <= micro_batches <= b:
+            raise QsyncInputError(f"micro-batches: expected 1 to the batch ({b}), got "
+                                  f"{micro_batches}")
+        parts = [torch.tensor_split(t, micro_batches) for t in inputs]
+        tparts = torch.tensor_split(targets, micro_batches)
+        iparts = torch.tensor_split(idx, micro_batches) if idx is not None else None
+        losses = []
+        for m in range(micro_batches):
+            mb_in = [p[m] for p in parts]
+            out = self.run(mb_in, m, iparts[m] if iparts is not None else None)
+            share = tparts[m].shape[0] / b
+            losses.append(loss_of(out, mb_in, tparts[m]) * share)
+        for m in reversed(range(micro_batches)):
+            losses[m].backward()
+        self.sync_tied_grads()
+        self.micro_losses = [float(x.detach()) for x in losses]
+        return float(sum(x.detach() for x in losses))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs of the pipeline: the stages' parameters and
+        buffers and every boundary's codec state (feedback buffers, RNGs, byte counters)."""
+        return {"stages": self.stages.state_dict(), "codecs": self.codec_state()}
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        self.stages.load_state_dict(state["stages"])
+        self.load_codec_state(state["codecs"])
+
+    def codec_state(self) -> dict[str, Any]:
+        return {name: b.state_dict() for name, b in self.boundaries.items()}
+
+    def load_codec_state(self, state: dict[str, Any]) -> None:
+        if set(state) != set(self.boundaries):
+            raise QsyncInputError("checkpoint: its boundaries are not this pipeline's")
+        for name, s in state.items():
+            self.boundaries[name].load_state_dict(s)
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """Activation and gradient bytes sent so far, over every boundary."""
+        return (sum(b.act_bytes for b in self.boundaries.values()),
+                sum(b.grad_bytes for b in self.boundaries.values()))

@@ -1,0 +1,204 @@
+"""Stages, compressed boundaries and the single-process GPipe schedule (issue 21, part A)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+from qsync_opt.models import get_workload
+
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.runtime.compress import Identity, Plain, Quant, TopK
+from qsync_opt.runtime.data import IndexedBatches
+from qsync_opt.runtime.pipeline import Boundary, Pipeline, split_stages
+
+
+def _model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return get_workload(name).build()
+
+
+def _grads_match(pipe: Pipeline, ref: torch.nn.Module, atol: float = 0.0) -> int:
+    rg = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    count = 0
+    for k, st in enumerate(pipe.stages):
+        for n, p in st.named_parameters(remove_duplicate=False):
+            g = rg[pipe.original_names[k][n]]
+            assert torch.allclose(p.grad, g, atol=atol, rtol=0), n
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize(("name", "cuts", "stages"), [
+    ("digits_cnn", ["fc1"], None), ("digits_cnn", None, 3),
+    ("tiny_gpt", ["transformer.h.2"], None), ("tiny_gpt", None, 3),
+    ("digits_resnet", None, 3)])
+def test_identity_boundaries_reproduce_the_model_bit_for_bit(name, cuts, stages):
+    wl = get_workload(name)
+    model = _model(name)
+    x, y, idx = IndexedBatches(wl, 0, 8).batch(0)
+    pipe = Pipeline(split_stages(model, cuts=cuts, n_stages=stages, example_inputs=x))
+    assert len(pipe.stages) == (stages or len(cuts) + 1)
+    ref = copy.deepcopy(model)
+    ref_loss = wl.loss_of(ref(*x), x, y)
+    ref_loss.backward()
+    loss = pipe.train_step(wl.loss_of, x, y)
+    assert loss == float(ref_loss.detach())
+    assert _grads_match(pipe, ref) == len(list(ref.named_parameters(remove_duplicate=False)))
+    pipe.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(pipe(*x), ref(*x))
+
+
+def test_tied_weights_are_held_by_both_stages_and_their_gradient_summed():
+    wl = get_workload("tiny_gpt")
+    model = _model("tiny_gpt")
+    pipe = Pipeline(split_stages(model, cuts=["transformer.h.1", "transformer.h.3"]))
+    assert len(pipe.ties) == 1
+    (k0, n0), (k1, n1) = pipe.ties[0]
+    assert {pipe.original_names[k0][n0], pipe.original_names[k1][n1]} == {
+        "transformer.wte.weight", "lm_head.weight"}
+    w0, w1 = pipe.stages[k0].get_parameter(n0), pipe.stages[k1].get_parameter(n1)
+    assert w0 is not w1 and torch.equal(w0, w1)  # two copies, as two processes hold them
+    x, y, _ = IndexedBatches(wl, 0, 4).batch(0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        pipe.train_step(wl.loss_of, x, y)
+        opt.step()
+    assert torch.equal(w0, w1)  # the summed gradient keeps the copies identical
+
+
+def test_micro_batches_give_the_whole_batch_gradient():
+    wl = get_workload("tiny_gpt")  # no BatchNorm: micro-batches change nothing but sums
+    model = _model("tiny_gpt").double()
+    x, y, _ = IndexedBatches(wl, 1, 8).batch(0)
+    ref = copy.deepcopy(model)
+    wl.loss_of(ref(*x), x, y).backward()
+    pipe = Pipeline(split_stages(model, n_stages=2, example_inputs=x))
+    pipe.train_step(wl.loss_of, x, y, micro_batches=4)
+    _grads_match(pipe, ref, atol=1e-12)
+    a, g = pipe.wire_bytes()
+    assert a == g == 8 * 128 * 128 * 8  # the residual stream, float64, once each way
+
+
+def test_the_boundary_passes_gradcheck_in_float64():
+    b = Boundary("t", 0, 1, (Plain(Identity()), Plain(Identity())),
+                 (Plain(Identity()), Plain(Identity())), Identity())
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: b(t * t, 0, None), (x,))
+
+
+def test_a_compressed_boundary_compresses_both_ways_and_counts_exact_bytes():
+    wl = get_workload("digits_cnn")
+    model = _model("digits_cnn")
+    x, y, _ = IndexedBatches(wl, 0, 16).batch(0)
+    pipe = Pipeline(split_stages(model, cuts=["fc1"]), act=functools.partial(TopK, 0.1),
+                    grad=functools.partial(Quant, 4))
+    pipe.train_step(wl.loss_of, x, y, micro_batches=2)
+    n = 8 * 1024  # one micro-batch's flattened activation: 8 x 1024 floats
+    a, g = pipe.wire_bytes()
+    assert a == 2 * TopK(0.1).wire_bytes(n, 4)
+    assert g == 2 * Quant(4).wire_bytes(n, 4)
+    # the gradient that reached stage 0 is not the exact one
+    ref = copy.deepcopy(model)
+    wl.loss_of(ref(*x), x, y).backward()
+    with pytest.raises(AssertionError):
+        _grads_match(pipe, ref, atol=1e-6)
+
+
+def test_compress_at_eval_switch():
+    wl = get_workload("digits_cnn")
+    model = _model("digits_cnn")
+    x, _, _ = IndexedBatches(wl, 0, 16).batch(0)
+    pipe = Pipeline(split_stages(model, cuts=["fc1"]), act=functools.partial(TopK, 0.05))
+    pipe.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(pipe(*x), model(*x))
+        pipe.set_compress_at_eval(True)
+        assert not torch.allclose(pipe(*x), model(*x))
+    assert pipe.wire_bytes() == (0, 0)  # evaluation is not training traffic
+
+
+@pytest.mark.parametrize("feedback", ["ef", "ef21", "aqsgd"])
+def test_checkpoint_and_resume_reproduce_the_run(feedback):
+    wl = get_workload("digits_cnn")
+    data = IndexedBatches(wl, 0, 16)
+
+    def build() -> tuple[Pipeline, torch.optim.Optimizer]:
+        model = _model("digits_cnn", seed=5)
+        pipe = Pipeline(split_stages(model, cuts=["conv2", "fc1"]),
+                        act=functools.partial(TopK, 0.1),
+                        grad=functools.partial(Quant, 4, stochastic=True, seed=2),
+                        feedback=feedback, n_samples=data.n_samples)
+        return pipe, torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+
+    def steps(pipe: Pipeline, opt: torch.optim.Optimizer, lo: int, hi: int) -> None:
+        for s in range(lo, hi):
+            x, y, idx = data.batch(s % 3)  # samples revisited, so AQ-SGD's buffers matter
+            opt.zero_grad()
+            pipe.train_step(wl.loss_of, x, y, micro_batches=2, idx=idx)
+            opt.step()
+
+    straight, opt = build()
+    steps(straight, opt, 0, 6)
+    first, opt1 = build()
+    steps(first, opt1, 0, 3)
+    buf = io.BytesIO()
+    torch.save({"pipe": first.full_state_dict(), "opt": opt1.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    resumed, opt2 = build()
+    resumed.load_full_state_dict(state["pipe"])
+    opt2.load_state_dict(state["opt"])
+    steps(resumed, opt2, 3, 6)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert straight.wire_bytes() == resumed.wire_bytes()
+
+
+def test_aqsgd_through_the_pipeline_needs_the_sample_indices():
+    wl = get_workload("digits_cnn")
+    data = IndexedBatches(wl, 0, 8)
+    x, y, idx = data.batch(0)
+    pipe = Pipeline(split_stages(_model("digits_cnn"), cuts=["fc1"]),
+                    act=functools.partial(TopK, 0.1), feedback="aqsgd",
+                    n_samples=data.n_samples)
+    with pytest.raises(QsyncInputError, match="index"):
+        pipe.train_step(wl.loss_of, x, y)
+    pipe.train_step(wl.loss_of, x, y, idx=idx)
+    b = next(iter(pipe.boundaries.values()))
+    assert b.act_bytes == 8 * 1024 * 4 + TopK(0.1).wire_bytes(0, 4)  # first visit: whole
+
+
+def test_fixed_windows_give_a_sample_the_same_tokens_at_every_visit():
+    wl = get_workload("tiny_gpt")
+    data = IndexedBatches(wl, 0, 4)
+    seen: dict[int, torch.Tensor] = {}
+    for s in range(40):
+        (x,), y, idx = data.batch(s)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row, i in zip(x, idx.tolist(), strict=True):
+            if i in seen:
+                assert torch.equal(seen[i], row)
+            seen[i] = row
+    assert x.shape == (4, 128)
+
+
+@pytest.mark.parametrize(("cuts", "match"), [(["nonsense"], "names no op"),
+                                             (["fc1", "conv2"], "forward order"),
+                                             (["conv1"], "first op")])
+def test_bad_cuts_are_refused_by_name(cuts, match):
+    with pytest.raises(QsyncInputError, match=match):
+        split_stages(_model("digits_cnn"), cuts=cuts)
+
+
+def test_balancing_refuses_more_stages_than_cut_points():
+    x = torch.zeros(2, 1, 8, 8)
+    with pytest.raises(QsyncInputError, match="stages"):
+        split_stages(_model("digits_cnn"), n_stages=40, example_inputs=x)
