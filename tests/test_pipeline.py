@@ -202,3 +202,31 @@ def test_balancing_refuses_more_stages_than_cut_points():
     x = torch.zeros(2, 1, 8, 8)
     with pytest.raises(QsyncInputError, match="stages"):
         split_stages(_model("digits_cnn"), n_stages=40, example_inputs=x)
+
+
+def _bench_compression():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compression.py"
+    spec = importlib.util.spec_from_file_location("qsync_bench_compression", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["qsync_bench_compression"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compression_study_runs_and_counts_bytes_by_formula():
+    bench = _bench_compression()
+    report = bench.aqsgd_report("digits_cnn", 2)
+    assert "1438 training samples" in report and "MiB" in report
+    base = bench.train_one("digits_cnn", 2, bench.Config("none", "both", "none"), 0, micro=2,
+                           steps=3)
+    q = bench.train_one("digits_cnn", 2, bench.Config("quant:4", "grad", "none"), 0, micro=2,
+                        steps=3)
+    assert base["eval_plain"] == base["eval_compressed"]
+    assert q["act_bytes_per_step"] == base["act_bytes_per_step"]  # activations untouched
+    per_mb = base["act_bytes_per_step"] / 2 / 4  # elements of one micro-batch's activation
+    assert q["grad_bytes_per_step"] == 2 * Quant(4).wire_bytes(int(per_mb), 4)

@@ -248,6 +248,7 @@ class Boundary:
         self.grad_raw = 0
         self.compress_at_eval = False
         self.training = True
+        self.last_shape: tuple[int, ...] | None = None  # of the last tensor that crossed
 
     def send_activation(self, x: Tensor, slot: int, idx: Tensor | None) -> Tensor:
         if not self.training:
@@ -271,6 +272,7 @@ class Boundary:
     def __call__(self, x: Any, slot: int, idx: Tensor | None) -> Any:
         if not isinstance(x, Tensor) or not x.is_floating_point():
             return x  # integer tensors and Python values cross as they are
+        self.last_shape = tuple(x.shape)
         if self.training and x.requires_grad:
             return _BoundaryFn.apply(x, self, slot, idx)
         if self.training:
@@ -477,6 +479,12 @@ class Pipeline(nn.Module):
             raise QsyncInputError("checkpoint: its boundaries are not this pipeline's")
         for name, s in state.items():
             self.boundaries[name].load_state_dict(s)
+
+    def boundary_sample_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per boundary, one sample's shape of the last tensor that crossed (run a forward
+        first): what AQ-SGD's per-sample buffers hold, known before any is allocated."""
+        return {k: b.last_shape[1:] for k, b in self.boundaries.items()
+                if b.last_shape is not None}
 
     def wire_bytes(self) -> tuple[int, int]:
         """Activation and gradient bytes sent so far, over every boundary."""

@@ -1,0 +1,221 @@
+"""Compressed activations and gradients between pipeline stages: what training loses, and
+how many bytes cross (issue 21; the single-process study of part A).
+
+Each configuration trains the model cut into ``--stages`` stages (cuts balanced from the
+traced FLOPs over the fewest-crossing points, runtime.pipeline.split_stages) in one
+process, GPipe with ``--micro-batches`` micro-batches, every op at fp32, for each seed
+(same seed: same initial weights, same batches in every configuration). The batches carry
+their sample indices (runtime.data.IndexedBatches; tiny_gpt in fixed windows), which AQ-SGD
+needs. A configuration is a compressor (``topk:F``, ``quant:B``), where it applies
+(activations, gradients, or both; the other direction uncompressed) and a feedback
+(``none``, ``ef``, ``ef21``, ``aqsgd``; AQ-SGD wraps the activations only).
+
+Per configuration and seed: the held-out loss after training, evaluated twice -- without
+compression at inference and with it (``compress_at_eval``: the activation compressor
+alone) -- and the bytes that crossed the boundaries per training step (activations and
+gradients, every micro-batch, exact wire bytes; AQ-SGD's first visits send samples whole).
+Against the uncompressed run (identity boundaries), paired per seed: mean difference and
+its 95% Student t interval; "within noise" when the interval holds 0. Quality is
+load-independent (fixed seeds, one torch thread); the wall time printed is not a result.
+
+The step time at 1 and 10 Gb/s is part B (the replayer's pipeline model) and is not
+printed here.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compression.py --models digits_cnn --stages 2,3 --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qsync_opt.models import get_workload  # noqa: E402
+
+from qsync_opt.runtime.compress import Identity, aqsgd_bytes, parse_compressor  # noqa: E402
+from qsync_opt.runtime.data import IndexedBatches  # noqa: E402
+from qsync_opt.runtime.pipeline import Pipeline, split_stages  # noqa: E402
+
+RECIPES = {  # steps, batch, optimizer, lr, held-out batches
+    "digits_cnn": (150, 32, "sgd", 0.05, 6),
+    "digits_resnet": (150, 32, "sgd", 0.02, 6),
+    "tiny_gpt": (120, 16, "adam", 1e-3, 8),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    comp: str  # compressor text, "none" for the uncompressed run
+    where: str  # act, grad, both
+    feedback: str
+
+    @property
+    def label(self) -> str:
+        if self.comp == "none":
+            return "uncompressed"
+        return f"{self.comp} {self.where} {self.feedback}"
+
+
+def configs(full: bool) -> list[Config]:
+    out = [Config("none", "both", "none")]
+    comps = ["topk:0.3", "topk:0.1", "topk:0.05", "topk:0.01", "quant:8", "quant:4", "quant:2"]
+    for c in comps:
+        out.append(Config(c, "both", "none"))
+    for c in ("topk:0.1", "quant:2") if not full else comps:
+        out += [Config(c, "act", "none"), Config(c, "grad", "none")]
+    for c in ("topk:0.3", "topk:0.1", "topk:0.01", "quant:2") if not full else comps:
+        for fb in ("ef", "ef21"):
+            out.append(Config(c, "both", fb))
+        out.append(Config(c, "act", "aqsgd"))
+    return out
+
+
+def train_one(model_name: str, stages: int, cfg: Config, seed: int, *, micro: int,
+              steps: int | None = None) -> dict[str, Any]:
+    wl = get_workload(model_name)
+    r_steps, batch, opt_name, lr, n_eval = RECIPES[model_name]
+    steps = steps or r_steps
+    data = IndexedBatches(wl, seed, batch)
+    torch.manual_seed(seed)
+    model = wl.build()
+    x0, _, _ = data.batch(0)
+    split = split_stages(model, n_stages=stages, example_inputs=x0)
+    comp = functools.partial(parse_compressor, cfg.comp, seed=seed)
+    act = comp if cfg.where in ("act", "both") else Identity
+    grad = comp if cfg.where in ("grad", "both") else Identity
+    pipe = Pipeline(split, act=act, grad=grad, feedback=cfg.feedback,
+                    n_samples=data.n_samples)
+    params = list(pipe.parameters())
+    opt: torch.optim.Optimizer = (torch.optim.SGD(params, lr=lr, momentum=0.9)
+                                  if opt_name == "sgd" else torch.optim.Adam(params, lr=lr))
+    t0 = time.perf_counter()
+    losses = []
+    for s in range(steps):
+        x, y, idx = data.batch(s)
+        opt.zero_grad(set_to_none=True)
+        losses.append(pipe.train_step(wl.loss_of, x, y, micro_batches=micro, idx=idx))
+        opt.step()
+    train_s = time.perf_counter() - t0
+    a_bytes, g_bytes = pipe.wire_bytes()
+    raw = sum(b.act_raw + b.grad_raw for b in pipe.boundaries.values())
+    pipe.eval()
+    evals = {}
+    for on in (False, True):
+        pipe.set_compress_at_eval(on)
+        tot, cnt = 0.0, 0
+        with torch.no_grad():
+            for xe, ye in data.eval_batches(n_eval):
+                tot += float(wl.loss_of(pipe(*xe), xe, ye)) * int(ye.shape[0])
+                cnt += int(ye.shape[0])
+        evals["eval_compressed" if on else "eval_plain"] = tot / cnt
+    aq = 0
+    if cfg.feedback == "aqsgd":
+        aq = sum(aqsgd_bytes(data.n_samples, math.prod(b.act_send.buf.shape[1:]))
+                 for b in pipe.boundaries.values()
+                 if getattr(b.act_send, "buf", None) is not None)
+    return {"model": model_name, "stages": stages, "config": cfg.label, "seed": seed,
+            "cuts": split.cuts, "final_train_loss": losses[-1], **evals,
+            "act_bytes_per_step": a_bytes / steps, "grad_bytes_per_step": g_bytes / steps,
+            "raw_bytes_per_step": raw / steps, "aqsgd_buffer_bytes": aq, "train_s": train_s}
+
+
+def ci(xs: list[float]) -> tuple[float, float]:
+    from scipy.stats import t as student_t
+
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    return m, float(student_t.ppf(0.975, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def paired(xs: list[float], ref: list[float]) -> str:
+    m, h = ci([a - b for a, b in zip(xs, ref, strict=True)])
+    verdict = "within noise" if abs(m) <= h else ("worse" if m > 0 else "better")
+    return f"{m:+.4f} +- {h:.4f} {verdict}"
+
+
+def aqsgd_report(model_name: str, stages: int) -> str:
+    """AQ-SGD's buffers for this workload and cut, said before any is allocated."""
+    wl = get_workload(model_name)
+    data = IndexedBatches(wl, 0, 2)
+    torch.manual_seed(0)
+    model = wl.build()
+    x, _, _ = data.batch(0)
+    pipe = Pipeline(split_stages(model, n_stages=stages, example_inputs=x))
+    pipe.eval()
+    with torch.no_grad():
+        pipe(*x)
+    shapes = pipe.boundary_sample_shapes()
+    total = sum(aqsgd_bytes(data.n_samples, math.prod(s)) for s in shapes.values())
+    per = ", ".join(f"{k} {tuple(s)}" for k, s in shapes.items())
+    return (f"AQ-SGD buffers for {model_name} in {stages} stages: {data.n_samples} training "
+            f"samples x ({per}) x 4 bytes x 2 sides = {total / 2**20:.1f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="digits_cnn,tiny_gpt")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="default: per model")
+    ap.add_argument("--full", action="store_true",
+                    help="every compressor in every direction and feedback (many runs)")
+    ap.add_argument("--dump", default=None, help="every run's result as JSON lines")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dump = Path(args.dump).open("a") if args.dump else None
+    for model_name in args.models.split(","):
+        for stages in (int(s) for s in args.stages.split(",")):
+            print(aqsgd_report(model_name, stages), flush=True)
+            rows: dict[str, list[dict[str, Any]]] = {}
+            t0 = time.perf_counter()
+            for cfg in configs(args.full):
+                for seed in range(args.seeds):
+                    r = train_one(model_name, stages, cfg, seed, micro=args.micro_batches,
+                                  steps=args.steps)
+                    rows.setdefault(cfg.label, []).append(r)
+                    if dump:
+                        dump.write(json.dumps(r) + "\n")
+                        dump.flush()
+            ref = rows["uncompressed"]
+            r0 = ref[0]
+            steps, batch, _, _, _ = RECIPES[model_name]
+            print(f"\n{model_name}, {stages} stages (cuts {', '.join(r0['cuts'])}), "
+                  f"{args.steps or steps} steps of {batch} in {args.micro_batches} micro-batches, "
+                  f"{args.seeds} seeds; held-out loss, and paired against uncompressed "
+                  f"[{time.perf_counter() - t0:.0f} s]")
+            print(f"  {'configuration':28s} {'eval, plain':>16s} {'eval, compressed':>17s}  "
+                  f"{'plain - uncompressed':>28s}  {'compressed - uncompressed':>28s} "
+                  f"{'MiB/step':>9s} {'of raw':>7s}")
+            base = [r["eval_plain"] for r in ref]
+            for label, rs in rows.items():
+                p = [r["eval_plain"] for r in rs]
+                c = [r["eval_compressed"] for r in rs]
+                mp, hp = ci(p)
+                mc, hc = ci(c)
+                mib = statistics.fmean(r["act_bytes_per_step"] + r["grad_bytes_per_step"]
+                                       for r in rs) / 2**20
+                frac = statistics.fmean((r["act_bytes_per_step"] + r["grad_bytes_per_step"])
+                                        / r["raw_bytes_per_step"] for r in rs)
+                print(f"  {label:28s} {mp:8.4f} +-{hp:6.4f} {mc:9.4f} +-{hc:6.4f}  "
+                      f"{paired(p, base) if rs is not ref else '':>28s}  "
+                      f"{paired(c, base) if rs is not ref else '':>28s} {mib:9.3f} {frac:7.3f}",
+                      flush=True)
+    if dump:
+        dump.close()
+
+
+if __name__ == "__main__":
+    main()
