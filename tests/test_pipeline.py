@@ -230,3 +230,18 @@ def test_the_compression_study_runs_and_counts_bytes_by_formula():
     assert q["act_bytes_per_step"] == base["act_bytes_per_step"]  # activations untouched
     per_mb = base["act_bytes_per_step"] / 2 / 4  # elements of one micro-batch's activation
     assert q["grad_bytes_per_step"] == 2 * Quant(4).wire_bytes(int(per_mb), 4)
+
+
+def test_stages_balance_on_a_cost_table_too():
+    from qsync_opt import estimate, parse_shorthand, trace
+    from qsync_opt.runtime.pipeline import op_costs_from_table
+
+    graph = trace("tiny_gpt", 4)
+    table = estimate(graph, parse_shorthand("t4x1"))
+    costs = op_costs_from_table(table, "t4")
+    split = split_stages(_model("tiny_gpt"), n_stages=4, costs=costs)
+    assert len(split.costs) == 4 and sum(split.costs) == pytest.approx(
+        sum(v for k, v in costs.items() if not k.startswith("loss")), rel=1e-9)
+    assert max(split.costs) < 0.5 * sum(split.costs)
+    with pytest.raises(QsyncInputError, match="no fp32 entries"):
+        op_costs_from_table(table, "v100")

@@ -46,7 +46,8 @@ from ..errors import QsyncInputError
 from ..graph.kinds import is_leaf_module
 from .compress import Codec, Compressor, Identity, make_codec
 
-__all__ = ["Boundary", "Pipeline", "StageSplit", "split_stages", "trace_model"]
+__all__ = ["Boundary", "Pipeline", "StageSplit", "op_costs_from_table", "split_stages",
+           "trace_model"]
 
 
 class _Tracer(fx.Tracer):
@@ -106,9 +107,51 @@ def _default_costs(model: nn.Module, example: Any) -> dict[str, float]:
     return {op.name: float(op.fwd_flops + op.bwd_flops) for op in g.ops}
 
 
+def op_costs_from_table(table: Any, device: str, precision: str = "fp32") -> dict[str, float]:
+    """Per-op forward + backward ms of one device at one precision, from a
+    :class:`~qsync_opt.schemas.CostTable` (``qsync_opt.estimate`` or a profile): the costs
+    :func:`split_stages` balances instead of FLOPs."""
+    out: dict[str, float] = {}
+    for e in table.entries:
+        if e.device == device and e.precision.value == precision:
+            out[e.op] = out.get(e.op, 0.0) + e.fwd_ms + e.bwd_ms
+    if not out:
+        raise QsyncInputError(f"costs: the table has no {precision} entries for device "
+                              f"{device!r}")
+    return out
+
+
+def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
+    """Each node's cost: a module op by its qualified name; a function op by the traced
+    graph's name for it (its scope, its function's name, numbered per scope), else charged
+    to the first node of its scope."""
+    w = [0.0] * len(nodes)
+    seen: dict[tuple[str, str], int] = {}
+    first_in: dict[str, int] = {}
+    left = dict(costs)
+    for i, n in enumerate(nodes):
+        scope = _scope(n)
+        first_in.setdefault(scope, i)
+        if n.op == "call_module":
+            w[i] += left.pop(scope, 0.0)
+            continue
+        base = getattr(n.target, "__name__", str(n.target))
+        k = seen.get((scope, base), 0)
+        seen[(scope, base)] = k + 1
+        name = (f"{scope}.{base}" if scope else base) + (f"_{k}" if k else "")
+        w[i] += left.pop(name, 0.0)
+    for name, c in left.items():
+        scope = name.rpartition(".")[0]
+        while scope and scope not in first_in:
+            scope = scope.rpartition(".")[0]
+        if scope in first_in:
+            w[first_in[scope]] += c
+    return w
+
+
 def _balanced_cuts(nodes: list[fx.Node], n_stages: int, costs: dict[str, float]
                    ) -> tuple[list[int], list[float]]:
-    w = [costs.get(_scope(n), 0.0) if n.op == "call_module" else 0.0 for n in nodes]
+    w = _node_costs(nodes, costs)
     starts = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])]
     cross = {i: _crossing(nodes, i) for i in starts}
     if not cross:
