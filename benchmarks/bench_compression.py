@@ -125,24 +125,37 @@ def train_one(model_name: str, stages: int, cfg: Config, seed: int, *, micro: in
                  for b in pipe.boundaries.values()
                  if getattr(b.act_send, "buf", None) is not None)
     return {"model": model_name, "stages": stages, "config": cfg.label, "seed": seed,
+            "steps": steps, "micro_batches": micro,
             "cuts": split.cuts, "final_train_loss": losses[-1], **evals,
             "act_bytes_per_step": a_bytes / steps, "grad_bytes_per_step": g_bytes / steps,
             "raw_bytes_per_step": raw / steps, "aqsgd_buffer_bytes": aq, "train_s": train_s}
 
 
 def ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the 95% Student t half-width (nan when a value is not finite or n < 2)."""
     from scipy.stats import t as student_t
 
-    m = statistics.fmean(xs)
+    if not all(math.isfinite(x) for x in xs):
+        return math.inf, math.nan
+    m = math.fsum(xs) / len(xs)
     if len(xs) < 2:
         return m, math.nan
-    return m, float(student_t.ppf(0.975, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+    sd = math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, float(student_t.ppf(0.975, len(xs) - 1)) * sd / math.sqrt(len(xs))
+
+
+def fmt(m: float, h: float) -> str:
+    if not math.isfinite(m):
+        return "not finite"
+    return f"{m:.4f} +- {h:.4f}" if abs(m) < 1e3 else f"{m:.3g} +- {h:.2g}"
 
 
 def paired(xs: list[float], ref: list[float]) -> str:
     m, h = ci([a - b for a, b in zip(xs, ref, strict=True)])
+    if not math.isfinite(m):
+        return "not finite"
     verdict = "within noise" if abs(m) <= h else ("worse" if m > 0 else "better")
-    return f"{m:+.4f} +- {h:.4f} {verdict}"
+    return ("+" if m >= 0 else "") + fmt(m, h) + " " + verdict
 
 
 def aqsgd_report(model_name: str, stages: int) -> str:
@@ -175,6 +188,12 @@ def main() -> None:
     ap.add_argument("--dump", default=None, help="every run's result as JSON lines")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    done: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if args.dump and Path(args.dump).exists():  # a study resumes: finished runs are read back
+        for line in Path(args.dump).read_text().splitlines():
+            r = json.loads(line)
+            done[(r["model"], r["stages"], r["config"], r["seed"], r.get("steps"),
+                  r.get("micro_batches"))] = r
     dump = Path(args.dump).open("a") if args.dump else None
     for model_name in args.models.split(","):
         for stages in (int(s) for s in args.stages.split(",")):
@@ -183,6 +202,11 @@ def main() -> None:
             t0 = time.perf_counter()
             for cfg in configs(args.full):
                 for seed in range(args.seeds):
+                    steps_n = args.steps or RECIPES[model_name][0]
+                    key = (model_name, stages, cfg.label, seed, steps_n, args.micro_batches)
+                    if key in done:
+                        rows.setdefault(cfg.label, []).append(done[key])
+                        continue
                     r = train_one(model_name, stages, cfg, seed, micro=args.micro_batches,
                                   steps=args.steps)
                     rows.setdefault(cfg.label, []).append(r)
@@ -196,9 +220,9 @@ def main() -> None:
                   f"{args.steps or steps} steps of {batch} in {args.micro_batches} micro-batches, "
                   f"{args.seeds} seeds; held-out loss, and paired against uncompressed "
                   f"[{time.perf_counter() - t0:.0f} s]")
-            print(f"  {'configuration':28s} {'eval, plain':>16s} {'eval, compressed':>17s}  "
-                  f"{'plain - uncompressed':>28s}  {'compressed - uncompressed':>28s} "
-                  f"{'MiB/step':>9s} {'of raw':>7s}")
+            print(f"  {'configuration':24s} {'eval, plain':>17s} {'eval, compressed':>17s}  "
+                  f"{'plain - uncompressed':>30s}  {'compressed - uncompressed':>30s} "
+                  f"{'MiB/step':>8s} {'of raw':>6s}")
             base = [r["eval_plain"] for r in ref]
             for label, rs in rows.items():
                 p = [r["eval_plain"] for r in rs]
@@ -209,9 +233,9 @@ def main() -> None:
                                        for r in rs) / 2**20
                 frac = statistics.fmean((r["act_bytes_per_step"] + r["grad_bytes_per_step"])
                                         / r["raw_bytes_per_step"] for r in rs)
-                print(f"  {label:28s} {mp:8.4f} +-{hp:6.4f} {mc:9.4f} +-{hc:6.4f}  "
-                      f"{paired(p, base) if rs is not ref else '':>28s}  "
-                      f"{paired(c, base) if rs is not ref else '':>28s} {mib:9.3f} {frac:7.3f}",
+                print(f"  {label:24s} {fmt(mp, hp):>17s} {fmt(mc, hc):>17s}  "
+                      f"{paired(p, base) if rs is not ref else '':>30s}  "
+                      f"{paired(c, base) if rs is not ref else '':>30s} {mib:8.3f} {frac:6.3f}",
                       flush=True)
     if dump:
         dump.close()
