@@ -18,8 +18,12 @@ Against the uncompressed run (identity boundaries), paired per seed: mean differ
 its 95% Student t interval; "within noise" when the interval holds 0. Quality is
 load-independent (fixed seeds, one torch thread); the wall time printed is not a result.
 
-The step time at 1 and 10 Gb/s is part B (the replayer's pipeline model) and is not
-printed here.
+Predicted step time (``replayer.pipeline.pipeline_step``, GPipe): each stage on one catalog
+``--device`` (default t4) at fp32, its forward and backward per micro-batch the catalog's
+estimate summed over the stage's ops (``runtime.pipeline.stage_costs``), each boundary's
+bytes per micro-batch as measured in the run (AQ-SGD's mean over first and later visits),
+on a 1 Gb/s and a 10 Gb/s link with 50 us latency. A prediction from the catalog, not a
+measurement on a GPU.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compression.py --models digits_cnn --stages 2,3 --seeds 3
 """
@@ -81,6 +85,29 @@ def configs(full: bool) -> list[Config]:
     return out
 
 
+@functools.cache
+def _stage_ms(model_name: str, cuts: tuple[str, ...], micro_batch: int, device: str
+              ) -> tuple[list[float], list[float]]:
+    from qsync_opt import estimate, parse_shorthand, trace
+    from qsync_opt.runtime.pipeline import op_costs_from_table, stage_costs
+
+    table = estimate(trace(model_name, micro_batch), parse_shorthand(f"{device}x1"))
+    torch.manual_seed(0)
+    split = split_stages(get_workload(model_name).build(), cuts=list(cuts))
+    return (stage_costs(split, op_costs_from_table(table, device, part="fwd")),
+            stage_costs(split, op_costs_from_table(table, device, part="bwd")))
+
+
+def predicted_step_ms(model_name: str, cuts: list[str], micro_batch: int, micro: int,
+                      act: list[float], grad: list[float], gbps: float,
+                      device: str = "t4") -> float:
+    from qsync_opt.replayer.pipeline import pipeline_step
+
+    f, b = _stage_ms(model_name, tuple(cuts), micro_batch, device)
+    return pipeline_step(f, b, act, grad, micro_batches=micro, gbps=gbps,
+                         latency_us=50.0).step_ms
+
+
 def train_one(model_name: str, stages: int, cfg: Config, seed: int, *, micro: int,
               steps: int | None = None) -> dict[str, Any]:
     wl = get_workload(model_name)
@@ -124,7 +151,13 @@ def train_one(model_name: str, stages: int, cfg: Config, seed: int, *, micro: in
         aq = sum(aqsgd_bytes(data.n_samples, math.prod(b.act_send.buf.shape[1:]))
                  for b in pipe.boundaries.values()
                  if getattr(b.act_send, "buf", None) is not None)
+    per_mb = steps * micro
+    by_src = sorted(pipe.boundaries.values(), key=lambda b: b.src)
+    act_mb = [b.act_bytes / per_mb for b in by_src]
+    grad_mb = [b.grad_bytes / per_mb for b in by_src]
     return {"model": model_name, "stages": stages, "config": cfg.label, "seed": seed,
+            "act_bytes_per_microbatch": act_mb, "grad_bytes_per_microbatch": grad_mb,
+            "batch": batch,
             "steps": steps, "micro_batches": micro,
             "cuts": split.cuts, "final_train_loss": losses[-1], **evals,
             "act_bytes_per_step": a_bytes / steps, "grad_bytes_per_step": g_bytes / steps,
@@ -222,8 +255,28 @@ def main() -> None:
                   f"[{time.perf_counter() - t0:.0f} s]")
             print(f"  {'configuration':24s} {'eval, plain':>17s} {'eval, compressed':>17s}  "
                   f"{'plain - uncompressed':>30s}  {'compressed - uncompressed':>30s} "
-                  f"{'MiB/step':>8s} {'of raw':>6s}")
+                  f"{'MiB/step':>8s} {'of raw':>6s} {'t4 step ms @1 / 10 Gb/s':>24s}")
             base = [r["eval_plain"] for r in ref]
+            mbatch = batch // args.micro_batches
+            predicted: dict[str, str] = {}
+            for label, rs in rows.items():
+                r = rs[0]
+                if "act_bytes_per_microbatch" not in r:  # a row from before the field
+                    if stages != 2:
+                        predicted[label] = ""
+                        continue
+                    for x in rs:  # one boundary: the step's bytes over its micro-batches
+                        x["act_bytes_per_microbatch"] = [x["act_bytes_per_step"]
+                                                         / args.micro_batches]
+                        x["grad_bytes_per_microbatch"] = [x["grad_bytes_per_step"]
+                                                          / args.micro_batches]
+                act = [statistics.fmean(x["act_bytes_per_microbatch"][i] for x in rs)
+                       for i in range(stages - 1)]
+                grad = [statistics.fmean(x["grad_bytes_per_microbatch"][i] for x in rs)
+                        for i in range(stages - 1)]
+                predicted[label] = " ".join(
+                    f"{predicted_step_ms(model_name, r['cuts'], mbatch, args.micro_batches, act, grad, g):8.2f}"
+                    for g in (1.0, 10.0))
             for label, rs in rows.items():
                 p = [r["eval_plain"] for r in rs]
                 c = [r["eval_compressed"] for r in rs]
@@ -235,7 +288,8 @@ def main() -> None:
                                         / r["raw_bytes_per_step"] for r in rs)
                 print(f"  {label:24s} {fmt(mp, hp):>17s} {fmt(mc, hc):>17s}  "
                       f"{paired(p, base) if rs is not ref else '':>30s}  "
-                      f"{paired(c, base) if rs is not ref else '':>30s} {mib:8.3f} {frac:6.3f}",
+                      f"{paired(c, base) if rs is not ref else '':>30s} {mib:8.3f} {frac:6.3f} "
+                      f"{predicted[label]:>24s}",
                       flush=True)
     if dump:
         dump.close()

@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                           "profile.builders"]),
     ("indicator, replayer", ["indicator", "replayer", "replayer.sync", "replayer.timeline",
                              "replayer.prepared", "replayer.loop", "replayer.incremental",
+                             "replayer.pipeline",
                              "plan", "synthetic", "profile_context", "profile",
                              "profile.orchestrate", "profile.command", "summaries", "",
                              "netsim.cluster"]),

@@ -247,3 +247,19 @@ def test_stages_balance_on_a_cost_table_too():
     assert max(split.costs) < 0.5 * sum(split.costs)
     with pytest.raises(QsyncInputError, match="no fp32 entries"):
         op_costs_from_table(table, "v100")
+
+
+def test_stage_costs_add_up_to_the_model_and_follow_the_cuts():
+    from qsync_opt import estimate, parse_shorthand, trace
+    from qsync_opt.runtime.pipeline import op_costs_from_table, stage_costs
+
+    table = estimate(trace("digits_cnn", 16), parse_shorthand("t4x1"))
+    fwd = op_costs_from_table(table, "t4", part="fwd")
+    bwd = op_costs_from_table(table, "t4", part="bwd")
+    both = op_costs_from_table(table, "t4")
+    split = split_stages(_model("digits_cnn"), cuts=["fc1"])
+    f, b = stage_costs(split, fwd), stage_costs(split, bwd)
+    assert [x + y for x, y in zip(f, b, strict=True)] == pytest.approx(stage_costs(split, both))
+    head = sum(fwd[k] for k in ("fc1", "relu3", "fc2"))
+    assert f[1] == pytest.approx(head)
+    assert sum(f) == pytest.approx(sum(v for k, v in fwd.items() if not k.startswith("loss")))

@@ -47,7 +47,7 @@ from ..graph.kinds import is_leaf_module
 from .compress import Codec, Compressor, Identity, make_codec
 
 __all__ = ["Boundary", "Pipeline", "StageSplit", "op_costs_from_table", "split_stages",
-           "trace_model"]
+           "stage_costs", "trace_model"]
 
 
 class _Tracer(fx.Tracer):
@@ -107,14 +107,19 @@ def _default_costs(model: nn.Module, example: Any) -> dict[str, float]:
     return {op.name: float(op.fwd_flops + op.bwd_flops) for op in g.ops}
 
 
-def op_costs_from_table(table: Any, device: str, precision: str = "fp32") -> dict[str, float]:
-    """Per-op forward + backward ms of one device at one precision, from a
-    :class:`~qsync_opt.schemas.CostTable` (``qsync_opt.estimate`` or a profile): the costs
-    :func:`split_stages` balances instead of FLOPs."""
+def op_costs_from_table(table: Any, device: str, precision: str = "fp32", *,
+                        part: str = "both") -> dict[str, float]:
+    """Per-op forward + backward ms (``part="fwd"`` or ``"bwd"``: one of them) of one
+    device at one precision, from a :class:`~qsync_opt.schemas.CostTable`
+    (``qsync_opt.estimate`` or a profile): the costs :func:`split_stages` balances instead
+    of FLOPs, and :func:`stage_costs` sums per stage."""
+    if part not in ("both", "fwd", "bwd"):
+        raise QsyncInputError(f"part: expected both, fwd or bwd, got {part!r}")
     out: dict[str, float] = {}
     for e in table.entries:
         if e.device == device and e.precision.value == precision:
-            out[e.op] = out.get(e.op, 0.0) + e.fwd_ms + e.bwd_ms
+            ms = {"both": e.fwd_ms + e.bwd_ms, "fwd": e.fwd_ms, "bwd": e.bwd_ms}[part]
+            out[e.op] = out.get(e.op, 0.0) + ms
     if not out:
         raise QsyncInputError(f"costs: the table has no {precision} entries for device "
                               f"{device!r}")
@@ -124,7 +129,8 @@ def op_costs_from_table(table: Any, device: str, precision: str = "fp32") -> dic
 def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
     """Each node's cost: a module op by its qualified name; a function op by the traced
     graph's name for it (its scope, its function's name, numbered per scope), else charged
-    to the first node of its scope."""
+    to the first node of its innermost enclosing module scope; ops of no module of the model
+    (the loss) are not charged."""
     w = [0.0] * len(nodes)
     seen: dict[tuple[str, str], int] = {}
     first_in: dict[str, int] = {}
@@ -144,7 +150,7 @@ def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
         scope = name.rpartition(".")[0]
         while scope and scope not in first_in:
             scope = scope.rpartition(".")[0]
-        if scope in first_in:
+        if scope:  # an op of no module of the model (the tracer's spliced loss) is not charged
             w[first_in[scope]] += c
     return w
 
@@ -263,6 +269,16 @@ def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
             users = [stage_of.get(u.name, 0) for u in n.users]
             stage_of[n.name] = min(users) if users else 0
     return StageSplit(gm, stage_of, cut_names, len(positions) + 1, stage_costs)
+
+
+def stage_costs(split: StageSplit, costs: dict[str, float]) -> list[float]:
+    """Each stage's share of per-op ``costs`` (op name -> cost), ops placed as the split
+    placed their nodes (ops outside the model, such as the loss, are left out)."""
+    nodes = _compute_nodes(split.gm)
+    out = [0.0] * split.n_stages
+    for n, w in zip(nodes, _node_costs(nodes, costs), strict=True):
+        out[split.stage_of[n.name]] += w
+    return out
 
 
 class _BoundaryFn(torch.autograd.Function):
