@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
-                 "runtime.commhooks", "runtime.pipeline"]),
+                 "runtime.commhooks", "runtime.pipeline", "runtime.pipedist"]),
     ("problem", ["problem", "evaluator"]),
     ("solvers", ["solvers", "solvers.base", "solvers.common", "solvers.formulation", "splits",
                  "solvers.pulp_model", "solvers.fastest", "solvers.warmstart",

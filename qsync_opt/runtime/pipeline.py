@@ -376,14 +376,14 @@ class Pipeline(nn.Module):
         qualnames: dict[str, str] = {}
         top = split_module(gm, gm, lambda n: split.stage_of[n.name], qualname_map=qualnames,
                            keep_original_order=True)
-        self._consts: dict[str, Tensor] = {}
+        self.consts: dict[str, Tensor] = {}
         for n in top.graph.nodes:
             if n.op == "get_attr":  # a buffer read outside every stage: a constant input
                 value = operator.attrgetter(str(n.target))(top)
                 if isinstance(value, nn.Parameter) and value.requires_grad:
                     raise QsyncInputError(f"stages: parameter {n.target!r} is read outside "
                                           "every stage; cut elsewhere")
-                self._consts[n.name] = value.detach().clone()
+                self.consts[n.name] = value.detach().clone()
         originals = [getattr(top, f"submod_{k}") for k in range(split.n_stages)
                      if hasattr(top, f"submod_{k}")]
         if len(originals) != split.n_stages:
@@ -406,7 +406,7 @@ class Pipeline(nn.Module):
         self.ties = [h for h in holders.values() if len({k for k, _ in h}) > 1]
         self.split = split
         self.feedback = feedback
-        self._plan = self._schedule(top)
+        self.plan_nodes = self._schedule(top)
         self.boundaries: dict[str, Boundary] = {}
         for name, src, dst in self._crossings():
             act_fb = feedback
@@ -422,7 +422,7 @@ class Pipeline(nn.Module):
     def _schedule(top: fx.GraphModule) -> list[fx.Node]:
         return list(top.graph.nodes)
 
-    def _producer(self, node: fx.Node) -> int | None:
+    def producer(self, node: fx.Node) -> int | None:
         """The stage whose output ``node`` is (through getitem), None for an input."""
         while node.op == "call_function" and node.target is operator.getitem:
             node = node.args[0]  # type: ignore[assignment]
@@ -432,12 +432,12 @@ class Pipeline(nn.Module):
 
     def _crossings(self) -> list[tuple[str, int, int]]:
         out = []
-        for n in self._plan:
+        for n in self.plan_nodes:
             if n.op != "call_module":
                 continue
             dst = int(str(n.target).removeprefix("submod_"))
             for a in n.all_input_nodes:
-                src = self._producer(a)
+                src = self.producer(a)
                 if src is not None and src != dst:
                     out.append((f"{a.name}->{dst}", src, dst))
         return out
@@ -457,7 +457,7 @@ class Pipeline(nn.Module):
         env: dict[str, Any] = {}
         it = iter(inputs)
         result: Any = None
-        for n in self._plan:
+        for n in self.plan_nodes:
             if n.op == "placeholder":
                 env[n.name] = next(it)
             elif n.op == "call_module":
@@ -466,7 +466,7 @@ class Pipeline(nn.Module):
                 for a in n.args:
                     v = env[a.name] if isinstance(a, fx.Node) else a
                     if isinstance(a, fx.Node):
-                        src = self._producer(a)
+                        src = self.producer(a)
                         if src is not None and src != k:
                             v = self.boundaries[f"{a.name}->{k}"](v, slot, idx)
                     args.append(v)
@@ -474,7 +474,7 @@ class Pipeline(nn.Module):
             elif n.op == "call_function" and n.target is operator.getitem:
                 env[n.name] = env[n.args[0].name][n.args[1]]  # type: ignore[union-attr,index]
             elif n.op == "get_attr":
-                env[n.name] = self._consts[n.name]
+                env[n.name] = self.consts[n.name]
             elif n.op == "output":
                 result = fx.node.map_arg(n.args[0], lambda a: env[a.name])
             else:  # pragma: no cover - split_module's top graph has only these
@@ -497,7 +497,7 @@ class Pipeline(nn.Module):
             for p in params:
                 p.grad = total.clone()
 
-    def train_step(self, loss_of: Callable[[Any, Sequence[Any], Tensor], Tensor],
+    def train_step(self, loss_of: Callable[..., Tensor],
                    inputs: Sequence[Tensor], targets: Tensor, *, micro_batches: int = 1,
                    idx: Tensor | None = None) -> float:
         """Forward and backward of one batch in ``micro_batches`` (GPipe); the gradients
