@@ -128,6 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_sync_args(sp)
     sp.add_argument("--comm-model", default=None, metavar="MODEL",
                     help=f"bucket all-reduce times: {COMM_MODEL_HELP}")
+    g = sp.add_argument_group("pipeline", "predict a pipeline of stages with compressed "
+                              "point-to-point boundaries instead of data parallelism")
+    g.add_argument("--pipeline-stages", type=int_range(2, 64), default=None, metavar="N")
+    g.add_argument("--rank-groups", default=None, metavar="R:GROUP,...",
+                   help="the group of each stage (default: the cluster's devices in order)")
+    g.add_argument("--cuts", default=None, metavar="OP,...",
+                   help="where stages 2..N begin (default: balanced on each stage's time)")
+    g.add_argument("--micro-batches", type=positive_int(1 << 20), default=1, metavar="M")
+    g.add_argument("--compress-act", default="none", metavar="C",
+                   help="none, topk:F (or N%%), quant:B[,stochastic]")
+    g.add_argument("--compress-grad", default="none", metavar="C")
+    g.add_argument("--link-gbps", default="1,10", metavar="G,...",
+                   help="link bandwidths between stages, Gb/s (default 1,10)")
+    g.add_argument("--latency-us", type=finite_float(0, 1e7), default=50.0,
+                   help="one-way link latency (default 50 us)")
     sp.set_defaults(fn=cmd_replay)
     sp = sub.add_parser("netsim", help="simulate an iteration's gradient traffic packet by packet",
                         description="simulate an iteration's gradient traffic packet by packet")

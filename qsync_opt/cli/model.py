@@ -101,6 +101,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         cluster = plan_doc.cluster
     else:
         raise QsyncInputError("cluster: --cluster is required without --plan")
+    if getattr(args, "pipeline_stages", None) is not None:
+        return _replay_pipeline(args, plan_doc, graph, cluster)
+    for flag in ("rank_groups", "cuts"):
+        if getattr(args, flag, None) is not None:
+            raise QsyncInputError(f"--{flag.replace('_', '-')}: only with --pipeline-stages N")
     costs = estimate(graph, cluster)
     if getattr(args, "comm_model", None):
         from ..netsim.cluster import parse_comm_model, with_netsim_comm
@@ -138,6 +143,60 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"critical path: {path}")
     if args.trace:
         print(f"wrote trace(s) for chrome://tracing or ui.perfetto.dev at {args.trace}")
+    return 0
+
+
+def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
+                     cluster: Any) -> int:
+    """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
+    from ..runtime.launch import resolve_ranks
+    from ..runtime.pipetrain import predict_pipeline
+
+    plan = plan_doc if plan_doc is not None else make_plan(
+        graph, cluster, {}, {"solver": "none (every op at fp32)"})
+    n = args.pipeline_stages
+    devices = sum(g.count for g in plan.cluster.groups)
+    if args.rank_groups is None and devices != n:
+        raise QsyncInputError(
+            f"--pipeline-stages {n}: the cluster has {devices} devices; say which group runs "
+            "each stage with --rank-groups (e.g. " + ",".join(
+                f"{i}:{plan.cluster.groups[min(i, len(plan.cluster.groups) - 1)].name}"
+                for i in range(n)) + ")")
+    ranks = resolve_ranks(plan, n if args.rank_groups is None else None, args.rank_groups)
+    if len(ranks) != n:
+        raise QsyncInputError(f"--rank-groups: names {len(ranks)} stages, --pipeline-stages "
+                              f"is {n}")
+    try:
+        gbps = [float(x) for x in str(args.link_gbps).split(",") if x.strip()]
+    except ValueError:
+        gbps = []
+    if not gbps or not all(0 < g < 1e6 for g in gbps):
+        raise QsyncInputError(f"--link-gbps: expected positive numbers (Gb/s) separated by "
+                              f"commas, got {args.link_gbps!r}")
+    cuts = [c.strip() for c in args.cuts.split(",") if c.strip()] if args.cuts else None
+    res = predict_pipeline(args.model, plan, ranks, cuts=cuts, batch=graph.batch_size,
+                           micro_batches=args.micro_batches, compress_act=args.compress_act,
+                           compress_grad=args.compress_grad, gbps=gbps,
+                           latency_us=args.latency_us)
+    if args.json:
+        emit_json(res)
+        return 0
+    print(f"pipeline: {n} stages at {', '.join(res['cuts'])}; batch {res['batch']} in "
+          f"{res['micro_batches']} micro-batch(es) of {res['micro_batch']}; act "
+          f"{res['compress_act']}, grad {res['compress_grad']}; latency "
+          f"{res['latency_us']:g} us")
+    print(format_table([(s["stage"], s["group"], s["device"], f"{s['fwd_ms']:.3f}",
+                         f"{s['bwd_ms']:.3f}") for s in res["stages"]],
+                       ("stage", "group", "device", "fwd ms/micro", "bwd ms/micro")))
+    print(format_table([(b["name"], f"{b['src']} -> {b['dst']}", "x".join(map(str, b["shape"])),
+                         f"{b['raw_bytes'] / 2**10:.1f}", f"{b['act_bytes'] / 2**10:.1f}",
+                         f"{b['grad_bytes'] / 2**10:.1f}") for b in res["boundaries"]],
+                       ("boundary", "stages", "tensor", "raw KiB", "act KiB", "grad KiB")))
+    print(format_table([(f"{s['gbps']:g}", f"{s['uncompressed_ms']:.3f}",
+                         f"{s['compressed_ms']:.3f}",
+                         f"{s['uncompressed_ms'] / s['compressed_ms']:.2f}x",
+                         f"{s['bubble_frac']:.2f}") for s in res["steps"]],
+                       ("Gb/s", "uncompressed ms", "compressed ms", "speed-up", "bubble")))
     return 0
 
 

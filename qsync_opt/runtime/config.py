@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import QsyncInputError
 from ..schemas import MAX_BATCH, Document, Int, Real
@@ -42,7 +42,7 @@ FLAGS: dict[str, str] = {
     "checkpoint_every": "--checkpoint-every", "timeout_s": "--timeout",
     "memory_step": "--measure-memory", "optimizer": "--optimizer", "workload": "--model",
     "rank_groups": "--rank-groups", "weight_decay": "--weight-decay", "sync": "--sync",
-    "comm": "--comm", "lr_schedule": "--lr-schedule",
+    "comm": "--comm", "lr_schedule": "--lr-schedule", "pipeline": "--pipeline-stages",
 }
 
 #: field -> (integer?, low, low included?, high or None, high included?)
@@ -75,6 +75,54 @@ def _range_text(integer: bool, lo: float, lo_in: bool, hi: float | None, hi_in: 
     if hi is None:
         return f"{kind} {lo_s}"
     return f"{kind} {lo_s} and {'<=' if hi_in else '<'} {_show(hi)}"
+
+
+class PipelineSpec(BaseModel):
+    """A pipeline-parallel run (``qsync-opt train --pipeline-stages N``): rank ``k`` runs
+    stage ``k`` of the model cut at ``cuts`` (qsync_opt.runtime.pipeline), at the plan's
+    precisions for its rank group, every boundary's activation and gradient through its
+    compressor (qsync_opt.runtime.compress) with the feedback wrapper."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stages: Int = Field(ge=2, le=64, description="Pipeline stages, one rank each.")
+    cuts: list[str] = Field(description="Where each stage after the first begins: a scope "
+                            "name of the traced model (resolved by the launcher when balanced).")
+    micro_batches: Int = Field(default=1, ge=1, le=MAX_BATCH,
+                               description="GPipe micro-batches per step.")
+    batch: Int = Field(ge=1, le=MAX_BATCH, description="Samples per step, through every stage.")
+    compress_act: str = Field(default="none", description="Activation compressor: none, "
+                              "topk:F (or N%), quant:B[,stochastic].")
+    compress_grad: str = Field(default="none", description="Gradient compressor, the same "
+                               "forms.")
+    feedback: Literal["none", "ef", "ef21", "aqsgd"] = Field(
+        default="none", description="Feedback wrapper of the compressors (aqsgd: on the "
+        "activations, keyed by sample index).")
+    compress_at_eval: bool = Field(default=False, description="Compress the activations "
+                                   "when scoring the held-out batches too.")
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineSpec:
+        if len(self.cuts) != self.stages - 1:
+            raise ValueError(f"--cuts: {self.stages} stages need {self.stages - 1} cuts, got "
+                             f"{len(self.cuts)}")
+        if self.micro_batches > self.batch:
+            raise ValueError(f"--micro-batches must be at most the batch ({self.batch}), "
+                             f"got {self.micro_batches}")
+        from .compress import parse_compressor
+
+        for flag, text in (("--compress-act", self.compress_act),
+                           ("--compress-grad", self.compress_grad)):
+            try:
+                parse_compressor(text)
+            except QsyncInputError as exc:
+                raise ValueError(f"{flag}: {str(exc).partition(': ')[2]}") from None
+        return self
+
+    def describe(self) -> str:
+        return (f"{self.stages} stages at {', '.join(self.cuts)}; {self.micro_batches} "
+                f"micro-batch(es) of a batch of {self.batch}; act {self.compress_act}, grad "
+                f"{self.compress_grad}, feedback {self.feedback}")
 
 
 class TrainConfig(Document):
@@ -148,6 +196,9 @@ class TrainConfig(Document):
                                         "others fail within it, never hang.")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     eval_batches: Int = Field(default=4, ge=0, description="Held-out batches scored at the end.")
+    pipeline: PipelineSpec | None = Field(
+        default=None,
+        description="Pipeline parallelism: one rank per stage (None: data parallel).")
     memory_step: Int | None = Field(
         default=None, ge=0,
         description="Measure this step's exact peak live tensor bytes inside each "
@@ -192,6 +243,16 @@ class TrainConfig(Document):
             check_combination(parse_sync(self.sync), parse_comm(self.comm))
         except QsyncInputError as exc:
             raise ValueError(str(exc)) from None
+        if self.pipeline is not None:
+            if self.pipeline.stages != self.world_size:
+                raise ValueError(f"--pipeline-stages: {self.pipeline.stages} stages need as "
+                                 f"many ranks, rank_groups names {self.world_size}")
+            if self.sync != "ddp" or self.comm != "allreduce":
+                raise ValueError("--pipeline-stages: a pipeline has one replica of each "
+                                 "stage, so --sync and --comm (data-parallel modes) do not "
+                                 "apply; leave them at ddp / allreduce")
+            if self.memory_step is not None:
+                raise ValueError("--measure-memory: not measured in a pipeline run")
         for g, f in self.slowdown.items():
             if not (math.isfinite(f) and 1 <= f <= MAX_SLOWDOWN):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "
@@ -250,12 +311,13 @@ _LABELS = {"workload": "--model", "world_size": "world size", "rank_groups": "--
            "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr",
            "momentum": "--momentum", "loss_scale": "loss_scale",
            "lr_schedule": "--lr-schedule", "weight_decay": "--weight-decay", "sync": "--sync",
-           "comm": "--comm", "average_optimizer_state": "--average-optimizer-state"}
+           "comm": "--comm", "average_optimizer_state": "--average-optimizer-state",
+           "pipeline": "pipeline (--pipeline-stages, --cuts, --micro-batches, compression)"}
 #: What a fingerprint written before a field existed means by its absence (the defaults then).
 _ABSENT = {"lr_schedule": "constant", "weight_decay": 0.0, "sync": "ddp", "comm": "allreduce",
-           "average_optimizer_state": False}
+           "average_optimizer_state": False, "pipeline": None}
 #: Differences no resume can bridge, not even with --resume-anyway.
-_FATAL = ("workload", "world_size", "optimizer")
+_FATAL = ("workload", "world_size", "optimizer", "pipeline")
 
 
 def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
@@ -284,6 +346,8 @@ def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
         "weight_decay": config.weight_decay,
         "sync": config.sync_mode().describe(), "comm": config.comm_mode().describe(),
         "average_optimizer_state": config.average_optimizer_state,
+        "pipeline": (config.pipeline.model_dump(mode="json", exclude={"compress_at_eval"})
+                     if config.pipeline is not None else None),
     }
 
 
@@ -417,8 +481,8 @@ def check_resume(config: TrainConfig, plan: Plan) -> CheckpointSet | None:
     if fatal_diffs:
         raise QsyncInputError(
             f"{_where(out)} holds the checkpoint (step {cs.step}) of another run: "
-            f"{', '.join(diffs)}; no checkpoint resumes under another model, optimizer or "
-            "world size: pass --no-resume to start afresh, or use another --out")
+            f"{', '.join(diffs)}; no checkpoint resumes under another model, optimizer, "
+            "world size or pipeline: pass --no-resume to start afresh, or use another --out")
     if diffs and not config.resume_anyway:
         raise QsyncInputError(
             f"{_where(out)} holds the checkpoint (step {cs.step}) of another run: "

@@ -134,6 +134,25 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--measure-memory", type=int, default=None, metavar="STEP",
                    help="measure step STEP's exact peak live tensor bytes inside every CPU rank "
                         "(summary.rankR.json 'memory'); the step's time includes the tracking")
+    g = p.add_argument_group(
+        "pipeline parallelism", "one rank per stage instead of one replica per rank; each "
+        "stage at its rank group's plan, its boundaries compressed")
+    g.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
+                   help="cut the model into N stages, one rank each (ranks = stages)")
+    g.add_argument("--cuts", default=None, metavar="OP,...",
+                   help="where stages 2..N begin: op or block names of the traced model "
+                        "(default: balanced on each stage's estimated time)")
+    g.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="GPipe micro-batches per step (default 1)")
+    g.add_argument("--compress-act", default="none", metavar="C",
+                   help="activation compressor: none, topk:F (or N%%), quant:B[,stochastic]")
+    g.add_argument("--compress-grad", default="none", metavar="C",
+                   help="gradient compressor, the same forms")
+    g.add_argument("--feedback", choices=["none", "ef", "ef21", "aqsgd"], default="none",
+                   help="feedback wrapper (aqsgd: per-sample activation buffers)")
+    g.add_argument("--compress-at-eval", action="store_true",
+                   help="compress the activations when scoring the held-out batches too "
+                        "(the summary has both either way)")
     p.add_argument("--print-command", action="store_true",
                    help="write the config and print the torchrun commands for the plan's "
                         "nodes (multi-node), without launching")
@@ -220,6 +239,25 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
     from ..plan import graph_for_plan, plan_model
 
     _check_sync_flags(args)
+    pipelined = getattr(args, "pipeline_stages", None) is not None
+    if pipelined:
+        if not 2 <= args.pipeline_stages <= 64:
+            raise QsyncInputError(f"--pipeline-stages: expected 2 to 64 stages, got "
+                                  f"{args.pipeline_stages}")
+        if args.nproc is None and args.rank_groups is None:
+            args.nproc = args.pipeline_stages
+    else:
+        for flag, val, default in (("--cuts", getattr(args, "cuts", None), None),
+                                   ("--micro-batches", getattr(args, "micro_batches", 1), 1),
+                                   ("--compress-act", getattr(args, "compress_act", "none"),
+                                    "none"),
+                                   ("--compress-grad", getattr(args, "compress_grad", "none"),
+                                    "none"),
+                                   ("--feedback", getattr(args, "feedback", "none"), "none"),
+                                   ("--compress-at-eval",
+                                    getattr(args, "compress_at_eval", False), False)):
+            if val != default:
+                raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
     name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
     out = Path(args.out) if args.out else Path("runs") / name0
     if args.plan is None:
@@ -227,7 +265,8 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
         if lines is not None:
             lines.append(f"no --plan: every op at fp32 on every rank ({plan_path})")
     else:
-        for flag, val in (("--cluster", args.cluster), ("--batch", args.batch)):
+        for flag, val in (("--cluster", args.cluster),
+                          ("--batch", None if pipelined else args.batch)):
             if val is not None:
                 raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
                                       "cluster and the batches)")
@@ -242,7 +281,26 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
     # The plan against the model, as every command that reads a plan checks it: made for
     # this model's graph, every op there, no pin overridden, precisions the cards run.
     graph_for_plan(plan, args.model, workload=user)
+    if pipelined and args.rank_groups is None and args.plan is not None:
+        devices = sum(g.count for g in plan.cluster.groups)
+        if devices != args.pipeline_stages and args.nproc == args.pipeline_stages:
+            raise QsyncInputError(
+                f"--pipeline-stages {args.pipeline_stages}: the plan's cluster has {devices} "
+                "devices; say which group runs each stage with --rank-groups (e.g. "
+                + ",".join(f"{i}:{plan.cluster.groups[min(i, len(plan.cluster.groups) - 1)].name}"
+                           for i in range(args.pipeline_stages)) + ")")
     ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
+    pipeline = None
+    if pipelined:
+        from .pipetrain import pipeline_spec
+
+        if user is not None:
+            raise QsyncInputError("--pipeline-stages: pipelines run the registry workloads "
+                                  "(qsync-opt models), not a model file")
+        from .config import check_batches
+
+        check_batches(plan, ranks)
+        pipeline = pipeline_spec(args, plan, ranks, lines)
     if user is not None:
         from .config import check_batches
 
@@ -260,7 +318,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
             resume=not args.no_resume, emulate_dp=args.emulate_dp,
             slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend,
-            memory_step=getattr(args, "measure_memory", None),
+            memory_step=getattr(args, "measure_memory", None), pipeline=pipeline,
             resume_anyway=getattr(args, "resume_anyway", False))
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
@@ -577,3 +635,17 @@ def _print_summary(config: TrainConfig) -> None:
         f"{loss('final_loss')}, eval loss {loss('eval_loss', config.eval_batches > 0)}"
         + (f", eval accuracy {acc:.3f}" if acc is not None else "")
         + f", {doc.get('skipped_steps', 0)} skipped step(s); {path.parent}\n")
+    if doc.get("mode") == "pipeline":
+        for b in doc.get("boundaries") or []:
+            a, g = b.get("act_bytes_per_step"), b.get("grad_bytes_per_step")
+            if a is None or g is None:
+                continue
+            match = (b.get("act_bytes") == b.get("act_bytes_predicted")
+                     and b.get("grad_bytes") == b.get("grad_bytes_predicted"))
+            sys.stdout.write(
+                f"  boundary {b['name']} (stage {b['src']} -> {b['dst']}): "
+                f"{a / 2**10:.1f} KiB activations, {g / 2**10:.1f} KiB gradients a step "
+                f"({'equal to' if match else 'NOT equal to'} the wire formula)\n")
+        if "eval_loss_compressed" in doc:
+            sys.stdout.write(f"  eval loss with compressed activations "
+                             f"{loss('eval_loss_compressed', config.eval_batches > 0)}\n")

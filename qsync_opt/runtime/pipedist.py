@@ -110,34 +110,112 @@ class DistStage:
         self.top = list(pipe.plan_nodes)
         self.tags = {name: i for i, name in enumerate(pipe.boundaries)}
 
-    def _args(self, n: fx.Node, env: dict[str, Any], slot: int, idx: Tensor | None,
-              recvd: list[tuple[str, Tensor]]) -> list[Any]:
-        args = []
-        for a in n.args:
-            if not isinstance(a, fx.Node):
-                args.append(a)
-                continue
-            src = self.pipe.producer(a)
-            if src is not None and src != self.rank:
-                name = f"{a.name}->{self.rank}"
-                b = self.pipe.boundaries[name]
-                p, hb = recv_payload(src, self.tags[name])
-                self.header_bytes += hb
-                x = b.act_recv.decode(p, idx, slot)
-                x = x.clone() if x.requires_grad else x
-                x.requires_grad_(x.is_floating_point())
-                recvd.append((name, x))
-                args.append(x)
-            else:
-                args.append(env[a.name])
-        return args
+    def _recv_act(self, name: str, src: int, idx: Tensor | None, slot: int,
+                  mode: str) -> Tensor:
+        """A crossing activation: decoded by the receiver's codec (``train``), by the
+        compressor alone (``eval-compressed``), or as sent (``eval``)."""
+        b = self.pipe.boundaries[name]
+        p, hb = recv_payload(src, self.tags[name])
+        self.header_bytes += hb
+        if mode == "train":
+            x = b.act_recv.decode(p, idx, slot)
+            x = x.clone() if x.requires_grad else x
+            x.requires_grad_(x.is_floating_point())
+            return x
+        return b.act_comp.decompress(p) if mode == "eval-compressed" else p.tensors[0]
+
+    def _send_act(self, name: str, v: Any, idx: Tensor | None, slot: int, mode: str,
+                  handles: list[Any], keep: list[Tensor]) -> None:
+        bd = self.pipe.boundaries[name]
+        if not isinstance(v, Tensor) or not v.is_floating_point():
+            raise QsyncInputError(f"pipeline: {name.rsplit('->', 1)[0]!r} crosses stages "
+                                  "and is not a floating tensor")
+        if mode == "train":
+            bd.last_shape = tuple(v.shape)
+            p = bd.act_send.encode(v, idx, slot)
+            bd.act_bytes += p.nbytes
+            bd.act_raw += v.numel() * v.element_size()
+        elif mode == "eval-compressed":
+            p = bd.act_comp.compress(v)
+        else:
+            p = Payload((v.detach(),), tuple(v.shape), v.dtype)
+        self.header_bytes += send_payload(p, bd.dst, handles, keep, self.tags[name])
+
+    def _forward(self, inputs: Sequence[Tensor], targets: Tensor, share: float,
+                 idx: Tensor | None, slot: int, loss_of: Callable[..., Tensor], mode: str,
+                 handles: list[Any], keep: list[Tensor]
+                 ) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]],
+                            Tensor | None, Any]:
+        """One micro-batch's forward on this rank: (received activations, sent ones, the
+        weighted loss and the model's output on the last rank)."""
+        last = len(self.pipe.stages) - 1
+        env: dict[str, Any] = {}
+        it = iter(inputs)
+        recvd: list[tuple[str, Tensor]] = []
+        sent: list[tuple[str, Tensor]] = []
+        loss = out = None
+        for n in self.top:
+            if n.op == "placeholder":
+                env[n.name] = next(it)
+            elif n.op == "get_attr":
+                env[n.name] = self.pipe.consts[n.name]
+            elif n.op == "call_module":
+                k = int(str(n.target).removeprefix("submod_"))
+                if k != self.rank:
+                    continue
+                args = []
+                for a in n.args:
+                    if not isinstance(a, fx.Node):
+                        args.append(a)
+                        continue
+                    src = self.pipe.producer(a)
+                    if src is not None and src != self.rank:
+                        name = f"{a.name}->{self.rank}"
+                        x = self._recv_act(name, src, idx, slot, mode)
+                        recvd.append((name, x))
+                        args.append(x)
+                    else:
+                        args.append(env[a.name])
+                env[n.name] = self.stage(*args)
+            elif n.op == "call_function" and n.target is operator.getitem:
+                src_node = n.args[0]
+                if isinstance(src_node, fx.Node) and src_node.name in env:
+                    env[n.name] = env[src_node.name][n.args[1]]
+            elif n.op == "output" and self.rank == last:
+                out = fx.node.map_arg(n.args[0], functools.partial(_lookup, env))
+                loss = loss_of(out, list(inputs), targets) * share
+            # after each node: send what this rank produced that another stage needs
+            for name, bd in self.pipe.boundaries.items():
+                value_name = name.rsplit("->", 1)[0]
+                if bd.src == self.rank and value_name == n.name and value_name in env:
+                    self._send_act(name, env[value_name], idx, slot, mode, handles, keep)
+                    sent.append((name, env[value_name]))
+        return recvd, sent, loss, out
+
+    def evaluate(self, loss_of: Callable[..., Tensor], inputs: Sequence[Tensor],
+                 targets: Tensor, *, compress: bool = False) -> tuple[float, Any]:
+        """A forward of one held-out batch (no gradients, no feedback state read or
+        changed); activations through the compressor alone with ``compress``. Returns the
+        loss and the model's output on the last rank, (0.0, None) elsewhere."""
+        handles: list[Any] = []
+        keep: list[Tensor] = []
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                _, _, loss, out = self._forward(
+                    inputs, targets, 1.0, None, 0, loss_of,
+                    "eval-compressed" if compress else "eval", handles, keep)
+            for h in handles:
+                h.wait()
+        finally:
+            self.stage.train()
+        return (float(loss) if loss is not None else 0.0), out
 
     def train_step(self, loss_of: Callable[..., Tensor],
                    inputs: Sequence[Tensor], targets: Tensor, *, micro_batches: int = 1,
                    idx: Tensor | None = None) -> float:
         """One GPipe step on this rank; every rank passes the same batch. Returns the
         batch's loss on the last rank, 0.0 elsewhere."""
-        last = len(self.pipe.stages) - 1
         b = int(targets.shape[0])
         parts = [torch.tensor_split(t, micro_batches) for t in inputs]
         tparts = torch.tensor_split(targets, micro_batches)
@@ -148,44 +226,9 @@ class DistStage:
         total = 0.0
         for m in range(micro_batches):
             mi = iparts[m] if iparts is not None else None
-            env: dict[str, Any] = {}
-            it = iter([p[m] for p in parts])
-            recvd: list[tuple[str, Tensor]] = []
-            sent: list[tuple[str, Tensor]] = []
-            loss = None
-            for n in self.top:
-                if n.op == "placeholder":
-                    env[n.name] = next(it)
-                elif n.op == "get_attr":
-                    env[n.name] = self.pipe.consts[n.name]
-                elif n.op == "call_module":
-                    k = int(str(n.target).removeprefix("submod_"))
-                    if k != self.rank:
-                        continue
-                    env[n.name] = self.stage(*self._args(n, env, m, mi, recvd))
-                elif n.op == "call_function" and n.target is operator.getitem:
-                    src = n.args[0]
-                    if isinstance(src, fx.Node) and src.name in env:
-                        env[n.name] = env[src.name][n.args[1]]
-                elif n.op == "output" and self.rank == last:
-                    out = fx.node.map_arg(n.args[0], functools.partial(_lookup, env))
-                    loss = loss_of(out, [p[m] for p in parts], tparts[m]) * (
-                        tparts[m].shape[0] / b)
-                # after each node: send what this rank produced that another stage needs
-                for name, bd in self.pipe.boundaries.items():
-                    value_name = name.rsplit("->", 1)[0]
-                    if (bd.src == self.rank and value_name == n.name
-                            and value_name in env):
-                        v = env[value_name]
-                        if not isinstance(v, Tensor) or not v.is_floating_point():
-                            raise QsyncInputError(f"pipeline: {value_name!r} crosses stages "
-                                                  "and is not a floating tensor")
-                        p = bd.act_send.encode(v, mi, m)
-                        bd.act_bytes += p.nbytes
-                        bd.act_raw += v.numel() * v.element_size()
-                        self.header_bytes += send_payload(p, bd.dst, handles, keep,
-                                                          self.tags[name])
-                        sent.append((name, v))
+            recvd, sent, loss, _ = self._forward(
+                [p[m] for p in parts], tparts[m], tparts[m].shape[0] / b, mi, m, loss_of,
+                "train", handles, keep)
             saved.append((recvd, sent, loss))
             if loss is not None:
                 total += float(loss.detach())

@@ -46,8 +46,8 @@ from ..errors import QsyncInputError
 from ..graph.kinds import is_leaf_module
 from .compress import Codec, Compressor, Identity, make_codec
 
-__all__ = ["Boundary", "Pipeline", "StageSplit", "op_costs_from_table", "split_stages",
-           "stage_costs", "trace_model"]
+__all__ = ["Boundary", "Pipeline", "StageSplit", "op_costs_from_table", "plan_op_costs",
+           "split_stages", "stage_costs", "trace_model"]
 
 
 class _Tracer(fx.Tracer):
@@ -126,6 +126,36 @@ def op_costs_from_table(table: Any, device: str, precision: str = "fp32", *,
     return out
 
 
+def plan_op_costs(table: Any, plan: Any, group: str, *, part: str = "both"
+                  ) -> dict[str, float]:
+    """Per-op ms of ``plan``'s group ``group`` on its device, each op at the precision the
+    plan gives it there (fp32 where the plan or the table has none): a stage's costs in a
+    pipeline whose stages run different plans on different cards."""
+    if part not in ("both", "fwd", "bwd"):
+        raise QsyncInputError(f"part: expected both, fwd or bwd, got {part!r}")
+    spec = next((g for g in plan.cluster.groups if g.name == group), None)
+    if spec is None:
+        raise QsyncInputError(f"group: the plan has no group {group!r}")
+    precisions = {op: getattr(p, "value", str(p))
+                  for op, p in plan.groups[group].precisions.items()}
+    mine = [e for e in table.entries if e.device == spec.device]
+    sizes = sorted({e.batch_size for e in mine})
+    at = spec.batch_per_device if spec.batch_per_device in sizes else (sizes or [0])[0]
+    by: dict[tuple[str, str], float] = {}
+    for e in mine:
+        if e.batch_size == at:  # one batch's entries (the group's, else the smallest)
+            ms = {"both": e.fwd_ms + e.bwd_ms, "fwd": e.fwd_ms, "bwd": e.bwd_ms}[part]
+            key = (e.op, e.precision.value)
+            by[key] = by.get(key, 0.0) + ms
+    if not by:
+        raise QsyncInputError(f"costs: the table has no entries for device {spec.device!r}")
+    out: dict[str, float] = {}
+    for op in {op for op, _ in by}:
+        want = precisions.get(op, "fp32")
+        out[op] = by.get((op, want), by.get((op, "fp32"), 0.0))
+    return out
+
+
 def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
     """Each node's cost: a module op by its qualified name; a function op by the traced
     graph's name for it (its scope, its function's name, numbered per scope), else charged
@@ -155,9 +185,13 @@ def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
     return w
 
 
-def _balanced_cuts(nodes: list[fx.Node], n_stages: int, costs: dict[str, float]
+def _balanced_cuts(nodes: list[fx.Node], n_stages: int,
+                   costs: dict[str, float] | Sequence[dict[str, float]]
                    ) -> tuple[list[int], list[float]]:
-    w = _node_costs(nodes, costs)
+    per_stage = [costs] * n_stages if isinstance(costs, dict) else list(costs)
+    if len(per_stage) != n_stages:
+        raise QsyncInputError(f"stages: {n_stages} stages need as many cost tables, got "
+                              f"{len(per_stage)}")
     starts = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])]
     cross = {i: _crossing(nodes, i) for i in starts}
     if not cross:
@@ -169,9 +203,12 @@ def _balanced_cuts(nodes: list[fx.Node], n_stages: int, costs: dict[str, float]
     if len(cand) < n_stages - 1:
         raise QsyncInputError(f"stages: expected at most {len(cand) + 1} for this model, "
                               f"got {n_stages}")
-    prefix = [0.0]
-    for x in w:
-        prefix.append(prefix[-1] + x)
+    prefixes = []
+    for c in per_stage:
+        prefix = [0.0]
+        for x in _node_costs(nodes, c):
+            prefix.append(prefix[-1] + x)
+        prefixes.append(prefix)
     pts = [0, *cand, len(nodes)]
     # best[s][j]: the least largest-stage cost of s stages covering nodes[:pts[j]]
     inf = math.inf
@@ -185,7 +222,8 @@ def _balanced_cuts(nodes: list[fx.Node], n_stages: int, costs: dict[str, float]
             for i in range(j):
                 if best[s - 1][i] == inf:
                     continue
-                c = max(best[s - 1][i], prefix[pts[j]] - prefix[pts[i]])
+                pre = prefixes[s - 1]
+                c = max(best[s - 1][i], pre[pts[j]] - pre[pts[i]])
                 if c < best[s][j] - 1e-12:
                     best[s][j], back[s][j] = c, i
     j, cut_pos = len(pts) - 1, []
@@ -196,7 +234,8 @@ def _balanced_cuts(nodes: list[fx.Node], n_stages: int, costs: dict[str, float]
         j = i
     cut_pos.sort()
     bounds = [0, *cut_pos, len(nodes)]
-    stage_costs = [prefix[bounds[k + 1]] - prefix[bounds[k]] for k in range(n_stages)]
+    stage_costs = [prefixes[k][bounds[k + 1]] - prefixes[k][bounds[k]]
+                   for k in range(n_stages)]
     return cut_pos, stage_costs
 
 
@@ -220,10 +259,13 @@ def _cut_name(nodes: list[fx.Node], p: int) -> str:
 
 
 def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
-                 n_stages: int | None = None, costs: dict[str, float] | None = None,
+                 n_stages: int | None = None,
+                 costs: dict[str, float] | Sequence[dict[str, float]] | None = None,
                  example_inputs: Any = None) -> StageSplit:
     """Assign the traced model's nodes to stages (module docstring). ``costs``: op name ->
-    cost for the balancing (default: traced FLOPs, which need ``example_inputs``)."""
+    cost for the balancing (default: traced FLOPs, which need ``example_inputs``), or one
+    such table per stage (stages on different devices or precisions:
+    :func:`plan_op_costs`), so a slower stage gets less of the model."""
     gm = trace_model(model)
     nodes = _compute_nodes(gm)
     stage_costs: list[float] = []

@@ -18,6 +18,7 @@ The runtime in parts (issue 17): this module only starts a run. The parts:
   :class:`EmulatedSync`, :class:`LocalSync`);
 * :mod:`.scaler`: the dynamic loss scale (:class:`~qsync_opt.runtime.scaler.LossScaler`);
 * :mod:`.checkpoint`: the rank files of a checkpoint set, written atomically;
+* :mod:`.pipetrain`: a pipeline-parallel run (``config.pipeline``: one rank per stage);
 * :mod:`.metrics`: the per-step rows, the progress bar, the summary;
 * :mod:`.faults`: the faults a test injects (:class:`~qsync_opt.runtime.faults.FaultPlan`);
 * :mod:`.watchdog`: a rank dies with its launcher.
@@ -110,6 +111,10 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
     :class:`EmulatedSync`, the all-reduce, or :class:`LocalSGDSync`)."""
     faults = FaultPlan.from_env() if faults is None else faults
     setup = prepare(config)
+    if config.pipeline is not None:
+        from .pipetrain import emulate_pipeline
+
+        return emulate_pipeline(config, setup)
     device = torch.device("cpu")
     ranks = list(range(config.world_size))
     models = [build_model(setup, r, device) for r in ranks]
@@ -153,6 +158,8 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if config.pipeline is not None:
+        backend = "gloo"  # the stages' payloads are CPU tensors sent point to point
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", local)
@@ -169,6 +176,10 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
                                 timeout=timedelta(seconds=config.timeout_s))
         initialised = True
     try:
+        if config.pipeline is not None:
+            from .pipetrain import run_pipeline
+
+            return run_pipeline(config, setup, rank)
         model = build_model(setup, rank, device)
         # A derived device (cpu/F): every op's measured forward and backward time is
         # stretched by F where it runs, so the bucketed all-reduce waits as it would for a
