@@ -8,6 +8,7 @@ the loss and a default per-device batch size.  Models:
 name            model                                                parameters
 ==============  ===================================================  ==========
 resnet18        ResNet-18, ImageNet 224x224, 1000 classes            11.69 M
+resnet18_32     ResNet-18, 32x32 inputs (CIFAR-style stem), 10 cls   11.17 M
 resnet50        ResNet-50, ImageNet 224x224, 1000 classes            25.56 M
 vgg16_bn        VGG-16 with BatchNorm, ImageNet, 1000 classes        138.37 M
 bert_base       BERT-base, SQuAD-style span QA, sequence 384         108.89 M
@@ -52,7 +53,7 @@ from .digits_cnn import DigitsCNN, load_digits_tensors, train_test_split
 from .digits_resnet import DigitsResNet
 from .gpt2 import GPT, GPTConfig, gpt2_medium, gpt2_small, gpt2_xl
 from .layers import MatMul
-from .resnet import ResNet, resnet18, resnet50
+from .resnet import ResNet, resnet18, resnet18_32, resnet50
 from .tiny_gpt import VOCAB_SIZE as TINY_GPT_VOCAB_SIZE
 from .vgg import VGG, vgg16_bn
 from .vit import VisionTransformer, ViTConfig, vit_b16
@@ -84,6 +85,7 @@ __all__ = [
     "list_workloads",
     "load_digits_tensors",
     "resnet18",
+    "resnet18_32",
     "resnet50",
     "tiny_gpt",
     "train_test_split",
@@ -304,6 +306,20 @@ WORKLOADS: dict[str, Workload] = {
             "ResNet-18 ImageNet classifier (torchvision layout)",
             resnet18,
             128,
+        ),
+        Workload(
+            name="resnet18_32",
+            description="ResNet-18 for 32x32 images, 10 classes (CIFAR-style stem; "
+                        "synthetic data)",
+            build=resnet18_32,
+            make_inputs=functools.partial(_image_inputs, channels=3, size=32, uniform=False),
+            make_targets=functools.partial(_class_targets, num_classes=10),
+            loss="cross_entropy",
+            default_batch=64,
+            input_doc="images (B,3,32,32) float32",
+            real_data=False,
+            loss_doc=_CLASSIFICATION_LOSS_DOC,
+            task=TASK_CLASSIFICATION,
         ),
         _imagenet_workload(
             "resnet50",

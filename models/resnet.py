@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet18_32", "resnet50"]
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -109,13 +109,20 @@ Block = type[BasicBlock] | type[Bottleneck]
 class ResNet(nn.Module):
     """ImageNet ResNet with torchvision's structure and attribute names."""
 
-    def __init__(self, block: Block, layers: list[int], num_classes: int = 1000) -> None:
+    def __init__(self, block: Block, layers: list[int], num_classes: int = 1000,
+                 small_input: bool = False) -> None:
         super().__init__()
         self.inplanes = 64
-        self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False)
+        if small_input:  # CIFAR-style stem for 32x32 images: 3x3 stride 1, no max-pool
+            self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=3, stride=1, padding=1,
+                                   bias=False)
+        else:
+            self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3,
+                                   bias=False)
         self.bn1 = nn.BatchNorm2d(self.inplanes)
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.maxpool: nn.Module = (nn.Identity() if small_input else
+                                   nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
         self.layer1 = self._make_layer(block, 64, layers[0])
         self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
         self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
@@ -153,6 +160,12 @@ class ResNet(nn.Module):
 def resnet18(num_classes: int = 1000) -> ResNet:
     """ResNet-18 (BasicBlock, [2, 2, 2, 2]); 11.69 M parameters at 1000 classes."""
     return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
+
+
+def resnet18_32(num_classes: int = 10) -> ResNet:
+    """ResNet-18 for 32x32 images (CIFAR-style stem: a 3x3 stride-1 first conv, no max-pool),
+    10 classes; 11.17 M parameters."""
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, small_input=True)
 
 
 def resnet50(num_classes: int = 1000) -> ResNet:

@@ -85,7 +85,7 @@ def test_only_namespaced_packages_import_outside_the_checkout(tmp_path: Path) ->
     assert out["qsync_opt.models"] == "qsync_opt.models"
     assert out["qsync_opt.solvers"] == "qsync_opt.solvers"
     assert out["qsync_opt.cuda"] == "qsync_opt.cuda"
-    assert out["workloads"] == 11
+    assert out["workloads"] == 12
     assert out["registry"] is True
 
 

@@ -17,7 +17,7 @@ META = torch.device("meta")
 CPU = torch.device("cpu")
 
 ALL = ["bert_base", "digits_cnn", "digits_resnet", "gpt2_medium", "gpt2_small", "gpt2_xl", "resnet18",
-       "resnet50", "tiny_gpt", "vgg16_bn", "vit_b16"]
+       "resnet18_32", "resnet50", "tiny_gpt", "vgg16_bn", "vit_b16"]
 
 # Published parameter counts (torchvision / HuggingFace layouts); the small ones by hand:
 # digits_cnn = conv1 1*32*9 + bn1 2*32 + conv2 32*64*9 + bn2 2*64 + fc1 1024*128+128
@@ -32,8 +32,11 @@ ALL = ["bert_base", "digits_cnn", "digits_resnet", "gpt2_medium", "gpt2_small", 
 # tiny_gpt   = wte 98*128 + wpe 128*128 + 4 * (2 LN 512 + qkv 128*384+384 + proj 128*128+128
 #              + fc 128*512+512 + proj 512*128+128) + ln_f 256
 #            = 12544 + 16384 + 4 * 198272 + 256 = 822,272 (lm_head tied to wte).
+# resnet18_32 = resnet18 - 7x7 stem 3*64*49 + 3x3 stem 3*64*9 - fc 512*1000+1000 + 512*10+10
+#             = 11,689,512 - 9,408 + 1,728 - 513,000 + 5,130 = 11,173,962.
 PARAMS = {
     "resnet18": 11_689_512,
+    "resnet18_32": 11_173_962,
     "resnet50": 25_557_032,
     "vgg16_bn": 138_365_992,
     "bert_base": 108_893_186,
@@ -49,6 +52,7 @@ PARAMS = {
 # (input shapes and dtypes, target shape) at batch 2, from each workload's input_doc.
 SHAPES_B2 = {
     "resnet18": ([((2, 3, 224, 224), torch.float32)], (2,)),
+    "resnet18_32": ([((2, 3, 32, 32), torch.float32)], (2,)),
     "resnet50": ([((2, 3, 224, 224), torch.float32)], (2,)),
     "vgg16_bn": ([((2, 3, 224, 224), torch.float32)], (2,)),
     "vit_b16": ([((2, 3, 224, 224), torch.float32)], (2,)),
