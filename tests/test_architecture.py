@@ -64,6 +64,10 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
                  "runtime.commhooks", "runtime.pipeline", "runtime.pipedist",
                  "runtime.pipetrain"]),
+    # fused training arrays: the fused operators over the precision layers, the array's
+    # trainer over the runtime's data and schedules
+    ("hfta", ["hfta", "hfta.ops", "hfta.optim", "hfta.convert", "hfta.functional",
+              "hfta.choice", "hfta.trainer", "hfta.sweep"]),
     ("problem", ["problem", "evaluator"]),
     ("solvers", ["solvers", "solvers.base", "solvers.common", "solvers.formulation", "splits",
                  "solvers.pulp_model", "solvers.fastest", "solvers.warmstart",

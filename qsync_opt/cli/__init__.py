@@ -264,8 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ..report import add_report_parser
     from ..runtime.launch import add_train_parser
 
+    from ..hfta.sweep import add_sweep_parser
+
     add_report_parser(sub)
     add_train_parser(sub)
+    add_sweep_parser(sub)
     add_profile_parser(sub)
     sp = add("pareto", "degradation against throughput as the makespan target sweeps")
     problem_args(sp)

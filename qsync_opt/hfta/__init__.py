@@ -1,0 +1,20 @@
+"""Horizontally fused training arrays (HFTA, issue 22): ``B`` variants of one model trained
+as one job, each with its own weights, hyper-parameters and data stream.
+
+Layouts (the fused operators' contract; every op of :mod:`.ops` says which it takes):
+
+* channel-folded, ``[N, B*C, *spatial]``: the conv family (Conv2d as one grouped
+  convolution, BatchNorm2d over ``B*C`` channels, pooling, elementwise ops), model ``b``'s
+  channels at ``b*C .. b*C + C - 1``;
+* model-major, ``[B, N, *features]``: the linear family (Linear as one batched matmul,
+  LayerNorm, Embedding, the loss), model ``b``'s rows at index ``b``.
+
+Every fused parameter has the model axis first (``[B, ...]``: a Linear's weight is
+``[B, out, in]``, a Conv2d's ``[B, out, in / groups, kh, kw]``), so the fused optimizers
+(:mod:`.optim`) update all ``B`` models with one set of tensor ops and per-model
+hyper-parameter arrays broadcast along it, and model ``b``'s standalone weights are the
+``b``-th slice of each.
+
+Parts: :mod:`.ops` (the fused operators, ``from_modules`` / ``export``), :mod:`.optim`
+(fused SGD with momentum and AdamW, fused learning-rate schedules, a per-model step mask).
+"""

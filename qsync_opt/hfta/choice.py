@@ -1,0 +1,139 @@
+"""Fuse or not, per operator, from measurement on this machine at start-up.
+
+On a CPU a grouped convolution can be slower than ``B`` plain ones (a probe found 8 fused
+digits_cnn 1.66x faster than serial at batch 4, 0.74x at batch 64, one thread), and the ratio
+moves with threads and load. So :func:`measure_choice` times, for every op with parameters,
+its forward and backward in the array's context (the op's real input, captured in one
+forward of a real batch, in the op's layout) both ways: ``fused`` (one kernel for all
+``B``) and ``serial`` (the input split per model, ``B`` calls on the slices, the outputs
+joined: the splitting and joining are inside the timing). Runs interleave (fused, serial,
+fused, ...), the median of ``reps`` each is kept, and the faster mode is set.
+
+Then the whole array under those modes is timed against ``separate``: each model's own code
+run ``B`` times on its slices (no layouts at all), and the faster one is kept, so the array
+is never slower than running the models one after another by more than the timing's noise.
+(``separate`` runs fp32 only: under a plan with lower precisions it is not a candidate.)
+
+The choice is recorded (:class:`Choice`: every op's two medians and the mode taken, the
+array's and separate's step medians) and goes into the sweep's JSON.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .convert import FusedArray, serial_forward
+
+__all__ = ["Choice", "measure_choice", "time_step"]
+
+
+@dataclass
+class Choice:
+    ops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    array_ms: float = float("nan")
+    separate_ms: float = float("nan")
+    separate: bool = False
+    threads: int = 1
+
+    def summary(self) -> str:
+        fused = sum(1 for v in self.ops.values() if v["mode"] == "fused")
+        if self.separate:
+            return (f"separate: each model's own code ({self.separate_ms:.2f} ms a step) beat "
+                    f"the array ({self.array_ms:.2f} ms, {fused} of {len(self.ops)} ops "
+                    "fused)")
+        return (f"array: {fused} of {len(self.ops)} ops fused, {self.array_ms:.2f} ms a step "
+                f"(separate {self.separate_ms:.2f} ms)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ops": self.ops, "array_ms": self.array_ms, "separate_ms": self.separate_ms,
+                "separate": self.separate, "threads": self.threads}
+
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def time_step(step: Callable[[], Any], other: Callable[[], Any], reps: int
+              ) -> tuple[float, float]:
+    """Medians (ms) of ``step`` and ``other``, run interleaved ``reps`` times each (one
+    warm-up of each first)."""
+    step()
+    other()
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(reps):
+        a += _median_ms(step, 1)
+        b += _median_ms(other, 1)
+    return statistics.median(a), statistics.median(b)
+
+
+def _capture(array: FusedArray, inputs: Sequence[Tensor]) -> dict[str, Tensor]:
+    seen: dict[str, Tensor] = {}
+    hooks = []
+    for k, mod in array.fused.items():
+        def pre(m: Any, args: Any, k: str = k) -> None:
+            seen.setdefault(k, args[0].detach())
+        hooks.append(mod.register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            array(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def measure_choice(array: FusedArray, inputs: Sequence[Tensor],
+                   loss: Callable[[Tensor], Tensor], *, reps: int = 5,
+                   allow_separate: bool = True) -> Choice:
+    """Set every op's mode and the array's ``separate`` flag from measurement (module
+    docstring); the array's parameters, buffers and gradients are as they were after."""
+    state = {k: v.detach().clone() for k, v in array.state_dict().items()}
+    array.separate = False
+    choice = Choice(threads=torch.get_num_threads())
+    seen = _capture(array, inputs)
+    replicated = array.input_mode == "replicated"
+    for k, mod in array.fused.items():
+        x0 = seen[k]
+
+        def run(serial: bool, mod: Any = mod, x0: Tensor = x0) -> None:
+            x = x0.clone().requires_grad_(x0.is_floating_point())
+            y = serial_forward(mod, x, array.B, replicated) if serial else mod(x)
+            y.sum().backward()
+
+        f, s = time_step(lambda: run(False), lambda: run(True), reps)
+        mode = "fused" if f <= s else "serial"
+        array.modes[k] = mode
+        choice.ops[k.replace("__", ".")] = {"fused_ms": round(f, 4), "serial_ms": round(s, 4),
+                                            "mode": mode}
+
+    def whole(separate: bool) -> None:
+        array.separate = separate
+        try:
+            loss(array(*inputs)).backward()
+        finally:
+            array.separate = False
+
+    if allow_separate:
+        a, sep = time_step(lambda: whole(False), lambda: whole(True), reps)
+        choice.array_ms, choice.separate_ms = a, sep
+        choice.separate = sep < a
+    else:
+        choice.array_ms = statistics.median(_median_ms(lambda: whole(False), reps))
+    array.separate = choice.separate
+    array.load_state_dict(state)
+    for p in array.parameters():
+        p.grad = None
+    return choice

@@ -1,0 +1,317 @@
+"""``qsync-opt sweep``: a seed / learning-rate / weight-decay sweep trained as one fused array.
+
+::
+
+    qsync-opt sweep --model digits_cnn --seeds 0-7 --lr 0.02,0.05 --steps 200 --out sweep
+
+Every combination of ``--seeds``, ``--lr`` and ``--wd`` is one model of the array (seeds
+first). Before anything is built the memory of ``B`` models (weights, gradients, optimizer
+state and the traced graph's saved activations at ``--batch``, each times ``B``) is checked
+against the device: ``--plan``'s group's card, else this machine's available memory. The
+fuse-or-not choice (``--fuse measure``, the default: :mod:`.choice`) is made on the first
+batch and printed; ``fused``, ``serial`` or ``separate`` force one. A progress bar runs on a
+terminal; the result is a table (and ``OUT/sweep.json``, or ``--json``: every model's final
+and held-out loss, accuracy, skipped steps, and the choice). ``--export`` writes each model as
+a standalone run, ``OUT/model{b}``: a checkpoint set of ``qsync-opt train``'s layout that
+``train --model M --seed S --lr L --weight-decay W --out OUT/model{b}`` resumes (every op at
+fp32 on one rank, the run's settings in its fingerprint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import QsyncInputError
+
+__all__ = ["add_sweep_parser", "array_memory_bytes", "cmd_sweep", "export_run",
+           "parse_seeds", "parse_values"]
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-7``, ``0,3,5`` or a mix (``0-3,8``): distinct seeds, in the order given."""
+    out: list[int] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        m = re.fullmatch(r"(-?\d+)(?:-(-?\d+))?", part)
+        if not m:
+            raise QsyncInputError(f"--seeds: {part!r} is not a seed or a range A-B (e.g. 0-7)")
+        lo = int(m[1])
+        hi = int(m[2]) if m[2] is not None else lo
+        if hi < lo or hi - lo > 4096:
+            raise QsyncInputError(f"--seeds: range {part!r} must go up, at most 4096 seeds")
+        for s in range(lo, hi + 1):
+            if s in out:
+                raise QsyncInputError(f"--seeds: seed {s} is given twice")
+            out.append(s)
+    return out
+
+
+def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
+    import math
+
+    vals = []
+    for part in (p.strip() for p in str(text).split(",")):
+        try:
+            v = float(part)
+        except ValueError:
+            raise QsyncInputError(f"{flag}: {part!r} is not a number") from None
+        if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+            raise QsyncInputError(f"{flag}: expected {'positive' if positive else 'non-negative'}"
+                                  f" finite numbers, got {part!r}")
+        vals.append(v)
+    return vals
+
+
+def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("sweep", help="train many variants of a model as one fused array (HFTA)",
+                       description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--model", required=True, help="workload (qsync-opt models)")
+    p.add_argument("--seeds", default="0", help="seeds: 0-7, 0,3,5 (default 0)")
+    p.add_argument("--lr", default="0.05", help="learning rates, comma-separated (default 0.05)")
+    p.add_argument("--wd", default="0", help="weight decays, comma-separated (default 0)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    p.add_argument("--batch", type=int, default=None, help="batch per model (default: the "
+                   "model's)")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+                   help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G]")
+    p.add_argument("--inputs", choices=["per_model", "replicated"], default="per_model",
+                   help="per_model: each model its own seed's batches (separate runs); "
+                        "replicated: one stream for all (they differ in weights only)")
+    p.add_argument("--fuse", choices=["measure", "fused", "serial", "separate"],
+                   default="measure", help="per-op fuse-or-not (default: measured here)")
+    p.add_argument("--plan", help="Plan JSON: the array runs one group's precisions")
+    p.add_argument("--group", help="with --plan: the group whose precisions run")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--out", help="write sweep.json here (and --export's runs)")
+    p.add_argument("--export", action="store_true",
+                   help="also write each model as a run `train` resumes (OUT/model{b})")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write the result JSON to FILE (stdout without FILE)")
+    p.set_defaults(fn=cmd_sweep)
+    return p
+
+
+def array_memory_bytes(workload: str, batch: int, B: int, optimizer: str) -> int:
+    """What ``B`` models need: weights, gradients and optimizer state (SGD momentum: 1
+    copy, AdamW: 2), and the traced graph's saved activations at ``batch``, each x ``B``."""
+    from ..graph import trace
+
+    g = trace(workload, batch)
+    params = int(g.param_bytes)
+    saved = sum(op.saved_bytes - op.saved_shared_bytes for op in g.ops)
+    copies = 2 + (2 if optimizer == "adamw" else 1)
+    return int(B * (params * copies + saved))
+
+
+def _capacity(plan: Any, group: str | None) -> tuple[int, str]:
+    if plan is not None and group is not None:
+        from ..devices import get_device
+
+        spec = next(g for g in plan.cluster.groups if g.name == group)
+        dev = get_device(spec.device)
+        return int(dev.usable_memory_bytes), f"{group} ({spec.device})"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "this machine's available memory"
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
+
+
+def export_run(trainer: Any, b: int, out: Path) -> Path:
+    """Model ``b`` as the checkpoint set of the run ``train --seed S --nproc 1`` would have
+    written after as many steps (module docstring); returns the run's folder."""
+    import torch
+
+    from ..cluster import load_cluster
+    from ..graph import trace
+    from ..plan import make_plan
+    from ..runtime.checkpoint import commit_set, rank_document, write_rank_file
+    from ..runtime.config import TrainConfig, run_fingerprint, set_path
+    from ..runtime.prepare import make_optimizer
+    from ..runtime.scaler import LossScaler
+
+    spec, v = trainer.spec, trainer.spec.variants[b]
+    folder = out / f"model{b}"
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = make_plan(trace(spec.workload, trainer.batch), load_cluster("cpux1"), {},
+                     provenance={"solver": "none (train without --plan: fp32 everywhere)"})
+    plan_path = folder / "fp32.plan.json"
+    plan.save(plan_path)
+    config = TrainConfig(workload=trainer.wl.name, plan_path=str(plan_path.resolve()),
+                         rank_groups=["cpu"], steps=max(trainer.step, 1), lr=v.lr,
+                         optimizer=spec.optimizer, momentum=spec.momentum,
+                         lr_schedule=spec.lr_schedule, weight_decay=v.weight_decay,
+                         seed=v.seed, out_dir=str(folder.resolve()))
+    model = trainer.export(b)
+    opt = make_optimizer(config, model)
+    fused_state = trainer.opt.state
+    for (name, p_fused), p in zip(trainer.array.named_parameters(), model.parameters(),
+                                  strict=True):
+        st = fused_state.get(p_fused, {})
+        mine: dict[str, Any] = {}
+        if spec.optimizer == "sgd" and "momentum_buffer" in st:
+            started = st.get("momentum_started")
+            if started is None or bool(started[b]):
+                mine["momentum_buffer"] = st["momentum_buffer"][b].detach().clone()
+        elif spec.optimizer == "adamw" and "exp_avg" in st:
+            mine = {"step": torch.tensor(float(st["step"][b])),
+                    "exp_avg": st["exp_avg"][b].detach().clone(),
+                    "exp_avg_sq": st["exp_avg_sq"][b].detach().clone()}
+        if mine:
+            opt.state[p] = mine
+    scaler = LossScaler(1.0)
+    scaler.good = trainer.step - trainer.skipped[b]
+    step = trainer.step
+    ck = set_path(folder, step)
+    ck.mkdir(parents=True, exist_ok=True)
+    write_rank_file(ck, 0, rank_document(
+        step=step, scaler=scaler.state_dict(), bad_run=0, skipped=trainer.skipped[b],
+        last_loss=trainer.last_loss[b], model=model, optimizer=opt, rank=0,
+        rng=torch.get_rng_state(), sync={}))
+    commit_set(folder, ck, step, 1, run_fingerprint(config, plan), link=True)
+    return folder
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..io import atomic_write_text
+    from ..precision import Precision
+    from ..schemas import Plan
+    from ..summaries import format_table
+    from .trainer import ArrayTrainer, SweepSpec, Variant
+
+    seeds = parse_seeds(args.seeds)
+    lrs = parse_values(args.lr, "--lr", positive=True)
+    wds = parse_values(args.wd, "--wd", positive=False)
+    if args.steps < 1:
+        raise QsyncInputError(f"--steps: expected a positive integer, got {args.steps}")
+    if args.batch is not None and args.batch < 1:
+        raise QsyncInputError(f"--batch: expected a positive integer, got {args.batch}")
+    if not 0 <= args.momentum < 1:
+        raise QsyncInputError(f"--momentum: expected 0 <= m < 1, got {args.momentum}")
+    if args.eval_batches < 0:
+        raise QsyncInputError(f"--eval-batches: expected >= 0, got {args.eval_batches}")
+    if args.export and not args.out:
+        raise QsyncInputError("--export: needs --out (the runs go into OUT/model{b})")
+    variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(seeds, lrs, wds)]
+    plan = None
+    precisions: dict[str, str] = {}
+    if (args.plan is None) != (args.group is None):
+        raise QsyncInputError("--plan and --group: give both (the group whose precisions the "
+                              "array runs) or neither")
+    if args.plan is not None:
+        from ..plan import graph_for_plan
+
+        plan = Plan.load(args.plan)
+        graph_for_plan(plan, args.model)
+        if args.group not in plan.groups:
+            raise QsyncInputError(f"--group: the plan has no group {args.group!r}; its groups: "
+                                  f"{', '.join(plan.groups)}")
+        precisions = {op: Precision(p).value
+                      for op, p in plan.groups[args.group].precisions.items()}
+    from ..models import UnknownWorkloadError, get_workload
+
+    try:
+        wl = get_workload(args.model)
+    except UnknownWorkloadError as exc:
+        raise QsyncInputError(f"--model: {exc}") from None
+    from ..runtime.schedule import parse_schedule
+
+    try:
+        parse_schedule(args.lr_schedule, lrs[0], args.steps)
+    except QsyncInputError as exc:
+        raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
+    batch = args.batch or wl.default_batch
+    need = array_memory_bytes(wl.name, batch, len(variants), args.optimizer)
+    cap, where = _capacity(plan, args.group)
+    if need > cap:
+        raise QsyncInputError(f"memory: {len(variants)} models at batch {batch} need about "
+                              f"{need / 2**30:.2f} GiB, {where} has {cap / 2**30:.2f} GiB: "
+                              "fewer seeds or values, or a smaller --batch")
+    spec = SweepSpec(wl.name, variants, steps=args.steps, batch=batch,
+                     optimizer=args.optimizer, momentum=args.momentum,
+                     lr_schedule=args.lr_schedule, input_mode=args.inputs, fuse=args.fuse,
+                     precisions=precisions, eval_batches=args.eval_batches)
+    quiet = args.json == "-"
+    tr = ArrayTrainer(spec)
+    say = (lambda s: sys.stderr.write(s + "\n")) if quiet else (lambda s: print(s))
+    say(f"sweep: {len(variants)} models of {wl.name} ({len(seeds)} seeds x {len(lrs)} lr x "
+        f"{len(wds)} wd), batch {batch}, {args.steps} steps, inputs {args.inputs}"
+        + (" (one stream: not separate runs)" if args.inputs == "replicated" else "")
+        + f"; memory about {need / 2**30:.2f} GiB of {cap / 2**30:.2f} ({where})")
+    choice_doc: dict[str, Any] = {"mode": args.fuse}
+    if args.fuse == "measure":
+        from .choice import measure_choice
+        from .trainer import per_model_losses
+
+        x, y = tr.batch_at(0)
+        choice = measure_choice(tr.array, x,
+                                lambda out: per_model_losses(tr.wl, out, x, y).sum(),
+                                allow_separate=all(p == "fp32" for p in precisions.values()))
+        say(f"fuse: {choice.summary()}")
+        choice_doc = {"mode": "measure", **choice.to_json()}
+    elif args.fuse == "serial":
+        for op in tr.array.op_names:
+            tr.array.set_mode(op, "serial")
+    elif args.fuse == "separate":
+        tr.array.separate = True
+    t0 = time.perf_counter()
+    tr.train(progress=sys.stderr.isatty())
+    wall = time.perf_counter() - t0
+    rows = tr.evaluate()
+    doc = {"workload": wl.name, "models": rows, "steps": tr.step, "batch": batch,
+           "input_mode": args.inputs, "optimizer": args.optimizer,
+           "lr_schedule": args.lr_schedule, "plan": args.plan, "group": args.group,
+           "fuse": choice_doc, "wall_s": round(wall, 3),
+           "samples_per_s": round(len(variants) * batch * args.steps / wall, 1),
+           "threads": torch.get_num_threads()}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.export:
+            doc["exported"] = [str(export_run(tr, b, out)) for b in range(len(variants))]
+        atomic_write_text(out / "sweep.json", json.dumps(_clean(doc), indent=2) + "\n",
+                          what="--out")
+    if args.json is not None:
+        text = json.dumps(_clean(doc), indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            atomic_write_text(Path(args.json), text, what="--json")
+    if not quiet:
+        def f(v: Any) -> str:
+            return "-" if v is None or v != v else f"{v:.4f}"
+
+        print(format_table([(r["model"], r["seed"], f"{r['lr']:g}", f"{r['weight_decay']:g}",
+                             f(r["final_loss"]), f(r["eval_loss"]), f(r["eval_accuracy"]),
+                             r["skipped_steps"]) for r in rows],
+                           ("model", "seed", "lr", "wd", "final loss", "eval loss",
+                            "eval acc", "skipped")))
+        print(f"{len(variants)} models x {args.steps} steps in {wall:.1f} s "
+              f"({doc['samples_per_s']} samples/s, {doc['threads']} thread(s))")
+    return 0
+
+
+def _clean(x: Any) -> Any:
+    import math
+
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x

@@ -1,0 +1,229 @@
+"""The fused-array trainer: ``B`` variants of a workload (seeds, learning rates, weight
+decays) trained as one job (``qsync-opt sweep``).
+
+Variant ``b`` is the run ``qsync-opt train --seed s --nproc 1`` would make: its model built
+after ``torch.manual_seed(s)``, its batches those of
+:class:`~qsync_opt.runtime.data.GlobalBatches` seeded by ``s`` (``per_model`` inputs: each
+model its own stream), the same optimizer semantics (:mod:`.optim`: one fused update, the
+hyper-parameters per model), the same learning-rate schedule. With ``replicated`` inputs
+every model sees the first seed's batches: the variants then differ in weights and
+hyper-parameters only, so a seed sweep under them is not ``B`` separate runs (the summary
+says which mode ran).
+
+The loss of the array is the sum of the models' own mean losses, so each model's gradient
+is exactly its own (no 1/B). A model whose loss is not finite is masked out of the step: its
+loss does not enter the sum (its gradient is zero), its parameters, optimizer state and
+BatchNorm running statistics stay as they were, and it counts a skipped step; the others
+step as if it were not there.
+
+A plan: the array runs the precisions one group of a plan gives (the same for its ``B``
+models): each fused op takes its op's precision (fused Linear has the int8 path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import QsyncInputError
+from .convert import FusedArray, fuse
+
+__all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    seed: int
+    lr: float
+    weight_decay: float
+
+    def label(self) -> str:
+        return f"seed {self.seed}, lr {self.lr:g}, wd {self.weight_decay:g}"
+
+
+@dataclass
+class SweepSpec:
+    workload: str
+    variants: list[Variant]
+    steps: int = 100
+    batch: int | None = None
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: str = "constant"
+    input_mode: str = "per_model"
+    fuse: str = "measure"  # measure, fused, serial, separate
+    precisions: dict[str, str] = field(default_factory=dict)  # op -> precision (a plan group)
+    eval_batches: int = 4
+
+
+def build_variant_model(workload: Any, seed: int) -> nn.Module:
+    """Model ``seed``'s initial weights, as ``train --seed seed`` builds them."""
+    torch.manual_seed(seed)
+    return workload.build().float().train()
+
+
+def per_model_losses(workload: Any, out: Tensor, inputs: Sequence[Any],
+                     targets: Tensor) -> Tensor:
+    """``[B]``: each model's mean loss on its own batch (``out`` model-major ``[B, N, ...]``;
+    ``targets`` ``[B, N, ...]``). Classification and causal LM: one cross-entropy call for
+    all ``B``; other tasks: the workload's loss per model."""
+    from ..models import TASK_CAUSAL_LM, TASK_CLASSIFICATION
+
+    B = out.shape[0]
+    if workload.task in (TASK_CLASSIFICATION, TASK_CAUSAL_LM) and workload.loss == \
+            "cross_entropy":
+        k = out.shape[-1]
+        per = F.cross_entropy(out.reshape(-1, k), targets.reshape(-1), reduction="none")
+        return per.view(B, -1).mean(1)
+    return torch.stack([workload.loss_of(out[b], [x[b] for x in inputs], targets[b])
+                        for b in range(B)])
+
+
+class ArrayTrainer:
+    """Train ``spec``'s variants as one fused array (module docstring)."""
+
+    def __init__(self, spec: SweepSpec) -> None:
+        from ..models import UnknownWorkloadError, get_workload
+        from ..precision import Precision
+        from ..runtime.data import GlobalBatches
+        from .optim import FusedAdamW, FusedSGD, fused_schedule
+
+        if not spec.variants:
+            raise QsyncInputError("variants: expected at least one model")
+        try:
+            self.wl = get_workload(spec.workload)
+        except UnknownWorkloadError as exc:
+            raise QsyncInputError(f"--model: {exc}") from None
+        self.spec = spec
+        self.B = B = len(spec.variants)
+        self.batch = spec.batch or self.wl.default_batch
+        self.models = [build_variant_model(self.wl, v.seed) for v in spec.variants]
+        self.array: FusedArray = fuse(self.models, input_mode=spec.input_mode)
+        for op, p in spec.precisions.items():
+            k = op.replace(".", "__")
+            if k in self.array.fused:
+                self.array.fused[k].precision = Precision(p)
+        lrs = [v.lr for v in spec.variants]
+        wds = [v.weight_decay for v in spec.variants]
+        params = list(self.array.parameters())
+        if spec.optimizer == "sgd":
+            self.opt: Any = FusedSGD(params, B, lr=lrs, momentum=spec.momentum,
+                                     weight_decay=wds)
+        elif spec.optimizer == "adamw":
+            self.opt = FusedAdamW(params, B, lr=lrs, betas=spec.betas, weight_decay=wds)
+        else:
+            raise QsyncInputError(f"--optimizer: expected sgd or adamw, got {spec.optimizer!r}")
+        self.schedule = fused_schedule([spec.lr_schedule] * B, lrs, spec.steps)
+        seeds = [v.seed for v in spec.variants]
+        streams = seeds if spec.input_mode == "per_model" else seeds[:1]
+        self.data = [GlobalBatches(self.wl, s, self.batch) for s in streams]
+        self.step = 0
+        self.skipped = [0] * B
+        self.last_loss = [float("nan")] * B
+        self.choice: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ data
+
+    def batch_at(self, step: int) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The array's inputs and targets of ``step`` (per-model: stacked on a new axis 0)."""
+        got = [d.batch(step) for d in self.data]
+        if self.spec.input_mode == "replicated":
+            (x, y), = got
+            return tuple(x), y.unsqueeze(0).expand(self.B, *y.shape)
+        xs = tuple(torch.stack([g[0][i] for g in got]) for i in range(len(got[0][0])))
+        return xs, torch.stack([g[1] for g in got])
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, poison: Sequence[int] = ()) -> Tensor:
+        """One step of every model; ``poison``: models whose loss is made NaN (tests).
+        Returns the per-model losses."""
+        x, y = self.batch_at(self.step)
+        self.schedule.apply(self.opt, self.step)
+        self.opt.zero_grad(set_to_none=True)
+        saved = {n: b.detach().clone() for n, b in self.array.named_buffers()}
+        out = self.array(*x)
+        losses = per_model_losses(self.wl, out, x, y)
+        if poison:
+            bad = torch.zeros(self.B, dtype=torch.bool)
+            bad[list(poison)] = True
+            losses = torch.where(bad, torch.full_like(losses, float("nan")), losses)
+        finite = torch.isfinite(losses.detach())
+        torch.where(finite, losses, torch.zeros_like(losses)).sum().backward()
+        if not bool(finite.all()):
+            self._restore_buffers(saved, ~finite)
+        self.opt.step(mask=finite)
+        for b in range(self.B):
+            if bool(finite[b]):
+                self.last_loss[b] = float(losses[b].detach())
+            else:
+                self.skipped[b] += 1
+                self.last_loss[b] = float("nan")
+        self.step += 1
+        return losses.detach()
+
+    def _restore_buffers(self, saved: dict[str, Tensor], bad: Tensor) -> None:
+        """The masked models' BatchNorm running statistics back to before the step."""
+        for n, buf in self.array.named_buffers():
+            if buf.dim() >= 1 and buf.shape[0] == self.B:
+                buf.data[bad] = saved[n][bad]
+
+    def train(self, steps: int | None = None, progress: bool = False) -> None:
+        total = self.spec.steps if steps is None else steps
+        from ..progress import Progress
+
+        with Progress(f"sweep of {self.B}", total=total, enabled=progress) as bar:
+            while self.step < total:
+                losses = self.train_step()
+                bar.update(self.step, f"loss {float(torch.nanmean(losses)):.4f} "
+                                      f"(mean of {self.B})")
+
+    # ------------------------------------------------------------------ results
+
+    def evaluate(self) -> list[dict[str, Any]]:
+        from ..models import TASK_CLASSIFICATION
+
+        n_eval = self.spec.eval_batches
+        tot = torch.zeros(self.B, dtype=torch.float64)
+        correct = torch.zeros(self.B, dtype=torch.float64)
+        count = 0
+        self.array.eval()
+        try:
+            with torch.no_grad():
+                streams = [list(d.eval_batches(n_eval)) for d in self.data]
+                for i in range(n_eval):
+                    got = [s[i] for s in streams]
+                    if self.spec.input_mode == "replicated":
+                        (x, y), = got
+                        x = tuple(x)
+                        y = y.unsqueeze(0).expand(self.B, *y.shape)
+                    else:
+                        x = tuple(torch.stack([g[0][j] for g in got])
+                                  for j in range(len(got[0][0])))
+                        y = torch.stack([g[1] for g in got])
+                    out = self.array(*x)
+                    k = int(y.shape[1])
+                    tot += per_model_losses(self.wl, out, x, y).double() * k
+                    if self.wl.task == TASK_CLASSIFICATION:
+                        correct += (out.argmax(-1) == y).double().sum(1)
+                    count += k
+        finally:
+            self.array.train()
+        cls = self.wl.task == TASK_CLASSIFICATION
+        rows = []
+        for b, v in enumerate(self.spec.variants):
+            rows.append({"model": b, "seed": v.seed, "lr": v.lr, "weight_decay": v.weight_decay,
+                         "final_loss": self.last_loss[b],
+                         "eval_loss": float(tot[b] / count) if count else None,
+                         "eval_accuracy": float(correct[b] / count) if cls and count else None,
+                         "skipped_steps": self.skipped[b]})
+        return rows
+
+    def export(self, b: int) -> nn.Module:
+        return self.array.export(b)

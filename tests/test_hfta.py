@@ -1,0 +1,272 @@
+"""Fused training arrays end to end (qsync_opt.hfta): a workload converted into a B-array
+equals B separate models, in every mode; the torch.func route equals the fused one; a sweep
+model equals its `train` run; a NaN stays in its model; exported models resume in `train`."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qsync_opt.cli import main
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.hfta.convert import fuse
+from qsync_opt.hfta.functional import FuncArray
+from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
+from qsync_opt.models import get_workload
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _models(name: str, B: int) -> list[torch.nn.Module]:
+    wl = get_workload(name)
+    out = []
+    for s in range(B):
+        torch.manual_seed(s)
+        out.append(wl.build().double().train())
+    return out
+
+
+def _inputs(name: str, B: int, n: int) -> torch.Tensor:
+    wl = get_workload(name)
+    torch.manual_seed(123)
+    (x,) = wl.make_inputs(B * n, torch.device("cpu"))
+    return x.double().view(B, n, *x.shape[1:])
+
+
+def _grads(mods: list[torch.nn.Module]) -> list[dict[str, torch.Tensor]]:
+    return [{k: p.grad.clone() for k, p in m.named_parameters()} for m in mods]
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "digits_resnet"])
+@pytest.mark.parametrize("mode", ["fused", "serial", "partial", "separate"])
+def test_array_equals_separate_models(name, mode):
+    """Forward, backward and BatchNorm's running statistics of the array equal B separate
+    models (float64), fully fused, fully serial, partially fused (fused trunk, unfused head)
+    and separate."""
+    B = 3
+    ref = _models(name, B)
+    arr = fuse(_models(name, B))
+    if mode == "serial":
+        for op in arr.op_names:
+            arr.set_mode(op, "serial")
+    elif mode == "partial":
+        heads = [op for op in arr.op_names if op.startswith("fc")]
+        assert heads
+        for op in heads:
+            arr.set_mode(op, "serial")
+    elif mode == "separate":
+        arr.separate = True
+    x = _inputs(name, B, 5)
+    w = torch.randn(B, 5, 10, dtype=torch.float64)
+    out = arr(x)
+    (out * w).sum().backward()
+    outs = []
+    for b, m in enumerate(ref):
+        y = m(x[b])
+        (y * w[b]).sum().backward()
+        outs.append(y)
+    assert torch.allclose(out, torch.stack(outs), atol=1e-10, rtol=0)
+    for b, g in enumerate(_grads(ref)):
+        for k in g:  # the fused parameter's slice b holds model b's gradient
+            target, _, leaf = k.rpartition(".")
+            mine = getattr(arr.fused[target.replace(".", "__")], leaf).grad[b]
+            assert torch.allclose(mine, g[k], atol=1e-10, rtol=0), k
+        sd = arr.export(b).state_dict()  # weights and running statistics
+        for k, v in ref[b].state_dict().items():
+            assert torch.allclose(sd[k].double(), v.double(), atol=1e-12), k
+
+
+def test_torch_func_route_equals_fused_route():
+    B = 4
+    arr = fuse(_models("digits_cnn", B))
+    fa = FuncArray(_models("digits_cnn", B))
+    x = _inputs("digits_cnn", B, 6)
+    w = torch.randn(B, 6, 10, dtype=torch.float64)
+    o1, o2 = arr(x), fa(x)
+    assert torch.allclose(o1, o2, atol=1e-10, rtol=0)
+    (o1 * w).sum().backward()
+    (o2 * w).sum().backward()
+    fused = dict(arr.named_parameters())
+    for name, p in zip(fa.names, fa.params, strict=True):
+        target, _, leaf = name.rpartition(".")
+        q = fused[f"fused.{target.replace('.', '__')}.{leaf}"]
+        assert torch.allclose(p.grad, q.grad, atol=1e-10, rtol=0), name
+    bufs = dict(arr.named_buffers())
+    for i, name in enumerate(fa.buffer_names):
+        target, _, leaf = name.rpartition(".")
+        mine = bufs[f"fused.{target.replace('.', '__')}.{leaf}"]
+        theirs = getattr(fa, f"buf{i}")
+        if mine.dim():
+            assert torch.allclose(mine.double(), theirs.double(), atol=1e-12), name
+
+
+def test_replicated_inputs_feed_every_model_the_same_batch():
+    B = 3
+    ref = _models("digits_cnn", B)
+    arr = fuse(_models("digits_cnn", B), input_mode="replicated")
+    x = _inputs("digits_cnn", 1, 4)[0]
+    out = arr(x)
+    assert torch.allclose(out, torch.stack([m(x) for m in ref]), atol=1e-10, rtol=0)
+
+
+def test_unsupported_models_are_refused_by_name():
+    with pytest.raises(QsyncInputError, match="hfta"):
+        fuse(_models("tiny_gpt", 2))
+
+
+def _train_run(tmp: Path, seed: int, steps: int, lr: float, *extra: str) -> dict:
+    out = tmp / f"train{seed}"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--model", "digits_cnn", "--seed", str(seed), "--lr", str(lr),
+                     "--steps", str(steps), "--out", str(out), "--emulate-dp", *extra]) == 0
+    f = sorted(glob.glob(str(out / "ckpt" / "step-*" / "rank0.pt")))[-1]
+    return torch.load(f, weights_only=True)["model"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    """Largest difference over ``a``'s entries (``b`` may hold more)."""
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def test_sweep_model_equals_its_train_run(tmp_path):
+    """Model s of the sweep is `train --seed s --nproc 1`: same initial weights, same
+    batches, same optimizer. Float32 sums reorder between a grouped and a plain
+    convolution (1e-8 at the first step); at lr 0.01 over 20 steps they stay below 1e-7 (at
+    lr 0.05 a ReLU/max-pool tie flipped at step 9 in one model and moved it by 7e-5)."""
+    spec = SweepSpec("digits_cnn", [Variant(s, 0.01, 0.0) for s in (0, 1, 2)], steps=20)
+    tr = ArrayTrainer(spec)
+    tr.train()
+    for s in (0, 2):
+        ref = _train_run(tmp_path, s, 20, 0.01)
+        assert _max_diff(tr.export(s).state_dict(), ref) <= 1e-5
+
+
+def test_a_nan_stays_in_its_model():
+    spec = SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in (0, 1, 2)], steps=4)
+    clean, dirty = ArrayTrainer(spec), ArrayTrainer(spec)
+    before = None
+    for step in range(4):
+        clean.train_step()
+        if step == 2:
+            before = dirty.export(1).state_dict()
+            dirty.train_step(poison=[1])
+            after = dirty.export(1).state_dict()
+            # model 1 untouched, BN running statistics included (num_batches_tracked is one
+            # count shared by the array's models: it counts the array's steps)
+            assert _max_diff({k: v for k, v in before.items() if "num_batches" not in k},
+                             after) == 0.0
+        else:
+            dirty.train_step()
+    assert dirty.skipped == [0, 1, 0] and clean.skipped == [0, 0, 0]
+    for b in (0, 2):
+        assert _max_diff(clean.export(b).state_dict(), dirty.export(b).state_dict()) == 0.0
+    assert _max_diff(clean.export(1).state_dict(), dirty.export(1).state_dict()) > 0
+
+
+def test_plan_precisions_reach_the_fused_ops(tmp_path):
+    from qsync_opt.cluster import parse_shorthand
+    from qsync_opt.graph import trace
+    from qsync_opt.plan import make_plan
+    from qsync_opt.precision import Precision
+
+    plan = make_plan(trace("digits_cnn", 64), parse_shorthand("v100x1+t4x1"),
+                     {"t4": {"conv2": "int8", "fc1": "fp16"}}, provenance={"solver": "test"})
+    path = tmp_path / "p.json"
+    plan.save(path)
+    out = tmp_path / "sweep"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["sweep", "--model", "digits_cnn", "--seeds", "0-1", "--steps", "2",
+                     "--plan", str(path), "--group", "t4", "--fuse", "fused",
+                     "--out", str(out)]) == 0
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["group"] == "t4" and len(doc["models"]) == 2
+    spec = SweepSpec("digits_cnn", [Variant(0, 0.05, 0.0), Variant(1, 0.05, 0.0)], steps=1,
+                     precisions={"conv2": "int8", "fc1": "fp16"})
+    tr = ArrayTrainer(spec)
+    assert tr.array.fused["conv2"].precision == Precision.int8
+    assert tr.array.fused["fc1"].precision == Precision.fp16
+    assert tr.array.fused["conv1"].precision == Precision.fp32
+    tr.train()
+    assert all(x == x for x in tr.last_loss)  # finite
+
+
+def test_exported_models_resume_in_train(tmp_path):
+    out = tmp_path / "sweep"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["sweep", "--model", "digits_cnn", "--seeds", "0-2", "--lr", "0.01",
+                     "--steps", "5", "--out", str(out), "--export", "--fuse", "fused"]) == 0
+    doc = json.loads((out / "sweep.json").read_text())
+    assert len(doc["exported"]) == 3
+    run = out / "model1"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--model", "digits_cnn", "--seed", "1", "--lr", "0.01",
+                     "--steps", "10", "--out", str(run), "--emulate-dp"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 5
+    resumed = torch.load(sorted(glob.glob(str(run / "ckpt" / "step-*" / "rank0.pt")))[-1],
+                         weights_only=True)["model"]
+    straight = _train_run(tmp_path, 1, 10, 0.01)
+    assert _max_diff(resumed, straight) <= 1e-5
+
+
+def test_measured_choice_records_and_restores(capsys):
+    from qsync_opt.hfta.choice import measure_choice
+    from qsync_opt.hfta.trainer import per_model_losses
+
+    spec = SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in range(4)], steps=1,
+                     batch=8)
+    tr = ArrayTrainer(spec)
+    before = {k: v.clone() for k, v in tr.array.state_dict().items()}
+    x, y = tr.batch_at(0)
+    c = measure_choice(tr.array, x, lambda o: per_model_losses(tr.wl, o, x, y).sum(), reps=2)
+    assert set(c.ops) == set(tr.array.op_names)
+    for op, v in c.ops.items():
+        assert v["fused_ms"] > 0 and v["serial_ms"] > 0
+        assert tr.array.mode_of(op) == v["mode"] == ("fused" if v["fused_ms"] <= v["serial_ms"]
+                                                     else "serial")
+    assert tr.array.separate == (c.separate_ms < c.array_ms)
+    after = tr.array.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in tr.array.parameters())
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--seeds", "3-1"], "--seeds"),
+    (["--seeds", "0,0"], "--seeds: seed 0 is given twice"),
+    (["--lr", "0,0.1"], "--lr"),
+    (["--wd", "-1"], "--wd"),
+    (["--plan", "x.json"], "--plan and --group"),
+    (["--export"], "--export: needs --out"),
+    (["--lr-schedule", "bogus"], "--lr-schedule"),
+    (["--model", "nosuch"], "--model"),
+])
+def test_sweep_bad_input_is_one_line(capsys, argv, needle):
+    base = ["sweep", "--model", "digits_cnn", "--steps", "1"]
+    rc = main([*base, *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_sweep_checks_memory_before_building(capsys, monkeypatch):
+    import qsync_opt.hfta.sweep as sweep
+
+    monkeypatch.setattr(sweep, "_capacity", lambda plan, group: (10_000, "the test card"))
+    built = []
+    monkeypatch.setattr("qsync_opt.hfta.trainer.ArrayTrainer.__init__",
+                        lambda self, spec: built.append(spec))
+    rc = main(["sweep", "--model", "digits_cnn", "--seeds", "0-7", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "memory: 8 models" in err and "the test card" in err, err
+    assert not built
