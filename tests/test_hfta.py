@@ -270,3 +270,15 @@ def test_sweep_checks_memory_before_building(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 2 and "memory: 8 models" in err and "the test card" in err, err
     assert not built
+
+
+def test_load_standalone_models_into_an_array():
+    arr = fuse(_models("digits_cnn", 2))
+    others = _models("digits_cnn", 4)[2:]  # seeds 2 and 3
+    arr.load_models(others)
+    for b in range(2):
+        sd = arr.export(b).state_dict()
+        for k, v in others[b].state_dict().items():
+            assert torch.equal(sd[k], v), k
+    with pytest.raises(QsyncInputError, match="holds 2"):
+        arr.load_models(others[:1])

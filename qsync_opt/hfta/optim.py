@@ -201,7 +201,10 @@ class _Arrays:
     def get(self, key: str, device: torch.device, dtype: torch.dtype) -> Tensor:
         k = (device, dtype, key)
         if k not in self.cache:
-            self.cache[k] = self.group[key].to(device=device, dtype=dtype)
+            if key == "neg_lr":
+                self.cache[k] = self.get("lr", device, dtype).neg()
+            else:
+                self.cache[k] = self.group[key].to(device=device, dtype=dtype)
         return self.cache[k]
 
 
@@ -293,6 +296,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             except QsyncInputError as e:
                 raise QsyncInputError(f"{owner}.load_state_dict: param group {i}: {e}") from None
         super().load_state_dict(state_dict)
+        self.__dict__.pop("_all_started", None)  # recomputed from the loaded state
         for g in self.param_groups:
             self._normalize(g)
         for p, st in self.state.items():
@@ -397,14 +401,33 @@ class FusedSGD(_FusedOptimizer):
         if "step" not in st:
             st["step"] = torch.zeros(B, dtype=_F64, device=dev)
         m = None if m_b is None else m_b.view(shape)
+        flags = getattr(arrays, "flags", None)
+        if flags is None:  # once per group and step, not per parameter
+            mom0 = group["momentum"]
+            flags = arrays.flags = {  # type: ignore[attr-defined]
+                "wd": bool((group["weight_decay"] != 0).any()),
+                "mom_any": bool((mom0 != 0).any()),
+                "plain": bool((mom0 != 0).all()) and bool((group["dampening"] == 0).all())
+                and not group["nesterov"]}
 
         d_p = grad
-        wd = group["weight_decay"]
-        if bool((wd != 0).any()):
+        if flags["wd"]:
             d_p = torch.addcmul(grad, p, arrays.get("weight_decay", dev, dt).view(shape))
 
+        started = self.__dict__.setdefault("_all_started", {})  # id(p) -> bool, not state
+        if id(p) not in started and "momentum_started" in st:
+            started[id(p)] = bool((st["momentum_started"] != 0).all())
+        if m_b is None and flags["plain"] and started.get(id(p), False):
+            # the common case, the same arithmetic in two in-place ops: every model has
+            # momentum, no dampening, no Nesterov, every buffer started, no mask
+            buf = st["momentum_buffer"]
+            buf.mul_(arrays.get("momentum", dev, dt).view(shape)).add_(d_p)
+            p.addcmul_(buf, arrays.get("neg_lr", dev, dt).view(shape))
+            st["step"] += 1
+            return
+
         mom = group["momentum"]
-        if bool((mom != 0).any()):
+        if flags["mom_any"]:
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["momentum_started"] = torch.zeros(B, dtype=dt, device=dev)
@@ -421,6 +444,8 @@ class FusedSGD(_FusedOptimizer):
             new_started = (started_b | active_b).to(dt)
             _commit(buf, new_buf, m)
             _commit(st["momentum_started"], new_started, m_b)
+            self.__dict__.setdefault("_all_started", {})[id(p)] = bool(
+                (st["momentum_started"] != 0).all())
         else:
             upd = d_p
 

@@ -1,0 +1,262 @@
+"""Fused training arrays on this CPU: throughput of B models trained as one job (issue 22).
+
+For every cell (model, B, batch per model) four ways of training B variants of the model
+(different seeds, SGD lr 0.05 momentum 0.9, per-model inputs) are timed on the same steps:
+
+* ``serial``: B standalone models, each with its own torch.optim.SGD, stepped one after
+  another (what running the B jobs one by one does, per step);
+* ``procs``: B separate processes, each training one standalone model at the same time
+  (one torch thread each; the processes are started once per cell and run each round when
+  the parent says, so rounds interleave with the other modes; start-up is not timed);
+* ``fused``: the B-array with every op fused (qsync_opt.hfta: one kernel per op for all B)
+  and FusedSGD;
+* ``choice``: the B-array after the measured per-op choice (qsync_opt.hfta.choice; its
+  start-up measurement is timed apart and printed, not inside the throughput).
+
+Each round runs the same number of timed steps of every mode (``--steps``, or more so that
+a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a rotated order; ``--reps`` rounds; the figure is samples per second (B x batch x steps / wall), the
+median over rounds with the spread (min-max). Ratios are against ``serial``. One torch
+thread in the parent (``--threads``); the bar of the issue: ``choice`` at least 0.95x
+``serial`` in every cell.
+
+Cells whose B x batch exceeds ``--max-samples`` for the model are skipped (ResNet-18 at 32x32
+costs about 1.7 GFLOP a sample forward and backward: a B=16 x 256 step would take minutes
+here); the output names each skipped cell.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hfta.py --dump benchmarks/results/hfta.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("serial", "procs", "fused", "choice")
+
+
+def _batches(wl: Any, seed: int, batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    (x,) = wl.make_inputs(batch, torch.device("cpu"))
+    out = []
+    for _ in range(n):
+        xi = torch.rand(x.shape, generator=g) if x.is_floating_point() else x
+        yi = torch.randint(0, 10, (batch,), generator=g)
+        out.append((xi, yi))
+    return out
+
+
+def _proc_worker(name: str, seed: int, batch: int, steps: int, reps: int,
+                 ready: Any, start: Any, done: Any, q: Any) -> None:
+    torch.set_num_threads(1)
+    import torch.nn.functional as F
+
+    from qsync_opt.models import get_workload
+
+    wl = get_workload(name)
+    torch.manual_seed(seed)
+    m = wl.build().train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    data = _batches(wl, seed, batch, 1)
+
+    def step() -> None:
+        x, y = data[0]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+
+    step()
+    ready.wait()
+    for _ in range(reps):
+        start.wait()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        q.put(time.perf_counter() - t)
+        done.wait()
+
+
+class Procs:
+    """B processes, one standalone model each, run a round when :meth:`round` is called."""
+
+    def __init__(self, name: str, B: int, batch: int, steps: int, reps: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.ready = ctx.Barrier(B + 1)
+        self.start, self.done = ctx.Barrier(B + 1), ctx.Barrier(B + 1)
+        self.q = ctx.Queue()
+        self.ps = [ctx.Process(target=_proc_worker,
+                               args=(name, s, batch, steps, reps, self.ready, self.start,
+                                     self.done, self.q), daemon=True) for s in range(B)]
+        env_before = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        for p in self.ps:
+            p.start()
+        if env_before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_before
+        self.B = B
+        self.ready.wait(timeout=3600)  # every process built and warmed up: not timed
+
+    def round(self) -> float:
+        t = time.perf_counter()
+        self.start.wait(timeout=3600)
+        for _ in range(self.B):
+            self.q.get(timeout=3600)
+        wall = time.perf_counter() - t
+        self.done.wait(timeout=3600)
+        return wall
+
+    def close(self) -> None:
+        for p in self.ps:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: float
+         ) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from qsync_opt.hfta.choice import measure_choice
+    from qsync_opt.hfta.convert import fuse
+    from qsync_opt.hfta.optim import FusedSGD
+    from qsync_opt.models import get_workload
+
+    wl = get_workload(name)
+
+    def models() -> list[torch.nn.Module]:
+        out = []
+        for s in range(B):
+            torch.manual_seed(s)
+            out.append(wl.build().train())
+        return out
+
+    data = [_batches(wl, s, batch, 1)[0] for s in range(B)]
+    xs = torch.stack([d[0] for d in data])
+    ys = torch.stack([d[1] for d in data])
+    serial = models()
+    sopts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in serial]
+
+    def serial_step() -> None:
+        for m, o, (x, y) in zip(serial, sopts, data, strict=True):
+            o.zero_grad(set_to_none=True)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+
+    def array_step(arr: Any, opt: Any) -> Any:
+        def go() -> None:
+            opt.zero_grad(set_to_none=True)
+            out = arr(xs)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), ys.reshape(-1),
+                            reduction="none").view(B, -1).mean(1).sum().backward()
+            opt.step()
+        return go
+
+    fused = fuse(models())
+    fopt = FusedSGD(list(fused.parameters()), B, lr=0.05, momentum=0.9)
+    chosen = fuse(models())
+    copt = FusedSGD(list(chosen.parameters()), B, lr=0.05, momentum=0.9)
+    t = time.perf_counter()
+    choice = measure_choice(chosen, (xs,), lambda out: F.cross_entropy(
+        out.reshape(-1, out.shape[-1]), ys.reshape(-1)), reps=3)
+    choice_s = time.perf_counter() - t
+    steps_fn = {"serial": serial_step, "fused": array_step(fused, fopt),
+                "choice": array_step(chosen, copt)}
+    for fn in steps_fn.values():
+        fn()  # warm-up
+    t = time.perf_counter()
+    serial_step()
+    steps = max(steps, int(min_round_s / max(time.perf_counter() - t, 1e-6)) + 1)
+    procs = Procs(name, B, batch, steps, reps)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    try:
+        for r in range(reps):
+            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+            for mode in order:
+                if mode == "procs":
+                    times[mode].append(procs.round())
+                    continue
+                t = time.perf_counter()
+                for _ in range(steps):
+                    steps_fn[mode]()
+                times[mode].append(time.perf_counter() - t)
+    finally:
+        procs.close()
+    n = B * batch * steps
+    res: dict[str, Any] = {"model": name, "B": B, "batch": batch, "steps": steps, "reps": reps,
+                           "threads": torch.get_num_threads(), "choice": choice.to_json(),
+                           "choice_summary": choice.summary(), "choice_s": round(choice_s, 2)}
+    for mode in MODES:
+        rates = [n / t for t in times[mode]]
+        res[mode] = {"median": statistics.median(rates), "min": min(rates),
+                     "max": max(rates)}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="digits_cnn,resnet18_32")
+    ap.add_argument("--B", default="1,2,4,8,16")
+    ap.add_argument("--batches", default="4,16,64,256")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--min-round-s", type=float, default=0.5,
+                    help="at least this long a round of serial steps (more steps if faster)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-samples", default="digits_cnn=4096,resnet18_32=64",
+                    help="per model, the largest B x batch run (the rest are skipped)")
+    ap.add_argument("--dump", help="append every cell's result here (JSON lines; resumes)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    limits = {k: int(v) for k, v in (x.split("=") for x in args.max_samples.split(","))}
+    done: dict[tuple[str, int, int], dict[str, Any]] = {}
+    if args.dump and Path(args.dump).exists():
+        for line in Path(args.dump).read_text().splitlines():
+            r = json.loads(line)
+            done[(r["model"], r["B"], r["batch"])] = r
+    print(f"# load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s) in the parent, "
+          f"1 per process")
+    for name in args.models.split(","):
+        print(f"\n{name}: samples/s, median of {args.reps} rounds of at least {args.steps} "
+              f"steps (a round at least {args.min_round_s:g} s) [min-max]; ratios against "
+              "serial")
+        print(f"  {'B':>3s} {'batch':>5s} {'serial':>22s} {'procs':>22s} {'fused':>22s} "
+              f"{'choice':>22s}  fused/ser choice/ser  procs/ser  choice")
+        for B in (int(b) for b in args.B.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                if B * batch > limits.get(name, 1 << 30):
+                    print(f"  {B:3d} {batch:5d}  skipped (B x batch > {limits[name]})")
+                    continue
+                key = (name, B, batch)
+                if key not in done:
+                    done[key] = cell(name, B, batch, args.steps, args.reps, args.min_round_s)
+                    if args.dump:
+                        with open(args.dump, "a") as fh:
+                            fh.write(json.dumps(done[key]) + "\n")
+                r = done[key]
+
+                def f(m: str, r: dict[str, Any] = r) -> str:
+                    v = r[m]
+                    return f"{v['median']:8.0f} [{v['min']:.0f}-{v['max']:.0f}]"
+
+                s = r["serial"]["median"]
+                print(f"  {B:3d} {batch:5d} {f('serial'):>22s} {f('procs'):>22s} "
+                      f"{f('fused'):>22s} {f('choice'):>22s}  "
+                      f"{r['fused']['median'] / s:9.2f} {r['choice']['median'] / s:10.2f} "
+                      f"{r['procs']['median'] / s:10.2f}  {r['choice_summary']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
