@@ -61,7 +61,6 @@ def _proc_worker(name: str, seed: int, batch: int, steps: int, reps: int,
                  ready: Any, start: Any, done: Any, q: Any) -> None:
     torch.set_num_threads(1)
     import torch.nn.functional as F
-
     from qsync_opt.models import get_workload
 
     wl = get_workload(name)
@@ -128,11 +127,11 @@ class Procs:
 def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: float
          ) -> dict[str, Any]:
     import torch.nn.functional as F
+    from qsync_opt.models import get_workload
 
     from qsync_opt.hfta.choice import measure_choice
     from qsync_opt.hfta.convert import fuse
     from qsync_opt.hfta.optim import FusedSGD
-    from qsync_opt.models import get_workload
 
     wl = get_workload(name)
 

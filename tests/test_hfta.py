@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from qsync_opt.models import get_workload
 
 from qsync_opt.cli import main
 from qsync_opt.errors import QsyncInputError
 from qsync_opt.hfta.convert import fuse
 from qsync_opt.hfta.functional import FuncArray
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
-from qsync_opt.models import get_workload
 
 
 @pytest.fixture(autouse=True)

@@ -130,6 +130,7 @@ def test_resume_reproduces_the_run(tmp_path, monkeypatch, feedback, act):
 
 def test_heterogeneous_balance_gives_the_slower_stage_less(tmp_path):
     from qsync_opt.models import get_workload
+
     from qsync_opt.runtime.pipeline import split_stages, stage_costs
 
     torch.manual_seed(0)

@@ -178,15 +178,15 @@ class FusedArray(nn.Module):
             state: dict[str, Tensor] = {}
             for k, mod in self.fused.items():
                 target = k.replace("__", ".")
-                for n, t in mod.named_parameters(recurse=False):
-                    state[f"{target}.{n}"] = t[b]
-                for n, t in mod.named_buffers(recurse=False):
-                    if t.dim() == 0:  # a count shared by the B models: stepped once below
+                for n, prm in mod.named_parameters(recurse=False):
+                    state[f"{target}.{n}"] = prm[b]
+                for n, buf in mod.named_buffers(recurse=False):
+                    if buf.dim() == 0:  # a count shared by the B models: stepped once below
                         if b == 0:
-                            counters.append(t)
-                        state[f"{target}.{n}"] = t.clone()
+                            counters.append(buf)
+                        state[f"{target}.{n}"] = buf.clone()
                     else:
-                        state[f"{target}.{n}"] = t[b]
+                        state[f"{target}.{n}"] = buf[b]
             xs = tuple(x if self.input_mode == "replicated" else x[b] for x in inputs)
             outs.append(functional_call(base, state, xs))
         if self.training:
@@ -201,7 +201,8 @@ class FusedArray(nn.Module):
         if not 0 <= b < self.B:
             raise QsyncInputError(f"model: expected 0 to {self.B - 1}, got {b}")
         model = copy.deepcopy(self._template[0])
-        for k, mod in self.fused.items():
+        for k, fmod in self.fused.items():
+            mod: Any = fmod
             target = k.replace("__", ".")
             parent, _, leaf = target.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
@@ -214,7 +215,8 @@ class FusedArray(nn.Module):
             raise QsyncInputError(f"models: the array holds {self.B}, got {len(models)}")
         for k in self.fused:
             target = k.replace("__", ".")
-            new = type(self.fused[k]).from_modules([m.get_submodule(target) for m in models])
+            cls: Any = type(self.fused[k])
+            new = cls.from_modules([m.get_submodule(target) for m in models])
             self.fused[k].load_state_dict(new.state_dict())
 
 
@@ -246,13 +248,7 @@ def serial_forward(mod: nn.Module, x: Tensor, B: int, replicated: bool) -> Tenso
                          mod.padding, mod.dilation, mod.groups) for b in range(B)]
         return torch.cat(outs, 1)
     if isinstance(mod, H.FusedBatchNorm2d):
-        factor = 0.0 if mod.momentum is None else mod.momentum
-        if mod.training and mod.track_running_stats and mod.num_batches_tracked is not None:
-            mod.num_batches_tracked.add_(1)
-            factor = (1.0 / float(mod.num_batches_tracked) if mod.momentum is None
-                      else mod.momentum)
-        use_batch = mod.training or (mod.running_mean is None and mod.running_var is None)
-        keep = not mod.training or mod.track_running_stats
+        factor, use_batch, keep = mod.step_statistics()
         xs = x.view(x.shape[0], B, -1, *x.shape[2:]).unbind(1)
         outs = []
         for b in range(B):
@@ -325,7 +321,7 @@ def fuse(models: Sequence[nn.Module], *, input_mode: str = "per_model") -> Fused
             if not isinstance(x, fx.Node) or len(n.args) != 1 or n.kwargs:
                 raise QsyncInputError(f"hfta: module {n.target!r} is called with "
                                       f"{len(n.args)} arguments; only single-input modules fuse")
-            fcls = next((f for t, f in _FUSED.items() if type(m0) is t), None)
+            fcls: Any = next((f for t, f in _FUSED.items() if type(m0) is t), None)
             if fcls is not None:
                 want = _LAYOUT[fcls]
                 if fcls is H.FusedEmbedding:
@@ -400,7 +396,7 @@ def fuse(models: Sequence[nn.Module], *, input_mode: str = "per_model") -> Fused
 
             steps.append(("fn", n.name, fn, tuple(ref(a) for a in n.args),
                           {k: ref(v) for k, v in n.kwargs.items()}))
-            layout[n.name] = lays.pop()
+            layout[n.name] = str(lays.pop())
         elif n.op == "get_attr":
             raise QsyncInputError(f"hfta: {n.target!r} is a tensor read outside a module; no "
                                   "fused form")

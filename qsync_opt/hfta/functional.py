@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import QsyncInputError

@@ -480,11 +480,9 @@ class FusedBatchNorm2d(nn.Module):
         return (f"B={self.B}, {self.num_features}, eps={self.eps}, momentum={self.momentum}, "
                 f"affine={self.affine}, track_running_stats={self.track_running_stats}")
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 4 or x.shape[1] != self.B * self.num_features:
-            raise QsyncInputError(
-                f"FusedBatchNorm2d: expected input [N, B*C={self.B * self.num_features}, H, "
-                f"W], got shape {tuple(x.shape)}")
+    def step_statistics(self) -> tuple[float, bool, bool]:
+        """One forward's (momentum factor, normalise by batch statistics?, use the running
+        buffers?), as torch's BatchNorm decides them; counts the batch in training."""
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -492,6 +490,14 @@ class FusedBatchNorm2d(nn.Module):
                       else self.momentum)
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
+        return factor, use_batch, keep
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != self.B * self.num_features:
+            raise QsyncInputError(
+                f"FusedBatchNorm2d: expected input [N, B*C={self.B * self.num_features}, H, "
+                f"W], got shape {tuple(x.shape)}")
+        factor, use_batch, keep = self.step_statistics()
         rm = self.running_mean.view(-1) if keep and self.running_mean is not None else None
         rv = self.running_var.view(-1) if keep and self.running_var is not None else None
         return F.batch_norm(x, rm, rv,

@@ -426,7 +426,6 @@ class FusedSGD(_FusedOptimizer):
             st["step"] += 1
             return
 
-        mom = group["momentum"]
         if flags["mom_any"]:
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -157,8 +157,7 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     model = trainer.export(b)
     opt = make_optimizer(config, model)
     fused_state = trainer.opt.state
-    for (name, p_fused), p in zip(trainer.array.named_parameters(), model.parameters(),
-                                  strict=True):
+    for p_fused, p in zip(trainer.array.parameters(), model.parameters(), strict=True):
         st = fused_state.get(p_fused, {})
         mine: dict[str, Any] = {}
         if spec.optimizer == "sgd" and "momentum_buffer" in st:
@@ -189,6 +188,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from ..io import atomic_write_text
     from ..precision import Precision
+    from ..runtime.metrics import clean as _clean
     from ..schemas import Plan
     from ..summaries import format_table
     from .trainer import ArrayTrainer, SweepSpec, Variant
@@ -303,15 +303,3 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{len(variants)} models x {args.steps} steps in {wall:.1f} s "
               f"({doc['samples_per_s']} samples/s, {doc['threads']} thread(s))")
     return 0
-
-
-def _clean(x: Any) -> Any:
-    import math
-
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    return x

@@ -108,7 +108,8 @@ class ArrayTrainer:
         for op, p in spec.precisions.items():
             k = op.replace(".", "__")
             if k in self.array.fused:
-                self.array.fused[k].precision = Precision(p)
+                op_mod: Any = self.array.fused[k]
+                op_mod.precision = Precision(p)
         lrs = [v.lr for v in spec.variants]
         wds = [v.weight_decay for v in spec.variants]
         params = list(self.array.parameters())
@@ -132,7 +133,7 @@ class ArrayTrainer:
 
     def batch_at(self, step: int) -> tuple[tuple[Tensor, ...], Tensor]:
         """The array's inputs and targets of ``step`` (per-model: stacked on a new axis 0)."""
-        got = [d.batch(step) for d in self.data]
+        got: list[Any] = [d.batch(step) for d in self.data]
         if self.spec.input_mode == "replicated":
             (x, y), = got
             return tuple(x), y.unsqueeze(0).expand(self.B, *y.shape)
@@ -198,7 +199,7 @@ class ArrayTrainer:
             with torch.no_grad():
                 streams = [list(d.eval_batches(n_eval)) for d in self.data]
                 for i in range(n_eval):
-                    got = [s[i] for s in streams]
+                    got: list[Any] = [s[i] for s in streams]
                     if self.spec.input_mode == "replicated":
                         (x, y), = got
                         x = tuple(x)

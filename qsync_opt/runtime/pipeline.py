@@ -204,9 +204,9 @@ def _balanced_cuts(nodes: list[fx.Node], n_stages: int,
         raise QsyncInputError(f"stages: expected at most {len(cand) + 1} for this model, "
                               f"got {n_stages}")
     prefixes = []
-    for c in per_stage:
+    for table in per_stage:
         prefix = [0.0]
-        for x in _node_costs(nodes, c):
+        for x in _node_costs(nodes, table):
             prefix.append(prefix[-1] + x)
         prefixes.append(prefix)
     pts = [0, *cand, len(nodes)]

@@ -190,6 +190,11 @@ def _precision_mix(stage: nn.Module) -> dict[str, int]:
     return mix
 
 
+def _scaled_loss(wl: Any, scale: float, out: Any, inputs: Any, targets: Tensor) -> Tensor:
+    """The workload's loss times the loss scale (fp16 stages: gradients cross scaled)."""
+    return wl.loss_of(out, inputs, targets) * scale
+
+
 def _micro_sizes(batch: int, micro: int) -> list[int]:
     return [int(t.numel()) for t in torch.tensor_split(torch.arange(batch), micro)]
 
@@ -311,7 +316,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
             a0, g0 = pipe.wire_bytes()
             t = time.perf_counter()
             scale = scaler.scale
-            loss = pipe.train_step(lambda o, i, tg: wl.loss_of(o, i, tg) * scale, x, y,
+            loss = pipe.train_step(functools.partial(_scaled_loss, wl, scale), x, y,
                                    micro_batches=spec.micro_batches, idx=idx) / scale
             for k in range(S):
                 scaler.unscale_(pipe.stages[k])
@@ -461,7 +466,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
             sent0 = _sent(pipe, rank)
             t = time.perf_counter()
             scale = scaler.scale
-            loss = ds.train_step(lambda o, i, tg: wl.loss_of(o, i, tg) * scale, x, y,
+            loss = ds.train_step(functools.partial(_scaled_loss, wl, scale), x, y,
                                  micro_batches=spec.micro_batches, idx=idx) / scale
             scaler.unscale_(ds.stage)
             bad = torch.tensor([scaler.nonfinite([ds.stage],
@@ -556,10 +561,10 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
     the exact split every rank makes."""
     from pydantic import ValidationError
 
+    from ..costs import estimate
     from ..errors import describe_validation_error
     from ..graph import trace
     from ..models import UnknownWorkloadError, get_workload
-    from ..costs import estimate
     from .config import PipelineSpec
     from .pipeline import plan_op_costs
 
