@@ -10,8 +10,10 @@ For every cell (model, B, batch per model) four ways of training B variants of t
   the parent says, so rounds interleave with the other modes; start-up is not timed);
 * ``fused``: the B-array with every op fused (qsync_opt.hfta: one kernel per op for all B)
   and FusedSGD;
-* ``choice``: the B-array after the measured per-op choice (qsync_opt.hfta.choice; its
-  start-up measurement is timed apart and printed, not inside the throughput).
+* ``choice``: what the measured choice (qsync_opt.hfta.choice) runs: the B-array with each
+  op fused or as B calls, whichever was faster in context, or, where the whole array lost to
+  them, the standalone models one by one (its start-up measurement is timed apart and
+  printed, not inside the throughput).
 
 Each round runs the same number of timed steps of every mode (``--steps``, or more so that
 a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a rotated order; ``--reps`` rounds; the figure is samples per second (B x batch x steps / wall), the
@@ -168,11 +170,22 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
     chosen = fuse(models())
     copt = FusedSGD(list(chosen.parameters()), B, lr=0.05, momentum=0.9)
     t = time.perf_counter()
-    choice = measure_choice(chosen, (xs,), lambda out: F.cross_entropy(
-        out.reshape(-1, out.shape[-1]), ys.reshape(-1)), reps=3)
+    choice = measure_choice(
+        chosen, (xs,), lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                                   ys.reshape(-1), reduction="none")
+        .view(B, -1).mean(1).sum(),
+        lambda out, b: F.cross_entropy(out, ys[b]), reps=3)
     choice_s = time.perf_counter() - t
+    standalone = [chosen.export(b).train() for b in range(B)]
+    sa_opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in standalone]
+
+    def standalone_step() -> None:  # the choice's fallback: the models one by one
+        for m, o, (x, y) in zip(standalone, sa_opts, data, strict=True):
+            o.zero_grad(set_to_none=True)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
     steps_fn = {"serial": serial_step, "fused": array_step(fused, fopt),
-                "choice": array_step(chosen, copt)}
+                "choice": standalone_step if choice.separate else array_step(chosen, copt)}
     for fn in steps_fn.values():
         fn()  # warm-up
     t = time.perf_counter()

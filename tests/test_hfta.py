@@ -230,13 +230,16 @@ def test_measured_choice_records_and_restores(capsys):
     tr = ArrayTrainer(spec)
     before = {k: v.clone() for k, v in tr.array.state_dict().items()}
     x, y = tr.batch_at(0)
-    c = measure_choice(tr.array, x, lambda o: per_model_losses(tr.wl, o, x, y).sum(), reps=2)
+    c = measure_choice(tr.array, x, lambda o: per_model_losses(tr.wl, o, x, y).sum(),
+                       lambda o, b: tr.wl.loss_of(o, (), y[b]), reps=2)
     assert set(c.ops) == set(tr.array.op_names)
     for op, v in c.ops.items():
         assert v["fused_ms"] > 0 and v["serial_ms"] > 0
         assert tr.array.mode_of(op) == v["mode"] == ("fused" if v["fused_ms"] <= v["serial_ms"]
                                                      else "serial")
-    assert tr.array.separate == (c.separate_ms < c.array_ms)
+    assert c.array_ms > 0 and c.separate_ms > 0
+    assert c.separate == (c.separate_ms < c.array_ms)
+    assert json.loads(json.dumps(c.to_json()))["separate"] == c.separate
     after = tr.array.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in tr.array.parameters())
@@ -282,3 +285,34 @@ def test_load_standalone_models_into_an_array():
             assert torch.equal(sd[k], v), k
     with pytest.raises(QsyncInputError, match="holds 2"):
         arr.load_models(others[:1])
+
+
+def test_standalone_fallback_equals_the_array(tmp_path):
+    """Where the standalone models win the measurement, the sweep trains them one by one:
+    the same models as the array trains (float32 reordering only), the same NaN rule, and
+    their exports resume in `train` like the array's."""
+    spec = SweepSpec("digits_cnn", [Variant(s, 0.01, 1e-4) for s in (0, 1, 2)], steps=6)
+    fused, alone = ArrayTrainer(spec), ArrayTrainer(spec)
+    alone.use_standalone()
+    for step in range(6):
+        poison = [2] if step == 3 else []
+        fused.train_step(poison=poison)
+        alone.train_step(poison=poison)
+    assert alone.skipped == fused.skipped == [0, 0, 1]
+    for b in range(3):  # (the array's num_batches_tracked counts its steps, skipped or not)
+        mine = {k: v for k, v in alone.export(b).state_dict().items() if "num_batches" not in k}
+        assert _max_diff(mine, fused.export(b).state_dict()) <= 1e-5
+    ev_f, ev_a = fused.evaluate(), alone.evaluate()
+    for a, b in zip(ev_f, ev_a, strict=True):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4
+    out = tmp_path / "sweep"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["sweep", "--model", "digits_cnn", "--seeds", "0-1", "--lr", "0.01",
+                     "--steps", "5", "--out", str(out), "--export", "--fuse", "separate"]) == 0
+    run = out / "model1"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--model", "digits_cnn", "--seed", "1", "--lr", "0.01",
+                     "--steps", "10", "--out", str(run), "--emulate-dp"]) == 0
+    resumed = torch.load(sorted(glob.glob(str(run / "ckpt" / "step-*" / "rank0.pt")))[-1],
+                         weights_only=True)["model"]
+    assert _max_diff(resumed, _train_run(tmp_path, 1, 10, 0.01)) <= 1e-5

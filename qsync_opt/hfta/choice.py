@@ -9,10 +9,13 @@ forward of a real batch, in the op's layout) both ways: ``fused`` (one kernel fo
 joined: the splitting and joining are inside the timing). Runs interleave (fused, serial,
 fused, ...), the median of ``reps`` each is kept, and the faster mode is set.
 
-Then the whole array under those modes is timed against ``separate``: each model's own code
-run ``B`` times on its slices (no layouts at all), and the faster one is kept, so the array
-is never slower than running the models one after another by more than the timing's noise.
-(``separate`` runs fp32 only: under a plan with lower precisions it is not a candidate.)
+Then the array's whole step under those modes (forward, backward, the fused optimizer) is
+timed against the standalone models' (each model exported to its own module with its own
+torch optimizer, stepped one after another: what running the jobs one by one costs), and
+``Choice.separate`` says whether the standalone models won; the trainer then trains them
+as standalone models, so a sweep is never slower than the jobs one by one by more than the
+timing's noise. (Standalone models run fp32: under a plan with lower precisions they are
+not a candidate.)
 
 The choice is recorded (:class:`Choice`: every op's two medians and the mode taken, the
 array's and separate's step medians) and goes into the sweep's JSON.
@@ -45,11 +48,11 @@ class Choice:
     def summary(self) -> str:
         fused = sum(1 for v in self.ops.values() if v["mode"] == "fused")
         if self.separate:
-            return (f"separate: each model's own code ({self.separate_ms:.2f} ms a step) beat "
-                    f"the array ({self.array_ms:.2f} ms, {fused} of {len(self.ops)} ops "
+            return (f"standalone: the models one by one ({self.separate_ms:.2f} ms a step) "
+                    f"beat the array ({self.array_ms:.2f} ms, {fused} of {len(self.ops)} ops "
                     "fused)")
         return (f"array: {fused} of {len(self.ops)} ops fused, {self.array_ms:.2f} ms a step "
-                f"(separate {self.separate_ms:.2f} ms)")
+                f"(standalone {self.separate_ms:.2f} ms)")
 
     def to_json(self) -> dict[str, Any]:
         return {"ops": self.ops, "array_ms": self.array_ms, "separate_ms": self.separate_ms,
@@ -96,10 +99,18 @@ def _capture(array: FusedArray, inputs: Sequence[Tensor]) -> dict[str, Tensor]:
 
 
 def measure_choice(array: FusedArray, inputs: Sequence[Tensor],
-                   loss: Callable[[Tensor], Tensor], *, reps: int = 5,
-                   allow_separate: bool = True) -> Choice:
-    """Set every op's mode and the array's ``separate`` flag from measurement (module
-    docstring); the array's parameters, buffers and gradients are as they were after."""
+                   loss: Callable[[Tensor], Tensor],
+                   loss_one: Callable[[Tensor, int], Tensor] | None = None, *,
+                   reps: int = 5, optimizer: str = "sgd") -> Choice:
+    """Set every op's mode from measurement, then time the array's whole step against the
+    standalone models' (module docstring) and record which is faster in
+    ``Choice.standalone``. ``loss``: the array's loss of its ``[B, N, ...]`` output;
+    ``loss_one(out, b)``: model ``b``'s loss of its own output (None: no standalone
+    candidate, e.g. under lower precisions). The array's parameters, buffers and gradients
+    are as they were after; the timing steps run throwaway optimizers (``optimizer``: sgd or
+    adamw, fused for the array, torch's for the standalone models)."""
+    from .optim import FusedAdamW, FusedSGD
+
     state = {k: v.detach().clone() for k, v in array.state_dict().items()}
     array.separate = False
     choice = Choice(threads=torch.get_num_threads())
@@ -118,21 +129,33 @@ def measure_choice(array: FusedArray, inputs: Sequence[Tensor],
         array.modes[k] = mode
         choice.ops[k.replace("__", ".")] = {"fused_ms": round(f, 4), "serial_ms": round(s, 4),
                                             "mode": mode}
+    params = list(array.parameters())
+    fopt: Any = (FusedAdamW(params, array.B, lr=1e-3) if optimizer == "adamw"
+                 else FusedSGD(params, array.B, lr=0.01, momentum=0.9))
 
-    def whole(separate: bool) -> None:
-        array.separate = separate
-        try:
-            loss(array(*inputs)).backward()
-        finally:
-            array.separate = False
+    def array_step() -> None:
+        fopt.zero_grad(set_to_none=True)
+        loss(array(*inputs)).backward()
+        fopt.step()
 
-    if allow_separate:
-        a, sep = time_step(lambda: whole(False), lambda: whole(True), reps)
+    if loss_one is not None:
+        models = [array.export(b).train() for b in range(array.B)]
+        opts: list[Any] = [torch.optim.AdamW(m.parameters(), lr=1e-3) if optimizer == "adamw"
+                           else torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+                           for m in models]
+
+        def standalone_step() -> None:
+            for b, (m, o) in enumerate(zip(models, opts, strict=True)):
+                o.zero_grad(set_to_none=True)
+                xs = tuple(x if replicated else x[b] for x in inputs)
+                loss_one(m(*xs), b).backward()
+                o.step()
+
+        a, sep = time_step(array_step, standalone_step, reps)
         choice.array_ms, choice.separate_ms = a, sep
         choice.separate = sep < a
     else:
-        choice.array_ms = statistics.median(_median_ms(lambda: whole(False), reps))
-    array.separate = choice.separate
+        choice.array_ms = statistics.median(_median_ms(array_step, reps))
     array.load_state_dict(state)
     for p in array.parameters():
         p.grad = None

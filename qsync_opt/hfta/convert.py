@@ -213,11 +213,20 @@ class FusedArray(nn.Module):
         """Copy ``B`` standalone models' weights and buffers into the array."""
         if len(models) != self.B:
             raise QsyncInputError(f"models: the array holds {self.B}, got {len(models)}")
-        for k in self.fused:
+        for k, mod in self.fused.items():
             target = k.replace("__", ".")
-            cls: Any = type(self.fused[k])
-            new = cls.from_modules([m.get_submodule(target) for m in models])
-            self.fused[k].load_state_dict(new.state_dict())
+            subs = [m.get_submodule(target) for m in models]
+            cls: Any = type(mod)
+            cls.from_modules([copy.deepcopy(subs[0])] * self.B)  # the same kind and shape
+            with torch.no_grad():
+                for n, t in [*mod.named_parameters(recurse=False),
+                             *mod.named_buffers(recurse=False)]:
+                    if t.dim() == 0:  # a count shared by the B models: the largest
+                        t.fill_(max(int(getattr(sm, n)) for sm in subs))
+                        continue
+                    for b, sm in enumerate(subs):
+                        src = getattr(sm, n)
+                        t[b].copy_(src.reshape(t[b].shape))
 
 
 class _Ref(str):

@@ -9,7 +9,8 @@ first). Before anything is built the memory of ``B`` models (weights, gradients,
 state and the traced graph's saved activations at ``--batch``, each times ``B``) is checked
 against the device: ``--plan``'s group's card, else this machine's available memory. The
 fuse-or-not choice (``--fuse measure``, the default: :mod:`.choice`) is made on the first
-batch and printed; ``fused``, ``serial`` or ``separate`` force one. A progress bar runs on a
+batch and printed; ``fused`` (every op fused), ``serial`` (every op as B calls inside the
+array) or ``separate`` (standalone models one by one) force one. A progress bar runs on a
 terminal; the result is a table (and ``OUT/sweep.json``, or ``--json``: every model's final
 and held-out loss, accuracy, skipped steps, and the choice). ``--export`` writes each model as
 a standalone run, ``OUT/model{b}``: a checkpoint set of ``qsync-opt train``'s layout that
@@ -156,7 +157,11 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
                          seed=v.seed, out_dir=str(folder.resolve()))
     model = trainer.export(b)
     opt = make_optimizer(config, model)
-    fused_state = trainer.opt.state
+    if trainer.standalone is not None:  # the standalone model's own optimizer state
+        own = trainer.standalone_opts[b].state_dict()
+        opt.load_state_dict({"state": own["state"], "param_groups": opt.state_dict()[
+            "param_groups"]})
+    fused_state = {} if trainer.standalone is not None else trainer.opt.state
     for p_fused, p in zip(trainer.array.parameters(), model.parameters(), strict=True):
         st = fused_state.get(p_fused, {})
         mine: dict[str, Any] = {}
@@ -258,16 +263,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from .trainer import per_model_losses
 
         x, y = tr.batch_at(0)
-        choice = measure_choice(tr.array, x,
-                                lambda out: per_model_losses(tr.wl, out, x, y).sum(),
-                                allow_separate=all(p == "fp32" for p in precisions.values()))
+        fp32 = all(p == "fp32" for p in precisions.values())
+        reps = 5 if len(variants) * batch <= 1024 else 3
+        choice = measure_choice(
+            tr.array, x, lambda out: per_model_losses(tr.wl, out, x, y).sum(),
+            (lambda out, b: tr.wl.loss_of(out, (), y[b])) if fp32 else None,
+            reps=reps, optimizer=args.optimizer)
+        if choice.separate:
+            tr.use_standalone()
         say(f"fuse: {choice.summary()}")
         choice_doc = {"mode": "measure", **choice.to_json()}
     elif args.fuse == "serial":
         for op in tr.array.op_names:
             tr.array.set_mode(op, "serial")
     elif args.fuse == "separate":
-        tr.array.separate = True
+        tr.use_standalone()
     t0 = time.perf_counter()
     tr.train(progress=sys.stderr.isatty())
     wall = time.perf_counter() - t0

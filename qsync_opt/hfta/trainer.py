@@ -16,6 +16,10 @@ loss does not enter the sum (its gradient is zero), its parameters, optimizer st
 BatchNorm running statistics stay as they were, and it counts a skipped step; the others
 step as if it were not there.
 
+Where the measured choice (:mod:`.choice`) finds the standalone models faster than the
+array, :meth:`ArrayTrainer.use_standalone` trains them so, one after another, with torch's
+optimizers and the same per-model learning rates; the results and exports are the same.
+
 A plan: the array runs the precisions one group of a plan gives (the same for its ``B``
 models): each fused op takes its op's precision (fused Linear has the int8 path).
 """
@@ -128,6 +132,56 @@ class ArrayTrainer:
         self.skipped = [0] * B
         self.last_loss = [float("nan")] * B
         self.choice: dict[str, Any] = {}
+        #: set by :meth:`use_standalone`: the variants as standalone models, one by one
+        self.standalone: list[nn.Module] | None = None
+        self.standalone_opts: list[torch.optim.Optimizer] = []
+
+    def use_standalone(self) -> None:
+        """Train the variants as ``B`` standalone models with torch's optimizers, one after
+        another (the measured choice's answer where fusing loses); :meth:`evaluate` and
+        :meth:`export` read them. Only at fp32 (a plan's precisions live in the array)."""
+        if any(p != "fp32" for p in self.spec.precisions.values()):
+            raise QsyncInputError("fuse: standalone models run fp32 only; this sweep runs a "
+                                  "plan's precisions in the array")
+        spec = self.spec
+        self.standalone = [self.array.export(b).train() for b in range(self.B)]
+        self.standalone_opts = []
+        for m, v in zip(self.standalone, spec.variants, strict=True):
+            if spec.optimizer == "adamw":
+                self.standalone_opts.append(torch.optim.AdamW(
+                    m.parameters(), lr=v.lr, betas=spec.betas, weight_decay=v.weight_decay))
+            else:
+                self.standalone_opts.append(torch.optim.SGD(
+                    m.parameters(), lr=v.lr, momentum=spec.momentum,
+                    weight_decay=v.weight_decay))
+
+    def _standalone_step(self, x: tuple[Tensor, ...], y: Tensor,
+                         poison: Sequence[int]) -> Tensor:
+        assert self.standalone is not None
+        lrs = self.schedule.lr_at(self.step)
+        out_losses = torch.empty(self.B)
+        replicated = self.spec.input_mode == "replicated"
+        for b, (m, opt) in enumerate(zip(self.standalone, self.standalone_opts, strict=True)):
+            for g in opt.param_groups:
+                g["lr"] = float(lrs[b])
+            opt.zero_grad(set_to_none=True)
+            xs = tuple(t if replicated else t[b] for t in x)
+            saved = [buf.detach().clone() for buf in m.buffers()]
+            loss = self.wl.loss_of(m(*xs), xs, y[b])
+            if b in poison:
+                loss = loss * float("nan")
+            out_losses[b] = float(loss.detach())
+            if torch.isfinite(loss.detach()):
+                loss.backward()
+                opt.step()
+                self.last_loss[b] = float(loss.detach())
+            else:  # this model alone skips the step, its running statistics restored
+                for buf, old in zip(m.buffers(), saved, strict=True):
+                    buf.copy_(old)
+                self.skipped[b] += 1
+                self.last_loss[b] = float("nan")
+        self.step += 1
+        return out_losses
 
     # ------------------------------------------------------------------ data
 
@@ -146,6 +200,8 @@ class ArrayTrainer:
         """One step of every model; ``poison``: models whose loss is made NaN (tests).
         Returns the per-model losses."""
         x, y = self.batch_at(self.step)
+        if self.standalone is not None:
+            return self._standalone_step(x, y, poison)
         self.schedule.apply(self.opt, self.step)
         self.opt.zero_grad(set_to_none=True)
         saved = {n: b.detach().clone() for n, b in self.array.named_buffers()}
@@ -190,6 +246,8 @@ class ArrayTrainer:
     def evaluate(self) -> list[dict[str, Any]]:
         from ..models import TASK_CLASSIFICATION
 
+        if self.standalone is not None:
+            self.array.load_models(self.standalone)
         n_eval = self.spec.eval_batches
         tot = torch.zeros(self.B, dtype=torch.float64)
         correct = torch.zeros(self.B, dtype=torch.float64)
@@ -227,4 +285,9 @@ class ArrayTrainer:
         return rows
 
     def export(self, b: int) -> nn.Module:
+        """Model ``b`` as a standalone model (a copy)."""
+        if self.standalone is not None:
+            import copy
+
+            return copy.deepcopy(self.standalone[b])
         return self.array.export(b)
