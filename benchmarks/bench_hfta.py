@@ -16,7 +16,8 @@ For every cell (model, B, batch per model) four ways of training B variants of t
   printed, not inside the throughput).
 
 Each round runs the same number of timed steps of every mode (``--steps``, or more so that
-a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a rotated order; ``--reps`` rounds; the figure is samples per second (B x batch x steps / wall), the
+a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a shuffled order
+(seeded per cell, so no mode always runs after the same one); ``--reps`` rounds; the figure is samples per second (B x batch x steps / wall), the
 median over rounds with the spread (min-max). Ratios are against ``serial``. One torch
 thread in the parent (``--threads``); the bar of the issue: ``choice`` at least 0.95x
 ``serial`` in every cell.
@@ -34,6 +35,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import time
@@ -194,8 +196,10 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
     procs = Procs(name, B, batch, steps, reps)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     try:
-        for r in range(reps):
-            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        rng = random.Random(B * 1000 + batch)
+        for _ in range(reps):
+            order = list(MODES)
+            rng.shuffle(order)  # no mode always follows the same one (caches, allocator)
             for mode in order:
                 if mode == "procs":
                     times[mode].append(procs.round())

@@ -316,3 +316,27 @@ def test_standalone_fallback_equals_the_array(tmp_path):
     resumed = torch.load(sorted(glob.glob(str(run / "ckpt" / "step-*" / "rank0.pt")))[-1],
                          weights_only=True)["model"]
     assert _max_diff(resumed, _train_run(tmp_path, 1, 10, 0.01)) <= 1e-5
+
+
+def test_models_the_converter_refuses_run_on_the_torch_func_route(tmp_path):
+    """tiny_gpt (attention reshapes: no fused form) sweeps through stack_module_state +
+    vmap; model s still equals `train --seed s --nproc 1`, and exports resume."""
+    spec = SweepSpec("tiny_gpt", [Variant(s, 1e-3, 0.0) for s in (0, 1)], steps=3, batch=4,
+                     optimizer="adamw")
+    tr = ArrayTrainer(spec)
+    assert tr.route == "torch.func" and "hfta" in tr.route_reason
+    tr.train()
+    out = tmp_path / "t1"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--model", "tiny_gpt", "--seed", "1", "--lr", "1e-3",
+                     "--optimizer", "adamw", "--batch", "4", "--steps", "3", "--out",
+                     str(out), "--emulate-dp"]) == 0
+    f = sorted(glob.glob(str(out / "ckpt" / "step-*" / "rank0.pt")))[-1]
+    ref = torch.load(f, weights_only=True)["model"]
+    mine = tr.export(1).state_dict()
+    assert _max_diff({k: v for k, v in mine.items() if k in ref}, ref) <= 1e-5
+    rows = tr.evaluate()
+    assert all(r["eval_loss"] is not None and r["eval_accuracy"] is None for r in rows)
+    with pytest.raises(QsyncInputError, match="torch.func route"):
+        ArrayTrainer(SweepSpec("tiny_gpt", [Variant(0, 1e-3, 0.0)], steps=1, batch=2,
+                               precisions={"transformer.h.0.mlp.c_fc": "int8"}))

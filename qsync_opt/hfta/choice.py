@@ -98,7 +98,7 @@ def _capture(array: FusedArray, inputs: Sequence[Tensor]) -> dict[str, Tensor]:
     return seen
 
 
-def measure_choice(array: FusedArray, inputs: Sequence[Tensor],
+def measure_choice(array: Any, inputs: Sequence[Tensor],
                    loss: Callable[[Tensor], Tensor],
                    loss_one: Callable[[Tensor, int], Tensor] | None = None, *,
                    reps: int = 5, optimizer: str = "sgd") -> Choice:
@@ -112,11 +112,13 @@ def measure_choice(array: FusedArray, inputs: Sequence[Tensor],
     from .optim import FusedAdamW, FusedSGD
 
     state = {k: v.detach().clone() for k, v in array.state_dict().items()}
-    array.separate = False
     choice = Choice(threads=torch.get_num_threads())
-    seen = _capture(array, inputs)
     replicated = array.input_mode == "replicated"
-    for k, mod in array.fused.items():
+    per_op = isinstance(array, FusedArray)  # the torch.func route has no per-op modes
+    if per_op:
+        array.separate = False
+    seen = _capture(array, inputs) if per_op else {}
+    for k, mod in (array.fused.items() if per_op else []):
         x0 = seen[k]
 
         def run(serial: bool, mod: Any = mod, x0: Tensor = x0) -> None:

@@ -196,6 +196,14 @@ class FusedArray(nn.Module):
 
     # ------------------------------------------------------------------ export
 
+    def named_model_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(the parameter's name in the standalone model, its fused ``[B, ...]`` tensor)."""
+        out = []
+        for k, mod in self.fused.items():
+            target = k.replace("__", ".")
+            out += [(f"{target}.{n}", prm) for n, prm in mod.named_parameters(recurse=False)]
+        return out
+
     def export(self, b: int) -> nn.Module:
         """Model ``b`` as a standalone model of the original class (its weights copied)."""
         if not 0 <= b < self.B:

@@ -25,6 +25,9 @@ from ..errors import QsyncInputError
 
 __all__ = ["FuncArray"]
 
+#: Why a model runs on this route (the converter's refusal), kept on the array.
+ROUTE = "torch.func"
+
 
 class FuncArray(nn.Module):
     """``B`` models run with ``vmap(functional_call)`` (module docstring)."""
@@ -47,7 +50,10 @@ class FuncArray(nn.Module):
                                         for n in self.names])
         for i, n in enumerate(self.buffer_names):
             self.register_buffer(f"buf{i}", buffers[n].detach().clone())
-        self._base = [copy.deepcopy(models[0]).to("meta")]
+        # a real copy (not meta): functional_call swaps in the stacked tensors, and a tied
+        # parameter (tiny_gpt's lm_head and wte) must resolve to a real one
+        self._template = [copy.deepcopy(models[0])]
+        self._base = self._template
 
     def _state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         return ({n: p for n, p in zip(self.names, self.params, strict=True)},
@@ -72,3 +78,32 @@ class FuncArray(nn.Module):
         """Model ``b``'s state_dict (copies)."""
         params, buffers = self._state()
         return {n: t[b].detach().clone() for n, t in {**params, **buffers}.items()}
+
+    def named_model_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(the parameter's name in the standalone model, its stacked ``[B, ...]`` tensor)."""
+        return list(zip(self.names, self.params, strict=True))
+
+    def export(self, b: int) -> nn.Module:
+        """Model ``b`` as a standalone model of the original class (its weights copied)."""
+        if not 0 <= b < self.B:
+            raise QsyncInputError(f"model: expected 0 to {self.B - 1}, got {b}")
+        model = copy.deepcopy(self._template[0])
+        keys = set(model.state_dict())  # persistent entries (tied aliases included)
+        state = {k: v for k, v in self.export_state(b).items() if k in keys}
+        missing, _ = model.load_state_dict(state, strict=False)
+        aliases = ({n for n, _ in model.named_parameters(remove_duplicate=False)}
+                   - {n for n, _ in model.named_parameters()})
+        if set(missing) - aliases:  # a tied parameter loads through its first name
+            raise QsyncInputError(f"export: model {b} lacks {sorted(set(missing) - aliases)}")
+        return model
+
+    def load_models(self, models: Sequence[nn.Module]) -> None:
+        """Copy ``B`` standalone models' weights and buffers into the stacks."""
+        if len(models) != self.B:
+            raise QsyncInputError(f"models: the array holds {self.B}, got {len(models)}")
+        states = [m.state_dict() for m in models]
+        params, buffers = self._state()
+        with torch.no_grad():
+            for n, t in {**params, **buffers}.items():
+                if n in states[0]:  # non-persistent buffers (masks) are the same constants
+                    t.copy_(torch.stack([sd[n].to(t.dtype) for sd in states]))

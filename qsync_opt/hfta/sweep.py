@@ -162,7 +162,9 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
         opt.load_state_dict({"state": own["state"], "param_groups": opt.state_dict()[
             "param_groups"]})
     fused_state = {} if trainer.standalone is not None else trainer.opt.state
-    for p_fused, p in zip(trainer.array.parameters(), model.parameters(), strict=True):
+    by_name = dict(trainer.array.named_model_parameters())
+    for name, p in model.named_parameters():
+        p_fused = by_name[name]
         st = fused_state.get(p_fused, {})
         mine: dict[str, Any] = {}
         if spec.optimizer == "sgd" and "momentum_buffer" in st:
@@ -253,6 +255,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     quiet = args.json == "-"
     tr = ArrayTrainer(spec)
     say = (lambda s: sys.stderr.write(s + "\n")) if quiet else (lambda s: print(s))
+    if tr.route != "fused":
+        say(f"route: torch.func (stack_module_state + vmap), because {tr.route_reason}")
+        if args.fuse == "serial":
+            raise QsyncInputError("--fuse serial: per-op modes need the fused operators; "
+                                  "this model runs on the torch.func route")
     say(f"sweep: {len(variants)} models of {wl.name} ({len(seeds)} seeds x {len(lrs)} lr x "
         f"{len(wds)} wd), batch {batch}, {args.steps} steps, inputs {args.inputs}"
         + (" (one stream: not separate runs)" if args.inputs == "replicated" else "")
@@ -283,6 +290,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     rows = tr.evaluate()
     doc = {"workload": wl.name, "models": rows, "steps": tr.step, "batch": batch,
+           "route": tr.route,
            "input_mode": args.inputs, "optimizer": args.optimizer,
            "lr_schedule": args.lr_schedule, "plan": args.plan, "group": args.group,
            "fuse": choice_doc, "wall_s": round(wall, 3),

@@ -108,10 +108,24 @@ class ArrayTrainer:
         self.B = B = len(spec.variants)
         self.batch = spec.batch or self.wl.default_batch
         self.models = [build_variant_model(self.wl, v.seed) for v in spec.variants]
-        self.array: FusedArray = fuse(self.models, input_mode=spec.input_mode)
+        #: "fused" (the converter's fused operators) or "torch.func" (stack_module_state +
+        #: vmap, for a model the converter cannot place; ``route_reason`` says why)
+        self.route, self.route_reason = "fused", ""
+        self.array: Any
+        try:
+            self.array = fuse(self.models, input_mode=spec.input_mode)
+        except QsyncInputError as exc:
+            from .functional import FuncArray
+
+            if any(p != "fp32" for p in spec.precisions.values()):
+                raise QsyncInputError(
+                    f"{exc}; a plan's precisions need the fused operators, and this model "
+                    "runs only on the torch.func route") from None
+            self.array = FuncArray(self.models, input_mode=spec.input_mode)
+            self.route, self.route_reason = "torch.func", str(exc)
         for op, p in spec.precisions.items():
             k = op.replace(".", "__")
-            if k in self.array.fused:
+            if self.route == "fused" and k in self.array.fused:
                 op_mod: Any = self.array.fused[k]
                 op_mod.precision = Precision(p)
         lrs = [v.lr for v in spec.variants]
