@@ -340,3 +340,14 @@ def test_models_the_converter_refuses_run_on_the_torch_func_route(tmp_path):
     with pytest.raises(QsyncInputError, match="torch.func route"):
         ArrayTrainer(SweepSpec("tiny_gpt", [Variant(0, 1e-3, 0.0)], steps=1, batch=2,
                                precisions={"transformer.h.0.mlp.c_fc": "int8"}))
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "tiny_gpt"])
+def test_func_route_loads_and_exports_standalone_models(name):
+    fa = FuncArray(_models(name, 2))
+    others = _models(name, 4)[2:]
+    fa.load_models(others)
+    for b in range(2):
+        sd = fa.export(b).state_dict()
+        for k, v in others[b].state_dict().items():
+            assert torch.equal(sd[k], v), k

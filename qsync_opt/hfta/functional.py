@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import QsyncInputError

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import QsyncInputError
-from .convert import FusedArray, fuse
+from .convert import fuse
 
 __all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses"]
 
