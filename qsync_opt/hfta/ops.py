@@ -161,6 +161,17 @@ def _common_precision(who: str, mods: Sequence[nn.Module]) -> Precision:
     return Precision(getattr(mods[0], "precision", "fp32"))
 
 
+def _filled(fused: Any, got: Sequence[Any], precision: Precision) -> Any:
+    """``fused`` with the ``B`` modules' weights and biases stacked in, their precision and
+    the first one's train/eval mode (a GEMM layer's ``from_modules``)."""
+    _stack_into(fused.weight, [m.weight for m in got])
+    if fused.bias is not None:
+        _stack_into(fused.bias, [m.bias for m in got])
+    fused.precision = precision
+    fused.train(got[0].training)
+    return fused
+
+
 def _init_like_torch(weight: Tensor, bias: Tensor | None) -> None:
     """Each model's slice initialised as torch's Linear / Conv2d ``reset_parameters`` does."""
     with torch.no_grad():
@@ -273,12 +284,7 @@ class FusedLinear(nn.Module, QMixin):
         first = got[0]
         fused = cls(len(got), first.in_features, first.out_features, first.bias is not None,
                     device=first.weight.device, dtype=first.weight.dtype)
-        _stack_into(fused.weight, [m.weight for m in got])
-        if fused.bias is not None:
-            _stack_into(fused.bias, [m.bias for m in got])
-        fused.precision = precision
-        fused.train(first.training)
-        return fused
+        return _filled(fused, got, precision)
 
     def export(self, b: int) -> nn.Linear:
         """Model ``b``'s standalone nn.Linear (copies of its weights)."""
@@ -419,12 +425,7 @@ class FusedConv2d(nn.Module, QMixin):
                     first.stride, first.padding, first.dilation, first.groups,
                     first.bias is not None, device=first.weight.device,
                     dtype=first.weight.dtype)
-        _stack_into(fused.weight, [m.weight for m in got])
-        if fused.bias is not None:
-            _stack_into(fused.bias, [m.bias for m in got])
-        fused.precision = precision
-        fused.train(first.training)
-        return fused
+        return _filled(fused, got, precision)
 
     def export(self, b: int) -> nn.Conv2d:
         """Model ``b``'s standalone nn.Conv2d (copies of its weights)."""

@@ -195,7 +195,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from ..io import atomic_write_text
     from ..precision import Precision
-    from ..runtime.metrics import clean as _clean
+    from ..runtime.metrics import clean
     from ..schemas import Plan
     from ..summaries import format_table
     from .trainer import ArrayTrainer, SweepSpec, Variant
@@ -301,10 +301,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         if args.export:
             doc["exported"] = [str(export_run(tr, b, out)) for b in range(len(variants))]
-        atomic_write_text(out / "sweep.json", json.dumps(_clean(doc), indent=2) + "\n",
+        atomic_write_text(out / "sweep.json", json.dumps(clean(doc), indent=2) + "\n",
                           what="--out")
     if args.json is not None:
-        text = json.dumps(_clean(doc), indent=2) + "\n"
+        text = json.dumps(clean(doc), indent=2) + "\n"
         if args.json == "-":
             sys.stdout.write(text)
         else:
