@@ -86,11 +86,13 @@ import torch
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.devices import enable_int4
+from qsync_opt.errors import QsyncInputError
 from qsync_opt.indicator import METHODS, indicate
 from qsync_opt.machine import cpu_model
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.schedule import parse_schedule
 from qsync_opt.runtime.train import emulate
 from qsync_opt.schemas import ClusterSpec, Plan
 from qsync_opt.solve import InfeasibleError, reachable_ms, solve
@@ -297,7 +299,23 @@ def training_key(args: argparse.Namespace, plan: Plan, seed: int, steps: int, lr
             "float_gemm": bool(args.float_gemm), "emulate_half": bool(args.emulate_half),
             "precisions": {g: {op: Precision(p).value for op, p in sorted(gp.precisions.items())}
                            for g, gp in sorted(plan.groups.items())}}
+    schedule = getattr(args, "lr_schedule", "constant")
+    if schedule != "constant":  # absent from the key when constant: older results stay valid
+        what["lr_schedule"] = schedule
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def parse_seed_range(text: str) -> range:
+    """``A-B`` (inclusive) or ``A`` as a range of seeds."""
+    try:
+        a, _, b = text.partition("-")
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        raise SystemExit(f"--train-seeds: expected A-B (two seeds, A <= B), got {text!r}") \
+            from None
+    if lo < 0 or hi < lo:
+        raise SystemExit(f"--train-seeds: expected 0 <= A <= B, got {text!r}")
+    return range(lo, hi + 1)
 
 
 def read_results(path: Path | None) -> dict[str, dict[str, Any]]:
@@ -380,6 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
                     help="default: per model")
     ap.add_argument("--eval-batches", type=int, default=None, help="default: per model")
+    ap.add_argument("--lr-schedule", default="constant", metavar="S",
+                    help="train's --lr-schedule (constant, cosine[:warmup=W,final=F], "
+                         "step:every=N[,gamma=G,warmup=W]); default %(default)s")
+    ap.add_argument("--train-seeds", default=None, metavar="A-B",
+                    help="train seeds A..B (inclusive) of every plan into --results and stop, "
+                         "no report: two processes on two cores fill one study's results "
+                         "file; the report is a later run with --seeds N that reads them back")
+    ap.add_argument("--confirm-from", type=int, default=None, metavar="K",
+                    help="also give the exact-vs-random verdict over seeds K..N-1 alone (a "
+                         "confirmatory set of seeds added after a first look at 0..K-1)")
     ap.add_argument("--cluster", default=None,
                     help="two one-device groups whose catalog estimates choose the plans, e.g. "
                          "v100x1+t4x1 (default: cpux1+cpu/2x1, this CPU's own ratios); the "
@@ -420,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(ops.float_exact_gemm): same results, far faster on a CPU without "
                          "AMX-INT8 / AVX512-VNNI; wall times are then not the integer GEMM's")
     args = ap.parse_args(argv)
+    train_seeds = parse_seed_range(args.train_seeds) if args.train_seeds else None
+    if train_seeds is not None and args.results is None:
+        raise SystemExit("--train-seeds: needs --results FILE.jsonl (where the trainings go)")
+    if args.confirm_from is not None and not 0 < args.confirm_from < args.seeds - 1:
+        raise SystemExit(f"--confirm-from: expected 1..{args.seeds - 2} (at least two "
+                         f"seeds on each side of it), got {args.confirm_from}")
     if args.float_gemm:
         from qsync_opt import ops
 
@@ -447,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     lr = args.lr or d["lr"]
     optimizer = args.optimizer or d["optimizer"]
     eval_batches = args.eval_batches if args.eval_batches is not None else d["eval_batches"]
+    try:
+        schedule = parse_schedule(args.lr_schedule, lr, steps)
+    except QsyncInputError as e:
+        raise SystemExit(f"--lr-schedule: {e}") from None
+    args.lr_schedule = schedule.describe()  # canonical: the results key and the header
     lm = wl.task == TASK_CAUSAL_LM
     fraction = args.target if args.target is not None else (INT4_FRACTION if args.int4 else None)
     t_start = time.perf_counter()
@@ -465,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         probs[m] = AllocationProblem(g, cluster, costs, ind)
     prob = probs[methods[0]]
     print(f"machine: {cpu_model()}; torch threads {torch.get_num_threads()}")
-    print(f"{args.model} on {shorthand}, {steps} steps, {optimizer} lr {lr:g}, {args.seeds} "
+    print(f"{args.model} on {shorthand}, {steps} steps, {optimizer} lr {lr:g}"
+          + ("" if args.lr_schedule == "constant" else f" ({schedule.describe()})")
+          + f", {args.seeds} "
           f"seeds, emulated DP, {eval_batches} held-out batches of {2 * batch}; "
           f"{len(g.choosable_ops())} choosable ops"
           + ("" if plan_batch == batch else
@@ -558,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             path = Path(tmp) / f"{i}.plan.json"
             at_batch(plan, batch).save(path)  # chosen at --plan-batch, trained at --batch
-            for seed in range(args.seeds):
+            for seed in (train_seeds if train_seeds is not None else range(args.seeds)):
                 key = training_key(args, plan, seed, steps, lr, optimizer, batch,
                                    eval_batches)
                 got = cache.get(key)
@@ -567,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                                       rank_groups=rank_groups, steps=steps, lr=lr,
                                       optimizer=optimizer, seed=seed,
                                       out_dir=str(Path(tmp) / f"{i}-{seed}"), emulate_dp=True,
-                                      resume=False, eval_batches=eval_batches)
+                                      resume=False, eval_batches=eval_batches,
+                                      lr_schedule=args.lr_schedule)
                     s = emulate(cfg)
                     if s["batches"] != [batch] * len(rank_groups):
                         raise SystemExit(f"trained at {s['batches']} per rank, not --batch "
@@ -591,6 +633,11 @@ def main(argv: list[str] | None = None) -> int:
                 if fp32_acc is not None:
                     acc.setdefault(name, []).append(fp32_acc)
                 wall.setdefault(name, []).append(float(s["wall_s"]))
+    if train_seeds is not None:
+        print(f"trained seeds {args.train_seeds} of every plan into {args.results}; the "
+              "report: the same command with --seeds N and without --train-seeds "
+              f"({time.perf_counter() - t_start:.0f} s)")
+        return 0
     for name, src in trained_as.items():
         for table in (loss, acc, wall):
             if src in table:
@@ -643,6 +690,17 @@ def main(argv: list[str] | None = None) -> int:
               + ("HOLDS (exact loses less, beyond the 95% interval)" if ok else
                  "does not hold" + (" (exact worse)" if dd > 0 else
                                     " (within the 95% interval)")))
+    if args.confirm_from is not None:
+        k = args.confirm_from
+        print(f"the same over seeds {k}..{args.seeds - 1} alone (the confirmatory seeds, "
+              f"added after a first look at seeds 0..{k - 1}):")
+        for name in exact_names:
+            dd, hh = versus_median(metric[name][k:], [metric[r][k:] for r in rand_names])
+            ok = goal_holds(dd, hh)
+            verdicts[name]["confirmatory"] = {"from_seed": k, "mean": dd, "half_width": hh,
+                                              "goal_holds": ok}
+            print(f"  {name} - median random: {dd:+.{digits}f} +- {hh:.{digits}f}; goal "
+                  + ("HOLDS" if ok else "does not hold"))
     print(f"{first} vs others, paired held-out {what} (exact minus other; negative: exact "
           "better):")
     for other in (*exact_names[1:], GREEDY, UP):
