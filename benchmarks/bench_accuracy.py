@@ -506,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {cpu_model()}; torch threads {torch.get_num_threads()}")
     print(f"{args.model} on {shorthand}, {steps} steps, {optimizer} lr {lr:g}"
           + ("" if args.lr_schedule == "constant" else f" ({schedule.describe()})")
-          + f", {args.seeds} "
-          f"seeds, emulated DP, {eval_batches} held-out batches of {2 * batch}; "
+          + (f", {args.seeds} seeds" if train_seeds is None
+             else f", seeds {args.train_seeds} (training only)")
+          + f", emulated DP, {eval_batches} held-out batches of {2 * batch}; "
           f"{len(g.choosable_ops())} choosable ops"
           + ("" if plan_batch == batch else
              f"; plans chosen for {plan_batch} per rank, trained at {batch} per rank"))

@@ -81,3 +81,30 @@ def test_random_plans_are_never_an_excluded_plan(prob: AllocationProblem) -> Non
     banned = {B.key_of(a) for _, a in first[:2]}
     again = B.random_plans(prob, target, 3, exclude=banned)
     assert not banned & {B.key_of(a) for _, a in again}
+
+
+def test_train_seed_range_and_results_key(prob: AllocationProblem) -> None:
+    import argparse
+
+    assert list(B.parse_seed_range("5-9")) == [5, 6, 7, 8, 9]
+    assert list(B.parse_seed_range("3")) == [3]
+    for bad in ("9-5", "a-b", "-1", "2-x"):
+        with pytest.raises(SystemExit, match="--train-seeds"):
+            B.parse_seed_range(bad)
+    plan = prob.make_plan({gm.name: [0] * len(gm.choices) for gm in prob.groups})
+    base = {"model": "digits_cnn", "float_gemm": False, "emulate_half": False}
+    old = argparse.Namespace(**base)  # a namespace from before --lr-schedule existed
+    const = argparse.Namespace(**base, lr_schedule="constant")
+    cos = argparse.Namespace(**base, lr_schedule="cosine:warmup=15")
+    k = [B.training_key(a, plan, 0, 150, 0.05, "sgd", 32, 8) for a in (old, const, cos)]
+    assert k[0] == k[1]  # results recorded before the flag keep their keys
+    assert k[2] != k[1]  # a schedule is part of what decides a training
+
+
+def test_bad_study_flags_exit_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--train-seeds: needs --results"):
+        B.main(["--train-seeds", "0-3"])
+    with pytest.raises(SystemExit, match="--confirm-from"):
+        B.main(["--seeds", "5", "--confirm-from", "4"])
+    with pytest.raises(SystemExit, match="--lr-schedule"):
+        B.main(["--lr-schedule", "warm:3", "--plans-only"])

@@ -197,6 +197,8 @@ class _Arrays:
         self.group = group
         self.keys = keys
         self.cache: dict[tuple[torch.device, torch.dtype, str], Tensor] = {}
+        #: derived per-model scalars by (device, dtype, step counts): AdamW's
+        self.scalars: dict[tuple[Any, ...], dict[str, Tensor]] = {}
 
     def get(self, key: str, device: torch.device, dtype: torch.dtype) -> Tensor:
         k = (device, dtype, key)
@@ -365,6 +367,9 @@ class FusedSGD(_FusedOptimizer):
     ``b``'s buffer holds its first gradient) once any model has momentum."""
 
     _ARRAY_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+    #: The two-op path for the common case (momentum everywhere, no dampening, no
+    #: Nesterov, no mask); False forces the general path (tests and timing compare them).
+    fast_path = True
 
     def __init__(self, params: Params, B: int,
                  lr: PerModel, momentum: PerModel = 0.0, weight_decay: PerModel = 0.0,
@@ -417,7 +422,7 @@ class FusedSGD(_FusedOptimizer):
         started = self.__dict__.setdefault("_all_started", {})  # id(p) -> bool, not state
         if id(p) not in started and "momentum_started" in st:
             started[id(p)] = bool((st["momentum_started"] != 0).all())
-        if m_b is None and flags["plain"] and started.get(id(p), False):
+        if self.fast_path and m_b is None and flags["plain"] and started.get(id(p), False):
             # the common case, the same arithmetic in two in-place ops: every model has
             # momentum, no dampening, no Nesterov, every buffer started, no mask
             buf = st["momentum_buffer"]
@@ -472,6 +477,9 @@ class FusedAdamW(_FusedOptimizer):
     ``amsgrad``, ``max_exp_avg_sq`` (each like the parameter)."""
 
     _ARRAY_KEYS = ("lr", "eps", "weight_decay")
+    #: The in-place path for the common case (no mask, no AMSGrad); False forces the
+    #: general path, whose arithmetic it repeats op for op (tests compare the two).
+    fast_path = True
 
     def __init__(self, params: Params, B: int,
                  lr: PerModel = 1e-3, betas: PerModelBetas = (0.9, 0.999),
@@ -508,33 +516,63 @@ class FusedAdamW(_FusedOptimizer):
         m = None if m_b is None else m_b.view(shape)
 
         step = st["step"] + (1.0 if m_b is None else m_b.to(_F64))
-        lr64 = arrays.get("lr", dev, _F64)
-        betas64 = arrays.get("betas", dev, _F64)
-        beta1_64, beta2_64 = betas64[:, 0], betas64[:, 1]
-        # The per-model scalars, in float64 like torch's Python floats, then the param dtype.
-        decay = (1.0 - lr64 * arrays.get("weight_decay", dev, _F64)).to(dt).view(shape)
-        step_size = lr64 / (1.0 - beta1_64 ** step)
-        bc2_sqrt = (1.0 - beta2_64 ** step).sqrt()
-        one_minus_b1 = (1.0 - beta1_64).to(dt).view(shape)
-        beta2 = beta2_64.to(dt).view(shape)
-        one_minus_b2 = (1.0 - beta2_64).to(dt).view(shape)
-        eps = arrays.get("eps", dev, dt).view(shape)
+        sc = _adamw_scalars(group, arrays, step, dev, dt)
+        decay, eps = sc["decay"].view(shape), sc["eps"].view(shape)
+        one_minus_b1, one_minus_b2 = sc["one_minus_b1"].view(shape), sc["one_minus_b2"].view(shape)
+        beta2, bc2_sqrt = sc["beta2"].view(shape), sc["bc2_sqrt"].view(shape)
+        neg_step_size = sc["neg_step_size"].view(shape)
+        wd = bool((group["weight_decay"] != 0).any())
 
-        new_p = p * decay if bool((group["weight_decay"] != 0).any()) else p
+        if self.fast_path and m_b is None and not group["amsgrad"]:
+            # the common case, the same arithmetic as below in place: no mask, no AMSGrad
+            if wd:
+                p.mul_(decay)
+            st["exp_avg"].lerp_(grad, one_minus_b1)
+            st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad * one_minus_b2)
+            denom = st["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(eps)
+            p.addcmul_(st["exp_avg"] / denom, neg_step_size)
+            st["step"].copy_(step)
+            return
+
+        new_p = p * decay if wd else p
         exp_avg = torch.lerp(st["exp_avg"], grad, one_minus_b1)
         exp_avg_sq = torch.addcmul(st["exp_avg_sq"] * beta2, grad, grad * one_minus_b2)
         if group["amsgrad"]:
             max_sq = torch.maximum(st["max_exp_avg_sq"], exp_avg_sq)
-            denom = (max_sq.sqrt() / bc2_sqrt.to(dt).view(shape)).add_(eps)
+            denom = (max_sq.sqrt() / bc2_sqrt).add_(eps)
             _commit(st["max_exp_avg_sq"], max_sq, m)
         else:
-            denom = (exp_avg_sq.sqrt() / bc2_sqrt.to(dt).view(shape)).add_(eps)
-        new_p = torch.addcmul(new_p, exp_avg / denom, step_size.neg().to(dt).view(shape))
+            denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+        new_p = torch.addcmul(new_p, exp_avg / denom, neg_step_size)
 
         _commit(st["exp_avg"], exp_avg, m)
         _commit(st["exp_avg_sq"], exp_avg_sq, m)
         _commit(p, new_p, m)
         st["step"].copy_(step)
+
+
+def _adamw_scalars(group: dict[str, Any], arrays: _Arrays, step: Tensor, dev: torch.device,
+                   dt: torch.dtype) -> dict[str, Tensor]:
+    """AdamW's per-model scalars (each ``[B]`` in the parameter dtype) at per-model step
+    counts ``step``: computed in float64 like torch's Python floats, then cast; cached in
+    ``arrays`` (one step call) by the step counts, so parameters at the same counts share
+    them."""
+    key = (dev, dt, tuple(step.tolist()))
+    got = arrays.scalars.get(key)
+    if got is not None:
+        return got
+    lr64 = arrays.get("lr", dev, _F64)
+    betas64 = arrays.get("betas", dev, _F64)
+    beta1_64, beta2_64 = betas64[:, 0], betas64[:, 1]
+    out = {"decay": (1.0 - lr64 * arrays.get("weight_decay", dev, _F64)).to(dt),
+           "neg_step_size": (lr64 / (1.0 - beta1_64 ** step)).neg().to(dt),
+           "bc2_sqrt": (1.0 - beta2_64 ** step).sqrt().to(dt),
+           "one_minus_b1": (1.0 - beta1_64).to(dt),
+           "beta2": beta2_64.to(dt),
+           "one_minus_b2": (1.0 - beta2_64).to(dt),
+           "eps": arrays.get("eps", dev, dt)}
+    arrays.scalars[key] = out
+    return out
 
 
 # ----------------------------------------------------------------------------- schedules
