@@ -183,7 +183,13 @@ def test_plan_devices_and_stages_must_agree(tmp_path, mixed_plan, capsys):
     rc = main(["train", "--model", "digits_cnn", "--plan", str(mixed_plan),
                "--pipeline-stages", "3", "--out", str(tmp_path / "o"), "--dry-run"])
     err = capsys.readouterr().err
-    assert rc == 2 and "--rank-groups" in err, err
+    assert rc == 2 and "--rank-groups (e.g. 0:v100,1:t4,2:t4)" in err, err
+    # the same without a plan: the stages against --cluster, no --nproc the user never gave
+    rc = main(["train", "--model", "digits_cnn", "--cluster", "v100x1+t4x1",
+               "--pipeline-stages", "3", "--out", str(tmp_path / "c"), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--nproc" not in err, err
+    assert "--cluster has 2 devices" in err and "0:v100,1:t4,2:t4" in err, err
     rc = main(["train", "--model", "digits_cnn", "--plan", str(mixed_plan),
                "--pipeline-stages", "3", "--rank-groups", "0:v100,1:t4,2:t4",
                "--out", str(tmp_path / "o"), "--dry-run"])

@@ -149,7 +149,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
-    from ..runtime.launch import resolve_ranks
+    from ..runtime.launch import rank_groups_example, resolve_ranks
     from ..runtime.pipetrain import predict_pipeline
 
     plan = plan_doc if plan_doc is not None else make_plan(
@@ -159,9 +159,8 @@ def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any
     if args.rank_groups is None and devices != n:
         raise QsyncInputError(
             f"--pipeline-stages {n}: the cluster has {devices} devices; say which group runs "
-            "each stage with --rank-groups (e.g. " + ",".join(
-                f"{i}:{plan.cluster.groups[min(i, len(plan.cluster.groups) - 1)].name}"
-                for i in range(n)) + ")")
+            "each stage with --rank-groups (e.g. "
+            + rank_groups_example([g.name for g in plan.cluster.groups], n) + ")")
     ranks = resolve_ranks(plan, n if args.rank_groups is None else None, args.rank_groups)
     if len(ranks) != n:
         raise QsyncInputError(f"--rank-groups: names {len(ranks)} stages, --pipeline-stages "

@@ -183,12 +183,19 @@ def _parse_rank_groups(text: str) -> list[str]:
     return [pairs[r] for r in range(len(pairs))]
 
 
+def rank_groups_example(groups: list[str], n: int) -> str:
+    """A ``--rank-groups`` value for ``n`` ranks over ``groups`` (group names in the plan's
+    order; the last repeats), for error messages: ``0:v100,1:t4``."""
+    return ",".join(f"{i}:{groups[min(i, len(groups) - 1)]}" for i in range(n))
+
+
 def _default_rank_groups(plan: Plan, nproc: int | None) -> list[str]:
     ranks = [g.name for g in plan.cluster.groups for _ in range(g.count)]
     if nproc is None or nproc == len(ranks):
         return ranks
     layout = ", ".join(f"{g.name} x{g.count}" for g in plan.cluster.groups)
-    example = ",".join(f"{i}:{g.name}" for i, g in enumerate(plan.cluster.groups[:nproc]))
+    example = rank_groups_example([g.name for g in plan.cluster.groups],
+                                  min(nproc, len(plan.cluster.groups)))
     raise QsyncInputError(
         f"--nproc {nproc}: the plan's cluster has {len(ranks)} devices ({layout}), one rank "
         f"each by default; pass --nproc {len(ranks)}, or say which group each rank runs with "
@@ -281,14 +288,15 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
     # The plan against the model, as every command that reads a plan checks it: made for
     # this model's graph, every op there, no pin overridden, precisions the cards run.
     graph_for_plan(plan, args.model, workload=user)
-    if pipelined and args.rank_groups is None and args.plan is not None:
+    if pipelined and args.rank_groups is None:
         devices = sum(g.count for g in plan.cluster.groups)
         if devices != args.pipeline_stages and args.nproc == args.pipeline_stages:
+            whose = "the plan's cluster" if args.plan is not None else "--cluster"
             raise QsyncInputError(
-                f"--pipeline-stages {args.pipeline_stages}: the plan's cluster has {devices} "
+                f"--pipeline-stages {args.pipeline_stages}: {whose} has {devices} "
                 "devices; say which group runs each stage with --rank-groups (e.g. "
-                + ",".join(f"{i}:{plan.cluster.groups[min(i, len(plan.cluster.groups) - 1)].name}"
-                           for i in range(args.pipeline_stages)) + ")")
+                + rank_groups_example([g.name for g in plan.cluster.groups],
+                                      args.pipeline_stages) + ")")
     ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
     pipeline = None
     if pipelined:

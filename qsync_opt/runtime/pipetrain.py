@@ -566,14 +566,14 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
     from ..graph import trace
     from ..models import UnknownWorkloadError, get_workload
     from .config import PipelineSpec
+    from .launch import rank_groups_example
     from .pipeline import plan_op_costs
 
     n = int(args.pipeline_stages)
     if len(ranks) != n:
         raise QsyncInputError(f"--pipeline-stages {n}: one rank per stage, but the ranks are "
                               f"{len(ranks)} ({', '.join(ranks)}); pass --rank-groups with {n} "
-                              "ranks (e.g. " + ",".join(f"{i}:{ranks[min(i, len(ranks) - 1)]}"
-                                                        for i in range(n)) + ")")
+                              "ranks (e.g. " + rank_groups_example(ranks, n) + ")")
     try:
         wl = get_workload(args.model)
     except UnknownWorkloadError as exc:
