@@ -92,6 +92,22 @@ def run_pair(fused_cls: type, ref_cls: type, hp: dict[str, Any], *,
     return params, refs, worst
 
 
+def ops_in(fn: Callable[[], Any]) -> int:
+    """How many aten ops ``fn()`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
 # ----------------------------------------------------------------------------- equivalence
 
 def test_sgd_matches_torch_per_model() -> None:
@@ -165,28 +181,16 @@ def test_fast_path_equals_general_path(cls: type, ref_cls: type, hp: dict[str, A
     for p, q in zip(fast, general, strict=True):
         assert torch.equal(p.detach(), q.detach())
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     def ops_per_step(use_fast: bool) -> int:
-        class Count(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                Count.n += 1
-                return func(*args, **(kwargs or {}))
-
         monkeypatch.setattr(cls, "fast_path", use_fast)
         params = make_params()
         opt = cls(params, B, **hp)
-        for i, grads in enumerate(make_grads(2)):
+        n = 0
+        for grads in make_grads(2):
             for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
-            if i == 0:
-                opt.step()  # buffers started
-                continue
-            with Count():
-                opt.step()
-        return Count.n
+            n = ops_in(opt.step)
+        return n  # the second step's: buffers started
 
     assert ops_per_step(True) < ops_per_step(False)
 
@@ -194,23 +198,12 @@ def test_fast_path_equals_general_path(cls: type, ref_cls: type, hp: dict[str, A
 def test_fused_step_has_no_loop_over_models() -> None:
     """One set of ops per parameter: the op count does not grow with B."""
     def count_ops(nb: int) -> int:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Count(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                Count.n += 1
-                return func(*args, **(kwargs or {}))
-
         p = torch.randn(nb, 3, 2, dtype=torch.float64, requires_grad=True)
         opt = FusedAdamW([p], nb, lr=[1e-3] * nb, weight_decay=0.1)
         p.grad = torch.randn_like(p)
         opt.step()  # state created
         p.grad = torch.randn_like(p)
-        with Count():
-            opt.step(mask=torch.tensor([True] * (nb - 1) + [False]))
-        return Count.n
+        return ops_in(lambda: opt.step(mask=torch.tensor([True] * (nb - 1) + [False])))
 
     assert count_ops(2) == count_ops(16)
 
