@@ -149,7 +149,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
-    from ..runtime.launch import rank_groups_example, resolve_ranks
+    from ..runtime.config import rank_groups_example
+    from ..runtime.launch import resolve_ranks
     from ..runtime.pipetrain import predict_pipeline
 
     plan = plan_doc if plan_doc is not None else make_plan(

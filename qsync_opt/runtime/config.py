@@ -525,3 +525,9 @@ def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
     for step, folder in step_folders(out_dir):
         if folder != keep and (keep_step is None or step < keep_step):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def rank_groups_example(groups: list[str], n: int) -> str:
+    """A ``--rank-groups`` value for ``n`` ranks over ``groups`` (group names in the plan's
+    order; the last repeats), for error messages: ``0:v100,1:t4``."""
+    return ",".join(f"{i}:{groups[min(i, len(groups) - 1)]}" for i in range(n))

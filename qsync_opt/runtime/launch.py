@@ -61,7 +61,7 @@ from pydantic import ValidationError
 from ..devices import get_device, is_derived
 from ..errors import QsyncInputError, describe_validation_error
 from ..schemas import Plan
-from .config import TrainConfig
+from .config import TrainConfig, rank_groups_example
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -181,12 +181,6 @@ def _parse_rank_groups(text: str) -> list[str]:
         raise QsyncInputError(
             f"--rank-groups: ranks must be 0..{len(pairs) - 1}; missing {missing[0]}")
     return [pairs[r] for r in range(len(pairs))]
-
-
-def rank_groups_example(groups: list[str], n: int) -> str:
-    """A ``--rank-groups`` value for ``n`` ranks over ``groups`` (group names in the plan's
-    order; the last repeats), for error messages: ``0:v100,1:t4``."""
-    return ",".join(f"{i}:{groups[min(i, len(groups) - 1)]}" for i in range(n))
 
 
 def _default_rank_groups(plan: Plan, nproc: int | None) -> list[str]:

@@ -565,8 +565,7 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
     from ..errors import describe_validation_error
     from ..graph import trace
     from ..models import UnknownWorkloadError, get_workload
-    from .config import PipelineSpec
-    from .launch import rank_groups_example
+    from .config import PipelineSpec, rank_groups_example
     from .pipeline import plan_op_costs
 
     n = int(args.pipeline_stages)
