@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -113,6 +114,165 @@ def batch_losses(model: nn.Module, name: str, batches: list, chunk: int = 64) ->
     return out
 
 
+class EffectTable:
+    """Per op, ``cells[op][s][b]``: the loss increase with rounding seed ``s`` on held-out
+    piece ``b``; rectangular per op, but ops may hold different numbers of seeds and pieces
+    (more where their error needs it). ``measure(op, s, first, last)`` returns the cells of
+    seed ``s`` on pieces ``first..last-1``; ``max_pieces`` is how many pieces exist (None:
+    as many as asked for, drawn from an endless held-out stream)."""
+
+    def __init__(self, ops: list[str], measure, max_pieces: int | None) -> None:
+        self.ops = ops
+        self.measure = measure
+        self.max_pieces = max_pieces
+        self.cells: dict[str, list[list[float]]] = {op: [] for op in ops}
+        self.evaluated = 0  # cells measured (the cost unit)
+
+    def seeds(self, op: str) -> int:
+        return len(self.cells[op])
+
+    def pieces(self, op: str) -> int:
+        return len(self.cells[op][0]) if self.cells[op] else 0
+
+    def grow(self, op: str, seeds: int, pieces: int) -> None:
+        """At least ``seeds`` seeds on at least ``pieces`` pieces for ``op`` (new pieces for
+        the seeds it has first, then new seeds on all its pieces)."""
+        if self.max_pieces is not None:
+            pieces = min(pieces, self.max_pieces)
+        rows = self.cells[op]
+        have = self.pieces(op)
+        if rows and pieces > have:
+            for s, row in enumerate(rows):
+                row.extend(self.measure(op, s, have, pieces))
+                self.evaluated += pieces - have
+        pieces = max(pieces, have)
+        for s in range(len(rows), seeds):
+            rows.append(list(self.measure(op, s, 0, pieces)))
+            self.evaluated += pieces
+
+    def stat(self, op: str) -> tuple[float, float, float, float]:
+        """(effect, standard error, its rounding part, its held-out sample part)."""
+        rows = self.cells[op]
+        by_seed = [statistics.fmean(r) for r in rows]
+        by_piece = [statistics.fmean(c) for c in zip(*rows, strict=True)]
+        se_s = statistics.stdev(by_seed) / math.sqrt(len(by_seed)) if len(rows) > 1 else 0.0
+        se_b = (statistics.stdev(by_piece) / math.sqrt(len(by_piece))
+                if len(by_piece) > 1 else 0.0)
+        return statistics.fmean(by_seed), math.hypot(se_s, se_b), se_s, se_b
+
+    def stats(self) -> tuple[list[float], list[float], float, float]:
+        """Effects, standard errors, the spread of effects (sd over ops) and the largest
+        standard error over the spread."""
+        mean, se = [], []
+        for op in self.ops:
+            m, e, _, _ = self.stat(op)
+            mean.append(m)
+            se.append(e)
+        spread = statistics.stdev(mean) if len(mean) > 1 else float("nan")
+        return mean, se, spread, (max(se) / spread if spread > 0 else float("inf"))
+
+
+#: :func:`refine` calls an op out of reach only once it has this many seeds (or the cap).
+STUCK_AFTER_SEEDS = 32
+
+
+def components(rows: list[list[float]]) -> tuple[float, float, float]:
+    """The variance components of a seeds x pieces table, from its two-way mean squares:
+    (between seeds, between held-out pieces, per cell), each at least 0. The reported
+    standard error ``hypot(se_s, se_b)`` of S seeds on P pieces is, in these terms,
+    ``sqrt(v_seed / S + v_piece / P + 2 v_cell / (S P))`` (exactly, before the clipping
+    at 0), which is what lets :func:`refine` predict it for a larger table."""
+    n_s, n_p = len(rows), len(rows[0])
+    grand = statistics.fmean(x for r in rows for x in r)
+    by_seed = [statistics.fmean(r) for r in rows]
+    by_piece = [statistics.fmean(c) for c in zip(*rows, strict=True)]
+    ms_s = n_p * sum((m - grand) ** 2 for m in by_seed) / (n_s - 1)
+    ms_p = n_s * sum((m - grand) ** 2 for m in by_piece) / (n_p - 1)
+    ms_e = sum((rows[i][j] - by_seed[i] - by_piece[j] + grand) ** 2
+               for i in range(n_s) for j in range(n_p)) / ((n_s - 1) * (n_p - 1))
+    return max(ms_s - ms_e, 0.0) / n_p, max(ms_p - ms_e, 0.0) / n_s, ms_e
+
+
+def predicted_se2(v: tuple[float, float, float], seeds: int, pieces: int) -> float:
+    v_seed, v_piece, v_cell = v
+    return v_seed / seeds + v_piece / pieces + 2 * v_cell / (seeds * pieces)
+
+
+def refine(table: EffectTable, target: float, max_seeds: int = 0,
+           max_cells: float = float("inf"), log=print) -> set[str]:
+    """Add seeds and held-out pieces to the ops whose standard error is not under ``target``
+    times the spread of effects, each op by what its error is made of (its variance
+    components: seeds shrink the rounding part, pieces the held-out sample part, where more
+    pieces exist), choosing per op the cheapest table (seeds x pieces) whose predicted error
+    is under the goal. Stops when every op is under it, or no op can get there (even endless
+    seeds on every piece that exists, or ``max_seeds``, would leave it over), or the next
+    round would pass ``max_cells`` more cells. Returns the ops that cannot get there. The
+    growth per round is at most 4x in each direction, since the components that set it are
+    estimates themselves."""
+    stuck: set[str] = set()
+    start = table.evaluated
+    while True:
+        _, se, spread, _ = table.stats()
+        goal = target * spread
+        todo = [op for op, e in zip(table.ops, se, strict=True) if e >= goal and op not in stuck]
+        if not todo:
+            return stuck
+        t2 = (0.9 * goal) ** 2  # aim a little under, so that the next estimate lands under
+        plans = []
+        for op in sorted(todo, key=lambda o: -table.stat(o)[1]):
+            s_have, p_have = table.seeds(op), table.pieces(op)
+            if s_have < 2 or p_have < 2:
+                plans.append((op, max(s_have, 2), p_have, max(s_have, 2) * p_have))
+                continue
+            v = components(table.cells[op])
+            s_cap = max_seeds if max_seeds > 0 else None
+            p_cap = table.max_pieces
+            s_lim = s_cap if s_cap is not None else 10**9
+            p_lim = p_cap if p_cap is not None else 10**9
+            if predicted_se2(v, s_lim, p_lim) >= (goal * goal):
+                if s_have < min(STUCK_AFTER_SEEDS, s_lim):
+                    # with few seeds the held-out part's estimate still carries the cells'
+                    # rounding noise: more seeds before calling it out of reach
+                    want_s = min(4 * s_have, s_lim)
+                    plans.append((op, want_s, p_have, (want_s - s_have) * p_have))
+                    continue
+                stuck.add(op)
+                log(f"  {op}: even {'endless' if s_cap is None else s_cap} seeds on "
+                    f"{'its' if p_cap is None else p_cap} held-out pieces would leave its "
+                    f"standard error over the goal ({goal:.6f}; held-out sample part "
+                    f"{math.sqrt(v[1] / min(p_lim, 10**9)):.6f})")
+                continue
+            best = None  # the cheapest table in reach that meets the goal, else the lowest
+            for want_p in range(p_have, min(4 * p_have, p_lim) + 1):
+                for want_s in (range(s_have, min(4 * s_have, s_lim) + 1)):
+                    e2 = predicted_se2(v, want_s, want_p)
+                    key = (e2 > t2, want_s * want_p if e2 <= t2 else e2)
+                    if best is None or key < best[0]:
+                        best = (key, want_s, want_p)
+                    if e2 <= t2:
+                        break  # more seeds at these pieces only cost more
+            assert best is not None
+            _, want_s, want_p = best
+            if want_s * want_p <= s_have * p_have:  # the estimate says done: a step anyway
+                if s_have < s_lim:
+                    want_s = s_have + 1
+                elif p_have < p_lim:
+                    want_p = p_have + 1
+                else:
+                    stuck.add(op)
+                    continue
+            plans.append((op, want_s, want_p, want_s * want_p - s_have * p_have))
+        if not plans:
+            return stuck
+        if table.evaluated - start + sum(c for *_, c in plans) > max_cells:
+            log(f"  the budget does not reach the next round ({len(plans)} ops to refine)")
+            return stuck
+        for op, want_s, want_p, _ in plans:
+            log(f"  {op}: {table.seeds(op)} seeds x {table.pieces(op)} pieces, SE / spread "
+                f"{table.stat(op)[1] / spread:.3f}; going to {want_s} x {want_p}")
+            table.grow(op, want_s, want_p)
+
+
 def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
                   max_seeds: int = 0, budget_s: float = 0.0) -> dict:
     """Only the immediate effect, with many rounding seeds and held-out batches, and its
@@ -121,11 +281,11 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
     Per op, ``d[s][b]`` is the loss increase on held-out piece ``b`` with rounding seed
     ``s``; the effect is its mean. Its standard error combines the rounding noise (the
     seeds' means) and the held-out sample (the pieces' means): ``sqrt(se_s^2 + se_b^2)``,
-    conservative (each piece's mean still carries rounding noise / S). Seeds are added in
-    rounds until the largest standard error is under ``target`` times the spread of effects
-    (sd over ops), or ``max_seeds`` or ``budget_s`` is reached."""
-    import math
-
+    conservative (each piece's mean still carries rounding noise / S). Every op gets
+    ``seeds`` seeds on ``n_eval`` held-out batches (tiny_gpt; the digits models: their 359
+    held-out images in 6 pieces); then :func:`refine` adds seeds and held-out batches to
+    the ops whose error is not yet under ``target`` times the spread of effects, each by
+    what its error is made of, within ``max_seeds`` and ``budget_s``."""
     cfg = CONFIG[name]
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -133,67 +293,59 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
     model = wl.build()
     train(model, name, cfg["pretrain"], cfg["lr"], seed=1)
     ev = eval_batches(name, n_eval)
+    growable = image_split(name) is None  # text: an endless held-out stream
     graph = trace(name, cfg["batch"], pin_head=cfg["pin_head"])
     ops = [o.name for o in graph.choosable_ops()]
     plain = batch_losses(model, name, ev)
-    d: dict[str, list[list[float]]] = {op: [] for op in ops}
 
-    def add(n: int) -> None:
-        for op in ops:
-            for s in range(len(d[op]), len(d[op]) + n):
-                m = copy.deepcopy(model)
-                apply_precisions(m, {op: PREC}, seed=500 + s)
-                d[op].append([a - b for a, b in zip(batch_losses(m, name, ev), plain,
-                                                    strict=True)])
+    def measure(op: str, s: int, first: int, last: int) -> list[float]:
+        if last > len(plain):  # more held-out batches (a seeded stream: the first stay)
+            ev[:] = eval_batches(name, last)
+            plain.extend(batch_losses(model, name, ev[len(plain):]))
+        m = copy.deepcopy(model)
+        # pieces added later get their own rounding draws (every call draws afresh)
+        apply_precisions(m, {op: PREC}, seed=500 + s + 100_003 * first)
+        cut = ev[first:last] if growable else ev
+        return [a - b for a, b in zip(batch_losses(m, name, cut), plain[first:last],
+                                      strict=True)]
 
-    parts: dict[str, list[float]] = {"seeds": [], "pieces": []}
-
-    def stats() -> tuple[list[float], list[float], float, float]:
-        mean, se = [], []
-        parts["seeds"], parts["pieces"] = [], []
-        for op in ops:
-            rows = d[op]
-            by_seed = [statistics.fmean(r) for r in rows]
-            by_piece = [statistics.fmean(c) for c in zip(*rows, strict=True)]
-            se_s = statistics.stdev(by_seed) / math.sqrt(len(by_seed))
-            se_b = (statistics.stdev(by_piece) / math.sqrt(len(by_piece))
-                    if len(by_piece) > 1 else 0.0)
-            mean.append(statistics.fmean(by_seed))
-            se.append(math.hypot(se_s, se_b))
-            parts["seeds"].append(se_s)
-            parts["pieces"].append(se_b)
-        spread = statistics.stdev(mean) if len(mean) > 1 else float("nan")
-        return mean, se, spread, (max(se) / spread if spread > 0 else float("inf"))
-
-    add(seeds)
-    mean, se, spread, worst = stats()
-    per_seed = (time.perf_counter() - t0) / seeds
-    while worst >= target and (max_seeds <= 0 or len(d[ops[0]]) < max_seeds):
-        have = len(d[ops[0]])
-        # SE ~ 1/sqrt(S): the seeds that would reach the target, within the caps
-        want = math.ceil(have * (worst / target) ** 2 * 1.1)
-        if max_seeds > 0:
-            want = min(want, max_seeds)
-        if budget_s > 0:
-            left = budget_s - (time.perf_counter() - t0)
-            want = min(want, have + int(left / per_seed))
-        if want <= have:
-            break
-        print(f"  {have} seeds: largest SE / spread {worst:.3f}; going to {want}", flush=True)
-        add(want - have)
-        mean, se, spread, worst = stats()
-    n_seeds = len(d[ops[0]])
-    print(f"\n== {name}, immediate effect only, each op alone at {PREC.value}: {n_seeds} "
-          f"rounding seeds, {len(plain)} held-out pieces; per-op increase median "
-          f"{statistics.median(mean):+.6f}, max {max(mean):+.6f}; median standard error "
-          f"{statistics.median(se):.6f} (rounding {statistics.median(parts['seeds']):.6f}, "
-          f"held-out sample {statistics.median(parts['pieces']):.6f}); spread of effects (sd over ops) {spread:.6f}, largest "
-          f"standard error / spread {worst:.3f} ({'under' if worst < target else 'NOT under'} "
-          f"{target:g}: {'the ranking is resolved' if worst < target else 'not resolved'})")
+    effects = EffectTable(ops, measure, None if growable else len(plain))
+    t1 = time.perf_counter()
+    for op in ops:
+        effects.grow(op, seeds, len(plain))
+    base_cells = effects.evaluated
+    per_cell = (time.perf_counter() - t1) / base_cells
+    mean, se, spread, worst = effects.stats()
+    print(f"  {seeds} seeds x {len(plain)} pieces on every op: largest SE / spread "
+          f"{worst:.3f}", flush=True)
+    left = budget_s - (time.perf_counter() - t0) if budget_s > 0 else float("inf")
+    stuck = refine(effects, target, max_seeds, left / per_cell,
+                   log=lambda m: print(m, flush=True))
+    mean, se, spread, worst = effects.stats()
+    parts = [effects.stat(op)[2:] for op in ops]
+    print(f"\n== {name}, immediate effect only, each op alone at {PREC.value}: "
+          f"{seeds} rounding seeds x {len(ev) if growable else len(plain)} held-out pieces "
+          f"on every op, then more where an op's error needed them ({effects.evaluated} cells, "
+          f"{effects.evaluated / base_cells:.2f}x the uniform {base_cells}); per-op increase "
+          f"median {statistics.median(mean):+.6f}, max {max(mean):+.6f}; median standard "
+          f"error {statistics.median(se):.6f} (rounding "
+          f"{statistics.median(p[0] for p in parts):.6f}, held-out sample "
+          f"{statistics.median(p[1] for p in parts):.6f}); spread of effects (sd over ops) "
+          f"{spread:.6f}, largest standard error / spread {worst:.3f} "
+          f"({'under' if worst < target else 'NOT under'} {target:g}: "
+          f"{'the ranking is resolved' if worst < target else 'not resolved'})")
     under = sum(e < target * spread for e in se)
     print(f"ops whose standard error is under {target:g} x the spread: {under} of {len(ops)}; "
           f"largest effect's standard error / spread "
-          f"{se[mean.index(max(mean))] / spread:.3f}")
+          f"{se[mean.index(max(mean))] / spread:.3f}"
+          + (f"; held-out sample alone over the goal (no more pieces): {', '.join(sorted(stuck))}"
+             if stuck else ""))
+    print(f"{'op':>28} {'effect':>10} {'SE':>9} {'rounding':>9} {'sample':>9} {'SE/spread':>9} "
+          f"{'seeds':>5} {'pieces':>6}")
+    for i in sorted(range(len(ops)), key=lambda i: -mean[i]):
+        print(f"{ops[i]:>28} {mean[i]:>+10.6f} {se[i]:>9.6f} {parts[i][0]:>9.6f} "
+              f"{parts[i][1]:>9.6f} {se[i] / spread:>9.3f} {effects.seeds(ops[i]):>5} "
+              f"{effects.pieces(ops[i]):>6}")
     print(f"{'method':>18} {'rho now':>8} {'(sd)':>6}")
     rho: dict[str, float] = {}
     omegas: dict[str, list[float]] = {}
@@ -217,9 +369,11 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
               f"{'yes' if rho['curv'] > rho.get('fisher', 1) else 'no'}")
     wall = time.perf_counter() - t0
     print(f"({wall:.0f} s, torch threads {torch.get_num_threads()})")
-    return {"ops": ops, "precision": PREC.value, "seeds": n_seeds, "pieces": len(plain),
-            "mean": mean, "se": se, "se_rounding": parts["seeds"],
-            "se_sample": parts["pieces"], "spread": spread, "worst_se_over_spread": worst,
+    return {"ops": ops, "precision": PREC.value, "seeds": [effects.seeds(o) for o in ops],
+            "pieces": [effects.pieces(o) for o in ops], "cells": effects.evaluated,
+            "mean": mean, "se": se, "se_rounding": [p[0] for p in parts],
+            "se_sample": [p[1] for p in parts], "spread": spread,
+            "worst_se_over_spread": worst, "stuck": sorted(stuck),
             "rho": rho, "omega": omegas, "wall_s": wall}
 
 
