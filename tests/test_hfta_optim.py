@@ -195,6 +195,41 @@ def test_fast_path_equals_general_path(cls: type, ref_cls: type, hp: dict[str, A
     assert ops_per_step(True) < ops_per_step(False)
 
 
+@pytest.mark.parametrize("cls,ref_cls,hp", [
+    (FusedAdamW, torch.optim.AdamW, ADAMW_HP),
+    (FusedSGD, torch.optim.SGD, {**SGD_HP, "momentum": [0.9, 0.5, 0.99, 0.8]}),
+])
+def test_fast_path_in_slices_equals_whole(cls: type, ref_cls: type, hp: dict[str, Any],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large parameter's fast path runs in column slices of CHUNK_ELEMENTS (all models at
+    once): bit for bit the whole-tensor arithmetic, still torch's, in more (smaller) ops;
+    a non-contiguous gradient takes the whole-tensor route."""
+    from qsync_opt.hfta import optim as fused_optim
+
+    monkeypatch.setattr(fused_optim, "CHUNK_ELEMENTS", 0)
+    whole, _, _ = run_pair(cls, ref_cls, hp)
+    monkeypatch.setattr(fused_optim, "CHUNK_ELEMENTS", 8)  # 60-, 28- and 216-element params
+    sliced, _, worst = run_pair(cls, ref_cls, hp)
+    assert worst < TOL
+    for p, q in zip(whole, sliced, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+
+    def ops_second_step(chunk: int, contiguous: bool = True) -> int:
+        monkeypatch.setattr(fused_optim, "CHUNK_ELEMENTS", chunk)
+        params = make_params()
+        opt = cls(params, B, **hp)
+        n = 0
+        for grads in make_grads(2):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone() if contiguous or g.dim() < 3 else (
+                    g.transpose(1, 2).contiguous().transpose(1, 2))
+            n = ops_in(opt.step)
+        return n
+
+    assert ops_second_step(8) > ops_second_step(0)
+    assert ops_second_step(8, contiguous=False) < ops_second_step(8)
+
+
 def test_fused_step_has_no_loop_over_models() -> None:
     """One set of ops per parameter: the op count does not grow with B."""
     def count_ops(nb: int) -> int:

@@ -190,6 +190,34 @@ def _bshape(B: int, p: Tensor) -> tuple[int, ...]:
     return (B,) + (1,) * (p.dim() - 1)
 
 
+#: The fast paths step a large parameter in column slices of about this many elements (all
+#: ``B`` models at once: ``[B, cols]`` of the ``[B, n]`` view), so that each slice's passes
+#: and temporaries stay in cache: a step is memory-bound, and over a whole parameter of
+#: hundreds of MB its ops would each stream it through memory again. Element-wise, so the
+#: result is the same bit for bit (tests/test_hfta_optim.py). 0 turns it off.
+CHUNK_ELEMENTS = 1 << 16
+
+
+def _slices(B: int, tensors: Sequence[Tensor],
+            scalars: Sequence[Tensor]) -> Iterable[tuple[list[Tensor], list[Tensor]]]:
+    """``(tensors, scalars)`` slices for a fast path: the whole tensors with their per-model
+    scalars shaped ``[B, 1, ...]`` when they are small (or not all contiguous), else column
+    slices of their ``[B, n]`` views with the scalars as ``[B, 1]``."""
+    t0 = tensors[0]
+    n = t0.numel() // B if B else 0
+    chunk = CHUNK_ELEMENTS
+    if (chunk <= 0 or t0.numel() <= 2 * chunk
+            or not all(t.is_contiguous() for t in tensors)):
+        shape = _bshape(B, t0)
+        yield list(tensors), [s.view(shape) for s in scalars]
+        return
+    cols = max(1, chunk // B)
+    flat = [t.view(B, n) for t in tensors]
+    col = [s.view(B, 1) for s in scalars]
+    for j in range(0, n, cols):
+        yield [f[:, j:j + cols] for f in flat], col
+
+
 class _Arrays:
     """A group's per-model arrays on one (device, dtype), cached for one step call."""
 
@@ -415,22 +443,26 @@ class FusedSGD(_FusedOptimizer):
                 "plain": bool((mom0 != 0).all()) and bool((group["dampening"] == 0).all())
                 and not group["nesterov"]}
 
-        d_p = grad
-        if flags["wd"]:
-            d_p = torch.addcmul(grad, p, arrays.get("weight_decay", dev, dt).view(shape))
-
         started = self.__dict__.setdefault("_all_started", {})  # id(p) -> bool, not state
         if id(p) not in started and "momentum_started" in st:
             started[id(p)] = bool((st["momentum_started"] != 0).all())
         if self.fast_path and m_b is None and flags["plain"] and started.get(id(p), False):
             # the common case, the same arithmetic in two in-place ops: every model has
             # momentum, no dampening, no Nesterov, every buffer started, no mask
-            buf = st["momentum_buffer"]
-            buf.mul_(arrays.get("momentum", dev, dt).view(shape)).add_(d_p)
-            p.addcmul_(buf, arrays.get("neg_lr", dev, dt).view(shape))
+            tensors = [p, grad, st["momentum_buffer"]]
+            scalars = [arrays.get("momentum", dev, dt), arrays.get("neg_lr", dev, dt)]
+            if flags["wd"]:
+                scalars.append(arrays.get("weight_decay", dev, dt))
+            for (p_, g_, buf), sc in _slices(B, tensors, scalars):
+                d = torch.addcmul(g_, p_, sc[2]) if flags["wd"] else g_
+                buf.mul_(sc[0]).add_(d)
+                p_.addcmul_(buf, sc[1])
             st["step"] += 1
             return
 
+        d_p = grad
+        if flags["wd"]:
+            d_p = torch.addcmul(grad, p, arrays.get("weight_decay", dev, dt).view(shape))
         if flags["mom_any"]:
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -517,22 +549,28 @@ class FusedAdamW(_FusedOptimizer):
 
         step = st["step"] + (1.0 if m_b is None else m_b.to(_F64))
         sc = _adamw_scalars(group, arrays, step, dev, dt)
+        wd = bool((group["weight_decay"] != 0).any())
+
+        if self.fast_path and m_b is None and not group["amsgrad"]:
+            # the common case, the same arithmetic as below in place (slice by slice for a
+            # large parameter): no mask, no AMSGrad
+            for (p_, g_, ea, eas), (decay_, omb1, beta2_, omb2, bc2, eps_, nss) in _slices(
+                    B, [p, grad, st["exp_avg"], st["exp_avg_sq"]],
+                    [sc[k] for k in ("decay", "one_minus_b1", "beta2", "one_minus_b2",
+                                     "bc2_sqrt", "eps", "neg_step_size")]):
+                if wd:
+                    p_.mul_(decay_)
+                ea.lerp_(g_, omb1)
+                eas.mul_(beta2_).addcmul_(g_, g_ * omb2)
+                denom = eas.sqrt().div_(bc2).add_(eps_)
+                p_.addcmul_(ea / denom, nss)
+            st["step"].copy_(step)
+            return
+
         decay, eps = sc["decay"].view(shape), sc["eps"].view(shape)
         one_minus_b1, one_minus_b2 = sc["one_minus_b1"].view(shape), sc["one_minus_b2"].view(shape)
         beta2, bc2_sqrt = sc["beta2"].view(shape), sc["bc2_sqrt"].view(shape)
         neg_step_size = sc["neg_step_size"].view(shape)
-        wd = bool((group["weight_decay"] != 0).any())
-
-        if self.fast_path and m_b is None and not group["amsgrad"]:
-            # the common case, the same arithmetic as below in place: no mask, no AMSGrad
-            if wd:
-                p.mul_(decay)
-            st["exp_avg"].lerp_(grad, one_minus_b1)
-            st["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad * one_minus_b2)
-            denom = st["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(eps)
-            p.addcmul_(st["exp_avg"] / denom, neg_step_size)
-            st["step"].copy_(step)
-            return
 
         new_p = p * decay if wd else p
         exp_avg = torch.lerp(st["exp_avg"], grad, one_minus_b1)
