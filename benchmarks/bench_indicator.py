@@ -313,7 +313,7 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
     t1 = time.perf_counter()
     for op in ops:
         effects.grow(op, seeds, len(plain))
-    base_cells = effects.evaluated
+    base_cells, base_pieces = effects.evaluated, len(plain)
     per_cell = (time.perf_counter() - t1) / base_cells
     mean, se, spread, worst = effects.stats()
     print(f"  {seeds} seeds x {len(plain)} pieces on every op: largest SE / spread "
@@ -323,8 +323,10 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
                    log=lambda m: print(m, flush=True))
     mean, se, spread, worst = effects.stats()
     parts = [effects.stat(op)[2:] for op in ops]
-    print(f"\n== {name}, immediate effect only, each op alone at {PREC.value}: "
-          f"{seeds} rounding seeds x {len(ev) if growable else len(plain)} held-out pieces "
+    print(f"\ntrained fp32 model's held-out loss on the first {base_pieces} pieces: "
+          f"{statistics.fmean(plain[:base_pieces]):.6f}")
+    print(f"== {name}, immediate effect only, each op alone at {PREC.value}: "
+          f"{seeds} rounding seeds x {base_pieces} held-out pieces "
           f"on every op, then more where an op's error needed them ({effects.evaluated} cells, "
           f"{effects.evaluated / base_cells:.2f}x the uniform {base_cells}); per-op increase "
           f"median {statistics.median(mean):+.6f}, max {max(mean):+.6f}; median standard "
@@ -370,10 +372,11 @@ def run_immediate(name: str, seeds: int, n_eval: int, target: float = 0.1,
     wall = time.perf_counter() - t0
     print(f"({wall:.0f} s, torch threads {torch.get_num_threads()})")
     return {"ops": ops, "precision": PREC.value, "seeds": [effects.seeds(o) for o in ops],
-            "pieces": [effects.pieces(o) for o in ops], "cells": effects.evaluated,
+            "pieces": [effects.pieces(o) for o in ops], "n_cells": effects.evaluated,
             "mean": mean, "se": se, "se_rounding": [p[0] for p in parts],
             "se_sample": [p[1] for p in parts], "spread": spread,
             "worst_se_over_spread": worst, "stuck": sorted(stuck),
+            "plain": plain, "cells": {op: effects.cells[op] for op in ops},
             "rho": rho, "omega": omegas, "wall_s": wall}
 
 

@@ -145,7 +145,13 @@ def test_run_immediate_end_to_end_on_digits_cnn(monkeypatch) -> None:
     n = len(out["ops"])
     assert n == 4 and out["precision"] == "int4"
     assert len(out["seeds"]) == n and min(out["seeds"]) >= 2 and out["pieces"] == [6] * n
-    assert out["cells"] >= 2 * 6 * n
+    assert out["n_cells"] >= 2 * 6 * n
+    # the dump keeps every op's seeds x pieces table, whose means are the effects
+    for i, op in enumerate(out["ops"]):
+        rows = out["cells"][op]
+        assert len(rows) == out["seeds"][i] and {len(r) for r in rows} == {6}
+        assert abs(statistics.fmean(x for r in rows for x in r) - out["mean"][i]) < 1e-12
+    assert len(out["plain"]) == 6
     assert len(out["mean"]) == len(out["se"]) == n and all(e > 0 for e in out["se"])
     assert set(out["rho"]) >= {"qsync", "curv", "hessian", "fisher", "random"}
     assert all(-1.0 <= r <= 1.0 for r in out["rho"].values())
