@@ -122,8 +122,9 @@ def test_replicated_inputs_feed_every_model_the_same_batch():
 
 
 def test_unsupported_models_are_refused_by_name():
-    with pytest.raises(QsyncInputError, match="hfta"):
-        fuse(_models("tiny_gpt", 2))
+    """vit_b16 reads its class token (a Parameter) outside a module: no fused form."""
+    with pytest.raises(QsyncInputError, match="hfta: 'class_token' is a parameter"):
+        fuse(_models("vit_b16", 2))
 
 
 def _train_run(tmp: Path, seed: int, steps: int, lr: float, *extra: str) -> dict:
@@ -318,9 +319,15 @@ def test_standalone_fallback_equals_the_array(tmp_path):
     assert _max_diff(resumed, _train_run(tmp_path, 1, 10, 0.01)) <= 1e-5
 
 
-def test_models_the_converter_refuses_run_on_the_torch_func_route(tmp_path):
-    """tiny_gpt (attention reshapes: no fused form) sweeps through stack_module_state +
-    vmap; model s still equals `train --seed s --nproc 1`, and exports resume."""
+def test_models_the_converter_refuses_run_on_the_torch_func_route(tmp_path, monkeypatch):
+    """A model the converter refuses sweeps through stack_module_state + vmap; model s still
+    equals `train --seed s --nproc 1`, and exports resume. (tiny_gpt, with the converter's
+    refusal forced: the converter places it now, tests/test_hfta_gpt.py; the tied lm_head is
+    what this route must get right.)"""
+    def refuse(models, **kw):
+        raise QsyncInputError("hfta: refused for this test")
+
+    monkeypatch.setattr("qsync_opt.hfta.trainer.fuse", refuse)
     spec = SweepSpec("tiny_gpt", [Variant(s, 1e-3, 0.0) for s in (0, 1)], steps=3, batch=4,
                      optimizer="adamw")
     tr = ArrayTrainer(spec)

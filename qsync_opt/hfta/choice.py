@@ -7,7 +7,8 @@ its forward and backward in the array's context (the op's real input, captured i
 forward of a real batch, in the op's layout) both ways: ``fused`` (one kernel for all
 ``B``) and ``serial`` (the input split per model, ``B`` calls on the slices, the outputs
 joined: the splitting and joining are inside the timing). Runs interleave (fused, serial,
-fused, ...), the median of ``reps`` each is kept, and the faster mode is set.
+fused, ...), the median of ``reps`` each is kept, and the faster mode is set. (The
+attention matmuls hold no parameters: they always run as one batched call.)
 
 Then the array's whole step under those modes (forward, backward, the fused optimizer) is
 timed against the standalone models' (each model exported to its own module with its own
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .convert import FusedArray, serial_forward
+from .convert import FusedArray
 
 __all__ = ["Choice", "measure_choice", "time_step"]
 
@@ -83,18 +84,23 @@ def time_step(step: Callable[[], Any], other: Callable[[], Any], reps: int
 
 
 def _capture(array: FusedArray, inputs: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Every fused op's input in one forward of ``inputs`` (every op fused for it: a serial
+    op does not call its module)."""
     seen: dict[str, Tensor] = {}
     hooks = []
+    modes = dict(array.modes)
     for k, mod in array.fused.items():
         def pre(m: Any, args: Any, k: str = k) -> None:
             seen.setdefault(k, args[0].detach())
         hooks.append(mod.register_forward_pre_hook(pre))
+        array.modes[k] = "fused"
     try:
         with torch.no_grad():
             array(*inputs)
     finally:
         for h in hooks:
             h.remove()
+        array.modes.update(modes)
     return seen
 
 
@@ -118,13 +124,12 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
     if per_op:
         array.separate = False
     seen = _capture(array, inputs) if per_op else {}
-    for k, mod in (array.fused.items() if per_op else []):
+    for k in (list(array.fused) if per_op else []):
         x0 = seen[k]
 
-        def run(serial: bool, mod: Any = mod, x0: Tensor = x0) -> None:
+        def run(serial: bool, k: str = k, x0: Tensor = x0) -> None:
             x = x0.clone().requires_grad_(x0.is_floating_point())
-            y = serial_forward(mod, x, array.B, replicated) if serial else mod(x)
-            y.sum().backward()
+            array.call_op(k, x, "serial" if serial else "fused").sum().backward()
 
         f, s = time_step(lambda: run(False), lambda: run(True), reps)
         mode = "fused" if f <= s else "serial"

@@ -19,22 +19,26 @@ models with one kernel call, on one of the two layouts of :mod:`qsync_opt.hfta`:
   affine parameters (normalisation is per row, hence per model), then one broadcast
   multiply-add with ``weight`` / ``bias`` viewed as ``[B, 1, ..., 1, *shape]``.
 * :class:`FusedEmbedding` (ids ``[B, N, ...]``, one stream per model, or ``[N, ...]``,
-  replicated to every model -> ``[B, N, ..., D]``): one ``F.embedding`` on the table viewed as
-  ``[B*V, D]`` with model ``b``'s ids offset by ``b*V``. A ``padding_idx`` is honoured per
-  model (its rows get no gradient).
+  shared by every model (a replicated batch, or position ids) -> ``[B, N, ..., D]``): one
+  ``F.embedding`` on the table viewed as ``[B*V, D]`` with model ``b``'s ids offset by
+  ``b*V``. A ``padding_idx`` is honoured per model (its rows get no gradient).
+* :class:`FusedMatMul` (an attention matmul, :class:`~qsync_opt.models.layers.MatMul`: no
+  parameters, both operands model-major ``[B, ..., n, k]`` and ``[B, ..., k, m]``): one
+  batched ``torch.matmul``, batch index = model (and the model's own batch dims).
 * Pooling and elementwise layers (``nn.MaxPool2d``, ``nn.AvgPool2d``,
   ``nn.AdaptiveAvgPool2d``, ``nn.ReLU``, ``nn.Dropout``...) act per channel or per element,
   so they run unchanged on the channel-folded layout (and elementwise ones on model-major).
   :func:`fold`, :func:`unfold` and :func:`conv_to_linear` move between the layouts.
 
-Precisions (:class:`FusedLinear` and :class:`FusedConv2d`, attribute ``precision``, as the
-runtime's precision layers, :mod:`qsync_opt.runtime.layers`): ``fp32`` / ``tf32`` run the one
+Precisions (:class:`FusedLinear`, :class:`FusedConv2d` and :class:`FusedMatMul`, attribute
+``precision``, as the runtime's precision layers, :mod:`qsync_opt.runtime.layers`): ``fp32`` / ``tf32`` run the one
 fused call; ``fp16`` / ``bf16`` cast operands to 16 bit for that one call and the result back
 to the input dtype. ``int8``, ``int8_full``, ``int4`` and ``fp8`` quantize each tensor with a
 per-tensor (activation) scale, which must be each model's own, so they run ``B`` calls, one
 per model, of exactly the runtime's kernels (:func:`qsync_opt.runtime.gemm.run_linear`;
-``ops.int8_conv2d`` / ``ops.int4_conv2d`` as ``QConv2d`` runs them), each with a fresh seed from
-the layer's counter (:class:`~qsync_opt.runtime.gemm.QMixin`): the fused layer then equals
+``ops.int8_conv2d`` / ``ops.int4_conv2d`` as ``QConv2d`` runs them; the matmul's operands
+fake-quantized by :func:`~qsync_opt.runtime.gemm.run_gemm` as ``QMatMul`` does), each with a
+fresh seed from the layer's counter (:class:`~qsync_opt.runtime.gemm.QMixin`): the fused layer then equals
 ``B`` standalone layers given the same seeds, bit for bit. There is no batched integer GEMM
 in :mod:`qsync_opt.ops`, so ``int8_mode`` has the one value ``"loop"``.
 
@@ -56,11 +60,12 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..errors import QsyncInputError
+from ..models.layers import MatMul
 from ..precision import Precision
-from ..runtime.gemm import HALF_DTYPES, QMixin, run_linear
+from ..runtime.gemm import HALF_DTYPES, QMixin, run_gemm, run_linear
 
 __all__ = ["FusedBatchNorm2d", "FusedConv2d", "FusedEmbedding", "FusedLayerNorm",
-           "FusedLinear", "INT8_MODES", "conv_to_linear", "fold", "unfold"]
+           "FusedLinear", "FusedMatMul", "INT8_MODES", "conv_to_linear", "fold", "unfold"]
 
 #: The ways a fused Linear runs an integer (or fp8) precision: ``loop``, one standalone call
 #: per model (the only one; no batched int8 GEMM exists that equals it).
@@ -101,10 +106,11 @@ def _modules(mods: Sequence[nn.Module], cls: type[nn.Module], who: str) -> list[
     got = list(mods)
     if not got:
         raise QsyncInputError(f"{who}.from_modules: no modules given")
+    prefix = "nn." if cls.__module__.startswith("torch.nn") else ""
     for i, m in enumerate(got):
         if not isinstance(m, cls):
             raise QsyncInputError(f"{who}.from_modules: module {i} is a {type(m).__name__}, "
-                                  f"expected an nn.{cls.__name__}")
+                                  f"expected an {prefix}{cls.__name__}")
     return got
 
 
@@ -638,7 +644,9 @@ class FusedEmbedding(nn.Module):
 
     Which input mode: ``forward(ids, replicated=...)``; left None, ids with at least two dims
     and ``B`` rows are per model, anything else replicated (pass it explicitly where an
-    ``[N, ...]`` batch could have ``N == B``). ``padding_idx``: those positions' outputs pass
+    ``[N, ...]`` batch could have ``N == B``; given ``replicated=False``, any ids ``[B, ...]``
+    are per model). Any number of dims: shared ids ``[*S]`` (position ids ``[1, T]``) give
+    ``[B, *S, D]``, per-model ids ``[B, *S]`` give ``[B, *S, D]``. ``padding_idx``: those positions' outputs pass
     no gradient, so each model's padding row gets none; ``max_norm`` renormalises looked-up
     rows in place as torch does; sparse gradients are not supported.
     """
@@ -675,7 +683,7 @@ class FusedEmbedding(nn.Module):
             raise QsyncInputError(f"FusedEmbedding: ids must be int64 or int32, got {ids.dtype}")
         if replicated is None:
             replicated = not (ids.dim() >= 2 and ids.shape[0] == self.B)
-        if not replicated and (ids.dim() < 2 or ids.shape[0] != self.B):
+        if not replicated and (ids.dim() < 1 or ids.shape[0] != self.B):
             raise QsyncInputError(f"FusedEmbedding: per-model ids must be [B={self.B}, N, ...],"
                                   f" got shape {tuple(ids.shape)}")
         v = self.num_embeddings
@@ -722,5 +730,63 @@ class FusedEmbedding(nn.Module):
                          self.max_norm, self.norm_type, self.scale_grad_by_freq,
                          _weight=self.weight[b].detach().clone())
         m.weight.requires_grad_(self.weight.requires_grad)
+        m.train(self.training)
+        return m
+
+
+# ----------------------------------------------------------------------------- MatMul
+
+
+class FusedMatMul(nn.Module, QMixin):
+    """``B`` attention matmuls (:class:`~qsync_opt.models.layers.MatMul`: ``Q @ K^T``,
+    ``P @ V``; no parameters) as one batched ``torch.matmul``. Both operands model-major and of
+    the same rank, at least 3: ``[B, ..., n, k] @ [B, ..., k, m] -> [B, ..., n, m]`` (the
+    converter lines the operands up: :func:`~qsync_opt.hfta.convert.batched_matmul`).
+
+    ``precision`` (default fp32) and the seed counter ``qseed`` as the runtime's QMatMul:
+    fp32 / tf32 one call, fp16 / bf16 one call on 16-bit operands (the result back in the
+    first operand's dtype); int8, int8_full, int4 and fp8 fake-quantize each operand with a
+    per-tensor scale, which must be each model's own, so they run ``B`` calls, one per model,
+    of :func:`~qsync_opt.runtime.gemm.run_gemm` (what QMatMul computes), each with a fresh seed.
+    """
+
+    def __init__(self, B: int) -> None:
+        super().__init__()
+        self.B = _check_b(B)
+        self.precision: Precision = Precision.fp32
+        self.qseed = 0
+        self.qname = ""
+
+    def extra_repr(self) -> str:
+        return f"B={self.B}, precision={Precision(self.precision).value}"
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        if (a.dim() < 3 or a.dim() != b.dim() or a.shape[0] != self.B
+                or b.shape[0] != self.B):
+            raise QsyncInputError(
+                f"FusedMatMul: expected two model-major operands [B={self.B}, ..., n, k] and "
+                f"[B={self.B}, ..., k, m] of one rank (at least 3), got shapes "
+                f"{tuple(a.shape)} and {tuple(b.shape)}")
+        p = _as_precision(self.precision, "FusedMatMul.precision")
+        self._count()
+        if p in _ONE_CALL:
+            out: Tensor = run_gemm("matmul", torch.matmul, (a, b), {}, p, self._next_seed)
+            return out
+        return torch.stack([run_gemm("matmul", torch.matmul, (a[i], b[i]), {}, p,
+                                     self._next_seed) for i in range(self.B)])
+
+    @classmethod
+    def from_modules(cls, mods: Sequence[nn.Module]) -> FusedMatMul:
+        """Fuse ``B`` MatMul modules (a runtime QMatMul's precision is kept: all equal)."""
+        got = _modules(mods, MatMul, "FusedMatMul")
+        fused = cls(len(got))
+        fused.precision = _common_precision("FusedMatMul", got)
+        fused.train(got[0].training)
+        return fused
+
+    def export(self, b: int) -> MatMul:
+        """Model ``b``'s standalone MatMul (it holds nothing: a fresh fp32 module)."""
+        _check_index(b, self.B, "FusedMatMul")
+        m = MatMul()
         m.train(self.training)
         return m

@@ -16,6 +16,13 @@ and held-out loss, accuracy, skipped steps, and the choice). ``--export`` writes
 a standalone run, ``OUT/model{b}``: a checkpoint set of ``qsync-opt train``'s layout that
 ``train --model M --seed S --lr L --weight-decay W --out OUT/model{b}`` resumes (every op at
 fp32 on one rank, the run's settings in its fingerprint).
+
+The array runs on the fused operators for every model the converter places (CNNs, MLPs and
+GPT-style transformers: ``digits_cnn``, ``resnet18``, ``tiny_gpt``...); any other model
+runs on the torch.func route (printed with the converter's reason; fp32 only, no per-op
+modes). ``--plan F --group G`` sets the group's precisions on the array's fused Linear and
+Conv2d ops and its attention matmuls; a line says how many took them and lists the plan's
+ops the array has no op for (they stay at fp32).
 """
 
 from __future__ import annotations
@@ -190,6 +197,25 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     return folder
 
 
+def _plan_line(trainer: Any, group: str) -> str:
+    """Where the plan's precisions went: the array's ops that took them (the attention
+    matmuls among them), those below fp32, and the plan's ops the array has no op for."""
+    if trainer.route != "fused":  # the trainer refused anything but fp32 there
+        return f"plan: group {group}'s precisions are all fp32; the torch.func route runs them"
+    applied = trainer.plan_applied
+    matmuls = set(trainer.array.matmul_names)
+    lower = [f"{op} {p}" for op, p in applied.items() if p != "fp32"]
+    line = (f"plan: group {group}'s precisions on {len(applied)} ops of the array "
+            f"({sum(op in matmuls for op in applied)} attention matmuls among them)")
+    if lower:
+        line += f"; below fp32: {', '.join(lower[:6])}" + (", ..." if len(lower) > 6 else "")
+    if trainer.plan_unplaced:
+        un = trainer.plan_unplaced
+        line += (f"; {len(un)} not ops of the array, left at fp32: {', '.join(un[:6])}"
+                 + (", ..." if len(un) > 6 else ""))
+    return line
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     import torch
 
@@ -260,6 +286,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if args.fuse == "serial":
             raise QsyncInputError("--fuse serial: per-op modes need the fused operators; "
                                   "this model runs on the torch.func route")
+    if plan is not None:
+        say(_plan_line(tr, str(args.group)))
     say(f"sweep: {len(variants)} models of {wl.name} ({len(seeds)} seeds x {len(lrs)} lr x "
         f"{len(wds)} wd), batch {batch}, {args.steps} steps, inputs {args.inputs}"
         + (" (one stream: not separate runs)" if args.inputs == "replicated" else "")
@@ -293,6 +321,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
            "route": tr.route,
            "input_mode": args.inputs, "optimizer": args.optimizer,
            "lr_schedule": args.lr_schedule, "plan": args.plan, "group": args.group,
+           "plan_ops": ({"applied": tr.plan_applied, "unplaced": tr.plan_unplaced}
+                        if plan is not None else None),
            "fuse": choice_doc, "wall_s": round(wall, 3),
            "samples_per_s": round(len(variants) * batch * args.steps / wall, 1),
            "threads": torch.get_num_threads()}

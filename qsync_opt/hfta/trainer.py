@@ -21,7 +21,14 @@ array, :meth:`ArrayTrainer.use_standalone` trains them so, one after another, wi
 optimizers and the same per-model learning rates; the results and exports are the same.
 
 A plan: the array runs the precisions one group of a plan gives (the same for its ``B``
-models): each fused op takes its op's precision (fused Linear has the int8 path).
+models): each fused op takes its op's precision (fused Linear has the int8 path), and so do
+the attention matmuls (:class:`~.ops.FusedMatMul`, a transformer's ``qk_matmul`` /
+``av_matmul``); the plan's ops the array has no op for are listed in ``plan_unplaced``.
+
+Routes: the converter (:func:`~.convert.fuse`) places CNNs, MLPs and GPT-style transformers
+(``tiny_gpt``: embeddings, LayerNorm, attention with its reshapes and causal mask, the tied
+``lm_head``), so they train on the fused operators; a model it refuses trains on the
+torch.func route (:mod:`.functional`), fp32 only, and ``route_reason`` says why.
 """
 
 from __future__ import annotations
@@ -123,11 +130,20 @@ class ArrayTrainer:
                     "runs only on the torch.func route") from None
             self.array = FuncArray(self.models, input_mode=spec.input_mode)
             self.route, self.route_reason = "torch.func", str(exc)
+        #: the plan's ops set on the array (op -> precision), and those it has no op for
+        self.plan_applied: dict[str, str] = {}
+        self.plan_unplaced: list[str] = []
         for op, p in spec.precisions.items():
             k = op.replace(".", "__")
-            if self.route == "fused" and k in self.array.fused:
-                op_mod: Any = self.array.fused[k]
-                op_mod.precision = Precision(p)
+            op_mod: Any = None
+            if self.route == "fused":
+                op_mod = self.array.fused[k] if k in self.array.fused else (
+                    self.array.matmuls[k] if k in self.array.matmuls else None)
+            if op_mod is None or not hasattr(op_mod, "precision"):  # no op of the array
+                self.plan_unplaced.append(op)
+                continue
+            op_mod.precision = Precision(p)
+            self.plan_applied[op] = Precision(p).value
         lrs = [v.lr for v in spec.variants]
         wds = [v.weight_decay for v in spec.variants]
         params = list(self.array.parameters())
