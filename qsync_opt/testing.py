@@ -4,6 +4,8 @@
   code, stdout and stderr (an argparse error's ``SystemExit`` becomes its code).
 - :func:`assert_same_tree` asserts two checkpoint-like trees (dicts, lists, tensors, plain
   values) are equal bit for bit, naming the first place they differ.
+- :func:`count_calls` counts, by name, the calls of chosen torch functions inside a block
+  (how the fused operators' tests show one kernel call for all B models).
 """
 
 from __future__ import annotations
@@ -12,7 +14,30 @@ import contextlib
 import io
 from typing import Any
 
-__all__ = ["assert_same_tree", "run_cli", "run_params", "run_rows"]
+__all__ = ["assert_same_tree", "count_calls", "run_cli", "run_params", "run_rows"]
+
+
+def count_calls(functions: dict[Any, str]) -> Any:
+    """A context manager (a ``TorchFunctionMode``) whose ``counts`` (a Counter) counts the
+    calls of ``functions`` (function -> name) made inside it; calls nested inside a counted
+    one are not seen, so a fused kernel's own internals do not count."""
+    from collections import Counter
+
+    from torch.overrides import TorchFunctionMode
+
+    class CountCalls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: Counter[str] = Counter()
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            name = functions.get(func)
+            if name is not None:
+                self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    return CountCalls()
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:

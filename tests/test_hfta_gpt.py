@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from qsync_opt.models.bert import BertConfig, BertForQuestionAnswering
 from qsync_opt.models.gpt2 import GPT, GPTConfig
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from qsync_opt.cli import main
 from qsync_opt.errors import QsyncInputError
@@ -33,6 +32,7 @@ from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from qsync_opt.runtime.layers import QMatMul
+from qsync_opt.testing import count_calls
 
 B = 3
 TOL = 1e-10
@@ -207,19 +207,8 @@ _KERNELS: dict[Any, str] = {torch.baddbmm: "baddbmm", torch.bmm: "bmm",
                             torch.matmul: "matmul", F.linear: "linear"}
 
 
-class CountKernels(TorchFunctionMode):
-    """Counts the calls of the fused kernels (the nested calls inside one are not seen)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        name = _KERNELS.get(func)
-        if name is not None:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+def CountKernels() -> Any:  # noqa: N802 (used as a class: ``with CountKernels() as m``)
+    return count_calls(_KERNELS)
 
 
 def test_fused_mode_runs_one_kernel_call_per_op_for_all_models() -> None:

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from qsync_opt import QsyncInputError, ops
 from qsync_opt.hfta.ops import (
@@ -29,6 +28,7 @@ from qsync_opt.hfta.ops import (
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from qsync_opt.runtime.gemm import run_linear
+from qsync_opt.testing import count_calls
 
 B = 3
 TOL = 1e-10
@@ -39,19 +39,8 @@ _KERNELS: dict[Any, str] = {F.conv2d: "conv2d", torch.baddbmm: "baddbmm", torch.
                             F.layer_norm: "layer_norm"}
 
 
-class CountKernels(TorchFunctionMode):
-    """Counts the calls of the fused kernels (the nested calls inside one are not seen)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        name = _KERNELS.get(func)
-        if name is not None:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+def CountKernels() -> Any:  # noqa: N802 (used as a class: ``with CountKernels() as m``)
+    return count_calls(_KERNELS)
 
 
 def _close(a: Tensor, b: Tensor, tol: float = TOL) -> None:
