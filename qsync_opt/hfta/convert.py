@@ -729,16 +729,21 @@ def serial_forward(mod: nn.Module, x: Tensor, B: int, replicated: bool) -> Tenso
 # ----------------------------------------------------------------------------- the walk
 
 
-def _nodes_in(a: Any) -> list[fx.Node]:
-    if isinstance(a, fx.Node):
+def _leaves(a: Any, cls: type) -> list[Any]:
+    """The ``cls`` instances in ``a``, through tuples, lists, dict values and slices."""
+    if isinstance(a, cls):
         return [a]
     if isinstance(a, (tuple, list)):
-        return [n for x in a for n in _nodes_in(x)]
+        return [n for x in a for n in _leaves(x, cls)]
     if isinstance(a, dict):
-        return [n for x in a.values() for n in _nodes_in(x)]
+        return [n for x in a.values() for n in _leaves(x, cls)]
     if isinstance(a, slice):
-        return _nodes_in((a.start, a.stop, a.step))
+        return _leaves((a.start, a.stop, a.step), cls)
     return []
+
+
+def _nodes_in(a: Any) -> list[fx.Node]:
+    return _leaves(a, fx.Node)
 
 
 def _fetch(m: nn.Module, target: str) -> Any:
@@ -1070,15 +1075,7 @@ class _Walk:
 
 
 def _refs_in(a: Any) -> list[_Ref]:
-    if isinstance(a, _Ref):
-        return [a]
-    if isinstance(a, (tuple, list)):
-        return [r for x in a for r in _refs_in(x)]
-    if isinstance(a, dict):
-        return [r for x in a.values() for r in _refs_in(x)]
-    if isinstance(a, slice):
-        return _refs_in((a.start, a.stop, a.step))
-    return []
+    return _leaves(a, _Ref)
 
 
 def fuse(models: Sequence[nn.Module], *, input_mode: str = "per_model") -> FusedArray:
