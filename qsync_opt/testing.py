@@ -6,6 +6,8 @@
   values) are equal bit for bit, naming the first place they differ.
 - :func:`count_calls` counts, by name, the calls of chosen torch functions inside a block
   (how the fused operators' tests show one kernel call for all B models).
+- :func:`run_params` and :func:`run_rows` read a training run's latest checkpoint and its
+  metrics; :func:`max_abs_diff` is the largest difference between two state dicts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import contextlib
 import io
 from typing import Any
 
-__all__ = ["assert_same_tree", "count_calls", "run_cli", "run_params", "run_rows"]
+__all__ = ["assert_same_tree", "count_calls", "max_abs_diff", "run_cli", "run_params",
+           "run_rows"]
 
 
 def count_calls(functions: dict[Any, str]) -> Any:
@@ -82,6 +85,12 @@ def run_params(out: Any, rank: int, buffers: bool = False) -> dict[str, Any]:
     doc = ck.load_checkpoint(path)
     return {k: v for k, v in doc["model"].items()
             if buffers or ("running" not in k and "num_batches" not in k)}
+
+
+def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The largest absolute difference, in float64, over ``a``'s entries (``b`` may hold
+    more; an entry of ``a`` missing from ``b`` is a KeyError naming it)."""
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def run_rows(out: Any, rank: int) -> list[dict[str, Any]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import glob
 import io
 import json
 from collections import Counter
@@ -32,7 +31,7 @@ from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from qsync_opt.runtime.layers import QMatMul
-from qsync_opt.testing import count_calls
+from qsync_opt.testing import count_calls, max_abs_diff, run_cli, run_params
 
 B = 3
 TOL = 1e-10
@@ -434,29 +433,43 @@ def test_an_op_the_walk_cannot_place_is_refused_by_name(cls: type[nn.Module],
 # ----------------------------------------------------------------------------- trainer, CLI
 
 
-def test_sweep_model_equals_its_train_run_on_the_fused_route(tmp_path) -> None:
-    """tiny_gpt now trains on the fused operators (the trainer picks the route itself):
-    model s after 3 AdamW steps, exported, equals `train --seed s --nproc 1` (float32
-    reordering only), its lm_head tied."""
+@pytest.mark.parametrize("route", ["fused", "torch.func"])
+def test_sweep_model_equals_its_train_run(tmp_path, monkeypatch, route: str) -> None:
+    """tiny_gpt trains on the fused operators (the trainer picks the route itself) or, with
+    the converter's refusal forced, on the torch.func route (stack_module_state + vmap):
+    either way model s after 3 AdamW steps, exported, equals `train --seed s --nproc 1`
+    (float32 reordering only), its lm_head tied to wte (the tie is what both routes must
+    get right)."""
+    if route == "torch.func":
+        def refuse(models: Any, **kw: Any) -> Any:
+            raise QsyncInputError("hfta: refused for this test")
+
+        monkeypatch.setattr("qsync_opt.hfta.trainer.fuse", refuse)
     spec = SweepSpec("tiny_gpt", [Variant(s, 1e-3, 0.0) for s in (0, 1)], steps=3, batch=4,
                      optimizer="adamw")
     tr = ArrayTrainer(spec)
-    assert tr.route == "fused" and tr.route_reason == ""
-    assert isinstance(tr.array, FusedArray)
+    assert tr.route == route
+    if route == "fused":
+        assert tr.route_reason == "" and isinstance(tr.array, FusedArray)
+    else:
+        assert "hfta" in tr.route_reason and isinstance(tr.array, FuncArray)
     tr.train()
     out = tmp_path / "t1"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--model", "tiny_gpt", "--seed", "1", "--lr", "1e-3",
-                     "--optimizer", "adamw", "--batch", "4", "--steps", "3", "--out",
-                     str(out), "--emulate-dp"]) == 0
-    f = sorted(glob.glob(str(out / "ckpt" / "step-*" / "rank0.pt")))[-1]
-    ref = torch.load(f, weights_only=True)["model"]
+    code, _, err = run_cli("train", "--model", "tiny_gpt", "--seed", "1", "--lr", "1e-3",
+                           "--optimizer", "adamw", "--batch", "4", "--steps", "3", "--out",
+                           str(out), "--emulate-dp")
+    assert code == 0, err
+    ref = run_params(out, 0, buffers=True)
     exported = tr.export(1)
     assert exported.lm_head.weight is exported.transformer.wte.weight
     mine = exported.state_dict()
-    assert max(float((mine[k].double() - ref[k].double()).abs().max()) for k in ref) <= 1e-5
+    assert max_abs_diff({k: v for k, v in mine.items() if k in ref}, ref) <= 1e-5
     rows = tr.evaluate()
     assert all(r["eval_loss"] is not None and r["eval_accuracy"] is None for r in rows)
+    if route == "torch.func":
+        with pytest.raises(QsyncInputError, match="torch.func route"):
+            ArrayTrainer(SweepSpec("tiny_gpt", [Variant(0, 1e-3, 0.0)], steps=1, batch=2,
+                                   precisions={"transformer.h.0.mlp.c_fc": "int8"}))
 
 
 def _sweep(tmp_path, name: str, *extra: str) -> tuple[dict[str, Any], str]:
@@ -495,9 +508,8 @@ def test_exported_tiny_gpt_resumes_in_train(tmp_path) -> None:
             assert main(["train", "--model", "tiny_gpt", "--seed", "1", *common, "--steps", "3",
                          "--out", str(out), "--emulate-dp"]) == 0
     assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 2
-    a, b = (torch.load(sorted(glob.glob(str(o / "ckpt" / "step-*" / "rank0.pt")))[-1],
-                       weights_only=True)["model"] for o in (run, straight))
-    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in b) <= 1e-5
+    a, b = (run_params(o, 0, buffers=True) for o in (run, straight))
+    assert max_abs_diff(b, a) <= 1e-5
 
 
 def test_sweep_tiny_gpt_with_a_plan(tmp_path) -> None:
