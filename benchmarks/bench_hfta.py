@@ -11,20 +11,25 @@ For every cell (model, B, batch per model) four ways of training B variants of t
 * ``fused``: the B-array with every op fused (qsync_opt.hfta: one kernel per op for all B)
   and FusedSGD;
 * ``choice``: what the measured choice (qsync_opt.hfta.choice) runs: the B-array with each
-  op fused or as B calls, whichever was faster in context, or, where the whole array lost to
-  them, the standalone models one by one (its start-up measurement is timed apart and
+  op fused or as B calls, whichever was faster in context, or, where the whole array did not
+  beat them by ``ARRAY_MARGIN`` (5%), the standalone models one by one (its start-up measurement is timed apart and
   printed, not inside the throughput).
 
 Each round runs the same number of timed steps of every mode (``--steps``, or more so that
 a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a shuffled order
-(seeded per cell, so no mode always runs after the same one); ``--reps`` rounds; the figure is samples per second (B x batch x steps / wall), the
-median over rounds with the spread (min-max). Ratios are against ``serial``. One torch
+(seeded per cell, so no mode always runs after the same one); ``--reps`` rounds; the figure
+is samples per second (B x batch x steps / wall), the median over rounds with the spread
+(min-max). Ratios are against ``serial``: of the medians, and (``paired``, cells run since
+the rounds' times are kept in the dump) the median [min-max] of each round's own
+choice/serial ratio, which a slow drift of the machine's speed does not move. One torch
 thread in the parent (``--threads``); the bar of the issue: ``choice`` at least 0.95x
 ``serial`` in every cell.
 
 Cells whose B x batch exceeds ``--max-samples`` for the model are skipped (ResNet-18 at 32x32
 costs about 1.7 GFLOP a sample forward and backward: a B=16 x 256 step would take minutes
-here); the output names each skipped cell.
+here), and so are cells whose memory (:func:`cell_memory_bytes`) is more than this machine
+has available; the output names each skipped cell and why. A resumed cell keeps the rounds
+and steps it was run with; a row whose differ from the header's says so.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hfta.py --dump benchmarks/results/hfta.json
 """
@@ -128,6 +133,19 @@ class Procs:
                 p.kill()
 
 
+def cell_memory_bytes(name: str, B: int, batch: int) -> int:
+    """What a cell holds at its peak: one array step of B models (weights, gradients,
+    momentum and the saved activations, qsync_opt.hfta.sweep.array_memory_bytes), the
+    other three sets of B models the cell keeps (serial, the choice's array and its
+    standalone exports: weights, gradients and momentum each), and a copy of the array's
+    state that the choice's measurement restores."""
+    from qsync_opt.graph import trace
+    from qsync_opt.hfta.sweep import array_memory_bytes
+
+    params = int(trace(name, 1).param_bytes)
+    return array_memory_bytes(name, batch, B, "sgd") + B * params * (3 * 3 + 1)
+
+
 def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: float
          ) -> dict[str, Any]:
     import torch.nn.functional as F
@@ -217,8 +235,26 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
     for mode in MODES:
         rates = [n / t for t in times[mode]]
         res[mode] = {"median": statistics.median(rates), "min": min(rates),
-                     "max": max(rates)}
+                     "max": max(rates), "rounds_s": [round(t, 6) for t in times[mode]]}
+    # the choice against serial round by round (the two ran minutes apart at most, in the
+    # same round: a slow drift of the machine's speed cancels in each round's ratio)
+    paired = [s / c for s, c in zip(times["serial"], times["choice"], strict=True)]
+    res["choice_paired"] = {"median": statistics.median(paired), "min": min(paired),
+                            "max": max(paired)}
     return res
+
+
+def paired(r: dict[str, Any]) -> str:
+    """The median [min-max] of the rounds' choice/serial ratios ("-": a cell measured before
+    the rounds were kept)."""
+    p = r.get("choice_paired")
+    return "-" if p is None else f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}]"
+
+
+def _available_bytes() -> int:
+    from qsync_opt.hfta.sweep import _capacity
+
+    return _capacity(None, None)[0]
 
 
 def main() -> None:
@@ -249,7 +285,7 @@ def main() -> None:
               f"steps (a round at least {args.min_round_s:g} s) [min-max]; ratios against "
               "serial")
         print(f"  {'B':>3s} {'batch':>5s} {'serial':>22s} {'procs':>22s} {'fused':>22s} "
-              f"{'choice':>22s}  fused/ser choice/ser  procs/ser  choice")
+              f"{'choice':>22s}  fused/ser choice/ser  procs/ser  paired choice/ser  choice")
         for B in (int(b) for b in args.B.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 if B * batch > limits.get(name, 1 << 30):
@@ -257,6 +293,11 @@ def main() -> None:
                     continue
                 key = (name, B, batch)
                 if key not in done:
+                    need, have = cell_memory_bytes(name, B, batch), _available_bytes()
+                    if need > have:
+                        print(f"  {B:3d} {batch:5d}  skipped (needs {need / 2**30:.1f} GiB, "
+                              f"this machine has {have / 2**30:.1f} GiB available)")
+                        continue
                     done[key] = cell(name, B, batch, args.steps, args.reps, args.min_round_s)
                     if args.dump:
                         with open(args.dump, "a") as fh:
@@ -271,7 +312,10 @@ def main() -> None:
                 print(f"  {B:3d} {batch:5d} {f('serial'):>22s} {f('procs'):>22s} "
                       f"{f('fused'):>22s} {f('choice'):>22s}  "
                       f"{r['fused']['median'] / s:9.2f} {r['choice']['median'] / s:10.2f} "
-                      f"{r['procs']['median'] / s:10.2f}  {r['choice_summary']}", flush=True)
+                      f"{r['procs']['median'] / s:10.2f}  {paired(r):>17s}  "
+                      f"{r['choice_summary']}"
+                      + ("" if r["reps"] == args.reps and r["steps"] >= args.steps
+                         else f" [{r['reps']} rounds of {r['steps']} steps]"), flush=True)
 
 
 if __name__ == "__main__":

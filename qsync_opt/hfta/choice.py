@@ -15,8 +15,14 @@ timed against the standalone models' (each model exported to its own module with
 torch optimizer, stepped one after another: what running the jobs one by one costs), and
 ``Choice.separate`` says whether the standalone models won; the trainer then trains them
 as standalone models, so a sweep is never slower than the jobs one by one by more than the
-timing's noise. (Standalone models run fp32: under a plan with lower precisions they are
-not a candidate.)
+timing's noise. The two are timed in pairs, the order alternating (array first, then
+standalone first, ...), and the array is taken only when the median of the pairs'
+standalone/array ratios (``Choice.gain``) is at least ``1 + ARRAY_MARGIN``: the standalone
+models are the one-by-one code itself, so taking them wrongly loses at most the margin,
+while taking a losing array wrongly loses all its deficit (a 3-pair measurement once took a
+ResNet-18 array 4.6% ahead at start-up that then ran 0.78x the models one by one; this
+machine's speed moved 15-25% between rounds that day). (Standalone models run fp32: under a
+plan with lower precisions they are not a candidate.)
 
 The choice is recorded (:class:`Choice`: every op's two medians and the mode taken, the
 array's and separate's step medians) and goes into the sweep's JSON.
@@ -35,7 +41,9 @@ from torch import Tensor
 
 from .convert import FusedArray
 
-__all__ = ["Choice", "measure_choice", "time_step"]
+__all__ = ["ARRAY_MARGIN", "Choice", "measure_choice", "time_pairs", "time_step"]
+
+ARRAY_MARGIN = 0.05  # the array must beat the standalone models by this much to be taken
 
 
 @dataclass
@@ -45,19 +53,21 @@ class Choice:
     separate_ms: float = float("nan")
     separate: bool = False
     threads: int = 1
+    gain: float = float("nan")  # median of the pairs' standalone/array step-time ratios
 
     def summary(self) -> str:
         fused = sum(1 for v in self.ops.values() if v["mode"] == "fused")
         if self.separate:
             return (f"standalone: the models one by one ({self.separate_ms:.2f} ms a step) "
                     f"beat the array ({self.array_ms:.2f} ms, {fused} of {len(self.ops)} ops "
-                    "fused)")
+                    f"fused; gain x{self.gain:.3f}, under the {ARRAY_MARGIN:.0%} margin)")
         return (f"array: {fused} of {len(self.ops)} ops fused, {self.array_ms:.2f} ms a step "
-                f"(standalone {self.separate_ms:.2f} ms)")
+                f"(standalone {self.separate_ms:.2f} ms; gain x{self.gain:.3f})")
 
     def to_json(self) -> dict[str, Any]:
         return {"ops": self.ops, "array_ms": self.array_ms, "separate_ms": self.separate_ms,
-                "separate": self.separate, "threads": self.threads}
+                "separate": self.separate, "threads": self.threads, "gain": self.gain,
+                "margin": ARRAY_MARGIN}
 
 
 def _median_ms(fn: Callable[[], Any], reps: int) -> list[float]:
@@ -69,17 +79,29 @@ def _median_ms(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def time_step(step: Callable[[], Any], other: Callable[[], Any], reps: int
-              ) -> tuple[float, float]:
-    """Medians (ms) of ``step`` and ``other``, run interleaved ``reps`` times each (one
-    warm-up of each first)."""
+def time_pairs(step: Callable[[], Any], other: Callable[[], Any], reps: int
+               ) -> tuple[list[float], list[float]]:
+    """``reps`` pairs of timings (ms) of ``step`` and ``other`` (one warm-up of each first),
+    the order alternating from pair to pair (``step`` first in the even ones) so neither
+    always runs in the state the other leaves."""
     step()
     other()
     a: list[float] = []
     b: list[float] = []
-    for _ in range(reps):
-        a += _median_ms(step, 1)
-        b += _median_ms(other, 1)
+    for i in range(reps):
+        if i % 2 == 0:
+            a += _median_ms(step, 1)
+            b += _median_ms(other, 1)
+        else:
+            b += _median_ms(other, 1)
+            a += _median_ms(step, 1)
+    return a, b
+
+
+def time_step(step: Callable[[], Any], other: Callable[[], Any], reps: int
+              ) -> tuple[float, float]:
+    """Medians (ms) of ``step`` and ``other`` over :func:`time_pairs`."""
+    a, b = time_pairs(step, other, reps)
     return statistics.median(a), statistics.median(b)
 
 
@@ -158,9 +180,10 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
                 loss_one(m(*xs), b).backward()
                 o.step()
 
-        a, sep = time_step(array_step, standalone_step, reps)
-        choice.array_ms, choice.separate_ms = a, sep
-        choice.separate = sep < a
+        a, sep = time_pairs(array_step, standalone_step, reps)
+        choice.array_ms, choice.separate_ms = statistics.median(a), statistics.median(sep)
+        choice.gain = statistics.median(s / t for s, t in zip(sep, a, strict=True))
+        choice.separate = choice.gain < 1 + ARRAY_MARGIN
     else:
         choice.array_ms = statistics.median(_median_ms(array_step, reps))
     array.load_state_dict(state)
