@@ -12,8 +12,8 @@ For every cell (model, B, batch per model) four ways of training B variants of t
   and FusedSGD;
 * ``choice``: what the measured choice (qsync_opt.hfta.choice) runs: the B-array with each
   op fused or as B calls, whichever was faster in context, or, where the whole array did not
-  beat them by ``ARRAY_MARGIN`` (5%), the standalone models one by one (its start-up measurement is timed apart and
-  printed, not inside the throughput).
+  beat them by ``ARRAY_MARGIN`` (5%), the standalone models one by one (its start-up
+  measurement is timed apart and printed, not inside the throughput).
 
 Each round runs the same number of timed steps of every mode (``--steps``, or more so that
 a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a shuffled order
@@ -29,7 +29,7 @@ Cells whose B x batch exceeds ``--max-samples`` for the model are skipped (ResNe
 costs about 1.7 GFLOP a sample forward and backward: a B=16 x 256 step would take minutes
 here), and so are cells whose memory (:func:`cell_memory_bytes`) is more than this machine
 has available; the output names each skipped cell and why. A resumed cell keeps the rounds
-and steps it was run with; a row whose differ from the header's says so.
+and steps it was run with; a row run with other rounds or steps says so.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hfta.py --dump benchmarks/results/hfta.json
 """

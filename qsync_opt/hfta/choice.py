@@ -59,7 +59,7 @@ class Choice:
         fused = sum(1 for v in self.ops.values() if v["mode"] == "fused")
         if self.separate:
             return (f"standalone: the models one by one ({self.separate_ms:.2f} ms a step) "
-                    f"beat the array ({self.array_ms:.2f} ms, {fused} of {len(self.ops)} ops "
+                    f"against the array ({self.array_ms:.2f} ms, {fused} of {len(self.ops)} ops "
                     f"fused; gain x{self.gain:.3f}, under the {ARRAY_MARGIN:.0%} margin)")
         return (f"array: {fused} of {len(self.ops)} ops fused, {self.array_ms:.2f} ms a step "
                 f"(standalone {self.separate_ms:.2f} ms; gain x{self.gain:.3f})")
