@@ -1,4 +1,4 @@
-"""Fused training arrays on this CPU: throughput of B models trained as one job (issue 22).
+"""Fused training arrays on this CPU (or a GPU): throughput of B models trained as one job (issue 22).
 
 For every cell (model, B, batch per model) four ways of training B variants of the model
 (different seeds, SGD lr 0.05 momentum 0.9, per-model inputs) are timed on the same steps:
@@ -31,7 +31,13 @@ here), and so are cells whose memory (:func:`cell_memory_bytes`) is more than th
 has available; the output names each skipped cell and why. A resumed cell keeps the rounds
 and steps it was run with; a row run with other rounds or steps says so.
 
+``--device cuda`` runs every mode on the GPU (``procs``: B processes sharing the one card,
+no MPS), each timed round waiting for the card's queue before and after (a CUDA kernel runs
+after its launch returns), and checks the cell's memory against the card's free memory. It
+is the paper's own setting: there fusion replaces B kernel launches a layer by one.
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hfta.py --dump benchmarks/results/hfta.json
+    python3 benchmarks/bench_hfta.py --device cuda --B 1,4,16 --batches 16,256 --reps 3
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after an installed qsync_opt (a wheel's has the subpackages)
 
 MODES = ("serial", "procs", "fused", "choice")
 
@@ -67,16 +73,19 @@ def _batches(wl: Any, seed: int, batch: int, n: int) -> list[tuple[torch.Tensor,
 
 
 def _proc_worker(name: str, seed: int, batch: int, steps: int, reps: int,
-                 ready: Any, start: Any, done: Any, q: Any) -> None:
+                 ready: Any, start: Any, done: Any, q: Any, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     import torch.nn.functional as F
     from qsync_opt.models import get_workload
 
+    from qsync_opt.hfta.choice import sync
+
+    dev = torch.device(device)
     wl = get_workload(name)
     torch.manual_seed(seed)
-    m = wl.build().train()
+    m = wl.build().train().to(dev)
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-    data = _batches(wl, seed, batch, 1)
+    data = [(x.to(dev), y.to(dev)) for x, y in _batches(wl, seed, batch, 1)]
 
     def step() -> None:
         x, y = data[0]
@@ -85,12 +94,14 @@ def _proc_worker(name: str, seed: int, batch: int, steps: int, reps: int,
         opt.step()
 
     step()
+    sync(dev)
     ready.wait()
     for _ in range(reps):
         start.wait()
         t = time.perf_counter()
         for _ in range(steps):
             step()
+        sync(dev)
         q.put(time.perf_counter() - t)
         done.wait()
 
@@ -98,14 +109,16 @@ def _proc_worker(name: str, seed: int, batch: int, steps: int, reps: int,
 class Procs:
     """B processes, one standalone model each, run a round when :meth:`round` is called."""
 
-    def __init__(self, name: str, B: int, batch: int, steps: int, reps: int) -> None:
+    def __init__(self, name: str, B: int, batch: int, steps: int, reps: int,
+                 device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.ready = ctx.Barrier(B + 1)
         self.start, self.done = ctx.Barrier(B + 1), ctx.Barrier(B + 1)
         self.q = ctx.Queue()
         self.ps = [ctx.Process(target=_proc_worker,
                                args=(name, s, batch, steps, reps, self.ready, self.start,
-                                     self.done, self.q), daemon=True) for s in range(B)]
+                                     self.done, self.q, device), daemon=True)
+                   for s in range(B)]
         env_before = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         for p in self.ps:
@@ -146,12 +159,12 @@ def cell_memory_bytes(name: str, B: int, batch: int) -> int:
     return array_memory_bytes(name, batch, B, "sgd") + B * params * (3 * 3 + 1)
 
 
-def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: float
-         ) -> dict[str, Any]:
+def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: float,
+         device: str = "cpu") -> dict[str, Any]:
     import torch.nn.functional as F
     from qsync_opt.models import get_workload
 
-    from qsync_opt.hfta.choice import measure_choice
+    from qsync_opt.hfta.choice import measure_choice, sync
     from qsync_opt.hfta.convert import fuse
     from qsync_opt.hfta.optim import FusedSGD
 
@@ -161,10 +174,11 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
         out = []
         for s in range(B):
             torch.manual_seed(s)
-            out.append(wl.build().train())
+            out.append(wl.build().train().to(dev))
         return out
 
-    data = [_batches(wl, s, batch, 1)[0] for s in range(B)]
+    dev = torch.device(device)
+    data = [tuple(t.to(dev) for t in _batches(wl, s, batch, 1)[0]) for s in range(B)]
     xs = torch.stack([d[0] for d in data])
     ys = torch.stack([d[1] for d in data])
     serial = models()
@@ -185,9 +199,9 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
             opt.step()
         return go
 
-    fused = fuse(models())
+    fused = fuse(models()).to(dev)
     fopt = FusedSGD(list(fused.parameters()), B, lr=0.05, momentum=0.9)
-    chosen = fuse(models())
+    chosen = fuse(models()).to(dev)
     copt = FusedSGD(list(chosen.parameters()), B, lr=0.05, momentum=0.9)
     t = time.perf_counter()
     choice = measure_choice(
@@ -208,10 +222,12 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
                 "choice": standalone_step if choice.separate else array_step(chosen, copt)}
     for fn in steps_fn.values():
         fn()  # warm-up
+    sync(dev)
     t = time.perf_counter()
     serial_step()
+    sync(dev)
     steps = max(steps, int(min_round_s / max(time.perf_counter() - t, 1e-6)) + 1)
-    procs = Procs(name, B, batch, steps, reps)
+    procs = Procs(name, B, batch, steps, reps, device)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     try:
         rng = random.Random(B * 1000 + batch)
@@ -222,14 +238,18 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
                 if mode == "procs":
                     times[mode].append(procs.round())
                     continue
+                sync(dev)
                 t = time.perf_counter()
                 for _ in range(steps):
                     steps_fn[mode]()
+                sync(dev)  # a CUDA step's kernels run after its launches return
                 times[mode].append(time.perf_counter() - t)
     finally:
         procs.close()
     n = B * batch * steps
     res: dict[str, Any] = {"model": name, "B": B, "batch": batch, "steps": steps, "reps": reps,
+                           "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                                      else "cpu"),
                            "threads": torch.get_num_threads(), "choice": choice.to_json(),
                            "choice_summary": choice.summary(), "choice_s": round(choice_s, 2)}
     for mode in MODES:
@@ -251,10 +271,10 @@ def paired(r: dict[str, Any]) -> str:
     return "-" if p is None else f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}]"
 
 
-def _available_bytes() -> int:
+def _available_bytes(device: str = "cpu") -> int:
     from qsync_opt.hfta.sweep import _capacity
 
-    return _capacity(None, None)[0]
+    return _capacity(None, None, torch.device(device))[0]
 
 
 def main() -> None:
@@ -270,6 +290,9 @@ def main() -> None:
     ap.add_argument("--max-samples", default="digits_cnn=4096,resnet18_32=64",
                     help="per model, the largest B x batch run (the rest are skipped)")
     ap.add_argument("--dump", help="append every cell's result here (JSON lines; resumes)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda: where every mode trains (procs: B processes "
+                         "sharing the one card)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     limits = {k: int(v) for k, v in (x.split("=") for x in args.max_samples.split(","))}
@@ -278,8 +301,13 @@ def main() -> None:
         for line in Path(args.dump).read_text().splitlines():
             r = json.loads(line)
             done[(r["model"], r["B"], r["batch"])] = r
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: no CUDA device in this torch ({torch.__version__})")
+    where = (f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__}), every mode on it"
+             if dev.type == "cuda" else "the CPU")
     print(f"# load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s) in the parent, "
-          f"1 per process")
+          f"1 per process; {where}")
     for name in args.models.split(","):
         print(f"\n{name}: samples/s, median of {args.reps} rounds of at least {args.steps} "
               f"steps (a round at least {args.min_round_s:g} s) [min-max]; ratios against "
@@ -293,12 +321,14 @@ def main() -> None:
                     continue
                 key = (name, B, batch)
                 if key not in done:
-                    need, have = cell_memory_bytes(name, B, batch), _available_bytes()
+                    need = cell_memory_bytes(name, B, batch)
+                    have = _available_bytes(args.device)
                     if need > have:
                         print(f"  {B:3d} {batch:5d}  skipped (needs {need / 2**30:.1f} GiB, "
                               f"this machine has {have / 2**30:.1f} GiB available)")
                         continue
-                    done[key] = cell(name, B, batch, args.steps, args.reps, args.min_round_s)
+                    done[key] = cell(name, B, batch, args.steps, args.reps, args.min_round_s,
+                                     args.device)
                     if args.dump:
                         with open(args.dump, "a") as fh:
                             fh.write(json.dumps(done[key]) + "\n")

@@ -217,7 +217,7 @@ def _int_variance(x: Tensor, axis: int | None, stochastic: bool, qmax: int) -> T
         amax = x.abs().amax(dim=dims, keepdim=True)
         shape = amax.shape
     amax = torch.where(amax > 0, amax, torch.ones_like(amax)).reshape(shape)
-    s = amax / float(qmax)
+    s = amax / torch.full_like(amax, float(qmax))  # true division on a GPU too
     y = x / s
     if stochastic:
         r = y - torch.floor(y)

@@ -260,8 +260,8 @@ def test_build_cache_and_cli(tmp_path, monkeypatch):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = subprocess.run(
         [sys.executable, "-m", "qsync_opt.cuda.build", "--arch", "80"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )  # cwd: not the source tree, whose qsync_opt/ would shadow an installed wheel's
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(first)
     assert first.stat().st_mtime_ns == mtime  # the CLI reused the cached library
@@ -280,13 +280,13 @@ def test_build_without_nvcc_raises(monkeypatch, tmp_path):
         build(out_dir=tmp_path)
 
 
-def test_importing_the_package_loads_no_kernels():
+def test_importing_the_package_loads_no_kernels(tmp_path):
     code = (
         "import sys, qsync_opt.cuda as c; c.source_dir(); "
         "assert 'qsync_opt.cuda.kernels' not in sys.modules; "
         "assert 'qsync_opt.cuda.build' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=tmp_path)
 
 
 # ------------------------------------------------------------------ C++ CPU kernels

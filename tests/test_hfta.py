@@ -236,7 +236,8 @@ def test_the_array_is_taken_only_past_the_margin(monkeypatch, standalone_ms, sep
     from qsync_opt.hfta import choice as ch
     from qsync_opt.hfta.trainer import per_model_losses
 
-    monkeypatch.setattr(ch, "time_pairs", lambda f, g, reps: ([100.0] * 3, standalone_ms))
+    monkeypatch.setattr(ch, "time_pairs",
+                        lambda f, g, reps, device=None: ([100.0] * 3, standalone_ms))
     tr = ArrayTrainer(SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in range(2)],
                                 steps=1, batch=4))
     x, y = tr.batch_at(0)
@@ -280,6 +281,8 @@ def test_measured_choice_records_and_restores(capsys):
     (["--export"], "--export: needs --out"),
     (["--lr-schedule", "bogus"], "--lr-schedule"),
     (["--model", "nosuch"], "--model"),
+    (["--device", "tpu"], "--device: expected cpu, cuda or cuda:N"),
+    (["--device", "cuda:x"], "--device: expected cpu, cuda or cuda:N"),
 ])
 def test_sweep_bad_input_is_one_line(capsys, argv, needle):
     base = ["sweep", "--model", "digits_cnn", "--steps", "1"]
@@ -291,7 +294,8 @@ def test_sweep_bad_input_is_one_line(capsys, argv, needle):
 def test_sweep_checks_memory_before_building(capsys, monkeypatch):
     import qsync_opt.hfta.sweep as sweep
 
-    monkeypatch.setattr(sweep, "_capacity", lambda plan, group: (10_000, "the test card"))
+    monkeypatch.setattr(sweep, "_capacity",
+                        lambda plan, group, device=None: (10_000, "the test card"))
     built = []
     monkeypatch.setattr("qsync_opt.hfta.trainer.ArrayTrainer.__init__",
                         lambda self, spec: built.append(spec))

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .convert import FusedArray
 
-__all__ = ["ARRAY_MARGIN", "Choice", "measure_choice", "time_pairs", "time_step"]
+__all__ = ["ARRAY_MARGIN", "Choice", "measure_choice", "sync", "time_pairs", "time_step"]
 
 ARRAY_MARGIN = 0.05  # the array must beat the standalone models by this much to be taken
 
@@ -70,38 +70,49 @@ class Choice:
                 "margin": ARRAY_MARGIN}
 
 
-def _median_ms(fn: Callable[[], Any], reps: int) -> list[float]:
+def sync(device: torch.device | None) -> None:
+    """Wait for the work queued on ``device``: a CUDA kernel runs after its launch returns,
+    so a wall-clock timing that does not wait measures the launches, not the work."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], Any], reps: int, device: torch.device | None = None
+               ) -> list[float]:
     out = []
     for _ in range(reps):
+        sync(device)
         t = time.perf_counter()
         fn()
+        sync(device)
         out.append((time.perf_counter() - t) * 1000)
     return out
 
 
-def time_pairs(step: Callable[[], Any], other: Callable[[], Any], reps: int
-               ) -> tuple[list[float], list[float]]:
+def time_pairs(step: Callable[[], Any], other: Callable[[], Any], reps: int,
+               device: torch.device | None = None) -> tuple[list[float], list[float]]:
     """``reps`` pairs of timings (ms) of ``step`` and ``other`` (one warm-up of each first),
     the order alternating from pair to pair (``step`` first in the even ones) so neither
-    always runs in the state the other leaves."""
+    always runs in the state the other leaves. On a CUDA ``device`` each timing waits for
+    the device's queue before it starts and before it stops."""
     step()
     other()
     a: list[float] = []
     b: list[float] = []
     for i in range(reps):
         if i % 2 == 0:
-            a += _median_ms(step, 1)
-            b += _median_ms(other, 1)
+            a += _median_ms(step, 1, device)
+            b += _median_ms(other, 1, device)
         else:
-            b += _median_ms(other, 1)
-            a += _median_ms(step, 1)
+            b += _median_ms(other, 1, device)
+            a += _median_ms(step, 1, device)
     return a, b
 
 
-def time_step(step: Callable[[], Any], other: Callable[[], Any], reps: int
-              ) -> tuple[float, float]:
+def time_step(step: Callable[[], Any], other: Callable[[], Any], reps: int,
+              device: torch.device | None = None) -> tuple[float, float]:
     """Medians (ms) of ``step`` and ``other`` over :func:`time_pairs`."""
-    a, b = time_pairs(step, other, reps)
+    a, b = time_pairs(step, other, reps, device)
     return statistics.median(a), statistics.median(b)
 
 
@@ -140,6 +151,7 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
     from .optim import FusedAdamW, FusedSGD
 
     state = {k: v.detach().clone() for k, v in array.state_dict().items()}
+    device = next((x.device for x in inputs if isinstance(x, Tensor)), None)
     choice = Choice(threads=torch.get_num_threads())
     replicated = array.input_mode == "replicated"
     per_op = isinstance(array, FusedArray)  # the torch.func route has no per-op modes
@@ -153,7 +165,7 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
             x = x0.clone().requires_grad_(x0.is_floating_point())
             array.call_op(k, x, "serial" if serial else "fused").sum().backward()
 
-        f, s = time_step(lambda: run(False), lambda: run(True), reps)
+        f, s = time_step(lambda: run(False), lambda: run(True), reps, device)
         mode = "fused" if f <= s else "serial"
         array.modes[k] = mode
         choice.ops[k.replace("__", ".")] = {"fused_ms": round(f, 4), "serial_ms": round(s, 4),
@@ -180,12 +192,12 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
                 loss_one(m(*xs), b).backward()
                 o.step()
 
-        a, sep = time_pairs(array_step, standalone_step, reps)
+        a, sep = time_pairs(array_step, standalone_step, reps, device)
         choice.array_ms, choice.separate_ms = statistics.median(a), statistics.median(sep)
         choice.gain = statistics.median(s / t for s, t in zip(sep, a, strict=True))
         choice.separate = choice.gain < 1 + ARRAY_MARGIN
     else:
-        choice.array_ms = statistics.median(_median_ms(array_step, reps))
+        choice.array_ms = statistics.median(_median_ms(array_step, reps, device))
     array.load_state_dict(state)
     for p in array.parameters():
         p.grad = None

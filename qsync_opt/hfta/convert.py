@@ -367,7 +367,7 @@ class FusedArray(nn.Module):
 
     def export(self, b: int) -> nn.Module:
         """Model ``b`` as a standalone model of the original class (its weights copied; a
-        tied parameter tied again)."""
+        tied parameter tied again), on the array's device."""
         if not 0 <= b < self.B:
             raise QsyncInputError(f"model: expected 0 to {self.B - 1}, got {b}")
         model = copy.deepcopy(self._template[0])
@@ -383,6 +383,9 @@ class FusedArray(nn.Module):
                 if alias != path:
                     parent, _, leaf = alias.rpartition(".")
                     setattr(model.get_submodule(parent) if parent else model, leaf, prm)
+        held = next(iter([*self.parameters(), *self.buffers()]), None)
+        if held is not None:  # the template's own tensors (buffers read outside the fused
+            model.to(held.device)  # ops) follow the array to its device
         return model
 
     def load_models(self, models: Sequence[nn.Module]) -> None:

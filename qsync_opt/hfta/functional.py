@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +57,14 @@ class FuncArray(nn.Module):
         # parameter (tiny_gpt's lm_head and wte) must resolve to a real one
         self._template = [copy.deepcopy(models[0])]
         self._base = self._template
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FuncArray:
+        """``.to(device)`` and the like move the template too (it is no submodule), so that
+        anything of it that ``functional_call`` does not swap for a stacked tensor is on the
+        array's device."""
+        super()._apply(fn, recurse)
+        self._template[0]._apply(fn)
+        return self
 
     def _state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         return ({n: p for n, p in zip(self.names, self.params, strict=True)},

@@ -7,7 +7,10 @@
 Every combination of ``--seeds``, ``--lr`` and ``--wd`` is one model of the array (seeds
 first). Before anything is built the memory of ``B`` models (weights, gradients, optimizer
 state and the traced graph's saved activations at ``--batch``, each times ``B``) is checked
-against the device: ``--plan``'s group's card, else this machine's available memory. The
+against the device: ``--plan``'s group's card, else the free memory of ``--device cuda``'s
+card, else this machine's available memory. ``--device`` (cpu, cuda, cuda:N) is where the
+array trains: the models are built on the CPU (the same initial weights as ``train --seed
+s``), then moved; exports are CPU checkpoints whatever the device. The
 fuse-or-not choice (``--fuse measure``, the default: :mod:`.choice`) is made on the first
 batch and printed; ``fused`` (every op fused), ``serial`` (every op as B calls inside the
 array) or ``separate`` (standalone models one by one) force one. A progress bar runs on a
@@ -98,6 +101,8 @@ def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--plan", help="Plan JSON: the array runs one group's precisions")
     p.add_argument("--group", help="with --plan: the group whose precisions run")
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--device", default="cpu",
+                   help="where the array trains: cpu (default), cuda or cuda:N")
     p.add_argument("--out", help="write sweep.json here (and --export's runs)")
     p.add_argument("--export", action="store_true",
                    help="also write each model as a run `train` resumes (OUT/model{b})")
@@ -119,13 +124,20 @@ def array_memory_bytes(workload: str, batch: int, B: int, optimizer: str) -> int
     return int(B * (params * copies + saved))
 
 
-def _capacity(plan: Any, group: str | None) -> tuple[int, str]:
+def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, str]:
+    """The memory the array may use and where it is: the plan's group's card, else the CUDA
+    ``device``'s free memory, else this machine's available memory."""
     if plan is not None and group is not None:
         from ..devices import get_device
 
         spec = next(g for g in plan.cluster.groups if g.name == group)
         dev = get_device(spec.device)
         return int(dev.usable_memory_bytes), f"{group} ({spec.device})"
+    if device is not None and device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), f"{device} ({torch.cuda.get_device_name(device)}) free"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -177,11 +189,11 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
         if spec.optimizer == "sgd" and "momentum_buffer" in st:
             started = st.get("momentum_started")
             if started is None or bool(started[b]):
-                mine["momentum_buffer"] = st["momentum_buffer"][b].detach().clone()
+                mine["momentum_buffer"] = st["momentum_buffer"][b].detach().cpu().clone()
         elif spec.optimizer == "adamw" and "exp_avg" in st:
             mine = {"step": torch.tensor(float(st["step"][b])),
-                    "exp_avg": st["exp_avg"][b].detach().clone(),
-                    "exp_avg_sq": st["exp_avg_sq"][b].detach().clone()}
+                    "exp_avg": st["exp_avg"][b].detach().cpu().clone(),
+                    "exp_avg_sq": st["exp_avg_sq"][b].detach().cpu().clone()}
         if mine:
             opt.state[p] = mine
     scaler = LossScaler(1.0)
@@ -267,9 +279,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         parse_schedule(args.lr_schedule, lrs[0], args.steps)
     except QsyncInputError as exc:
         raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
+    from .trainer import resolve_device
+
+    device = resolve_device(args.device)
     batch = args.batch or wl.default_batch
     need = array_memory_bytes(wl.name, batch, len(variants), args.optimizer)
-    cap, where = _capacity(plan, args.group)
+    cap, where = _capacity(plan, args.group, device)
     if need > cap:
         raise QsyncInputError(f"memory: {len(variants)} models at batch {batch} need about "
                               f"{need / 2**30:.2f} GiB, {where} has {cap / 2**30:.2f} GiB: "
@@ -277,7 +292,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = SweepSpec(wl.name, variants, steps=args.steps, batch=batch,
                      optimizer=args.optimizer, momentum=args.momentum,
                      lr_schedule=args.lr_schedule, input_mode=args.inputs, fuse=args.fuse,
-                     precisions=precisions, eval_batches=args.eval_batches)
+                     precisions=precisions, eval_batches=args.eval_batches,
+                     device=str(device))
     quiet = args.json == "-"
     tr = ArrayTrainer(spec)
     say = (lambda s: sys.stderr.write(s + "\n")) if quiet else (lambda s: print(s))
@@ -291,7 +307,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     say(f"sweep: {len(variants)} models of {wl.name} ({len(seeds)} seeds x {len(lrs)} lr x "
         f"{len(wds)} wd), batch {batch}, {args.steps} steps, inputs {args.inputs}"
         + (" (one stream: not separate runs)" if args.inputs == "replicated" else "")
-        + f"; memory about {need / 2**30:.2f} GiB of {cap / 2**30:.2f} ({where})")
+        + f"; memory about {need / 2**30:.2f} GiB of {cap / 2**30:.2f} ({where}); on {device}")
     choice_doc: dict[str, Any] = {"mode": args.fuse}
     if args.fuse == "measure":
         from .choice import measure_choice
@@ -315,10 +331,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         tr.use_standalone()
     t0 = time.perf_counter()
     tr.train(progress=sys.stderr.isatty())
+    from .choice import sync
+
+    sync(device)
     wall = time.perf_counter() - t0
     rows = tr.evaluate()
     doc = {"workload": wl.name, "models": rows, "steps": tr.step, "batch": batch,
-           "route": tr.route,
+           "route": tr.route, "device": str(device),
            "input_mode": args.inputs, "optimizer": args.optimizer,
            "lr_schedule": args.lr_schedule, "plan": args.plan, "group": args.group,
            "plan_ops": ({"applied": tr.plan_applied, "unplaced": tr.plan_unplaced}

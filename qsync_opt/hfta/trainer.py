@@ -44,7 +44,8 @@ from torch import Tensor, nn
 from ..errors import QsyncInputError
 from .convert import fuse
 
-__all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses"]
+__all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses",
+           "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,28 @@ class SweepSpec:
     fuse: str = "measure"  # measure, fused, serial, separate
     precisions: dict[str, str] = field(default_factory=dict)  # op -> precision (a plan group)
     eval_batches: int = 4
+    device: str = "cpu"  # where the array trains: cpu, cuda or cuda:N
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` -> a device this process can use (a clear error
+    naming ``--device`` otherwise)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise QsyncInputError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise QsyncInputError(f"--device: expected cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        raise QsyncInputError(f"--device {name}: no CUDA device is available here (this torch "
+                              f"is {torch.__version__})")
+    index = 0 if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise QsyncInputError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+    return torch.device("cuda", index)
 
 
 def build_variant_model(workload: Any, seed: int) -> nn.Module:
@@ -112,6 +135,7 @@ class ArrayTrainer:
         except UnknownWorkloadError as exc:
             raise QsyncInputError(f"--model: {exc}") from None
         self.spec = spec
+        self.device = resolve_device(spec.device)
         self.B = B = len(spec.variants)
         self.batch = spec.batch or self.wl.default_batch
         self.models = [build_variant_model(self.wl, v.seed) for v in spec.variants]
@@ -130,6 +154,9 @@ class ArrayTrainer:
                     "runs only on the torch.func route") from None
             self.array = FuncArray(self.models, input_mode=spec.input_mode)
             self.route, self.route_reason = "torch.func", str(exc)
+        # the models are built on the CPU (the same initial weights as `train --seed s`
+        # draws there), then the array moves to the device
+        self.array.to(self.device)
         #: the plan's ops set on the array (op -> precision), and those it has no op for
         self.plan_applied: dict[str, str] = {}
         self.plan_unplaced: list[str] = []
@@ -174,7 +201,8 @@ class ArrayTrainer:
             raise QsyncInputError("fuse: standalone models run fp32 only; this sweep runs a "
                                   "plan's precisions in the array")
         spec = self.spec
-        self.standalone = [self.array.export(b).train() for b in range(self.B)]
+        self.standalone = [self.array.export(b).to(self.device).train()
+                           for b in range(self.B)]
         self.standalone_opts = []
         for m, v in zip(self.standalone, spec.variants, strict=True):
             if spec.optimizer == "adamw":
@@ -218,11 +246,17 @@ class ArrayTrainer:
     def batch_at(self, step: int) -> tuple[tuple[Tensor, ...], Tensor]:
         """The array's inputs and targets of ``step`` (per-model: stacked on a new axis 0)."""
         got: list[Any] = [d.batch(step) for d in self.data]
+        return self._stack(got)
+
+    def _stack(self, got: list[Any]) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The streams' ``(inputs, targets)`` as the array's, on its device."""
+        dev = self.device
         if self.spec.input_mode == "replicated":
             (x, y), = got
-            return tuple(x), y.unsqueeze(0).expand(self.B, *y.shape)
-        xs = tuple(torch.stack([g[0][i] for g in got]) for i in range(len(got[0][0])))
-        return xs, torch.stack([g[1] for g in got])
+            return (tuple(t.to(dev) for t in x),
+                    y.to(dev).unsqueeze(0).expand(self.B, *y.shape))
+        xs = tuple(torch.stack([g[0][i] for g in got]).to(dev) for i in range(len(got[0][0])))
+        return xs, torch.stack([g[1] for g in got]).to(dev)
 
     # ------------------------------------------------------------------ steps
 
@@ -238,7 +272,7 @@ class ArrayTrainer:
         out = self.array(*x)
         losses = per_model_losses(self.wl, out, x, y)
         if poison:
-            bad = torch.zeros(self.B, dtype=torch.bool)
+            bad = torch.zeros(self.B, dtype=torch.bool, device=losses.device)
             bad[list(poison)] = True
             losses = torch.where(bad, torch.full_like(losses, float("nan")), losses)
         finite = torch.isfinite(losses.detach())
@@ -287,20 +321,12 @@ class ArrayTrainer:
             with torch.no_grad():
                 streams = [list(d.eval_batches(n_eval)) for d in self.data]
                 for i in range(n_eval):
-                    got: list[Any] = [s[i] for s in streams]
-                    if self.spec.input_mode == "replicated":
-                        (x, y), = got
-                        x = tuple(x)
-                        y = y.unsqueeze(0).expand(self.B, *y.shape)
-                    else:
-                        x = tuple(torch.stack([g[0][j] for g in got])
-                                  for j in range(len(got[0][0])))
-                        y = torch.stack([g[1] for g in got])
+                    x, y = self._stack([s[i] for s in streams])
                     out = self.array(*x)
                     k = int(y.shape[1])
-                    tot += per_model_losses(self.wl, out, x, y).double() * k
+                    tot += per_model_losses(self.wl, out, x, y).double().cpu() * k
                     if self.wl.task == TASK_CLASSIFICATION:
-                        correct += (out.argmax(-1) == y).double().sum(1)
+                        correct += (out.argmax(-1) == y).double().sum(1).cpu()
                     count += k
         finally:
             self.array.train()
@@ -315,9 +341,10 @@ class ArrayTrainer:
         return rows
 
     def export(self, b: int) -> nn.Module:
-        """Model ``b`` as a standalone model (a copy)."""
+        """Model ``b`` as a standalone model (a copy, on the CPU: the checkpoints of
+        ``train`` hold CPU tensors, whatever device the array trained on)."""
         if self.standalone is not None:
             import copy
 
-            return copy.deepcopy(self.standalone[b])
-        return self.array.export(b)
+            return copy.deepcopy(self.standalone[b]).cpu()
+        return self.array.export(b).cpu()

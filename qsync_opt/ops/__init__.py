@@ -196,7 +196,7 @@ def _quantize_impl(x: Tensor, axis: int | None, stochastic: bool, seed: int,
     moved = moved.contiguous()
     amax = ref.channel_amax(moved, per_channel=axis is not None)
     inv = float(qmax) / amax
-    scale = amax / float(qmax)
+    scale = ref.scale_of(amax, qmax)
     q = _quantize_kernel(moved, inv, stochastic, seed, qmax)
     if axis is not None:
         q = q.movedim(0, axis).contiguous()
@@ -266,7 +266,7 @@ def _quantize_rows_impl(x2d: Tensor, group_rows: int, stochastic: bool, seed: in
     moved = x2d.contiguous()
     amax = ref.group_amax(moved, group_rows)
     inv = float(qmax) / amax
-    return _quantize_kernel(moved, inv, stochastic, seed, qmax), amax / float(qmax)
+    return _quantize_kernel(moved, inv, stochastic, seed, qmax), ref.scale_of(amax, qmax)
 
 
 @torch.library.custom_op("qsync::quantize_int4", mutates_args=())

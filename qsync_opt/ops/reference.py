@@ -87,6 +87,18 @@ INT8_QMAX = 127
 INT4_QMAX = 7
 
 
+def scale_of(amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``amax / qmax``: the correctly rounded float32 division on every device.
+
+    A CUDA tensor divided by a Python number is multiplied by the number's reciprocal
+    instead (torch's CUDA division kernel does so for a CPU-scalar divisor), which can be one
+    bit off the division: the scales, and every output rescaled by them, then differed
+    between the CPU and a GPU (seen on an H200). A divisor tensor on the tensor's own device
+    takes the true division on both. (``inv = qmax / amax`` is ``reciprocal(amax) * qmax``
+    in torch on every device, so it needs no such care.)"""
+    return amax / torch.full_like(amax, float(qmax))
+
+
 def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, stochastic: bool,
                   seed: int) -> torch.Tensor:
     """Quantize contiguous ``x`` (viewed [C, inner], C = len(inv_scale)) to int8."""
