@@ -80,6 +80,16 @@ def _proc_worker(name: str, seed: int, batch: int, steps: int, reps: int,
 
     from qsync_opt.hfta.choice import sync
 
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the parent died (killed for memory, say): leave, not hang
+        while os.getppid() == parent:
+            time.sleep(2)
+        os._exit(1)
+
+    import threading
+
+    threading.Thread(target=orphaned, daemon=True).start()
     dev = torch.device(device)
     wl = get_workload(name)
     torch.manual_seed(seed)
@@ -159,8 +169,23 @@ def cell_memory_bytes(name: str, B: int, batch: int) -> int:
     return array_memory_bytes(name, batch, B, "sgd") + B * params * (3 * 3 + 1)
 
 
+#: A ``procs`` worker's memory before its model: the interpreter with torch and the models
+#: imported (230 MiB measured on the 2-core development machine, 2026-12-04).
+PROC_BASE_BYTES = 256 * 2**20
+
+
+def procs_memory_bytes(name: str, B: int, batch: int) -> int:
+    """What the ``procs`` mode adds at its peak: B processes, each one model's step at
+    ``batch`` on top of an interpreter with torch. (A B=16 batch-64 ResNet-18 cell, whose
+    estimate counted only the parent, was killed for memory on a 24 GiB machine: 12.7 GB
+    in the parent and 0.6-0.8 GB in each of the 16 workers.)"""
+    from qsync_opt.hfta.sweep import array_memory_bytes
+
+    return B * (PROC_BASE_BYTES + array_memory_bytes(name, batch, 1, "sgd"))
+
+
 def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: float,
-         device: str = "cpu") -> dict[str, Any]:
+         device: str = "cpu", with_procs: bool = True) -> dict[str, Any]:
     import torch.nn.functional as F
     from qsync_opt.models import get_workload
 
@@ -227,15 +252,18 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
     serial_step()
     sync(dev)
     steps = max(steps, int(min_round_s / max(time.perf_counter() - t, 1e-6)) + 1)
-    procs = Procs(name, B, batch, steps, reps, device)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    procs = Procs(name, B, batch, steps, reps, device) if with_procs else None
+    modes = [m for m in MODES if with_procs or m != "procs"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
     try:
         rng = random.Random(B * 1000 + batch)
         for _ in range(reps):
             order = list(MODES)
             rng.shuffle(order)  # no mode always follows the same one (caches, allocator)
             for mode in order:
-                if mode == "procs":
+                if mode not in times:
+                    continue
+                if procs is not None and mode == "procs":
                     times[mode].append(procs.round())
                     continue
                 sync(dev)
@@ -245,14 +273,16 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
                 sync(dev)  # a CUDA step's kernels run after its launches return
                 times[mode].append(time.perf_counter() - t)
     finally:
-        procs.close()
+        if procs is not None:
+            procs.close()
     n = B * batch * steps
     res: dict[str, Any] = {"model": name, "B": B, "batch": batch, "steps": steps, "reps": reps,
                            "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                                       else "cpu"),
                            "threads": torch.get_num_threads(), "choice": choice.to_json(),
                            "choice_summary": choice.summary(), "choice_s": round(choice_s, 2)}
-    for mode in MODES:
+    res["procs"] = None  # not run: B processes would not fit beside the cell
+    for mode in modes:
         rates = [n / t for t in times[mode]]
         res[mode] = {"median": statistics.median(rates), "min": min(rates),
                      "max": max(rates), "rounds_s": [round(t, 6) for t in times[mode]]}
@@ -275,6 +305,16 @@ def _available_bytes(device: str = "cpu") -> int:
     from qsync_opt.hfta.sweep import _capacity
 
     return _capacity(None, None, torch.device(device))[0]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def main() -> None:
@@ -305,7 +345,7 @@ def main() -> None:
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: no CUDA device in this torch ({torch.__version__})")
     where = (f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__}), every mode on it"
-             if dev.type == "cuda" else "the CPU")
+             if dev.type == "cuda" else f"the CPU ({_cpu_name()})")
     print(f"# load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s) in the parent, "
           f"1 per process; {where}")
     for name in args.models.split(","):
@@ -322,13 +362,18 @@ def main() -> None:
                 key = (name, B, batch)
                 if key not in done:
                     need = cell_memory_bytes(name, B, batch)
+                    extra = procs_memory_bytes(name, B, batch)
                     have = _available_bytes(args.device)
                     if need > have:
                         print(f"  {B:3d} {batch:5d}  skipped (needs {need / 2**30:.1f} GiB, "
                               f"this machine has {have / 2**30:.1f} GiB available)")
                         continue
+                    if need + extra > have:
+                        print(f"  {B:3d} {batch:5d}  procs not run (with B processes the cell "
+                              f"needs {(need + extra) / 2**30:.1f} GiB, this machine has "
+                              f"{have / 2**30:.1f} GiB available)", flush=True)
                     done[key] = cell(name, B, batch, args.steps, args.reps, args.min_round_s,
-                                     args.device)
+                                     args.device, with_procs=need + extra <= have)
                     if args.dump:
                         with open(args.dump, "a") as fh:
                             fh.write(json.dumps(done[key]) + "\n")
@@ -336,13 +381,16 @@ def main() -> None:
 
                 def f(m: str, r: dict[str, Any] = r) -> str:
                     v = r[m]
+                    if v is None:
+                        return "not run"
                     return f"{v['median']:8.0f} [{v['min']:.0f}-{v['max']:.0f}]"
 
                 s = r["serial"]["median"]
                 print(f"  {B:3d} {batch:5d} {f('serial'):>22s} {f('procs'):>22s} "
                       f"{f('fused'):>22s} {f('choice'):>22s}  "
                       f"{r['fused']['median'] / s:9.2f} {r['choice']['median'] / s:10.2f} "
-                      f"{r['procs']['median'] / s:10.2f}  {paired(r):>17s}  "
+                      + (f"{r['procs']['median'] / s:10.2f}" if r["procs"] else f"{'-':>10s}")
+                      + f"  {paired(r):>17s}  "
                       f"{r['choice_summary']}"
                       + ("" if r["reps"] == args.reps and r["steps"] >= args.steps
                          else f" [{r['reps']} rounds of {r['steps']} steps]"), flush=True)
