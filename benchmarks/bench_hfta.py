@@ -307,16 +307,6 @@ def _available_bytes(device: str = "cpu") -> int:
     return _capacity(None, None, torch.device(device))[0]
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="digits_cnn,resnet18_32")
@@ -341,11 +331,13 @@ def main() -> None:
         for line in Path(args.dump).read_text().splitlines():
             r = json.loads(line)
             done[(r["model"], r["B"], r["batch"])] = r
+    from qsync_opt.machine import cpu_model
+
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: no CUDA device in this torch ({torch.__version__})")
     where = (f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__}), every mode on it"
-             if dev.type == "cuda" else f"the CPU ({_cpu_name()})")
+             if dev.type == "cuda" else f"the CPU ({cpu_model()})")
     print(f"# load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s) in the parent, "
           f"1 per process; {where}")
     for name in args.models.split(","):
