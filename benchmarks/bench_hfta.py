@@ -12,8 +12,9 @@ For every cell (model, B, batch per model) four ways of training B variants of t
   and FusedSGD;
 * ``choice``: what the measured choice (qsync_opt.hfta.choice) runs: the B-array with each
   op fused or as B calls, whichever was faster in context, or, where the whole array did not
-  beat them by ``ARRAY_MARGIN`` (5%), the standalone models one by one (its start-up
-  measurement is timed apart and printed, not inside the throughput).
+  beat them by ``ARRAY_MARGIN`` (5%, median of the start-up pairs, the array losing at most
+  a quarter of them; a near tie timed again) and always at B=1, the standalone models one
+  by one (its start-up measurement is timed apart and printed, not inside the throughput).
 
 Each round runs the same number of timed steps of every mode (``--steps``, or more so that
 a round of serial steps lasts ``--min-round-s``; after one warm-up step) in a shuffled order

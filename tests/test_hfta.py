@@ -225,31 +225,80 @@ def test_time_pairs_alternate_the_order():
     assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, pairs
 
 
-@pytest.mark.parametrize(("standalone_ms", "separate"), [
-    ([103.0, 104.0, 90.0], True),    # the array 3-4% ahead in most pairs: under the margin
-    ([112.0, 95.0, 110.0], False),   # 10-12% ahead in most pairs: the array is taken
-    ([99.0, 98.0, 100.0], True),     # the array behind
-])
-def test_the_array_is_taken_only_past_the_margin(monkeypatch, standalone_ms, separate):
-    """The standalone models are the one-by-one code itself: the array must beat them by
-    ARRAY_MARGIN (median of the pairs' ratios) to be taken."""
+def test_time_pairs_go_on_alternating_after_the_first_pairs():
+    from qsync_opt.hfta.choice import time_pairs
+
+    calls: list[str] = []
+    time_pairs(lambda: calls.append("a"), lambda: calls.append("b"), 2, first=3)
+    assert calls == ["b", "a", "a", "b"]  # no warm-up; pair 3 is standalone-first
+
+
+def _choice_on(monkeypatch, rounds: list[list[float]], B: int = 2):
+    """measure_choice with the whole-step pairs replaced: each call of time_pairs gives
+    the array 100 ms and the standalone models the next of ``rounds``; returns the choice
+    and the calls' (reps, first)."""
     from qsync_opt.hfta import choice as ch
     from qsync_opt.hfta.trainer import per_model_losses
 
-    monkeypatch.setattr(ch, "time_pairs",
-                        lambda f, g, reps, device=None: ([100.0] * 3, standalone_ms))
-    tr = ArrayTrainer(SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in range(2)],
+    calls: list[tuple[int, int]] = []
+
+    def fake(f, g, reps, device=None, first=0):
+        calls.append((reps, first))
+        standalone = rounds[len(calls) - 1]
+        assert len(standalone) == reps
+        return [100.0] * reps, list(standalone)
+
+    monkeypatch.setattr(ch, "time_pairs", fake)
+    monkeypatch.setattr(ch, "time_step", lambda f, g, reps, device=None: (1.0, 2.0))
+    tr = ArrayTrainer(SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in range(B)],
                                 steps=1, batch=4))
     x, y = tr.batch_at(0)
     c = ch.measure_choice(tr.array, x, lambda o: per_model_losses(tr.wl, o, x, y).sum(),
                           lambda o, b: tr.wl.loss_of(o, (), y[b]), reps=3)
+    return c, calls
+
+
+@pytest.mark.parametrize(("rounds", "separate", "pairs"), [
+    # every pair 10-15% ahead: the array, on the first 3 pairs
+    ([[112.0, 110.0, 115.0]], False, 3),
+    # 3-4% ahead or behind, every pair under the margin: the standalone models, 3 pairs
+    ([[103.0, 104.0, 90.0]], True, 3),
+    ([[99.0, 98.0, 100.0]], True, 3),
+    # a near tie (pairs on both sides of 1.05): timed again; 1 lost pair of 9, median 1.10
+    ([[112.0, 95.0, 110.0], [111.0, 108.0, 113.0], [109.0, 112.0, 110.0]], False, 9),
+    # a near tie where the array loses a third of the pairs: not taken, median 1.10 or not
+    ([[112.0, 95.0, 110.0]] * 3, True, 9),
+    # a near tie whose further pairs fall under the margin: median 1.02
+    ([[112.0, 95.0, 110.0], [101.0, 102.0, 100.0], [103.0, 99.0, 102.0]], True, 9),
+])
+def test_the_array_is_taken_only_past_the_margin(monkeypatch, rounds, separate, pairs):
+    """The standalone models are the one-by-one code itself: the array must beat them by
+    ARRAY_MARGIN (median of the pairs' ratios) and lose at most a quarter of the pairs to be
+    taken; a near tie is timed again, up to MAX_PAIRS_FACTOR times the first pairs."""
+    import statistics
+
+    from qsync_opt.hfta.choice import MAX_PAIRS_FACTOR
+
+    c, calls = _choice_on(monkeypatch, rounds)
+    ratios = [s / 100.0 for r in rounds for s in r][:pairs]
     assert c.separate is separate
-    assert c.gain == sorted(s / 100.0 for s in standalone_ms)[1]
+    assert c.ratios == pytest.approx(ratios) and len(c.ratios) <= MAX_PAIRS_FACTOR * 3
+    assert calls == [(3, 0), (3, 3), (3, 6)][:len(calls)] and 3 * len(calls) == pairs
+    assert c.gain == pytest.approx(statistics.median(ratios))
     assert ("under the 5% margin" in c.summary()) is separate
+    assert f"over {pairs} pairs" in c.summary()
+    assert json.loads(json.dumps(c.to_json()))["ratios"] == [round(r, 4) for r in c.ratios]
+
+
+def test_a_one_model_array_runs_standalone_untimed(monkeypatch):
+    c, calls = _choice_on(monkeypatch, [], B=1)
+    assert c.separate and not calls and not c.ops and not c.ratios
+    assert c.summary().startswith("standalone: one model, nothing to fuse")
+    assert json.loads(json.dumps(c.to_json()))["separate"] is True
 
 
 def test_measured_choice_records_and_restores(capsys):
-    from qsync_opt.hfta.choice import ARRAY_MARGIN, measure_choice
+    from qsync_opt.hfta.choice import MAX_PAIRS_FACTOR, decide, measure_choice
     from qsync_opt.hfta.trainer import per_model_losses
 
     spec = SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in range(4)], steps=1,
@@ -265,7 +314,8 @@ def test_measured_choice_records_and_restores(capsys):
         assert tr.array.mode_of(op) == v["mode"] == ("fused" if v["fused_ms"] <= v["serial_ms"]
                                                      else "serial")
     assert c.array_ms > 0 and c.separate_ms > 0
-    assert c.gain > 0 and c.separate == (c.gain < 1 + ARRAY_MARGIN)
+    assert 2 <= len(c.ratios) <= 2 * MAX_PAIRS_FACTOR and c.gain > 0
+    assert c.separate == (not decide(c.ratios))
     assert json.loads(json.dumps(c.to_json()))["separate"] == c.separate
     after = tr.array.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
