@@ -157,17 +157,30 @@ class Procs:
                 p.kill()
 
 
-def cell_memory_bytes(name: str, B: int, batch: int) -> int:
+#: The parent's resident memory on a CPU against the tensors it holds at its peak: glibc's
+#: heap keeps freed blocks (tensors under its mmap threshold, which grows to 32 MiB), so the
+#: resident size runs over the live tensors. Measured on the development machine
+#: (2026-12-04, ResNet-18 B=2 batch 64, the whole cell): 2.44 GiB resident at the peak
+#: against 1.64 GiB of tensors by :func:`cell_memory_bytes`' count (1.89 GiB resident with
+#: every block over 64 KiB mmapped, so returned when freed; that run's steps were 1.5x slower).
+CPU_HEAP_FACTOR = 1.5
+
+
+def cell_memory_bytes(name: str, B: int, batch: int, device: str = "cpu") -> int:
     """What a cell holds at its peak: one array step of B models (weights, gradients,
     momentum and the saved activations, qsync_opt.hfta.sweep.array_memory_bytes), the
     other three sets of B models the cell keeps (serial, the choice's array and its
     standalone exports: weights, gradients and momentum each), and a copy of the array's
-    state that the choice's measurement restores."""
+    state that the choice's measurement restores; on a CPU x :data:`CPU_HEAP_FACTOR`.
+    (Before the choice let go of each op's captured input once timed, it held them all
+    through its whole-step timing: a B=8 batch-256 ResNet-18 cell estimated at 13.3 GiB was
+    killed for memory at 24 GB.)"""
     from qsync_opt.graph import trace
     from qsync_opt.hfta.sweep import array_memory_bytes
 
     params = int(trace(name, 1).param_bytes)
-    return array_memory_bytes(name, batch, B, "sgd") + B * params * (3 * 3 + 1)
+    need = array_memory_bytes(name, batch, B, "sgd") + B * params * (3 * 3 + 1)
+    return int(need * (CPU_HEAP_FACTOR if device == "cpu" else 1.0))
 
 
 #: A ``procs`` worker's memory before its model: the interpreter with torch and the models
@@ -354,7 +367,7 @@ def main() -> None:
                     continue
                 key = (name, B, batch)
                 if key not in done:
-                    need = cell_memory_bytes(name, B, batch)
+                    need = cell_memory_bytes(name, B, batch, args.device)
                     extra = procs_memory_bytes(name, B, batch)
                     have = _available_bytes(args.device)
                     if need > have:

@@ -290,6 +290,55 @@ def test_the_array_is_taken_only_past_the_margin(monkeypatch, rounds, separate, 
     assert json.loads(json.dumps(c.to_json()))["ratios"] == [round(r, 4) for r in c.ratios]
 
 
+def test_the_captured_inputs_are_let_go_before_the_whole_steps(monkeypatch):
+    """Each op's captured input (together about a step's activations) is let go once its
+    op is timed: none is alive while the whole steps are timed, nor after."""
+    import gc
+    import weakref
+
+    from qsync_opt.hfta import choice as ch
+    from qsync_opt.hfta.trainer import per_model_losses
+
+    refs: list[weakref.ref] = []
+    capture = ch._capture
+
+    def watched(array, inputs):
+        seen = capture(array, inputs)
+        refs.extend(weakref.ref(t) for t in seen.values())
+        return seen
+
+    alive: list[int] = []
+    pairs = ch.time_pairs
+
+    def whole(f, g, reps, device=None, first=0):
+        if not inop:
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+        return pairs(f, g, reps, device, first)
+
+    inop: list[bool] = []
+    step = ch.time_step
+
+    def per_op(f, g, reps, device=None):
+        inop.append(True)
+        try:
+            return step(f, g, reps, device)
+        finally:
+            inop.pop()
+
+    monkeypatch.setattr(ch, "_capture", watched)
+    monkeypatch.setattr(ch, "time_pairs", whole)
+    monkeypatch.setattr(ch, "time_step", per_op)
+    tr = ArrayTrainer(SweepSpec("digits_cnn", [Variant(s, 0.05, 0.0) for s in range(2)],
+                                steps=1, batch=4))
+    x, y = tr.batch_at(0)
+    c = ch.measure_choice(tr.array, x, lambda o: per_model_losses(tr.wl, o, x, y).sum(),
+                          lambda o, b: tr.wl.loss_of(o, (), y[b]), reps=1)
+    gc.collect()
+    assert len(refs) == len(c.ops) == len(tr.array.op_names) and alive and set(alive) == {0}
+    assert all(r() is None for r in refs)
+
+
 def test_a_one_model_array_runs_standalone_untimed(monkeypatch):
     c, calls = _choice_on(monkeypatch, [], B=1)
     assert c.separate and not calls and not c.ops and not c.ratios
