@@ -293,7 +293,7 @@ def cell(name: str, B: int, batch: int, steps: int, reps: int, min_round_s: floa
     res: dict[str, Any] = {"model": name, "B": B, "batch": batch, "steps": steps, "reps": reps,
                            "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                                       else "cpu"),
-                           "threads": torch.get_num_threads(), "choice": choice.to_json(),
+                           "threads": torch.get_num_threads(), "measured_choice": choice.to_json(),
                            "choice_summary": choice.summary(), "choice_s": round(choice_s, 2)}
     res["procs"] = None  # not run: B processes would not fit beside the cell
     for mode in modes:
