@@ -133,8 +133,8 @@ def time_pairs(step: Callable[[], Any], other: Callable[[], Any], reps: int,
     """``reps`` pairs of timings (ms) of ``step`` and ``other`` (one warm-up of each first,
     where ``first``, the number of pairs already timed, is 0), the order alternating from
     pair to pair (``step`` first in the even ones, counted from ``first``) so neither always
-    runs in the state the other leaves. On a CUDA ``device``
-    each timing waits for the device's queue before it starts and before it stops."""
+    runs in the state the other leaves. On a CUDA ``device`` each timing waits for the
+    device's queue before it starts and before it stops."""
     if first == 0:
         step()
         other()
@@ -195,8 +195,8 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
                    reps: int = 5, optimizer: str = "sgd") -> Choice:
     """Set every op's mode from measurement, then time the array's whole step against the
     standalone models' (module docstring) and record in ``Choice.separate`` whether the
-    standalone models are taken (always, without timing, for a one-model array). ``loss``: the array's loss of its ``[B, N, ...]`` output;
-    ``loss_one(out, b)``: model ``b``'s loss of its own output (None: no standalone
+    standalone models are taken (always, without timing, for a one-model array). ``loss``:
+    the array's loss of its ``[B, N, ...]`` output; ``loss_one(out, b)``: model ``b``'s loss of its own output (None: no standalone
     candidate, e.g. under lower precisions). The array's parameters, buffers and gradients
     are as they were after; the timing steps run throwaway optimizers (``optimizer``: sgd or
     adamw, fused for the array, torch's for the standalone models)."""
@@ -249,13 +249,10 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
                 o.step()
 
         a, sep = time_pairs(array_step, standalone_step, reps, device)
-        ratios = [s / t for s, t in zip(sep, a, strict=True)]
-        while near_tie(ratios) and len(ratios) < MAX_PAIRS_FACTOR * reps:
-            more = min(reps, MAX_PAIRS_FACTOR * reps - len(ratios))
-            a2, sep2 = time_pairs(array_step, standalone_step, more, device,
-                                  first=len(ratios))
+        while near_tie(ratios := [s / t for s, t in zip(sep, a, strict=True)]) \
+                and len(a) < MAX_PAIRS_FACTOR * reps:
+            a2, sep2 = time_pairs(array_step, standalone_step, reps, device, first=len(a))
             a, sep = a + a2, sep + sep2
-            ratios += [s / t for s, t in zip(sep2, a2, strict=True)]
         choice.array_ms, choice.separate_ms = statistics.median(a), statistics.median(sep)
         choice.ratios = ratios
         choice.gain = statistics.median(ratios)
