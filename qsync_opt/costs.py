@@ -73,10 +73,16 @@ class _Roofline:
             return self.eff.int8_gemm
         return self.eff.tensor_core_gemm
 
+    def rate(self, dtype: DType) -> float:
+        """FLOP/s of a compute dtype: the runtime's recorded rate on this card where the
+        catalog has one (already an achieved rate: no efficiency), else peak x efficiency."""
+        got = None if self.measured else self.dev.runtime_flops(dtype)
+        return got if got is not None else self.dev.peak_flops(dtype) * self.compute_eff(dtype)
+
     def ms(self, flops: float, nbytes: float, dtype: DType, kernels: int = 1) -> float:
         if flops <= 0 and nbytes <= 0:
             return 0.0
-        t_compute = flops / (self.dev.peak_flops(dtype) * self.compute_eff(dtype)) if flops else 0.0
+        t_compute = flops / self.rate(dtype) if flops else 0.0
         t_memory = nbytes / self.mem_bps
         return max(t_compute, t_memory) * 1e3 + kernels * self.launch_ms
 

@@ -211,6 +211,12 @@ class DeviceSpec(Document):
         description="Dense peak rate per compute dtype, TFLOPS (TOPS for int8); "
         "fp32 is the non-tensor-core rate."
     )
+    runtime_tflops: dict[DType, Real] = Field(
+        default_factory=dict,
+        description="Rate this project's runtime reaches per compute dtype where it is far "
+        "below peak x efficiency, TFLOPS (TOPS for int8), measured or derived from a "
+        "measurement named in `source`; the estimate uses it in place of peak x efficiency. "
+        "Empty: peak x efficiency everywhere.")
     precisions: list[Precision] = Field(
         min_length=1, description="Precision menu the device runs fast (its tensor-core modes)."
     )
@@ -238,6 +244,10 @@ class DeviceSpec(Document):
             for dt in (p.info.fwd_compute, p.info.bwd_compute):
                 if self.rate_key(dt) not in self.peak_tflops:
                     raise ValueError(f"precision {p.value} needs a peak_tflops entry for {dt.value}")
+        for dt, rate in self.runtime_tflops.items():
+            if not (rate > 0 and dt in self.peak_tflops and rate <= self.peak_tflops[dt]):
+                raise ValueError(f"runtime_tflops[{dt.value}]: expected a rate > 0 and at most "
+                                 f"the peak_tflops entry for {dt.value}, got {rate}")
         return self
 
     @staticmethod
@@ -248,6 +258,12 @@ class DeviceSpec(Document):
     def peak_flops(self, dtype: DType) -> float:
         """Dense peak in FLOP/s (OP/s) for a compute dtype."""
         return self.peak_tflops[self.rate_key(dtype)] * 1e12
+
+    def runtime_flops(self, dtype: DType) -> float | None:
+        """The rate this project's runtime reaches for a compute dtype, FLOP/s (OP/s), where
+        the catalog records one (``runtime_tflops``); else None (peak x efficiency)."""
+        rate = self.runtime_tflops.get(self.rate_key(dtype))
+        return None if rate is None else rate * 1e12
 
     def supports(self, precision: Precision) -> bool:
         return precision in self.precisions
