@@ -18,6 +18,12 @@ refuses the suffix by name. :func:`enable_int4` does it for every eligible group
 On a derived CPU int4 runs through this CPU's int8 GEMM (values in int8 storage), so its
 int4 rate is its measured int8 rate: no speed gain here.
 
+Datasheet peaks are what the card can do; where this project's runtime is known to reach far
+less, the entry also carries ``runtime_tflops``, a separately named, sourced rate the estimate
+uses instead of peak x efficiency. Today that is int8 on Hopper (h200 measured, h100 and
+h100_pcie derived by the same share of their peak; docs/DEVICES.md R1), whose integer GEMM
+``torch._int_mm`` ran at 6% of the datasheet's INT8 peak.
+
 The ``cpu`` entry is this machine, measured on first use (matmul throughput per dtype with
 torch, copy bandwidth, memory) and cached; it is never a guess.
 
@@ -91,6 +97,23 @@ def _spec(**kw: object) -> DeviceSpec:
     return DeviceSpec.model_validate(kw)
 
 
+#: int8 on Hopper as this runtime runs it (docs/DEVICES.md R1): ``torch._int_mm`` (int8 x int8
+#: -> int32, the runtime's integer GEMM) took 1.0941 ms for a 4096^3 product on an H200
+#: (torch 2.11.0+cu130, median of 50; ``benchmarks/bench_cuda.py --sizes 2048 4096``, output
+#: in benchmarks/results/gpu_h200/bench_cuda.log), 2 x 4096^3 / 1.0941 ms = 125.6 TOPS,
+#: against a datasheet INT8 peak of 1,979 dense TOPS (N11). The datasheet peak stays in
+#: ``peak_tflops``; this measured rate is ``runtime_tflops[int8]``, which the estimate uses in
+#: place of peak x ``int8_gemm`` (1,979 x 0.5 = 990 TOPS, 7.9x the measured rate).
+HOPPER_INT8_GEMM_SIZE = 4096
+HOPPER_INT8_GEMM_MS = 1.0941
+#: The runtime's int8 rate on the H200, TOPS (measured, above).
+H200_RUNTIME_INT8_TOPS = 2.0 * HOPPER_INT8_GEMM_SIZE**3 / (HOPPER_INT8_GEMM_MS * 1e-3) / 1e12
+#: Its share of the H200's datasheet INT8 peak (0.0635). The H100s (same GH100 compute, the
+#: same torch kernels) are *derived* by this ratio from their own peaks: not measured.
+HOPPER_INT8_RUNTIME_RATIO = H200_RUNTIME_INT8_TOPS / 1979.0
+_HOPPER_INT8 = ("int8 at the runtime's rate (torch._int_mm), not the datasheet's: {how} "
+                "(DEVICES.md R1)")
+
 _CATALOG: tuple[DeviceSpec, ...] = (
     # T4: datasheet N2 (8.1 FP32, 65 FP16/FP32-acc, 130 INT8, 260 INT4, 300 GB/s, PCIe Gen3
     # 32 GB/s bidirectional, 70 W); CC 7.5 (N1); 15,360 MiB reported with ECC (X5).
@@ -156,22 +179,28 @@ _CATALOG: tuple[DeviceSpec, ...] = (
           memory_bytes=80 * GiB, usable_memory_bytes=81559 * MiB,
           memory_bandwidth_gb_per_s=3350.0,
           peak_tflops=_rates(67.0, 989.5, tf32=494.5, bf16=989.5, int8=1979.0, fp8=1979.0),
+          runtime_tflops={DType.int8: 1979.0 * HOPPER_INT8_RUNTIME_RATIO},
           precisions=_SM89, intra_node_bandwidth_gb_per_s=450.0, host_link_gb_per_s=64.0,
-          tdp_w=700.0, source="DEVICES.md N1, N8, N9, X1, X2, X4, X5 (sparse figures halved)"),
+          tdp_w=700.0, source="DEVICES.md N1, N8, N9, X1, X2, X4, X5 (sparse figures halved); "
+          + _HOPPER_INT8.format(how="derived from the H200's measured share of its INT8 peak")),
     # H100 PCIe 80 GB: N8/N9 (FP32 51, TF32 378, FP16/BF16 756.5, FP8/INT8 1,513, 2,000 GB/s).
     _spec(name="h100_pcie", display_name="NVIDIA H100 PCIe 80 GB", compute_capability="9.0",
           memory_bytes=80 * GiB, usable_memory_bytes=81559 * MiB,
           memory_bandwidth_gb_per_s=2000.0,
           peak_tflops=_rates(51.0, 756.5, tf32=378.0, bf16=756.5, int8=1513.0, fp8=1513.0),
+          runtime_tflops={DType.int8: 1513.0 * HOPPER_INT8_RUNTIME_RATIO},
           precisions=_SM89, intra_node_bandwidth_gb_per_s=64.0, host_link_gb_per_s=64.0,
-          tdp_w=350.0, source="DEVICES.md N1, N8, N9, X1, X5 (sparse halved; note H)"),
+          tdp_w=350.0, source="DEVICES.md N1, N8, N9, X1, X5 (sparse halved; note H); "
+          + _HOPPER_INT8.format(how="derived from the H200's measured share of its INT8 peak")),
     # H200 SXM 141 GB: N11, same GH100 compute as H100 SXM, 4,800 GB/s, 143,771 MiB reported.
     _spec(name="h200", display_name="NVIDIA H200 SXM 141 GB", compute_capability="9.0",
           memory_bytes=141 * GiB, usable_memory_bytes=143771 * MiB,
           memory_bandwidth_gb_per_s=4800.0,
           peak_tflops=_rates(67.0, 989.5, tf32=494.5, bf16=989.5, int8=1979.0, fp8=1979.0),
+          runtime_tflops={DType.int8: H200_RUNTIME_INT8_TOPS},
           precisions=_SM89, intra_node_bandwidth_gb_per_s=450.0, host_link_gb_per_s=64.0,
-          tdp_w=700.0, source="DEVICES.md N1, N11, X5 (sparse figures halved)"),
+          tdp_w=700.0, source="DEVICES.md N1, N11, X5 (sparse figures halved); "
+          + _HOPPER_INT8.format(how="measured on an H200")),
 )
 
 CATALOG: dict[str, DeviceSpec] = {d.name: d for d in _CATALOG}

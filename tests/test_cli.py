@@ -35,6 +35,8 @@ def test_models_and_devices(capsys) -> None:
     assert {m["name"] for m in json.loads(out)} >= {"resnet50", "bert_base", "digits_cnn"}
     code, out, _ = run(capsys, "devices")
     assert code == 0 and "v100" in out and "h200" in out
+    # the datasheet int8 peak is shown, and the runtime's rate the estimate uses beside it
+    assert "h200 int8 125.6" in out and "h100_pcie int8 96.0" in out and "R1" in out
     code, out, _ = run(capsys, "devices", "--json")
     v100 = next(d for d in json.loads(out) if d["name"] == "v100")
     assert "int8" not in v100["precisions"]

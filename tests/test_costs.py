@@ -171,3 +171,39 @@ def test_group_summary_shows_the_t4_straggler(resnet50_graph: ModelGraph,
     assert rows["t4"]["compute_fastest_ms"] < rows["t4"]["compute_fp32_ms"]
     assert rows["t4"]["capacity_bytes"] == 15360 * 2**20
     assert all(o.role != OpRole.choosable or o.allowed_precisions for o in resnet50_graph.ops)
+
+
+@pytest.mark.parametrize("device", ["h200", "h100", "h100_pcie"])
+def test_int8_on_hopper_is_costed_at_the_runtime_rate(one_linear: ModelGraph,
+                                                      device: str) -> None:
+    """int8 on Hopper: the recorded runtime rate (torch._int_mm as measured on an H200), not
+    the datasheet peak x int8_gemm, which was 7.9x too fast; no efficiency on top of it."""
+    eff = Efficiencies()
+    dev = get_device(device)
+    costs = estimate(one_linear, load_cluster(f"{device}x1"))
+    c = _entry(costs, device, "0", Precision.int8)
+    rate = dev.runtime_tflops[DType.int8] * 1e12
+    compute_ms = 2 * M * K * N / rate * 1e3
+    memory_ms = ((M * K * 1 + M * N * 4 + K * N * 1)
+                 / (dev.memory_bandwidth_gb_per_s * 1e9 * eff.memory) * 1e3)
+    assert compute_ms > memory_ms
+    assert c.fwd_ms == pytest.approx(compute_ms + eff.launch_overhead_us * 1e-3, rel=1e-12)
+    datasheet_ms = 2 * M * K * N / (dev.peak_flops(DType.int8) * eff.int8_gemm) * 1e3
+    assert compute_ms / datasheet_ms == pytest.approx(
+        dev.peak_tflops[DType.int8] * eff.int8_gemm / dev.runtime_tflops[DType.int8])
+    assert 7 < compute_ms / datasheet_ms < 9  # the 8-9x the issue measured
+    # int8 is now slower there than fp16 (peak x tensor_core_gemm), as the H200 ran it.
+    fp16 = _entry(costs, device, "0", Precision.fp16)
+    assert c.fwd_ms > fp16.fwd_ms
+    # an override of int8_gemm no longer moves the Hopper int8 estimate
+    other = estimate(one_linear, load_cluster(f"{device}x1"),
+                     efficiencies=Efficiencies(int8_gemm=0.9))
+    assert _entry(other, device, "0", Precision.int8).fwd_ms == c.fwd_ms
+
+
+def test_int8_elsewhere_stays_at_peak_times_efficiency(one_linear: ModelGraph) -> None:
+    eff = Efficiencies()
+    costs = estimate(one_linear, load_cluster("a100_80gbx1"))
+    c = _entry(costs, "a100_80gb", "0", Precision.int8)
+    assert c.fwd_ms == pytest.approx(2 * M * K * N / (624e12 * eff.int8_gemm) * 1e3
+                                     + eff.launch_overhead_us * 1e-3, rel=1e-12)

@@ -327,3 +327,51 @@ def test_cpu_cache_keeps_one_entry_per_thread_count(fresh_cpu_cache: Path) -> No
         torch.set_num_threads(old)
         devices.measure_cpu.cache_clear()
         devices._derived_cpu.cache_clear()  # derived CPUs are built from the measured one
+
+
+# ---------------------------------------------------------------- int8 as the runtime runs it
+
+def test_hopper_int8_runtime_rate_is_the_h200_measurement_and_its_derivation() -> None:
+    """int8 on Hopper: the datasheet peak is kept; the rate the estimate uses is a separate,
+    sourced figure: the H200's measured torch._int_mm rate (4096^3 in 1.0941 ms,
+    benchmarks/results/gpu_h200/bench_cuda.log), the H100s derived by the same share of
+    their own peak."""
+    measured = 2 * 4096**3 / 1.0941e-3 / 1e12
+    assert measured == pytest.approx(125.618, abs=1e-3)
+    assert devices.H200_RUNTIME_INT8_TOPS == pytest.approx(measured, rel=1e-12)
+    assert devices.HOPPER_INT8_RUNTIME_RATIO == pytest.approx(measured / 1979.0, rel=1e-12)
+    for name, peak in (("h200", 1979.0), ("h100", 1979.0), ("h100_pcie", 1513.0)):
+        spec = get_device(name)
+        assert spec.peak_tflops[DType.int8] == peak  # the datasheet, unchanged
+        rate = spec.runtime_tflops[DType.int8]
+        assert rate == pytest.approx(peak * measured / 1979.0, rel=1e-12)
+        assert spec.runtime_flops(DType.int8) == pytest.approx(rate * 1e12)
+        assert set(spec.runtime_tflops) == {DType.int8}  # fp16, bf16, fp8: peak x efficiency
+        assert spec.runtime_flops(DType.fp16) is None
+        assert "DEVICES.md R1" in spec.source
+        assert ("measured on an H200" in spec.source) == (name == "h200")
+        assert ("derived" in spec.source) == (name != "h200")
+    assert get_device("h100_pcie").runtime_tflops[DType.int8] == pytest.approx(96.04, abs=0.01)
+    # No other card carries a runtime rate (no measurement of it yet).
+    assert [n for n, d in CATALOG.items() if d.runtime_tflops] == ["h100", "h100_pcie", "h200"]
+
+
+def test_hopper_int8_runtime_rate_is_documented() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "DEVICES.md").read_text()
+    assert "**R1**" in text and "benchmarks/results/gpu_h200/bench_cuda.log" in text
+    assert "1.0941" in text and "125.6" in text and "96.0" in text and "derived" in text
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, float("nan"), float("inf"), 131.0, 1e300])
+def test_runtime_rate_must_be_positive_and_at_most_the_peak(rate: float) -> None:
+    data = CATALOG["t4"].model_dump()
+    data["runtime_tflops"] = {"int8": rate}  # the T4's int8 peak is 130
+    with pytest.raises(ValidationError, match=r"runtime_tflops(\[|\.)int8"):
+        DeviceSpec.model_validate(data)
+
+
+def test_runtime_rate_needs_a_peak_of_its_dtype() -> None:
+    data = CATALOG["v100"].model_dump()
+    data["runtime_tflops"] = {"int8": 10.0}  # the V100 has no int8 peak
+    with pytest.raises(ValidationError, match=r"runtime_tflops\[int8\].*peak_tflops entry"):
+        DeviceSpec.model_validate(data)

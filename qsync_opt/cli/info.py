@@ -45,6 +45,11 @@ def cmd_devices(args: argparse.Namespace) -> int:
     print(format_table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
                         "fp8", "int4", "precisions"]))
     print("\nDense peak TFLOPS (TOPS for int8/int4) from datasheets; sources in qsync_opt/devices.py.")
+    rated = [f"{s.name} {DType(k).value} {v:.1f}" for s in specs for k, v in s.runtime_tflops.items()]
+    if rated:
+        print("The estimate uses the runtime's recorded rate instead of peak x efficiency for: "
+              + ", ".join(rated) + " (torch._int_mm measured on an H200, the H100s derived; "
+              "docs/DEVICES.md R1).")
     print("Emulated, but costed at the peaks above: fp8 = e4m3-rounded inputs and weights, FP32 "
           "GEMM, FP32 gradients;\nint8/int8_full attention matmuls = int8-rounded operands, FP32 "
           "matmul. int8 Linear/Conv2d run real int8 GEMMs.")
