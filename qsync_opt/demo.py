@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ from .problem import AllocationProblem
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
 from .replayer import Replayer
 from .report import straggler_reason
-from .solve import compare, format_rows, reachable_ms
+from .dominance import CHEAP_BASELINES, Candidate, recommend
+from .solve import CompareRow, compare, format_rows, reachable_ms
 from .summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
@@ -125,17 +127,24 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
               + f", {b16:.2f} against {f32:.2f} ms, not a GPU's 2-8x faster), so the plan "
               "takes the smallest reachable makespan (+2%) and the least degradation there")
         problem = problem.retarget(best * 1.02, source="smallest reachable makespan + 2%")
-    rows = compare(problem, joint_split=False)
+    rows = compare(problem, joint_split=True)
     print(f"4. every allocator, target {problem.target_ms:.2f} ms ({problem.target_source}):")
     print(format_rows(rows))
     for r in rows:
         if r.status == "ERROR":
             print(f"   {r.solver}: {'; '.join(r.messages)}")
-    chosen = next((r for r in rows if r.solver in ("highs", "cpsat", "cbc") and r.plan is not None
-                   and r.feasible), None)
-    if chosen is None or chosen.plan is None:
+    pick = choose_plan(problem, rows)
+    if pick is None:
         print("no exact allocator found a feasible plan; stopping the local job here")
         return {}
+    chosen, why = pick
+    if why is None:
+        print(f"   the plan to train: {chosen.solver}'s (no other row's plan is as fast or faster "
+              "and as little or less degraded, one of them strictly)")
+    else:
+        print(f"   the plan to train: {chosen.solver}'s, not the exact plan: {why}"
+              + ("; `qsync-opt solve` prints this as a note" if chosen.solver in CHEAP_BASELINES
+                 else ""))
     plan = chosen.plan
     fp32 = problem.make_plan({g.name: [c.index(Precision.fp32) for c in g.choices]
                               for g in problem.groups}, {"solver": "all-fp32"})
@@ -168,7 +177,8 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
           "run's median step_ms; step 3's exact peak of live tensor bytes inside each rank; "
           "held-out accuracy of the "
           "last run):")
-    hdr = (f"{'plan':>12} {'group':>6} {'pred ms':>8} {'meas ms':>8} {'range ms':>13} "
+    w = max(12, *(len(x[0]) for x in labels))
+    hdr = (f"{'plan':>{w}} {'group':>6} {'pred ms':>8} {'meas ms':>8} {'range ms':>13} "
            f"{'err':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accuracy':>9}")
     print(hdr)
     figures: dict[Any, Any] = {}
@@ -185,7 +195,7 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
             pm = gt.peak_memory_bytes
             mm = res["peaks"][g.name]  # measured inside the rank (--measure-memory)
             figures[(label, g.name)] = (pred, meas, pm, mm)
-            print(f"{label:>12} {g.name:>6} {pred:8.2f} {meas:8.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
+            print(f"{label:>{w}} {g.name:>6} {pred:8.2f} {meas:8.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
                   f"{(pred - meas) / meas:+7.1%} {pm / MIB:9.2f} {mm / MIB:9.2f} "
                   f"{(pm - mm) / mm:+7.1%} {res.get('eval_accuracy', float('nan')):9.4f}")
     a, b = runs["all fp32"], runs[f"{chosen.solver} plan"]
@@ -217,6 +227,23 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     print()
     return {"sync": sync, "figures": figures, "runs": runs, "verdict": verdict, "load": (load0, load1),
             "spread": spread}
+
+
+def choose_plan(problem: AllocationProblem, rows: Sequence[CompareRow]
+                ) -> tuple[Candidate, str | None] | None:
+    """The plan part 1 trains, and why when it is not the exact one: the first exact
+    allocator's feasible plan unless another row's plan dominates it (as fast or faster and as
+    little or less degraded, one strictly, both scored by the evaluator:
+    :func:`~qsync_opt.dominance.recommend`). Only plans over every group compete (the same
+    two ranks train them). None when no exact allocator found a feasible plan."""
+    exact = next((r for r in rows if r.solver in ("highs", "cpsat", "cbc") and r.plan is not None
+                  and r.feasible), None)
+    if exact is None or exact.plan is None:
+        return None
+    names = {g.name for g in problem.groups}
+    cands = [Candidate(r.solver, r.plan, evaluate(problem, r.plan)) for r in rows
+             if r.plan is not None and set(r.plan.groups) == names]
+    return recommend(next(c for c in cands if c.solver == exact.solver), cands)
 
 
 #: Part 1's QSR line: a cosine schedule from the runtime's default lr, and QSR's constants

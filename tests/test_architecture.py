@@ -73,7 +73,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "solvers.pulp_model", "solvers.fastest", "solvers.warmstart",
                  "solvers.baselines", "solvers.cpsat", "solvers.greedy", "solvers.ilp",
                  "diagnose"]),
-    ("solve", ["solve"]),
+    ("solve", ["solve", "dominance"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
              "cli.planning", "cli.netsim", "testing"]),

@@ -71,9 +71,13 @@ def cmd_solve(args: argparse.Namespace) -> int:
     save(plan, args.out, what="--out")
     if args.report:
         save(report, args.report, what="--report")
+    from ..dominance import dominance_note  # the cheap baselines against this plan
+
+    dominated = dominance_note(problem, plan, ev, args.solver, _solve_options(args),
+                               joint_split=args.joint_split)
     if args.json:
         emit_json({"plan": args.out, "report": report.model_dump(mode="json"),
-                    "evaluation": ev.to_json()})
+                    "evaluation": ev.to_json(), "dominated": dominated})
         return 0
     print(f"{args.solver}: {report.status}, objective {ev.objective:.6g}"
           + (f", gap {report.gap:.2g}" if report.gap is not None else "")
@@ -92,6 +96,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(f"  {m}")
     for note in problem.notes:
         print(f"  note: {note}")
+    if dominated:
+        print(dominated)
     print(f"wrote {args.out}" + (f" and {args.report}" if args.report else ""))
     return 0
 

@@ -1,0 +1,153 @@
+"""Whether a returned plan is dominated, and the plan the project recommends instead.
+
+One plan *dominates* another when, both scored by the evaluator, it fits memory, is as fast
+or faster (throughput: the global batch over the replayer's iteration time, so a plan that
+leaves groups out is compared fairly) and as little or less degraded (the objective), with
+at least one of the two strictly better (beyond :data:`REL_TOL`).
+
+``solve`` asks :func:`dominance_note` after its solve: the cheap baselines (uniform precision,
+dynamic batching, the strong groups alone: no search, a few evaluations each) are scored
+and, when one dominates the plan, one line names it and the flag that finds such plans
+(``--joint-split`` when it is another batch split; a lower ``--target-ms`` when the plan
+already came from the joint split or the baseline keeps the batch split). The joint split
+itself is not run here (it is not cheap): a dominating batch split at the reference
+precision is the cheap bound that shows the joint split has a plan at least as little
+degraded at that split. The demo trains :func:`recommend`'s choice among its table's rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import QsyncInputError
+from .evaluator import Evaluation
+from .problem import EVAL_TOL, AllocationProblem
+from .schemas import Plan
+from .solve import run_backend
+from .solvers import SolveOptions
+
+#: Relative tolerance of "as fast" and "as little degraded": differences within it are ties.
+REL_TOL = EVAL_TOL
+#: Absolute tolerance of the degradation (an objective of 0 against 1e-15 is a tie).
+ABS_TOL = 1e-12
+#: The baselines scored after every solve: none searches, each costs a few evaluations.
+CHEAP_BASELINES = ("uniform", "dynamic-batching", "strong-only")
+_LABELS = {"uniform": "uniform precision (baseline)",
+           "dynamic-batching": "dynamic batching (baseline)",
+           "strong-only": "the strong groups alone (baseline)"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan scored by the evaluator, under the allocator's name (``solver``)."""
+
+    solver: str
+    plan: Plan
+    ev: Evaluation
+
+    @property
+    def label(self) -> str:
+        if self.solver.endswith("+split"):
+            return f"the joint split ({self.solver.removesuffix('+split')} with --joint-split)"
+        return _LABELS.get(self.solver, f"{self.solver}'s plan")
+
+    @property
+    def batches(self) -> dict[str, int]:
+        return {n: g.batch_per_device for n, g in self.plan.groups.items()}
+
+
+def _finite(*xs: float) -> bool:
+    return all(math.isfinite(x) for x in xs)
+
+
+def dominates(a: Evaluation, b: Evaluation) -> bool:
+    """``a`` dominates ``b``: ``a`` fits memory, is as fast or faster (samples/s) and as little
+    or less degraded (objective), at least one strictly (beyond the tolerances)."""
+    if not a.fits or not _finite(a.samples_per_s, b.samples_per_s, a.objective, b.objective):
+        return False
+    tol = ABS_TOL + REL_TOL * max(abs(a.objective), abs(b.objective))
+    faster = a.samples_per_s > b.samples_per_s * (1 + REL_TOL)
+    as_fast = a.samples_per_s >= b.samples_per_s * (1 - REL_TOL)
+    less = a.objective < b.objective - tol
+    as_little = a.objective <= b.objective + tol
+    return as_fast and as_little and (faster or less)
+
+
+def dominators(ev: Evaluation, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates that dominate ``ev``, the least degraded first (fastest among ties):
+    the first is not dominated by any of the others."""
+    got = [c for c in candidates if dominates(c.ev, ev)]
+    return sorted(got, key=lambda c: (c.ev.objective, -c.ev.samples_per_s))
+
+
+def baseline_candidates(problem: AllocationProblem, options: SolveOptions,
+                        skip: Sequence[str] = ()) -> list[Candidate]:
+    """The cheap baselines' plans for ``problem``, each scored by the evaluator (a baseline
+    that cannot make a plan here is left out)."""
+    out = []
+    for name in CHEAP_BASELINES:
+        if name in skip:
+            continue
+        try:
+            plan, _, ev = run_backend(problem, name, options)
+        except QsyncInputError:
+            continue
+        if plan is not None and ev is not None:
+            out.append(Candidate(name, plan, ev))
+    return out
+
+
+def _speed(ev: Evaluation, other: Evaluation) -> str:
+    text = f"{ev.replay_makespan_ms:.2f} ms"
+    if ev.global_batch != other.global_batch:
+        text += f" ({ev.samples_per_s:.1f} samples/s at global batch {ev.global_batch})"
+    return text
+
+
+def _remedy(problem: AllocationProblem, plan: Plan, best: Candidate, joint_split: bool) -> str:
+    """What finds such a plan: the flag, or leaving the weak groups out."""
+    left = [g.name for g in problem.cluster.groups if g.name not in best.plan.groups]
+    if left:
+        return (f"the group(s) {', '.join(left)} do not pay here: leave them out of "
+                "--cluster")
+    own = {n: g.batch_per_device for n, g in plan.groups.items()}
+    if best.batches != own and not joint_split:
+        return ("re-run with --joint-split (the batch split chosen with the precisions), or "
+                "take its plan from `compare --plans DIR`")
+    return (f"re-run with a lower --target-ms (its linear makespan is "
+            f"{best.ev.makespan_ms:.2f} ms), or take its plan from `compare --plans DIR`")
+
+
+def note_for(problem: AllocationProblem, plan: Plan, ev: Evaluation,
+             candidates: Sequence[Candidate], *, joint_split: bool = False) -> str | None:
+    """One line when a candidate dominates ``plan`` (scored ``ev``), else None."""
+    found = dominators(ev, candidates)
+    if not found:
+        return None
+    best = found[0]
+    return (f"note: {best.label} reaches {_speed(best.ev, ev)} at degradation "
+            f"{best.ev.objective:.3g}, dominating this plan ({_speed(ev, best.ev)}, "
+            f"{ev.objective:.3g}); {_remedy(problem, plan, best, joint_split)}")
+
+
+def dominance_note(problem: AllocationProblem, plan: Plan, ev: Evaluation, solver: str,
+                   options: SolveOptions, *, joint_split: bool = False) -> str | None:
+    """``solve``'s check: the cheap baselines against the returned plan (see the module)."""
+    cands = baseline_candidates(problem, options, skip=(solver,))
+    return note_for(problem, plan, ev, cands, joint_split=joint_split)
+
+
+def recommend(chosen: Candidate, others: Sequence[Candidate]) -> tuple[Candidate, str | None]:
+    """The plan the project recommends: ``chosen`` unless another candidate dominates it;
+    then the least degraded of those that do (the fastest among ties: no other candidate
+    dominates it). Returns the plan and why, in words (None when ``chosen`` stands)."""
+    found = dominators(chosen.ev, [c for c in others if c.solver != chosen.solver])
+    if not found:
+        return chosen, None
+    best = found[0]
+    why = (f"{best.label} dominates {chosen.solver}'s plan: {_speed(best.ev, chosen.ev)} at "
+           f"degradation {best.ev.objective:.3g} against {_speed(chosen.ev, best.ev)} at "
+           f"{chosen.ev.objective:.3g}, both scored by the evaluator")
+    return best, why

@@ -1,0 +1,243 @@
+"""A returned plan that a cheap baseline dominates: ``solve``'s note, and the plan the demo
+trains (qsync_opt.dominance, qsync_opt.demo.choose_plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import pytest
+
+from qsync_opt import estimate, parse_shorthand, trace
+from qsync_opt.demo import choose_plan
+from qsync_opt.dominance import (
+    CHEAP_BASELINES,
+    Candidate,
+    baseline_candidates,
+    dominance_note,
+    dominates,
+    dominators,
+    note_for,
+    recommend,
+)
+from qsync_opt.evaluator import Evaluation, evaluate
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.solve import compare, reachable_ms, solve
+from qsync_opt.solvers import SolveOptions
+from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.testing import run_cli
+
+
+def _ev(samples_per_s: float, objective: float, *, fits: bool = True, batch: int = 64,
+        ) -> Evaluation:
+    ms = batch / samples_per_s * 1e3 if samples_per_s > 0 else float("inf")
+    return Evaluation(objective=objective, makespan_ms=ms, replay_makespan_ms=ms,
+                      samples_per_s=samples_per_s, global_batch=batch, target_ms=ms,
+                      meets_target=True, replay_meets_target=True, fits=fits, groups={},
+                      violations=[] if fits else ["memory"])
+
+
+# ------------------------------------------------------------------------ the predicate
+
+@pytest.mark.parametrize(("a", "b", "expected"), [
+    ((110.0, 0.0), (100.0, 5e-5), True),      # faster and less degraded
+    ((100.0, 0.0), (100.0, 5e-5), True),      # as fast, less degraded
+    ((110.0, 5e-5), (100.0, 5e-5), True),     # faster, as degraded
+    ((100.0, 5e-5), (100.0, 5e-5), False),    # the same: nothing strictly better
+    ((100.0 * (1 + 1e-9), 5e-5), (100.0, 5e-5 * (1 + 1e-9)), False),  # within the tolerance
+    ((110.0, 6e-5), (100.0, 5e-5), False),    # faster but more degraded
+    ((90.0, 0.0), (100.0, 5e-5), False),      # less degraded but slower
+    ((float("nan"), 0.0), (100.0, 5e-5), False),
+    ((110.0, float("nan")), (100.0, 5e-5), False),
+    ((float("inf"), 0.0), (100.0, 5e-5), False),
+    ((110.0, 0.0), (float("nan"), 5e-5), False),
+])
+def test_dominates_needs_as_good_on_both_and_better_on_one(a, b, expected) -> None:
+    assert dominates(_ev(*a), _ev(*b)) is expected
+    if expected:  # never both ways
+        assert not dominates(_ev(*b), _ev(*a))
+
+
+def test_a_plan_that_does_not_fit_dominates_nothing() -> None:
+    assert not dominates(_ev(200.0, 0.0, fits=False), _ev(100.0, 1.0))
+
+
+def test_speed_is_throughput_so_fewer_groups_are_compared_fairly() -> None:
+    """The strong groups alone end their iteration sooner with half the global batch:
+    shorter makespan, lower throughput, so they do not dominate."""
+    alone = _ev(2224.1, 0.0, batch=32)   # 14.39 ms
+    both = _ev(2503.5, 5.7e-5, batch=64)  # 25.56 ms
+    assert alone.replay_makespan_ms < both.replay_makespan_ms
+    assert not dominates(alone, both)
+
+
+def test_dominators_put_an_undominated_one_first() -> None:
+    plan = Candidate("highs", None, _ev(100.0, 5e-5))  # type: ignore[arg-type]
+    slow_zero = Candidate("highs+split", None, _ev(101.0, 0.0))  # type: ignore[arg-type]
+    fast_zero = Candidate("dynamic-batching", None, _ev(130.0, 0.0))  # type: ignore[arg-type]
+    fast_some = Candidate("greedy", None, _ev(140.0, 4e-5))  # type: ignore[arg-type]
+    got = dominators(plan.ev, [slow_zero, fast_some, fast_zero])
+    assert [c.solver for c in got] == ["dynamic-batching", "highs+split", "greedy"]
+    assert not any(dominates(c.ev, got[0].ev) for c in got[1:])
+
+
+# --------------------------------------------------------------------------- problems
+
+@functools.cache
+def _digits(shorthand: str) -> AllocationProblem:
+    """digits_cnn on catalog estimates, the random indicator: deterministic."""
+    g = trace("digits_cnn")
+    c = parse_shorthand(shorthand)
+    return AllocationProblem(g, c, estimate(g, c), random_indicator(g, 0))
+
+
+@functools.cache
+def _synthetic(batch: int) -> AllocationProblem:
+    """A synthetic MLP on an A100 and a T4: at batch 128 per card the all-reduce over the
+    T4's PCIe link costs more than the T4 adds (the A100 alone dominates); at 2048 nothing
+    dominates the exact plan."""
+    g = synthetic_graph(3, seed=0, batch=batch, width=1024)
+    c = parse_shorthand(f"a100x1@{batch}+t4x1@{batch}")
+    return AllocationProblem(g, c, estimate(g, c), random_indicator(g, 0))
+
+
+def _as_the_demo(problem: AllocationProblem) -> AllocationProblem:
+    """The demo's retarget: the smallest reachable makespan + 2% when the default target is
+    out of reach."""
+    best = reachable_ms(problem)
+    if best is not None and best > problem.target_ms:
+        return problem.retarget(best * 1.02, source="smallest reachable makespan + 2%")
+    return problem
+
+
+def _solved(problem: AllocationProblem) -> tuple:
+    plan, _ = solve(problem, "highs")
+    return plan, evaluate(problem, plan)
+
+
+def _independent(problem: AllocationProblem, ev: Evaluation) -> list[str]:
+    """The baselines that dominate, recomputed here from their evaluations' fields."""
+    out = []
+    for c in baseline_candidates(problem, SolveOptions()):
+        e = c.ev
+        if (e.fits and e.samples_per_s >= ev.samples_per_s and e.objective <= ev.objective
+                and (e.samples_per_s > ev.samples_per_s * 1.001
+                     or e.objective < ev.objective - 1e-9)):
+            out.append(c.solver)
+    return out
+
+
+@pytest.mark.parametrize(("problem", "who", "remedy"), [
+    (lambda: _digits("a100x1+t4x1"), "dynamic batching (baseline)", "re-run with --joint-split"),
+    (lambda: _digits("v100x2+t4x2"), "dynamic batching (baseline)", "re-run with --joint-split"),
+    (lambda: _synthetic(128), "the strong groups alone (baseline)",
+     "the group(s) t4 do not pay here: leave them out of --cluster"),
+])
+def test_a_dominated_plan_gets_one_note_naming_the_baseline_and_the_remedy(
+        problem, who, remedy) -> None:
+    prob = problem()
+    plan, ev = _solved(prob)
+    assert _independent(prob, ev)
+    note = dominance_note(prob, plan, ev, "highs", SolveOptions())
+    assert note is not None and "\n" not in note
+    assert note.startswith(f"note: {who} reaches ")
+    assert f"dominating this plan ({ev.replay_makespan_ms:.2f} ms" in note
+    assert remedy in note
+
+
+@pytest.mark.parametrize("problem", [lambda: _digits("l4x1+t4x1"), lambda: _synthetic(2048)])
+def test_an_undominated_plan_gets_no_note(problem) -> None:
+    prob = problem()
+    plan, ev = _solved(prob)
+    assert _independent(prob, ev) == []
+    assert dominance_note(prob, plan, ev, "highs", SolveOptions()) is None
+
+
+def test_after_the_joint_split_the_remedy_is_a_lower_target() -> None:
+    """The plan already came from the joint split: a dominating split is found by a lower
+    target, not by the flag the user gave."""
+    prob = _digits("a100x1+t4x1")
+    plan, ev = _solved(prob)
+    cands = baseline_candidates(prob, SolveOptions())
+    dyn = next(c for c in cands if c.solver == "dynamic-batching")
+    note = note_for(prob, plan, ev, [dyn], joint_split=True)
+    assert note is not None and "--joint-split" not in note
+    assert f"lower --target-ms (its linear makespan is {dyn.ev.makespan_ms:.2f} ms)" in note
+
+
+def test_the_check_skips_the_solver_itself() -> None:
+    prob = _digits("a100x1+t4x1")
+    cands = baseline_candidates(prob, SolveOptions(), skip=("dynamic-batching",))
+    assert {c.solver for c in cands} == set(CHEAP_BASELINES) - {"dynamic-batching"}
+
+
+# -------------------------------------------------------------------------- the CLI
+
+@pytest.mark.parametrize(("cluster", "dominated"), [("a100x1+t4x1", True),
+                                                    ("l4x1+t4x1", False)])
+def test_solve_prints_the_note_only_when_dominated(tmp_path, cluster, dominated) -> None:
+    base = ("solve", "--model", "digits_cnn", "--cluster", cluster, "--method", "random",
+            "--solver", "highs", "--out", str(tmp_path / "p.json"))
+    code, out, err = run_cli(*base)
+    assert code == 0, err
+    notes = [x for x in out.splitlines() if x.startswith("note: ")]
+    assert len(notes) == (1 if dominated else 0)
+    if dominated:
+        assert "dynamic batching (baseline)" in notes[0] and "--joint-split" in notes[0]
+    code, out, err = run_cli(*base, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["dominated"] is not None) == dominated
+    if dominated:
+        assert doc["dominated"] == notes[0]
+
+
+# ------------------------------------------------------------------ the demo's choice
+
+def test_demo_trains_the_dominating_plan_and_says_why() -> None:
+    prob = _as_the_demo(_digits("a100x1+t4x1"))
+    rows = compare(prob, ["highs", "greedy", "uniform", "dynamic-batching", "strong-only"])
+    got = choose_plan(prob, rows)
+    assert got is not None
+    chosen, why = got
+    assert chosen.solver == "dynamic-batching"
+    assert why is not None and why.startswith("dynamic batching (baseline) dominates highs's plan")
+    exact = next(r for r in rows if r.solver == "highs")
+    assert dominates(chosen.ev, evaluate(prob, exact.plan))
+
+
+def test_demo_keeps_the_exact_plan_when_nothing_dominates_it() -> None:
+    prob = _as_the_demo(_synthetic(2048))
+    rows = compare(prob, ["highs", "uniform", "dynamic-batching", "strong-only"])
+    got = choose_plan(prob, rows)
+    assert got is not None
+    chosen, why = got
+    assert chosen.solver == "highs" and why is None
+
+
+def test_demo_trains_only_plans_its_two_ranks_can_run() -> None:
+    """At batch 128 the A100 alone dominates most (no degradation, the highest throughput),
+    but the demo trains both groups: it takes dynamic batching, which dominates too."""
+    prob = _as_the_demo(_synthetic(128))
+    rows = compare(prob, ["highs", "uniform", "dynamic-batching", "strong-only"])
+    exact = evaluate(prob, next(r for r in rows if r.solver == "highs").plan)
+    cands = [Candidate(r.solver, r.plan, evaluate(prob, r.plan)) for r in rows if r.plan]
+    assert dominators(exact, cands)[0].solver == "strong-only"
+    got = choose_plan(prob, rows)
+    assert got is not None
+    chosen, why = got
+    assert chosen.solver == "dynamic-batching" and why is not None
+    assert set(chosen.plan.groups) == {"a100", "t4"}
+
+
+def test_demo_has_no_plan_without_a_feasible_exact_row() -> None:
+    prob = _as_the_demo(_digits("a100x1+t4x1"))
+    rows = compare(prob, ["highs", "dynamic-batching"])
+    rows = [dataclasses.replace(r, feasible=False) if r.solver == "highs" else r for r in rows]
+    assert choose_plan(prob, rows) is None
+
+
+def test_recommend_without_others_keeps_the_plan() -> None:
+    c = Candidate("highs", None, _ev(100.0, 1.0))  # type: ignore[arg-type]
+    assert recommend(c, [c]) == (c, None)
