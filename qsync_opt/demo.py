@@ -34,6 +34,7 @@ import torch
 from . import __version__
 from .cluster import load_cluster, parse_shorthand
 from .costs import estimate, group_summary
+from .dominance import CHEAP_BASELINES, Candidate, recommend
 from .evaluator import evaluate
 from .graph import trace
 from .indicator import indicate
@@ -43,7 +44,6 @@ from .problem import AllocationProblem
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
 from .replayer import Replayer
 from .report import straggler_reason
-from .dominance import CHEAP_BASELINES, Candidate, recommend
 from .solve import CompareRow, compare, format_rows, reachable_ms
 from .summaries import (
     REPLAY_HEADER,

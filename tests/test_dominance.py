@@ -8,6 +8,7 @@ import functools
 import json
 
 import pytest
+from qsync_opt.solvers import SolveOptions
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.demo import choose_plan
@@ -24,7 +25,6 @@ from qsync_opt.dominance import (
 from qsync_opt.evaluator import Evaluation, evaluate
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.solve import compare, reachable_ms, solve
-from qsync_opt.solvers import SolveOptions
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 from qsync_opt.testing import run_cli
 
