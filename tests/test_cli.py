@@ -158,6 +158,8 @@ def test_demo_runs(capsys, tmp_path) -> None:
                  "3. qsync indicator on 10 real", "4. every allocator", "5. training two gloo",
                  "6. predicted", "load average"):
         assert step in out
+    # the plan it trains is one nothing in its table dominates, and it says which and why
+    assert "   the plan to train: " in out and " highs+split " in out
     # a verdict on a quiet machine, "NOT A RESULT" (with the reason) on a loaded or noisy one
     assert ("Measured: the plan's slowest rank" in out) != ("NOT A RESULT: " in out)
     assert Plan.load(tmp_path / "local_plan.json").workload == "digits_cnn"
