@@ -76,10 +76,13 @@ def dominates(a: Evaluation, b: Evaluation) -> bool:
 
 
 def dominators(ev: Evaluation, candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The candidates that dominate ``ev``, the least degraded first (fastest among ties):
-    the first is not dominated by any of the others."""
-    got = [c for c in candidates if dominates(c.ev, ev)]
-    return sorted(got, key=lambda c: (c.ev.objective, -c.ev.samples_per_s))
+    """The candidates that dominate ``ev``: first those no other of them dominates, then the
+    rest, each part the least degraded first (the fastest among ties)."""
+    got = sorted((c for c in candidates if dominates(c.ev, ev)),
+                 key=lambda c: (c.ev.objective, -c.ev.samples_per_s))
+    # within the tolerances the order alone could put a dominated one first
+    free = [c for c in got if not any(dominates(o.ev, c.ev) for o in got)]
+    return free + [c for c in got if c not in free]
 
 
 def baseline_candidates(problem: AllocationProblem, options: SolveOptions,

@@ -78,8 +78,19 @@ def test_dominators_put_an_undominated_one_first() -> None:
     fast_zero = Candidate("dynamic-batching", None, _ev(130.0, 0.0))  # type: ignore[arg-type]
     fast_some = Candidate("greedy", None, _ev(140.0, 4e-5))  # type: ignore[arg-type]
     got = dominators(plan.ev, [slow_zero, fast_some, fast_zero])
-    assert [c.solver for c in got] == ["dynamic-batching", "highs+split", "greedy"]
+    # the undominated ones first (least degraded first), then the rest
+    assert [c.solver for c in got] == ["dynamic-batching", "greedy", "highs+split"]
     assert not any(dominates(c.ev, got[0].ev) for c in got[1:])
+
+
+def test_dominators_first_is_undominated_even_within_the_tolerance() -> None:
+    """An objective lower by less than the tolerance sorts first but is a tie: the faster
+    plan at that tie dominates it and comes first."""
+    plan = _ev(100.0, 1e-3)
+    tiny_less = Candidate("a", None, _ev(110.0, 5e-13))  # type: ignore[arg-type]
+    faster = Candidate("b", None, _ev(150.0, 1e-12))  # type: ignore[arg-type]
+    assert dominates(faster.ev, tiny_less.ev)
+    assert [c.solver for c in dominators(plan, [tiny_less, faster])] == ["b", "a"]
 
 
 # --------------------------------------------------------------------------- problems
