@@ -144,8 +144,8 @@ def dominance_note(problem: AllocationProblem, plan: Plan, ev: Evaluation, solve
 
 def recommend(chosen: Candidate, others: Sequence[Candidate]) -> tuple[Candidate, str | None]:
     """The plan the project recommends: ``chosen`` unless another candidate dominates it;
-    then the least degraded of those that do (the fastest among ties: no other candidate
-    dominates it). Returns the plan and why, in words (None when ``chosen`` stands)."""
+    then the first of :func:`dominators` (one no other candidate dominates, the least
+    degraded of those). Returns the plan and why, in words (None when ``chosen`` stands)."""
     found = dominators(chosen.ev, [c for c in others if c.solver != chosen.solver])
     if not found:
         return chosen, None
