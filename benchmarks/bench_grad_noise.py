@@ -8,9 +8,11 @@ stochastic-rounding seeds. Models are in eval mode (no dropout; ResNet-50's Batc
 its running statistics), at small inputs so it runs on a CPU in minutes:
 
 * resnet50: torchvision layout, batch 2 at 64x64;
-* vit: ViT-B/16 (12 layers, d=768) at 64x64 (16 patches + the class token), batch 2;
-* bert: BERT-base QA at sequence 64, batch 2;
-* gpt2: GPT-2 small at sequence 64, batch 2; tiny_gpt: its registry model at 128, batch 4.
+* vit: ViT-B/16's layer (d=768, 12 heads, MLP 3072), ``--layers`` of them (default 4 of 12),
+  at 64x64 (16 patches + the class token), batch 2;
+* bert: BERT-base QA's layer, ``--layers`` of them, at sequence 64, batch 2;
+* gpt2: GPT-2 small's layer, ``--layers`` of them, at sequence 64, batch 2;
+* tiny_gpt: its registry model (4 layers, d=128) at sequence 128, batch 4.
 
 Choices (``qsync_opt.ops.numerics``): the forward rounding of int4 and int8 (``sr``
 stochastic, ``rtn`` round to nearest), and for int8_full the output gradient's rounding and
@@ -54,7 +56,7 @@ def _tokens(batch: int, seq: int, vocab: int, gen: torch.Generator) -> torch.Ten
     return torch.randint(0, vocab, (batch, seq), generator=gen)
 
 
-def build(name: str) -> tuple[str, nn.Module, Batch]:
+def build(name: str, layers: int = 4) -> tuple[str, nn.Module, Batch]:
     """(workload name, model in eval mode, (inputs, targets)) at the small sizes above."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -65,17 +67,21 @@ def build(name: str) -> tuple[str, nn.Module, Batch]:
     if name == "vit":
         from qsync_opt.models.vit import ViTConfig, VisionTransformer
 
-        model = VisionTransformer(ViTConfig(image_size=64))
+        model = VisionTransformer(ViTConfig(image_size=64, num_layers=layers))
         x = torch.randn(2, 3, 64, 64, generator=gen)
         return "vit_b16", model.eval(), ((x,), torch.randint(0, 1000, (2,), generator=gen))
     if name == "bert":
-        model = get_workload("bert_base").build()
+        from qsync_opt.models.bert import BertConfig, BertForQuestionAnswering
+
+        model = BertForQuestionAnswering(BertConfig(num_hidden_layers=layers))
         ids = _tokens(2, 64, 30522, gen)
         types = (torch.arange(64) >= 32).long().expand(2, 64).contiguous()
         return "bert_base", model.eval(), ((ids, types), torch.randint(0, 64, (2, 2),
                                                                         generator=gen))
     if name == "gpt2":
-        model = get_workload("gpt2_small").build()
+        from qsync_opt.models.gpt2 import GPT, GPTConfig
+
+        model = GPT(GPTConfig(n_layer=layers))
         ids = _tokens(2, 65, 50257, gen)
         return "gpt2_small", model.eval(), ((ids[:, :-1].contiguous(),), ids[:, 1:].contiguous())
     if name == "tiny_gpt":
@@ -127,10 +133,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def measure(name: str, seeds: int, fwd: dict[str, Any]) -> list[tuple[str, float, float]]:
+def measure(name: str, seeds: int, fwd: dict[str, Any], layers: int
+            ) -> list[tuple[str, float, float]]:
     """[(choice, mean cosine, mean relative error)] of one model; ``fwd``: the forward
     rounding the int8_full rows run with (the default's)."""
-    workload, model, batch = build(name)
+    workload, model, batch = build(name, layers)
     ref = gradient(workload, model, batch)
     rows = []
     for label, precision, changes in CHOICES:
@@ -140,6 +147,7 @@ def measure(name: str, seeds: int, fwd: dict[str, Any]) -> list[tuple[str, float
             ctx = {**fwd, **changes} if precision == "int8_full" else changes
             with ops.numerics(**ctx), ops.float_exact_gemm():
                 g = gradient(workload, m, batch)
+            del m
             cs.append(cosine(g, ref))
             es.append(rel(g, ref))
         rows.append((label + (" *" if is_default(changes) else ""), sum(cs) / seeds,
@@ -195,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["resnet50", "vit", "bert", "gpt2",
                                                      "tiny_gpt"])
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="transformer layers of vit, bert and gpt2 (default 4)")
     ap.add_argument("--outliers", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -203,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[tuple[str, float, float]]] = {}
     for name in args.models:
         with _timer(name):
-            results[name] = measure(name, args.seeds, fwd)
+            results[name] = measure(name, args.seeds, fwd, args.layers)
+        for label, c, e in results[name]:
+            print(f"  {name} | {label} | {c:.4f} | {e:.3f}", flush=True)
     if results:
         names = list(results)
         print("\none-step gradient cosine against fp32 (relative error in brackets), mean over "
