@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from qsync_opt.models import compute_loss, get_workload
 from torch import nn
 
 import qsync_opt.ops as ops
-from qsync_opt.models import compute_loss, get_workload
 from qsync_opt.runtime.gemm import swappable_kind
 from qsync_opt.runtime.layers import apply_precisions
 
@@ -65,7 +65,7 @@ def build(name: str, layers: int = 4) -> tuple[str, nn.Module, Batch]:
         x = torch.randn(2, 3, 64, 64, generator=gen)
         return "resnet50", model.eval(), ((x,), torch.randint(0, 1000, (2,), generator=gen))
     if name == "vit":
-        from qsync_opt.models.vit import ViTConfig, VisionTransformer
+        from qsync_opt.models.vit import VisionTransformer, ViTConfig
 
         model = VisionTransformer(ViTConfig(image_size=64, num_layers=layers))
         x = torch.randn(2, 3, 64, 64, generator=gen)
