@@ -13,6 +13,7 @@ from qsync_opt import QsyncInputError, trace
 from qsync_opt.indicator import (
     LADDERS,
     METHODS,
+    SPECS,
     _bilinear,
     _Capture,
     _qsync_terms,
@@ -79,11 +80,16 @@ def test_int8_full_backward_error_matches_measurement() -> None:
         mx += float((xs.grad.double() - exact_gx).square().sum()) / SEEDS
         mw += float((ws.grad.double() - exact_gw).square().sum()) / SEEDS
     bl = _bilinear(torch.nn.Linear(32, 24))
-    vg = element_variance(g, "int8")
+    k = SPECS[P.int8_full]
+    assert k is not None and (k.g, k.g_w) == ("int8row", "int8gcol")
+    vg_x = element_variance(g, k.g)    # per row (token) for the input gradient
+    vg_w = element_variance(g, k.g_w)  # per output channel for the weight gradient
     vw = element_variance(w, "int8+col", per_channel=True)
     vx = element_variance(x, "int8")
-    pred_gx = float(bl.grad_a(x.shape, w.square(), vg).sum() + bl.grad_a(x.shape, vw, g.square()).sum())
-    pred_gw = float(bl.grad_b(vx, w.shape, g.square()).sum() + bl.grad_b(x.square(), w.shape, vg).sum())
+    pred_gx = float(bl.grad_a(x.shape, w.square(), vg_x).sum()
+                    + bl.grad_a(x.shape, vw, g.square()).sum())
+    pred_gw = float(bl.grad_b(vx, w.shape, g.square()).sum()
+                    + bl.grad_b(x.square(), w.shape, vg_w).sum())
     assert pred_gx == pytest.approx(mx, rel=0.06)
     assert pred_gw == pytest.approx(mw, rel=0.04)
 
