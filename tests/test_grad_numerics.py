@@ -169,3 +169,25 @@ def test_indicator_models_the_two_quantizations() -> None:
     lin = torch.randn(5, 8)
     assert torch.equal(element_variance(lin, "int8row"),
                        element_variance(lin.t().contiguous(), "int8gcol", channel_dim=1).t())
+
+
+@pytest.mark.slow
+def test_the_measurement_script_ranks_the_choices_on_tiny_gpt() -> None:
+    """benchmarks/bench_grad_noise.py on tiny_gpt, one seed: a row per choice, the defaults
+    starred, and round-to-nearest ahead of stochastic rounding for int4's forward."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grad_noise.py"
+    spec = importlib.util.spec_from_file_location("qsync_bench_grad_noise", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    rows = {label: (c, e) for label, c, e in module.measure(
+        "tiny_gpt", 1, {"int8_forward_stochastic": True}, 4)}
+    assert len(rows) == len(module.CHOICES)
+    assert rows["int4 fwd rtn *"][0] > rows["int4 fwd sr"][0]
+    assert rows["int8_full grad sr rowcol *"][0] > 0.99
+    assert all(-1 <= c <= 1 and e >= 0 for c, e in rows.values())
