@@ -69,7 +69,10 @@ def test_int8_full_backward_error_matches_measurement() -> None:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(40, 32, generator=gen)
     w = torch.randn(24, 32, generator=gen)
-    g = torch.randn(40, 24, generator=gen)
+    # rows (tokens) 100x apart and columns (channels) 10x apart: one scale per tensor would
+    # be far off; the kernels scale per row for grad_x and per channel for grad_w
+    g = (torch.randn(40, 24, generator=gen) * torch.logspace(-2, 0, 40).reshape(-1, 1)
+         * torch.logspace(-1, 0, 24))
     exact_gx = g.double() @ w.double()
     exact_gw = g.double().t() @ x.double()
     mx = mw = 0.0
@@ -92,6 +95,9 @@ def test_int8_full_backward_error_matches_measurement() -> None:
                     + bl.grad_b(x.square(), w.shape, vg_w).sum())
     assert pred_gx == pytest.approx(mx, rel=0.06)
     assert pred_gw == pytest.approx(mw, rel=0.04)
+    one = element_variance(g, "int8")  # the per-tensor model of before
+    assert float(bl.grad_a(x.shape, w.square(), one).sum()) > 2 * float(
+        bl.grad_a(x.shape, w.square(), vg_x).sum())
 
 
 def test_fp16_and_bf16_forward_error_against_real_rounding() -> None:
