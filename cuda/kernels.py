@@ -24,7 +24,7 @@ from .build import CudaBuildError, build
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ENV_LIB = "QSYNC_CUDA_LIB"
 DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.float16: 1, torch.bfloat16: 2})
 FLOAT_DTYPES = tuple(DTYPE_CODES)
@@ -56,6 +56,11 @@ _SIGNATURES = MappingProxyType({
     ),
     "qsync_rescale_int32": (
         [_c_void_p, _c_float, _c_void_p, _c_void_p, _c_void_p, _c_int, _c_i64, _c_i64, _c_void_p],
+        _c_int,
+    ),
+    "qsync_rescale_int32_rows": (
+        [_c_void_p, _c_void_p, _c_void_p, _c_void_p, _c_void_p, _c_int, _c_i64, _c_i64,
+         _c_void_p],
         _c_int,
     ),
     "qsync_hash_uniform": ([_c_void_p, _c_i64, _c_u64, _c_void_p], _c_int),
@@ -280,6 +285,41 @@ class CudaKernels:
                 self._stream(acc.device),
             )
         self._check("qsync_rescale_int32", code)
+        return out
+
+    def rescale_int32_rows(
+        self,
+        acc: torch.Tensor,
+        sx: torch.Tensor,
+        sw: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``acc[m, n] * (sx[m] * sw[n]) (+ bias[n])``: one scale per row, as ``out_dtype``."""
+        acc = _check_tensor("acc", acc, (torch.int32,))
+        if acc.dim() != 2:
+            raise ValueError(f"acc must be 2-D [m, n], got shape {tuple(acc.shape)}")
+        m, n = acc.shape
+        sx = _check_tensor("sx", sx, (torch.float32,), acc.device)
+        if sx.numel() != m:
+            raise ValueError(f"sx has {sx.numel()} elements, expected m = {m}")
+        sw = _check_tensor("sw", sw, (torch.float32,), acc.device)
+        if sw.numel() != n:
+            raise ValueError(f"sw has {sw.numel()} elements, expected n = {n}")
+        if bias is not None:
+            bias = _check_tensor("bias", bias, (torch.float32,), acc.device)
+            if bias.numel() != n:
+                raise ValueError(f"bias has {bias.numel()} elements, expected n = {n}")
+        code_dtype = _out_code(out_dtype)
+        out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+        if m * n == 0:
+            return out
+        with torch.cuda.device(acc.device):
+            code = self._lib.qsync_rescale_int32_rows(
+                acc.data_ptr(), sx.data_ptr(), sw.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), code_dtype, m, n,
+                self._stream(acc.device))
+        self._check("qsync_rescale_int32_rows", code)
         return out
 
     def hash_uniform(

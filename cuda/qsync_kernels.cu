@@ -148,6 +148,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The same with one scale per row: s = sx[row] * sw[col] (int8_full's per-token output
+// gradient, int4's per-row activations).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rescale_int32_rows_kernel(const int32_t* __restrict__ acc, const float* __restrict__ sx,
+                              const float* __restrict__ sw, const float* __restrict__ bias,
+                              T* __restrict__ out, int64_t total, int64_t cols) {
+  for (StridedIndex it(cols); it.i < total; it.next()) {
+    const float s = __fmul_rn(sx[it.row], sw[it.col]);
+    float v = __fmul_rn(__int2float_rn(acc[it.i]), s);
+    if (bias != nullptr) v = __fadd_rn(v, bias[it.col]);
+    out[it.i] = from_float<T>(v);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     hash_uniform_kernel(float* __restrict__ out, int64_t n, uint32_t seed_mix) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
@@ -235,6 +250,14 @@ template <typename T>
 int launch_rescale(const int32_t* acc, float sx, const float* sw, const float* bias, void* out,
                    int64_t total, int64_t cols, cudaStream_t st) {
   rescale_int32_kernel<T><<<blocks_for(total), kThreads, 0, st>>>(
+      acc, sx, sw, bias, static_cast<T*>(out), total, cols);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_rescale_rows(const int32_t* acc, const float* sx, const float* sw, const float* bias,
+                        void* out, int64_t total, int64_t cols, cudaStream_t st) {
+  rescale_int32_rows_kernel<T><<<blocks_for(total), kThreads, 0, st>>>(
       acc, sx, sw, bias, static_cast<T*>(out), total, cols);
   return static_cast<int>(cudaGetLastError());
 }
@@ -339,6 +362,27 @@ QSYNC_API int qsync_rescale_int32(const int32_t* acc, float sx, const float* sw,
       return launch_rescale<__half>(acc, sx, sw, bias, out, total, n, st);
     case QSYNC_DTYPE_BF16:
       return launch_rescale<__nv_bfloat16>(acc, sx, sw, bias, out, total, n, st);
+    default:
+      return kInvalid;
+  }
+}
+
+QSYNC_API int qsync_rescale_int32_rows(const int32_t* acc, const float* sx, const float* sw,
+                                       const float* bias, void* out, int out_dtype, int64_t m,
+                                       int64_t n, void* stream) {
+  if (m < 0 || n < 0) return kInvalid;
+  if (m == 0 || n == 0) return 0;
+  if (m > INT64_MAX / n) return kInvalid;
+  if (acc == nullptr || sx == nullptr || sw == nullptr || out == nullptr) return kInvalid;
+  const int64_t total = m * n;
+  cudaStream_t st = as_stream(stream);
+  switch (out_dtype) {
+    case QSYNC_DTYPE_FP32:
+      return launch_rescale_rows<float>(acc, sx, sw, bias, out, total, n, st);
+    case QSYNC_DTYPE_FP16:
+      return launch_rescale_rows<__half>(acc, sx, sw, bias, out, total, n, st);
+    case QSYNC_DTYPE_BF16:
+      return launch_rescale_rows<__nv_bfloat16>(acc, sx, sw, bias, out, total, n, st);
     default:
       return kInvalid;
   }

@@ -28,7 +28,7 @@
 #endif
 
 /* Bump when a signature or a formula changes; the ctypes loader refuses other versions. */
-#define QSYNC_CUDA_ABI_VERSION 2
+#define QSYNC_CUDA_ABI_VERSION 3
 
 /* Floating dtype codes for x / out. */
 #define QSYNC_DTYPE_FP32 0
@@ -97,6 +97,14 @@ QSYNC_API int qsync_dequantize_int8(const int8_t* q, const float* scale, void* o
 QSYNC_API int qsync_rescale_int32(const int32_t* acc, float sx, const float* sw,
                                   const float* bias, void* out, int out_dtype, int64_t m,
                                   int64_t n, void* stream);
+
+/*
+ * The same with one scale per row (version 3): for row i, column j
+ *   s = sx[i] * sw[j]; v = (float)acc[i, j] * s; if (bias) v = v + bias[j];
+ */
+QSYNC_API int qsync_rescale_int32_rows(const int32_t* acc, const float* sx, const float* sw,
+                                       const float* bias, void* out, int out_dtype, int64_t m,
+                                       int64_t n, void* stream);
 
 /*
  * out[i] = u(i, seed) for i in [0, n): the stochastic-rounding uniform in [0, 1), 24 bits:

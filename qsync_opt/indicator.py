@@ -68,11 +68,15 @@ counted in its notes.
 **int4.** The same derivation as int8 with 7 levels a side instead of 127: the scale is
 ``s = amax / 7`` (per output channel for weights, per tensor for activations), the values
 are clamped to [-7, 7] (15 levels), and the rounding error of an element at ``y = x / s``
-has variance ``s^2 frac(y) (1 - frac(y))`` under stochastic rounding and ``s^2 e^2`` (``e``
-the distance to the nearest level) under round-to-nearest: :func:`_int_variance` with
-``qmax = 7``. For uniform fractions that is ``s^2 / 6`` (resp. ``s^2 / 12``), so an int4
-rounding is ``(127/7)^2 ~ 329`` times an int8 one on the same tensor. int4's backward is
-fp16 on the saved int4 operands, as int8's.
+has variance ``s^2 e^2`` (``e`` the distance to the nearest level): int4 rounds to nearest
+(``ops.NUMERICS``, kind ``int4n``), whatever ``stochastic`` says of int8. For uniform
+fractions that is ``s^2 / 12``, so an int4 rounding is about ``(127/7)^2 / 2 ~ 165`` times a
+stochastic int8 one on the same tensor. int4's backward is fp16 on the saved int4
+operands, as int8's.
+
+**int8_full's output gradient** is quantized twice (``ops.NUMERICS.grad_scale``): one scale
+per row (token / output position: ``int8row``) for the input gradient, one per output
+channel (``int8gcol``) for the weight gradient; ``_Kinds.g_b`` carries the second.
 """
 
 from __future__ import annotations
@@ -147,6 +151,11 @@ class _Kinds:
     g: str
     a_bwd: str
     b_bwd: str
+    g_b: str = ""  # G as the weight gradient uses it, when not as ``g`` (int8_full)
+
+    @property
+    def g_w(self) -> str:
+        return self.g_b or self.g
 
 
 SPECS: dict[Precision, _Kinds | None] = {
@@ -155,9 +164,12 @@ SPECS: dict[Precision, _Kinds | None] = {
     Precision.fp16: _Kinds("m10", "m10", "fp16g", "m10", "m10"),
     Precision.bf16: _Kinds("m7", "m7", "m7", "m7", "m7"),
     Precision.int8: _Kinds("int8", "int8", "fp16g", "int8", "int8"),
-    Precision.int8_full: _Kinds("int8", "int8", "int8", "int8", "int8+col"),
+    # int8_full's output gradient: one scale per row (token / output position) for the
+    # input gradient, one per output channel for the weight gradient (ops.NUMERICS)
+    Precision.int8_full: _Kinds("int8", "int8", "int8row", "int8", "int8+col", "int8gcol"),
     Precision.fp8: _Kinds("e4m3", "e4m3", "e5m2", "e4m3", "e4m3"),
-    Precision.int4: _Kinds("int4", "int4", "fp16g", "int4", "int4"),
+    # int4 rounds to nearest (ops.NUMERICS), whatever the int8 rounding
+    Precision.int4: _Kinds("int4n", "int4n", "fp16g", "int4n", "int4n"),
 }
 #: Random method: a per-format factor (about the relative variance of one rounding).
 _NOMINAL = {Precision.tf32: 2.0**-22, Precision.fp16: 2.0**-22, Precision.bf16: 2.0**-16,
@@ -169,15 +181,26 @@ _NOMINAL = {Precision.tf32: 2.0**-22, Precision.fp16: 2.0**-22, Precision.bf16: 
 
 
 def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
-                     stochastic: bool = True) -> Tensor:
+                     stochastic: bool = True, channel_dim: int = -1) -> Tensor:
     """Per-element error variance of representing ``t`` in ``kind`` (see module docstring).
 
     ``per_channel``: int8 scales per slice along axis 0 (weights); ``int8+col`` adds the
     re-quantization per input column that int8_full's backward applies to the weight.
+    ``int4n``: int4 rounded to nearest. An output gradient's ``int8row`` (one scale per
+    position across the channels at ``channel_dim``: per token) and ``int8gcol`` (one per
+    channel) are int8_full's two quantizations of it.
     """
     x = t.detach().to(torch.float32)
-    if kind == "int4":
-        return _int_variance(x, 0 if per_channel else None, stochastic, INT4_QMAX)
+    if kind in ("int8row", "int8gcol"):
+        cd = channel_dim % max(x.dim(), 1)
+        if kind == "int8gcol" or x.dim() < 2:
+            return _int_variance(x, cd if x.dim() else None, stochastic, 127)
+        moved = x.movedim(cd, -1)
+        v = _int_variance(moved.reshape(-1, moved.shape[-1]), 0, stochastic, 127)
+        return v.reshape(moved.shape).movedim(-1, cd)
+    if kind in ("int4", "int4n"):
+        return _int_variance(x, 0 if per_channel else None,
+                             stochastic and kind == "int4", INT4_QMAX)
     if kind == "int8col":
         return _int8_variance(x, 1, stochastic)
     if kind in ("int8", "int8+col"):
@@ -233,6 +256,7 @@ def _int_variance(x: Tensor, axis: int | None, stochastic: bool, qmax: int) -> T
 class _Bilinear:
     f: Callable[[Tensor, Tensor], Tensor]
     b_is_weight: bool
+    channel_dim: int = -1  # the output's channel axis (1 for convolutions)
 
     def grad_a(self, a_shape: Sequence[int], b: Tensor, cot: Tensor) -> Tensor:
         a0 = torch.zeros(a_shape, dtype=cot.dtype, requires_grad=True)
@@ -250,10 +274,10 @@ def _bilinear(mod: nn.Module) -> _Bilinear | None:
         return _Bilinear(lambda a, b: F.linear(a, b), True)
     if isinstance(mod, nn.Conv2d):
         st, pad, dil, grp = mod.stride, mod.padding, mod.dilation, mod.groups
-        return _Bilinear(lambda a, b: F.conv2d(a, b, None, st, pad, dil, grp), True)
+        return _Bilinear(lambda a, b: F.conv2d(a, b, None, st, pad, dil, grp), True, 1)
     if isinstance(mod, nn.Conv1d):
         st1, pad1, dil1, grp1 = mod.stride, mod.padding, mod.dilation, mod.groups
-        return _Bilinear(lambda a, b: F.conv1d(a, b, None, st1, pad1, dil1, grp1), True)
+        return _Bilinear(lambda a, b: F.conv1d(a, b, None, st1, pad1, dil1, grp1), True, 1)
     if isinstance(mod, MatMul):
         return _Bilinear(torch.matmul, False)
     return None
@@ -303,7 +327,7 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
         if key not in var_cache:
             v = element_variance(full[which], kind,
                                  per_channel=(which == "b" and bl.b_is_weight),
-                                 stochastic=stochastic)
+                                 stochastic=stochastic, channel_dim=bl.channel_dim)
             if not (which == "b" and bl.b_is_weight):
                 v = v[rows]
             var_cache[key] = v.to(term_dtype)
@@ -339,7 +363,7 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
             bwd += e_ga / ga2
         if gb2 > 0:
             e_gb = term("gb_a", k.a_bwd, lambda z: bl.grad_b(var("a", z), b.shape, g2)) \
-                + term("gb_g", k.g, lambda z: bl.grad_b(a2, b.shape, var("g", z)))
+                + term("gb_g", k.g_w, lambda z: bl.grad_b(a2, b.shape, var("g", z)))
             bwd += e_gb / gb2
         out[p] = (fwd / y2 if y2 > 0 else 0.0, bwd)
     return out
@@ -670,7 +694,7 @@ def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]]
                 continue
             fwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a, k.b))
             if bls[n].b_is_weight and lr > 0:
-                bwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a_bwd, k.g))
+                bwd_keys.setdefault(n, {})[p] = _curv_pattern((k.a_bwd, k.g_w))
 
     def probe_all(keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]],
                   make: Callable[[str, tuple[str, ...]], Callable[[], list[Tensor]]]
@@ -706,7 +730,8 @@ def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]]
             v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
                            c.b.shape, c.g.square())
                  + bl.grad_b(c.a.square(), c.b.shape,
-                             element_variance(c.g, key[1], stochastic=stochastic)))
+                             element_variance(c.g, key[1], stochastic=stochastic,
+                                              channel_dim=bl.channel_dim)))
             var = v if var is None else var + v
         assert var is not None
         sd = var.sqrt()
@@ -877,8 +902,13 @@ def fast_options() -> dict[str, Any]:
     return {"term_dtype": torch.bfloat16, "term_rows": 2}
 
 
+#: The error model's version: tables cached under another (int4 stochastic, int8_full's
+#: per-tensor output gradient before issue 41) are not reused.
+ERROR_MODEL_VERSION = 2
+
+
 def default_cache_dir() -> Path:
-    return cache_root() / "indicators"
+    return cache_root() / "indicators" / f"e{ERROR_MODEL_VERSION}"
 
 
 def indicate(

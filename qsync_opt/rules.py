@@ -72,6 +72,11 @@ GRAD_DTYPE: dict[Precision, DType] = {
     Precision.fp8: DType.bf16, Precision.int4: DType.fp16,
 }
 
+#: How many times backward quantizes an op's output gradient: int8_full twice (one scale
+#: per row for the input-gradient GEMM, one per output channel for the weight-gradient GEMM:
+#: two abs-max passes and two int8 copies, ``qsync_opt.ops.NUMERICS``); others once.
+GRAD_QUANTIZE_PASSES: dict[Precision, int] = {Precision.int8_full: 2}
+
 #: One work item of an op: (kind, name, ms, args). Kinds: fwd, bwd, cast, weight_cast,
 #: grad_cast.
 WorkItem = tuple[str, str, float, dict[str, Any] | None]
@@ -369,13 +374,17 @@ class CostRules:
         f_ms, b_ms = self.compute_ms(grp, i, p, dout[i])
         fwd_items.append(("fwd", op.name, f_ms,
                           {"precision": (p or pass_precision(dout[i])).value}))
-        # Backward: quantize the output gradient (int8_full, fp8), the op, weight gradient
-        # back to FP32, then input gradients cast to what each producer gives out.
+        # Backward: quantize the output gradient (int8_full, fp8; int8_full twice: per row
+        # for the input gradient, per output channel for the weight gradient, ops.NUMERICS),
+        # the op, weight gradient back to FP32, then input gradients cast to what each
+        # producer gives out.
         if p is not None and p.info.bwd_compute in (DType.int8, DType.fp8_e5m2):
+            passes = GRAD_QUANTIZE_PASSES.get(p, 1)
             bwd_items.append(("grad_cast", f"grad {p.info.gives_out.value}->"
-                              f"{p.info.bwd_compute.value} {op.name}" if named else "",
-                              self.cast_ms(grp, p.info.gives_out, p.info.bwd_compute,
-                                           op.output_numel * grp.scale), None))
+                              f"{p.info.bwd_compute.value}{f' x{passes}' if passes > 1 else ''}"
+                              f" {op.name}" if named else "",
+                              passes * self.cast_ms(grp, p.info.gives_out, p.info.bwd_compute,
+                                                    op.output_numel * grp.scale), None))
         bwd_items.append(("bwd", op.name, b_ms, None))
         if p is not None and wdt is not None and wn:
             gdt = GRAD_DTYPE[p]

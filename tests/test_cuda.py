@@ -38,6 +38,7 @@ ENTRY_POINTS = (
     "qsync_int4_gemm",
     "qsync_dequantize_int8",
     "qsync_rescale_int32",
+    "qsync_rescale_int32_rows",
     "qsync_hash_uniform",
 )
 M32 = 0xFFFFFFFF
@@ -213,7 +214,7 @@ def test_every_cu_compiles_with_nvcc(tmp_path):
         if "libcuda" in str(exc):
             pytest.skip(f"library built; loading needs a CUDA driver: {exc}")
         raise
-    assert handle.qsync_cuda_abi_version() == 2
+    assert handle.qsync_cuda_abi_version() == 3
     for name in ENTRY_POINTS:
         assert callable(getattr(handle, name, None)), name
     handle.qsync_cuda_error_string.restype = ctypes.c_char_p
@@ -376,6 +377,9 @@ def test_wrappers_reject_cpu_tensors_before_calling_the_library():
         k.dequantize_int8(torch.zeros(4, dtype=torch.int8), torch.ones(1), 4)
     with pytest.raises(ValueError, match="^acc must be a CUDA tensor"):
         k.rescale_int32(torch.zeros(2, 2, dtype=torch.int32), 1.0, torch.ones(2), None)
+    with pytest.raises(ValueError, match="^acc must be a CUDA tensor"):
+        k.rescale_int32_rows(torch.zeros(2, 2, dtype=torch.int32), torch.ones(2), torch.ones(2),
+                             None)
     with pytest.raises(ValueError, match="^x must be a torch.Tensor"):
         k.quantize_int8([1.0], torch.ones(1), 1, False, 0)
     with pytest.raises(ValueError, match="^n must be"):
@@ -597,6 +601,44 @@ def test_int4_pack_and_gemm_equal_the_integer_reference(kernels, k):
     from qsync_opt.ops import int_mm
 
     assert torch.equal(int_mm(a.cuda(), b.cuda().t()).cpu().to(torch.int64), got)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_rescale_rows_bit_exact(kernels, dtype, with_bias):
+    """One scale per row (int8_full's per-token output gradient): the CUDA kernel, the C++
+    kernel and the Python reference agree bit for bit."""
+    from qsync_opt.ops import reference as ref
+
+    g = torch.Generator().manual_seed(19)
+    m, n = 131, 517
+    acc = torch.randint(-(2**24), 2**24, (m, n), dtype=torch.int32, generator=g)
+    sx = torch.rand(m, generator=g) * 1e-3
+    sw = torch.rand(n, generator=g) * 1e-2
+    bias = torch.randn(n, generator=g) if with_bias else None
+    want = ref.rescale_int32_rows(acc, sx, sw, bias, dtype)
+    got = kernels.rescale_int32_rows(acc.cuda(), sx.cuda(), sw.cuda(),
+                                     None if bias is None else bias.cuda(), dtype)
+    assert_bits_equal(got, want)
+    assert_bits_equal(torch.ops.qsync_cpu.rescale_int32_rows(acc, sx, sw, bias, dtype), want)
+
+
+@gpu
+def test_int8_full_backward_on_cuda_equals_cpu(kernels):
+    from qsync_opt import ops
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 64, generator=g)
+    w = torch.randn(24, 64, generator=g)
+    go = torch.randn(40, 24, generator=g) * torch.logspace(-3, 1, 40).reshape(-1, 1)
+    grads = []
+    for dev in ("cpu", "cuda"):
+        xi = x.to(dev).requires_grad_()
+        wi = w.to(dev).requires_grad_()
+        ops.int8_linear(xi, wi, int8_backward=True, seed=4).backward(go.to(dev))
+        grads.append((xi.grad.cpu(), wi.grad.cpu()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 @gpu

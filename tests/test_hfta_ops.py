@@ -193,8 +193,10 @@ def test_linear_quantized_equals_separate_runtime_calls(precision: Precision) ->
         assert torch.equal(fused.weight.grad[b], ws[b].grad)
         assert torch.equal(fused.bias.grad[b], bs[b].grad)
     again = fused(xs)  # a fresh seed per call: different stochastic rounding
-    if precision != Precision.fp8:
+    if precision not in (Precision.fp8, Precision.int4):  # int4 rounds to nearest (issue 41)
         assert not torch.equal(again, out)
+    else:
+        assert torch.equal(again, out)
 
 
 def test_linear_int8_equals_runtime_qlinears_and_has_no_float64_path() -> None:

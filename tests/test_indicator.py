@@ -13,6 +13,7 @@ from qsync_opt import QsyncInputError, trace
 from qsync_opt.indicator import (
     LADDERS,
     METHODS,
+    SPECS,
     _bilinear,
     _Capture,
     _qsync_terms,
@@ -68,7 +69,10 @@ def test_int8_full_backward_error_matches_measurement() -> None:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(40, 32, generator=gen)
     w = torch.randn(24, 32, generator=gen)
-    g = torch.randn(40, 24, generator=gen)
+    # rows (tokens) 100x apart and columns (channels) 10x apart: one scale per tensor would
+    # be far off; the kernels scale per row for grad_x and per channel for grad_w
+    g = (torch.randn(40, 24, generator=gen) * torch.logspace(-2, 0, 40).reshape(-1, 1)
+         * torch.logspace(-1, 0, 24))
     exact_gx = g.double() @ w.double()
     exact_gw = g.double().t() @ x.double()
     mx = mw = 0.0
@@ -79,13 +83,21 @@ def test_int8_full_backward_error_matches_measurement() -> None:
         mx += float((xs.grad.double() - exact_gx).square().sum()) / SEEDS
         mw += float((ws.grad.double() - exact_gw).square().sum()) / SEEDS
     bl = _bilinear(torch.nn.Linear(32, 24))
-    vg = element_variance(g, "int8")
+    k = SPECS[P.int8_full]
+    assert k is not None and (k.g, k.g_w) == ("int8row", "int8gcol")
+    vg_x = element_variance(g, k.g)    # per row (token) for the input gradient
+    vg_w = element_variance(g, k.g_w)  # per output channel for the weight gradient
     vw = element_variance(w, "int8+col", per_channel=True)
     vx = element_variance(x, "int8")
-    pred_gx = float(bl.grad_a(x.shape, w.square(), vg).sum() + bl.grad_a(x.shape, vw, g.square()).sum())
-    pred_gw = float(bl.grad_b(vx, w.shape, g.square()).sum() + bl.grad_b(x.square(), w.shape, vg).sum())
+    pred_gx = float(bl.grad_a(x.shape, w.square(), vg_x).sum()
+                    + bl.grad_a(x.shape, vw, g.square()).sum())
+    pred_gw = float(bl.grad_b(vx, w.shape, g.square()).sum()
+                    + bl.grad_b(x.square(), w.shape, vg_w).sum())
     assert pred_gx == pytest.approx(mx, rel=0.06)
     assert pred_gw == pytest.approx(mw, rel=0.04)
+    one = element_variance(g, "int8")  # the per-tensor model of before
+    assert float(bl.grad_a(x.shape, w.square(), one).sum()) > 2 * float(
+        bl.grad_a(x.shape, w.square(), vg_x).sum())
 
 
 def test_fp16_and_bf16_forward_error_against_real_rounding() -> None:

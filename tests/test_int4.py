@@ -135,7 +135,7 @@ def test_int4_stochastic_rounding_is_unbiased_with_the_indicator_variance() -> N
     u = torch.rand(100_000, generator=torch.Generator().manual_seed(3)) * 2 - 1
     ratio = float(element_variance(u, "int4").mean() / element_variance(u, "int8").mean())
     assert ratio == pytest.approx((127 / 7) ** 2, rel=0.05)
-    assert SPECS[P.int4] is not None and SPECS[P.int4].a == "int4"  # type: ignore[union-attr]
+    assert SPECS[P.int4] is not None and SPECS[P.int4].a == "int4n"  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------------- GEMM
@@ -218,6 +218,71 @@ def test_layers_at_int4_match_the_ops() -> None:
     y.sum().backward()
     conv, lin = model[0], model[2]
     assert conv.weight.grad.dtype == torch.float32 and torch.isfinite(lin.weight.grad).all()
+
+
+def _torch_int4(t: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """torch's own round-half-even of ``t / scale`` at the kernels' scales (amax / 7 per
+    tensor or per slice along ``axis``), clamped to [-7, 7]."""
+    moved = t if axis is None else t.movedim(axis, 0)
+    amax = moved.abs().amax() if axis is None else moved.reshape(moved.shape[0], -1).abs().amax(1)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    inv = 7.0 / amax
+    shape = (-1,) + (1,) * (moved.dim() - 1) if axis is not None else ()
+    q = torch.clamp(torch.round(moved * inv.reshape(shape)), -7, 7).to(torch.int8)
+    return q if axis is None else q.movedim(0, axis)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_int4_forward_rounds_to_nearest_by_default_as_torch_does(backend: str,
+                                                                 monkeypatch) -> None:
+    """Every int4 path (linear, conv, fake-quant, the layers) rounds its forward operands to
+    nearest by default, equal to torch's rounding of the same scales; stochastic rounding
+    only when asked."""
+    from qsync_opt.ops import _build
+
+    if backend == "reference":
+        monkeypatch.setattr(ops, "_use_cpp", lambda t: False)
+    else:
+        assert _build.load_cpu()[0]
+    assert ops.NUMERICS.int4_forward_stochastic is False
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 32, generator=gen) * torch.logspace(-2, 1, 32)
+    w = torch.randn(16, 32, generator=gen)
+    _, qx, _, qw, _ = torch.ops.qsync.int4_linear(x, w, None, 0, False, 3, torch.bfloat16)
+    assert torch.equal(qx, _torch_int4(x, None)) and torch.equal(qw, _torch_int4(w, 0))
+    out = ops.int4_linear(x, w, seed=3)  # the default: the same as stochastic=False
+    assert torch.equal(out, torch.ops.qsync.int4_linear(x, w, None, 0, False, 9,
+                                                        torch.bfloat16)[0])
+    assert not torch.equal(out, ops.int4_linear(x, w, seed=3, stochastic=True))
+    xc = torch.randn(2, 4, 6, 6, generator=gen)
+    wc = torch.randn(5, 4, 3, 3, generator=gen)
+    _, qxc, _, qwc, _ = torch.ops.qsync.int4_conv2d(xc, wc, None, [1, 1], [1, 1], [1, 1], 1,
+                                                     False, 2, torch.bfloat16)
+    assert torch.equal(qxc, _torch_int4(xc, None)) and torch.equal(qwc, _torch_int4(wc, 0))
+    assert torch.equal(ops.int4_conv2d(xc, wc, padding=1, seed=1),
+                       ops.int4_conv2d(xc, wc, padding=1, seed=2))  # no seed: no noise
+    fq = ops.fake_quant_int4(x, seed=5)
+    amax = x.abs().amax()
+    assert torch.equal(fq, (_torch_int4(x, None).float() * ref.scale_of(amax.reshape(1), 7)))
+    with ops.numerics(int4_forward_stochastic=True):
+        assert not torch.equal(ops.fake_quant_int4(x, seed=5), fq)
+
+
+def test_int4_layers_and_indicator_follow_the_rounding() -> None:
+    """The layers take the ops' default (no seed dependence at int4), and the indicator's
+    int4 rows model round-to-nearest whatever its int8 ``stochastic``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(4, 8)
+    a, b = (apply_precisions(m, {"0": "int4", "2": "int4"}, seed=s) and m(x)
+            for m, s in ((model, 1), (__import__("copy").deepcopy(model), 2)))
+    assert torch.equal(a, b)
+    k = SPECS[P.int4]
+    assert (k.a, k.b, k.a_bwd, k.b_bwd) == ("int4n",) * 4
+    t = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    rtn = element_variance(t, "int4n", stochastic=True)
+    assert torch.equal(rtn, element_variance(t, "int4", stochastic=False))
+    assert float(rtn.sum()) < float(element_variance(t, "int4", stochastic=True).sum())
 
 
 # ----------------------------------------------------------------------------- opt-in menus

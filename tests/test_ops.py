@@ -82,7 +82,7 @@ def _opcheck_cases() -> list[tuple[str, object, tuple]]:
     q, s = ops.quantize_int8(w.detach(), 0)
     acc = torch.randint(-1000, 1000, (8, 12), dtype=torch.int32, generator=gen)
     _, qx, sx, qw, sw = torch.ops.qsync.int8_linear(x.detach(), w.detach(), None, False, True,
-                                                   0, torch.bfloat16)
+                                                   0, torch.bfloat16, True, 2)
     g = torch.randn(8, 12, generator=gen)
     bf = torch.bfloat16
     return [
@@ -91,14 +91,21 @@ def _opcheck_cases() -> list[tuple[str, object, tuple]]:
         ("dequantize_int8", torch.ops.qsync.dequantize_int8, (q, s, 0, torch.float32)),
         ("rescale_int32", torch.ops.qsync.rescale_int32,
          (acc, torch.tensor(0.5), torch.rand(12, generator=gen), b.detach(), torch.float32)),
-        ("int8_linear", torch.ops.qsync.int8_linear, (x, w, b, False, True, 1, bf)),
-        ("int8_linear full", torch.ops.qsync.int8_linear, (x, w, None, True, True, 1, bf)),
+        ("int8_linear", torch.ops.qsync.int8_linear, (x, w, b, False, True, 1, bf, True, 2)),
+        ("int8_linear full", torch.ops.qsync.int8_linear, (x, w, None, True, True, 1, bf, True, 2)),
+        ("int8_linear full tensor", torch.ops.qsync.int8_linear,
+         (x, w, None, True, True, 1, bf, True, 0)),
         ("int8_linear_backward", torch.ops.qsync.int8_linear_backward,
-         (g, qx, sx, qw, sw, True, True, 1, bf, torch.float32, torch.float32)),
+         (g, qx, sx, qw, sw, True, True, 1, bf, torch.float32, torch.float32, 2)),
+        ("rescale_int32_rows", torch.ops.qsync.rescale_int32_rows,
+         (acc, torch.rand(8, generator=gen), torch.rand(12, generator=gen), b.detach(),
+          torch.float32)),
         ("int8_conv2d", torch.ops.qsync.int8_conv2d,
-         (xc, wc, None, [1, 1], [1, 1], [1, 1], 2, False, True, 2, bf)),
+         (xc, wc, None, [1, 1], [1, 1], [1, 1], 2, False, True, 2, bf, True, 2)),
         ("int8_conv2d full", torch.ops.qsync.int8_conv2d,
-         (xc, wc, None, [2, 2], [0, 0], [1, 1], 2, True, True, 2, bf)),
+         (xc, wc, None, [2, 2], [0, 0], [1, 1], 2, True, True, 2, bf, True, 2)),
+        ("int8_conv2d full row", torch.ops.qsync.int8_conv2d,
+         (xc, wc, None, [2, 2], [0, 0], [1, 1], 2, True, True, 2, bf, False, 1)),
         ("fake_quant_int8", torch.ops.qsync.fake_quant_int8, (x, None, True, 4)),
         ("fake_quant_float", torch.ops.qsync.fake_quant_float, (x, "fp8_e4m3")),
     ]
@@ -123,7 +130,7 @@ def test_int8_linear_backward_equals_autograd_of_the_dequantized_product() -> No
     out.backward(g)
     # The same quantized operands, through torch's own autograd in float32.
     _, qx, sx, qw, sw = torch.ops.qsync.int8_linear(x.detach(), w.detach(), b.detach(), False,
-                                                   True, 9, torch.float32)
+                                                   True, 9, torch.float32, True, 2)
     xd = ref.dequantize_int8(qx, sx.reshape(1), torch.float32).requires_grad_()
     wd = ref.dequantize_int8(qw, sw, torch.float32).requires_grad_()
     bd = b.detach().clone().requires_grad_()
@@ -133,25 +140,42 @@ def test_int8_linear_backward_equals_autograd_of_the_dequantized_product() -> No
     assert torch.allclose(b.grad, bd.grad)
 
 
-def test_int8_full_backward_equals_its_reference_formula() -> None:
+def _ref_quant(t: torch.Tensor, axis: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's int8 quantization of 2-D ``t`` (stochastic), per tensor or per slice
+    along ``axis`` (the element order of ``t`` with ``axis`` moved first)."""
+    moved = t if axis in (None, 0) else t.t().contiguous()
+    amax = ref.channel_amax(moved, axis is not None)
+    q = ref.quantize_int8(moved, 127.0 / amax, True, seed)
+    scale = ref.scale_of(amax, 127)
+    q = q if axis in (None, 0) else q.t()
+    return q, scale.reshape(()) if axis is None else scale
+
+
+@pytest.mark.parametrize("grad_scale", ["tensor", "row", "rowcol"])
+def test_int8_full_backward_equals_its_reference_formula(grad_scale: str) -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(20, 16, generator=gen, requires_grad=True)
     w = torch.randn(8, 16, generator=gen, requires_grad=True)
-    ops.int8_linear(x, w, int8_backward=True, seed=3).backward(torch.ones(20, 8))
+    go = torch.randn(20, 8, generator=gen) * torch.logspace(-2, 1, 20).reshape(-1, 1)
+    ops.int8_linear(x, w, int8_backward=True, seed=3, grad_scale=grad_scale).backward(go)
     _, qx, sx, qw, sw = torch.ops.qsync.int8_linear(x.detach(), w.detach(), None, True, True, 3,
-                                                   torch.bfloat16)
+                                                   torch.bfloat16, True, 0)
     s0, s1, s2, s3 = 3, 3 + 0x9E37, 3 + 2 * 0x9E37, 3 + 3 * 0x9E37
-    go = torch.ones(20, 8)
-    a_go = ref.channel_amax(go, False)
-    qgo = ref.quantize_int8(go, 127.0 / a_go, True, s2)
-    sgo = (a_go / 127.0).reshape(())
+    if grad_scale == "tensor":
+        (qgr, sgr) = (qgc, sgc) = _ref_quant(go, None, s2)
+    else:  # per row for grad_x; per column (rowcol) or one scale for grad_w, 4th stream
+        qgr, sgr = _ref_quant(go, 0, s2)
+        qgc, sgc = _ref_quant(go, 1 if grad_scale == "rowcol" else None, s2 + 4 * 0x9E37)
     wdeq = ref.dequantize_int8(qw, sw, torch.float32)
-    a_wc = ref.channel_amax(wdeq.t().contiguous(), True)
-    qwc = ref.quantize_int8(wdeq.t().contiguous(), 127.0 / a_wc, True, s3).t()
-    gx = ref.rescale_int32(ref.int_mm_reference(qgo, qwc).to(torch.int32), sgo, a_wc / 127.0,
-                           None, torch.float32)
-    gw = ref.rescale_int32(ref.int_mm_reference(qgo.t(), qx).to(torch.int32), sgo * sx,
-                           torch.ones(16), None, torch.float32)
+    qwc, swc = _ref_quant(wdeq, 1, s3)
+    gx_acc = ref.int_mm_reference(qgr, qwc).to(torch.int32)
+    gw_acc = ref.int_mm_reference(qgc.t(), qx).to(torch.int32)
+    if sgr.dim() == 0:
+        gx = ref.rescale_int32(gx_acc, sgr, swc, None, torch.float32)
+    else:
+        gx = ref.rescale_int32_rows(gx_acc, sgr, swc, None, torch.float32)
+    sgw = (sgc * sx).expand(8) if sgc.dim() == 0 else sgc * sx
+    gw = ref.rescale_int32_rows(gw_acc, sgw, torch.ones(16), None, torch.float32)
     assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
     assert s0 == 3 and s1  # the seed streams documented in ops._seeds
 
@@ -369,12 +393,13 @@ def _alias_cases() -> list[tuple[str, object, tuple]]:
         w = torch.randn(n, shape_x[-1], generator=gen)
         for full in (False, True):
             cases.append((f"int8_linear x{shape_x} n{n} full={full}", torch.ops.qsync.int8_linear,
-                          (x, w, None, full, True, 1, bf)))
-            _, qx, sx, qw, sw = torch.ops.qsync.int8_linear(x, w, None, full, True, 1, bf)
+                          (x, w, None, full, True, 1, bf, True, 2)))
+            _, qx, sx, qw, sw = torch.ops.qsync.int8_linear(x, w, None, full, True, 1, bf,
+                                                           True, 2)
             g = torch.randn(qx.shape[0], n, generator=gen)
             cases.append((f"int8_linear_backward x{shape_x} n{n} full={full}",
                           torch.ops.qsync.int8_linear_backward,
-                          (g, qx, sx, qw, sw, full, True, 1, bf, f32, f32)))
+                          (g, qx, sx, qw, sw, full, True, 1, bf, f32, f32, 2)))
     conv_shapes = (((2, 8, 1, 1), (4, 8, 1, 1), 1, 0, 1),   # squeeze-excitation 1x1 on 1x1
                    ((1, 4, 1, 1), (4, 1, 3, 3), 4, 1, 1),   # depthwise on a 1x1 map
                    ((2, 4, 5, 5), (4, 1, 3, 3), 4, 1, 2),   # depthwise, stride 2
@@ -386,12 +411,13 @@ def _alias_cases() -> list[tuple[str, object, tuple]]:
         conv = ([stride] * 2, [pad] * 2, [1, 1], groups)
         for full in (False, True):
             cases.append((f"int8_conv2d x{xs} w{ws} full={full}", torch.ops.qsync.int8_conv2d,
-                          (x, w, None, *conv, full, True, 2, bf)))
-            out, qx, sx, qw, sw = torch.ops.qsync.int8_conv2d(x, w, None, *conv, full, True, 2, bf)
+                          (x, w, None, *conv, full, True, 2, bf, True, 2)))
+            out, qx, sx, qw, sw = torch.ops.qsync.int8_conv2d(x, w, None, *conv, full, True, 2,
+                                                             bf, True, 2)
             g = torch.randn(out.shape, generator=gen)
             cases.append((f"int8_conv2d_backward x{xs} w{ws} full={full}",
                           torch.ops.qsync.int8_conv2d_backward,
-                          (g, qx, sx, qw, sw, *conv, full, True, 2, bf, f32, f32)))
+                          (g, qx, sx, qw, sw, *conv, full, True, 2, bf, f32, f32, 2)))
     for shape in ((1, 6), (6, 1), (1, 1), (3, 1, 1)):
         t = torch.randn(shape, generator=gen)
         for axis in (None, 0, len(shape) - 1):
@@ -405,6 +431,8 @@ def _alias_cases() -> list[tuple[str, object, tuple]]:
     acc = torch.randint(-100, 100, (1, 5), dtype=torch.int32, generator=gen)
     cases.append(("rescale_int32 1x5", torch.ops.qsync.rescale_int32,
                   (acc, torch.tensor(0.5), torch.rand(5, generator=gen), None, f32)))
+    cases.append(("rescale_int32_rows 1x5", torch.ops.qsync.rescale_int32_rows,
+                  (acc, torch.rand(1, generator=gen), torch.rand(5, generator=gen), None, f32)))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         t = torch.randn(1, 7, generator=gen).to(dtype)
         for fmt in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
@@ -505,6 +533,20 @@ def _int_operand(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return t
 
 
+def _grad_operand(shape: tuple[int, ...], gen: torch.Generator, conv: bool) -> torch.Tensor:
+    """An integer output gradient whose abs-max is 127 per tensor, per row (token / output
+    position) and per column (output channel): int8_full's every scale then quantizes it
+    exactly."""
+    t = _int_operand(shape, gen)
+    if conv:  # rows are (b, h, w), columns the channels (axis 1)
+        t[:, 0] = 127.0
+        t[0, :, 0, 0] = 127.0
+    else:
+        t[..., 0] = 127.0
+        t.reshape(-1, shape[-1])[0] = 127.0
+    return t
+
+
 def _sign_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return (torch.randint(0, 2, shape, generator=gen) * 254 - 127).to(torch.float32)
 
@@ -554,7 +596,7 @@ def _check_conv_exact(case: dict, full: bool, gen: torch.Generator) -> None:
     bt = None if b0 is None else b0.clone().requires_grad_()
     out = ops.int8_conv2d(x, wt, bt, s, p, d, groups, int8_backward=full, seed=7,
                           bwd_dtype=torch.float32)
-    g = _int_operand(tuple(out.shape), gen)
+    g = _grad_operand(tuple(out.shape), gen, conv=True)
     out.backward(g)
     xr, wr = x0.detach().double().requires_grad_(), w0.detach().double().requires_grad_()
     br = None if b0 is None else b0.double().requires_grad_()
@@ -623,7 +665,7 @@ def test_int8_linear_forward_and_backward_are_exact(backend: str, full: bool, ca
     b = None if b0 is None else b0.clone().requires_grad_()
     with use_backend(backend), strict_int_mm():
         out = ops.int8_linear(x, w, b, int8_backward=full, seed=3, bwd_dtype=torch.float32)
-        g = _int_operand(tuple(out.shape), gen)
+        g = _grad_operand(tuple(out.shape), gen, conv=False)
         out.backward(g)
     xr, wr = x0.detach().double().requires_grad_(), w0.detach().double().requires_grad_()
     br = None if b0 is None else b0.double().requires_grad_()
@@ -677,7 +719,7 @@ o.int8_linear(x, w, int8_backward=True).relu_().sum().backward()
 x = torch.randint(-127, 128, (2, 4, 5, 5)).float(); x[0, 0, 0, 0] = 127; x.requires_grad_()
 w = (torch.randint(0, 2, (4, 1, 3, 3)) * 254 - 127).float().requires_grad_()
 y = o.int8_conv2d(x, w, None, 1, 1, 1, 4, int8_backward=True, bwd_dtype=torch.float32)
-g = torch.randint(-127, 128, y.shape).float(); g[0, 0, 0, 0] = 127
+g = torch.randint(-127, 128, y.shape).float(); g[:, 0] = 127; g[0, :, 0, 0] = 127
 y.add_(1.0).backward(g)
 xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
 F.conv2d(xr, wr, None, 1, 1, 1, 4).backward(g.double())

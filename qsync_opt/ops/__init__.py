@@ -43,6 +43,7 @@ K of at most 1024, bit for bit the same int32 result: for accuracy runs on a CPU
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -64,12 +65,67 @@ __all__ = [
     "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",
     "int8_conv2d", "fake_quant_int8", "fake_quant_float", "int_mm", "gemm_layout_ok",
     "default_bwd_dtype", "emulated_half", "float_exact_gemm", "FLOAT_EXACT_MAX_K",
-    "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4",
+    "quantize_int4", "int4_linear", "int4_conv2d", "fake_quant_int4", "Numerics", "NUMERICS",
+    "numerics", "GRAD_SCALES", "rescale_int32_rows",
 ]
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 _FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16,
                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Rounding and scale granularity per tensor role, the defaults every integer op takes
+    when its caller passes none (the precision layers, the dispatcher and hfta pass none).
+
+    Chosen by one-step gradient cosine against fp32 (``benchmarks/bench_grad_noise.py``,
+    docs/BENCHMARKS.md): ``int8_forward_stochastic`` (int8 / int8_full activations and
+    weights), ``int4_forward_stochastic`` (int4: round to nearest, see COSTS.md),
+    ``grad_stochastic`` (what int8_full's backward quantizes: the output gradient and the
+    weight re-quantized per input column) and ``grad_scale``, the output gradient's scales:
+    ``"tensor"`` (one), ``"row"`` (one per row, i.e. per token / output position, for the
+    input-gradient GEMM; one per tensor for the weight-gradient GEMM) or ``"rowcol"`` (per
+    row for the input gradient, per output channel for the weight gradient). Each is exact
+    in the integer GEMM: a row scale of ``go`` is a row scale of ``go @ W``, a column scale
+    of ``go`` a row scale of ``go^T @ x``.
+    """
+
+    int8_forward_stochastic: bool = True
+    int4_forward_stochastic: bool = False
+    grad_stochastic: bool = True
+    grad_scale: str = "rowcol"
+
+
+GRAD_SCALES = ("tensor", "row", "rowcol")
+NUMERICS = Numerics()
+
+
+@contextlib.contextmanager
+def numerics(**changes: Any) -> Iterator[Numerics]:
+    """Within the block, :data:`NUMERICS` with ``changes`` (for measurements and tests)."""
+    global NUMERICS
+    before = NUMERICS
+    NUMERICS = dataclasses.replace(before, **changes)
+    if NUMERICS.grad_scale not in GRAD_SCALES:
+        NUMERICS = before
+        raise ValueError(f"grad_scale: expected one of {', '.join(GRAD_SCALES)}, got "
+                         f"{changes.get('grad_scale')!r}")
+    try:
+        yield NUMERICS
+    finally:
+        NUMERICS = before
+
+
+def _grad_scale_code(grad_scale: str | None) -> int:
+    name = NUMERICS.grad_scale if grad_scale is None else grad_scale
+    if name not in GRAD_SCALES:
+        raise ValueError(f"grad_scale: expected one of {', '.join(GRAD_SCALES)}, got {name!r}")
+    return GRAD_SCALES.index(name)
+
+
+def _pick(value: bool | None, default: bool) -> bool:
+    return default if value is None else bool(value)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -328,6 +384,32 @@ def rescale_int32(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = Non
     return torch.ops.qsync.rescale_int32(acc, sx, sw, bias, dtype)
 
 
+@torch.library.custom_op("qsync::rescale_int32_rows", mutates_args=())
+def _rescale_rows_op(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
+                     dtype: torch.dtype) -> Tensor:
+    if _use_cpp(acc):
+        out = torch.ops.qsync_cpu.rescale_int32_rows(acc, sx, sw, bias, dtype)
+    elif acc.is_cuda and _cuda() is not None:
+        out = _cuda().rescale_int32_rows(acc.contiguous(), sx.float().contiguous(),
+                                         sw.float().contiguous(),
+                                         None if bias is None else bias.float().contiguous(),
+                                         dtype)
+    else:
+        out = ref.rescale_int32_rows(acc, sx, sw, bias, dtype)
+    return _owned(out, (acc, sx, sw, bias))
+
+
+@_rescale_rows_op.register_fake
+def _(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    return acc.new_empty(acc.shape, dtype=dtype)
+
+
+def rescale_int32_rows(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = None,
+                       dtype: torch.dtype = torch.float32) -> Tensor:
+    """``acc * (sx[m] * sw[n]) + bias[n]`` in ``dtype``: one scale per row of ``acc``."""
+    return torch.ops.qsync.rescale_int32_rows(acc, sx, sw, bias, dtype)
+
+
 # ----------------------------------------------------------------------------- integer GEMM
 
 
@@ -471,9 +553,33 @@ def int_mm(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _seeds(seed: int) -> tuple[int, int, int, int]:
-    """Distinct stochastic-rounding streams: input, weight, output gradient, weight again."""
+    """Distinct stochastic-rounding streams: input, weight, output gradient, weight again
+    (the output gradient's per-column copy takes ``seed + 4 * 0x9E37``)."""
     s = int(seed)
     return s, s + 0x9E37, s + 2 * 0x9E37, s + 3 * 0x9E37
+
+
+def _quantize_grad(go: Tensor, grad_scale: int, stochastic: bool, seed: int
+                   ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """int8_full's output gradient ``go`` [M, N], quantized for the two backward GEMMs:
+    ``((q, s) for grad_x = go @ W, (q, s) for grad_w = go^T @ x)``. ``grad_scale`` indexes
+    :data:`GRAD_SCALES`: 0 one scale for both; 1 one per row (token) for grad_x, one per
+    tensor for grad_w; 2 per row for grad_x, per column (output channel) for grad_w. Every
+    scale factors out of its integer GEMM: row scales of ``go`` are row scales of grad_x,
+    column scales of ``go`` row scales of grad_w."""
+    if grad_scale == 0:
+        one = _quantize_impl(go, None, stochastic, seed)
+        return one, one
+    rows = _quantize_impl(go, 0, stochastic, seed)
+    if grad_scale == 1:
+        return rows, _quantize_impl(go, None, stochastic, seed + 4 * 0x9E37)
+    return rows, _quantize_impl(go, 1, stochastic, seed + 4 * 0x9E37)
+
+
+def _grad_w_rescale(acc: Tensor, sg: Tensor, sx: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad_w [N, K] from ``acc = qgo^T @ qx``: ``sg`` one scale or one per row (N)."""
+    ones = torch.ones(acc.shape[1], dtype=torch.float32, device=acc.device)
+    return _rescale_rows(acc, sg * sx, ones, None, dtype)
 
 
 # ----------------------------------------------------------------------------- int8 linear
@@ -495,7 +601,8 @@ def _int_linear_fake(x: Tensor, weight: Tensor, per_row: bool
 
 @torch.library.custom_op("qsync::int8_linear", mutates_args=())
 def _int8_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool,
-                    stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    stochastic: bool, seed: int, bwd_dtype: torch.dtype,
+                    grad_stochastic: bool, grad_scale: int
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_float("x", x)
     k = x.shape[-1]
@@ -510,7 +617,8 @@ def _int8_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backwar
 
 @_int8_linear_op.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool, stochastic: bool,
-      seed: int, bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      seed: int, bwd_dtype: torch.dtype, grad_stochastic: bool, grad_scale: int
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _int_linear_fake(x, weight, per_row=False)
 
 
@@ -518,19 +626,19 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, int8_backward: bool, stoch
 def _int8_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor,
                              int8_backward: bool, stochastic: bool, seed: int,
                              bwd_dtype: torch.dtype, x_dtype: torch.dtype,
-                             w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                             w_dtype: torch.dtype, grad_scale: int) -> tuple[Tensor, Tensor]:
+    """``stochastic`` here is the backward's rounding (``grad_stochastic``)."""
     n = qw.shape[0]
     go = grad.reshape(-1, n)
     _, _, g_seed, w2_seed = _seeds(seed)
     if int8_backward:
-        qgo, sgo = _quantize_impl(go, None, stochastic, g_seed)
+        (qgr, sgr), (qgc, sgc) = _quantize_grad(go, grad_scale, stochastic, g_seed)
         # grad_x = go @ W needs W's scale on its output (K) axis: requantize W per input
-        # column. grad_w = go^T @ x has per-tensor scales on both sides.
+        # column. grad_w = go^T @ x: x per tensor, go's column (or one) scale per row of it.
         w_deq = _dequantize_impl(qw, sw, 0, torch.float32)
         qwc, swc = _quantize_impl(w_deq, 1, stochastic, w2_seed)
-        grad_x = _rescale_op(int_mm(qgo, qwc), sgo, swc, None, x_dtype)
-        ones = torch.ones(qx.shape[1], dtype=torch.float32, device=qx.device)
-        grad_w = _rescale_op(int_mm(qgo.t(), qx), sgo * sx, ones, None, w_dtype)
+        grad_x = _rescale_rows(int_mm(qgr, qwc), sgr, swc, None, x_dtype)
+        grad_w = _grad_w_rescale(int_mm(qgc.t(), qx), sgc, sx, w_dtype)
     else:
         g16 = go.to(bwd_dtype)
         w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
@@ -543,47 +651,52 @@ def _int8_linear_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
 @_int8_linear_backward_op.register_fake
 def _(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, int8_backward: bool,
       stochastic: bool, seed: int, bwd_dtype: torch.dtype, x_dtype: torch.dtype,
-      w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+      w_dtype: torch.dtype, grad_scale: int) -> tuple[Tensor, Tensor]:
     return (grad.new_empty(qx.shape, dtype=x_dtype), grad.new_empty(qw.shape, dtype=w_dtype))
 
 
 def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    x, weight, bias, int8_backward, stochastic, seed, bwd_dtype = inputs
+    x, weight, bias, int8_backward, _, seed, bwd_dtype, grad_stochastic, grad_scale = inputs
     _, qx, sx, qw, sw = output
     ctx.save_for_backward(qx, sx, qw, sw)
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
     ctx.has_bias = bias is not None
-    ctx.args = (int8_backward, stochastic, seed, bwd_dtype)
+    ctx.args = (int8_backward, grad_stochastic, seed, bwd_dtype, grad_scale)
 
 
 def _linear_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
     qx, sx, qw, sw = ctx.saved_tensors
-    int8_backward, stochastic, seed, bwd_dtype = ctx.args
+    int8_backward, grad_stochastic, seed, bwd_dtype, grad_scale = ctx.args
     grad_x, grad_w = torch.ops.qsync.int8_linear_backward(
-        grad.contiguous(), qx, sx, qw, sw, int8_backward, stochastic, seed, bwd_dtype,
-        ctx.x_dtype, ctx.w_dtype)
+        grad.contiguous(), qx, sx, qw, sw, int8_backward, grad_stochastic, seed, bwd_dtype,
+        ctx.x_dtype, ctx.w_dtype, grad_scale)
     grad_b = grad.reshape(-1, qw.shape[0]).sum(0).to(torch.float32) if ctx.has_bias else None
-    return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None, None, None, None
+    return (grad_x.reshape(ctx.x_shape), grad_w, grad_b) + (None,) * 6
 
 
 _int8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def int8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
-                int8_backward: bool = False, stochastic: bool = True, seed: int = 0,
-                bwd_dtype: torch.dtype | None = None) -> Tensor:
+                int8_backward: bool = False, stochastic: bool | None = None, seed: int = 0,
+                bwd_dtype: torch.dtype | None = None, grad_stochastic: bool | None = None,
+                grad_scale: str | None = None) -> Tensor:
     """``x @ weight.T + bias`` with an int8 x int8 -> int32 GEMM.
 
-    ``x`` is quantized per tensor, ``weight`` per output channel, both by stochastic
-    rounding (``stochastic=False``: round to nearest); the int32 result is rescaled, biased
-    and cast to ``x.dtype`` in one fused kernel. Backward: 16-bit GEMMs on the saved int8
-    operands (``bwd_dtype``, default bf16 on the CPU and fp16 on CUDA), or int8 GEMMs with
-    ``int8_backward=True`` (the ``int8_full`` precision). Gradients come back in the dtypes
-    of ``x`` and ``weight`` (FP32 master weights get FP32 gradients).
+    ``x`` is quantized per tensor, ``weight`` per output channel, by stochastic rounding or
+    (``stochastic=False``) round to nearest; None takes :data:`NUMERICS`. The int32 result
+    is rescaled, biased and cast to ``x.dtype`` in one fused kernel. Backward: 16-bit GEMMs
+    on the saved int8 operands (``bwd_dtype``, default bf16 on the CPU and fp16 on CUDA), or
+    int8 GEMMs with ``int8_backward=True`` (the ``int8_full`` precision), rounding by
+    ``grad_stochastic`` with the output gradient's scales by ``grad_scale`` (one of
+    :data:`GRAD_SCALES`; None: :data:`NUMERICS`). Gradients come back in the dtypes of ``x``
+    and ``weight`` (FP32 master weights get FP32 gradients).
     """
     dtype = bwd_dtype or default_bwd_dtype(x.device)
-    return torch.ops.qsync.int8_linear(x, weight, bias, int8_backward, stochastic, int(seed),
-                                       dtype)[0]
+    return torch.ops.qsync.int8_linear(
+        x, weight, bias, int8_backward, _pick(stochastic, NUMERICS.int8_forward_stochastic),
+        int(seed), dtype, _pick(grad_stochastic, NUMERICS.grad_stochastic),
+        _grad_scale_code(grad_scale))[0]
 
 
 # ----------------------------------------------------------------------------- int8 conv2d
@@ -648,7 +761,8 @@ def _int_conv2d_fake(x: Tensor, weight: Tensor, stride: list[int], padding: list
 @torch.library.custom_op("qsync::int8_conv2d", mutates_args=())
 def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
                     padding: list[int], dilation: list[int], groups: int,
-                    int8_backward: bool, stochastic: bool, seed: int, bwd_dtype: torch.dtype
+                    int8_backward: bool, stochastic: bool, seed: int, bwd_dtype: torch.dtype,
+                    grad_stochastic: bool, grad_scale: int
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _int_conv2d_forward(x, weight, bias, stride, padding, dilation, groups,
                                stochastic, seed, ref.INT8_QMAX)
@@ -657,7 +771,8 @@ def _int8_conv2d_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list
 @_int8_conv2d_op.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
       dilation: list[int], groups: int, int8_backward: bool, stochastic: bool, seed: int,
-      bwd_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      bwd_dtype: torch.dtype, grad_stochastic: bool, grad_scale: int
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _int_conv2d_fake(x, weight, stride, padding, dilation)
 
 
@@ -666,7 +781,8 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
                              stride: list[int], padding: list[int], dilation: list[int],
                              groups: int, int8_backward: bool, stochastic: bool, seed: int,
                              bwd_dtype: torch.dtype, x_dtype: torch.dtype,
-                             w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                             w_dtype: torch.dtype, grad_scale: int) -> tuple[Tensor, Tensor]:
+    """``stochastic`` here is the backward's rounding (``grad_stochastic``)."""
     if not int8_backward:
         g16 = grad.to(bwd_dtype)
         w16 = _dequantize_impl(qw, sw, 0, bwd_dtype)
@@ -682,19 +798,25 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
     b, cin, h, w = qx.shape
     cout, cin_g, kh, kw = qw.shape
     cout_g = cout // groups
-    qgo, sgo = _quantize_impl(grad.contiguous(), None, stochastic, g_seed)
-    go_mat = qgo.permute(0, 2, 3, 1).reshape(-1, cout)  # [B*L, Cout]
+    if grad_scale == 0:  # one scale: quantized in the NCHW layout, then moved
+        qgo, sgo = _quantize_impl(grad.contiguous(), None, stochastic, g_seed)
+        go_r = go_c = qgo.permute(0, 2, 3, 1).reshape(-1, cout)  # [B*L, Cout]
+        sgr = sgc = sgo
+    else:  # per output position (row) for grad_x; per channel or one for grad_w
+        go_f = grad.permute(0, 2, 3, 1).reshape(-1, cout).contiguous()
+        (go_r, sgr), (go_c, sgc) = _quantize_grad(go_f, grad_scale, stochastic, g_seed)
     w_deq = _dequantize_impl(qw, sw, 0, torch.float32).reshape(cout, -1)
     grad_ws, grad_cols = [], []
     for g in range(groups):
         cols, ho, wo = _im2col_int8(qx[:, g * cin_g:(g + 1) * cin_g], (kh, kw), stride, padding,
                                     dilation)
-        go_g = go_mat[:, g * cout_g:(g + 1) * cout_g].contiguous()
-        ones = torch.ones(cols.shape[1], dtype=torch.float32, device=qx.device)
-        grad_ws.append(_rescale_op(int_mm(go_g.t(), cols), sgo * sx, ones, None, w_dtype))
-        qwc, swc = _quantize_impl(w_deq[g * cout_g:(g + 1) * cout_g].contiguous(), 1,
-                                  stochastic, w2_seed + g)
-        gc = _rescale_op(int_mm(go_g, qwc), sgo, swc, None, torch.float32)  # [B*L, cin_g*k]
+        sl = slice(g * cout_g, (g + 1) * cout_g)
+        go_g = go_r[:, sl].contiguous()
+        sgc_g = sgc if sgc.dim() == 0 else sgc[sl]
+        grad_ws.append(_grad_w_rescale(int_mm(go_c[:, sl].contiguous().t(), cols), sgc_g, sx,
+                                       w_dtype))
+        qwc, swc = _quantize_impl(w_deq[sl].contiguous(), 1, stochastic, w2_seed + g)
+        gc = _rescale_rows(int_mm(go_g, qwc), sgr, swc, None, torch.float32)  # [B*L, cin_g*k]
         gc = gc.reshape(b, ho * wo, -1).transpose(1, 2)
         grad_cols.append(F.fold(gc, (h, w), (kh, kw), dilation=tuple(dilation),
                                 padding=tuple(padding), stride=tuple(stride)))
@@ -707,7 +829,7 @@ def _int8_conv2d_backward_op(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, s
 def _(grad: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, stride: list[int],
       padding: list[int], dilation: list[int], groups: int, int8_backward: bool,
       stochastic: bool, seed: int, bwd_dtype: torch.dtype, x_dtype: torch.dtype,
-      w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+      w_dtype: torch.dtype, grad_scale: int) -> tuple[Tensor, Tensor]:
     return (grad.new_empty(qx.shape, dtype=x_dtype), grad.new_empty(qw.shape, dtype=w_dtype))
 
 
@@ -723,18 +845,19 @@ def _save_conv(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...],
 
 
 def _conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    (_, _, _, stride, padding, dilation, groups, int8_backward, stochastic, seed,
-     bwd_dtype) = inputs
-    _save_conv(ctx, inputs, output,
-               (stride, padding, dilation, groups, int8_backward, stochastic, seed, bwd_dtype))
+    (_, _, _, stride, padding, dilation, groups, int8_backward, _, seed,
+     bwd_dtype, grad_stochastic, grad_scale) = inputs
+    _save_conv(ctx, inputs, output, (stride, padding, dilation, groups, int8_backward,
+                                     grad_stochastic, seed, bwd_dtype, grad_scale))
 
 
 def _conv_backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Any, ...]:
     """int8_conv2d's backward (int8 or 16-bit by its ``int8_backward``), and int4_conv2d's
     (16-bit on the saved int4 values)."""
     qx, sx, qw, sw = ctx.saved_tensors
+    *args, grad_scale = ctx.args
     grad_x, grad_w = torch.ops.qsync.int8_conv2d_backward(
-        grad.contiguous(), qx, sx, qw, sw, *ctx.args, ctx.x_dtype, ctx.w_dtype)
+        grad.contiguous(), qx, sx, qw, sw, *args, ctx.x_dtype, ctx.w_dtype, grad_scale)
     grad_b = grad.sum((0, 2, 3)).to(torch.float32) if ctx.has_bias else None
     return (grad_x, grad_w, grad_b) + (None,) * (ctx.n_inputs - 3)
 
@@ -749,14 +872,17 @@ def _pair(v: int | Sequence[int]) -> list[int]:
 def int8_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
                 dilation: int | Sequence[int] = 1, groups: int = 1, *,
-                int8_backward: bool = False, stochastic: bool = True, seed: int = 0,
-                bwd_dtype: torch.dtype | None = None) -> Tensor:
+                int8_backward: bool = False, stochastic: bool | None = None, seed: int = 0,
+                bwd_dtype: torch.dtype | None = None, grad_stochastic: bool | None = None,
+                grad_scale: str | None = None) -> Tensor:
     """conv2d with int8 operands and an im2col int8 x int8 -> int32 GEMM (1x1 convs skip
-    the im2col); scales and backward as :func:`int8_linear`."""
+    the im2col); scales, rounding and backward as :func:`int8_linear` (a row of the output
+    gradient is one output position, its columns the output channels)."""
     dtype = bwd_dtype or default_bwd_dtype(x.device)
-    return torch.ops.qsync.int8_conv2d(x, weight, bias, _pair(stride), _pair(padding),
-                                       _pair(dilation), int(groups), int8_backward,
-                                       stochastic, int(seed), dtype)[0]
+    return torch.ops.qsync.int8_conv2d(
+        x, weight, bias, _pair(stride), _pair(padding), _pair(dilation), int(groups),
+        int8_backward, _pick(stochastic, NUMERICS.int8_forward_stochastic), int(seed), dtype,
+        _pick(grad_stochastic, NUMERICS.grad_stochastic), _grad_scale_code(grad_scale))[0]
 
 
 # ----------------------------------------------------------------------------- int4
@@ -765,10 +891,11 @@ def int8_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 def _rescale_rows(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
                   dtype: torch.dtype) -> Tensor:
     """Rescale an int32 GEMM result: per-tensor ``sx`` through ``qsync::rescale_int32``,
-    per-row ``sx`` [M] by the reference formula (``acc * (sx[m] * sw[n]) + bias[n]``)."""
+    per-row ``sx`` [M] through ``qsync::rescale_int32_rows`` (``acc * (sx[m] * sw[n]) +
+    bias[n]``)."""
     if sx.dim() == 0:
         return _rescale_op(acc, sx, sw, bias, dtype)
-    return ref.rescale_int32_rows(acc, sx, sw, bias, dtype)
+    return _rescale_rows_op(acc, sx, sw, bias, dtype)
 
 
 @torch.library.custom_op("qsync::int4_linear", mutates_args=())
@@ -837,19 +964,22 @@ _int4_linear_op.register_autograd(_int4_linear_backward, setup_context=_int4_lin
 
 
 def int4_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
-                group_rows: int = 0, stochastic: bool = True, seed: int = 0,
+                group_rows: int = 0, stochastic: bool | None = None, seed: int = 0,
                 bwd_dtype: torch.dtype | None = None) -> Tensor:
     """``x @ weight.T + bias`` with int4 operands and an integer GEMM (int32 accumulation).
 
     ``weight`` is quantized per output channel, ``x`` (viewed [M, K]) per tensor or, with
     ``group_rows > 0``, per group of that many rows (tokens), all to [-7, 7] at scale
-    ``amax / 7`` by stochastic rounding (``stochastic=False``: round to nearest). The values
+    ``amax / 7`` by round to nearest (``stochastic=True``: stochastic rounding; None takes
+    :data:`NUMERICS`, round to nearest: 15 levels make stochastic rounding's variance,
+    twice round-to-nearest's on average, cost most of the gradient's direction). The values
     live in int8 storage and run through :func:`int_mm` (exact; on this CPU no faster than
     int8). Backward: 16-bit GEMMs on the saved int4 operands (``bwd_dtype``: bf16 on the
     CPU, fp16 on CUDA), as :func:`int8_linear` without ``int8_backward``.
     """
     dtype = bwd_dtype or default_bwd_dtype(x.device)
-    return torch.ops.qsync.int4_linear(x, weight, bias, int(group_rows), stochastic,
+    return torch.ops.qsync.int4_linear(x, weight, bias, int(group_rows),
+                                       _pick(stochastic, NUMERICS.int4_forward_stochastic),
                                        int(seed), dtype)[0]
 
 
@@ -873,7 +1003,7 @@ def _int4_conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ..
     (_, _, _, stride, padding, dilation, groups, stochastic, seed, bwd_dtype) = inputs
     # the 16-bit backward of int8_conv2d on the saved int4 values (int8_backward=False)
     _save_conv(ctx, inputs, output,
-               (stride, padding, dilation, groups, False, stochastic, seed, bwd_dtype))
+               (stride, padding, dilation, groups, False, stochastic, seed, bwd_dtype, 0))
 
 
 _int4_conv2d_op.register_autograd(_conv_backward, setup_context=_int4_conv_setup)
@@ -882,14 +1012,16 @@ _int4_conv2d_op.register_autograd(_conv_backward, setup_context=_int4_conv_setup
 def int4_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
                 dilation: int | Sequence[int] = 1, groups: int = 1, *,
-                stochastic: bool = True, seed: int = 0,
+                stochastic: bool | None = None, seed: int = 0,
                 bwd_dtype: torch.dtype | None = None) -> Tensor:
     """conv2d with int4 operands (activations per tensor, weights per output channel) and
-    the im2col integer GEMM of :func:`int8_conv2d`; 16-bit backward."""
+    the im2col integer GEMM of :func:`int8_conv2d`, rounding as :func:`int4_linear`; 16-bit
+    backward."""
     dtype = bwd_dtype or default_bwd_dtype(x.device)
     return torch.ops.qsync.int4_conv2d(x, weight, bias, _pair(stride), _pair(padding),
-                                       _pair(dilation), int(groups), stochastic, int(seed),
-                                       dtype)[0]
+                                       _pair(dilation), int(groups),
+                                       _pick(stochastic, NUMERICS.int4_forward_stochastic),
+                                       int(seed), dtype)[0]
 
 
 # ----------------------------------------------------------------------------- fake quant
@@ -919,10 +1051,12 @@ def _st_setup(n_extra: int) -> Any:
 _fake_int8_op.register_autograd(_straight_through, setup_context=_st_setup(3))
 
 
-def fake_quant_int8(x: Tensor, axis: int | None = None, stochastic: bool = True,
+def fake_quant_int8(x: Tensor, axis: int | None = None, stochastic: bool | None = None,
                     seed: int = 0) -> Tensor:
-    """Quantize to int8 and back (the noise of int8, in ``x.dtype``); gradient passes through."""
-    return torch.ops.qsync.fake_quant_int8(x, axis, stochastic, int(seed))
+    """Quantize to int8 and back (the noise of int8, in ``x.dtype``; rounding as the int8
+    forward, :data:`NUMERICS`); gradient passes through."""
+    return torch.ops.qsync.fake_quant_int8(
+        x, axis, _pick(stochastic, NUMERICS.int8_forward_stochastic), int(seed))
 
 
 @torch.library.custom_op("qsync::fake_quant_int4", mutates_args=())
@@ -939,10 +1073,12 @@ def _(x: Tensor, axis: int | None, stochastic: bool, seed: int) -> Tensor:
 _fake_int4_op.register_autograd(_straight_through, setup_context=_st_setup(3))
 
 
-def fake_quant_int4(x: Tensor, axis: int | None = None, stochastic: bool = True,
+def fake_quant_int4(x: Tensor, axis: int | None = None, stochastic: bool | None = None,
                     seed: int = 0) -> Tensor:
-    """Quantize to int4 ([-7, 7]) and back, in ``x.dtype``; gradient passes through."""
-    return torch.ops.qsync.fake_quant_int4(x, axis, stochastic, int(seed))
+    """Quantize to int4 ([-7, 7]) and back, in ``x.dtype`` (rounding as :func:`int4_linear`);
+    gradient passes through."""
+    return torch.ops.qsync.fake_quant_int4(
+        x, axis, _pick(stochastic, NUMERICS.int4_forward_stochastic), int(seed))
 
 
 @torch.library.custom_op("qsync::fake_quant_float", mutates_args=())

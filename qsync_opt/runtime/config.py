@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 MAX_BATCH_PER_DEVICE = MAX_BATCH  # the schemas' one limit
 MAX_TIMEOUT_S = 7 * 86400.0
 MAX_SLOWDOWN = 1000.0
+#: train's learning rate without --lr: the built-in workloads' (their tests and benchmarks
+#: are tuned at it) and a model file's. 0.05 with SGD momentum 0.9 diverged torchvision's
+#: ResNet-50 and ConvNeXt and timm's ViT from random weights (issue 41); a model file gets
+#: the smaller default (docs/MODELS.md) and every run warns when its loss explodes.
+DEFAULT_LR = 0.05
+USER_MODEL_LR = 0.005
 MAX_ABS_SEED = 1 << 48  # seed * 1000 + rank seeds torch's generators (64-bit)
 
 #: The ``qsync-opt train`` flag that sets a field, named in messages next to the field.
@@ -143,8 +149,9 @@ class TrainConfig(Document):
     rank_groups: list[str] = Field(
         description="Group name of each rank, in rank order (world size = its length).")
     steps: Int = Field(ge=1, description="Optimizer steps to run (in total, across resumes).")
-    lr: Real = Field(default=0.05, gt=0, allow_inf_nan=False,
-                     description="The base learning rate (the schedule's peak).")
+    lr: Real = Field(default=DEFAULT_LR, gt=0, allow_inf_nan=False,
+                     description="The base learning rate (the schedule's peak); train's "
+                                 f"default {DEFAULT_LR}, {USER_MODEL_LR} for a model file.")
     lr_schedule: str = Field(
         default="constant",
         description="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "

@@ -3,7 +3,8 @@ dispatcher (:mod:`.dispatch`) share.
 
 * :func:`run_linear` / :func:`run_gemm` run one linear or matmul-like call at a precision
   (16 bit: operands cast, the result cast back; int8 / int4: the qsync integer GEMM or
-  int8 / int4 fake-quantization with stochastic rounding; fp8: e4m3 fake-quantization);
+  int8 / int4 fake-quantization, rounded as ``qsync_opt.ops.NUMERICS`` says: int8
+  stochastically, int4 to nearest; fp8: e4m3 fake-quantization);
 * :class:`RuntimeStep` is the ``step`` of the attention decomposition
   (:mod:`qsync_opt.attention`) that runs its GEMM steps at their planned precisions;
 * :data:`COUNTERS` / :func:`record_call` are the active call tallies of

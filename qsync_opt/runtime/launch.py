@@ -61,7 +61,7 @@ from pydantic import ValidationError
 from ..devices import get_device, is_derived
 from ..errors import QsyncInputError, describe_validation_error
 from ..schemas import Plan
-from .config import TrainConfig, rank_groups_example
+from .config import DEFAULT_LR, USER_MODEL_LR, TrainConfig, rank_groups_example
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -97,7 +97,9 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="group of each rank, e.g. 0:v100,1:t4 (default: the plan's groups in "
                         "order, one rank per device)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in total (default 100)")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate (default {DEFAULT_LR} for the built-in workloads, "
+                        f"{USER_MODEL_LR} for a model file)")
     p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
                    help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
                         "(default constant)")
@@ -239,6 +241,11 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
     from ..graph import is_user_model, load_user_workload
     from ..plan import graph_for_plan, plan_model
 
+    if getattr(args, "lr", None) is None:
+        args.lr = USER_MODEL_LR if is_user_model(args.model) else DEFAULT_LR
+        if lines is not None and is_user_model(args.model):
+            lines.append(f"no --lr: {USER_MODEL_LR}, a model file's default (the built-in "
+                         f"workloads' {DEFAULT_LR} diverged ResNet-50, ConvNeXt and ViT)")
     _check_sync_flags(args)
     pipelined = getattr(args, "pipeline_stages", None) is not None
     if pipelined:
@@ -631,8 +638,12 @@ def _print_summary(config: TrainConfig) -> None:
             return f"{v:.4f}"
         return "not finite" if measured else "not measured"
 
+    warnings = [w for w in doc.get("warnings") or [] if isinstance(w, str)]
+    for w in warnings:  # loudly: on stderr too, and first on the summary's line
+        sys.stderr.write(f"qsync-opt: train: WARNING: {w}\n")
     sys.stdout.write(
-        f"trained {doc.get('steps')} steps on {doc.get('world_size')} rank(s) "
+        "".join(f"WARNING: {w}. " for w in warnings)
+        + f"trained {doc.get('steps')} steps on {doc.get('world_size')} rank(s) "
         f"({', '.join(config.rank_groups)}; batches {doc.get('batches')}): final loss "
         f"{loss('final_loss')}, eval loss {loss('eval_loss', config.eval_batches > 0)}"
         + (f", eval accuracy {acc:.3f}" if acc is not None else "")

@@ -11,12 +11,16 @@ FP32 gradients. Per precision:
 * ``fp16`` / ``bf16``: input and weight cast to 16 bit, the op in 16 bit, the result cast
   back to the input dtype (the 16-bit output's rounding is kept).
 * ``int8`` / ``int8_full``: ``qsync::int8_linear`` / ``qsync::int8_conv2d`` (a real integer
-  GEMM, stochastic rounding, a fresh seed each call from the layer's counter); attention
+  GEMM, stochastic rounding, a fresh seed each call from the layer's counter; int8_full's
+  backward quantizes the output gradient per row for the input gradient and per output
+  channel for the weight gradient: ``qsync_opt.ops.NUMERICS``); attention
   matmuls fake-quantize both operands to int8 and multiply in the input dtype, with an
   unquantized gradient, so ``int8_full`` computes there exactly what ``int8`` does (there is
   no batched int8 GEMM op yet).
 * ``int4`` (opt-in): ``qsync::int4_linear`` / ``qsync::int4_conv2d``: values in [-7, 7]
-  (scale abs-max/7; weights per output channel, activations per tensor) in int8 storage
+  (scale abs-max/7; weights per output channel, activations per tensor; rounded to nearest,
+  which kept 0.85 of the gradient's direction where stochastic rounding kept 0.77:
+  docs/BENCHMARKS.md) in int8 storage
   through the same integer GEMM (int32 accumulation; exact, no faster than int8 on this
   CPU), a 16-bit backward on the saved int4 operands; attention matmuls fake-quantize both
   operands to int4.

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MetricsWriter", "clean", "progress", "state_hash", "step_row", "write_json"]
+__all__ = ["MetricsWriter", "clean", "progress", "run_warnings", "state_hash", "step_row",
+           "write_json"]
 
 
 def state_hash(model: nn.Module) -> str:
@@ -97,6 +98,33 @@ def progress(step: int, total: int, loss: float, enabled: bool) -> None:
     if step == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+#: A later loss above this many times the first step's (and at least 1 nat above it), or
+#: not finite, is an exploded run (:func:`run_warnings`).
+EXPLODED_FACTOR = 10.0
+
+
+def run_warnings(steps: int, skipped: int, first_loss: float | None, final_loss: float,
+                 eval_loss: float | None) -> list[str]:
+    """What the summary warns of, loudly (its ``warnings``; the CLI's first line): most
+    steps skipped (a non-finite loss or gradient: the model barely trained), or the loss
+    exploded (the final or held-out loss not finite, or above :data:`EXPLODED_FACTOR` times
+    the first step's loss)."""
+    out = []
+    if steps > 0 and 2 * skipped > steps:
+        out.append(f"{skipped} of {steps} steps were skipped (non-finite loss or gradient): "
+                   "the model barely trained; lower --lr, or run the overflowing fp16 ops "
+                   "at bf16 or fp32")
+    if first_loss is not None and math.isfinite(first_loss) and steps > skipped:
+        later = [v for v in (final_loss, eval_loss) if v is not None]
+        worst = max(later, key=lambda v: v if math.isfinite(v) else math.inf, default=None)
+        if worst is not None and (not math.isfinite(worst) or (
+                worst > EXPLODED_FACTOR * first_loss and worst > first_loss + 1.0)):
+            shown = f"{worst:.4g}" if math.isfinite(worst) else "not finite"
+            out.append(f"the loss exploded (first step {first_loss:.4g}, later {shown}): "
+                       "lower --lr (the default suits the built-in workloads)")
+    return out
 
 
 def clean(x: Any) -> Any:

@@ -39,9 +39,9 @@ from .checkpoint import load_checkpoint, rank_document, replica_entry, set_qseed
 from .config import CheckpointSet, check_resume, remove_stale, set_path
 from .data import GlobalBatches, batch_size_of, rank_slice, to_device
 from .faults import NO_FAULTS, FaultPlan
-from .metrics import MetricsWriter, progress, state_hash, step_row
+from .metrics import MetricsWriter, progress, run_warnings, state_hash, step_row
 from .prepare import Setup, make_optimizer
-from .scaler import LossScaler
+from .scaler import LossScaler, probe_scale
 from .sync import GradientSync
 
 __all__ = ["Trainer", "TrainingError", "weighted_backward"]
@@ -98,6 +98,8 @@ class Trainer:
             torch.manual_seed(self.cfg.seed * 1000 + r + 1)
             self.rngs.append(torch.get_rng_state())
         self.last_loss = float("nan")
+        self.first_loss: float | None = None  # the first step this process ran (global mean)
+        self.scale_probe: dict[str, Any] | None = None  # filled by start_scale()
         self.out = Path(self.cfg.out_dir)
         self.memory: dict[str, Any] | None = None  # filled by measure_memory()
 
@@ -167,6 +169,50 @@ class Trainer:
                 self.bad_run, self.skipped = int(ck["bad_run"]), int(ck["skipped"])
                 self.last_loss = float(ck["last_loss"])
 
+    # -- the loss scale's start
+    def start_scale(self) -> None:
+        """A fresh run with fp16 and no ``--loss-scale``: the initial scale is the largest of
+        :data:`~.scaler.PROBE_SCALES` at which step 0's batch gives a finite loss and
+        gradients on every rank (:mod:`.scaler`); nothing else of the run changes."""
+        if not (self.scaler.dynamic and self.cfg.loss_scale is None and self.step == 0):
+            return
+        chosen, tried = probe_scale(self._finite_at)
+        for sc in self.scalers:
+            sc.scale = chosen
+        self.scale_probe = {"tried": tried, "scale": chosen}
+
+    def _finite_at(self, scale: float) -> bool:
+        """One probe: forward and backward of step 0's batch at ``scale`` on every local
+        replica (the plain model: no gradient sync), then everything it touched restored."""
+        from .checkpoint import qseeds, set_qseeds
+
+        s = self.s
+        inputs, targets = self.data.batch(0)
+        inputs = to_device(inputs, self.device)
+        targets = targets.to(self.device) if targets is not None else None
+        bad = 0
+        for i, (r, m) in enumerate(zip(self.ranks, self.models, strict=True)):
+            bufs = [b.detach().clone() for b in m.buffers()]
+            seeds = qseeds(m)
+            disp = m.__dict__.get("_qsync_dispatch")
+            disp_seed = getattr(disp, "seed", None)
+            torch.set_rng_state(self.rngs[i])
+            xi, yi = rank_slice((inputs, targets), s.offsets[r], s.batches[r])
+            m.zero_grad(set_to_none=True)
+            loss, _ = weighted_backward(m, s.workload, xi, yi,
+                                        weight=self.sync.loss_weight(s.batches[r],
+                                                                     s.global_batch),
+                                        scale=scale)
+            bad += self.scalers[i].nonfinite([m], [loss])
+            m.zero_grad(set_to_none=True)
+            for b_, saved in zip(m.buffers(), bufs, strict=True):
+                b_.copy_(saved)
+            set_qseeds(m, seeds)
+            if disp is not None:
+                disp.seed = disp_seed
+        _, worst = self.sync.min_max(float(bad))
+        return worst == 0
+
     # -- one step
     def train_step(self, metrics: list[MetricsWriter]) -> None:
         cfg, s = self.cfg, self.s
@@ -227,6 +273,8 @@ class Trainer:
         self.sync.sync_buffers(self.models)
         sync_s = time.perf_counter() - t_sync
         self.last_loss = float(tot[1]) / float(tot[3])
+        if self.first_loss is None:
+            self.first_loss = self.last_loss
         nbytes = self.sync.bytes_per_step(self.models[0])
         info = self.sync.step_info(step)
         per_rank = info.pop("per_rank", {})  # a mode's own per-rank fields (dlcp's drops)
@@ -305,6 +353,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         start = self.begin()
+        self.start_scale()
         metrics = [MetricsWriter(self.out / f"metrics.rank{r}.jsonl", start)
                    for r in self.ranks]
         try:
@@ -344,4 +393,8 @@ class Trainer:
             "eval_loss": evals[0]["loss"], "eval_accuracy": evals[0]["accuracy"],
             "eval_per_rank": evals, "state_sha256": sha, "wall_s": round(wall_s, 3),
             **({"memory": self.memory} if self.memory is not None else {}),
+            **({"scale_probe": self.scale_probe} if self.scale_probe is not None else {}),
+            "first_loss": self.first_loss,
+            "warnings": run_warnings(self.step, self.skipped, self.first_loss,
+                                     self.last_loss, evals[0]["loss"]),
         }

@@ -211,24 +211,26 @@ at::Tensor dequantize_int8(const at::Tensor& q, const at::Tensor& scale, at::Sca
   return out;
 }
 
+// sx_rows: one scale per row (rescale_int32_rows), or nullptr for the one scale sx.
 template <typename T>
 void rescale_loop(const int32_t* acc, float sx, const float* sw, const float* bias, T* out,
-                  int64_t m, int64_t n) {
+                  int64_t m, int64_t n, const float* sx_rows = nullptr) {
   at::parallel_for(0, m, std::max<int64_t>(1, kGrain / std::max<int64_t>(n, 1)),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int32_t* a = acc + r * n;
       T* o = out + r * n;
+      const float sr = sx_rows ? sx_rows[r] : sx;
       if (bias) {
         for (int64_t c = 0; c < n; ++c) {
-          float s = sx * sw[c];
+          float s = sr * sw[c];
           float v = static_cast<float>(a[c]) * s;
           v = v + bias[c];
           o[c] = static_cast<T>(v);
         }
       } else {
         for (int64_t c = 0; c < n; ++c) {
-          float s = sx * sw[c];
+          float s = sr * sw[c];
           o[c] = static_cast<T>(static_cast<float>(a[c]) * s);
         }
       }
@@ -270,6 +272,47 @@ at::Tensor rescale_int32(const at::Tensor& acc, const at::Tensor& sx, const at::
   return out;
 }
 
+// acc[m, n] * (sx[m] * sw[n]) (+ bias[n]): one scale per row of the GEMM result (the
+// per-token output gradient of int8_full, the per-row int4 activations).
+at::Tensor rescale_int32_rows(const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw,
+                              const c10::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2,
+              "rescale_int32_rows: acc must be 2-D int32");
+  auto a = acc.contiguous();
+  const int64_t m = a.size(0), n = a.size(1);
+  auto w = sw.to(at::kFloat).contiguous();
+  auto rows = sx.to(at::kFloat).contiguous();
+  TORCH_CHECK(w.numel() == n, "rescale_int32_rows: sw must have one scale per column");
+  TORCH_CHECK(rows.numel() == m, "rescale_int32_rows: sx must have one scale per row");
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == n, "rescale_int32_rows: bias must have one value per column");
+    bp = b.data_ptr<float>();
+  }
+  auto out = at::empty({m, n}, a.options().dtype(dtype));
+  if (m * n == 0) return out;
+  const float* sr = rows.data_ptr<float>();
+  switch (dtype) {
+    case at::kFloat:
+      rescale_loop(a.data_ptr<int32_t>(), 0.0f, w.data_ptr<float>(), bp, out.data_ptr<float>(), m,
+                   n, sr);
+      break;
+    case at::kBFloat16:
+      rescale_loop(a.data_ptr<int32_t>(), 0.0f, w.data_ptr<float>(), bp,
+                   out.data_ptr<at::BFloat16>(), m, n, sr);
+      break;
+    case at::kHalf:
+      rescale_loop(a.data_ptr<int32_t>(), 0.0f, w.data_ptr<float>(), bp, out.data_ptr<at::Half>(),
+                   m, n, sr);
+      break;
+    default:
+      TORCH_CHECK(false, "rescale_int32_rows: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 at::Tensor hash_uniform(int64_t n, int64_t seed, int64_t offset) {
   auto out = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
@@ -286,6 +329,7 @@ TORCH_LIBRARY(qsync_cpu, m) {
   m.def("quantize_int8(Tensor x, Tensor inv_scale, bool stochastic, int seed) -> Tensor");
   m.def("dequantize_int8(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("rescale_int32(Tensor acc, Tensor sx, Tensor sw, Tensor? bias, ScalarType dtype) -> Tensor");
+  m.def("rescale_int32_rows(Tensor acc, Tensor sx, Tensor sw, Tensor? bias, ScalarType dtype) -> Tensor");
   m.def("hash_uniform(int n, int seed, int offset) -> Tensor");
   m.def("abi_version() -> int");
 }
@@ -294,6 +338,7 @@ TORCH_LIBRARY_IMPL(qsync_cpu, CPU, m) {
   m.impl("quantize_int8", &quantize_int8);
   m.impl("dequantize_int8", &dequantize_int8);
   m.impl("rescale_int32", &rescale_int32);
+  m.impl("rescale_int32_rows", &rescale_int32_rows);
 }
 
 TORCH_LIBRARY_IMPL(qsync_cpu, CompositeExplicitAutograd, m) {

@@ -1,0 +1,239 @@
+"""One-step gradient noise of the integer precisions, per rounding and scale choice (issue 41).
+
+For each model every GEMM module (Linear, Conv, MatMul, HF Conv1D) runs at one precision
+(``apply_precisions``), one forward and backward on one fixed batch, and the whole parameter
+gradient is compared with the fp32 gradient of the same weights and batch: the cosine (1 is
+exact) and the relative error ``||g - g32|| / ||g32||``, each the mean over ``--seeds``
+stochastic-rounding seeds. Models are in eval mode (no dropout; ResNet-50's BatchNorm uses
+its running statistics), at small inputs so it runs on a CPU in minutes:
+
+* resnet50: torchvision layout, batch 2 at 64x64;
+* vit: ViT-B/16's layer (d=768, 12 heads, MLP 3072), ``--layers`` of them (default 4 of 12),
+  at 64x64 (16 patches + the class token), batch 2;
+* bert: BERT-base QA's layer, ``--layers`` of them, at sequence 64, batch 2;
+* gpt2: GPT-2 small's layer, ``--layers`` of them, at sequence 64, batch 2;
+* tiny_gpt: its registry model (4 layers, d=128) at sequence 128, batch 4.
+
+Choices (``qsync_opt.ops.numerics``): the forward rounding of int4 and int8 (``sr``
+stochastic, ``rtn`` round to nearest), and for int8_full the output gradient's rounding and
+scales (``tensor``: one scale; ``row``: per row (token / output position) for the input
+gradient, one for the weight gradient; ``rowcol``: per row for the input gradient, per output
+channel for the weight gradient). A star marks the defaults (``ops.NUMERICS``).
+
+Then ``--outliers``: ViT's patch embedding (Conv2d 3->768, 16x16, stride 16) at batch 2,
+224x224, with an output gradient whose 1% of elements (or 1% of rows: whole output positions)
+are multiplied by 100: the weight- and input-gradient relative errors of int8_full per scale
+choice.
+
+Cosines and errors are deterministic at fixed seeds (no timing), so any machine gives the
+same table (up to the float summation order of its GEMMs)::
+
+    .venv/bin/python benchmarks/bench_grad_noise.py [--models resnet50 vit bert gpt2 tiny_gpt]
+        [--seeds 2] [--outliers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from qsync_opt.models import compute_loss, get_workload
+from torch import nn
+
+import qsync_opt.ops as ops
+from qsync_opt.runtime.gemm import swappable_kind
+from qsync_opt.runtime.layers import apply_precisions
+
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+def _tokens(batch: int, seq: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=gen)
+
+
+def build(name: str, layers: int = 4) -> tuple[str, nn.Module, Batch]:
+    """(workload name, model in eval mode, (inputs, targets)) at the small sizes above."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name == "resnet50":
+        model = get_workload("resnet50").build()
+        x = torch.randn(2, 3, 64, 64, generator=gen)
+        return "resnet50", model.eval(), ((x,), torch.randint(0, 1000, (2,), generator=gen))
+    if name == "vit":
+        from qsync_opt.models.vit import VisionTransformer, ViTConfig
+
+        model = VisionTransformer(ViTConfig(image_size=64, num_layers=layers))
+        x = torch.randn(2, 3, 64, 64, generator=gen)
+        return "vit_b16", model.eval(), ((x,), torch.randint(0, 1000, (2,), generator=gen))
+    if name == "bert":
+        from qsync_opt.models.bert import BertConfig, BertForQuestionAnswering
+
+        model = BertForQuestionAnswering(BertConfig(num_hidden_layers=layers))
+        ids = _tokens(2, 64, 30522, gen)
+        types = (torch.arange(64) >= 32).long().expand(2, 64).contiguous()
+        return "bert_base", model.eval(), ((ids, types), torch.randint(0, 64, (2, 2),
+                                                                        generator=gen))
+    if name == "gpt2":
+        from qsync_opt.models.gpt2 import GPT, GPTConfig
+
+        model = GPT(GPTConfig(n_layer=layers))
+        ids = _tokens(2, 65, 50257, gen)
+        return "gpt2_small", model.eval(), ((ids[:, :-1].contiguous(),), ids[:, 1:].contiguous())
+    if name == "tiny_gpt":
+        wl = get_workload("tiny_gpt")
+        model = wl.build()
+        ids = wl.make_inputs(5, torch.device("cpu"))[0]
+        return "tiny_gpt", model.eval(), ((ids[:4],), wl.make_targets(5, torch.device("cpu"))[:4])
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def gemm_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if n and swappable_kind(m) is not None]
+
+
+def gradient(workload: str, model: nn.Module, batch: Batch) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    inputs, targets = batch
+    loss = compute_loss(workload, model(*inputs), targets)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                      for p in model.parameters()])
+
+
+def at_precision(model: nn.Module, precision: str, seed: int) -> nn.Module:
+    m = copy.deepcopy(model)
+    apply_precisions(m, {n: precision for n in gemm_names(m)}, seed=seed)
+    return m
+
+
+#: (label, precision, ops.numerics changes) for each measured choice.
+CHOICES: list[tuple[str, str, dict[str, Any]]] = [
+    ("int4 fwd sr", "int4", {"int4_forward_stochastic": True}),
+    ("int4 fwd rtn", "int4", {"int4_forward_stochastic": False}),
+    ("int8 fwd sr", "int8", {"int8_forward_stochastic": True}),
+    ("int8 fwd rtn", "int8", {"int8_forward_stochastic": False}),
+] + [(f"int8_full grad {r} {s}", "int8_full", {"grad_stochastic": r == "sr", "grad_scale": s})
+     for r in ("sr", "rtn") for s in ("tensor", "row", "rowcol")]
+
+
+def is_default(changes: dict[str, Any]) -> bool:
+    return all(getattr(ops.NUMERICS, k) == v for k, v in changes.items())
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def measure(name: str, seeds: int, fwd: dict[str, Any], layers: int
+            ) -> list[tuple[str, float, float]]:
+    """[(choice, mean cosine, mean relative error)] of one model; ``fwd``: the forward
+    rounding the int8_full rows run with (the default's)."""
+    workload, model, batch = build(name, layers)
+    ref = gradient(workload, model, batch)
+    rows = []
+    for label, precision, changes in CHOICES:
+        cs, es = [], []
+        for s in range(seeds):
+            m = at_precision(model, precision, seed=s + 1)
+            ctx = {**fwd, **changes} if precision == "int8_full" else changes
+            with ops.numerics(**ctx), ops.float_exact_gemm():
+                g = gradient(workload, m, batch)
+            del m
+            cs.append(cosine(g, ref))
+            es.append(rel(g, ref))
+        rows.append((label + (" *" if is_default(changes) else ""), sum(cs) / seeds,
+                     sum(es) / seeds))
+    return rows
+
+
+@contextlib.contextmanager
+def _timer(label: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    print(f"  ({label}: {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def outliers(seeds: int) -> list[tuple[str, str, float, float]]:
+    """[(gradient kind, scale choice, weight-grad error, input-grad error)] of ViT's patch
+    embedding under int8_full."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 224, 224, generator=gen)
+    conv = nn.Conv2d(3, 768, 16, 16)
+    go = torch.randn(2, 768, 14, 14, generator=gen)
+    kinds: dict[str, Callable[[], torch.Tensor]] = {
+        "plain": lambda: go,
+        "1% elements x100": lambda: torch.where(
+            torch.rand(go.shape, generator=gen) < 0.01, go * 100, go),
+        "1% rows x100": lambda: go * torch.where(
+            torch.rand(2, 1, 14, 14, generator=gen) < 0.01, 100.0, 1.0),
+    }
+    xr = x.clone().requires_grad_()
+    out = []
+    for kind, make in kinds.items():
+        g = make()
+        xr.grad = None
+        conv.zero_grad()
+        nn.functional.conv2d(xr, conv.weight, conv.bias, 16).backward(g)
+        gw32, gx32 = conv.weight.grad.clone(), xr.grad.clone()
+        for scale in ops.GRAD_SCALES:
+            ew = ex = 0.0
+            for s in range(seeds):
+                xi = x.clone().requires_grad_()
+                w = conv.weight.detach().clone().requires_grad_()
+                y = ops.int8_conv2d(xi, w, None, 16, int8_backward=True, seed=s + 1,
+                                    grad_scale=scale, bwd_dtype=torch.float32)
+                y.backward(g)
+                ew += rel(w.grad, gw32) / seeds
+                ex += rel(xi.grad, gx32) / seeds
+            out.append((kind, scale, ew, ex))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["resnet50", "vit", "bert", "gpt2",
+                                                     "tiny_gpt"])
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="transformer layers of vit, bert and gpt2 (default 4)")
+    ap.add_argument("--outliers", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    fwd = {"int8_forward_stochastic": ops.NUMERICS.int8_forward_stochastic}
+    print(f"defaults: {ops.NUMERICS}")
+    results: dict[str, list[tuple[str, float, float]]] = {}
+    for name in args.models:
+        with _timer(name):
+            results[name] = measure(name, args.seeds, fwd, args.layers)
+        for label, c, e in results[name]:
+            print(f"  {name} | {label} | {c:.4f} | {e:.3f}", flush=True)
+    if results:
+        names = list(results)
+        print("\none-step gradient cosine against fp32 (relative error in brackets), mean over "
+              f"{args.seeds} seed(s); * the default")
+        print(f"| choice | {' | '.join(names)} |")
+        print(f"|---|{'---|' * len(names)}")
+        for i, (label, _, _) in enumerate(results[names[0]]):
+            cells = [f"{results[n][i][1]:.4f} ({results[n][i][2]:.3f})" for n in names]
+            print(f"| {label} | {' | '.join(cells)} |")
+    if args.outliers:
+        print("\nViT patch embedding, int8_full, relative error against fp32 "
+              f"(mean over {args.seeds} seed(s))")
+        print("| output gradient | scales | weight grad | input grad |")
+        print("|---|---|---|---|")
+        for kind, scale, ew, ex in outliers(args.seeds):
+            print(f"| {kind} | {scale} | {ew:.4f} | {ex:.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
