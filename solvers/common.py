@@ -56,9 +56,7 @@ class Deadline:
 
     def options(self, options: SolveOptions, share: int = 1) -> SolveOptions:
         """``options`` with the time limit cut to this deadline's share."""
-        import dataclasses
-
-        return dataclasses.replace(options, time_limit_s=self.share(share))
+        return options.with_time_left(self.share(share))
 
 
 def objective_scale(problem: AllocationProblem) -> tuple[float, float, float]:
@@ -394,7 +392,7 @@ def finish(
     if plan is None and assignment is not None:
         plan = problem.make_plan(assignment, {
             "solver": solver, "status": status, "objective": objective, "bound": bound,
-            "gap": gap, "wall_s": report.wall_s, "mode": mode,
+            "gap": gap, "mode": mode,
             **{f"option.{k}": v for k, v in clean.items()}})
     return plan, report
 
@@ -431,6 +429,40 @@ def time_lower_bound(g: GroupModel) -> float:
     """A cheap lower bound on the group's time (each term at its minimum)."""
     return (g.time0 + sum(min(r) for r in g.time1)
             + sum(min(min(row) for row in p.time) for p in g.pairs))
+
+
+def memory_lower_bound(g: GroupModel) -> float:
+    """A cheap lower bound on the group's memory (each term at its minimum)."""
+    return (g.mem0 + sum(min(r) for r in g.mem1 if r)
+            + sum(min(min(row) for row in p.mem) for p in g.pairs)
+            + max([g.work0] + [min(r) for r in g.work1 if r]))
+
+
+#: A cheap proof of no plan must exceed the budget or capacity by this relative margin
+#: (far above every backend's feasibility tolerance, ``FEAS_REL``).
+PROOF_REL = 1e-6
+
+
+def cheap_infeasibility(problem: AllocationProblem, gis: Sequence[int] | None = None
+                        ) -> list[str]:
+    """Why no plan exists, from the groups' least possible time and memory alone (each term
+    at its minimum, beyond the budget or capacity by :data:`PROOF_REL`); [] when that
+    proves nothing. A proof for every backend: no assignment goes below these bounds, so
+    no backend may call such a problem anything but infeasible (and none needs to scale
+    costs far above a tiny budget to find out)."""
+    budget = problem.group_budget_ms()
+    out = []
+    for gi in range(len(problem.groups)) if gis is None else gis:
+        g = problem.groups[gi]
+        lb = time_lower_bound(g)
+        if lb > budget + PROOF_REL * max(abs(budget), abs(lb)):
+            out.append(f"group {g.name}: infeasible, even its fastest choices take at least "
+                       f"{lb:.6g} ms > budget {budget:.6g} ms")
+        mb = memory_lower_bound(g)
+        if mb > g.capacity_bytes + PROOF_REL * max(abs(g.capacity_bytes), abs(mb)):
+            out.append(f"group {g.name}: infeasible, even its least-memory choices need at "
+                       f"least {mb:.6g} B > capacity {g.capacity_bytes:.6g} B")
+    return out
 
 
 def infeasible_messages(problem: AllocationProblem, gis: Sequence[int], budget: float) -> list[str]:

@@ -61,6 +61,7 @@ from .common import (
     Deadline,
     PartResult,
     Stopwatch,
+    cheap_infeasibility,
     check_numbers,
     exact_violation,
     excluded_choices,
@@ -589,6 +590,12 @@ class CpSat:
         from ortools.sat.python import cp_model
 
         deadline = Deadline(options.time_limit_s)  # greedy's warm start counts
+        check_numbers(problem)
+        proof = cheap_infeasibility(problem)
+        if proof:  # before any scaling: costs far above a tiny budget need no integers
+            messages.extend(proof)
+            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
+                          options=options, sw=sw, messages=messages)
         hints = start_hints(problem, options, messages, deadline)
         budget = problem.group_budget_ms()
         with sw.building():

@@ -55,6 +55,7 @@ from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
 from .common import Stopwatch, finish, mode_text
+from .fastest import Fastest, FastestTimeLimit
 
 log = logging.getLogger(__name__)
 
@@ -351,13 +352,17 @@ class Greedy:
         return out
 
     @staticmethod
-    def _fit_memory(lin: LinearState, gi: int) -> tuple[bool, float, int]:
+    def _fit_memory(lin: LinearState, gi: int, deadline: float = float("inf"),
+                    sw: Stopwatch | None = None) -> tuple[bool, float, int]:
         """Move units of group gi to lower-memory choices, largest saving first, until the
-        group fits (the linear memory, which the replayer's never exceeds). Returns (fits,
-        bytes, moves)."""
+        group fits (the linear memory, which the replayer's never exceeds), or until
+        ``sw.wall_s`` passes ``deadline`` (then it does not fit: the caller tells a stop
+        from a failure by the clock). Returns (fits, bytes, moves)."""
         g = lin.groups[gi]
         moves = 0
         while lin.memory(gi) > g.capacity_bytes * (1 + REL_TOL):
+            if sw is not None and sw.wall_s > deadline:
+                return False, lin.memory(gi), moves
             now = lin.memory(gi)
             best: tuple[float, int, int] | None = None
             for u, ch in enumerate(g.choices):
@@ -424,7 +429,9 @@ class Greedy:
         best: tuple[str, float, list[int], int] | None = None
         for name, a in cands:
             lin.load(gi, a)
-            fits, _, fit_moves = self._fit_memory(lin, gi)
+            fits, _, fit_moves = self._fit_memory(lin, gi, deadline, sw)
+            if sw.wall_s > deadline and best is not None:
+                break
             if not fits:
                 continue
             self._descend(lin, gi, deadline, sw)
@@ -438,16 +445,20 @@ class Greedy:
 
     @staticmethod
     def _exact_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
-                       ) -> tuple[str, tuple[float, list[int]] | None] | None:
-        """Group gi's least time under its memory by the exact program (HiGHS, else CBC):
-        (backend, (ms, assignment) or None when nothing fits), or None with no backend."""
-        from .fastest import fastest_plans
+                       ) -> tuple[str, Fastest | None] | None:
+        """Group gi's fastest plan under its memory by the exact program (HiGHS, else CBC)
+        within ``time_limit_s``: (backend, the result, None when nothing fits), or None with
+        no backend. Raises :class:`~qsync_opt.solvers.fastest.FastestTimeLimit` when the
+        time ran out without a plan."""
+        from .fastest import FastestTimeLimit, fastest_results
         from .pulp_model import available
 
+        if not time_limit_s > 0:
+            raise FastestTimeLimit("the exact fastest plan: no time left")
         others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)
         for backend in ("highs", "cbc"):
             if available(backend):
-                found = fastest_plans(problem, backend, max(time_limit_s, 1.0), skip=others)
+                found = fastest_results(problem, backend, time_limit_s, skip=others)
                 return backend, found[problem.groups[gi].name]
         return None
 
@@ -456,7 +467,8 @@ class Greedy:
         """Set ``lin`` to the start: per group the fastest plan that fits memory, found by
         :meth:`_start_group` and, where that misses the group's time budget or memory, by
         the exact program. None when every group has a start within its budget; else what
-        failed."""
+        failed ("time_limit": the time ran out before a start was found or shown not to
+        exist; an unproven exact result is never taken as that proof)."""
         budget = problem.group_budget_ms()
         tol = REL_TOL * problem.target_ms
         deadline = options.time_limit_s
@@ -464,29 +476,49 @@ class Greedy:
             found = self._start_group(lin, gi, deadline, sw)
             exact_note = ""
             if found is None or found[1] > budget + tol:
-                limit = max(1.0, options.time_limit_s - sw.wall_s)
-                exact = self._exact_fastest(problem, gi, limit)
+                limit = options.time_limit_s - sw.wall_s
+                try:
+                    exact = self._exact_fastest(problem, gi, limit)
+                except FastestTimeLimit:
+                    return _StartFailure("time_limit", g, max(limit, 0.0), (
+                        f"the exact fastest plan of group {g.name} was not found within the "
+                        f"time left ({max(limit, 0.0):.3g} s of {options.time_limit_s:g} s)"))
                 if exact is None:
                     exact_note = " (no MIP backend for the exact fastest plan)"
                 else:
                     backend, res = exact
-                    if res is not None and (found is None or res[0] < found[1]):
-                        lin.load(gi, res[1])
+                    if res is not None and (found is None or res.ms < found[1]):
+                        lin.load(gi, res.assignment)
                         messages.append(
                             f"start: group {g.name}: the exact fastest plan ({backend}, least "
-                            f"time under memory), {res[0]:.4f} ms"
+                            f"time under memory{'' if res.proven else ', not proven'}), "
+                            f"{res.ms:.4f} ms"
                             + (f"; this allocator's own start took {found[1]:.4f} ms"
                                if found is not None else "") + f" (budget {budget:.4f} ms)")
-                        found = ("exact fastest", res[0], list(res[1]), 0)
-                    elif res is None:
+                        found = ("exact fastest", res.ms, list(res.assignment), 0)
+                    if res is not None and not res.proven and found[1] > budget + tol \
+                            and not res.bound_ms > budget + tol:
+                        return _StartFailure("time_limit", g, limit, (
+                            f"group {g.name}: the fastest plan found takes {found[1]:.4f} ms "
+                            f"against its budget {budget:.4f} ms, but the exact program "
+                            f"({backend}) stopped at the time left ({limit:.3g} s) without "
+                            f"proving its least time (bound {res.bound_ms:.4f} ms): a faster "
+                            "plan may exist"))
+                    if res is None:
                         exact_note = (f" (the exact program, {backend}, found no plan"
                                       + (" that fits memory either" if found is None else "")
-                                      + f" within {limit:.0f} s)")
-                    else:
+                                      + ")")
+                    elif found[0] != "exact fastest":
                         exact_note = (f" (the exact fastest plan, {backend}, is no faster: "
-                                      f"{res[0] + problem.tail_ms:.3f} ms)")
+                                      + (f"{res.ms + problem.tail_ms:.3f} ms)" if res.proven
+                                         else f"at least {res.bound_ms + problem.tail_ms:.3f}"
+                                         " ms)"))
             if found is None:
-                fits, need, _ = self._fit_memory(lin, gi)
+                fits, need, _ = self._fit_memory(lin, gi, deadline, sw)
+                if sw.wall_s > deadline and exact_note == "":
+                    return _StartFailure("time_limit", g, 0.0, (
+                        f"group {g.name}: no memory-feasible start found within "
+                        f"{options.time_limit_s:g} s"))
                 return _StartFailure("memory", g, need, exact_note)
             if found[0] != "exact fastest":
                 messages.append(
@@ -535,6 +567,11 @@ class Greedy:
         with sw.solving():
             # 1. The fastest plan that fits memory, group by group.
             failed = self._start(problem, lin, options, sw, messages)
+        if failed is not None and failed.kind == "time_limit":
+            messages.append(f"stopped at the time limit ({options.time_limit_s:g} s) before "
+                            f"a start was found: {failed.note}; not infeasible: give more time")
+            return finish(problem, self.name, None, status="TIME_LIMIT", mode=mode,
+                          options=options, sw=sw, messages=messages, extra_options=extra())
         if failed is not None and failed.kind == "memory":
             g, need = failed.group, failed.figure
             messages.append(

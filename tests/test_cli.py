@@ -295,7 +295,7 @@ def test_infeasible_target_says_what_would_work(capsys, tmp_path) -> None:
     code, _, err = run(capsys, "solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
                        "--method", "random", "--target-ms", "0.0001",
                        "--out", str(tmp_path / "p.json"))
-    assert code == 2 and "no plan" in err.splitlines()[0]
+    assert code == 3 and "no plan" in err.splitlines()[0]
     assert "fastest makespan reachable" in err and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
 
