@@ -192,6 +192,7 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
     if refine < 0:
         raise QsyncInputError(f"refine: expected a non-negative number of rounds, got {refine}")
     call = _Call.start(opts)
+    common.check_numbers(problem)  # every backend and mode refuses the same numbers
     if mode == "budget":
         if degradation_budget is None or not degradation_budget >= 0:
             raise QsyncInputError("degradation_budget: the budget mode needs a number >= 0")

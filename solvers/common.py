@@ -485,6 +485,26 @@ def check_numbers(problem: AllocationProblem) -> None:
     if not math.isfinite(budget):
         raise QsyncInputError(f"target_ms: expected a finite number, got {problem.target_ms!r} "
                               f"(group budget {budget!r} ms)")
+    check_resolution(problem)
+
+
+def check_resolution(problem: AllocationProblem) -> None:
+    """Refuse, in one line, costs so extreme that the makespan cannot resolve the compute:
+    every makespan is a group's compute plus the tail (last bucket's all-reduce and the
+    optimizer), and the budget is the target less the tail; once one unit in the last place
+    of the tail exceeds ``FEAS_REL`` of the groups' compute, the compute is lost in that sum
+    (a 1e300 ms bucket makes every target's budget 0 while every makespan equals the
+    target), and no backend can decide the problem. Finite is not enough."""
+    tail = abs(problem.tail_ms)
+    compute = max((time_lower_bound(g) for g in problem.groups), default=0.0)
+    if compute > 0 and math.ulp(tail) > FEAS_REL * compute:
+        raise QsyncInputError(
+            f"costs: the makespan's tail (last bucket's all-reduce {problem.bucket_tail_ms:.6g} "
+            f"ms plus the optimizer {problem.optimizer_ms:.6g} ms) is too large beside the "
+            f"groups' compute (at least {compute:.6g} ms): one unit in the last place of it is "
+            f"{math.ulp(tail):.3g} ms, more than {FEAS_REL:g} of the compute, so no makespan "
+            "can resolve the compute; expected bucket and optimizer times of the size of the "
+            "compute (check the costs file)")
 
 
 def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float = FEAS_REL

@@ -423,6 +423,10 @@ class CpSat:
                 cv[i] = (model.new_int_var(ig.work0, w_hi, var.name) if i == b.w
                          else model.new_bool_var(var.name))
             n_vars += len(cv)
+            for _, y in b.pairs:  # a hopeless pair combination (formulation.Hopeless)
+                for v in (v for yrow in y for v in yrow if variables[v].ub == 0.0):
+                    model.add(cv[v] == 0)
+                    n_cons += 1
             x = [[cv[v] for v in row] for row in b.x]
             xs[gi] = x
             # the integer coefficients by variable, for the time, memory and objective rows

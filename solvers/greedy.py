@@ -54,7 +54,7 @@ from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precisi
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
-from .common import Stopwatch, finish, mode_text
+from .common import Stopwatch, check_numbers, finish, mode_text
 from .fastest import Fastest, FastestTimeLimit
 
 log = logging.getLogger(__name__)
@@ -537,6 +537,7 @@ class Greedy:
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
         mode = mode_text(problem)
+        check_numbers(problem)
         if options.acceptance not in ACCEPTANCES:
             raise QsyncInputError(
                 f"acceptance: expected {' or '.join(ACCEPTANCES)}, got {options.acceptance!r}")

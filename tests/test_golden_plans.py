@@ -217,7 +217,7 @@ def _check(case: str, spec: tuple[str, str, str, dict[str, Any]], golden_dir: Pa
         found = _first_differences(json.loads(golden), json.loads(text), limit=200)
         ops = [d for d in found if d.startswith("group ")]  # precisions first
         diffs = ops[:8] + [d for d in found if not d.startswith("group ")][:6]
-        pytest.fail(f"{case}: the plan differs from {path.name} ; first "
+        pytest.fail(f"{case}: the plan differs from {path.name}; first "
                     "differences:\n  " + "\n  ".join(diffs or ["(formatting only: same data)"])
                     + "\nan intended change: QSYNC_REGEN_GOLDEN=1 and review tests/golden/")
 
