@@ -308,7 +308,9 @@ def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
         if u < len(g.weight_omega):
             exact = g.weight_omega[u]
             orow = [0 if (u, k) in forbid else round(v * s) for k, v in enumerate(exact)]
-            allowed = [k for k in range(len(exact)) if (u, k) not in forbid]
+            # (every choice forbidden: the program has no plan; the row still bounds)
+            allowed = ([k for k in range(len(exact)) if (u, k) not in forbid]
+                       or list(range(len(exact))))
             obj_err += max(abs(orow[k] / s - exact[k]) for k in allowed)
             obj_min += min(exact[k] for k in allowed)
             obj1.append(orow)
@@ -597,6 +599,7 @@ class CpSat:
         check_numbers(problem)
         proof = cheap_infeasibility(problem)
         if proof:  # before any scaling: costs far above a tiny budget need no integers
+            program_parts(problem, options, messages)
             messages.extend(proof)
             return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
                           options=options, sw=sw, messages=messages)
