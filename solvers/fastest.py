@@ -81,6 +81,24 @@ def fastest_results(problem: AllocationProblem, backend: str = "highs",
     return out
 
 
+def group_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
+                  ) -> tuple[str, Fastest | None] | None:
+    """Group gi's fastest plan under its memory by the exact program (HiGHS, else CBC)
+    within ``time_limit_s`` (greedy's start): (backend, the result, None when nothing
+    fits), or None with no backend. Raises :class:`FastestTimeLimit` when the time ran out
+    without a plan (no time left included)."""
+    from .pulp_model import available
+
+    if not time_limit_s > 0:
+        raise FastestTimeLimit("the exact fastest plan: no time left")
+    others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)
+    for backend in ("highs", "cbc"):
+        if available(backend):
+            found = fastest_results(problem, backend, time_limit_s, skip=others)
+            return backend, found[problem.groups[gi].name]
+    return None
+
+
 def fastest_plans(problem: AllocationProblem, backend: str = "highs",
                   time_limit_s: float = 60.0, skip: frozenset[str] = frozenset()
                   ) -> dict[str, tuple[float, list[int]] | None]:

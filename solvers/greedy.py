@@ -55,7 +55,7 @@ from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
 from .common import Stopwatch, check_numbers, finish, mode_text
-from .fastest import Fastest, FastestTimeLimit
+from .fastest import FastestTimeLimit, group_fastest
 
 log = logging.getLogger(__name__)
 
@@ -315,8 +315,8 @@ Acceptance = LinearAcceptance | ReplayAcceptance
 
 
 class _StartFailure(NamedTuple):
-    """Why no start exists: ``kind`` "memory" (``figure``: the smallest bytes found) or
-    "time" (``figure``: the fastest makespan found, ms) on ``group``."""
+    """Why no start exists: ``kind`` "memory" (``figure``: the smallest bytes found), "time"
+    (the fastest makespan found, ms) or "time_limit" (none found in time) on ``group``."""
 
     kind: str
     group: GroupModel
@@ -355,9 +355,8 @@ class Greedy:
     def _fit_memory(lin: LinearState, gi: int, deadline: float = float("inf"),
                     sw: Stopwatch | None = None) -> tuple[bool, float, int]:
         """Move units of group gi to lower-memory choices, largest saving first, until the
-        group fits (the linear memory, which the replayer's never exceeds), or until
-        ``sw.wall_s`` passes ``deadline`` (then it does not fit: the caller tells a stop
-        from a failure by the clock). Returns (fits, bytes, moves)."""
+        group fits (the linear memory, which the replayer's never exceeds) or ``sw.wall_s``
+        passes ``deadline``. Returns (fits, bytes, moves)."""
         g = lin.groups[gi]
         moves = 0
         while lin.memory(gi) > g.capacity_bytes * (1 + REL_TOL):
@@ -443,32 +442,12 @@ class Greedy:
             lin.load(gi, best[2])
         return best
 
-    @staticmethod
-    def _exact_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
-                       ) -> tuple[str, Fastest | None] | None:
-        """Group gi's fastest plan under its memory by the exact program (HiGHS, else CBC)
-        within ``time_limit_s``: (backend, the result, None when nothing fits), or None with
-        no backend. Raises :class:`~qsync_opt.solvers.fastest.FastestTimeLimit` when the
-        time ran out without a plan."""
-        from .fastest import FastestTimeLimit, fastest_results
-        from .pulp_model import available
-
-        if not time_limit_s > 0:
-            raise FastestTimeLimit("the exact fastest plan: no time left")
-        others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)
-        for backend in ("highs", "cbc"):
-            if available(backend):
-                found = fastest_results(problem, backend, time_limit_s, skip=others)
-                return backend, found[problem.groups[gi].name]
-        return None
-
     def _start(self, problem: AllocationProblem, lin: LinearState, options: SolveOptions,
                sw: Stopwatch, messages: list[str]) -> _StartFailure | None:
         """Set ``lin`` to the start: per group the fastest plan that fits memory, found by
         :meth:`_start_group` and, where that misses the group's time budget or memory, by
         the exact program. None when every group has a start within its budget; else what
-        failed ("time_limit": the time ran out before a start was found or shown not to
-        exist; an unproven exact result is never taken as that proof)."""
+        failed (an unproven exact result never proves there is none: "time_limit")."""
         budget = problem.group_budget_ms()
         tol = REL_TOL * problem.target_ms
         deadline = options.time_limit_s
@@ -478,11 +457,10 @@ class Greedy:
             if found is None or found[1] > budget + tol:
                 limit = options.time_limit_s - sw.wall_s
                 try:
-                    exact = self._exact_fastest(problem, gi, limit)
+                    exact = group_fastest(problem, gi, limit)
                 except FastestTimeLimit:
-                    return _StartFailure("time_limit", g, max(limit, 0.0), (
-                        f"the exact fastest plan of group {g.name} was not found within the "
-                        f"time left ({max(limit, 0.0):.3g} s of {options.time_limit_s:g} s)"))
+                    return _StartFailure("time_limit", g, 0.0, f"the exact fastest plan of "
+                                         f"group {g.name} was not found in the time left")
                 if exact is None:
                     exact_note = " (no MIP backend for the exact fastest plan)"
                 else:
@@ -496,8 +474,8 @@ class Greedy:
                             + (f"; this allocator's own start took {found[1]:.4f} ms"
                                if found is not None else "") + f" (budget {budget:.4f} ms)")
                         found = ("exact fastest", res.ms, list(res.assignment), 0)
-                    if res is not None and not res.proven and found[1] > budget + tol \
-                            and not res.bound_ms > budget + tol:
+                    if res is not None and found is not None and not res.proven \
+                            and found[1] > budget + tol and not res.bound_ms > budget + tol:
                         return _StartFailure("time_limit", g, limit, (
                             f"group {g.name}: the fastest plan found takes {found[1]:.4f} ms "
                             f"against its budget {budget:.4f} ms, but the exact program "
@@ -508,17 +486,11 @@ class Greedy:
                         exact_note = (f" (the exact program, {backend}, found no plan"
                                       + (" that fits memory either" if found is None else "")
                                       + ")")
-                    elif found[0] != "exact fastest":
+                    elif found is not None and found[0] != "exact fastest":
                         exact_note = (f" (the exact fastest plan, {backend}, is no faster: "
-                                      + (f"{res.ms + problem.tail_ms:.3f} ms)" if res.proven
-                                         else f"at least {res.bound_ms + problem.tail_ms:.3f}"
-                                         " ms)"))
+                                      f"{res.bound_ms + problem.tail_ms:.3f} ms at least)")
             if found is None:
                 fits, need, _ = self._fit_memory(lin, gi, deadline, sw)
-                if sw.wall_s > deadline and exact_note == "":
-                    return _StartFailure("time_limit", g, 0.0, (
-                        f"group {g.name}: no memory-feasible start found within "
-                        f"{options.time_limit_s:g} s"))
                 return _StartFailure("memory", g, need, exact_note)
             if found[0] != "exact fastest":
                 messages.append(
@@ -569,8 +541,8 @@ class Greedy:
             # 1. The fastest plan that fits memory, group by group.
             failed = self._start(problem, lin, options, sw, messages)
         if failed is not None and failed.kind == "time_limit":
-            messages.append(f"stopped at the time limit ({options.time_limit_s:g} s) before "
-                            f"a start was found: {failed.note}; not infeasible: give more time")
+            messages.append(f"stopped at the time limit ({options.time_limit_s:g} s) before a "
+                            f"start was found: {failed.note}; not infeasible")
             return finish(problem, self.name, None, status="TIME_LIMIT", mode=mode,
                           options=options, sw=sw, messages=messages, extra_options=extra())
         if failed is not None and failed.kind == "memory":

@@ -135,7 +135,7 @@ def test_greedy_never_runs_past_its_limit(monkeypatch, limit) -> None:
         given.append(time_limit_s)
         return real(problem, backend, time_limit_s, skip)
 
-    monkeypatch.setattr(fastest_mod, "fastest_results", spy)
+    monkeypatch.setattr(fastest_mod, "fastest_results", spy)  # what group_fastest calls
     t0 = time.perf_counter()
     plan, rep = Greedy().solve(prob, SolveOptions(time_limit_s=limit))
     assert time.perf_counter() - t0 < limit + 1.0
