@@ -747,6 +747,8 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
                 refined[i] = _solve_refined_ev(
                     subs[i].retarget(target, source=source), solver, opts, refine, call,
                     first=(f_plan, f_rep, f_ev) if f_rep.status == "OPTIMAL" else None)
+                if refined[i][0] is None:  # no time left to solve it again: the first plan
+                    refined[i] = (f_plan, f_rep, f_ev)
                 out.refined += 1
             plan, report, ev = refined[i]
             if plan is not None and ev is not None:

@@ -54,7 +54,7 @@ from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precisi
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
-from .common import Stopwatch, check_numbers, finish, mode_text
+from .common import Stopwatch, cheap_infeasibility, check_numbers, finish, mode_text
 from .fastest import FastestTimeLimit, group_fastest
 
 log = logging.getLogger(__name__)
@@ -477,11 +477,9 @@ class Greedy:
                     if res is not None and found is not None and not res.proven \
                             and found[1] > budget + tol and not res.bound_ms > budget + tol:
                         return _StartFailure("time_limit", g, limit, (
-                            f"group {g.name}: the fastest plan found takes {found[1]:.4f} ms "
-                            f"against its budget {budget:.4f} ms, but the exact program "
-                            f"({backend}) stopped at the time left ({limit:.3g} s) without "
-                            f"proving its least time (bound {res.bound_ms:.4f} ms): a faster "
-                            "plan may exist"))
+                            f"group {g.name}: the fastest plan found takes {found[1]:.4f} ms, "
+                            f"budget {budget:.4f} ms; {backend} did not prove its least time in "
+                            f"{limit:.3g} s (bound {res.bound_ms:.4f} ms): a faster plan may exist"))
                     if res is None:
                         exact_note = (f" (the exact program, {backend}, found no plan"
                                       + (" that fits memory either" if found is None else "")
@@ -541,10 +539,12 @@ class Greedy:
             # 1. The fastest plan that fits memory, group by group.
             failed = self._start(problem, lin, options, sw, messages)
         if failed is not None and failed.kind == "time_limit":
-            messages.append(f"stopped at the time limit ({options.time_limit_s:g} s) before a "
-                            f"start was found: {failed.note}; not infeasible")
-            return finish(problem, self.name, None, status="TIME_LIMIT", mode=mode,
-                          options=options, sw=sw, messages=messages, extra_options=extra())
+            proof = cheap_infeasibility(problem)  # the least time or memory alone may prove it
+            messages.extend(proof or [f"stopped at the time limit ({options.time_limit_s:g} "
+                                      f"s) before a start was found: {failed.note}"])
+            return finish(problem, self.name, None, status="INFEASIBLE" if proof else
+                          "TIME_LIMIT", mode=mode, options=options, sw=sw, messages=messages,
+                          extra_options=extra())
         if failed is not None and failed.kind == "memory":
             g, need = failed.group, failed.figure
             messages.append(

@@ -145,10 +145,12 @@ def test_greedy_never_runs_past_its_limit(monkeypatch, limit) -> None:
         assert any("no faster" in m or "exact fastest" in m for m in rep.messages)
 
 
-def test_the_joint_split_solves_the_given_split_first(monkeypatch) -> None:
+@pytest.mark.parametrize("first_status", ["OPTIMAL", "FEASIBLE"])
+def test_the_joint_split_solves_the_given_split_first(monkeypatch, first_status) -> None:
     """Building a candidate split's problem takes (fake) time: the given split is built and
     solved before the others, the others only while time is left, and the answer is the
-    given split's plan with a message, not "no plan within the limit"."""
+    given split's plan with a message, not "no plan within the limit" (also when its first
+    solve was not proven and no time is left to solve it again)."""
     prob = _problem(8)
     prob = prob.retarget((prob.target_ms + max(prob.reference_times.values())
                           + prob.tail_ms) / 2)  # the given split has a plan
@@ -164,6 +166,15 @@ def test_the_joint_split_solves_the_given_split_first(monkeypatch) -> None:
         return real_with(self, cluster, options)
 
     monkeypatch.setattr(AllocationProblem, "with_cluster", slow)
+    real_run = solve_mod.run_backend
+
+    def first_run(*args, **kwargs):
+        plan, rep, ev = real_run(*args, **kwargs)
+        if rep.status == "OPTIMAL":
+            rep = rep.model_copy(update={"status": first_status})
+        return plan, rep, ev
+
+    monkeypatch.setattr(solve_mod, "run_backend", first_run)
     own = {g.name: g.batch_per_device or prob.graph.batch_size for g in prob.cluster.groups}
     plan, rep = solve(prob, "highs", SolveOptions(time_limit_s=4.0), joint_split=True,
                       refine=0, compare_ties=False)
