@@ -361,10 +361,11 @@ def precheck(problem: AllocationProblem, check: str = "target", *,
     target; the default one falls back to the lexicographic mode when out of reach).
     Without a PuLP solver only ``"fixed"`` is checked.
     """
-    from .solvers.common import FEAS_REL
+    from .solvers.common import FEAS_REL, check_resolution
 
     if check not in PRECHECKS:
         raise QsyncInputError(f"check: expected one of {', '.join(PRECHECKS)}, got {check!r}")
+    check_resolution(problem)  # costs no makespan can resolve: refused, not "no plan"
     rep = problem.replayer
     fixed_lines = []
     for gi, g in enumerate(problem.groups):

@@ -65,11 +65,11 @@ class FrontierPoint:
 
 def target_range(problem: AllocationProblem) -> tuple[float, float]:
     """(smallest reachable makespan, all-reference makespan) of the linear model."""
-    from .solve import reachable_ms
+    from .solve import InfeasibleError, reachable_ms
 
     lo = reachable_ms(problem)
-    if lo is None:
-        raise QsyncInputError("frontier: no plan fits memory; see `qsync-opt solve` for why")
+    if lo is None:  # infeasible, not bad input (its own exit code in the CLI)
+        raise InfeasibleError("frontier: no plan fits memory; see `qsync-opt solve` for why")
     hi = problem.makespan_ms(problem.reference_assignment())
     return lo, max(hi, lo * 1.05)
 

@@ -192,6 +192,7 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
     if refine < 0:
         raise QsyncInputError(f"refine: expected a non-negative number of rounds, got {refine}")
     call = _Call.start(opts)
+    common.check_numbers(problem)  # every backend and mode refuses the same numbers
     if mode == "budget":
         if degradation_budget is None or not degradation_budget >= 0:
             raise QsyncInputError("degradation_budget: the budget mode needs a number >= 0")
@@ -573,20 +574,12 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
     for extra in extra_splits:
         if extra not in splits:
             splits.append(dict(extra))
-    fixed_opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": problem.target_ms,
-                                   "strong_groups": None})
-    subs: list[AllocationProblem] = []
-    for split in splits:
-        key = tuple(sorted(split.items()))
-        sub = problem.split_cache.get(key)
-        if sub is None:
-            sub = problem.split_cache[key] = problem.with_cluster(
-                _split_cluster(problem, split), fixed_opts)
-        subs.append(sub)
     target, source = problem.target_ms, problem.target_source
+    splits, subs, pre, unbuilt = _joint_candidates(problem, solver, opts, splits, target,
+                                                   source, call)
     bounds = _bounds(problem, subs, solver, opts, target)
     attempt = _joint_attempt(problem, solver, opts, refine, splits, subs, target, source, call,
-                             bounds, progress)
+                             bounds, progress, pre)
     lexi = None
     if (not attempt.results and not attempt.timed_out and mode == "auto"
             and problem.options.target_ms is None and _backend(solver).exact):
@@ -621,7 +614,9 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
     split, plan, report, ev = min(attempt.results, key=lambda r: (r[3].objective,
                                                                   r[3].replay_makespan_ms))
     at_own = next((r[0] for r in attempt.first if r[1] == own), None)
-    msgs = [f"joint batch split: {len(splits)} candidate splits (global batch "
+    msgs = [*([f"joint batch split: the given split solved first; {unbuilt} other "
+               "candidate split(s) not built: the time limit ran out"] if unbuilt else []),
+            f"joint batch split: {len(splits)} candidate splits (global batch "
             f"{problem.global_batch}): {attempt.solved} solved, {len(attempt.first)} with a "
             f"plan, {attempt.proven_infeasible} without one by their floors or LP "
             f"relaxations, {attempt.bounded} skipped (bounded above the best; "
@@ -642,6 +637,43 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
     plan = plan.model_copy(update={"provenance": {
         **plan.provenance, "joint_split": True, "candidate_splits": len(splits)}})
     return plan, report
+
+
+def _joint_candidates(problem: AllocationProblem, solver: str, opts: SolveOptions,
+                      splits: list[dict[str, int]], target: float, source: str, call: _Call
+                      ) -> tuple[list[dict[str, int]], list[AllocationProblem],
+                                 dict[int, tuple[Plan | None, SolveReport, Evaluation | None]],
+                                 int]:
+    """The candidates' problems, the given split's first: it is built and solved (with up
+    to half the time left) before the others are built, and the others are built only while
+    time is left (building them all takes seconds on a large model). Returns the candidates
+    built, their problems, the given split's first solve by its index, and how many
+    candidates were not built."""
+    fixed_opts = ProblemOptions(**{**problem.options.to_json(), "target_ms": problem.target_ms,
+                                   "strong_groups": None})
+
+    def make(split: dict[str, int]) -> AllocationProblem:
+        key = tuple(sorted(split.items()))
+        sub = problem.split_cache.get(key)
+        if sub is None:
+            sub = problem.split_cache[key] = problem.with_cluster(
+                _split_cluster(problem, split), fixed_opts)
+        return sub
+
+    own = {g.name: int(g.batch_per_device or problem.graph.batch_size)
+           for g in problem.cluster.groups}
+    own_i = splits.index(own) if own in splits else 0
+    built: dict[int, AllocationProblem] = {own_i: make(splits[own_i])}
+    first = run_backend(built[own_i].retarget(target, source=source), solver, opts,
+                        call.child(call.deadline.remaining() / 2))
+    for i, split in enumerate(splits):
+        if i not in built:
+            if call.deadline.expired():
+                break
+            built[i] = make(split)
+    keep = sorted(built)
+    return ([splits[i] for i in keep], [built[i] for i in keep], {keep.index(own_i): first},
+            len(splits) - len(keep))
 
 
 @dataclasses.dataclass
@@ -670,8 +702,9 @@ def _parts(sub: AllocationProblem, plan: Plan) -> list[float]:
 
 def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
                    splits: list[dict[str, int]], subs: list[AllocationProblem], target: float,
-                   source: str, call: _Call, bounds: SplitBounds, progress: bool = False
-                   ) -> _JointAttempt:
+                   source: str, call: _Call, bounds: SplitBounds, progress: bool = False,
+                   pre: dict[int, tuple[Plan | None, SolveReport, Evaluation | None]]
+                   | None = None) -> _JointAttempt:
     """The best copy, exactly, solving as few copies as the bounds allow.
 
     The reference procedure solves every copy once without refinement, then refines them
@@ -683,8 +716,10 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
     first among equal bounds (a bisection of the split axis), the given split first; a copy
     whose floors prove it has no plan is not solved. Every skipped copy's objective is
     above the best refined one, which the reference procedure would have kept as well, so
-    the result is the same plan."""
+    the result is the same plan. ``pre``: candidates already solved once at this target
+    (the given split, solved before the others were built), not solved again."""
     out = _JointAttempt(first=[], results=[])
+    pre = dict(pre or {})
     own = next((i for i, sp in enumerate(splits)
                 if sp == {g.name: int(g.batch_per_device or problem.graph.batch_size)
                           for g in problem.cluster.groups}), 0)
@@ -712,6 +747,8 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
                 refined[i] = _solve_refined_ev(
                     subs[i].retarget(target, source=source), solver, opts, refine, call,
                     first=(f_plan, f_rep, f_ev) if f_rep.status == "OPTIMAL" else None)
+                if refined[i][0] is None:  # no time left to solve it again: the first plan
+                    refined[i] = (f_plan, f_rep, f_ev)
                 out.refined += 1
             plan, report, ev = refined[i]
             if plan is not None and ev is not None:
@@ -738,26 +775,14 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
             out.bounded += len(left)
             break
         left.discard(i)
-        if bounds.proven_infeasible(i):
-            out.proven_infeasible += 1
-            bounds.record(i, None)
-            continue
         sub = subs[i].retarget(target, source=source)
-        if bounds.enabled:  # the LP relaxation first: it may prove the copy cannot win
-            relaxed = [relaxation_bound(sub, [gi], dataclasses.replace(
-                opts, time_limit_s=max(call.deadline.share(len(left) + 1), 1e-3)))
-                for gi in range(len(sub.groups))]
-            if all(st != "UNKNOWN" for st, _ in relaxed):
-                out.relaxed += 1
-                bounds.record_relaxed(i, [v if st == "OPTIMAL" else None for st, v in relaxed])
-                if bounds.proven_infeasible(i):
-                    out.proven_infeasible += 1
-                    continue
-                if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
-                    out.bounded += 1
-                    continue
-        plan, report, ev = run_backend(sub, solver, opts,
-                                       call.child(call.deadline.share(len(left) + 1)))
+        if i in pre:  # solved before the other candidates were built
+            plan, report, ev = pre.pop(i)
+        else:
+            got = _joint_first(sub, i, solver, opts, call, bounds, out, len(left), best)
+            if got is None:
+                continue
+            plan, report, ev = got
         solved.append(i)
         out.solved += 1
         out.n_vars += report.n_variables
@@ -775,6 +800,31 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
     bar.update(len(splits), note=f"{out.solved} solved")
     bar.close()
     return out
+
+
+def _joint_first(sub: AllocationProblem, i: int, solver: str, opts: SolveOptions, call: _Call,
+                 bounds: SplitBounds, out: _JointAttempt, n_left: int, best: float
+                 ) -> tuple[Plan | None, SolveReport, Evaluation | None] | None:
+    """Candidate ``i``'s first solve (``sub``: its problem at this target), or None when its
+    floors or its groups' LP relaxations prove it has no plan or cannot beat ``best`` (the
+    counts go to ``out``)."""
+    if bounds.proven_infeasible(i):
+        out.proven_infeasible += 1
+        bounds.record(i, None)
+        return None
+    if bounds.enabled:  # the LP relaxation first: it may prove the copy cannot win
+        relaxed = [relaxation_bound(sub, [gi], opts.with_time_left(
+            max(call.deadline.share(n_left + 1), 1e-3))) for gi in range(len(sub.groups))]
+        if all(st != "UNKNOWN" for st, _ in relaxed):
+            out.relaxed += 1
+            bounds.record_relaxed(i, [v if st == "OPTIMAL" else None for st, v in relaxed])
+            if bounds.proven_infeasible(i):
+                out.proven_infeasible += 1
+                return None
+            if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
+                out.bounded += 1
+                return None
+    return run_backend(sub, solver, opts, call.child(call.deadline.share(n_left + 1)))
 
 
 def _tie_note(problem: AllocationProblem, solver: str, opts: SolveOptions, plan: Plan,
@@ -829,7 +879,7 @@ def run_backend(problem: AllocationProblem, solver: str, options: SolveOptions,
                 options=options.to_json(),
                 messages=[f"not run: the time limit of the whole solve "
                           f"({call.limit_s:g} s) was spent"]), None
-        options = dataclasses.replace(options, time_limit_s=left)
+        options = options.with_time_left(left)
     plan, report = backend.solve(problem, options)
     if plan is None:
         return None, report, None

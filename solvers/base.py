@@ -4,6 +4,7 @@ registry that imports them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -33,9 +34,24 @@ class SolveOptions:
     acceptance: str = "replayer"
     decompose: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The limit the caller asked for, kept when a solve inside a call is given only what
+    #: remains (:meth:`with_time_left`); None: ``time_limit_s`` is the one asked for. The
+    #: plan and the report record the limit asked for, so identical inputs give identical
+    #: plan bytes (the time used is the report's ``wall_s``).
+    asked_time_limit_s: float | None = None
+
+    @property
+    def asked_limit_s(self) -> float:
+        return (self.asked_time_limit_s if self.asked_time_limit_s is not None
+                else self.time_limit_s)
+
+    def with_time_left(self, seconds: float) -> SolveOptions:
+        """These options with ``seconds`` to run, the limit asked for kept."""
+        return dataclasses.replace(self, time_limit_s=seconds,
+                                   asked_time_limit_s=self.asked_limit_s)
 
     def to_json(self) -> dict[str, Any]:
-        return {"time_limit_s": self.time_limit_s, "threads": self.threads, "seed": self.seed,
+        return {"time_limit_s": self.asked_limit_s, "threads": self.threads, "seed": self.seed,
                 "rel_gap": self.rel_gap, "warm_start": self.warm_start,
                 "acceptance": self.acceptance, "decompose": self.decompose,
                 "hints": self.hints is not None}

@@ -56,9 +56,7 @@ class Deadline:
 
     def options(self, options: SolveOptions, share: int = 1) -> SolveOptions:
         """``options`` with the time limit cut to this deadline's share."""
-        import dataclasses
-
-        return dataclasses.replace(options, time_limit_s=self.share(share))
+        return options.with_time_left(self.share(share))
 
 
 def objective_scale(problem: AllocationProblem) -> tuple[float, float, float]:
@@ -394,7 +392,7 @@ def finish(
     if plan is None and assignment is not None:
         plan = problem.make_plan(assignment, {
             "solver": solver, "status": status, "objective": objective, "bound": bound,
-            "gap": gap, "wall_s": report.wall_s, "mode": mode,
+            "gap": gap, "mode": mode,
             **{f"option.{k}": v for k, v in clean.items()}})
     return plan, report
 
@@ -433,6 +431,40 @@ def time_lower_bound(g: GroupModel) -> float:
             + sum(min(min(row) for row in p.time) for p in g.pairs))
 
 
+def memory_lower_bound(g: GroupModel) -> float:
+    """A cheap lower bound on the group's memory (each term at its minimum)."""
+    return (g.mem0 + sum(min(r) for r in g.mem1 if r)
+            + sum(min(min(row) for row in p.mem) for p in g.pairs)
+            + max([g.work0] + [min(r) for r in g.work1 if r]))
+
+
+#: A cheap proof of no plan must exceed the budget or capacity by this relative margin
+#: (far above every backend's feasibility tolerance, ``FEAS_REL``).
+PROOF_REL = 1e-6
+
+
+def cheap_infeasibility(problem: AllocationProblem, gis: Sequence[int] | None = None
+                        ) -> list[str]:
+    """Why no plan exists, from the groups' least possible time and memory alone (each term
+    at its minimum, beyond the budget or capacity by :data:`PROOF_REL`); [] when that
+    proves nothing. A proof for every backend: no assignment goes below these bounds, so
+    no backend may call such a problem anything but infeasible (and none needs to scale
+    costs far above a tiny budget to find out)."""
+    budget = problem.group_budget_ms()
+    out = []
+    for gi in range(len(problem.groups)) if gis is None else gis:
+        g = problem.groups[gi]
+        lb = time_lower_bound(g)
+        if lb > budget + PROOF_REL * max(abs(budget), abs(lb)):
+            out.append(f"group {g.name}: infeasible, even its fastest choices take at least "
+                       f"{lb:.6g} ms > budget {budget:.6g} ms")
+        mb = memory_lower_bound(g)
+        if mb > g.capacity_bytes + PROOF_REL * max(abs(g.capacity_bytes), abs(mb)):
+            out.append(f"group {g.name}: infeasible, even its least-memory choices need at "
+                       f"least {mb:.6g} B > capacity {g.capacity_bytes:.6g} B")
+    return out
+
+
 def infeasible_messages(problem: AllocationProblem, gis: Sequence[int], budget: float) -> list[str]:
     """For groups whose cheapest choices alone exceed the time budget, say so."""
     out = []
@@ -453,6 +485,26 @@ def check_numbers(problem: AllocationProblem) -> None:
     if not math.isfinite(budget):
         raise QsyncInputError(f"target_ms: expected a finite number, got {problem.target_ms!r} "
                               f"(group budget {budget!r} ms)")
+    check_resolution(problem)
+
+
+def check_resolution(problem: AllocationProblem) -> None:
+    """Refuse, in one line, costs so extreme that the makespan cannot resolve the compute:
+    every makespan is a group's compute plus the tail (last bucket's all-reduce and the
+    optimizer), and the budget is the target less the tail; once one unit in the last place
+    of the tail exceeds ``FEAS_REL`` of the groups' compute, the compute is lost in that sum
+    (a 1e300 ms bucket makes every target's budget 0 while every makespan equals the
+    target), and no backend can decide the problem. Finite is not enough."""
+    tail = abs(problem.tail_ms)
+    compute = max((time_lower_bound(g) for g in problem.groups), default=0.0)
+    if compute > 0 and math.ulp(tail) > FEAS_REL * compute:
+        raise QsyncInputError(
+            f"costs: the makespan's tail (last bucket's all-reduce {problem.bucket_tail_ms:.6g} "
+            f"ms plus the optimizer {problem.optimizer_ms:.6g} ms) is too large beside the "
+            f"groups' compute (at least {compute:.6g} ms): one unit in the last place of it is "
+            f"{math.ulp(tail):.3g} ms, more than {FEAS_REL:g} of the compute, so no makespan "
+            "can resolve the compute; expected bucket and optimizer times of the size of the "
+            "compute (check the costs file)")
 
 
 def exact_violation(g: GroupModel, a: Sequence[int], budget: float, rel: float = FEAS_REL

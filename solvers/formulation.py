@@ -74,6 +74,59 @@ def work_rows(g: GroupModel) -> list[int]:
     return [u for u, row in enumerate(g.work1) if row and max(row) > g.work0]
 
 
+#: A choice is left out as hopeless only when it exceeds the budget or capacity by this
+#: relative margin over every assignment (far above every backend's tolerance).
+HOPELESS_REL = 1e-6
+
+
+@dataclass(frozen=True)
+class Hopeless:
+    """What no feasible assignment of a group takes (each alone, with every other term at
+    its least, exceeds the budget or the capacity): (unit, choice) pairs, (pair, choice a,
+    choice b) combinations. They are fixed to 0 with coefficient 0, so an extreme but
+    finite cost (1e300 ms) never reaches a solver's numerics or CP-SAT's integers, and the
+    feasible set is the same."""
+
+    units: frozenset[tuple[int, int]]
+    pairs: frozenset[tuple[int, int, int]]
+
+
+def hopeless_choices(g: GroupModel, budget: float | None) -> Hopeless:
+    """The group's hopeless choices against its time ``budget`` (None: no time row) and its
+    capacity (see :class:`Hopeless`)."""
+    pis = active_pairs(g)
+    units: set[tuple[int, int]] = set()
+    pairs: set[tuple[int, int, int]] = set()
+
+    def mark(bound: float, low: float, rows: Sequence[Sequence[float]],
+             pair_rows: Sequence[Sequence[Sequence[float]]]) -> None:
+        slack = bound - low + HOPELESS_REL * max(abs(bound), abs(low))
+        for u, row in enumerate(rows):
+            least = min(row, default=0.0)
+            units.update((u, k) for k, v in enumerate(row) if v - least > slack)
+        for pi, m in zip(pis, pair_rows, strict=True):
+            least = min((v for r in m for v in r), default=0.0)
+            pairs.update((pi, ka, kb) for ka, r in enumerate(m) for kb, v in enumerate(r)
+                         if v - least > slack)
+
+    def least(rows: Sequence[Sequence[float]], pair_rows: Sequence[Sequence[Sequence[float]]]
+              ) -> float:
+        return (sum(min(r) for r in rows if r)
+                + sum(min((v for r in m for v in r), default=0.0) for m in pair_rows))
+
+    if budget is not None:
+        pt = [g.pairs[pi].time for pi in pis]
+        mark(budget, g.time0 + least(g.time1, pt), g.time1, pt)
+    pm = [g.pairs[pi].mem for pi in pis]
+    summed = g.mem0 + least(g.mem1, pm)
+    work = max([g.work0] + [min(r) for r in g.work1 if r])
+    mark(g.capacity_bytes, summed + work, g.mem1, pm)
+    slack = g.capacity_bytes - summed + HOPELESS_REL * max(abs(g.capacity_bytes), abs(summed))
+    units.update((u, k) for u, row in enumerate(g.work1) for k, v in enumerate(row)
+                 if v > slack)
+    return Hopeless(frozenset(units), frozenset(pairs))
+
+
 def row_scale(v: float) -> float:
     """The normalising scale of a row bounded by ``v`` (1 for a bound of ~0)."""
     return abs(v) if abs(v) > 1e-300 else 1.0
@@ -231,14 +284,17 @@ def add_group(form: Formulation, g: GroupModel, gi: int, budget: float,
     mem_terms: list[tuple[int, float]] = []
     n_real = len(g.choices)
     ext = ext_choices(g)
+    hope = hopeless_choices(g, budget if objective == "degradation" else None)
+    forbid = forbid | hope.units
     for u, ch in enumerate(ext):
         row = [form._var(f"x{gi}_{u}_{k}", "binary", 0.0, 0.0 if (u, k) in forbid else 1.0)
                for k in range(len(ch))]
         x.append(row)
         t1, m1 = g.time1[u], g.mem1[u]
         for k, v in enumerate(row):
-            time_terms.append((v, t1[k]))
-            mem_terms.append((v, m1[k]))
+            out = (u, k) in hope.units  # fixed to 0: its coefficient need not be carried
+            time_terms.append((v, 0.0 if out else t1[k]))
+            mem_terms.append((v, 0.0 if out else m1[k]))
         if objective == "degradation" and u < n_real:
             obj.terms.extend((v, g.weight * om) for v, om in zip(row, g.omega1[u], strict=True))
     for u, row in enumerate(x):
@@ -258,14 +314,16 @@ def add_group(form: Formulation, g: GroupModel, gi: int, budget: float,
     for pi in active_pairs(g):
         p = g.pairs[pi]
         xa, xb = x[p.a], x[p.b]
-        y = [[form._var(f"y{gi}_{pi}_{ka}_{kb}", "continuous", 0.0, None)
+        y = [[form._var(f"y{gi}_{pi}_{ka}_{kb}", "continuous", 0.0,
+                        0.0 if (pi, ka, kb) in hope.pairs else None)
               for kb in range(len(xb))] for ka in range(len(xa))]
         for ka, yrow in enumerate(y):
             rows.append(form._row("pair_a", f"ma{gi}_{pi}_{ka}",
                                   [(v, 1.0) for v in yrow] + [(xa[ka], -1.0)], "==", 0.0, bi))
             for kb, v in enumerate(yrow):
-                pair_time.append((v, p.time[ka][kb]))
-                pair_mem.append((v, p.mem[ka][kb]))
+                out = (pi, ka, kb) in hope.pairs
+                pair_time.append((v, 0.0 if out else p.time[ka][kb]))
+                pair_mem.append((v, 0.0 if out else p.mem[ka][kb]))
         for kb in range(len(xb)):
             rows.append(form._row("pair_b", f"mb{gi}_{pi}_{kb}",
                                   [(y[ka][kb], 1.0) for ka in range(len(xa))] + [(xb[kb], -1.0)],
@@ -275,7 +333,8 @@ def add_group(form: Formulation, g: GroupModel, gi: int, budget: float,
     mem_terms += pair_mem
     w = form._var(f"w{gi}", "continuous", g.work0, None, unit=ms)
     for u in work_rows(g):
-        terms = [(v, -g.work1[u][k]) for k, v in enumerate(x[u])]
+        terms = [(v, 0.0 if (u, k) in hope.units else -g.work1[u][k])
+                 for k, v in enumerate(x[u])]
         terms.append((w, 1.0))
         rows.append(form._row("working_set", f"w{gi}_{u}", terms, ">=", 0.0, bi, scale=ms))
     mem_terms.append((w, 1.0))

@@ -54,7 +54,8 @@ from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precisi
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
-from .common import Stopwatch, finish, mode_text
+from .common import Stopwatch, cheap_infeasibility, check_numbers, finish, mode_text
+from .fastest import FastestTimeLimit, group_fastest
 
 log = logging.getLogger(__name__)
 
@@ -314,8 +315,8 @@ Acceptance = LinearAcceptance | ReplayAcceptance
 
 
 class _StartFailure(NamedTuple):
-    """Why no start exists: ``kind`` "memory" (``figure``: the smallest bytes found) or
-    "time" (``figure``: the fastest makespan found, ms) on ``group``."""
+    """Why no start exists: ``kind`` "memory" (``figure``: the smallest bytes found), "time"
+    (the fastest makespan found, ms) or "time_limit" (none found in time) on ``group``."""
 
     kind: str
     group: GroupModel
@@ -351,13 +352,16 @@ class Greedy:
         return out
 
     @staticmethod
-    def _fit_memory(lin: LinearState, gi: int) -> tuple[bool, float, int]:
+    def _fit_memory(lin: LinearState, gi: int, deadline: float = float("inf"),
+                    sw: Stopwatch | None = None) -> tuple[bool, float, int]:
         """Move units of group gi to lower-memory choices, largest saving first, until the
-        group fits (the linear memory, which the replayer's never exceeds). Returns (fits,
-        bytes, moves)."""
+        group fits (the linear memory, which the replayer's never exceeds) or ``sw.wall_s``
+        passes ``deadline``. Returns (fits, bytes, moves)."""
         g = lin.groups[gi]
         moves = 0
         while lin.memory(gi) > g.capacity_bytes * (1 + REL_TOL):
+            if sw is not None and sw.wall_s > deadline:
+                return False, lin.memory(gi), moves
             now = lin.memory(gi)
             best: tuple[float, int, int] | None = None
             for u, ch in enumerate(g.choices):
@@ -424,7 +428,9 @@ class Greedy:
         best: tuple[str, float, list[int], int] | None = None
         for name, a in cands:
             lin.load(gi, a)
-            fits, _, fit_moves = self._fit_memory(lin, gi)
+            fits, _, fit_moves = self._fit_memory(lin, gi, deadline, sw)
+            if sw.wall_s > deadline and best is not None:
+                break
             if not fits:
                 continue
             self._descend(lin, gi, deadline, sw)
@@ -436,27 +442,12 @@ class Greedy:
             lin.load(gi, best[2])
         return best
 
-    @staticmethod
-    def _exact_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
-                       ) -> tuple[str, tuple[float, list[int]] | None] | None:
-        """Group gi's least time under its memory by the exact program (HiGHS, else CBC):
-        (backend, (ms, assignment) or None when nothing fits), or None with no backend."""
-        from .fastest import fastest_plans
-        from .pulp_model import available
-
-        others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)
-        for backend in ("highs", "cbc"):
-            if available(backend):
-                found = fastest_plans(problem, backend, max(time_limit_s, 1.0), skip=others)
-                return backend, found[problem.groups[gi].name]
-        return None
-
     def _start(self, problem: AllocationProblem, lin: LinearState, options: SolveOptions,
                sw: Stopwatch, messages: list[str]) -> _StartFailure | None:
         """Set ``lin`` to the start: per group the fastest plan that fits memory, found by
         :meth:`_start_group` and, where that misses the group's time budget or memory, by
         the exact program. None when every group has a start within its budget; else what
-        failed."""
+        failed (an unproven exact result never proves there is none: "time_limit")."""
         budget = problem.group_budget_ms()
         tol = REL_TOL * problem.target_ms
         deadline = options.time_limit_s
@@ -464,29 +455,40 @@ class Greedy:
             found = self._start_group(lin, gi, deadline, sw)
             exact_note = ""
             if found is None or found[1] > budget + tol:
-                limit = max(1.0, options.time_limit_s - sw.wall_s)
-                exact = self._exact_fastest(problem, gi, limit)
+                limit = options.time_limit_s - sw.wall_s
+                try:
+                    exact = group_fastest(problem, gi, limit)
+                except FastestTimeLimit:
+                    return _StartFailure("time_limit", g, 0.0, f"the exact fastest plan of "
+                                         f"group {g.name} was not found in the time left")
                 if exact is None:
                     exact_note = " (no MIP backend for the exact fastest plan)"
                 else:
                     backend, res = exact
-                    if res is not None and (found is None or res[0] < found[1]):
-                        lin.load(gi, res[1])
+                    if res is not None and (found is None or res.ms < found[1]):
+                        lin.load(gi, res.assignment)
                         messages.append(
                             f"start: group {g.name}: the exact fastest plan ({backend}, least "
-                            f"time under memory), {res[0]:.4f} ms"
+                            f"time under memory{'' if res.proven else ', not proven'}), "
+                            f"{res.ms:.4f} ms"
                             + (f"; this allocator's own start took {found[1]:.4f} ms"
                                if found is not None else "") + f" (budget {budget:.4f} ms)")
-                        found = ("exact fastest", res[0], list(res[1]), 0)
-                    elif res is None:
+                        found = ("exact fastest", res.ms, list(res.assignment), 0)
+                    if res is not None and found is not None and not res.proven \
+                            and found[1] > budget + tol and not res.bound_ms > budget + tol:
+                        return _StartFailure("time_limit", g, limit, (
+                            f"group {g.name}: the fastest plan found takes {found[1]:.4f} ms, "
+                            f"budget {budget:.4f} ms; {backend} did not prove its least time in "
+                            f"{limit:.3g} s (bound {res.bound_ms:.4f} ms): a faster plan may exist"))
+                    if res is None:
                         exact_note = (f" (the exact program, {backend}, found no plan"
                                       + (" that fits memory either" if found is None else "")
-                                      + f" within {limit:.0f} s)")
-                    else:
+                                      + ")")
+                    elif found is not None and found[0] != "exact fastest":
                         exact_note = (f" (the exact fastest plan, {backend}, is no faster: "
-                                      f"{res[0] + problem.tail_ms:.3f} ms)")
+                                      f"{res.bound_ms + problem.tail_ms:.3f} ms at least)")
             if found is None:
-                fits, need, _ = self._fit_memory(lin, gi)
+                fits, need, _ = self._fit_memory(lin, gi, deadline, sw)
                 return _StartFailure("memory", g, need, exact_note)
             if found[0] != "exact fastest":
                 messages.append(
@@ -505,6 +507,7 @@ class Greedy:
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
         mode = mode_text(problem)
+        check_numbers(problem)
         if options.acceptance not in ACCEPTANCES:
             raise QsyncInputError(
                 f"acceptance: expected {' or '.join(ACCEPTANCES)}, got {options.acceptance!r}")
@@ -535,6 +538,13 @@ class Greedy:
         with sw.solving():
             # 1. The fastest plan that fits memory, group by group.
             failed = self._start(problem, lin, options, sw, messages)
+        if failed is not None and failed.kind == "time_limit":
+            proof = cheap_infeasibility(problem)  # the least time or memory alone may prove it
+            messages.extend(proof or [f"stopped at the time limit ({options.time_limit_s:g} "
+                                      f"s) before a start was found: {failed.note}"])
+            return finish(problem, self.name, None, status="INFEASIBLE" if proof else
+                          "TIME_LIMIT", mode=mode, options=options, sw=sw, messages=messages,
+                          extra_options=extra())
         if failed is not None and failed.kind == "memory":
             g, need = failed.group, failed.figure
             messages.append(

@@ -284,17 +284,19 @@ def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float 
 
 
 def set_start(prog: PulpProgram, hints: Mapping[str, Sequence[int]]) -> None:
-    """The variables' initial values at the given choices (a warm start)."""
+    """The variables' initial values at the given choices (a warm start; a hint that takes
+    a choice fixed to 0, a hopeless one, is passed as given: the solver discards a start
+    that breaks a bound)."""
     point = prog.form.point(hints)
     for pg in prog.groups:
         b = pg.block
         for row, vs in zip(b.x, pg.x, strict=True):
             for i, v in zip(row, vs, strict=True):
-                v.setInitialValue(int(point[i]))
+                v.setInitialValue(int(point[i]), check=False)
         for (_, y), (_, yv) in zip(b.pairs, pg.pairs, strict=True):
             for yrow, vrow in zip(y, yv, strict=True):
                 for i, v in zip(yrow, vrow, strict=True):
-                    v.setInitialValue(int(point[i]))
+                    v.setInitialValue(int(point[i]), check=False)
         pg.w.setInitialValue(point[b.w] / pg.mem_scale, check=False)
 
 

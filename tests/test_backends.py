@@ -236,7 +236,9 @@ def test_the_translations_carry_every_row() -> None:
     sc = scaling_for(prob)
     ints = {b.gi: integer_group(form, b, sc)[0] for b in form.blocks}
     model, _, nv, nc = CpSat()._build(cp_model, prob, range(len(prob.groups)), ints, None)
-    assert nv == form.n_variables and nc == form.n_constraints  # nothing forbidden here
+    # one equality per variable fixed to 0 (a forbidden or hopeless choice) besides the rows
+    fixed = sum(v.ub == 0.0 for v in form.variables)
+    assert nv == form.n_variables and nc == form.n_constraints + fixed
     assert len(model.proto.constraints) == nc
     assert len(model.proto.variables) == nv
     assert all(math.isfinite(v) for v in (sc.time_unit_ms, sc.mem_unit_bytes,

@@ -236,7 +236,7 @@ def test_gpt2_xl_on_t4s_is_explained_without_running_the_model(capsys, tmp_path,
     code, out, err = run(capsys, "solve", "--model", "gpt2_xl", "--cluster", "h100x8+t4x8",
                          "--solver", "highs", "--out", str(tmp_path / "p.json"))
     lines = err.splitlines()
-    assert code == 2 and "Traceback" not in err and out == ""
+    assert code == 3 and "Traceback" not in err and out == ""  # infeasible: exit 3
     assert lines[0] == ("qsync-opt: error: no plan, found before computing the qsync "
                         "indicator (no model was run)")
     assert lines[1].startswith("  t4 (t4): 17.95 GiB fixed (fp32 weights, gradients, "
@@ -248,13 +248,13 @@ def test_gpt2_xl_on_t4s_is_explained_without_running_the_model(capsys, tmp_path,
 def test_memory_infeasible_split_is_explained_before_the_indicator(capsys, tmp_path,
                                                                    monkeypatch) -> None:
     """The same class at a small cost: ResNet-50 with 400 samples per T4 (no plan fits 15
-    GiB) exits 2 with the diagnosis and runs no model; the joint split, which may move
-    samples off the T4s, checks only the fixed memory and goes on to the indicator."""
+    GiB) exits 3 (infeasible) with the diagnosis and runs no model; the joint split, which
+    may move samples off the T4s, checks only the fixed memory and goes on to the indicator."""
     _no_indicator(monkeypatch)
     argv = ("solve", "--model", "resnet50", "--cluster", "v100x16@64+t4x16@400",
             "--solver", "highs", "--out", str(tmp_path / "p.json"))
     code, _, err = run(capsys, *argv)
-    assert code == 2 and "Traceback" not in err
+    assert code == 3 and "Traceback" not in err
     assert err.splitlines()[0].endswith("found before computing the qsync indicator "
                                         "(no model was run)")
     assert "t4 (t4): needs" in err and "at its least-memory plan, has 15.0 GiB" in err
@@ -299,7 +299,7 @@ def test_infeasible_target_says_what_would_work(capsys, tmp_path) -> None:
     code, _, err = run(capsys, "solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
                        "--method", "random", "--target-ms", "0.0001",
                        "--out", str(tmp_path / "p.json"))
-    assert code == 2 and "no plan" in err.splitlines()[0]
+    assert code == 3 and "no plan" in err.splitlines()[0]
     assert "fastest makespan reachable" in err and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
 

@@ -6,8 +6,9 @@ each instance x solver the test solves (or compares, for the baselines) with the
 and a ``random_indicator(graph, seed)`` (the real indicator needs real batches and
 minutes), and checks:
 
-- the plan's JSON (``qsync_opt.io.to_json``), with the timing fields below removed, is
-  byte-for-byte the golden file's ``plan``;
+- the plan's JSON (``qsync_opt.io.to_json``) is byte-for-byte the golden file's ``plan``
+  (a plan holds no timing: the limit it records is the one asked for, the time used is
+  the report's ``wall_s``);
 - the SolveReport's ``status``, ``objective`` and ``mode`` are the golden file's ``report``.
 
 Regenerate after an intended change (and review the diff of ``tests/golden/``)::
@@ -27,8 +28,8 @@ runs one worker when a program has at most ``SMALL_PROGRAM_VARS`` variables (the
 ``_check_cpsat_single_worker`` fails (naming the instance) if an instance ever needs
 several workers; such an instance would compare only status, objective and mode.
 
-What may legitimately differ from run to run, and only that, is stripped (the exact keys,
-never a pattern): see :data:`TIMING_PROVENANCE`. Version strings: a Plan carries none of
+Nothing is stripped: identical inputs give identical plan bytes
+(``test_two_solves_give_identical_bytes``). Version strings: a Plan carries none of
 the library's or torch's version (only its own ``schema_version``, which is the layout
 and belongs to the golden); if one is ever added it belongs in :data:`VERSION_PROVENANCE`
 (an upgrade changes it, not a refactor).
@@ -47,11 +48,6 @@ import pytest
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("QSYNC_REGEN_GOLDEN") == "1"
 
-#: Provenance keys that are measured, not decided: the backend's wall time, and the time
-#: limit the backend got, which is what remained of the whole call's limit when it started
-#: (``solve._run`` passes ``deadline.remaining()``), so it depends on how long the steps
-#: before it took.
-TIMING_PROVENANCE = ("wall_s", "option.time_limit_s")
 #: Provenance keys naming library or dependency versions (none today; see the docstring).
 VERSION_PROVENANCE: tuple[str, ...] = ()
 
@@ -169,7 +165,7 @@ def _record(case: str, spec: tuple[str, str, str, dict[str, Any]]) -> str:
     if report is not None and "cpsat" in solver:
         _check_cpsat_single_worker(case, report)
     doc = None if plan is None else json.loads(io.to_json(plan))
-    for key in (*TIMING_PROVENANCE, *VERSION_PROVENANCE):
+    for key in VERSION_PROVENANCE:
         if doc is not None:
             doc["provenance"].pop(key, None)
     verdict = None if report is None else {
@@ -221,7 +217,7 @@ def _check(case: str, spec: tuple[str, str, str, dict[str, Any]], golden_dir: Pa
         found = _first_differences(json.loads(golden), json.loads(text), limit=200)
         ops = [d for d in found if d.startswith("group ")]  # precisions first
         diffs = ops[:8] + [d for d in found if not d.startswith("group ")][:6]
-        pytest.fail(f"{case}: the plan differs from {path.name} (timings excluded); first "
+        pytest.fail(f"{case}: the plan differs from {path.name}; first "
                     "differences:\n  " + "\n  ".join(diffs or ["(formatting only: same data)"])
                     + "\nan intended change: QSYNC_REGEN_GOLDEN=1 and review tests/golden/")
 
@@ -245,19 +241,29 @@ def test_repeat_is_identical(case: str) -> None:
     assert _record(case, CASES[case]) == _record(case, CASES[case])
 
 
-def test_stripped_fields_are_timings() -> None:
-    """The stripped keys are the only ones that differ between two solves of one problem
-    whose timing differs (a later start leaves less of the limit), and they are there to
-    strip: a renamed timing field fails here instead of failing the golden files."""
+@pytest.mark.parametrize("solver", ["highs", "cpsat", "greedy"])
+def test_two_solves_give_identical_bytes(solver: str) -> None:
+    """Two solves of the same inputs give the same plan bytes, whatever the time each
+    step took: the plan records the limit asked for (not what remained of it when the
+    backend started, which differs from run to run) and no wall time (the report's)."""
+    import time
+
+    from qsync_opt.solvers import SolveOptions
+
     from qsync_opt import io
     from qsync_opt.solve import solve
 
     problem = _problem("digits_cnn")
-    docs = [json.loads(io.to_json(solve(problem, solver="highs")[0]))["provenance"]
-            for _ in range(2)]
-    assert set(TIMING_PROVENANCE) <= set(docs[0])
-    same = {k for k in docs[0] if docs[0][k] == docs[1].get(k)}
-    assert set(docs[0]) - same <= set(TIMING_PROVENANCE)
+    texts = []
+    for pause in (0.0, 0.05):
+        time.sleep(pause)  # a different start: a different time remaining
+        plan, report = solve(problem, solver=solver, options=SolveOptions(time_limit_s=120))
+        texts.append(io.to_json(plan))
+        assert report.wall_s > 0
+    assert texts[0] == texts[1]
+    prov = json.loads(texts[0])["provenance"]
+    assert prov["option.time_limit_s"] == 120
+    assert "wall_s" not in prov
 
 
 def test_digits_cnn_uses_the_fixed_cpu(_fixed_cpu: Any) -> None:

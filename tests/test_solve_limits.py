@@ -160,7 +160,7 @@ def test_the_cli_prints_a_time_limit_as_one_line(tmp_path, capsys) -> None:
                  "random", "--solver", "highs", "--time-limit", "0.000001",
                  "--out", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
-    assert code == 2
+    assert code == 4  # a time limit: its own exit code (infeasible is 3, bad input 2)
     assert err.count("\n") == 1 and "no plan found within 1e-06 s" in err, err
     assert "infeasible" not in err.replace("not infeasible", "")
 
@@ -202,8 +202,9 @@ def test_every_solver_run_gets_at_most_the_time_left(monkeypatch, name) -> None:
     except SolveTimeLimit as exc:
         assert "no plan found within 10 s" in str(exc)
     # several phases ran (the fastest plans, the lexicographic solve, refinement rounds;
-    # the a100 group's parts need no run: its least-degradation plan meets every target)
-    assert len(seen) >= 3
+    # the a100 group's parts need no run: its least-degradation plan meets every target,
+    # and CP-SAT's first solve none: the t4 group's least time alone proves no plan)
+    assert len(seen) >= 2
     for limit, left in seen:
         assert limit <= left + 1e-12, seen
     lefts = [left for _, left in seen]

@@ -1,6 +1,7 @@
 """The ``qsync-opt`` command line.
 
-Tables for people, ``--json`` for programs. Bad input exits with code 2 and one line on
+Tables for people, ``--json`` for programs. Bad input exits with code 2 (a proven infeasible
+problem 3, no plan within the time limit 4: :data:`EXIT_CODES_HELP`) and one line on
 stderr naming the field and what was expected (control characters in it escaped); every
 numeric flag is checked by its argparse type (finite, in its range); files are written
 atomically, and a write that fails (read-only folder, full disk, file-size limit, a folder
@@ -68,22 +69,40 @@ __all__ = [
 ]
 
 
+#: Exit codes: bad input (a flag, a file, a value), no plan exists (infeasible, proven), no
+#: plan found within the time limit (one may exist). Each its own, so a script can tell them
+#: apart; every other failure is 1.
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+EXIT_TIME_LIMIT = 4
+EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_BAD_INPUT} bad input (one line naming the flag "
+                   f"or field); {EXIT_INFEASIBLE} no plan exists (infeasible: the lines after "
+                   f"say what would make it feasible); {EXIT_TIME_LIMIT} no plan found within "
+                   "the time limit (one may exist: give more --time-limit)")
+
+
+#: The commands that plan (their --help names the exit codes).
+PLANNING = ("solve", "pareto")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line with exit code 2."""
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
-        raise SystemExit(2)
+        raise SystemExit(EXIT_BAD_INPUT)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="qsync-opt", description="Precision plans for mixed GPU clusters.")
+    p = Parser(prog="qsync-opt", description="Precision plans for mixed GPU clusters.",
+               epilog=EXIT_CODES_HELP)
     p.add_argument("--version", action="version", version=f"qsync-opt {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_,
+                            epilog=EXIT_CODES_HELP if name in PLANNING else None)
         sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         return sp
 
@@ -251,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="choose the per-group batch split together with the precisions")
     sp.set_defaults(fn=cmd_solve)
     sp = sub.add_parser("compare", help="every allocator and baseline side by side",
-                        description="every allocator and baseline side by side")
+                        description="every allocator and baseline side by side",
+                        epilog=EXIT_CODES_HELP)
     problem_args(sp)
     sp.add_argument("--solvers", help="comma-separated subset (default: all)")
     sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
@@ -297,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _error(message: str) -> int:
     """The CLI's one error line: control characters in ``message`` shown escaped."""
     sys.stderr.write(f"qsync-opt: error: {one_line(str(message))}\n")
-    return 2
+    return EXIT_BAD_INPUT
 
 
 def _fail_writes_with_efbig() -> None:
@@ -323,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(batches, int) and batches < 1:
         parser.error(f"argument --batches: expected a positive integer, got {batches}")
     _fail_writes_with_efbig()
-    from ..solve import InfeasibleError
+    from ..solve import InfeasibleError, SolveTimeLimit
+    from ..solvers.fastest import FastestTimeLimit
 
     try:
         return int(args.fn(args))
@@ -331,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(exc.head)
         for line in exc.lines:
             sys.stderr.write(f"  {one_line(str(line))}\n")
-        return 2
+        return EXIT_INFEASIBLE
+    except (SolveTimeLimit, FastestTimeLimit) as exc:
+        _error(str(exc))
+        return EXIT_TIME_LIMIT
     except QsyncInputError as exc:
         return _error(str(exc))
     except ValidationError as exc:
