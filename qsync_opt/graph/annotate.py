@@ -239,16 +239,11 @@ def build_graph(
         depth[nd["name"]] = base + (1 if nd["kind"] in _COMPUTING_FOR_DEPTH else 0)
         nd["depth"] = depth[nd["name"]]
 
-    # Classifier head: a GEMM from which an output is reached without another GEMM.
     unpin_set = set(unpin)
     if pin_head:
-        reaches_out: dict[str, bool] = {}
-        for nd in reversed(nodes):
-            n = nd["name"]
-            clear = [s for s in succs[n] if nodes[index[s]]["role"] != OpRole.choosable]
-            reaches_out[n] = not succs[n] or any(reaches_out[s] for s in clear)
-        for nd in nodes:
-            if nd["role"] == OpRole.choosable and reaches_out[nd["name"]] and nd["name"] not in unpin_set:
+        for n in head_ops(raw, nodes, succs):
+            if n not in unpin_set:
+                nd = nodes[index[n]]
                 nd["role"] = OpRole.pinned
                 nd["allowed_precisions"] = [Precision.fp32]
                 nd["pin_reason"] = HEAD_REASON
@@ -280,6 +275,51 @@ def build_graph(
         buffer_bytes=sum(_nbytes(b) for b in buffers.values()),
         trace_method=method, tie_mode=tie, torch_version=torch.__version__,
     )
+
+
+def head_ops(raw: list[RawOp], nodes: list[dict[str, Any]],
+             succs: dict[str, list[str]]) -> list[str]:
+    """The classifier head: the choosable GEMMs after the last merge of the residual stream,
+    that is, those from which an output (an op nothing reads) is reached through neither
+    another GEMM nor a merge. A merge, for a GEMM ``g``, is an op with a gradient-carrying
+    input that does not come from ``g`` through GEMM-free paths: a residual add joining the
+    skip path (``x + f(x)`` after ``g`` = the last GEMM of ``f``), a gate. Inputs without a
+    gradient (targets, masks) and inputs computed from ``g`` alone (``h * sigmoid(h)``) are
+    no merge. A model ending in its residual stream (a backbone, a feature extractor) has
+    no head; a classifier or LM head after the last norm is one."""
+    index = {nd["name"]: i for i, nd in enumerate(nodes)}
+    gemm = {nd["name"] for nd in nodes if nd["role"] == OpRole.choosable}
+    heads = []
+    for nd in nodes:
+        g = nd["name"]
+        if g not in gemm:
+            continue
+        # GEMM-free descendants of g (g included): what g alone computes.
+        mine, todo = {g}, [g]
+        while todo:
+            for s in succs[todo.pop()]:
+                if s not in mine and s not in gemm:
+                    mine.add(s)
+                    todo.append(s)
+
+        def merges(n: str, _mine: set[str] = mine) -> bool:
+            op = raw[index[n]]
+            from_ops = {id(t): src for src, t in op.inputs}
+            return any(t.requires_grad and from_ops.get(id(t)) not in _mine
+                       for t in op.input_tensors)
+
+        seen, todo, head = {g}, [g], False
+        while todo and not head:
+            n = todo.pop()
+            if not succs[n]:
+                head = True
+            for s in succs[n]:
+                if s not in seen and s not in gemm and not merges(s):
+                    seen.add(s)
+                    todo.append(s)
+        if head:
+            heads.append(g)
+    return heads
 
 
 def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
