@@ -721,6 +721,9 @@ class IndicatorTable(Document):
         None, description="qsync method: [Var_fwd, Var_bwd] per op and precision (relative); "
         "curv: [forward, backward] expected loss increase (nats).")
     notes: list[str] = Field(default_factory=list)
+    unmeasured: dict[str, str] = Field(
+        default_factory=dict, description="Choosable ops the method could not measure, with "
+        "why: they have no value (never a default zero), and a plan keeps them fp32.")
 
     @field_validator("values")
     @classmethod
