@@ -80,6 +80,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -689,11 +690,34 @@ def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]]
     return out
 
 
-def _progress(enabled: bool, method: str, i: int, n: int) -> None:
-    if enabled:
-        sys.stderr.write(f"\rindicator {method}: batch {i}/{n}")
-        if i == n:
-            sys.stderr.write("\n")
+#: Off a terminal, the indicator's progress is a line at most this often (seconds).
+PROGRESS_EVERY_S = 30.0
+
+
+class _Progress:
+    """Batches done: redrawn in place on a terminal; off one (a log, nohup, a batch
+    scheduler), a plain line every :data:`PROGRESS_EVERY_S` seconds with the time left."""
+
+    def __init__(self, enabled: bool, method: str, n: int) -> None:
+        self.enabled, self.method, self.n = enabled, method, n
+        self.tty = sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, i: int) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write(f"\rindicator {self.method}: batch {i}/{self.n}")
+            if i == self.n:
+                sys.stderr.write("\n")
+        else:
+            now = time.perf_counter()
+            if now - self.last < PROGRESS_EVERY_S or i == self.n:
+                return
+            self.last = now
+            left = (now - self.t0) / i * (self.n - i)
+            sys.stderr.write(f"indicator {self.method}: batch {i}/{self.n}, "
+                             f"{now - self.t0:.0f} s, about {left:.0f} s left\n")
         sys.stderr.flush()
 
 
@@ -856,6 +880,7 @@ def indicate(
     memory_check: bool = True,
     needs: Collection[Precision] | None = None,
     lr: float = CURV_LR,
+    report: Callable[[str], None] | None = None,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -866,8 +891,9 @@ def indicate(
     The model is the workload's (seeded init) unless ``model`` is given (e.g. a trained
     one); data are the workload's real data where it has them (digits_cnn, digits_resnet,
     tiny_gpt, a file's ``data()``), else synthetic, unless ``data`` yields ``(inputs, targets)``.
-    Results are cached on disk (registry workloads) when neither ``model`` nor ``data`` is
-    given, keyed by workload, batch, batches, method, seed, gamma and rounding. A cached
+    Results are cached on disk when neither ``model`` nor ``data`` is given, keyed by the
+    workload (a user's file: its content's sha256 and function, never its path), the graph's
+    structure, batch, batches, method, seed, gamma, rounding and the method's settings. A cached
     table is reused when it has a value for every op at every precision in ``needs`` that
     the op allows (``None``: every precision the op allows; e.g. a table made before int4
     joined the menus serves every cluster without int4).
@@ -875,6 +901,10 @@ def indicate(
     Before it builds and runs a model, it estimates the memory that takes
     (:func:`indicator_memory`) and refuses with one line when this machine has less
     (``memory_check=False`` skips that); ``random`` runs no model.
+
+    ``report``: called with one line saying where the table came from (the cache, or
+    computed, in how many seconds) and what it holds. ``progress``: a line per batch on a
+    terminal, else one every :data:`PROGRESS_EVERY_S` seconds.
 
     ``curv``: the expected loss increase per step in nats, from ``hutchinson_samples``
     Hessian probes per batch; ``lr`` is the SGD rate of its backward (update) term (0 drops
@@ -894,15 +924,18 @@ def indicate(
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
     graph = graph or trace(wl, b)
-    # a user's file is not cached: its name is a path, and its content may change
-    cacheable = cache and model is None and data is None and not user
+    t_start = time.perf_counter()
+    # a user's file is cached by its content hash (and function), never by its path
+    cacheable = cache and model is None and data is None
     path = None
     if cacheable:
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
         tag = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
         tag += f"-r{term_rows}" if term_rows else ""
         tag += f"-h{hutchinson_samples}-lr{lr:g}" if method == "curv" else ""
-        path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
+        key = (f"user-{wl.fn_name}-{wl.sha256[:16]}" if isinstance(wl, UserWorkload)
+               else wl.name)
+        path = folder / (f"{key}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
                          f"{'sr' if stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
         if path.is_file():
             try:
@@ -913,6 +946,10 @@ def indicate(
                        if o.name not in table.unmeasured
                        for p in o.allowed_precisions if needs is None or p in needs):
                     log.info("indicator: reusing %s", path)
+                    table = table.model_copy(update={"workload": wl.name})  # a moved file
+                    if report is not None:
+                        report(f"indicator {method}: from the cache ({path}; "
+                               f"{_summary(table)})")
                     return table
                 log.info("indicator: %s lacks a precision the ops allow; recomputing", path)
             except QsyncInputError as exc:
@@ -954,6 +991,7 @@ def indicate(
     gen = torch.Generator().manual_seed(seed)
     rng_values = {n: torch.rand((), generator=gen).item() for n in names}
     seen = 0
+    tick = _Progress(progress, method, batches)
     curvatures: set[str] = set()
     if method != "random":
         assert model is not None
@@ -980,7 +1018,7 @@ def indicate(
                         stats[n].fwd.setdefault(p, []).append(vf)
                         stats[n].bwd.setdefault(p, []).append(vb)
                 seen += 1
-                _progress(progress, method, seen, batches)
+                tick(seen)
                 continue
             model.zero_grad(set_to_none=True)
             with CallCapture(model, names) as capture:
@@ -1024,7 +1062,7 @@ def indicate(
                             stats[op.name].value.setdefault(p, []).append(
                                 (w_tr if k_b else a_tr) * e_w + a_tr * e_a)
             seen += 1
-            _progress(progress, method, seen, batches)
+            tick(seen)
         model.zero_grad(set_to_none=True)
     values: dict[str, dict[Precision, float]] = {}
     terms: dict[str, dict[Precision, list[float]]] = {}
@@ -1085,7 +1123,20 @@ def indicate(
     )
     if path is not None:
         save(table, path)
+    if report is not None:
+        report(f"indicator {method}: computed on this CPU in "
+               f"{time.perf_counter() - t_start:.1f} s ({_summary(table)}); "
+               + (f"cached in {path}" if path is not None else "not cached"))
     return table
+
+
+def _summary(table: IndicatorTable) -> str:
+    """What a table holds, in a few words: ops, batches, data, unmeasured ops."""
+    text = (f"{len(table.values)} ops, {table.batches} batch(es) of {table.batch_size}, "
+            f"{table.data} data")
+    if table.unmeasured:
+        text += f", {len(table.unmeasured)} op(s) unmeasured"
+    return text
 
 
 #: Why an op has no indicator value (:attr:`IndicatorTable.unmeasured`); the CLI pins such

@@ -11,7 +11,8 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
-from .args import cluster_arg, emit_json, sync_arg, trace_args
+from .args import cluster_arg, emit_json, sync_arg, trace_args, workload_arg
+from .model import computed_indicator
 
 
 def _problem_options(args: argparse.Namespace) -> Any:
@@ -41,19 +42,23 @@ def _solve_options(args: argparse.Namespace) -> Any:
 
 def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
-    computed indicator runs the model (``build_problem``)."""
+    computed indicator runs the model (``build_problem``); the computed indicator is
+    :func:`computed_indicator`'s (cached, one line on stderr saying what it did)."""
     from ..solve import build_problem
 
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
             f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
-    graph = trace_args(args)
-    return build_problem(graph, cluster_arg(args), indicator=args.indicator, costs=args.costs,
-                         options=_problem_options(args), indicator_method=args.method,
-                         indicator_batches=args.indicator_batches,
-                         indicator_batch=args.indicator_batch,
-                         progress=sys.stderr.isatty(), check=check,
-                         comm_model=getattr(args, "comm_model", None))
+    wl = workload_arg(args)
+    graph = trace_args(args, workload=wl)
+    cluster = cluster_arg(args)
+    options = _problem_options(args)
+    common: dict[str, Any] = dict(costs=args.costs, indicator_method=args.method,
+                                  comm_model=getattr(args, "comm_model", None))
+    if args.indicator is not None:
+        return build_problem(graph, cluster, indicator=args.indicator, options=options,
+                             **common)
+    return computed_indicator(args, wl, graph, cluster, options, check, common)
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
