@@ -923,7 +923,7 @@ def indicate(
     b = batch if batch is not None else wl.default_batch
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
-    graph = graph or trace(wl, b)
+    graph = graph or trace(wl, b, warn=False)  # the caller's own trace warned already
     t_start = time.perf_counter()
     # a user's file is cached by its content hash (and function), never by its path
     cacheable = cache and model is None and data is None

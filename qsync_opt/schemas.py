@@ -431,6 +431,9 @@ class OpNode(Schema):
         True, description="Whether backward computes the input gradient (False on the first layer)."
     )
     depth: Int = Field(ge=0, description="Longest path from the input counting computing ops.")
+    hidden_gemms: Int = Field(0, ge=0, description="GEMM calls run inside this op where the "
+                              "tracer kept a Python function as one op (torch.fx.wrap): work "
+                              "the planner cannot choose a precision for.")
     tie_group: str | None = Field(
         None, description="Ops of one tie group share one decision ('module:' groups are the "
         "calls of one module, always tied; others come from the optional tie mode)."

@@ -153,7 +153,11 @@ def test_huggingface_attention_ops_are_measured(tmp_path, kind, method) -> None:
     missing = set(table.unmeasured)
     assert missing <= {o.name for o in graph.choosable_ops() if "rotary" in o.name}, missing
     for n in attn:
-        if n not in missing:
+        if n in missing:
+            continue
+        if method == "curv":  # one probe may be clamped at 0; its terms are measured
+            assert table.terms is not None and table.terms[n][Precision.int8] != [0, 0]
+        else:
             assert table.values[n][Precision.int8] > 0, (n, table.values[n])
 
 

@@ -179,6 +179,7 @@ def build_graph(
                 own_params += p.numel()
                 seen_params.add(piece)
         fwd_flops, _, wshape = _flops(op)
+        fwd_flops = max(fwd_flops, op.hidden_flops)  # an opaque function: what it really does
         needs_in = any(t.requires_grad for t in op.input_tensors)
         has_wgrad = any(p.requires_grad for p in op.params)
         if op.kind in _CHOOSABLE:
@@ -219,7 +220,7 @@ def build_graph(
             input_numel=in_numel, output_numel=out_numel,
             fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes),
             saved_bytes=saved_bytes, saved_shared_bytes=shared,
-            needs_input_grad=needs_in, depth=0,
+            needs_input_grad=needs_in, depth=0, hidden_gemms=op.hidden_gemms,
         ))
         for src, t in op.inputs:
             if src in index and index[src] < index[op.name]:
@@ -324,9 +325,12 @@ def head_ops(raw: list[RawOp], nodes: list[dict[str, Any]],
 
 def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
     """The ops of kind "other" (computations the planner cannot choose a precision for and
-    the cost model only guesses) that hold more than ``threshold`` (1%) of the model's
-    parameters or forward FLOPs, one line each: name, target, their shares. :func:`trace`
-    logs them as a warning; the CLI's ``graph`` command can print them."""
+    the cost model only guesses) that run GEMMs inside (every one: a ``torch.fx.wrap``-ed
+    function, as torchvision's Swin attention, given its module's weights) or hold more than
+    ``threshold`` (1%) of the model's parameters or forward FLOPs, one line each: name,
+    target, GEMM calls inside, their shares (an opaque function's FLOPs are those it does
+    inside).
+    :func:`trace` logs them as a warning; the CLI's ``graph`` command can print them."""
     total_flops = sum(o.fwd_flops for o in graph.ops) or 1
     total_params = graph.param_count or 1
     out = []
@@ -334,8 +338,9 @@ def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
         if o.kind != OpKind.other:
             continue
         pf, pp = o.fwd_flops / total_flops, o.param_count / total_params
-        if pf > threshold or pp > threshold:
-            out.append(f"{o.name} ({o.target}): {100 * pp:.1f}% of the parameters, "
+        if o.hidden_gemms > 0 or pf > threshold or pp > threshold:
+            inside = f"{o.hidden_gemms} GEMM call(s) inside, " if o.hidden_gemms else ""
+            out.append(f"{o.name} ({o.target}): {inside}{100 * pp:.1f}% of the parameters, "
                        f"{100 * pf:.1f}% of the forward FLOPs")
     return out
 
@@ -343,8 +348,9 @@ def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
 def warn_unseen(graph: ModelGraph) -> None:
     lines = unseen_ops(graph)
     if lines:
-        log.warning("%s: %d op(s) the planner cannot see inside (kind other, over 1%% of the "
-                    "parameters or FLOPs): %s", graph.workload, len(lines), "; ".join(lines))
+        log.warning("%s: %d op(s) the planner cannot see inside (kind other, running GEMMs "
+                    "or over 1%% of the parameters or FLOPs): %s", graph.workload,
+                    len(lines), "; ".join(lines))
 
 
 TIE_MODES = ("none", "blocks", "siblings")
