@@ -87,7 +87,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import QsyncInputError
@@ -96,7 +95,6 @@ from .indicator_calls import Bilinear, Call, CallCapture, module_bilinear
 from .io import load, save
 from .machine import cache_root
 from .models import Workload
-from .models.layers import MatMul
 from .precision import Precision
 from .schemas import IndicatorTable, ModelGraph, OpRole
 from .user_model import UserWorkload
@@ -527,12 +525,12 @@ def _curv_batch(model: nn.Module, names: Sequence[str],
         output, loss = loss_fn()
     if ran is not None:
         ran.update(cap.calls)
-    for n, cs in cap.calls.items():
-        for c in cs:
-            if c.y.requires_grad:
-                bls.setdefault(n, c.bl)
+    for n, kept in cap.calls.items():
+        for call in kept:
+            if call.y.requires_grad:
+                bls.setdefault(n, call.bl)
                 calls.setdefault(n, []).append(_CurvCall(
-                    a=c.a.detach().float(), b=c.b.detach().float(), y=c.y))
+                    a=call.a.detach().float(), b=call.b.detach().float(), y=call.y))
     if curvature not in CURVATURES:
         raise QsyncInputError(f"curvature: expected one of {', '.join(CURVATURES)}, "
                               f"got {curvature!r}")
@@ -919,7 +917,6 @@ def indicate(
     if not isinstance(wl, (Workload, UserWorkload)):
         raise QsyncInputError("model: indicate() takes a registry name, a PATH.py:FUNCTION "
                               f"file or a workload object, not {type(wl).__name__}")
-    user = isinstance(wl, UserWorkload)
     b = batch if batch is not None else wl.default_batch
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
@@ -963,7 +960,7 @@ def indicate(
             need = dataclasses.replace(need, weights=0)
         if memory_check:
             check_indicator_memory(need, wl.name)
-        if progress:
+        if progress and sys.stderr.isatty():  # off a terminal: the summary line says it
             have = available_memory_bytes()
             sys.stderr.write(f"indicator {method}: {wl.name} ({graph.param_count / 1e6:.1f} M "
                              f"parameters) on this CPU, about {need.describe()}"
@@ -1072,7 +1069,8 @@ def indicate(
         n: (UNMEASURED_GRAD if n in ran else UNMEASURED_RAN) for n in names
         if not (stats[n].fwd or stats[n].value)}
     for op in ops:
-        if op.name in unmeasured:  # no value, never a default zero: the caller pins it
+        if op.name in unmeasured:  # fp32 only (0 by definition), never a default at another
+            values[op.name] = {Precision.fp32: 0.0}  # precision: the caller pins it fp32
             continue
         row: dict[Precision, float] = {}
         st = stats[op.name]
@@ -1137,6 +1135,20 @@ def _summary(table: IndicatorTable) -> str:
     if table.unmeasured:
         text += f", {len(table.unmeasured)} op(s) unmeasured"
     return text
+
+
+def cover(table: IndicatorTable, graph: ModelGraph) -> IndicatorTable:
+    """``table`` for ``graph`` (traced at another batch, say): a choosable op of ``graph``
+    the table has no row for (the trace at the table's batch took another path) joins its
+    ``unmeasured``, with an fp32 row only, so it is pinned rather than lowered for free."""
+    lacking = [o.name for o in graph.choosable_ops() if o.name not in table.values]
+    if not lacking:
+        return table
+    why = (f"no indicator value: not in the model's graph at the indicator's batch "
+           f"{table.batch_size} (its trace there took another path)")
+    return table.model_copy(update={
+        "values": {**table.values, **{n: {Precision.fp32: 0.0} for n in lacking}},
+        "unmeasured": {**table.unmeasured, **dict.fromkeys(lacking, why)}})
 
 
 #: Why an op has no indicator value (:attr:`IndicatorTable.unmeasured`); the CLI pins such

@@ -30,8 +30,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -726,7 +728,17 @@ class IndicatorTable(Document):
     notes: list[str] = Field(default_factory=list)
     unmeasured: dict[str, str] = Field(
         default_factory=dict, description="Choosable ops the method could not measure, with "
-        "why: they have no value (never a default zero), and a plan keeps them fp32.")
+        "why: their row has fp32 only (never a default value at another precision), and a "
+        "plan keeps them fp32.")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_unmeasured(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """``unmeasured`` is written only when it names an op, so a table without one has the
+        bytes (and content hash) it had before the field existed."""
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("unmeasured"):
+            data.pop("unmeasured", None)
+        return data
 
     @field_validator("values")
     @classmethod

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from qsync_opt.models.patterns import PATTERNS
 from torch import nn
 
 from qsync_opt import trace
 from qsync_opt.graph import HEAD_REASON
-from qsync_opt.models.patterns import PATTERNS
 from qsync_opt.schemas import ModelGraph, OpKind, OpRole
 
 GEMMS = (OpKind.linear, OpKind.conv, OpKind.matmul)

@@ -184,3 +184,16 @@ def test_a_bad_tracer_is_refused_in_one_line(bad) -> None:
     assert code == 2 and out == ""
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) <= 2 and "--tracer" in err and "Traceback" not in err
+
+
+def test_solve_with_fx_warns_once(tmp_path, caplog, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    f = tmp_path / "swinlike.py"
+    f.write_text(textwrap.dedent(_FILE.format(tests=str(Path(__file__).parent))))
+    with caplog.at_level(logging.WARNING, logger="qsync_opt.graph"):
+        code, _, err = run_cli("solve", "--model", f"{f}:build", "--tracer", "fx",
+                               "--cluster", "cpux2", "--out", str(tmp_path / "p.json"),
+                               "--indicator-batches", "1", "--solver", "highs")
+    assert code == 0, err
+    said = caplog.text + err
+    assert said.count("cannot see inside") == 1, said

@@ -219,7 +219,7 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
 
     from ..devices import get_device
     from ..diagnose import precheck
-    from ..indicator import indicate, placeholder_indicator
+    from ..indicator import cover, indicate, placeholder_indicator
     from ..precision import Precision
     from ..problem import AllocationProblem
     from ..solve import INDICATOR_BATCH, InfeasibleError, build_problem
@@ -240,6 +240,7 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
                      needs={p for g in trial.cluster.groups
                             for p in get_device(g.device).precisions},
                      report=_say)
+    table = cover(table, graph)
     pins = dict(options.pinned)
     for op, why in sorted(table.unmeasured.items()):
         if op not in pins:

@@ -61,7 +61,7 @@ class _HiddenWork(TorchFunctionMode):
 
     def __enter__(self) -> _HiddenWork:
         self.flops.__enter__()
-        return super().__enter__()  # type: ignore[no-any-return]
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
