@@ -197,3 +197,24 @@ def test_solve_with_fx_warns_once(tmp_path, caplog, monkeypatch) -> None:
     assert code == 0, err
     said = caplog.text + err
     assert said.count("cannot see inside") == 1, said
+
+
+def test_a_plan_made_with_tracer_fx_is_accepted_where_it_is_checked(tmp_path, monkeypatch) -> None:
+    from qsync_opt import Plan, load
+    from qsync_opt.plan import graph_for_plan
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    f = tmp_path / "swinlike.py"
+    f.write_text(textwrap.dedent(_FILE.format(tests=str(Path(__file__).parent))))
+    out = tmp_path / "p.json"
+    code, _, err = run_cli("solve", "--model", f"{f}:build", "--tracer", "fx", "--cluster",
+                           "cpux2", "--out", str(out), "--indicator-batches", "1",
+                           "--solver", "highs")
+    assert code == 0, err
+    code, _, err = run_cli("replay", "--model", f"{f}:build", "--tracer", "fx", "--plan",
+                           str(out))
+    assert code == 0, err
+    # train and report find the graph a plan was made on (auto, then fx) by themselves
+    plan = load(out, Plan)
+    graph = graph_for_plan(plan, f"{f}:build")
+    assert graph.trace_method == "fx" and graph.structure_hash() == plan.graph_hash
