@@ -56,26 +56,26 @@ def _solve(spec: str, out: Path, *extra: str) -> tuple[int, str, str]:
 
 def test_solve_caches_a_user_files_indicator_by_its_hash_and_says_so(tmp_path, cache) -> None:
     spec = _file(tmp_path, branch="False")
-    code, _, err = _solve(spec, tmp_path / "p.json")
+    code, out, err = _solve(spec, tmp_path / "p.json")
     assert code == 0, err
-    said = [ln for ln in err.splitlines() if ln.startswith("indicator qsync: computed")]
+    said = [ln for ln in out.splitlines() if ln.startswith("indicator qsync: computed")]
     assert len(said) == 1 and " s (" in said[0] and "cached in" in said[0]
     assert len(list(cache.glob("user-build-*.json"))) == 1
-    code, _, err = _solve(spec, tmp_path / "p2.json")
+    code, out, err = _solve(spec, tmp_path / "p2.json")
     assert code == 0, err
-    assert "indicator qsync: from the cache" in err and "computed on" not in err
+    assert "indicator qsync: from the cache" in out and "computed on" not in out + err
     # the same content at another path: the same cache entry
     other = tmp_path / "elsewhere"
     other.mkdir()
     spec2 = _file(other, branch="False")
-    code, _, err = _solve(spec2, tmp_path / "p3.json")
-    assert code == 0 and "from the cache" in err
+    code, out, err = _solve(spec2, tmp_path / "p3.json")
+    assert code == 0 and "from the cache" in out
     # other settings or other content: computed again
-    code, _, err = _solve(spec, tmp_path / "p4.json", "--method", "wvar")
-    assert code == 0 and "indicator wvar: computed" in err
+    code, out, err = _solve(spec, tmp_path / "p4.json", "--method", "wvar")
+    assert code == 0 and "indicator wvar: computed" in out
     spec3 = _file(tmp_path, branch="x.shape[0] == 99")
-    code, _, err = _solve(spec3, tmp_path / "p5.json")
-    assert code == 0 and "indicator qsync: computed" in err
+    code, out, err = _solve(spec3, tmp_path / "p5.json")
+    assert code == 0 and "indicator qsync: computed" in out
     assert len(list(cache.glob("user-build-*.json"))) == 3
 
 
@@ -90,12 +90,23 @@ def test_an_op_without_a_value_is_pinned_and_solve_says_why(tmp_path, cache) -> 
     spec = _file(tmp_path)
     code, out, err = _solve(spec, tmp_path / "p.json")
     assert code == 0, err
-    assert "indicator qsync: rare pinned fp32 (no indicator value: not in the model's graph at" in err
+    assert "indicator qsync: rare pinned fp32 (no indicator value: not in the model's graph at" \
+        in out
     plan = json.loads((tmp_path / "p.json").read_text())
     assert all(g["precisions"]["rare"] == "fp32" for g in plan["groups"].values())
     # a cached table keeps its unmeasured ops, so they are pinned again
     code, out, err = _solve(spec, tmp_path / "p2.json")
-    assert code == 0 and "from the cache" in err and "rare pinned fp32" in err
+    assert code == 0 and "from the cache" in out and "rare pinned fp32" in out
+
+
+@pytest.mark.parametrize("method", ["qsync", "random"])  # random: refused after it ran
+def test_a_refusal_starts_with_the_error_not_the_indicators_lines(tmp_path, cache,
+                                                                   method) -> None:
+    code, out, err = _solve(_file(tmp_path, branch="False"), tmp_path / "p.json",
+                            "--target-ms", "1e-9", "--method", method)
+    assert code == 2 and err.startswith("qsync-opt: error: ") and "no plan" in err.splitlines()[0], err
+    assert "indicator" not in out and "computed" not in err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_indicate_says_what_it_computed(tmp_path, cache) -> None:

@@ -205,16 +205,28 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+def say_all(lines: list[str], to_stderr: bool) -> None:
+    """The indicator's lines (:func:`computed_indicator`) after a command's result: on
+    stdout, or on stderr where stdout is JSON."""
+    for line in lines:
+        if to_stderr:
+            _say(line)
+        else:
+            print(line)
+
+
 def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: Any,
-                       options: Any, check: str | None, common: dict[str, Any]) -> Any:
+                       options: Any, check: str | None, common: dict[str, Any],
+                       said: list[str]) -> Any:
     """The problem of solve/compare/pareto with the indicator computed here: first what
     needs no indicator is checked (``diagnose.precheck`` on the problem with a placeholder:
     no model is run for a problem without a plan), then ``indicate()`` on the workload
     already loaded (a user's file is not run again; its table cached by its sha256), with
-    progress on stderr (off a terminal, a line every half minute) and one line saying what
-    was computed and how long it took, or that it came from the cache. Ops the method could
-    not measure are pinned fp32, one line each on stderr saying why; a value of 0 is
-    never assumed."""
+    progress on stderr (off a terminal, a line every half minute) and one line in ``said``
+    saying what was computed and how long it took, or that it came from the cache. Ops the
+    method could not measure are pinned fp32, a line each in ``said`` saying why; a value
+    of 0 is never assumed. The command prints ``said`` with its result (:func:`say_all`),
+    so a refusal stays one line."""
     import dataclasses
 
     from ..devices import get_device
@@ -239,13 +251,13 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
                      progress=not args.json,
                      needs={p for g in trial.cluster.groups
                             for p in get_device(g.device).precisions},
-                     report=_say)
+                     report=said.append)
     table = cover(table, graph)
     pins = dict(options.pinned)
     for op, why in sorted(table.unmeasured.items()):
         if op not in pins:
             pins[op] = Precision.fp32
-            _say(f"indicator {method}: {op} pinned fp32 ({why})")
+            said.append(f"indicator {method}: {op} pinned fp32 ({why})")
     if len(pins) != len(options.pinned):
         options = dataclasses.replace(options, pinned=pins)
     return AllocationProblem(graph, trial.cluster, trial.costs, table, options)
