@@ -161,6 +161,10 @@ def test_patterns_pin_their_classifier_and_their_backbones_pin_nothing(name: str
 @pytest.mark.parametrize("name,head", [
     ("digits_cnn", "fc2"), ("digits_resnet", "fc"), ("resnet18_32", "fc"),
     ("tiny_gpt", "lm_head"), ("vgg16_bn", "classifier.6"),
+    pytest.param("resnet50", "fc", marks=pytest.mark.slow),
+    pytest.param("vit_b16", "heads.head", marks=pytest.mark.slow),
+    pytest.param("bert_base", "qa_outputs", marks=pytest.mark.slow),
+    pytest.param("gpt2_small", "lm_head", marks=pytest.mark.slow),
 ])
 def test_registry_families_pin_only_their_head(name: str, head: str) -> None:
     g = trace(name, batch=2)
