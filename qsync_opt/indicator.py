@@ -84,21 +84,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import QsyncInputError
 from .graph import resolve_workload, trace
+from .indicator_calls import Bilinear, Call, CallCapture, module_bilinear
 from .io import load, save
 from .machine import cache_root
 from .models import Workload
-from .models.layers import MatMul
 from .precision import Precision
 from .schemas import IndicatorTable, ModelGraph, OpRole
 from .user_model import UserWorkload
@@ -252,35 +252,11 @@ def _int_variance(x: Tensor, axis: int | None, stochastic: bool, qmax: int) -> T
 # ----------------------------------------------------------------------------- bilinear ops
 
 
-@dataclass
-class _Bilinear:
-    f: Callable[[Tensor, Tensor], Tensor]
-    b_is_weight: bool
-    channel_dim: int = -1  # the output's channel axis (1 for convolutions)
-
-    def grad_a(self, a_shape: Sequence[int], b: Tensor, cot: Tensor) -> Tensor:
-        a0 = torch.zeros(a_shape, dtype=cot.dtype, requires_grad=True)
-        with torch.enable_grad():
-            return torch.autograd.grad(self.f(a0, b), a0, cot)[0]
-
-    def grad_b(self, a: Tensor, b_shape: Sequence[int], cot: Tensor) -> Tensor:
-        b0 = torch.zeros(b_shape, dtype=cot.dtype, requires_grad=True)
-        with torch.enable_grad():
-            return torch.autograd.grad(self.f(a, b0), b0, cot)[0]
+_Bilinear = Bilinear
 
 
 def _bilinear(mod: nn.Module) -> _Bilinear | None:
-    if isinstance(mod, nn.Linear):
-        return _Bilinear(lambda a, b: F.linear(a, b), True)
-    if isinstance(mod, nn.Conv2d):
-        st, pad, dil, grp = mod.stride, mod.padding, mod.dilation, mod.groups
-        return _Bilinear(lambda a, b: F.conv2d(a, b, None, st, pad, dil, grp), True, 1)
-    if isinstance(mod, nn.Conv1d):
-        st1, pad1, dil1, grp1 = mod.stride, mod.padding, mod.dilation, mod.groups
-        return _Bilinear(lambda a, b: F.conv1d(a, b, None, st1, pad1, dil1, grp1), True, 1)
-    if isinstance(mod, MatMul):
-        return _Bilinear(torch.matmul, False)
-    return None
+    return module_bilinear(mod)
 
 
 @dataclass
@@ -447,49 +423,38 @@ def real_batches(workload: Workload, batch: int, n: int, seed: int
 # ----------------------------------------------------------------------------- driver
 
 
-def _capture_hooks(model: nn.Module, names: Sequence[str]
-                   ) -> tuple[dict[str, list[_Capture]], list[Any]]:
-    modules = dict(model.named_modules())
-    caps: dict[str, list[_Capture]] = {n: [] for n in names}
-    handles = []
-    for name in names:
-        mod = modules.get(name)
-        if mod is None or _bilinear(mod) is None:
-            continue
-
-        def hook(m: nn.Module, inputs: tuple[Any, ...], output: Tensor, _n: str = name) -> None:
-            a = inputs[0]
-            b = inputs[1] if isinstance(m, MatMul) else m.weight
-            assert isinstance(b, Tensor)  # the second operand, or a Linear's or a conv's weight
-            cap = _Capture(a=a.detach().float(), b=b.detach().float(), y=output.detach().float(),
-                           a_needs_grad=bool(a.requires_grad))
-            if output.requires_grad:
-                def grad_hook(g: Tensor, _c: _Capture = cap) -> None:
-                    _c.g = g.detach().float()
-                output.register_hook(grad_hook)
-            caps[_n].append(cap)
-
-        handles.append(mod.register_forward_hook(hook))
-    return caps, handles
+def _captures(calls: dict[str, list[Call]]) -> dict[str, list[tuple[_Bilinear, _Capture]]]:
+    """Each kept call as (its form, its detached operands and output gradient); a call whose
+    output got no gradient (it reaches the loss through no differentiable path, or not at
+    all) has a zero one: its forward error is measured, its backward has nothing to err."""
+    out: dict[str, list[tuple[_Bilinear, _Capture]]] = {}
+    for name, cs in calls.items():
+        for c in cs:
+            y = c.y.detach().float()
+            out.setdefault(name, []).append((c.bl, _Capture(
+                a=c.a.detach().float(), b=c.b.detach().float(), y=y,
+                a_needs_grad=bool(c.a.requires_grad),
+                g=c.g if c.g is not None else torch.zeros_like(y))))
+    return out
 
 
-def _hutchinson(model: nn.Module, loss: Tensor, names: Sequence[str],
-                acts: dict[str, list[Tensor]], samples: int, gen: torch.Generator
-                ) -> dict[str, tuple[float, float]]:
-    """Per op: (Hessian trace per weight element, per input-activation element)."""
-    modules = dict(model.named_modules())
+def _hutchinson(loss: Tensor, calls: dict[str, list[Call]], samples: int,
+                gen: torch.Generator) -> dict[str, tuple[float, float]]:
+    """Per op: (Hessian trace per weight element, per input-activation element), from its
+    first call: the parameter it reads and its live input."""
     targets: list[Tensor] = []
     index: list[tuple[str, str, int]] = []
-    for n in names:
-        mod = modules.get(n)
-        w = getattr(mod, "weight", None) if not isinstance(mod, MatMul) else None
-        if isinstance(w, Tensor) and w.requires_grad:
+    for n, cs in calls.items():
+        c = cs[0]
+        w = c.weight
+        if w is not None and w.requires_grad:
             index.append((n, "w", len(targets)))
             targets.append(w)
-        for a in acts.get(n, [])[:1]:
-            if a.requires_grad:
-                index.append((n, "a", len(targets)))
-                targets.append(a)
+        if c.a.requires_grad:
+            index.append((n, "a", len(targets)))
+            targets.append(c.a)
+    if not targets:
+        return {}
     grads = torch.autograd.grad(loss, targets, create_graph=True, allow_unused=True)
     traces = [0.0] * len(targets)
     live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
@@ -553,7 +518,7 @@ def _curv_batch(model: nn.Module, names: Sequence[str],
                 loss_fn: Callable[[], tuple[Any, Tensor]],
                 precisions: dict[str, Sequence[Precision]], *, samples: int,
                 gen: torch.Generator, stochastic: bool = True, lr: float = CURV_LR,
-                curvature: str = "gn") -> tuple[dict[str, dict[Precision, tuple[float, float]]],
+                curvature: str = "gn", ran: set[str] | None = None) -> tuple[dict[str, dict[Precision, tuple[float, float]]],
                                                  str]:
     """The ``curv`` terms of one batch: per op and precision, (forward, backward) expected
     loss increase in nats (docs/ALLOCATION.md, A loss-aware indicator).
@@ -577,31 +542,18 @@ def _curv_batch(model: nn.Module, names: Sequence[str],
     by the double-vector-Jacobian trick; where the output is not one tensor the full
     Hessian serves. Returns the terms and the curvature used.
     """
-    modules = dict(model.named_modules())
     calls: dict[str, list[_CurvCall]] = {}
     bls: dict[str, _Bilinear] = {}
-    handles = []
-    for n in names:
-        mod = modules.get(n)
-        bl = _bilinear(mod) if mod is not None else None
-        if mod is None or bl is None:
-            continue
-        bls[n] = bl
-
-        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n) -> None:
-            b = inp[1] if isinstance(m, MatMul) else m.weight
-            assert isinstance(b, Tensor)
-            if isinstance(out, Tensor) and out.requires_grad:
-                calls.setdefault(_n, []).append(_CurvCall(
-                    a=inp[0].detach().float(), b=b.detach().float(), y=out))
-
-        handles.append(mod.register_forward_hook(keep))
-    try:
-        with torch.enable_grad():
-            output, loss = loss_fn()
-    finally:
-        for h in handles:
-            h.remove()
+    with torch.enable_grad(), CallCapture(model, names, grads=False) as cap:
+        output, loss = loss_fn()
+    if ran is not None:
+        ran.update(cap.calls)
+    for n, kept in cap.calls.items():
+        for call in kept:
+            if call.y.requires_grad:
+                bls.setdefault(n, call.bl)
+                calls.setdefault(n, []).append(_CurvCall(
+                    a=call.a.detach().float(), b=call.b.detach().float(), y=call.y))
     if curvature not in CURVATURES:
         raise QsyncInputError(f"curvature: expected one of {', '.join(CURVATURES)}, "
                               f"got {curvature!r}")
@@ -760,11 +712,34 @@ def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]]
     return out
 
 
-def _progress(enabled: bool, method: str, i: int, n: int) -> None:
-    if enabled:
-        sys.stderr.write(f"\rindicator {method}: batch {i}/{n}")
-        if i == n:
-            sys.stderr.write("\n")
+#: Off a terminal, the indicator's progress is a line at most this often (seconds).
+PROGRESS_EVERY_S = 30.0
+
+
+class _Progress:
+    """Batches done: redrawn in place on a terminal; off one (a log, nohup, a batch
+    scheduler), a plain line every :data:`PROGRESS_EVERY_S` seconds with the time left."""
+
+    def __init__(self, enabled: bool, method: str, n: int) -> None:
+        self.enabled, self.method, self.n = enabled, method, n
+        self.tty = sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, i: int) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write(f"\rindicator {self.method}: batch {i}/{self.n}")
+            if i == self.n:
+                sys.stderr.write("\n")
+        else:
+            now = time.perf_counter()
+            if now - self.last < PROGRESS_EVERY_S or i == self.n:
+                return
+            self.last = now
+            left = (now - self.t0) / i * (self.n - i)
+            sys.stderr.write(f"indicator {self.method}: batch {i}/{self.n}, "
+                             f"{now - self.t0:.0f} s, about {left:.0f} s left\n")
         sys.stderr.flush()
 
 
@@ -932,6 +907,7 @@ def indicate(
     memory_check: bool = True,
     needs: Collection[Precision] | None = None,
     lr: float = CURV_LR,
+    report: Callable[[str], None] | None = None,
 ) -> IndicatorTable:
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
@@ -942,8 +918,9 @@ def indicate(
     The model is the workload's (seeded init) unless ``model`` is given (e.g. a trained
     one); data are the workload's real data where it has them (digits_cnn, digits_resnet,
     tiny_gpt, a file's ``data()``), else synthetic, unless ``data`` yields ``(inputs, targets)``.
-    Results are cached on disk (registry workloads) when neither ``model`` nor ``data`` is
-    given, keyed by workload, batch, batches, method, seed, gamma and rounding. A cached
+    Results are cached on disk when neither ``model`` nor ``data`` is given, keyed by the
+    workload (a user's file: its content's sha256 and function, never its path), the graph's
+    structure, batch, batches, method, seed, gamma, rounding and the method's settings. A cached
     table is reused when it has a value for every op at every precision in ``needs`` that
     the op allows (``None``: every precision the op allows; e.g. a table made before int4
     joined the menus serves every cluster without int4).
@@ -951,6 +928,10 @@ def indicate(
     Before it builds and runs a model, it estimates the memory that takes
     (:func:`indicator_memory`) and refuses with one line when this machine has less
     (``memory_check=False`` skips that); ``random`` runs no model.
+
+    ``report``: called with one line saying where the table came from (the cache, or
+    computed, in how many seconds) and what it holds. ``progress``: a line per batch on a
+    terminal, else one every :data:`PROGRESS_EVERY_S` seconds.
 
     ``curv``: the expected loss increase per step in nats, from ``hutchinson_samples``
     Hessian probes per batch; ``lr`` is the SGD rate of its backward (update) term (0 drops
@@ -965,20 +946,22 @@ def indicate(
     if not isinstance(wl, (Workload, UserWorkload)):
         raise QsyncInputError("model: indicate() takes a registry name, a PATH.py:FUNCTION "
                               f"file or a workload object, not {type(wl).__name__}")
-    user = isinstance(wl, UserWorkload)
     b = batch if batch is not None else wl.default_batch
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
-    graph = graph or trace(wl, b)
-    # a user's file is not cached: its name is a path, and its content may change
-    cacheable = cache and model is None and data is None and not user
+    graph = graph or trace(wl, b, warn=False)  # the caller's own trace warned already
+    t_start = time.perf_counter()
+    # a user's file is cached by its content hash (and function), never by its path
+    cacheable = cache and model is None and data is None
     path = None
     if cacheable:
         folder = Path(cache_dir) if cache_dir else default_cache_dir()
         tag = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
         tag += f"-r{term_rows}" if term_rows else ""
         tag += f"-h{hutchinson_samples}-lr{lr:g}" if method == "curv" else ""
-        path = folder / (f"{wl.name}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
+        key = (f"user-{wl.fn_name}-{wl.sha256[:16]}" if isinstance(wl, UserWorkload)
+               else wl.name)
+        path = folder / (f"{key}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
                          f"{'sr' if stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
         if path.is_file():
             try:
@@ -986,8 +969,13 @@ def indicate(
                 # a table cached before a precision joined the ops' menus (int4) is stale
                 # for a caller that needs that precision (``needs``: default, every one)
                 if all(p in table.values.get(o.name, {}) for o in graph.choosable_ops()
+                       if o.name not in table.unmeasured
                        for p in o.allowed_precisions if needs is None or p in needs):
                     log.info("indicator: reusing %s", path)
+                    table = table.model_copy(update={"workload": wl.name})  # a moved file
+                    if report is not None:
+                        report(f"indicator {method}: from the cache ({path}; "
+                               f"{_summary(table)})")
                     return table
                 log.info("indicator: %s lacks a precision the ops allow; recomputing", path)
             except QsyncInputError as exc:
@@ -1001,7 +989,7 @@ def indicate(
             need = dataclasses.replace(need, weights=0)
         if memory_check:
             check_indicator_memory(need, wl.name)
-        if progress:
+        if progress and sys.stderr.isatty():  # off a terminal: the summary line says it
             have = available_memory_bytes()
             sys.stderr.write(f"indicator {method}: {wl.name} ({graph.param_count / 1e6:.1f} M "
                              f"parameters) on this CPU, about {need.describe()}"
@@ -1010,9 +998,6 @@ def indicate(
         if model is None:
             model = wl.build()
         model = model.float().train()
-        modules = dict(model.named_modules())
-    else:
-        modules = {}
     # (inputs, targets): a registry model's tensors; a user's file's batches are whatever its
     # data() yields (its loss reads the targets from them), paired with None
     stream: Iterable[tuple[Any, Any]]
@@ -1027,12 +1012,12 @@ def indicate(
     else:
         stream, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
     user_lines: list[str] = []
-    missing = [n for n in names if method != "random"
-               and (n not in modules or _bilinear(modules[n]) is None)]
+    ran: set[str] = set()  # ops a call of which was captured, in any batch
     stats = {n: _OpStats() for n in names}
     gen = torch.Generator().manual_seed(seed)
     rng_values = {n: torch.rand((), generator=gen).item() for n in names}
     seen = 0
+    tick = _Progress(progress, method, batches)
     curvatures: set[str] = set()
     if method != "random":
         assert model is not None
@@ -1052,57 +1037,37 @@ def indicate(
                 allowed: dict[str, Sequence[Precision]] = {
                     o.name: list(o.allowed_precisions) for o in ops}
                 got, used = _curv_batch(model, names, run, allowed, samples=hutchinson_samples,
-                                        gen=gen, stochastic=stochastic, lr=lr)
+                                        gen=gen, stochastic=stochastic, lr=lr, ran=ran)
                 curvatures.add(used)
                 for n, terms_c in got.items():
                     for p, (vf, vb) in terms_c.items():
                         stats[n].fwd.setdefault(p, []).append(vf)
                         stats[n].bwd.setdefault(p, []).append(vb)
                 seen += 1
-                _progress(progress, method, seen, batches)
+                tick(seen)
                 continue
-            caps, handles = _capture_hooks(model, names)
-            acts: dict[str, list[Tensor]] = {}
-            if method == "hessian":
-                # Keep the live input activations (in the graph) for Hessian-vector products.
-                live_hooks = []
-                for n in names:
-                    if n in modules:
-                        def keep(m: nn.Module, inp: tuple[Any, ...], out: Any, _n: str = n,
-                                 _acts: dict[str, list[Tensor]] = acts) -> None:
-                            _acts.setdefault(_n, []).append(inp[0])
-                        live_hooks.append(modules[n].register_forward_hook(keep))
-                handles += live_hooks
-            try:
-                model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            with CallCapture(model, names) as capture:
                 out = wl.forward(model, inputs)
                 loss = wl.loss_of(out, inputs, targets)
-                if i == 0 and isinstance(wl, UserWorkload):
-                    user_lines = [wl.loss_line(out, inputs), wl.data_line()]
-                if method == "hessian":
-                    traces = _hutchinson(model, loss, names, acts, hutchinson_samples, gen)
-                else:
-                    loss.backward()
-            finally:
-                for h in handles:
-                    h.remove()
+            if i == 0 and isinstance(wl, UserWorkload):
+                user_lines = [wl.loss_line(out, inputs), wl.data_line()]
+            if method == "hessian":
+                traces = _hutchinson(loss, capture.calls, hutchinson_samples, gen)
+            else:
+                loss.backward()
+            caps = _captures(capture.calls)
+            ran.update(caps)
             for op in ops:
-                bl = _bilinear(modules[op.name]) if op.name in modules else None
-                if bl is None:
-                    continue
                 precisions = list(op.allowed_precisions)
-                for cap in caps.get(op.name, []):
+                for bl, cap in caps.get(op.name, []):
                     if method == "qsync":
-                        if cap.g is None:
-                            continue
                         terms_p = _qsync_terms(bl, cap, precisions, stochastic, term_dtype,
                                                term_rows)
                         for p, (vf, vb) in terms_p.items():
                             stats[op.name].fwd.setdefault(p, []).append(vf)
                             stats[op.name].bwd.setdefault(p, []).append(vb)
                     elif method == "fisher":
-                        if cap.g is None:
-                            continue
                         for p, v in _fisher_terms(bl, cap, precisions, stochastic).items():
                             stats[op.name].value.setdefault(p, []).append(v)
                     elif method == "wvar":
@@ -1123,13 +1088,19 @@ def indicate(
                             stats[op.name].value.setdefault(p, []).append(
                                 (w_tr if k_b else a_tr) * e_w + a_tr * e_a)
             seen += 1
-            _progress(progress, method, seen, batches)
+            tick(seen)
         model.zero_grad(set_to_none=True)
     values: dict[str, dict[Precision, float]] = {}
     terms: dict[str, dict[Precision, list[float]]] = {}
     clamped = 0
     L = graph.max_depth
+    unmeasured = {} if method == "random" else {
+        n: (UNMEASURED_GRAD if n in ran else UNMEASURED_RAN) for n in names
+        if not (stats[n].fwd or stats[n].value)}
     for op in ops:
+        if op.name in unmeasured:  # fp32 only (0 by definition), never a default at another
+            values[op.name] = {Precision.fp32: 0.0}  # precision: the caller pins it fp32
+            continue
         row: dict[Precision, float] = {}
         st = stats[op.name]
         for p in op.allowed_precisions:
@@ -1166,19 +1137,55 @@ def indicate(
                      "pattern; terms: [forward, backward] nats, before clamping")
         notes.append(f"negative estimates clamped to 0: {clamped} value(s)")
     notes += user_lines
-    if missing:
-        notes.append(f"{len(missing)} choosable op(s) without a module got no statistics "
-                     f"(value 0): {', '.join(missing[:5])}")
+    if unmeasured:
+        notes.append(f"{len(unmeasured)} choosable op(s) not measured (no value; pin them "
+                     f"fp32): {', '.join(sorted(unmeasured)[:5])}"
+                     + (" ..." if len(unmeasured) > 5 else ""))
     table = IndicatorTable(
         workload=wl.name, graph_hash=graph.structure_hash(), method=method, batch_size=b,
         batches=max(1, seen) if method != "random" else batches, seed=seed,
         gamma=gamma if method == "qsync" else None, data=data_kind, values=values,
         stochastic=stochastic, notes=notes, monotone_fixes=fixes,
-        terms=terms if method in ("qsync", "curv") else None,
+        terms=terms if method in ("qsync", "curv") else None, unmeasured=unmeasured,
     )
     if path is not None:
         save(table, path)
+    if report is not None:
+        report(f"indicator {method}: computed on this CPU in "
+               f"{time.perf_counter() - t_start:.1f} s ({_summary(table)}); "
+               + (f"cached in {path}" if path is not None else "not cached"))
     return table
+
+
+def _summary(table: IndicatorTable) -> str:
+    """What a table holds, in a few words: ops, batches, data, unmeasured ops."""
+    text = (f"{len(table.values)} ops, {table.batches} batch(es) of {table.batch_size}, "
+            f"{table.data} data")
+    if table.unmeasured:
+        text += f", {len(table.unmeasured)} op(s) unmeasured"
+    return text
+
+
+def cover(table: IndicatorTable, graph: ModelGraph) -> IndicatorTable:
+    """``table`` for ``graph`` (traced at another batch, say): a choosable op of ``graph``
+    the table has no row for (the trace at the table's batch took another path) joins its
+    ``unmeasured``, with an fp32 row only, so it is pinned rather than lowered for free."""
+    lacking = [o.name for o in graph.choosable_ops() if o.name not in table.values]
+    if not lacking:
+        return table
+    why = (f"no indicator value: not in the model's graph at the indicator's batch "
+           f"{table.batch_size} (its trace there took another path)")
+    return table.model_copy(update={
+        "values": {**table.values, **{n: {Precision.fp32: 0.0} for n in lacking}},
+        "unmeasured": {**table.unmeasured, **dict.fromkeys(lacking, why)}})
+
+
+#: Why an op has no indicator value (:attr:`IndicatorTable.unmeasured`); the CLI pins such
+#: ops fp32 and prints the reason.
+UNMEASURED_RAN = ("no indicator value: no call of it ran in the measured batches' forward "
+                  "(a code path the trace took and the batches did not)")
+UNMEASURED_GRAD = ("no indicator value: its output carries no gradient, so the loss "
+                   "curvature in it cannot be measured")
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import QsyncInputError
+from .errors import QsyncInputError, TraceError
 from .precision import Precision
 from .rules import allowed_on, check_plan_entry, check_tie
 from .schemas import MAX_BATCH, ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
@@ -232,20 +232,29 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
                 workload = load_user_workload(model, sha256=sha)
             wl_ = workload
             graph = trace(wl_, batch, tie=tie)
-            retrace = lambda: trace(wl_, batch, tie=tie, pin_head=False)  # noqa: E731
+            retrace = lambda pin, how: trace(wl_, batch, tie=tie, pin_head=pin,  # noqa: E731
+                                             method=how, warn=False)
         else:
             try:
                 wl = get_workload(plan.workload)
             except (KeyError, ValueError) as exc:
                 raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
             graph = trace(wl, batch, tie=tie, name=plan.workload)
-            retrace = lambda: trace(wl, batch, tie=tie, pin_head=False,  # noqa: E731
-                                    name=plan.workload)
+            retrace = lambda pin, how: trace(wl, batch, tie=tie, pin_head=pin,  # noqa: E731
+                                             name=plan.workload, method=how, warn=False)
         if graph.structure_hash() != plan.graph_hash:
-            unpinned = retrace()
-            if unpinned.structure_hash() != plan.graph_hash:
+            # a plan made with --unpin-head, or with --tracer fx (a model whose default
+            # trace goes through what fx keeps opaque): the graph it was made on
+            for pin, how in ((False, "auto"), (True, "fx"), (False, "fx")):
+                try:
+                    other = retrace(pin, how)
+                except TraceError:
+                    continue
+                if other.structure_hash() == plan.graph_hash:
+                    graph = other
+                    break
+            else:
                 raise QsyncInputError(plan_graph_difference(plan, graph))
-            graph = unpinned
     except QsyncInputError as exc:
         msg = str(exc)
         if sha is not None or msg.startswith(("plan:", flag)):

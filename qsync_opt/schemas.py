@@ -30,8 +30,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -447,6 +449,9 @@ class OpNode(Schema):
         True, description="Whether backward computes the input gradient (False on the first layer)."
     )
     depth: Int = Field(ge=0, description="Longest path from the input counting computing ops.")
+    hidden_gemms: Int = Field(0, ge=0, description="GEMM calls run inside this op where the "
+                              "tracer kept a Python function as one op (torch.fx.wrap): work "
+                              "the planner cannot choose a precision for.")
     tie_group: str | None = Field(
         None, description="Ops of one tie group share one decision ('module:' groups are the "
         "calls of one module, always tied; others come from the optional tie mode)."
@@ -737,6 +742,19 @@ class IndicatorTable(Document):
         None, description="qsync method: [Var_fwd, Var_bwd] per op and precision (relative); "
         "curv: [forward, backward] expected loss increase (nats).")
     notes: list[str] = Field(default_factory=list)
+    unmeasured: dict[str, str] = Field(
+        default_factory=dict, description="Choosable ops the method could not measure, with "
+        "why: their row has fp32 only (never a default value at another precision), and a "
+        "plan keeps them fp32.")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_unmeasured(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """``unmeasured`` is written only when it names an op, so a table without one has the
+        bytes (and content hash) it had before the field existed."""
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("unmeasured"):
+            data.pop("unmeasured", None)
+        return data
 
     @field_validator("values")
     @classmethod

@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "netsim", "netsim.topology", "netsim.engine", "netsim.traffic", "netsim.ns3ref"]),
     ("precision layers", ["runtime.gemm", "runtime.dispatch", "runtime.layers",
                           "profile.builders"]),
-    ("indicator, replayer", ["indicator", "replayer", "replayer.sync", "replayer.timeline",
+    ("indicator, replayer", ["indicator", "indicator_calls", "replayer", "replayer.sync", "replayer.timeline",
                              "replayer.prepared", "replayer.loop", "replayer.incremental",
                              "replayer.pipeline",
                              "plan", "synthetic", "profile_context", "profile",

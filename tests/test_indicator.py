@@ -332,11 +332,22 @@ def test_indicate_refuses_in_one_line_when_the_model_would_not_fit(monkeypatch) 
         trace("resnet18", 4).choosable_ops())
 
 
-def test_indicate_shows_its_memory_and_progress(capsys) -> None:
+def test_indicate_shows_its_memory_and_progress(capsys, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: header and bar
     indicate("digits_cnn", 2, "wvar", batch=8, cache=False, progress=True)
     err = capsys.readouterr().err
     assert "indicator wvar: digits_cnn (" in err and "M parameters) on this CPU, about" in err
     assert "GiB available" in err and "batch 2/2" in err
+    # off a terminal: no header (a refusal after it stays one line), no line per batch;
+    # the report line says what was computed
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    said: list[str] = []
+    indicate("digits_cnn", 2, "wvar", batch=8, cache=False, progress=True, report=said.append)
+    assert capsys.readouterr().err == ""
+    assert len(said) == 1 and said[0].startswith("indicator wvar: computed on this CPU in ")
+    assert "2 batch(es) of 8" in said[0] and said[0].endswith("not cached")
 
 
 def test_a_cached_table_without_int4_serves_callers_that_do_not_need_it(tmp_path, monkeypatch) -> None:

@@ -49,6 +49,8 @@ from .args import (
     INT4_FLAG_HELP,
     POSITIVE_SECONDS,
     SEED,
+    TRACER_HELP,
+    TRACERS,
     add_sync_args,
     finite_float,
     int_range,
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--unpin-head", action="store_true",
                         help="let the classifier head's precision be chosen")
         sp.add_argument("--tie", choices=TIE_MODES, default="none", help="tie groups")
+        sp.add_argument("--tracer", choices=TRACERS, default="auto", help=TRACER_HELP)
 
     sp = add("graph", "trace a workload into a ModelGraph")
     model_args(sp)

@@ -88,12 +88,21 @@ def workload_arg(args: argparse.Namespace, model_sha256: str | None = None) -> A
     return args.model
 
 
+#: ``--tracer``: :func:`qsync_opt.graph.trace`'s methods.
+TRACERS = ("auto", "fx", "function_mode")
+TRACER_HELP = ("how the model is traced: auto (torch.fx, and the function-mode tracer where fx "
+               "fails or keeps a Python function that runs GEMMs or reads parameters as one "
+               "opaque op, as torchvision's Swin attention; default), fx, or function_mode")
+
+
 def trace_args(args: argparse.Namespace, model_sha256: str | None = None,
                 workload: Any = None) -> ModelGraph:
     """The graph of ``--model`` (see :func:`workload_arg`), at ``--batch``: a user's file at
-    its example's batch by default, at another on synthetic inputs shaped like them."""
+    its example's batch by default, at another on synthetic inputs shaped like them;
+    ``--tracer`` picks the tracer."""
     wl = workload if workload is not None else workload_arg(args, model_sha256)
-    return trace(wl, args.batch, pin_head=not args.unpin_head, tie=args.tie)
+    return trace(wl, args.batch, pin_head=not args.unpin_head, tie=args.tie,
+                 method=getattr(args, "tracer", "auto"))
 
 
 INT4_FLAG_HELP = ("add int4 (opt-in) to the menu of every group whose card has an INT4 peak "

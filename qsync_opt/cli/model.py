@@ -200,6 +200,69 @@ def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any
     return 0
 
 
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def say_all(lines: list[str], to_stderr: bool) -> None:
+    """The indicator's lines (:func:`computed_indicator`) after a command's result: on
+    stdout, or on stderr where stdout is JSON."""
+    for line in lines:
+        if to_stderr:
+            _say(line)
+        else:
+            print(line)
+
+
+def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: Any,
+                       options: Any, check: str | None, common: dict[str, Any],
+                       said: list[str]) -> Any:
+    """The problem of solve/compare/pareto with the indicator computed here: first what
+    needs no indicator is checked (``diagnose.precheck`` on the problem with a placeholder:
+    no model is run for a problem without a plan), then ``indicate()`` on the workload
+    already loaded (a user's file is not run again; its table cached by its sha256), with
+    progress on stderr (off a terminal, a line every half minute) and one line in ``said``
+    saying what was computed and how long it took, or that it came from the cache. Ops the
+    method could not measure are pinned fp32, a line each in ``said`` saying why; a value
+    of 0 is never assumed. The command prints ``said`` with its result (:func:`say_all`),
+    so a refusal stays one line."""
+    import dataclasses
+
+    from ..devices import get_device
+    from ..diagnose import precheck
+    from ..indicator import cover, indicate, placeholder_indicator
+    from ..precision import Precision
+    from ..problem import AllocationProblem
+    from ..solve import INDICATOR_BATCH, InfeasibleError, build_problem
+
+    method = args.method
+    trial = build_problem(graph, cluster, indicator=placeholder_indicator(graph),
+                          options=options, **common)
+    if check is not None and method != "random":
+        lines = precheck(trial, check)
+        if lines:
+            head = f"no plan, found before computing the {method} indicator (no model was run)"
+            err = InfeasibleError(f"{head}: " + "; ".join(lines))
+            err.head, err.lines = head, lines
+            raise err
+    table = indicate(wl, args.indicator_batches, method,
+                     batch=args.indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
+                     progress=not args.json,
+                     needs={p for g in trial.cluster.groups
+                            for p in get_device(g.device).precisions},
+                     report=said.append)
+    table = cover(table, graph)
+    pins = dict(options.pinned)
+    for op, why in sorted(table.unmeasured.items()):
+        if op not in pins:
+            pins[op] = Precision.fp32
+            said.append(f"indicator {method}: {op} pinned fp32 ({why})")
+    if len(pins) != len(options.pinned):
+        options = dataclasses.replace(options, pinned=pins)
+    return AllocationProblem(graph, trial.cluster, trial.costs, table, options)
+
+
 def cmd_indicate(args: argparse.Namespace) -> int:
     from ..indicator import fast_options, indicate, rank_table
     from ..precision import Precision
@@ -209,7 +272,7 @@ def cmd_indicate(args: argparse.Namespace) -> int:
     table = indicate(workload_arg(args), args.batches, args.method, batch=args.batch,
                      seed=args.seed,
                      gamma=args.gamma, cache=not args.no_cache,
-                     progress=sys.stderr.isatty() and not args.json, **fast)
+                     progress=not args.json, report=None if args.json else _say, **fast)
     secs = time.perf_counter() - t0
     if _save_or_json(table, args):
         return 0

@@ -11,7 +11,8 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
-from .args import cluster_arg, emit_json, sync_arg, trace_args
+from .args import cluster_arg, emit_json, sync_arg, trace_args, workload_arg
+from .model import computed_indicator, say_all
 
 
 def _problem_options(args: argparse.Namespace) -> Any:
@@ -39,21 +40,27 @@ def _solve_options(args: argparse.Namespace) -> Any:
                         acceptance=args.acceptance)
 
 
-def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
+def _build_problem(args: argparse.Namespace, check: str | None,
+                   said: list[str] | None = None) -> Any:
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
-    computed indicator runs the model (``build_problem``)."""
+    computed indicator runs the model (``build_problem``); the computed indicator is
+    :func:`computed_indicator`'s (cached; the lines saying what it did go to ``said``)."""
     from ..solve import build_problem
 
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
             f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
-    graph = trace_args(args)
-    return build_problem(graph, cluster_arg(args), indicator=args.indicator, costs=args.costs,
-                         options=_problem_options(args), indicator_method=args.method,
-                         indicator_batches=args.indicator_batches,
-                         indicator_batch=args.indicator_batch,
-                         progress=sys.stderr.isatty(), check=check,
-                         comm_model=getattr(args, "comm_model", None))
+    wl = workload_arg(args)
+    graph = trace_args(args, workload=wl)
+    cluster = cluster_arg(args)
+    options = _problem_options(args)
+    common: dict[str, Any] = dict(costs=args.costs, indicator_method=args.method,
+                                  comm_model=getattr(args, "comm_model", None))
+    if args.indicator is not None:
+        return build_problem(graph, cluster, indicator=args.indicator, options=options,
+                             **common)
+    return computed_indicator(args, wl, graph, cluster, options, check, common,
+                              said if said is not None else [])
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
@@ -62,7 +69,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
     # Another batch split can fit what this one does not; the budget mode has no target.
     check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
-    problem = _build_problem(args, check)
+    said: list[str] = []
+    problem = _build_problem(args, check, said)
     plan, report = solve(problem, args.solver, _solve_options(args), mode=args.mode,
                          degradation_budget=args.budget, refine=args.refine,
                          joint_split=args.joint_split, batch_multiple=args.batch_multiple,
@@ -78,6 +86,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"plan": args.out, "report": report.model_dump(mode="json"),
                     "evaluation": ev.to_json(), "dominated": dominated})
+        say_all(said, True)
         return 0
     print(f"{args.solver}: {report.status}, objective {ev.objective:.6g}"
           + (f", gap {report.gap:.2g}" if report.gap is not None else "")
@@ -98,6 +107,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     if dominated:
         print(dominated)
+    say_all(said, False)
     print(f"wrote {args.out}" + (f" and {args.report}" if args.report else ""))
     return 0
 
@@ -107,7 +117,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
     if args.points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {args.points}")
-    problem = _build_problem(args, "memory")  # the sweep starts at the split's fastest plan
+    said: list[str] = []
+    problem = _build_problem(args, "memory", said)  # the sweep starts at the split's fastest
     allocators = [a for a in SWEPT + ONCE if not (args.no_split and a == "exact+split")]
     pts = frontier(problem, points=args.points, exact=args.exact, allocators=allocators,
                    options=_solve_options(args), batch_multiple=args.batch_multiple,
@@ -118,6 +129,7 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     if args.png:
         plot_frontier(pts, args.png, f"{problem.graph.workload} on {args.cluster}",
                       what="--png")
+    say_all(said, bool(args.json))
     if args.json:
         emit_json(doc)
         return 0
@@ -131,7 +143,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.
-    problem = _build_problem(args, None)
+    said: list[str] = []
+    problem = _build_problem(args, None, said)
     names = [s.strip() for s in args.solvers.split(",")] if args.solvers else None
     rows = compare(problem, names, _solve_options(args), refine=args.refine,
                    joint_split=args.joint_split, batch_multiple=args.batch_multiple)
@@ -142,6 +155,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for r in rows:
             if r.plan is not None:
                 save(r.plan, f"{args.plans}/{r.solver}.plan.json", what="--plans")
+    say_all(said, args.json == "-")
     if args.json is not None:
         text = json.dumps(doc, indent=2) + "\n"
         if args.json == "-":

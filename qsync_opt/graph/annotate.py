@@ -179,6 +179,7 @@ def build_graph(
                 own_params += p.numel()
                 seen_params.add(piece)
         fwd_flops, _, wshape = _flops(op)
+        fwd_flops = max(fwd_flops, op.hidden_flops)  # an opaque function: what it really does
         needs_in = any(t.requires_grad for t in op.input_tensors)
         has_wgrad = any(p.requires_grad for p in op.params)
         if op.kind in _CHOOSABLE:
@@ -219,7 +220,7 @@ def build_graph(
             input_numel=in_numel, output_numel=out_numel,
             fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes),
             saved_bytes=saved_bytes, saved_shared_bytes=shared,
-            needs_input_grad=needs_in, depth=0,
+            needs_input_grad=needs_in, depth=0, hidden_gemms=op.hidden_gemms,
         ))
         for src, t in op.inputs:
             if src in index and index[src] < index[op.name]:
@@ -239,16 +240,11 @@ def build_graph(
         depth[nd["name"]] = base + (1 if nd["kind"] in _COMPUTING_FOR_DEPTH else 0)
         nd["depth"] = depth[nd["name"]]
 
-    # Classifier head: a GEMM from which an output is reached without another GEMM.
     unpin_set = set(unpin)
     if pin_head:
-        reaches_out: dict[str, bool] = {}
-        for nd in reversed(nodes):
-            n = nd["name"]
-            clear = [s for s in succs[n] if nodes[index[s]]["role"] != OpRole.choosable]
-            reaches_out[n] = not succs[n] or any(reaches_out[s] for s in clear)
-        for nd in nodes:
-            if nd["role"] == OpRole.choosable and reaches_out[nd["name"]] and nd["name"] not in unpin_set:
+        for n in head_ops(raw, nodes, succs):
+            if n not in unpin_set:
+                nd = nodes[index[n]]
                 nd["role"] = OpRole.pinned
                 nd["allowed_precisions"] = [Precision.fp32]
                 nd["pin_reason"] = HEAD_REASON
@@ -282,11 +278,59 @@ def build_graph(
     )
 
 
+def head_ops(raw: list[RawOp], nodes: list[dict[str, Any]],
+             succs: dict[str, list[str]]) -> list[str]:
+    """The classifier head: the choosable GEMMs after the last merge of the residual stream,
+    that is, those from which an output (an op nothing reads) is reached through neither
+    another GEMM nor a merge. A merge, for a GEMM ``g``, is an op with a gradient-carrying
+    input that does not come from ``g`` through GEMM-free paths: a residual add joining the
+    skip path (``x + f(x)`` after ``g`` = the last GEMM of ``f``), a gate. Inputs without a
+    gradient (targets, masks) and inputs computed from ``g`` alone (``h * sigmoid(h)``) are
+    no merge. A model ending in its residual stream (a backbone, a feature extractor) has
+    no head; a classifier or LM head after the last norm is one."""
+    index = {nd["name"]: i for i, nd in enumerate(nodes)}
+    gemm = {nd["name"] for nd in nodes if nd["role"] == OpRole.choosable}
+    heads = []
+    for nd in nodes:
+        g = nd["name"]
+        if g not in gemm:
+            continue
+        # GEMM-free descendants of g (g included): what g alone computes.
+        mine, todo = {g}, [g]
+        while todo:
+            for s in succs[todo.pop()]:
+                if s not in mine and s not in gemm:
+                    mine.add(s)
+                    todo.append(s)
+
+        def merges(n: str, _mine: set[str] = mine) -> bool:
+            op = raw[index[n]]
+            from_ops = {id(t): src for src, t in op.inputs}
+            return any(t.requires_grad and from_ops.get(id(t)) not in _mine
+                       for t in op.input_tensors)
+
+        seen, todo, head = {g}, [g], False
+        while todo and not head:
+            n = todo.pop()
+            if not succs[n]:
+                head = True
+            for s in succs[n]:
+                if s not in seen and s not in gemm and not merges(s):
+                    seen.add(s)
+                    todo.append(s)
+        if head:
+            heads.append(g)
+    return heads
+
+
 def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
     """The ops of kind "other" (computations the planner cannot choose a precision for and
-    the cost model only guesses) that hold more than ``threshold`` (1%) of the model's
-    parameters or forward FLOPs, one line each: name, target, their shares. :func:`trace`
-    logs them as a warning; the CLI's ``graph`` command can print them."""
+    the cost model only guesses) that run GEMMs inside (every one: a ``torch.fx.wrap``-ed
+    function, as torchvision's Swin attention, given its module's weights) or hold more than
+    ``threshold`` (1%) of the model's parameters or forward FLOPs, one line each: name,
+    target, GEMM calls inside, their shares (an opaque function's FLOPs are those it does
+    inside).
+    :func:`trace` logs them as a warning; the CLI's ``graph`` command can print them."""
     total_flops = sum(o.fwd_flops for o in graph.ops) or 1
     total_params = graph.param_count or 1
     out = []
@@ -294,8 +338,9 @@ def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
         if o.kind != OpKind.other:
             continue
         pf, pp = o.fwd_flops / total_flops, o.param_count / total_params
-        if pf > threshold or pp > threshold:
-            out.append(f"{o.name} ({o.target}): {100 * pp:.1f}% of the parameters, "
+        if o.hidden_gemms > 0 or pf > threshold or pp > threshold:
+            inside = f"{o.hidden_gemms} GEMM call(s) inside, " if o.hidden_gemms else ""
+            out.append(f"{o.name} ({o.target}): {inside}{100 * pp:.1f}% of the parameters, "
                        f"{100 * pf:.1f}% of the forward FLOPs")
     return out
 
@@ -303,8 +348,9 @@ def unseen_ops(graph: ModelGraph, threshold: float = 0.01) -> list[str]:
 def warn_unseen(graph: ModelGraph) -> None:
     lines = unseen_ops(graph)
     if lines:
-        log.warning("%s: %d op(s) the planner cannot see inside (kind other, over 1%% of the "
-                    "parameters or FLOPs): %s", graph.workload, len(lines), "; ".join(lines))
+        log.warning("%s: %d op(s) the planner cannot see inside (kind other, running GEMMs "
+                    "or over 1%% of the parameters or FLOPs): %s", graph.workload,
+                    len(lines), "; ".join(lines))
 
 
 TIE_MODES = ("none", "blocks", "siblings")

@@ -11,6 +11,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from .kinds import function_kind, is_leaf_module, method_kind, module_kind
 from .naming import (
@@ -33,6 +35,37 @@ from .recording import (
     once_per_tensor,
     storage_id,
 )
+
+
+def is_python_function(fn: Any) -> bool:
+    """A plain Python function (not torch's, not a builtin): fx keeps one as a single op
+    only when it is ``torch.fx.wrap``-ed (torchvision's Swin attention), else it traces it."""
+    mod = getattr(fn, "__module__", None) or ""
+    return inspect.isfunction(fn) and not mod.startswith(("torch", "_operator", "operator",
+                                                          "builtins", "math"))
+
+
+class _HiddenWork(TorchFunctionMode):
+    """Counts the GEMM calls an opaque function runs (and, by :class:`FlopCounterMode`,
+    the FLOPs it does), so the graph can say what it hides and fall back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemms = 0
+        self.flops = FlopCounterMode(display=False)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if gemm_call_kind(func) is not None:
+            self.gemms += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> _HiddenWork:
+        self.flops.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.flops.__exit__(*exc)
 
 
 class _Tracer(fx.Tracer):
@@ -131,9 +164,15 @@ def fx_raw_ops(
                 return self.expand(n, namer.name("sdpa", scope_of(n)), target_name(n.target),
                                    None, expand_sdpa)
             rec.current = []
+            opaque = n.op == "call_function" and is_python_function(n.target)
+            hidden = _HiddenWork() if opaque else None
             try:
                 with rec.hooks():
-                    value = super().run_node(n)
+                    if hidden is not None:
+                        with hidden:
+                            value = super().run_node(n)
+                    else:
+                        value = super().run_node(n)
             finally:
                 saved, rec.current = rec.current, None
             outs = tensors_of(value)
@@ -169,7 +208,9 @@ def fx_raw_ops(
                         for t in tensors_of(self.env[a])[:1]],
                 input_tensors=[t for v in act_inputs for t in tensors_of(v)],
                 outputs=outs, params=[p for p in params if isinstance(p, torch.Tensor)],
-                saved=saved, is_loss_part=bool(n.meta.get("qsync_loss")),
+                saved=saved, is_loss_part=bool(n.meta.get("qsync_loss")), opaque=opaque,
+                hidden_gemms=hidden.gemms if hidden else 0,
+                hidden_flops=int(hidden.flops.get_total_flops()) if hidden else 0,
             ))
             return value
 

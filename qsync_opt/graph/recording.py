@@ -30,6 +30,9 @@ class RawOp:
     saved: list[torch.Tensor] = field(default_factory=list)
     is_loss_part: bool = False
     tie_key: Any = None  # ops with one key share one decision (default: their module)
+    opaque: bool = False  # a Python function fx kept as one op (torch.fx.wrap)
+    hidden_gemms: int = 0  # GEMM calls run inside an opaque op
+    hidden_flops: int = 0  # the FLOPs those calls and the rest inside it did
 
 
 class SavedRecorder:

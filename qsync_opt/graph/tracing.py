@@ -34,6 +34,27 @@ def _first_line(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _through_opaque(raw: list[RawOp], label: str,
+                    function_mode: Callable[[], list[RawOp]]) -> tuple[list[RawOp], str]:
+    """fx's ops, or, where fx kept a Python function that runs GEMMs or reads parameters as
+    one opaque op (a ``torch.fx.wrap``-ed function, as torchvision's Swin attention), the
+    function-mode tracer's, which sees inside it. If that tracer fails, fx's ops stay (the
+    unseen-ops warning then names what is hidden)."""
+    hiding = [o for o in raw if o.opaque and (o.hidden_gemms or o.params)]
+    if not hiding:
+        return raw, "fx"
+    try:
+        seen = function_mode()
+    except Exception as exc:  # keep fx's graph; the warning names the opaque ops
+        log.info("%s: fx keeps %d function call(s) opaque and function mode failed (%s)",
+                 label, len(hiding), _first_line(exc))
+        return raw, "fx"
+    log.info("%s: fx keeps %d call(s) of %s as opaque ops running %d GEMM call(s); traced in "
+             "function mode instead", label, len(hiding),
+             ", ".join(sorted({o.target for o in hiding})), sum(o.hidden_gemms for o in hiding))
+    return seen, "function_mode"
+
+
 def trace(
     workload: str | Workload | UserWorkload | nn.Module,
     batch: int | None = None,
@@ -46,6 +67,7 @@ def trace(
     name: str | None = None,
     method: str = "auto",
     model_sha256: str | None = None,
+    warn: bool = True,
 ) -> ModelGraph:
     """Trace a workload into a :class:`ModelGraph` without allocating real memory.
 
@@ -56,7 +78,10 @@ def trace(
     overrides the batch (default: a registry workload's default batch, a user file's example
     batch; a user file at another batch is traced on synthetic inputs shaped like its
     example); an ``nn.Module`` is traced at its example inputs' batch. ``method`` is ``auto``
-    (fx, then the function-mode fallback), ``fx`` or ``function_mode``. Where tracing on
+    (fx, then the function-mode fallback: where fx fails, and where fx keeps a Python
+    function that runs GEMMs or reads parameters as one opaque op, a ``torch.fx.wrap``-ed
+    one as torchvision's Swin attention), ``fx`` or ``function_mode``. ``warn``: log the
+    ops the planner cannot see inside (:func:`~qsync_opt.graph.unseen_ops`). Where tracing on
     meta tensors fails (a model that reads its inputs' values, as HuggingFace BERT does with
     an attention mask) and the model and inputs are real, ``auto`` traces in function mode on
     real tensors of the example's shapes (``trace_method`` ``function_mode_real``). A
@@ -141,6 +166,9 @@ def trace(
                 log.info("fx tracing of %s failed (%s); falling back", label, errors[-1])
                 if method == "fx":
                     raise TraceError(f"cannot trace {label}: {errors[-1]}") from None
+            if raw is not None and method == "auto":
+                raw, used = _through_opaque(raw, label, lambda: function_mode_raw_ops(
+                    model, args, targets, loss_fn, kwargs=kwargs, sink=outputs))
         if raw is None:
             try:
                 raw = function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
@@ -171,5 +199,6 @@ def trace(
         user.example_outputs = outputs[0]
     graph = build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
                          pin_head=pin_head, unpin=unpin, tie=tie)
-    warn_unseen(graph)
+    if warn:
+        warn_unseen(graph)
     return graph.model_copy(update={"workload_sha256": file_sha256}) if file_sha256 else graph
