@@ -39,7 +39,9 @@ def build():
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "qsync-opt" / "indicators"
+    from qsync_opt.indicator import default_cache_dir
+
+    return default_cache_dir()  # under the error model's version folder
 
 
 def _file(tmp_path: Path, branch: str = "x.shape[0] == 3", name: str = "net.py") -> str:
@@ -104,7 +106,7 @@ def test_a_refusal_starts_with_the_error_not_the_indicators_lines(tmp_path, cach
                                                                    method) -> None:
     code, out, err = _solve(_file(tmp_path, branch="False"), tmp_path / "p.json",
                             "--target-ms", "1e-9", "--method", method)
-    assert code == 2 and err.startswith("qsync-opt: error: ") and "no plan" in err.splitlines()[0], err
+    assert code == 3 and err.startswith("qsync-opt: error: ") and "no plan" in err.splitlines()[0], err  # 3: infeasible
     assert "indicator" not in out and "computed" not in err
     assert not (tmp_path / "p.json").exists()
 
