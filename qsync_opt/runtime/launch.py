@@ -261,6 +261,9 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
     name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
     out = Path(args.out) if args.out else Path("runs") / name0
+    from .config import check_out_folder
+
+    check_out_folder(out)  # a folder we may write, holding no planted link: before any work
     if args.plan is None:
         plan_path = fp32_plan(args, out)
         if lines is not None:
@@ -360,10 +363,10 @@ def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
     graph = trace(args.model, args.batch)
     plan = make_plan(graph, cluster, {}, provenance={"solver": "none (train without --plan: "
                                                      "fp32 everywhere)"})
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "fp32.plan.json"
-    plan.save(path)
-    return path
+    from ..io import to_json
+    from ..outfolder import write_text
+
+    return write_text(out, "fp32.plan.json", to_json(plan))
 
 
 def write_config(config: TrainConfig) -> Path:
@@ -372,21 +375,22 @@ def write_config(config: TrainConfig) -> Path:
     First, before anything in ``OUT`` changes: the plan's batches must be within the
     runtime's limits, and a resume must continue a run made with the same settings
     (:func:`~qsync_opt.runtime.config.check_resume`; QsyncInputError names each difference),
-    so the old run's config is never overwritten by one that cannot resume it.
+    so the old run's config is never overwritten by one that cannot resume it; ``OUT`` holds
+    no link where the run writes (:func:`~qsync_opt.runtime.config.check_out_folder`), and
+    every rank file of the set it resumes loads (a corrupt or foreign file: one line naming
+    it). The config is written never through a link in ``OUT``.
     """
-    from .config import check_batches, check_resume
+    from ..io import to_json
+    from ..outfolder import write_text
+    from .config import check_batches, check_out_folder, check_resume, check_set_files
 
     plan = Plan.load(config.plan_path)
     check_batches(plan, config.rank_groups)
-    check_resume(config, plan)
-    out = Path(config.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise QsyncInputError(f"--out {out}: cannot create ({exc.__class__.__name__})") from None
-    path = out / CONFIG_NAME
-    config.save(path)
-    return path
+    out = check_out_folder(config.out_dir)
+    cs = check_resume(config, plan)
+    if cs is not None:  # every rank file loads, before any rank starts
+        check_set_files(cs, "pipeline" if config.pipeline is not None else "train")
+    return write_text(out, CONFIG_NAME, to_json(config))
 
 
 # ----------------------------------------------------------------------------- commands
