@@ -137,6 +137,25 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
     return Path(path)
 
 
+def check_output_file(path: str | os.PathLike[str], what: str) -> None:
+    """Before the work whose result goes to ``path`` (a file the user named, written by
+    :func:`atomic_write`): refuse in one line naming ``what`` a folder there, a path through
+    a file, or a folder that cannot be written into, so no work is thrown away."""
+    target = _write_target(path)
+    if target.is_dir():
+        raise OutputError(one_line(f"{what} {os.fspath(path)}: is a folder, not a file"))
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        if parent.is_symlink():  # a dangling link on the way: nothing to create it in
+            break
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(one_line(f"{what} {os.fspath(path)}: {parent} is not a folder"))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(one_line(f"{what} {os.fspath(path)}: cannot write into {parent} "
+                                   "(permission denied)"))
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *,
                        what: str | None = None) -> Path:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""

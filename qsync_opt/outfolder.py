@@ -20,7 +20,6 @@ The only links the tool follows inside are none: the one link it creates itself
 
 from __future__ import annotations
 
-import io
 import os
 import secrets
 import shutil
@@ -33,7 +32,8 @@ from typing import BinaryIO, TextIO
 from .errors import OutputError, one_line
 
 __all__ = ["append_text", "check_names", "ensure_folder", "list_names", "make_folder",
-           "read_bytes", "remove", "replace_link", "write", "write_bytes", "write_text"]
+           "read_bytes", "remove", "replace_link", "swap_folder", "write", "write_bytes",
+           "write_text"]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -153,7 +153,9 @@ def _make_root(root: Path, what: str) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise OutputError(one_line(f"{what} {root}: is a file, not a folder")) from None
+        kind = ("a link to nothing" if root.is_symlink() and not root.exists() else
+                "a link to a file" if root.is_symlink() else "a file")
+        raise OutputError(one_line(f"{what} {root}: is {kind}, not a folder")) from None
     except NotADirectoryError:
         raise OutputError(one_line(f"{what} {root}: a part of the path is a file, not a "
                                    "folder")) from None
@@ -269,7 +271,7 @@ def append_text(root: str | os.PathLike[str], path: str | os.PathLike[str],
             os.close(ffd)
             raise _refusal(Path(root), rel, _kind(st), what)
         os.set_blocking(ffd, True)
-        return io.open(ffd, "a", encoding="utf-8")
+        return open(ffd, "a", encoding="utf-8")
 
 
 def remove(root: str | os.PathLike[str], path: str | os.PathLike[str],
@@ -374,3 +376,28 @@ def replace_link(root: str | os.PathLike[str], path: str | os.PathLike[str], tar
                 pass
             return False
     return True
+
+
+def swap_folder(root: str | os.PathLike[str], new: str, name: str,
+                what: str = "--out") -> None:
+    """Folder ``new`` (at the top of ``root``) takes the place of folder ``name``, which is
+    then deleted whole: renames and deletes by descriptor, a link at ``name`` refused."""
+    import secrets as _s
+
+    with _folder_of(root, name, what, create=False) as (fd, last, rel):
+        st = _lstat(fd, last)
+        aside = None
+        if st is not None:
+            if not stat.S_ISDIR(st.st_mode):
+                raise _refusal(Path(root), rel, _kind(st), what)
+            aside = f".{last}.{_s.token_hex(4)}.old.tmp"
+            os.rename(last, aside, src_dir_fd=fd, dst_dir_fd=fd)
+        try:
+            os.rename(new, last, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, last, src_dir_fd=fd, dst_dir_fd=fd)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, dir_fd=fd)
+        os.fsync(fd)

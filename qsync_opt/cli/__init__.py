@@ -309,6 +309,30 @@ def _fail_writes_with_efbig() -> None:
         signal.signal(sigxfsz, signal.SIG_IGN)
 
 
+#: Flags naming an output file (a link there is written through, as named); ``--out`` of
+#: the commands in :data:`FOLDER_OUT` names a folder, which the command checks itself.
+FILE_FLAGS = ("out", "png", "json", "trace", "report")
+FOLDER_OUT = frozenset({"train", "sweep", "demo"})
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before a command works: every output file it was told to write must be writable (not
+    a folder, not through a file, in a folder it may write), and ``--write-plans`` a folder
+    it can write into; refused in one line naming the flag, so no work is thrown away."""
+    from ..io import check_output_file
+    from ..outfolder import ensure_folder
+
+    for dest in FILE_FLAGS:
+        val = getattr(args, dest, None)
+        if (not isinstance(val, str) or val == "-"
+                or (dest == "out" and getattr(args, "command", None) in FOLDER_OUT)):
+            continue
+        check_output_file(val, "--" + dest)
+    plans = getattr(args, "write_plans", None)
+    if isinstance(plans, str):
+        ensure_folder(plans, "--write-plans")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -326,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..solve import InfeasibleError
 
     try:
+        check_outputs(args)
         return int(args.fn(args))
     except InfeasibleError as exc:  # what would make it feasible, one finding per line
         _error(exc.head)
