@@ -31,7 +31,7 @@ from typing import BinaryIO, TextIO
 
 from .errors import OutputError, one_line
 
-__all__ = ["append_text", "check_names", "ensure_folder", "list_names", "make_folder",
+__all__ = ["append_text", "check_folder", "check_names", "ensure_folder", "list_names", "make_folder",
            "read_bytes", "remove", "replace_link", "swap_folder", "write", "write_bytes",
            "write_text"]
 
@@ -146,6 +146,25 @@ def ensure_folder(root: str | os.PathLike[str], what: str = "--out") -> Path:
                                        f"({exc.strerror or exc.__class__.__name__})")) from None
     finally:
         os.close(fd)
+    return root
+
+
+def check_folder(root: str | os.PathLike[str], what: str = "--out") -> Path:
+    """As :func:`ensure_folder`, but nothing is created: a missing ``root`` must be creatable
+    (its nearest existing ancestor a folder this process may write into)."""
+    root = Path(root)
+    if root.exists() or root.is_symlink():
+        if root.is_dir():
+            return ensure_folder(root, what)  # exists: only the probe, nothing left
+        _make_root(root, what)  # raises: a file, a link to one or to nothing
+    up = root.parent
+    while not up.exists() and up != up.parent and not up.is_symlink():
+        up = up.parent
+    if not up.is_dir():
+        raise OutputError(one_line(f"{what} {root}: a part of the path is not a folder"))
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise OutputError(one_line(f"{what} {root}: cannot create it in {up} "
+                                   "(permission denied)"))
     return root
 
 

@@ -320,7 +320,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     a folder, not through a file, in a folder it may write), and ``--write-plans`` a folder
     it can write into; refused in one line naming the flag, so no work is thrown away."""
     from ..io import check_output_file
-    from ..outfolder import ensure_folder
+    from ..outfolder import check_folder
 
     for dest in FILE_FLAGS:
         val = getattr(args, dest, None)
@@ -330,7 +330,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_output_file(val, "--" + dest)
     plans = getattr(args, "write_plans", None)
     if isinstance(plans, str):
-        ensure_folder(plans, "--write-plans")
+        check_folder(plans, "--write-plans")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

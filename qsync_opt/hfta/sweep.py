@@ -18,7 +18,11 @@ terminal; the result is a table (and ``OUT/sweep.json``, or ``--json``: every mo
 and held-out loss, accuracy, skipped steps, and the choice). ``--export`` writes each model as
 a standalone run, ``OUT/model{b}``: a checkpoint set of ``qsync-opt train``'s layout that
 ``train --model M --seed S --lr L --weight-decay W --out OUT/model{b}`` resumes (every op at
-fp32 on one rank, the run's settings in its fingerprint).
+fp32 on one rank, the run's settings in its fingerprint). An export replaces an earlier one
+in ``OUT/model{b}`` whole (written beside it, then swapped in), and refuses, before
+training, a ``model{b}`` holding more (a ``train`` run continued there). ``--out`` is checked
+before any work (a writable folder, no link inside where the sweep writes:
+:mod:`qsync_opt.outfolder`).
 
 The array runs on the fused operators for every model the converter places (CNNs, MLPs and
 GPT-style transformers: ``digits_cnn``, ``resnet18``, ``tiny_gpt``...); any other model
@@ -162,9 +166,9 @@ def check_out(out: Path, n_models: int, export: bool) -> None:
     one line naming the path (qsync_opt.outfolder)."""
     import stat
 
-    from ..outfolder import check_names, ensure_folder, list_names
+    from ..outfolder import check_folder, check_names, list_names
 
-    ensure_folder(out, "--out")
+    check_folder(out, "--out")
     check_names(out, files=["sweep.json"])
     if not export:
         return

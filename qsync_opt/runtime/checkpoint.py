@@ -31,6 +31,7 @@ from .config import (
     CKPT_DIR,
     COMMIT_NAME,
     LEGACY_NAME,
+    CheckpointSet,
     commit_document,
     latest_complete_set,
     rank_file,
@@ -38,9 +39,9 @@ from .config import (
 )
 from .gemm import QMixin
 
-__all__ = ["FORMAT", "CheckpointError", "atomic_torch_save", "commit_set", "latest_checkpoint", "link_latest",
-           "load_checkpoint", "qseeds", "rank_document", "replica_entry", "set_qseeds",
-           "write_rank_file"]
+__all__ = ["FORMAT", "CheckpointError", "atomic_torch_save", "check_set_files", "commit_set",
+           "latest_checkpoint", "link_latest", "load_checkpoint", "qseeds", "rank_document",
+           "replica_entry", "set_qseeds", "write_rank_file"]
 
 #: The rank file's format (2: one file per rank of a set).
 FORMAT = 2
@@ -203,6 +204,18 @@ def load_checkpoint(path: str | os.PathLike[str], kind: str | None = None,
         if problem is not None:
             raise refuse(problem)
     return doc  # type: ignore[no-any-return]
+
+
+def check_set_files(cs: CheckpointSet, kind: str) -> None:
+    """Every rank file of the set a resume continues, loaded (``weights_only``) and its
+    layout checked before any rank starts: a corrupt, truncated, empty or foreign file is
+    one line naming it (qsync_opt.runtime.checkpoint.CheckpointError)."""
+    for r in range(cs.world_size):
+        path = cs.rank_file(r)
+        doc = load_checkpoint(path, kind, follow=False)
+        if doc["step"] != cs.step:
+            raise CheckpointError(f"checkpoint {path}: holds step {doc['step']}, its set's "
+                                  f"marker says {cs.step}")
 
 
 def latest_checkpoint(out_dir: str | os.PathLike[str], rank: int = 0) -> Path | None:

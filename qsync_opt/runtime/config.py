@@ -514,31 +514,18 @@ def check_resume(config: TrainConfig, plan: Plan) -> CheckpointSet | None:
     return cs
 
 
-def check_out_folder(out_dir: str | Path) -> Path:
-    """Before ``train`` writes anything: ``out_dir`` is made (a link given as ``--out`` is
-    followed) and must be a writable folder; what a run writes, reads or deletes in it (its
-    files, ``ckpt`` and everything below) must hold no link and nothing but regular files
-    and folders. Refused in one line naming the path (qsync_opt.outfolder)."""
-    from ..outfolder import check_names, ensure_folder, list_names
+def check_out_folder(out_dir: str | Path, create: bool = False) -> Path:
+    """Before ``train`` writes anything: ``out_dir`` must be a writable folder, or one that
+    can be made (``create``: it is; a link given as ``--out`` is followed); what a run
+    writes, reads or deletes in it (its files, ``ckpt`` and everything below) must hold no
+    link and nothing but regular files and folders. Refused in one line naming the path
+    (qsync_opt.outfolder)."""
+    from ..outfolder import check_folder, check_names, ensure_folder, list_names
 
-    out = ensure_folder(out_dir, "--out")
+    out = (ensure_folder if create else check_folder)(out_dir, "--out")
     check_names(out, files=[n for n, _ in list_names(out) if RUN_FILES.fullmatch(n)],
                 folders=[CKPT_DIR])
     return out
-
-
-def check_set_files(cs: CheckpointSet, kind: str) -> None:
-    """Every rank file of the set a resume continues, loaded (``weights_only``) and its
-    layout checked before any rank starts: a corrupt, truncated, empty or foreign file is
-    one line naming it (qsync_opt.runtime.checkpoint.CheckpointError)."""
-    from .checkpoint import CheckpointError, load_checkpoint
-
-    for r in range(cs.world_size):
-        path = cs.rank_file(r)
-        doc = load_checkpoint(path, kind, follow=False)
-        if doc["step"] != cs.step:
-            raise CheckpointError(f"checkpoint {path}: holds step {doc['step']}, its set's "
-                                  f"marker says {cs.step}")
 
 
 def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,

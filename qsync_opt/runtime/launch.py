@@ -382,14 +382,16 @@ def write_config(config: TrainConfig) -> Path:
     """
     from ..io import to_json
     from ..outfolder import write_text
-    from .config import check_batches, check_out_folder, check_resume, check_set_files
+    from .checkpoint import check_set_files
+    from .config import check_batches, check_out_folder, check_resume
 
     plan = Plan.load(config.plan_path)
     check_batches(plan, config.rank_groups)
-    out = check_out_folder(config.out_dir)
+    check_out_folder(config.out_dir)
     cs = check_resume(config, plan)
     if cs is not None:  # every rank file loads, before any rank starts
         check_set_files(cs, "pipeline" if config.pipeline is not None else "train")
+    out = check_out_folder(config.out_dir, create=True)
     return write_text(out, CONFIG_NAME, to_json(config))
 
 
@@ -621,10 +623,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none)."""
+    from ..outfolder import read_bytes
+
     path = Path(config.out_dir) / "summary.json"
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_bytes(path.parent, path.name)  # never through a link in --out
+        doc = json.loads(data) if data is not None else None
+    except (OSError, ValueError, RecursionError):
+        return
+    if not isinstance(doc, dict):
         return
     acc = doc.get("eval_accuracy")
 
