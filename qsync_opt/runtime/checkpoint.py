@@ -203,7 +203,7 @@ def load_checkpoint(path: str | os.PathLike[str], kind: str | None = None,
         problem = _layout_problem(doc, kind)
         if problem is not None:
             raise refuse(problem)
-    return doc  # type: ignore[no-any-return]
+    return doc
 
 
 def check_set_files(cs: CheckpointSet, kind: str) -> None:
