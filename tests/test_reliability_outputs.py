@@ -278,6 +278,7 @@ def test_an_export_replaces_the_earlier_export_whole(tmp_path: Path, capsys: Any
     """The issue's repro: exports of 6 then 3 steps left both sets and train resumed at 6."""
     out = tmp_path / "S"
     assert _sweep(out, 4, "--export")[0] == 0
+    (out / ".model0.0badf00d.tmp" / "ckpt").mkdir(parents=True)  # a killed export's leftover
     assert _sweep(out, 2, "--export")[0] == 0
     assert [s for s, _ in rc.step_folders(out / "model0")] == [2]
     assert os.readlink(out / "model0" / "checkpoint.pt") == "ckpt/step-00000002/rank0.pt"
@@ -396,12 +397,22 @@ def test_output_files_are_checked_before_the_work(tmp_path: Path, capsys: Any) -
          "--write-plans"),
         (["replay", "--model", "digits_cnn", "--cluster", "cpux1", "--trace", str(folder)],
          "--trace"),
+        (["netsim", "--model", "digits_cnn", "--cluster", "cpux2", "--json", str(folder)],
+         "--json"),
+        (["netsim", "--model", "digits_cnn", "--cluster", "cpux2", "--png", str(f / "x.png")],
+         "--png"),
+        (["pareto", "--model", "digits_cnn", "--cluster", "cpux1", "--out", str(f / "x")],
+         "--out"),
+        (["profile", "--model", "digits_cnn", "--out", str(folder)], "--out"),
+        (["solve", "--model", "digits_cnn", "--cluster", "cpux1", "--out",
+          str(tmp_path / "p.json"), "--report", str(folder)], "--report"),
     ]
     for argv, flag in cases:
         code, text, err = run_cli(*argv)
         assert_one_line(code, err, flag)
         assert text == "", argv
     assert f.read_text() == "keep" and list(folder.iterdir()) == []
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_files_the_tool_names_beside_a_trace_never_follow_a_link(

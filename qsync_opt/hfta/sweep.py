@@ -197,9 +197,12 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     export's sets and all) or, on a failure, left as it was."""
     import secrets
 
-    from ..outfolder import make_folder, remove, swap_folder
+    from ..outfolder import list_names, make_folder, remove, swap_folder
 
     folder = out / f"model{b}"
+    for name, _st in list_names(out):  # what a killed export of this model left
+        if re.fullmatch(rf"\.model{b}\.[0-9a-f]{{8}}(\.old)?\.tmp", name):
+            remove(out, name, links=True)
     tmp = make_folder(out, f".model{b}.{secrets.token_hex(4)}.tmp")
     try:
         _export_into(trainer, b, tmp, folder)

@@ -32,7 +32,11 @@ node, so rank ``i`` is ``node_rank * nproc_per_node + local_rank`` and gets
 Resuming: when ``--out`` holds a committed checkpoint set (qsync_opt.runtime.config), the run
 continues it, but only under the settings that wrote it (model, plan, seed, optimizer, lr,
 batch split, world size); otherwise it is refused, each difference named, before anything in
-``--out`` changes, unless ``--resume-anyway`` (``--no-resume`` starts afresh).
+``--out`` changes, unless ``--resume-anyway`` (``--no-resume`` starts afresh). Every rank
+file of the set is loaded (``weights_only``) and checked before any rank starts: a corrupt
+or foreign one is one line naming it. ``--out`` itself may be a link (followed); inside it
+nothing is followed: a link where the run writes, reads or deletes is refused before any
+work (:func:`~qsync_opt.runtime.config.check_out_folder`, :mod:`qsync_opt.outfolder`).
 
 Stopping: torchrun runs in its own session; SIGTERM, SIGINT and SIGHUP to the launcher are
 forwarded to it (it stops its ranks), and a launcher killed by SIGKILL still takes torchrun
@@ -117,11 +121,13 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="local/qsr: also average the optimizer state at every sync")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
-                   help="output folder: config, checkpoints, metrics.jsonl (default runs/MODEL)")
+                   help="output folder: config, checkpoints, metrics.jsonl (default "
+                        "runs/MODEL); a link inside it is refused, never followed")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="steps between checkpoints (default 0: at the end only)")
     p.add_argument("--no-resume", action="store_true",
-                   help="start afresh even when --out holds a checkpoint")
+                   help="start afresh even when --out holds a checkpoint (its sets and an "
+                        "older run's summaries are removed)")
     p.add_argument("--resume-anyway", action="store_true",
                    help="resume --out's checkpoint even when it was written with another "
                         "seed, lr, plan or batch split (refused by default, with the "
