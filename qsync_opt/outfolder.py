@@ -14,8 +14,10 @@ let the command write, append, truncate or delete outside. So, below the folder 
 - a link, or anything but a regular file where a file is written (a FIFO, a device), is
   refused in one line naming it (:class:`~qsync_opt.errors.OutputError`, exit code 2).
 
-The only links the tool follows inside are none: the one link it creates itself
-(``train``'s ``checkpoint.pt``) is replaced, never written through.
+No link inside is ever followed: the one link the tool creates itself (``train``'s
+``checkpoint.pt``) is replaced, never written through. Before any work, a command checks its
+folder (:func:`check_folder`: a writable folder, or one it can make) and the names it will
+write (:func:`check_names`), so a refusal throws no work away.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from typing import BinaryIO, TextIO
 
 from .errors import OutputError, one_line
 
-__all__ = ["append_text", "check_folder", "check_names", "ensure_folder", "list_names", "make_folder",
-           "read_bytes", "remove", "replace_link", "swap_folder", "write", "write_bytes",
-           "write_text"]
+__all__ = ["append_text", "check_folder", "check_names", "ensure_folder", "list_names",
+           "make_folder", "read_bytes", "remove", "replace_link", "swap_folder", "write",
+           "write_bytes", "write_text"]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -401,15 +403,13 @@ def swap_folder(root: str | os.PathLike[str], new: str, name: str,
                 what: str = "--out") -> None:
     """Folder ``new`` (at the top of ``root``) takes the place of folder ``name``, which is
     then deleted whole: renames and deletes by descriptor, a link at ``name`` refused."""
-    import secrets as _s
-
     with _folder_of(root, name, what, create=False) as (fd, last, rel):
         st = _lstat(fd, last)
         aside = None
         if st is not None:
             if not stat.S_ISDIR(st.st_mode):
                 raise _refusal(Path(root), rel, _kind(st), what)
-            aside = f".{last}.{_s.token_hex(4)}.old.tmp"
+            aside = f".{last}.{secrets.token_hex(4)}.old.tmp"
             os.rename(last, aside, src_dir_fd=fd, dst_dir_fd=fd)
         try:
             os.rename(new, last, src_dir_fd=fd, dst_dir_fd=fd)

@@ -415,6 +415,30 @@ def test_output_files_are_checked_before_the_work(tmp_path: Path, capsys: Any) -
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("name", ["plan.json", "frontier.png", "local_plan.json",
+                                  "cluster.json"])
+def test_demo_refuses_a_link_at_a_file_it_writes_before_any_work(
+        tmp_path: Path, outside: dict[str, Path], capsys: Any, name: str) -> None:
+    from qsync_opt.cli.demo import DEMO_FILES
+
+    assert name in DEMO_FILES
+    out = tmp_path / "demo"
+    link = plant(out, name, outside)
+    code, text, err = run_cli("demo", "--out", str(out))
+    assert_one_line(code, err, "--out", str(link), "symbolic link")
+    assert text == "" and outside["file"].read_bytes() == SECRET
+
+
+def test_replay_write_plans_never_writes_through_a_link(
+        tmp_path: Path, outside: dict[str, Path], capsys: Any) -> None:
+    out = tmp_path / "plans"
+    link = plant(out, "uniform-highest.plan.json", outside)
+    code, _, err = run_cli("replay", "--model", "digits_cnn", "--cluster", "cpux1",
+                           "--write-plans", str(out))
+    assert_one_line(code, err, "--write-plans", str(link), "symbolic link")
+    assert outside["file"].read_bytes() == SECRET
+
+
 def test_files_the_tool_names_beside_a_trace_never_follow_a_link(
         tmp_path: Path, outside: dict[str, Path], capsys: Any) -> None:
     from qsync_opt.cli.model import _write_trace
