@@ -415,6 +415,21 @@ def test_output_files_are_checked_before_the_work(tmp_path: Path, capsys: Any) -
     assert not (tmp_path / "p.json").exists()
 
 
+def test_every_output_flag_of_every_command_is_checked_before_the_work() -> None:
+    """The table the CLI checks before a command runs names every flag that takes an output
+    path (a new one must be added there, or this fails)."""
+    from qsync_opt.cli import OUTPUT_FILES, OUTPUT_FOLDERS, build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, parser in sub.choices.items():
+        takes_path = {a.dest for a in parser._actions
+                      if a.dest in ("out", "png", "json", "trace", "report", "write_plans")
+                      and a.nargs != 0 and a.choices is None}
+        checked = set(OUTPUT_FILES.get(name, ())) | set(OUTPUT_FOLDERS.get(name, ()))
+        folder_out = {"out"} if name in ("train", "sweep", "demo") else set()
+        assert takes_path == checked | folder_out, name
+
+
 @pytest.mark.parametrize("name", ["plan.json", "frontier.png", "local_plan.json",
                                   "cluster.json"])
 def test_demo_refuses_a_link_at_a_file_it_writes_before_any_work(
