@@ -208,7 +208,10 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
         _export_into(trainer, b, tmp, folder)
         swap_folder(out, tmp.name, folder.name)
     except BaseException:
-        remove(out, tmp.name)
+        try:
+            remove(out, tmp.name)
+        except OSError:
+            pass
         raise
     return folder
 

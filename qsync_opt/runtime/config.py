@@ -542,7 +542,10 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
     out = Path(out_dir)
     for _, folder in step_folders(out):
         if keep is None or folder != keep.path:
-            remove(out, Path(CKPT_DIR, folder.name))
+            try:
+                remove(out, Path(CKPT_DIR, folder.name))
+            except OSError:  # as rmtree(ignore_errors=True) did; a link is still refused
+                pass
     for rel in (None, CKPT_DIR, *([Path(CKPT_DIR, keep.path.name)] if keep else [])):
         for name, _st in list_names(out, rel):
             stale = name.startswith(".") and name.endswith(".tmp")
@@ -572,7 +575,10 @@ def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
     keep_step = int(m[1]) if m else None
     for step, folder in step_folders(out_dir):
         if folder != keep and (keep_step is None or step < keep_step):
-            remove(out_dir, Path(CKPT_DIR, folder.name))
+            try:
+                remove(out_dir, Path(CKPT_DIR, folder.name))
+            except OSError:  # as rmtree(ignore_errors=True) did; a link is still refused
+                pass
 
 
 def rank_groups_example(groups: list[str], n: int) -> str:
