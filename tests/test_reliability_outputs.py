@@ -247,6 +247,7 @@ def test_a_fresh_run_leaves_nothing_of_an_older_runs_outputs(tmp_path: Path) -> 
     for name in ("summary.json", "summary.rank3.json", "metrics.rank0.jsonl",
                  "metrics.rank3.jsonl", "notes.txt"):
         (out / name).write_text("old")
+    (out / "checkpoint.pt").symlink_to("ckpt/step-00000009/rank0.pt")
     rc.remove_stale(out, None, 2)
     assert sorted(p.name for p in out.iterdir()) == ["metrics.rank0.jsonl", "notes.txt"]
 

@@ -535,8 +535,11 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
     write left in ``out_dir`` and its checkpoints. A run that starts afresh (``keep`` None)
     also removes an older run's summaries (``summary*.json``) and, given its
     ``world_size``, the metrics of ranks it does not have (its own ranks truncate theirs),
-    so nothing of the older run is read as this one's. Nothing is followed: a link where a
-    folder or file is deleted is refused (qsync_opt.outfolder)."""
+    so nothing of the older run is read as this one's, and its ``checkpoint.pt`` link.
+    Nothing is followed: a link where a folder or file is deleted is refused
+    (qsync_opt.outfolder)."""
+    import stat
+
     from ..outfolder import list_names, remove
 
     out = Path(out_dir)
@@ -547,11 +550,14 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
             except OSError:  # as rmtree(ignore_errors=True) did; a link is still refused
                 pass
     for rel in (None, CKPT_DIR, *([Path(CKPT_DIR, keep.path.name)] if keep else [])):
-        for name, _st in list_names(out, rel):
+        for name, st in list_names(out, rel):
             stale = name.startswith(".") and name.endswith(".tmp")
-            if stale or (keep is None and rel is None and _older_output(name, world_size)):
+            # the older run's own checkpoint.pt link: removed with its sets, not followed
+            ours = name == LEGACY_NAME and rel is None and stat.S_ISLNK(st.st_mode)
+            if stale or (keep is None and rel is None and (ours or
+                                                           _older_output(name, world_size))):
                 try:
-                    remove(out, Path(rel or ".", name), links=stale)
+                    remove(out, Path(rel or ".", name), links=stale or ours)
                 except OSError:
                     pass
 
