@@ -466,3 +466,21 @@ def test_files_the_tool_names_beside_a_trace_never_follow_a_link(
     _write_trace(str(tmp_path / "named.json"), "fp32", False, "{}")  # named: written through
     assert (tmp_path / "real.json").read_text() == "{}"
     assert outside["file"].read_bytes() == SECRET
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_refuse_a_hostile_rank1_file_before_starting(
+        tmp_path: Path, capsys: Any) -> None:
+    """The launcher loads every rank's file of the set (here rank 1's, which only rank 1
+    would read) before torchrun starts: one line, exit 2, never rank 1's traceback."""
+    out = tmp_path / "run"
+    common = ["train", "--model", "digits_cnn", "--nproc", "2", "--batch", "16",
+              "--out", str(out)]
+    code, _, err = run_cli(*common, "--steps", "1")
+    assert code == 0, err
+    rank1 = out / "ckpt" / "step-00000001" / "rank1.pt"
+    marker = tmp_path / "the-pickle-ran"
+    _corrupt(rank1, "pickle with code", marker)
+    code, text, err = run_cli(*common, "--steps", "2")
+    assert_one_line(code, err, str(rank1), "(io.open)")
+    assert "torchrun" not in text and not marker.exists()
