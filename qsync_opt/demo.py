@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, outfolder
 from .cluster import load_cluster, parse_shorthand
 from .costs import estimate, group_summary
 from .dominance import CHEAP_BASELINES, Candidate, recommend
 from .evaluator import evaluate
 from .graph import trace
 from .indicator import indicate
-from .io import atomic_write_text, save, to_json
+from .io import to_json
 from .precision import Precision
 from .problem import AllocationProblem
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
@@ -148,10 +148,9 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     plan = chosen.plan
     fp32 = problem.make_plan({g.name: [c.index(Precision.fp32) for c in g.choices]
                               for g in problem.groups}, {"solver": "all-fp32"})
-    out.mkdir(parents=True, exist_ok=True)
-    save(plan, out / "local_plan.json")
-    save(fp32, out / "local_fp32.json")
-    save(costs, out / "local_costs.json")
+    for name, doc in (("local_plan.json", plan), ("local_fp32.json", fp32),
+                      ("local_costs.json", costs)):
+        outfolder.write_text(out, name, to_json(doc), what="--out")
     order = [0, 1, 1, 0][: 2 * rounds] if rounds <= 2 else [0, 1] * rounds
     labels = [("all fp32", fp32, out / "local_fp32.json"),
               (f"{chosen.solver} plan", plan, out / "local_plan.json")]
@@ -368,7 +367,7 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
     out = folder or "qsync-demo"
     if chosen is not None and chosen.plan is not None:
         ev = evaluate(problem, chosen.plan)
-        save(chosen.plan, f"{out}/plan.json", what="--out")
+        outfolder.write_text(out, "plan.json", to_json(chosen.plan), what="--out")
         by = {r.solver: r for r in rows}
         print(f"\n{chosen.solver}'s plan ({chosen.status}):")
         print("\n".join(plan_lines(problem, chosen.plan, ev)))
@@ -399,14 +398,14 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
         print("\nPareto frontier (degradation against throughput as the target sweeps; "
               "`qsync-opt pareto` adds the joint split):")
         print(format_points(pts))
-        plot_frontier(pts, f"{out}/frontier.png", f"{model} on {shorthand}", what="--out")
+        plot_frontier(pts, "frontier.png", f"{model} on {shorthand}", what="--out",
+                      folder=out)
         print(f"wrote {out}/frontier.png")
     else:
         print("\nno exact allocator found a feasible plan; see the table above")
     if folder:
-        save(graph, f"{folder}/graph.json", what="--out")
-        save(costs, f"{folder}/costs.json", what="--out")
-        save(ind, f"{folder}/indicator.json", what="--out")
-        atomic_write_text(f"{folder}/cluster.json", to_json(cluster), what="--out")
+        for name, doc in (("graph.json", graph), ("costs.json", costs),
+                          ("indicator.json", ind), ("cluster.json", cluster)):
+            outfolder.write_text(folder, name, to_json(doc), what="--out")
         print(f"wrote {folder}/graph.json, costs.json, indicator.json, cluster.json")
     return 0

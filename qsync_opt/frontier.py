@@ -194,10 +194,12 @@ STYLE = {"exact": ("tab:blue", "o", "-"), "exact+split": ("tab:purple", "D", "-"
 
 
 def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
-                  title: str = "", *, what: str | None = None) -> Path:
+                  title: str = "", *, what: str | None = None,
+                  folder: str | os.PathLike[str] | None = None) -> Path:
     """Degradation against samples/s (linear model), one series per allocator; a PNG
     written by :func:`qsync_opt.io.atomic_write_bytes` (``what``: the flag the path came
-    from, for a one-line error when it cannot be written)."""
+    from, for a one-line error when it cannot be written), or, given the output ``folder``
+    it is a name in, by :func:`qsync_opt.outfolder.write_bytes` (no link there followed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,6 +229,10 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
         fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
+    if folder is not None:
+        from .outfolder import write_bytes
+
+        return write_bytes(folder, path, buf.getvalue(), what or "--out")
     return atomic_write_bytes(path, buf.getvalue(), what=what)
 
 

@@ -6,8 +6,11 @@ half-written file and an existing file is replaced whole or not at all. The new 
 permission bits of the file it replaces (a new file gets the umask's default, as ``open()``
 would give it), and a target that is a symbolic link is written through: the link stays, the
 file it points to is replaced. A target that is not a regular file (``/dev/null``,
-``/dev/stdout``, a FIFO) is written into, not replaced. Every writer of the package
-(documents, traces, PNGs, checkpoints) goes through :func:`atomic_write`.
+``/dev/stdout``, a FIFO) is written into, not replaced. That is for a file the user named
+(``--out plan.json``, ``--png``); a file the tool names inside an output folder (a run's
+files, checkpoints, exports) is written by :mod:`qsync_opt.outfolder`, which never follows
+a link there. :func:`check_output_file` refuses an output file that cannot be written
+before the work that makes it.
 
 Reads refuse, in one line naming the file: files that do not parse, numbers of more digits
 than Python converts, and documents nested deeper than :data:`MAX_DEPTH` levels (a
@@ -135,6 +138,26 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             raise
         raise write_failure(what, path, exc) from None
     return Path(path)
+
+
+def check_output_file(path: str | os.PathLike[str], what: str) -> None:
+    """Before the work whose result goes to ``path`` (a file the user named, written by
+    :func:`atomic_write`): refuse, in the one line a failed write gives (:func:`write_failure`),
+    a folder there, a path through a file, or a folder that cannot be written into, so no
+    work is thrown away."""
+    def refuse(code: int) -> OutputError:
+        return write_failure(what, path, OSError(code, os.strerror(code)))
+
+    target = _write_target(path)
+    if target.is_dir():
+        raise refuse(errno.EISDIR)
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent and not parent.is_symlink():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise refuse(errno.ENOTDIR)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise refuse(errno.EACCES)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *,

@@ -34,7 +34,7 @@ SOURCE_DIRS = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress"]),
     ("schemas", ["schemas"]),
-    ("io", ["io"]),
+    ("io", ["io", "outfolder"]),
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
     ("workloads and kernels", [
         "user_model", "models", "models.layers", "models.bert", "models.digits_cnn",

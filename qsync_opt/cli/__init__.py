@@ -332,6 +332,34 @@ def _fail_writes_with_efbig() -> None:
         signal.signal(sigxfsz, signal.SIG_IGN)
 
 
+#: The output files each command may be told to write, by flag (a link there is written
+#: through, as named); ``--out`` of train, sweep and demo names a folder, which the command
+#: checks itself, and replay's ``--write-plans`` a folder.
+OUTPUT_FILES: dict[str, tuple[str, ...]] = {
+    "graph": ("out",), "estimate": ("out",), "indicate": ("out",), "replay": ("trace",),
+    "netsim": ("json", "png"), "solve": ("out", "report"), "compare": ("json",),
+    "report": ("png",), "sweep": ("json",), "profile": ("out",), "pareto": ("out", "png")}
+OUTPUT_FOLDERS: dict[str, tuple[str, ...]] = {"replay": ("write_plans",)}
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before a command works: every output file it was told to write must be writable (not
+    a folder, not through a file, in a folder it may write), every output folder one it can
+    write into or make; refused in one line naming the flag, so no work is thrown away."""
+    from ..io import check_output_file
+    from ..outfolder import check_folder
+
+    command = getattr(args, "command", None) or ""
+    for dest in OUTPUT_FILES.get(command, ()):
+        val = getattr(args, dest, None)
+        if isinstance(val, str) and val != "-":
+            check_output_file(val, "--" + dest.replace("_", "-"))
+    for dest in OUTPUT_FOLDERS.get(command, ()):
+        val = getattr(args, dest, None)
+        if isinstance(val, str):
+            check_folder(val, "--" + dest.replace("_", "-"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -350,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..solvers.fastest import FastestTimeLimit
 
     try:
+        check_outputs(args)
         return int(args.fn(args))
     except InfeasibleError as exc:  # what would make it feasible, one finding per line
         _error(exc.head)

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+#: What the demo writes into its folder (checked before any work: no link there).
+DEMO_FILES = ("plan.json", "frontier.png", "graph.json", "costs.json", "indicator.json",
+              "cluster.json", "local_plan.json", "local_fp32.json", "local_costs.json")
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
+    from ..outfolder import check_folder, check_names
 
+    out = check_folder(args.out or "qsync-demo", "--out")  # before any work
+    check_names(out, files=DEMO_FILES)
     return run_demo(out=args.out, method=args.method, indicator_batches=args.indicator_batches,
                     local=not getattr(args, "no_local", False), steps=args.steps)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from .. import outfolder
 from ..costs import estimate
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, load, save, to_json
@@ -86,6 +88,16 @@ def _trace_path(base: str, name: str, several: bool) -> str:
     return f"{stem}.{name}.{ext}" if dot else f"{base}.{name}"
 
 
+def _write_trace(base: str, name: str, several: bool, text: str) -> None:
+    """``--trace``: the file named (a link there written through, as named), or beside it
+    one file per timeline, names the tool made: never written through a link."""
+    if not several:
+        atomic_write_text(base, text, what="--trace")
+        return
+    path = Path(_trace_path(base, name, several))
+    outfolder.write_text(path.parent, path.name, text, what="--trace")
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     plan_doc: Plan | None = None
     sha: str | None = None
@@ -121,13 +133,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     timelines = {name: rep.simulate(p) for name, p in plans.items()}
     if args.trace:
         for name, tl in timelines.items():
-            atomic_write_text(_trace_path(args.trace, name, len(timelines) > 1),
-                              tl.chrome_trace_json(), what="--trace")
+            _write_trace(args.trace, name, len(timelines) > 1, tl.chrome_trace_json())
     if args.write_plans:
         for name, p in plans.items():
             if not isinstance(p, Plan):
-                save(make_plan(graph, cluster, p, {"solver": name}),
-                     f"{args.write_plans}/{name}.plan.json", what="--write-plans")
+                outfolder.write_text(args.write_plans, f"{name}.plan.json",
+                                     to_json(make_plan(graph, cluster, p, {"solver": name})),
+                                     what="--write-plans")
     if args.json:
         emit_json({name: tl.summary() for name, tl in timelines.items()})
         return 0

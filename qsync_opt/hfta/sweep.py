@@ -18,7 +18,11 @@ terminal; the result is a table (and ``OUT/sweep.json``, or ``--json``: every mo
 and held-out loss, accuracy, skipped steps, and the choice). ``--export`` writes each model as
 a standalone run, ``OUT/model{b}``: a checkpoint set of ``qsync-opt train``'s layout that
 ``train --model M --seed S --lr L --weight-decay W --out OUT/model{b}`` resumes (every op at
-fp32 on one rank, the run's settings in its fingerprint).
+fp32 on one rank, the run's settings in its fingerprint). An export replaces an earlier one
+in ``OUT/model{b}`` whole (written beside it, then swapped in), and refuses, before
+training, a ``model{b}`` holding more (a ``train`` run continued there). ``--out`` is checked
+before any work (a writable folder, no link inside where the sweep writes:
+:mod:`qsync_opt.outfolder`).
 
 The array runs on the fused operators for every model the converter places (CNNs, MLPs and
 GPT-style transformers: ``digits_cnn``, ``resnet18``, ``tiny_gpt``...); any other model
@@ -149,13 +153,77 @@ def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, st
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
 
 
+#: What an export writes into ``OUT/model{b}``; a folder holding anything else (a ``train``
+#: run continued there) is not replaced (:func:`check_out`).
+EXPORT_NAMES = frozenset({"fp32.plan.json", "ckpt", "checkpoint.pt"})
+
+
+def check_out(out: Path, n_models: int, export: bool) -> None:
+    """Before any training: ``--out`` is a folder this process can write into, holding no
+    link where the sweep writes (``sweep.json``; with ``export``, each ``model{b}`` and
+    everything in it but the export's own ``checkpoint.pt`` link), and each ``model{b}``
+    that exists holds an earlier export only (which the new one replaces whole). Refused in
+    one line naming the path (qsync_opt.outfolder)."""
+    import stat
+
+    from ..outfolder import check_folder, check_names, list_names
+
+    check_folder(out, "--out")
+    check_names(out, files=["sweep.json"])
+    if not export:
+        return
+    top = dict(list_names(out))
+    for b in range(n_models):
+        name = f"model{b}"
+        if name not in top:
+            continue
+        if not stat.S_ISDIR(top[name].st_mode):
+            check_names(out, folders=[name])  # refuses the link or file, naming it
+        foreign = [n for n, _ in list_names(out, name) if n not in EXPORT_NAMES
+                   and not (n.startswith(".") and n.endswith(".tmp"))]
+        if foreign:
+            raise QsyncInputError(
+                f"--out {out}: {out / name} holds more than an earlier export "
+                f"({', '.join(sorted(foreign)[:4])}): a train run continued there? An export "
+                "replaces only an earlier export: move it away, or use another --out")
+        # the export's own checkpoint.pt link goes with the folder, never followed
+        check_names(out, files=[f"{name}/fp32.plan.json"], folders=[f"{name}/ckpt"])
+
+
 def export_run(trainer: Any, b: int, out: Path) -> Path:
     """Model ``b`` as the checkpoint set of the run ``train --seed S --nproc 1`` would have
-    written after as many steps (module docstring); returns the run's folder."""
+    written after as many steps (module docstring); returns the run's folder. Written into
+    a new folder beside it, then swapped in: ``OUT/model{b}`` is replaced whole (an earlier
+    export's sets and all) or, on a failure, left as it was."""
+    import secrets
+
+    from ..outfolder import list_names, make_folder, remove, swap_folder
+
+    folder = out / f"model{b}"
+    for name, _st in list_names(out):  # what a killed export of this model left
+        if re.fullmatch(rf"\.model{b}\.[0-9a-f]{{8}}(\.old)?\.tmp", name):
+            remove(out, name, links=True)
+    tmp = make_folder(out, f".model{b}.{secrets.token_hex(4)}.tmp")
+    try:
+        _export_into(trainer, b, tmp, folder)
+        swap_folder(out, tmp.name, folder.name)
+    except BaseException:
+        try:
+            remove(out, tmp.name)
+        except OSError:
+            pass
+        raise
+    return folder
+
+
+def _export_into(trainer: Any, b: int, folder: Path, final: Path) -> None:
+    """Write model ``b``'s run into ``folder`` (its final place: ``final``)."""
     import torch
 
     from ..cluster import load_cluster
     from ..graph import trace
+    from ..io import to_json
+    from ..outfolder import write_text
     from ..plan import make_plan
     from ..runtime.checkpoint import commit_set, rank_document, write_rank_file
     from ..runtime.config import TrainConfig, run_fingerprint, set_path
@@ -163,17 +231,15 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     from ..runtime.scaler import LossScaler
 
     spec, v = trainer.spec, trainer.spec.variants[b]
-    folder = out / f"model{b}"
-    folder.mkdir(parents=True, exist_ok=True)
     plan = make_plan(trace(spec.workload, trainer.batch), load_cluster("cpux1"), {},
                      provenance={"solver": "none (train without --plan: fp32 everywhere)"})
-    plan_path = folder / "fp32.plan.json"
-    plan.save(plan_path)
-    config = TrainConfig(workload=trainer.wl.name, plan_path=str(plan_path.resolve()),
+    write_text(folder, "fp32.plan.json", to_json(plan))
+    plan_path = final / "fp32.plan.json"
+    config = TrainConfig(workload=trainer.wl.name, plan_path=str(plan_path.absolute()),
                          rank_groups=["cpu"], steps=max(trainer.step, 1), lr=v.lr,
                          optimizer=spec.optimizer, momentum=spec.momentum,
                          lr_schedule=spec.lr_schedule, weight_decay=v.weight_decay,
-                         seed=v.seed, out_dir=str(folder.resolve()))
+                         seed=v.seed, out_dir=str(final.absolute()))
     model = trainer.export(b)
     opt = make_optimizer(config, model)
     if trainer.standalone is not None:  # the standalone model's own optimizer state
@@ -200,13 +266,11 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     scaler.good = trainer.step - trainer.skipped[b]
     step = trainer.step
     ck = set_path(folder, step)
-    ck.mkdir(parents=True, exist_ok=True)
     write_rank_file(ck, 0, rank_document(
         step=step, scaler=scaler.state_dict(), bad_run=0, skipped=trainer.skipped[b],
         last_loss=trainer.last_loss[b], model=model, optimizer=opt, rank=0,
         rng=torch.get_rng_state(), sync={}))
     commit_set(folder, ck, step, 1, run_fingerprint(config, plan), link=True)
-    return folder
 
 
 def _plan_line(trainer: Any, group: str) -> str:
@@ -252,6 +316,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.export and not args.out:
         raise QsyncInputError("--export: needs --out (the runs go into OUT/model{b})")
     variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(seeds, lrs, wds)]
+    if args.out:  # before any work: a folder to write into, nothing planted in it
+        check_out(Path(args.out), len(variants), args.export)
     plan = None
     precisions: dict[str, str] = {}
     if (args.plan is None) != (args.group is None):
@@ -346,12 +412,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
            "samples_per_s": round(len(variants) * batch * args.steps / wall, 1),
            "threads": torch.get_num_threads()}
     if args.out:
+        from ..outfolder import write_text
+
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         if args.export:
             doc["exported"] = [str(export_run(tr, b, out)) for b in range(len(variants))]
-        atomic_write_text(out / "sweep.json", json.dumps(clean(doc), indent=2) + "\n",
-                          what="--out")
+        write_text(out, "sweep.json", json.dumps(clean(doc), indent=2) + "\n", what="--out")
     if args.json is not None:
         text = json.dumps(clean(doc), indent=2) + "\n"
         if args.json == "-":

@@ -51,7 +51,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     table = prof.table
     if args.merge:
         table = merge([table] + [CostTable.load(x) for x in args.merge])
-    save(table, args.out)
+    save(table, args.out, what="--out")
     if getattr(args, "json", False):
         import sys
 

@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -380,6 +379,10 @@ CKPT_DIR = "ckpt"
 COMMIT_NAME = "commit.json"
 LEGACY_NAME = "checkpoint.pt"  # a link to the newest set's rank0.pt in single-process runs
 _STEP_DIR = re.compile(r"step-(\d{1,18})")
+_LEGACY_RANK = re.compile(r"checkpoint\.rank.*\.pt")
+#: What a run writes at the top of its out folder (all refused when a link: qsync_opt.outfolder).
+RUN_FILES = re.compile(r"(train_config|fp32\.plan|summary(\.rank\d+)?)\.json|"
+                       r"metrics\.rank\d+\.jsonl")
 
 
 def set_path(out_dir: str | Path, step: int) -> Path:
@@ -404,25 +407,34 @@ class CheckpointSet:
 
 
 def step_folders(out_dir: str | Path) -> list[tuple[int, Path]]:
-    """Every ``step-N`` folder under ``OUT/ckpt``, complete or not, by step."""
-    root = Path(out_dir) / CKPT_DIR
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return []
+    """Every ``step-N`` folder under ``OUT/ckpt``, complete or not, by step. Read without
+    following a link: a linked ``ckpt`` (or a link where a file or folder should be) is
+    refused (qsync_opt.outfolder); a linked ``step-N`` is not a set."""
+    import stat
+
+    from ..outfolder import list_names
+
     found = []
-    for p in entries:
-        m = _STEP_DIR.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink():
-            found.append((int(m[1]), p))
+    for name, st in list_names(out_dir, CKPT_DIR):
+        m = _STEP_DIR.fullmatch(name)
+        if m and stat.S_ISDIR(st.st_mode):
+            found.append((int(m[1]), Path(out_dir) / CKPT_DIR / name))
     return sorted(found)
 
 
 def read_commit(folder: Path, step: int) -> CheckpointSet | None:
-    """The set in ``folder`` when it is complete (marker valid, every rank's file there)."""
+    """The set in ``folder`` (``OUT/ckpt/step-N``) when it is complete (marker valid, every
+    rank's file there, a regular file; links are never followed)."""
+    import stat
+
+    from ..outfolder import list_names, read_bytes
+
+    out = folder.parent.parent
+    rel = Path(CKPT_DIR, folder.name)
     try:
-        doc = json.loads((folder / COMMIT_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = read_bytes(out, rel / COMMIT_NAME)
+        doc = json.loads(data.decode("utf-8")) if data is not None else None
+    except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict):
         return None
@@ -430,7 +442,8 @@ def read_commit(folder: Path, step: int) -> CheckpointSet | None:
     if (doc.get("step") != step or not isinstance(world, int) or isinstance(world, bool)
             or world < 1 or not isinstance(run, dict)):
         return None
-    if not all(rank_file(folder, r).is_file() for r in range(world)):
+    files = {n for n, st in list_names(out, rel) if stat.S_ISREG(st.st_mode)}
+    if not all(rank_file(folder, r).name in files for r in range(world)):
         return None
     return CheckpointSet(step, folder, world, run)
 
@@ -451,9 +464,15 @@ def commit_document(step: int, world_size: int, run: dict[str, Any]) -> str:
 
 def legacy_checkpoints(out_dir: str | Path) -> list[Path]:
     """Checkpoints of the one-file-per-rank layout of earlier versions (not resumable)."""
+    import stat
+
+    from ..outfolder import list_names
+
     out = Path(out_dir)
-    found = [p for p in [out / LEGACY_NAME, *sorted(out.glob("checkpoint.rank*.pt"))]
-             if p.is_file() and not p.is_symlink()]
+    names = {n for n, st in list_names(out) if stat.S_ISREG(st.st_mode)}
+    found = [out / n for n in [LEGACY_NAME, *sorted(n for n in names if
+                                                    _LEGACY_RANK.fullmatch(n))]
+             if n in names]
     return found
 
 
@@ -502,36 +521,77 @@ def check_resume(config: TrainConfig, plan: Plan) -> CheckpointSet | None:
     return cs
 
 
-def remove_stale(out_dir: str | Path, keep: CheckpointSet | None) -> None:
+def check_out_folder(out_dir: str | Path, create: bool = False) -> Path:
+    """Before ``train`` writes anything: ``out_dir`` must be a writable folder, or one that
+    can be made (``create``: it is; a link given as ``--out`` is followed); what a run
+    writes, reads or deletes in it (its files, ``ckpt`` and everything below) must hold no
+    link and nothing but regular files and folders. Refused in one line naming the path
+    (qsync_opt.outfolder)."""
+    from ..outfolder import check_folder, check_names, ensure_folder, list_names
+
+    out = (ensure_folder if create else check_folder)(out_dir, "--out")
+    check_names(out, files=[n for n, _ in list_names(out) if RUN_FILES.fullmatch(n)],
+                folders=[CKPT_DIR])
+    return out
+
+
+def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
+                 world_size: int | None = None) -> None:
     """At the start of a run: every checkpoint set but ``keep`` (incomplete sets a kill left,
     or the sets of a run that starts afresh) and every ``.tmp`` file an interrupted atomic
-    write left in ``out_dir`` and its checkpoints."""
+    write left in ``out_dir`` and its checkpoints. A run that starts afresh (``keep`` None)
+    also removes an older run's summaries (``summary*.json``) and, given its
+    ``world_size``, the metrics of ranks it does not have (its own ranks truncate theirs),
+    so nothing of the older run is read as this one's, and its ``checkpoint.pt`` link.
+    Nothing is followed: a link where a folder or file is deleted is refused
+    (qsync_opt.outfolder)."""
+    import stat
+
+    from ..outfolder import list_names, remove
+
     out = Path(out_dir)
     for _, folder in step_folders(out):
         if keep is None or folder != keep.path:
-            shutil.rmtree(folder, ignore_errors=True)
-    for folder in (out, out / CKPT_DIR, *([keep.path] if keep else [])):
-        try:
-            stale = [p for p in folder.iterdir()
-                     if p.name.startswith(".") and p.name.endswith(".tmp")]
-        except OSError:
-            continue
-        for p in stale:
             try:
-                p.unlink()
-            except OSError:
+                remove(out, Path(CKPT_DIR, folder.name))
+            except OSError:  # as rmtree(ignore_errors=True) did; a link is still refused
                 pass
+    for rel in (None, CKPT_DIR, *([Path(CKPT_DIR, keep.path.name)] if keep else [])):
+        for name, st in list_names(out, rel):
+            stale = name.startswith(".") and name.endswith(".tmp")
+            # the older run's own checkpoint.pt link: removed with its sets, not followed
+            ours = name == LEGACY_NAME and rel is None and stat.S_ISLNK(st.st_mode)
+            if stale or (keep is None and rel is None and (ours or
+                                                           _older_output(name, world_size))):
+                try:
+                    remove(out, Path(rel or ".", name), links=stale or ours)
+                except OSError:
+                    pass
+
+
+def _older_output(name: str, world_size: int | None) -> bool:
+    """Whether ``name`` (top of the out folder) is an older run's summary, or the metrics
+    of a rank a run of ``world_size`` ranks does not have."""
+    if name == "summary.json" or re.fullmatch(r"summary\.rank\d+\.json", name):
+        return True
+    m = re.fullmatch(r"metrics\.rank(\d+)\.jsonl", name)
+    return m is not None and world_size is not None and int(m[1]) >= world_size
 
 
 def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
     """After a commit: every *older* set than the one just committed. A newer folder is left
     alone: a rank that is not in lock-step with rank 0 (Local SGD runs no collective between
     syncs) may already be writing its file of the next set while rank 0 commits this one."""
+    from ..outfolder import remove
+
     m = _STEP_DIR.fullmatch(keep.name)
     keep_step = int(m[1]) if m else None
     for step, folder in step_folders(out_dir):
         if folder != keep and (keep_step is None or step < keep_step):
-            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                remove(out_dir, Path(CKPT_DIR, folder.name))
+            except OSError:  # as rmtree(ignore_errors=True) did; a link is still refused
+                pass
 
 
 def rank_groups_example(groups: list[str], n: int) -> str:

@@ -32,7 +32,11 @@ node, so rank ``i`` is ``node_rank * nproc_per_node + local_rank`` and gets
 Resuming: when ``--out`` holds a committed checkpoint set (qsync_opt.runtime.config), the run
 continues it, but only under the settings that wrote it (model, plan, seed, optimizer, lr,
 batch split, world size); otherwise it is refused, each difference named, before anything in
-``--out`` changes, unless ``--resume-anyway`` (``--no-resume`` starts afresh).
+``--out`` changes, unless ``--resume-anyway`` (``--no-resume`` starts afresh). Every rank
+file of the set is loaded (``weights_only``) and checked before any rank starts: a corrupt
+or foreign one is one line naming it. ``--out`` itself may be a link (followed); inside it
+nothing is followed: a link where the run writes, reads or deletes is refused before any
+work (:func:`~qsync_opt.runtime.config.check_out_folder`, :mod:`qsync_opt.outfolder`).
 
 Stopping: torchrun runs in its own session; SIGTERM, SIGINT and SIGHUP to the launcher are
 forwarded to it (it stops its ranks), and a launcher killed by SIGKILL still takes torchrun
@@ -119,11 +123,13 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="local/qsr: also average the optimizer state at every sync")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
-                   help="output folder: config, checkpoints, metrics.jsonl (default runs/MODEL)")
+                   help="output folder: config, checkpoints, metrics.jsonl (default "
+                        "runs/MODEL); a link inside it is refused, never followed")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="steps between checkpoints (default 0: at the end only)")
     p.add_argument("--no-resume", action="store_true",
-                   help="start afresh even when --out holds a checkpoint")
+                   help="start afresh even when --out holds a checkpoint (its sets and an "
+                        "older run's summaries are removed)")
     p.add_argument("--resume-anyway", action="store_true",
                    help="resume --out's checkpoint even when it was written with another "
                         "seed, lr, plan or batch split (refused by default, with the "
@@ -268,6 +274,9 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
     name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
     out = Path(args.out) if args.out else Path("runs") / name0
+    from .config import check_out_folder
+
+    check_out_folder(out)  # a folder we may write, holding no planted link: before any work
     if args.plan is None:
         plan_path = fp32_plan(args, out)
         if lines is not None:
@@ -367,10 +376,10 @@ def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
     graph = trace(args.model, args.batch)
     plan = make_plan(graph, cluster, {}, provenance={"solver": "none (train without --plan: "
                                                      "fp32 everywhere)"})
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "fp32.plan.json"
-    plan.save(path)
-    return path
+    from ..io import to_json
+    from ..outfolder import write_text
+
+    return write_text(out, "fp32.plan.json", to_json(plan))
 
 
 def write_config(config: TrainConfig) -> Path:
@@ -379,21 +388,24 @@ def write_config(config: TrainConfig) -> Path:
     First, before anything in ``OUT`` changes: the plan's batches must be within the
     runtime's limits, and a resume must continue a run made with the same settings
     (:func:`~qsync_opt.runtime.config.check_resume`; QsyncInputError names each difference),
-    so the old run's config is never overwritten by one that cannot resume it.
+    so the old run's config is never overwritten by one that cannot resume it; ``OUT`` holds
+    no link where the run writes (:func:`~qsync_opt.runtime.config.check_out_folder`), and
+    every rank file of the set it resumes loads (a corrupt or foreign file: one line naming
+    it). The config is written never through a link in ``OUT``.
     """
-    from .config import check_batches, check_resume
+    from ..io import to_json
+    from ..outfolder import write_text
+    from .checkpoint import check_set_files
+    from .config import check_batches, check_out_folder, check_resume
 
     plan = Plan.load(config.plan_path)
     check_batches(plan, config.rank_groups)
-    check_resume(config, plan)
-    out = Path(config.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise QsyncInputError(f"--out {out}: cannot create ({exc.__class__.__name__})") from None
-    path = out / CONFIG_NAME
-    config.save(path)
-    return path
+    check_out_folder(config.out_dir)
+    cs = check_resume(config, plan)
+    if cs is not None:  # every rank file loads, before any rank starts
+        check_set_files(cs, "pipeline" if config.pipeline is not None else "train")
+    out = check_out_folder(config.out_dir, create=True)
+    return write_text(out, CONFIG_NAME, to_json(config))
 
 
 # ----------------------------------------------------------------------------- commands
@@ -624,10 +636,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none)."""
+    from ..outfolder import read_bytes
+
     path = Path(config.out_dir) / "summary.json"
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_bytes(path.parent, path.name)  # never through a link in --out
+        doc = json.loads(data) if data is not None else None
+    except (OSError, ValueError, RecursionError):
+        return
+    if not isinstance(doc, dict):
         return
     acc = doc.get("eval_accuracy")
 

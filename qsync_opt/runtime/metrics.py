@@ -65,20 +65,23 @@ class MetricsWriter:
     """Append-only JSON lines; on resume, lines of steps not covered by the checkpoint go."""
 
     def __init__(self, path: Path, start_step: int) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            keep = []
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line).get("step", 0) < start_step:
-                        keep.append(line)
-                except json.JSONDecodeError:
-                    continue
-            from ..io import atomic_write_text
+        # in the run's folder (path.parent): read, rewritten and appended to without ever
+        # following a link there (qsync_opt.outfolder)
+        from ..outfolder import append_text, read_bytes, write_text
 
-            atomic_write_text(path, "".join(k + "\n" for k in keep))  # a kill keeps them
-        self.fh = path.open("a", encoding="utf-8")
+        self.path = path
+        old = read_bytes(path.parent, path.name)
+        if old is not None:
+            keep = []
+            for line in old.decode("utf-8", errors="replace").splitlines():
+                try:
+                    row = json.loads(line)
+                    if isinstance(row, dict) and row.get("step", 0) < start_step:
+                        keep.append(line)
+                except (json.JSONDecodeError, TypeError, RecursionError):
+                    continue
+            write_text(path.parent, path.name, "".join(k + "\n" for k in keep))  # a kill keeps them
+        self.fh = append_text(path.parent, path.name)
 
     def write(self, row: dict[str, Any]) -> None:
         self.fh.write(json.dumps(row) + "\n")
@@ -139,7 +142,8 @@ def clean(x: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as indented, key-sorted JSON, written atomically."""
-    from ..io import atomic_write_text
+    """``obj`` as indented, key-sorted JSON, written atomically into the run's folder
+    (``path.parent``), never through a link there."""
+    from ..outfolder import write_text
 
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_text(path.parent, path.name, json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -318,4 +318,4 @@ def run_stage_job(rank: int, spec: dict[str, Any]) -> dict[str, Any] | None:
 
 def job_result(result: dict[str, Any]) -> dict[str, Any]:
     """:func:`run_stage_job`'s rank-0 result, its tensors loaded back."""
-    return dict(torch.load(io.BytesIO(result["saved"]), weights_only=False))
+    return dict(torch.load(io.BytesIO(result["saved"]), weights_only=True))

@@ -390,14 +390,14 @@ def _resume(config: TrainConfig, pipe: Pipeline, opts: list[torch.optim.Optimize
 
     cs = latest_complete_set(config.out_dir) if config.resume else None
     if ranks[0] == 0:
-        remove_stale(config.out_dir, cs)
+        remove_stale(config.out_dir, cs, config.world_size)
     if cs is None:
         return 0, 0, float("nan")
     if cs.world_size != config.world_size:
         raise QsyncInputError(f"checkpoint: written by {cs.world_size} ranks, this run has "
                               f"{config.world_size}")
-    got = [_load_rank_doc(load_checkpoint(cs.rank_file(r)), pipe.stages[r], opts[i], pipe,
-                          r, scaler) for i, r in enumerate(ranks)]
+    got = [_load_rank_doc(load_checkpoint(cs.rank_file(r), "pipeline", follow=False),
+                          pipe.stages[r], opts[i], pipe, r, scaler) for i, r in enumerate(ranks)]
     return got[-1][0], got[-1][1], got[-1][2]
 
 
@@ -407,7 +407,6 @@ def _save_local(config: TrainConfig, setup: Any, pipe: Pipeline,
     from .checkpoint import commit_set, write_rank_file
 
     folder = set_path(config.out_dir, step)
-    folder.mkdir(parents=True, exist_ok=True)
     for k in range(config.world_size):
         write_rank_file(folder, k, _rank_doc(step, pipe.stages[k], opts[k], pipe, k, scaler,
                                              skipped, last))
@@ -447,8 +446,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     mw = MetricsWriter(out / f"metrics.rank{rank}.jsonl", start)
 
     def save(step: int) -> None:
-        folder = set_path(config.out_dir, step)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = set_path(config.out_dir, step)  # made by write_rank_file, never followed
         write_rank_file(folder, rank, _rank_doc(step, ds.stage, opt, pipe, rank, scaler,
                                                 skipped, last))
         dist.barrier()

@@ -35,7 +35,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import load_checkpoint, rank_document, replica_entry, set_qseeds, write_rank_file
+from ..errors import one_line
+from .checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    rank_document,
+    replica_entry,
+    set_qseeds,
+    write_rank_file,
+)
 from .config import CheckpointSet, check_resume, remove_stale, set_path
 from .data import GlobalBatches, batch_size_of, rank_slice, to_device
 from .faults import NO_FAULTS, FaultPlan
@@ -126,7 +134,7 @@ class Trainer:
                 f"the ranks found different newest checkpoint sets in {self.out} (steps "
                 f"{int(lo)}..{int(hi)}; -1: none): is out_dir the same folder on every node?")
         if 0 in self.ranks:
-            remove_stale(self.out, cs)
+            remove_stale(self.out, cs, self.cfg.world_size)
         self.sync.barrier()  # nobody writes before the cleaning is done
         if cs is not None:
             self.restore(cs)
@@ -153,13 +161,18 @@ class Trainer:
     def restore(self, cs: CheckpointSet) -> None:
         for i, (r, m, opt) in enumerate(zip(self.ranks, self.models, self.opts, strict=True)):
             path = cs.rank_file(r)
-            ck = load_checkpoint(path)
+            ck = load_checkpoint(path, "train", follow=False)
             rep = replica_entry(ck, r)
             if int(ck["step"]) != cs.step or rep is None:
                 raise TrainingError(f"{path}: not rank {r}'s checkpoint of step {cs.step}")
-            m.load_state_dict(ck["model"])
-            # a copy: load_state_dict keeps the given tensors
-            opt.load_state_dict(copy.deepcopy(ck["optimizer"]))
+            try:
+                m.load_state_dict(ck["model"])
+                # a copy: load_state_dict keeps the given tensors
+                opt.load_state_dict(copy.deepcopy(ck["optimizer"]))
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(one_line(
+                    f"checkpoint {path}: its model or optimizer state does not fit this "
+                    f"run's ({str(exc).splitlines()[0][:160] if str(exc) else exc})")) from None
             set_qseeds(m, rep["qseeds"])
             self.rngs[i] = rep["rng"]
             self.sync.load_state_dict(i, rep.get("sync", {}))
