@@ -245,8 +245,11 @@ class DistStage:
                 self.header_bytes += hb
                 outs.append(v)
                 grads.append(bd.grad_recv.decode(p, None, m))
-            if outs:
-                torch.autograd.backward(outs, grads)
+            # an output that needs no gradient (no parameters before it): its gradient
+            # was received (the protocol's), and there is nothing to run it into
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             for name, x in recvd:
                 bd = self.pipe.boundaries[name]
                 g = x.grad if x.grad is not None else torch.zeros_like(x)

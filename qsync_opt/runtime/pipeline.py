@@ -5,9 +5,12 @@
 the traced graph's module scopes (an op name such as ``conv2`` or ``fc1``, or a block such
 as ``transformer.h.2``); the stage it starts begins at the first op inside that scope. With
 ``n_stages`` and no cuts, the cuts are balanced from per-op costs (the traced graph's
-forward + backward FLOPs by default): among the points where the fewest tensors cross
-(a residual stream's block boundaries, a CNN's layer boundaries), the ones that minimise the
-largest stage's cost (an exact linear-partition dynamic program).
+forward + backward FLOPs by default), balance first: over every point where the module
+scope changes, the least largest stage cost (an exact linear-partition dynamic program);
+then, among the splits whose largest stage is within :data:`BALANCE_SLACK` (5%) of that,
+the one whose boundaries send the fewest bytes (from the shapes at the example inputs; the
+number of tensors crossing without them), then the most even one (least sum of squared
+stage costs). A point where an integer tensor or a Python value would cross is never cut.
 
 Each stage is its own module (its own copy of its parameters). A parameter two stages use
 (tiny_gpt ties ``lm_head.weight`` to ``transformer.wte.weight``) is held by both, and its
@@ -185,24 +188,118 @@ def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
     return w
 
 
+#: Balanced cuts: a split whose largest stage is within this fraction of the least largest
+#: stage possible counts as balanced; among those the cheapest boundaries win.
+BALANCE_SLACK = 0.05
+
+
+@dataclass
+class _Crossings:
+    """Per position ``i`` of the compute nodes: the bytes of the values produced before
+    ``i`` and used at or after it (what a cut there sends forward, and its gradient back),
+    and the first such value that is not a floating-point tensor (an integer tensor or a
+    Python value: no boundary can carry it) or None."""
+
+    nbytes: list[float]
+    blocker: list[str | None]
+
+
+def _crossings(gm: fx.GraphModule, nodes: list[fx.Node], example: Any) -> _Crossings | None:
+    """The traced graph's shapes on meta tensors at ``example``; None without an example or
+    where the shapes cannot be found (an op with no meta kernel)."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    if example is None:
+        return None
+    try:
+        meta = copy.deepcopy(gm).to("meta")
+        args = [t.to("meta") if isinstance(t, Tensor) else t
+                for t in (example if isinstance(example, (tuple, list)) else (example,))]
+        ShapeProp(meta).propagate(*args)
+    except Exception:  # an op without a meta kernel: fall back to counting tensors
+        return None
+    sizes: dict[str, int] = {}
+    floating: dict[str, bool] = {}
+    for n in meta.graph.nodes:
+        tm = n.meta.get("tensor_meta")
+        ok = hasattr(tm, "shape") and hasattr(tm, "dtype")
+        sizes[n.name] = math.prod(tm.shape) * tm.dtype.itemsize if ok else 0
+        floating[n.name] = ok and tm.dtype.is_floating_point
+    out = _Crossings([], [])
+    for i in range(len(nodes)):
+        live = sorted(_live(nodes, i), key=nodes.index)
+        out.nbytes.append(float(sum(sizes.get(a.name, 0) for a in live)))
+        out.blocker.append(next((a.name for a in live if not floating.get(a.name, False)),
+                                None))
+    return out
+
+
+def _live(nodes: list[fx.Node], i: int) -> set[fx.Node]:
+    pos = {n: k for k, n in enumerate(nodes)}
+    return {a for n in nodes[i:] for a in n.all_input_nodes
+            if a.op not in ("get_attr", "placeholder") and pos.get(a, len(nodes)) < i}
+
+
+def _partition(pts: list[int], n_stages: int, prefixes: list[list[float]],
+               boundary: dict[int, float], cap: float | None) -> tuple[float, list[int]]:
+    """Cut ``nodes`` at ``n_stages - 1`` of ``pts`` (an exact dynamic program). Without
+    ``cap``: the least largest stage cost. With it: every stage at most ``cap``, and the
+    least (boundary cost, sum of squared stage costs), lexicographically."""
+    inf = math.inf
+    npts = len(pts)
+    best: list[list[tuple[float, float]]] = [[(inf, inf)] * npts for _ in range(n_stages + 1)]
+    back = [[-1] * npts for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, n_stages + 1):
+        pre = prefixes[s - 1]
+        for j in range(1, npts):
+            if s == n_stages and j != npts - 1:
+                continue
+            for i in range(s - 1, j):
+                prev = best[s - 1][i]
+                if prev[0] == inf:
+                    continue
+                c = pre[pts[j]] - pre[pts[i]]
+                if cap is None:
+                    val = (max(prev[0], c), 0.0)
+                elif c > cap:
+                    continue
+                else:
+                    val = (prev[0] + (boundary[pts[i]] if i > 0 else 0.0), prev[1] + c * c)
+                cur = best[s][j]
+                if val[0] < cur[0] - 1e-12 or (abs(val[0] - cur[0]) <= 1e-12
+                                               and val[1] < cur[1] - 1e-12):
+                    best[s][j], back[s][j] = val, i
+    j, cut_pos = npts - 1, []
+    for s in range(n_stages, 0, -1):
+        i = back[s][j]
+        if i > 0:
+            cut_pos.append(pts[i])
+        j = i
+    return best[n_stages][npts - 1][0], sorted(cut_pos)
+
+
 def _balanced_cuts(nodes: list[fx.Node], n_stages: int,
-                   costs: dict[str, float] | Sequence[dict[str, float]]
-                   ) -> tuple[list[int], list[float]]:
+                   costs: dict[str, float] | Sequence[dict[str, float]],
+                   crossing: _Crossings | None = None) -> tuple[list[int], list[float]]:
+    """Balance first: the least largest stage cost over every point where the scope
+    changes; then, among the splits within :data:`BALANCE_SLACK` of it, the cheapest
+    boundaries (``crossing``: the bytes a cut at each position sends; else the number of
+    tensors crossing), then the most even stages. A point where a value that is not a
+    floating-point tensor crosses is never a candidate."""
     per_stage = [costs] * n_stages if isinstance(costs, dict) else list(costs)
     if len(per_stage) != n_stages:
         raise QsyncInputError(f"stages: {n_stages} stages need as many cost tables, got "
                               f"{len(per_stage)}")
-    starts = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])]
-    cross = {i: _crossing(nodes, i) for i in starts}
-    if not cross:
+    cand = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])
+            and (crossing is None or crossing.blocker[i] is None)]
+    if not cand:
         raise QsyncInputError("stages: the traced model has no point to cut at")
-    fewest = min(cross.values())
-    cand = [i for i in starts if cross[i] == fewest]
-    if len(cand) < n_stages - 1:
-        cand = starts
     if len(cand) < n_stages - 1:
         raise QsyncInputError(f"stages: expected at most {len(cand) + 1} for this model, "
                               f"got {n_stages}")
+    boundary = {i: (crossing.nbytes[i] if crossing is not None else float(_crossing(nodes, i)))
+                for i in cand}
     prefixes = []
     for table in per_stage:
         prefix = [0.0]
@@ -210,29 +307,9 @@ def _balanced_cuts(nodes: list[fx.Node], n_stages: int,
             prefix.append(prefix[-1] + x)
         prefixes.append(prefix)
     pts = [0, *cand, len(nodes)]
-    # best[s][j]: the least largest-stage cost of s stages covering nodes[:pts[j]]
-    inf = math.inf
-    best = [[inf] * len(pts) for _ in range(n_stages + 1)]
-    back = [[-1] * len(pts) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for j in range(1, len(pts)):
-            if s == n_stages and j != len(pts) - 1:
-                continue
-            for i in range(j):
-                if best[s - 1][i] == inf:
-                    continue
-                pre = prefixes[s - 1]
-                c = max(best[s - 1][i], pre[pts[j]] - pre[pts[i]])
-                if c < best[s][j] - 1e-12:
-                    best[s][j], back[s][j] = c, i
-    j, cut_pos = len(pts) - 1, []
-    for s in range(n_stages, 0, -1):
-        i = back[s][j]
-        if i > 0:
-            cut_pos.append(pts[i])
-        j = i
-    cut_pos.sort()
+    least, _ = _partition(pts, n_stages, prefixes, boundary, None)
+    _, cut_pos = _partition(pts, n_stages, prefixes, boundary,
+                            least * (1 + BALANCE_SLACK) + 1e-12)
     bounds = [0, *cut_pos, len(nodes)]
     stage_costs = [prefixes[k][bounds[k + 1]] - prefixes[k][bounds[k]]
                    for k in range(n_stages)]
@@ -265,7 +342,11 @@ def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
     """Assign the traced model's nodes to stages (module docstring). ``costs``: op name ->
     cost for the balancing (default: traced FLOPs, which need ``example_inputs``), or one
     such table per stage (stages on different devices or precisions:
-    :func:`plan_op_costs`), so a slower stage gets less of the model."""
+    :func:`plan_op_costs`), so a slower stage gets less of the model. With
+    ``example_inputs`` the boundaries are weighed by the bytes that cross them (shapes on
+    meta tensors), and a cut across which an integer tensor or a Python value would cross
+    is refused (given) or never chosen (balanced). A stage may hold no parameters (a
+    lone activation): it has nothing to step."""
     gm = trace_model(model)
     nodes = _compute_nodes(gm)
     stage_costs: list[float] = []
@@ -287,6 +368,13 @@ def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
         if n_stages is not None and n_stages != len(cuts) + 1:
             raise QsyncInputError(f"stages: {n_stages} stages need {n_stages - 1} cuts, got "
                                   f"{len(cuts)}")
+        crossing = _crossings(gm, nodes, example_inputs)
+        for k, (c, p) in enumerate(zip(cuts, positions, strict=True)):
+            if crossing is not None and crossing.blocker[p] is not None:
+                raise QsyncInputError(
+                    f"cuts: stage {k + 1} (from {c!r}) would receive "
+                    f"{crossing.blocker[p]!r}, which is not a floating-point tensor (no "
+                    "boundary carries integers or Python values); cut elsewhere")
         cut_names = list(cuts)
     else:
         if n_stages is None or n_stages < 1:
@@ -299,7 +387,8 @@ def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
                     raise QsyncInputError("stages: balancing needs per-op costs or example "
                                           "inputs to trace them")
                 costs = _default_costs(model, example_inputs)
-            positions, stage_costs = _balanced_cuts(nodes, n_stages, costs)
+            positions, stage_costs = _balanced_cuts(
+                nodes, n_stages, costs, _crossings(gm, nodes, example_inputs))
         cut_names = [_cut_name(nodes, p) for p in positions]
     stage_of: dict[str, int] = {}
     for i, n in enumerate(nodes):
@@ -374,10 +463,13 @@ class Boundary:
         if not isinstance(x, Tensor) or not x.is_floating_point():
             return x  # integer tensors and Python values cross as they are
         self.last_shape = tuple(x.shape)
-        if self.training and x.requires_grad:
-            return _BoundaryFn.apply(x, self, slot, idx)
         if self.training:
-            return self.send_activation(x, slot, idx)
+            # An activation that needs no gradient (a stage with no parameters before it)
+            # still gets one sent back: across processes the receiver cannot tell, so the
+            # one-process pipeline sends (and counts) the same bytes.
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            return _BoundaryFn.apply(x, self, slot, idx)
         with torch.no_grad():
             return self.send_activation(x, slot, idx)
 
@@ -426,10 +518,12 @@ class Pipeline(nn.Module):
                     raise QsyncInputError(f"stages: parameter {n.target!r} is read outside "
                                           "every stage; cut elsewhere")
                 self.consts[n.name] = value.detach().clone()
-        originals = [getattr(top, f"submod_{k}") for k in range(split.n_stages)
-                     if hasattr(top, f"submod_{k}")]
-        if len(originals) != split.n_stages:
-            raise QsyncInputError(f"stages: {split.n_stages} asked, {len(originals)} non-empty")
+        empty = [k for k in range(split.n_stages) if not hasattr(top, f"submod_{k}")]
+        if empty:
+            k = empty[0]
+            where = f"from {split.cuts[k - 1]!r}" if k else "the first"
+            raise QsyncInputError(f"stages: stage {k} ({where}) holds no op; cut elsewhere")
+        originals = [getattr(top, f"submod_{k}") for k in range(split.n_stages)]
         holders: dict[int, list[tuple[int, str]]] = {}
         for k, m in enumerate(originals):
             for name, p in m.named_parameters(remove_duplicate=False):
