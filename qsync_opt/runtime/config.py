@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from ..errors import QsyncInputError
 from ..progress import LOG_EVERY_S
 from ..schemas import MAX_BATCH, Document, Int, Real
+from .schedule import SCHEDULE_SYNTAX
 
 if TYPE_CHECKING:
     from ..schemas import Plan
@@ -161,8 +162,8 @@ class TrainConfig(Document):
                      description="The base learning rate (the schedule's peak).")
     lr_schedule: str = Field(
         default="constant",
-        description="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
-                    "(qsync_opt.runtime.schedule): every step's lr, in its metrics row.")
+        description=f"{SCHEDULE_SYNTAX} (qsync_opt.runtime.schedule): every step's lr, in "
+                    "its metrics row.")
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: Real = Field(default=0.9, ge=0, lt=1)
     weight_decay: Real = Field(default=0.0, ge=0,

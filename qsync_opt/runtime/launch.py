@@ -70,6 +70,7 @@ from .config import (
     TrainConfig,
     rank_groups_example,
 )
+from .schedule import SCHEDULE_SYNTAX
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -107,8 +108,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in total (default 100)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
-                   help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
-                        "(default constant)")
+                   help=f"{SCHEDULE_SYNTAX} (default constant)")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=float, default=0.0,

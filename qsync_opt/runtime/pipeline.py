@@ -190,7 +190,7 @@ def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
 
 #: Balanced cuts: a split whose largest stage is within this fraction of the least largest
 #: stage possible counts as balanced; among those the cheapest boundaries win.
-BALANCE_SLACK = 0.05
+BALANCE_SLACK = 0.10
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from ..errors import QsyncInputError
 from .compress import parse_compressor
 from .pipeline import Pipeline, split_stages
-from .pipetrain import _micro_sizes
+from .pipetrain import micro_sizes
 
 __all__ = ["predict_pipeline"]
 
@@ -55,7 +55,7 @@ def predict_pipeline(workload: str, plan: Any, ranks: list[str], *,
         raise QsyncInputError(f"--model: {exc}") from None
     act_c = parse_compressor(compress_act)
     grad_c = parse_compressor(compress_grad)
-    mb = _micro_sizes(batch, micro_batches)[0]
+    mb = micro_sizes(batch, micro_batches)[0]
     graph = trace(workload, mb)
     groups = [g.model_copy(update={"batch_per_device": mb}) for g in plan.cluster.groups]
     table = estimate(graph, plan.cluster.model_copy(update={"groups": groups}))

@@ -55,7 +55,7 @@ from .compress import AQSGD, parse_compressor
 from .config import TrainConfig, latest_complete_set, remove_stale, set_path
 from .pipeline import Pipeline, split_stages
 
-__all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "pipeline_spec",
+__all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "micro_sizes", "pipeline_spec",
            "predicted_bytes", "run_pipeline"]
 
 
@@ -195,7 +195,8 @@ def _scaled_loss(wl: Any, scale: float, out: Any, inputs: Any, targets: Tensor) 
     return wl.loss_of(out, inputs, targets) * scale
 
 
-def _micro_sizes(batch: int, micro: int) -> list[int]:
+def micro_sizes(batch: int, micro: int) -> list[int]:
+    """The sizes of the ``micro`` micro-batches a batch of ``batch`` samples splits into."""
     return [int(t.numel()) for t in torch.tensor_split(torch.arange(batch), micro)]
 
 
@@ -269,7 +270,7 @@ def _summary(config: TrainConfig, setup: Any, pipe: Pipeline, shares: list[dict[
     assert spec is not None
     ran = max(steps - start, 0)
     by_rank = {sh["rank"]: sh["boundaries"] for sh in shares}
-    pred = predicted_bytes(pipe, _micro_sizes(spec.batch, spec.micro_batches),
+    pred = predicted_bytes(pipe, micro_sizes(spec.batch, spec.micro_batches),
                            [data.batch(s)[2] for s in range(steps)])
     boundaries = []
     for name, b in pipe.boundaries.items():
@@ -288,7 +289,7 @@ def _summary(config: TrainConfig, setup: Any, pipe: Pipeline, shares: list[dict[
         "mode": "pipeline", "workload": setup.workload.name, "plan_path": config.plan_path,
         "rank_groups": config.rank_groups, "world_size": config.world_size,
         "global_batch": spec.batch, "micro_batches": spec.micro_batches,
-        "micro_batch_sizes": _micro_sizes(spec.batch, spec.micro_batches),
+        "micro_batch_sizes": micro_sizes(spec.batch, spec.micro_batches),
         "emulated": emulated, "steps": steps, "resumed_from_step": start,
         "skipped_steps": skipped, "final_loss": final_loss, "lr_schedule":
             config.schedule().describe(), "pipeline": spec.model_dump(mode="json"),
@@ -317,7 +318,7 @@ def _eval_fields(losses: list[float], correct: list[float], n: int, classificati
 
 def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     """The whole pipeline in this process (``--emulate-dp`` with ``--pipeline-stages``)."""
-    from .metrics import MetricsWriter, clean, write_json
+    from .metrics import MetricsWriter, StepProgress, clean, write_json
     from .scaler import LossScaler
 
     spec = config.pipeline
@@ -333,6 +334,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     sched = config.schedule()
     t0 = time.perf_counter()
     mw = MetricsWriter(out / "metrics.rank0.jsonl", start)
+    bar = StepProgress(config.steps, config.progress_every_s, start=start)
     step = start
     try:
         while step < config.steps:
@@ -362,6 +364,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
                       "step_ms": round((time.perf_counter() - t) * 1000, 3),
                       "act_bytes": a1 - a0, "grad_bytes": g1 - g0, "skipped": bool(bad),
                       "loss_scale": scale})
+            bar.update(step, loss)
             if (config.checkpoint_every and step % config.checkpoint_every == 0
                     and step < config.steps):
                 _save_local(config, setup, pipe, opts, scaler, step, skipped, last)
@@ -450,7 +453,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from .checkpoint import commit_set, write_rank_file
-    from .metrics import MetricsWriter, clean, write_json
+    from .metrics import MetricsWriter, StepProgress, clean, write_json
     from .pipedist import DistStage
     from .scaler import LossScaler
 
@@ -473,6 +476,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     sched = config.schedule()
     t0 = time.perf_counter()
     mw = MetricsWriter(out / f"metrics.rank{rank}.jsonl", start)
+    bar = StepProgress(config.steps, config.progress_every_s, start=start, report=rank == 0)
 
     def save(step: int) -> None:
         folder = set_path(config.out_dir, step)
@@ -519,6 +523,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
                       "act_bytes_sent": sent1[0] - sent0[0],
                       "grad_bytes_sent": sent1[1] - sent0[1],
                       "skipped": bool(int(bad)), "loss_scale": scale})
+            bar.update(step, loss)
             if (config.checkpoint_every and step % config.checkpoint_every == 0
                     and step < config.steps):
                 save(step)
