@@ -289,6 +289,7 @@ def test_stages_without_parameters_train_and_resume(tmp_path, capsys, flags):
     full = _train(tmp_path / "f", *flags, "--batch", "16", "--micro-batches", "2",
                   "--steps", "3")
     assert _max_diff(_states(out, n), _states(tmp_path / "f", n)) == 0.0
+    assert again["final_loss"] == full["final_loss"]
     assert "Traceback" not in capsys.readouterr().err
 
 
