@@ -44,10 +44,9 @@ def one_line(text: str) -> str:
 
 def describe_validation_error(err: ValidationError, where: str = "") -> str:
     """One line naming each invalid field (dotted path) and what was expected (the first
-    :data:`MAX_REPORTED` of them, then how many more). A message that names what it is
-    about itself (a check of the whole document, whose path is empty, or one that starts
-    with the flag that sets the field, ``--steps must be ...``) is given without a path:
-    the schema's own names (``(root)``, ``steps``) are not the user's."""
+    :data:`MAX_REPORTED` of them, then how many more). A check of the whole document (an
+    empty path) says what it is about itself, naming the flags or fields: its message is
+    given alone, never under a made-up path such as ``(root)``."""
     parts = []
     errors = err.errors()
     for e in errors[:MAX_REPORTED]:
@@ -58,7 +57,7 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
                 and "got" not in msg):
             text = repr(got)  # the value as it was read, shortened
             msg += f", got {text[:40] + '...' if len(text) > 43 else text}"
-        parts.append(msg if not loc or msg.startswith("--") else f"{loc}: {msg}")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     if len(errors) > MAX_REPORTED:
         parts.append(f"and {len(errors) - MAX_REPORTED} more")
     prefix = f"{where}: " if where else ""
