@@ -212,3 +212,22 @@ def test_a_config_file_refused_at_the_rank_names_no_schema_path(tmp_path, capsys
     err = capsys.readouterr().err
     assert "--pipeline-stages: a pipeline has one replica" in err, err
     assert "(root)" not in err and err.count("\n") == 1, err
+
+
+def test_a_document_file_with_a_whole_document_error_names_no_schema_path(tmp_path,
+                                                                          capsys) -> None:
+    """The same for every command that reads a document: a cluster file whose group names
+    repeat (ClusterSpec's whole-document check), through `estimate` and `replay`."""
+    import json
+
+    from qsync_opt import parse_shorthand
+
+    doc = json.loads(parse_shorthand("t4x1").model_dump_json())
+    doc["groups"] = doc["groups"] * 2
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    for command in ("estimate", "replay"):
+        rc = main([command, "--model", "digits_cnn", "--cluster", str(path)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "group names must be unique; repeated: t4" in err, err
+        assert "(root)" not in err and err.count("\n") == 1, err

@@ -7,7 +7,7 @@ as ``transformer.h.2``); the stage it starts begins at the first op inside that 
 ``n_stages`` and no cuts, the cuts are balanced from per-op costs (the traced graph's
 forward + backward FLOPs by default), balance first: over every point where the module
 scope changes, the least largest stage cost (an exact linear-partition dynamic program);
-then, among the splits whose largest stage is within :data:`BALANCE_SLACK` (5%) of that,
+then, among the splits whose largest stage is within :data:`BALANCE_SLACK` (10%) of that,
 the one whose boundaries send the fewest bytes (from the shapes at the example inputs; the
 number of tensors crossing without them), then the most even one (least sum of squared
 stage costs). A point where an integer tensor or a Python value would cross is never cut.
@@ -206,7 +206,8 @@ class _Crossings:
 
 def _crossings(gm: fx.GraphModule, nodes: list[fx.Node], example: Any) -> _Crossings | None:
     """The traced graph's shapes on meta tensors at ``example``; None without an example or
-    where the shapes cannot be found (an op with no meta kernel)."""
+    where the shapes cannot be found (an op with no meta kernel). Linear in the graph: each
+    value is live from after its producer to its last use."""
     from torch.fx.passes.shape_prop import ShapeProp
 
     if example is None:
@@ -225,58 +226,73 @@ def _crossings(gm: fx.GraphModule, nodes: list[fx.Node], example: Any) -> _Cross
         ok = hasattr(tm, "shape") and hasattr(tm, "dtype")
         sizes[n.name] = math.prod(tm.shape) * tm.dtype.itemsize if ok else 0
         floating[n.name] = ok and tm.dtype.is_floating_point
-    out = _Crossings([], [])
-    for i in range(len(nodes)):
-        live = sorted(_live(nodes, i), key=nodes.index)
-        out.nbytes.append(float(sum(sizes.get(a.name, 0) for a in live)))
-        out.blocker.append(next((a.name for a in live if not floating.get(a.name, False)),
-                                None))
-    return out
-
-
-def _live(nodes: list[fx.Node], i: int) -> set[fx.Node]:
     pos = {n: k for k, n in enumerate(nodes)}
-    return {a for n in nodes[i:] for a in n.all_input_nodes
-            if a.op not in ("get_attr", "placeholder") and pos.get(a, len(nodes)) < i}
+    last: dict[fx.Node, int] = {}
+    for k, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            if a in pos:  # placeholders and get_attr are every stage's: they never cross
+                last[a] = k
+    delta = [0.0] * (len(nodes) + 1)
+    blocked: list[tuple[int, int, str]] = []  # (first, last position) a non-float is live
+    for a, end in last.items():
+        if end > pos[a]:
+            delta[pos[a] + 1] += sizes.get(a.name, 0)
+            delta[end + 1] -= sizes.get(a.name, 0)
+            if not floating.get(a.name, False):
+                blocked.append((pos[a] + 1, end, a.name))
+    out = _Crossings([], [None] * len(nodes))
+    run = 0.0
+    for i in range(len(nodes)):
+        run += delta[i]
+        out.nbytes.append(run)
+    for lo, hi, name in sorted(blocked, reverse=True):  # the earliest producer wins
+        for i in range(lo, hi + 1):
+            out.blocker[i] = name
+    return out
 
 
 def _partition(pts: list[int], n_stages: int, prefixes: list[list[float]],
                boundary: dict[int, float], cap: float | None) -> tuple[float, list[int]]:
-    """Cut ``nodes`` at ``n_stages - 1`` of ``pts`` (an exact dynamic program). Without
-    ``cap``: the least largest stage cost. With it: every stage at most ``cap``, and the
-    least (boundary cost, sum of squared stage costs), lexicographically."""
-    inf = math.inf
-    npts = len(pts)
-    best: list[list[tuple[float, float]]] = [[(inf, inf)] * npts for _ in range(n_stages + 1)]
-    back = [[-1] * npts for _ in range(n_stages + 1)]
-    best[0][0] = (0.0, 0.0)
+    """Cut ``nodes`` at ``n_stages - 1`` of ``pts`` (an exact dynamic program, vectorised
+    over the previous cut). Without ``cap``: the least largest stage cost. With it: every
+    stage at most ``cap``, and the least (boundary cost, sum of squared stage costs),
+    lexicographically."""
+    import numpy as np
+
+    m = len(pts)
+    where = np.asarray(pts)
+    bnd = np.array([boundary[p] if k else 0.0 for k, p in enumerate(pts[:-1])] + [0.0])
+    first = np.full(m, np.inf)
+    second = np.full(m, np.inf)
+    first[0] = second[0] = 0.0
+    backs = []
     for s in range(1, n_stages + 1):
-        pre = prefixes[s - 1]
-        for j in range(1, npts):
-            if s == n_stages and j != npts - 1:
+        pre = np.asarray(prefixes[s - 1])[where]
+        nfirst, nsecond = np.full(m, np.inf), np.full(m, np.inf)
+        back = np.full(m, -1)
+        for j in ([m - 1] if s == n_stages else range(s, m)):
+            c = pre[j] - pre[:j]
+            if cap is None:
+                p1, p2 = np.maximum(first[:j], c), np.zeros(j)
+            else:
+                p1 = np.where(c <= cap, first[:j] + bnd[:j], np.inf)
+                p2 = second[:j] + c * c
+            if s > 1:
+                p1[:s - 1] = np.inf  # the stages before need a point each
+            least = p1.min()
+            if not np.isfinite(least):
                 continue
-            for i in range(s - 1, j):
-                prev = best[s - 1][i]
-                if prev[0] == inf:
-                    continue
-                c = pre[pts[j]] - pre[pts[i]]
-                if cap is None:
-                    val = (max(prev[0], c), 0.0)
-                elif c > cap:
-                    continue
-                else:
-                    val = (prev[0] + (boundary[pts[i]] if i > 0 else 0.0), prev[1] + c * c)
-                cur = best[s][j]
-                if val[0] < cur[0] - 1e-12 or (abs(val[0] - cur[0]) <= 1e-12
-                                               and val[1] < cur[1] - 1e-12):
-                    best[s][j], back[s][j] = val, i
-    j, cut_pos = npts - 1, []
+            k = int(np.argmin(np.where(p1 <= least + 1e-12, p2, np.inf)))
+            nfirst[j], nsecond[j], back[j] = p1[k], p2[k], k
+        first, second = nfirst, nsecond
+        backs.append(back)
+    j, cut_pos = m - 1, []
     for s in range(n_stages, 0, -1):
-        i = back[s][j]
+        i = int(backs[s - 1][j])
         if i > 0:
             cut_pos.append(pts[i])
         j = i
-    return best[n_stages][npts - 1][0], sorted(cut_pos)
+    return float(first[m - 1]), sorted(cut_pos)
 
 
 def _balanced_cuts(nodes: list[fx.Node], n_stages: int,
