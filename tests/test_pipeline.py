@@ -281,7 +281,7 @@ def _brute_force(model: torch.nn.Module, n_stages: int, costs: dict[str, float],
     fewest bytes crossing among the splits within the balancing's slack of it."""
     import itertools
 
-    from qsync_opt.runtime.pipeline import (
+    from qsync_opt.runtime.pipecuts import (
         BALANCE_SLACK,
         _compute_nodes,
         _crossings,
@@ -313,7 +313,7 @@ def test_balanced_cuts_balance_first_then_send_the_fewest_bytes(name, stages):
     slack of the least possible (over every scope change, not only the fewest-crossing
     points), and no balanced split sends fewer bytes."""
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.runtime.pipeline import BALANCE_SLACK, _compute_nodes, op_costs_from_table
+    from qsync_opt.runtime.pipecuts import BALANCE_SLACK, _compute_nodes, op_costs_from_table
 
     wl = get_workload(name)
     x = wl.make_inputs(4, torch.device("cpu"))
@@ -335,12 +335,12 @@ def test_the_balance_is_not_limited_to_the_fewest_crossing_points():
     x = wl.make_inputs(4, torch.device("cpu"))
     model = _model("tiny_gpt")
     split = split_stages(model, n_stages=3, example_inputs=x)
-    from qsync_opt.runtime.pipeline import _default_costs
+    from qsync_opt.runtime.pipecuts import _default_costs
 
     least, _, _ = _brute_force(model, 3, _default_costs(model, x), x)
     blocks = split_stages(model, cuts=["transformer.h.1.ln_2", "transformer.h.3"],
                           example_inputs=x)
-    from qsync_opt.runtime.pipeline import stage_costs
+    from qsync_opt.runtime.pipecuts import stage_costs
 
     old = max(stage_costs(blocks, _default_costs(model, x)))
     assert old > 1.1 * least  # the old rule's split is not balanced
@@ -405,7 +405,7 @@ def test_a_cut_across_which_an_integer_would_cross_is_refused_naming_the_stage(c
 
 
 def test_balancing_never_cuts_where_an_integer_crosses():
-    from qsync_opt.runtime.pipeline import _compute_nodes, _crossings
+    from qsync_opt.runtime.pipecuts import _compute_nodes, _crossings
 
     wl = get_workload("tiny_gpt")
     x = wl.make_inputs(2, torch.device("cpu"))

@@ -138,7 +138,7 @@ def test_heterogeneous_balance_gives_the_slower_stage_less(tmp_path):
     model = wl.build()
     x = wl.make_inputs(2, torch.device("cpu"))
     even = split_stages(model, n_stages=2, example_inputs=x)
-    from qsync_opt.runtime.pipeline import _default_costs
+    from qsync_opt.runtime.pipecuts import _default_costs
 
     c = _default_costs(model, x)
     slow = {k: 3 * v for k, v in c.items()}

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from ..errors import QsyncInputError
 from .compress import AQSGD, parse_compressor
 from .config import TrainConfig, latest_complete_set, remove_stale, set_path
-from .pipeline import Pipeline, split_stages
+from .pipeline import Pipeline, split_stages, split_top
 
 __all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "micro_sizes", "pipeline_spec",
            "predicted_bytes", "run_pipeline"]
@@ -630,7 +630,7 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
             raise QsyncInputError(f"--cuts: {n} stages need {n - 1} cuts, got {len(cuts)}")
         try:
             split = split_stages(model, cuts=cuts, example_inputs=example)
-            Pipeline(split)  # every stage can be built (a parameter read in one stage only)
+            split_top(split)  # every stage can be built (no copy of the weights)
         except QsyncInputError as exc:
             raise QsyncInputError(f"--cuts: {str(exc).partition(': ')[2]}") from None
         how = "as given"
