@@ -199,6 +199,10 @@ def test_two_gloo_ranks_under_qsr_resume_bit_for_bit_and_match_emulation(
     assert r0[-1]["synced"] and len(expect) < 12
     # the bookkeeping all-reduce runs once per round: between syncs nothing is sent
     assert {r["bytes_sent"] for r in r0 if not r["synced"]} == {0}
+    # and the launcher says the rounds and bytes (issue 41)
+    sent = sum(r["bytes_sent"] for r in r0) / 1e6
+    assert (f"  sync qsr:alpha=0.15,h_base=2: {len(expect)} round(s) in 12 step(s), "
+            f"{sent:.2f} MB sent per rank, ") in p.stdout, p.stdout[-2000:]
 
     cut = tmp_path / "cut"
     killed = _gloo(plans["uneven"], cut, "--checkpoint-every", "3",
