@@ -1,8 +1,10 @@
 """Compressed activations and gradients between pipeline stages: what training loses, and
 how many bytes cross (issue 21; the single-process study of part A).
 
-Each configuration trains the model cut into ``--stages`` stages (cuts balanced from the
-traced FLOPs over the fewest-crossing points, runtime.pipeline.split_stages) in one
+Each configuration trains the model cut into ``--stages`` stages (the cuts of
+:data:`STUDY_CUTS` where it has the model and count: the ones the recorded studies ran
+with, chosen by the older balancing over the fewest-crossing points, pinned so those figures
+reproduce; otherwise balanced from the traced FLOPs, runtime.pipeline.split_stages) in one
 process, GPipe with ``--micro-batches`` micro-batches, every op at fp32, for each seed
 (same seed: same initial weights, same batches in every configuration). The batches carry
 their sample indices (runtime.data.IndexedBatches; tiny_gpt in fixed windows), which AQ-SGD
@@ -50,6 +52,24 @@ from qsync_opt.models import get_workload  # noqa: E402
 from qsync_opt.runtime.compress import Identity, aqsgd_bytes, parse_compressor  # noqa: E402
 from qsync_opt.runtime.data import IndexedBatches  # noqa: E402
 from qsync_opt.runtime.pipeline import Pipeline, split_stages  # noqa: E402
+
+#: The cuts the studies in docs/BENCHMARKS.md ran with (the balancing before issue 41 chose
+#: them from the traced FLOPs over the points where one tensor crosses); pinned, so the
+#: recorded figures reproduce whatever the balancing chooses now.
+STUDY_CUTS: dict[tuple[str, int], list[str]] = {
+    ("digits_cnn", 2): ["bn2"], ("digits_cnn", 3): ["conv2", "bn2"],
+    ("tiny_gpt", 2): ["transformer.h.2"],
+    ("tiny_gpt", 3): ["transformer.h.1.ln_2", "transformer.h.3"],
+}
+
+
+def study_split(model: Any, model_name: str, stages: int, x: Any) -> Any:
+    """The study's cut of ``model`` into ``stages`` (:data:`STUDY_CUTS`, else balanced)."""
+    cuts = STUDY_CUTS.get((model_name, stages))
+    if cuts is not None:
+        return split_stages(model, cuts=cuts, example_inputs=x)
+    return split_stages(model, n_stages=stages, example_inputs=x)
+
 
 RECIPES = {  # steps, batch, optimizer, lr, held-out batches
     "digits_cnn": (150, 32, "sgd", 0.05, 6),
@@ -117,7 +137,7 @@ def train_one(model_name: str, stages: int, cfg: Config, seed: int, *, micro: in
     torch.manual_seed(seed)
     model = wl.build()
     x0, _, _ = data.batch(0)
-    split = split_stages(model, n_stages=stages, example_inputs=x0)
+    split = study_split(model, model_name, stages, x0)
     comp = functools.partial(parse_compressor, cfg.comp, seed=seed)
     act = comp if cfg.where in ("act", "both") else Identity
     grad = comp if cfg.where in ("grad", "both") else Identity
@@ -198,7 +218,7 @@ def aqsgd_report(model_name: str, stages: int) -> str:
     torch.manual_seed(0)
     model = wl.build()
     x, _, _ = data.batch(0)
-    pipe = Pipeline(split_stages(model, n_stages=stages, example_inputs=x))
+    pipe = Pipeline(study_split(model, model_name, stages, x))
     pipe.eval()
     with torch.no_grad():
         pipe(*x)

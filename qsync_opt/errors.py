@@ -44,18 +44,20 @@ def one_line(text: str) -> str:
 
 def describe_validation_error(err: ValidationError, where: str = "") -> str:
     """One line naming each invalid field (dotted path) and what was expected (the first
-    :data:`MAX_REPORTED` of them, then how many more)."""
+    :data:`MAX_REPORTED` of them, then how many more). A check of the whole document (an
+    empty path) says what it is about itself, naming the flags or fields: its message is
+    given alone, never under a made-up path such as ``(root)``."""
     parts = []
     errors = err.errors()
     for e in errors[:MAX_REPORTED]:
-        loc = ".".join(str(x) for x in e.get("loc", ())) or "(root)"
+        loc = ".".join(str(x) for x in e.get("loc", ()))
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         got = e.get("input")
         if (e.get("type") != "missing" and isinstance(got, (int, float, str, bool))
                 and "got" not in msg):
             text = repr(got)  # the value as it was read, shortened
             msg += f", got {text[:40] + '...' if len(text) > 43 else text}"
-        parts.append(f"{loc}: {msg}")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     if len(errors) > MAX_REPORTED:
         parts.append(f"and {len(errors) - MAX_REPORTED} more")
     prefix = f"{where}: " if where else ""

@@ -62,8 +62,9 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
-                 "runtime.commhooks", "runtime.pipeline", "runtime.pipedist",
-                 "runtime.pipetrain"]),
+                 "runtime.commhooks", "runtime.pipecuts", "runtime.pipeline",
+                 "runtime.pipedist",
+                 "runtime.pipetrain", "runtime.pipepredict"]),
     # fused training arrays: the fused operators over the precision layers, the array's
     # trainer over the runtime's data and schedules
     ("hfta", ["hfta", "hfta.ops", "hfta.optim", "hfta.convert", "hfta.functional",

@@ -199,6 +199,10 @@ def test_two_gloo_ranks_under_qsr_resume_bit_for_bit_and_match_emulation(
     assert r0[-1]["synced"] and len(expect) < 12
     # the bookkeeping all-reduce runs once per round: between syncs nothing is sent
     assert {r["bytes_sent"] for r in r0 if not r["synced"]} == {0}
+    # and the launcher says the rounds and bytes (issue 41)
+    sent = sum(r["bytes_sent"] for r in r0) / 1e6
+    assert (f"  sync qsr:alpha=0.15,h_base=2: {len(expect)} round(s) in 12 step(s), "
+            f"{sent:.2f} MB sent per rank, ") in p.stdout, p.stdout[-2000:]
 
     cut = tmp_path / "cut"
     killed = _gloo(plans["uneven"], cut, "--checkpoint-every", "3",
@@ -238,3 +242,75 @@ def test_a_commit_leaves_a_newer_set_being_written(tmp_path: Path) -> None:
     assert not set_path(tmp_path, 3).exists()
     assert (set_path(tmp_path, 9) / "rank1.pt").exists()
     assert (set_path(tmp_path, 6) / "commit.json").exists()
+
+
+# ----------------------------------------------------------------------------- issue 41
+
+
+@pytest.mark.parametrize("sync", ["local:3", "qsr:alpha=0.1,h_base=2", "ddp"])
+def test_the_summary_counts_rounds_and_bytes_resumes_included(plans: dict[str, Path],
+                                                              tmp_path: Path, sync: str) -> None:
+    """summary.json's communication: the rounds the schedule makes, the bytes every row
+    handed the collectives; a run killed and resumed counts the steps before the resume."""
+    kw: dict[str, Any] = dict(steps=9, sync=sync, checkpoint_every=3)
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    s = emulate(_config(plans["equal"], whole, **kw), faults=NO_FAULTS)
+    rows = run_rows(whole, 0)
+    cfg = _config(plans["equal"], whole, **kw)
+    expect = (9 if sync == "ddp" else len(rounds(parse_sync(sync), cfg.schedule(), 9)))
+    comm = s["communication"]
+    assert (comm["rounds"], comm["steps"]) == (expect, 9)
+    assert comm["bytes_sent"] == sum(r["bytes_sent"] for r in rows) > 0
+    with pytest.raises(_Died):
+        emulate(_config(plans["equal"], part, **kw),
+                faults=FaultPlan(die_at={0: frozenset({7})}, exit=_die))
+    again = emulate(_config(plans["equal"], part, **kw), faults=NO_FAULTS)
+    assert again["resumed_from_step"] == 6
+    assert {k: again["communication"][k] for k in ("rounds", "steps", "bytes_sent")} == \
+        {k: comm[k] for k in ("rounds", "steps", "bytes_sent")}
+
+
+@pytest.mark.parametrize(("sync", "line"), [
+    ("local:2", "  sync local:2: 3 round(s) in 5 step(s), "),
+    ("qsr:alpha=0.01,h_base=4", "  sync qsr:alpha=0.01,h_base=4: 2 round(s) in 5 step(s), "),
+    ("ddp", "  sync ddp: 5 round(s) in 5 step(s), "),
+])
+def test_train_prints_its_rounds_and_bytes(plans: dict[str, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str], sync: str,
+                                           line: str) -> None:
+    from qsync_opt.cli import main
+
+    assert main(["train", "--model", "digits_cnn", "--plan", str(plans["equal"]),
+                 "--rank-groups", "0:cpu,1:cpu_2", "--nproc", "2", "--steps", "5",
+                 "--sync", sync, "--out", str(tmp_path / "o"), "--emulate-dp"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    got = [x for x in out if x.startswith("  sync ")]
+    assert len(got) == 1 and got[0].startswith(line), out
+    assert got[0].endswith(" ms in collectives") and " MB sent per rank, " in got[0]
+
+
+@pytest.mark.parametrize("argv", [[], ["--sync", "ddp"], ["--sync", "ddp", "--comm", "fp16"],
+                                  ["--pipeline-stages", "2"]])
+def test_average_optimizer_state_without_parameter_averaging_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """Under ddp (every replica steps on one gradient) the flag did nothing, silently."""
+    from qsync_opt.cli import main
+
+    out = tmp_path / "o"
+    rc = main(["train", "--model", "digits_cnn", "--nproc", "2", "--out", str(out),
+               "--average-optimizer-state", "--dry-run", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--average-optimizer-state: only with --sync local:H or qsr" in err, err
+    assert not out.exists()  # refused before the fp32 plan is written
+
+
+def test_average_optimizer_state_is_checked_in_the_config_too(plans: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="--average-optimizer-state: only with"):
+        _config(plans["equal"], tmp_path / "x", average_optimizer_state=True)
+    for sync in ("local:2", "qsr:alpha=0.1,h_base=2"):
+        cfg = _config(plans["equal"], tmp_path / "x", average_optimizer_state=True, sync=sync)
+        assert cfg.average_optimizer_state

@@ -263,3 +263,156 @@ def test_stage_costs_add_up_to_the_model_and_follow_the_cuts():
     head = sum(fwd[k] for k in ("fc1", "relu3", "fc2"))
     assert f[1] == pytest.approx(head)
     assert sum(f) == pytest.approx(sum(v for k, v in fwd.items() if not k.startswith("loss")))
+
+
+# ----------------------------------------------------------------------------- issue 41
+
+
+def _digits_costs() -> dict[str, float]:
+    from qsync_opt import estimate, parse_shorthand, trace
+    from qsync_opt.runtime.pipeline import op_costs_from_table
+
+    return op_costs_from_table(estimate(trace("digits_cnn", 16), parse_shorthand("cpux1")),
+                               "cpu")
+
+
+def _brute_force(model: torch.nn.Module, n_stages: int, costs: dict[str, float], x):
+    """Every split over every scope change, by enumeration: the least largest stage, and the
+    fewest bytes crossing among the splits within the balancing's slack of it."""
+    import itertools
+
+    from qsync_opt.runtime.pipecuts import (
+        BALANCE_SLACK,
+        _compute_nodes,
+        _crossings,
+        _node_costs,
+        _scope,
+        trace_model,
+    )
+
+    gm = trace_model(model)
+    nodes = _compute_nodes(gm)
+    cross = _crossings(gm, nodes, x)
+    w = _node_costs(nodes, costs)
+    cand = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])
+            and cross.blocker[i] is None]
+    rows = []
+    for cut in itertools.combinations(cand, n_stages - 1):
+        b = [0, *cut, len(nodes)]
+        rows.append((max(sum(w[b[k]:b[k + 1]]) for k in range(n_stages)),
+                     sum(cross.nbytes[c] for c in cut)))
+    least = min(r[0] for r in rows)
+    cheapest = min(r[1] for r in rows if r[0] <= least * (1 + BALANCE_SLACK) + 1e-12)
+    return least, cheapest, cross
+
+
+@pytest.mark.parametrize(("name", "stages"), [("digits_cnn", 3), ("digits_cnn", 4),
+                                              ("digits_resnet", 3), ("tiny_gpt", 2)])
+def test_balanced_cuts_balance_first_then_send_the_fewest_bytes(name, stages):
+    """The dynamic program against enumeration of every split: the largest stage within the
+    slack of the least possible (over every scope change, not only the fewest-crossing
+    points), and no balanced split sends fewer bytes."""
+    from qsync_opt import estimate, parse_shorthand, trace
+    from qsync_opt.runtime.pipecuts import BALANCE_SLACK, _compute_nodes, op_costs_from_table
+
+    wl = get_workload(name)
+    x = wl.make_inputs(4, torch.device("cpu"))
+    costs = op_costs_from_table(estimate(trace(name, 4), parse_shorthand("t4x1")), "t4")
+    model = _model(name)
+    split = split_stages(model, n_stages=stages, costs=costs, example_inputs=x)
+    least, cheapest, cross = _brute_force(model, stages, costs, x)
+    assert max(split.costs) <= least * (1 + BALANCE_SLACK) + 1e-9
+    nodes = _compute_nodes(split.gm)
+    cut_pos = [next(i for i, n in enumerate(nodes) if split.stage_of[n.name] == k)
+               for k in range(1, stages)]
+    assert sum(cross.nbytes[p] for p in cut_pos) == cheapest
+
+
+def test_the_balance_is_not_limited_to_the_fewest_crossing_points():
+    """tiny_gpt in 3 on FLOPs: the old rule cut only at block boundaries (its largest stage
+    15% above the least possible); every scope change is a candidate now."""
+    wl = get_workload("tiny_gpt")
+    x = wl.make_inputs(4, torch.device("cpu"))
+    model = _model("tiny_gpt")
+    split = split_stages(model, n_stages=3, example_inputs=x)
+    from qsync_opt.runtime.pipecuts import _default_costs
+
+    least, _, _ = _brute_force(model, 3, _default_costs(model, x), x)
+    blocks = split_stages(model, cuts=["transformer.h.1.ln_2", "transformer.h.3"],
+                          example_inputs=x)
+    from qsync_opt.runtime.pipecuts import stage_costs
+
+    old = max(stage_costs(blocks, _default_costs(model, x)))
+    assert old > 1.1 * least  # the old rule's split is not balanced
+    assert max(split.costs) <= 1.1 * least + 1e-9
+
+
+@pytest.mark.parametrize("stages", list(range(2, 12)))
+def test_every_stage_count_builds_and_trains_stages_without_parameters_too(stages):
+    """digits_cnn has 11 ops, 6 with parameters: from 4 stages on some stage may hold none
+    (relu1 alone crashed the optimizer). Every count trains, and a parameter-less stage gets
+    a NoOptimizer."""
+    from qsync_opt.runtime.config import TrainConfig
+    from qsync_opt.runtime.pipetrain import NoOptimizer, _optimizer
+
+    wl = get_workload("digits_cnn")
+    x, y, _ = IndexedBatches(wl, 0, 8).batch(0)
+    model = _model("digits_cnn")
+    ref = copy.deepcopy(model)
+    wl.loss_of(ref(*x), x, y).backward()
+    pipe = Pipeline(split_stages(model, n_stages=stages, costs=_digits_costs(),
+                                 example_inputs=x))
+    assert len(pipe.stages) == stages
+    pipe.train_step(wl.loss_of, x, y)
+    assert _grads_match(pipe, ref, atol=1e-6) == len(list(ref.parameters()))
+    cfg = TrainConfig.model_construct(lr=0.1, momentum=0.9, weight_decay=0.0, optimizer="sgd")
+    bare = 0
+    for st in pipe.stages:
+        opt = _optimizer(cfg, st)
+        assert isinstance(opt, NoOptimizer) == (not list(st.parameters()))
+        bare += isinstance(opt, NoOptimizer)
+        opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.load_state_dict(opt.state_dict())  # a checkpoint round trip
+    assert bare >= stages - 6  # 6 ops hold parameters: the rest of the stages hold none
+
+
+def test_a_parameter_less_first_stage_gets_its_gradient_back_as_across_processes():
+    """Stage 0 = a ReLU on the input (nothing needs its gradient): the one-process pipeline
+    still sends the gradient back, as the receiving process (which cannot know) does."""
+    model = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    pipe = Pipeline(split_stages(model, cuts=["1"]))
+    x = torch.randn(6, 4)
+    loss = pipe.train_step(lambda out, inp, t: ((out - t) ** 2).mean(), [x],
+                           torch.zeros(6, 3), micro_batches=2)
+    assert loss > 0
+    a, g = pipe.wire_bytes()
+    assert a == g == 6 * 4 * 4
+    assert pipe.stages[1].get_parameter("1.weight").grad is not None
+
+
+@pytest.mark.parametrize(("cuts", "needle"), [
+    (["transformer.wpe"], "stage 1 (from 'transformer.wpe') would receive 'narrow'"),
+    (["transformer.h.0", "transformer.h.0.attn.c_attn"],
+     "stage 2 (from 'transformer.h.0.attn.c_attn') would receive 'size_1'"),
+])
+def test_a_cut_across_which_an_integer_would_cross_is_refused_naming_the_stage(cuts, needle):
+    wl = get_workload("tiny_gpt")
+    x = wl.make_inputs(2, torch.device("cpu"))
+    with pytest.raises(QsyncInputError, match="not a floating-point tensor") as exc:
+        split_stages(_model("tiny_gpt"), cuts=cuts, example_inputs=x)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_balancing_never_cuts_where_an_integer_crosses():
+    from qsync_opt.runtime.pipecuts import _compute_nodes, _crossings
+
+    wl = get_workload("tiny_gpt")
+    x = wl.make_inputs(2, torch.device("cpu"))
+    for stages in (2, 5, 9):
+        split = split_stages(_model("tiny_gpt"), n_stages=stages, example_inputs=x)
+        nodes = _compute_nodes(split.gm)
+        cross = _crossings(split.gm, nodes, x)
+        for k in range(1, stages):
+            p = next(i for i, n in enumerate(nodes) if split.stage_of[n.name] == k)
+            assert cross.blocker[p] is None, (stages, k, nodes[p].name)

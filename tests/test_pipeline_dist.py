@@ -41,11 +41,15 @@ SPECS = [
     # the tied lm_head / wte across two processes, AQ-SGD on revisited samples
     {"model": "tiny_gpt", "cuts": ["transformer.h.2"], "act": "quant:8", "grad": "topk:0.3",
      "feedback": "aqsgd", "seed": 0, "batch": 4, "micro_batches": 2, "steps": 3, "lr": 0.05},
+    # a stage with no parameters (relu1 alone): nothing to step, gradients still pass
+    {"model": "digits_cnn", "cuts": ["relu1", "conv2"], "act": "none", "grad": "none",
+     "feedback": "none", "seed": 2, "batch": 8, "micro_batches": 2, "steps": 2, "lr": 0.05},
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", SPECS, ids=[s["model"] for s in SPECS])
+@pytest.mark.parametrize("spec", SPECS, ids=[f"{s['model']}-{'-'.join(s['cuts'])}"
+                                         for s in SPECS])
 def test_gloo_pipeline_equals_the_single_process_one(spec):
     res = job_result(spawn_local(run_stage_job, len(spec["cuts"]) + 1, spec, timeout_s=600))
     pipe, losses = _single(spec)

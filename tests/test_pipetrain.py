@@ -138,7 +138,7 @@ def test_heterogeneous_balance_gives_the_slower_stage_less(tmp_path):
     model = wl.build()
     x = wl.make_inputs(2, torch.device("cpu"))
     even = split_stages(model, n_stages=2, example_inputs=x)
-    from qsync_opt.runtime.pipeline import _default_costs
+    from qsync_opt.runtime.pipecuts import _default_costs
 
     c = _default_costs(model, x)
     slow = {k: 3 * v for k, v in c.items()}
@@ -264,3 +264,74 @@ def test_replay_pipeline_bad_input(capsys, argv, needle):
     rc = main(["replay", "--model", "digits_cnn", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+# ----------------------------------------------------------------------------- issue 41
+
+
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "4"], ["--pipeline-stages", "8"],
+                                   ["--pipeline-stages", "3", "--cuts", "relu1,conv2"],
+                                   ["--pipeline-stages", "5", "--cuts",
+                                    "relu1,conv2,maxpool,flatten"]])
+def test_stages_without_parameters_train_and_resume(tmp_path, capsys, flags):
+    """4 or more stages of digits_cnn, balanced or given, make stages with no parameters
+    (relu1, maxpool, flatten alone): they train (exit 0, a NoOptimizer each), checkpoint
+    and resume to the same run."""
+    out = tmp_path / "p"
+    s = _train(out, *flags, "--batch", "16", "--micro-batches", "2", "--steps", "2")
+    n = int(flags[1])
+    assert len(s["stages"]) == n
+    # 8 stages of 11 ops (6 with parameters), and the cuts given, leave some stage bare
+    assert any(st["params"] == 0 for st in s["stages"]) == (n >= 8 or "--cuts" in flags)
+    assert s["final_loss"] is not None and s["skipped_steps"] == 0
+    again = _train(out, *flags, "--batch", "16", "--micro-batches", "2", "--steps", "3")
+    assert again["resumed_from_step"] == 2
+    full = _train(tmp_path / "f", *flags, "--batch", "16", "--micro-batches", "2",
+                  "--steps", "3")
+    assert _max_diff(_states(out, n), _states(tmp_path / "f", n)) == 0.0
+    assert again["final_loss"] == full["final_loss"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_pipeline_summary_says_micro_batches_and_the_global_batch(tmp_path, capsys):
+    s = _train(tmp_path / "p", "--pipeline-stages", "2", "--batch", "20", "--micro-batches",
+               "3", "--steps", "1")
+    assert "batches" not in s  # no per-rank data-parallel batches in a pipeline
+    assert (s["global_batch"], s["micro_batches"], s["micro_batch_sizes"]) == (20, 3, [7, 7, 6])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trained"))
+    assert "(cpu, cpu as 2 pipeline stages; global batch 20 in 3 micro-batches of 7, 7, 6)" \
+        in line, line
+    assert "batches [" not in line
+
+
+@pytest.mark.parametrize(("model", "cuts", "needle"), [
+    ("tiny_gpt", "transformer.wpe", "--cuts: stage 1 (from 'transformer.wpe') would receive"),
+    ("digits_cnn", "conv1", "--cuts: 'conv1' is the model's first op"),
+    ("digits_cnn", "fc1,conv2", "--cuts: expected distinct cuts in forward order"),
+])
+def test_a_cut_that_cannot_work_is_refused_in_one_line_before_anything_runs(
+        tmp_path, capsys, model, cuts, needle):
+    n = len(cuts.split(",")) + 1
+    rc = main(["train", "--model", model, "--batch", "4", "--pipeline-stages", str(n),
+               "--cuts", cuts, "--out", str(tmp_path / "o"), "--emulate-dp", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o" / "train_config.json").exists()
+
+
+@pytest.mark.slow
+def test_parameter_less_stages_under_torchrun_with_progress_lines(tmp_path):
+    """The issue's case under torchrun (a rank with relu1 alone failed), and the progress
+    lines a run whose output is a pipe prints (rank 0, through the launcher)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "qsync_opt.cli", "train", "--model",
+                        "digits_cnn", "--out", str(tmp_path / "o"), "--pipeline-stages", "3",
+                        "--cuts", "relu1,conv2", "--batch", "16", "--steps", "3",
+                        "--progress-every", "0.000001"], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    text = r.stdout + r.stderr
+    assert "train: step 3/3, loss " in text and " steps/s, " in text, text[-2000:]
+    assert "as 3 pipeline stages; global batch 16 in 1 micro-batch of 16" in r.stdout
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert [st["params"] == 0 for st in s["stages"]] == [False, True, False]

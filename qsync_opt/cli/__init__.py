@@ -32,6 +32,7 @@ from ..errors import QsyncInputError, describe_validation_error, one_line
 from ..graph import TIE_MODES
 from ..indicator import METHODS
 from ..netsim.cluster import COMM_MODEL_HELP
+from ..netsim.traffic import POLICIES as NETSIM_POLICIES
 from ..schemas import MAX_BATCH, schema_names
 from ..summaries import (
     REPLAY_HEADER,
@@ -85,6 +86,10 @@ EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_BAD_INPUT} bad input (one line na
 
 #: The commands that plan (their --help names the exit codes).
 PLANNING = ("solve", "pareto")
+
+
+#: The netsim policies whose transport is bounded-loss: the ones ``--p`` applies to.
+BOUNDED_POLICIES = [k for k, (_, transport) in NETSIM_POLICIES.items() if transport == "bounded"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -177,11 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--scenario", choices=["ring", "incast", "oversubscribed"], default="ring")
     sp.add_argument("--pattern", choices=["ring", "ps", "hierarchical"], default=None,
                     help="the collective (default: the scenario's)")
-    sp.add_argument("--policy", choices=["fifo+tcp", "priority+bounded", "fifo+bounded",
-                                            "priority+tcp"], default="fifo+tcp")
+    sp.add_argument("--policy", choices=list(NETSIM_POLICIES), default="fifo+tcp")
     sp.add_argument("--routing", choices=["hash", "spray"], default="hash")
     sp.add_argument("--p", type=finite_float(0, 0.5), default=0.05,
-                    help="priority+bounded: the loss bound per message (default 0.05)")
+                    help=f"{' and '.join(BOUNDED_POLICIES)}: the loss bound per message "
+                         "(default 0.05)")
     sp.add_argument("--iterations", type=positive_int(100_000), default=100)
     sp.add_argument("--cell-kib", type=positive_int(1 << 20), default=256,
                     help="packet (cell) payload in KiB (default 256: larger cells, fewer events)")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..graph import is_user_model, load_user_workload, trace
+from ..runtime.schedule import SCHEDULE_SYNTAX
 from ..schemas import MAX_BATCH, ClusterSpec, ModelGraph
 
 
@@ -145,7 +146,8 @@ def add_sync_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--lr", type=float, default=0.05,
                     help="with --sync qsr: the run's base learning rate (default 0.05)")
     sp.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
-                    help="with --sync qsr: the run's schedule (default constant)")
+                    help=f"with --sync qsr: the run's schedule, {SCHEDULE_SYNTAX} (default "
+                         "constant)")
     sp.add_argument("--steps", type=int, default=100,
                     help="with --sync qsr/local: the run's steps (default 100)")
 

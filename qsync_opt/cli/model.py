@@ -163,7 +163,7 @@ def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
     from ..runtime.config import rank_groups_example
     from ..runtime.launch import resolve_ranks
-    from ..runtime.pipetrain import predict_pipeline
+    from ..runtime.pipepredict import predict_pipeline
 
     plan = plan_doc if plan_doc is not None else make_plan(
         graph, cluster, {}, {"solver": "none (every op at fp32)"})

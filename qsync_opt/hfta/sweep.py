@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QsyncInputError
+from ..runtime.schedule import SCHEDULE_SYNTAX
 
 __all__ = ["add_sweep_parser", "array_memory_bytes", "cmd_sweep", "export_run",
            "parse_seeds", "parse_values"]
@@ -96,7 +97,7 @@ def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
-                   help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G]")
+                   help=f"{SCHEDULE_SYNTAX} (default constant)")
     p.add_argument("--inputs", choices=["per_model", "replicated"], default="per_model",
                    help="per_model: each model its own seed's batches (separate runs); "
                         "replicated: one stream for all (they differ in weights only)")

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import QsyncInputError
+from ..progress import LOG_EVERY_S
 from ..schemas import MAX_BATCH, Document, Int, Real
+from .schedule import SCHEDULE_SYNTAX
 
 if TYPE_CHECKING:
     from ..schemas import Plan
@@ -40,6 +42,7 @@ MAX_SLOWDOWN = 1000.0
 DEFAULT_LR = 0.05
 USER_MODEL_LR = 0.005
 MAX_ABS_SEED = 1 << 48  # seed * 1000 + rank seeds torch's generators (64-bit)
+MAX_PROGRESS_EVERY_S = 86400.0
 
 #: The ``qsync-opt train`` flag that sets a field, named in messages next to the field.
 FLAGS: dict[str, str] = {
@@ -48,7 +51,18 @@ FLAGS: dict[str, str] = {
     "memory_step": "--measure-memory", "optimizer": "--optimizer", "workload": "--model",
     "rank_groups": "--rank-groups", "weight_decay": "--weight-decay", "sync": "--sync",
     "comm": "--comm", "lr_schedule": "--lr-schedule", "pipeline": "--pipeline-stages",
+    "progress_every_s": "--progress-every",
 }
+
+#: ``--average-optimizer-state`` without parameter averaging (ddp, a pipeline): refused.
+AVERAGE_STATE_REFUSAL = ("--average-optimizer-state: only with --sync local:H or qsr:... "
+                         "(under ddp every replica steps on the same gradient, so their "
+                         "optimizer states are equal and there is nothing to average)")
+
+#: ``--pipeline-stages`` with a data-parallel sync mode or transport: refused.
+PIPELINE_SYNC_REFUSAL = ("--pipeline-stages: a pipeline has one replica of each stage, so "
+                         "--sync and --comm (data-parallel modes) do not apply; leave them at "
+                         "ddp / allreduce")
 
 #: field -> (integer?, low, low included?, high or None, high included?)
 _RANGES: dict[str, tuple[bool, float, bool, float | None, bool]] = {
@@ -63,6 +77,7 @@ _RANGES: dict[str, tuple[bool, float, bool, float | None, bool]] = {
     "timeout_s": (False, 0, False, MAX_TIMEOUT_S, True),
     "eval_batches": (True, 0, True, None, False),
     "memory_step": (True, 0, True, None, False),
+    "progress_every_s": (False, 0, True, MAX_PROGRESS_EVERY_S, True),
 }
 
 
@@ -153,8 +168,8 @@ class TrainConfig(Document):
                                  f"default {DEFAULT_LR}, {USER_MODEL_LR} for a model file.")
     lr_schedule: str = Field(
         default="constant",
-        description="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
-                    "(qsync_opt.runtime.schedule): every step's lr, in its metrics row.")
+        description=f"{SCHEDULE_SYNTAX} (qsync_opt.runtime.schedule): every step's lr, in "
+                    "its metrics row.")
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: Real = Field(default=0.9, ge=0, lt=1)
     weight_decay: Real = Field(default=0.0, ge=0,
@@ -205,6 +220,11 @@ class TrainConfig(Document):
     pipeline: PipelineSpec | None = Field(
         default=None,
         description="Pipeline parallelism: one rank per stage (None: data parallel).")
+    progress_every_s: Real = Field(
+        default=LOG_EVERY_S, ge=0, le=MAX_PROGRESS_EVERY_S,
+        description="Where the output is not a terminal: seconds between progress lines "
+                    "(steps done, loss, steps per second, time left) from rank 0; 0: none. "
+                    "A terminal shows a bar instead.")
     memory_step: Int | None = Field(
         default=None, ge=0,
         description="Measure this step's exact peak live tensor bytes inside each "
@@ -254,11 +274,11 @@ class TrainConfig(Document):
                 raise ValueError(f"--pipeline-stages: {self.pipeline.stages} stages need as "
                                  f"many ranks, rank_groups names {self.world_size}")
             if self.sync != "ddp" or self.comm != "allreduce":
-                raise ValueError("--pipeline-stages: a pipeline has one replica of each "
-                                 "stage, so --sync and --comm (data-parallel modes) do not "
-                                 "apply; leave them at ddp / allreduce")
+                raise ValueError(PIPELINE_SYNC_REFUSAL)
             if self.memory_step is not None:
                 raise ValueError("--measure-memory: not measured in a pipeline run")
+        if self.average_optimizer_state and not self.sync_mode().averages_parameters:
+            raise ValueError(AVERAGE_STATE_REFUSAL)
         for g, f in self.slowdown.items():
             if not (math.isfinite(f) and 1 <= f <= MAX_SLOWDOWN):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "

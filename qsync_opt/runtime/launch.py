@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -64,8 +65,18 @@ from pydantic import ValidationError
 
 from ..devices import get_device, is_derived
 from ..errors import QsyncInputError, describe_validation_error
+from ..progress import LOG_EVERY_S
 from ..schemas import Plan
-from .config import DEFAULT_LR, USER_MODEL_LR, TrainConfig, rank_groups_example
+from .config import (
+    AVERAGE_STATE_REFUSAL,
+    DEFAULT_LR,
+    MAX_PROGRESS_EVERY_S,
+    PIPELINE_SYNC_REFUSAL,
+    USER_MODEL_LR,
+    TrainConfig,
+    rank_groups_example,
+)
+from .schedule import SCHEDULE_SYNTAX
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -105,8 +116,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help=f"learning rate (default {DEFAULT_LR} for the built-in workloads, "
                         f"{USER_MODEL_LR} for a model file)")
     p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
-                   help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
-                        "(default constant)")
+                   help=f"{SCHEDULE_SYNTAX} (default constant)")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=float, default=0.0,
@@ -139,6 +149,11 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="collective timeout in seconds: a dead rank fails the others (default 120)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--progress-every", type=_seconds, default=LOG_EVERY_S, metavar="S",
+                   help="where the output is not a terminal (a file, a pipe, nohup, a batch "
+                        "scheduler): a progress line every S seconds (steps done, loss, steps "
+                        f"per second, time left; default {LOG_EVERY_S:g}, 0: none); a "
+                        "terminal shows a bar")
     p.add_argument("--measure-memory", type=int, default=None, metavar="STEP",
                    help="measure step STEP's exact peak live tensor bytes inside every CPU rank "
                         "(summary.rankR.json 'memory'); the step's time includes the tracking")
@@ -171,6 +186,19 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def _seconds(text: str) -> float:
+    """``--progress-every``: seconds from 0 to a day, in ASCII digits (``float`` would read
+    Arabic-Indic digits; ``nan``, ``inf`` and the rest are refused)."""
+    try:
+        v = float(text) if text.strip().isascii() else math.nan
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and 0 <= v <= MAX_PROGRESS_EVERY_S):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds from 0 (none) to {MAX_PROGRESS_EVERY_S:g}, got {text!r}")
+    return v
 
 
 def _parse_rank_groups(text: str) -> list[str]:
@@ -337,6 +365,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
             resume=not args.no_resume, emulate_dp=args.emulate_dp,
             slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend,
             memory_step=getattr(args, "measure_memory", None), pipeline=pipeline,
+            progress_every_s=getattr(args, "progress_every", LOG_EVERY_S),
             resume_anyway=getattr(args, "resume_anyway", False))
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
@@ -360,6 +389,12 @@ def _check_sync_flags(args: argparse.Namespace) -> None:
         flagged(lambda t: parse_schedule(t, args.lr, args.steps), args.lr_schedule,
                 "--lr-schedule")
     check_combination(mode, comm)
+    # the config refuses these too; here they are refused before OUT/fp32.plan.json is made
+    if getattr(args, "pipeline_stages", None) is not None and (
+            mode.kind != "ddp" or comm.kind != "allreduce"):
+        raise QsyncInputError(PIPELINE_SYNC_REFUSAL)
+    if getattr(args, "average_optimizer_state", False) and not mode.averages_parameters:
+        raise QsyncInputError(AVERAGE_STATE_REFUSAL)
 
 
 def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
@@ -635,8 +670,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_summary(config: TrainConfig) -> None:
-    """One line from the run's summary.json (silently nothing when the worker wrote none)."""
+    """One line from the run's summary.json (silently nothing when the worker wrote none),
+    then the communication and the pipeline's boundaries."""
     from ..outfolder import read_bytes
+    from .metrics import ranks_text, sync_line
 
     path = Path(config.out_dir) / "summary.json"
     try:
@@ -661,10 +698,13 @@ def _print_summary(config: TrainConfig) -> None:
     sys.stdout.write(
         "".join(f"WARNING: {w}. " for w in warnings)
         + f"trained {doc.get('steps')} steps on {doc.get('world_size')} rank(s) "
-        f"({', '.join(config.rank_groups)}; batches {doc.get('batches')}): final loss "
+        f"({ranks_text(config.rank_groups, doc)}): final loss "
         f"{loss('final_loss')}, eval loss {loss('eval_loss', config.eval_batches > 0)}"
         + (f", eval accuracy {acc:.3f}" if acc is not None else "")
         + f", {doc.get('skipped_steps', 0)} skipped step(s); {path.parent}\n")
+    comm = sync_line(doc)
+    if comm:
+        sys.stdout.write(comm + "\n")
     if doc.get("mode") == "pipeline":
         for b in doc.get("boundaries") or []:
             a, g = b.get("act_bytes_per_step"), b.get("grad_bytes_per_step")
@@ -679,3 +719,4 @@ def _print_summary(config: TrainConfig) -> None:
         if "eval_loss_compressed" in doc:
             sys.stdout.write(f"  eval loss with compressed activations "
                              f"{loss('eval_loss_compressed', config.eval_batches > 0)}\n")
+

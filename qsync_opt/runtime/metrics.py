@@ -1,10 +1,12 @@
-"""What a run reports: a JSON line per step per rank, the progress bar and the summary.
+"""What a run reports: a JSON line per step per rank, its progress and the summary.
 
 ``out_dir/metrics.rank{r}.jsonl`` holds one row per step of rank r (:func:`step_row`: step,
 rank, group, loss, step_ms, compute_ms, sync_ms, bytes_allreduced, skipped, loss_scale;
 accuracy for classification; ``state_sha256`` when asked). ``summary.json`` (and
 ``summary.rank{r}.json``) hold the final result, written atomically as strict JSON
-(:func:`write_json`, non-finite numbers as null: :func:`clean`).
+(:func:`write_json`, non-finite numbers as null: :func:`clean`); its ``communication`` is
+:func:`sync_totals` of the first rank's rows. Progress (:class:`StepProgress`): a bar on a
+terminal, else a line every ``progress_every_s`` seconds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MetricsWriter", "clean", "progress", "run_warnings", "state_hash", "step_row",
+__all__ = ["MetricsWriter", "StepProgress", "clean", "progress", "ranks_text",
+           "run_warnings", "state_hash", "step_row", "sync_line", "sync_totals",
            "write_json"]
 
 
@@ -130,6 +133,62 @@ def run_warnings(steps: int, skipped: int, first_loss: float | None, final_loss:
     return out
 
 
+class StepProgress:
+    """A training run's progress on stderr, from the process that reports it (rank 0): the
+    bar on a terminal (``tty``), else a plain line every ``every_s`` seconds
+    (:class:`qsync_opt.progress.ProgressLog`; 0: none), so a run under nohup or a batch
+    scheduler shows it is alive. Other ranks pass ``report=False``."""
+
+    def __init__(self, total: int, every_s: float, *, start: int = 0, report: bool = True,
+                 tty: bool | None = None) -> None:
+        from ..progress import ProgressLog
+
+        self.total = total
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.report = report
+        self.log = ProgressLog("train", total, every_s if report and not self.tty else 0.0,
+                               start=start)
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.report:
+            return
+        if self.tty:
+            progress(step, self.total, loss, True)
+        else:
+            self.log.update(step, loss)
+
+
+def sync_totals(path: Path) -> dict[str, Any] | None:
+    """A run's communication from one rank's metrics rows (every step of the run, resumes
+    included: the rows of the steps before a resume are kept): ``rounds`` (the steps after
+    which the replicas synced), ``bytes_sent`` (what this rank handed its collectives),
+    ``comm_ms`` (the wall time inside them) and ``steps``. None without such rows."""
+    rounds = steps = nbytes = 0
+    ms = 0.0
+    from ..errors import QsyncInputError
+    from ..outfolder import read_bytes
+
+    try:
+        data = read_bytes(path.parent, path.name)  # never through a link in the run's folder
+        text = data.decode("utf-8", errors="replace") if data is not None else ""
+    except (OSError, QsyncInputError):
+        return None
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or "bytes_sent" not in row:
+            continue
+        steps += 1
+        rounds += bool(row.get("synced"))
+        nbytes += int(row.get("bytes_sent") or 0)
+        ms += float(row.get("comm_ms") or 0.0)
+    if not steps:
+        return None
+    return {"rounds": rounds, "steps": steps, "bytes_sent": nbytes, "comm_ms": round(ms, 3)}
+
+
 def clean(x: Any) -> Any:
     """NaN/inf as None so the summary is strict JSON."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -147,3 +206,36 @@ def write_json(path: Path, obj: Any) -> None:
     from ..outfolder import write_text
 
     write_text(path.parent, path.name, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def ranks_text(rank_groups: list[str], doc: dict[str, Any]) -> str:
+    """The summary line's ranks: their groups and the data-parallel batches, or, for a
+    pipeline (one batch through every stage), the global batch and its micro-batches."""
+    groups = ", ".join(rank_groups)
+    if doc.get("mode") != "pipeline":
+        return f"{groups}; batches {doc.get('batches')}"
+    sizes = doc.get("micro_batch_sizes") or []
+    each = (f" of {sizes[0]}" if sizes and len(set(sizes)) == 1
+            else f" of {', '.join(map(str, sizes))}" if sizes else "")
+    m = doc.get("micro_batches")
+    return (f"{groups} as {doc.get('world_size')} pipeline stages; global batch "
+            f"{doc.get('global_batch')} in {m} micro-batch{'es' if m != 1 else ''}{each}")
+
+
+def sync_line(doc: dict[str, Any]) -> str | None:
+    """The data-parallel run's communication (summary.json's ``communication``): its sync
+    rounds, the bytes one rank handed its collectives and the time inside them. None for a
+    single rank or a summary without it."""
+    comm = doc.get("communication")
+    if not isinstance(comm, dict) or (doc.get("world_size") or 0) < 2:
+        return None
+    try:
+        rounds, steps = int(comm["rounds"]), int(comm["steps"])
+        mb, ms = float(comm["bytes_sent"]) / 1e6, float(comm["comm_ms"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    how = doc.get("sync") or "ddp"
+    if doc.get("comm") not in (None, "allreduce"):
+        how += f", {doc.get('comm')}"
+    return (f"  sync {how}: {rounds} round(s) in {steps} step(s), {mb:.2f} MB sent per rank, "
+            f"{ms:.1f} ms in collectives")

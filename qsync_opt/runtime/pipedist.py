@@ -245,8 +245,11 @@ class DistStage:
                 self.header_bytes += hb
                 outs.append(v)
                 grads.append(bd.grad_recv.decode(p, None, m))
-            if outs:
-                torch.autograd.backward(outs, grads)
+            # an output that needs no gradient (no parameters before it): its gradient
+            # was received (the protocol's), and there is nothing to run it into
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             for name, x in recvd:
                 bd = self.pipe.boundaries[name]
                 g = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -293,14 +296,17 @@ def run_stage_job(rank: int, spec: dict[str, Any]) -> dict[str, Any] | None:
                     grad=functools.partial(parse_compressor, spec["grad"], seed=spec["seed"]),
                     feedback=spec["feedback"], n_samples=data.n_samples)
     stage = DistStage(pipe, rank)
-    opt = torch.optim.SGD(stage.stage.parameters(), lr=spec["lr"], momentum=0.9)
+    params = list(stage.stage.parameters())  # none: a stage with nothing to step
+    opt = torch.optim.SGD(params, lr=spec["lr"], momentum=0.9) if params else None
     losses = []
     for s in range(spec["steps"]):
         x, y, idx = data.batch(s % 3)
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
         losses.append(stage.train_step(wl.loss_of, x, y, micro_batches=spec["micro_batches"],
                                        idx=idx))
-        opt.step()
+        if opt is not None:
+            opt.step()
     mine = {"rank": rank, "state": {k: v.clone() for k, v in stage.stage.state_dict().items()},
             "losses": losses, "header_bytes": stage.header_bytes,
             "bytes": {n: (b.act_bytes, b.grad_bytes) for n, b in pipe.boundaries.items()

@@ -1,13 +1,7 @@
 """A model cut into sequential stages, with compressed boundaries between them.
 
-:func:`split_stages` traces the model with ``torch.fx`` (the tracers' leaf rule:
-:func:`qsync_opt.graph.kinds.is_leaf_module`) and cuts it where asked: a cut is a name of
-the traced graph's module scopes (an op name such as ``conv2`` or ``fc1``, or a block such
-as ``transformer.h.2``); the stage it starts begins at the first op inside that scope. With
-``n_stages`` and no cuts, the cuts are balanced from per-op costs (the traced graph's
-forward + backward FLOPs by default): among the points where the fewest tensors cross
-(a residual stream's block boundaries, a CNN's layer boundaries), the ones that minimise the
-largest stage's cost (an exact linear-partition dynamic program).
+:func:`split_stages` (:mod:`qsync_opt.runtime.pipecuts`: a cut at a named scope of the traced
+graph, or balanced from per-op costs) says which stage each traced node is in.
 
 Each stage is its own module (its own copy of its parameters). A parameter two stages use
 (tiny_gpt ties ``lm_head.weight`` to ``transformer.wte.weight``) is held by both, and its
@@ -32,10 +26,8 @@ stages and boundaries with the codec halves on either side of a send/recv.
 from __future__ import annotations
 
 import copy
-import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,284 +35,19 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from ..errors import QsyncInputError
-from ..graph.kinds import is_leaf_module
 from .compress import Codec, Compressor, Identity, make_codec
+from .pipecuts import (
+    BALANCE_SLACK,
+    StageSplit,
+    op_costs_from_table,
+    plan_op_costs,
+    split_stages,
+    stage_costs,
+    trace_model,
+)
 
-__all__ = ["Boundary", "Pipeline", "StageSplit", "op_costs_from_table", "plan_op_costs",
-           "split_stages", "stage_costs", "trace_model"]
-
-
-class _Tracer(fx.Tracer):
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return is_leaf_module(m)
-
-
-def trace_model(model: nn.Module) -> fx.GraphModule:
-    graph = _Tracer().trace(model)
-    return fx.GraphModule(model, graph)
-
-
-def _scope(node: fx.Node) -> str:
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    return str(list(stack.keys())[-1]) if stack else ""
-
-
-def _in_scope(scope: str, name: str) -> bool:
-    return scope == name or scope.startswith(name + ".")
-
-
-@dataclass
-class StageSplit:
-    """Where the cuts fall: each compute node's stage, and the cut names."""
-
-    gm: fx.GraphModule
-    stage_of: dict[str, int]
-    cuts: list[str]
-    n_stages: int
-    costs: list[float] = field(default_factory=list)  # per stage, the balancing's costs
-
-
-def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-
-
-def _crossing(nodes: list[fx.Node], i: int) -> int:
-    """Values produced before position i (or inputs) and used at or after it."""
-    pos = {n: k for k, n in enumerate(nodes)}
-    live = set()
-    for n in nodes[i:]:
-        for a in n.all_input_nodes:
-            if a.op == "get_attr":
-                continue
-            if a.op == "placeholder" or pos.get(a, len(nodes)) < i:
-                live.add(a)
-    return len(live)
-
-
-def _default_costs(model: nn.Module, example: Any) -> dict[str, float]:
-    """Forward + backward FLOPs of the module ops of the traced graph (functions cost 0)."""
-    from ..graph import trace
-
-    g = trace(model, example_inputs=example, include_loss=False)
-    return {op.name: float(op.fwd_flops + op.bwd_flops) for op in g.ops}
-
-
-def op_costs_from_table(table: Any, device: str, precision: str = "fp32", *,
-                        part: str = "both") -> dict[str, float]:
-    """Per-op forward + backward ms (``part="fwd"`` or ``"bwd"``: one of them) of one
-    device at one precision, from a :class:`~qsync_opt.schemas.CostTable`
-    (``qsync_opt.estimate`` or a profile): the costs :func:`split_stages` balances instead
-    of FLOPs, and :func:`stage_costs` sums per stage."""
-    if part not in ("both", "fwd", "bwd"):
-        raise QsyncInputError(f"part: expected both, fwd or bwd, got {part!r}")
-    out: dict[str, float] = {}
-    for e in table.entries:
-        if e.device == device and e.precision.value == precision:
-            ms = {"both": e.fwd_ms + e.bwd_ms, "fwd": e.fwd_ms, "bwd": e.bwd_ms}[part]
-            out[e.op] = out.get(e.op, 0.0) + ms
-    if not out:
-        raise QsyncInputError(f"costs: the table has no {precision} entries for device "
-                              f"{device!r}")
-    return out
-
-
-def plan_op_costs(table: Any, plan: Any, group: str, *, part: str = "both"
-                  ) -> dict[str, float]:
-    """Per-op ms of ``plan``'s group ``group`` on its device, each op at the precision the
-    plan gives it there (fp32 where the plan or the table has none): a stage's costs in a
-    pipeline whose stages run different plans on different cards."""
-    if part not in ("both", "fwd", "bwd"):
-        raise QsyncInputError(f"part: expected both, fwd or bwd, got {part!r}")
-    spec = next((g for g in plan.cluster.groups if g.name == group), None)
-    if spec is None:
-        raise QsyncInputError(f"group: the plan has no group {group!r}")
-    precisions = {op: getattr(p, "value", str(p))
-                  for op, p in plan.groups[group].precisions.items()}
-    mine = [e for e in table.entries if e.device == spec.device]
-    sizes = sorted({e.batch_size for e in mine})
-    at = spec.batch_per_device if spec.batch_per_device in sizes else (sizes or [0])[0]
-    by: dict[tuple[str, str], float] = {}
-    for e in mine:
-        if e.batch_size == at:  # one batch's entries (the group's, else the smallest)
-            ms = {"both": e.fwd_ms + e.bwd_ms, "fwd": e.fwd_ms, "bwd": e.bwd_ms}[part]
-            key = (e.op, e.precision.value)
-            by[key] = by.get(key, 0.0) + ms
-    if not by:
-        raise QsyncInputError(f"costs: the table has no entries for device {spec.device!r}")
-    out: dict[str, float] = {}
-    for op in {op for op, _ in by}:
-        want = precisions.get(op, "fp32")
-        out[op] = by.get((op, want), by.get((op, "fp32"), 0.0))
-    return out
-
-
-def _node_costs(nodes: list[fx.Node], costs: dict[str, float]) -> list[float]:
-    """Each node's cost: a module op by its qualified name; a function op by the traced
-    graph's name for it (its scope, its function's name, numbered per scope), else charged
-    to the first node of its innermost enclosing module scope; ops of no module of the model
-    (the loss) are not charged."""
-    w = [0.0] * len(nodes)
-    seen: dict[tuple[str, str], int] = {}
-    first_in: dict[str, int] = {}
-    left = dict(costs)
-    for i, n in enumerate(nodes):
-        scope = _scope(n)
-        first_in.setdefault(scope, i)
-        if n.op == "call_module":
-            w[i] += left.pop(scope, 0.0)
-            continue
-        base = getattr(n.target, "__name__", str(n.target))
-        k = seen.get((scope, base), 0)
-        seen[(scope, base)] = k + 1
-        name = (f"{scope}.{base}" if scope else base) + (f"_{k}" if k else "")
-        w[i] += left.pop(name, 0.0)
-    for name, c in left.items():
-        scope = name.rpartition(".")[0]
-        while scope and scope not in first_in:
-            scope = scope.rpartition(".")[0]
-        if scope:  # an op of no module of the model (the tracer's spliced loss) is not charged
-            w[first_in[scope]] += c
-    return w
-
-
-def _balanced_cuts(nodes: list[fx.Node], n_stages: int,
-                   costs: dict[str, float] | Sequence[dict[str, float]]
-                   ) -> tuple[list[int], list[float]]:
-    per_stage = [costs] * n_stages if isinstance(costs, dict) else list(costs)
-    if len(per_stage) != n_stages:
-        raise QsyncInputError(f"stages: {n_stages} stages need as many cost tables, got "
-                              f"{len(per_stage)}")
-    starts = [i for i in range(1, len(nodes)) if _scope(nodes[i]) != _scope(nodes[i - 1])]
-    cross = {i: _crossing(nodes, i) for i in starts}
-    if not cross:
-        raise QsyncInputError("stages: the traced model has no point to cut at")
-    fewest = min(cross.values())
-    cand = [i for i in starts if cross[i] == fewest]
-    if len(cand) < n_stages - 1:
-        cand = starts
-    if len(cand) < n_stages - 1:
-        raise QsyncInputError(f"stages: expected at most {len(cand) + 1} for this model, "
-                              f"got {n_stages}")
-    prefixes = []
-    for table in per_stage:
-        prefix = [0.0]
-        for x in _node_costs(nodes, table):
-            prefix.append(prefix[-1] + x)
-        prefixes.append(prefix)
-    pts = [0, *cand, len(nodes)]
-    # best[s][j]: the least largest-stage cost of s stages covering nodes[:pts[j]]
-    inf = math.inf
-    best = [[inf] * len(pts) for _ in range(n_stages + 1)]
-    back = [[-1] * len(pts) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for j in range(1, len(pts)):
-            if s == n_stages and j != len(pts) - 1:
-                continue
-            for i in range(j):
-                if best[s - 1][i] == inf:
-                    continue
-                pre = prefixes[s - 1]
-                c = max(best[s - 1][i], pre[pts[j]] - pre[pts[i]])
-                if c < best[s][j] - 1e-12:
-                    best[s][j], back[s][j] = c, i
-    j, cut_pos = len(pts) - 1, []
-    for s in range(n_stages, 0, -1):
-        i = back[s][j]
-        if i > 0:
-            cut_pos.append(pts[i])
-        j = i
-    cut_pos.sort()
-    bounds = [0, *cut_pos, len(nodes)]
-    stage_costs = [prefixes[k][bounds[k + 1]] - prefixes[k][bounds[k]]
-                   for k in range(n_stages)]
-    return cut_pos, stage_costs
-
-
-def _resolve(nodes: list[fx.Node], cut: str) -> int | None:
-    """A cut's position: the first op in the scope it names, or the fx node it names."""
-    hit = next((i for i, n in enumerate(nodes) if _in_scope(_scope(n), cut)), None)
-    if hit is None:
-        hit = next((i for i, n in enumerate(nodes) if n.name == cut), None)
-    return hit
-
-
-def _cut_name(nodes: list[fx.Node], p: int) -> str:
-    """The shortest-reading name that resolves back to position ``p``: the op's scope or a
-    parent block whose first op it is, else the fx node's own name."""
-    parts = _scope(nodes[p]).split(".")
-    for k in range(1, len(parts) + 1):
-        name = ".".join(parts[:k])
-        if name and _resolve(nodes, name) == p:
-            return name
-    return nodes[p].name
-
-
-def split_stages(model: nn.Module, *, cuts: Sequence[str] | None = None,
-                 n_stages: int | None = None,
-                 costs: dict[str, float] | Sequence[dict[str, float]] | None = None,
-                 example_inputs: Any = None) -> StageSplit:
-    """Assign the traced model's nodes to stages (module docstring). ``costs``: op name ->
-    cost for the balancing (default: traced FLOPs, which need ``example_inputs``), or one
-    such table per stage (stages on different devices or precisions:
-    :func:`plan_op_costs`), so a slower stage gets less of the model."""
-    gm = trace_model(model)
-    nodes = _compute_nodes(gm)
-    stage_costs: list[float] = []
-    if cuts:
-        positions = []
-        for c in cuts:
-            hit = _resolve(nodes, c)
-            if hit is None:
-                scopes = sorted({_scope(n) for n in nodes if n.op == "call_module"})
-                raise QsyncInputError(f"cuts: {c!r} names no op or block of the traced model "
-                                      f"(ops: {', '.join(scopes[:6])}, ...)")
-            if hit == 0:
-                raise QsyncInputError(f"cuts: {c!r} is the model's first op; a cut starts a "
-                                      "later stage")
-            positions.append(hit)
-        if positions != sorted(positions) or len(set(positions)) != len(positions):
-            raise QsyncInputError(f"cuts: expected distinct cuts in forward order, got "
-                                  f"{', '.join(cuts)}")
-        if n_stages is not None and n_stages != len(cuts) + 1:
-            raise QsyncInputError(f"stages: {n_stages} stages need {n_stages - 1} cuts, got "
-                                  f"{len(cuts)}")
-        cut_names = list(cuts)
-    else:
-        if n_stages is None or n_stages < 1:
-            raise QsyncInputError(f"stages: expected >= 1, got {n_stages}")
-        if n_stages == 1:
-            positions = []
-        else:
-            if costs is None:
-                if example_inputs is None:
-                    raise QsyncInputError("stages: balancing needs per-op costs or example "
-                                          "inputs to trace them")
-                costs = _default_costs(model, example_inputs)
-            positions, stage_costs = _balanced_cuts(nodes, n_stages, costs)
-        cut_names = [_cut_name(nodes, p) for p in positions]
-    stage_of: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        stage_of[n.name] = sum(1 for p in positions if p <= i)
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            stage_of[n.name] = 0
-        elif n.op == "get_attr":
-            users = [stage_of.get(u.name, 0) for u in n.users]
-            stage_of[n.name] = min(users) if users else 0
-    return StageSplit(gm, stage_of, cut_names, len(positions) + 1, stage_costs)
-
-
-def stage_costs(split: StageSplit, costs: dict[str, float]) -> list[float]:
-    """Each stage's share of per-op ``costs`` (op name -> cost), ops placed as the split
-    placed their nodes (ops outside the model, such as the loss, are left out)."""
-    nodes = _compute_nodes(split.gm)
-    out = [0.0] * split.n_stages
-    for n, w in zip(nodes, _node_costs(nodes, costs), strict=True):
-        out[split.stage_of[n.name]] += w
-    return out
+__all__ = ["BALANCE_SLACK", "Boundary", "Pipeline", "StageSplit", "op_costs_from_table",
+           "plan_op_costs", "split_stages", "split_top", "stage_costs", "trace_model"]
 
 
 class _BoundaryFn(torch.autograd.Function):
@@ -374,10 +101,13 @@ class Boundary:
         if not isinstance(x, Tensor) or not x.is_floating_point():
             return x  # integer tensors and Python values cross as they are
         self.last_shape = tuple(x.shape)
-        if self.training and x.requires_grad:
-            return _BoundaryFn.apply(x, self, slot, idx)
         if self.training:
-            return self.send_activation(x, slot, idx)
+            # An activation that needs no gradient (a stage with no parameters before it)
+            # still gets one sent back: across processes the receiver cannot tell, so the
+            # one-process pipeline sends (and counts) the same bytes.
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            return _BoundaryFn.apply(x, self, slot, idx)
         with torch.no_grad():
             return self.send_activation(x, slot, idx)
 
@@ -399,6 +129,34 @@ class Boundary:
 CompressorFactory = Callable[[], Compressor]
 
 
+def split_top(split: StageSplit) -> tuple[fx.GraphModule, dict[str, str], dict[str, Tensor]]:
+    """torch's ``split_module`` of the split (the stages share the model's parameters, no
+    copy), its qualified-name map and the buffers read outside every stage (constants),
+    with the checks that the stages can be built: every stage holds an op, and no parameter
+    is read outside every stage. :class:`Pipeline` builds on it; the launcher calls it
+    alone to refuse a cut before any rank starts."""
+    from torch.fx.passes.split_module import split_module
+
+    gm = split.gm
+    qualnames: dict[str, str] = {}
+    top = split_module(gm, gm, lambda n: split.stage_of[n.name], qualname_map=qualnames,
+                       keep_original_order=True)
+    consts: dict[str, Tensor] = {}
+    for n in top.graph.nodes:
+        if n.op == "get_attr":  # a buffer read outside every stage: a constant input
+            value = operator.attrgetter(str(n.target))(top)
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                raise QsyncInputError(f"stages: parameter {n.target!r} is read outside "
+                                      "every stage; cut elsewhere")
+            consts[n.name] = value.detach().clone()
+    empty = [k for k in range(split.n_stages) if not hasattr(top, f"submod_{k}")]
+    if empty:
+        k = empty[0]
+        where = f"from {split.cuts[k - 1]!r}" if k else "the first"
+        raise QsyncInputError(f"stages: stage {k} ({where}) holds no op; cut elsewhere")
+    return top, qualnames, consts
+
+
 class Pipeline(nn.Module):
     """The stages of a :class:`StageSplit` and the boundaries between them, in one process.
 
@@ -412,24 +170,8 @@ class Pipeline(nn.Module):
                  grad: CompressorFactory = Identity, feedback: str = "none",
                  n_samples: int | None = None) -> None:
         super().__init__()
-        from torch.fx.passes.split_module import split_module
-
-        gm = split.gm
-        qualnames: dict[str, str] = {}
-        top = split_module(gm, gm, lambda n: split.stage_of[n.name], qualname_map=qualnames,
-                           keep_original_order=True)
-        self.consts: dict[str, Tensor] = {}
-        for n in top.graph.nodes:
-            if n.op == "get_attr":  # a buffer read outside every stage: a constant input
-                value = operator.attrgetter(str(n.target))(top)
-                if isinstance(value, nn.Parameter) and value.requires_grad:
-                    raise QsyncInputError(f"stages: parameter {n.target!r} is read outside "
-                                          "every stage; cut elsewhere")
-                self.consts[n.name] = value.detach().clone()
-        originals = [getattr(top, f"submod_{k}") for k in range(split.n_stages)
-                     if hasattr(top, f"submod_{k}")]
-        if len(originals) != split.n_stages:
-            raise QsyncInputError(f"stages: {split.n_stages} asked, {len(originals)} non-empty")
+        top, qualnames, self.consts = split_top(split)
+        originals = [getattr(top, f"submod_{k}") for k in range(split.n_stages)]
         holders: dict[int, list[tuple[int, str]]] = {}
         for k, m in enumerate(originals):
             for name, p in m.named_parameters(remove_duplicate=False):

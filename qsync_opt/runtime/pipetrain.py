@@ -53,10 +53,10 @@ from torch import Tensor, nn
 from ..errors import QsyncInputError
 from .compress import AQSGD, parse_compressor
 from .config import TrainConfig, latest_complete_set, remove_stale, set_path
-from .pipeline import Pipeline, split_stages
+from .pipeline import Pipeline, split_stages, split_top
 
-__all__ = ["build_pipeline", "emulate_pipeline", "pipeline_spec", "predicted_bytes",
-           "run_pipeline"]
+__all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "micro_sizes", "pipeline_spec",
+           "predicted_bytes", "run_pipeline"]
 
 
 class _Data:
@@ -195,17 +195,45 @@ def _scaled_loss(wl: Any, scale: float, out: Any, inputs: Any, targets: Tensor) 
     return wl.loss_of(out, inputs, targets) * scale
 
 
-def _micro_sizes(batch: int, micro: int) -> list[int]:
+def micro_sizes(batch: int, micro: int) -> list[int]:
+    """The sizes of the ``micro`` micro-batches a batch of ``batch`` samples splits into."""
     return [int(t.numel()) for t in torch.tensor_split(torch.arange(batch), micro)]
 
 
-def _optimizer(config: TrainConfig, stage: nn.Module) -> torch.optim.Optimizer:
+class NoOptimizer:
+    """A stage with no parameters (a lone activation, a pooling) has nothing to step, and
+    torch refuses an optimizer over no parameters: this one does nothing and has no state."""
+
+    STATE: dict[str, Any] = {"no_parameters": True}
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.STATE)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state != self.STATE:
+            raise QsyncInputError("checkpoint: it holds an optimizer for a stage that has no "
+                                  "parameters in this run")
+
+
+def _optimizer(config: TrainConfig, stage: nn.Module) -> Any:
+    """The stage's optimizer, or a :class:`NoOptimizer` for a stage without parameters."""
     from .prepare import make_optimizer
 
+    if not any(p.requires_grad for p in stage.parameters()):
+        return NoOptimizer()
     return make_optimizer(config, stage)
 
 
-def _rank_doc(step: int, stage: nn.Module, opt: torch.optim.Optimizer, pipe: Pipeline,
+def _rank_doc(step: int, stage: nn.Module, opt: Any, pipe: Pipeline,
               rank: int, scaler: Any, skipped: int, last_loss: float) -> dict[str, Any]:
     from .checkpoint import FORMAT, qseeds
 
@@ -216,7 +244,7 @@ def _rank_doc(step: int, stage: nn.Module, opt: torch.optim.Optimizer, pipe: Pip
             "skipped": skipped, "last_loss": last_loss, "qseeds": qseeds(stage)}
 
 
-def _load_rank_doc(doc: dict[str, Any], stage: nn.Module, opt: torch.optim.Optimizer,
+def _load_rank_doc(doc: dict[str, Any], stage: nn.Module, opt: Any,
                    pipe: Pipeline, rank: int, scaler: Any) -> tuple[int, int, float]:
     from .checkpoint import set_qseeds
 
@@ -242,7 +270,7 @@ def _summary(config: TrainConfig, setup: Any, pipe: Pipeline, shares: list[dict[
     assert spec is not None
     ran = max(steps - start, 0)
     by_rank = {sh["rank"]: sh["boundaries"] for sh in shares}
-    pred = predicted_bytes(pipe, _micro_sizes(spec.batch, spec.micro_batches),
+    pred = predicted_bytes(pipe, micro_sizes(spec.batch, spec.micro_batches),
                            [data.batch(s)[2] for s in range(steps)])
     boundaries = []
     for name, b in pipe.boundaries.items():
@@ -260,7 +288,8 @@ def _summary(config: TrainConfig, setup: Any, pipe: Pipeline, shares: list[dict[
     return {
         "mode": "pipeline", "workload": setup.workload.name, "plan_path": config.plan_path,
         "rank_groups": config.rank_groups, "world_size": config.world_size,
-        "batches": [spec.batch] * config.world_size, "global_batch": spec.batch,
+        "global_batch": spec.batch, "micro_batches": spec.micro_batches,
+        "micro_batch_sizes": micro_sizes(spec.batch, spec.micro_batches),
         "emulated": emulated, "steps": steps, "resumed_from_step": start,
         "skipped_steps": skipped, "final_loss": final_loss, "lr_schedule":
             config.schedule().describe(), "pipeline": spec.model_dump(mode="json"),
@@ -289,7 +318,7 @@ def _eval_fields(losses: list[float], correct: list[float], n: int, classificati
 
 def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     """The whole pipeline in this process (``--emulate-dp`` with ``--pipeline-stages``)."""
-    from .metrics import MetricsWriter, clean, write_json
+    from .metrics import MetricsWriter, StepProgress, clean, write_json
     from .scaler import LossScaler
 
     spec = config.pipeline
@@ -305,6 +334,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     sched = config.schedule()
     t0 = time.perf_counter()
     mw = MetricsWriter(out / "metrics.rank0.jsonl", start)
+    bar = StepProgress(config.steps, config.progress_every_s, start=start)
     step = start
     try:
         while step < config.steps:
@@ -334,6 +364,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
                       "step_ms": round((time.perf_counter() - t) * 1000, 3),
                       "act_bytes": a1 - a0, "grad_bytes": g1 - g0, "skipped": bool(bad),
                       "loss_scale": scale})
+            bar.update(step, loss)
             if (config.checkpoint_every and step % config.checkpoint_every == 0
                     and step < config.steps):
                 _save_local(config, setup, pipe, opts, scaler, step, skipped, last)
@@ -384,7 +415,7 @@ def _eval_local(config: TrainConfig, pipe: Pipeline, data: _Data, wl: Any) -> di
     return _eval_fields(plain, correct, n, cls, comp)
 
 
-def _resume(config: TrainConfig, pipe: Pipeline, opts: list[torch.optim.Optimizer],
+def _resume(config: TrainConfig, pipe: Pipeline, opts: list[Any],
             scaler: Any, ranks: list[int]) -> tuple[int, int, float]:
     from .checkpoint import load_checkpoint
 
@@ -402,7 +433,7 @@ def _resume(config: TrainConfig, pipe: Pipeline, opts: list[torch.optim.Optimize
 
 
 def _save_local(config: TrainConfig, setup: Any, pipe: Pipeline,
-                opts: list[torch.optim.Optimizer], scaler: Any, step: int, skipped: int,
+                opts: list[Any], scaler: Any, step: int, skipped: int,
                 last: float) -> None:
     from .checkpoint import commit_set, write_rank_file
 
@@ -421,7 +452,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from .checkpoint import commit_set, write_rank_file
-    from .metrics import MetricsWriter, clean, write_json
+    from .metrics import MetricsWriter, StepProgress, clean, write_json
     from .pipedist import DistStage
     from .scaler import LossScaler
 
@@ -444,6 +475,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     sched = config.schedule()
     t0 = time.perf_counter()
     mw = MetricsWriter(out / f"metrics.rank{rank}.jsonl", start)
+    bar = StepProgress(config.steps, config.progress_every_s, start=start, report=rank == 0)
 
     def save(step: int) -> None:
         folder = set_path(config.out_dir, step)  # made by write_rank_file, never followed
@@ -489,6 +521,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
                       "act_bytes_sent": sent1[0] - sent0[0],
                       "grad_bytes_sent": sent1[1] - sent0[1],
                       "skipped": bool(int(bad)), "loss_scale": scale})
+            bar.update(step, loss)
             if (config.checkpoint_every and step % config.checkpoint_every == 0
                     and step < config.steps):
                 save(step)
@@ -588,17 +621,22 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
         _Data(wl, 0, batch, "aqsgd")  # the workload has indexed samples, and enough of them
     torch.manual_seed(0)
     model = wl.build().float()
+    example = wl.make_inputs(batch, torch.device("cpu"))  # shapes only (meta tensors)
     if args.cuts:
         cuts = [c.strip() for c in str(args.cuts).split(",") if c.strip()]
         if len(cuts) != n - 1:
             raise QsyncInputError(f"--cuts: {n} stages need {n - 1} cuts, got {len(cuts)}")
-        split = split_stages(model, cuts=cuts)
+        try:
+            split = split_stages(model, cuts=cuts, example_inputs=example)
+            split_top(split)  # every stage can be built (no copy of the weights)
+        except QsyncInputError as exc:
+            raise QsyncInputError(f"--cuts: {str(exc).partition(': ')[2]}") from None
         how = "as given"
     else:
         graph = trace(args.model, plan.groups[ranks[0]].batch_per_device)
         table = estimate(graph, plan.cluster)
         costs = [plan_op_costs(table, plan, g) for g in ranks]
-        split = split_stages(model, n_stages=n, costs=costs)
+        split = split_stages(model, n_stages=n, costs=costs, example_inputs=example)
         how = ("balanced on each stage's estimated ms (its group's device and plan): "
                + ", ".join(f"{c:.3f}" for c in split.costs))
     try:
@@ -607,99 +645,7 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
                             compress_act=args.compress_act, compress_grad=args.compress_grad,
                             feedback=args.feedback, compress_at_eval=args.compress_at_eval)
     except ValidationError as exc:
-        raise QsyncInputError(describe_validation_error(exc, "pipeline")) from None
+        raise QsyncInputError(describe_validation_error(exc, "train")) from None
     if lines is not None:
         lines.append(f"pipeline: {spec.describe()} (cuts {how})")
     return spec
-
-
-# ----------------------------------------------------------------------------- prediction
-
-
-def predict_pipeline(workload: str, plan: Any, ranks: list[str], *,
-                     cuts: list[str] | None, batch: int, micro_batches: int,
-                     compress_act: str, compress_grad: str, gbps: list[float],
-                     latency_us: float = 50.0) -> dict[str, Any]:
-    """The replayer's step time of a pipeline (``qsync-opt replay --pipeline-stages N``).
-
-    Stage ``k`` runs on rank ``k``'s group's card at that group's plan: its forward and
-    backward ms per micro-batch are the roofline estimates of its ops at the micro-batch
-    (:func:`~qsync_opt.runtime.pipeline.plan_op_costs`); each boundary's bytes per
-    micro-batch are the compressors' wire formula on the tensor that crosses (found by one
-    forward at the micro-batch); a tensor that skips stages is charged to the link into its
-    receiver. :func:`qsync_opt.replayer.pipeline.pipeline_step` gives the GPipe step, at
-    each link bandwidth, uncompressed and compressed. Under AQ-SGD a sample's first visit is
-    sent whole; the prediction is the steady state, every sample seen."""
-    from ..costs import estimate
-    from ..graph import trace
-    from ..models import UnknownWorkloadError, get_workload
-    from ..replayer.pipeline import pipeline_step
-    from .compress import Identity
-    from .pipeline import plan_op_costs
-
-    S = len(ranks)
-    if S < 2:
-        raise QsyncInputError(f"--pipeline-stages: expected at least 2, got {S}")
-    if not 1 <= micro_batches <= batch:
-        raise QsyncInputError(f"--micro-batches: expected 1 to the batch ({batch}), got "
-                              f"{micro_batches}")
-    try:
-        wl = get_workload(workload)
-    except UnknownWorkloadError as exc:
-        raise QsyncInputError(f"--model: {exc}") from None
-    act_c = parse_compressor(compress_act)
-    grad_c = parse_compressor(compress_grad)
-    mb = _micro_sizes(batch, micro_batches)[0]
-    graph = trace(workload, mb)
-    groups = [g.model_copy(update={"batch_per_device": mb}) for g in plan.cluster.groups]
-    table = estimate(graph, plan.cluster.model_copy(update={"groups": groups}))
-    fwd_c = [plan_op_costs(table, plan, g, part="fwd") for g in ranks]
-    bwd_c = [plan_op_costs(table, plan, g, part="bwd") for g in ranks]
-    torch.manual_seed(0)
-    model = wl.build().float()
-    if cuts:
-        split = split_stages(model, cuts=cuts)
-        if split.n_stages != S:
-            raise QsyncInputError(f"--cuts: {S} stages need {S - 1} cuts, got {len(cuts)}")
-    else:
-        both = [plan_op_costs(table, plan, g) for g in ranks]
-        split = split_stages(model, n_stages=S, costs=both)
-    from .pipeline import stage_costs
-
-    f = [stage_costs(split, fwd_c[k])[k] for k in range(S)]
-    b = [stage_costs(split, bwd_c[k])[k] for k in range(S)]
-    pipe = Pipeline(split)
-    pipe.eval()
-    with torch.no_grad():
-        pipe.run(tuple(wl.make_inputs(mb, torch.device("cpu"))))
-    raw = [0.0] * (S - 1)
-    act = [0.0] * (S - 1)
-    grad = [0.0] * (S - 1)
-    rows = []
-    for name, bd in pipe.boundaries.items():
-        if bd.last_shape is None:
-            continue
-        n = math.prod(bd.last_shape)
-        link = bd.dst - 1
-        raw[link] += Identity().wire_bytes(n, 4)
-        act[link] += act_c.wire_bytes(n, 4)
-        grad[link] += grad_c.wire_bytes(n, 4)
-        rows.append({"name": name, "src": bd.src, "dst": bd.dst, "shape": list(bd.last_shape),
-                     "raw_bytes": n * 4, "act_bytes": act_c.wire_bytes(n, 4),
-                     "grad_bytes": grad_c.wire_bytes(n, 4)})
-    steps = []
-    for bw in gbps:
-        plain = pipeline_step(f, b, raw, raw, micro_batches=micro_batches, gbps=bw,
-                              latency_us=latency_us)
-        comp = pipeline_step(f, b, act, grad, micro_batches=micro_batches, gbps=bw,
-                             latency_us=latency_us)
-        steps.append({"gbps": bw, "uncompressed_ms": plain.step_ms,
-                      "compressed_ms": comp.step_ms, "bubble_frac": comp.bubble_frac,
-                      "transfer_ms": comp.transfer_ms})
-    devices = {g.name: g.device for g in plan.cluster.groups}
-    return {"workload": workload, "batch": batch, "micro_batches": micro_batches,
-            "micro_batch": mb, "cuts": list(split.cuts), "compress_act": compress_act,
-            "compress_grad": compress_grad, "latency_us": latency_us,
-            "stages": [{"stage": k, "group": ranks[k], "device": devices[ranks[k]],
-                        "fwd_ms": f[k], "bwd_ms": b[k]} for k in range(S)],
-            "boundaries": rows, "steps": steps}

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from ..errors import QsyncInputError
 
-__all__ = ["LRSchedule", "SCHEDULE_KINDS", "parse_options", "parse_schedule"]
+__all__ = ["LRSchedule", "SCHEDULE_KINDS", "SCHEDULE_SYNTAX", "parse_options",
+           "parse_schedule"]
 
 SCHEDULE_KINDS = ("constant", "cosine", "step")
 
@@ -131,6 +132,24 @@ _SCHEDULE_KEYS: dict[str, dict[str, type]] = {
     "cosine": {"warmup": int, "final": float},
     "step": {"every": int, "gamma": float, "warmup": int},
 }
+#: The keys a kind needs, and the letter each value is written as in the syntax.
+_REQUIRED = {"step": ("every",)}
+_LETTERS = {"warmup": "W", "final": "F", "every": "N", "gamma": "G"}
+
+
+def _syntax(kind: str) -> str:
+    keys = _SCHEDULE_KEYS[kind]
+    need = [k for k in keys if k in _REQUIRED.get(kind, ())]
+    rest = [k for k in keys if k not in need]
+    text = kind + (":" + ",".join(f"{k}={_LETTERS[k]}" for k in need) if need else "")
+    if rest:
+        text += ("[," if need else "[:") + ",".join(f"{k}={_LETTERS[k]}" for k in rest) + "]"
+    return text
+
+
+#: Every schedule and every key :func:`parse_schedule` takes, as the help texts show them.
+SCHEDULE_SYNTAX = (", ".join(_syntax(k) for k in list(_SCHEDULE_KEYS)[:-1]) + " or "
+                   + _syntax(list(_SCHEDULE_KEYS)[-1]))
 
 
 def parse_schedule(text: str, lr: float, total_steps: int) -> LRSchedule:
@@ -138,8 +157,8 @@ def parse_schedule(text: str, lr: float, total_steps: int) -> LRSchedule:
     kind, _, _ = text.strip().partition(":")
     kind = kind.strip().lower()
     if kind not in _SCHEDULE_KEYS:
-        raise QsyncInputError(f"lr_schedule: expected constant, cosine[:warmup=W,final=F] or "
-                              f"step:every=N[,gamma=G,warmup=W], got {text.strip()!r}")
+        raise QsyncInputError(f"lr_schedule: expected {SCHEDULE_SYNTAX}, got "
+                              f"{text.strip()!r}")
     kind, opts = parse_options(text, "lr_schedule", _SCHEDULE_KEYS[kind])
     return LRSchedule(kind=kind, lr=float(lr), total_steps=int(total_steps),
                       warmup=int(opts.get("warmup", 0)), final=float(opts.get("final", 0.0)),

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from ..errors import QsyncInputError
 from .schedule import LRSchedule, parse_options
 
-__all__ = ["COMM_KINDS", "COMPATIBLE", "CommMode", "SYNC_KINDS", "SyncMode",
-           "check_combination", "parse_comm", "parse_sync", "qsr_period", "round_length",
-           "rounds", "sync_steps"]
+__all__ = ["COMM_KINDS", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
+           "SyncMode", "check_combination", "parse_comm", "parse_sync", "qsr_period",
+           "round_length", "rounds", "sync_steps"]
 
 SYNC_KINDS = ("ddp", "local", "qsr")
 COMM_KINDS = ("allreduce", "fp16", "dlcp")
@@ -56,6 +56,11 @@ COMPATIBLE: dict[tuple[str, str], bool] = {
     ("local", "allreduce"): True, ("local", "fp16"): False, ("local", "dlcp"): False,
     ("qsr", "allreduce"): True, ("qsr", "fp16"): False, ("qsr", "dlcp"): False,
 }
+
+#: QSR's keys (``qsr:alpha=A,h_base=H0[,power=P]``) and their types.
+QSR_KEYS: dict[str, type] = {"alpha": float, "h_base": int, "power": float}
+#: Every sync mode and every key :func:`parse_sync` takes, as the help texts show them.
+SYNC_SYNTAX = "ddp, local:H or qsr:alpha=A,h_base=H0[,power=P]"
 
 #: ``dlcp``'s largest ``p`` (more than half a gradient lost is not a bounded loss).
 MAX_DROP = 0.5
@@ -130,7 +135,7 @@ def parse_sync(text: str) -> SyncMode:
                                   f"parameter averages), got {raw!r}")
         return SyncMode("local", int(h))
     if kind == "qsr":
-        _, opts = parse_options(raw, "sync", {"alpha": float, "h_base": int, "power": float})
+        _, opts = parse_options(raw, "sync", QSR_KEYS)
         if "alpha" not in opts or "h_base" not in opts:
             raise QsyncInputError(f"sync: qsr needs alpha=A and h_base=H0 "
                                   f"(qsr:alpha=0.2,h_base=4), got {raw!r}")
@@ -142,8 +147,7 @@ def parse_sync(text: str) -> SyncMode:
         if not power > 0:
             raise QsyncInputError(f"sync: qsr's power must be > 0, got {power:g}")
         return SyncMode("qsr", h0, float(alpha), float(power))
-    raise QsyncInputError(f"sync: expected ddp, local:H or qsr:alpha=A,h_base=H0[,power=P], "
-                          f"got {raw!r}")
+    raise QsyncInputError(f"sync: expected {SYNC_SYNTAX}, got {raw!r}")
 
 
 def parse_comm(text: str) -> CommMode:

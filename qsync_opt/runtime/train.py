@@ -122,7 +122,7 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
     out = Path(config.out_dir)
     tr = Trainer(setup, ranks, models, sync, device, faults=faults,
                  log_state_hash=_log_state_hash())
-    res = tr.train(show_progress=sys.stderr.isatty())
+    res = tr.train(show_progress=True)
     evals = [res["evals"][r] for r in ranks]
     summary = clean(tr.summary(res["state_sha256"], evals, res["wall_s"], res["resumed_from"]))
     write_json(out / "summary.json", summary)
@@ -191,7 +191,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
         sync = make_sync(config, world, device, emulated=False)
         tr = Trainer(setup, [rank], [model], sync, device, faults=faults,
                      log_state_hash=_log_state_hash())
-        res = tr.train(show_progress=rank == 0 and sys.stderr.isatty())
+        res = tr.train(show_progress=rank == 0)
         ev = res["evals"][rank]
         evals = [ev]
         if world > 1:

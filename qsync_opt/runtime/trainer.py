@@ -47,7 +47,14 @@ from .checkpoint import (
 from .config import CheckpointSet, check_resume, remove_stale, set_path
 from .data import GlobalBatches, batch_size_of, rank_slice, to_device
 from .faults import NO_FAULTS, FaultPlan
-from .metrics import MetricsWriter, progress, run_warnings, state_hash, step_row
+from .metrics import (
+    MetricsWriter,
+    StepProgress,
+    run_warnings,
+    state_hash,
+    step_row,
+    sync_totals,
+)
 from .prepare import Setup, make_optimizer
 from .scaler import LossScaler, probe_scale
 from .sync import GradientSync
@@ -110,6 +117,8 @@ class Trainer:
         self.scale_probe: dict[str, Any] | None = None  # filled by start_scale()
         self.out = Path(self.cfg.out_dir)
         self.memory: dict[str, Any] | None = None  # filled by measure_memory()
+        #: the run's rounds, bytes and ms in collectives (metrics.sync_totals), after train()
+        self.communication: dict[str, Any] | None = None
 
     @property
     def scaler(self) -> LossScaler:
@@ -363,19 +372,23 @@ class Trainer:
         return tot_loss / n, acc
 
     def train(self, show_progress: bool) -> dict[str, Any]:
+        """The run from where :meth:`begin` starts it; ``show_progress``: this process
+        reports the progress (a bar on a terminal, else a line every
+        ``config.progress_every_s`` seconds)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         start = self.begin()
         self.start_scale()
         metrics = [MetricsWriter(self.out / f"metrics.rank{r}.jsonl", start)
                    for r in self.ranks]
+        bar = StepProgress(cfg.steps, cfg.progress_every_s, start=start, report=show_progress)
         try:
             while self.step < cfg.steps:
                 if cfg.memory_step == self.step:
                     self.measure_memory(metrics)  # the step, with its peak measured
                 else:
                     self.train_step(metrics)
-                progress(self.step, cfg.steps, self.last_loss, show_progress)
+                bar.update(self.step, self.last_loss)
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                         and self.step < cfg.steps):
                     self.save()
@@ -384,6 +397,7 @@ class Trainer:
         finally:
             for met in metrics:
                 met.close()
+        self.communication = sync_totals(self.out / f"metrics.rank{self.ranks[0]}.jsonl")
         sha = state_hash(self.models[0])
         evals = {}
         for i, (r, m) in enumerate(zip(self.ranks, self.models, strict=True)):
@@ -403,6 +417,7 @@ class Trainer:
             "skipped_steps": self.skipped, "final_loss": self.last_loss,
             "loss_scale": self.scaler.scale, "sync": cfg.sync_mode().describe(),
             "comm": cfg.comm_mode().describe(), "lr_schedule": self.schedule.describe(),
+            "communication": self.communication,
             "eval_loss": evals[0]["loss"], "eval_accuracy": evals[0]["accuracy"],
             "eval_per_rank": evals, "state_sha256": sha, "wall_s": round(wall_s, 3),
             **({"memory": self.memory} if self.memory is not None else {}),
