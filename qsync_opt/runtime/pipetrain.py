@@ -202,9 +202,11 @@ def micro_sizes(batch: int, micro: int) -> list[int]:
 
 class NoOptimizer:
     """A stage with no parameters (a lone activation, a pooling) has nothing to step, and
-    torch refuses an optimizer over no parameters: this one does nothing and has no state."""
+    torch refuses an optimizer over no parameters: this one does nothing. Its state is an
+    optimizer's state_dict over no groups (the shape a checkpoint's reader checks), which no
+    torch optimizer has."""
 
-    STATE: dict[str, Any] = {"no_parameters": True}
+    STATE: dict[str, Any] = {"state": {}, "param_groups": []}
 
     def __init__(self) -> None:
         self.param_groups: list[dict[str, Any]] = []
