@@ -32,7 +32,8 @@ SOURCE_DIRS = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
 #: Lowest layer first. A module may import modules of its own layer or of a lower one.
 #: Names are relative to ``qsync_opt`` ("" is the package itself).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress"]),
+    ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress",
+                    "limits"]),
     ("schemas", ["schemas"]),
     ("io", ["io"]),
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops

@@ -44,7 +44,9 @@ from ..summaries import (
 from .args import (
     BATCH,
     BATCHES,
+    COMPRESSOR_TEXT,
     FRACTION,
+    GBPS_TEXT,
     INT4_FLAG_HELP,
     POSITIVE_SECONDS,
     SEED,
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
     sp.add_argument("--plan", help="Plan JSON to replay")
     sp.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
-    sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    sp.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
+                    help="the optimizer step's time (default sgd)")
     sp.add_argument("--bucket-mb", type=finite_float(0, 2**20, lo_open=True), default=None,
                     help="DDP bucket cap in MiB")
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
@@ -135,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the group of each stage (default: the cluster's devices in order)")
     g.add_argument("--cuts", default=None, metavar="OP,...",
                    help="where stages 2..N begin (default: balanced on each stage's time)")
-    g.add_argument("--micro-batches", type=positive_int(1 << 20), default=1, metavar="M")
-    g.add_argument("--compress-act", default="none", metavar="C",
+    g.add_argument("--micro-batches", type=positive_int(MAX_BATCH), default=None, metavar="M")
+    g.add_argument("--compress-act", type=COMPRESSOR_TEXT, default=None, metavar="C",
                    help="none, topk:F (or N%%), quant:B[,stochastic]")
-    g.add_argument("--compress-grad", default="none", metavar="C")
-    g.add_argument("--link-gbps", default="1,10", metavar="G,...",
+    g.add_argument("--compress-grad", type=COMPRESSOR_TEXT, default=None, metavar="C")
+    g.add_argument("--link-gbps", type=GBPS_TEXT, default=None, metavar="G,...",
                    help="link bandwidths between stages, Gb/s (default 1,10)")
-    g.add_argument("--latency-us", type=finite_float(0, 1e7), default=50.0,
+    g.add_argument("--latency-us", type=finite_float(0, 1e7), default=None,
                    help="one-way link latency (default 50 us)")
     sp.set_defaults(fn=cmd_replay)
     sp = sub.add_parser("netsim", help="simulate an iteration's gradient traffic packet by packet",

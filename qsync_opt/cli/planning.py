@@ -14,7 +14,7 @@ from ..summaries import plan_lines
 from .args import cluster_arg, emit_json, sync_arg, trace_args
 
 
-def _problem_options(args: argparse.Namespace) -> Any:
+def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
     from ..problem import ProblemOptions
 
     pins = {}
@@ -26,7 +26,7 @@ def _problem_options(args: argparse.Namespace) -> Any:
     return ProblemOptions(target_ms=args.target_ms, memory_headroom=args.headroom, pinned=pins,
                           optimizer=args.optimizer, reference=args.reference,
                           lower_reference=True if args.lower_reference else None,
-                          sync=sync_arg(args))
+                          sync=sync)
 
 
 def _solve_options(args: argparse.Namespace) -> Any:
@@ -39,6 +39,33 @@ def _solve_options(args: argparse.Namespace) -> Any:
                         acceptance=args.acceptance)
 
 
+def _check_names(args: argparse.Namespace) -> None:
+    """The allocator names (``--solver``, ``--solvers``, ``--exact``) and ``--mode``'s
+    ``--budget``, checked before anything is traced or computed (an unknown solver was
+    refused only after the indicator had run)."""
+    from ..solvers import EXACT, registry
+
+    known = list(registry())
+    given: list[tuple[str, str, list[str]]] = []
+    if getattr(args, "solver", None) is not None:
+        given.append(("--solver", args.solver, known))
+    if getattr(args, "solvers", None) is not None:
+        names = [n.strip() for n in args.solvers.split(",")]
+        if len(set(names)) != len(names):
+            raise QsyncInputError(f"--solvers: a name is given twice in {args.solvers!r}")
+        given += [("--solvers", n, known) for n in names]
+    if getattr(args, "exact", None) is not None:
+        given.append(("--exact", args.exact, list(EXACT)))
+    for flag, name, allowed in given:
+        if name not in allowed:
+            raise QsyncInputError(f"{flag}: expected one of {', '.join(allowed)}, got "
+                                  f"{name!r}")
+    mode = getattr(args, "mode", None)
+    if mode is not None and (args.budget is not None) != (mode == "budget"):
+        raise QsyncInputError("--budget: only with --mode budget" if args.budget is not None
+                              else "--mode budget: needs --budget B (the degradation budget)")
+
+
 def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
     computed indicator runs the model (``build_problem``)."""
@@ -47,9 +74,15 @@ def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
             f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
+    _check_names(args)
+    options = _problem_options(args, sync_arg(args))  # every flag before the trace
+    if getattr(args, "comm_model", None):
+        from ..netsim.cluster import parse_comm_model
+
+        parse_comm_model(args.comm_model)
     graph = trace_args(args)
     return build_problem(graph, cluster_arg(args), indicator=args.indicator, costs=args.costs,
-                         options=_problem_options(args), indicator_method=args.method,
+                         options=options, indicator_method=args.method,
                          indicator_batches=args.indicator_batches,
                          indicator_batch=args.indicator_batch,
                          progress=sys.stderr.isatty(), check=check,

@@ -60,8 +60,9 @@ from pydantic import ValidationError
 
 from ..devices import get_device, is_derived
 from ..errors import QsyncInputError, describe_validation_error
-from ..schemas import Plan
-from .config import TrainConfig, rank_groups_example
+from ..limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
+from ..schemas import MAX_BATCH, MAX_DEVICES, Plan
+from .config import MAX_ABS_SEED, MAX_TIMEOUT_S, TrainConfig, rank_groups_example
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -72,6 +73,34 @@ log = logging.getLogger(__name__)
 
 CONFIG_NAME = "train_config.json"
 WORKER_MODULE = "qsync_opt.runtime.train"
+
+
+#: Ranks of one run (one process each).
+MAX_RANKS = MAX_DEVICES
+
+
+def _parse_sync(text: str) -> Any:
+    from .syncmode import parse_sync
+
+    return parse_sync(text)
+
+
+def _parse_comm(text: str) -> Any:
+    from .syncmode import parse_comm
+
+    return parse_comm(text)
+
+
+def _schedule_text(text: str) -> Any:
+    from .schedule import parse_schedule
+
+    return parse_schedule(text, 1.0, MAX_STEPS)  # the warm-up against --steps: later
+
+
+def _compressor(text: str) -> Any:
+    from .compress import parse_compressor
+
+    return parse_compressor(text)
 
 
 def add_train_parser(sub: Any) -> argparse.ArgumentParser:
@@ -88,37 +117,42 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--cluster", default=None,
                    help="without --plan: the cluster of the fp32 plan (default cpuxN, N = "
                         "--nproc or 1)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=positive_int(MAX_BATCH), default=None,
                    help="without --plan: batch per device (default: the model's)")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int(MAX_RANKS), default=None,
                    help="processes (ranks) on this node; default: one per rank group, or the "
                         "plan's device count")
     p.add_argument("--rank-groups", default=None, metavar="R:GROUP,...",
                    help="group of each rank, e.g. 0:v100,1:t4 (default: the plan's groups in "
                         "order, one rank per device)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps in total (default 100)")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+    p.add_argument("--steps", type=positive_int(MAX_STEPS), default=100,
+                   help="optimizer steps in total (default 100)")
+    p.add_argument("--lr", type=finite_float(0, lo_open=True), default=0.05,
+                   help="learning rate (default 0.05)")
+    p.add_argument("--lr-schedule", type=spec_type(_schedule_text, "lr_schedule"),
+                   default="constant", metavar="SCHEDULE",
                    help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
                         "(default constant)")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=float, default=0.0,
+    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=0.9,
+                   help="SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=finite_float(0), default=0.0,
                    help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
-    p.add_argument("--sync", default="ddp", metavar="MODE",
+    p.add_argument("--sync", type=spec_type(_parse_sync, "sync"), default="ddp", metavar="MODE",
                    help="ddp (gradients all-reduced every step, default), local:H (parameters "
                         "averaged every H steps) or qsr:alpha=A,h_base=H0[,power=P] (QSR)")
-    p.add_argument("--comm", default="allreduce", metavar="TRANSPORT",
+    p.add_argument("--comm", type=spec_type(_parse_comm, "comm"), default="allreduce",
+                   metavar="TRANSPORT",
                    help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
                         "fp16, or dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=K]"
                         "[,layer_bias=B] (bounded-loss priority: at most a fraction P of each "
                         "rank's gradient zero-filled, in chunks of K KiB)")
     p.add_argument("--average-optimizer-state", action="store_true",
                    help="local/qsr: also average the optimizer state at every sync")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_range(-MAX_ABS_SEED, MAX_ABS_SEED), default=0)
     p.add_argument("--out", default=None,
                    help="output folder: config, checkpoints, metrics.jsonl (default runs/MODEL)")
-    p.add_argument("--checkpoint-every", type=int, default=0,
+    p.add_argument("--checkpoint-every", type=int_range(0, MAX_STEPS), default=0,
                    help="steps between checkpoints (default 0: at the end only)")
     p.add_argument("--no-resume", action="store_true",
                    help="start afresh even when --out holds a checkpoint")
@@ -128,25 +162,25 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                         "differences named; never another model, optimizer or world size)")
     p.add_argument("--emulate-dp", action="store_true",
                    help="one process computes every rank's micro-batch (emulated data parallel)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=finite_float(0, MAX_TIMEOUT_S, lo_open=True), default=120.0,
                    help="collective timeout in seconds: a dead rank fails the others (default 120)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    p.add_argument("--measure-memory", type=int, default=None, metavar="STEP",
+    p.add_argument("--measure-memory", type=int_range(0, MAX_STEPS), default=None, metavar="STEP",
                    help="measure step STEP's exact peak live tensor bytes inside every CPU rank "
                         "(summary.rankR.json 'memory'); the step's time includes the tracking")
     g = p.add_argument_group(
         "pipeline parallelism", "one rank per stage instead of one replica per rank; each "
         "stage at its rank group's plan, its boundaries compressed")
-    g.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
+    g.add_argument("--pipeline-stages", type=int_range(2, 64), default=None, metavar="N",
                    help="cut the model into N stages, one rank each (ranks = stages)")
     g.add_argument("--cuts", default=None, metavar="OP,...",
                    help="where stages 2..N begin: op or block names of the traced model "
                         "(default: balanced on each stage's estimated time)")
-    g.add_argument("--micro-batches", type=int, default=1, metavar="M",
+    g.add_argument("--micro-batches", type=positive_int(MAX_BATCH), default=1, metavar="M",
                    help="GPipe micro-batches per step (default 1)")
-    g.add_argument("--compress-act", default="none", metavar="C",
+    g.add_argument("--compress-act", type=spec_type(_compressor), default="none", metavar="C",
                    help="activation compressor: none, topk:F (or N%%), quant:B[,stochastic]")
-    g.add_argument("--compress-grad", default="none", metavar="C",
+    g.add_argument("--compress-grad", type=spec_type(_compressor), default="none", metavar="C",
                    help="gradient compressor, the same forms")
     g.add_argument("--feedback", choices=["none", "ef", "ef21", "aqsgd"], default="none",
                    help="feedback wrapper (aqsgd: per-sample activation buffers)")
@@ -168,7 +202,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
 def _parse_rank_groups(text: str) -> list[str]:
     pairs: dict[int, str] = {}
     for item in (x.strip() for x in text.split(",")):
-        m = re.fullmatch(r"(\d+):([A-Za-z_][A-Za-z0-9_\-]*)", item)
+        m = re.fullmatch(r"([0-9]{1,7}):([A-Za-z_][A-Za-z0-9_\-]*)", item)  # ASCII digits
         if not m:
             raise QsyncInputError(
                 f"--rank-groups: {item!r} is not RANK:GROUP (e.g. 0:v100,1:t4)")
