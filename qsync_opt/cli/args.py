@@ -151,15 +151,12 @@ def sync_arg(args: argparse.Namespace) -> Any:
     text = getattr(args, "sync", None)
     given = {k: getattr(args, k, None) for k in SYNC_DEFAULTS}
     kind = "ddp" if text is None else parse_sync(text).kind  # the text checked when parsed
-    uses = {"ddp": (), "local": ("steps",), "qsr": tuple(SYNC_DEFAULTS)}[kind]
-    extra = [k for k, v in given.items() if v is not None and k not in uses]
-    if extra:  # accepted and ignored is refused: it sets nothing here
-        flag = f"--{extra[0].replace('_', '-')}"
-        raise QsyncInputError(f"{flag}: only with --sync " + (
-            "qsr:... (QSR's rounds follow the learning rate)" if extra[0] != "steps"
-            else "local:H or qsr:... (it sets the rounds of a periodic sync)")
-            + f"; --sync is {'ddp' if text is None else text.strip()}")
+    extra = [k for k, v in given.items() if v is not None]
     if kind == "ddp":
+        if extra:  # accepted and ignored is refused: it sets nothing under ddp
+            raise QsyncInputError(f"--{extra[0].replace('_', '-')}: only with --sync local:H "
+                                  "or qsr:... (the run whose rounds are paid); --sync is "
+                                  + ("ddp" if text is None else text.strip()))
         return None
     vals = {k: SYNC_DEFAULTS[k] if v is None else v for k, v in given.items()}
     try:
