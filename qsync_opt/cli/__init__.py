@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batches", type=BATCHES, default=10, help="batches to average over")
     sp.add_argument("--batch", type=BATCH, default=None, help="batch size (default: workload's)")
     sp.add_argument("--seed", type=SEED, default=0)
-    sp.add_argument("--gamma", type=finite_float(0), default=4.0, help="forward weight (qsync)")
+    sp.add_argument("--gamma", type=finite_float(0, 1e6), default=4.0, help="forward weight (qsync)")
     sp.add_argument("--top", type=positive_int(100_000), default=5, help="rows in each table")
     sp.add_argument("--no-cache", action="store_true", help="recompute even if cached")
     sp.add_argument("--fast", action="store_true",
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch the computed indicator runs at (default: the traced "
                              "batch, at most 8)")
         sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
-        sp.add_argument("--target-ms", type=finite_float(0, lo_open=True), default=None,
+        sp.add_argument("--target-ms", type=finite_float(0, 1e12, lo_open=True), default=None,
                         help="makespan target (default: strong groups at their reference)")
         sp.add_argument("--headroom", type=FRACTION, default=0.0,
                         help="fraction of each card's memory kept free")
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mode", choices=["auto", "target", "budget"], default="auto",
                     help="least degradation under the target (auto: lexicographic when the "
                          "default target is out of reach), or least makespan under --budget")
-    sp.add_argument("--budget", type=finite_float(0), default=None,
+    sp.add_argument("--budget", type=finite_float(0, 1e15), default=None,
                     help="degradation budget (--mode budget)")
     sp.add_argument("--joint-split", action="store_true",
                     help="choose the per-group batch split together with the precisions")

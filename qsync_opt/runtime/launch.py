@@ -127,7 +127,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                         "order, one rank per device)")
     p.add_argument("--steps", type=positive_int(MAX_STEPS), default=100,
                    help="optimizer steps in total (default 100)")
-    p.add_argument("--lr", type=finite_float(0, lo_open=True), default=0.05,
+    p.add_argument("--lr", type=finite_float(0, 1e6, lo_open=True), default=0.05,
                    help="learning rate (default 0.05)")
     p.add_argument("--lr-schedule", type=spec_type(_schedule_text, "lr_schedule"),
                    default="constant", metavar="SCHEDULE",
@@ -136,7 +136,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
     p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=0.9,
                    help="SGD momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=finite_float(0), default=0.0,
+    p.add_argument("--weight-decay", type=finite_float(0, 1e6), default=0.0,
                    help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
     p.add_argument("--sync", type=spec_type(_parse_sync, "sync"), default="ddp", metavar="MODE",
                    help="ddp (gradients all-reduced every step, default), local:H (parameters "
@@ -230,8 +230,12 @@ def _default_rank_groups(plan: Plan, nproc: int | None) -> list[str]:
         f"--rank-groups (e.g. {example})")
 
 
-def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None) -> list[str]:
-    """Group name of every rank, checked against the plan (QsyncInputError when wrong)."""
+def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None,
+                  warnings: list[str] | None = None) -> list[str]:
+    """Group name of every rank, checked against the plan (QsyncInputError when wrong).
+    A warning (plan groups no rank trains) goes into ``warnings`` when given, for the
+    caller to print once every check has passed (a refusal stays one line), else to the
+    log."""
     if nproc is not None and nproc < 1:
         raise QsyncInputError(f"--nproc: expected a positive integer, got {nproc}")
     if rank_groups is None:
@@ -248,7 +252,11 @@ def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None) -> lis
             f"--nproc {nproc} does not match --rank-groups, which names {len(ranks)} ranks")
     unused = [g for g in known if g not in ranks]
     if unused:
-        log.warning("plan groups with no rank (not trained): %s", ", ".join(unused))
+        text = f"plan groups with no rank (not trained): {', '.join(unused)}"
+        if warnings is None:
+            log.warning(text)
+        else:
+            warnings.append(text)
     return ranks
 
 
@@ -262,14 +270,17 @@ def _slowdowns(plan: Plan, ranks: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> TrainConfig:
+def build_config(args: argparse.Namespace, lines: list[str] | None = None,
+                 pending: dict[str, Any] | None = None) -> TrainConfig:
     """Validate the arguments against the plan and return the run's TrainConfig.
 
     A user's model file (``--model PATH.py:FUNCTION``) is checked here, before any rank
     starts: its sha256 against the plan's (before it runs), the plan against its graph, then
     one batch of the global batch (its ``data()``, or synthetic) against the example inputs
     and its loss on two samples (a scalar). ``lines`` receives what was chosen (the loss and
-    the data)."""
+    the data). Nothing is written: without ``--plan`` the fp32 plan goes into
+    ``pending["plan"]`` and warnings into ``pending["warnings"]``, for :func:`write_config`
+    and the caller once every check has passed."""
     from ..graph import is_user_model, load_user_workload
     from ..plan import graph_for_plan, plan_model
 
@@ -295,8 +306,11 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
     name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
     out = Path(args.out) if args.out else Path("runs") / name0
+    pending = {} if pending is None else pending
+    pending.setdefault("warnings", [])
     if args.plan is None:
-        plan_path = fp32_plan(args, out)
+        plan_path = out / "fp32.plan.json"
+        pending["plan"] = fp32_plan(args, out, write=False)
         if lines is not None:
             lines.append(f"no --plan: every op at fp32 on every rank ({plan_path})")
     else:
@@ -306,7 +320,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
                                       "cluster and the batches)")
         plan_path = Path(args.plan)
-    plan = Plan.load(plan_path)  # missing, not JSON, another kind of file: one line each
+    plan = pending.get("plan") or Plan.load(plan_path)  # a bad file: one line each
     workload, sha = args.model, None
     user = None
     if is_user_model(args.model):
@@ -325,7 +339,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 "devices; say which group runs each stage with --rank-groups (e.g. "
                 + rank_groups_example([g.name for g in plan.cluster.groups],
                                       args.pipeline_stages) + ")")
-    ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
+    ranks = resolve_ranks(plan, args.nproc, args.rank_groups, pending["warnings"])
     pipeline = None
     if pipelined:
         from .pipetrain import pipeline_spec
@@ -380,10 +394,11 @@ def _check_sync_flags(args: argparse.Namespace) -> None:
     check_combination(mode, comm)
 
 
-def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
+def fp32_plan(args: argparse.Namespace, out: Path, write: bool = True) -> Any:
     """Without ``--plan``: every op at fp32 on every group of ``--cluster`` (default
     ``cpuxN``, N = ``--nproc`` or 1) at ``--batch`` per device, written to
-    ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan)."""
+    ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan) and its path
+    returned; with ``write=False`` the plan itself, nothing written."""
     from ..cluster import load_cluster
     from ..graph import trace
     from ..plan import make_plan
@@ -394,23 +409,28 @@ def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
     graph = trace(args.model, args.batch)
     plan = make_plan(graph, cluster, {}, provenance={"solver": "none (train without --plan: "
                                                      "fp32 everywhere)"})
+    if not write:
+        return plan
     out.mkdir(parents=True, exist_ok=True)
     path = out / "fp32.plan.json"
     plan.save(path)
     return path
 
 
-def write_config(config: TrainConfig) -> Path:
+def write_config(config: TrainConfig, plan: Plan | None = None) -> Path:
     """Write ``OUT/train_config.json`` atomically and return its path.
 
     First, before anything in ``OUT`` changes: the plan's batches must be within the
     runtime's limits, and a resume must continue a run made with the same settings
     (:func:`~qsync_opt.runtime.config.check_resume`; QsyncInputError names each difference),
-    so the old run's config is never overwritten by one that cannot resume it.
+    so the old run's config is never overwritten by one that cannot resume it. ``plan``:
+    the fp32 plan of a run without ``--plan`` (:func:`build_config`), written to
+    ``config.plan_path`` only after those checks.
     """
     from .config import check_batches, check_resume
 
-    plan = Plan.load(config.plan_path)
+    fp32 = plan
+    plan = fp32 if fp32 is not None else Plan.load(config.plan_path)
     check_batches(plan, config.rank_groups)
     check_resume(config, plan)
     out = Path(config.out_dir)
@@ -418,6 +438,8 @@ def write_config(config: TrainConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise QsyncInputError(f"--out {out}: cannot create ({exc.__class__.__name__})") from None
+    if fp32 is not None:
+        fp32.save(config.plan_path)
     path = out / CONFIG_NAME
     config.save(path)
     return path
@@ -599,8 +621,11 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[st
 def cmd_train(args: argparse.Namespace) -> int:
     """``qsync-opt train``: 0 on success, 1 when a rank failed; bad input raises (exit 2)."""
     lines: list[str] = []
-    config = build_config(args, lines)
-    path = write_config(config)
+    pending: dict[str, Any] = {}
+    config = build_config(args, lines, pending)
+    path = write_config(config, pending.get("plan"))
+    for warning in pending["warnings"]:  # after every check: a refusal is one line
+        log.warning(warning)
     for line in lines:
         sys.stdout.write(line + "\n")
     sys.stdout.write(f"wrote {path} ({config.world_size} rank(s): "
