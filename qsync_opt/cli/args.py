@@ -125,7 +125,7 @@ LEARNING_RATE = finite_float(0, 1e6, lo_open=True)
 #: A run's optimizer steps (:data:`qsync_opt.limits.MAX_STEPS`).
 STEPS = positive_int(MAX_STEPS)
 #: The defaults of ``--lr``, ``--lr-schedule`` and ``--steps`` under ``--sync``.
-SYNC_DEFAULTS = {"lr": 0.05, "lr_schedule": "constant", "steps": 100}
+SYNC_DEFAULTS: dict[str, Any] = {"lr": 0.05, "lr_schedule": "constant", "steps": 100}
 
 
 def add_sync_args(sp: argparse.ArgumentParser) -> None:
@@ -158,7 +158,7 @@ def sync_arg(args: argparse.Namespace) -> Any:
                                   "or qsr:... (the run whose rounds are paid); --sync is "
                                   + ("ddp" if text is None else text.strip()))
         return None
-    vals = {k: SYNC_DEFAULTS[k] if v is None else v for k, v in given.items()}
+    vals: dict[str, Any] = {k: SYNC_DEFAULTS[k] if v is None else v for k, v in given.items()}
     try:
         return sync_model_for(text, **vals)
     except QsyncInputError as exc:
