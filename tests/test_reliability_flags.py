@@ -401,3 +401,68 @@ def test_a_model_path_that_is_no_regular_file_has_its_own_message(tmp_path,
     os.symlink("nowhere.py", "dangling.py")
     line = _one_line(*run_cli("graph", "--model", "dangling.py:build")[::2])
     assert "not found" in line
+
+
+_RANK_INPUT_ERROR = r'''
+import sys
+msg = "qsync-opt train: model: data(8, 0) batch 1 of m.py: input is a float32 tensor of shape [8, 9]"
+print(msg, file=sys.stderr, flush=True)
+print(msg, file=sys.stderr, flush=True)
+print("W1205 08:33:22.719000 27343 torch/distributed/elastic/multiprocessing/api.py:1028] "
+      "Sending process 1 closing signal SIGTERM", file=sys.stderr)
+print("""Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 2 (pid: 1234)
+""", file=sys.stderr)
+sys.exit(1)
+'''
+
+
+def test_a_ranks_input_error_is_the_one_line_of_the_refusal(tmp_path, monkeypatch) -> None:
+    """A ``data()`` whose shape changes at batch 1 in a real two-rank run gave 51 lines
+    (each rank's line, torchrun's log and traceback, the launcher's summary) and exit 1:
+    now the rank's line, once, on stderr, exit 2 (as under ``--emulate-dp``). Other rank
+    failures still show torchrun's report."""
+    import sys
+
+    from qsync_opt.runtime import launch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "local_command",
+                        lambda path, n, port: [sys.executable, "-c", _RANK_INPUT_ERROR])
+    code, out, err = run_cli("train", "--model", "digits_cnn", "--nproc", "2", "--steps", "2",
+                             "--out", "run")
+    line = _one_line(code, err)
+    assert line.startswith("qsync-opt train: model: data(8, 0) batch 1"), line
+    assert "Traceback" not in out and "torch/distributed" not in out, out
+    other = _RANK_INPUT_ERROR.replace("exitcode  : 2", "exitcode  : 1")
+    monkeypatch.setattr(launch, "local_command",
+                        lambda path, n, port: [sys.executable, "-c", other])
+    code, out, err = run_cli("train", "--model", "digits_cnn", "--nproc", "2", "--steps", "2",
+                             "--out", "run2")
+    assert code == 1 and "Root Cause" in out and "rank 1 (cpu) failed first" in err, (out, err)
+
+
+@pytest.mark.slow
+def test_a_data_shape_change_in_a_two_rank_run_is_one_line(tmp_path, monkeypatch) -> None:
+    """The repro itself, under torchrun (about 40 s on 2 cores)."""
+    import subprocess
+    import sys
+
+    Path(tmp_path / "shape.py").write_text(_BUILD + textwrap.dedent("""
+        def data(batch_size, seed):
+            g = torch.Generator().manual_seed(seed)
+            yield torch.randn(batch_size, 8, generator=g)
+            while True:
+                yield torch.randn(batch_size, 9, generator=g)
+        """))
+    proc = subprocess.run([sys.executable, "-m", "qsync_opt.cli", "train", "--model",
+                           "shape.py:build", "--nproc", "2", "--steps", "3", "--out", "run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = _one_line(proc.returncode, proc.stderr)
+    assert "batch 1 of shape.py" in line and "Traceback" not in proc.stdout, proc.stdout

@@ -545,7 +545,15 @@ def _signal_group(proc: subprocess.Popen[str], sig: int) -> None:
             pass
 
 
-def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[str]]:
+#: torchrun's own failure report (its elastic log lines, its ChildFailedError traceback).
+_TORCHRUN_REPORT = re.compile(
+    r"^(?:[WE]\d{4} [0-9:.]+ \d+ torch/distributed/elastic/|Traceback \(most recent call)")
+#: How a rank's one-line failure starts (qsync_opt.runtime.train.main).
+RANK_ERROR = "qsync-opt train: "
+
+
+def run_streaming(cmd: Sequence[str], env: dict[str, str],
+                  report: dict[str, list[str]] | None = None) -> tuple[int, list[str]]:
     """Run ``cmd``, copy its output (stdout and stderr merged) to ours line by line.
 
     The child runs in its own session (process group), with a parent-death signal on Linux
@@ -554,6 +562,11 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[st
     launcher are forwarded to the child's process group (a second one, or
     :data:`STOP_GRACE_S` without the child exiting, sends SIGKILL); once the child has
     exited the launcher says so in one line and dies of the same signal.
+
+    With ``report``, the ranks' one-line failures (``qsync-opt train: ...``, each distinct
+    one once) go to ``report["errors"]`` and torchrun's own failure report from its first
+    line on to ``report["held"]``, instead of the output: the caller decides what to show
+    (a rank's input error is the one line of the refusal).
     """
     tail: list[str] = []
     env = dict(env, QSYNC_LAUNCHER_PID=str(os.getpid()))
@@ -580,10 +593,18 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[st
 
     def copy_lines(stream: Any) -> None:
         for line in stream:
-            sys.stdout.write(line)
-            sys.stdout.flush()
             tail.append(line.rstrip("\n"))
             del tail[:-400]  # the failure summary is at the end
+            if report is not None:
+                if line.startswith(RANK_ERROR):
+                    if line not in report["errors"]:
+                        report["errors"].append(line)
+                    continue
+                if report["held"] or _TORCHRUN_REPORT.match(line):
+                    report["held"].append(line)
+                    continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
     try:
         argv = [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid()),
@@ -658,11 +679,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    rc, tail = run_streaming(cmd, env)
+    report: dict[str, list[str]] = {"errors": [], "held": []}
+    rc, tail = run_streaming(cmd, env, report)
     if rc == 0:
         _print_summary(config)
         return 0
     rank, code = _failed_rank(tail)
+    if code == 2 and report["errors"]:  # a rank refused its input: that line is the refusal
+        sys.stderr.write(report["errors"][0])
+        return 2
+    sys.stdout.write("".join(report["held"]))
+    sys.stderr.write("".join(report["errors"]))
     if rank is not None:
         sys.stderr.write(f"qsync-opt: train: rank {rank} ({config.rank_groups[rank]}) failed "
                          f"first (exit code {code}); see its output above\n"
