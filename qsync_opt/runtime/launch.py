@@ -63,6 +63,8 @@ from ..errors import QsyncInputError, describe_validation_error
 from ..limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from ..schemas import MAX_BATCH, MAX_DEVICES, Plan
 from .config import MAX_ABS_SEED, MAX_TIMEOUT_S, TrainConfig, rank_groups_example
+from .schedule import parse_schedule
+from .syncmode import parse_comm, parse_sync
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -79,26 +81,8 @@ WORKER_MODULE = "qsync_opt.runtime.train"
 MAX_RANKS = MAX_DEVICES
 
 
-def _parse_sync(text: str) -> Any:
-    from .syncmode import parse_sync
-
-    return parse_sync(text)
-
-
-def _parse_comm(text: str) -> Any:
-    from .syncmode import parse_comm
-
-    return parse_comm(text)
-
-
-def _schedule_text(text: str) -> Any:
-    from .schedule import parse_schedule
-
-    return parse_schedule(text, 1.0, MAX_STEPS)  # the warm-up against --steps: later
-
-
 def _compressor(text: str) -> Any:
-    from .compress import parse_compressor
+    from .compress import parse_compressor  # torch: only when the flag is given
 
     return parse_compressor(text)
 
@@ -129,7 +113,8 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="optimizer steps in total (default 100)")
     p.add_argument("--lr", type=finite_float(0, 1e6, lo_open=True), default=0.05,
                    help="learning rate (default 0.05)")
-    p.add_argument("--lr-schedule", type=spec_type(_schedule_text, "lr_schedule"),
+    p.add_argument("--lr-schedule", type=spec_type(  # the warm-up against --steps: later
+                       lambda t: parse_schedule(t, 1.0, MAX_STEPS), "lr_schedule"),
                    default="constant", metavar="SCHEDULE",
                    help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
                         "(default constant)")
@@ -138,10 +123,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=finite_float(0, 1e6), default=0.0,
                    help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
-    p.add_argument("--sync", type=spec_type(_parse_sync, "sync"), default="ddp", metavar="MODE",
+    p.add_argument("--sync", type=spec_type(parse_sync, "sync"), default="ddp", metavar="MODE",
                    help="ddp (gradients all-reduced every step, default), local:H (parameters "
                         "averaged every H steps) or qsr:alpha=A,h_base=H0[,power=P] (QSR)")
-    p.add_argument("--comm", type=spec_type(_parse_comm, "comm"), default="allreduce",
+    p.add_argument("--comm", type=spec_type(parse_comm, "comm"), default="allreduce",
                    metavar="TRANSPORT",
                    help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
                         "fp16, or dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=K]"
@@ -233,9 +218,7 @@ def _default_rank_groups(plan: Plan, nproc: int | None) -> list[str]:
 def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None,
                   warnings: list[str] | None = None) -> list[str]:
     """Group name of every rank, checked against the plan (QsyncInputError when wrong).
-    A warning (plan groups no rank trains) goes into ``warnings`` when given, for the
-    caller to print once every check has passed (a refusal stays one line), else to the
-    log."""
+    A warning goes into ``warnings`` when given (printed after every check), else the log."""
     if nproc is not None and nproc < 1:
         raise QsyncInputError(f"--nproc: expected a positive integer, got {nproc}")
     if rank_groups is None:
@@ -563,10 +546,8 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str],
     :data:`STOP_GRACE_S` without the child exiting, sends SIGKILL); once the child has
     exited the launcher says so in one line and dies of the same signal.
 
-    With ``report``, the ranks' one-line failures (``qsync-opt train: ...``, each distinct
-    one once) go to ``report["errors"]`` and torchrun's own failure report from its first
-    line on to ``report["held"]``, instead of the output: the caller decides what to show
-    (a rank's input error is the one line of the refusal).
+    With ``report``, the ranks' failure lines (each once) go to ``report["errors"]`` and
+    torchrun's failure report to ``report["held"]``, not to the output (:func:`cmd_train`).
     """
     tail: list[str] = []
     env = dict(env, QSYNC_LAUNCHER_PID=str(os.getpid()))
