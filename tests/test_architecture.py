@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
                  "runtime.commhooks", "runtime.pipeline", "runtime.pipedist",
-                 "runtime.pipetrain"]),
+                 "runtime.pipetrain", "runtime.rankfail"]),
     # fused training arrays: the fused operators over the precision layers, the array's
     # trainer over the runtime's data and schedules
     ("hfta", ["hfta", "hfta.ops", "hfta.optim", "hfta.convert", "hfta.functional",

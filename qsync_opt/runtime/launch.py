@@ -63,6 +63,7 @@ from ..errors import QsyncInputError, describe_validation_error
 from ..limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from ..schemas import MAX_BATCH, MAX_DEVICES, Plan
 from .config import MAX_ABS_SEED, MAX_TIMEOUT_S, TrainConfig, rank_groups_example
+from .rankfail import report_failure, sort_line
 from .schedule import parse_schedule
 from .syncmode import parse_comm, parse_sync
 from .watchdog import watch_parents
@@ -475,25 +476,6 @@ def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> li
     return lines
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause")
-_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
-
-
-def _failed_rank(lines: Sequence[str]) -> tuple[int | None, int | None]:
-    """(rank, exit code) of torchrun's "Root Cause" block, where it printed one."""
-    start = next((i for i, ln in enumerate(lines) if _ROOT_CAUSE.search(ln)), None)
-    if start is None:
-        return None, None
-    rank = code = None
-    for ln in lines[start:start + 12]:
-        if rank is None and (m := _RANK.match(ln)):
-            rank = int(m[1])
-        if code is None and (m := _EXIT.match(ln)):
-            code = int(m[1])
-    return rank, code
-
-
 #: Run by the child before it becomes ``cmd``: on Linux, a parent-death signal (SIGTERM,
 #: kept across exec) so that torchrun stops its ranks when the launcher dies, even by
 #: SIGKILL; then, if the launcher is already gone, exit instead of starting.
@@ -526,13 +508,6 @@ def _signal_group(proc: subprocess.Popen[str], sig: int) -> None:
             proc.send_signal(sig)
         except (ProcessLookupError, OSError):
             pass
-
-
-#: torchrun's own failure report (its elastic log lines, its ChildFailedError traceback).
-_TORCHRUN_REPORT = re.compile(
-    r"^(?:[WE]\d{4} [0-9:.]+ \d+ torch/distributed/elastic/|Traceback \(most recent call)")
-#: How a rank's one-line failure starts (qsync_opt.runtime.train.main).
-RANK_ERROR = "qsync-opt train: "
 
 
 def run_streaming(cmd: Sequence[str], env: dict[str, str],
@@ -576,14 +551,8 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str],
         for line in stream:
             tail.append(line.rstrip("\n"))
             del tail[:-400]  # the failure summary is at the end
-            if report is not None:
-                if line.startswith(RANK_ERROR):
-                    if line not in report["errors"]:
-                        report["errors"].append(line)
-                    continue
-                if report["held"] or _TORCHRUN_REPORT.match(line):
-                    report["held"].append(line)
-                    continue
+            if report is not None and sort_line(line, report):
+                continue
             sys.stdout.write(line)
             sys.stdout.flush()
 
@@ -665,21 +634,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if rc == 0:
         _print_summary(config)
         return 0
-    rank, code = _failed_rank(tail)
-    if code == 2 and report["errors"]:  # a rank refused its input: that line is the refusal
-        sys.stderr.write(report["errors"][0])
-        return 2
-    sys.stdout.write("".join(report["held"]))
-    sys.stderr.write("".join(report["errors"]))
-    if rank is not None:
-        sys.stderr.write(f"qsync-opt: train: rank {rank} ({config.rank_groups[rank]}) failed "
-                         f"first (exit code {code}); see its output above\n"
-                         if rank < config.world_size else
-                         f"qsync-opt: train: rank {rank} failed (exit code {code})\n")
-    else:
-        sys.stderr.write(f"qsync-opt: train: torchrun exited with code {rc}; see the output "
-                         "above\n")
-    return 1
+    return report_failure(rc, tail, report, config.rank_groups)
 
 
 def _print_summary(config: TrainConfig) -> None:
