@@ -302,7 +302,8 @@ def test_sweep_refuses_unwritable_outputs_before_training(tmp_path, monkeypatch,
                         (("--seeds", "0-99", "--lr", ",".join(f"0.0{i}" for i in range(1, 10))
                           + ",0.1", "--wd", ",".join(str(i) for i in range(5))), "--seeds"),
                         (("--lr-schedule", "cosine:warmup=10", "--steps", "5"),
-                         "--lr-schedule")):
+                         "--lr-schedule"),
+                        (("--optimizer", "adamw", "--momentum", "0.5"), "--momentum")):
         line = _one_line(*run_cli("sweep", "--model", "digits_cnn", *extra)[::2])
         assert f"error: {flag}" in line or f"error: argument {flag}" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
@@ -466,3 +467,29 @@ def test_a_data_shape_change_in_a_two_rank_run_is_one_line(tmp_path, monkeypatch
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = _one_line(proc.returncode, proc.stderr)
     assert "batch 1 of shape.py" in line and "Traceback" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (("--average-optimizer-state",), "--average-optimizer-state"),
+    (("--optimizer", "adam", "--momentum", "0.5"), "--momentum"),
+    (("--optimizer", "adamw", "--momentum", "0.9"), "--momentum"),
+    (("--measure-memory", "5", "--steps", "5"), "--measure-memory"),
+    (("--no-resume", "--resume-anyway"), "--resume-anyway"),
+    (("--pipeline-stages", "2", "--compress-at-eval"), "--compress-at-eval"),
+    (("--pipeline-stages", "2", "--feedback", "ef"), "--feedback"),
+])
+def test_train_refuses_a_setting_that_would_do_nothing(extra, flag, tmp_path,
+                                                       monkeypatch) -> None:
+    """``--average-optimizer-state`` under ddp was accepted silently; so were adam with a
+    momentum, a memory step past the run, a feedback wrapper with nothing compressed."""
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(*run_cli("train", "--model", "digits_cnn", "--out", "run", "--dry-run",
+                              *extra)[::2])
+    assert f"{flag}" in line, line
+    assert not Path("run").exists()
+    ok = {"--average-optimizer-state": ("--sync", "local:2", "--average-optimizer-state"),
+          "--momentum": ("--momentum", "0.5")}.get(flag)
+    if ok is not None:  # the same setting where it does something runs
+        code, _, err = run_cli("train", "--model", "digits_cnn", "--out", "ok", "--dry-run",
+                               *ok)
+        assert code == 0, err

@@ -137,7 +137,7 @@ def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
                    help="batch per model (default: the "
                    "model's)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=0.9,
+    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=None,
                    help="SGD momentum (default 0.9)")
     p.add_argument("--lr-schedule", type=spec_type(_schedule_text, "lr_schedule"),
                    default="constant", metavar="SCHEDULE",
@@ -312,6 +312,11 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], list[float], list[
                               f"{n} models, more than {MAX_MODELS}")
     if args.export and not args.out:
         raise QsyncInputError("--export: needs --out (the runs go into OUT/model{b})")
+    if args.momentum is not None and args.optimizer != "sgd":
+        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({args.optimizer} has "
+                              "its own moment estimates)")
+    if args.momentum is None:
+        args.momentum = 0.9
     for lr in sorted(set(lrs)):
         try:
             parse_schedule(args.lr_schedule, lr, args.steps)

@@ -243,6 +243,7 @@ class TrainConfig(Document):
             check_combination(parse_sync(self.sync), parse_comm(self.comm))
         except QsyncInputError as exc:
             raise ValueError(str(exc)) from None
+        self._check_unused()
         if self.pipeline is not None:
             if self.pipeline.stages != self.world_size:
                 raise ValueError(f"--pipeline-stages: {self.pipeline.stages} stages need as "
@@ -258,6 +259,26 @@ class TrainConfig(Document):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "
                                  f"{_show(MAX_SLOWDOWN)}, got {_show(f)}")
         return self
+
+    def _check_unused(self) -> None:
+        """A setting that would do nothing is refused, never ignored (issue 41)."""
+        if self.average_optimizer_state and self.sync == "ddp":
+            raise ValueError("--average-optimizer-state: only with --sync local:H or qsr:... "
+                             "(under ddp every replica steps on the same averaged gradient, "
+                             "so the optimizer states never differ)")
+        if self.resume_anyway and not self.resume:
+            raise ValueError("--resume-anyway with --no-resume: one resumes, the other starts "
+                             "afresh; give one")
+        if self.memory_step is not None and self.memory_step >= self.steps:
+            raise ValueError(f"--measure-memory: step {self.memory_step} is not a step of the "
+                             f"run (0 to {self.steps - 1})")
+        p = self.pipeline
+        if p is not None and p.compress_act == "none" and p.compress_grad == "none":
+            for flag, on in (("--feedback", p.feedback != "none"),
+                             ("--compress-at-eval", p.compress_at_eval)):
+                if on:
+                    raise ValueError(f"{flag}: only with --compress-act or --compress-grad "
+                                     "(nothing is compressed)")
 
     @property
     def world_size(self) -> int:

@@ -120,7 +120,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="constant, cosine[:warmup=W,final=F] or step:every=N[,gamma=G,warmup=W] "
                         "(default constant)")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=0.9,
+    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=None,
                    help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=finite_float(0, 1e6), default=0.0,
                    help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
@@ -269,6 +269,9 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
     from ..plan import graph_for_plan, plan_model
 
     _check_sync_flags(args)
+    if getattr(args, "momentum", None) is not None and args.optimizer != "sgd":
+        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({args.optimizer} has "
+                              "its own moment estimates)")
     pipelined = getattr(args, "pipeline_stages", None) is not None
     if pipelined:
         if not 2 <= args.pipeline_stages <= 64:
@@ -346,7 +349,8 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
         return TrainConfig(
             workload=workload, workload_sha256=sha, plan_path=str(plan_path.resolve()),
             rank_groups=ranks,
-            steps=args.steps, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
+            steps=args.steps, lr=args.lr, optimizer=args.optimizer,
+            momentum=0.9 if args.momentum is None else args.momentum,
             lr_schedule=args.lr_schedule, weight_decay=args.weight_decay, sync=args.sync,
             comm=args.comm, average_optimizer_state=args.average_optimizer_state,
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
