@@ -493,3 +493,16 @@ def test_train_refuses_a_setting_that_would_do_nothing(extra, flag, tmp_path,
         code, _, err = run_cli("train", "--model", "digits_cnn", "--out", "ok", "--dry-run",
                                *ok)
         assert code == 0, err
+
+
+def test_a_note_never_comes_before_a_refusal(tmp_path, monkeypatch) -> None:
+    """``--int4``'s "enabled on group(s)" note was written at once, so a refusal after it
+    was two lines; it is written once the command has succeeded."""
+    monkeypatch.chdir(tmp_path)
+    base = ("--model", "digits_cnn", "--cluster", "v100x1+t4x1", "--int4")
+    line = _one_line(*run_cli("replay", *base, "--pipeline-stages", "3")[::2])
+    assert "--pipeline-stages 3" in line
+    _one_line(*run_cli("solve", *base, "--method", "random", "--out", "p.json",
+                       "--solver", "greedy", "--pin", "nosuch=fp16")[::2])
+    code, _, err = run_cli("estimate", *base)
+    assert code == 0 and err == "int4: enabled on group(s) t4; not on v100 (no INT4 peak)\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..graph import is_user_model, load_user_workload, trace
@@ -70,9 +71,30 @@ def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
             "int4: no group's card has an INT4 peak (cards with one: "
             f"{', '.join(INT4_CARDS)}; a derived CPU takes its ~CARD's)")
     rest = [g.name for g in cluster.groups if g.name not in got]
-    sys.stderr.write(f"int4: enabled on group(s) {', '.join(got)}"
-                     + (f"; not on {', '.join(rest)} (no INT4 peak)" if rest else "") + "\n")
+    note = (f"int4: enabled on group(s) {', '.join(got)}"
+            + (f"; not on {', '.join(rest)} (no INT4 peak)" if rest else ""))
+    held = getattr(args, "held_notes", None)
+    if held is not None:  # said once the command succeeds (a refusal stays one line)
+        held.append(note)
+    else:
+        sys.stderr.write(note + "\n")
     return cluster
+
+
+def notes_after_success(fn: Callable[[argparse.Namespace], int]
+                        ) -> Callable[[argparse.Namespace], int]:
+    """A command whose notes on stderr (``--int4``'s) are written after it returns, and not
+    at all when it raises: a refusal is its one line, never a note and then the line."""
+
+    def run(args: argparse.Namespace) -> int:
+        args.held_notes = []
+        rc = fn(args)
+        for note in args.held_notes:
+            sys.stderr.write(note + "\n")
+        return rc
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
 
 
 SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all-reduced every "

@@ -23,7 +23,14 @@ from ..summaries import (
     uniform_plans,
 )
 from ..user_model import UserWorkload
-from .args import cluster_arg, emit_json, sync_arg, trace_args, workload_arg
+from .args import (
+    cluster_arg,
+    emit_json,
+    notes_after_success,
+    sync_arg,
+    trace_args,
+    workload_arg,
+)
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -64,6 +71,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+@notes_after_success
 def cmd_estimate(args: argparse.Namespace) -> int:
     graph = trace_args(args)
     cluster = cluster_arg(args)
@@ -122,6 +130,7 @@ def _replay_checks(args: argparse.Namespace) -> Any:
     return sync_arg(args)
 
 
+@notes_after_success
 def cmd_replay(args: argparse.Namespace) -> int:
     sync = _replay_checks(args)
     plan_doc: Plan | None = None

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
-from .args import cluster_arg, emit_json, sync_arg, trace_args
+from .args import cluster_arg, emit_json, notes_after_success, sync_arg, trace_args
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
@@ -89,6 +89,7 @@ def _build_problem(args: argparse.Namespace, check: str | None) -> Any:
                          comm_model=getattr(args, "comm_model", None))
 
 
+@notes_after_success
 def cmd_solve(args: argparse.Namespace) -> int:
     from ..evaluator import evaluate
     from ..solve import solve
@@ -129,6 +130,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+@notes_after_success
 def cmd_pareto(args: argparse.Namespace) -> int:
     from ..frontier import ONCE, SWEPT, format_points, frontier, frontier_json, plot_frontier
 
@@ -153,6 +155,7 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     return 0
 
 
+@notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
     from ..solve import compare, format_rows
 
