@@ -506,3 +506,18 @@ def test_a_note_never_comes_before_a_refusal(tmp_path, monkeypatch) -> None:
                        "--solver", "greedy", "--pin", "nosuch=fp16")[::2])
     code, _, err = run_cli("estimate", *base)
     assert code == 0 and err == "int4: enabled on group(s) t4; not on v100 (no INT4 peak)\n"
+
+
+@pytest.mark.parametrize("field", ["steps", "checkpoint_every", "max_bad_steps",
+                                   "eval_batches", "memory_step"])
+def test_a_train_config_file_states_the_same_limits(field: str) -> None:
+    """A hand-written train_config.json is the other way in: its counts are bounded too."""
+    from pydantic import ValidationError
+
+    from qsync_opt.runtime.config import TrainConfig
+
+    doc: dict[str, Any] = {"workload": "digits_cnn", "plan_path": "p.json",
+                           "rank_groups": ["cpu"], "steps": 10, "out_dir": "o"}
+    doc[field] = 10**12
+    with pytest.raises(ValidationError, match=r"<= (1000000000|100000)\b"):
+        TrainConfig(**doc)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import QsyncInputError
+from ..limits import MAX_EVAL_BATCHES, MAX_STEPS
 from ..schemas import MAX_BATCH, Document, Int, Real
 
 if TYPE_CHECKING:
@@ -47,17 +48,17 @@ FLAGS: dict[str, str] = {
 
 #: field -> (integer?, low, low included?, high or None, high included?)
 _RANGES: dict[str, tuple[bool, float, bool, float | None, bool]] = {
-    "steps": (True, 1, True, None, False),
+    "steps": (True, 1, True, MAX_STEPS, True),
     "lr": (False, 0, False, None, False),
     "momentum": (False, 0, True, 1, False),
     "weight_decay": (False, 0, True, None, False),
     "seed": (True, -MAX_ABS_SEED, True, MAX_ABS_SEED, True),
-    "checkpoint_every": (True, 0, True, None, False),
+    "checkpoint_every": (True, 0, True, MAX_STEPS, True),
     "loss_scale": (False, 0, False, None, False),
-    "max_bad_steps": (True, 1, True, None, False),
+    "max_bad_steps": (True, 1, True, MAX_STEPS, True),
     "timeout_s": (False, 0, False, MAX_TIMEOUT_S, True),
-    "eval_batches": (True, 0, True, None, False),
-    "memory_step": (True, 0, True, None, False),
+    "eval_batches": (True, 0, True, MAX_EVAL_BATCHES, True),
+    "memory_step": (True, 0, True, MAX_STEPS, True),
 }
 
 
