@@ -24,7 +24,7 @@ from .schemas import MAX_BATCH, MAX_DEVICES, MAX_GROUPS, ClusterSpec
 _GROUP_RE = re.compile(
     r"^(?P<device>[a-z][a-z0-9_]*?(?:/[0-9.]+(?::[0-9.]+[gm])?(?:~[a-z][a-z0-9_]*?)?)?"
     r"(?::int4)?)"
-    r"x(?P<count>\d+)(?:@(?P<batch>\d+))?$")
+    r"x(?P<count>[0-9]+)(?:@(?P<batch>[0-9]+))?$")  # ASCII digits: never ٣
 SHORTHAND_HELP = ("DEVICExCOUNT[@BATCH] joined by '+', e.g. v100x16+t4x16 or a100x8@64+t4x8@32; "
                   "DEVICE may be a derived CPU cpu/F[:MEM][~CARD] (this CPU slowed F times, "
                   "memory capped at MEM like 4g or 512m, CARD's precision menu), e.g. "

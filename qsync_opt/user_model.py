@@ -42,6 +42,7 @@ function (``/abs/path/mine.py:build``); graphs and plans record it and the file'
 from __future__ import annotations
 
 import hashlib
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -60,6 +61,8 @@ __all__ = ["TASK_USER", "UserWorkload", "call_model", "load_user_workload", "spl
 TASK_USER = "user"
 #: Seed offset of the held-out batches a trainer evaluates on (``data(B, seed + this)``).
 EVAL_SEED_OFFSET = 1_000_003
+#: A model file larger than this is refused unread (source, not weights).
+MAX_MODEL_FILE_BYTES = 64 << 20
 
 
 def _one_line(text: str) -> str:
@@ -156,6 +159,20 @@ def _get(outputs: Any, key: str) -> Any:
     if isinstance(outputs, (Tensor, tuple, list)):
         return None
     return getattr(outputs, key, None)
+
+
+def _needs_grad(outputs: Any) -> bool:
+    """True when autograd records and some output tensor requires grad: a loss of these
+    outputs must then require grad too."""
+    if not torch.is_grad_enabled():
+        return False
+    if isinstance(outputs, Tensor):
+        return outputs.requires_grad
+    if isinstance(outputs, Mapping):
+        return any(_needs_grad(v) for v in outputs.values())
+    if isinstance(outputs, (tuple, list)):
+        return any(_needs_grad(v) for v in outputs)
+    return False
 
 
 def _first_tensor(outputs: Any) -> Tensor | None:
@@ -289,10 +306,10 @@ class UserWorkload:
         self.model = model  # the model of the first build() (the one traced)
         self.example = example
         self.default_batch = _batch_of(example)
-        user_loss = getattr(module, "loss", None)
-        self.user_loss: Callable[[Any, Any], Any] | None = user_loss if callable(user_loss) else None
-        user_data = getattr(module, "data", None)
-        self.user_data: Callable[[int, int], Any] | None = user_data if callable(user_data) else None
+        user_loss = _hook(module, "loss", path, "loss(outputs, batch)")
+        self.user_loss: Callable[[Any, Any], Any] | None = user_loss
+        user_data = _hook(module, "data", path, "data(batch_size, seed)")
+        self.user_data: Callable[[int, int], Any] | None = user_data
         self.real_data = self.user_data is not None
         self.description = f"your model {path.name}:{fn_name}"
         self.input_doc = ", ".join(f"{k} {_describe(t)}" for k, t in named_inputs(example))
@@ -423,6 +440,10 @@ class UserWorkload:
         if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
             raise QsyncInputError(f"loss: {where} returned {_describe(value)}, not a scalar "
                                   f"floating-point tensor")
+        if not value.requires_grad and _needs_grad(outputs):
+            raise QsyncInputError(f"loss: {where} returned a tensor without grad (detached "
+                                  f"from the model's outputs: .item(), .detach(), "
+                                  f"torch.tensor(...)); training cannot step on it")
         return value.reshape(())
 
     def loss_line(self, outputs: Any = None, batch: Any = None) -> str:
@@ -443,14 +464,14 @@ class UserWorkload:
     def check(self, batch: int, seed: int = 0) -> str:
         """Before a run: one batch of ``batch`` samples (``data()`` or synthetic) checked
         against the example, and the model's forward and loss on two of its samples (eval
-        mode, no gradient) checked to give a scalar. Returns :meth:`loss_line`."""
+        mode) checked to give a scalar that requires grad. Returns :meth:`loss_line`."""
         b = next(iter(self.batches(batch, 1, seed)))
         small = slice_batch(b, 0, min(2, batch))
         model = self.model
         was = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.enable_grad():
                 try:
                     out = self.forward(model, small)
                 except KeyboardInterrupt:
@@ -463,6 +484,17 @@ class UserWorkload:
         finally:
             model.train(was)
         return self.loss_line(out, small)
+
+
+def _hook(module: ModuleType, name: str, path: Path, form: str) -> Any:
+    """The file's optional ``loss`` / ``data``: a function, or absent (None). Anything else
+    under that name is refused in one line, never silently replaced by the default."""
+    value = getattr(module, name, None)
+    if value is None or callable(value):
+        return value
+    raise QsyncInputError(f"model: {_one_line(path.name)} defines {name} as "
+                          f"{type(value).__name__} {_one_line(repr(value))[:40]}, not a "
+                          f"function {form}: make it one, or remove it for the default")
 
 
 def _check_like(wl: UserWorkload, batch: Any, size: int, where: str) -> None:
@@ -508,6 +540,10 @@ def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
     if not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], nn.Module):
         raise QsyncInputError(f"model: {_one_line(spec)} must return (nn.Module, "
                               f"example_inputs), not {_describe(result)}")
+    if not any(p.requires_grad for p in result[0].parameters()):
+        raise QsyncInputError(f"model: {_one_line(spec)} returned a module with no trainable "
+                              f"parameters ({type(result[0]).__name__}): nothing to plan or "
+                              f"train")
     return result[0], result[1]
 
 
@@ -517,11 +553,18 @@ def _user_model_path(spec: str) -> tuple[Path, str]:
         raise QsyncInputError(f"model: {spec!r} is not PATH.py:FUNCTION")
     path = Path(path_s)
     try:
-        found = path.is_file()
-    except (OSError, ValueError):  # a name too long, a NUL byte
-        found = False
-    if not found:
+        exists = path.exists()
+        regular = path.is_file() and stat.S_ISREG(path.stat().st_mode)
+    except (OSError, ValueError):  # a name too long, a NUL byte, a link loop
+        exists = regular = False
+    if not exists:
         raise QsyncInputError(f"model: file {_one_line(str(path))} not found")
+    if not regular:  # a FIFO would block the read, /dev/zero never end it
+        raise QsyncInputError(f"model: {_one_line(str(path))} is not a regular file (a "
+                              f"folder, device, FIFO or socket, or a link to one)")
+    if path.stat().st_size > MAX_MODEL_FILE_BYTES:
+        raise QsyncInputError(f"model: {_one_line(str(path))} is larger than "
+                              f"{MAX_MODEL_FILE_BYTES >> 20} MiB: not a model file")
     return path, fn_name
 
 
@@ -573,4 +616,24 @@ def load_user_workload(spec: str, sha256: str | None = None) -> UserWorkload:
                               f"{_one_line(str(exc))}") from None
     model, ex = _check_result(spec, _call(spec, module, fn_name))
     example = _normalise_example(spec, ex)
+    _check_runs(spec, model, example)
     return UserWorkload(resolved, fn_name, module, digest, model, example)
+
+
+def _check_runs(spec: str, model: nn.Module, example: Any) -> None:
+    """The model's forward on two samples of its own example inputs (eval mode, no grad,
+    the RNG state kept): a model that cannot run them (an ``nn.Linear`` fed int64) is refused
+    in one line, not traced on shapes alone."""
+    small = slice_batch(example, 0, min(2, _batch_of(example)))
+    was = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            call_model(model, small)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise QsyncInputError(f"model: {_one_line(spec)} fails on its own example inputs: "
+                              f"{exc.__class__.__name__}: {_one_line(str(exc))}") from None
+    finally:
+        model.train(was)

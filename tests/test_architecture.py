@@ -32,7 +32,8 @@ SOURCE_DIRS = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
 #: Lowest layer first. A module may import modules of its own layer or of a lower one.
 #: Names are relative to ``qsync_opt`` ("" is the package itself).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress"]),
+    ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress",
+                    "limits"]),
     ("schemas", ["schemas"]),
     ("io", ["io", "outfolder"]),
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
@@ -63,8 +64,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
                  "runtime.commhooks", "runtime.pipecuts", "runtime.pipeline",
-                 "runtime.pipedist",
-                 "runtime.pipetrain", "runtime.pipepredict"]),
+                 "runtime.pipedist", "runtime.pipetrain", "runtime.pipepredict",
+                 "runtime.rankfail"]),
     # fused training arrays: the fused operators over the precision layers, the array's
     # trainer over the runtime's data and schedules
     ("hfta", ["hfta", "hfta.ops", "hfta.optim", "hfta.convert", "hfta.functional",

@@ -46,7 +46,9 @@ from ..summaries import (
 from .args import (
     BATCH,
     BATCHES,
+    COMPRESSOR_TEXT,
     FRACTION,
+    GBPS_TEXT,
     INT4_FLAG_HELP,
     POSITIVE_SECONDS,
     SEED,
@@ -148,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
     sp.add_argument("--plan", help="Plan JSON to replay")
     sp.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
-    sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    sp.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
+                    help="the optimizer step's time (default sgd)")
     sp.add_argument("--bucket-mb", type=finite_float(0, 2**20, lo_open=True), default=None,
                     help="DDP bucket cap in MiB")
     sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
@@ -162,13 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the group of each stage (default: the cluster's devices in order)")
     g.add_argument("--cuts", default=None, metavar="OP,...",
                    help="where stages 2..N begin (default: balanced on each stage's time)")
-    g.add_argument("--micro-batches", type=positive_int(1 << 20), default=1, metavar="M")
-    g.add_argument("--compress-act", default="none", metavar="C",
+    g.add_argument("--micro-batches", type=positive_int(MAX_BATCH), default=None, metavar="M")
+    g.add_argument("--compress-act", type=COMPRESSOR_TEXT, default=None, metavar="C",
                    help="none, topk:F (or N%%), quant:B[,stochastic]")
-    g.add_argument("--compress-grad", default="none", metavar="C")
-    g.add_argument("--link-gbps", default="1,10", metavar="G,...",
+    g.add_argument("--compress-grad", type=COMPRESSOR_TEXT, default=None, metavar="C")
+    g.add_argument("--link-gbps", type=GBPS_TEXT, default=None, metavar="G,...",
                    help="link bandwidths between stages, Gb/s (default 1,10)")
-    g.add_argument("--latency-us", type=finite_float(0, 1e7), default=50.0,
+    g.add_argument("--latency-us", type=finite_float(0, 1e7), default=None,
                    help="one-way link latency (default 50 us)")
     sp.set_defaults(fn=cmd_replay)
     sp = sub.add_parser("netsim", help="simulate an iteration's gradient traffic packet by packet",
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batches", type=BATCHES, default=10, help="batches to average over")
     sp.add_argument("--batch", type=BATCH, default=None, help="batch size (default: workload's)")
     sp.add_argument("--seed", type=SEED, default=0)
-    sp.add_argument("--gamma", type=finite_float(0), default=4.0, help="forward weight (qsync)")
+    sp.add_argument("--gamma", type=finite_float(0, 1e6), default=4.0, help="forward weight (qsync)")
     sp.add_argument("--top", type=positive_int(100_000), default=5, help="rows in each table")
     sp.add_argument("--no-cache", action="store_true", help="recompute even if cached")
     sp.add_argument("--fast", action="store_true",
@@ -230,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch the computed indicator runs at (default: the traced "
                              "batch, at most 8)")
         sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
-        sp.add_argument("--target-ms", type=finite_float(0, lo_open=True), default=None,
+        sp.add_argument("--target-ms", type=finite_float(0, 1e12, lo_open=True), default=None,
                         help="makespan target (default: strong groups at their reference)")
         sp.add_argument("--headroom", type=FRACTION, default=0.0,
                         help="fraction of each card's memory kept free")
@@ -272,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mode", choices=["auto", "target", "budget"], default="auto",
                     help="least degradation under the target (auto: lexicographic when the "
                          "default target is out of reach), or least makespan under --budget")
-    sp.add_argument("--budget", type=finite_float(0), default=None,
+    sp.add_argument("--budget", type=finite_float(0, 1e15), default=None,
                     help="degradation budget (--mode budget)")
     sp.add_argument("--joint-split", action="store_true",
                     help="choose the per-group batch split together with the precisions")

@@ -1,65 +1,18 @@
-"""The CLI's argument types (every numeric flag checked: finite, in its range; a bad
-value is one line, exit 2, before any work), JSON output, and ``--model`` traced."""
+"""The CLI's argument types (every numeric flag checked: ASCII digits, finite, in
+its stated range, :mod:`qsync_opt.limits`; a bad value is one line, exit 2, before any work), JSON output, and ``--model`` traced."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from ..graph import is_user_model, load_user_workload, trace
+from ..limits import MAX_STEPS, finite_float, int_range, parse_float, positive_int, spec_type
 from ..runtime.schedule import SCHEDULE_SYNTAX
 from ..schemas import MAX_BATCH, ClusterSpec, ModelGraph
-
-
-def _flag_type(name: str, parse: Callable[[str], Any], ok: Callable[[Any], bool],
-               expected: str) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            value = parse(text)
-        except (ValueError, OverflowError):
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    convert.__name__ = name
-    return convert
-
-
-def int_range(lo: int, hi: int, expected: str | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi]."""
-    return _flag_type("int", int, lambda v: lo <= v <= hi,
-                      expected or f"an integer from {lo} to {hi}")
-
-
-def positive_int(hi: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [1, hi]."""
-    return int_range(1, hi, f"a positive integer (at most {hi})")
-
-
-def finite_float(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-                 hi_open: bool = False, expected: str | None = None) -> Callable[[str], float]:
-    """An argparse type: a finite float (never inf or nan) in the given range."""
-
-    def ok(v: float) -> bool:
-        return (math.isfinite(v)
-                and (lo is None or (v > lo if lo_open else v >= lo))
-                and (hi is None or (v < hi if hi_open else v <= hi)))
-
-    def shown(x: float) -> str:
-        return str(int(x)) if float(x).is_integer() else repr(x)
-
-    if expected is None:
-        left = "" if lo is None else f"{'>' if lo_open else '>='} {shown(lo)}"
-        right = "" if hi is None else f"{'<' if hi_open else '<='} {shown(hi)}"
-        expected = "a finite number" + (f" {left}" if left else "") + (
-            f"{' and' if left else ''} {right}" if right else "")
-    return _flag_type("float", float, ok, expected)
-
 
 BATCH = positive_int(MAX_BATCH)
 
@@ -128,9 +81,30 @@ def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
             "int4: no group's card has an INT4 peak (cards with one: "
             f"{', '.join(INT4_CARDS)}; a derived CPU takes its ~CARD's)")
     rest = [g.name for g in cluster.groups if g.name not in got]
-    sys.stderr.write(f"int4: enabled on group(s) {', '.join(got)}"
-                     + (f"; not on {', '.join(rest)} (no INT4 peak)" if rest else "") + "\n")
+    note = (f"int4: enabled on group(s) {', '.join(got)}"
+            + (f"; not on {', '.join(rest)} (no INT4 peak)" if rest else ""))
+    held = getattr(args, "held_notes", None)
+    if held is not None:  # said once the command succeeds (a refusal stays one line)
+        held.append(note)
+    else:
+        sys.stderr.write(note + "\n")
     return cluster
+
+
+def notes_after_success(fn: Callable[[argparse.Namespace], int]
+                        ) -> Callable[[argparse.Namespace], int]:
+    """A command whose notes on stderr (``--int4``'s) are written after it returns, and not
+    at all when it raises: a refusal is its one line, never a note and then the line."""
+
+    def run(args: argparse.Namespace) -> int:
+        args.held_notes = []
+        rc = fn(args)
+        for note in args.held_notes:
+            sys.stderr.write(note + "\n")
+        return rc
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
 
 
 SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all-reduced every "
@@ -140,34 +114,88 @@ SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all
                   "--steps)")
 
 
+def _check_schedule_text(text: str) -> None:
+    """``--lr-schedule`` on its own: kind, keys and values (warm-up against ``--steps``
+    when both are known, :func:`sync_arg`)."""
+    from ..runtime.schedule import parse_schedule
+
+    parse_schedule(text, 1.0, MAX_STEPS)
+
+
+def _check_sync_text(text: str) -> None:
+    from ..runtime.syncmode import parse_sync
+
+    parse_sync(text)
+
+
+def _check_compressor_text(text: str) -> None:
+    from ..runtime.compress import parse_compressor
+
+    parse_compressor(text)
+
+
+def _check_gbps_text(text: str) -> None:
+    from ..errors import QsyncInputError
+
+    parts = str(text).split(",")
+    vals = [parse_float(x) for x in parts]
+    if not parts or len(parts) > 64 or not all(v is not None and 0 < v < 1e6 for v in vals):
+        raise QsyncInputError(f"link_gbps: expected up to 64 positive numbers below 1e6 "
+                              f"(Gb/s) separated by commas, got {text!r}")
+
+
+#: ``--compress-act`` / ``--compress-grad``: the compressor's text checked when parsed.
+COMPRESSOR_TEXT = spec_type(_check_compressor_text)
+#: ``--link-gbps``: bandwidths, Gb/s, checked when parsed.
+GBPS_TEXT = spec_type(_check_gbps_text, "link_gbps")
+#: ``--sync``'s type: the mode's text checked when the command line is parsed.
+SYNC_TEXT = spec_type(_check_sync_text, "sync")
+#: ``--lr-schedule``'s type: kind, keys and values checked when parsed.
+SCHEDULE_TEXT = spec_type(_check_schedule_text, "lr_schedule")
+#: A learning rate: finite, > 0.
+LEARNING_RATE = finite_float(0, 1e6, lo_open=True)
+#: A run's optimizer steps (:data:`qsync_opt.limits.MAX_STEPS`).
+STEPS = positive_int(MAX_STEPS)
+#: The defaults of ``--lr``, ``--lr-schedule`` and ``--steps`` under ``--sync``.
+SYNC_DEFAULTS: dict[str, Any] = {"lr": 0.05, "lr_schedule": "constant", "steps": 100}
+
+
 def add_sync_args(sp: argparse.ArgumentParser) -> None:
-    """``--sync`` and, for QSR's rounds, the run's ``--lr``, ``--lr-schedule``, ``--steps``."""
-    sp.add_argument("--sync", default=None, metavar="MODE", help=SYNC_FLAG_HELP)
-    sp.add_argument("--lr", type=float, default=0.05,
+    """``--sync`` and, for QSR's rounds, the run's ``--lr``, ``--lr-schedule``, ``--steps``
+    (only with ``--sync``: given without it, refused by :func:`sync_arg`)."""
+    sp.add_argument("--sync", type=SYNC_TEXT, default=None, metavar="MODE", help=SYNC_FLAG_HELP)
+    sp.add_argument("--lr", type=LEARNING_RATE, default=None,
                     help="with --sync qsr: the run's base learning rate (default 0.05)")
-    sp.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+    sp.add_argument("--lr-schedule", type=SCHEDULE_TEXT, default=None, metavar="SCHEDULE",
                     help=f"with --sync qsr: the run's schedule, {SCHEDULE_SYNTAX} (default "
                          "constant)")
-    sp.add_argument("--steps", type=int, default=100,
+    sp.add_argument("--steps", type=STEPS, default=None,
                     help="with --sync qsr/local: the run's steps (default 100)")
 
 
 def sync_arg(args: argparse.Namespace) -> Any:
-    """The replayer's sync model of ``--sync`` (None: DDP's); bad text: one line naming the
-    flag."""
+    """The replayer's sync model of ``--sync`` (None: DDP's); bad text, or ``--lr``,
+    ``--lr-schedule`` or ``--steps`` without ``--sync``: one line naming the flag. Cheap
+    (the rounds are counted, not listed): call it before any work."""
     from ..errors import QsyncInputError
     from ..replayer import sync_model_for
+    from ..runtime.syncmode import parse_sync
 
     text = getattr(args, "sync", None)
-    if text is None:
+    given = {k: getattr(args, k, None) for k in SYNC_DEFAULTS}
+    kind = "ddp" if text is None else parse_sync(text).kind  # the text checked when parsed
+    extra = [k for k, v in given.items() if v is not None]
+    if kind == "ddp":
+        if extra:  # accepted and ignored is refused: it sets nothing under ddp
+            raise QsyncInputError(f"--{extra[0].replace('_', '-')}: only with --sync local:H "
+                                  "or qsr:... (the run whose rounds are paid); --sync is "
+                                  + ("ddp" if text is None else text.strip()))
         return None
-    if not (isinstance(args.steps, int) and args.steps >= 1):
-        raise QsyncInputError(f"--steps: expected an integer >= 1, got {args.steps}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise QsyncInputError(f"--lr: expected a finite number > 0, got {args.lr}")
+    vals: dict[str, Any] = {k: SYNC_DEFAULTS[k] if v is None else v for k, v in given.items()}
     try:
-        return sync_model_for(text, lr=args.lr, lr_schedule=args.lr_schedule, steps=args.steps)
+        return sync_model_for(text, **vals)
     except QsyncInputError as exc:
         field, _, msg = str(exc).partition(": ")
-        flag = {"sync": "--sync", "lr_schedule": "--lr-schedule"}.get(field, field)
+        flag = {"sync": "--sync", "lr_schedule": "--lr-schedule", "steps": "--steps",
+                "lr": "--lr"}.get(field, field)
         raise QsyncInputError(f"{flag}: {msg}") from None

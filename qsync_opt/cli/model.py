@@ -25,7 +25,14 @@ from ..summaries import (
     uniform_plans,
 )
 from ..user_model import UserWorkload
-from .args import cluster_arg, emit_json, sync_arg, trace_args, workload_arg
+from .args import (
+    cluster_arg,
+    emit_json,
+    notes_after_success,
+    sync_arg,
+    trace_args,
+    workload_arg,
+)
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -66,6 +73,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+@notes_after_success
 def cmd_estimate(args: argparse.Namespace) -> int:
     graph = trace_args(args)
     cluster = cluster_arg(args)
@@ -98,7 +106,45 @@ def _write_trace(base: str, name: str, several: bool, text: str) -> None:
     outfolder.write_text(path.parent, path.name, text, what="--trace")
 
 
+#: replay's flags of one mode: (flag, attribute, default); given in the other, refused.
+_PIPELINE_ONLY = (("--rank-groups", "rank_groups", None), ("--cuts", "cuts", None),
+                  ("--micro-batches", "micro_batches", 1), ("--compress-act", "compress_act",
+                                                             "none"),
+                  ("--compress-grad", "compress_grad", "none"),
+                  ("--link-gbps", "link_gbps", "1,10"), ("--latency-us", "latency_us", 50.0))
+_DP_ONLY = (("--sync", "sync"), ("--lr", "lr"), ("--lr-schedule", "lr_schedule"),
+            ("--steps", "steps"), ("--comm-model", "comm_model"), ("--bucket-mb", "bucket_mb"),
+            ("--trace", "trace"), ("--write-plans", "write_plans"), ("--optimizer", "optimizer"))
+
+
+def _replay_checks(args: argparse.Namespace) -> Any:
+    """Every flag of ``replay`` checked before any work: a flag of the mode not chosen (a
+    pipeline's under data parallelism, or the other way) is refused, never ignored; the
+    defaults filled in. Returns the sync model (:func:`sync_arg`)."""
+    pipelined = getattr(args, "pipeline_stages", None) is not None
+    for flag, attr, *default in _PIPELINE_ONLY:
+        if getattr(args, attr, None) is None:
+            setattr(args, attr, default[0])
+        elif not pipelined:
+            raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
+    if pipelined:
+        for flag, attr in _DP_ONLY:
+            if getattr(args, attr, None) is not None:
+                raise QsyncInputError(f"{flag}: not with --pipeline-stages (a pipeline's "
+                                      "step has no data-parallel sync, buckets or trace here)")
+        return None
+    if args.optimizer is None:
+        args.optimizer = "sgd"
+    if getattr(args, "comm_model", None):
+        from ..netsim.cluster import parse_comm_model
+
+        parse_comm_model(args.comm_model)
+    return sync_arg(args)
+
+
+@notes_after_success
 def cmd_replay(args: argparse.Namespace) -> int:
+    sync = _replay_checks(args)
     plan_doc: Plan | None = None
     sha: str | None = None
     if args.plan:
@@ -115,9 +161,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise QsyncInputError("cluster: --cluster is required without --plan")
     if getattr(args, "pipeline_stages", None) is not None:
         return _replay_pipeline(args, plan_doc, graph, cluster)
-    for flag in ("rank_groups", "cuts"):
-        if getattr(args, flag, None) is not None:
-            raise QsyncInputError(f"--{flag.replace('_', '-')}: only with --pipeline-stages N")
     costs = estimate(graph, cluster)
     if getattr(args, "comm_model", None):
         from ..netsim.cluster import parse_comm_model, with_netsim_comm
@@ -126,7 +169,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         costs = with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec)
         if not args.json:
             print(f"comm model: {spec.describe()}")
-    rep = Replayer(graph, cluster, costs, optimizer=args.optimizer, sync=sync_arg(args),
+    rep = Replayer(graph, cluster, costs, optimizer=args.optimizer, sync=sync,
                    bucket_cap_bytes=(int(args.bucket_mb * 2**20) if args.bucket_mb is not None
                                      else None))
     plans: dict[str, Any] = {"plan": plan_doc} if plan_doc is not None else uniform_plans(rep)

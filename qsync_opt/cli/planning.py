@@ -11,11 +11,18 @@ from typing import Any
 from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
-from .args import cluster_arg, emit_json, sync_arg, trace_args, workload_arg
+from .args import (
+    cluster_arg,
+    emit_json,
+    notes_after_success,
+    sync_arg,
+    trace_args,
+    workload_arg,
+)
 from .model import computed_indicator, say_all
 
 
-def _problem_options(args: argparse.Namespace) -> Any:
+def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
     from ..problem import ProblemOptions
 
     pins = {}
@@ -27,7 +34,7 @@ def _problem_options(args: argparse.Namespace) -> Any:
     return ProblemOptions(target_ms=args.target_ms, memory_headroom=args.headroom, pinned=pins,
                           optimizer=args.optimizer, reference=args.reference,
                           lower_reference=True if args.lower_reference else None,
-                          sync=sync_arg(args))
+                          sync=sync)
 
 
 def _solve_options(args: argparse.Namespace) -> Any:
@@ -40,6 +47,33 @@ def _solve_options(args: argparse.Namespace) -> Any:
                         acceptance=args.acceptance)
 
 
+def _check_names(args: argparse.Namespace) -> None:
+    """The allocator names (``--solver``, ``--solvers``, ``--exact``) and ``--mode``'s
+    ``--budget``, checked before anything is traced or computed (an unknown solver was
+    refused only after the indicator had run)."""
+    from ..solvers import EXACT, registry
+
+    known = list(registry())
+    given: list[tuple[str, str, list[str]]] = []
+    if getattr(args, "solver", None) is not None:
+        given.append(("--solver", args.solver, known))
+    if getattr(args, "solvers", None) is not None:
+        names = [n.strip() for n in args.solvers.split(",")]
+        if len(set(names)) != len(names):
+            raise QsyncInputError(f"--solvers: a name is given twice in {args.solvers!r}")
+        given += [("--solvers", n, known) for n in names]
+    if getattr(args, "exact", None) is not None:
+        given.append(("--exact", args.exact, list(EXACT)))
+    for flag, name, allowed in given:
+        if name not in allowed:
+            raise QsyncInputError(f"{flag}: expected one of {', '.join(allowed)}, got "
+                                  f"{name!r}")
+    mode = getattr(args, "mode", None)
+    if mode is not None and (args.budget is not None) != (mode == "budget"):
+        raise QsyncInputError("--budget: only with --mode budget" if args.budget is not None
+                              else "--mode budget: needs --budget B (the degradation budget)")
+
+
 def _build_problem(args: argparse.Namespace, check: str | None,
                    said: list[str] | None = None) -> Any:
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
@@ -50,10 +84,15 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
             f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
+    _check_names(args)
+    options = _problem_options(args, sync_arg(args))  # every flag before the trace
+    if getattr(args, "comm_model", None):
+        from ..netsim.cluster import parse_comm_model
+
+        parse_comm_model(args.comm_model)
     wl = workload_arg(args)
     graph = trace_args(args, workload=wl)
     cluster = cluster_arg(args)
-    options = _problem_options(args)
     common: dict[str, Any] = dict(costs=args.costs, indicator_method=args.method,
                                   comm_model=getattr(args, "comm_model", None))
     if args.indicator is not None:
@@ -63,6 +102,7 @@ def _build_problem(args: argparse.Namespace, check: str | None,
                               said if said is not None else [])
 
 
+@notes_after_success
 def cmd_solve(args: argparse.Namespace) -> int:
     from ..evaluator import evaluate
     from ..solve import solve
@@ -112,6 +152,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+@notes_after_success
 def cmd_pareto(args: argparse.Namespace) -> int:
     from ..frontier import ONCE, SWEPT, format_points, frontier, frontier_json, plot_frontier
 
@@ -138,6 +179,7 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     return 0
 
 
+@notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
     from ..solve import compare, format_rows
 

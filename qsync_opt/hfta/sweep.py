@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import re
 import sys
 import time
@@ -44,59 +45,107 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QsyncInputError
+from ..limits import (
+    MAX_EVAL_BATCHES,
+    MAX_STEPS,
+    finite_float,
+    int_range,
+    positive_int,
+    spec_type,
+)
 from ..runtime.schedule import SCHEDULE_SYNTAX
+from ..schemas import MAX_BATCH
 
 __all__ = ["add_sweep_parser", "array_memory_bytes", "cmd_sweep", "export_run",
            "parse_seeds", "parse_values"]
 
 
+#: Models of one sweep (seeds x learning rates x weight decays).
+MAX_MODELS = 4096
+
+
 def parse_seeds(text: str) -> list[int]:
-    """``0-7``, ``0,3,5`` or a mix (``0-3,8``): distinct seeds, in the order given."""
+    """``0-7``, ``0,3,5`` or a mix (``0-3,8``): distinct seeds, in the order given, each
+    within ``train --seed``'s bound (+-2^48: the export is a ``train`` run), ASCII digits,
+    at most :data:`MAX_MODELS` of them."""
+    from ..runtime.config import MAX_ABS_SEED
+
     out: list[int] = []
+    seen: set[int] = set()
     for part in (p.strip() for p in str(text).split(",")):
-        m = re.fullmatch(r"(-?\d+)(?:-(-?\d+))?", part)
+        m = re.fullmatch(r"(-?[0-9]{1,20})(?:-(-?[0-9]{1,20}))?", part)
         if not m:
-            raise QsyncInputError(f"--seeds: {part!r} is not a seed or a range A-B (e.g. 0-7)")
+            raise QsyncInputError(f"--seeds: {part!r} is not a seed or a range A-B (e.g. 0-7)"
+                                  " in ASCII digits")
         lo = int(m[1])
         hi = int(m[2]) if m[2] is not None else lo
-        if hi < lo or hi - lo > 4096:
-            raise QsyncInputError(f"--seeds: range {part!r} must go up, at most 4096 seeds")
+        bad = next((v for v in (lo, hi) if abs(v) > MAX_ABS_SEED), None)
+        if bad is not None:
+            raise QsyncInputError(f"--seeds: expected seeds from {-MAX_ABS_SEED} to "
+                                  f"{MAX_ABS_SEED}, got {bad}")
+        if hi < lo or hi - lo >= MAX_MODELS or len(out) + hi - lo >= MAX_MODELS:
+            raise QsyncInputError(f"--seeds: range {part!r} must go up, at most {MAX_MODELS} "
+                                  "seeds in all")
         for s in range(lo, hi + 1):
-            if s in out:
+            if s in seen:
                 raise QsyncInputError(f"--seeds: seed {s} is given twice")
+            seen.add(s)
             out.append(s)
     return out
 
 
 def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
-    import math
+    """Comma-separated numbers, each finite (ASCII digits) and > 0 (``positive``) or >= 0;
+    at most :data:`MAX_MODELS`."""
+    from ..limits import parse_float
 
-    vals = []
-    for part in (p.strip() for p in str(text).split(",")):
-        try:
-            v = float(part)
-        except ValueError:
-            raise QsyncInputError(f"{flag}: {part!r} is not a number") from None
-        if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+    vals: list[float] = []
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > MAX_MODELS:
+        raise QsyncInputError(f"{flag}: {len(parts)} values, more than {MAX_MODELS}")
+    for part in parts:
+        v = parse_float(part)  # ASCII digits, finite
+        if v is None or (v <= 0 if positive else v < 0):
             raise QsyncInputError(f"{flag}: expected {'positive' if positive else 'non-negative'}"
                                   f" finite numbers, got {part!r}")
         vals.append(v)
     return vals
 
 
+def _lrs(text: str) -> list[float]:
+    return parse_values(text, "--lr", positive=True)
+
+
+def _wds(text: str) -> list[float]:
+    return parse_values(text, "--wd", positive=False)
+
+
+def _schedule_text(text: str) -> Any:
+    from ..runtime.schedule import parse_schedule
+
+    return parse_schedule(text, 1.0, MAX_STEPS)  # the warm-up against --steps: later
+
+
 def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="train many variants of a model as one fused array (HFTA)",
                        description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", required=True, help="workload (qsync-opt models)")
-    p.add_argument("--seeds", default="0", help="seeds: 0-7, 0,3,5 (default 0)")
-    p.add_argument("--lr", default="0.05", help="learning rates, comma-separated (default 0.05)")
-    p.add_argument("--wd", default="0", help="weight decays, comma-separated (default 0)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
-    p.add_argument("--batch", type=int, default=None, help="batch per model (default: the "
+    p.add_argument("--seeds", type=spec_type(parse_seeds, "--seeds"), default="0",
+                   help="seeds: 0-7, 0,3,5 (default 0)")
+    p.add_argument("--lr", type=spec_type(_lrs, "--lr"), default="0.05",
+                   help="learning rates, comma-separated (default 0.05)")
+    p.add_argument("--wd", type=spec_type(_wds, "--wd"), default="0",
+                   help="weight decays, comma-separated (default 0)")
+    p.add_argument("--steps", type=positive_int(MAX_STEPS), default=100,
+                   help="optimizer steps (default 100)")
+    p.add_argument("--batch", type=positive_int(MAX_BATCH), default=None,
+                   help="batch per model (default: the "
                    "model's)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=None,
+                   help="SGD momentum (default 0.9)")
+    p.add_argument("--lr-schedule", type=spec_type(_schedule_text, "lr_schedule"),
+                   default="constant", metavar="SCHEDULE",
                    help=f"{SCHEDULE_SYNTAX} (default constant)")
     p.add_argument("--inputs", choices=["per_model", "replicated"], default="per_model",
                    help="per_model: each model its own seed's batches (separate runs); "
@@ -105,7 +154,7 @@ def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
                    default="measure", help="per-op fuse-or-not (default: measured here)")
     p.add_argument("--plan", help="Plan JSON: the array runs one group's precisions")
     p.add_argument("--group", help="with --plan: the group whose precisions run")
-    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--eval-batches", type=int_range(0, MAX_EVAL_BATCHES), default=4)
     p.add_argument("--device", default="cpu",
                    help="where the array trains: cpu (default), cuda or cuda:N")
     p.add_argument("--out", help="write sweep.json here (and --export's runs)")
@@ -293,6 +342,58 @@ def _plan_line(trainer: Any, group: str) -> str:
     return line
 
 
+def _writable_path(text: str, flag: str, folder: bool) -> None:
+    """Refuse, before any training, an output path that cannot be written: a folder
+    (``folder``) where a file is, a file where a folder is, below a file, or in a folder
+    this user cannot write."""
+    path = Path(text)
+    if path.exists() or path.is_symlink():
+        if folder and not path.is_dir():
+            raise QsyncInputError(f"{flag}: {text} is a file, not a folder")
+        if not folder and path.is_dir():
+            raise QsyncInputError(f"{flag}: {text} is a folder, not a file")
+        return
+    up = path.absolute().parent
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise QsyncInputError(f"{flag}: {text} cannot be created: {up} is a file")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise QsyncInputError(f"{flag}: {text} cannot be created: {up} is not writable")
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list[int], list[float], list[float]]:
+    """Every flag of ``sweep`` checked before anything is built or trained (a seed beyond
+    ``train``'s bound or ``--out`` a file were refused only after the training): the seeds
+    and values, how many models they make, the schedule, and the output paths."""
+    from ..runtime.schedule import parse_schedule
+
+    seeds = parse_seeds(args.seeds)
+    lrs = parse_values(args.lr, "--lr", positive=True)
+    wds = parse_values(args.wd, "--wd", positive=False)
+    n = len(seeds) * len(lrs) * len(wds)
+    if n > MAX_MODELS:
+        raise QsyncInputError(f"--seeds, --lr, --wd: {len(seeds)} x {len(lrs)} x {len(wds)} = "
+                              f"{n} models, more than {MAX_MODELS}")
+    if args.export and not args.out:
+        raise QsyncInputError("--export: needs --out (the runs go into OUT/model{b})")
+    if args.momentum is not None and args.optimizer != "sgd":
+        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({args.optimizer} has "
+                              "its own moment estimates)")
+    if args.momentum is None:
+        args.momentum = 0.9
+    for lr in sorted(set(lrs)):
+        try:
+            parse_schedule(args.lr_schedule, lr, args.steps)
+        except QsyncInputError as exc:
+            raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
+    if args.out:
+        _writable_path(args.out, "--out", folder=True)
+    if args.json not in (None, "-"):
+        _writable_path(args.json, "--json", folder=False)
+    return seeds, lrs, wds
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     import torch
 
@@ -303,19 +404,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from ..summaries import format_table
     from .trainer import ArrayTrainer, SweepSpec, Variant
 
-    seeds = parse_seeds(args.seeds)
-    lrs = parse_values(args.lr, "--lr", positive=True)
-    wds = parse_values(args.wd, "--wd", positive=False)
-    if args.steps < 1:
-        raise QsyncInputError(f"--steps: expected a positive integer, got {args.steps}")
-    if args.batch is not None and args.batch < 1:
-        raise QsyncInputError(f"--batch: expected a positive integer, got {args.batch}")
-    if not 0 <= args.momentum < 1:
-        raise QsyncInputError(f"--momentum: expected 0 <= m < 1, got {args.momentum}")
-    if args.eval_batches < 0:
-        raise QsyncInputError(f"--eval-batches: expected >= 0, got {args.eval_batches}")
-    if args.export and not args.out:
-        raise QsyncInputError("--export: needs --out (the runs go into OUT/model{b})")
+    seeds, lrs, wds = _check_args(args)
     variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(seeds, lrs, wds)]
     if args.out:  # before any work: a folder to write into, nothing planted in it
         check_out(Path(args.out), len(variants), args.export)
@@ -340,12 +429,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         wl = get_workload(args.model)
     except UnknownWorkloadError as exc:
         raise QsyncInputError(f"--model: {exc}") from None
-    from ..runtime.schedule import parse_schedule
-
-    try:
-        parse_schedule(args.lr_schedule, lrs[0], args.steps)
-    except QsyncInputError as exc:
-        raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
     from .trainer import resolve_device
 
     device = resolve_device(args.device)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..schemas import CostTable
+from ..limits import int_range, positive_int
+from ..schemas import MAX_BATCH, CostTable
 from .orchestrate import profile_detailed
 from .tables import merge
 from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP
@@ -23,14 +24,14 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--device-name", default=None,
                    help="catalog key of this device (default: cpu, or matched from the GPU name)")
-    p.add_argument("--batch", type=int, default=None, help="per-device batch (default: the "
+    p.add_argument("--batch", type=positive_int(MAX_BATCH), default=None, help="per-device batch (default: the "
                    "workload's)")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
+    p.add_argument("--repeats", type=positive_int(10_000), default=DEFAULT_REPEATS)
+    p.add_argument("--warmup", type=int_range(0, 10_000), default=DEFAULT_WARMUP)
     p.add_argument("--method", choices=["context", "isolated"], default="context",
                    help="context (default): choosable ops timed inside whole steps of uniform "
                         "plans; isolated: every op alone on random inputs")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int(1024), default=None,
                    help="torch intra-op threads while measuring (default: torch's; use the "
                         "count training will run with)")
     p.add_argument("--out", required=True, help="CostTable JSON to write")

@@ -113,11 +113,10 @@ def sync_model_for(text: str | None, *, lr: float = 0.05, lr_schedule: str = "co
     if text is None:
         return None
     from ..runtime.schedule import parse_schedule
-    from ..runtime.syncmode import parse_sync, rounds
+    from ..runtime.syncmode import parse_sync, round_count
 
     mode = parse_sync(text)
     if mode.kind == "ddp":
         return None
-    rs = rounds(mode, parse_schedule(lr_schedule, lr, steps), steps)
-    return PeriodicSync(mean_period=steps / len(rs), mode=mode.describe(), rounds=len(rs),
-                        steps=steps)
+    n = round_count(mode, parse_schedule(lr_schedule, lr, steps), steps)
+    return PeriodicSync(mean_period=steps / n, mode=mode.describe(), rounds=n, steps=steps)

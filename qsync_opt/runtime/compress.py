@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QsyncInputError
+from ..limits import parse_float, parse_int
 
 __all__ = ["AQSGD", "EF", "EF21", "FEEDBACKS", "Codec", "Compressor", "Identity", "Payload",
            "Plain", "Quant", "TopK", "aqsgd_bytes", "make_codec", "parse_compressor"]
@@ -231,17 +232,18 @@ def parse_compressor(text: str, *, seed: int = 0) -> Compressor:
     if t in ("none", "identity"):
         return Identity()
     kind, _, rest = t.partition(":")
-    if kind == "topk" and rest:
-        try:
-            frac = float(rest[:-1]) / 100 if rest.endswith("%") else float(rest)
-        except ValueError:
-            frac = float("nan")
+    if kind == "topk" and rest:  # numbers in ASCII digits only (never '٣' or '²')
+        pct = rest.endswith("%")
+        got = parse_float(rest[:-1] if pct else rest)
+        frac = float("nan") if got is None else got / 100 if pct else got
         return TopK(frac)
     if kind == "quant" and rest:
         bits_s, _, opt = rest.partition(",")
-        if opt not in ("", "stochastic") or not bits_s.isdigit():
-            raise QsyncInputError(f"compressor: expected quant:B[,stochastic], got {text!r}")
-        return Quant(int(bits_s), stochastic=opt == "stochastic", seed=seed)
+        bits = parse_int(bits_s)
+        if opt not in ("", "stochastic") or bits is None:
+            raise QsyncInputError(f"compressor: expected quant:B[,stochastic] with B an "
+                                  f"integer from 1 to 8, got {text!r}")
+        return Quant(bits, stochastic=opt == "stochastic", seed=seed)
     raise QsyncInputError(f"compressor: expected none, topk:F or quant:B[,stochastic], "
                           f"got {text!r}")
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import QsyncInputError
+from ..limits import MAX_EVAL_BATCHES, MAX_STEPS
 from ..progress import LOG_EVERY_S
 from ..schemas import MAX_BATCH, Document, Int, Real
 from .schedule import SCHEDULE_SYNTAX
@@ -66,17 +67,17 @@ PIPELINE_SYNC_REFUSAL = ("--pipeline-stages: a pipeline has one replica of each 
 
 #: field -> (integer?, low, low included?, high or None, high included?)
 _RANGES: dict[str, tuple[bool, float, bool, float | None, bool]] = {
-    "steps": (True, 1, True, None, False),
+    "steps": (True, 1, True, MAX_STEPS, True),
     "lr": (False, 0, False, None, False),
     "momentum": (False, 0, True, 1, False),
     "weight_decay": (False, 0, True, None, False),
     "seed": (True, -MAX_ABS_SEED, True, MAX_ABS_SEED, True),
-    "checkpoint_every": (True, 0, True, None, False),
+    "checkpoint_every": (True, 0, True, MAX_STEPS, True),
     "loss_scale": (False, 0, False, None, False),
-    "max_bad_steps": (True, 1, True, None, False),
+    "max_bad_steps": (True, 1, True, MAX_STEPS, True),
     "timeout_s": (False, 0, False, MAX_TIMEOUT_S, True),
-    "eval_batches": (True, 0, True, None, False),
-    "memory_step": (True, 0, True, None, False),
+    "eval_batches": (True, 0, True, MAX_EVAL_BATCHES, True),
+    "memory_step": (True, 0, True, MAX_STEPS, True),
     "progress_every_s": (False, 0, True, MAX_PROGRESS_EVERY_S, True),
 }
 
@@ -269,6 +270,7 @@ class TrainConfig(Document):
             check_combination(parse_sync(self.sync), parse_comm(self.comm))
         except QsyncInputError as exc:
             raise ValueError(str(exc)) from None
+        self._check_unused()
         if self.pipeline is not None:
             if self.pipeline.stages != self.world_size:
                 raise ValueError(f"--pipeline-stages: {self.pipeline.stages} stages need as "
@@ -284,6 +286,26 @@ class TrainConfig(Document):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "
                                  f"{_show(MAX_SLOWDOWN)}, got {_show(f)}")
         return self
+
+    def _check_unused(self) -> None:
+        """A setting that would do nothing is refused, never ignored (issue 41)."""
+        if self.average_optimizer_state and self.sync == "ddp":
+            raise ValueError("--average-optimizer-state: only with --sync local:H or qsr:... "
+                             "(under ddp every replica steps on the same averaged gradient, "
+                             "so the optimizer states never differ)")
+        if self.resume_anyway and not self.resume:
+            raise ValueError("--resume-anyway with --no-resume: one resumes, the other starts "
+                             "afresh; give one")
+        if self.memory_step is not None and self.memory_step >= self.steps:
+            raise ValueError(f"--measure-memory: step {self.memory_step} is not a step of the "
+                             f"run (0 to {self.steps - 1})")
+        p = self.pipeline
+        if p is not None and p.compress_act == "none" and p.compress_grad == "none":
+            for flag, on in (("--feedback", p.feedback != "none"),
+                             ("--compress-at-eval", p.compress_at_eval)):
+                if on:
+                    raise ValueError(f"{flag}: only with --compress-act or --compress-grad "
+                                     "(nothing is compressed)")
 
     @property
     def world_size(self) -> int:

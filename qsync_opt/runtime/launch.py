@@ -65,18 +65,23 @@ from pydantic import ValidationError
 
 from ..devices import get_device, is_derived
 from ..errors import QsyncInputError, describe_validation_error
+from ..limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from ..progress import LOG_EVERY_S
-from ..schemas import Plan
+from ..schemas import MAX_BATCH, MAX_DEVICES, Plan
 from .config import (
     AVERAGE_STATE_REFUSAL,
     DEFAULT_LR,
+    MAX_ABS_SEED,
     MAX_PROGRESS_EVERY_S,
+    MAX_TIMEOUT_S,
     PIPELINE_SYNC_REFUSAL,
     USER_MODEL_LR,
     TrainConfig,
     rank_groups_example,
 )
-from .schedule import SCHEDULE_SYNTAX
+from .rankfail import report_failure, sort_line
+from .schedule import SCHEDULE_SYNTAX, parse_schedule
+from .syncmode import parse_comm, parse_sync
 from .watchdog import watch_parents
 
 __all__ = ["CONFIG_NAME", "WORKER_MODULE", "add_train_parser", "build_config", "cmd_train",
@@ -87,6 +92,16 @@ log = logging.getLogger(__name__)
 
 CONFIG_NAME = "train_config.json"
 WORKER_MODULE = "qsync_opt.runtime.train"
+
+
+#: Ranks of one run (one process each).
+MAX_RANKS = MAX_DEVICES
+
+
+def _compressor(text: str) -> Any:
+    from .compress import parse_compressor  # torch: only when the flag is given
+
+    return parse_compressor(text)
 
 
 def add_train_parser(sub: Any) -> argparse.ArgumentParser:
@@ -103,39 +118,44 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--cluster", default=None,
                    help="without --plan: the cluster of the fp32 plan (default cpuxN, N = "
                         "--nproc or 1)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=positive_int(MAX_BATCH), default=None,
                    help="without --plan: batch per device (default: the model's)")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int(MAX_RANKS), default=None,
                    help="processes (ranks) on this node; default: one per rank group, or the "
                         "plan's device count")
     p.add_argument("--rank-groups", default=None, metavar="R:GROUP,...",
                    help="group of each rank, e.g. 0:v100,1:t4 (default: the plan's groups in "
                         "order, one rank per device)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps in total (default 100)")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--steps", type=positive_int(MAX_STEPS), default=100,
+                   help="optimizer steps in total (default 100)")
+    p.add_argument("--lr", type=finite_float(0, 1e6, lo_open=True), default=None,
                    help=f"learning rate (default {DEFAULT_LR} for the built-in workloads, "
                         f"{USER_MODEL_LR} for a model file)")
-    p.add_argument("--lr-schedule", default="constant", metavar="SCHEDULE",
+    p.add_argument("--lr-schedule", type=spec_type(  # the warm-up against --steps: later
+                       lambda t: parse_schedule(t, 1.0, MAX_STEPS), "lr_schedule"),
+                   default="constant", metavar="SCHEDULE",
                    help=f"{SCHEDULE_SYNTAX} (default constant)")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=float, default=0.0,
+    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=None,
+                   help="SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=finite_float(0, 1e6), default=0.0,
                    help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
-    p.add_argument("--sync", default="ddp", metavar="MODE",
+    p.add_argument("--sync", type=spec_type(parse_sync, "sync"), default="ddp", metavar="MODE",
                    help="ddp (gradients all-reduced every step, default), local:H (parameters "
                         "averaged every H steps) or qsr:alpha=A,h_base=H0[,power=P] (QSR)")
-    p.add_argument("--comm", default="allreduce", metavar="TRANSPORT",
+    p.add_argument("--comm", type=spec_type(parse_comm, "comm"), default="allreduce",
+                   metavar="TRANSPORT",
                    help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
                         "fp16, or dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=K]"
                         "[,layer_bias=B] (bounded-loss priority: at most a fraction P of each "
                         "rank's gradient zero-filled, in chunks of K KiB)")
     p.add_argument("--average-optimizer-state", action="store_true",
                    help="local/qsr: also average the optimizer state at every sync")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_range(-MAX_ABS_SEED, MAX_ABS_SEED), default=0)
     p.add_argument("--out", default=None,
                    help="output folder: config, checkpoints, metrics.jsonl (default "
                         "runs/MODEL); a link inside it is refused, never followed")
-    p.add_argument("--checkpoint-every", type=int, default=0,
+    p.add_argument("--checkpoint-every", type=int_range(0, MAX_STEPS), default=0,
                    help="steps between checkpoints (default 0: at the end only)")
     p.add_argument("--no-resume", action="store_true",
                    help="start afresh even when --out holds a checkpoint (its sets and an "
@@ -146,7 +166,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                         "differences named; never another model, optimizer or world size)")
     p.add_argument("--emulate-dp", action="store_true",
                    help="one process computes every rank's micro-batch (emulated data parallel)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=finite_float(0, MAX_TIMEOUT_S, lo_open=True), default=120.0,
                    help="collective timeout in seconds: a dead rank fails the others (default 120)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--progress-every", type=_seconds, default=LOG_EVERY_S, metavar="S",
@@ -154,22 +174,22 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                         "scheduler): a progress line every S seconds (steps done, loss, steps "
                         f"per second, time left; default {LOG_EVERY_S:g}, 0: none); a "
                         "terminal shows a bar")
-    p.add_argument("--measure-memory", type=int, default=None, metavar="STEP",
+    p.add_argument("--measure-memory", type=int_range(0, MAX_STEPS), default=None, metavar="STEP",
                    help="measure step STEP's exact peak live tensor bytes inside every CPU rank "
                         "(summary.rankR.json 'memory'); the step's time includes the tracking")
     g = p.add_argument_group(
         "pipeline parallelism", "one rank per stage instead of one replica per rank; each "
         "stage at its rank group's plan, its boundaries compressed")
-    g.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
+    g.add_argument("--pipeline-stages", type=int_range(2, 64), default=None, metavar="N",
                    help="cut the model into N stages, one rank each (ranks = stages)")
     g.add_argument("--cuts", default=None, metavar="OP,...",
                    help="where stages 2..N begin: op or block names of the traced model "
                         "(default: balanced on each stage's estimated time)")
-    g.add_argument("--micro-batches", type=int, default=1, metavar="M",
+    g.add_argument("--micro-batches", type=positive_int(MAX_BATCH), default=1, metavar="M",
                    help="GPipe micro-batches per step (default 1)")
-    g.add_argument("--compress-act", default="none", metavar="C",
+    g.add_argument("--compress-act", type=spec_type(_compressor), default="none", metavar="C",
                    help="activation compressor: none, topk:F (or N%%), quant:B[,stochastic]")
-    g.add_argument("--compress-grad", default="none", metavar="C",
+    g.add_argument("--compress-grad", type=spec_type(_compressor), default="none", metavar="C",
                    help="gradient compressor, the same forms")
     g.add_argument("--feedback", choices=["none", "ef", "ef21", "aqsgd"], default="none",
                    help="feedback wrapper (aqsgd: per-sample activation buffers)")
@@ -204,7 +224,7 @@ def _seconds(text: str) -> float:
 def _parse_rank_groups(text: str) -> list[str]:
     pairs: dict[int, str] = {}
     for item in (x.strip() for x in text.split(",")):
-        m = re.fullmatch(r"(\d+):([A-Za-z_][A-Za-z0-9_\-]*)", item)
+        m = re.fullmatch(r"([0-9]{1,7}):([A-Za-z_][A-Za-z0-9_\-]*)", item)  # ASCII digits
         if not m:
             raise QsyncInputError(
                 f"--rank-groups: {item!r} is not RANK:GROUP (e.g. 0:v100,1:t4)")
@@ -232,8 +252,10 @@ def _default_rank_groups(plan: Plan, nproc: int | None) -> list[str]:
         f"--rank-groups (e.g. {example})")
 
 
-def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None) -> list[str]:
-    """Group name of every rank, checked against the plan (QsyncInputError when wrong)."""
+def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None,
+                  warnings: list[str] | None = None) -> list[str]:
+    """Group name of every rank, checked against the plan (QsyncInputError when wrong).
+    A warning goes into ``warnings`` when given (printed after every check), else the log."""
     if nproc is not None and nproc < 1:
         raise QsyncInputError(f"--nproc: expected a positive integer, got {nproc}")
     if rank_groups is None:
@@ -250,7 +272,11 @@ def resolve_ranks(plan: Plan, nproc: int | None, rank_groups: str | None) -> lis
             f"--nproc {nproc} does not match --rank-groups, which names {len(ranks)} ranks")
     unused = [g for g in known if g not in ranks]
     if unused:
-        log.warning("plan groups with no rank (not trained): %s", ", ".join(unused))
+        text = f"plan groups with no rank (not trained): {', '.join(unused)}"
+        if warnings is None:
+            log.warning(text)
+        else:
+            warnings.append(text)
     return ranks
 
 
@@ -264,14 +290,17 @@ def _slowdowns(plan: Plan, ranks: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> TrainConfig:
+def build_config(args: argparse.Namespace, lines: list[str] | None = None,
+                 pending: dict[str, Any] | None = None) -> TrainConfig:
     """Validate the arguments against the plan and return the run's TrainConfig.
 
     A user's model file (``--model PATH.py:FUNCTION``) is checked here, before any rank
     starts: its sha256 against the plan's (before it runs), the plan against its graph, then
     one batch of the global batch (its ``data()``, or synthetic) against the example inputs
     and its loss on two samples (a scalar). ``lines`` receives what was chosen (the loss and
-    the data)."""
+    the data). Nothing is written: without ``--plan`` the fp32 plan goes into
+    ``pending["plan"]`` and warnings into ``pending["warnings"]``, for :func:`write_config`
+    and the caller once every check has passed."""
     from ..graph import is_user_model, load_user_workload
     from ..plan import graph_for_plan, plan_model
 
@@ -281,6 +310,9 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
             lines.append(f"no --lr: {USER_MODEL_LR}, a model file's default (the built-in "
                          f"workloads' {DEFAULT_LR} diverged ResNet-50, ConvNeXt and ViT)")
     _check_sync_flags(args)
+    if getattr(args, "momentum", None) is not None and args.optimizer != "sgd":
+        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({args.optimizer} has "
+                              "its own moment estimates)")
     pipelined = getattr(args, "pipeline_stages", None) is not None
     if pipelined:
         if not 2 <= args.pipeline_stages <= 64:
@@ -305,8 +337,11 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
     from .config import check_out_folder
 
     check_out_folder(out)  # a folder we may write, holding no planted link: before any work
+    pending = {} if pending is None else pending
+    pending.setdefault("warnings", [])
     if args.plan is None:
-        plan_path = fp32_plan(args, out)
+        plan_path = out / "fp32.plan.json"
+        pending["plan"] = fp32_plan(args, out, write=False)
         if lines is not None:
             lines.append(f"no --plan: every op at fp32 on every rank ({plan_path})")
     else:
@@ -316,7 +351,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
                                       "cluster and the batches)")
         plan_path = Path(args.plan)
-    plan = Plan.load(plan_path)  # missing, not JSON, another kind of file: one line each
+    plan = pending.get("plan") or Plan.load(plan_path)  # a bad file: one line each
     workload, sha = args.model, None
     user = None
     if is_user_model(args.model):
@@ -335,7 +370,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
                 "devices; say which group runs each stage with --rank-groups (e.g. "
                 + rank_groups_example([g.name for g in plan.cluster.groups],
                                       args.pipeline_stages) + ")")
-    ranks = resolve_ranks(plan, args.nproc, args.rank_groups)
+    ranks = resolve_ranks(plan, args.nproc, args.rank_groups, pending["warnings"])
     pipeline = None
     if pipelined:
         from .pipetrain import pipeline_spec
@@ -358,7 +393,8 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None) -> Tr
         return TrainConfig(
             workload=workload, workload_sha256=sha, plan_path=str(plan_path.resolve()),
             rank_groups=ranks,
-            steps=args.steps, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
+            steps=args.steps, lr=args.lr, optimizer=args.optimizer,
+            momentum=0.9 if args.momentum is None else args.momentum,
             lr_schedule=args.lr_schedule, weight_decay=args.weight_decay, sync=args.sync,
             comm=args.comm, average_optimizer_state=args.average_optimizer_state,
             seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
@@ -397,10 +433,11 @@ def _check_sync_flags(args: argparse.Namespace) -> None:
         raise QsyncInputError(AVERAGE_STATE_REFUSAL)
 
 
-def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
+def fp32_plan(args: argparse.Namespace, out: Path, write: bool = True) -> Any:
     """Without ``--plan``: every op at fp32 on every group of ``--cluster`` (default
     ``cpuxN``, N = ``--nproc`` or 1) at ``--batch`` per device, written to
-    ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan)."""
+    ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan) and its path
+    returned; with ``write=False`` the plan itself, nothing written."""
     from ..cluster import load_cluster
     from ..graph import trace
     from ..plan import make_plan
@@ -411,13 +448,15 @@ def fp32_plan(args: argparse.Namespace, out: Path) -> Path:
     graph = trace(args.model, args.batch)
     plan = make_plan(graph, cluster, {}, provenance={"solver": "none (train without --plan: "
                                                      "fp32 everywhere)"})
+    if not write:
+        return plan
     from ..io import to_json
     from ..outfolder import write_text
 
     return write_text(out, "fp32.plan.json", to_json(plan))
 
 
-def write_config(config: TrainConfig) -> Path:
+def write_config(config: TrainConfig, plan: Plan | None = None) -> Path:
     """Write ``OUT/train_config.json`` atomically and return its path.
 
     First, before anything in ``OUT`` changes: the plan's batches must be within the
@@ -426,20 +465,25 @@ def write_config(config: TrainConfig) -> Path:
     so the old run's config is never overwritten by one that cannot resume it; ``OUT`` holds
     no link where the run writes (:func:`~qsync_opt.runtime.config.check_out_folder`), and
     every rank file of the set it resumes loads (a corrupt or foreign file: one line naming
-    it). The config is written never through a link in ``OUT``.
+    it). The config is written never through a link in ``OUT``; ``plan``:
+    the fp32 plan of a run without ``--plan`` (:func:`build_config`), written to
+    ``config.plan_path`` only after those checks.
     """
     from ..io import to_json
     from ..outfolder import write_text
     from .checkpoint import check_set_files
     from .config import check_batches, check_out_folder, check_resume
 
-    plan = Plan.load(config.plan_path)
+    fp32 = plan
+    plan = fp32 if fp32 is not None else Plan.load(config.plan_path)
     check_batches(plan, config.rank_groups)
     check_out_folder(config.out_dir)
     cs = check_resume(config, plan)
     if cs is not None:  # every rank file loads, before any rank starts
         check_set_files(cs, "pipeline" if config.pipeline is not None else "train")
     out = check_out_folder(config.out_dir, create=True)
+    if fp32 is not None:  # build_config made it: OUT/fp32.plan.json
+        write_text(out, Path(config.plan_path).name, to_json(fp32))
     return write_text(out, CONFIG_NAME, to_json(config))
 
 
@@ -490,25 +534,6 @@ def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> li
     return lines
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause")
-_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
-
-
-def _failed_rank(lines: Sequence[str]) -> tuple[int | None, int | None]:
-    """(rank, exit code) of torchrun's "Root Cause" block, where it printed one."""
-    start = next((i for i, ln in enumerate(lines) if _ROOT_CAUSE.search(ln)), None)
-    if start is None:
-        return None, None
-    rank = code = None
-    for ln in lines[start:start + 12]:
-        if rank is None and (m := _RANK.match(ln)):
-            rank = int(m[1])
-        if code is None and (m := _EXIT.match(ln)):
-            code = int(m[1])
-    return rank, code
-
-
 #: Run by the child before it becomes ``cmd``: on Linux, a parent-death signal (SIGTERM,
 #: kept across exec) so that torchrun stops its ranks when the launcher dies, even by
 #: SIGKILL; then, if the launcher is already gone, exit instead of starting.
@@ -543,7 +568,8 @@ def _signal_group(proc: subprocess.Popen[str], sig: int) -> None:
             pass
 
 
-def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[str]]:
+def run_streaming(cmd: Sequence[str], env: dict[str, str],
+                  report: dict[str, list[str]] | None = None) -> tuple[int, list[str]]:
     """Run ``cmd``, copy its output (stdout and stderr merged) to ours line by line.
 
     The child runs in its own session (process group), with a parent-death signal on Linux
@@ -552,6 +578,9 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[st
     launcher are forwarded to the child's process group (a second one, or
     :data:`STOP_GRACE_S` without the child exiting, sends SIGKILL); once the child has
     exited the launcher says so in one line and dies of the same signal.
+
+    With ``report``, the ranks' failure lines (each once) go to ``report["errors"]`` and
+    torchrun's failure report to ``report["held"]``, not to the output (:func:`cmd_train`).
     """
     tail: list[str] = []
     env = dict(env, QSYNC_LAUNCHER_PID=str(os.getpid()))
@@ -578,10 +607,12 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[st
 
     def copy_lines(stream: Any) -> None:
         for line in stream:
-            sys.stdout.write(line)
-            sys.stdout.flush()
             tail.append(line.rstrip("\n"))
             del tail[:-400]  # the failure summary is at the end
+            if report is not None and sort_line(line, report):
+                continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
     try:
         argv = [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid()),
@@ -619,8 +650,11 @@ def run_streaming(cmd: Sequence[str], env: dict[str, str]) -> tuple[int, list[st
 def cmd_train(args: argparse.Namespace) -> int:
     """``qsync-opt train``: 0 on success, 1 when a rank failed; bad input raises (exit 2)."""
     lines: list[str] = []
-    config = build_config(args, lines)
-    path = write_config(config)
+    pending: dict[str, Any] = {}
+    config = build_config(args, lines, pending)
+    path = write_config(config, pending.get("plan"))
+    for warning in pending["warnings"]:  # after every check: a refusal is one line
+        log.warning(warning)
     for line in lines:
         sys.stdout.write(line + "\n")
     sys.stdout.write(f"wrote {path} ({config.world_size} rank(s): "
@@ -653,20 +687,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    rc, tail = run_streaming(cmd, env)
+    report: dict[str, list[str]] = {"errors": [], "held": []}
+    rc, tail = run_streaming(cmd, env, report)
     if rc == 0:
         _print_summary(config)
         return 0
-    rank, code = _failed_rank(tail)
-    if rank is not None:
-        sys.stderr.write(f"qsync-opt: train: rank {rank} ({config.rank_groups[rank]}) failed "
-                         f"first (exit code {code}); see its output above\n"
-                         if rank < config.world_size else
-                         f"qsync-opt: train: rank {rank} failed (exit code {code})\n")
-    else:
-        sys.stderr.write(f"qsync-opt: train: torchrun exited with code {rc}; see the output "
-                         "above\n")
-    return 1
+    return report_failure(rc, tail, report, config.rank_groups)
 
 
 def _print_summary(config: TrainConfig) -> None:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import QsyncInputError
+from ..limits import parse_float
 
 __all__ = ["LRSchedule", "SCHEDULE_KINDS", "SCHEDULE_SYNTAX", "parse_options",
            "parse_schedule"]
@@ -51,13 +52,11 @@ def parse_options(text: str, field: str, allowed: dict[str, type]) -> tuple[str,
                     f"{field}: {kind} takes {', '.join(allowed) or 'no options'}, got {key!r}")
             if key in opts:
                 raise QsyncInputError(f"{field}: {key} given twice")
-            try:
-                num = float(val)
-            except ValueError:
-                raise QsyncInputError(f"{field}: {key} must be a number, got "
-                                      f"{val.strip()!r}") from None
-            if not math.isfinite(num):
-                raise QsyncInputError(f"{field}: {key} must be finite, got {val.strip()!r}")
+            got = parse_float(val)
+            if got is None:  # ASCII digits only: never '٣', '²' or '1_0'
+                raise QsyncInputError(f"{field}: {key} must be a finite number in ASCII "
+                                      f"digits, got {val.strip()!r}")
+            num = got
             if allowed[key] is int:
                 if not num.is_integer():
                     raise QsyncInputError(f"{field}: {key} must be an integer, got "

@@ -41,11 +41,12 @@ import math
 from dataclasses import dataclass
 
 from ..errors import QsyncInputError
+from ..limits import parse_float
 from .schedule import LRSchedule, parse_options
 
 __all__ = ["COMM_KINDS", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
            "SyncMode", "check_combination", "parse_comm", "parse_sync", "qsr_period",
-           "round_length", "rounds", "sync_steps"]
+           "round_count", "round_length", "rounds", "sync_steps"]
 
 SYNC_KINDS = ("ddp", "local", "qsr")
 COMM_KINDS = ("allreduce", "fp16", "dlcp")
@@ -126,13 +127,10 @@ def parse_sync(text: str) -> SyncMode:
             raise QsyncInputError(f"sync: ddp takes no options, got {raw!r}")
         return SyncMode()
     if kind == "local":
-        try:
-            h = float(rest)
-        except ValueError:
-            h = float("nan")
-        if not (math.isfinite(h) and h.is_integer() and 1 <= h <= MAX_PERIOD):
-            raise QsyncInputError(f"sync: local:H needs an integer H >= 1 (steps between "
-                                  f"parameter averages), got {raw!r}")
+        h = parse_float(rest)  # ASCII digits: never '٣' or '²'
+        if h is None or not (h.is_integer() and 1 <= h <= MAX_PERIOD):
+            raise QsyncInputError(f"sync: local:H needs an integer H from 1 to {MAX_PERIOD} "
+                                  f"(steps between parameter averages), got {raw!r}")
         return SyncMode("local", int(h))
     if kind == "qsr":
         _, opts = parse_options(raw, "sync", QSR_KEYS)
@@ -235,7 +233,8 @@ def round_length(mode: SyncMode, schedule: LRSchedule, start: int, total: int) -
 
 
 def rounds(mode: SyncMode, schedule: LRSchedule, total: int) -> list[tuple[int, int]]:
-    """Every round of a run as (first step, length), in order."""
+    """Every round of a run as (first step, length), in order (one item per round:
+    :func:`round_count` counts them without the list)."""
     out = []
     s = 0
     while s < total:
@@ -243,6 +242,37 @@ def rounds(mode: SyncMode, schedule: LRSchedule, total: int) -> list[tuple[int, 
         out.append((s, h))
         s += h
     return out
+
+
+def _length_at(mode: SyncMode, schedule: LRSchedule, start: int) -> int:
+    """The length of a round starting at ``start``, before the cut at the run's end."""
+    if mode.kind == "ddp":
+        return 1
+    if mode.kind == "local" or schedule.in_warmup(start):
+        return mode.period
+    return qsr_period(schedule.lr_at(start), mode.alpha, mode.period, mode.power)
+
+
+def round_count(mode: SyncMode, schedule: LRSchedule, total: int) -> int:
+    """``len(rounds(mode, schedule, total))`` without enumerating the rounds: a run of
+    rounds of one length is counted at once. A round's length is non-decreasing in its
+    start (H0 in the warm-up, then QSR's rule of a non-increasing learning rate), so the
+    last start of each length is found by bisection: O(distinct lengths x log total), at
+    most ~45,000 lengths for a run of :data:`~qsync_opt.limits.MAX_STEPS` steps."""
+    n, s = 0, 0
+    while s < total:
+        h = _length_at(mode, schedule, s)
+        lo, hi = s, total - 1  # the last start whose round is h steps long
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _length_at(mode, schedule, mid) <= h:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = (lo - s) // h + 1
+        n += k
+        s += k * h
+    return n
 
 
 def sync_steps(mode: SyncMode, schedule: LRSchedule, total: int) -> list[int]:
