@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import re
 import shlex
@@ -208,17 +207,9 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- checks
 
 
-def _seconds(text: str) -> float:
-    """``--progress-every``: seconds from 0 to a day, in ASCII digits (``float`` would read
-    Arabic-Indic digits; ``nan``, ``inf`` and the rest are refused)."""
-    try:
-        v = float(text) if text.strip().isascii() else math.nan
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and 0 <= v <= MAX_PROGRESS_EVERY_S):
-        raise argparse.ArgumentTypeError(
-            f"expected seconds from 0 (none) to {MAX_PROGRESS_EVERY_S:g}, got {text!r}")
-    return v
+#: ``--progress-every``: seconds from 0 (none) to a day, ASCII digits only (limits.parse_float)
+_seconds = finite_float(0, MAX_PROGRESS_EVERY_S,
+                        expected=f"seconds from 0 (none) to {MAX_PROGRESS_EVERY_S:g}")
 
 
 def _parse_rank_groups(text: str) -> list[str]:
