@@ -11,7 +11,8 @@ from typing import Any
 
 from ..errors import QsyncInputError
 from ..io import atomic_write_bytes, atomic_write_text, load
-from ..netsim.engine import NetsimLimit, limit_message
+from ..netsim.cluster import limit_message
+from ..netsim.engine import NetsimLimit
 from .args import cluster_arg, emit_json, trace_args
 
 

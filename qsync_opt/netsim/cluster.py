@@ -27,7 +27,7 @@ from typing import Any
 from ..devices import get_device
 from ..errors import QsyncInputError
 from ..schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
-from .engine import DEFAULT_MAX_EVENTS, NetsimLimit, limit_message
+from .engine import DEFAULT_MAX_EVENTS, NetsimLimit
 from .topology import Topology
 from .traffic import POLICIES, Bucket, IterationResult, NetConfig, quantile, simulate_iteration
 
@@ -41,6 +41,14 @@ COMM_MODEL_HELP = ("analytic (the ring formula, default) or netsim:p50|p99[,scen
                    "oversubscribed][,policy=fifo+tcp|priority+bounded|fifo+bounded|priority+tcp]"
                    "[,routing=hash|spray]"
                    "[,iterations=100][,cell_kib=256][,p=0.05][,seed=0]")
+
+
+def limit_message(exc: NetsimLimit, cell: str, events: str | None) -> str:
+    """``exc`` in a command's own names: ``cell`` (e.g. ``--cell-kib``), ``events`` (the
+    event cap's flag, or None where it has none)."""
+    sep = "" if cell.endswith("=") else " "
+    fix = f"use {cell}{sep}{exc.cell_kib} or more" if exc.cell_kib else f"raise {cell}"
+    return f"{exc.core}; {fix}" + (f", or raise {events}" if events else "")
 
 
 @dataclass(frozen=True)
@@ -318,6 +326,6 @@ def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
 
 
 __all__ = ["COMM_MODEL_HELP", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
-           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "drop_mask", "params_bucket", "estimate_events",
+           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "drop_mask", "params_bucket", "estimate_events",
            "group_ready_ms", "parse_comm_model", "run_iterations",
            "with_netsim_comm", "workload_buckets"]

@@ -23,12 +23,12 @@ acked (selective acks, no delayed acks). Loss detection (``detect``):
 - ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per priority class (strict
   priority reorders across classes by design): a packet is lost when a packet of its class
   sent after it has been delivered and it has been out longer than that delivery's RTT plus
-  a reorder window. The window is the largest of RFC 8985's quarter of the least RTT (one
-  more quarter per D-SACKed spurious retransmission), twice the most an out-of-order
-  delivery has come after the newer one's RTT, and the class's own RTT spread srtt +
-  4 rttvar (RFC 6298's estimator per class: under spraying or priority the classes' paths
-  and queues differ); a reorder timer marks what becomes overdue between acks. A lost
-  retransmission is found the same way.
+  a reorder window (:meth:`.rack.Rack.window`: the largest of RFC 8985's quarter of the
+  least RTT, one more quarter per D-SACKed spurious retransmission; twice the most an
+  out-of-order delivery came after the newer one's RTT; the class's RTT spread srtt +
+  4 rttvar; once reordering was seen, the longest RTT the class has seen); a reorder timer
+  marks what becomes overdue between acks. A lost retransmission is found the same way.
+  No tail loss probe: a lost tail waits for the RTO.
 - ``"dupthresh"``: a packet is lost when ``dupthresh`` packets above it are acked (RFC 6675;
   ns-3's TCP, kept for the cross-check): it assumes one path keeps order, so under spraying
   it takes reordering for loss.
@@ -82,20 +82,12 @@ DEFAULT_MIN_RTO_MS = 200.0
 class NetsimLimit(RuntimeError):
     """The event cap was reached (or would be): raise the cell size or the cap. ``core``:
     what was exceeded; ``cell_kib``: the least cell size (KiB) that fits, where known. The
-    command line says it in its own flags (:func:`limit_message`)."""
+    command line says it in its own flags (:func:`.cluster.limit_message`)."""
 
     def __init__(self, core: str, cell_kib: int | None = None) -> None:
         super().__init__(f"{core}; raise the cell size (fewer, larger packets)"
                          + (f" to {cell_kib} KiB" if cell_kib else "") + " or max_events")
         self.core, self.cell_kib = core, cell_kib
-
-
-def limit_message(exc: NetsimLimit, cell: str, events: str | None) -> str:
-    """``exc`` in a command's own names: ``cell`` (e.g. ``--cell-kib``), ``events`` (the
-    event cap's flag, or None where it has none)."""
-    sep = "" if cell.endswith("=") else " "
-    fix = f"use {cell}{sep}{exc.cell_kib} or more" if exc.cell_kib else f"raise {cell}"
-    return f"{exc.core}; {fix}" + (f", or raise {events}" if events else "")
 
 
 class Pkt:
@@ -607,6 +599,7 @@ class Connection:
             return False  # the original's ack, likely: no sample (RFC 8985 6.2 step 2)
         if self.sent[s] == 1:
             r.min_rtt = min(r.min_rtt, rtt)
+            r.max_rtt[c] = max(r.max_rtt.get(c, 0.0), rtt)
             if c in r.srtt:
                 r.var[c] = 0.75 * r.var[c] + 0.25 * abs(r.srtt[c] - rtt)
                 r.srtt[c] = 0.875 * r.srtt[c] + 0.125 * rtt
@@ -635,7 +628,7 @@ class Connection:
         assert r is not None
         q = r.txq.get(c)
         newest, rtt, now = r.tx.get(c, 0), r.rtt.get(c, 0.0), self.sim.now
-        wnd = r.window(c, self.in_prr)
+        wnd = r.window(c)
         flight, lost = self.pipe, False
         while q:
             tid, s = q[0]

@@ -10,7 +10,7 @@ class Rack:
     """Time-based loss detection's state (RACK, RFC 8985), one record per priority class:
     the transmissions in send order, and the newest-sent delivered packet's id and RTT."""
 
-    __slots__ = ("txq", "tx", "rtt", "armed", "min_rtt", "seen", "late", "mult", "srtt", "var")
+    __slots__ = ("txq", "tx", "rtt", "armed", "min_rtt", "seen", "late", "mult", "srtt", "var", "max_rtt")
 
     def __init__(self) -> None:
         self.txq: dict[int, deque[tuple[int, int]]] = {}  # class -> (tx id, seq), send order
@@ -23,13 +23,15 @@ class Rack:
         self.mult = 1  # the window's steps of min_rtt / 4; one more per spurious retransmission
         self.srtt: dict[int, float] = {}  # class -> its smoothed RTT and RTT variation (RFC
         self.var: dict[int, float] = {}  # 6298's estimator, per class: the queues differ)
+        self.max_rtt: dict[int, float] = {}  # class -> the longest RTT it has seen
 
-    def window(self, c: int, recovering: bool) -> float:
-        """Class ``c``'s reorder window: none before any reordering was seen while
-        recovering (RFC 8985's rule), else the largest of ``mult`` quarters of the least RTT,
-        twice the most an out-of-order delivery came after the newer one's RTT (learnt
-        before it misleads), and the class's RTT spread srtt + 4 rttvar."""
-        if not self.seen and recovering:
-            return 0.0
+    def window(self, c: int) -> float:
+        """Class ``c``'s reorder window: the largest of ``mult`` quarters of the least RTT
+        (RFC 8985), twice the most an out-of-order delivery came after the newer one's RTT
+        (learnt before it misleads), the class's RTT spread srtt + 4 rttvar and, once
+        reordering was seen, the longest RTT the class has seen. Not zeroed in recovery
+        (RFC 8985 does so while no reordering was seen: under spraying the first reordering
+        would then cascade into spurious recoveries)."""
         base = self.mult * self.min_rtt / 4 if self.min_rtt < math.inf else 0.0
-        return max(base, 2.0 * self.late, self.srtt.get(c, 0.0) + 4.0 * self.var.get(c, 0.0))
+        spread = self.srtt.get(c, 0.0) + 4.0 * self.var.get(c, 0.0)
+        return max(base, 2.0 * self.late, spread, self.max_rtt.get(c, 0.0) if self.seen else 0.0)
