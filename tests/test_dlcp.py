@@ -81,12 +81,13 @@ def test_no_tensor_and_no_bucket_loses_more_than_p(numels: list[int], chunk: int
     dropped = choose_drops(grads, table, p, policy, drop_generator(seed, 3, 1))
     per = apply_drops(grads, table, dropped)
     assert sum(per) == int(table.sizes[dropped].sum())
-    for k, n, (a, b) in zip(per, numels, zip(table.first, table.first[1:]), strict=True):
+    for k, n, (a, b) in zip(per, numels, zip(table.first, table.first[1:], strict=False),
+                            strict=True):
         assert k <= math.floor(p * n) and k < n
         kept = ~dropped[a:b]
         assert k + chunk > math.floor(p * n) or not kept.any()
     edges = sorted({0, len(numels), *[min(c, len(numels)) for c in cuts]})
-    for lo, hi in zip(edges, edges[1:]):  # any bucketing of whole tensors
+    for lo, hi in zip(edges, edges[1:], strict=False):  # any bucketing of whole tensors
         assert sum(per[lo:hi]) <= p * sum(numels[lo:hi]) + 1e-9
     for i, (a, b) in enumerate(zip(before, grads, strict=True)):
         mask = table.element_mask(i, dropped)
