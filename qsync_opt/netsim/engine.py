@@ -23,11 +23,11 @@ acked (selective acks, no delayed acks). Loss detection (``detect``):
 - ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per priority class (strict
   priority reorders across classes by design): a packet is lost when a packet of its class
   sent after it has been delivered and it has been out longer than that delivery's RTT plus
-  a reorder window (:meth:`.rack.Rack.window`: the largest of RFC 8985's quarter of the
-  least RTT, one more quarter per D-SACKed spurious retransmission; twice the most an
-  out-of-order delivery came after the newer one's RTT; the class's RTT spread srtt +
-  4 rttvar; once reordering was seen, the longest RTT the class has seen); a reorder timer
-  marks what becomes overdue between acks. A lost retransmission is found the same way.
+  a reorder window (:meth:`.rack.Rack.window`: RFC 8985's until reordering is seen; after
+  it, or from the start where ``expect_reordering`` -- a host behind a spraying fabric --
+  also twice the most an out-of-order delivery came late, the class's RTT spread srtt +
+  4 rttvar and the longest RTT the class has seen); a reorder timer marks what becomes
+  overdue between acks. A lost retransmission is found the same way.
   No tail loss probe: a lost tail waits for the RTO.
 - ``"dupthresh"``: a packet is lost when ``dupthresh`` packets above it are acked (RFC 6675;
   ns-3's TCP, kept for the cross-check): it assumes one path keeps order, so under spraying
@@ -289,7 +289,8 @@ class Connection:
                  init_cwnd: int = 10, min_rto_ms: float = DEFAULT_MIN_RTO_MS,
                  initial_rto_ms: float | None = None, dupthresh: int = 3,
                  bounded: float | None = None, ack_bytes: int = 40, flow_key: int | None = None,
-                 handshake: bool = False, detect: str = "rack") -> None:
+                 handshake: bool = False, detect: str = "rack",
+                 expect_reordering: bool = False) -> None:
         if mss < 1:
             raise ValueError("mss must be >= 1 byte")
         if detect not in DETECT:
@@ -349,7 +350,7 @@ class Connection:
         self.rtx_out: dict[int, int] = {}
         # time-based loss detection (RACK-style, RFC 8985), per priority class
         self.detect = detect
-        self.rack = Rack() if detect == "rack" else None
+        self.rack = Rack(expect_reordering) if detect == "rack" else None
         self.last_progress = 0.0
         self.timer_armed = False
         self.ready_at = sim.now + (base_rtt if handshake else 0.0)
@@ -628,7 +629,7 @@ class Connection:
         assert r is not None
         q = r.txq.get(c)
         newest, rtt, now = r.tx.get(c, 0), r.rtt.get(c, 0.0), self.sim.now
-        wnd = r.window(c)
+        wnd = r.window(c, self.in_prr)
         flight, lost = self.pipe, False
         while q:
             tid, s = q[0]

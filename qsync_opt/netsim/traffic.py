@@ -153,7 +153,8 @@ class _Run:
         cfg = self.cfg
         return self.sim.connection(a, b, mss=cfg.cell_bytes, header=cfg.header_bytes,
                                    init_cwnd=cfg.init_cwnd, min_rto_ms=cfg.min_rto_ms,
-                                   bounded=cfg.bounded, detect=cfg.detect)
+                                   bounded=cfg.bounded, detect=cfg.detect,
+                                   expect_reordering=cfg.routing == "spray")
 
     def send(self, a: int, b: int, k: int, offset: int, nbytes: int,
              on_done: Callable[[float], None]) -> None:
