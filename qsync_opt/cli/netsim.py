@@ -83,8 +83,20 @@ def cmd_netsim(args: argparse.Namespace) -> int:
             emit_json(doc)
             return 0
         atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n", what="--json")
+    _print_summary(args, graph.workload, pattern, cfg, buckets, s, tl, per_layer, topo, util,
+                   busiest)
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, workload: str, pattern: str, cfg: Any,
+                   buckets: Any, s: dict[str, Any], tl: Any, per_layer: dict[str, float],
+                   topo: Any, util: list[float], busiest: list[int]) -> None:
     c, e = s["comm_end_ms"], s["exposed_ms"]
-    print(f"netsim: {graph.workload} on {args.cluster}, {args.scenario} ({pattern}), "
+    print(f"netsim: {workload} on {args.cluster}, {args.scenario} ({pattern}), "
           f"{args.policy}" + (f" p={args.p:g}" if cfg.bounded else "") + f", {args.routing}; "
           f"{len(buckets)} buckets, {args.iterations} iterations, {args.cell_kib} KiB cells")
     print(f"  communication ends at p50 {c['p50']:.3f} ms, p99 {c['p99']:.3f} ms (compute "
@@ -97,11 +109,6 @@ def cmd_netsim(args: argparse.Namespace) -> int:
         print("  most loss: " + ", ".join(f"{n} {v:.2%}" for n, v in worst if v > 0))
     print("  busiest links (busy fraction of the communication window): " + ", ".join(
         f"{topo.links[li].label} {util[li]:.2f}" for li in busiest))
-    if args.json:
-        print(f"wrote {args.json}")
-    if args.png:
-        print(f"wrote {args.png}")
-    return 0
 
 
 def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg: Any,
