@@ -103,7 +103,8 @@ def network(args: argparse.Namespace) -> int:
           f"({', '.join(f'{b.bytes / 2**20:.1f}' for b in buckets)} MiB), replayed compute "
           f"{tl.iteration_ms:.1f} ms, last bucket ready at {max(max(r) for r in ready):.1f} ms; "
           f"{args.iterations} seeded iterations, {args.cell_kib} KiB cells, compute jitter "
-          f"{args.jitter:g}, bounded p = {args.p:g}; analytic ring all-reduce "
+          f"{args.jitter:g}, bounded p = {args.p:g}, RACK loss detection, min RTO "
+          f"{args.min_rto_ms:g} ms; analytic ring all-reduce "
           f"{sum(b.allreduce_ms for b in costs.buckets):.2f} ms in all")
     rows, dump = [], {}
     for scenario in SCENARIOS:
@@ -113,7 +114,8 @@ def network(args: argparse.Namespace) -> int:
                 raise SystemExit(f"--net-policies: expected names from {', '.join(NET_POLICIES)}")
             for routing in ("hash", "spray"):
                 cfg = NetConfig(policy=policy, routing=routing, p=args.p,
-                                cell_bytes=args.cell_kib << 10, jitter=args.jitter)
+                                cell_bytes=args.cell_kib << 10, jitter=args.jitter,
+                                min_rto_ms=args.min_rto_ms)
                 t0 = time.perf_counter()
                 runs = run_iterations(net, buckets, ready, cfg,
                                       pattern=SCENARIO_PATTERN[scenario],
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jitter", type=float, default=0.01,
                     help="relative compute-time noise of each rank's bucket ready times")
     ap.add_argument("--p", type=float, default=0.05, help="the bounded-loss transport's p")
+    ap.add_argument("--min-rto-ms", type=float, default=200.0,
+                    help="the network half's least RTO (default: Linux's 200 ms)")
     ap.add_argument("--models", nargs="+", default=list(DEFAULTS), choices=list(DEFAULTS))
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--ps", default="0.01,0.05,0.1,0.3",

@@ -190,9 +190,10 @@ def test_a_lost_packet_costs_tcp_a_retransmission_and_bounded_loss_nothing():
     assert c_tcp.retransmits == 1 and c_tcp.timeouts == 0 and m_tcp.missing == []
     # the retransmission leaves when the third later packet's ack is back: one RTT after 13
     assert tcp > clean + 1e-6
-    # bounded: done once the last packet and n - floor(p n) of them are in, zero-filling 10
+    # bounded: packet 10 is given up once found lost (no retransmission), zero-filled, and
+    # the message completes when the sender's notice reaches the receiver: before TCP's
     assert c_b.retransmits == 0 and m_b.missing == [10]
-    assert bounded <= clean + 1e-12
+    assert clean < bounded < tcp
 
 
 @pytest.mark.parametrize("p", [0.01, 0.05, 0.2])
@@ -248,7 +249,7 @@ def test_a_cluster_run_refuses_before_simulating_when_cells_are_too_small():
     net = cluster_network(cl, "ring")
     bucket = Bucket((("w", 100 << 20, 0.0),))
     cfg = NetConfig(cell_bytes=1460, max_events=1_000_000)
-    with pytest.raises(NetsimLimit, match=r"cell_kib=\d+"):
+    with pytest.raises(NetsimLimit, match=r"to \d+ KiB or max_events"):
         run_iterations(net, [bucket], [[0.0], [0.0]], cfg, pattern="ring", iterations=1)
 
 
@@ -368,3 +369,97 @@ def test_the_replayer_takes_bucket_times_from_the_simulator():
     # the incast scenario's parameter server is slower than the analytic ring here
     assert net.iteration_ms > base.iteration_ms
     assert net.bucket_ready_ms == base.bucket_ready_ms
+
+
+def _lossless_fabric(uplink_gbps: float):
+    spec = FabricSpec(leaves=2, hosts_per_leaf=4, host_gbps=10, host_delay_us=1,
+                      uplink_gbps=uplink_gbps, uplink_delay_us=1, spines=2, buffer_bytes=BIG)
+    return fabric(spec), [0, 4, 1, 5, 2, 6, 3, 7]  # interleaved: every hop crosses the fabric
+
+
+def _totals(topo, ranks, cfg: NetConfig, seeds: int = 3) -> tuple[int, int, int, int]:
+    drops = retx = lost = timeouts = 0
+    for seed in range(seeds):
+        r = simulate_iteration(topo, ranks, [_mixed_bucket(), _mixed_bucket()],
+                               [[0.1, 0.3]] * 8, cfg, seed=seed)
+        drops, retx = drops + r.drops, retx + r.retransmits
+        lost, timeouts = lost + sum(r.lost_bytes.values()), timeouts + r.timeouts
+    return drops, retx, lost, timeouts
+
+
+@pytest.mark.parametrize("uplink_gbps", [5.0, 2.0])
+@pytest.mark.parametrize("routing,policies", [
+    ("hash", ["fifo+tcp", "priority+bounded", "fifo+bounded", "priority+tcp"]),
+    ("spray", ["fifo+tcp", "fifo+bounded"])])
+def test_a_network_that_drops_nothing_gives_up_and_retransmits_nothing(uplink_gbps, routing,
+                                                                      policies):
+    """Congested uplinks, buffers that never fill: no drop, so nothing may be retransmitted,
+    timed out or given up. Under spraying the packets of a connection reorder; the
+    time-based detection (RACK) tolerates it. (Strict priority under spraying still is not
+    clean: docs/NETSIM.md gives its figures.)"""
+    topo, ranks = _lossless_fabric(uplink_gbps)
+    for policy in policies:
+        cfg = NetConfig(policy=policy, routing=routing, cell_bytes=1460, jitter=0.05)
+        assert _totals(topo, ranks, cfg) == (0, 0, 0, 0), policy
+
+
+def test_duplicate_thresholds_take_spraying_reordering_for_loss():
+    """The control: the same lossless network under dupthresh (ns-3's rule) retransmits
+    and gives up gradient that was never lost; RACK does neither under FIFO."""
+    topo, ranks = _lossless_fabric(5.0)
+    for policy in ("fifo+tcp", "fifo+bounded"):
+        old = _totals(topo, ranks, NetConfig(policy=policy, routing="spray", cell_bytes=1460,
+                                             jitter=0.05, detect="dupthresh"))
+        new = _totals(topo, ranks, NetConfig(policy=policy, routing="spray", cell_bytes=1460,
+                                             jitter=0.05))
+        assert old[0] == 0 and old[1] + old[2] > 0
+        assert new == (0, 0, 0, 0)
+
+
+def test_the_minimum_rto_is_linuxs_and_stated():
+    from qsync_opt.netsim.engine import DEFAULT_MIN_RTO_MS
+
+    assert DEFAULT_MIN_RTO_MS == 200.0 and NetConfig().min_rto_ms == DEFAULT_MIN_RTO_MS
+    sim = Sim(single_link(10, 1, BIG))
+    assert sim.connection(0, 1, mss=1460).min_rto == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="detect"):
+        NetConfig(detect="sometimes")
+
+
+def test_topology_names_are_indexed():
+    """Adding a node looks its name up in a dict (was a list scan: quadratic in nodes)."""
+    from qsync_opt.netsim import Topology
+
+    t = Topology()
+    for i in range(20_000):
+        t.host(f"h{i}")
+    assert len(t.names) == 20_000
+    with pytest.raises(ValueError, match="defined twice"):
+        t.switch("h19999")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["netsim", "--model", "digits_cnn", "--cluster", "cpux2", "--max-events", "10"],
+     "--cell-kib 2048 or more, or raise --max-events"),
+    (["netsim", "--model", "digits_cnn", "--cluster", "h100x1000"], "raise --max-events"),
+    (["netsim", "--model", "digits_cnn", "--cluster", "h100x100000"], "at most 4,096 devices"),
+    (["netsim", "--model", "digits_cnn", "--cluster", "h100x4097", "--iterations", "1"],
+     "at most 4,096 devices"),
+    (["replay", "--model", "digits_cnn", "--cluster", "h100x1000", "--comm-model",
+      "netsim:p50"], "comm-model: netsim: an iteration needs"),
+    (["replay", "--model", "digits_cnn", "--cluster", "h100x9000", "--comm-model",
+      "netsim:p99,policy=fifo+bounded"], "comm-model: cluster: the packet simulator"),
+    (["solve", "--model", "digits_cnn", "--cluster", "h100x1000", "--comm-model",
+      "netsim:p50", "--out", "{tmp}/p.json"], "use cell_kib=1024 or more"),
+    (["replay", "--model", "digits_cnn", "--cluster", "cpux2", "--pipeline-stages", "2",
+      "--comm-model", "netsim:p50,iterations=0"], "comm-model: iterations"),
+    (["replay", "--model", "digits_cnn", "--cluster", "cpux2", "--pipeline-stages", "2",
+      "--comm-model", "netsim:p50"], "--comm-model: not with --pipeline-stages"),
+])
+def test_simulator_limits_are_one_line_exit_2(argv, needle, tmp_path, capsys):
+    from qsync_opt.cli import main
+
+    rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert "Traceback" not in err

@@ -197,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="switch port buffer in KiB (default 4096)")
     sp.add_argument("--jitter", type=finite_float(0, 1), default=0.01,
                     help="relative noise of each rank's ready times per iteration")
-    sp.add_argument("--min-rto-ms", type=finite_float(0, 1e5, lo_open=True), default=1.0)
+    sp.add_argument("--min-rto-ms", type=finite_float(0, 1e5, lo_open=True), default=200.0,
+                    help="the least retransmission timeout (default 200: Linux's TCP_RTO_MIN)")
+    sp.add_argument("--detect", choices=["rack", "dupthresh"], default="rack",
+                    help="loss detection: rack (time-based, tolerates reordering; default) or "
+                         "dupthresh (3 later packets acked: ns-3's, takes reordering for loss)")
     sp.add_argument("--seed", type=SEED, default=0)
     sp.add_argument("--max-events", type=positive_int(10**9), default=5_000_000)
     sp.add_argument("--png", help="draw the busiest links' load over time (first iteration)")

@@ -159,6 +159,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         cluster = plan_doc.cluster
     else:
         raise QsyncInputError("cluster: --cluster is required without --plan")
+    if getattr(args, "comm_model", None):  # checked whole (each key) before any work
+        from ..netsim.cluster import parse_comm_model
+
+        parse_comm_model(args.comm_model)
+        if getattr(args, "pipeline_stages", None) is not None:
+            raise QsyncInputError("--comm-model: not with --pipeline-stages (the pipeline "
+                                  "replay's links are --link-gbps and --latency-us)")
     if getattr(args, "pipeline_stages", None) is not None:
         return _replay_pipeline(args, plan_doc, graph, cluster)
     costs = estimate(graph, cluster)

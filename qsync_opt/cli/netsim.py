@@ -11,6 +11,8 @@ from typing import Any
 
 from ..errors import QsyncInputError
 from ..io import atomic_write_bytes, atomic_write_text, load
+from ..netsim.cluster import limit_message
+from ..netsim.engine import NetsimLimit
 from .args import cluster_arg, emit_json, trace_args
 
 
@@ -18,9 +20,9 @@ def cmd_netsim(args: argparse.Namespace) -> int:
     from ..costs import estimate
     from ..netsim.cluster import (
         SCENARIO_PATTERN,
+        check_hosts,
         cluster_network,
         group_ready_ms,
-        run_iterations,
         workload_buckets,
     )
     from ..netsim.traffic import NetConfig, layer_bytes, summarise
@@ -38,6 +40,7 @@ def cmd_netsim(args: argparse.Namespace) -> int:
     cluster = cluster_arg(args).with_default_batch(graph.batch_size)
     if cluster.world_size < 2:
         raise QsyncInputError("cluster: netsim needs at least two devices (nothing is sent)")
+    check_hosts(cluster)
     costs = estimate(graph, cluster)
     ready, tl = group_ready_ms(graph, cluster, costs, plan)
     buckets = workload_buckets(graph, costs.buckets)
@@ -48,15 +51,11 @@ def cmd_netsim(args: argparse.Namespace) -> int:
                               "(--scenario incast)")
     cfg = NetConfig(policy=args.policy, routing=args.routing, p=args.p,
                     cell_bytes=args.cell_kib << 10, jitter=args.jitter,
-                    min_rto_ms=args.min_rto_ms, max_events=args.max_events)
-    from ..progress import Progress
-
-    runs = []
-    with Progress("netsim", args.iterations, enabled=sys.stderr.isatty()) as bar:
-        for i in range(args.iterations):
-            runs.extend(run_iterations(net, buckets, ready, cfg, pattern=pattern, iterations=1,
-                                       seed=args.seed + i, keep_bins=bool(args.png) and i == 0))
-            bar.advance()
+                    min_rto_ms=args.min_rto_ms, max_events=args.max_events, detect=args.detect)
+    try:
+        runs = _simulate(args, net, buckets, ready, cfg, pattern)
+    except NetsimLimit as exc:  # the event cap: one line naming the flags that raise it
+        raise QsyncInputError(limit_message(exc, "--cell-kib", "--max-events")) from None
     s = summarise(runs)
     topo = net.topo
     span = [max(1e-12, (r.comm_end_ms - min(r.bucket_start_ms)) * 1e-3) for r in runs]
@@ -84,8 +83,20 @@ def cmd_netsim(args: argparse.Namespace) -> int:
             emit_json(doc)
             return 0
         atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n", what="--json")
+    _print_summary(args, graph.workload, pattern, cfg, buckets, s, tl, per_layer, topo, util,
+                   busiest)
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, workload: str, pattern: str, cfg: Any,
+                   buckets: Any, s: dict[str, Any], tl: Any, per_layer: dict[str, float],
+                   topo: Any, util: list[float], busiest: list[int]) -> None:
     c, e = s["comm_end_ms"], s["exposed_ms"]
-    print(f"netsim: {graph.workload} on {args.cluster}, {args.scenario} ({pattern}), "
+    print(f"netsim: {workload} on {args.cluster}, {args.scenario} ({pattern}), "
           f"{args.policy}" + (f" p={args.p:g}" if cfg.bounded else "") + f", {args.routing}; "
           f"{len(buckets)} buckets, {args.iterations} iterations, {args.cell_kib} KiB cells")
     print(f"  communication ends at p50 {c['p50']:.3f} ms, p99 {c['p99']:.3f} ms (compute "
@@ -98,11 +109,23 @@ def cmd_netsim(args: argparse.Namespace) -> int:
         print("  most loss: " + ", ".join(f"{n} {v:.2%}" for n, v in worst if v > 0))
     print("  busiest links (busy fraction of the communication window): " + ", ".join(
         f"{topo.links[li].label} {util[li]:.2f}" for li in busiest))
-    if args.json:
-        print(f"wrote {args.json}")
-    if args.png:
-        print(f"wrote {args.png}")
-    return 0
+
+
+def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg: Any,
+              pattern: str) -> list[Any]:
+    """``--iterations`` seeded iterations (the first checks the event estimate before any
+    work), with a progress bar on a terminal."""
+    from ..netsim.cluster import check_events, run_iterations
+    from ..progress import Progress
+
+    check_events(net, buckets, pattern, cfg)
+    runs = []
+    with Progress("netsim", args.iterations, enabled=sys.stderr.isatty()) as bar:
+        for i in range(args.iterations):
+            runs.extend(run_iterations(net, buckets, ready, cfg, pattern=pattern, iterations=1,
+                                       seed=args.seed + i, keep_bins=bool(args.png) and i == 0))
+            bar.advance()
+    return runs
 
 
 def _plot(run: Any, topo: Any, links: list[int], bin_us: float, path: str) -> None:

@@ -34,10 +34,21 @@ from .traffic import POLICIES, Bucket, IterationResult, NetConfig, quantile, sim
 SCENARIOS = ("ring", "incast", "oversubscribed")
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
+#: the most devices a simulated cluster has (checked before anything is built: a ring over
+#: n ranks is 2(n - 1) n messages per bucket, so far fewer already pass the event cap)
+MAX_HOSTS = 4096
 COMM_MODEL_HELP = ("analytic (the ring formula, default) or netsim:p50|p99[,scenario=ring|incast|"
                    "oversubscribed][,policy=fifo+tcp|priority+bounded|fifo+bounded|priority+tcp]"
                    "[,routing=hash|spray]"
                    "[,iterations=100][,cell_kib=256][,p=0.05][,seed=0]")
+
+
+def limit_message(exc: NetsimLimit, cell: str, events: str | None) -> str:
+    """``exc`` in a command's own names: ``cell`` (e.g. ``--cell-kib``), ``events`` (the
+    event cap's flag, or None where it has none)."""
+    sep = "" if cell.endswith("=") else " "
+    fix = f"use {cell}{sep}{exc.cell_kib} or more" if exc.cell_kib else f"raise {cell}"
+    return f"{exc.core}; {fix}" + (f", or raise {events}" if events else "")
 
 
 @dataclass(frozen=True)
@@ -49,11 +60,19 @@ class Network:
     ps: int | None
 
 
+def check_hosts(cluster: ClusterSpec) -> None:
+    """Refuse a cluster of more than :data:`MAX_HOSTS` devices, before any work."""
+    if cluster.world_size > MAX_HOSTS:
+        raise QsyncInputError(f"cluster: the packet simulator takes at most {MAX_HOSTS:,} "
+                              f"devices, got {cluster.world_size:,}")
+
+
 def cluster_network(cluster: ClusterSpec, scenario: str = "ring", *, spines: int = 2,
                     buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> Network:
     """The fabric of ``cluster`` and the rank order of ``scenario`` (module docstring)."""
     if scenario not in SCENARIOS:
         raise QsyncInputError(f"scenario: expected one of {', '.join(SCENARIOS)}, got {scenario!r}")
+    check_hosts(cluster)
     t = Topology()
     hosts: list[int] = []
     groups: list[int] = []
@@ -132,8 +151,7 @@ def check_events(net: Network, buckets: Sequence[Bucket], pattern: str, cfg: Net
         suggest = 1 << max(10, math.ceil(math.log2(need)) - 10) if need > 0 else 1
         raise NetsimLimit(
             f"netsim: an iteration needs about {est:,} events at a {cfg.cell_bytes >> 10} KiB "
-            f"cell, above the cap of {cfg.max_events:,}; use cell_kib={suggest} or more, or "
-            "raise max_events")
+            f"cell, above the cap of {cfg.max_events:,}", suggest)
 
 
 def group_ready_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
@@ -275,6 +293,7 @@ def bucket_times_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
     when every bucket is ready at once and they run in order (the replayer's serial bucket
     stream): bucket k's share is its end minus bucket k-1's end."""
     cl = cluster.with_default_batch(graph.batch_size)
+    check_hosts(cl)
     net = cluster_network(cl, spec.scenario)
     buckets = workload_buckets(graph, costs.buckets)
     zero = [[0.0] * len(buckets) for _ in cl.groups]
@@ -292,7 +311,12 @@ def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
     """``costs`` with every bucket's all-reduce time from the simulator (``spec``)."""
     if spec.kind == "analytic" or cluster.world_size <= 1 or not costs.buckets:
         return costs
-    times = bucket_times_ms(graph, cluster, costs, spec)
+    try:
+        times = bucket_times_ms(graph, cluster, costs, spec)
+    except NetsimLimit as exc:
+        raise QsyncInputError("comm-model: " + limit_message(exc, "cell_kib=", None)) from None
+    except QsyncInputError as exc:
+        raise QsyncInputError(f"comm-model: {exc}") from None
     buckets = [b.model_copy(update={"allreduce_ms": t})
                for b, t in zip(costs.buckets, times, strict=True)]
     note = (f"bucket all-reduce times from the packet simulator: {spec.describe()} (the "
@@ -301,7 +325,7 @@ def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
     return costs.model_copy(update={"buckets": buckets, "notes": [*costs.notes, note]})
 
 
-__all__ = ["COMM_MODEL_HELP", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
-           "bucket_times_ms", "check_events", "cluster_network", "drop_mask", "params_bucket", "estimate_events",
+__all__ = ["COMM_MODEL_HELP", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
+           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "drop_mask", "params_bucket", "estimate_events",
            "group_ready_ms", "parse_comm_model", "run_iterations",
            "with_netsim_comm", "workload_buckets"]

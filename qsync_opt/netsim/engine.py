@@ -18,26 +18,40 @@ reason).
 Transports (:class:`Connection`): one persistent connection per (src, dst) pair carries
 successive messages (a ring step, a bucket push) in sequence-number order, NewReno-like:
 slow start from ``init_cwnd`` packets, congestion avoidance (+1/cwnd per ack), every packet
-acked (selective acks, no delayed acks); a packet is lost when ``dupthresh`` packets above
-it are acked (fast retransmit, ssthresh = half the packets in flight, once per window) or
-when nothing is acked for a retransmission timeout (RTO = max(min_rto, srtt + 4 rttvar),
-doubling on each timeout, window back to 1). As ns-3's TCP does by default: the first two
+acked (selective acks, no delayed acks). Loss detection (``detect``):
+
+- ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per priority class (strict
+  priority reorders across classes by design): a packet is lost when a packet of its class
+  sent after it has been delivered and it has been out longer than that delivery's RTT plus
+  a reorder window (:meth:`.rack.Rack.window`: RFC 8985's until reordering is seen; after
+  it, or from the start where ``expect_reordering`` -- a host behind a spraying fabric --
+  also twice the most an out-of-order delivery came late, the class's RTT spread srtt +
+  4 rttvar and the longest RTT the class has seen); a reorder timer marks what becomes
+  overdue between acks. A lost retransmission is found the same way.
+  No tail loss probe: a lost tail waits for the RTO.
+- ``"dupthresh"``: a packet is lost when ``dupthresh`` packets above it are acked (RFC 6675;
+  ns-3's TCP, kept for the cross-check): it assumes one path keeps order, so under spraying
+  it takes reordering for loss.
+
+Either way a packet is also lost when nothing is acked for a retransmission timeout (RTO =
+max(min_rto, srtt + 4 rttvar), doubling on each timeout, window back to 1); ``min_rto``
+defaults to Linux's 200 ms (:data:`DEFAULT_MIN_RTO_MS`). On loss: fast retransmit, ssthresh
+= half the packets in flight, once per window. As ns-3's TCP does by default: the first two
 duplicate acks each let one new packet out beyond the window (limited transmit, RFC 3042),
 fast recovery paces its sending by proportional rate reduction (PRR with slow-start
-reduction bound, RFC 6937) and the window does not grow until the recovery point is acked;
-a lost retransmission waits for the timeout (no RACK), as there. Acks are not queued: each returns after the reverse path's propagation
-and its own serialisation (``ack_bytes``; acks are 3% of a 1500-byte packet and the
-reverse direction of a gradient pattern's busiest link carries other data, a stated
-approximation). ``bounded=p``: DLCP's bounded-loss transport -- a packet found lost is given up (not
+reduction bound, RFC 6937) and the window does not grow until the recovery point is acked.
+Acks are not queued: each returns after the reverse path's propagation and its own
+serialisation (``ack_bytes``; acks are 3% of a 1500-byte packet and the reverse direction of
+a gradient pattern's busiest link carries other data, a stated approximation).
+``bounded=p``: DLCP's bounded-loss transport -- a packet found lost is given up (not
 retransmitted) while its message's given-up count is below ``floor(p n)`` of its ``n``
 packets, retransmitted after that; the sender's notice that it gave a packet up reaches the
 receiver one base one-way delay later. The receiver completes the message once every packet
-has arrived or been given up, or once the message's last packet has arrived with at least
-``n - floor(p n)`` of its packets (it stops the tensor at 1 - p instead of waiting for the
-tail: what is still on its way is not waited for), zero-filling the rest, and tells the
-sender, which stops sending what is left of it. Without loss the
-two transports are the same; congestion control is the same in both, so the comparison
-isolates waiting and retransmission.
+has arrived or been given up, zero-filling what was given up: only what the sender's loss
+detection found lost is ever given up, so a network that drops nothing gives up nothing
+(with a detection that tolerates the routing's reordering). Without loss the two transports
+are the same; congestion control is the same in both, so the comparison isolates waiting
+and retransmission.
 
 Deterministic: randomness (spraying, ECMP salt) comes from the ``seed``; ties in time run
 in scheduling order. ``max_events`` caps the loop with a message naming the cell size.
@@ -53,15 +67,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .rack import Rack
 from .topology import Topology
 
 QUEUES = ("fifo", "priority")
 ROUTING = ("hash", "spray")
 DEFAULT_MAX_EVENTS = 5_000_000
+DETECT = ("rack", "dupthresh")
+#: the minimum retransmission timeout (ms): Linux's TCP_RTO_MIN (HZ/5 = 200 ms), the stock
+#: figure of the hosts a cluster runs (a route's ``rto_min`` can lower it; docs/NETSIM.md)
+DEFAULT_MIN_RTO_MS = 200.0
 
 
 class NetsimLimit(RuntimeError):
-    """The event cap was reached (or would be): raise the cell size or the cap."""
+    """The event cap was reached (or would be): raise the cell size or the cap. ``core``:
+    what was exceeded; ``cell_kib``: the least cell size (KiB) that fits, where known. The
+    command line says it in its own flags (:func:`.cluster.limit_message`)."""
+
+    def __init__(self, core: str, cell_kib: int | None = None) -> None:
+        super().__init__(f"{core}; raise the cell size (fewer, larger packets)"
+                         + (f" to {cell_kib} KiB" if cell_kib else "") + " or max_events")
+        self.core, self.cell_kib = core, cell_kib
 
 
 class Pkt:
@@ -145,9 +171,7 @@ class Sim:
             self.events += 1
             if self.events > self.max_events:
                 cell = f" (cell {self.cell_bytes} bytes)" if self.cell_bytes else ""
-                raise NetsimLimit(
-                    f"netsim: more than {self.max_events} events{cell}; raise the cell size "
-                    "(fewer, larger packets) or max_events")
+                raise NetsimLimit(f"netsim: more than {self.max_events} events{cell}")
             fn(*args)
 
     # ------------------------------------------------------------------ queues
@@ -242,7 +266,7 @@ class Sim:
 @dataclass
 class Message:
     """Packets ``first .. first + n - 1`` of a connection; complete when each has arrived
-    or been given up, or (bounded) once its last packet and ``n - budget`` of them arrived."""
+    or been given up by the sender (bounded: a packet its loss detection found lost)."""
 
     first: int
     n: int
@@ -262,12 +286,15 @@ class Connection:
     """A persistent NewReno-like connection, optionally bounded-loss (module docstring)."""
 
     def __init__(self, sim: Sim, src: int, dst: int, *, mss: int, header: int = 40,
-                 init_cwnd: int = 10, min_rto_ms: float = 1.0,
+                 init_cwnd: int = 10, min_rto_ms: float = DEFAULT_MIN_RTO_MS,
                  initial_rto_ms: float | None = None, dupthresh: int = 3,
                  bounded: float | None = None, ack_bytes: int = 40, flow_key: int | None = None,
-                 handshake: bool = False) -> None:
+                 handshake: bool = False, detect: str = "rack",
+                 expect_reordering: bool = False) -> None:
         if mss < 1:
             raise ValueError("mss must be >= 1 byte")
+        if detect not in DETECT:
+            raise ValueError(f"detect: expected one of {', '.join(DETECT)}, got {detect!r}")
         self.sim, self.src, self.dst = sim, src, dst
         self.mss, self.header = int(mss), int(header)
         self.bounded = bounded
@@ -321,6 +348,9 @@ class Connection:
         self.tx_count = 0
         self.tx_id: list[int] = []
         self.rtx_out: dict[int, int] = {}
+        # time-based loss detection (RACK-style, RFC 8985), per priority class
+        self.detect = detect
+        self.rack = Rack(expect_reordering) if detect == "rack" else None
         self.last_progress = 0.0
         self.timer_armed = False
         self.ready_at = sim.now + (base_rtt if handshake else 0.0)
@@ -393,6 +423,8 @@ class Connection:
         self.tx_id[s] = self.tx_count
         if self.sent[s] > 1:
             self.rtx_out[s] = 0
+        if self.rack is not None:
+            self.rack.txq.setdefault(self.prio[s], deque()).append((self.tx_count, s))
         self.lost[s] = False
         if self.in_prr:
             self.prr_out += 1
@@ -416,11 +448,12 @@ class Connection:
             if s == m.first + m.n - 1:
                 m.tail = True
             self._check_done(m)
-        self.sim.at(self.sim.now + self.ack_delay, self._on_ack, s)
+            self.sim.at(self.sim.now + self.ack_delay, self._on_ack, s)
+        else:  # a duplicate: its ack carries a D-SACK (RFC 2883), a spurious retransmission
+            self.sim.at(self.sim.now + self.ack_delay, self._on_ack, s, True)
 
     def _check_done(self, m: Message) -> None:
-        if m.done_s is None and (m.received + m.told >= m.n or (
-                self.bounded and m.tail and m.received >= m.n - m.budget)):
+        if m.done_s is None and m.received + m.told >= m.n:
             m.done_s = self.sim.now
             if m.received < m.n:
                 m.missing = [q for q in range(m.first, m.first + m.n) if not self.got[q]]
@@ -437,9 +470,14 @@ class Connection:
         if not self.lost[s] and self.sent[s] > 0:
             self.pipe -= 1
 
-    def _on_ack(self, s: int) -> None:
+    def _on_ack(self, s: int, dsack: bool = False) -> None:
         sim = self.sim
         m = self.msg[s]
+        if self.rack is not None:
+            if dsack:
+                self.rack.mult += 1  # a spurious retransmission: widen the reorder window
+            elif self.sent[s] == 1:
+                self._rack_reordered(s)
         if m.done_s is not None and not m.acked_done:
             # the receiver has all it needs: the sender stops the rest of the message
             m.acked_done = True
@@ -471,12 +509,15 @@ class Connection:
                 self.cwnd += 1.0
             else:
                 self.cwnd += 1.0 / self.cwnd
-        c = self.prio[s]
-        if self.cpos[s] > self.chigh.get(c, -1):
-            self.chigh[c] = self.cpos[s]
-        entered = self._detect(c)
-        if self.rtx_out:
-            entered = self._detect_retx(s) or entered
+        if self.rack is not None:
+            entered = self._rack_delivered(s)
+        else:
+            c = self.prio[s]
+            if self.cpos[s] > self.chigh.get(c, -1):
+                self.chigh[c] = self.cpos[s]
+            entered = self._detect(c)
+            if self.rtx_out:
+                entered = self._detect_retx(s) or entered
         if self.in_prr:
             self._prr(1, entered)
         self.try_send()
@@ -515,15 +556,7 @@ class Connection:
                 losses = True
         if stop > start:
             self.cscan[c] = stop
-        if losses and self.snd_una > self.recovery_point:
-            self.ssthresh = max(flight / 2.0, 2.0)
-            self.cwnd = self.ssthresh
-            self.recovery_point = self.next_new - 1
-            self.in_prr = True
-            self.prr_delivered = self.prr_out = 0
-            self.recover_fs = flight
-            return True
-        return False
+        return losses and self._recover(flight)
 
     def _detect_retx(self, s: int) -> bool:
         """Count the ack of ``s`` against every outstanding retransmission of its class sent
@@ -541,16 +574,91 @@ class Connection:
                     if not self.lost[r]:
                         self._mark_lost(r)
                         lost = True
-        if lost and self.snd_una > self.recovery_point:
-            flight = self.pipe
-            self.ssthresh = max(flight / 2.0, 2.0)
-            self.cwnd = self.ssthresh
-            self.recovery_point = self.next_new - 1
-            self.in_prr = True
-            self.prr_delivered = self.prr_out = 0
-            self.recover_fs = flight
-            return True
-        return False
+        return lost and self._recover(self.pipe)
+
+    def _recover(self, flight: int) -> bool:
+        """Enter fast recovery (once per window): True when this starts one."""
+        if self.snd_una <= self.recovery_point:
+            return False
+        self.ssthresh = max(flight / 2.0, 2.0)
+        self.cwnd = self.ssthresh
+        self.recovery_point = self.next_new - 1
+        self.in_prr = True
+        self.prr_delivered = self.prr_out = 0
+        self.recover_fs = flight
+        return True
+
+    # ------------------------------------------------------------------ RACK
+    def _rack_delivered(self, s: int) -> bool:
+        """Packet ``s`` was delivered: update its class's newest delivery (or note the
+        reordering it shows) and mark lost what was sent before it and is overdue."""
+        r = self.rack
+        assert r is not None
+        c, now = self.prio[s], self.sim.now
+        rtt = now - self.sent_at[s]
+        if self.sent[s] > 1 and rtt < r.min_rtt:
+            return False  # the original's ack, likely: no sample (RFC 8985 6.2 step 2)
+        if self.sent[s] == 1:
+            r.min_rtt = min(r.min_rtt, rtt)
+            r.max_rtt[c] = max(r.max_rtt.get(c, 0.0), rtt)
+            if c in r.srtt:
+                r.var[c] = 0.75 * r.var[c] + 0.25 * abs(r.srtt[c] - rtt)
+                r.srtt[c] = 0.875 * r.srtt[c] + 0.125 * rtt
+            else:
+                r.srtt[c], r.var[c] = rtt, rtt / 2
+        if self.tx_id[s] > r.tx.get(c, 0):
+            r.tx[c], r.rtt[c] = self.tx_id[s], rtt
+        return self._rack_mark(c)
+
+    def _rack_reordered(self, s: int) -> None:
+        """The first transmission of ``s`` arrived (marked lost, given up, or not yet): when a
+        packet of its class sent after it was delivered first, that is reordering, and how
+        late it came (its RTT over the newer one's) sets the window's floor."""
+        r = self.rack
+        assert r is not None
+        c = self.prio[s]
+        if self.tx_id[s] < r.tx.get(c, 0):
+            r.seen = True
+            r.late = max(r.late, self.sim.now - self.sent_at[s] - r.rtt[c])
+
+    def _rack_mark(self, c: int) -> bool:
+        """Mark lost each packet of class ``c`` sent before its newest delivery whose RTT
+        plus the reorder window has passed; arm the reorder timer for the first that has
+        not (RFC 8985 6.2 step 5). True when this starts a fast recovery."""
+        r = self.rack
+        assert r is not None
+        q = r.txq.get(c)
+        newest, rtt, now = r.tx.get(c, 0), r.rtt.get(c, 0.0), self.sim.now
+        wnd = r.window(c, self.in_prr)
+        flight, lost = self.pipe, False
+        while q:
+            tid, s = q[0]
+            if self.tx_id[s] != tid or self.acked[s] or self.lost[s]:
+                q.popleft()
+                continue
+            if tid >= newest:
+                break
+            due = self.sent_at[s] + rtt + wnd
+            if now + 1e-12 < due:
+                if due < r.armed.get(c, math.inf):
+                    r.armed[c] = due
+                    self.sim.at(due, self._rack_timer, c, due)
+                break
+            q.popleft()
+            self._mark_lost(s)
+            lost = True
+        return lost and self._recover(flight)
+
+    def _rack_timer(self, c: int, due: float) -> None:
+        r = self.rack
+        assert r is not None
+        if r.armed.get(c) != due:
+            return  # re-armed earlier since
+        del r.armed[c]
+        entered = self._rack_mark(c)
+        if self.in_prr:
+            self._prr(0, entered)
+        self.try_send()
 
     def _mark_lost(self, s: int) -> None:
         self.lost[s] = True

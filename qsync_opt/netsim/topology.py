@@ -47,9 +47,12 @@ class Topology:
     out: list[list[int]] = field(default_factory=list)  # node -> link indices leaving it
     _next: dict[int, list[list[int]]] = field(default_factory=dict)  # dst -> node -> links
 
+    _index: dict[str, int] = field(default_factory=dict)  # name -> node
+
     def add(self, name: str, host: bool) -> int:
-        if name in self.names:
+        if name in self._index:
             raise ValueError(f"node {name!r} defined twice")
+        self._index[name] = len(self.names)
         self.names.append(name)
         self.is_host.append(host)
         self.out.append([])

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import DEFAULT_MAX_EVENTS, Connection, Message, Sim
+from .engine import DEFAULT_MAX_EVENTS, DEFAULT_MIN_RTO_MS, DETECT, Connection, Message, Sim
 from .topology import Topology
 
 PATTERNS = ("ring", "ps", "hierarchical")
@@ -70,7 +70,8 @@ class NetConfig:
     cell_bytes: int = 64 << 10
     header_bytes: int = 40
     init_cwnd: int = 10
-    min_rto_ms: float = 1.0
+    min_rto_ms: float = DEFAULT_MIN_RTO_MS
+    detect: str = "rack"
     classes: int = 8
     jitter: float = 0.0
     start_jitter_us: float = 0.0
@@ -84,6 +85,8 @@ class NetConfig:
             raise ValueError(f"p: expected a fraction in [0, 1), got {self.p}")
         if self.cell_bytes < 1:
             raise ValueError(f"cell_bytes: expected >= 1, got {self.cell_bytes}")
+        if self.detect not in DETECT:
+            raise ValueError(f"detect: expected one of {', '.join(DETECT)}, got {self.detect!r}")
         if not self.jitter >= 0 or not self.start_jitter_us >= 0:
             raise ValueError("jitter, start_jitter_us: expected >= 0")
 
@@ -150,7 +153,8 @@ class _Run:
         cfg = self.cfg
         return self.sim.connection(a, b, mss=cfg.cell_bytes, header=cfg.header_bytes,
                                    init_cwnd=cfg.init_cwnd, min_rto_ms=cfg.min_rto_ms,
-                                   bounded=cfg.bounded)
+                                   bounded=cfg.bounded, detect=cfg.detect,
+                                   expect_reordering=cfg.routing == "spray")
 
     def send(self, a: int, b: int, k: int, offset: int, nbytes: int,
              on_done: Callable[[float], None]) -> None:

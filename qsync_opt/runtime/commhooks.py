@@ -4,8 +4,10 @@ DDP has a single comm-hook slot, so every transport is a stage of one chain, reg
 (:meth:`~qsync_opt.runtime.sync.DDPSync.wrap`): ``allreduce`` divides each FP32 bucket by the
 world and all-reduces it (torch's ``allreduce_hook``); ``fp16`` casts it to fp16 and divides
 there (torch's ``fp16_compress_hook``), all-reduces, and casts back into the bucket; ``dlcp`` first zero-fills the chunks
-:mod:`.dlcp`'s policy drops (the whole gradient is one bucket) and, for its ``unbiased``
-policy, all-reduces the kept counts and rescales each chunk after the sum. Each
+:mod:`.dlcp`'s policy drops from the bucket's tensors (DDP keeps its buckets, so
+communication still overlaps backward; the bound is per tensor, so per bucket too) and,
+for its ``unbiased`` policy, all-reduces the bucket's kept counts and rescales each chunk
+after the sum. Each
 bucket's launch-to-completion interval and payload bytes go to the run's
 :class:`~qsync_opt.runtime.sync.CommMeter`.
 
@@ -39,16 +41,17 @@ class HookState:
                  params: Any = None, rank: int = 0) -> None:
         self.world, self.comm, self.meter = world, comm, meter
         self.drops, self.params, self.rank, self.step = drops, params, rank, 0
+        self.index: dict[int, int] | None = None  # id(parameter) -> its index in the model
 
 
-def _in_model_order(state: HookState, bucket: dist.GradBucket) -> list[torch.Tensor]:
-    """The bucket's gradient views in the model's parameter order (dlcp has one bucket)."""
-    views = {id(p): g for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)}
-    if len(views) != len(state.params):
-        raise RuntimeError(f"dlcp: a DDP bucket holds {len(views)} of the model's "
-                           f"{len(state.params)} gradients; the drop bound is over the whole "
-                           "gradient, so DDP must keep it in one bucket")
-    return [views[id(p)] for p in state.params]
+def _in_model_order(state: HookState, bucket: dist.GradBucket
+                    ) -> tuple[list[int], list[torch.Tensor]]:
+    """The bucket's parameters' indices in the model's order and their gradient views."""
+    if state.index is None:
+        state.index = {id(p): i for i, p in enumerate(state.params)}
+    pairs = sorted((state.index[id(p)], g) for p, g in
+                   zip(bucket.parameters(), bucket.gradients(), strict=True))
+    return [i for i, _ in pairs], [g for _, g in pairs]
 
 
 def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -56,16 +59,22 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     buf = bucket.buffer()
     drops = state.drops
     grads: list[torch.Tensor] = []
-    counts = None
-    if drops is not None:  # stage 1: zero-fill the dropped chunks
-        grads = _in_model_order(state, bucket)
-        counts = drops.stage(grads, state.step, state.rank)
-        if counts is not None:  # unbiased: the kept counts first, the same order everywhere
-            dist.all_reduce(counts)
+    indices: list[int] = []
+    counts = sel = None
+    if drops is not None:  # stage 1: zero-fill the dropped chunks of this bucket's tensors
+        indices, grads = _in_model_order(state, bucket)
+        counts = drops.stage(grads, state.step, state.rank, indices)
+        if counts is not None:  # unbiased: the bucket's kept counts, the same order everywhere
+            from .dlcp import chunk_index
+
+            sel = chunk_index(drops.table, indices)
+            mine = counts[sel]
+            dist.all_reduce(mine)
+            counts[sel] = mine
     # stage 2: the payload (unbiased: summed as is, rescaled per chunk afterwards)
     payload = buf if counts is not None else encode(buf, state.world, state.comm)
     nbytes = payload.numel() * payload.element_size() + (
-        0 if counts is None else counts.numel() * counts.element_size())
+        0 if sel is None else sel.numel() * 4)
     meter = state.meter
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -76,7 +85,7 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         if counts is not None:
             from .dlcp import rescale
 
-            rescale(grads, drops.table, counts)
+            rescale(grads, drops.table, counts, indices)
         meter.interval(t0, time.perf_counter(), nbytes)
         return out
 

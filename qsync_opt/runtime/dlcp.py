@@ -1,46 +1,48 @@
 """Bounded-loss priority gradient communication (DLCP), as one pure drop policy.
 
 DLCP (issue 20) lets a bounded fraction of a gradient's packets be lost: the receiver stops
-waiting once ``1 - p`` of the message has arrived and zero-fills the rest, and the network
-drops the least important packets first. Here the packets are **chunks**: every parameter's
-gradient cut, in the model's parameter order, into pieces of ``chunk_kib`` KiB (of fp32; a
-parameter's last chunk is shorter). One step's message is every parameter's gradient, so the
-bound is over the whole model: a rank drops at most ``floor(p * N)`` of its ``N`` gradient
-elements.
+a tensor once ``1 - p`` of it has arrived and zero-fills the rest, and the network drops the
+least important packets first. Here the packets are **chunks**: every parameter's gradient
+cut, in the model's parameter order, into pieces of ``chunk_kib`` KiB (of fp32; a
+parameter's last chunk is shorter). The bound is **per tensor**, as DLCP bounds each
+message: a rank drops at most ``floor(p * n)`` of each parameter's ``n`` gradient elements,
+so every DDP bucket (any set of whole tensors) loses at most a fraction ``p`` and no layer
+is ever wiped (issue 41: a bound over the whole gradient let a small layer lose all of it).
+The decisions for one tensor depend on that tensor alone (the random policies draw from a
+generator of (seed, step, rank, parameter)), so DDP's buckets, however torch lays them
+out, and the emulated path drop the same chunks.
 
-Which chunks a rank drops (:func:`choose_drops`), by ``policy``:
+Which chunks of a tensor a rank drops (:func:`choose_drops`), by ``policy``:
 
 * ``priority``: the chunks of least score ``rms(chunk) * (1 + layer_bias * (1 - pos))``
-  first, where ``pos`` is the parameter's position in the model (0 for the first parameter,
-  1 for the last): front layers are kept (the next forward needs them first), and within a
-  layer the chunks of small magnitude go first;
+  first (``pos``: the parameter's position in the model, 0 the first; within one tensor the
+  layer term is a constant, so the chunks of small magnitude go first);
 * ``random``: chunks in a seeded random order (the control);
 * ``unbiased``: random chunks as ``random``, and the all-reduce divides each chunk's sum by
   the number of ranks whose chunk arrived (the kept counts are all-reduced beside the
   gradient) instead of by the world: the mean of the gradients that arrived.
 
-Chunks are dropped in that order while they fit the budget, stopping at the first that
-does not: the dropped fraction never exceeds ``p``, less than one chunk of the budget is
-left unused, and the order is strict (a fill that skipped a chunk too long for the rest of
-the budget and took later, shorter ones would over-drop the short chunks, BatchNorm's
-parameters and the biases, under every policy: the first digits_cnn study found it). The same three
-functions serve the DDP hook chain (:mod:`.commhooks`), the emulated data-parallel path
+Chunks are dropped in that order while they fit the tensor's budget, stopping at the first
+that does not: the dropped fraction never exceeds ``p``, less than one chunk of the budget
+is left unused, and the order is strict (a fill that skipped a chunk too long for the rest of
+the budget and took later, shorter ones would over-drop short chunks). The same functions
+serve the DDP hook chain (:mod:`.commhooks`), the emulated data-parallel path
 (:class:`~qsync_opt.runtime.sync.EmulatedSync`) and a drop decision handed in from outside
-(:func:`apply_drops` takes any mask, e.g. the network simulator's lost packets), so the three
+(:func:`apply_drops` takes any mask, e.g. the network simulator's lost packets), so they
 cannot drift.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["POLICIES", "ChunkTable", "DropRecorder", "apply_drops", "choose_drops",
+__all__ = ["POLICIES", "ChunkTable", "DropRecorder", "apply_drops", "choose_drops", "chunk_index",
            "drop_generator", "kept_counts", "layer_of", "rescale"]
 
 POLICIES = ("priority", "random", "unbiased")
@@ -91,38 +93,50 @@ class ChunkTable:
         return dropped[a:b].repeat_interleave(self.sizes[a:b])
 
 
-def drop_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """The random policies' generator of one rank's step: independent across ranks and
-    steps, the same on every path and on a resume."""
+def drop_generator(seed: int, step: int, rank: int, param: int = 0) -> torch.Generator:
+    """The random policies' generator of one rank's step for one parameter: independent
+    across ranks, steps and parameters, the same on every path and on a resume."""
     mix = (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9
-           + int(rank) * 0x94D049BB133111EB) % (1 << 63)
+           + int(rank) * 0x94D049BB133111EB + int(param) * 0xD6E8FEB86659FD93) % (1 << 63)
     return torch.Generator().manual_seed(mix)
 
 
+Generators = torch.Generator | Callable[[int], torch.Generator] | None
+
+
 def choose_drops(grads: Sequence[Tensor], table: ChunkTable, p: float, policy: str,
-                 generator: torch.Generator | None = None, layer_bias: float = 1.0) -> Tensor:
-    """Which chunks of one rank's ``grads`` (the model's parameter order) to drop: a bool
-    tensor over :attr:`ChunkTable.n_chunks` (module docstring). ``p`` in [0, 1)."""
+                 generator: Generators = None, layer_bias: float = 1.0,
+                 indices: Sequence[int] | None = None) -> Tensor:
+    """Which chunks of one rank's ``grads`` to drop: a bool tensor over
+    :attr:`ChunkTable.n_chunks` (module docstring), at most ``floor(p * n)`` elements of each
+    tensor. ``grads`` are the parameters ``indices`` (default: all, the model's order);
+    ``generator``: one generator for every tensor in turn, or ``f(parameter index)`` (the
+    runtime's, so that a tensor's draw does not depend on its bucket). ``p`` in [0, 1)."""
     if not 0 <= p < 1:
         raise ValueError(f"p: expected a fraction in [0, 1), got {p}")
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
-    n = table.n_chunks
-    dropped = torch.zeros(n, dtype=torch.bool)
-    budget = math.floor(p * table.total)
-    if budget <= 0 or n == 0:
-        return dropped
-    if policy == "priority":
-        sumsq = torch.cat([_chunk_sumsq(g, table.chunk_elems) for g in grads])
-        rms = (sumsq / table.sizes.to(torch.float64)).sqrt()
-        score = rms * (1 + layer_bias * (1 - table.pos))
-        order = torch.sort(score, stable=True).indices  # ties: the model's order
-    else:
-        order = torch.randperm(n, generator=generator)
-    # the longest prefix of that order that fits: strictly in order (a chunk is never
-    # dropped before one ranked below it), less than one chunk of the budget unused
-    take = int((torch.cumsum(table.sizes[order], 0) <= budget).sum())
-    dropped[order[:take]] = True
+    idx = list(range(len(table.numels))) if indices is None else list(indices)
+    if len(idx) != len(grads):
+        raise ValueError(f"grads: expected {len(idx)} tensors, got {len(grads)}")
+    dropped = torch.zeros(table.n_chunks, dtype=torch.bool)
+    for i, g in zip(idx, grads, strict=True):
+        budget = math.floor(p * table.numels[i])
+        a, b = table.first[i], table.first[i + 1]
+        if budget <= 0 or a == b:
+            continue
+        sizes = table.sizes[a:b]
+        if policy == "priority":
+            rms = (_chunk_sumsq(g, table.chunk_elems) / sizes.to(torch.float64)).sqrt()
+            score = rms * (1 + layer_bias * (1 - table.pos[a:b]))
+            order = torch.sort(score, stable=True).indices  # ties: the tensor's order
+        else:
+            gen = generator(i) if callable(generator) else generator
+            order = torch.randperm(b - a, generator=gen)
+        # the longest prefix of that order that fits: strictly in order (a chunk is never
+        # dropped before one ranked below it), less than one chunk of the budget unused
+        take = int((torch.cumsum(sizes[order], 0) <= budget).sum())
+        dropped[a + order[:take]] = True
     return dropped
 
 
@@ -135,11 +149,14 @@ def _chunk_sumsq(g: Tensor, chunk_elems: int) -> Tensor:
     return out
 
 
-def apply_drops(grads: Sequence[Tensor], table: ChunkTable, dropped: Tensor) -> list[int]:
-    """Zero-fill the ``dropped`` chunks of ``grads`` in place (contiguous tensors or views of
-    one flat buffer); returns the elements dropped per parameter."""
+def apply_drops(grads: Sequence[Tensor], table: ChunkTable, dropped: Tensor,
+                indices: Sequence[int] | None = None) -> list[int]:
+    """Zero-fill the ``dropped`` chunks of ``grads`` (the parameters ``indices``, default
+    all) in place (contiguous tensors or views of one flat buffer); returns the elements
+    dropped per tensor."""
     out = []
-    for i, g in enumerate(grads):
+    idx = range(len(grads)) if indices is None else indices
+    for i, g in zip(idx, grads, strict=True):
         a, b = table.first[i], table.first[i + 1]
         if not bool(dropped[a:b].any()):
             out.append(0)
@@ -150,16 +167,26 @@ def apply_drops(grads: Sequence[Tensor], table: ChunkTable, dropped: Tensor) -> 
     return out
 
 
+def chunk_index(table: ChunkTable, indices: Sequence[int]) -> Tensor:
+    """The chunks of the parameters ``indices``, in that order (a bucket's slice of a
+    per-chunk tensor)."""
+    parts = [torch.arange(table.first[i], table.first[i + 1]) for i in indices]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def kept_counts(table: ChunkTable, dropped: Tensor) -> Tensor:
     """1.0 per chunk that arrives, 0.0 per dropped chunk (summed over ranks: how many ranks'
     chunk arrived)."""
     return (~dropped).to(torch.float32)
 
 
-def rescale(grads: Sequence[Tensor], table: ChunkTable, counts: Tensor) -> None:
-    """Divide each chunk of the summed ``grads`` by its kept count (none kept: zero)."""
+def rescale(grads: Sequence[Tensor], table: ChunkTable, counts: Tensor,
+            indices: Sequence[int] | None = None) -> None:
+    """Divide each chunk of the summed ``grads`` (the parameters ``indices``, default all)
+    by its kept count in ``counts`` (over all chunks; none kept: zero)."""
     inv = torch.where(counts > 0, 1.0 / counts.clamp(min=1), torch.zeros_like(counts))
-    for i, g in enumerate(grads):
+    idx = range(len(grads)) if indices is None else indices
+    for i, g in zip(idx, grads, strict=True):
         a, b = table.first[i], table.first[i + 1]
         g.view(-1).mul_(inv[a:b].repeat_interleave(table.sizes[a:b]).to(g.dtype))
 
@@ -171,9 +198,10 @@ def layer_of(name: str) -> str:
 
 class DropRecorder:
     """One run's drop decisions and statistics: :func:`choose_drops` and
-    :func:`apply_drops` for each rank's gradient of each step, with the fractions dropped
-    kept for that step's metrics rows (``dropped_frac`` and, per layer that lost anything,
-    ``dropped_by_layer``)."""
+    :func:`apply_drops` for each rank's tensors of each step (one call per DDP bucket, or
+    one for the whole gradient), with the fractions dropped kept for that step's metrics
+    rows (``dropped_frac``; ``dropped_max_tensor``, the most of any one tensor, at most p;
+    per layer that lost anything, ``dropped_by_layer``)."""
 
     def __init__(self, mode: Any, names: Sequence[str], numels: Sequence[int],
                  seed: int) -> None:
@@ -186,7 +214,8 @@ class DropRecorder:
         self.layer_total: dict[str, int] = {}
         for layer, k in zip(self.layers, numels, strict=True):
             self.layer_total[layer] = self.layer_total.get(layer, 0) + int(k)
-        self.last: dict[int, dict[str, object]] = {}
+        # rank -> the step's drops so far: elements per tensor index
+        self.acc: dict[int, dict[int, int]] = {}
 
     @property
     def unbiased(self) -> bool:
@@ -194,38 +223,54 @@ class DropRecorder:
 
     @property
     def active(self) -> bool:
-        """False when nothing can be dropped (p = 0): the plain all-reduce runs."""
-        return math.floor(self.p * self.table.total) > 0
+        """False when nothing can be dropped (p too small for one element of any tensor):
+        the plain all-reduce runs."""
+        return any(math.floor(self.p * k) > 0 for k in self.table.numels)
 
-    def drop(self, grads: Sequence[Tensor], step: int, rank: int) -> Tensor:
-        """Choose and zero-fill rank ``rank``'s chunks of ``step`` (grads in the model's
-        parameter order); returns the per-chunk mask."""
-        gen = None if self.policy == "priority" else drop_generator(self.seed, step, rank)
-        dropped = choose_drops(grads, self.table, self.p, self.policy, gen, self.layer_bias)
-        per = apply_drops(grads, self.table, dropped)
-        by_layer: dict[str, int] = {}
-        for layer, k in zip(self.layers, per, strict=True):
-            if k:
-                by_layer[layer] = by_layer.get(layer, 0) + k
-        self.last[rank] = {
-            "dropped_frac": sum(per) / max(1, self.table.total),
-            "dropped_by_layer": {k: v / self.layer_total[k] for k, v in by_layer.items()}}
+    def drop(self, grads: Sequence[Tensor], step: int, rank: int,
+             indices: Sequence[int] | None = None) -> Tensor:
+        """Choose and zero-fill rank ``rank``'s chunks of ``step`` for the tensors
+        ``indices`` (default all; grads in that order); returns the per-chunk mask."""
+        idx = list(range(len(self.table.numels))) if indices is None else list(indices)
+        gen = None if self.policy == "priority" else (
+            lambda i: drop_generator(self.seed, step, rank, i))
+        dropped = choose_drops(grads, self.table, self.p, self.policy, gen, self.layer_bias,
+                               indices=idx)
+        per = apply_drops(grads, self.table, dropped, idx)
+        acc = self.acc.setdefault(rank, {})
+        for i, k in zip(idx, per, strict=True):
+            acc[i] = acc.get(i, 0) + k
         return dropped
 
-    def stage(self, grads: Sequence[Tensor], step: int, rank: int) -> Tensor | None:
-        """The chain's first stage for one rank's gradient: :meth:`drop` (or, when nothing
-        can be dropped, :meth:`nothing`); returns the rank's kept counts for ``unbiased``
-        (to be summed over the ranks), else None."""
+    def stage(self, grads: Sequence[Tensor], step: int, rank: int,
+              indices: Sequence[int] | None = None) -> Tensor | None:
+        """The chain's first stage for one rank's tensors ``indices`` (default all):
+        :meth:`drop` (or, when nothing can be dropped, :meth:`nothing`); returns the rank's
+        kept counts over every chunk for ``unbiased`` (to be summed over the ranks), else
+        None."""
         if not self.active:
             self.nothing(rank)
             return None
-        dropped = self.drop(grads, step, rank)
+        dropped = self.drop(grads, step, rank, indices)
         return kept_counts(self.table, dropped) if self.unbiased else None
 
     def nothing(self, rank: int) -> None:
         """Rank ``rank`` dropped nothing this step (p too small for one element)."""
-        self.last[rank] = {"dropped_frac": 0.0, "dropped_by_layer": {}}
+        self.acc.setdefault(rank, {})
 
     def take(self) -> dict[int, dict[str, object]]:
-        out, self.last = self.last, {}
+        """Each rank's statistics of the step just run (and a fresh step)."""
+        out: dict[int, dict[str, object]] = {}
+        numels = self.table.numels
+        for rank, acc in self.acc.items():
+            by_layer: dict[str, int] = {}
+            for i, k in acc.items():
+                if k:
+                    by_layer[self.layers[i]] = by_layer.get(self.layers[i], 0) + k
+            out[rank] = {
+                "dropped_frac": sum(acc.values()) / max(1, self.table.total),
+                "dropped_max_tensor": max((k / numels[i] for i, k in acc.items()),
+                                          default=0.0),
+                "dropped_by_layer": {k: v / self.layer_total[k] for k, v in by_layer.items()}}
+        self.acc = {}
         return out

@@ -147,7 +147,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
                         "fp16, or dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=K]"
                         "[,layer_bias=B] (bounded-loss priority: at most a fraction P of each "
-                        "rank's gradient zero-filled, in chunks of K KiB)")
+                        "gradient tensor zero-filled per rank, in chunks of K KiB, in DDP's own "
+                        "buckets). dlcp EMULATES the network's losses for their effect on "
+                        "quality: it sends the same bytes and saves no time here; the time "
+                        "DLCP saves is the packet simulator's prediction (qsync-opt netsim)")
     p.add_argument("--average-optimizer-state", action="store_true",
                    help="local/qsr: also average the optimizer state at every sync")
     p.add_argument("--seed", type=int_range(-MAX_ABS_SEED, MAX_ABS_SEED), default=0)

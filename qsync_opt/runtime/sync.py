@@ -266,10 +266,7 @@ class DDPSync(GradientSync):
         fwd = "forward_sync_buffers"
         kw: dict[str, Any] = {fwd: False} if fwd in sig else {"broadcast_buffers": False}
         params: list[nn.Parameter] = []
-        if self.dlcp is not None:
-            # the drop bound is over the whole gradient: one bucket holds it
-            kw.update({"bucket_cap_mb_list": [1 << 30]} if "bucket_cap_mb_list" in sig
-                      else {"bucket_cap_mb": float(1 << 30)})
+        if self.dlcp is not None:  # DDP's own buckets: the drop bound is per tensor
             self.drops, params = _drop_recorder(model, self.dlcp, self.seed)
         ddp = DDP(model, device_ids=ids, **kw)
         from .commhooks import HookState, chain_hook

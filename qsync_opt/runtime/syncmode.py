@@ -27,9 +27,10 @@ Gradient transports (``--comm``, ``TrainConfig.comm``), composed into the one DD
     all-reduced, cast back), in the emulation too.
 ``dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=64][,layer_bias=1]``
     Bounded-loss priority communication (DLCP): each rank zero-fills at most a fraction
-    ``P`` of its gradient, in chunks of ``chunk_kib`` KiB chosen by ``policy``
-    (:mod:`.dlcp`), before the FP32 all-reduce; the whole gradient is one DDP bucket (the
-    bound is over the whole message).
+    ``P`` of each gradient tensor, in chunks of ``chunk_kib`` KiB chosen by ``policy``
+    (:mod:`.dlcp`), before the FP32 all-reduce, in DDP's own buckets (the bound is per
+    tensor, as DLCP bounds each message, so per bucket). It emulates the network's losses
+    for their effect on quality; the time saved is the packet simulator's prediction.
 
 Which combine is :data:`COMPATIBLE`; :func:`check_combination` refuses the others with one
 line (a gradient transport needs gradients on the wire: Local SGD and QSR send parameters).
