@@ -335,7 +335,8 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
     print(f"straggler at FP32 (the group whose iteration ends last): {straggler_reason(high)}")
     if low is not None:
         t_hi, t_lo = high.groups["t4"], low.groups["t4"]
-        print(f"Uniform lowest precision on the T4s cuts their compute from {t_hi.compute_ms:.0f} "
+        verb = "cuts" if t_lo.compute_ms < t_hi.compute_ms else "raises"  # casts can outweigh
+        print(f"Uniform lowest precision on the T4s {verb} their compute from {t_hi.compute_ms:.0f} "
               f"to {t_lo.compute_ms:.0f} ms ({t_lo.n_casts} casts, {t_lo.cast_ms:.0f} ms of them) "
               f"against the V100s' {high.groups['v100'].compute_ms:.0f} ms: the iteration goes "
               f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "

@@ -64,7 +64,7 @@ def test_measure_memory_refuses_negative_step(tmp_path: Path) -> None:
          str(plan), "--nproc", "2", "--steps", "4", "--out", str(tmp_path / "o"),
          "--measure-memory", "-1", "--dry-run"], capture_output=True, text=True)
     assert res.returncode == 2
-    assert "memory_step" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert "--measure-memory" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_the_measured_step_keeps_its_checkpoint(tmp_path: Path) -> None:

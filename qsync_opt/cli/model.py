@@ -122,6 +122,10 @@ def _replay_checks(args: argparse.Namespace) -> Any:
     pipeline's under data parallelism, or the other way) is refused, never ignored; the
     defaults filled in. Returns the sync model (:func:`sync_arg`)."""
     pipelined = getattr(args, "pipeline_stages", None) is not None
+    if getattr(args, "comm_model", None):  # its own keys first, then where it applies
+        from ..netsim.cluster import parse_comm_model
+
+        parse_comm_model(args.comm_model)
     for flag, attr, *default in _PIPELINE_ONLY:
         if getattr(args, attr, None) is None:
             setattr(args, attr, default[0])
@@ -135,10 +139,6 @@ def _replay_checks(args: argparse.Namespace) -> Any:
         return None
     if args.optimizer is None:
         args.optimizer = "sgd"
-    if getattr(args, "comm_model", None):
-        from ..netsim.cluster import parse_comm_model
-
-        parse_comm_model(args.comm_model)
     return sync_arg(args)
 
 
