@@ -252,15 +252,16 @@ def rank_cluster(cluster: ClusterSpec, rank_groups: Sequence[str]) -> tuple[Clus
         raise QsyncInputError(f"rank_groups: the cluster has no group {bad[0]!r}")
     groups = [g.model_copy(update={"count": counts[g.name]}) for g in cluster.groups
               if counts.get(g.name)]
-    start, acc = {}, 0
-    for g in groups:
-        start[g.name] = acc
-        acc += g.count
+    start: dict[str, int] = {}
+    acc = 0
+    for grp in groups:
+        start[grp.name] = acc
+        acc += grp.count
     seen: dict[str, int] = {}
     device = []
-    for g in rank_groups:
-        device.append(start[g] + seen.get(g, 0))
-        seen[g] = seen.get(g, 0) + 1
+    for name in rank_groups:
+        device.append(start[name] + seen.get(name, 0))
+        seen[name] = seen.get(name, 0) + 1
     return cluster.model_copy(update={"groups": groups}), device
 
 
