@@ -218,3 +218,13 @@ def test_two_gloo_ranks_drop_what_the_emulation_drops(plan: Path, tmp_path: Path
         assert [x["dropped_frac"] for x in g] == [x["dropped_frac"] for x in e]
         assert all(x["dlcp_mode"] == "network" for x in g)
     assert any(x["dropped_frac"] > 0 for x in run_rows(out, 0) + run_rows(out, 1))
+
+
+def test_a_network_too_large_for_the_simulator_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Chunks are the simulated cells: 4-byte chunks of digits_cnn's incast pass the event
+    cap, refused naming chunk_kib= and a size that fits (not a traceback from the ranks)."""
+    code, _, err = run_cli("train", "--model", "digits_cnn", "--nproc", "2", "--steps", "1",
+                           "--emulate-dp", "--comm", "dlcp:scenario=incast,chunk_kib=0.00390625",
+                           "--out", str(tmp_path / "o"), "--progress-every", "0")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "dlcp's network" in err and "use chunk_kib=0.0078125 or more" in err, err

@@ -281,6 +281,13 @@ def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
     check_hosts(cl)
     net = cluster_network(cl, scenario, buffer_bytes=buffer_bytes)
     buckets = ddp_buckets(table.numels)
+    est = estimate_events(net, buckets, SCENARIO_PATTERN[scenario], cfg.cell_bytes)
+    if est > cfg.max_events:  # in the runtime's terms: its chunks are the cells
+        kib = 2.0 ** math.ceil(math.log2(cfg.cell_bytes * est / cfg.max_events / 1024))
+        raise QsyncInputError(
+            f"comm: dlcp's network: a simulated iteration needs about {est:,} events at "
+            f"chunk_kib={cfg.cell_bytes / 1024:g}, above the simulator's cap of "
+            f"{cfg.max_events:,}; use chunk_kib={kib:g} or more")
     zero = [[0.0] * len(buckets) for _ in cl.groups]
     runs = run_iterations(net, buckets, zero, cfg, pattern=SCENARIO_PATTERN[scenario],
                           iterations=iterations, seed=seed)
