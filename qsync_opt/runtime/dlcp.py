@@ -224,8 +224,9 @@ class DropRecorder:
     """One run's drop decisions and statistics: :func:`choose_drops` and
     :func:`apply_drops` for each rank's tensors of each step (one call per DDP bucket, or
     one for the whole gradient), with the fractions dropped kept for that step's metrics
-    rows (``dropped_frac``; ``dropped_max_tensor``, the most of any one tensor, at most p;
-    per layer that lost anything, ``dropped_by_layer``). ``masks`` (per iteration, per rank, a
+    rows (``dlcp_mode``: ``network`` or ``stress``; ``dropped_frac``;
+    ``dropped_max_tensor``, the most of any one tensor, at most p; per layer that lost
+    anything, ``dropped_by_layer``). ``masks`` (per iteration, per rank, a
     per-chunk mask, e.g. the simulated network's): the drops of step ``s`` are iteration
     ``s mod len(masks)``'s, each tensor's cut to ``p`` (:func:`clip_to_bound`), instead of
     :func:`choose_drops`' fixed fraction."""
