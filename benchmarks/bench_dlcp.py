@@ -2,7 +2,8 @@
 
 Per model, two ranks in the emulated data-parallel path (the same drop decisions and
 arithmetic as the DDP hook on two gloo ranks: tests/test_dlcp.py), every op at fp32, one
-cosine schedule, ``--seeds`` paired seeds: ``--comm dlcp:p=P,policy=POLICY`` for P in
+cosine schedule, ``--seeds`` paired seeds: ``--comm dlcp:p=P,stress,policy=POLICY`` (the
+fixed-p stress mode) for P in
 ``--ps`` and the three policies (``priority``, ``random``, ``unbiased``), against the plain
 all-reduce (p = 0, the same run for every policy: tested bit for bit). Columns: the dropped
 fraction actually reached (mean over steps and ranks; the budget is filled in whole chunks,
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = Path(tmp) / "fp32.plan.json"
             make_plan(trace(model, d["batch"]), load_cluster(f"cpux2@{d['batch']}"), {}).save(plan)
             combos = [("p0", "allreduce")] + [
-                (f"p{p:g} {pol}", f"dlcp:p={p:g},policy={pol},chunk_kib={d['chunk_kib']:g}")
+                (f"p{p:g} {pol}",
+                 f"dlcp:p={p:g},stress,policy={pol},chunk_kib={d['chunk_kib']:g}")
                 for p in ps for pol in POLICIES]
             for name, comm in combos:
                 t0 = time.perf_counter()

@@ -41,13 +41,18 @@ def test_parse_and_describe() -> None:
     m = parse_comm("DLCP:p=0.05")
     assert (m.kind, m.p, m.policy, m.chunk_kib, m.chunk_elems) == ("dlcp", 0.05, "priority",
                                                                   64.0, 16384)
-    text = "dlcp:p=0.1,policy=unbiased,chunk_kib=4,layer_bias=0"
-    assert parse_comm(text).describe() == text and parse_comm(parse_comm(text).describe()) == \
-        parse_comm(text)
-    for bad, needle in (("dlcp", "needs p=P"), ("dlcp:p=0.6", "in [0, 0.5]"),
+    assert not m.stress and (m.scenario, m.iterations) == ("ring", 4)
+    for text in ("dlcp:p=0.1,stress,policy=unbiased,chunk_kib=4,layer_bias=0",
+                 "dlcp:p=0.05,policy=random,chunk_kib=4,scenario=incast,iterations=2,"
+                 "buffer_kib=16"):
+        assert parse_comm(text).describe() == text and \
+            parse_comm(parse_comm(text).describe()) == parse_comm(text)
+    assert parse_comm("dlcp") == parse_comm("dlcp:p=0.05")  # from the network, p's default
+    assert parse_comm("dlcp:stress,p=0.1").stress
+    for bad, needle in (("dlcp:stress", "needs p=P"), ("dlcp:p=0.6", "in [0, 0.5]"),
                         ("dlcp:p=-0.1", "in [0, 0.5]"), ("dlcp:p=0.1,policy=best", "policy"),
                         ("dlcp:p=0.1,chunk_kib=0", "chunk_kib"), ("dlcp:p=x", "number"),
-                        ("dlcp:p=0.1,layer_bias=-1", "layer_bias"), ("fp16:p=1", "expected"),
+                        ("dlcp:p=0.1,stress,layer_bias=-1", "layer_bias"), ("fp16:p=1", "expected"),
                         ("dlcp:p=0.1,policy=random,policy=priority", "twice")):
         with pytest.raises(QsyncInputError, match=re.escape(needle)):
             parse_comm(bad)
@@ -145,7 +150,7 @@ def test_random_drops_do_not_favour_short_chunks() -> None:
 def test_decisions_do_not_depend_on_the_bucket() -> None:
     """A tensor's drops are the same whether it comes alone (one DDP bucket) or with every
     other (the emulated path): the draws are per (seed, step, rank, parameter)."""
-    mode = parse_comm("dlcp:p=0.3,policy=random,chunk_kib=0.0078125")  # chunks of 2
+    mode = parse_comm("dlcp:p=0.3,stress,policy=random,chunk_kib=0.0078125")  # chunks of 2
     numels = [10, 6, 8]
     whole = DropRecorder(mode, ["a.w", "b.w", "c.w"], numels, seed=4)
     parts = DropRecorder(mode, ["a.w", "b.w", "c.w"], numels, seed=4)
@@ -189,7 +194,7 @@ def test_unbiased_rescale_is_the_mean_of_what_arrived() -> None:
 def test_a_mask_handed_in_from_outside() -> None:
     """The simulator's lost packets come as a chunk mask: apply_drops takes any mask, and
     the recorder's statistics name the layers that lost them."""
-    rec = DropRecorder(parse_comm("dlcp:p=0.5,chunk_kib=0.0078125"), ["a.w", "a.b", "c.w"],
+    rec = DropRecorder(parse_comm("dlcp:p=0.5,stress,chunk_kib=0.0078125"), ["a.w", "a.b", "c.w"],
                        [4, 2, 6], seed=0)  # chunks of 2 elements
     assert rec.table.n_chunks == 6
     grads = [torch.ones(4), torch.ones(2), torch.ones(6)]
@@ -228,7 +233,7 @@ def test_emulated_p0_is_the_plain_all_reduce_bit_for_bit(plan: Path, tmp_path: P
     emulate(_config(plan, tmp_path / "a"), faults=NO_FAULTS)
     for policy in ("priority", "unbiased"):
         out = tmp_path / policy
-        emulate(_config(plan, out, comm=f"dlcp:p=0,policy={policy}"), faults=NO_FAULTS)
+        emulate(_config(plan, out, comm=f"dlcp:p=0,stress,policy={policy}"), faults=NO_FAULTS)
         pa, pb = run_params(tmp_path / "a", 0, True), run_params(out, 0, True)
         assert all(torch.equal(pa[k], pb[k]) for k in pa), policy
         assert {r["dropped_frac"] for r in run_rows(out, 1)} == {0.0}
@@ -237,7 +242,7 @@ def test_emulated_p0_is_the_plain_all_reduce_bit_for_bit(plan: Path, tmp_path: P
 @pytest.mark.parametrize("policy", ["priority", "random", "unbiased"])
 def test_emulated_drops_keep_replicas_identical(plan: Path, tmp_path: Path, policy: str) -> None:
     out = tmp_path / policy
-    emulate(_config(plan, out, comm=f"dlcp:p=0.2,policy={policy},chunk_kib=0.5"),
+    emulate(_config(plan, out, comm=f"dlcp:p=0.2,stress,policy={policy},chunk_kib=0.5"),
             faults=NO_FAULTS)
     p0, p1 = run_params(out, 0), run_params(out, 1)
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
@@ -280,8 +285,8 @@ def test_two_gloo_ranks_p0_bit_identical_and_drops_match_emulation(plan: Path,
     the replicas stay identical every step, each rank drops what the emulation drops at the
     first step (same gradients), and the runs agree within 1e-5."""
     runs = {}
-    for name, comm in (("plain", "allreduce"), ("p0", "dlcp:p=0"),
-                       ("p20", "dlcp:p=0.2,policy=unbiased,chunk_kib=0.5")):
+    for name, comm in (("plain", "allreduce"), ("p0", "dlcp:p=0,stress"),
+                       ("p20", "dlcp:p=0.2,stress,policy=unbiased,chunk_kib=0.5")):
         out = tmp_path / name
         res = _gloo(plan, out, "--comm", comm)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -291,7 +296,8 @@ def test_two_gloo_ranks_p0_bit_identical_and_drops_match_emulation(plan: Path,
     r0, r1 = run_rows(runs["p20"], 0), run_rows(runs["p20"], 1)
     assert all(a["state_sha256"] == b["state_sha256"] for a, b in zip(r0, r1, strict=True))
     emu = tmp_path / "emu"
-    emulate(_config(plan, emu, comm="dlcp:p=0.2,policy=unbiased,chunk_kib=0.5", momentum=0.9),
+    emulate(_config(plan, emu, comm="dlcp:p=0.2,stress,policy=unbiased,chunk_kib=0.5",
+                    momentum=0.9),
             faults=NO_FAULTS)
     for r, rows in ((0, r0), (1, r1)):
         e = run_rows(emu, r)

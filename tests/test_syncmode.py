@@ -94,7 +94,7 @@ def test_bad_sync_specs_are_refused_in_one_line(text):
 
 def test_comm_and_the_combination_table():
     assert parse_comm("FP16") == CommMode("fp16")
-    with pytest.raises(QsyncInputError, match="^comm: expected allreduce, fp16 or dlcp:"):
+    with pytest.raises(QsyncInputError, match="^comm: expected allreduce, fp16, dlcp.* or dlcp:p=P,stress"):
         parse_comm("topk")
     for (s, c), ok in COMPATIBLE.items():
         mode = parse_sync({"ddp": "ddp", "local": "local:2",

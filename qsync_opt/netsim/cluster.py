@@ -215,6 +215,101 @@ def drop_mask(table: Any, bucket: Bucket, lost: Sequence[tuple[int, int]]) -> An
     return dropped
 
 
+#: DDP's bucket sizes (torch's defaults: the first bucket 1 MiB, then 25 MiB each)
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_BUCKET_BYTES = 25 << 20
+
+
+def ddp_buckets(numels: Sequence[int], cap: int = DDP_BUCKET_BYTES,
+                first: int = DDP_FIRST_BUCKET_BYTES) -> list[Bucket]:
+    """FP32 parameters ``numels`` (the model's order) in DDP's buckets: last parameter
+    first, a bucket closed once it holds ``first`` (the first) or ``cap`` bytes; layer names
+    are the parameter indices (as :func:`params_bucket`, which is one bucket of them all)."""
+    last = max(1, len(numels) - 1)
+    out: list[Bucket] = []
+    cur: list[tuple[str, int, float]] = []
+    size, limit = 0, first
+    for i in range(len(numels) - 1, -1, -1):
+        cur.append((str(i), int(numels[i]) * 4, i / last))
+        size += int(numels[i]) * 4
+        if size >= limit:
+            out.append(Bucket(tuple(cur)))
+            cur, size, limit = [], 0, cap
+    if cur:
+        out.append(Bucket(tuple(cur)))
+    return out
+
+
+def rank_cluster(cluster: ClusterSpec, rank_groups: Sequence[str]) -> tuple[ClusterSpec, list[int]]:
+    """The part of ``cluster`` a training run's ranks use (each group cut to its ranks'
+    count) and each rank's device index in it (its group's devices in rank order)."""
+    counts: dict[str, int] = {}
+    for g in rank_groups:
+        counts[g] = counts.get(g, 0) + 1
+    known = {g.name for g in cluster.groups}
+    bad = sorted(set(counts) - known)
+    if bad:
+        raise QsyncInputError(f"rank_groups: the cluster has no group {bad[0]!r}")
+    groups = [g.model_copy(update={"count": counts[g.name]}) for g in cluster.groups
+              if counts.get(g.name)]
+    start: dict[str, int] = {}
+    acc = 0
+    for grp in groups:
+        start[grp.name] = acc
+        acc += grp.count
+    seen: dict[str, int] = {}
+    device = []
+    for name in rank_groups:
+        device.append(start[name] + seen.get(name, 0))
+        seen[name] = seen.get(name, 0) + 1
+    return cluster.model_copy(update={"groups": groups}), device
+
+
+def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
+               scenario: str, cfg: NetConfig, iterations: int, seed: int,
+               buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> list[list[Any]]:
+    """What the network would lose of a training run's gradients, for the runtime's DLCP:
+    ``iterations`` seeded simulated iterations (seed, seed + 1, ...) of the ranks'
+    ``cluster`` (:func:`rank_cluster`) under ``scenario``, every DDP bucket
+    (:func:`ddp_buckets` of ``table.numels``) ready at once, and per iteration, per rank,
+    the chunk mask (:func:`drop_mask`) of the packets lost of the messages that rank sent
+    (a loss of the parameter server's reply: of the rank it was for), unbounded (the
+    runtime bounds it per tensor)."""
+    import torch
+
+    cl, device = rank_cluster(cluster, rank_groups)
+    check_hosts(cl)
+    net = cluster_network(cl, scenario, buffer_bytes=buffer_bytes)
+    buckets = ddp_buckets(table.numels)
+    est = estimate_events(net, buckets, SCENARIO_PATTERN[scenario], cfg.cell_bytes)
+    if est > cfg.max_events:  # in the runtime's terms: its chunks are the cells
+        kib = 2.0 ** math.ceil(math.log2(cfg.cell_bytes * est / cfg.max_events / 1024))
+        raise QsyncInputError(
+            f"comm: dlcp's network: a simulated iteration needs about {est:,} events at "
+            f"chunk_kib={cfg.cell_bytes / 1024:g}, above the simulator's cap of "
+            f"{cfg.max_events:,}; use chunk_kib={kib:g} or more")
+    zero = [[0.0] * len(buckets) for _ in cl.groups]
+    runs = run_iterations(net, buckets, zero, cfg, pattern=SCENARIO_PATTERN[scenario],
+                          iterations=iterations, seed=seed)
+    dev_of = {h: i for i, h in enumerate(sorted(net.ranks))}  # host id -> device index
+    rank_of = {d: r for r, d in enumerate(device)}
+    out = []
+    for res in runs:
+        lost: list[list[list[tuple[int, int]]]] = [[[] for _ in buckets] for _ in device]
+        for (k, off, size), (a, b) in zip(res.lost_ranges, res.lost_ends, strict=True):
+            r = rank_of[dev_of[a if a in dev_of else b]]
+            lost[r][k].append((off, size))
+        masks = []
+        for per_bucket in lost:
+            m = torch.zeros(table.n_chunks, dtype=torch.bool)
+            for k, ranges in enumerate(per_bucket):
+                if ranges:
+                    m |= drop_mask(table, buckets[k], ranges)
+            masks.append(m)
+        out.append(masks)
+    return out
+
+
 @dataclass(frozen=True)
 class CommModelSpec:
     """A ``--comm-model`` text: ``analytic`` or ``netsim:QUANTILE,...``."""
@@ -325,7 +420,7 @@ def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
     return costs.model_copy(update={"buckets": buckets, "notes": [*costs.notes, note]})
 
 
-__all__ = ["COMM_MODEL_HELP", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
-           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "drop_mask", "params_bucket", "estimate_events",
+__all__ = ["COMM_MODEL_HELP", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
+           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "dlcp_masks", "ddp_buckets", "rank_cluster", "drop_mask", "params_bucket", "estimate_events",
            "group_ready_ms", "parse_comm_model", "run_iterations",
            "with_netsim_comm", "workload_buckets"]

@@ -117,6 +117,8 @@ class IterationResult:
     link_bins: list[dict[int, int]] = field(default_factory=list)
     #: (bucket, byte offset in the bucket's wire order, bytes) of every packet zero-filled
     lost_ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    #: (sending host, receiving host) of each of :attr:`lost_ranges`' packets, in order
+    lost_ends: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def comm_end_ms(self) -> float:
@@ -148,6 +150,7 @@ class _Run:
         self.end_s = [0.0] * len(buckets)
         self.start_s = [math.inf] * len(buckets)
         self.msgs: list[tuple[int, int, int, Message]] = []  # (bucket, offset, bytes, message)
+        self.ends: list[tuple[int, int]] = []  # (sender, receiver) of each of msgs
 
     def conn(self, a: int, b: int) -> Connection:
         cfg = self.cfg
@@ -164,6 +167,7 @@ class _Run:
                 if cfg.queue == "priority" else None)
         m = self.conn(a, b).send(max(1, nbytes), prio=prio, on_done=on_done)
         self.msgs.append((k, offset, max(1, nbytes), m))
+        self.ends.append((a, b))
 
     def finish(self, k: int, t: float) -> None:
         self.end_s[k] = max(self.end_s[k], t)
@@ -305,8 +309,9 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
     lost: dict[str, int] = {}
     sent: dict[str, int] = {}
     ranges: list[tuple[int, int, int]] = []
+    ends: list[tuple[int, int]] = []
     cell = cfg.cell_bytes
-    for k, off, nbytes, m in run.msgs:
+    for (k, off, nbytes, m), ab in zip(run.msgs, run.ends, strict=True):
         b = buckets[k]
         missing = set(m.missing)
         for q in range(m.first, m.first + m.n):
@@ -317,6 +322,7 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
             if q in missing:
                 lost[name] = lost.get(name, 0) + size
                 ranges.append((k, off + i * cell, size))
+                ends.append(ab)
     unfinished = [k for k in range(nb) if not all(fin[i][k] for i in range(n))]
     if unfinished:
         raise RuntimeError(f"netsim: buckets {unfinished} never completed (a deadlock in the "
@@ -330,7 +336,8 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
         drops=sum(c.dropped for c in conns), retransmits=sum(c.retransmits for c in conns),
         timeouts=sum(c.timeouts for c in conns), events=sim.events,
         link_bytes=[s.bytes for s in sim.stats], link_busy_s=[s.busy_s for s in sim.stats],
-        link_bins=[s.bins for s in sim.stats] if keep_bins else [], lost_ranges=ranges)
+        link_bins=[s.bins for s in sim.stats] if keep_bins else [], lost_ranges=ranges,
+        lost_ends=ends)
 
 
 def quantile(xs: Sequence[float], q: float) -> float:

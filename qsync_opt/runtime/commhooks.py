@@ -4,7 +4,8 @@ DDP has a single comm-hook slot, so every transport is a stage of one chain, reg
 (:meth:`~qsync_opt.runtime.sync.DDPSync.wrap`): ``allreduce`` divides each FP32 bucket by the
 world and all-reduces it (torch's ``allreduce_hook``); ``fp16`` casts it to fp16 and divides
 there (torch's ``fp16_compress_hook``), all-reduces, and casts back into the bucket; ``dlcp`` first zero-fills the chunks
-:mod:`.dlcp`'s policy drops from the bucket's tensors (DDP keeps its buckets, so
+:mod:`.dlcp` drops from the bucket's tensors (the simulated network's losses, or the
+stress mode's policy) (DDP keeps its buckets, so
 communication still overlaps backward; the bound is per tensor, so per bucket too) and,
 for its ``unbiased`` policy, all-reduces the bucket's kept counts and rescales each chunk
 after the sum. Each

@@ -182,8 +182,10 @@ class TrainConfig(Document):
                     "qsr:alpha=A,h_base=H0[,power=P] (the quadratic synchronisation rule).")
     comm: str = Field(
         default="allreduce",
-        description="Gradient transport of the ddp mode's all-reduce: allreduce (FP32) or "
-                    "fp16 (torch's fp16 compression hook).")
+        description="Gradient transport of the ddp mode's all-reduce: allreduce (FP32), "
+                    "fp16 (torch's fp16 compression hook) or dlcp[:...] (bounded-loss: the "
+                    "simulated network's losses, or dlcp:p=P,stress; "
+                    "qsync_opt.runtime.syncmode).")
     average_optimizer_state: bool = Field(
         default=False,
         description="Local SGD / QSR: also average the optimizer's state (momentum, Adam's "

@@ -30,6 +30,12 @@ serve the DDP hook chain (:mod:`.commhooks`), the emulated data-parallel path
 (:class:`~qsync_opt.runtime.sync.EmulatedSync`) and a drop decision handed in from outside
 (:func:`apply_drops` takes any mask, e.g. the network simulator's lost packets), so they
 cannot drift.
+
+Where the drops come from (``--comm dlcp``'s two modes, :mod:`.syncmode`): by default the
+packet simulator's losses for the run's cluster (``masks``: per simulated iteration, per
+rank, the chunks the network lost of that rank's messages), each tensor's cut to its bound
+by :func:`clip_to_bound`, step ``s`` taking iteration ``s mod len(masks)``; in the
+``stress`` mode, :func:`choose_drops` every step.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["POLICIES", "ChunkTable", "DropRecorder", "apply_drops", "choose_drops", "chunk_index",
+           "clip_to_bound",
            "drop_generator", "kept_counts", "layer_of", "rescale"]
 
 POLICIES = ("priority", "random", "unbiased")
@@ -167,6 +174,23 @@ def apply_drops(grads: Sequence[Tensor], table: ChunkTable, dropped: Tensor,
     return out
 
 
+def clip_to_bound(table: ChunkTable, dropped: Tensor, p: float) -> Tensor:
+    """``dropped`` (a per-chunk mask handed in, e.g. the network simulator's) with each
+    tensor's dropped chunks kept in chunk order while they fit its budget of
+    ``floor(p * n)`` elements, stopping at the first that does not (as
+    :func:`choose_drops`): no tensor loses more than ``p``."""
+    out = torch.zeros(table.n_chunks, dtype=torch.bool)
+    for i, n in enumerate(table.numels):
+        a, b = table.first[i], table.first[i + 1]
+        budget = math.floor(p * n)
+        if budget <= 0 or a == b or not bool(dropped[a:b].any()):
+            continue
+        which = torch.nonzero(dropped[a:b]).reshape(-1)
+        take = int((torch.cumsum(table.sizes[a:b][which], 0) <= budget).sum())
+        out[a + which[:take]] = True
+    return out
+
+
 def chunk_index(table: ChunkTable, indices: Sequence[int]) -> Tensor:
     """The chunks of the parameters ``indices``, in that order (a bucket's slice of a
     per-chunk tensor)."""
@@ -200,11 +224,15 @@ class DropRecorder:
     """One run's drop decisions and statistics: :func:`choose_drops` and
     :func:`apply_drops` for each rank's tensors of each step (one call per DDP bucket, or
     one for the whole gradient), with the fractions dropped kept for that step's metrics
-    rows (``dropped_frac``; ``dropped_max_tensor``, the most of any one tensor, at most p;
-    per layer that lost anything, ``dropped_by_layer``)."""
+    rows (``dlcp_mode``: ``network`` or ``stress``; ``dropped_frac``;
+    ``dropped_max_tensor``, the most of any one tensor, at most p; per layer that lost
+    anything, ``dropped_by_layer``). ``masks`` (per iteration, per rank, a
+    per-chunk mask, e.g. the simulated network's): the drops of step ``s`` are iteration
+    ``s mod len(masks)``'s, each tensor's cut to ``p`` (:func:`clip_to_bound`), instead of
+    :func:`choose_drops`' fixed fraction."""
 
     def __init__(self, mode: Any, names: Sequence[str], numels: Sequence[int],
-                 seed: int) -> None:
+                 seed: int, masks: Sequence[Sequence[Tensor]] | None = None) -> None:
         self.p = float(mode.p)
         self.policy = str(mode.policy)
         self.layer_bias = float(mode.layer_bias)
@@ -216,6 +244,8 @@ class DropRecorder:
             self.layer_total[layer] = self.layer_total.get(layer, 0) + int(k)
         # rank -> the step's drops so far: elements per tensor index
         self.acc: dict[int, dict[int, int]] = {}
+        self.masks = None if masks is None else [
+            [clip_to_bound(self.table, m, self.p) for m in ranks] for ranks in masks]
 
     @property
     def unbiased(self) -> bool:
@@ -224,7 +254,9 @@ class DropRecorder:
     @property
     def active(self) -> bool:
         """False when nothing can be dropped (p too small for one element of any tensor):
-        the plain all-reduce runs."""
+        the plain all-reduce runs; from the network: when it lost nothing)."""
+        if self.masks is not None:
+            return any(bool(m.any()) for ranks in self.masks for m in ranks)
         return any(math.floor(self.p * k) > 0 for k in self.table.numels)
 
     def drop(self, grads: Sequence[Tensor], step: int, rank: int,
@@ -232,10 +264,13 @@ class DropRecorder:
         """Choose and zero-fill rank ``rank``'s chunks of ``step`` for the tensors
         ``indices`` (default all; grads in that order); returns the per-chunk mask."""
         idx = list(range(len(self.table.numels))) if indices is None else list(indices)
-        gen = None if self.policy == "priority" else (
-            lambda i: drop_generator(self.seed, step, rank, i))
-        dropped = choose_drops(grads, self.table, self.p, self.policy, gen, self.layer_bias,
-                               indices=idx)
+        if self.masks is not None:
+            dropped = self.masks[step % len(self.masks)][rank]
+        else:
+            gen = None if self.policy == "priority" else (
+                lambda i: drop_generator(self.seed, step, rank, i))
+            dropped = choose_drops(grads, self.table, self.p, self.policy, gen,
+                                   self.layer_bias, indices=idx)
         per = apply_drops(grads, self.table, dropped, idx)
         acc = self.acc.setdefault(rank, {})
         for i, k in zip(idx, per, strict=True):
@@ -268,6 +303,7 @@ class DropRecorder:
                 if k:
                     by_layer[self.layers[i]] = by_layer.get(self.layers[i], 0) + k
             out[rank] = {
+                "dlcp_mode": "stress" if self.masks is None else "network",
                 "dropped_frac": sum(acc.values()) / max(1, self.table.total),
                 "dropped_max_tensor": max((k / numels[i] for i, k in acc.items()),
                                           default=0.0),

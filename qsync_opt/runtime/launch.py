@@ -145,12 +145,19 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--comm", type=spec_type(parse_comm, "comm"), default="allreduce",
                    metavar="TRANSPORT",
                    help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
-                        "fp16, or dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=K]"
-                        "[,layer_bias=B] (bounded-loss priority: at most a fraction P of each "
-                        "gradient tensor zero-filled per rank, in chunks of K KiB, in DDP's own "
-                        "buckets). dlcp EMULATES the network's losses for their effect on "
-                        "quality: it sends the same bytes and saves no time here; the time "
-                        "DLCP saves is the packet simulator's prediction (qsync-opt netsim)")
+                        "fp16, or dlcp[:p=P][,policy=priority|random|unbiased][,chunk_kib=K]"
+                        "[,scenario=ring|incast|oversubscribed][,iterations=N][,buffer_kib=B] "
+                        "(bounded-loss priority, in DDP's own buckets: each rank zero-fills the "
+                        "chunks of K KiB that the packet simulator says the plan's cluster "
+                        "loses of its messages (scenario default ring, switch buffers of B KiB, "
+                        "default 4096), N simulated iterations (default 4) computed once up "
+                        "front and cycled, at most a fraction P (default 0.05) of each gradient "
+                        "tensor; a network that loses nothing drops nothing), or "
+                        "dlcp:p=P,stress[,policy=...][,chunk_kib=K][,layer_bias=B] (stress: "
+                        "a fraction P of each tensor every step). dlcp EMULATES the network's "
+                        "losses for their effect on quality: it sends the same bytes and "
+                        "saves no time here; the time DLCP saves is the packet simulator's "
+                        "prediction (qsync-opt netsim)")
     p.add_argument("--average-optimizer-state", action="store_true",
                    help="local/qsr: also average the optimizer state at every sync")
     p.add_argument("--seed", type=int_range(-MAX_ABS_SEED, MAX_ABS_SEED), default=0)

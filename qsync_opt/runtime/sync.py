@@ -250,10 +250,11 @@ class DDPSync(GradientSync):
     payload go to :attr:`meter`."""
 
     def __init__(self, world: int, device: torch.device, comm: str = "allreduce",
-                 dlcp: Any = None, seed: int = 0) -> None:
+                 dlcp: Any = None, seed: int = 0, network: Any = None) -> None:
         self.world, self.device, self.comm = world, device, comm
         self.meter = CommMeter()
         self.dlcp, self.seed = dlcp, seed  # dlcp: the parsed --comm dlcp:... (CommMode)
+        self.network = network  # dlcp from the network: (the plan's cluster, rank groups)
         self.drops: Any = None
         self.hook_state: Any = None
 
@@ -267,7 +268,7 @@ class DDPSync(GradientSync):
         kw: dict[str, Any] = {fwd: False} if fwd in sig else {"broadcast_buffers": False}
         params: list[nn.Parameter] = []
         if self.dlcp is not None:  # DDP's own buckets: the drop bound is per tensor
-            self.drops, params = _drop_recorder(model, self.dlcp, self.seed)
+            self.drops, params = _drop_recorder(model, self.dlcp, self.seed, self.network)
         ddp = DDP(model, device_ids=ids, **kw)
         from .commhooks import HookState, chain_hook
 
@@ -314,14 +315,48 @@ class DDPSync(GradientSync):
                 b.data.copy_(v)
 
 
-def _drop_recorder(model: nn.Module, mode: Any, seed: int) -> tuple[Any, list[nn.Parameter]]:
+def _drop_recorder(model: nn.Module, mode: Any, seed: int,
+                   network: Any = None) -> tuple[Any, list[nn.Parameter]]:
     """dlcp's :class:`~qsync_opt.runtime.dlcp.DropRecorder` over ``model``'s trainable
-    parameters (in the model's order, the order its chunks are numbered in)."""
-    from .dlcp import DropRecorder
+    parameters (in the model's order, the order its chunks are numbered in); unless
+    ``mode.stress``, with the drops the simulated network of ``network`` (the plan's
+    cluster, the run's rank groups) loses (:func:`net_masks`)."""
+    from .dlcp import ChunkTable, DropRecorder
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return (DropRecorder(mode, [n for n, _ in named], [p.numel() for _, p in named], seed),
+    numels = [p.numel() for _, p in named]
+    masks = None
+    if not mode.stress:
+        if network is None:
+            raise ValueError("dlcp: the network mode needs the plan's cluster and rank groups")
+        masks = net_masks(ChunkTable.build(numels, int(mode.chunk_elems)), mode, seed,
+                          *network)
+    return (DropRecorder(mode, [n for n, _ in named], numels, seed, masks),
             [p for _, p in named])
+
+
+def net_masks(table: Any, mode: Any, seed: int, cluster: Any,
+              rank_groups: Sequence[str]) -> list[list[Tensor]]:
+    """``--comm dlcp``'s drops from the network: the packet simulator's lost chunks per
+    iteration and rank (:func:`qsync_opt.netsim.cluster.dlcp_masks`), ``mode.iterations``
+    iterations of ``cluster`` cut to ``rank_groups``, simulated once; the bounded-loss
+    transport at ``mode.p`` behind DLCP's priority queues (``priority``) or FIFO ones,
+    cells of one chunk. A run too large for the simulator's event cap is refused in one
+    line."""
+    from ..errors import QsyncInputError
+    from ..netsim.cluster import dlcp_masks, limit_message
+    from ..netsim.engine import NetsimLimit
+    from ..netsim.traffic import NetConfig
+
+    policy = "priority+bounded" if mode.policy == "priority" else "fifo+bounded"
+    cfg = NetConfig(policy=policy, p=min(mode.p, 0.999), cell_bytes=table.chunk_elems * 4)
+    try:
+        return dlcp_masks(table, cluster, rank_groups, scenario=mode.scenario, cfg=cfg,
+                          iterations=mode.iterations, seed=seed,
+                          buffer_bytes=int(mode.buffer_kib * 1024))
+    except NetsimLimit as exc:
+        raise QsyncInputError("comm: dlcp's network: "
+                              + limit_message(exc, "chunk_kib=", None)) from None
 
 
 def _grad_bytes(model: nn.Module, comm: str) -> int:
@@ -342,10 +377,11 @@ class EmulatedSync(GradientSync):
     rank would hand its collectives (the bytes of a multi-process run)."""
 
     def __init__(self, world: int, comm: str = "allreduce", dlcp: Any = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, network: Any = None) -> None:
         self.world, self.comm = world, comm
         self.meter = CommMeter()
         self.dlcp, self.seed, self.step = dlcp, seed, 0
+        self.network = network  # dlcp from the network: (the plan's cluster, rank groups)
         self.drops: Any = None
 
     def before_backward(self, step: int, models: Sequence[nn.Module]) -> None:
@@ -358,7 +394,7 @@ class EmulatedSync(GradientSync):
 
         t0 = time.perf_counter()
         if self.drops is None:
-            self.drops, _ = _drop_recorder(models[0], self.dlcp, self.seed)
+            self.drops, _ = _drop_recorder(models[0], self.dlcp, self.seed, self.network)
         params = [[p for p in m.parameters() if p.requires_grad] for m in models]
         grads: list[list[Tensor]] = []
         for ps in params:
@@ -579,9 +615,11 @@ class LocalSGDSync(GradientSync):
             self.round_len = int(state["round_len"])
 
 
-def make_sync(config: Any, world: int, device: torch.device, emulated: bool) -> GradientSync:
+def make_sync(config: Any, world: int, device: torch.device, emulated: bool,
+              cluster: Any = None) -> GradientSync:
     """The gradient-sync mode a run's config asks for (``sync``, ``comm``), over ``world``
-    ranks, in one process (``emulated``) or one per rank."""
+    ranks, in one process (``emulated``) or one per rank; ``cluster``: the plan's (the
+    network ``--comm dlcp`` takes its drops from)."""
     mode = config.sync_mode()
     cm = config.comm_mode()
     comm = cm.kind
@@ -592,6 +630,8 @@ def make_sync(config: Any, world: int, device: torch.device, emulated: bool) -> 
         return LocalSGDSync(world, mode, config.schedule(), config.steps, device=device,
                             emulated=emulated,
                             average_optimizer_state=config.average_optimizer_state)
+    network = None if cluster is None else (cluster, list(config.rank_groups))
     if emulated:
-        return EmulatedSync(world, comm, dlcp, config.seed)
-    return DDPSync(world, device, comm, dlcp, config.seed) if world > 1 else LocalSync()
+        return EmulatedSync(world, comm, dlcp, config.seed, network)
+    return (DDPSync(world, device, comm, dlcp, config.seed, network) if world > 1
+            else LocalSync())

@@ -25,12 +25,23 @@ Gradient transports (``--comm``, ``TrainConfig.comm``), composed into the one DD
 ``fp16``
     Gradients sent as fp16 (torch's ``fp16_compress_hook``: divided by the world size, cast,
     all-reduced, cast back), in the emulation too.
-``dlcp:p=P[,policy=priority|random|unbiased][,chunk_kib=64][,layer_bias=1]``
-    Bounded-loss priority communication (DLCP): each rank zero-fills at most a fraction
-    ``P`` of each gradient tensor, in chunks of ``chunk_kib`` KiB chosen by ``policy``
-    (:mod:`.dlcp`), before the FP32 all-reduce, in DDP's own buckets (the bound is per
-    tensor, as DLCP bounds each message, so per bucket). It emulates the network's losses
-    for their effect on quality; the time saved is the packet simulator's prediction.
+``dlcp[:p=P][,policy=priority|random|unbiased][,chunk_kib=64][,scenario=ring|incast|oversubscribed][,iterations=4][,buffer_kib=4096]``
+    Bounded-loss priority communication (DLCP), by default **from the network**: each rank
+    zero-fills the chunks (of ``chunk_kib`` KiB) that the packet simulator
+    (:func:`qsync_opt.netsim.cluster.dlcp_masks`) says the plan's cluster, cut to the run's
+    ranks, loses of that rank's messages under the bounded-loss transport (``priority``:
+    DLCP's priority queues; ``random``, ``unbiased``: FIFO queues), in ``scenario`` with
+    switch buffers of ``buffer_kib`` KiB, every DDP bucket ready at once; ``iterations``
+    seeded iterations are simulated once, up front, and step ``s`` uses iteration
+    ``s mod iterations``. At most a fraction ``P`` (default 0.05, the simulator's bound too)
+    of each gradient tensor is dropped; a network that loses nothing drops nothing.
+``dlcp:p=P,stress[,policy=priority|random|unbiased][,chunk_kib=64][,layer_bias=1]``
+    The **stress** mode: a fraction ``P`` of each tensor dropped on every step, congested or
+    not, the chunks chosen by ``policy`` (:mod:`.dlcp`).
+
+Both run before the FP32 all-reduce, in DDP's own buckets (the bound is per tensor, as DLCP
+bounds each message, so per bucket). They emulate the network's losses for their effect on
+quality; the time saved is the packet simulator's prediction.
 
 Which combine is :data:`COMPATIBLE`; :func:`check_combination` refuses the others with one
 line (a gradient transport needs gradients on the wire: Local SGD and QSR send parameters).
@@ -45,7 +56,7 @@ from ..errors import QsyncInputError
 from ..limits import parse_float
 from .schedule import LRSchedule, parse_options
 
-__all__ = ["COMM_KINDS", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
+__all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
            "SyncMode", "check_combination", "parse_comm", "parse_sync", "qsr_period",
            "round_count", "round_length", "rounds", "sync_steps"]
 
@@ -66,6 +77,18 @@ SYNC_SYNTAX = "ddp, local:H or qsr:alpha=A,h_base=H0[,power=P]"
 
 #: ``dlcp``'s largest ``p`` (more than half a gradient lost is not a bounded loss).
 MAX_DROP = 0.5
+#: ``dlcp``'s bound without ``p=`` (from-the-network mode; the simulator's default too).
+DEFAULT_DROP = 0.05
+#: ``dlcp``'s simulated iterations by default, and at most (each is simulated up front).
+DEFAULT_NET_ITERATIONS = 4
+MAX_NET_ITERATIONS = 64
+#: the scenarios of the from-the-network mode (netsim.cluster.SCENARIOS)
+NET_SCENARIOS = ("ring", "incast", "oversubscribed")
+#: ``--comm``'s syntax, in its refusals and train's --help
+COMM_SYNTAX = ("allreduce, fp16, dlcp[:p=P][,policy=priority|random|unbiased][,chunk_kib=K]"
+               "[,scenario=ring|incast|oversubscribed][,iterations=N][,buffer_kib=B] (drops "
+               "from the simulated network) or dlcp:p=P,stress[,policy=...][,chunk_kib=K]"
+               "[,layer_bias=B] (a fraction P every step)")
 
 #: A round never exceeds this many steps (``(A / lr) ** 2`` of a tiny lr is astronomic).
 MAX_PERIOD = 1 << 40
@@ -105,6 +128,11 @@ class CommMode:
     policy: str = "priority"
     chunk_kib: float = 64.0
     layer_bias: float = 1.0
+    #: dlcp: True: the fixed-p stress mode; False: the drops the simulated network loses
+    stress: bool = False
+    scenario: str = "ring"
+    iterations: int = DEFAULT_NET_ITERATIONS
+    buffer_kib: float = 4096.0
 
     @property
     def chunk_elems(self) -> int:
@@ -114,8 +142,12 @@ class CommMode:
     def describe(self) -> str:
         if self.kind != "dlcp":
             return self.kind
-        return (f"dlcp:p={self.p:g},policy={self.policy},chunk_kib={self.chunk_kib:g}"
-                + ("" if self.layer_bias == 1 else f",layer_bias={self.layer_bias:g}"))
+        if self.stress:
+            return (f"dlcp:p={self.p:g},stress,policy={self.policy},chunk_kib={self.chunk_kib:g}"
+                    + ("" if self.layer_bias == 1 else f",layer_bias={self.layer_bias:g}"))
+        return (f"dlcp:p={self.p:g},policy={self.policy},chunk_kib={self.chunk_kib:g},"
+                f"scenario={self.scenario},iterations={self.iterations}"
+                + ("" if self.buffer_kib == 4096 else f",buffer_kib={self.buffer_kib:g}"))
 
 
 def parse_sync(text: str) -> SyncMode:
@@ -156,9 +188,18 @@ def parse_comm(text: str) -> CommMode:
     if kind == "dlcp":
         return _parse_dlcp(raw)
     if kind not in COMM_KINDS or ":" in raw:
-        raise QsyncInputError(f"comm: expected allreduce, fp16 or dlcp:p=P[,policy=priority|"
-                              f"random|unbiased][,chunk_kib=K][,layer_bias=B], got {raw!r}")
+        raise QsyncInputError(f"comm: expected {COMM_SYNTAX}, got {raw!r}")
     return CommMode(kind)
+
+
+def _word(items: list[str], key: str) -> tuple[str | None, list[str]]:
+    """The value of ``key=WORD`` among ``items`` (None: absent; given twice: refused) and
+    the other items."""
+    mine = [x for x in items if x.partition("=")[0].strip().lower() == key]
+    if len(mine) > 1:
+        raise QsyncInputError(f"comm: {key} given twice")
+    rest = [x for x in items if x not in mine]
+    return (mine[0].partition("=")[2].strip().lower() if mine else None), rest
 
 
 def _parse_dlcp(raw: str) -> CommMode:
@@ -166,27 +207,49 @@ def _parse_dlcp(raw: str) -> CommMode:
 
     head, _, rest = raw.partition(":")
     items = [x for x in rest.split(",") if x.strip()]
-    policy = [x for x in items if x.partition("=")[0].strip().lower() == "policy"]
-    if len(policy) > 1:
-        raise QsyncInputError("comm: policy given twice")
-    pol = policy[0].partition("=")[2].strip().lower() if policy else "priority"
+    flags = [x for x in items if x.strip().lower() == "stress"]
+    if len(flags) > 1:
+        raise QsyncInputError("comm: stress given twice")
+    items = [x for x in items if x not in flags]
+    stress = bool(flags)
+    pol, items = _word(items, "policy")
+    pol = pol or "priority"
     if pol not in POLICIES:
         raise QsyncInputError(f"comm: dlcp's policy: expected one of {', '.join(POLICIES)}, "
                               f"got {pol!r}")
-    others = ",".join(x for x in items if x not in policy)
-    _, opts = parse_options(f"dlcp:{others}" if others else "dlcp", "comm",
-                            {"p": float, "chunk_kib": float, "layer_bias": float})
-    if "p" not in opts:
-        raise QsyncInputError(f"comm: dlcp needs p=P, the largest fraction of a gradient "
-                              f"dropped (dlcp:p=0.05), got {raw!r}")
-    p, kib, bias = opts["p"], opts.get("chunk_kib", 64.0), opts.get("layer_bias", 1.0)
+    scenario, items = _word(items, "scenario")
+    if scenario is not None and scenario not in NET_SCENARIOS:
+        raise QsyncInputError(f"comm: dlcp's scenario: expected one of "
+                              f"{', '.join(NET_SCENARIOS)}, got {scenario!r}")
+    keys: dict[str, type] = ({"p": float, "chunk_kib": float, "layer_bias": float} if stress
+                             else {"p": float, "chunk_kib": float, "iterations": int,
+                                   "buffer_kib": float})
+    if stress and scenario is not None:
+        raise QsyncInputError("comm: dlcp's scenario is of the network mode; stress drops a "
+                              "fixed fraction without a network (leave out one of them)")
+    others = ",".join(items)
+    _, opts = parse_options(f"dlcp:{others}" if others else "dlcp", "comm", keys)
+    if stress and "p" not in opts:
+        raise QsyncInputError(f"comm: dlcp's stress mode needs p=P, the fraction of each "
+                              f"gradient tensor dropped every step (dlcp:p=0.05,stress), "
+                              f"got {raw!r}")
+    p, kib = opts.get("p", DEFAULT_DROP), opts.get("chunk_kib", 64.0)
     if not 0 <= p <= MAX_DROP:
         raise QsyncInputError(f"comm: dlcp's p must be in [0, {MAX_DROP:g}], got {p:g}")
     if not 1 / 256 <= kib <= 1 << 20:
         raise QsyncInputError(f"comm: dlcp's chunk_kib must be in [1/256, 2^20] KiB, got {kib:g}")
+    bias = opts.get("layer_bias", 1.0)
     if bias < 0:
         raise QsyncInputError(f"comm: dlcp's layer_bias must be >= 0, got {bias:g}")
-    return CommMode("dlcp", float(p), pol, float(kib), float(bias))
+    its = int(opts.get("iterations", DEFAULT_NET_ITERATIONS))
+    if not 1 <= its <= MAX_NET_ITERATIONS:
+        raise QsyncInputError(f"comm: dlcp's iterations must be an integer in [1, "
+                              f"{MAX_NET_ITERATIONS}], got {its}")
+    buf = opts.get("buffer_kib", 4096.0)
+    if not 1 <= buf <= 1 << 20:
+        raise QsyncInputError(f"comm: dlcp's buffer_kib must be in [1, 2^20] KiB, got {buf:g}")
+    return CommMode("dlcp", float(p), pol, float(kib), float(bias), stress,
+                    scenario or "ring", its, float(buf))
 
 
 def check_combination(sync: SyncMode, comm: CommMode) -> None:
