@@ -923,6 +923,7 @@ class CompareRow:
     messages: list[str] = field(default_factory=list)
     plan: Plan | None = field(default=None, repr=False)
     report: SolveReport | None = field(default=None, repr=False)
+    ev: Evaluation | None = field(default=None, repr=False)  # the plan scored
 
     def to_json(self) -> dict[str, Any]:
         return {"solver": self.solver, "status": self.status, "feasible": self.feasible,
@@ -980,17 +981,18 @@ def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
             peak_memory_gib={g: e.replay_memory_bytes / 2**30 for g, e in ev.groups.items()},
             wall_s=wall, gap=report.gap, messages=list(report.messages), plan=plan,
             report=report, rounds=max(0, len(report.rounds) - 1),
-            batches={n: g.batch_per_device for n, g in plan.groups.items()}))
+            batches={n: g.batch_per_device for n, g in plan.groups.items()}, ev=ev))
     return rows
 
 
-def format_rows(rows: Sequence[CompareRow]) -> str:
-    """The comparison as a fixed-width table."""
+def format_rows(rows: Sequence[CompareRow], marks: Sequence[str | None] | None = None) -> str:
+    """The comparison as a fixed-width table; ``marks``: per row, a trailing mark (the
+    dominated rows': ``qsync_opt.dominance.marked_table``) or None."""
     head = (f"{'solver':>17} {'status':>10} {'ok':>3} {'objective':>11} {'linear ms':>10} "
             f"{'replay ms':>10} {'samples/s':>10} {'rounds':>6} {'wall s':>8}  batches; "
             "peak memory per group")
     lines = [head]
-    for r in rows:
+    for i, r in enumerate(rows):
         def num(v: float | None, fmt: str) -> str:
             width = int(fmt.split(".")[0])
             return format(v, fmt) if v is not None else "-".rjust(width)
@@ -1000,5 +1002,6 @@ def format_rows(rows: Sequence[CompareRow]) -> str:
         lines.append(f"{r.solver:>17} {r.status:>10} {'yes' if r.feasible else 'no':>3} "
                      f"{num(r.objective, '11.5g')} {num(r.makespan_ms, '10.2f')} "
                      f"{num(r.replay_makespan_ms, '10.2f')} {num(r.samples_per_s, '10.1f')} "
-                     f"{r.rounds:6d} {r.wall_s:8.3f}  {split}; {mem}")
+                     f"{r.rounds:6d} {r.wall_s:8.3f}  {split}; {mem}"
+                     + (f"  {marks[i]}" if marks is not None and marks[i] else ""))
     return "\n".join(lines)

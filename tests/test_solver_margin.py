@@ -8,13 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-import qsync_opt.solve as solve_mod
-from qsync_opt import estimate, parse_shorthand
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import solve
-from qsync_opt.solvers import SolveOptions, common
-from qsync_opt.solvers import pulp_model
+from qsync_opt.solvers import SolveOptions, common, pulp_model
 from qsync_opt.solvers.common import (
     AFTER_RUN_S,
     MIN_RUN_S,
@@ -23,6 +17,11 @@ from qsync_opt.solvers.common import (
     solver_limit,
 )
 from qsync_opt.solvers.formulation import formulate
+
+import qsync_opt.solve as solve_mod
+from qsync_opt import estimate, parse_shorthand
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.solve import solve
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 
 
@@ -107,10 +106,10 @@ def test_the_joint_split_ends_within_its_limit_when_highs_overruns(monkeypatch, 
     prob = _problem()
     t0 = common.clock()
     try:
-        plan, rep = solve(prob, "highs", SolveOptions(time_limit_s=limit), joint_split=True,
-                          refine=0, compare_ties=False)
+        solve(prob, "highs", SolveOptions(time_limit_s=limit), joint_split=True, refine=0,
+              compare_ties=False)
     except solve_mod.SolveTimeLimit:
-        plan = None
+        pass  # no plan within the limit is an answer too: the call ended in time
     assert common.clock() - t0 <= limit + 1.0
     assert any(handed > 0 for _, handed in runs)
     for asked, handed in runs:  # handed 0: not started
