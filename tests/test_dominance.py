@@ -14,9 +14,9 @@ from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.demo import choose_plan
 from qsync_opt.dominance import (
     CHEAP_BASELINES,
+    MARK_LEGEND,
     Candidate,
     baseline_candidates,
-    MARK_LEGEND,
     dominance_note,
     dominated_by,
     dominates,
