@@ -34,7 +34,7 @@ import torch
 from . import __version__, outfolder
 from .cluster import load_cluster, parse_shorthand
 from .costs import estimate, group_summary
-from .dominance import CHEAP_BASELINES, Candidate, recommend
+from .dominance import CHEAP_BASELINES, Candidate, marked_table, recommend_row
 from .evaluator import evaluate
 from .graph import trace
 from .indicator import indicate
@@ -44,7 +44,7 @@ from .problem import AllocationProblem
 from .profile import derive, measure_comm_local, profile_detailed, with_comm
 from .replayer import Replayer
 from .report import straggler_reason
-from .solve import CompareRow, compare, format_rows, reachable_ms
+from .solve import CompareRow, compare, reachable_ms
 from .summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
@@ -129,7 +129,7 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
         problem = problem.retarget(best * 1.02, source="smallest reachable makespan + 2%")
     rows = compare(problem, joint_split=True)
     print(f"4. every allocator, target {problem.target_ms:.2f} ms ({problem.target_source}):")
-    print(format_rows(rows))
+    print(marked_table(rows))
     for r in rows:
         if r.status == "ERROR":
             print(f"   {r.solver}: {'; '.join(r.messages)}")
@@ -235,14 +235,8 @@ def choose_plan(problem: AllocationProblem, rows: Sequence[CompareRow]
     little or less degraded, one strictly, both scored by the evaluator:
     :func:`~qsync_opt.dominance.recommend`). Only plans over every group compete (the same
     two ranks train them). None when no exact allocator found a feasible plan."""
-    exact = next((r for r in rows if r.solver in ("highs", "cpsat", "cbc") and r.plan is not None
-                  and r.feasible), None)
-    if exact is None or exact.plan is None:
-        return None
-    names = {g.name for g in problem.groups}
-    cands = [Candidate(r.solver, r.plan, evaluate(problem, r.plan)) for r in rows
-             if r.plan is not None and set(r.plan.groups) == names]
-    return recommend(next(c for c in cands if c.solver == exact.solver), cands)
+    got = recommend_row(rows, every_group=[g.name for g in problem.groups])
+    return None if got is None else (got[0], got[1])
 
 
 #: Part 1's QSR line: a cosine schedule from the runtime's default lr, and QSR's constants
@@ -342,10 +336,9 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
               f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
               f"straggler: {straggler_reason(low)}.")
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
-    from .evaluator import evaluate
     from .indicator import fast_options, indicate
     from .problem import AllocationProblem
-    from .solve import compare, format_rows
+    from .solve import compare
     from .solvers.ilp import fastest_times
 
     t0 = time.perf_counter()
@@ -360,16 +353,20 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
           f"computes in {fastest:.0f} ms, so precision alone can end the V100s' wait\n"
           if fastest is not None else "")
     rows = compare(problem, joint_split=True)
-    print(format_rows(rows))
+    print(marked_table(rows))
     print("(rounds: solve-replay refinement rounds; highs+split chooses the per-card batch "
           "split together with the precisions, global batch fixed)")
-    chosen = next((r for r in rows if r.solver in ("cpsat", "highs", "cbc") and r.plan is not None
-                   and r.feasible), None)
+    pick = recommend_row(rows)  # the plan nothing in the table dominates
     out = folder or "qsync-demo"
-    if chosen is not None and chosen.plan is not None:
-        ev = evaluate(problem, chosen.plan)
-        outfolder.write_text(out, "plan.json", to_json(chosen.plan), what="--out")
+    if pick is not None:
+        best, why, exact = pick
         by = {r.solver: r for r in rows}
+        chosen = by[best.solver]
+        assert chosen.plan is not None
+        ev = best.ev
+        outfolder.write_text(out, "plan.json", to_json(chosen.plan), what="--out")
+        if why is not None:
+            print(f"\nplan.json gets {chosen.solver}'s plan, not {exact.solver}'s: {why}")
         print(f"\n{chosen.solver}'s plan ({chosen.status}):")
         print("\n".join(plan_lines(problem, chosen.plan, ev)))
         tl = ev.timeline
@@ -387,9 +384,9 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
             print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "
                   f"with the V100s alone ({ev.samples_per_s / so.samples_per_s:.2f}x).")
         split = next((r for r in rows if r.solver.endswith("+split") and r.plan is not None), None)
-        if split is not None and split.objective is not None and chosen.objective:
+        if split is not None and split.objective is not None and exact.objective:
             print(f"With the batch split chosen too ({', '.join(f'{g}={b}' for g, b in split.batches.items())} "
-                  f"per card), the same makespan costs {split.objective / chosen.objective:.0%} of "
+                  f"per card), the same makespan costs {split.objective / exact.objective:.0%} of "
                   "the precision-only plan's degradation.")
         print(f"wrote {out}/plan.json")
         from .frontier import format_points, frontier, plot_frontier

@@ -12,7 +12,9 @@ and, when one dominates the plan, one line names it and the flag that finds such
 already came from the joint split or the baseline keeps the batch split). The joint split
 itself is not run here (it is not cheap): a dominating batch split at the reference
 precision is the cheap bound that shows the joint split has a plan at least as little
-degraded at that split. The demo trains :func:`recommend`'s choice among its table's rows.
+degraded at that split. The demo trains (part 1) and writes (part 2) :func:`recommend`'s
+choice among its table's rows (:func:`recommend_row`), and ``compare`` marks each row another
+row dominates (:func:`dominated_by`, :func:`marked_table`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .errors import QsyncInputError
 from .evaluator import Evaluation
 from .problem import EVAL_TOL, AllocationProblem
 from .schemas import Plan
-from .solve import run_backend
+from .solve import CompareRow, format_rows, run_backend
 from .solvers import SolveOptions
 
 #: Relative tolerance of "as fast" and "as little degraded": differences within it are ties.
@@ -154,3 +156,57 @@ def recommend(chosen: Candidate, others: Sequence[Candidate]) -> tuple[Candidate
            f"degradation {best.ev.objective:.3g} against {_speed(chosen.ev, best.ev)} at "
            f"{chosen.ev.objective:.3g}, both scored by the evaluator")
     return best, why
+
+
+#: The legend of :func:`marked_table`'s mark (printed once, when a row carries it).
+MARK_LEGEND = ("[dominated by X]: row X's plan fits memory and is as fast or faster "
+               "(samples/s) and as little or less degraded (objective), one strictly, both "
+               "scored by the evaluator")
+
+
+def row_candidates(rows: Sequence[CompareRow], every_group: Sequence[str] | None = None
+                   ) -> list[Candidate]:
+    """The rows with a scored plan, as candidates (``every_group``: only plans over all of
+    these groups)."""
+    return [Candidate(r.solver, r.plan, r.ev) for r in rows
+            if r.plan is not None and r.ev is not None
+            and (every_group is None or set(r.plan.groups) == set(every_group))]
+
+
+def dominated_by(rows: Sequence[CompareRow]) -> list[str | None]:
+    """Per row of a comparison, the allocator X of the row whose plan dominates the row's
+    (the first of :func:`dominators`: one no other row dominates), else None."""
+    cands = row_candidates(rows)
+    out: list[str | None] = []
+    for r in rows:
+        found = (dominators(r.ev, [c for c in cands if c.solver != r.solver])
+                 if r.ev is not None else [])
+        out.append(found[0].solver if found else None)
+    return out
+
+
+def marked_table(rows: Sequence[CompareRow]) -> str:
+    """:func:`~qsync_opt.solve.format_rows` with the dominated rows marked, and the mark's
+    legend on one line after the table when a row carries it."""
+    marks = [f"[dominated by {x}]" if x else None for x in dominated_by(rows)]
+    text = format_rows(rows, marks)
+    return text + (f"\n{MARK_LEGEND}" if any(marks) else "")
+
+
+def recommend_row(rows: Sequence[CompareRow], every_group: Sequence[str] | None = None
+                  ) -> tuple[Candidate, str | None, CompareRow] | None:
+    """The plan a comparison recommends: the first exact allocator's feasible plan unless
+    another row's plan dominates it (:func:`recommend`; ``every_group``: only plans over all
+    of these groups compete). Returns it, why (None when the exact plan stands) and the
+    exact row; None when no exact allocator found a feasible plan."""
+    exact = next((r for r in rows if r.solver in ("highs", "cpsat", "cbc")
+                  and r.plan is not None and r.ev is not None and r.feasible), None)
+    if exact is None:
+        return None
+    cands = row_candidates(rows, every_group)
+    own = next((c for c in cands if c.solver == exact.solver), None)
+    if own is None:  # the exact plan leaves a group out: it stands alone
+        assert exact.plan is not None and exact.ev is not None
+        return Candidate(exact.solver, exact.plan, exact.ev), None, exact
+    best, why = recommend(own, cands)
+    return best, why, exact

@@ -156,6 +156,11 @@ LEXICOGRAPHIC_SLACK = 0.02
 REFINE_ROUNDS = 3
 #: At most this many candidate batch splits in the joint model (evenly thinned beyond).
 MAX_SPLITS = 64
+#: No candidate of the joint split is built or started with less than this many seconds of
+#: the limit left: building one takes up to ~0.06 s on resnet50 and its solver run needs
+#: solvers.common.solver_limit's room (each HiGHS/CBC run is handed what is left less a
+#: margin for its own overrun and the work after it), so the limit bounds the whole call.
+MIN_CANDIDATE_S = 0.25
 
 
 def solve(problem: AllocationProblem, solver: str = "cpsat",
@@ -620,7 +625,9 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
             f"{problem.global_batch}): {attempt.solved} solved, {len(attempt.first)} with a "
             f"plan, {attempt.proven_infeasible} without one by their floors or LP "
             f"relaxations, {attempt.bounded} skipped (bounded above the best; "
-            f"{attempt.relaxed} relaxations solved), {attempt.refined} refined; chosen " + ", ".join(f"{k}={v}" for k, v in split.items())
+            f"{attempt.relaxed} relaxations solved), {attempt.refined} refined"
+            + (f", {attempt.unstarted} not started (under {MIN_CANDIDATE_S:g} s of the "
+               "limit left)" if attempt.unstarted else "") + "; chosen " + ", ".join(f"{k}={v}" for k, v in split.items())
             + f", objective {ev.objective:.6g}"
             + (f" against {at_own:.6g} at the given split (before refinement)"
                if at_own is not None else "; the given split has no plan"), *report.messages]
@@ -668,7 +675,7 @@ def _joint_candidates(problem: AllocationProblem, solver: str, opts: SolveOption
                         call.child(call.deadline.remaining() / 2))
     for i, split in enumerate(splits):
         if i not in built:
-            if call.deadline.expired():
+            if call.deadline.remaining() < MIN_CANDIDATE_S:
                 break
             built[i] = make(split)
     keep = sorted(built)
@@ -692,6 +699,8 @@ class _JointAttempt:
     solved: int = 0
     #: candidates whose LP relaxation was solved (for their bounds) before any solve
     relaxed: int = 0
+    #: candidates not started: less than MIN_CANDIDATE_S of the limit was left
+    unstarted: int = 0
 
 
 def _parts(sub: AllocationProblem, plan: Plan) -> list[float]:
@@ -773,6 +782,10 @@ def _joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, 
         bar.update(len(splits) - len(left), note=f"{out.solved} solved")
         if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
             out.bounded += len(left)
+            break
+        if i not in pre and call.deadline.remaining() < MIN_CANDIDATE_S:
+            out.unstarted += len(left)
+            out.timed_out += 1
             break
         left.discard(i)
         sub = subs[i].retarget(target, source=source)
@@ -910,6 +923,7 @@ class CompareRow:
     messages: list[str] = field(default_factory=list)
     plan: Plan | None = field(default=None, repr=False)
     report: SolveReport | None = field(default=None, repr=False)
+    ev: Evaluation | None = field(default=None, repr=False)  # the plan scored
 
     def to_json(self) -> dict[str, Any]:
         return {"solver": self.solver, "status": self.status, "feasible": self.feasible,
@@ -967,17 +981,18 @@ def compare(problem: AllocationProblem, solvers: Sequence[str] | None = None,
             peak_memory_gib={g: e.replay_memory_bytes / 2**30 for g, e in ev.groups.items()},
             wall_s=wall, gap=report.gap, messages=list(report.messages), plan=plan,
             report=report, rounds=max(0, len(report.rounds) - 1),
-            batches={n: g.batch_per_device for n, g in plan.groups.items()}))
+            batches={n: g.batch_per_device for n, g in plan.groups.items()}, ev=ev))
     return rows
 
 
-def format_rows(rows: Sequence[CompareRow]) -> str:
-    """The comparison as a fixed-width table."""
+def format_rows(rows: Sequence[CompareRow], marks: Sequence[str | None] | None = None) -> str:
+    """The comparison as a fixed-width table; ``marks``: per row, a trailing mark (the
+    dominated rows': ``qsync_opt.dominance.marked_table``) or None."""
     head = (f"{'solver':>17} {'status':>10} {'ok':>3} {'objective':>11} {'linear ms':>10} "
             f"{'replay ms':>10} {'samples/s':>10} {'rounds':>6} {'wall s':>8}  batches; "
             "peak memory per group")
     lines = [head]
-    for r in rows:
+    for i, r in enumerate(rows):
         def num(v: float | None, fmt: str) -> str:
             width = int(fmt.split(".")[0])
             return format(v, fmt) if v is not None else "-".rjust(width)
@@ -987,5 +1002,6 @@ def format_rows(rows: Sequence[CompareRow]) -> str:
         lines.append(f"{r.solver:>17} {r.status:>10} {'yes' if r.feasible else 'no':>3} "
                      f"{num(r.objective, '11.5g')} {num(r.makespan_ms, '10.2f')} "
                      f"{num(r.replay_makespan_ms, '10.2f')} {num(r.samples_per_s, '10.1f')} "
-                     f"{r.rounds:6d} {r.wall_s:8.3f}  {split}; {mem}")
+                     f"{r.rounds:6d} {r.wall_s:8.3f}  {split}; {mem}"
+                     + (f"  {marks[i]}" if marks is not None and marks[i] else ""))
     return "\n".join(lines)

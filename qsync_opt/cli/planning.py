@@ -181,7 +181,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..solve import compare, format_rows
+    from ..dominance import dominated_by, marked_table
+    from ..solve import compare
 
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.
@@ -192,7 +193,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                    joint_split=args.joint_split, batch_multiple=args.batch_multiple)
     doc = {"workload": problem.graph.workload, "cluster": args.cluster,
            "target_ms": problem.target_ms, "target_source": problem.target_source,
-           "sync": problem.options.to_json()["sync"], "rows": [r.to_json() for r in rows]}
+           "sync": problem.options.to_json()["sync"],
+           "rows": [r.to_json() | {"dominated_by": x}
+                    for r, x in zip(rows, dominated_by(rows), strict=True)]}
     if args.plans:
         for r in rows:
             if r.plan is not None:
@@ -208,7 +211,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
           f"({problem.target_source})")
     if problem.options.sync is not None:
         print(problem.options.sync.describe())
-    print(format_rows(rows))
+    print(marked_table(rows))
     for r in rows:
         if r.status in ("ERROR", "INFEASIBLE") and r.messages:
             print(f"  {r.solver}: {r.messages[-1]}")

@@ -321,6 +321,7 @@ def _eval_fields(losses: list[float], correct: list[float], n: int, classificati
 def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     """The whole pipeline in this process (``--emulate-dp`` with ``--pipeline-stages``)."""
     from .metrics import MetricsWriter, StepProgress, clean, write_json
+    from .pipescale import pipeline_run_fields, start_pipeline_scale
     from .scaler import LossScaler
 
     spec = config.pipeline
@@ -333,6 +334,13 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     scaler = LossScaler(setup.init_scale)
     out = Path(config.out_dir)
     start, skipped, last = _resume(config, pipe, opts, scaler, list(range(S)))
+    x0, y0, i0 = data.batch(0)
+    probe = start_pipeline_scale(
+        scaler, fresh=start == 0, loss_scale=config.loss_scale, pipe=pipe,
+        stages=list(pipe.stages), step_at=lambda sc: pipe.train_step(
+            functools.partial(_scaled_loss, wl, sc), x0, y0,
+            micro_batches=spec.micro_batches, idx=i0) / sc)
+    first: float | None = None
     sched = config.schedule()
     t0 = time.perf_counter()
     mw = MetricsWriter(out / "metrics.rank0.jsonl", start)
@@ -361,6 +369,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
             scaler.update(bool(bad))
             step += 1
             last = loss
+            first = loss if first is None else first
             a1, g1 = pipe.wire_bytes()
             mw.write({"step": step - 1, "rank": 0, "loss": loss, "lr": sched.lr_at(step - 1),
                       "step_ms": round((time.perf_counter() - t) * 1000, 3),
@@ -384,7 +393,9 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     summary = clean(_summary(config, setup, pipe, shares, data, steps=step, start=start,
                              skipped=skipped, final_loss=last, evals=evals,
                              wall_s=time.perf_counter() - t0, n_samples=data.n_samples,
-                             emulated=True))
+                             emulated=True) | pipeline_run_fields(
+        scaler, probe, steps=step, skipped=skipped, first_loss=first, final_loss=last,
+        eval_loss=evals.get("eval_loss")))
     write_json(out / "summary.json", summary)
     return summary
 
@@ -456,6 +467,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     from .checkpoint import commit_set, write_rank_file
     from .metrics import MetricsWriter, StepProgress, clean, write_json
     from .pipedist import DistStage
+    from .pipescale import pipeline_run_fields, start_pipeline_scale
     from .scaler import LossScaler
 
     spec = config.pipeline
@@ -474,6 +486,13 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     start, skipped, last = _resume(config, pipe, [opt], scaler, [rank])
     if cs is None and start:
         raise QsyncInputError("checkpoint: the ranks disagree on the set to resume")
+    x0, y0, i0 = data.batch(0)
+    probe = start_pipeline_scale(
+        scaler, fresh=start == 0, loss_scale=config.loss_scale, pipe=pipe, stages=[ds.stage],
+        step_at=lambda sc: ds.train_step(functools.partial(_scaled_loss, wl, sc), x0, y0,
+                                         micro_batches=spec.micro_batches, idx=i0) / sc,
+        loss_here=rank == last_rank, total_bad=_all_sum, counters=ds)
+    first: float | None = None
     sched = config.schedule()
     t0 = time.perf_counter()
     mw = MetricsWriter(out / f"metrics.rank{rank}.jsonl", start)
@@ -515,6 +534,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
             scaler.update(bool(int(bad)))
             step += 1
             last = loss
+            first = loss if first is None else first
             sent1 = _sent(pipe, rank)
             mw.write({"step": step - 1, "rank": rank, "stage": rank,
                       "group": config.rank_groups[rank], "loss": loss,
@@ -566,13 +586,24 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     summary = clean(_summary(config, setup, pipe, shares, data, steps=step, start=start,
                              skipped=skipped, final_loss=last, evals=evals,
                              wall_s=time.perf_counter() - t0, n_samples=data.n_samples,
-                             emulated=False))
+                             emulated=False) | pipeline_run_fields(
+        scaler, probe, steps=step, skipped=skipped, first_loss=first, final_loss=last,
+        eval_loss=evals.get("eval_loss")))
     summary["rank"] = rank
     write_json(out / f"summary.rank{rank}.json", summary)
     if rank == 0:
         write_json(out / "summary.json", summary)
     dist.barrier()
     return summary
+
+
+def _all_sum(n: int) -> int:
+    """``n`` summed over the ranks (every rank calls it)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t)
 
 
 def _sent(pipe: Pipeline, rank: int) -> tuple[int, int]:
