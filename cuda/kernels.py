@@ -87,6 +87,24 @@ def _check_tensor(
     return t
 
 
+def _rescale_inputs(acc: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An int32 GEMM result ``acc [m, n]``, its per-column scales ``sw [n]`` and the optional
+    ``bias [n]``, checked (the rescale kernels' shared inputs)."""
+    acc = _check_tensor("acc", acc, (torch.int32,))
+    if acc.dim() != 2:
+        raise ValueError(f"acc must be 2-D [m, n], got shape {tuple(acc.shape)}")
+    n = acc.shape[1]
+    sw = _check_tensor("sw", sw, (torch.float32,), acc.device)
+    if sw.numel() != n:
+        raise ValueError(f"sw has {sw.numel()} elements, expected n = {n}")
+    if bias is not None:
+        bias = _check_tensor("bias", bias, (torch.float32,), acc.device)
+        if bias.numel() != n:
+            raise ValueError(f"bias has {bias.numel()} elements, expected n = {n}")
+    return acc, sw, bias
+
+
 def _out_code(out_dtype: torch.dtype) -> int:
     if out_dtype not in DTYPE_CODES:
         raise ValueError(f"out_dtype must be one of {list(FLOAT_DTYPES)}, got {out_dtype}")
@@ -257,17 +275,8 @@ class CudaKernels:
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """``acc[m, n] * (sx * sw[n]) (+ bias[n])`` of an int32 GEMM result, as ``out_dtype``."""
-        acc = _check_tensor("acc", acc, (torch.int32,))
-        if acc.dim() != 2:
-            raise ValueError(f"acc must be 2-D [m, n], got shape {tuple(acc.shape)}")
+        acc, sw, bias = _rescale_inputs(acc, sw, bias)
         m, n = acc.shape
-        sw = _check_tensor("sw", sw, (torch.float32,), acc.device)
-        if sw.numel() != n:
-            raise ValueError(f"sw has {sw.numel()} elements, expected n = {n}")
-        if bias is not None:
-            bias = _check_tensor("bias", bias, (torch.float32,), acc.device)
-            if bias.numel() != n:
-                raise ValueError(f"bias has {bias.numel()} elements, expected n = {n}")
         code_dtype = _out_code(out_dtype)
         out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
         if m * n == 0:
@@ -296,20 +305,11 @@ class CudaKernels:
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """``acc[m, n] * (sx[m] * sw[n]) (+ bias[n])``: one scale per row, as ``out_dtype``."""
-        acc = _check_tensor("acc", acc, (torch.int32,))
-        if acc.dim() != 2:
-            raise ValueError(f"acc must be 2-D [m, n], got shape {tuple(acc.shape)}")
+        acc, sw, bias = _rescale_inputs(acc, sw, bias)
         m, n = acc.shape
         sx = _check_tensor("sx", sx, (torch.float32,), acc.device)
         if sx.numel() != m:
             raise ValueError(f"sx has {sx.numel()} elements, expected m = {m}")
-        sw = _check_tensor("sw", sw, (torch.float32,), acc.device)
-        if sw.numel() != n:
-            raise ValueError(f"sw has {sw.numel()} elements, expected n = {n}")
-        if bias is not None:
-            bias = _check_tensor("bias", bias, (torch.float32,), acc.device)
-            if bias.numel() != n:
-                raise ValueError(f"bias has {bias.numel()} elements, expected n = {n}")
         code_dtype = _out_code(out_dtype)
         out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
         if m * n == 0:
