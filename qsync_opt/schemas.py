@@ -838,9 +838,9 @@ class SolveReport(Document):
     objective: Real | None = None
     bound: Real | None = None
     gap: Real | None = None
-    build_s: Real = Field(0.0, ge=0)
-    solve_s: Real = Field(0.0, ge=0)
-    wall_s: Real = Field(0.0, ge=0)
+    build_s: Real = Field(0.0, ge=0, allow_inf_nan=False)  # a time taken is finite
+    solve_s: Real = Field(0.0, ge=0, allow_inf_nan=False)
+    wall_s: Real = Field(0.0, ge=0, allow_inf_nan=False)
     n_variables: Int = Field(0, ge=0)
     n_constraints: Int = Field(0, ge=0)
     options: dict[str, JSONScalar] = Field(default_factory=dict)
@@ -849,6 +849,28 @@ class SolveReport(Document):
         default_factory=list,
         description="Solve-replay refinement: per round the target, linear and replayer "
         "makespan and the objective.")
+
+    @field_validator("objective", "bound", "gap")
+    @classmethod
+    def _none_if_not_finite(cls, v: float | None) -> float | None:
+        """A non-finite objective, bound or gap (-inf: no bound) is None, as the file
+        writes it, so a report read back equals the one written."""
+        return v if v is None or math.isfinite(v) else None
+
+    @field_validator("options")
+    @classmethod
+    def _options_finite(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return {k: _null_if_not_finite(x) for k, x in v.items()}
+
+    @field_validator("rounds")
+    @classmethod
+    def _rounds_finite(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: _null_if_not_finite(x) for k, x in r.items()} for r in v]
+
+
+def _null_if_not_finite(x: Any) -> Any:
+    """A JSON scalar as the file holds it: a non-finite float is null."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 SCHEMAS: dict[str, type[Document]] = {

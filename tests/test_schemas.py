@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 import pytest
@@ -218,3 +219,20 @@ def test_device_and_cost_docs_refuse_bad_numbers() -> None:
         parse_document({"solver": "x", "status": "GREAT", "mode": "m"}, SolveReport)
     with pytest.raises(QsyncInputError):
         parse_document([], CostTable)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_solve_report_reads_back_equal_whatever_its_floats(value) -> None:
+    """A report's non-finite objective, bound, gap or option is written as null: in memory
+    it is None already, so a report read back equals the one written; a time taken is
+    never non-finite (hypothesis found build_s=inf accepted and then unreadable)."""
+    report = SolveReport(solver="highs", status="FEASIBLE", mode="m", objective=value,
+                         bound=value, gap=value, options={"x": value},
+                         rounds=[{"target_ms": value, "n": 1}])
+    assert report.objective is None and report.bound is None and report.gap is None
+    assert report.options == {"x": None} and report.rounds == [{"target_ms": None, "n": 1}]
+    assert SolveReport.model_validate_json(report.model_dump_json()) == report
+    for field in ("build_s", "solve_s", "wall_s"):
+        with pytest.raises(QsyncInputError, match=field):
+            parse_document({"solver": "x", "status": "OPTIMAL", "mode": "m", field: value},
+                           SolveReport)
