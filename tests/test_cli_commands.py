@@ -234,3 +234,24 @@ def test_a_document_file_with_a_whole_document_error_names_no_schema_path(tmp_pa
         err = capsys.readouterr().err
         assert rc == 2 and "group names must be unique; repeated: t4" in err, err
         assert "(root)" not in err and err.count("\n") == 1, err
+
+
+def test_the_comm_help_lists_every_kind_policy_scenario_and_key_the_parser_takes() -> None:
+    """``--comm``'s help is prose around the syntax: every word ``parse_comm`` accepts is in
+    it and in ``COMM_SYNTAX`` (the refusal's text), and each one it lists parses."""
+    from qsync_opt.runtime.dlcp import POLICIES
+    from qsync_opt.runtime.syncmode import COMM_KINDS, COMM_SYNTAX, NET_SCENARIOS, parse_comm
+
+    text = " ".join(_help_of("train", "--comm").split())
+    network = ("p", "chunk_kib", "iterations", "buffer_kib")
+    stress = ("p", "chunk_kib", "layer_bias")
+    for word in [*COMM_KINDS, *POLICIES, *NET_SCENARIOS, "stress",
+                 *(f"{k}=" for k in {*network, *stress})]:
+        assert word in text and word in COMM_SYNTAX, word
+    for kind in COMM_KINDS:
+        parse_comm(kind)
+    for policy in POLICIES:
+        for scenario in NET_SCENARIOS:
+            parse_comm(f"dlcp:p=0.1,policy={policy},scenario={scenario},chunk_kib=64,"
+                       "iterations=2,buffer_kib=512")
+        parse_comm(f"dlcp:p=0.1,stress,policy={policy},chunk_kib=64,layer_bias=0.5")
