@@ -198,7 +198,6 @@ def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, st
                 return int(line.split()[1]) * 1024, "this machine's available memory"
     except OSError:
         pass
-    import os
 
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
 
@@ -342,30 +341,11 @@ def _plan_line(trainer: Any, group: str) -> str:
     return line
 
 
-def _writable_path(text: str, flag: str, folder: bool) -> None:
-    """Refuse, before any training, an output path that cannot be written: a folder
-    (``folder``) where a file is, a file where a folder is, below a file, or in a folder
-    this user cannot write."""
-    path = Path(text)
-    if path.exists() or path.is_symlink():
-        if folder and not path.is_dir():
-            raise QsyncInputError(f"{flag}: {text} is a file, not a folder")
-        if not folder and path.is_dir():
-            raise QsyncInputError(f"{flag}: {text} is a folder, not a file")
-        return
-    up = path.absolute().parent
-    while not up.exists():
-        up = up.parent
-    if not up.is_dir():
-        raise QsyncInputError(f"{flag}: {text} cannot be created: {up} is a file")
-    if not os.access(up, os.W_OK | os.X_OK):
-        raise QsyncInputError(f"{flag}: {text} cannot be created: {up} is not writable")
-
-
 def _check_args(args: argparse.Namespace) -> tuple[list[int], list[float], list[float]]:
     """Every flag of ``sweep`` checked before anything is built or trained (a seed beyond
     ``train``'s bound or ``--out`` a file were refused only after the training): the seeds
-    and values, how many models they make, the schedule, and the output paths."""
+    and values, how many models they make and the schedule. The output paths are checked
+    by :func:`check_out` (``--out``) and ``cli.check_outputs`` (``--json``)."""
     from ..runtime.schedule import parse_schedule
 
     seeds = parse_seeds(args.seeds)
@@ -387,11 +367,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], list[float], list[
             parse_schedule(args.lr_schedule, lr, args.steps)
         except QsyncInputError as exc:
             raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
-    if args.out:
-        _writable_path(args.out, "--out", folder=True)
-    if args.json not in (None, "-"):
-        _writable_path(args.json, "--json", folder=False)
-    return seeds, lrs, wds
+    return seeds, lrs, wds  # --out: check_out; --json: cli.check_outputs, both before work
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
