@@ -100,6 +100,7 @@ from .io import load, save
 from .machine import cache_root
 from .models import Workload
 from .precision import Precision
+from .progress import LOG_EVERY_S, duration
 from .schemas import IndicatorTable, ModelGraph, OpRole
 from .user_model import UserWorkload
 
@@ -712,8 +713,9 @@ def _curv_terms(bls: dict[str, _Bilinear], ops_calls: dict[str, list[_CurvCall]]
     return out
 
 
-#: Off a terminal, the indicator's progress is a line at most this often (seconds).
-PROGRESS_EVERY_S = 30.0
+#: Off a terminal, the indicator's progress is a line at most this often (seconds): the
+#: interval every progress line of the tool keeps (qsync_opt.progress).
+PROGRESS_EVERY_S = LOG_EVERY_S
 
 
 class _Progress:
@@ -739,7 +741,7 @@ class _Progress:
             self.last = now
             left = (now - self.t0) / i * (self.n - i)
             sys.stderr.write(f"indicator {self.method}: batch {i}/{self.n}, "
-                             f"{now - self.t0:.0f} s, about {left:.0f} s left\n")
+                             f"{duration(now - self.t0)}, about {duration(left)} left\n")
         sys.stderr.flush()
 
 
