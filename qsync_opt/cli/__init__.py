@@ -33,6 +33,7 @@ from ..graph import TIE_MODES
 from ..indicator import METHODS
 from ..netsim.cluster import COMM_MODEL_HELP
 from ..netsim.traffic import POLICIES as NETSIM_POLICIES
+from ..netsim.traffic import SCENARIOS as NETSIM_SCENARIOS
 from ..schemas import MAX_BATCH, schema_names
 from ..summaries import (
     REPLAY_HEADER,
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cluster", required=True, help=f"cluster file or {SHORTHAND_HELP}")
     sp.add_argument("--plan", help="Plan JSON whose compute timeline emits the buckets "
                     "(default: every group at its highest precision)")
-    sp.add_argument("--scenario", choices=["ring", "incast", "oversubscribed"], default="ring")
+    sp.add_argument("--scenario", choices=list(NETSIM_SCENARIOS), default="ring")
     sp.add_argument("--pattern", choices=["ring", "ps", "hierarchical"], default=None,
                     help="the collective (default: the scenario's)")
     sp.add_argument("--policy", choices=list(NETSIM_POLICIES), default="fifo+tcp")

@@ -29,9 +29,16 @@ from ..errors import QsyncInputError
 from ..schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
 from .engine import DEFAULT_MAX_EVENTS, NetsimLimit
 from .topology import Topology
-from .traffic import POLICIES, Bucket, IterationResult, NetConfig, quantile, simulate_iteration
+from .traffic import (
+    POLICIES,
+    SCENARIOS,
+    Bucket,
+    IterationResult,
+    NetConfig,
+    quantile,
+    simulate_iteration,
+)
 
-SCENARIOS = ("ring", "incast", "oversubscribed")
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
 #: the most devices a simulated cluster has (checked before anything is built: a ring over

@@ -35,6 +35,9 @@ from .engine import DEFAULT_MAX_EVENTS, DEFAULT_MIN_RTO_MS, DETECT, Connection, 
 from .topology import Topology
 
 PATTERNS = ("ring", "ps", "hierarchical")
+#: The fabrics a cluster's network is simulated on (``netsim.cluster``): a ring over the
+#: leaf/spine fabric, incast to a parameter server, an oversubscribed spine.
+SCENARIOS = ("ring", "incast", "oversubscribed")
 # queue discipline + transport; the two mixed ones separate what each half does
 POLICIES = {"fifo+tcp": ("fifo", None), "priority+bounded": ("priority", "bounded"),
             "fifo+bounded": ("fifo", "bounded"), "priority+tcp": ("priority", None)}

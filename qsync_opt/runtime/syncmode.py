@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from ..errors import QsyncInputError
 from ..limits import parse_float
+from ..netsim.traffic import SCENARIOS
 from .schedule import LRSchedule, parse_options
 
 __all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
@@ -83,7 +84,8 @@ DEFAULT_DROP = 0.05
 DEFAULT_NET_ITERATIONS = 4
 MAX_NET_ITERATIONS = 64
 #: the scenarios of the from-the-network mode (netsim.cluster.SCENARIOS)
-NET_SCENARIOS = ("ring", "incast", "oversubscribed")
+#: the network mode's scenarios: the packet simulator's own (pure Python, this layer)
+NET_SCENARIOS = SCENARIOS
 #: ``--comm``'s syntax, in its refusals and train's --help
 COMM_SYNTAX = ("allreduce, fp16, dlcp[:p=P][,policy=priority|random|unbiased][,chunk_kib=K]"
                "[,scenario=ring|incast|oversubscribed][,iterations=N][,buffer_kib=B] (drops "
