@@ -613,8 +613,10 @@ class CpSat:
         if proof:  # before any scaling: costs far above a tiny budget need no integers
             program_parts(problem, options, messages)
             messages.extend(proof)
+            # the report's scaling keys are always there: zero units, no integers built
+            none = {**Scaling(0.0, 0.0, 0.0).to_json(), "scaled": False}
             return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages)
+                          options=options, sw=sw, messages=messages, extra_options=none)
         hints = start_hints(problem, options, messages, deadline)
         budget = problem.group_budget_ms()
         with sw.building():

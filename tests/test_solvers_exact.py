@@ -471,3 +471,17 @@ def test_tiny_omegas_are_not_lost_in_solver_tolerances() -> None:
             assert rep.status == "OPTIMAL", (b.name, rep.messages)
             objs.append(rep.objective)
         assert objs[1] * 1e9 == pytest.approx(objs[0], rel=1e-6), b.name
+
+
+def test_cpsat_reports_its_scaling_keys_when_infeasible_before_scaling() -> None:
+    """Hypothesis found it: a problem proven infeasible before any scaling (a group's
+    fastest choices over the budget) returned a report without CP-SAT's scaling keys, which
+    every CP-SAT report carries (zero units there: no integers were built)."""
+    prob = _make(n_layers=2, gseed=0, cluster="l4x2+t4x2", cseed=0, spread=1.5,
+                 target_kind="range", frac=-0.03125, mem_frac=None)
+    plan, rep = CpSat().solve(prob, SolveOptions(time_limit_s=10))
+    assert plan is None and rep.status == "INFEASIBLE"
+    assert rep.options["scaled"] is False
+    for key in ("time_unit_ms", "mem_unit_bytes", "omega_scale", "max_time_slack_ms",
+                "max_mem_slack_bytes", "max_objective_error"):
+        assert rep.options[key] == 0.0, key
