@@ -1,6 +1,6 @@
 """qsync-opt: plan and run synchronous data-parallel training on mixed GPU clusters.
 
-Pipeline (docs/DESIGN.md): workload -> :func:`trace` -> ModelGraph; device catalog + cluster spec
+Pipeline (docs/ARCHITECTURE.md): workload -> :func:`trace` -> ModelGraph; device catalog + cluster spec
 -> :func:`estimate` -> CostTable; later stages add the indicator, the allocation problem and
 its solvers, the replayer, the plan and the training runtime. Every arrow is a schema in
 :mod:`qsync_opt.schemas`, written and read by :mod:`qsync_opt.io`.

@@ -2,7 +2,7 @@
 
 Every stage (graph, costs, indicator, solvers, plan, runtime) names precisions with
 :class:`Precision`. Each precision states what its operator takes in, computes in and gives
-out, forward and backward (docs/DESIGN.md, "The allocation problem"). A cast is costed on an edge
+out, forward and backward (docs/ARCHITECTURE.md, "The allocation problem, the replayer and the runtime"). A cast is costed on an edge
 exactly where a producer's ``gives_out`` differs from its consumer's ``takes_in``.
 """
 

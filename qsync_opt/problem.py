@@ -2,7 +2,7 @@
 
 :class:`AllocationProblem` turns a graph, a cluster, a CostTable, an IndicatorTable and
 :class:`ProblemOptions` into, per device group, the coefficients of the integer program of
-docs/DESIGN.md (The allocation problem):
+docs/ARCHITECTURE.md (The allocation problem, the replayer and the runtime):
 
 * **Decision units.** One decision per choosable op, or per tie group (ops that share one
   decision). A unit's choices on a group are the precisions every one of its ops allows,

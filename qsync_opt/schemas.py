@@ -1,4 +1,4 @@
-"""Schemas: every arrow of the data flow (docs/DESIGN.md) is one of these pydantic models.
+"""Schemas: every arrow of the data flow (docs/ARCHITECTURE.md) is one of these pydantic models.
 
 All models are frozen and forbid unknown fields. The ones written to disk derive from
 :class:`Document` and carry ``schema_name`` and ``schema_version``; a reader refuses a file of

@@ -35,7 +35,7 @@ def test_no_file_points_outside_the_repository() -> None:
 
 
 def test_cited_docs_exist() -> None:
-    """`docs/X.md`, `DESIGN.md`, `DEVICES.md` mentioned anywhere name files of docs/."""
+    """`docs/X.md`, `COSTS.md`, `DEVICES.md` mentioned anywhere name files of docs/."""
     missing = []
     for p, text in _texts():
         for m in re.finditer(r"(?:docs/)?\b([A-Z][A-Z_]+\.md)\b", text):

@@ -15,7 +15,7 @@ from qsync_opt.precision import (
 
 ALL_NAMES = ["fp32", "tf32", "bf16", "fp16", "int8", "int8_full", "fp8", "int4"]
 
-# (fwd_compute, bwd_compute, takes_in, gives_out), written out by hand from docs/DESIGN.md's
+# (fwd_compute, bwd_compute, takes_in, gives_out), written out by hand from docs/ARCHITECTURE.md's
 # "Precisions and casts": int8 quantizes its input on the edge (takes int8), computes
 # forward in int8, backward in fp16 and gives rescaled fp32; fp8 is e4m3 fwd / e5m2 bwd.
 EXPECTED_RULES = {
