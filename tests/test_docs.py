@@ -47,13 +47,70 @@ def test_cited_docs_exist() -> None:
     assert missing == []
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    body = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", body, flags=re.M)}
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def test_markdown_links_resolve() -> None:
+    """Every relative link of the README and docs/ names a file that exists, and a `#section`
+    names a heading of that page."""
     missing = []
-    for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", p.read_text()):
-            target = m.group(1)
-            if "://" in target:
+    for p in _pages():
+        for m in re.finditer(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", p.read_text()):
+            target, anchor = m.group(1), m.group(2)
+            if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (p.parent / target).exists():
+            path = (p.parent / target) if target else p
+            if not path.exists():
                 missing.append(f"{p.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                missing.append(f"{p.relative_to(ROOT)} -> {target}#{anchor}")
     assert missing == []
+
+
+def test_docs_say_what_the_code_does_not_its_history() -> None:
+    """No issue numbers in the README or docs/: the dated history lives in benchmarks/results/."""
+    found = [f"{p.relative_to(ROOT)}:{i + 1}"
+             for p in _pages() for i, line in enumerate(p.read_text().splitlines())
+             if re.search(r"\bissues? \d+|\bissue-\d+", line, flags=re.I)]
+    assert found == []
+
+
+def test_benchmarks_is_the_current_figures() -> None:
+    """BENCHMARKS.md stays a page of current figures (at most about 600 lines), one section per
+    system, and links its history in benchmarks/results/ rather than pasting it."""
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 650
+    heads = set(re.findall(r"^## (.+)$", text, flags=re.M))
+    for system in ("Allocation and the solvers", "Local SGD and QSR", "DLCP and the packet simulator",
+                   "Compressed pipelines", "Fused training arrays (HFTA)"):
+        assert system in heads
+    for history in sorted((ROOT / "benchmarks" / "results").glob("history_*.md")):
+        assert f"(../benchmarks/results/{history.name})" in text, history.name
+
+
+def test_readme_headline_figures_come_from_benchmarks() -> None:
+    """Five headline figures, each linked to its section of BENCHMARKS.md, and every number in
+    them printed there."""
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "docs" / "BENCHMARKS.md").read_text().replace(",", "")
+    section = readme.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    bullets = re.split(r"\n- ", section)[1:]
+    assert len(bullets) == 5
+    for bullet in bullets:
+        assert "](docs/BENCHMARKS.md#" in bullet
+        prose = re.sub(r"\]\([^)]*\)", "]", bullet)
+        for number in re.findall(r"\d[\d,]*(?:\.\d+)?", prose):
+            assert number.replace(",", "") in bench, number
