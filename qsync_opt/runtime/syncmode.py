@@ -64,7 +64,7 @@ __all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "QSR_KEYS", "S
 SYNC_KINDS = ("ddp", "local", "qsr")
 COMM_KINDS = ("allreduce", "fp16", "dlcp")
 
-#: (sync kind, comm kind) pairs that run; the README's table is printed from this.
+#: (sync kind, comm kind) pairs that run; docs/CLI.md's table is checked against it.
 COMPATIBLE: dict[tuple[str, str], bool] = {
     ("ddp", "allreduce"): True, ("ddp", "fp16"): True, ("ddp", "dlcp"): True,
     ("local", "allreduce"): True, ("local", "fp16"): False, ("local", "dlcp"): False,
