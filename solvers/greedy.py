@@ -54,8 +54,10 @@ from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precisi
 from ..replayer import Change, IncrementalReplay
 from ..schemas import Plan, SolveReport
 from .base import SolveOptions
-from .common import Stopwatch, cheap_infeasibility, check_numbers, finish, mode_text
+from .checks import cheap_infeasibility, check_numbers
 from .fastest import FastestTimeLimit, group_fastest
+from .report import finish, mode_text
+from .timing import Stopwatch
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import SolveOptions
-from .common import Stopwatch, solver_limit
 from .formulation import Block, Formulation
+from .timing import Stopwatch, solver_limit
 
 PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: Feasibility and integrality tolerance asked of CBC and HiGHS (rows are normalised to ~1).
@@ -518,7 +518,7 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
     """Run CBC or HiGHS (``backend``) on ``prog`` for at most ``time_limit`` seconds
     (``start``: from the variables' initial values); the solver's time goes to
     ``sw.solve_s``, the model's transfer to it to ``sw.build_s``. The solver is handed
-    :func:`~.common.solver_limit` of ``time_limit`` (room for its own overrun and the work
+    :func:`~.timing.solver_limit` of ``time_limit`` (room for its own overrun and the work
     after it) and is not started when that is 0 (TIME_LIMIT, no plan)."""
     lp = prog.lp
     asked = time_limit
@@ -533,7 +533,7 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
                                   "mip_feasibility_tolerance": FEAS_TOL,
                                   "primal_feasibility_tolerance": FEAS_TOL,
                                   "mip_abs_gap": abs_gap(options.rel_gap)}
-        params.update(options.extra.get("highs", {}))
+        params.update(options.highs.params)
         solver = cls(msg=False, timeLimit=max(time_limit, 1e-3), gapRel=options.rel_gap,
                      threads=options.threads or None, **params)
         if start:
@@ -575,7 +575,7 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
                  f"increment {abs_gap(options.rel_gap):g}"]
         if options.seed:
             extra.append(f"randomCbcSeed {int(options.seed)}")
-        extra += list(options.extra.get("cbc", []))
+        extra += list(options.cbc.args)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             solver = _cbc_class(pulp, cls_name)(
