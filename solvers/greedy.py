@@ -508,12 +508,44 @@ class Greedy:
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
-        mode = mode_text(problem)
         check_numbers(problem)
         if options.acceptance not in ACCEPTANCES:
             raise QsyncInputError(
                 f"acceptance: expected {' or '.join(ACCEPTANCES)}, got {options.acceptance!r}")
-        messages: list[str] = [
+        messages = self._intro(options)
+        with sw.building():
+            lin = LinearState(problem, self.fastest(problem))
+        with sw.solving():
+            # 1. The fastest plan that fits memory, group by group.
+            failed = self._start(problem, lin, options, sw, messages)
+        if failed is not None:
+            return self._no_start(problem, failed, options, sw, messages)
+        with sw.building():
+            acc = (ReplayAcceptance(problem, lin.assignment(), lin)
+                   if options.acceptance == "replayer" else LinearAcceptance(problem, lin))
+        with sw.solving():
+            start_ms = acc.makespan_ms()
+            start_ok = all(acc.ok(gi) for gi in range(len(lin.groups)))
+        if not start_ok:
+            messages.append(
+                f"the fastest memory-feasible plan takes {start_ms:.3f} ms ({acc.name} "
+                f"makespan) against the target {problem.target_ms:.3f} ms, or does not fit "
+                f"the {acc.name} model's memory, though the linear model admits it: no "
+                "plan of this allocator meets it")
+            return self._report(problem, None, "INFEASIBLE", options, sw, messages,
+                                {**self._counts(acc, 0), "fastest_makespan_ms": start_ms})
+        with sw.solving():
+            messages.append(f"start: fastest plan, {start_ms:.3f} ms ({acc.name} makespan) "
+                            f"against the target {problem.target_ms:.3f} ms")
+            search = RaiseSearch(lin, acc, self.per_ms, sw, options.time_limit_s)
+            search.drain()  # 2. the heap of raises
+            sweeps, swept = search.sweep()  # 3. sweeps over the rejected moves
+            status, counts = self._raised(problem, search, sweeps, swept, options, messages)
+        return self._report(problem, lin.assignment(), status, options, sw, messages, counts)
+
+    def _intro(self, options: SolveOptions) -> list[str]:
+        """The report's first messages: what ranks and checks the moves, what is ignored."""
+        messages = [
             f"{self.name}: QSync's allocator, "
             + ("moves ranked by indicator gain per added millisecond (linear time with the "
                "current neighbours, re-evaluated lazily)" if self.per_ms else
@@ -523,180 +555,183 @@ class Greedy:
                    if v is not None]
         if ignored:
             messages.append(f"{self.name} ignores {', '.join(ignored)} (it builds its own start)")
-        with sw.building():
-            lin = LinearState(problem, self.fastest(problem))
-        accepted = 0
-        acc: Acceptance | None = None
+        return messages
 
-        def extra() -> dict[str, object]:
-            out: dict[str, object] = {"replayer_calls": acc.calls if acc else 0,
-                                      "checks": acc.checks if acc else 0, "accepted": accepted,
-                                      "per_ms": self.per_ms}
-            if isinstance(acc, ReplayAcceptance):
-                out["linear_vetoes"] = acc.vetoes
-            return out
+    def _counts(self, acc: Acceptance | None, accepted: int) -> dict[str, object]:
+        """The report's counts of checks and moves (``acc`` None: no move was checked)."""
+        out: dict[str, object] = {"replayer_calls": acc.calls if acc else 0,
+                                  "checks": acc.checks if acc else 0, "accepted": accepted,
+                                  "per_ms": self.per_ms}
+        if isinstance(acc, ReplayAcceptance):
+            out["linear_vetoes"] = acc.vetoes
+        return out
 
-        groups = lin.groups
-        with sw.solving():
-            # 1. The fastest plan that fits memory, group by group.
-            failed = self._start(problem, lin, options, sw, messages)
-        if failed is not None and failed.kind == "time_limit":
+    def _report(self, problem: AllocationProblem, assignment: dict[str, list[int]] | None,
+                status: str, options: SolveOptions, sw: Stopwatch, messages: list[str],
+                counts: dict[str, object]) -> tuple[Plan | None, SolveReport]:
+        return finish(problem, self.name, assignment, status=status, mode=mode_text(problem),
+                      options=options, sw=sw, messages=messages, extra_options=counts)
+
+    def _no_start(self, problem: AllocationProblem, failed: _StartFailure,
+                  options: SolveOptions, sw: Stopwatch, messages: list[str]
+                  ) -> tuple[Plan | None, SolveReport]:
+        """The report when a group has no start: out of time, out of memory, or too slow."""
+        counts = self._counts(None, 0)
+        g = failed.group
+        if failed.kind == "time_limit":
             proof = cheap_infeasibility(problem)  # the least time or memory alone may prove it
             messages.extend(proof or [f"stopped at the time limit ({options.time_limit_s:g} "
                                       f"s) before a start was found: {failed.note}"])
-            return finish(problem, self.name, None, status="INFEASIBLE" if proof else
-                          "TIME_LIMIT", mode=mode, options=options, sw=sw, messages=messages,
-                          extra_options=extra())
-        if failed is not None and failed.kind == "memory":
-            g, need = failed.group, failed.figure
+            return self._report(problem, None, "INFEASIBLE" if proof else "TIME_LIMIT",
+                                options, sw, messages, counts)
+        if failed.kind == "memory":
+            need = failed.figure
             messages.append(
                 f"group {g.name} ({g.device}) cannot fit memory: the smallest plan found "
                 f"needs {need / 2**30:.3f} GiB ({need:.0f} bytes) against a capacity of "
                 f"{g.capacity_bytes / 2**30:.3f} GiB ({g.capacity_bytes:.0f} bytes)"
                 f"{failed.note}; lower its batch or the memory headroom")
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages, extra_options=extra())
-        if failed is not None:
-            ms, g = failed.figure, failed.group
+            return self._report(problem, None, "INFEASIBLE", options, sw, messages, counts)
+        ms = failed.figure
+        messages.append(
+            f"the fastest memory-feasible plan takes {ms:.3f} ms (linear makespan: "
+            f"group {g.name}'s compute plus the tail){failed.note} against the "
+            f"target {problem.target_ms:.3f} ms: no plan of this allocator meets it; "
+            "raise the target or give the slower groups a smaller batch "
+            "(dynamic-batching)")
+        return self._report(problem, None, "INFEASIBLE", options, sw, messages,
+                            {**counts, "fastest_makespan_ms": ms})
+
+    def _raised(self, problem: AllocationProblem, search: RaiseSearch, sweeps: int,
+                swept: int, options: SolveOptions, messages: list[str]
+                ) -> tuple[str, dict[str, object]]:
+        """The status and the report's counts once the raises are done, with messages."""
+        acc = search.acc
+        if sweeps:
             messages.append(
-                f"the fastest memory-feasible plan takes {ms:.3f} ms (linear makespan: "
-                f"group {g.name}'s compute plus the tail){failed.note} against the "
-                f"target {problem.target_ms:.3f} ms: no plan of this allocator meets it; "
-                "raise the target or give the slower groups a smaller batch "
-                "(dynamic-batching)")
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages,
-                          extra_options={**extra(), "fastest_makespan_ms": ms})
-        with sw.building():
-            start = lin.assignment()
-            acc = (ReplayAcceptance(problem, start, lin) if options.acceptance == "replayer"
-                   else LinearAcceptance(problem, lin))
-        with sw.solving():
-            start_ms = acc.makespan_ms()
-            start_ok = all(acc.ok(gi) for gi in range(len(groups)))
-        if not start_ok:
-            messages.append(
-                f"the fastest memory-feasible plan takes {start_ms:.3f} ms ({acc.name} "
-                f"makespan) against the target {problem.target_ms:.3f} ms, or does not fit "
-                f"the {acc.name} model's memory, though the linear model admits it: no "
-                "plan of this allocator meets it")
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages,
-                          extra_options={**extra(), "fastest_makespan_ms": start_ms})
-        with sw.solving():
-            messages.append(f"start: fastest plan, {start_ms:.3f} ms ({acc.name} makespan) "
-                            f"against the target {problem.target_ms:.3f} ms")
-
-            # 2. The heap of raises.
-            heap: list[tuple[float, int, int, int]] = []  # (-rank, gi, u, from choice k)
-
-            def gain(gi: int, u: int, k: int) -> float:
-                om = groups[gi].omega1[u]
-                return groups[gi].weight * (om[k] - om[k - 1])
-
-            def rank(gi: int, u: int, k: int) -> float:
-                gv = gain(gi, u, k)
-                if not self.per_ms:
-                    return gv
-                dt, _ = lin.delta(gi, u, k - 1)
-                return gv / max(dt, 1e-9)
-
-            def push(gi: int, u: int) -> None:
-                k = lin.a[gi][u]
-                if k > 0 and gain(gi, u, k) > 0:
-                    r = rank(gi, u, k)
-                    heapq.heappush(heap, (-r, gi, u, k))
-
-            for gi, g in enumerate(groups):
-                for u in range(len(g.choices)):
-                    push(gi, u)
-
-            def attempt(gi: int, u: int, k: int) -> bool:
-                """Raise unit u on group gi from k to k-1; undo it if the check fails."""
-                lin.move(gi, u, k - 1)
-                acc.apply(gi, u, k - 1)
-                if acc.ok(gi):
-                    return True
-                lin.move(gi, u, k)
-                acc.apply(gi, u, k)
-                return False
-
-            rejected: list[tuple[float, int, int, int]] = []
-            stopped = False
-
-            def try_move(neg: float, gi: int, u: int, k: int) -> bool:
-                """Check one raise; keep it (and queue the unit's next) or note the refusal."""
-                nonlocal accepted
-                if attempt(gi, u, k):
-                    accepted += 1
-                    push(gi, u)
-                    return True
-                rejected.append((neg, gi, u, k))
-                return False
-
-            def drain() -> int:
-                nonlocal stopped
-                n = 0
-                while heap:
-                    if sw.wall_s > options.time_limit_s:
-                        stopped = True
-                        return n
-                    neg, gi, u, k = heapq.heappop(heap)
-                    if lin.a[gi][u] != k:
-                        continue  # stale
-                    if self.per_ms:
-                        r = rank(gi, u, k)
-                        if abs(r - (-neg)) > 1e-12 * max(abs(r), 1.0):
-                            heapq.heappush(heap, (-r, gi, u, k))
-                            continue
-                    n += try_move(neg, gi, u, k)
-                return n
-
-            drain()
-            # 3. Sweeps over the rejected moves.
-            sweeps = 0
-            swept = 0
-            while rejected and not stopped and sweeps < MAX_SWEEPS:
-                sweeps += 1
-                todo = sorted(rejected)
-                rejected.clear()
-                got = 0
-                for neg, gi, u, k in todo:
-                    if lin.a[gi][u] != k:
-                        continue
-                    got += try_move(neg, gi, u, k)
-                got += drain()
-                swept += got
-                if not got:
-                    break
-            if sweeps:
+                f"after the heap emptied, {sweeps} sweep(s) re-tried the rejected moves "
+                f"(raising an op can remove casts and free time for others): {swept} more "
+                f"accepted, {len(search.rejected)} still rejected")
+        status = "FEASIBLE"
+        if search.stopped:
+            status = "TIME_LIMIT"
+            messages.append(f"stopped at the time limit ({options.time_limit_s} s); the plan "
+                            "so far satisfies the check")
+        end_ms = acc.makespan_ms()
+        messages.append(
+            f"{search.accepted} move(s) accepted in {acc.checks} check(s)"
+            + (f", {acc.calls} replayer call(s)" if acc.calls else "")
+            + f"; {acc.name} makespan {end_ms:.3f} ms")
+        counts: dict[str, object] = {**self._counts(acc, search.accepted), "sweeps": sweeps,
+                                     "makespan_ms": end_ms}
+        if isinstance(acc, ReplayAcceptance):
+            it = acc.iteration_ms()
+            counts["replay_iteration_ms"] = it
+            if acc.vetoes:
                 messages.append(
-                    f"after the heap emptied, {sweeps} sweep(s) re-tried the rejected moves "
-                    f"(raising an op can remove casts and free time for others): {swept} more "
-                    f"accepted, {len(rejected)} still rejected")
-            status = "FEASIBLE"
-            if stopped:
-                status = "TIME_LIMIT"
-                messages.append(f"stopped at the time limit ({options.time_limit_s} s); the plan "
-                                "so far satisfies the check")
-            end_ms = acc.makespan_ms()
-            messages.append(
-                f"{accepted} move(s) accepted in {acc.checks} check(s)"
-                + (f", {acc.calls} replayer call(s)" if acc.calls else "")
-                + f"; {acc.name} makespan {end_ms:.3f} ms")
-            ext: dict[str, object] = {**extra(), "sweeps": sweeps, "makespan_ms": end_ms}
-            if isinstance(acc, ReplayAcceptance):
-                it = acc.iteration_ms()
-                ext["replay_iteration_ms"] = it
-                if acc.vetoes:
-                    messages.append(
-                        f"{acc.vetoes} move(s) the replayer admitted were refused by the "
-                        "evaluator's linear rows (its memory bounds the replayer's from above)")
-                if it > problem.target_ms * (1 + REL_TOL):
-                    messages.append(
-                        f"the replayer's whole iteration is {it:.3f} ms: {it - end_ms:.3f} ms "
-                        "more of the all-reduce stays exposed than the target's definition "
-                        "(compute plus the last bucket and the optimizer) counts")
-        assignment = lin.assignment()
-        return finish(problem, self.name, assignment, status=status, mode=mode, options=options,
-                      sw=sw, messages=messages, extra_options=ext)
+                    f"{acc.vetoes} move(s) the replayer admitted were refused by the "
+                    "evaluator's linear rows (its memory bounds the replayer's from above)")
+            if it > problem.target_ms * (1 + REL_TOL):
+                messages.append(
+                    f"the replayer's whole iteration is {it:.3f} ms: {it - end_ms:.3f} ms "
+                    "more of the all-reduce stays exposed than the target's definition "
+                    "(compute plus the last bucket and the optimizer) counts")
+        return status, counts
+
+
+#: A raise in the heap: (-rank, group, unit, the choice it raises from).
+RaiseEntry = tuple[float, int, int, int]
+
+
+class RaiseSearch:
+    """Steps 2 and 3 of the allocator: the max-heap of raises (each unit one step up its
+    group's menu, ranked by indicator gain, or gain per added millisecond), each popped
+    raise applied and checked (undone when refused), then sweeps over the refused ones."""
+
+    def __init__(self, lin: LinearState, acc: Acceptance, per_ms: bool, sw: Stopwatch,
+                 time_limit_s: float) -> None:
+        self.lin, self.acc, self.per_ms = lin, acc, per_ms
+        self.sw, self.time_limit_s = sw, time_limit_s
+        self.heap: list[RaiseEntry] = []
+        self.rejected: list[RaiseEntry] = []
+        self.accepted = 0
+        self.stopped = False
+        for gi, g in enumerate(lin.groups):
+            for u in range(len(g.choices)):
+                self.push(gi, u)
+
+    def gain(self, gi: int, u: int, k: int) -> float:
+        g = self.lin.groups[gi]
+        om = g.omega1[u]
+        return g.weight * (om[k] - om[k - 1])
+
+    def rank(self, gi: int, u: int, k: int) -> float:
+        gv = self.gain(gi, u, k)
+        if not self.per_ms:
+            return gv
+        dt, _ = self.lin.delta(gi, u, k - 1)
+        return gv / max(dt, 1e-9)
+
+    def push(self, gi: int, u: int) -> None:
+        """Queue the unit's next raise, if it gains anything."""
+        k = self.lin.a[gi][u]
+        if k > 0 and self.gain(gi, u, k) > 0:
+            heapq.heappush(self.heap, (-self.rank(gi, u, k), gi, u, k))
+
+    def attempt(self, gi: int, u: int, k: int) -> bool:
+        """Raise unit u on group gi from k to k-1; undo it if the check fails."""
+        lin, acc = self.lin, self.acc
+        lin.move(gi, u, k - 1)
+        acc.apply(gi, u, k - 1)
+        if acc.ok(gi):
+            return True
+        lin.move(gi, u, k)
+        acc.apply(gi, u, k)
+        return False
+
+    def try_move(self, entry: RaiseEntry) -> bool:
+        """Check one raise; keep it (and queue the unit's next) or note the refusal."""
+        _, gi, u, k = entry
+        if self.attempt(gi, u, k):
+            self.accepted += 1
+            self.push(gi, u)
+            return True
+        self.rejected.append(entry)
+        return False
+
+    def drain(self) -> int:
+        """Pop and try raises until the heap is empty or time is up; the number kept."""
+        n = 0
+        while self.heap:
+            if self.sw.wall_s > self.time_limit_s:
+                self.stopped = True
+                return n
+            neg, gi, u, k = heapq.heappop(self.heap)
+            if self.lin.a[gi][u] != k:
+                continue  # stale
+            if self.per_ms:
+                r = self.rank(gi, u, k)
+                if abs(r - (-neg)) > 1e-12 * max(abs(r), 1.0):
+                    heapq.heappush(self.heap, (-r, gi, u, k))
+                    continue
+            n += self.try_move((neg, gi, u, k))
+        return n
+
+    def sweep(self) -> tuple[int, int]:
+        """Re-try the refused raises (at most ``MAX_SWEEPS`` times) while any is kept: the
+        sweeps made and the raises they kept."""
+        sweeps = swept = 0
+        while self.rejected and not self.stopped and sweeps < MAX_SWEEPS:
+            sweeps += 1
+            todo = sorted(self.rejected)
+            self.rejected.clear()
+            got = 0
+            for entry in todo:
+                if self.lin.a[entry[1]][entry[2]] != entry[3]:
+                    continue
+                got += self.try_move(entry)
+            got += self.drain()
+            swept += got
+            if not got:
+                break
+        return sweeps, swept

@@ -41,6 +41,7 @@ the reported bound (the outer model's) is a bound on the exact problem.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import QsyncInputError
@@ -148,7 +149,8 @@ def scaling_for(problem: AllocationProblem, units: float = _UNITS_LOW) -> Scalin
     (``SolveOptions.cpsat.units`` overrides it, e.g. coarse units in tests).
     Numbers that are not finite are refused here, naming the quantity (one line)."""
     if not (isinstance(units, (int, float)) and 1.0 <= units <= 1e12):
-        raise QsyncInputError(f"cpsat_units: expected a number in [1, 1e12], got {units!r}")
+        raise QsyncInputError(f"cpsat.units (extra cpsat_units): expected a number in "
+                              f"[1, 1e12], got {units!r}")
     check_numbers(problem)
     budget = problem.group_budget_ms()
     if not budget > 0:
@@ -232,6 +234,34 @@ def _memory_max(n: _Numbers) -> float:
             + max([n.work0] + [max(r) for r in n.work1.values() if r]))
 
 
+def _rounded_pairs(g: _Numbers, cost: Callable[[float, float, str], int], sign: float,
+                   tu: float, mu: float, t_slack: float, m_slack: float
+                   ) -> tuple[list[tuple[int, list[list[int]], list[list[int]]]], float, float]:
+    """The pair terms of ``g`` rounded by ``cost``, and the time and memory slacks given
+    with each pair's largest rounding added (in the pairs' order)."""
+    gt, gm = f"group {g.name}: a time cost (ms)", f"group {g.name}: a memory cost (bytes)"
+    pairs = []
+    for pi, p_time, p_mem in g.pairs:
+        pt = [[cost(v, tu, gt) for v in row] for row in p_time]
+        pm = [[cost(v, mu, gm) for v in row] for row in p_mem]
+        t_slack += max(sign * (r * tu - v) for rr, vv in zip(pt, p_time, strict=True)
+                       for r, v in zip(rr, vv, strict=True))
+        m_slack += max(sign * (r * mu - v) for rr, vv in zip(pm, p_mem, strict=True)
+                       for r, v in zip(rr, vv, strict=True))
+        pairs.append((pi, pt, pm))
+    return pairs, t_slack, m_slack
+
+
+def _check_integer_range(group: str, what: str, rows: list[list[int]], constant: int) -> None:
+    """CP-SAT checks that no linear row can overflow int64: such a row is refused here, by
+    name (costs far above the budget or capacity)."""
+    if sum(max((abs(v) for v in r), default=0) for r in rows) + constant > 2 ** 62:
+        raise QsyncInputError(
+            f"group {group}: the {what} costs sum beyond CP-SAT's integer range at this "
+            "problem's scale (costs far above the budget or capacity); highs or cbc "
+            "solve it in floating point")
+
+
 def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
                   ) -> tuple[IntGroup, float, float, float]:
     """The translation of block ``b`` of ``form`` into integers: its coefficients and its
@@ -287,15 +317,7 @@ def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
             obj_err += max(abs(orow[k] / s - exact[k]) for k in allowed)
             obj_min += min(exact[k] for k in allowed)
             obj1.append(orow)
-    pairs = []
-    for pi, p_time, p_mem in g.pairs:
-        pt = [[cost(v, tu, gt) for v in row] for row in p_time]
-        pm = [[cost(v, mu, gm) for v in row] for row in p_mem]
-        t_slack += max(sign * (r * tu - v) for rr, vv in zip(pt, p_time, strict=True)
-                       for r, v in zip(rr, vv, strict=True))
-        m_slack += max(sign * (r * mu - v) for rr, vv in zip(pm, p_mem, strict=True)
-                       for r, v in zip(rr, vv, strict=True))
-        pairs.append((pi, pt, pm))
+    pairs, t_slack, m_slack = _rounded_pairs(g, cost, sign, tu, mu, t_slack, m_slack)
     w0 = cost(g.work0, mu, gm)
     w_over = sign * (w0 * mu - g.work0)
     work1 = {}
@@ -305,18 +327,12 @@ def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
                                  for r, v in zip(row, exact_row, strict=True)))
         work1[u] = row
     m_slack += w_over
-    # CP-SAT checks that no linear row can overflow int64: refuse such rows here, by name.
-    for what, rows, extra in (
-            ("time", time1 + [r for _, pt, _ in pairs for r in pt], abs(t_cap) + abs(t0)),
-            ("memory", mem1 + [r for _, _, pm in pairs for r in pm] + list(work1.values()),
-             abs(m_cap) + abs(m0) + abs(w0))):
-        if sum(max((abs(v) for v in r), default=0) for r in rows) + extra > 2 ** 62:
-            raise QsyncInputError(
-                f"group {g.name}: the {what} costs sum beyond CP-SAT's integer range at this "
-                "problem's scale (costs far above the budget or capacity); highs or cbc "
-                "solve it in floating point")
+    _check_integer_range(g.name, "time", time1 + [r for _, pt, _ in pairs for r in pt],
+                         abs(t_cap) + abs(t0))
+    _check_integer_range(g.name, "memory", mem1 + [r for _, _, pm in pairs for r in pm]
+                         + list(work1.values()), abs(m_cap) + abs(m0) + abs(w0))
     ig = IntGroup(time1, mem1, obj1, pairs, w0, work1, t_cap - t0, m_cap - m0, obj_min,
-                   obj_err, frozenset(forbid), form, b)
+                  obj_err, frozenset(forbid), form, b)
     if outer:
         return ig, 0.0, 0.0, obj_err
     return ig, t_slack, m_slack, obj_err
