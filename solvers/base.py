@@ -33,12 +33,25 @@ if TYPE_CHECKING:
 RawValue = bool | int | float | str
 
 
+def _check_params(name: str, params: object, raw: bool) -> None:
+    """Refuse, naming ``name``, options that are not a mapping of option names (to plain
+    numbers, strings or booleans when ``raw``)."""
+    if not isinstance(params, Mapping) or not all(
+            isinstance(k, str) and k.isidentifier() for k in params) or (
+            raw and not all(isinstance(v, (bool, int, float, str)) for v in params.values())):
+        raise QsyncInputError(f"{name}: expected a mapping of option names to values, "
+                              f"got {params!r}")
+
+
 @dataclass(frozen=True)
 class HighsOptions:
     """Options only HiGHS reads. ``params``: raw HiGHS options, set after the backend's own
     (e.g. ``{"mip_abs_gap": 0.0}``)."""
 
     params: Mapping[str, RawValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_params("highs.params", self.params, raw=True)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,13 @@ class CbcOptions:
     own (e.g. ``("allowableGap 0",)``)."""
 
     args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence) or any(
+                not isinstance(a, str) or not a.strip() for a in self.args):
+            raise QsyncInputError(f"cbc.args: expected a sequence of CBC options (strings), "
+                                  f"got {self.args!r}")
+        object.__setattr__(self, "args", tuple(self.args))
 
 
 #: CP-SAT's default units: the scaled budget and smallest capacity lie between this many
@@ -63,6 +83,14 @@ class CpSatOptions:
     units: float = CPSAT_UNITS
     params: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        units = self.units
+        if isinstance(units, bool) or not isinstance(units, (int, float)) or not (
+                1.0 <= units <= 1e12):
+            raise QsyncInputError(f"cpsat.units (extra cpsat_units): expected a number in "
+                                  f"[1, 1e12], got {units!r}")
+        _check_params("cpsat.params", self.params, raw=False)
+
 
 @dataclass(frozen=True)
 class UniformOptions:
@@ -71,6 +99,11 @@ class UniformOptions:
 
     precision: str = "lowest"
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.precision, str):
+            raise QsyncInputError(f"uniform.precision (extra uniform_precision): expected "
+                                  f"lowest, fastest or a precision name, got {self.precision!r}")
+
 
 @dataclass(frozen=True)
 class DynamicBatchingOptions:
@@ -78,6 +111,12 @@ class DynamicBatchingOptions:
     a multiple of it."""
 
     batch_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        m = self.batch_multiple
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise QsyncInputError(f"dynamic_batching.batch_multiple (extra batch_multiple): "
+                                  f"expected a positive integer, got {m!r}")
 
 
 #: The keys of the older ``extra`` spelling: key -> (the typed field, its own field).
@@ -126,8 +165,6 @@ class SolveOptions:
                 raise QsyncInputError(f"extra: unknown key {key!r}; expected one of "
                                       f"{', '.join(_EXTRA_KEYS)}")
             name, own = _EXTRA_KEYS[key]
-            if own == "args":
-                value = tuple(value)
             object.__setattr__(self, name, dataclasses.replace(getattr(self, name),
                                                                **{own: value}))
 

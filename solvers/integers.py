@@ -12,9 +12,9 @@ kept in :class:`Scaling` and recorded in the report's options and messages), whi
   the largest possible total below 1e15; int64 holds 9.2e18) and rounded to nearest;
   ``max_objective_error`` bounds ``|scaled / omega_scale - exact|`` for any assignment.
   An OPTIMAL plan whose rounding error could exceed the relative gap of its objective
-  (Omegas of very different sizes) is re-solved without the choices whose Omega alone
-  exceeds the plan's, on a scale fitted to what is left; if that does not prove it, it is
-  FEASIBLE.
+  (Omegas of very different sizes) is re-solved by the driver's loose-optimum loop without
+  the choices whose Omega alone exceeds the plan's, on a scale fitted to what is left; if
+  that does not prove it, it is FEASIBLE.
 * every coefficient is at most 2**50 units; a number beyond that (or not finite) is
   refused, naming the quantity, and a capacity or budget no assignment can reach is
   replaced by one just above what any assignment takes (exact: the row never binds).
@@ -26,17 +26,7 @@ kept in :class:`Scaling` and recorded in the report's options and messages), whi
 * the **outer** model rounds costs down and bounds (with the tolerance ``FEAS_REL``) up: it
   accepts every exactly feasible assignment, so its optimum bounds the exact one and its
   infeasibility proves the problem's.
-
-Each program is solved on the outer model first; if its optimum is feasible in the exact
-model (``GroupModel.time_ms`` / ``memory_bytes``, relative tolerance ``FEAS_REL``) it is the
-exact optimum (up to ``2 * max_objective_error``). Otherwise the optimum sits within the
-rounding slack of a bound, and the inner model gives the plan (status OPTIMAL only if it
-meets the outer bound within the gap). Either way the exact objective of CP-SAT's plan is
-at most the optimum of the problem with the budget reduced by ``max_time_slack_ms`` and the
-capacity by ``max_mem_slack_bytes``, plus ``2 * max_objective_error`` and the relative gap;
-the reported bound (the outer model's) is a bound on the exact problem.
 """
-
 
 from __future__ import annotations
 

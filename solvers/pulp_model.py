@@ -44,7 +44,7 @@ FEAS_TOL = 1e-9
 #: The absolute gap asked of CBC and HiGHS, as a fraction of ``rel_gap`` (in the program's
 #: units, where the largest objective coefficient is 1): an OPTIMAL plan whose objective is
 #: at least 1e-3 of that coefficient is then proven within the relative gap; a smaller one is
-#: re-solved without the choices that cannot be in a better plan (``ilp.loose_optimum``),
+#: re-solved without the choices that cannot be in a better plan (``driver.loose_optimum``),
 #: which rescales its objective.
 ABS_GAP_OF_REL = 1e-3
 

@@ -11,10 +11,11 @@ import time
 import pytest
 from qsync_opt.solvers import SolveOptions, driver, get_backend, registry, timing
 from qsync_opt.solvers import fastest as fastest_mod
+from qsync_opt.solvers.acceptance import LinearState
 from qsync_opt.solvers.checks import check_resolution
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.fastest import FastestTimeLimit, fastest_plans, fastest_results
-from qsync_opt.solvers.greedy import Greedy, LinearState
+from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.pulp_model import Outcome
 from qsync_opt.solvers.timing import Stopwatch
 
