@@ -119,7 +119,7 @@ class CpSat:
     exact = True
     requires = "ortools"
     hint_note = "warm start: hints given to CP-SAT (add_hint)"
-    tolerance_name = "the bound on its objective's rounding error,"
+    tolerance_name = "its objective's possible rounding error"
     demotion_note = ", its bound lowered by that rounding error"
 
     def is_available(self) -> bool:

@@ -90,8 +90,8 @@ def loose_optimum(problem: AllocationProblem, gis: Sequence[int], result: PartRe
     z = part_objective(problem, gis, result.assignment)
     if z - part_floor(problem, gis) <= 0.0 or tol <= rel_gap * abs(z):
         return None
-    return (f"{tolerance_name} {tol:.3g} is more than the relative gap {rel_gap:g} of the "
-            f"plan's objective {z:.6g} (Omegas of very different sizes)")
+    return (f"{tolerance_name} of {tol:.3g} is more than the relative gap {rel_gap:g} of "
+            f"the plan's objective {z:.6g} (Omegas of very different sizes)")
 
 
 class PartRunner:
