@@ -31,7 +31,7 @@ from pathlib import Path
 
 from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 from qsync_opt.solvers import SolveOptions
-from qsync_opt.solvers.common import clear_part_memo
+from qsync_opt.solvers.memo import clear_part_memo
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace

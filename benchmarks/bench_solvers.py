@@ -11,7 +11,7 @@ of 600 Linear layers (width 256-2048, batch 256; at batch 32 fp32 is already the
 choice on the small cards and the problem is trivial).
 
 Every repeat is a cold solve: the process's memo of solved parts
-(``solvers.common.clear_part_memo``, which answers a part already solved in this process
+(``solvers.memo.clear_part_memo``, which answers a part already solved in this process
 without running a solver) is cleared before each one, so repeats 2-3 time the solver, not a
 cache look-up (before issue 41 HiGHS's and CBC's repeats were answered by the memo in 1-2%
 of the first run's time, and CP-SAT has none). ``--warm`` keeps the memo, to see its effect.
@@ -28,7 +28,7 @@ import sys
 import time
 
 from qsync_opt.solvers import SolveOptions, registry
-from qsync_opt.solvers.common import clear_part_memo
+from qsync_opt.solvers.memo import clear_part_memo
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.evaluator import evaluate

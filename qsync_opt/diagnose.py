@@ -63,10 +63,10 @@ def _exact_backend() -> str:
 
 def _group_min_memory(g: GroupModel, gi: int, backend: str, time_limit_s: float
                       ) -> tuple[float, list[int]]:
-    from .solvers import SolveOptions
-    from .solvers.common import Stopwatch
+    from .solvers import CbcOptions, HighsOptions, SolveOptions
     from .solvers.formulation import formulate_group
     from .solvers.pulp_model import pulp_module, read_assignment, run, to_pulp
+    from .solvers.timing import Stopwatch
 
     if not g.choices:
         return g.memory_bytes([]), []
@@ -77,8 +77,8 @@ def _group_min_memory(g: GroupModel, gi: int, backend: str, time_limit_s: float
     pulp = pulp_module()
     prog = to_pulp(pulp, formulate_group(loose, gi, objective="memory"), f"min_memory_{gi}")
     # No gap at all: the least memory is reported as a bound the user can rely on.
-    opts = SolveOptions(rel_gap=0.0, extra={"highs": {"mip_abs_gap": 0.0},
-                                            "cbc": ["allowableGap 0"]})
+    opts = SolveOptions(rel_gap=0.0, highs=HighsOptions({"mip_abs_gap": 0.0}),
+                        cbc=CbcOptions(("allowableGap 0",)))
     status = run(pulp, prog, backend, opts, time_limit_s, False, Stopwatch(), []).status
     if status != "OPTIMAL":
         raise QsyncInputError(
@@ -285,7 +285,7 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
     blocking group, the pinned ops that weigh most in its least-memory (or fastest) plan,
     with their share.
     """
-    from .solvers.common import FEAS_REL
+    from .solvers.checks import FEAS_REL
 
     mins = min_memory(problem, time_limit_s=time_limit_s)
     too_big = frozenset(g.name for g in problem.groups
@@ -361,7 +361,7 @@ def precheck(problem: AllocationProblem, check: str = "target", *,
     target; the default one falls back to the lexicographic mode when out of reach).
     Without a PuLP solver only ``"fixed"`` is checked.
     """
-    from .solvers.common import FEAS_REL, check_resolution
+    from .solvers.checks import FEAS_REL, check_resolution
 
     if check not in PRECHECKS:
         raise QsyncInputError(f"check: expected one of {', '.join(PRECHECKS)}, got {check!r}")

@@ -23,9 +23,11 @@ from .io import load
 from .problem import AllocationProblem, ProblemOptions
 from .progress import Progress
 from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
-from .solvers import SolveOptions, common, get_backend, registry
-from .solvers.common import Deadline, mode_text, objective_scale
-from .solvers.ilp import relaxation_bound
+from .solvers import SolveOptions, get_backend, registry, timing
+from .solvers.checks import check_numbers
+from .solvers.relaxation import relaxation_bound
+from .solvers.report import ZERO_REL, mode_text, objective_scale
+from .solvers.timing import Deadline
 from .splits import BOUND_REL, SplitBounds, batch_splits
 from .units import GIB, fmt_bytes
 
@@ -76,7 +78,7 @@ class _Call:
     def child(self, seconds: float) -> _Call:
         """A call ending after ``seconds`` or with this one, whichever is first."""
         sub = Deadline(self.deadline.seconds)
-        sub.end = min(self.deadline.end, common.clock() + max(seconds, 0.0))
+        sub.end = min(self.deadline.end, timing.clock() + max(seconds, 0.0))
         return _Call(sub, self.reach)
 
 
@@ -158,7 +160,7 @@ REFINE_ROUNDS = 3
 MAX_SPLITS = 64
 #: No candidate of the joint split is built or started with less than this many seconds of
 #: the limit left: building one takes up to ~0.06 s on resnet50 and its solver run needs
-#: solvers.common.solver_limit's room (each HiGHS/CBC run is handed what is left less a
+#: solvers.timing.solver_limit's room (each HiGHS/CBC run is handed what is left less a
 #: margin for its own overrun and the work after it), so the limit bounds the whole call.
 MIN_CANDIDATE_S = 0.25
 
@@ -197,7 +199,7 @@ def solve(problem: AllocationProblem, solver: str = "cpsat",
     if refine < 0:
         raise QsyncInputError(f"refine: expected a non-negative number of rounds, got {refine}")
     call = _Call.start(opts)
-    common.check_numbers(problem)  # every backend and mode refuses the same numbers
+    check_numbers(problem)  # every backend and mode refuses the same numbers
     if mode == "budget":
         if degradation_budget is None or not degradation_budget >= 0:
             raise QsyncInputError("degradation_budget: the budget mode needs a number >= 0")
@@ -254,7 +256,7 @@ def _time_limit(problem: AllocationProblem, solver: str, report: SolveReport,
     """No plan within the call's time limit: say so, with the best bound found."""
     scale, _, low = objective_scale(problem)
     bound = report.bound if report.bound is not None else low
-    trivial = abs(bound - low) <= common.ZERO_REL * max(scale, 1e-300)
+    trivial = abs(bound - low) <= ZERO_REL * max(scale, 1e-300)
     msg = (f"{solver}: no plan found within {call.limit_s:g} s (the time limit of the whole "
            f"solve; status TIME_LIMIT, not infeasible; best bound on the degradation "
            f"{bound:.6g}" + (" (the trivial one: every op at its least Omega)" if trivial

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 
 from .errors import QsyncInputError
 from .problem import AllocationProblem, GroupModel
-from .solvers.common import part_floor, time_lower_bound
+from .solvers.checks import time_lower_bound
+from .solvers.parts import part_floor
 
 #: Relative margin below which a bound is taken to equal the best objective (not prune).
 BOUND_REL = 1e-9

@@ -1,25 +1,37 @@
 """Allocators (installed as ``qsync_opt.solvers``): the backend protocol and its registry.
 
 Each backend turns an :class:`~qsync_opt.problem.AllocationProblem` into a
-``(Plan, SolveReport)``. The exact backends (PuLP with CBC or HiGHS, OR-Tools CP-SAT),
-QSync's replayer-guided greedy allocator and the baselines register here; imports of
+``(Plan, SolveReport)``. The exact backends (PuLP with CBC or HiGHS, OR-Tools CP-SAT:
+each a translation of the formulation and one run, orchestrated by :mod:`.driver`), QSync's replayer-guided greedy allocator and the baselines register here; imports of
 optional solver packages are guarded inside each backend so a missing one only makes that
 backend unavailable.
 """
 
 from __future__ import annotations
 
-from .base import Backend, SolveOptions
+from .base import (
+    Backend,
+    CbcOptions,
+    CpSatOptions,
+    DynamicBatchingOptions,
+    ExactBackend,
+    HighsOptions,
+    SolveOptions,
+    UniformOptions,
+)
 
-__all__ = ["EXACT", "Backend", "SolveOptions", "get_backend", "registry"]
+__all__ = ["EXACT", "Backend", "CbcOptions", "CpSatOptions", "DynamicBatchingOptions",
+           "ExactBackend", "HighsOptions", "SolveOptions", "UniformOptions", "get_backend",
+           "registry"]
 
 
 def registry() -> dict[str, Backend]:
     """Backends by name, in the order `compare` lists them. Built on each call."""
+    from .additive import AdditiveIlp
     from .baselines import DynamicBatching, StrongOnly, Uniform
     from .cpsat import CpSat
     from .greedy import Greedy
-    from .ilp import AdditiveIlp, PulpIlp
+    from .ilp import PulpIlp
 
     backends: list[Backend] = [
         PulpIlp("highs"), PulpIlp("cbc"), CpSat(), Greedy(), Greedy(per_ms=True),

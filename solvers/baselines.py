@@ -27,7 +27,8 @@ from ..precision import Precision
 from ..problem import AllocationProblem, GroupModel
 from ..schemas import ClusterSpec, Plan, SolveReport
 from .base import SolveOptions
-from .common import Stopwatch, finish
+from .report import finish
+from .timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def _sub_options(problem: AllocationProblem, cluster: ClusterSpec) -> Any:
 class Uniform:
     """QSync's UP baseline: strong groups at the reference, the others at one precision.
 
-    ``options.extra["uniform_precision"]`` picks the weak groups' precision: ``"lowest"``
+    ``options.uniform.precision`` picks the weak groups' precision: ``"lowest"``
     (default, as QSync's UP: each op's lowest choice), ``"fastest"`` (per group, the one
     uniform precision with the least linear time: on a T4 INT8 gives out FP32, so its casts
     can make uniform INT8 slower than uniform FP16), or a precision name (ops that cannot run
@@ -109,7 +110,7 @@ class Uniform:
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
         strong = set(problem.strong_groups)
-        how = str(options.extra.get("uniform_precision", "lowest"))
+        how = str(options.uniform.precision)
         chosen: list[str] = []
         with sw.solving():
             assignment: dict[str, list[int]] = {}
@@ -171,7 +172,7 @@ class DynamicBatching:
     """Reference precision everywhere; per-device batches re-split to balance the groups.
 
     The global batch (sum of count x batch) is kept exactly; every batch is a multiple of
-    ``options.extra["batch_multiple"]`` (default 1). The strong group with the most devices
+    ``options.dynamic_batching.batch_multiple`` (default 1). The strong group with the most devices
     takes what is left of the global batch. With one other group its batch is found by
     binary search for the point where the two groups' linear times cross (both sides scored,
     memory respected, a narrowing step toward the side that fits when one does not); with
@@ -190,7 +191,7 @@ class DynamicBatching:
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
-        multiple = int(options.extra.get("batch_multiple", 1))
+        multiple = int(options.dynamic_batching.batch_multiple)
         if multiple < 1:
             raise QsyncInputError(f"batch_multiple: expected a positive integer, got {multiple}")
         search = _Split(problem, multiple)

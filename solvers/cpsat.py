@@ -1,36 +1,15 @@
-"""The exact program in OR-Tools CP-SAT (Boolean x and y, integer coefficients).
+"""The exact program in OR-Tools CP-SAT (Boolean x and y, integer coefficients):
+translation and one run of a part.
 
 The model is a translation of :mod:`.formulation`'s program (one-hot ``x``, pair variables
 ``y`` tied to ``x`` by their marginal rows, AND rows for derived units, the working set
-``W`` as an integer variable), in two steps: :func:`integer_group` turns each group's block
-of the formulation into integers (the rounding below, its scale factors and slacks kept in
-:class:`Scaling` and recorded in the report's options and messages), then
-:meth:`CpSat._build` writes the rows of the chosen groups, family by family (one-hot rows
-become ``add_exactly_one``). The scaling is explicit:
-
-* time in units of ``time_unit_ms``, a power of ten that puts the group budget between 1e8
-  and 1e9 units; memory in units of ``mem_unit_bytes``, likewise for the smallest capacity.
-  (With 1e6-1e7 units the rounding slack of ~1000 terms reached 5e-4 of the budget on a
-  600-op model and cost optimality; 1e8-1e9 keeps every sum far inside int64 and solves as
-  fast.)
-* the objective ``weight * Omega`` is scaled by ``omega_scale`` (a power of ten that keeps
-  the largest possible total below 1e15; int64 holds 9.2e18) and rounded to nearest;
-  ``max_objective_error`` bounds ``|scaled / omega_scale - exact|`` for any assignment.
-  An OPTIMAL plan whose rounding error could exceed the relative gap of its objective
-  (Omegas of very different sizes) is re-solved without the choices whose Omega alone
-  exceeds the plan's, on a scale fitted to what is left; if that does not prove it, it is
-  FEASIBLE.
-* every coefficient is at most 2**50 units; a number beyond that (or not finite) is
-  refused, naming the quantity, and a capacity or budget no assignment can reach is
-  replaced by one just above what any assignment takes (exact: the row never binds).
-* the **inner** model rounds every time and memory cost up (ceil) and every budget and
-  capacity down (floor): every assignment it accepts is feasible in the exact
-  floating-point model. It may lose assignments within ``max_time_slack_ms`` of the budget
-  or ``max_mem_slack_bytes`` of the capacity (both computed term by term from the actual
-  rounding, and recorded in the report's options).
-* the **outer** model rounds costs down and bounds (with the tolerance ``FEAS_REL``) up: it
-  accepts every exactly feasible assignment, so its optimum bounds the exact one and its
-  infeasibility proves the problem's.
+``W`` as an integer variable), in two steps: :func:`.integers.integer_group` turns each
+group's block into integers (the rounding, its scale factors and slacks kept in
+:class:`.integers.Scaling` and recorded in the report), then :meth:`CpSat._build` writes
+the rows of the chosen groups, family by family (one-hot rows become
+``add_exactly_one``). The driver (:mod:`.driver`) runs it: the deadline, the parts, the
+warm start and the loose-optimum loop are its (an OPTIMAL whose objective rounding could
+hide a better plan is re-solved on an objective scale fitted to the choices left).
 
 Each program is solved on the outer model first; if its optimum is feasible in the exact
 model (``GroupModel.time_ms`` / ``memory_bytes``, relative tolerance ``FEAS_REL``) it is the
@@ -47,306 +26,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import QsyncInputError
 from ..problem import AllocationProblem
 from ..schemas import Plan, SolveReport
-from . import common
-from .base import SolveOptions
-from .common import (
-    FEAS_REL,
-    MAX_RESCALES,
-    Deadline,
-    PartResult,
-    Stopwatch,
-    cheap_infeasibility,
-    check_numbers,
-    exact_violation,
-    excluded_choices,
-    finish,
-    infeasible_messages,
-    mode_text,
-    part_floor,
-    part_objective,
-    program_parts,
-    solve_parts,
-)
-from .formulation import Block, Formulation, formulate
-from .warmstart import start_hints
-
-#: Target range of the scaled budget / capacity (units) and of the scaled objective total.
-_UNITS_LOW = 1e8
-_OBJECTIVE_MAX = 1e15
-#: The largest |coefficient| in units CP-SAT is given (2**50: exact in a double, so the
-#: rounding loops below settle within a step, and sums of 8000 such terms stay inside
-#: int64). A cost beyond it (more than ~1e7 times the budget or the smallest capacity)
-#: cannot be scaled with the precision the budget needs: refused, naming the quantity.
-_INT_LIMIT = float(2 ** 50)
-#: The decimal exponents a unit may take (10**-300 .. 10**300: never 0, never inf).
-_EXP_RANGE = 300
-
-
-def _quotient(v: float, unit: float, what: str) -> float:
-    """``v / unit``, refused (one line, naming ``what``) when ``v`` is not finite or the
-    quotient is beyond :data:`_INT_LIMIT` units."""
-    q = v / unit
-    if not math.isfinite(v) or not math.isfinite(q) or abs(q) > _INT_LIMIT:
-        raise QsyncInputError(
-            f"{what}: {v!r} cannot be scaled to CP-SAT's integers (a finite value within "
-            f"{_INT_LIMIT * unit:.6g} is needed at this problem's scale, {unit:g} per unit); "
-            "highs or cbc solve it in floating point")
-    return q
-
-
-def _up(v: float, unit: float, what: str = "coefficient") -> int:
-    """The least integer r with r * unit >= v (checked in floating point; at most a few
-    steps: |v / unit| <= 2**50, where consecutive multiples of ``unit`` differ)."""
-    r = math.ceil(_quotient(v, unit, what))
-    for _ in range(4):
-        if r * unit >= v:
-            break
-        r += 1
-    for _ in range(4):
-        if (r - 1) * unit < v:
-            break
-        r -= 1
-    return r
-
-
-def _down(v: float, unit: float, what: str = "coefficient") -> int:
-    """The greatest integer r with r * unit <= v (bounded like :func:`_up`)."""
-    r = math.floor(_quotient(v, unit, what))
-    for _ in range(4):
-        if r * unit <= v:
-            break
-        r -= 1
-    for _ in range(4):
-        if (r + 1) * unit > v:
-            break
-        r += 1
-    return r
-
-
-def _decade_unit(span: float, units: float = _UNITS_LOW) -> float:
-    """A power of ten that puts ``span`` between ``units`` and ``10 * units`` units
-    (the exponent kept within +-300, so the unit is never 0 or infinite)."""
-    if not span > 0 or not math.isfinite(span):
-        return 1.0
-    exp = math.floor(math.log10(span)) - round(math.log10(units))
-    return 10.0 ** max(-_EXP_RANGE, min(_EXP_RANGE, exp))
-
-
-@dataclass
-class Scaling:
-    time_unit_ms: float
-    mem_unit_bytes: float
-    omega_scale: float
-    max_time_slack_ms: float = 0.0
-    max_mem_slack_bytes: float = 0.0
-    max_objective_error: float = 0.0
-
-    def to_json(self) -> dict[str, float]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class _IntGroup:
-    """One group's coefficients, in integers."""
-
-    time1: list[list[int]]
-    mem1: list[list[int]]
-    obj1: list[list[int]]
-    pairs: list[tuple[int, list[list[int]], list[list[int]]]]  # (pair index, time, mem)
-    work0: int
-    work1: dict[int, list[int]]  # only the rows that can exceed work0
-    time_rhs: int  # floor(budget) - ceil(time0)
-    mem_rhs: int  # floor(capacity) - ceil(mem0)
-    obj_min: float  # the least possible exact objective (sum of row minima), a trivial bound
-    obj_err: float  # max |scaled / omega_scale - exact| over the group's assignments
-    forbid: frozenset[tuple[int, int]]  # (unit, choice) fixed to 0
-    form: Formulation  # what was translated
-    block: Block
-
-
-def scaling_for(problem: AllocationProblem, units: float = _UNITS_LOW) -> Scaling:
-    """The units: the budget and the smallest capacity between ``units`` and 10x as many
-    (``SolveOptions.extra["cpsat_units"]`` overrides it, e.g. coarse units in tests).
-    Numbers that are not finite are refused here, naming the quantity (one line)."""
-    if not (isinstance(units, (int, float)) and 1.0 <= units <= 1e12):
-        raise QsyncInputError(f"cpsat_units: expected a number in [1, 1e12], got {units!r}")
-    check_numbers(problem)
-    budget = problem.group_budget_ms()
-    if not budget > 0:
-        budget = max([abs(g.time0) for g in problem.groups]
-                     + [abs(v) for g in problem.groups for r in g.time1 for v in r] + [1e-9])
-    caps = [g.capacity_bytes for g in problem.groups if g.capacity_bytes > 0]
-    cap = min(caps) if caps else 1.0
-    total = sum(abs(g.weight) * max(abs(v) for v in r) for g in problem.groups
-                for r in g.omega1 if r)
-    if not math.isfinite(total):
-        raise QsyncInputError(f"indicator: the weighted sum of the largest values is {total!r}; "
-                              "expected a finite number")
-    return Scaling(_decade_unit(budget, units), _decade_unit(cap, units), _omega_scale(total))
-
-
-def _omega_scale(total: float) -> float:
-    """The power of ten that keeps an objective total of ``total`` below 1e15 units."""
-    if not total > 0:
-        return 1.0
-    return 10.0 ** max(-_EXP_RANGE, min(_EXP_RANGE,
-                                        math.floor(math.log10(_OBJECTIVE_MAX / total))))
-
-
-def _never_binding(bound: float, most: float, unit: float) -> float:
-    """``bound``, or, when it exceeds ``most`` (what any assignment reaches) by far, a value
-    just above ``most``: the row then accepts every assignment either way."""
-    if math.isfinite(most) and bound > 2 * abs(most) + 4 * unit:
-        return 2 * abs(most) + 4 * unit
-    return bound
-
-
-@dataclass
-class _Numbers:
-    """One block's coefficients read back from the formulation, per unit and pair (the
-    layout the rounding works on): exact, in ms and bytes."""
-
-    name: str
-    capacity_bytes: float
-    weight_omega: list[list[float]]  # real units: w * Omega
-    time0: float
-    time1: list[list[float]]
-    mem0: float
-    mem1: list[list[float]]
-    pairs: list[tuple[int, list[list[float]], list[list[float]]]]  # active pairs only
-    work0: float
-    work1: dict[int, list[float]]  # the working-set rows
-
-
-def block_numbers(form: Formulation, b: Block) -> _Numbers:
-    """The coefficients of block ``b``'s rows and objective, by unit and pair."""
-    if b.time_row is None:
-        raise ValueError("CP-SAT translates the degradation objective with its time row")
-    trow, mrow = form.rows[b.time_row], form.rows[b.mem_row]
-    tc, mc, oc = dict(trow.terms), dict(mrow.terms), dict(form.objective.terms)
-    unit_of = {v: u for u, row in enumerate(b.x) for v in row}
-    work1: dict[int, list[float]] = {}
-    for ri in b.rows:
-        r = form.rows[ri]
-        if r.family == "working_set":
-            u = unit_of[r.terms[0][0]]
-            work1[u] = [-c for _, c in r.terms[:-1]]
-    return _Numbers(
-        b.group.name, mrow.rhs, [[oc[v] for v in b.x[u]] for u in range(b.n_real)],
-        trow.constant, [[tc[v] for v in row] for row in b.x], mrow.constant,
-        [[mc[v] for v in row] for row in b.x],
-        [(pi, [[tc[v] for v in yrow] for yrow in y], [[mc[v] for v in yrow] for yrow in y])
-         for pi, y in b.pairs],
-        form.variables[b.w].lb, work1)
-
-
-def _time_max(n: _Numbers) -> float:
-    """The most time any assignment takes (each term at its largest)."""
-    return (n.time0 + sum(max(r) for r in n.time1 if r)
-            + sum(max(max(row) for row in pt) for _, pt, _ in n.pairs if pt and pt[0]))
-
-
-def _memory_max(n: _Numbers) -> float:
-    """The most memory any assignment takes (each term at its largest)."""
-    return (n.mem0 + sum(max(r) for r in n.mem1 if r)
-            + sum(max(max(row) for row in pm) for _, _, pm in n.pairs if pm and pm[0])
-            + max([n.work0] + [max(r) for r in n.work1.values() if r]))
-
-
-def integer_group(form: Formulation, b: Block, sc: Scaling, outer: bool = False
-                  ) -> tuple[_IntGroup, float, float, float]:
-    """The translation of block ``b`` of ``form`` into integers: its coefficients and its
-    time slack (ms), memory slack (bytes) and objective error bound.
-
-    ``outer=False`` (the inner model): costs rounded up, budget and capacity down, so every
-    assignment it accepts is feasible in the exact model; the slacks bound what it may lose.
-    ``outer=True``: costs rounded down, bounds (with the tolerance ``FEAS_REL``) up, so it
-    accepts every exactly feasible assignment (a relaxation: its optimum bounds the exact
-    one); the slacks are then meaningless (returned as 0). The block's forbidden choices
-    (fixed to 0: no plan better than a known one takes them) have no Omega counted.
-    """
-    g = block_numbers(form, b)
-    budget = form.rows[b.time_row].rhs if b.time_row is not None else form.budget
-    forbid = b.forbid
-    tu, mu, s = sc.time_unit_ms, sc.mem_unit_bytes, sc.omega_scale
-    # A capacity above the most memory any assignment can take never binds: it is replaced
-    # by that most (plus a margin), exactly, so a huge capacity beside a small one (whose
-    # unit sets mu) still fits CP-SAT's integers. Likewise the budget.
-    capacity = _never_binding(g.capacity_bytes, _memory_max(g), mu)
-    budget = _never_binding(budget, _time_max(g), tu)
-    if outer:
-        cost, sign = _down, -1.0
-        t_cap = _up(budget + FEAS_REL * abs(budget), tu, "target_ms (group budget, ms)")
-        m_cap = _up(capacity * (1 + FEAS_REL), mu, f"group {g.name}: capacity_bytes")
-    else:
-        cost, sign = _up, 1.0
-        t_cap = _down(budget, tu, "target_ms (group budget, ms)")
-        m_cap = _down(capacity, mu, f"group {g.name}: capacity_bytes")
-    t_slack = budget - t_cap * tu
-    m_slack = capacity - m_cap * mu
-    gt, gm = f"group {g.name}: a time cost (ms)", f"group {g.name}: a memory cost (bytes)"
-    t0 = cost(g.time0, tu, gt)
-    m0 = cost(g.mem0, mu, gm)
-    t_slack += t0 * tu - g.time0
-    m_slack += m0 * mu - g.mem0
-    time1, mem1, obj1 = [], [], []
-    obj_err = 0.0
-    obj_min = 0.0
-    for u in range(len(g.time1)):  # real units, then derived ones (no objective)
-        tr = [cost(v, tu, gt) for v in g.time1[u]]
-        mr = [cost(v, mu, gm) for v in g.mem1[u]]
-        t_slack += max(sign * (r * tu - v) for r, v in zip(tr, g.time1[u], strict=True))
-        m_slack += max(sign * (r * mu - v) for r, v in zip(mr, g.mem1[u], strict=True))
-        time1.append(tr)
-        mem1.append(mr)
-        if u < len(g.weight_omega):
-            exact = g.weight_omega[u]
-            orow = [0 if (u, k) in forbid else round(v * s) for k, v in enumerate(exact)]
-            # (every choice forbidden: the program has no plan; the row still bounds)
-            allowed = ([k for k in range(len(exact)) if (u, k) not in forbid]
-                       or list(range(len(exact))))
-            obj_err += max(abs(orow[k] / s - exact[k]) for k in allowed)
-            obj_min += min(exact[k] for k in allowed)
-            obj1.append(orow)
-    pairs = []
-    for pi, p_time, p_mem in g.pairs:
-        pt = [[cost(v, tu, gt) for v in row] for row in p_time]
-        pm = [[cost(v, mu, gm) for v in row] for row in p_mem]
-        t_slack += max(sign * (r * tu - v) for rr, vv in zip(pt, p_time, strict=True)
-                       for r, v in zip(rr, vv, strict=True))
-        m_slack += max(sign * (r * mu - v) for rr, vv in zip(pm, p_mem, strict=True)
-                       for r, v in zip(rr, vv, strict=True))
-        pairs.append((pi, pt, pm))
-    w0 = cost(g.work0, mu, gm)
-    w_over = sign * (w0 * mu - g.work0)
-    work1 = {}
-    for u, exact_row in g.work1.items():
-        row = [cost(v, mu, gm) for v in exact_row]
-        w_over = max(w_over, max(sign * (r * mu - v)
-                                 for r, v in zip(row, exact_row, strict=True)))
-        work1[u] = row
-    m_slack += w_over
-    # CP-SAT checks that no linear row can overflow int64: refuse such rows here, by name.
-    for what, rows, extra in (
-            ("time", time1 + [r for _, pt, _ in pairs for r in pt], abs(t_cap) + abs(t0)),
-            ("memory", mem1 + [r for _, _, pm in pairs for r in pm] + list(work1.values()),
-             abs(m_cap) + abs(m0) + abs(w0))):
-        if sum(max((abs(v) for v in r), default=0) for r in rows) + extra > 2 ** 62:
-            raise QsyncInputError(
-                f"group {g.name}: the {what} costs sum beyond CP-SAT's integer range at this "
-                "problem's scale (costs far above the budget or capacity); highs or cbc "
-                "solve it in floating point")
-    ig = _IntGroup(time1, mem1, obj1, pairs, w0, work1, t_cap - t0, m_cap - m0, obj_min,
-                   obj_err, frozenset(forbid), form, b)
-    if outer:
-        return ig, 0.0, 0.0, obj_err
-    return ig, t_slack, m_slack, obj_err
+from . import timing
+from .base import Forbidden, PartResult, SolveOptions, Translation
+from .checks import cheap_infeasibility, exact_violation, infeasible_messages
+from .driver import solve_exact
+from .formulation import formulate
+from .integers import IntGroup, Scaling, integer_group, omega_scale_for, scaling_for
+from .timing import Stopwatch
 
 
 def _chosen(solver: Any, row: Sequence[Any]) -> int:
@@ -375,14 +66,6 @@ class _Solved:
 SMALL_PROGRAM_VARS = 20_000
 
 
-def _kept_feasible(res: PartResult, obj: float, err: float) -> PartResult:
-    """An OPTIMAL plan kept as FEASIBLE when the objective's rounding (error ``err`` per
-    side) could hide a better one: its bound lowered to ``obj - 2 * err`` at most."""
-    return dataclasses.replace(res, status="FEASIBLE",
-                               bound=min(res.bound, obj - 2 * err)
-                               if res.bound is not None else None)
-
-
 def prefer_highs(problem: AllocationProblem, n_variables: int) -> str:
     """What the report says when CP-SAT stops without proving its plan optimal: the menu's
     size, and that HiGHS is the backend to prefer there (on BERT-base with ``--int4`` at
@@ -400,11 +83,44 @@ def default_workers(n_variables: int) -> int:
     return 1 if n_variables <= SMALL_PROGRAM_VARS else 8
 
 
+@dataclass
+class IntModels:
+    """The integer models a run of a part uses: the inner (costs up, bounds down) and the
+    outer (costs down, bounds up) coefficients per group, and their scaling."""
+
+    inner: Mapping[int, IntGroup]
+    outer: Mapping[int, IntGroup]
+    scaling: Scaling
+
+
+@dataclass
+class CpSatTranslation(Translation):
+    """A CP-SAT call: OR-Tools' model module and the call's integer models."""
+
+    cp_model: Any = None
+    models: IntModels = field(default_factory=lambda: IntModels({}, {}, Scaling(0, 0, 0)))
+
+
+def scaling_message(form_rows: int, sc: Scaling) -> str:
+    """What the report says of the call's integer scaling."""
+    return (f"integer scaling (the formulation's {form_rows} rows translated twice): "
+            f"time unit {sc.time_unit_ms:g} ms, memory unit {sc.mem_unit_bytes:g} B, "
+            f"objective x{sc.omega_scale:g} rounded to nearest; the inner model rounds "
+            "costs up and bounds down (its plans are feasible in the exact model) and may "
+            f"lose assignments within {sc.max_time_slack_ms:.3g} ms of the budget or "
+            f"{sc.max_mem_slack_bytes:.3g} B of the capacity; the outer model (costs down, "
+            f"bounds up) gives the bound; objective error <= {sc.max_objective_error:.3g}")
+
+
 class CpSat:
     """OR-Tools CP-SAT on the exact program (integer-scaled, conservatively)."""
 
     name = "cpsat"
     exact = True
+    requires = "ortools"
+    hint_note = "warm start: hints given to CP-SAT (add_hint)"
+    tolerance_name = "its objective's possible rounding error"
+    demotion_note = ", its bound lowered by that rounding error"
 
     def is_available(self) -> bool:
         try:
@@ -413,109 +129,198 @@ class CpSat:
             return False
         return True
 
+    def solve(self, problem: AllocationProblem, options: SolveOptions
+              ) -> tuple[Plan | None, SolveReport]:
+        """Per program (one per group, or one for all): first the *outer* model (a
+        relaxation); if its optimum is feasible in the exact model it is the exact optimum.
+        Otherwise (an optimum within the rounding slack of a bound) the *inner* model, whose
+        every solution is exactly feasible, gives the plan and the outer model the bound."""
+        return solve_exact(self, problem, options)
+
+    # ------------------------------------------------------- what the driver calls
+
+    def translate(self, problem: AllocationProblem, options: SolveOptions, sw: Stopwatch,
+                  messages: list[str]) -> CpSatTranslation:
+        """The call's integer models (the formulation translated twice, inner and outer),
+        or, before any scaling, the groups' least time and memory's proof of no plan
+        (costs far above a tiny budget need no integers)."""
+        from ortools.sat.python import cp_model
+
+        proof = cheap_infeasibility(problem)
+        if proof:  # the report's scaling keys are always there: zero units, no integers
+            none = {**Scaling(0.0, 0.0, 0.0).to_json(), "scaled": False}
+            return CpSatTranslation(problem, options, sw, messages, proof=proof,
+                                    report_options=none)
+        with sw.building():
+            sc = scaling_for(problem, options.cpsat.units)
+            form = formulate(problem)
+            inner: dict[int, IntGroup] = {}
+            outer: dict[int, IntGroup] = {}
+            for b in form.blocks:
+                group, time_slack, mem_slack, objective_error = integer_group(form, b, sc)
+                inner[b.gi] = group
+                outer[b.gi] = integer_group(form, b, sc, outer=True)[0]
+                sc.max_time_slack_ms = max(sc.max_time_slack_ms, time_slack)
+                sc.max_mem_slack_bytes = max(sc.max_mem_slack_bytes, mem_slack)
+                sc.max_objective_error += objective_error
+        messages.append(scaling_message(len(form.rows), sc))
+        report = {**sc.to_json(), "num_workers": options.threads or "auto",
+                  "linearization_level": 2, "presolve_inclusion_work_limit": 0}
+        return CpSatTranslation(problem, options, sw, messages, report_options=report,
+                                optimal_tol=2 * sc.max_objective_error + 1.0 / sc.omega_scale,
+                                cp_model=cp_model, models=IntModels(inner, outer, sc))
+
+    def run(self, translation: CpSatTranslation, gis: Sequence[int], limit: float,
+            start: Mapping[str, Sequence[int]] | None, forbid: Forbidden | None
+            ) -> PartResult:
+        t = translation
+        models = t.models if forbid is None else self._rescaled(t, gis, forbid)
+        return self._solve_part(t, gis, limit, start, models)
+
+    def rescale_note(self, translation: CpSatTranslation, gis: Sequence[int],
+                     forbid: Forbidden) -> str:
+        return f"objective x{self._rescaled_scaling(translation, gis, forbid).omega_scale:g}"
+
+    def demoted(self, result: PartResult, objective: float) -> PartResult:
+        """FEASIBLE, its bound lowered to ``objective`` less the rounding error at most."""
+        err = result.objective_tol or 0.0
+        return dataclasses.replace(result, status="FEASIBLE",
+                                   bound=min(result.bound, objective - err)
+                                   if result.bound is not None else None)
+
+    def unproven_note(self, translation: CpSatTranslation, n_variables: int) -> str | None:
+        return prefer_highs(translation.problem, n_variables)
+
+    # ------------------------------------------------------------ one part
+
+    @staticmethod
+    def _rescaled_scaling(t: CpSatTranslation, gis: Sequence[int], forbid: Forbidden
+                          ) -> Scaling:
+        """The call's scaling with the objective scale fitted to the choices left."""
+        total = sum(abs(g.weight) * max(abs(v) for k, v in enumerate(row)
+                                        if (u, k) not in forbid[gi])
+                    for gi in gis for g in [t.problem.groups[gi]]
+                    for u, row in enumerate(g.omega1) if row)
+        return dataclasses.replace(t.models.scaling, omega_scale=omega_scale_for(total))
+
+    def _rescaled(self, t: CpSatTranslation, gis: Sequence[int], forbid: Forbidden
+                  ) -> IntModels:
+        """The part's integer models without the choices ``forbid`` names."""
+        sc = self._rescaled_scaling(t, gis, forbid)
+        form = formulate(t.problem, gis, forbid=forbid)
+        return IntModels({b.gi: integer_group(form, b, sc)[0] for b in form.blocks},
+                         {b.gi: integer_group(form, b, sc, outer=True)[0]
+                          for b in form.blocks}, sc)
+
+    def _solve_part(self, t: CpSatTranslation, gis: Sequence[int], limit: float,
+                    start: Mapping[str, Sequence[int]] | None, models: IntModels
+                    ) -> PartResult:
+        """The outer model (3/4 of the share at most: the inner model is rarely needed);
+        its optimum when the exact model accepts it, else the inner model's plan."""
+        problem, messages, tag = t.problem, t.messages, t.tag(gis)
+        t_end = timing.clock() + max(limit, 0.0)
+        err = sum(models.inner[gi].obj_err for gi in gis)
+        obj_min = sum(models.inner[gi].obj_min for gi in gis)
+        out, nv, nc = self._solve_once(t.cp_model, problem, gis, models.outer, start,
+                                       t.options, limit * 0.75, models.scaling, t.sw, messages)
+        lb = max(obj_min, out.bound - err)
+        if out.status == "INFEASIBLE":
+            messages.extend(infeasible_messages(problem, gis, problem.group_budget_ms()))
+            messages.append(f"{tag}: no assignment meets the target and capacity "
+                            "(proven on the outer model, a relaxation)")
+            return PartResult("INFEASIBLE", None, None, nv, nc)
+        if out.status == "ERROR":
+            messages.append(f"{tag}: CP-SAT {out.name}")
+            return PartResult("ERROR", None, None, nv, nc)
+        found = out.assignment
+        if found is not None and any(
+                max(exact_violation(problem.groups[gi], found[problem.groups[gi].name],
+                                    problem.group_budget_ms())) > 0 for gi in gis):
+            found = None
+        if found is None:
+            return self._from_inner(t, gis, models, out, start, t_end, lb, err, nv, nc)
+        return PartResult(out.status, found, lb, nv, nc, objective_tol=2 * err)
+
+    def _from_inner(self, t: CpSatTranslation, gis: Sequence[int], models: IntModels,
+                    out: _Solved, start: Mapping[str, Sequence[int]] | None, t_end: float,
+                    lb: float, err: float, nv: int, nc: int) -> PartResult:
+        """The inner model's plan (every solution is feasible in the exact model), OPTIMAL
+        when it meets the outer bound within the gap."""
+        problem, messages, tag, sc = t.problem, t.messages, t.tag(gis), models.scaling
+        res, _, _ = self._solve_once(t.cp_model, problem, gis, models.inner,
+                                     out.assignment or start, t.options,
+                                     t_end - timing.clock(), sc, t.sw, messages)
+        if res.assignment is None:
+            if res.status == "INFEASIBLE":
+                messages.append(
+                    f"{tag}: infeasible within the scaling slack: the inner model has "
+                    "no solution, so any exactly feasible assignment lies within "
+                    f"{sc.max_time_slack_ms:.3g} ms of the budget or "
+                    f"{sc.max_mem_slack_bytes:.3g} B of the capacity (the outer "
+                    "optimum fails the exact model); highs/cbc decide such cases")
+                return PartResult("INFEASIBLE", None, None, nv, nc)
+            messages.append(f"{tag}: CP-SAT {res.name} after {res.wall_s:.2f} s, no solution")
+            return PartResult("TIME_LIMIT" if res.status != "ERROR" else "ERROR",
+                              None, lb, nv, nc)
+        found = res.assignment
+        for gi in gis:
+            g = problem.groups[gi]
+            dt, dm = exact_violation(g, found[g.name], problem.group_budget_ms(), rel=0.0)
+            if dt > 0 or dm > 0:  # cannot happen with conservative rounding
+                messages.append(f"group {g.name}: CP-SAT plan exceeds the exact "
+                                f"model by {dt:.3g} ms / {dm:.3g} B (scaling bug)")
+        obj = sum(problem.groups[gi].weight * problem.groups[gi].degradation(
+            found[problem.groups[gi].name]) for gi in gis)
+        proven = (out.status == "OPTIMAL" and obj - lb
+                  <= t.options.rel_gap * abs(obj) + 2 * err + 1e-12)
+        why = ("the outer optimum lies within the rounding slack of a bound"
+               if out.assignment is not None else
+               f"the outer model found no solution in its time ({out.name})")
+        messages.append(f"{tag}: {why}; plan from the inner model ({res.name})"
+                        + ("" if proven else f", {obj - lb:.3g} above the outer bound"))
+        return PartResult("OPTIMAL" if proven else "FEASIBLE", found, lb, nv, nc,
+                          objective_tol=2 * err)
+
+    # ----------------------------------------------------------- the CP-SAT model
+
     def _build(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
-               ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None
+               ints: Mapping[int, IntGroup], hints: Mapping[str, Sequence[int]] | None
                ) -> tuple[Any, dict[int, list[list[Any]]], int, int]:
         """The CP-SAT model of the groups ``gis``: each group's block of the formulation,
-        row by row, with its integer coefficients (``ints``). One-hot rows become
-        ``add_exactly_one``, a forbidden choice an equality to 0, the working set ``W`` an
-        integer variable in memory units."""
+        row by row, with its integer coefficients (``ints``, :class:`_BlockWriter`)."""
         model = cp_model.CpModel()
-        LinearExpr = cp_model.LinearExpr
         xs: dict[int, list[list[Any]]] = {}
-        obj_vars: list[Any] = []
-        obj_coefs: list[int] = []
+        terms: list[tuple[Any, int]] = []
         n_vars = n_cons = 0
         for gi in gis:
-            ig = ints[gi]
-            form, b = ig.form, ig.block
-            variables = form.variables
-            w_hi = max([ig.work0] + [max(r) for r in ig.work1.values()])
-            cv: dict[int, Any] = {}
-            for i in range(b.x[0][0] if b.x else b.w, b.w + 1):
-                var = variables[i]
-                cv[i] = (model.new_int_var(ig.work0, w_hi, var.name) if i == b.w
-                         else model.new_bool_var(var.name))
-            n_vars += len(cv)
-            for _, y in b.pairs:  # a hopeless pair combination (formulation.Hopeless)
-                for v in (v for yrow in y for v in yrow if variables[v].ub == 0.0):
-                    model.add(cv[v] == 0)
-                    n_cons += 1
-            x = [[cv[v] for v in row] for row in b.x]
-            xs[gi] = x
-            # the integer coefficients by variable, for the time, memory and objective rows
-            t_int: dict[int, int] = {}
-            m_int: dict[int, int] = {}
-            for u, row in enumerate(b.x):
-                for k, v in enumerate(row):
-                    t_int[v], m_int[v] = ig.time1[u][k], ig.mem1[u][k]
-                    if u < b.n_real and ig.obj1[u][k]:
-                        obj_vars.append(cv[v])
-                        obj_coefs.append(ig.obj1[u][k])
-            for (_, y), (_, pt, pm) in zip(b.pairs, ig.pairs, strict=True):
-                for ka, yrow in enumerate(y):
-                    for kb, v in enumerate(yrow):
-                        t_int[v], m_int[v] = pt[ka][kb], pm[ka][kb]
-            m_int[b.w] = 1
-            unit_of = {v: u for u, row in enumerate(b.x) for v in row}
-            for ri in b.rows:
-                r = form.rows[ri]
-                fam = r.family
-                if fam == "one_hot":
-                    model.add_exactly_one([cv[v] for v, _ in r.terms])
-                    n_cons += 1
-                    for v, _ in r.terms:
-                        if variables[v].ub == 0.0:
-                            model.add(cv[v] == 0)
-                            n_cons += 1
-                elif fam == "derived_and":  # sum S_i - x[d,k] >= 0
-                    model.add(cv[r.terms[-1][0]] <= LinearExpr.sum(
-                        [cv[v] for v, _ in r.terms[:-1]]))
-                    n_cons += 1
-                elif fam == "derived_all":  # sum_i S_i - x[d,k] <= n - 1
-                    model.add(cv[r.terms[-1][0]] >= LinearExpr.sum(
-                        [cv[v] for v, _ in r.terms[:-1]]) - int(r.rhs))
-                    n_cons += 1
-                elif fam in ("pair_a", "pair_b"):  # sum y - x = 0
-                    model.add(LinearExpr.sum([cv[v] for v, _ in r.terms[:-1]])
-                              == cv[r.terms[-1][0]])
-                    n_cons += 1
-                elif fam == "working_set":  # W - sum work1 x >= 0
-                    u = unit_of[r.terms[0][0]]
-                    model.add(cv[b.w] >= LinearExpr.weighted_sum(x[u], ig.work1[u]))
-                    n_cons += 1
-                elif fam in ("time", "memory"):
-                    coefs = t_int if fam == "time" else m_int
-                    terms = [(cv[v], coefs[v]) for v, _ in r.terms if coefs[v]]
-                    rhs = ig.time_rhs if fam == "time" else ig.mem_rhs
-                    model.add(LinearExpr.weighted_sum([v for v, _ in terms],
-                                                      [c for _, c in terms]) <= rhs)
-                    n_cons += 1
-                else:  # pragma: no cover - a family this translation does not know
-                    raise ValueError(f"cpsat: no translation of the row family {fam!r}")
+            writer = _BlockWriter(cp_model, model, ints[gi])
+            xs[gi] = writer.x
+            terms.extend(writer.objective_terms())
+            writer.write_rows()
             if hints is not None:
-                point = form.point({b.group.name: hints[b.group.name]})
-                for v in range(b.x[0][0] if b.x else b.w, b.w):
-                    model.add_hint(cv[v], int(point[v]))
-        model.minimize(LinearExpr.weighted_sum(obj_vars, obj_coefs))
+                writer.hint(hints)
+            n_vars += len(writer.cv)
+            n_cons += writer.n_cons
+        model.minimize(cp_model.LinearExpr.weighted_sum([v for v, _ in terms],
+                                                         [c for _, c in terms]))
         return model, xs, n_vars, n_cons
 
     def _solve_once(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
-                    ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None,
+                    ints: Mapping[int, IntGroup], hints: Mapping[str, Sequence[int]] | None,
                     options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch,
                     messages: list[str] | None = None) -> tuple[_Solved, int, int]:
         """One CP-SAT run; its solution is checked against CP-SAT's own report (the scaled
         objective of the returned assignment must equal ``objective_value``, and an OPTIMAL
         one must lie within the gap of the bound). On a mismatch with hints it is re-solved
         without them; without hints the plan is kept as FEASIBLE and the bound dropped."""
-        t_end = common.clock() + max(time_limit, 0.0)
+        t_end = timing.clock() + max(time_limit, 0.0)
         solved, nv, nc = self._solve_raw(cp_model, problem, gis, ints, hints, options,
                                          t_end, sc, sw)
         why = self._inconsistency(solved, options.rel_gap)
         if why is None:
             return solved, nv, nc
         tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-        if hints is not None and t_end - common.clock() > 0:
+        if hints is not None and t_end - timing.clock() > 0:
             if messages is not None:
                 messages.append(f"{tag}: CP-SAT reported {solved.name}, but {why}; re-solved "
                                 "without the hints")
@@ -544,14 +349,14 @@ class CpSat:
         return None
 
     def _solve_raw(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
-                   ints: Mapping[int, _IntGroup], hints: Mapping[str, Sequence[int]] | None,
+                   ints: Mapping[int, IntGroup], hints: Mapping[str, Sequence[int]] | None,
                    options: SolveOptions, t_end: float, sc: Scaling, sw: Stopwatch
                    ) -> tuple[_Solved, int, int]:
-        """Build and run CP-SAT until ``t_end`` (a :data:`common.clock` time); nothing is
+        """Build and run CP-SAT until ``t_end`` (a :data:`.timing.clock` time); nothing is
         run when building used up the time (status TIME_LIMIT)."""
         with sw.building():
             model, xs, nv, nc = self._build(cp_model, problem, gis, ints, hints)
-        time_limit = t_end - common.clock()
+        time_limit = t_end - timing.clock()
         if not time_limit > 0:
             return _Solved("TIME_LIMIT", None, -math.inf, "not run (no time left)", 0.0), nv, nc
         solver = cp_model.CpSolver()
@@ -565,7 +370,7 @@ class CpSat:
         # optimum (google/or-tools#5293); it did so here on the one-hot rows with the
         # time row. Switching that presolve family off is the issue's workaround.
         prm.presolve_inclusion_work_limit = 0
-        for k, v in options.extra.get("cpsat", {}).items():  # raw CP-SAT parameters
+        for k, v in options.cpsat.params.items():  # raw CP-SAT parameters
             setattr(prm, k, v)
         with sw.solving():
             st = solver.solve(model)
@@ -592,191 +397,81 @@ class CpSat:
         return _Solved(status, assignment, bound, name, solver.wall_time, own, reported,
                        raw_bound), nv, nc
 
-    def solve(self, problem: AllocationProblem, options: SolveOptions
-              ) -> tuple[Plan | None, SolveReport]:
-        """Per program (one per group, or one for all): first the *outer* model (a
-        relaxation); if its optimum is feasible in the exact model it is the exact optimum.
-        Otherwise (an optimum within the rounding slack of a bound) the *inner* model, whose
-        every solution is exactly feasible, gives the plan and the outer model the bound."""
-        sw = Stopwatch()
-        messages: list[str] = []
-        mode = mode_text(problem)
-        if not self.is_available():
-            messages.append("cpsat: ortools is not installed")
-            return finish(problem, self.name, None, status="ERROR", mode=mode,
-                          options=options, sw=sw, messages=messages)
-        from ortools.sat.python import cp_model
 
-        deadline = Deadline(options.time_limit_s)  # greedy's warm start counts
-        check_numbers(problem)
-        proof = cheap_infeasibility(problem)
-        if proof:  # before any scaling: costs far above a tiny budget need no integers
-            program_parts(problem, options, messages)
-            messages.extend(proof)
-            # the report's scaling keys are always there: zero units, no integers built
-            none = {**Scaling(0.0, 0.0, 0.0).to_json(), "scaled": False}
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages, extra_options=none)
-        hints = start_hints(problem, options, messages, deadline)
-        budget = problem.group_budget_ms()
-        with sw.building():
-            sc = scaling_for(problem, float(options.extra.get("cpsat_units", _UNITS_LOW)))
-            form = formulate(problem)
-            inner: dict[int, _IntGroup] = {}
-            outer: dict[int, _IntGroup] = {}
-            for b in form.blocks:
-                ig, ts, ms, oe = integer_group(form, b, sc)
-                inner[b.gi] = ig
-                outer[b.gi] = integer_group(form, b, sc, outer=True)[0]
-                sc.max_time_slack_ms = max(sc.max_time_slack_ms, ts)
-                sc.max_mem_slack_bytes = max(sc.max_mem_slack_bytes, ms)
-                sc.max_objective_error += oe
-        workers = options.threads or "auto"  # default_workers(size of each program)
-        messages.append(
-            f"integer scaling (the formulation's {len(form.rows)} rows translated twice): "
-            f"time unit {sc.time_unit_ms:g} ms, memory unit {sc.mem_unit_bytes:g} B, "
-            f"objective x{sc.omega_scale:g} rounded to nearest; the inner model rounds "
-            "costs up and bounds down (its plans are feasible in the exact model) and may "
-            f"lose assignments within {sc.max_time_slack_ms:.3g} ms of the budget or "
-            f"{sc.max_mem_slack_bytes:.3g} B of the capacity; the outer model (costs down, "
-            f"bounds up) gives the bound; objective error <= {sc.max_objective_error:.3g}")
-        parts = program_parts(problem, options, messages)
-        if hints is not None:
-            messages.append("warm start: hints given to CP-SAT (add_hint)")
+class _BlockWriter:
+    """One group's block of the formulation written into a CP-SAT model with its integer
+    coefficients: one-hot rows become ``add_exactly_one``, a forbidden choice an equality
+    to 0, the working set ``W`` an integer variable in memory units."""
 
-        def solve_with(gis: Sequence[int], limit: float,
-                       start: Mapping[str, Sequence[int]] | None,
-                       inner: Mapping[int, _IntGroup], outer: Mapping[int, _IntGroup],
-                       sc: Scaling) -> PartResult:
-            tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            t_end = common.clock() + max(limit, 0.0)
-            seed0 = start if start is not None else hints
-            err = sum(inner[gi].obj_err for gi in gis)
-            obj_min = sum(inner[gi].obj_min for gi in gis)
-            # 1. The outer model (3/4 of the share at most: the inner model is rarely needed).
-            out, nv, nc = self._solve_once(cp_model, problem, gis, outer, seed0, options,
-                                           limit * 0.75, sc, sw, messages)
-            lb = max(obj_min, out.bound - err)
-            if out.status == "INFEASIBLE":
-                messages.extend(infeasible_messages(problem, gis, budget))
-                messages.append(f"{tag}: no assignment meets the target and capacity "
-                                "(proven on the outer model, a relaxation)")
-                return PartResult("INFEASIBLE", None, None, nv, nc)
-            if out.status == "ERROR":
-                messages.append(f"{tag}: CP-SAT {out.name}")
-                return PartResult("ERROR", None, None, nv, nc)
-            found = out.assignment
-            status = out.status
-            if found is not None and any(
-                    max(exact_violation(problem.groups[gi], found[problem.groups[gi].name],
-                                        budget)) > 0 for gi in gis):
-                found = None
-            if found is None:
-                # 2. The inner model: every solution is feasible in the exact model.
-                seed = out.assignment or seed0
-                res, _, _ = self._solve_once(cp_model, problem, gis, inner, seed, options,
-                                             t_end - common.clock(), sc, sw, messages)
-                if res.assignment is None:
-                    if res.status == "INFEASIBLE":
-                        messages.append(
-                            f"{tag}: infeasible within the scaling slack: the inner model has "
-                            "no solution, so any exactly feasible assignment lies within "
-                            f"{sc.max_time_slack_ms:.3g} ms of the budget or "
-                            f"{sc.max_mem_slack_bytes:.3g} B of the capacity (the outer "
-                            "optimum fails the exact model); highs/cbc decide such cases")
-                        return PartResult("INFEASIBLE", None, None, nv, nc)
-                    messages.append(f"{tag}: CP-SAT {res.name} after {res.wall_s:.2f} s, "
-                                    "no solution")
-                    return PartResult("TIME_LIMIT" if res.status != "ERROR" else "ERROR",
-                                      None, lb, nv, nc)
-                found = res.assignment
-                for gi in gis:
-                    g = problem.groups[gi]
-                    dt, dm = exact_violation(g, found[g.name], budget, rel=0.0)
-                    if dt > 0 or dm > 0:  # cannot happen with conservative rounding
-                        messages.append(f"group {g.name}: CP-SAT plan exceeds the exact "
-                                        f"model by {dt:.3g} ms / {dm:.3g} B (scaling bug)")
-                obj = sum(problem.groups[gi].weight * problem.groups[gi].degradation(
-                    found[problem.groups[gi].name]) for gi in gis)
-                proven = (out.status == "OPTIMAL" and obj - lb
-                          <= options.rel_gap * abs(obj) + 2 * err + 1e-12)
-                status = "OPTIMAL" if proven else "FEASIBLE"
-                why = ("the outer optimum lies within the rounding slack of a bound"
-                       if out.assignment is not None else
-                       f"the outer model found no solution in its time ({out.name})")
-                messages.append(
-                    f"{tag}: {why}; plan from the inner model ({res.name})"
-                    + ("" if proven else f", {obj - lb:.3g} above the outer bound"))
-            return PartResult(status, found, lb, nv, nc)
+    def __init__(self, cp_model: Any, model: Any, ig: IntGroup) -> None:
+        self.model, self.ig, self.block, self.form = model, ig, ig.block, ig.form
+        self.expr = cp_model.LinearExpr
+        b, variables = self.block, self.form.variables
+        w_hi = max([ig.work0] + [max(r) for r in ig.work1.values()])
+        self.cv: dict[int, Any] = {}
+        for i in range(b.x[0][0] if b.x else b.w, b.w + 1):
+            var = variables[i]
+            self.cv[i] = (model.new_int_var(ig.work0, w_hi, var.name) if i == b.w
+                          else model.new_bool_var(var.name))
+        self.n_cons = 0
+        for _, y in b.pairs:  # a hopeless pair combination (formulation.Hopeless)
+            for v in (v for yrow in y for v in yrow if variables[v].ub == 0.0):
+                model.add(self.cv[v] == 0)
+                self.n_cons += 1
+        self.x = [[self.cv[v] for v in row] for row in b.x]
+        # the integer coefficients by variable, for the time and memory rows
+        self.t_int: dict[int, int] = {}
+        self.m_int: dict[int, int] = {}
+        for u, row in enumerate(b.x):
+            for k, v in enumerate(row):
+                self.t_int[v], self.m_int[v] = ig.time1[u][k], ig.mem1[u][k]
+        for (_, y), (_, pt, pm) in zip(b.pairs, ig.pairs, strict=True):
+            for ka, yrow in enumerate(y):
+                for kb, v in enumerate(yrow):
+                    self.t_int[v], self.m_int[v] = pt[ka][kb], pm[ka][kb]
+        self.m_int[b.w] = 1
+        self.unit_of = {v: u for u, row in enumerate(b.x) for v in row}
 
-        def solve_part(gis: Sequence[int], limit: float,
-                       start: Mapping[str, Sequence[int]] | None) -> PartResult:
-            """:func:`solve_with` on the call's scaling; an OPTIMAL plan that the objective's
-            rounding could hide a better one from (its error bound above the relative gap of
-            the plan's objective: Omegas of very different sizes) is re-solved without the
-            choices no better plan takes, on an objective scale fitted to what is left."""
-            tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-            t_end = common.clock() + max(limit, 0.0)
-            res = solve_with(gis, limit, start, inner, outer, sc)
-            ints = inner
-            forbid: dict[int, frozenset[tuple[int, int]]] | None = None
-            for rnd in range(MAX_RESCALES + 1):
-                if res.status != "OPTIMAL" or res.assignment is None:
-                    break
-                err = sum(ints[gi].obj_err for gi in gis)
-                obj = part_objective(problem, gis, res.assignment)
-                if part_floor(problem, gis) >= obj or 2 * err <= options.rel_gap * abs(obj):
-                    break
-                why = (f"the objective's rounding error (up to {2 * err:.3g}) is more than the "
-                       f"relative gap {options.rel_gap:g} of the plan's objective {obj:.6g} "
-                       "(Omegas of very different sizes)")
-                new = excluded_choices(problem, gis, res.assignment)
-                if new == forbid or common.clock() >= t_end or rnd == MAX_RESCALES:
-                    messages.append(f"{tag}: CP-SAT's plan is OPTIMAL in integers, but {why}; "
-                                    "status FEASIBLE")
-                    res = _kept_feasible(res, obj, err)
-                    break
-                forbid = new
-                total = sum(abs(g.weight) * max(abs(v) for k, v in enumerate(row)
-                                                if (u, k) not in forbid[gi])
-                            for gi in gis for g in [problem.groups[gi]]
-                            for u, row in enumerate(g.omega1) if row)
-                sc_p = dataclasses.replace(sc, omega_scale=_omega_scale(total))
-                form_p = formulate(problem, gis, forbid=forbid)
-                ints = {b.gi: integer_group(form_p, b, sc_p)[0] for b in form_p.blocks}
-                ints_out = {b.gi: integer_group(form_p, b, sc_p, outer=True)[0]
-                            for b in form_p.blocks}
-                n_out = sum(len(v) for v in forbid.values())
-                messages.append(f"{tag}: {why}; re-solved without the {n_out} choice(s) whose "
-                                "Omega alone exceeds the plan's (no better plan takes them), "
-                                f"objective x{sc_p.omega_scale:g}")
-                res2 = solve_with(gis, t_end - common.clock(), res.assignment, ints, ints_out,
-                                  sc_p)
-                if res2.assignment is None or part_objective(
-                        problem, gis, res2.assignment) > obj:
-                    messages.append(f"{tag}: the re-solve gave {res2.status} and no better "
-                                    "plan; the first plan is kept as FEASIBLE")
-                    res = _kept_feasible(res, obj, err)
-                    break
-                res = dataclasses.replace(res2, n_variables=res.n_variables,
-                                          n_constraints=res.n_constraints)
-            return res
+    def objective_terms(self) -> list[tuple[Any, int]]:
+        """The real units' (variable, integer w * Omega) terms, zeros left out."""
+        b, ig = self.block, self.ig
+        return [(self.cv[v], ig.obj1[u][k]) for u, row in enumerate(b.x) if u < b.n_real
+                for k, v in enumerate(row) if ig.obj1[u][k]]
 
-        status, assignment, bound, n_vars, n_cons = solve_parts(
-            problem, parts, solve_part, deadline, messages, options.rel_gap)
-        extra = {**sc.to_json(), "num_workers": workers, "linearization_level": 2,
-                 "presolve_inclusion_work_limit": 0}
-        tol = 2 * sc.max_objective_error + 1.0 / sc.omega_scale
-        if assignment is None:
-            return finish(problem, self.name, None, status=status, mode=mode, options=options,
-                          sw=sw, bound=bound, n_variables=n_vars, n_constraints=n_cons,
-                          messages=messages, extra_options=extra)
-        objective = problem.objective(assignment)
-        if status == "OPTIMAL" and bound is not None:
-            bound = min(bound, objective)
-        if status == "FEASIBLE":
-            messages.append(prefer_highs(problem, n_vars))
-        return finish(problem, self.name, assignment, status=status, mode=mode,
-                      options=options, sw=sw, bound=bound, n_variables=n_vars,
-                      n_constraints=n_cons, messages=messages, extra_options=extra,
-                      optimal_tol=tol)
+    def write_rows(self) -> None:
+        for ri in self.block.rows:
+            self.n_cons += self._write_row(self.form.rows[ri])
+
+    def _write_row(self, r: Any) -> int:
+        """One row of the block; the number of constraints it became."""
+        cv, model, expr, fam = self.cv, self.model, self.expr, r.family
+        if fam == "one_hot":
+            model.add_exactly_one([cv[v] for v, _ in r.terms])
+            zeros = [v for v, _ in r.terms if self.form.variables[v].ub == 0.0]
+            for v in zeros:
+                model.add(cv[v] == 0)
+            return 1 + len(zeros)
+        if fam == "derived_and":  # sum S_i - x[d,k] >= 0
+            model.add(cv[r.terms[-1][0]] <= expr.sum([cv[v] for v, _ in r.terms[:-1]]))
+        elif fam == "derived_all":  # sum_i S_i - x[d,k] <= n - 1
+            model.add(cv[r.terms[-1][0]] >= expr.sum([cv[v] for v, _ in r.terms[:-1]])
+                      - int(r.rhs))
+        elif fam in ("pair_a", "pair_b"):  # sum y - x = 0
+            model.add(expr.sum([cv[v] for v, _ in r.terms[:-1]]) == cv[r.terms[-1][0]])
+        elif fam == "working_set":  # W - sum work1 x >= 0
+            u = self.unit_of[r.terms[0][0]]
+            model.add(cv[self.block.w] >= expr.weighted_sum(self.x[u], self.ig.work1[u]))
+        elif fam in ("time", "memory"):
+            coefs = self.t_int if fam == "time" else self.m_int
+            terms = [(cv[v], coefs[v]) for v, _ in r.terms if coefs[v]]
+            rhs = self.ig.time_rhs if fam == "time" else self.ig.mem_rhs
+            model.add(expr.weighted_sum([v for v, _ in terms], [c for _, c in terms]) <= rhs)
+        else:  # pragma: no cover - a family this translation does not know
+            raise ValueError(f"cpsat: no translation of the row family {fam!r}")
+        return 1
+
+    def hint(self, hints: Mapping[str, Sequence[int]]) -> None:
+        b = self.block
+        point = self.form.point({b.group.name: hints[b.group.name]})
+        for v in range(b.x[0][0] if b.x else b.w, b.w):
+            self.model.add_hint(self.cv[v], int(point[v]))

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from ..errors import QsyncInputError
 from ..problem import AllocationProblem
 from .base import SolveOptions
-from .common import Deadline, Stopwatch, time_lower_bound
+from .checks import time_lower_bound
 from .formulation import formulate
 from .pulp_model import PULP_NAMES, pulp_module, read_assignment, run, to_pulp
+from .timing import Deadline, Stopwatch
 
 
 class FastestTimeLimit(QsyncInputError):

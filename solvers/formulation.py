@@ -268,6 +268,36 @@ class Formulation:
         return bad
 
 
+def _add_pairs(form: Formulation, g: GroupModel, gi: int, bi: int, x: list[list[int]],
+               hopeless: frozenset[tuple[int, int, int]],
+               rows: list[int]) -> tuple[list[tuple[int, list[list[int]]]],
+                                         list[tuple[int, float]], list[tuple[int, float]]]:
+    """Group ``g``'s pair variables ``y`` (a hopeless combination's bounded to 0) and their
+    marginal rows (appended to ``rows``); the pairs' variables and time and memory terms."""
+    pair_vars: list[tuple[int, list[list[int]]]] = []
+    pair_time: list[tuple[int, float]] = []
+    pair_mem: list[tuple[int, float]] = []
+    for pi in active_pairs(g):
+        p = g.pairs[pi]
+        xa, xb = x[p.a], x[p.b]
+        y = [[form._var(f"y{gi}_{pi}_{ka}_{kb}", "continuous", 0.0,
+                        0.0 if (pi, ka, kb) in hopeless else None)
+              for kb in range(len(xb))] for ka in range(len(xa))]
+        for ka, yrow in enumerate(y):
+            rows.append(form._row("pair_a", f"ma{gi}_{pi}_{ka}",
+                                  [(v, 1.0) for v in yrow] + [(xa[ka], -1.0)], "==", 0.0, bi))
+            for kb, v in enumerate(yrow):
+                out = (pi, ka, kb) in hopeless
+                pair_time.append((v, 0.0 if out else p.time[ka][kb]))
+                pair_mem.append((v, 0.0 if out else p.mem[ka][kb]))
+        for kb in range(len(xb)):
+            rows.append(form._row("pair_b", f"mb{gi}_{pi}_{kb}",
+                                  [(y[ka][kb], 1.0) for ka in range(len(xa))] + [(xb[kb], -1.0)],
+                                  "==", 0.0, bi))
+        pair_vars.append((pi, y))
+    return pair_vars, pair_time, pair_mem
+
+
 def add_group(form: Formulation, g: GroupModel, gi: int, budget: float,
               objective: ObjectiveKind = "degradation",
               forbid: frozenset[tuple[int, int]] = frozenset()) -> Block:
@@ -308,27 +338,7 @@ def add_group(form: Formulation, g: GroupModel, gi: int, budget: float,
         rows.append(form._row("derived_all", f"dall{gi}_{r}",
                               [t for ts_ in sums for t in ts_] + [(xd, -1.0)], "<=",
                               float(len(inputs) - 1), bi))
-    pair_vars: list[tuple[int, list[list[int]]]] = []
-    pair_time: list[tuple[int, float]] = []
-    pair_mem: list[tuple[int, float]] = []
-    for pi in active_pairs(g):
-        p = g.pairs[pi]
-        xa, xb = x[p.a], x[p.b]
-        y = [[form._var(f"y{gi}_{pi}_{ka}_{kb}", "continuous", 0.0,
-                        0.0 if (pi, ka, kb) in hope.pairs else None)
-              for kb in range(len(xb))] for ka in range(len(xa))]
-        for ka, yrow in enumerate(y):
-            rows.append(form._row("pair_a", f"ma{gi}_{pi}_{ka}",
-                                  [(v, 1.0) for v in yrow] + [(xa[ka], -1.0)], "==", 0.0, bi))
-            for kb, v in enumerate(yrow):
-                out = (pi, ka, kb) in hope.pairs
-                pair_time.append((v, 0.0 if out else p.time[ka][kb]))
-                pair_mem.append((v, 0.0 if out else p.mem[ka][kb]))
-        for kb in range(len(xb)):
-            rows.append(form._row("pair_b", f"mb{gi}_{pi}_{kb}",
-                                  [(y[ka][kb], 1.0) for ka in range(len(xa))] + [(xb[kb], -1.0)],
-                                  "==", 0.0, bi))
-        pair_vars.append((pi, y))
+    pair_vars, pair_time, pair_mem = _add_pairs(form, g, gi, bi, x, hope.pairs, rows)
     time_terms += pair_time
     mem_terms += pair_mem
     w = form._var(f"w{gi}", "continuous", g.work0, None, unit=ms)

@@ -45,273 +45,33 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from ..errors import QsyncInputError
-from ..precision import Precision
-from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precision
-from ..replayer import Change, IncrementalReplay
+from ..problem import AllocationProblem, GroupModel
 from ..schemas import Plan, SolveReport
+from .acceptance import (
+    ACCEPTANCES,
+    REL_TOL,
+    Acceptance,
+    LinearAcceptance,
+    LinearState,
+    ReplayAcceptance,
+)
 from .base import SolveOptions
-from .common import Stopwatch, cheap_infeasibility, check_numbers, finish, mode_text
+from .checks import cheap_infeasibility, check_numbers
 from .fastest import FastestTimeLimit, group_fastest
+from .report import finish, mode_text
+from .timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
-#: Relative slack of the acceptance checks, well inside the evaluator's (EVAL_TOL = 1e-7),
-#: so float drift of incremental sums cannot flip a verdict the evaluator would give.
-REL_TOL = 1e-9
 #: How many times the rejected moves are re-tried after the heap empties.
 MAX_SWEEPS = 8
 #: At most this many sweeps of the start's single-unit descent per candidate.
 MAX_DESCENT_SWEEPS = 20
-ACCEPTANCES = ("replayer", "linear")
 
 
-class LinearState:
-    """Every group's assignment with its linear time and memory, kept up to date per move.
-
-    The assignment is held in the problem's extended unit space: the real units, then the
-    derived units (promoting ops whose dtype follows their inputs', ``GroupModel.derived``),
-    so a move of unit u also moves the derived units downstream of it. Each unit's pair terms
-    and derived dependants are indexed once, so a move costs O(degree of the unit); the
-    working-set term (a max over units) is kept as a running maximum.
-    """
-
-    def __init__(self, problem: AllocationProblem, assignment: Mapping[str, Sequence[int]]
-                 ) -> None:
-        self.groups: list[GroupModel] = list(problem.groups)
-        self.a: list[list[int]] = []  # extended assignment per group
-        self.ext: list[list[tuple[Precision, ...]]] = []
-        self.adj: list[list[list[int]]] = []  # pair indices per extended unit
-        self.downstream: list[list[list[DerivedUnit]]] = []  # derived units a unit reaches
-        self.time: list[float] = []
-        self.mem_sum: list[float] = []  # memory without the working-set max
-        self.work: list[list[float]] = []
-        self.work_max: list[float] = []
-        for g in self.groups:
-            self.a.append([])
-            self.ext.append(g.all_choices)
-            adj: list[list[int]] = [[] for _ in g.time1]
-            for pi, p in enumerate(g.pairs):
-                adj[p.a].append(pi)
-                adj[p.b].append(pi)
-            self.adj.append(adj)
-            # The derived units each unit reaches through derived units, in index order
-            # (derived units are listed in graph order, so inputs come first).
-            consumers: dict[int, list[DerivedUnit]] = {}
-            for d in g.derived:
-                for x in d.inputs:
-                    consumers.setdefault(x, []).append(d)
-            down: list[list[DerivedUnit]] = []
-            for v in range(len(g.time1)):
-                found: dict[int, DerivedUnit] = {}
-                stack = [v]
-                while stack:
-                    for d in consumers.get(stack.pop(), ()):
-                        if d.index not in found:
-                            found[d.index] = d
-                            stack.append(d.index)
-                down.append([found[i] for i in sorted(found)])
-            self.downstream.append(down)
-            self.time.append(0.0)
-            self.mem_sum.append(0.0)
-            self.work.append([])
-            self.work_max.append(0.0)
-            self.load(len(self.a) - 1, assignment[g.name])
-
-    def load(self, gi: int, real: Sequence[int]) -> None:
-        """Set group gi's whole assignment (its real units' choices), recomputing its sums."""
-        g = self.groups[gi]
-        full = g.complete(real) if g.derived else list(real)
-        self.a[gi] = full
-        self.time[gi] = g.time_ms(real)
-        self.mem_sum[gi] = (g.mem0 + sum(row[c] for row, c in zip(g.mem1, full, strict=True))
-                            + sum(p.mem[full[p.a]][full[p.b]] for p in g.pairs))
-        w = [row[c] for row, c in zip(g.work1, full, strict=True)]
-        self.work[gi] = w
-        self.work_max[gi] = max([g.work0, *w])
-
-    def assignment(self) -> dict[str, list[int]]:
-        """The real units' choices per group."""
-        return {g.name: a[:g.n_units] for g, a in zip(self.groups, self.a, strict=True)}
-
-    def changes(self, gi: int, u: int, k: int) -> dict[int, int]:
-        """Extended unit -> new choice if unit u moved to k (u and the derived units that
-        change with it)."""
-        a = self.a[gi]
-        new = {u: k}
-        ext = self.ext[gi]
-        for d in self.downstream[gi][u]:
-            dtypes = {ext[x][new.get(x, a[x])].info.gives_out for x in d.inputs}
-            c = d.choices.index(widest_precision(dtypes))
-            if c != a[d.index]:
-                new[d.index] = c
-        return new
-
-    def delta(self, gi: int, u: int, k: int) -> tuple[float, float]:
-        """(added time, added memory without the working set) of moving unit u to k."""
-        return self._delta(gi, self.changes(gi, u, k))
-
-    def _delta(self, gi: int, new: dict[int, int]) -> tuple[float, float]:
-        g, a = self.groups[gi], self.a[gi]
-        dt = dm = 0.0
-        seen: set[int] = set()
-        for v, kv in new.items():
-            old = a[v]
-            dt += g.time1[v][kv] - g.time1[v][old]
-            dm += g.mem1[v][kv] - g.mem1[v][old]
-            for pi in self.adj[gi][v]:
-                if pi in seen:
-                    continue
-                seen.add(pi)
-                p = g.pairs[pi]
-                oa, ob = a[p.a], a[p.b]
-                na, nb = new.get(p.a, oa), new.get(p.b, ob)
-                dt += p.time[na][nb] - p.time[oa][ob]
-                dm += p.mem[na][nb] - p.mem[oa][ob]
-        return dt, dm
-
-    def move(self, gi: int, u: int, k: int) -> None:
-        new = self.changes(gi, u, k)
-        dt, dm = self._delta(gi, new)
-        g, a, w = self.groups[gi], self.a[gi], self.work[gi]
-        self.time[gi] += dt
-        self.mem_sum[gi] += dm
-        rescan = False
-        for v, kv in new.items():
-            a[v] = kv
-            old_w, new_w = w[v], g.work1[v][kv]
-            w[v] = new_w
-            if new_w >= self.work_max[gi]:
-                self.work_max[gi] = new_w
-            elif old_w >= self.work_max[gi]:
-                rescan = True
-        if rescan:
-            self.work_max[gi] = max([g.work0, *w])
-
-    def memory(self, gi: int) -> float:
-        return self.mem_sum[gi] + self.work_max[gi]
-
-    def memory_after(self, gi: int, u: int, k: int) -> float:
-        """The group's memory if unit u moved to choice k (for ranking memory savings)."""
-        new = self.changes(gi, u, k)
-        _, dm = self._delta(gi, new)
-        g, w = self.groups[gi], self.work[gi]
-        top = self.work_max[gi]
-        if all(w[v] < top for v in new):  # the largest working set stays: no rescan
-            work = max(top, *(g.work1[v][kv] for v, kv in new.items()))
-        else:
-            work = max([g.work0, *(g.work1[v][new[v]] if v in new else x
-                                   for v, x in enumerate(w))])
-        return self.mem_sum[gi] + dm + work
-
-
-class LinearAcceptance:
-    """The linear model's check, read off the :class:`LinearState` the allocator keeps."""
-
-    name = "linear"
-
-    def __init__(self, problem: AllocationProblem, lin: LinearState) -> None:
-        self.lin = lin
-        self.budget = problem.group_budget_ms()
-        self.target = problem.target_ms
-        self.tail = problem.tail_ms
-        self.checks = 0
-
-    @property
-    def calls(self) -> int:
-        return 0
-
-    def apply(self, gi: int, u: int, k: int) -> None:
-        """Nothing to do: the allocator moves the shared linear state itself."""
-
-    def group_memory(self, gi: int) -> float:
-        return self.lin.memory(gi)
-
-    def ok(self, gi: int) -> bool:
-        """Group gi within its time budget and capacity (a move changes only its group)."""
-        self.checks += 1
-        g = self.lin.groups[gi]
-        return (self.lin.time[gi] <= self.budget + REL_TOL * self.target
-                and self.lin.memory(gi) <= g.capacity_bytes * (1 + REL_TOL))
-
-    def makespan_ms(self) -> float:
-        return max(self.lin.time) + self.tail
-
-
-class ReplayAcceptance:
-    """QSync's check: the incremental replayer of the whole cluster after every move.
-
-    The replayer scores the makespan as the target defines it (``AllocationProblem``: every
-    group's compute, casts included, plus the tail: the last bucket's all-reduce and the
-    optimizer step), i.e. ``max_g compute_g + tail`` with the replayer's per-group compute,
-    and every group's peak memory against its capacity (after headroom). The all-reduce the
-    backward does not hide is the target's business (the default target already includes
-    what the strong groups expose), not a move's: counting it here refused plans the target
-    admits. A move must also keep the group inside the evaluator's linear rows (time budget
-    and the linear memory, which on fp32-flow tables is a conservative sum of the replayer's
-    timeline), so that every accepted plan is one :func:`~qsync_opt.evaluator.evaluate` calls
-    feasible; ``vetoes`` counts the moves only those rows refused.
-
-    Every op of a tie unit is set; a rejected move is undone by setting the old precision
-    back, which re-costs the same neighbourhood, so the replay equals a fresh replay of the
-    plan that was kept.
-    """
-
-    name = "replayer"
-
-    def __init__(self, problem: AllocationProblem, assignment: Mapping[str, Sequence[int]],
-                 lin: LinearState | None = None) -> None:
-        self.problem = problem
-        self.groups = problem.groups
-        self.target = problem.target_ms
-        self.tail = problem.tail_ms
-        self.linear = LinearAcceptance(problem, lin or LinearState(problem, assignment))
-        self.inc: IncrementalReplay = problem.replayer.incremental(problem.precisions(assignment))
-        self.change: Change = self.inc.state()
-        self.checks = 0
-        self.vetoes = 0
-
-    @property
-    def calls(self) -> int:
-        return self.inc.calls
-
-    def apply(self, gi: int, u: int, k: int) -> None:
-        g = self.groups[gi]
-        self.change = self.inc.set_ops(g.name, self.problem.units[u].ops, g.choices[u][k])
-
-    def group_memory(self, gi: int) -> float:
-        return float(self.change.peak_memory_bytes[self.groups[gi].name])
-
-    def replay_ok(self, gi: int) -> bool:
-        """The replayer's verdict on group gi (a move changes only its group)."""
-        ch = self.change
-        g = self.groups[gi]
-        return (ch.compute_ms[g.name] + self.tail <= self.target * (1 + REL_TOL)
-                and ch.peak_memory_bytes[g.name] <= g.capacity_bytes * (1 + REL_TOL))
-
-    def ok(self, gi: int) -> bool:
-        """The replayer's verdict, then the evaluator's linear rows."""
-        self.checks += 1
-        if not self.replay_ok(gi):
-            return False
-        if not self.linear.ok(gi):
-            self.vetoes += 1
-            return False
-        return True
-
-    def makespan_ms(self) -> float:
-        """The replayer's makespan as the target defines it."""
-        return max(self.change.compute_ms.values()) + self.tail
-
-    def iteration_ms(self) -> float:
-        """The replayer's whole iteration (with the all-reduce the backward does not hide)."""
-        return self.change.iteration_ms
-
-
-Acceptance = LinearAcceptance | ReplayAcceptance
 
 
 class _StartFailure(NamedTuple):
@@ -506,12 +266,44 @@ class Greedy:
     def solve(self, problem: AllocationProblem, options: SolveOptions
               ) -> tuple[Plan | None, SolveReport]:
         sw = Stopwatch()
-        mode = mode_text(problem)
         check_numbers(problem)
         if options.acceptance not in ACCEPTANCES:
             raise QsyncInputError(
                 f"acceptance: expected {' or '.join(ACCEPTANCES)}, got {options.acceptance!r}")
-        messages: list[str] = [
+        messages = self._intro(options)
+        with sw.building():
+            lin = LinearState(problem, self.fastest(problem))
+        with sw.solving():
+            # 1. The fastest plan that fits memory, group by group.
+            failed = self._start(problem, lin, options, sw, messages)
+        if failed is not None:
+            return self._no_start(problem, failed, options, sw, messages)
+        with sw.building():
+            acc = (ReplayAcceptance(problem, lin.assignment(), lin)
+                   if options.acceptance == "replayer" else LinearAcceptance(problem, lin))
+        with sw.solving():
+            start_ms = acc.makespan_ms()
+            start_ok = all(acc.ok(gi) for gi in range(len(lin.groups)))
+        if not start_ok:
+            messages.append(
+                f"the fastest memory-feasible plan takes {start_ms:.3f} ms ({acc.name} "
+                f"makespan) against the target {problem.target_ms:.3f} ms, or does not fit "
+                f"the {acc.name} model's memory, though the linear model admits it: no "
+                "plan of this allocator meets it")
+            return self._report(problem, None, "INFEASIBLE", options, sw, messages,
+                                {**self._counts(acc, 0), "fastest_makespan_ms": start_ms})
+        with sw.solving():
+            messages.append(f"start: fastest plan, {start_ms:.3f} ms ({acc.name} makespan) "
+                            f"against the target {problem.target_ms:.3f} ms")
+            search = RaiseSearch(lin, acc, self.per_ms, sw, options.time_limit_s)
+            search.drain()  # 2. the heap of raises
+            sweeps, swept = search.sweep()  # 3. sweeps over the rejected moves
+            status, counts = self._raised(problem, search, sweeps, swept, options, messages)
+        return self._report(problem, lin.assignment(), status, options, sw, messages, counts)
+
+    def _intro(self, options: SolveOptions) -> list[str]:
+        """The report's first messages: what ranks and checks the moves, what is ignored."""
+        messages = [
             f"{self.name}: QSync's allocator, "
             + ("moves ranked by indicator gain per added millisecond (linear time with the "
                "current neighbours, re-evaluated lazily)" if self.per_ms else
@@ -521,180 +313,183 @@ class Greedy:
                    if v is not None]
         if ignored:
             messages.append(f"{self.name} ignores {', '.join(ignored)} (it builds its own start)")
-        with sw.building():
-            lin = LinearState(problem, self.fastest(problem))
-        accepted = 0
-        acc: Acceptance | None = None
+        return messages
 
-        def extra() -> dict[str, object]:
-            out: dict[str, object] = {"replayer_calls": acc.calls if acc else 0,
-                                      "checks": acc.checks if acc else 0, "accepted": accepted,
-                                      "per_ms": self.per_ms}
-            if isinstance(acc, ReplayAcceptance):
-                out["linear_vetoes"] = acc.vetoes
-            return out
+    def _counts(self, acc: Acceptance | None, accepted: int) -> dict[str, object]:
+        """The report's counts of checks and moves (``acc`` None: no move was checked)."""
+        out: dict[str, object] = {"replayer_calls": acc.calls if acc else 0,
+                                  "checks": acc.checks if acc else 0, "accepted": accepted,
+                                  "per_ms": self.per_ms}
+        if isinstance(acc, ReplayAcceptance):
+            out["linear_vetoes"] = acc.vetoes
+        return out
 
-        groups = lin.groups
-        with sw.solving():
-            # 1. The fastest plan that fits memory, group by group.
-            failed = self._start(problem, lin, options, sw, messages)
-        if failed is not None and failed.kind == "time_limit":
+    def _report(self, problem: AllocationProblem, assignment: dict[str, list[int]] | None,
+                status: str, options: SolveOptions, sw: Stopwatch, messages: list[str],
+                counts: dict[str, object]) -> tuple[Plan | None, SolveReport]:
+        return finish(problem, self.name, assignment, status=status, mode=mode_text(problem),
+                      options=options, sw=sw, messages=messages, extra_options=counts)
+
+    def _no_start(self, problem: AllocationProblem, failed: _StartFailure,
+                  options: SolveOptions, sw: Stopwatch, messages: list[str]
+                  ) -> tuple[Plan | None, SolveReport]:
+        """The report when a group has no start: out of time, out of memory, or too slow."""
+        counts = self._counts(None, 0)
+        g = failed.group
+        if failed.kind == "time_limit":
             proof = cheap_infeasibility(problem)  # the least time or memory alone may prove it
             messages.extend(proof or [f"stopped at the time limit ({options.time_limit_s:g} "
                                       f"s) before a start was found: {failed.note}"])
-            return finish(problem, self.name, None, status="INFEASIBLE" if proof else
-                          "TIME_LIMIT", mode=mode, options=options, sw=sw, messages=messages,
-                          extra_options=extra())
-        if failed is not None and failed.kind == "memory":
-            g, need = failed.group, failed.figure
+            return self._report(problem, None, "INFEASIBLE" if proof else "TIME_LIMIT",
+                                options, sw, messages, counts)
+        if failed.kind == "memory":
+            need = failed.figure
             messages.append(
                 f"group {g.name} ({g.device}) cannot fit memory: the smallest plan found "
                 f"needs {need / 2**30:.3f} GiB ({need:.0f} bytes) against a capacity of "
                 f"{g.capacity_bytes / 2**30:.3f} GiB ({g.capacity_bytes:.0f} bytes)"
                 f"{failed.note}; lower its batch or the memory headroom")
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages, extra_options=extra())
-        if failed is not None:
-            ms, g = failed.figure, failed.group
+            return self._report(problem, None, "INFEASIBLE", options, sw, messages, counts)
+        ms = failed.figure
+        messages.append(
+            f"the fastest memory-feasible plan takes {ms:.3f} ms (linear makespan: "
+            f"group {g.name}'s compute plus the tail){failed.note} against the "
+            f"target {problem.target_ms:.3f} ms: no plan of this allocator meets it; "
+            "raise the target or give the slower groups a smaller batch "
+            "(dynamic-batching)")
+        return self._report(problem, None, "INFEASIBLE", options, sw, messages,
+                            {**counts, "fastest_makespan_ms": ms})
+
+    def _raised(self, problem: AllocationProblem, search: RaiseSearch, sweeps: int,
+                swept: int, options: SolveOptions, messages: list[str]
+                ) -> tuple[str, dict[str, object]]:
+        """The status and the report's counts once the raises are done, with messages."""
+        acc = search.acc
+        if sweeps:
             messages.append(
-                f"the fastest memory-feasible plan takes {ms:.3f} ms (linear makespan: "
-                f"group {g.name}'s compute plus the tail){failed.note} against the "
-                f"target {problem.target_ms:.3f} ms: no plan of this allocator meets it; "
-                "raise the target or give the slower groups a smaller batch "
-                "(dynamic-batching)")
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages,
-                          extra_options={**extra(), "fastest_makespan_ms": ms})
-        with sw.building():
-            start = lin.assignment()
-            acc = (ReplayAcceptance(problem, start, lin) if options.acceptance == "replayer"
-                   else LinearAcceptance(problem, lin))
-        with sw.solving():
-            start_ms = acc.makespan_ms()
-            start_ok = all(acc.ok(gi) for gi in range(len(groups)))
-        if not start_ok:
-            messages.append(
-                f"the fastest memory-feasible plan takes {start_ms:.3f} ms ({acc.name} "
-                f"makespan) against the target {problem.target_ms:.3f} ms, or does not fit "
-                f"the {acc.name} model's memory, though the linear model admits it: no "
-                "plan of this allocator meets it")
-            return finish(problem, self.name, None, status="INFEASIBLE", mode=mode,
-                          options=options, sw=sw, messages=messages,
-                          extra_options={**extra(), "fastest_makespan_ms": start_ms})
-        with sw.solving():
-            messages.append(f"start: fastest plan, {start_ms:.3f} ms ({acc.name} makespan) "
-                            f"against the target {problem.target_ms:.3f} ms")
-
-            # 2. The heap of raises.
-            heap: list[tuple[float, int, int, int]] = []  # (-rank, gi, u, from choice k)
-
-            def gain(gi: int, u: int, k: int) -> float:
-                om = groups[gi].omega1[u]
-                return groups[gi].weight * (om[k] - om[k - 1])
-
-            def rank(gi: int, u: int, k: int) -> float:
-                gv = gain(gi, u, k)
-                if not self.per_ms:
-                    return gv
-                dt, _ = lin.delta(gi, u, k - 1)
-                return gv / max(dt, 1e-9)
-
-            def push(gi: int, u: int) -> None:
-                k = lin.a[gi][u]
-                if k > 0 and gain(gi, u, k) > 0:
-                    r = rank(gi, u, k)
-                    heapq.heappush(heap, (-r, gi, u, k))
-
-            for gi, g in enumerate(groups):
-                for u in range(len(g.choices)):
-                    push(gi, u)
-
-            def attempt(gi: int, u: int, k: int) -> bool:
-                """Raise unit u on group gi from k to k-1; undo it if the check fails."""
-                lin.move(gi, u, k - 1)
-                acc.apply(gi, u, k - 1)
-                if acc.ok(gi):
-                    return True
-                lin.move(gi, u, k)
-                acc.apply(gi, u, k)
-                return False
-
-            rejected: list[tuple[float, int, int, int]] = []
-            stopped = False
-
-            def try_move(neg: float, gi: int, u: int, k: int) -> bool:
-                """Check one raise; keep it (and queue the unit's next) or note the refusal."""
-                nonlocal accepted
-                if attempt(gi, u, k):
-                    accepted += 1
-                    push(gi, u)
-                    return True
-                rejected.append((neg, gi, u, k))
-                return False
-
-            def drain() -> int:
-                nonlocal stopped
-                n = 0
-                while heap:
-                    if sw.wall_s > options.time_limit_s:
-                        stopped = True
-                        return n
-                    neg, gi, u, k = heapq.heappop(heap)
-                    if lin.a[gi][u] != k:
-                        continue  # stale
-                    if self.per_ms:
-                        r = rank(gi, u, k)
-                        if abs(r - (-neg)) > 1e-12 * max(abs(r), 1.0):
-                            heapq.heappush(heap, (-r, gi, u, k))
-                            continue
-                    n += try_move(neg, gi, u, k)
-                return n
-
-            drain()
-            # 3. Sweeps over the rejected moves.
-            sweeps = 0
-            swept = 0
-            while rejected and not stopped and sweeps < MAX_SWEEPS:
-                sweeps += 1
-                todo = sorted(rejected)
-                rejected.clear()
-                got = 0
-                for neg, gi, u, k in todo:
-                    if lin.a[gi][u] != k:
-                        continue
-                    got += try_move(neg, gi, u, k)
-                got += drain()
-                swept += got
-                if not got:
-                    break
-            if sweeps:
+                f"after the heap emptied, {sweeps} sweep(s) re-tried the rejected moves "
+                f"(raising an op can remove casts and free time for others): {swept} more "
+                f"accepted, {len(search.rejected)} still rejected")
+        status = "FEASIBLE"
+        if search.stopped:
+            status = "TIME_LIMIT"
+            messages.append(f"stopped at the time limit ({options.time_limit_s} s); the plan "
+                            "so far satisfies the check")
+        end_ms = acc.makespan_ms()
+        messages.append(
+            f"{search.accepted} move(s) accepted in {acc.checks} check(s)"
+            + (f", {acc.calls} replayer call(s)" if acc.calls else "")
+            + f"; {acc.name} makespan {end_ms:.3f} ms")
+        counts: dict[str, object] = {**self._counts(acc, search.accepted), "sweeps": sweeps,
+                                     "makespan_ms": end_ms}
+        if isinstance(acc, ReplayAcceptance):
+            it = acc.iteration_ms()
+            counts["replay_iteration_ms"] = it
+            if acc.vetoes:
                 messages.append(
-                    f"after the heap emptied, {sweeps} sweep(s) re-tried the rejected moves "
-                    f"(raising an op can remove casts and free time for others): {swept} more "
-                    f"accepted, {len(rejected)} still rejected")
-            status = "FEASIBLE"
-            if stopped:
-                status = "TIME_LIMIT"
-                messages.append(f"stopped at the time limit ({options.time_limit_s} s); the plan "
-                                "so far satisfies the check")
-            end_ms = acc.makespan_ms()
-            messages.append(
-                f"{accepted} move(s) accepted in {acc.checks} check(s)"
-                + (f", {acc.calls} replayer call(s)" if acc.calls else "")
-                + f"; {acc.name} makespan {end_ms:.3f} ms")
-            ext: dict[str, object] = {**extra(), "sweeps": sweeps, "makespan_ms": end_ms}
-            if isinstance(acc, ReplayAcceptance):
-                it = acc.iteration_ms()
-                ext["replay_iteration_ms"] = it
-                if acc.vetoes:
-                    messages.append(
-                        f"{acc.vetoes} move(s) the replayer admitted were refused by the "
-                        "evaluator's linear rows (its memory bounds the replayer's from above)")
-                if it > problem.target_ms * (1 + REL_TOL):
-                    messages.append(
-                        f"the replayer's whole iteration is {it:.3f} ms: {it - end_ms:.3f} ms "
-                        "more of the all-reduce stays exposed than the target's definition "
-                        "(compute plus the last bucket and the optimizer) counts")
-        assignment = lin.assignment()
-        return finish(problem, self.name, assignment, status=status, mode=mode, options=options,
-                      sw=sw, messages=messages, extra_options=ext)
+                    f"{acc.vetoes} move(s) the replayer admitted were refused by the "
+                    "evaluator's linear rows (its memory bounds the replayer's from above)")
+            if it > problem.target_ms * (1 + REL_TOL):
+                messages.append(
+                    f"the replayer's whole iteration is {it:.3f} ms: {it - end_ms:.3f} ms "
+                    "more of the all-reduce stays exposed than the target's definition "
+                    "(compute plus the last bucket and the optimizer) counts")
+        return status, counts
+
+
+#: A raise in the heap: (-rank, group, unit, the choice it raises from).
+RaiseEntry = tuple[float, int, int, int]
+
+
+class RaiseSearch:
+    """Steps 2 and 3 of the allocator: the max-heap of raises (each unit one step up its
+    group's menu, ranked by indicator gain, or gain per added millisecond), each popped
+    raise applied and checked (undone when refused), then sweeps over the refused ones."""
+
+    def __init__(self, lin: LinearState, acc: Acceptance, per_ms: bool, sw: Stopwatch,
+                 time_limit_s: float) -> None:
+        self.lin, self.acc, self.per_ms = lin, acc, per_ms
+        self.sw, self.time_limit_s = sw, time_limit_s
+        self.heap: list[RaiseEntry] = []
+        self.rejected: list[RaiseEntry] = []
+        self.accepted = 0
+        self.stopped = False
+        for gi, g in enumerate(lin.groups):
+            for u in range(len(g.choices)):
+                self.push(gi, u)
+
+    def gain(self, gi: int, u: int, k: int) -> float:
+        g = self.lin.groups[gi]
+        om = g.omega1[u]
+        return g.weight * (om[k] - om[k - 1])
+
+    def rank(self, gi: int, u: int, k: int) -> float:
+        gv = self.gain(gi, u, k)
+        if not self.per_ms:
+            return gv
+        dt, _ = self.lin.delta(gi, u, k - 1)
+        return gv / max(dt, 1e-9)
+
+    def push(self, gi: int, u: int) -> None:
+        """Queue the unit's next raise, if it gains anything."""
+        k = self.lin.a[gi][u]
+        if k > 0 and self.gain(gi, u, k) > 0:
+            heapq.heappush(self.heap, (-self.rank(gi, u, k), gi, u, k))
+
+    def attempt(self, gi: int, u: int, k: int) -> bool:
+        """Raise unit u on group gi from k to k-1; undo it if the check fails."""
+        lin, acc = self.lin, self.acc
+        lin.move(gi, u, k - 1)
+        acc.apply(gi, u, k - 1)
+        if acc.ok(gi):
+            return True
+        lin.move(gi, u, k)
+        acc.apply(gi, u, k)
+        return False
+
+    def try_move(self, entry: RaiseEntry) -> bool:
+        """Check one raise; keep it (and queue the unit's next) or note the refusal."""
+        _, gi, u, k = entry
+        if self.attempt(gi, u, k):
+            self.accepted += 1
+            self.push(gi, u)
+            return True
+        self.rejected.append(entry)
+        return False
+
+    def drain(self) -> int:
+        """Pop and try raises until the heap is empty or time is up; the number kept."""
+        n = 0
+        while self.heap:
+            if self.sw.wall_s > self.time_limit_s:
+                self.stopped = True
+                return n
+            neg, gi, u, k = heapq.heappop(self.heap)
+            if self.lin.a[gi][u] != k:
+                continue  # stale
+            if self.per_ms:
+                r = self.rank(gi, u, k)
+                if abs(r - (-neg)) > 1e-12 * max(abs(r), 1.0):
+                    heapq.heappush(self.heap, (-r, gi, u, k))
+                    continue
+            n += self.try_move((neg, gi, u, k))
+        return n
+
+    def sweep(self) -> tuple[int, int]:
+        """Re-try the refused raises (at most ``MAX_SWEEPS`` times) while any is kept: the
+        sweeps made and the raises they kept."""
+        sweeps = swept = 0
+        while self.rejected and not self.stopped and sweeps < MAX_SWEEPS:
+            sweeps += 1
+            todo = sorted(self.rejected)
+            self.rejected.clear()
+            got = 0
+            for entry in todo:
+                if self.lin.a[entry[1]][entry[2]] != entry[3]:
+                    continue
+                got += self.try_move(entry)
+            got += self.drain()
+            swept += got
+            if not got:
+                break
+        return sweeps, swept

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import SolveOptions
-from .common import Stopwatch, solver_limit
 from .formulation import Block, Formulation
+from .timing import Stopwatch, solver_limit
 
 PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: Feasibility and integrality tolerance asked of CBC and HiGHS (rows are normalised to ~1).
@@ -44,7 +44,7 @@ FEAS_TOL = 1e-9
 #: The absolute gap asked of CBC and HiGHS, as a fraction of ``rel_gap`` (in the program's
 #: units, where the largest objective coefficient is 1): an OPTIMAL plan whose objective is
 #: at least 1e-3 of that coefficient is then proven within the relative gap; a smaller one is
-#: re-solved without the choices that cannot be in a better plan (``ilp.loose_optimum``),
+#: re-solved without the choices that cannot be in a better plan (``driver.loose_optimum``),
 #: which rescales its objective.
 ABS_GAP_OF_REL = 1e-3
 
@@ -364,6 +364,54 @@ def _use_threads(threads: int | None) -> None:
         _HIGHS_THREADS = want
 
 
+def _load_model(pulp: Any, lp: Any) -> list[Any]:
+    """Pass ``lp``'s columns, objective, integrality and rows to its highspy model in bulk
+    (numpy arrays, not one column and row at a time); its variables, indexed."""
+    import highspy
+    import numpy as np
+
+    h = lp.solverModel
+    inf = highspy.kHighsInf
+    variables = lp.variables()
+    n = len(variables)
+    for i, v in enumerate(variables):
+        v.index = i
+    h.addVars(n, np.array([-inf if v.lowBound is None else v.lowBound
+                           for v in variables], dtype=np.float64),
+              np.array([inf if v.upBound is None else v.upBound
+                        for v in variables], dtype=np.float64))
+    obj = [(v.index, c) for v, c in lp.objective.items() if c]
+    if obj:
+        h.changeColsCost(len(obj), np.array([i for i, _ in obj], dtype=np.int32),
+                         np.array([c for _, c in obj], dtype=np.float64))
+    ints = [v.index for v in variables if v.cat == pulp.LpInteger]
+    if ints:
+        h.changeColsIntegrality(
+            len(ints), np.array(ints, dtype=np.int32),
+            np.full(len(ints), int(highspy.HighsVarType.kInteger), dtype=np.uint8))
+    lower: list[float] = []
+    upper: list[float] = []
+    starts: list[int] = []
+    index: list[int] = []
+    value: list[float] = []
+    for i, con in enumerate(lp._constraints.values()):
+        con.index = i
+        starts.append(len(index))
+        for v, c in con.items():
+            if c:
+                index.append(v.index)
+                value.append(c)
+        lb, ub = con.getLb(), con.getUb()
+        lower.append(-inf if lb is None else lb)
+        upper.append(inf if ub is None else ub)
+    if lower:
+        h.addRows(len(lower), np.array(lower, dtype=np.float64),
+                  np.array(upper, dtype=np.float64), len(index),
+                  np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
+                  np.array(value, dtype=np.float64))
+    return variables
+
+
 def _highs_class(pulp: Any) -> Any:
     class _Highs(pulp.HiGHS):
         """pulp's HiGHS, with the model passed to highspy in bulk (numpy arrays, not one
@@ -376,7 +424,6 @@ def _highs_class(pulp: Any) -> Any:
         outcome: tuple[Any, Any, float, float] | None = None
 
         def actualSolve(self, lp: Any) -> Any:
-            import highspy
             import numpy as np
 
             global _HIGHS_BANNER_DONE
@@ -387,45 +434,8 @@ def _highs_class(pulp: Any) -> Any:
                 with _quiet_stdout():
                     self.createAndConfigureSolver(lp)
                 _HIGHS_BANNER_DONE = True
+            variables = _load_model(pulp, lp)
             h = lp.solverModel
-            inf = highspy.kHighsInf
-            variables = lp.variables()
-            n = len(variables)
-            for i, v in enumerate(variables):
-                v.index = i
-            h.addVars(n, np.array([-inf if v.lowBound is None else v.lowBound
-                                   for v in variables], dtype=np.float64),
-                      np.array([inf if v.upBound is None else v.upBound
-                                for v in variables], dtype=np.float64))
-            obj = [(v.index, c) for v, c in lp.objective.items() if c]
-            if obj:
-                h.changeColsCost(len(obj), np.array([i for i, _ in obj], dtype=np.int32),
-                                 np.array([c for _, c in obj], dtype=np.float64))
-            ints = [v.index for v in variables if v.cat == pulp.LpInteger]
-            if ints:
-                h.changeColsIntegrality(
-                    len(ints), np.array(ints, dtype=np.int32),
-                    np.full(len(ints), int(highspy.HighsVarType.kInteger), dtype=np.uint8))
-            lower: list[float] = []
-            upper: list[float] = []
-            starts: list[int] = []
-            index: list[int] = []
-            value: list[float] = []
-            for i, con in enumerate(lp._constraints.values()):
-                con.index = i
-                starts.append(len(index))
-                for v, c in con.items():
-                    if c:
-                        index.append(v.index)
-                        value.append(c)
-                lb, ub = con.getLb(), con.getUb()
-                lower.append(-inf if lb is None else lb)
-                upper.append(inf if ub is None else ub)
-            if lower:
-                h.addRows(len(lower), np.array(lower, dtype=np.float64),
-                          np.array(upper, dtype=np.float64), len(index),
-                          np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
-                          np.array(value, dtype=np.float64))
             if self.start_values is not None:
                 idx = [v.index for v, _ in self.start_values]
                 val = [float(s) for _, s in self.start_values]
@@ -518,9 +528,8 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
     """Run CBC or HiGHS (``backend``) on ``prog`` for at most ``time_limit`` seconds
     (``start``: from the variables' initial values); the solver's time goes to
     ``sw.solve_s``, the model's transfer to it to ``sw.build_s``. The solver is handed
-    :func:`~.common.solver_limit` of ``time_limit`` (room for its own overrun and the work
+    :func:`~.timing.solver_limit` of ``time_limit`` (room for its own overrun and the work
     after it) and is not started when that is 0 (TIME_LIMIT, no plan)."""
-    lp = prog.lp
     asked = time_limit
     time_limit = solver_limit(time_limit)
     if not time_limit > 0:
@@ -528,42 +537,56 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
                         "run with the safety margin")
         return Outcome("TIME_LIMIT", None, 0.0, "no time left to start the solver")
     if backend == "highs":
-        cls = _highs_class(pulp)
-        params: dict[str, Any] = {"random_seed": int(options.seed),
-                                  "mip_feasibility_tolerance": FEAS_TOL,
-                                  "primal_feasibility_tolerance": FEAS_TOL,
-                                  "mip_abs_gap": abs_gap(options.rel_gap)}
-        params.update(options.extra.get("highs", {}))
-        solver = cls(msg=False, timeLimit=max(time_limit, 1e-3), gapRel=options.rel_gap,
-                     threads=options.threads or None, **params)
-        if start:
-            solver.start_values = [(v, v.varValue) for v in lp.variables()
-                                   if v.varValue is not None]
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lp.solve(solver)
-        total = time.perf_counter() - t0
-        sw.solve_s += solver.run_s
-        sw.build_s += total - solver.run_s  # model transfer into highspy
-        assert solver.outcome is not None
-        mstatus, primal, dual_bound, obj_value = solver.outcome
-        import highspy
+        return _run_highs(pulp, prog, options, time_limit, start, sw)
+    return _run_cbc(pulp, prog, options, time_limit, start, sw, messages)
 
-        S = highspy.HighsModelStatus
-        has_sol = primal == 2  # kSolutionStatusFeasible
-        bound = dual_bound if math.isfinite(dual_bound) else None
-        reported = obj_value if has_sol and math.isfinite(obj_value) else None
-        if mstatus == S.kOptimal:
-            return Outcome("OPTIMAL", bound, solver.run_s, objective=reported)
-        if mstatus in (S.kInfeasible, S.kUnboundedOrInfeasible):
-            return Outcome("INFEASIBLE", None, solver.run_s)
-        if mstatus in (S.kTimeLimit, S.kInterrupt, S.kIterationLimit, S.kSolutionLimit,
-                       S.kObjectiveBound, S.kObjectiveTarget):
-            return Outcome("FEASIBLE" if has_sol else "TIME_LIMIT", bound, solver.run_s,
-                            objective=reported)
-        return Outcome("ERROR", None, solver.run_s, f"HiGHS model status {mstatus}")
-    # CBC through its command line: the log gives the bound when it stops early.
+
+def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+               start: bool, sw: Stopwatch) -> Outcome:
+    """One HiGHS run (through highspy) handed ``time_limit`` seconds."""
+    lp = prog.lp
+    cls = _highs_class(pulp)
+    params: dict[str, Any] = {"random_seed": int(options.seed),
+                              "mip_feasibility_tolerance": FEAS_TOL,
+                              "primal_feasibility_tolerance": FEAS_TOL,
+                              "mip_abs_gap": abs_gap(options.rel_gap)}
+    params.update(options.highs.params)
+    solver = cls(msg=False, timeLimit=max(time_limit, 1e-3), gapRel=options.rel_gap,
+                 threads=options.threads or None, **params)
+    if start:
+        solver.start_values = [(v, v.varValue) for v in lp.variables()
+                               if v.varValue is not None]
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lp.solve(solver)
+    total = time.perf_counter() - t0
+    sw.solve_s += solver.run_s
+    sw.build_s += total - solver.run_s  # model transfer into highspy
+    assert solver.outcome is not None
+    mstatus, primal, dual_bound, obj_value = solver.outcome
+    import highspy
+
+    S = highspy.HighsModelStatus
+    has_sol = primal == 2  # kSolutionStatusFeasible
+    bound = dual_bound if math.isfinite(dual_bound) else None
+    reported = obj_value if has_sol and math.isfinite(obj_value) else None
+    if mstatus == S.kOptimal:
+        return Outcome("OPTIMAL", bound, solver.run_s, objective=reported)
+    if mstatus in (S.kInfeasible, S.kUnboundedOrInfeasible):
+        return Outcome("INFEASIBLE", None, solver.run_s)
+    if mstatus in (S.kTimeLimit, S.kInterrupt, S.kIterationLimit, S.kSolutionLimit,
+                   S.kObjectiveBound, S.kObjectiveTarget):
+        return Outcome("FEASIBLE" if has_sol else "TIME_LIMIT", bound, solver.run_s,
+                        objective=reported)
+    return Outcome("ERROR", None, solver.run_s, f"HiGHS model status {mstatus}")
+
+
+def _run_cbc(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+             start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
+    """One CBC run (its command line) handed ``time_limit`` seconds; the bound read from
+    its log when it stops early."""
+    lp = prog.lp
     have = available_pulp_solvers()
     cls_name = next(n for n in PULP_NAMES["cbc"] if n in have)
     fd, log_path = tempfile.mkstemp(suffix=".log", prefix="qsync_cbc_")
@@ -575,7 +598,7 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
                  f"increment {abs_gap(options.rel_gap):g}"]
         if options.seed:
             extra.append(f"randomCbcSeed {int(options.seed)}")
-        extra += list(options.extra.get("cbc", []))
+        extra += list(options.cbc.args)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             solver = _cbc_class(pulp, cls_name)(

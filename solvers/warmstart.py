@@ -9,7 +9,8 @@ import time
 
 from ..problem import AllocationProblem
 from .base import SolveOptions
-from .common import Deadline, check_hints
+from .checks import check_hints
+from .timing import Deadline
 
 
 def greedy_hints(problem: AllocationProblem, messages: list[str],

@@ -27,8 +27,8 @@ if os.environ.get("CI") == "true":
 
 @pytest.fixture(autouse=True)
 def _fresh_part_memo() -> None:
-    """Each test starts with no part solved before (solvers.common's memo is per process)."""
-    from qsync_opt.solvers.common import clear_part_memo
+    """Each test starts with no part solved before (solvers.memo's memo is per process)."""
+    from qsync_opt.solvers.memo import clear_part_memo
 
     clear_part_memo()
 

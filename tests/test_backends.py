@@ -26,7 +26,7 @@ import math
 
 import pytest
 from qsync_opt.solvers import SolveOptions, registry
-from qsync_opt.solvers.common import FEAS_REL
+from qsync_opt.solvers.checks import FEAS_REL
 from qsync_opt.solvers.formulation import FAMILIES, formulate
 
 from qsync_opt import estimate, parse_shorthand

@@ -35,8 +35,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from qsync_opt.solvers import SolveOptions
-from qsync_opt.solvers.cpsat import _INT_LIMIT, CpSat, _down, _up
+from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.ilp import FEAS_REL, PulpIlp
+from qsync_opt.solvers.integers import _INT_LIMIT, _down, _up
 
 from qsync_opt import estimate, parse_shorthand
 from qsync_opt.errors import QsyncInputError

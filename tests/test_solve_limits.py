@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 
 import pytest
-from qsync_opt.solvers import SolveOptions, common
-from qsync_opt.solvers.common import Stopwatch, finish
+from qsync_opt.solvers import SolveOptions, parts, timing
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
+from qsync_opt.solvers.report import finish
+from qsync_opt.solvers.timing import Stopwatch
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
@@ -174,7 +175,7 @@ def test_every_solver_run_gets_at_most_the_time_left(monkeypatch, name) -> None:
     _exact(name)
     prob = _bert()  # the default target is out of reach: fallback, then refinement rounds
     now = [1000.0]
-    monkeypatch.setattr(common, "clock", lambda: now[0])
+    monkeypatch.setattr(timing, "clock", lambda: now[0])
     end = now[0] + 10.0
     seen: list[tuple[float, float]] = []  # (limit given, time left)
 
@@ -219,17 +220,20 @@ def test_per_group_programs_share_the_time_that_remains(monkeypatch, name) -> No
     backend = _exact(name)
     prob = _large()
     now = [0.0]
-    monkeypatch.setattr(common, "clock", lambda: now[0])
-    monkeypatch.setattr(common, "least_part", lambda problem, gis: None)
+    monkeypatch.setattr(timing, "clock", lambda: now[0])
+    monkeypatch.setattr(parts, "least_part", lambda problem, gis: None)
     limits: list[tuple[str, float]] = []
     real = PulpIlp._solve_program
 
-    def program(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag):
+    def program(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag,
+                forbid=None):
         limits.append((tag, deadline - now[0]))
         if len(limits) == 1:  # the first run: its whole share passes without a plan
             now[0] = deadline
-            return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag)
-        return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag)
+            return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag,
+                        forbid)
+        return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag,
+                    forbid)
 
     monkeypatch.setattr(PulpIlp, "_solve_program", program)
     plan, rep = backend.solve(prob, SolveOptions(time_limit_s=8.0))
@@ -247,8 +251,8 @@ def test_cpsat_groups_share_the_time_that_remains(monkeypatch) -> None:
     model), the second group is solved, then the first again in a second pass."""
     prob = _large()
     now = [0.0]
-    monkeypatch.setattr(common, "clock", lambda: now[0])
-    monkeypatch.setattr(common, "least_part", lambda problem, gis: None)
+    monkeypatch.setattr(timing, "clock", lambda: now[0])
+    monkeypatch.setattr(parts, "least_part", lambda problem, gis: None)
     runs: list[tuple[str, float]] = []
     real = CpSat._solve_raw
 

@@ -1,5 +1,5 @@
 """The time limit bounds the whole call, the solvers' own overrun included (issue 41): a
-HiGHS/CBC run is handed what is left less a stated margin (solvers.common.solver_limit), a
+HiGHS/CBC run is handed what is left less a stated margin (solvers.timing.solver_limit), a
 run with too little left is not started, and no joint-split candidate starts with less than
 MIN_CANDIDATE_S left. The solvers' time is charged to a fake clock."""
 
@@ -8,15 +8,15 @@ from __future__ import annotations
 import math
 
 import pytest
-from qsync_opt.solvers import SolveOptions, common, pulp_model
-from qsync_opt.solvers.common import (
+from qsync_opt.solvers import SolveOptions, pulp_model, timing
+from qsync_opt.solvers.formulation import formulate
+from qsync_opt.solvers.timing import (
     AFTER_RUN_S,
     MIN_RUN_S,
     SOLVER_OVERRUN,
     Stopwatch,
     solver_limit,
 )
-from qsync_opt.solvers.formulation import formulate
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
@@ -68,8 +68,8 @@ def _charged(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[tuple[f
     """A fake clock; every HiGHS run takes its whole handed limit plus the stated overrun
     (the worst case), and records (asked, handed)."""
     now = [0.0]
-    real_clock = common.clock
-    monkeypatch.setattr(common, "clock", lambda: real_clock() + now[0])
+    real_clock = timing.clock
+    monkeypatch.setattr(timing, "clock", lambda: real_clock() + now[0])
     runs: list[tuple[float, float]] = []
     real_run = pulp_model.run
     real_class = pulp_model._highs_class
@@ -104,13 +104,13 @@ def test_the_joint_split_ends_within_its_limit_when_highs_overruns(monkeypatch, 
     last run), and each run was handed its share less the margin."""
     _, runs = _charged(monkeypatch)
     prob = _problem()
-    t0 = common.clock()
+    t0 = timing.clock()
     try:
         solve(prob, "highs", SolveOptions(time_limit_s=limit), joint_split=True, refine=0,
               compare_ties=False)
     except solve_mod.SolveTimeLimit:
         pass  # no plan within the limit is an answer too: the call ended in time
-    assert common.clock() - t0 <= limit + 1.0
+    assert timing.clock() - t0 <= limit + 1.0
     assert any(handed > 0 for _, handed in runs)
     for asked, handed in runs:  # handed 0: not started
         assert handed == 0 or handed * (1 + SOLVER_OVERRUN) + AFTER_RUN_S <= asked + 1e-9

@@ -17,11 +17,11 @@ import math
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from qsync_opt.solvers import SolveOptions
+from qsync_opt.solvers import CpSatOptions, SolveOptions
+from qsync_opt.solvers.additive import AdditiveIlp
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.ilp import (
     FEAS_REL,
-    AdditiveIlp,
     PulpIlp,
     exact_violation,
     fastest_times,
@@ -201,7 +201,7 @@ def test_exact_backends_match_brute_force(prob: AllocationProblem) -> None:
         # Coarse units (budget ~1e2 units): the rounding slack is large, so the outer
         # model's optimum often fails the exact model and the inner model is exercised.
         plan, rep = b.solve(prob, SolveOptions(time_limit_s=30.0, rel_gap=1e-9,
-                                               extra={"cpsat_units": 1e2}))
+                                               cpsat=CpSatOptions(units=1e2)))
         if plan is not None:
             _check_plan(prob, plan, rep)
         _check_cpsat(prob, tables, opt, plan, rep)
@@ -391,7 +391,7 @@ def test_time_limit_is_honoured(backend, monkeypatch) -> None:
     """With a clock that charges every solver run the whole limit it is given, the runs of
     one backend call (per group, repairs, second passes) are given 1 s in all, never more
     than what is left; whatever the solver reaches in that time is reported as such."""
-    from qsync_opt.solvers import common
+    from qsync_opt.solvers import parts, timing
 
     _require(backend)
     g = synthetic_graph(150, batch=256, width=1024)
@@ -400,10 +400,10 @@ def test_time_limit_is_honoured(backend, monkeypatch) -> None:
     ref = max(prob.reference_times.values()) + prob.tail_ms
     prob = prob.with_options(target_ms=(prob.target_ms + ref) / 2)
     now = [0.0]
-    monkeypatch.setattr(common, "clock", lambda: now[0])
+    monkeypatch.setattr(timing, "clock", lambda: now[0])
     # both groups' programs run (the a100 group's least-degradation plan meets the target,
     # which would answer its part without a run)
-    monkeypatch.setattr(common, "least_part", lambda problem, gis: None)
+    monkeypatch.setattr(parts, "least_part", lambda problem, gis: None)
     given: list[tuple[float, float]] = []
 
     def charge(limit: float) -> None:

@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from qsync_opt.solvers import SolveOptions
 from qsync_opt.solvers import greedy as greedy_mod
+from qsync_opt.solvers.acceptance import REL_TOL, LinearState, ReplayAcceptance
 from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
-from qsync_opt.solvers.common import Stopwatch
-from qsync_opt.solvers.greedy import REL_TOL, Greedy, LinearState, ReplayAcceptance
+from qsync_opt.solvers.greedy import Greedy
+from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, parse_shorthand, trace
 from qsync_opt.evaluator import evaluate

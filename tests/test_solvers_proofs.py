@@ -9,13 +9,15 @@ import dataclasses
 import time
 
 import pytest
-from qsync_opt.solvers import SolveOptions, common, get_backend, registry
+from qsync_opt.solvers import SolveOptions, driver, get_backend, registry, timing
 from qsync_opt.solvers import fastest as fastest_mod
-from qsync_opt.solvers.common import Stopwatch, check_resolution
+from qsync_opt.solvers.acceptance import LinearState
+from qsync_opt.solvers.checks import check_resolution
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.fastest import FastestTimeLimit, fastest_plans, fastest_results
-from qsync_opt.solvers.greedy import Greedy, LinearState
+from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.pulp_model import Outcome
+from qsync_opt.solvers.timing import Stopwatch
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
@@ -155,8 +157,8 @@ def test_the_joint_split_solves_the_given_split_first(monkeypatch, first_status)
     prob = prob.retarget((prob.target_ms + max(prob.reference_times.values())
                           + prob.tail_ms) / 2)  # the given split has a plan
     now = [0.0]
-    real_clock = common.clock
-    monkeypatch.setattr(common, "clock", lambda: real_clock() + now[0])
+    real_clock = timing.clock
+    monkeypatch.setattr(timing, "clock", lambda: real_clock() + now[0])
     real_with = AllocationProblem.with_cluster
     built: list[dict[str, int]] = []
 
@@ -290,7 +292,7 @@ def test_cpsat_stopped_with_a_gap_names_highs(monkeypatch) -> None:
         return solved, nv, nc
 
     monkeypatch.setattr(CpSat, "_solve_raw", unproven)
-    monkeypatch.setattr(common, "MIN_RETRY_S", 1e9)  # no second pass
+    monkeypatch.setattr(driver, "MIN_RETRY_S", 1e9)  # no second pass
     plan, rep = CpSat().solve(prob, SolveOptions(time_limit_s=20))
     if rep.status == "OPTIMAL":
         pytest.skip("every part was answered without a CP-SAT run")

@@ -17,9 +17,10 @@ import random
 
 import pytest
 from qsync_opt.solvers import SolveOptions
-from qsync_opt.solvers.common import Stopwatch, finish, relative_gap
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.ilp import FEAS_REL, PulpIlp
+from qsync_opt.solvers.report import finish, relative_gap
+from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt import estimate, parse_shorthand
 from qsync_opt.precision import Precision
@@ -141,9 +142,9 @@ def test_highs_reproducer_returns_the_optimum_not_its_start(monkeypatch) -> None
     objective and bound 0: the plan is the optimum, and the report says what happened.
     (Its optimum is every unit's least Omega, which needs no solver run: the shortcut is
     turned off so that HiGHS runs.)"""
-    from qsync_opt.solvers import common
+    from qsync_opt.solvers import parts
 
-    monkeypatch.setattr(common, "least_part", lambda problem, gis: None)
+    monkeypatch.setattr(parts, "least_part", lambda problem, gis: None)
     prob, opt, hints = _instance(REPRODUCER)
     assert opt == 0.0 and hints is not None and prob.objective(hints) > 2.0
     plan, rep = _backend("highs").solve(prob, SolveOptions(rel_gap=1e-9, hints=hints))

@@ -15,7 +15,8 @@ import random
 import re
 
 import pytest
-from qsync_opt.solvers.common import Stopwatch, time_lower_bound
+from qsync_opt.solvers.checks import time_lower_bound
+from qsync_opt.solvers.timing import Stopwatch
 
 import qsync_opt.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
@@ -161,7 +162,9 @@ def test_lp_relaxation_bounds_each_part_and_proves_no_plan(seed, shorthand, pert
     program per group), below the reachable makespan it proves there is no plan, and every
     INFEASIBLE relaxation is an INFEASIBLE program."""
     from qsync_opt.solvers import SolveOptions
-    from qsync_opt.solvers.ilp import PulpIlp, relaxation_bound
+    from qsync_opt.solvers.driver import solve_assignment
+    from qsync_opt.solvers.ilp import PulpIlp
+    from qsync_opt.solvers.relaxation import relaxation_bound
 
     opts = SolveOptions(rel_gap=1e-9)
     seen = set()
@@ -171,11 +174,13 @@ def test_lp_relaxation_bounds_each_part_and_proves_no_plan(seed, shorthand, pert
             seen.add(status)
             single = prob.retarget(prob.target_ms)
             single.groups = [g]  # the group's own program (the groups do not interact)
-            st, a, _, _, _ = PulpIlp("highs").solve_assignment(single, opts, Stopwatch(), [])
+            got, _ = solve_assignment(PulpIlp("highs"), single, opts, Stopwatch(), [])
+            st, a = got.status, got.assignment
             if status == "INFEASIBLE":
                 assert st == "INFEASIBLE", (gi, prob.target_ms)
                 continue
             assert status == "OPTIMAL" and st == "OPTIMAL", (status, st)
+            assert a is not None
             best = g.weight * g.degradation(a[g.name])
             assert bound <= best + 1e-9 * max(1.0, abs(best)), (gi, bound, best)
             assert bound >= best - 0.5 * max(abs(best), 1e-12) or best == 0.0
@@ -185,7 +190,7 @@ def test_lp_relaxation_bounds_each_part_and_proves_no_plan(seed, shorthand, pert
 def test_least_degradation_parts_need_no_solver():
     """A loose target: every group meets it at its least-Omega choices, so no program is
     solved and the plan takes them; a tight one: the shortcut does not apply."""
-    from qsync_opt.solvers.common import least_part
+    from qsync_opt.solvers.parts import least_part
 
     prob = _problem(0, "a100x1@64+t4x1@64")
     loose = prob.retarget(prob.makespan_ms(prob.reference_assignment()) * 1.5)
