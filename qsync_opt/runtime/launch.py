@@ -165,7 +165,9 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="output folder: config, checkpoints, metrics.jsonl (default "
                         "runs/MODEL); a link inside it is refused, never followed")
     p.add_argument("--checkpoint-every", type=int_range(0, MAX_STEPS), default=0,
-                   help="steps between checkpoints (default 0: at the end only)")
+                   help="steps between checkpoints; every run also writes one at its end, "
+                        "so an interval of --steps or more means that one only (default 0: "
+                        "at the end only)")
     p.add_argument("--no-resume", action="store_true",
                    help="start afresh even when --out holds a checkpoint (its sets and an "
                         "older run's summaries are removed)")
@@ -383,6 +385,10 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
 
         check_batches(plan, ranks)
         pipeline = pipeline_spec(args, plan, ranks, lines)
+    if lines is not None:
+        note = checkpoint_note(args.checkpoint_every, args.steps)
+        if note:
+            lines.append(note)
     if user is not None:
         from .config import check_batches
 
@@ -406,6 +412,15 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
             resume_anyway=getattr(args, "resume_anyway", False))
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
+
+
+def checkpoint_note(every: int, steps: int) -> str | None:
+    """The line that says what ``--checkpoint-every`` does when it is not below ``--steps``:
+    no checkpoint inside the run, the one at its end only (every run writes that one)."""
+    if every <= 0 or every < steps:
+        return None
+    return (f"--checkpoint-every {every} is not below --steps {steps}: the run's one "
+            f"checkpoint is the one every run writes at its end (step {steps})")
 
 
 def _check_sync_flags(args: argparse.Namespace) -> None:
