@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                              "replayer.prepared", "replayer.loop", "replayer.incremental",
                              "replayer.pipeline",
                              "plan", "synthetic", "profile_context", "profile",
-                             "profile.orchestrate", "profile.command", "summaries", "",
+                             "profile.orchestrate", "summaries", "",
                              "netsim.cluster"]),
     ("runtime", ["runtime", "runtime.apply", "runtime.config", "runtime.emulate",
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
@@ -79,7 +79,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("solve", ["solve", "dominance"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "cli.netsim", "testing"]),
+             "cli.planning", "cli.netsim", "cli.profile", "testing"]),
 ]
 
 #: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.
