@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_compare)
     from ..hfta.sweep import add_sweep_parser
     from .profile import add_profile_parser
-    from ..report import add_report_parser
+    from .report import add_report_parser
     from ..runtime.launch import add_train_parser
 
     add_report_parser(sub)
