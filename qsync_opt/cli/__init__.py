@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--joint-split", action="store_true",
                     help="add a row choosing the batch split with the precisions")
     sp.set_defaults(fn=cmd_compare)
-    from ..hfta.sweep import add_sweep_parser
+    from .sweep import add_sweep_parser
     from .profile import add_profile_parser
     from .report import add_report_parser
     from ..runtime.launch import add_train_parser
