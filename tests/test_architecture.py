@@ -79,7 +79,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("solve", ["solve", "dominance"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "cli.netsim", "cli.profile", "cli.report", "cli.sweep", "testing"]),
+             "cli.planning", "cli.netsim", "cli.profile", "cli.report", "cli.sweep", "cli.train", "testing"]),
 ]
 
 #: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.

@@ -38,7 +38,7 @@ from qsync_opt.runtime.config import (
     run_fingerprint,
     set_path,
 )
-from qsync_opt.runtime.launch import add_train_parser, cmd_train
+from qsync_opt.cli.train import add_train_parser, cmd_train
 from qsync_opt.schemas import Plan
 from qsync_opt.testing import assert_same_tree
 

@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .sweep import add_sweep_parser
     from .profile import add_profile_parser
     from .report import add_report_parser
-    from ..runtime.launch import add_train_parser
+    from .train import add_train_parser
 
     add_report_parser(sub)
     add_train_parser(sub)
