@@ -101,7 +101,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     req = sweep_request(args)
     quiet = args.json == "-"
-    say = (lambda s: sys.stderr.write(s + "\n")) if quiet else (lambda s: print(s))
+    def say(line: str) -> None:
+        (sys.stderr if quiet else sys.stdout).write(line + "\n")
+
     doc = run_sweep(req, say)
     if args.json is not None:
         text = json.dumps(clean(doc), indent=2) + "\n"
