@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from qsync_opt.cli.train import add_train_parser, cmd_train
 from qsync_opt.cluster import parse_shorthand
 from qsync_opt.errors import QsyncInputError
 from qsync_opt.plan import make_plan
 from qsync_opt.runtime import launch
 from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.cli.train import add_train_parser, cmd_train
 
 
 def _parser() -> argparse.ArgumentParser:
