@@ -155,3 +155,24 @@ def test_a_failure_without_a_refusal_still_names_the_rank(capsys) -> None:
 ])
 def test_which_rank_lines_are_refusals(line, refused) -> None:
     assert refusal([line]) == refused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rel", ["metrics.rank1.jsonl", "checkpoint.pt"])
+def test_a_link_over_a_name_the_run_never_reopens_is_not_followed(tmp_path, monkeypatch,
+                                                                 rel) -> None:
+    """The metrics file is appended to through the descriptor opened at the start, and
+    ``checkpoint.pt`` is a link the runtime only ever replaces (a one-process run makes it;
+    the ranks of a torchrun do not): a link planted there while the ranks run is never
+    followed, and the run ends normally."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    _plant_with(monkeypatch, tmp_path, 1, 3, rel, out, outside / "x")
+    code, _out, err = run_cli("train", "--model", "digits_cnn", "--cluster", "cpux2",
+                              "--nproc", "2", "--steps", "6", "--checkpoint-every", "2",
+                              "--backend", "gloo", "--timeout", "120", "--out", str(out))
+    assert code == 0, err
+    assert list(outside.iterdir()) == []
+    assert (out / "ckpt" / "step-00000006" / "commit.json").is_file()
