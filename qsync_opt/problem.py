@@ -381,6 +381,21 @@ def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
 EVAL_TOL = 1e-7
 
 
+def pin_unmeasured(options: ProblemOptions, indicator: IndicatorTable, graph: ModelGraph
+                   ) -> tuple[ProblemOptions, list[str]]:
+    """``options`` with every choosable op of ``graph`` that ``indicator`` could not measure
+    (:attr:`~qsync_opt.schemas.IndicatorTable.unmeasured`) pinned fp32, unless the user
+    pinned it already; and those ops' names. Every problem is made through here, so no path
+    (the CLI, :func:`qsync_opt.solve.build_problem`, a problem made directly) lowers such
+    an op for free."""
+    choosable = {o.name for o in graph.choosable_ops()}
+    new = sorted(n for n in indicator.unmeasured if n in choosable and n not in options.pinned)
+    if not new:
+        return options, []
+    pins = {**options.pinned, **dict.fromkeys(new, Precision.fp32)}
+    return dataclasses.replace(options, pinned=pins), new
+
+
 class AllocationProblem:
     """The integer program's data for one (graph, cluster with batches, costs, indicator).
 
@@ -429,6 +444,12 @@ class AllocationProblem:
                 "objective is the plan's predicted loss increase per step, each group's weighted "
                 "by its share of the batch")
         ops = {o.name: o for o in graph.ops}
+        self.options, unmeasured = pin_unmeasured(self.options, indicator, graph)
+        if unmeasured:
+            self.notes.append(
+                f"indicator {indicator.method}: {len(unmeasured)} op(s) without a value pinned "
+                f"fp32 ({', '.join(unmeasured[:5])}{' ...' if len(unmeasured) > 5 else ''}; "
+                "the indicator could not measure them, and a value is never assumed)")
         for name in self.options.pinned:
             if name not in ops:
                 raise QsyncInputError(f"pinned: graph {graph.workload} has no op {name!r}")

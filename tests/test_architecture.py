@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                              "replayer.prepared", "replayer.loop", "replayer.incremental",
                              "replayer.pipeline",
                              "plan", "synthetic", "profile_context", "profile",
-                             "profile.orchestrate", "profile.command", "summaries", "",
+                             "profile.orchestrate", "summaries", "",
                              "netsim.cluster"]),
     ("runtime", ["runtime", "runtime.apply", "runtime.config", "runtime.emulate",
                  "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
@@ -82,7 +82,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("solve", ["solve", "dominance"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "cli.netsim", "testing"]),
+             "cli.planning", "cli.netsim", "cli.profile", "cli.report", "cli.sweep", "cli.train", "testing"]),
 ]
 
 #: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.
@@ -206,6 +206,37 @@ def test_every_module_is_placed_once() -> None:
         "LAYERS in tests/test_architecture.py, in the lowest layer holding everything it imports")
     gone = sorted(set(placed) - set(MODULES))
     assert not gone, f"LAYERS names modules that do not exist: {gone}"
+
+
+#: What building a command-line parser calls (argparse's API).
+_PARSER_CALLS = {"ArgumentParser", "add_subparsers", "add_parser", "add_argument",
+                 "add_argument_group", "add_mutually_exclusive_group"}
+
+
+#: Modules outside ``cli/`` that build a parser, exactly: module -> why.
+PARSERS_ALLOWED: dict[str, str] = {
+    "cuda.build": "the build tool `python -m qsync_opt.cuda.build` (nvcc), not a qsync-opt "
+                  "command: the wheel's CUDA build step, run where no CLI is installed yet",
+}
+
+
+def test_only_the_cli_builds_parsers() -> None:
+    """Every command's parser is registered by its module in ``cli/``; the library (every
+    other module) builds none, so each command's flags live in one place."""
+    found, allowed = [], set()
+    for name, path in MODULES.items():
+        if name == "cli" or name.startswith("cli."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if called in _PARSER_CALLS and name in PARSERS_ALLOWED:
+                    allowed.add(name)
+                elif called in _PARSER_CALLS:
+                    found.append(f"{_where(name)}:{node.lineno} calls {called}")
+    assert not found, "a parser built outside cli/: " + "; ".join(found)
+    assert allowed == set(PARSERS_ALLOWED), "PARSERS_ALLOWED lists modules that build none"
 
 
 def layer_violations() -> set[tuple[str, str]]:

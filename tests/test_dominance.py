@@ -372,3 +372,23 @@ def test_demo_part_2_writes_the_plan_nothing_in_its_table_dominates(tmp_path) ->
         if name == "highs+split" or f[3] == "-":
             continue
         assert not dominates(_ev(float(f[6]), float(f[3])), ev), x
+
+
+@pytest.mark.parametrize(("split", "said"), [((32, 32), False), ((43, 21), True),
+                                              ((21, 43), True)])
+def test_the_demo_says_what_a_batch_split_changes(split, said) -> None:
+    """The demo's part 1 may train a plan with another batch split than its fp32 run (the
+    dynamic-batching plan): it says the averaged gradient is still the whole batch's and
+    where a gap comes from (benchmarks/bench_split_gradient.py), only then."""
+    from qsync_opt.demo import split_note
+    from qsync_opt.plan import make_plan
+
+    graph = trace("digits_cnn")
+    even = make_plan(graph, parse_shorthand("cpux1@32+cpu/2x1@32"), {})
+    plan = make_plan(graph, parse_shorthand(f"cpux1@{split[0]}+cpu/2x1@{split[1]}"), {})
+    note = split_note(plan, even)
+    if said:
+        assert note is not None and f"({split[0]}/{split[1]} against 32/32)" in note
+        assert "bench_split_gradient.py" in note
+    else:
+        assert note is None

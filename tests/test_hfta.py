@@ -458,3 +458,22 @@ def test_func_route_loads_and_exports_standalone_models(name):
         sd = fa.export(b).state_dict()
         for k, v in others[b].state_dict().items():
             assert torch.equal(sd[k], v), k
+
+
+def test_the_sweep_library_runs_without_a_parser(tmp_path):
+    """``hfta.sweep.run_sweep`` is the sweep (the command is a thin layer over it): a
+    request of plain values, its checks before any work, the document it returns."""
+    from qsync_opt.hfta.sweep import SweepRequest, check_request, run_sweep
+
+    said: list[str] = []
+    req = SweepRequest(model="digits_cnn", seeds=[0, 1], lrs=[0.05], wds=[0.0], steps=2,
+                       fuse="fused", eval_batches=1, out=str(tmp_path / "s"))
+    doc = run_sweep(req, said.append)
+    assert [m["seed"] for m in doc["models"]] == [0, 1] and doc["steps"] == 2
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["steps"] == 2
+    assert any(line.startswith("sweep: 2 models of digits_cnn") for line in said)
+    for bad, needle in ((dict(export=True, out=None), "--export"),
+                        (dict(optimizer="adamw", momentum=0.5), "--momentum"),
+                        (dict(lr_schedule="step:every=0"), "--lr-schedule")):
+        with pytest.raises(QsyncInputError, match=needle):
+            check_request(SweepRequest(**{**req.__dict__, **bad}))

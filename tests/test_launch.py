@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from qsync_opt.cli.train import add_train_parser, cmd_train
 from qsync_opt.cluster import parse_shorthand
 from qsync_opt.errors import QsyncInputError
 from qsync_opt.plan import make_plan
 from qsync_opt.runtime import launch
 from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.launch import add_train_parser, cmd_train
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -240,3 +240,45 @@ def test_emulate_dp_runs_in_process(plans, tmp_path, monkeypatch) -> None:
                  str(tmp_path), "--emulate-dp")
     assert cmd_train(args) == 0
     assert len(seen) == 1 and seen[0].emulate_dp and seen[0].rank_groups == ["cpu", "cpu_2"]
+
+
+@pytest.mark.parametrize(("every", "steps", "noted"), [
+    (0, 5, False), (1, 5, False), (4, 5, False), (5, 5, True), (6, 5, True),
+    (10**9, 5, True), (1, 1, True)])
+def test_a_checkpoint_interval_not_below_steps_is_said(plans, tmp_path, capsys, every, steps,
+                                                       noted) -> None:
+    """Every run writes a checkpoint at its end, so an interval of --steps or more is
+    accepted and the launcher says that the end's checkpoint is the only one."""
+    args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--nproc", "2",
+                 "--steps", str(steps), "--checkpoint-every", str(every),
+                 "--out", str(tmp_path / "run"), "--dry-run")
+    assert cmd_train(args) == 0
+    text = capsys.readouterr().out
+    line = [ln for ln in text.splitlines() if ln.startswith("--checkpoint-every")]
+    if noted:
+        assert line == [f"--checkpoint-every {every} is not below --steps {steps}: the run's "
+                        f"one checkpoint is the one every run writes at its end "
+                        f"(step {steps})"]
+    else:
+        assert line == []
+
+
+def test_train_help_says_the_end_checkpoint() -> None:
+    sub = _parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    assert "every run also writes one at its end" in " ".join(sub.format_help().split())
+
+
+def test_an_interval_beyond_steps_still_checkpoints_the_end(plans, tmp_path, capsys) -> None:
+    """The run itself: no checkpoint inside it, the end's one written."""
+    from qsync_opt.cli import main
+    from qsync_opt.runtime.checkpoint import latest_checkpoint, load_checkpoint
+
+    out = tmp_path / "run"
+    rc = main(["train", "--model", "digits_cnn", "--plan", str(plans["hybrid"]),
+               "--nproc", "2", "--emulate-dp", "--steps", "2", "--checkpoint-every", "7",
+               "--out", str(out)])
+    assert rc == 0
+    assert "--checkpoint-every 7 is not below --steps 2" in capsys.readouterr().out
+    latest = latest_checkpoint(out)
+    assert latest is not None
+    assert load_checkpoint(latest)["step"] == 2

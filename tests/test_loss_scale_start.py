@@ -105,7 +105,7 @@ def test_the_same_model_at_a_fixed_huge_scale_skips_and_says_so_first(overflow_p
 
 
 def test_the_cli_puts_warnings_first_on_the_summary_line(tmp_path, capsys) -> None:
-    from qsync_opt.runtime.launch import _print_summary
+    from qsync_opt.cli.train import _print_summary
 
     out = tmp_path / "run"
     out.mkdir()

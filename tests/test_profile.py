@@ -9,11 +9,11 @@ import random
 import pytest
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, trace
+from qsync_opt.cli.profile import add_profile_parser
 from qsync_opt.cluster import parse_shorthand
 from qsync_opt.io import load
 from qsync_opt.profile import (
     Profile,
-    add_profile_parser,
     fit_cast,
     measure_dispatch_us,
     merge,

@@ -438,7 +438,7 @@ def test_a_ranks_input_error_is_the_one_line_of_the_refusal(tmp_path, monkeypatc
     code, out, err = run_cli("train", "--model", "digits_cnn", "--nproc", "2", "--steps", "2",
                              "--out", "run")
     line = _one_line(code, err)
-    assert line.startswith("qsync-opt train: model: data(8, 0) batch 1"), line
+    assert line.startswith("qsync-opt: error: model: data(8, 0) batch 1"), line
     assert "Traceback" not in out and "torch/distributed" not in out, out
     other = _RANK_INPUT_ERROR.replace("exitcode  : 2", "exitcode  : 1")
     monkeypatch.setattr(launch, "local_command",

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from qsync_opt import parse_shorthand, trace
+from qsync_opt.cli.train import add_train_parser, cmd_train
 from qsync_opt.errors import QsyncInputError, describe_validation_error
 from qsync_opt.plan import make_plan
 from qsync_opt.precision import Precision
@@ -38,7 +39,6 @@ from qsync_opt.runtime.config import (
     run_fingerprint,
     set_path,
 )
-from qsync_opt.runtime.launch import add_train_parser, cmd_train
 from qsync_opt.schemas import Plan
 from qsync_opt.testing import assert_same_tree
 

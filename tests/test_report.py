@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 from qsync_opt import ModelGraph, Plan, QsyncInputError, estimate, parse_shorthand, save
+from qsync_opt.cli.report import add_report_parser, cmd_report
 from qsync_opt.plan import make_plan
 from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.replayer import GroupTimeline, Replayer, Timeline
 from qsync_opt.report import (
-    add_report_parser,
-    cmd_report,
     heatmap_matrix,
     load_report_inputs,
     plan_figure,

@@ -9,8 +9,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..graph import is_user_model, load_user_workload, trace
+from ..cluster import SHORTHAND_HELP
+from ..graph import TIE_MODES, is_user_model, load_user_workload, trace
+from ..indicator import METHODS
 from ..limits import MAX_STEPS, finite_float, int_range, parse_float, positive_int, spec_type
+from ..netsim.cluster import COMM_MODEL_HELP
 from ..runtime.schedule import SCHEDULE_SYNTAX
 from ..schemas import MAX_BATCH, ClusterSpec, ModelGraph
 
@@ -199,3 +202,86 @@ def sync_arg(args: argparse.Namespace) -> Any:
         flag = {"sync": "--sync", "lr_schedule": "--lr-schedule", "steps": "--steps",
                 "lr": "--lr"}.get(field, field)
         raise QsyncInputError(f"{flag}: {msg}") from None
+
+
+#: Exit codes: bad input (a flag, a file, a value), no plan exists (infeasible, proven), no
+#: plan found within the time limit (one may exist). Each its own, so a script can tell them
+#: apart; every other failure is 1.
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+EXIT_TIME_LIMIT = 4
+EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_BAD_INPUT} bad input (one line naming the flag "
+                   f"or field); {EXIT_INFEASIBLE} no plan exists (infeasible: the lines after "
+                   f"say what would make it feasible); {EXIT_TIME_LIMIT} no plan found within "
+                   "the time limit (one may exist: give more --time-limit)")
+
+
+#: The commands that plan (their --help names the exit codes).
+PLANNING = ("solve", "pareto")
+
+
+def command(sub: Any, name: str, help_: str) -> argparse.ArgumentParser:
+    """A command's parser with the common ``--json`` flag (the planning commands' help ends
+    with the exit codes)."""
+    sp: argparse.ArgumentParser = sub.add_parser(
+        name, help=help_, description=help_, epilog=EXIT_CODES_HELP if name in PLANNING else None)
+    sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return sp
+
+
+def model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--model", required=True,
+                    help="workload name (qsync-opt models) or path/file.py:fn (that file "
+                         "is run: it is imported and fn() called)")
+    sp.add_argument("--batch", type=BATCH, default=None, help="per-device batch to trace at")
+    sp.add_argument("--unpin-head", action="store_true",
+                    help="let the classifier head's precision be chosen")
+    sp.add_argument("--tie", choices=TIE_MODES, default="none", help="tie groups")
+    sp.add_argument("--tracer", choices=TRACERS, default="auto", help=TRACER_HELP)
+
+
+def problem_args(sp: argparse.ArgumentParser) -> None:
+    model_args(sp)
+    sp.add_argument("--cluster", required=True, help=f"cluster file or {SHORTHAND_HELP}")
+    sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
+    sp.add_argument("--indicator", help="IndicatorTable JSON (default: computed and cached)")
+    sp.add_argument("--method", default=METHODS[0],
+                    choices=METHODS,
+                    help="indicator method when it is computed")
+    sp.add_argument("--indicator-batches", type=BATCHES, default=10,
+                    help="batches the computed indicator averages over")
+    sp.add_argument("--indicator-batch", type=BATCH, default=None,
+                    help="batch the computed indicator runs at (default: the traced "
+                         "batch, at most 8)")
+    sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
+    sp.add_argument("--target-ms", type=finite_float(0, 1e12, lo_open=True), default=None,
+                    help="makespan target (default: strong groups at their reference)")
+    sp.add_argument("--headroom", type=FRACTION, default=0.0,
+                    help="fraction of each card's memory kept free")
+    sp.add_argument("--reference", default="fp32", help="strong groups' reference precision")
+    sp.add_argument("--lower-reference", action="store_true",
+                    help="let the solver lower the strong groups below their reference "
+                         "(default: held there, unless the target needs them faster or "
+                         "their reference plan does not fit memory)")
+    sp.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    sp.add_argument("--pin", action="append", metavar="OP=PRECISION",
+                    help="fix an op's precision on every group (repeatable)")
+    sp.add_argument("--time-limit", type=POSITIVE_SECONDS, default=None,
+                    help="seconds for the whole solve: every round, fallback and "
+                         "diagnosis (default 60)")
+    sp.add_argument("--threads", type=int_range(0, 1024), default=0,
+                    help="solver threads (0: default)")
+    sp.add_argument("--seed", type=SEED, default=0)
+    sp.add_argument("--gap", type=finite_float(0, 1), default=1e-6,
+                    help="relative optimality gap")
+    sp.add_argument("--warm-start", choices=["greedy"], default=None,
+                    help="hint the exact solvers with greedy's plan")
+    sp.add_argument("--acceptance", choices=["replayer", "linear"], default="replayer",
+                    help="greedy's move check")
+    sp.add_argument("--refine", type=int_range(0, 100), default=3,
+                    help="solve-replay refinement rounds for the exact solvers")
+    sp.add_argument("--batch-multiple", type=BATCH, default=None,
+                    help="joint split: per-device batches are multiples of this")
+    add_sync_args(sp)
+    sp.add_argument("--comm-model", default=None, metavar="MODEL",
+                    help=f"bucket all-reduce times: {COMM_MODEL_HELP}")

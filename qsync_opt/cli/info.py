@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..devices import CATALOG, get_device
 from ..models import WORKLOADS
 from ..precision import DType
-from ..schemas import json_schema
+from ..schemas import json_schema, schema_names
 from ..summaries import GiB, format_table
-from .args import emit_json
+from .args import command, emit_json
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -64,3 +65,29 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     emit_json(json_schema(args.name))
     return 0
+
+
+# ----------------------------------------------------------------------------- parsers
+
+
+def add_models_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``models`` to the CLI's subparsers (its default ``fn``: :func:`cmd_models`)."""
+    sp = command(sub, "models", "list the built-in workloads")
+    sp.set_defaults(fn=cmd_models)
+    return sp
+
+
+def add_devices_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``devices`` to the CLI's subparsers (its default ``fn``: :func:`cmd_devices`)."""
+    sp = command(sub, "devices", "list the device catalog")
+    sp.add_argument("--cpu", action="store_true", help="also measure and show this machine's CPU")
+    sp.set_defaults(fn=cmd_devices)
+    return sp
+
+
+def add_schema_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``schema`` to the CLI's subparsers (its default ``fn``: :func:`cmd_schema`)."""
+    sp = sub.add_parser("schema", help="print the JSON Schema of a document")
+    sp.add_argument("name", help=f"one of: {', '.join(schema_names())}")
+    sp.set_defaults(fn=cmd_schema, json=True)
+    return sp

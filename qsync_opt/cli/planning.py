@@ -12,9 +12,14 @@ from ..errors import QsyncInputError
 from ..io import atomic_write_text, save
 from ..summaries import plan_lines
 from .args import (
+    EXIT_CODES_HELP,
     cluster_arg,
+    command,
     emit_json,
+    finite_float,
+    int_range,
     notes_after_success,
+    problem_args,
     sync_arg,
     trace_args,
     workload_arg,
@@ -218,3 +223,56 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         print(f"wrote {args.json}")
     return 0
+
+
+# ----------------------------------------------------------------------------- parsers
+
+
+def add_solve_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``solve`` to the CLI's subparsers (its default ``fn``: :func:`cmd_solve`)."""
+    sp = command(sub, "solve", "choose every op's precision on every group")
+    problem_args(sp)
+    sp.add_argument("--solver", default="cpsat",
+                    help="highs, cbc, cpsat, greedy, greedy-per-ms, uniform, dynamic-batching, "
+                         "additive-ilp or strong-only")
+    sp.add_argument("--out", required=True, help="write the Plan JSON here")
+    sp.add_argument("--report", help="also write the SolveReport JSON here")
+    sp.add_argument("--mode", choices=["auto", "target", "budget"], default="auto",
+                    help="least degradation under the target (auto: lexicographic when the "
+                         "default target is out of reach), or least makespan under --budget")
+    sp.add_argument("--budget", type=finite_float(0, 1e15), default=None,
+                    help="degradation budget (--mode budget)")
+    sp.add_argument("--joint-split", action="store_true",
+                    help="choose the per-group batch split together with the precisions")
+    sp.set_defaults(fn=cmd_solve)
+    return sp
+
+
+def add_compare_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``compare`` to the CLI's subparsers (its default ``fn``: :func:`cmd_compare`)."""
+    sp = sub.add_parser("compare", help="every allocator and baseline side by side",
+                        description="every allocator and baseline side by side",
+                        epilog=EXIT_CODES_HELP)
+    problem_args(sp)
+    sp.add_argument("--solvers", help="comma-separated subset (default: all)")
+    sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help='write {"rows": [...]} to FILE (stdout without FILE)')
+    sp.add_argument("--plans", metavar="DIR", help="write every plan into this folder")
+    sp.add_argument("--joint-split", action="store_true",
+                    help="add a row choosing the batch split with the precisions")
+    sp.set_defaults(fn=cmd_compare)
+    return sp
+
+
+def add_pareto_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``pareto`` to the CLI's subparsers (its default ``fn``: :func:`cmd_pareto`)."""
+    sp = command(sub, "pareto", "degradation against throughput as the makespan target sweeps")
+    problem_args(sp)
+    sp.add_argument("--out", required=True, help="write the frontier's points (JSON) here")
+    sp.add_argument("--png", help="also plot it here")
+    sp.add_argument("--points", type=int_range(2, 1000), default=8, help="targets swept")
+    sp.add_argument("--exact", default="highs", help="exact backend (highs, cbc, cpsat)")
+    sp.add_argument("--no-split", action="store_true",
+                    help="leave out the joint batch split series (faster)")
+    sp.set_defaults(fn=cmd_pareto)
+    return sp

@@ -34,30 +34,21 @@ ops the array has no op for (they stay at fp32).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import QsyncInputError
-from ..limits import (
-    MAX_EVAL_BATCHES,
-    MAX_STEPS,
-    finite_float,
-    int_range,
-    positive_int,
-    spec_type,
-)
-from ..runtime.schedule import SCHEDULE_SYNTAX
-from ..schemas import MAX_BATCH
 
-__all__ = ["add_sweep_parser", "array_memory_bytes", "cmd_sweep", "export_run",
-           "parse_seeds", "parse_values"]
+__all__ = ["MAX_MODELS", "SweepRequest", "array_memory_bytes", "check_out", "check_request",
+           "export_run", "parse_seeds", "parse_values", "run_sweep"]
 
 
 #: Models of one sweep (seeds x learning rates x weight decays).
@@ -110,60 +101,6 @@ def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
                                   f" finite numbers, got {part!r}")
         vals.append(v)
     return vals
-
-
-def _lrs(text: str) -> list[float]:
-    return parse_values(text, "--lr", positive=True)
-
-
-def _wds(text: str) -> list[float]:
-    return parse_values(text, "--wd", positive=False)
-
-
-def _schedule_text(text: str) -> Any:
-    from ..runtime.schedule import parse_schedule
-
-    return parse_schedule(text, 1.0, MAX_STEPS)  # the warm-up against --steps: later
-
-
-def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("sweep", help="train many variants of a model as one fused array (HFTA)",
-                       description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", required=True, help="workload (qsync-opt models)")
-    p.add_argument("--seeds", type=spec_type(parse_seeds, "--seeds"), default="0",
-                   help="seeds: 0-7, 0,3,5 (default 0)")
-    p.add_argument("--lr", type=spec_type(_lrs, "--lr"), default="0.05",
-                   help="learning rates, comma-separated (default 0.05)")
-    p.add_argument("--wd", type=spec_type(_wds, "--wd"), default="0",
-                   help="weight decays, comma-separated (default 0)")
-    p.add_argument("--steps", type=positive_int(MAX_STEPS), default=100,
-                   help="optimizer steps (default 100)")
-    p.add_argument("--batch", type=positive_int(MAX_BATCH), default=None,
-                   help="batch per model (default: the "
-                   "model's)")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--momentum", type=finite_float(0, 1, hi_open=True), default=None,
-                   help="SGD momentum (default 0.9)")
-    p.add_argument("--lr-schedule", type=spec_type(_schedule_text, "lr_schedule"),
-                   default="constant", metavar="SCHEDULE",
-                   help=f"{SCHEDULE_SYNTAX} (default constant)")
-    p.add_argument("--inputs", choices=["per_model", "replicated"], default="per_model",
-                   help="per_model: each model its own seed's batches (separate runs); "
-                        "replicated: one stream for all (they differ in weights only)")
-    p.add_argument("--fuse", choices=["measure", "fused", "serial", "separate"],
-                   default="measure", help="per-op fuse-or-not (default: measured here)")
-    p.add_argument("--plan", help="Plan JSON: the array runs one group's precisions")
-    p.add_argument("--group", help="with --plan: the group whose precisions run")
-    p.add_argument("--eval-batches", type=int_range(0, MAX_EVAL_BATCHES), default=4)
-    p.add_argument("--device", default="cpu",
-                   help="where the array trains: cpu (default), cuda or cuda:N")
-    p.add_argument("--out", help="write sweep.json here (and --export's runs)")
-    p.add_argument("--export", action="store_true",
-                   help="also write each model as a run `train` resumes (OUT/model{b})")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="write the result JSON to FILE (stdout without FILE)")
-    p.set_defaults(fn=cmd_sweep)
-    return p
 
 
 def array_memory_bytes(workload: str, batch: int, B: int, optimizer: str) -> int:
@@ -341,158 +278,168 @@ def _plan_line(trainer: Any, group: str) -> str:
     return line
 
 
-def _check_args(args: argparse.Namespace) -> tuple[list[int], list[float], list[float]]:
-    """Every flag of ``sweep`` checked before anything is built or trained (a seed beyond
-    ``train``'s bound or ``--out`` a file were refused only after the training): the seeds
-    and values, how many models they make and the schedule. The output paths are checked
-    by :func:`check_out` (``--out``) and ``cli.check_outputs`` (``--json``)."""
+@dataclass(frozen=True)
+class SweepRequest:
+    """One sweep, its flags checked (:func:`run_sweep`): the models' seeds, learning rates
+    and weight decays (every combination one model, seeds first) and how they train."""
+
+    model: str
+    seeds: list[int]
+    lrs: list[float]
+    wds: list[float]
+    steps: int
+    batch: int | None = None
+    optimizer: str = "sgd"
+    momentum: float | None = None  # SGD's: 0.9 when not given
+    lr_schedule: str = "constant"
+    inputs: str = "per_model"
+    fuse: str = "measure"
+    plan: str | None = None
+    group: str | None = None
+    eval_batches: int = 4
+    device: str = "cpu"
+    out: str | None = None
+    export: bool = False
+
+
+def check_request(req: SweepRequest) -> None:
+    """Every setting of ``req`` checked before anything is built or trained (a seed beyond
+    ``train``'s bound or ``--out`` a file were refused only after the training): how many
+    models the seeds and values make, ``--export`` with ``--out``, the momentum with its
+    optimizer, and the schedule at every learning rate. The output paths are checked by
+    :func:`check_out` (``--out``, in :func:`run_sweep`) and the CLI (``--json``)."""
     from ..runtime.schedule import parse_schedule
 
-    seeds = parse_seeds(args.seeds)
-    lrs = parse_values(args.lr, "--lr", positive=True)
-    wds = parse_values(args.wd, "--wd", positive=False)
-    n = len(seeds) * len(lrs) * len(wds)
+    n = len(req.seeds) * len(req.lrs) * len(req.wds)
     if n > MAX_MODELS:
-        raise QsyncInputError(f"--seeds, --lr, --wd: {len(seeds)} x {len(lrs)} x {len(wds)} = "
-                              f"{n} models, more than {MAX_MODELS}")
-    if args.export and not args.out:
+        raise QsyncInputError(f"--seeds, --lr, --wd: {len(req.seeds)} x {len(req.lrs)} x "
+                              f"{len(req.wds)} = {n} models, more than {MAX_MODELS}")
+    if req.export and not req.out:
         raise QsyncInputError("--export: needs --out (the runs go into OUT/model{b})")
-    if args.momentum is not None and args.optimizer != "sgd":
-        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({args.optimizer} has "
+    if req.momentum is not None and req.optimizer != "sgd":
+        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({req.optimizer} has "
                               "its own moment estimates)")
-    if args.momentum is None:
-        args.momentum = 0.9
-    for lr in sorted(set(lrs)):
+    for lr in sorted(set(req.lrs)):
         try:
-            parse_schedule(args.lr_schedule, lr, args.steps)
+            parse_schedule(req.lr_schedule, lr, req.steps)
         except QsyncInputError as exc:
             raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
-    return seeds, lrs, wds  # --out: check_out; --json: cli.check_outputs, both before work
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..io import atomic_write_text
+def _plan_precisions(req: SweepRequest) -> tuple[Any, dict[str, str]]:
+    """The plan (``--plan``, checked against the model) and its group's precisions."""
     from ..precision import Precision
-    from ..runtime.metrics import clean
     from ..schemas import Plan
-    from ..summaries import format_table
-    from .trainer import ArrayTrainer, SweepSpec, Variant
 
-    seeds, lrs, wds = _check_args(args)
-    variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(seeds, lrs, wds)]
-    if args.out:  # before any work: a folder to write into, nothing planted in it
-        check_out(Path(args.out), len(variants), args.export)
-    plan = None
-    precisions: dict[str, str] = {}
-    if (args.plan is None) != (args.group is None):
+    if (req.plan is None) != (req.group is None):
         raise QsyncInputError("--plan and --group: give both (the group whose precisions the "
                               "array runs) or neither")
-    if args.plan is not None:
-        from ..plan import graph_for_plan
+    if req.plan is None:
+        return None, {}
+    from ..plan import graph_for_plan
 
-        plan = Plan.load(args.plan)
-        graph_for_plan(plan, args.model)
-        if args.group not in plan.groups:
-            raise QsyncInputError(f"--group: the plan has no group {args.group!r}; its groups: "
-                                  f"{', '.join(plan.groups)}")
-        precisions = {op: Precision(p).value
-                      for op, p in plan.groups[args.group].precisions.items()}
-    from ..models import UnknownWorkloadError, get_workload
+    plan = Plan.load(req.plan)
+    graph_for_plan(plan, req.model)
+    if req.group not in plan.groups:
+        raise QsyncInputError(f"--group: the plan has no group {req.group!r}; its groups: "
+                              f"{', '.join(plan.groups)}")
+    return plan, {op: Precision(p).value for op, p in plan.groups[req.group].precisions.items()}
 
-    try:
-        wl = get_workload(args.model)
-    except UnknownWorkloadError as exc:
-        raise QsyncInputError(f"--model: {exc}") from None
-    from .trainer import resolve_device
 
-    device = resolve_device(args.device)
-    batch = args.batch or wl.default_batch
-    need = array_memory_bytes(wl.name, batch, len(variants), args.optimizer)
-    cap, where = _capacity(plan, args.group, device)
-    if need > cap:
-        raise QsyncInputError(f"memory: {len(variants)} models at batch {batch} need about "
-                              f"{need / 2**30:.2f} GiB, {where} has {cap / 2**30:.2f} GiB: "
-                              "fewer seeds or values, or a smaller --batch")
-    spec = SweepSpec(wl.name, variants, steps=args.steps, batch=batch,
-                     optimizer=args.optimizer, momentum=args.momentum,
-                     lr_schedule=args.lr_schedule, input_mode=args.inputs, fuse=args.fuse,
-                     precisions=precisions, eval_batches=args.eval_batches,
-                     device=str(device))
-    quiet = args.json == "-"
-    tr = ArrayTrainer(spec)
-    say = (lambda s: sys.stderr.write(s + "\n")) if quiet else (lambda s: print(s))
-    if tr.route != "fused":
-        say(f"route: torch.func (stack_module_state + vmap), because {tr.route_reason}")
-        if args.fuse == "serial":
-            raise QsyncInputError("--fuse serial: per-op modes need the fused operators; "
-                                  "this model runs on the torch.func route")
-    if plan is not None:
-        say(_plan_line(tr, str(args.group)))
-    say(f"sweep: {len(variants)} models of {wl.name} ({len(seeds)} seeds x {len(lrs)} lr x "
-        f"{len(wds)} wd), batch {batch}, {args.steps} steps, inputs {args.inputs}"
-        + (" (one stream: not separate runs)" if args.inputs == "replicated" else "")
-        + f"; memory about {need / 2**30:.2f} GiB of {cap / 2**30:.2f} ({where}); on {device}")
-    choice_doc: dict[str, Any] = {"mode": args.fuse}
-    if args.fuse == "measure":
+def _choose_fuse(tr: Any, req: SweepRequest, precisions: dict[str, str], n_models: int,
+                 batch: int, say: Callable[[str], None]) -> dict[str, Any]:
+    """Apply ``--fuse`` to the array (``measure``: the measured choice, said); its JSON."""
+    if req.fuse == "measure":
         from .choice import measure_choice
         from .trainer import per_model_losses
 
         x, y = tr.batch_at(0)
         fp32 = all(p == "fp32" for p in precisions.values())
-        reps = 5 if len(variants) * batch <= 1024 else 3
+        reps = 5 if n_models * batch <= 1024 else 3
         choice = measure_choice(
             tr.array, x, lambda out: per_model_losses(tr.wl, out, x, y).sum(),
             (lambda out, b: tr.wl.loss_of(out, (), y[b])) if fp32 else None,
-            reps=reps, optimizer=args.optimizer)
+            reps=reps, optimizer=req.optimizer)
         if choice.separate:
             tr.use_standalone()
         say(f"fuse: {choice.summary()}")
-        choice_doc = {"mode": "measure", **choice.to_json()}
-    elif args.fuse == "serial":
+        return {"mode": "measure", **choice.to_json()}
+    if req.fuse == "serial":
         for op in tr.array.op_names:
             tr.array.set_mode(op, "serial")
-    elif args.fuse == "separate":
+    elif req.fuse == "separate":
         tr.use_standalone()
+    return {"mode": req.fuse}
+
+
+def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
+    """Train the sweep ``req`` as one array and return its result document (every model's
+    final and held-out loss, accuracy, skipped steps; the fuse choice; the route; the
+    timing); ``say`` gets the lines about what runs. Before anything is built: ``--out``
+    (:func:`check_out`), the plan and the memory of the whole array; with ``req.out`` the
+    document goes to ``OUT/sweep.json`` and, with ``req.export``, every model is exported
+    (:func:`export_run`)."""
+    import torch
+
+    from ..models import UnknownWorkloadError, get_workload
+    from ..runtime.metrics import clean
+    from .choice import sync
+    from .trainer import ArrayTrainer, SweepSpec, Variant, resolve_device
+
+    check_request(req)
+    variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(req.seeds, req.lrs,
+                                                                      req.wds)]
+    if req.out:  # before any work: a folder to write into, nothing planted in it
+        check_out(Path(req.out), len(variants), req.export)
+    plan, precisions = _plan_precisions(req)
+    try:
+        wl = get_workload(req.model)
+    except UnknownWorkloadError as exc:
+        raise QsyncInputError(f"--model: {exc}") from None
+    device = resolve_device(req.device)
+    batch = req.batch or wl.default_batch
+    need = array_memory_bytes(wl.name, batch, len(variants), req.optimizer)
+    cap, where = _capacity(plan, req.group, device)
+    if need > cap:
+        raise QsyncInputError(f"memory: {len(variants)} models at batch {batch} need about "
+                              f"{need / 2**30:.2f} GiB, {where} has {cap / 2**30:.2f} GiB: "
+                              "fewer seeds or values, or a smaller --batch")
+    tr = ArrayTrainer(SweepSpec(wl.name, variants, steps=req.steps, batch=batch,
+                                optimizer=req.optimizer,
+                                momentum=0.9 if req.momentum is None else req.momentum,
+                                lr_schedule=req.lr_schedule, input_mode=req.inputs,
+                                fuse=req.fuse, precisions=precisions,
+                                eval_batches=req.eval_batches, device=str(device)))
+    if tr.route != "fused":
+        say(f"route: torch.func (stack_module_state + vmap), because {tr.route_reason}")
+        if req.fuse == "serial":
+            raise QsyncInputError("--fuse serial: per-op modes need the fused operators; "
+                                  "this model runs on the torch.func route")
+    if plan is not None:
+        say(_plan_line(tr, str(req.group)))
+    say(f"sweep: {len(variants)} models of {wl.name} ({len(req.seeds)} seeds x {len(req.lrs)} "
+        f"lr x {len(req.wds)} wd), batch {batch}, {req.steps} steps, inputs {req.inputs}"
+        + (" (one stream: not separate runs)" if req.inputs == "replicated" else "")
+        + f"; memory about {need / 2**30:.2f} GiB of {cap / 2**30:.2f} ({where}); on {device}")
+    choice_doc = _choose_fuse(tr, req, precisions, len(variants), batch, say)
     t0 = time.perf_counter()
     tr.train(progress=sys.stderr.isatty())
-    from .choice import sync
-
     sync(device)
     wall = time.perf_counter() - t0
-    rows = tr.evaluate()
-    doc = {"workload": wl.name, "models": rows, "steps": tr.step, "batch": batch,
+    doc = {"workload": wl.name, "models": tr.evaluate(), "steps": tr.step, "batch": batch,
            "route": tr.route, "device": str(device),
-           "input_mode": args.inputs, "optimizer": args.optimizer,
-           "lr_schedule": args.lr_schedule, "plan": args.plan, "group": args.group,
+           "input_mode": req.inputs, "optimizer": req.optimizer,
+           "lr_schedule": req.lr_schedule, "plan": req.plan, "group": req.group,
            "plan_ops": ({"applied": tr.plan_applied, "unplaced": tr.plan_unplaced}
                         if plan is not None else None),
            "fuse": choice_doc, "wall_s": round(wall, 3),
-           "samples_per_s": round(len(variants) * batch * args.steps / wall, 1),
+           "samples_per_s": round(len(variants) * batch * req.steps / wall, 1),
            "threads": torch.get_num_threads()}
-    if args.out:
+    if req.out:
         from ..outfolder import write_text
 
-        out = Path(args.out)
-        if args.export:
+        out = Path(req.out)
+        if req.export:
             doc["exported"] = [str(export_run(tr, b, out)) for b in range(len(variants))]
         write_text(out, "sweep.json", json.dumps(clean(doc), indent=2) + "\n", what="--out")
-    if args.json is not None:
-        text = json.dumps(clean(doc), indent=2) + "\n"
-        if args.json == "-":
-            sys.stdout.write(text)
-        else:
-            atomic_write_text(Path(args.json), text, what="--json")
-    if not quiet:
-        def f(v: Any) -> str:
-            return "-" if v is None or v != v else f"{v:.4f}"
-
-        print(format_table([(r["model"], r["seed"], f"{r['lr']:g}", f"{r['weight_decay']:g}",
-                             f(r["final_loss"]), f(r["eval_loss"]), f(r["eval_accuracy"]),
-                             r["skipped_steps"]) for r in rows],
-                           ("model", "seed", "lr", "wd", "final loss", "eval loss",
-                            "eval acc", "skipped")))
-        print(f"{len(variants)} models x {args.steps} steps in {wall:.1f} s "
-              f"({doc['samples_per_s']} samples/s, {doc['threads']} thread(s))")
-    return 0
+    return doc

@@ -28,8 +28,9 @@ The package, by job: :mod:`.orchestrate` (the profiler run: :func:`profile_detai
 inputs), :mod:`.gloo` (the local gloo harness: :func:`spawn_local`,
 :func:`measure_comm_local`), :mod:`.tables` (the CostTable algebra: :func:`fit_cast`,
 :func:`with_comm`, :func:`derive`, :func:`merge`; it needs no torch, and importing this
-package imports torch only when a name that needs it is first used) and :mod:`.command`
-(``qsync-opt profile``). The in-context method's runs are :mod:`qsync_opt.profile_context`.
+package imports torch only when a name that needs it is first used). The command
+``qsync-opt profile`` is :mod:`qsync_opt.cli.profile`; the in-context method's runs are
+:mod:`qsync_opt.profile_context`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from .tables import derive, fit_cast, median_iqr, merge, with_comm
 
 if TYPE_CHECKING:
     from .builders import OpBuilder
-    from .command import DESCRIPTION, add_profile_parser, cmd_profile
     from .gloo import measure_comm_local, spawn_local
     from .orchestrate import Profile, environment, environment_note, profile, profile_detailed
     from .timing import (
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 #: The names that need torch -> the module of this package that holds them (imported on use).
 _LAZY = {
     "OpBuilder": "builders",
-    "DESCRIPTION": "command", "add_profile_parser": "command", "cmd_profile": "command",
     "measure_comm_local": "gloo", "spawn_local": "gloo",
     "Profile": "orchestrate", "environment": "orchestrate", "environment_note": "orchestrate",
     "profile": "orchestrate", "profile_detailed": "orchestrate",
@@ -65,8 +64,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "ALLREDUCE_SIZES", "CAST_SIZES", "DEFAULT_REPEATS", "DEFAULT_WARMUP", "DESCRIPTION",
-    "OpBuilder", "Profile", "Timer", "add_profile_parser", "cmd_profile", "derive",
+    "ALLREDUCE_SIZES", "CAST_SIZES", "DEFAULT_REPEATS", "DEFAULT_WARMUP",
+    "OpBuilder", "Profile", "Timer", "derive",
     "environment", "environment_note", "fit_cast", "measure_comm_local", "measure_dispatch_us",
     "median_iqr", "merge", "profile", "profile_detailed", "spawn_local", "with_comm",
 ]

@@ -193,7 +193,8 @@ class TrainConfig(Document):
     seed: Int = Field(default=0, ge=-MAX_ABS_SEED, le=MAX_ABS_SEED)
     out_dir: str = Field(description="Checkpoints, metrics.jsonl and the final summary go here.")
     checkpoint_every: Int = Field(default=0, ge=0,
-                                  description="Steps between checkpoints (0: at the end only).")
+                                  description="Steps between checkpoints (0: at the end only); every "
+                                              "run also writes one at its end.")
     resume: bool = Field(default=True,
                          description="Continue from out_dir's checkpoint when present.")
     resume_anyway: bool = Field(

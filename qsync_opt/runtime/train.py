@@ -69,7 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import QsyncInputError
+from ..errors import QsyncInputError, one_line
 from .checkpoint import atomic_torch_save, latest_checkpoint, load_checkpoint
 from .config import TrainConfig
 from .data import GlobalBatches, batch_size_of, rank_slice, to_device
@@ -235,13 +235,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load(args[0], TrainConfig)
         run(config, faults)
     except QsyncInputError as exc:
-        print(f"qsync-opt train: {exc}", file=sys.stderr)
+        _say(f"qsync-opt train: {one_line(str(exc))}")
         return _failed(2)
     except Exception as exc:  # one line per failing rank; torchrun reports the exit code
         msg = " ".join(str(exc).split())
-        print(f"qsync-opt train: rank {rank}: {type(exc).__name__}: {msg}", file=sys.stderr)
+        _say(f"qsync-opt train: rank {rank}: {type(exc).__name__}: {msg}")
         return _failed(1)
     return 0
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks share torchrun's stderr, and two ranks
+    refusing at once must not interleave their lines (a pipe keeps a write of up to 4 KiB
+    whole)."""
+    sys.stderr.flush()
+    head = line.encode("utf-8", errors="replace")[:4000].decode("utf-8", errors="ignore")
+    data = (head + "\n").encode("utf-8")
+    try:
+        os.write(sys.stderr.fileno(), data)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's stream)
+        sys.stderr.write(line + "\n")
 
 
 def _failed(code: int) -> int:

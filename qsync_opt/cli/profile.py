@@ -1,4 +1,5 @@
-"""The ``qsync-opt profile`` command: its parser and its body."""
+"""The ``qsync-opt profile`` command: its parser and its body (the profiler is
+:mod:`qsync_opt.profile`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ import argparse
 from typing import Any
 
 from ..limits import int_range, positive_int
+from ..profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP
 from ..schemas import MAX_BATCH, CostTable
-from .orchestrate import profile_detailed
-from .tables import merge
-from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP
 
 #: The command's help description: the first line of :mod:`qsync_opt.profile`'s docstring.
 DESCRIPTION = (
@@ -44,6 +43,7 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..io import save, to_json
+    from ..profile import merge, profile_detailed  # torch, only when it runs
 
     prof = profile_detailed(args.model, args.batch, device=args.device,
                             device_name=args.device_name, repeats=args.repeats,
