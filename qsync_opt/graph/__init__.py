@@ -22,8 +22,9 @@ How it works:
 The package, by job: :mod:`.tracing` (the entry point :func:`trace`), :mod:`.capture` (the
 torch.fx tracer), :mod:`.fallback` (the function-mode tracer), :mod:`.recording` (what both
 tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`.kinds` (op kinds, leaf
-modules), :mod:`.naming` (:class:`CallNamer`) and :mod:`.user_files` (workloads named by a
-string).
+modules), :mod:`.naming` (:class:`CallNamer`) and :mod:`.cache` (traced graphs of built-in
+workloads kept on disk). Workloads named by a string are resolved by
+:mod:`qsync_opt.models.resolve`, re-exported here.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .annotate import (
 from .kinds import is_conv1d_like, is_leaf_module
 from .naming import CallNamer, gemm_call_kind
 from .tracing import trace
-from .user_files import (
+from ..models.resolve import (
     is_user_model,
     load_user_model,
     load_user_workload,
