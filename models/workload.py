@@ -50,26 +50,50 @@ class TraceInputs:
 class Workload(Protocol):
     """A model to plan and train (the module docstring says where the kinds differ)."""
 
-    name: str
-    description: str
-    default_batch: int
-    real_data: bool
-    task: str
-    seq_len: int | None
-    input_doc: str
-    loss_doc: str
-
-    def build(self) -> nn.Module:
-        """A fresh model (seed the RNG first for the same weights everywhere)."""
+    @property
+    def name(self) -> str:
+        """What graphs and plans record: a registry name, or ``/abs/path/file.py:fn``."""
         ...
 
-    def make_inputs(self, batch: int, device: torch.device | str = "cpu") -> Any:
-        """Synthetic inputs of ``batch`` samples (on meta: empty meta tensors)."""
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def default_batch(self) -> int:
+        """The batch per device when none is given (a file's: its example's)."""
         ...
 
-    def make_targets(self, batch: int, device: torch.device | str = "cpu"
-                     ) -> torch.Tensor | None:
-        """Synthetic targets, or None where the batch carries its own."""
+    @property
+    def real_data(self) -> bool:
+        """Whether :meth:`sample_batches` gives real data."""
+        ...
+
+    @property
+    def task(self) -> str: ...
+
+    @property
+    def seq_len(self) -> int | None: ...
+
+    @property
+    def input_doc(self) -> str: ...
+
+    @property
+    def loss_doc(self) -> str: ...
+
+    @property
+    def build(self) -> Callable[[], nn.Module]:
+        """Makes a fresh model (seed the RNG first for the same weights everywhere)."""
+        ...
+
+    @property
+    def make_inputs(self) -> Callable[[int, torch.device], Any]:
+        """``(batch, device)``: synthetic inputs of ``batch`` samples (on meta: empty meta
+        tensors)."""
+        ...
+
+    @property
+    def make_targets(self) -> Callable[[int, torch.device], torch.Tensor | None]:
+        """``(batch, device)``: synthetic targets, or None where the batch carries its own."""
         ...
 
     def forward(self, model: nn.Module, inputs: Any) -> Any:

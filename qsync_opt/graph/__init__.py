@@ -29,6 +29,13 @@ workloads kept on disk). Workloads named by a string are resolved by
 
 from __future__ import annotations
 
+from ..models.resolve import (
+    is_user_model,
+    load_user_model,
+    load_user_workload,
+    model_file_sha256,
+    resolve_workload,
+)
 from .annotate import (
     ALL_GEMM_PRECISIONS,
     CONV_PRECISIONS,
@@ -40,13 +47,6 @@ from .annotate import (
 from .kinds import is_conv1d_like, is_leaf_module
 from .naming import CallNamer, gemm_call_kind
 from .tracing import trace
-from ..models.resolve import (
-    is_user_model,
-    load_user_model,
-    load_user_workload,
-    model_file_sha256,
-    resolve_workload,
-)
 
 __all__ = [
     "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",
