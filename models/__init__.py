@@ -192,8 +192,12 @@ class BuiltinWorkload:
 
     @property
     def code_digest(self) -> str | None:
-        """The package's sources (:func:`package_code_digest`): the model's code is ours."""
-        return package_code_digest()
+        """The package's sources (:func:`package_code_digest`) for a registered workload whose
+        functions are the package's; None for one made or changed elsewhere (its code may lie
+        outside the package)."""
+        ours = all(getattr(getattr(f, "func", f), "__module__", "").startswith(__name__)
+                   for f in (self.build, self.make_inputs, self.make_targets))
+        return package_code_digest() if ours and WORKLOADS.get(self.name) is self else None
 
     @property
     def sha256(self) -> str | None:

@@ -78,6 +78,22 @@ def test_a_change_of_the_code_or_the_versions_misses(folder, traces, monkeypatch
     assert len(traces) == 4 and len(_files(folder)) == 4
 
 
+def test_a_workload_made_or_changed_outside_the_package_is_never_cached(folder, monkeypatch
+                                                                          ) -> None:
+    import dataclasses
+
+    wl = models.get_workload(MODEL)
+    elsewhere = dataclasses.replace(wl, build=lambda: wl.build())  # its code: this file's
+    renamed = dataclasses.replace(wl, name="mine")  # the package's code, not registered
+    for other in (elsewhere, renamed):
+        assert other.code_digest is None
+        trace(other, 16, cache=True)
+    monkeypatch.setitem(models.WORKLOADS, MODEL, elsewhere)  # registered, code elsewhere
+    assert elsewhere.code_digest is None
+    trace(MODEL, 16, cache=True)
+    assert _files(folder) == []
+
+
 def test_the_code_digest_covers_every_source_of_the_package_and_its_models() -> None:
     from qsync_opt.models.workload import package_code_digest
 

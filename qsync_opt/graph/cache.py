@@ -5,7 +5,8 @@ package's version and every Python source of the package and its models
 (:func:`~qsync_opt.models.workload.package_code_digest`), torch's and Python's versions, the
 workload, the batch and the tracer's settings (``include_loss``, ``pin_head``, ``unpin``,
 ``tie``, ``method``, the graph's name). A workload whose code cannot be known in full (a
-user's file, which may import other files) has no code digest and is never cached.
+user's file, which may import other files; a workload made or changed outside the package's
+registry) has no code digest and is never cached.
 
 The files live in ``graphs/`` of the cache folder (:func:`qsync_opt.machine.cache_root`),
 one per key, each holding its key beside the graph: a file whose key is not the one asked
