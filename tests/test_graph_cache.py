@@ -75,7 +75,8 @@ def test_a_change_of_the_code_or_the_versions_misses(folder, traces, monkeypatch
     trace(MODEL, 16, cache=True)
     monkeypatch.setattr(graph_cache.torch, "__version__", "0.0.1")
     trace(MODEL, 16, cache=True)
-    assert len(traces) == 4 and len(_files(folder)) == 4
+    assert len(traces) == 4  # each a miss
+    assert len(_files(folder)) == 3  # the first code's file deleted when the code changed
 
 
 def test_a_workload_made_or_changed_outside_the_package_is_never_cached(folder, monkeypatch
@@ -92,6 +93,26 @@ def test_a_workload_made_or_changed_outside_the_package_is_never_cached(folder, 
     assert elsewhere.code_digest is None
     trace(MODEL, 16, cache=True)
     assert _files(folder) == []
+
+
+def test_graphs_made_by_other_code_are_deleted_when_the_workload_is_traced_again(
+        folder, monkeypatch, tmp_path) -> None:
+    trace(MODEL, 16, cache=True)
+    trace(MODEL, 8, cache=True)
+    trace("resnet18_32", 2, cache=True)  # another workload (a name with MODEL's letters too)
+    old = {p.name for p in _files(folder)}
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep")
+    link = folder / f"{MODEL}-00000000-b1-{'0' * 24}.json"  # named like an old file
+    link.symlink_to(victim)
+    monkeypatch.setattr(models, "package_code_digest", lambda: "f" * 16)  # the code changed
+    trace(MODEL, 16, cache=True)
+    now = {p.name for p in _files(folder)}
+    kept = {n for n in old if n.startswith("resnet18_32-")}
+    assert len(kept) == 1 and kept <= now  # another workload's files wait for its next trace
+    (new,) = now - kept - {link.name}
+    assert new.startswith(f"{MODEL}-ffffffff-b16-")
+    assert link.is_symlink() and victim.read_text() == "keep"  # a link is never deleted
 
 
 def test_the_code_digest_covers_every_source_of_the_package_and_its_models() -> None:

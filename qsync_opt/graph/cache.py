@@ -11,8 +11,10 @@ registry) has no code digest and is never cached.
 The files live in ``graphs/`` of the cache folder (:func:`qsync_opt.machine.cache_root`),
 one per key, each holding its key beside the graph: a file whose key is not the one asked
 for (copied, planted, or from a hash collision) is ignored. Files are written atomically and
-read and written through no link (:mod:`qsync_opt.outfolder`: a link planted in the cache
-folder, or a ``graphs`` folder that is a link, is never followed). A file that cannot be
+read, written and deleted through no link (:mod:`qsync_opt.outfolder`: a link planted in the
+cache folder, or a ``graphs`` folder that is a link, is never followed). When a workload is
+traced again after its code changed, its graphs made by the older code are deleted, so the
+folder does not grow with every edit. A file that cannot be
 read or parsed, or holds no valid graph, is traced again and replaced; a cache that cannot
 be written costs only the next trace.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import stat
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -58,12 +61,17 @@ def cache_key(cache_name: str, code_digest: str, batch: int,
             "workload": cache_name, "batch": batch, "settings": settings}
 
 
+def _stem(key: dict[str, object]) -> str:
+    """The workload's name in a file name: its ASCII letters, digits and underscores."""
+    return "".join(c for c in str(key["workload"])
+                   if c.isascii() and (c.isalnum() or c == "_"))[:40]
+
+
 def cache_file(key: dict[str, object]) -> str:
-    """The file name of ``key`` in the cache folder: the workload's name (its letters,
-    digits and underscores), the batch, and a digest of the whole key."""
+    """The file name of ``key`` in the cache folder: the workload's name, the code digest's
+    first 8 digits, the batch, and a digest of the whole key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    stem = "".join(c for c in str(key["workload"]) if c.isascii() and (c.isalnum() or c == "_"))
-    return f"{stem[:40]}-b{key['batch']}-{digest}.json"
+    return f"{_stem(key)}-{str(key['code'])[:8]}-b{key['batch']}-{digest}.json"
 
 
 def load_cached(key: dict[str, object]) -> ModelGraph | None:
@@ -89,13 +97,33 @@ def load_cached(key: dict[str, object]) -> ModelGraph | None:
 
 
 def store(key: dict[str, object], graph: ModelGraph) -> None:
-    """Write ``graph`` under ``key``, atomically; a failure is logged, never raised."""
+    """Write ``graph`` under ``key``, atomically, then :func:`prune`; a failure is logged,
+    never raised."""
     name = cache_file(key)
     text = json.dumps({"key": key, "graph": graph.model_dump(mode="json")}) + "\n"
     try:
         outfolder.write_text(cache_root(), f"{FOLDER}/{name}", text, what="graph cache")
     except (OutputError, OSError) as exc:
         log.warning("graph cache: %s not written (%s)", name, exc)
+        return
+    try:
+        prune(key)
+    except (OutputError, OSError) as exc:
+        log.warning("graph cache: older graphs of %s not deleted (%s)", key["workload"], exc)
+
+
+def prune(key: dict[str, object]) -> int:
+    """Delete the workload's files made by other code (another code digest): the cache
+    holds at most the current code's graphs of a workload once it is traced again. Only
+    regular files are deleted, never a link. Returns how many."""
+    own = f"{_stem(key)}-"
+    current = f"{own}{str(key['code'])[:8]}-"
+    gone = 0
+    for name, st in outfolder.list_names(cache_root(), FOLDER, what="graph cache"):
+        if (stat.S_ISREG(st.st_mode) and name.startswith(own) and name.endswith(".json")
+                and not name.startswith(current)):
+            gone += outfolder.remove(cache_root(), f"{FOLDER}/{name}", what="graph cache")
+    return gone
 
 
 def cached(key: dict[str, object], make: Callable[[], ModelGraph]) -> ModelGraph:
