@@ -32,11 +32,12 @@ from pathlib import Path
 
 import torch
 from qsync_opt.models import compute_loss, get_workload, image_split
+from qsync_opt.models.samples import real_batches
 from scipy.stats import spearmanr
 from torch import nn
 
 from qsync_opt import trace
-from qsync_opt.indicator import METHODS, indicate, real_batches
+from qsync_opt.indicator import METHODS, indicate
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 

@@ -38,8 +38,9 @@ real-data image workloads (digits_cnn, digits_resnet: the same images).  The oth
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,11 @@ from .digits_resnet import DigitsResNet
 from .gpt2 import GPT, GPTConfig, gpt2_medium, gpt2_small, gpt2_xl
 from .layers import MatMul
 from .resnet import ResNet, resnet18, resnet18_32, resnet50
+from .samples import image_split, real_batches, synthetic_batches
 from .tiny_gpt import VOCAB_SIZE as TINY_GPT_VOCAB_SIZE
 from .vgg import VGG, vgg16_bn
 from .vit import VisionTransformer, ViTConfig, vit_b16
+from .workload import TraceInputs, Workload, package_code_digest
 
 __all__ = [
     "GPT",
@@ -64,11 +67,13 @@ __all__ = [
     "WORKLOADS",
     "BertConfig",
     "BertForQuestionAnswering",
+    "BuiltinWorkload",
     "DigitsCNN",
     "DigitsResNet",
     "GPTConfig",
     "MatMul",
     "ResNet",
+    "TraceInputs",
     "UnknownWorkloadError",
     "ViTConfig",
     "VisionTransformer",
@@ -103,8 +108,9 @@ _TARGET_SEED = 1
 
 
 @dataclass(frozen=True)
-class Workload:
-    """One benchmark workload.
+class BuiltinWorkload:
+    """One built-in workload: it meets the :class:`Workload` protocol (its module says where
+    the kinds differ).
 
     Attributes:
         name: registry key.
@@ -141,8 +147,7 @@ class Workload:
     seq_len: int | None = None
 
     def forward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The model on one batch's inputs (``model(*inputs)``); a user's model file
-        (``qsync_opt.user_model.UserWorkload``) has the same method, with keyword inputs."""
+        """The model on one batch's inputs (``model(*inputs)``)."""
         return model(*inputs)
 
     def loss_of(self, outputs: torch.Tensor, inputs: tuple[torch.Tensor, ...],
@@ -150,6 +155,53 @@ class Workload:
         """The training loss of one batch: :func:`compute_loss` (``inputs`` unused; a
         user's model file reads its targets from them)."""
         return compute_loss(self, outputs, targets)
+
+    def trace_inputs(self, batch: int, include_loss: bool) -> TraceInputs:
+        """The model built on the meta device (no memory), meta inputs, and with
+        ``include_loss`` meta targets and :func:`compute_loss`."""
+        meta = torch.device("meta")
+        with meta:
+            model = self.build()
+        inputs = tuple(self.make_inputs(batch, meta))
+        if not include_loss:
+            return TraceInputs(model, inputs)
+        return TraceInputs(model, inputs, self.make_targets(batch, meta),
+                           lambda out, tgt: compute_loss(self, out, tgt))
+
+    def saw_outputs(self, outputs: Any) -> None:
+        """Nothing: a built-in's loss does not depend on its outputs."""
+
+    def sample_batches(self, batch: int, n: int, seed: int
+                       ) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        """Its real data where it ships them, else synthetic batches."""
+        if self.real_data:
+            return real_batches(self, batch, n, seed)
+        return synthetic_batches(self, batch, n, seed)
+
+    def usage_lines(self, outputs: Any = None, inputs: Any = None) -> list[str]:
+        """None: a built-in's loss and data are its documentation's."""
+        return []
+
+    @property
+    def init_doc(self) -> str:
+        return "registry init"
+
+    @property
+    def cache_name(self) -> str:
+        return self.name
+
+    @property
+    def code_digest(self) -> str | None:
+        """The package's sources (:func:`package_code_digest`) for a registered workload whose
+        functions are the package's; None for one made or changed elsewhere (its code may lie
+        outside the package)."""
+        ours = all(getattr(getattr(f, "func", f), "__module__", "").startswith(__name__)
+                   for f in (self.build, self.make_inputs, self.make_targets))
+        return package_code_digest() if ours and WORKLOADS.get(self.name) is self else None
+
+    @property
+    def sha256(self) -> str | None:
+        return None
 
 
 class UnknownWorkloadError(KeyError, ValueError):
@@ -263,8 +315,8 @@ _TINY_GPT_SEQ = 128
 
 def _imagenet_workload(
     name: str, description: str, build: Callable[[], nn.Module], batch: int
-) -> Workload:
-    return Workload(
+) -> BuiltinWorkload:
+    return BuiltinWorkload(
         name=name,
         description=description,
         build=build,
@@ -281,8 +333,8 @@ def _imagenet_workload(
 
 def _gpt2_workload(
     name: str, description: str, build: Callable[[], nn.Module], batch: int
-) -> Workload:
-    return Workload(
+) -> BuiltinWorkload:
+    return BuiltinWorkload(
         name=name,
         description=description,
         build=build,
@@ -298,7 +350,7 @@ def _gpt2_workload(
     )
 
 
-WORKLOADS: dict[str, Workload] = {
+WORKLOADS: dict[str, BuiltinWorkload] = {
     w.name: w
     for w in (
         _imagenet_workload(
@@ -307,7 +359,7 @@ WORKLOADS: dict[str, Workload] = {
             resnet18,
             128,
         ),
-        Workload(
+        BuiltinWorkload(
             name="resnet18_32",
             description="ResNet-18 for 32x32 images, 10 classes (CIFAR-style stem; "
                         "synthetic data)",
@@ -333,7 +385,7 @@ WORKLOADS: dict[str, Workload] = {
             vgg16_bn,
             64,
         ),
-        Workload(
+        BuiltinWorkload(
             name="bert_base",
             description="BERT-base extractive question answering (SQuAD style, HuggingFace layout, no pooler)",
             build=bert_base,
@@ -368,7 +420,7 @@ WORKLOADS: dict[str, Workload] = {
         _imagenet_workload(
             "vit_b16", "ViT-B/16 ImageNet classifier (torchvision layout)", vit_b16, 64
         ),
-        Workload(
+        BuiltinWorkload(
             name="digits_cnn",
             description="small CNN on scikit-learn's 8x8 handwritten digits (real data: load_digits_tensors)",
             build=digits_cnn.digits_cnn,
@@ -381,7 +433,7 @@ WORKLOADS: dict[str, Workload] = {
             loss_doc=_CLASSIFICATION_LOSS_DOC,
             task=TASK_CLASSIFICATION,
         ),
-        Workload(
+        BuiltinWorkload(
             name="digits_resnet",
             description=(
                 "CIFAR-style ResNet-8 on scikit-learn's digits upsampled to 32x32 "
@@ -397,7 +449,7 @@ WORKLOADS: dict[str, Workload] = {
             loss_doc=_CLASSIFICATION_LOSS_DOC,
             task=TASK_CLASSIFICATION,
         ),
-        Workload(
+        BuiltinWorkload(
             name="tiny_gpt",
             description="character-level GPT (4 layers, d=128) on the Python stdlib's source (real data: tiny_gpt)",
             build=tiny_gpt.tiny_gpt,
@@ -424,7 +476,7 @@ def list_workloads() -> list[str]:
     return sorted(WORKLOADS)
 
 
-def get_workload(name: str) -> Workload:
+def get_workload(name: str) -> BuiltinWorkload:
     """Look up a workload by name (case-insensitive, ``-`` accepted for ``_``).
 
     Raises:
@@ -440,32 +492,8 @@ def get_workload(name: str) -> Workload:
         ) from None
 
 
-#: The real-data image workloads and the loader of all their images ``(x, y)``.
-_IMAGE_LOADERS: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
-    "digits_cnn": digits_cnn.load_digits_tensors,
-    "digits_resnet": digits_resnet.load_digits32_tensors,
-}
-
-
-def image_split(
-    name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The real-data train/test split ``(x_train, y_train, x_test, y_test)`` of an image
-    workload, or None for a workload without real images (tiny_gpt's data are text).
-
-    digits_cnn (8x8) and digits_resnet (upsampled to 32x32) share one split,
-    ``digits_cnn.train_test_split(x, y, seed=0)``: 1438 training and 359 test images,
-    the same images for both.
-    """
-    loader = _IMAGE_LOADERS.get(name)
-    if loader is None:
-        return None
-    x, y = loader()
-    return train_test_split(x, y, seed=0)
-
-
 def compute_loss(
-    workload: Workload | str, output: torch.Tensor, targets: torch.Tensor
+    workload: BuiltinWorkload | str, output: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     """Apply the workload's loss to the model output (see ``Workload.loss_doc``).
 

@@ -85,7 +85,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,6 @@ from .models import Workload
 from .precision import Precision
 from .progress import LOG_EVERY_S, duration
 from .schemas import IndicatorTable, ModelGraph, OpRole
-from .user_model import UserWorkload
 
 log = logging.getLogger(__name__)
 
@@ -373,52 +372,6 @@ def _wvar_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
         out[p] = 0.0 if k is None or b2 == 0 else float(element_variance(
             cap.b, k.b, per_channel=bl.b_is_weight, stochastic=stochastic).sum()) / b2
     return out
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def synthetic_batches(workload: Workload, batch: int, n: int, seed: int
-                      ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
-    """Inputs of the right shape and dtype: float inputs drawn N(0,1), integer inputs
-    shuffled from the workload's example (so they stay in range), seeded per batch."""
-    base_inputs = workload.make_inputs(batch, torch.device("cpu"))
-    base_targets = workload.make_targets(batch, torch.device("cpu"))
-    for i in range(n):
-        gen = torch.Generator().manual_seed(seed * 1000 + i)
-        inputs = []
-        for t in base_inputs:
-            if t.is_floating_point():
-                inputs.append(torch.randn(t.shape, generator=gen, dtype=t.dtype))
-            else:
-                perm = torch.randperm(t.numel(), generator=gen)
-                inputs.append(t.reshape(-1)[perm].reshape(t.shape))
-        perm = torch.randperm(base_targets.numel(), generator=gen)
-        yield tuple(inputs), base_targets.reshape(-1)[perm].reshape(base_targets.shape)
-
-
-def real_batches(workload: Workload, batch: int, n: int, seed: int
-                 ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
-    """digits_cnn, digits_resnet: scikit-learn's digits (training split,
-    :func:`qsync_opt.models.image_split`); tiny_gpt: stdlib source text."""
-    from .models import image_split
-
-    gen = torch.Generator().manual_seed(seed)
-    if (split := image_split(workload.name)) is not None:
-        x_tr, y_tr, _, _ = split
-        for _ in range(n):
-            idx = torch.randint(0, x_tr.shape[0], (batch,), generator=gen)
-            yield (x_tr[idx],), y_tr[idx]
-    elif workload.name == "tiny_gpt":
-        from .models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
-
-        data, _ = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
-        seq = workload.seq_len or 128
-        for _ in range(n):
-            xb, yb = sample_batch(data, batch, seq, gen)
-            yield (xb,), yb
-    else:
-        raise QsyncInputError(f"model: {workload.name} has no real data here; use synthetic")
 
 
 # ----------------------------------------------------------------------------- driver
@@ -945,13 +898,13 @@ def indicate(
     if batches < 1:
         raise QsyncInputError(f"batches: expected a positive integer, got {batches}")
     wl = resolve_workload(workload) if isinstance(workload, str) else workload
-    if not isinstance(wl, (Workload, UserWorkload)):
+    if not isinstance(wl, Workload):
         raise QsyncInputError("model: indicate() takes a registry name, a PATH.py:FUNCTION "
                               f"file or a workload object, not {type(wl).__name__}")
     b = batch if batch is not None else wl.default_batch
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
-    graph = graph or trace(wl, b, warn=False)  # the caller's own trace warned already
+    graph = graph or trace(wl, b, warn=False, cache=True)  # the caller's trace warned
     t_start = time.perf_counter()
     # a user's file is cached by its content hash (and function), never by its path
     cacheable = cache and model is None and data is None
@@ -961,8 +914,7 @@ def indicate(
         tag = "" if term_dtype == torch.float32 else f"-{str(term_dtype).split('.')[-1]}"
         tag += f"-r{term_rows}" if term_rows else ""
         tag += f"-h{hutchinson_samples}-lr{lr:g}" if method == "curv" else ""
-        key = (f"user-{wl.fn_name}-{wl.sha256[:16]}" if isinstance(wl, UserWorkload)
-               else wl.name)
+        key = wl.cache_name
         path = folder / (f"{key}-b{b}-n{batches}-{method}-s{seed}-g{gamma:g}-"
                          f"{'sr' if stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
         if path.is_file():
@@ -1006,13 +958,9 @@ def indicate(
     data_kind = "given"
     if data is not None:
         stream = data
-    elif isinstance(wl, UserWorkload):
-        stream = ((x, None) for x in wl.batches(b, batches, seed))
-        data_kind = "real" if wl.real_data else "synthetic"
-    elif wl.real_data:
-        stream, data_kind = real_batches(wl, b, batches, seed), "real"
     else:
-        stream, data_kind = synthetic_batches(wl, b, batches, seed), "synthetic"
+        stream = wl.sample_batches(b, batches, seed)
+        data_kind = "real" if wl.real_data else "synthetic"
     user_lines: list[str] = []
     ran: set[str] = set()  # ops a call of which was captured, in any batch
     stats = {n: _OpStats() for n in names}
@@ -1031,8 +979,8 @@ def indicate(
                         _lines: list[str] = user_lines) -> tuple[Any, Tensor]:
                     out = wl.forward(model, _in)
                     loss = wl.loss_of(out, _in, _t)
-                    if _i == 0 and isinstance(wl, UserWorkload):
-                        _lines[:] = [wl.loss_line(out, _in), wl.data_line()]
+                    if _i == 0:
+                        _lines[:] = wl.usage_lines(out, _in)
                     return out, loss
 
                 model.zero_grad(set_to_none=True)
@@ -1052,8 +1000,8 @@ def indicate(
             with CallCapture(model, names) as capture:
                 out = wl.forward(model, inputs)
                 loss = wl.loss_of(out, inputs, targets)
-            if i == 0 and isinstance(wl, UserWorkload):
-                user_lines = [wl.loss_line(out, inputs), wl.data_line()]
+            if i == 0:
+                user_lines = wl.usage_lines(out, inputs)
             if method == "hessian":
                 traces = _hutchinson(loss, capture.calls, hutchinson_samples, gen)
             else:
@@ -1124,7 +1072,7 @@ def indicate(
                 row[p] = _mean(st.value.get(p, []))
         values[op.name] = row
     fixes = enforce_monotone(values)
-    init = f"{wl.fn_name}() of {wl.path.name}" if isinstance(wl, UserWorkload) else "registry init"
+    init = wl.init_doc
     notes = [f"{data_kind} data, {seen if method != 'random' else 0} batches of {b}; model: "
              f"{'given' if data_kind == 'given' else init + ', seed ' + str(seed)}",
              f"monotonicity: {fixes} value(s) raised to their higher-precision neighbour"]

@@ -204,7 +204,8 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
     ``model`` (see :func:`plan_model`), after its hash is checked. The trace is at the
     plan's ``provenance.graph_batch`` and ``graph_tie_mode`` (plans that lack them: the
     workload's default batch, no ties); a plan made with the classifier head unpinned is
-    recognised by a second trace. ``workload``: ``model``'s file already loaded (a
+    recognised by a second trace. A registry workload's traces come from the graph cache
+    (:mod:`qsync_opt.graph.cache`) once made. ``workload``: ``model``'s file already loaded (a
     :class:`~qsync_opt.user_model.UserWorkload` whose sha256 is the plan's), traced instead
     of importing the file again.
     """
@@ -239,9 +240,10 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
                 wl = get_workload(plan.workload)
             except (KeyError, ValueError) as exc:
                 raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
-            graph = trace(wl, batch, tie=tie, name=plan.workload)
+            graph = trace(wl, batch, tie=tie, name=plan.workload, cache=True)
             retrace = lambda pin, how: trace(wl, batch, tie=tie, pin_head=pin,  # noqa: E731
-                                             name=plan.workload, method=how, warn=False)
+                                             name=plan.workload, method=how, warn=False,
+                                             cache=True)
         if graph.structure_hash() != plan.graph_hash:
             # a plan made with --unpin-head, or with --tracer fx (a model whose default
             # trace goes through what fx keeps opaque): the graph it was made on

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import QsyncInputError
+from .models.workload import TraceInputs
 
 __all__ = ["TASK_USER", "UserWorkload", "call_model", "load_user_workload", "split_inputs"]
 
@@ -460,6 +461,40 @@ class UserWorkload:
     def data_line(self) -> str:
         return (f"data: data(batch_size, seed) from {self.path.name}" if self.user_data
                 else "data: synthetic batches shaped like the example inputs (seeded)")
+
+    # -- the rest of the Workload protocol (qsync_opt.models.workload)
+    def trace_inputs(self, batch: int, include_loss: bool) -> TraceInputs:
+        """The model of the first ``FUNCTION()`` call on real inputs: the example at its
+        batch, else synthetic ones shaped like it; no separate loss (a file's loss reads
+        its batch, which the tracer does not hold)."""
+        inputs = self.example if batch == self.default_batch else self.make_inputs(batch, "cpu")
+        return TraceInputs(self.model, inputs)
+
+    def saw_outputs(self, outputs: Any) -> None:
+        """Kept: :meth:`loss_line` says which default loss these outputs choose."""
+        self.example_outputs = outputs
+
+    def sample_batches(self, batch: int, n: int, seed: int) -> Iterator[tuple[Any, None]]:
+        """:meth:`batches`, each paired with None: the loss reads its targets from it."""
+        return ((x, None) for x in self.batches(batch, n, seed))
+
+    def usage_lines(self, outputs: Any = None, inputs: Any = None) -> list[str]:
+        """The loss and the data the file uses (:meth:`loss_line`, :meth:`data_line`)."""
+        return [self.loss_line(outputs, inputs), self.data_line()]
+
+    @property
+    def init_doc(self) -> str:
+        return f"{self.fn_name}() of {self.path.name}"
+
+    @property
+    def cache_name(self) -> str:
+        """The function and the file's content hash, never its path."""
+        return f"user-{self.fn_name}-{self.sha256[:16]}"
+
+    @property
+    def code_digest(self) -> str | None:
+        """None: the file may import other files, whose changes its hash does not see."""
+        return None
 
     def check(self, batch: int, seed: int = 0) -> str:
         """Before a run: one batch of ``batch`` samples (``data()`` or synthetic) checked

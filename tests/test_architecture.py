@@ -38,13 +38,14 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("io", ["io", "outfolder"]),
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
     ("workloads and kernels", [
-        "user_model", "models", "models.layers", "models.bert", "models.digits_cnn",
+        "user_model", "models", "models.workload", "models.samples", "models.resolve",
+        "models.layers", "models.bert", "models.digits_cnn",
         "models.digits_resnet", "models.gpt2", "models.patterns", "models.resnet",
         "models.tiny_gpt", "models.vgg", "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
         "ops.reference", "ops.testing", "attention"]),
     ("graph, devices, costs", [
         "graph", "graph.annotate", "graph.capture", "graph.fallback", "graph.kinds",
-        "graph.naming", "graph.recording", "graph.tracing", "graph.user_files",
+        "graph.naming", "graph.recording", "graph.tracing", "graph.cache",
         "devices", "rules", "costs", "cluster", "batchmodel", "profile.tables",
         "profile.timing", "profile.gloo",
         # the sync rules (QSR's rule, learning-rate schedules): pure, read by the replayer

@@ -14,9 +14,10 @@ import torch
 from qsync_opt.models import compute_loss, get_workload, image_split
 from qsync_opt.models import digits_cnn as digits_mod
 from qsync_opt.models import digits_resnet as resnet_mod
+from qsync_opt.models.samples import real_batches
 
 from qsync_opt import trace
-from qsync_opt.indicator import indicate, real_batches
+from qsync_opt.indicator import indicate
 from qsync_opt.precision import Precision
 from qsync_opt.runtime.data import GlobalBatches
 

@@ -56,10 +56,11 @@ def trace_args(args: argparse.Namespace, model_sha256: str | None = None,
                 workload: Any = None) -> ModelGraph:
     """The graph of ``--model`` (see :func:`workload_arg`), at ``--batch``: a user's file at
     its example's batch by default, at another on synthetic inputs shaped like them;
-    ``--tracer`` picks the tracer."""
+    ``--tracer`` picks the tracer. A built-in's graph comes from the graph cache once traced
+    (:mod:`qsync_opt.graph.cache`)."""
     wl = workload if workload is not None else workload_arg(args, model_sha256)
     return trace(wl, args.batch, pin_head=not args.unpin_head, tie=args.tie,
-                 method=getattr(args, "tracer", "auto"))
+                 method=getattr(args, "tracer", "auto"), cache=True)
 
 
 INT4_FLAG_HELP = ("add int4 (opt-in) to the menu of every group whose card has an INT4 peak "

@@ -27,7 +27,6 @@ from ..summaries import (
     replay_rows,
     uniform_plans,
 )
-from ..user_model import UserWorkload
 from .args import (
     BATCH,
     BATCHES,
@@ -51,10 +50,9 @@ from .args import (
 
 
 def _user_lines(wl: Any) -> list[str]:
-    """What a user's file uses (its loss and data), one line each; none for a registry name."""
-    if not isinstance(wl, UserWorkload):
-        return []
-    return [wl.loss_line(), wl.data_line()]
+    """What a user's file uses (its loss and data), one line each; none for a registry name
+    (``--model`` as given) or a built-in."""
+    return [] if isinstance(wl, str) else wl.usage_lines()
 
 
 def _save_or_json(doc: Document, args: argparse.Namespace) -> bool:

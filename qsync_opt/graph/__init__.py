@@ -22,12 +22,20 @@ How it works:
 The package, by job: :mod:`.tracing` (the entry point :func:`trace`), :mod:`.capture` (the
 torch.fx tracer), :mod:`.fallback` (the function-mode tracer), :mod:`.recording` (what both
 tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`.kinds` (op kinds, leaf
-modules), :mod:`.naming` (:class:`CallNamer`) and :mod:`.user_files` (workloads named by a
-string).
+modules), :mod:`.naming` (:class:`CallNamer`) and :mod:`.cache` (traced graphs of built-in
+workloads kept on disk). Workloads named by a string are resolved by
+:mod:`qsync_opt.models.resolve`, re-exported here.
 """
 
 from __future__ import annotations
 
+from ..models.resolve import (
+    is_user_model,
+    load_user_model,
+    load_user_workload,
+    model_file_sha256,
+    resolve_workload,
+)
 from .annotate import (
     ALL_GEMM_PRECISIONS,
     CONV_PRECISIONS,
@@ -39,13 +47,6 @@ from .annotate import (
 from .kinds import is_conv1d_like, is_leaf_module
 from .naming import CallNamer, gemm_call_kind
 from .tracing import trace
-from .user_files import (
-    is_user_model,
-    load_user_model,
-    load_user_workload,
-    model_file_sha256,
-    resolve_workload,
-)
 
 __all__ = [
     "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",

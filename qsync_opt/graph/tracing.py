@@ -10,14 +10,15 @@ import torch
 from torch import nn
 
 from ..errors import QsyncInputError, TraceError
-from ..models import Workload
+from ..models import TraceInputs, Workload
+from ..models.resolve import is_user_model, load_user_workload, resolve_workload
 from ..schemas import ModelGraph, TensorSpec
-from ..user_model import UserWorkload, split_inputs
+from ..user_model import split_inputs
+from . import cache as graph_cache
 from .annotate import build_graph, warn_unseen
 from .capture import fx_raw_ops
 from .fallback import all_real, function_mode_raw_ops
 from .recording import RawOp
-from .user_files import is_user_model, load_user_workload, resolve_workload
 
 log = logging.getLogger("qsync_opt.graph")  # one logger for the whole package
 
@@ -56,7 +57,7 @@ def _through_opaque(raw: list[RawOp], label: str,
 
 
 def trace(
-    workload: str | Workload | UserWorkload | nn.Module,
+    workload: str | Workload | nn.Module,
     batch: int | None = None,
     *,
     example_inputs: Any = None,
@@ -68,12 +69,13 @@ def trace(
     method: str = "auto",
     model_sha256: str | None = None,
     warn: bool = True,
+    cache: bool = False,
 ) -> ModelGraph:
     """Trace a workload into a :class:`ModelGraph` without allocating real memory.
 
     ``workload`` is a registry name (``qsync-opt models``), ``path/file.py:fn`` (a user's
-    model file, :mod:`qsync_opt.user_model`), a :class:`Workload`, a
-    :class:`~qsync_opt.user_model.UserWorkload`, or an ``nn.Module`` with ``example_inputs``
+    model file, :mod:`qsync_opt.user_model`), a :class:`~qsync_opt.models.Workload` (a
+    built-in, or a user's file loaded), or an ``nn.Module`` with ``example_inputs``
     (a Tensor, a tuple of positional tensors, or a dict of keyword tensors). ``batch``
     overrides the batch (default: a registry workload's default batch, a user file's example
     batch; a user file at another batch is traced on synthetic inputs shaped like its
@@ -88,117 +90,136 @@ def trace(
     ``path/file.py:fn`` workload is imported, which runs that file; with ``model_sha256`` the
     file must have that content hash, checked before it runs. The graph records the file's
     hash (``workload_sha256``), and so do the plans made from it. Graph input specs name
-    keyword inputs by their keys (positional ones ``input0``, ...).
+    keyword inputs by their keys (positional ones ``input0``, ...). ``cache``: a workload
+    whose code is known in full (a built-in) is traced once per key, then read from the
+    cache folder (:mod:`qsync_opt.graph.cache` says what the key holds).
     """
-    from ..user_model import UserWorkload
-
-    loss_fn: Callable[[Any, Any], Any] | None = None
-    targets: torch.Tensor | None = None
-    file_sha256: str | None = None
-    user: UserWorkload | None = None
+    if method not in ("auto", "fx", "function_mode"):
+        raise QsyncInputError(f"method: expected auto, fx or function_mode, got {method!r}")
     if isinstance(workload, str) and is_user_model(workload):
         workload = load_user_workload(workload, sha256=model_sha256)
     elif isinstance(workload, str):
-        label = name or workload
+        name = name or workload
         workload = resolve_workload(workload)
-        name = label
-    if isinstance(workload, UserWorkload):
-        user = workload
-        label = name or user.name
-        file_sha256 = user.sha256
-        model = user.model
-        b = batch if batch is not None else user.default_batch
-        if b < 1:
-            raise QsyncInputError(f"batch: expected a positive integer, got {b}")
-        inputs: Any = user.example if b == user.default_batch else user.make_inputs(b, "cpu")
-    elif isinstance(workload, Workload):
-        wl = workload
-        label = name or wl.name
-        b = batch if batch is not None else wl.default_batch
-        if b < 1:
-            raise QsyncInputError(f"batch: expected a positive integer, got {b}")
-        with torch.device("meta"):
-            model = wl.build()
-        meta = torch.device("meta")
-        inputs = tuple(wl.make_inputs(b, meta))
-        if include_loss:
-            targets = wl.make_targets(b, meta)
-            from ..models import compute_loss
-
-            loss_fn = lambda out, tgt, _wl=wl: compute_loss(_wl, out, tgt)  # noqa: E731
+    if not isinstance(workload, Workload):
+        setup, label, b = _module_setup(workload, batch, example_inputs, name)
+        graph = _graph_of(setup, label, b, method, pin_head, unpin, tie)[0]
     else:
-        model = workload
-        label = name or type(workload).__name__
-        ex = example_inputs
-        if ex is None:
-            raise QsyncInputError("example_inputs: required when tracing an nn.Module")
-        if isinstance(ex, dict):
-            inputs = dict(ex)
-        else:
-            inputs = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
-        flat = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-        if not flat:
-            raise QsyncInputError("example_inputs: expected at least one tensor")
-        if not all(isinstance(t, torch.Tensor) for t in flat):
-            raise QsyncInputError("example_inputs: expected tensors (a Tensor, a tuple or a "
-                                  "dict of them)")
-        b = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
-        if batch is not None and batch != b:
-            raise QsyncInputError(
-                f"batch: an nn.Module is traced at its example inputs' batch ({b}), not {batch}")
-    specs = _input_specs(inputs)
-    if method not in ("auto", "fx", "function_mode"):
-        raise QsyncInputError(f"method: expected auto, fx or function_mode, got {method!r}")
-    args, kwargs = split_inputs(inputs)
+        graph = _workload_graph(workload, batch, name, include_loss, pin_head, unpin, tie,
+                                method, cache)
+    if warn:
+        warn_unseen(graph)
+    return graph
+
+
+def _workload_graph(wl: Workload, batch: int | None, name: str | None, include_loss: bool,
+                    pin_head: bool, unpin: Sequence[str], tie: str, method: str,
+                    cache: bool) -> ModelGraph:
+    """:func:`trace` of a workload (from the cache where ``cache`` and its code is known)."""
+    label = name or wl.name
+    b = batch if batch is not None else wl.default_batch
+    if b < 1:
+        raise QsyncInputError(f"batch: expected a positive integer, got {b}")
+
+    def run() -> ModelGraph:
+        graph, outputs = _graph_of(wl.trace_inputs(b, include_loss), label, b, method,
+                                   pin_head, unpin, tie)
+        if outputs:
+            wl.saw_outputs(outputs[0])
+        sha = wl.sha256
+        return graph.model_copy(update={"workload_sha256": sha}) if sha else graph
+
+    digest = wl.code_digest if cache else None
+    if digest is None:
+        return run()
+    settings: dict[str, object] = {"include_loss": include_loss, "pin_head": pin_head,
+                                   "unpin": list(unpin), "tie": tie, "method": method,
+                                   "name": label}
+    return graph_cache.cached(graph_cache.cache_key(wl.cache_name, digest, b, settings), run)
+
+
+def _module_setup(model: Any, batch: int | None, example_inputs: Any, name: str | None
+                  ) -> tuple[TraceInputs, str, int]:
+    """An ``nn.Module`` with its example inputs: what the tracer runs, its label and batch."""
+    label = name or type(model).__name__
+    ex = example_inputs
+    if ex is None:
+        raise QsyncInputError("example_inputs: required when tracing an nn.Module")
+    inputs: Any
+    if isinstance(ex, dict):
+        inputs = dict(ex)
+    else:
+        inputs = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+    flat = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    if not flat:
+        raise QsyncInputError("example_inputs: expected at least one tensor")
+    if not all(isinstance(t, torch.Tensor) for t in flat):
+        raise QsyncInputError("example_inputs: expected tensors (a Tensor, a tuple or a "
+                              "dict of them)")
+    b = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
+    if batch is not None and batch != b:
+        raise QsyncInputError(
+            f"batch: an nn.Module is traced at its example inputs' batch ({b}), not {batch}")
+    return TraceInputs(model, inputs), label, b
+
+
+def _graph_of(setup: TraceInputs, label: str, b: int, method: str, pin_head: bool,
+              unpin: Sequence[str], tie: str) -> tuple[ModelGraph, list[Any]]:
+    """The graph of ``setup`` (the model in training mode, put back after), and the outputs
+    the tracer saw."""
+    model = setup.model
     was_training = model.training
     model.train()
-    errors: list[str] = []
-    raw: list[RawOp] | None = None
-    used = method
     outputs: list[Any] = []
     try:
-        if method in ("auto", "fx"):
-            try:
-                raw = fx_raw_ops(model, args, targets, loss_fn, kwargs=kwargs, sink=outputs)
-                used = "fx"
-            except Exception as exc:  # any tracer failure falls back, with its reason kept
-                errors.append(f"torch.fx: {_first_line(exc)}")
-                log.info("fx tracing of %s failed (%s); falling back", label, errors[-1])
-                if method == "fx":
-                    raise TraceError(f"cannot trace {label}: {errors[-1]}") from None
-            if raw is not None and method == "auto":
-                raw, used = _through_opaque(raw, label, lambda: function_mode_raw_ops(
-                    model, args, targets, loss_fn, kwargs=kwargs, sink=outputs))
-        if raw is None:
-            try:
-                raw = function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
-                                             sink=outputs)
-                used = "function_mode"
-            except Exception as exc:
-                errors.append(f"function mode: {_first_line(exc)}")
-                real = method == "auto" and all_real(model, args, kwargs)
-                if not real:
-                    raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
-        if raw is None:
-            # The model reads its inputs' values (a mask checked with .item(), say): meta
-            # tensors have none, so it runs once on real tensors of the example's shapes.
-            try:
-                raw = function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
-                                             sink=outputs, real=True)
-                used = "function_mode_real"
-                log.info("%s: traced on real tensors (meta tracing failed: %s)", label,
-                            errors[-1].removeprefix("function mode: "))
-            except Exception as exc:
-                errors.append(f"function mode on real tensors: {_first_line(exc)}")
-                raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
+        raw, used = _raw_ops(setup, label, method, outputs)
     finally:
         model.train(was_training)
     if not raw:
         raise TraceError(f"cannot trace {label}: the model ran no operators")
-    if user is not None and outputs:
-        user.example_outputs = outputs[0]
-    graph = build_graph(raw, workload=label, batch=b, inputs=specs, model=model, method=used,
-                         pin_head=pin_head, unpin=unpin, tie=tie)
-    if warn:
-        warn_unseen(graph)
-    return graph.model_copy(update={"workload_sha256": file_sha256}) if file_sha256 else graph
+    graph = build_graph(raw, workload=label, batch=b, inputs=_input_specs(setup.inputs),
+                        model=model, method=used, pin_head=pin_head, unpin=unpin, tie=tie)
+    return graph, outputs
+
+
+def _raw_ops(setup: TraceInputs, label: str, method: str, outputs: list[Any]
+             ) -> tuple[list[RawOp], str]:
+    """The raw ops and the tracer that recorded them: fx, then function mode (on meta
+    tensors, then on real ones where the model and inputs are real)."""
+    model, targets, loss_fn = setup.model, setup.targets, setup.loss_fn
+    args, kwargs = split_inputs(setup.inputs)
+    errors: list[str] = []
+    raw: list[RawOp] | None = None
+    used = method
+    if method in ("auto", "fx"):
+        try:
+            raw = fx_raw_ops(model, args, targets, loss_fn, kwargs=kwargs, sink=outputs)
+            used = "fx"
+        except Exception as exc:  # any tracer failure falls back, with its reason kept
+            errors.append(f"torch.fx: {_first_line(exc)}")
+            log.info("fx tracing of %s failed (%s); falling back", label, errors[-1])
+            if method == "fx":
+                raise TraceError(f"cannot trace {label}: {errors[-1]}") from None
+        if raw is not None and method == "auto":
+            raw, used = _through_opaque(raw, label, lambda: function_mode_raw_ops(
+                model, args, targets, loss_fn, kwargs=kwargs, sink=outputs))
+    if raw is not None:
+        return raw, used
+    try:
+        return function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
+                                     sink=outputs), "function_mode"
+    except Exception as exc:
+        errors.append(f"function mode: {_first_line(exc)}")
+        if not (method == "auto" and all_real(model, args, kwargs)):
+            raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
+    # The model reads its inputs' values (a mask checked with .item(), say): meta
+    # tensors have none, so it runs once on real tensors of the example's shapes.
+    try:
+        raw = function_mode_raw_ops(model, args, targets, loss_fn, kwargs=kwargs,
+                                    sink=outputs, real=True)
+    except Exception as exc:
+        errors.append(f"function mode on real tensors: {_first_line(exc)}")
+        raise TraceError(f"cannot trace {label}: " + "; ".join(errors)) from None
+    log.info("%s: traced on real tensors (meta tracing failed: %s)", label,
+             errors[-1].removeprefix("function mode: "))
+    return raw, "function_mode_real"

@@ -1,4 +1,5 @@
-"""Workloads named by a string: a registry name or a user's ``path/file.py:fn``."""
+"""A workload named by a string: a registry name (a built-in) or a user's ``path/file.py:fn``
+(:mod:`qsync_opt.user_model`); either way a :class:`~qsync_opt.models.Workload`."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import torch
 from torch import nn
 
 from ..errors import QsyncInputError
-from ..models import Workload, get_workload
 from ..user_model import UserWorkload
+from ..user_model import load_user_workload as _load
+from ..user_model import model_file_sha256 as _digest
+from . import Workload, get_workload
 
 
 def is_user_model(spec: str) -> bool:
@@ -19,17 +22,13 @@ def is_user_model(spec: str) -> bool:
 
 def model_file_sha256(spec: str) -> str:
     """sha256 (hex) of the file a ``path/file.py:fn`` spec names; reading it runs nothing."""
-    from ..user_model import model_file_sha256 as digest
-
-    return digest(spec)
+    return _digest(spec)
 
 
 def load_user_workload(spec: str, *, sha256: str | None = None) -> UserWorkload:
     """``path/file.py:fn`` as a :class:`~qsync_opt.user_model.UserWorkload` (this RUNS the
     file; with ``sha256`` its content must have that hash, checked before it runs)."""
-    from ..user_model import load_user_workload as load
-
-    return load(spec, sha256)
+    return _load(spec, sha256)
 
 
 def load_user_model(spec: str, *, sha256: str | None = None
@@ -43,9 +42,9 @@ def load_user_model(spec: str, *, sha256: str | None = None
     return wl.model, ((ex,) if isinstance(ex, torch.Tensor) else ex)
 
 
-def resolve_workload(name: str, *, sha256: str | None = None) -> Workload | UserWorkload:
+def resolve_workload(name: str, *, sha256: str | None = None) -> Workload:
     """A registry name, or ``path.py:fn`` for a user's model (imported: it runs), as a
-    workload object (:class:`Workload` or :class:`~qsync_opt.user_model.UserWorkload`)."""
+    :class:`Workload` (a built-in, or a :class:`~qsync_opt.user_model.UserWorkload`)."""
     if is_user_model(name):
         return load_user_workload(name, sha256=sha256)
     try:
