@@ -20,6 +20,15 @@ scales (``tensor``: one scale; ``row``: per row (token / output position) for th
 gradient, one for the weight gradient; ``rowcol``: per row for the input gradient, per output
 channel for the weight gradient). A star marks the defaults (``ops.NUMERICS``).
 
+Then ``--repeats R``: the bias of each rounding per tensor role. The gradient averaged over
+``R`` stochastic-rounding seeds (the same batch, the same weights) keeps only the rounding's
+systematic part plus ``1/R`` of its variance: for unbiased (stochastic) rounding its error
+against fp32 falls as ``1/sqrt(R)``; round to nearest draws no random numbers, so its error
+is its bias and does not fall. The table gives, per role, the one-step cosine, the cosine
+and relative error of the mean over ``R`` seeds, and the error ratio one-step / mean
+(``sqrt(R)`` for an unbiased rounding whose noise dominates, 1 for a pure bias). Over many
+SGD steps the update averages gradients, so the mean's error is the one that accumulates.
+
 Then ``--outliers``: ViT's patch embedding (Conv2d 3->768, 16x16, stride 16) at batch 2,
 224x224, with an output gradient whose 1% of elements (or 1% of rows: whole output positions)
 are multiplied by 100: the weight- and input-gradient relative errors of int8_full per scale
@@ -29,7 +38,7 @@ Cosines and errors are deterministic at fixed seeds (no timing), so any machine 
 same table (up to the float summation order of its GEMMs)::
 
     .venv/bin/python benchmarks/bench_grad_noise.py [--models resnet50 vit bert gpt2 tiny_gpt]
-        [--seeds 2] [--outliers]
+        [--seeds 2] [--repeats 8] [--outliers]
 """
 
 from __future__ import annotations
@@ -155,6 +164,43 @@ def measure(name: str, seeds: int, fwd: dict[str, Any], layers: int
     return rows
 
 
+#: (role, label, precision, ops.numerics changes) for the bias over repeats: each role's
+#: rounding varied, the other roles at their defaults.
+ROLES: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("int8 forward", "sr", "int8", {"int8_forward_stochastic": True}),
+    ("int8 forward", "rtn", "int8", {"int8_forward_stochastic": False}),
+    ("int8_full forward", "sr", "int8_full", {"int8_forward_stochastic": True}),
+    ("int8_full forward", "rtn", "int8_full", {"int8_forward_stochastic": False}),
+    ("int8_full output gradient", "sr", "int8_full", {"grad_stochastic": True}),
+    ("int8_full output gradient", "rtn", "int8_full", {"grad_stochastic": False}),
+]
+
+
+def bias(name: str, repeats: int, layers: int
+         ) -> list[tuple[str, str, float, float, float, float]]:
+    """[(role, rounding, one-step cosine, cosine of the mean over ``repeats`` seeds, one-step
+    relative error, relative error of the mean)] of one model."""
+    workload, model, batch = build(name, layers)
+    ref = gradient(workload, model, batch)
+    rows = []
+    for role, label, precision, changes in ROLES:
+        total = torch.zeros_like(ref, dtype=torch.float64)
+        cs, es = [], []
+        for s in range(repeats):
+            m = at_precision(model, precision, seed=s + 1)
+            with ops.numerics(**changes), ops.float_exact_gemm():
+                g = gradient(workload, m, batch)
+            del m
+            total += g.double()
+            cs.append(cosine(g, ref))
+            es.append(rel(g, ref))
+        mean = total / repeats
+        star = " *" if is_default(changes) else ""
+        rows.append((role, label + star, sum(cs) / repeats, cosine(mean, ref),
+                     sum(es) / repeats, rel(mean, ref)))
+    return rows
+
+
 @contextlib.contextmanager
 def _timer(label: str) -> Iterator[None]:
     t0 = time.perf_counter()
@@ -206,12 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4,
                     help="transformer layers of vit, bert and gpt2 (default 4)")
     ap.add_argument("--outliers", action="store_true")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="also the bias per tensor role: the gradient averaged over this many "
+                         "seeds (0: skip)")
+    ap.add_argument("--skip-choices", action="store_true",
+                    help="skip the one-step table of every choice (with --repeats/--outliers)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     fwd = {"int8_forward_stochastic": ops.NUMERICS.int8_forward_stochastic}
     print(f"defaults: {ops.NUMERICS}")
     results: dict[str, list[tuple[str, float, float]]] = {}
-    for name in args.models:
+    for name in [] if args.skip_choices else args.models:
         with _timer(name):
             results[name] = measure(name, args.seeds, fwd, args.layers)
         for label, c, e in results[name]:
@@ -225,6 +276,19 @@ def main(argv: list[str] | None = None) -> int:
         for i, (label, _, _) in enumerate(results[names[0]]):
             cells = [f"{results[n][i][1]:.4f} ({results[n][i][2]:.3f})" for n in names]
             print(f"| {label} | {' | '.join(cells)} |")
+    if args.repeats > 0:
+        print(f"\nbias per tensor role: the gradient averaged over {args.repeats} seeds against "
+              "fp32; ratio = one-step error / error of the mean (sqrt(R) = "
+              f"{args.repeats ** 0.5:.2f} for pure noise, 1 for pure bias); * the default")
+        print("| model | role | rounding | cosine, one step | cosine, mean | error, one step "
+              "| error, mean | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name in args.models:
+            with _timer(f"{name} bias"):
+                got = bias(name, args.repeats, args.layers)
+            for role, label, c1, cm, e1, em in got:
+                print(f"| {name} | {role} | {label} | {c1:.4f} | {cm:.4f} | {e1:.4f} | "
+                      f"{em:.4f} | {e1 / em if em > 0 else float('inf'):.2f} |", flush=True)
     if args.outliers:
         print("\nViT patch embedding, int8_full, relative error against fp32 "
               f"(mean over {args.seeds} seed(s))")

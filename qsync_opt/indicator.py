@@ -76,7 +76,10 @@ operands, as int8's.
 
 **int8_full's output gradient** is quantized twice (``ops.NUMERICS.grad_scale``): one scale
 per row (token / output position: ``int8row``) for the input gradient, one per output
-channel (``int8gcol``) for the weight gradient; ``_Kinds.g_b`` carries the second.
+channel (``int8gcol``) for the weight gradient; ``_Kinds.g_b`` carries the second. An
+attention or functional matmul at int8_full runs the same two quantizations of its output
+gradient (per row for ``a``'s gradient, per last-axis channel for ``b``'s), and uses its
+activation ``b`` in backward at its forward scale (:func:`kinds_for`).
 """
 
 from __future__ import annotations
@@ -172,6 +175,20 @@ SPECS: dict[Precision, _Kinds | None] = {
     # int4 rounds to nearest (ops.NUMERICS), whatever the int8 rounding
     Precision.int4: _Kinds("int4n", "int4n", "fp16g", "int4n", "int4n"),
 }
+
+
+def kinds_for(p: Precision, b_is_weight: bool) -> _Kinds | None:
+    """The error kinds of precision ``p`` on an op whose ``b`` is a weight or not. int8_full
+    re-quantizes a weight per input column for the input gradient (its forward scales are
+    per output channel, which do not factor out of ``G @ W``); a matmul's activation ``b``
+    has one scale, which does, so its backward uses it as the forward did
+    (:func:`qsync_opt.runtime.gemm.int8_full_gemm`)."""
+    k = SPECS[p]
+    if k is None or b_is_weight or k.b_bwd != "int8+col":
+        return k
+    return dataclasses.replace(k, b_bwd="int8")
+
+
 #: Random method: a per-format factor (about the relative variance of one rounding).
 _NOMINAL = {Precision.tf32: 2.0**-22, Precision.fp16: 2.0**-22, Precision.bf16: 2.0**-16,
             Precision.fp8: 2.0**-8, Precision.int8: (1 / 127) ** 2,
@@ -182,12 +199,14 @@ _NOMINAL = {Precision.tf32: 2.0**-22, Precision.fp16: 2.0**-22, Precision.bf16: 
 
 
 def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
-                     stochastic: bool = True, channel_dim: int = -1) -> Tensor:
+                     stochastic: bool = True, channel_dim: int = -1, groups: int = 1) -> Tensor:
     """Per-element error variance of representing ``t`` in ``kind`` (see module docstring).
 
     ``per_channel``: int8 scales per slice along axis 0 (weights); ``int8+col`` adds the
-    re-quantization per input column that int8_full's backward applies to the weight.
-    ``int4n``: int4 rounded to nearest. An output gradient's ``int8row`` (one scale per
+    re-quantization per input column that int8_full's backward applies to the weight: one
+    scale per column of the weight viewed ``[out, -1]`` (a conv's ``(in, kh, kw)``), within
+    each of ``groups`` groups of output channels, as the kernels' input-gradient GEMM takes
+    it. ``int4n``: int4 rounded to nearest. An output gradient's ``int8row`` (one scale per
     position across the channels at ``channel_dim``: per token) and ``int8gcol`` (one per
     channel) are int8_full's two quantizations of it.
     """
@@ -203,11 +222,11 @@ def element_variance(t: Tensor, kind: str, *, per_channel: bool = False,
         return _int_variance(x, 0 if per_channel else None,
                              stochastic and kind == "int4", INT4_QMAX)
     if kind == "int8col":
-        return _int8_variance(x, 1, stochastic)
+        return _column_variance(x, groups, stochastic)
     if kind in ("int8", "int8+col"):
         v = _int8_variance(x, 0 if per_channel else None, stochastic)
         if kind == "int8+col":
-            v = v + _int8_variance(x, 1, stochastic)
+            v = v + _column_variance(x, groups, stochastic)
         return v
     mbits, emin, fmax = FLOAT_KINDS[kind]
     scale = 1.0
@@ -228,6 +247,18 @@ INT4_QMAX = 7
 
 def _int8_variance(x: Tensor, axis: int | None, stochastic: bool) -> Tensor:
     return _int_variance(x, axis, stochastic, 127)
+
+
+def _column_variance(w: Tensor, groups: int, stochastic: bool) -> Tensor:
+    """int8 rounding variance of weight ``w`` [out, ...] with one scale per column of its
+    ``[out, -1]`` view within each group of ``out / groups`` rows (int8_full's re-quantized
+    weight); a 1-D ``w``: per element."""
+    if w.dim() < 2:
+        return _int8_variance(w, 0, stochastic)
+    g = groups if groups > 0 and w.shape[0] % groups == 0 else 1
+    cols = w.reshape(g, w.shape[0] // g, -1).permute(0, 2, 1)  # [g, cols, out/g]
+    v = _int8_variance(cols.reshape(-1, cols.shape[2]), 0, stochastic)  # one per (g, col)
+    return v.reshape(cols.shape).permute(0, 2, 1).reshape(w.shape)
 
 
 def _int_variance(x: Tensor, axis: int | None, stochastic: bool, qmax: int) -> Tensor:
@@ -304,7 +335,8 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
         if key not in var_cache:
             v = element_variance(full[which], kind,
                                  per_channel=(which == "b" and bl.b_is_weight),
-                                 stochastic=stochastic, channel_dim=bl.channel_dim)
+                                 stochastic=stochastic, channel_dim=bl.channel_dim,
+                                 groups=bl.groups)
             if not (which == "b" and bl.b_is_weight):
                 v = v[rows]
             var_cache[key] = v.to(term_dtype)
@@ -327,7 +359,7 @@ def _qsync_terms(bl: _Bilinear, cap: _Capture, precisions: Sequence[Precision],
     a2, b2, g2 = (t.square().to(term_dtype) for t in (a, b, g))
     out: dict[Precision, tuple[float, float]] = {}
     for p in precisions:
-        k = SPECS[p]
+        k = kinds_for(p, bl.b_is_weight)
         if k is None:
             out[p] = (0.0, 0.0)
             continue
@@ -880,8 +912,8 @@ def fast_options() -> dict[str, Any]:
 
 
 #: The error model's version: tables cached under another (int4 stochastic, int8_full's
-#: per-tensor output gradient before issue 41) are not reused.
-ERROR_MODEL_VERSION = 2
+#: per-tensor output gradient, a matmul's ``b`` re-quantized per column) are not reused.
+ERROR_MODEL_VERSION = 3
 
 
 def default_cache_dir() -> Path:
