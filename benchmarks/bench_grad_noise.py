@@ -175,6 +175,8 @@ def measure(name: str, seeds: int, fwd: dict[str, Any], layers: int
 #: (role, label, precision, ops.numerics changes) for the bias over repeats: each role's
 #: rounding varied, the other roles at their defaults.
 ROLES: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("int4 forward", "sr", "int4", {"int4_forward_stochastic": True}),
+    ("int4 forward", "rtn", "int4", {"int4_forward_stochastic": False}),
     ("int8 forward", "sr", "int8", {"int8_forward_stochastic": True}),
     ("int8 forward", "rtn", "int8", {"int8_forward_stochastic": False}),
     ("int8_full forward", "sr", "int8_full", {"int8_forward_stochastic": True}),
