@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from qsync_opt.models.layers import MatMul
 from torch import Tensor, nn
 
 from qsync_opt import rules
 from qsync_opt.indicator import SPECS, element_variance, kinds_for
 from qsync_opt.indicator_calls import Bilinear, functional_form, module_bilinear
-from qsync_opt.models.layers import MatMul
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from qsync_opt.runtime.gemm import gemm_operand_roles, run_gemm

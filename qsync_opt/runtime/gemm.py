@@ -121,7 +121,7 @@ def gemm_operand_roles(fn: Callable[..., Any], n_floats: int) -> list[str]:
         order = [1, 0]
     else:
         order = [0, 1]
-    for role, i in zip(("a", "b"), order):
+    for role, i in zip(("a", "b"), order, strict=True):
         if i < n_floats:
             roles[i] = role
     return roles
@@ -173,7 +173,7 @@ class _GradQuantizedGemm(torch.autograd.Function):
                 grad, role, (ctx.seed + (k + 1) * 0x9E37) & 0x7FFFFFFF)
             got = torch.autograd.grad(ctx.graph, [ctx.leaves[i] for i in idx], g,
                                       retain_graph=True, allow_unused=True)
-            for i, gi in zip(idx, got):
+            for i, gi in zip(idx, got, strict=True):
                 grads[i] = gi
         return (None, None, None, *grads)
 
@@ -192,7 +192,7 @@ def int8_full_gemm(fn: Callable[..., Any], args: Any, kwargs: Any, base: int) ->
 
     def call(*floats: Tensor) -> Tensor:
         leaves = list(flat)
-        for i, t in zip(pos, floats):
+        for i, t in zip(pos, floats, strict=True):
             leaves[i] = t
         a2, k2 = tree_unflatten(leaves, spec)
         return fn(*a2, **k2)
