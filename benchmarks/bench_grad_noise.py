@@ -20,6 +20,22 @@ scales (``tensor``: one scale; ``row``: per row (token / output position) for th
 gradient, one for the weight gradient; ``rowcol``: per row for the input gradient, per output
 channel for the weight gradient). A star marks the defaults (``ops.NUMERICS``).
 
+Then ``--repeats R``: the bias of each rounding per tensor role. The gradient averaged over
+``R`` stochastic-rounding seeds (the same batch, the same weights) keeps only the rounding's
+systematic part plus ``1/R`` of its variance: for unbiased (stochastic) rounding its error
+against fp32 falls as ``1/sqrt(R)``; round to nearest draws no random numbers, so its error
+is its bias and does not fall. The table gives, per role, the one-step cosine, the cosine
+and relative error of the mean over ``R`` seeds, and the error ratio one-step / mean
+(``sqrt(R)`` for an unbiased rounding whose noise dominates, 1 for a pure bias). Over many
+SGD steps the update averages gradients, so the mean's error is the one that accumulates.
+
+Then ``--train STEPS``: the decision over a training run rather than one gradient. tiny_gpt
+from its seeded init trained ``STEPS`` steps of Adam (lr 1e-3, as benchmarks/bench_accuracy.py
+trains it; batch 16 of 128 characters of the stdlib's source) with every GEMM module at the role's precision and
+rounding, then scored at fp32 on 8 held-out batches (mean token cross-entropy, nats), for
+``--seeds`` seeds (init, batches and rounding seeded): the mean and the paired difference
+against round to nearest per role. Deterministic at fixed seeds.
+
 Then ``--outliers``: ViT's patch embedding (Conv2d 3->768, 16x16, stride 16) at batch 2,
 224x224, with an output gradient whose 1% of elements (or 1% of rows: whole output positions)
 are multiplied by 100: the weight- and input-gradient relative errors of int8_full per scale
@@ -29,7 +45,7 @@ Cosines and errors are deterministic at fixed seeds (no timing), so any machine 
 same table (up to the float summation order of its GEMMs)::
 
     .venv/bin/python benchmarks/bench_grad_noise.py [--models resnet50 vit bert gpt2 tiny_gpt]
-        [--seeds 2] [--outliers]
+        [--seeds 2] [--repeats 8] [--train 150] [--outliers]
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -155,6 +172,106 @@ def measure(name: str, seeds: int, fwd: dict[str, Any], layers: int
     return rows
 
 
+#: (role, label, precision, ops.numerics changes) for the bias over repeats: each role's
+#: rounding varied, the other roles at their defaults.
+ROLES: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("int4 forward", "sr", "int4", {"int4_forward_stochastic": True}),
+    ("int4 forward", "rtn", "int4", {"int4_forward_stochastic": False}),
+    ("int8 forward", "sr", "int8", {"int8_forward_stochastic": True}),
+    ("int8 forward", "rtn", "int8", {"int8_forward_stochastic": False}),
+    ("int8_full forward", "sr", "int8_full", {"int8_forward_stochastic": True}),
+    ("int8_full forward", "rtn", "int8_full", {"int8_forward_stochastic": False}),
+    ("int8_full output gradient", "sr", "int8_full", {"grad_stochastic": True}),
+    ("int8_full output gradient", "rtn", "int8_full", {"grad_stochastic": False}),
+]
+
+
+def bias(name: str, repeats: int, layers: int
+         ) -> list[tuple[str, str, float, float, float, float]]:
+    """[(role, rounding, one-step cosine, cosine of the mean over ``repeats`` seeds, one-step
+    relative error, relative error of the mean)] of one model."""
+    workload, model, batch = build(name, layers)
+    ref = gradient(workload, model, batch)
+    rows = []
+    for role, label, precision, changes in ROLES:
+        total = torch.zeros_like(ref, dtype=torch.float64)
+        cs, es = [], []
+        for s in range(repeats):
+            m = at_precision(model, precision, seed=s + 1)
+            with ops.numerics(**changes), ops.float_exact_gemm():
+                g = gradient(workload, m, batch)
+            del m
+            total += g.double()
+            cs.append(cosine(g, ref))
+            es.append(rel(g, ref))
+        mean = total / repeats
+        star = " *" if is_default(changes) else ""
+        rows.append((role, label + star, sum(cs) / repeats, cosine(mean, ref),
+                     sum(es) / repeats, rel(mean, ref)))
+    return rows
+
+
+#: (role, label, precision, ops.numerics changes) of the training comparison.
+TRAIN_ROLES: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("fp32", "", "fp32", {}),
+    ("int4 forward", "sr", "int4", {"int4_forward_stochastic": True}),
+    ("int4 forward", "rtn", "int4", {"int4_forward_stochastic": False}),
+    ("int8 forward", "sr", "int8", {"int8_forward_stochastic": True}),
+    ("int8 forward", "rtn", "int8", {"int8_forward_stochastic": False}),
+    ("int8_full output gradient", "sr", "int8_full", {"grad_stochastic": True}),
+    ("int8_full output gradient", "rtn", "int8_full", {"grad_stochastic": False}),
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    from qsync_opt.models.tiny_gpt import encode, stdlib_corpus, train_val_split
+
+    return train_val_split(encode(stdlib_corpus(max_chars=400_000)))
+
+
+def train_loss(precision: str, changes: dict[str, Any], steps: int, seed: int) -> float:
+    """Held-out fp32 loss of tiny_gpt after ``steps`` SGD steps at ``precision``."""
+    from qsync_opt.models.tiny_gpt import sample_batch
+
+    wl = get_workload("tiny_gpt")
+    train, val = _corpus()
+    torch.manual_seed(seed)
+    model = wl.build()
+    fp32_model = model
+    if precision != "fp32":
+        model = at_precision(model, precision, seed=1000 * seed + 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    with ops.numerics(**changes), ops.float_exact_gemm():
+        for _ in range(steps):
+            x, y = sample_batch(train, 16, 128, gen)
+            opt.zero_grad(set_to_none=True)
+            compute_loss("tiny_gpt", model(x), y).backward()
+            opt.step()
+    fp32_model.load_state_dict(model.state_dict())
+    fp32_model.eval()
+    held = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        losses = [float(compute_loss("tiny_gpt", fp32_model(x), y))
+                  for x, y in (sample_batch(val, 16, 128, held) for _ in range(8))]
+    return sum(losses) / len(losses)
+
+
+def training(steps: int, seeds: int, precisions: list[str]
+             ) -> list[tuple[str, str, list[float]]]:
+    """[(role, rounding, held-out loss per seed)] of :data:`TRAIN_ROLES` at ``precisions``."""
+    out = []
+    for role, label, precision, changes in TRAIN_ROLES:
+        if precision not in precisions:
+            continue
+        star = " *" if changes and is_default(changes) else ""
+        out.append((role, label + star, [train_loss(precision, changes, steps, s + 1)
+                                         for s in range(seeds)]))
+        print(f"  {role} {label}{star}: {out[-1][2]}", flush=True)
+    return out
+
+
 @contextlib.contextmanager
 def _timer(label: str) -> Iterator[None]:
     t0 = time.perf_counter()
@@ -206,12 +323,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4,
                     help="transformer layers of vit, bert and gpt2 (default 4)")
     ap.add_argument("--outliers", action="store_true")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="also the bias per tensor role: the gradient averaged over this many "
+                         "seeds (0: skip)")
+    ap.add_argument("--train", type=int, default=0, metavar="STEPS",
+                    help="also train tiny_gpt this many steps per role and rounding (0: skip)")
+    ap.add_argument("--train-precisions", nargs="+", default=["int4", "int8", "int8_full"],
+                    choices=["fp32", "int4", "int8", "int8_full"],
+                    help="the precisions --train compares (default int4 int8 int8_full)")
+    ap.add_argument("--skip-choices", action="store_true",
+                    help="skip the one-step table of every choice (with --repeats/--outliers)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     fwd = {"int8_forward_stochastic": ops.NUMERICS.int8_forward_stochastic}
     print(f"defaults: {ops.NUMERICS}")
     results: dict[str, list[tuple[str, float, float]]] = {}
-    for name in args.models:
+    for name in [] if args.skip_choices else args.models:
         with _timer(name):
             results[name] = measure(name, args.seeds, fwd, args.layers)
         for label, c, e in results[name]:
@@ -225,6 +352,33 @@ def main(argv: list[str] | None = None) -> int:
         for i, (label, _, _) in enumerate(results[names[0]]):
             cells = [f"{results[n][i][1]:.4f} ({results[n][i][2]:.3f})" for n in names]
             print(f"| {label} | {' | '.join(cells)} |")
+    if args.repeats > 0:
+        print(f"\nbias per tensor role: the gradient averaged over {args.repeats} seeds against "
+              "fp32; ratio = one-step error / error of the mean (sqrt(R) = "
+              f"{args.repeats ** 0.5:.2f} for pure noise, 1 for pure bias); * the default")
+        print("| model | role | rounding | cosine, one step | cosine, mean | error, one step "
+              "| error, mean | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name in args.models:
+            with _timer(f"{name} bias"):
+                got = bias(name, args.repeats, args.layers)
+            for role, label, c1, cm, e1, em in got:
+                print(f"| {name} | {role} | {label} | {c1:.4f} | {cm:.4f} | {e1:.4f} | "
+                      f"{em:.4f} | {e1 / em if em > 0 else float('inf'):.2f} |", flush=True)
+    if args.train > 0:
+        with _timer("training"):
+            got = training(args.train, args.seeds, args.train_precisions)
+        base = dict(((r, lab.rstrip(" *")), v) for r, lab, v in got)
+        print(f"\ntiny_gpt trained {args.train} steps, held-out fp32 loss (nats), "
+              f"{args.seeds} seed(s); difference against round to nearest, paired")
+        print("| role | rounding | loss per seed | mean | minus rtn |")
+        print("|---|---|---|---|---|")
+        for role, label, v in got:
+            rtn = base.get((role, "rtn"))
+            diff = (f"{sum(a - b for a, b in zip(v, rtn, strict=True)) / len(v):+.4f}"
+                    if rtn is not None and label.startswith("sr") else "")
+            print(f"| {role} | {label} | {', '.join(f'{x:.4f}' for x in v)} | "
+                  f"{sum(v) / len(v):.4f} | {diff} |")
     if args.outliers:
         print("\nViT patch embedding, int8_full, relative error against fp32 "
               f"(mean over {args.seeds} seed(s))")

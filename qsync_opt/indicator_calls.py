@@ -44,6 +44,7 @@ class Bilinear:
     f: Callable[[Tensor, Tensor], Tensor]
     b_is_weight: bool
     channel_dim: int = -1  # the output's channel axis (1 for convolutions)
+    groups: int = 1  # a convolution's groups (its weight's input columns are per group)
 
     def grad_a(self, a_shape: Sequence[int], b: Tensor, cot: Tensor) -> Tensor:
         a0 = torch.zeros(a_shape, dtype=cot.dtype, requires_grad=True)
@@ -68,10 +69,10 @@ def module_bilinear(mod: nn.Module) -> Bilinear | None:
         return Bilinear(_linear, True)
     if isinstance(mod, nn.Conv2d):
         st, pad, dil, grp = mod.stride, mod.padding, mod.dilation, mod.groups
-        return Bilinear(lambda a, b: F.conv2d(a, b, None, st, pad, dil, grp), True, 1)
+        return Bilinear(lambda a, b: F.conv2d(a, b, None, st, pad, dil, grp), True, 1, grp)
     if isinstance(mod, nn.Conv1d):
         st1, pad1, dil1, grp1 = mod.stride, mod.padding, mod.dilation, mod.groups
-        return Bilinear(lambda a, b: F.conv1d(a, b, None, st1, pad1, dil1, grp1), True, 1)
+        return Bilinear(lambda a, b: F.conv1d(a, b, None, st1, pad1, dil1, grp1), True, 1, grp1)
     if isinstance(mod, MatMul):
         return Bilinear(torch.matmul, False)
     return None

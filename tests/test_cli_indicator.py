@@ -122,8 +122,8 @@ def test_indicate_says_what_it_computed(tmp_path, cache) -> None:
 
 
 def test_progress_off_a_terminal_is_a_plain_line(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(ind, "PROGRESS_EVERY_S", 0.0)
-    tick = ind._Progress(True, "qsync", 4)
+    monkeypatch.setattr(ind.compute, "PROGRESS_EVERY_S", 0.0)
+    tick = ind.compute.IndicatorProgress(True, "qsync", 4)
     tick.tty = False
     for i in range(1, 5):
         tick(i)
@@ -131,6 +131,6 @@ def test_progress_off_a_terminal_is_a_plain_line(monkeypatch, capsys) -> None:
     lines = err.splitlines()
     assert "\r" not in err and len(lines) == 3  # not after the last batch: the summary says it
     assert lines[0].startswith("indicator qsync: batch 1/4,") and "left" in lines[0]
-    off = ind._Progress(False, "qsync", 4)
+    off = ind.compute.IndicatorProgress(False, "qsync", 4)
     off(1)
     assert capsys.readouterr().err == ""

@@ -14,14 +14,13 @@ from qsync_opt.indicator import (
     LADDERS,
     METHODS,
     SPECS,
-    _bilinear,
-    _Capture,
-    _qsync_terms,
     element_variance,
     enforce_monotone,
     indicate,
     scale_to_batch,
 )
+from qsync_opt.indicator.terms import OpCapture, qsync_terms
+from qsync_opt.indicator_calls import module_bilinear
 from qsync_opt.precision import Precision as P
 from qsync_opt.schemas import IndicatorTable
 
@@ -38,7 +37,7 @@ def test_int8_linear_forward_error_matches_measurement() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.relu(torch.randn(48, 64, generator=gen))  # ReLU zeros quantize exactly
     w = torch.randn(32, 64, generator=gen) * 0.1
-    bl = _bilinear(torch.nn.Linear(64, 32))
+    bl = module_bilinear(torch.nn.Linear(64, 32))
     exact = x.double() @ w.double().t()
     measured = sum(float((ops.int8_linear(x, w, seed=s).double() - exact).square().sum())
                    for s in range(SEEDS)) / SEEDS
@@ -58,7 +57,7 @@ def test_int8_conv_forward_error_matches_measurement() -> None:
     x = torch.randn(2, 4, 9, 9, generator=gen)
     w = torch.randn(6, 2, 3, 3, generator=gen)
     conv = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False)
-    bl = _bilinear(conv)
+    bl = module_bilinear(conv)
     exact = F.conv2d(x.double(), w.double(), None, 2, 1, 1, 2)
     measured = sum(float((ops.int8_conv2d(x, w, None, 2, 1, 1, 2, seed=s).double() - exact)
                          .square().sum()) for s in range(SEEDS)) / SEEDS
@@ -82,7 +81,7 @@ def test_int8_full_backward_error_matches_measurement() -> None:
         ops.int8_linear(xs, ws, int8_backward=True, seed=s).backward(g)
         mx += float((xs.grad.double() - exact_gx).square().sum()) / SEEDS
         mw += float((ws.grad.double() - exact_gw).square().sum()) / SEEDS
-    bl = _bilinear(torch.nn.Linear(32, 24))
+    bl = module_bilinear(torch.nn.Linear(32, 24))
     k = SPECS[P.int8_full]
     assert k is not None and (k.g, k.g_w) == ("int8row", "int8gcol")
     vg_x = element_variance(g, k.g)    # per row (token) for the input gradient
@@ -104,7 +103,7 @@ def test_fp16_and_bf16_forward_error_against_real_rounding() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(256, 128, generator=gen)
     w = torch.randn(96, 128, generator=gen)
-    bl = _bilinear(torch.nn.Linear(128, 96))
+    bl = module_bilinear(torch.nn.Linear(128, 96))
     exact = x.double() @ w.double().t()
     for dtype, kind in ((torch.float16, "m10"), (torch.bfloat16, "m7")):
         actual = float(((x.to(dtype).double() @ w.to(dtype).double().t()) - exact).square().sum())
@@ -176,7 +175,7 @@ def test_deterministic_under_seed_and_cached(digits_tables, tmp_path, monkeypatc
     def boom(*a, **k):
         raise AssertionError("recomputed instead of reusing the cache")
 
-    monkeypatch.setattr("qsync_opt.indicator._qsync_terms", boom)
+    monkeypatch.setattr("qsync_opt.indicator.compute.qsync_terms", boom)
     assert indicate("digits_cnn", batches=2, cache_dir=tmp_path) == first
 
 
@@ -191,11 +190,11 @@ def test_qsync_terms_are_zero_at_fp32_and_first_layer_has_no_input_gradient() ->
     gen = torch.Generator().manual_seed(4)
     a, b, g = (torch.randn(8, 16, generator=gen), torch.randn(4, 16, generator=gen),
                torch.randn(8, 4, generator=gen))
-    bl = _bilinear(torch.nn.Linear(16, 4))
-    cap = _Capture(a=a, b=b, y=a @ b.t(), a_needs_grad=False, g=g)
-    out = _qsync_terms(bl, cap, [P.fp32, P.int8], True)
+    bl = module_bilinear(torch.nn.Linear(16, 4))
+    cap = OpCapture(a=a, b=b, y=a @ b.t(), a_needs_grad=False, g=g)
+    out = qsync_terms(bl, cap, [P.fp32, P.int8], True)
     assert out[P.fp32] == (0.0, 0.0)
-    with_input = _qsync_terms(bl, _Capture(a=a, b=b, y=a @ b.t(), a_needs_grad=True, g=g),
+    with_input = qsync_terms(bl, OpCapture(a=a, b=b, y=a @ b.t(), a_needs_grad=True, g=g),
                               [P.int8], True)
     assert with_input[P.int8][1] > out[P.int8][1] > 0
 
@@ -302,7 +301,8 @@ def test_indicator_memory_components_come_from_the_graph() -> None:
 
 
 def test_indicate_refuses_in_one_line_when_the_model_would_not_fit(monkeypatch) -> None:
-    import qsync_opt.indicator as mod
+    import qsync_opt.indicator.compute as mod
+    import qsync_opt.indicator.memory as memory
 
     def guarded(wl):
         def build():
@@ -315,7 +315,7 @@ def test_indicate_refuses_in_one_line_when_the_model_would_not_fit(monkeypatch) 
     # comes first, before any model is built.
     real = mod.resolve_workload
     monkeypatch.setattr(mod, "resolve_workload", lambda name: guarded(real(name)))
-    monkeypatch.setattr(mod, "available_memory_bytes", lambda: 100 * 2**20)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 100 * 2**20)
     with pytest.raises(QsyncInputError) as exc:
         indicate("resnet18", 1, batch=4, cache=False)
     msg = str(exc.value)
@@ -368,7 +368,7 @@ def test_a_cached_table_without_int4_serves_callers_that_do_not_need_it(tmp_path
         raise AssertionError("recomputed instead of reusing the cache")
 
     with monkeypatch.context() as m:
-        m.setattr("qsync_opt.indicator._qsync_terms", boom)
+        m.setattr("qsync_opt.indicator.compute.qsync_terms", boom)
         reused = indicate("digits_cnn", batches=2, cache_dir=tmp_path,
                           needs={P.fp32, P.fp16, P.int8, P.int8_full})
         assert reused.values == old.values

@@ -13,10 +13,10 @@ from qsync_opt.indicator import (
     LADDERS,
     METHODS,
     SPECS,
-    _curv_batch,
     element_variance,
     indicate,
 )
+from qsync_opt.indicator.curv import curv_batch
 from qsync_opt.precision import Precision as P
 from qsync_opt.schemas import IndicatorTable
 
@@ -47,7 +47,7 @@ def _predict(model: nn.Module, x: Tensor_t, loss, precisions, *, samples: int = 
     def run():
         y = model(x)
         return y, loss(y).float()
-    terms, used = _curv_batch(model, list(names), run, {n: precisions for n in names},
+    terms, used = curv_batch(model, list(names), run, {n: precisions for n in names},
                               samples=samples, gen=torch.Generator().manual_seed(seed), lr=lr,
                               curvature=curvature)
     assert used == curvature
@@ -256,7 +256,7 @@ def test_indicate_curv_on_digits_runs_caches_and_reloads(tmp_path, monkeypatch) 
     def boom(*a, **k):
         raise AssertionError("recomputed instead of reusing the cache")
 
-    monkeypatch.setattr("qsync_opt.indicator._curv_batch", boom)
+    monkeypatch.setattr("qsync_opt.indicator.compute.curv_batch", boom)
     assert indicate("digits_cnn", batches=1, method="curv", cache_dir=tmp_path) == table
     # another learning rate is another table
     monkeypatch.undo()

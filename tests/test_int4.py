@@ -151,7 +151,7 @@ def test_int4_linear_forward_equals_the_integer_reference(group_rows: int,
     b = torch.randn(24, generator=gen)
     seed = 99
     out = ops.int4_linear(x, w, b, group_rows=group_rows, stochastic=stochastic, seed=seed)
-    x_seed, w_seed, _, _ = ops._seeds(seed)
+    x_seed, w_seed, _, _ = ops.int8.seeds(seed)
     qx, sx = ops.quantize_int4(x.reshape(-1, 40), stochastic=stochastic, seed=x_seed,
                                group_rows=group_rows)
     qw, sw = ops.quantize_int4(w, axis=0, stochastic=stochastic, seed=w_seed)
@@ -241,7 +241,7 @@ def test_int4_forward_rounds_to_nearest_by_default_as_torch_does(backend: str,
     from qsync_opt.ops import _build
 
     if backend == "reference":
-        monkeypatch.setattr(ops, "_use_cpp", lambda t: False)
+        monkeypatch.setattr(ops.backends, "use_cpp", lambda t: False)
     else:
         assert _build.load_cpu()[0]
     assert ops.NUMERICS.int4_forward_stochastic is False

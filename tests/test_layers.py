@@ -163,27 +163,30 @@ def test_fp8_is_emulated_e4m3_operands_fp32_gemm_and_fp32_gradients() -> None:
 @pytest.mark.parametrize("precision", [Precision.int8, Precision.int8_full])
 def test_int8_attention_matmul_is_emulated(precision: Precision) -> None:
     """int8 / int8_full attention matmuls: both operands fake-quantized to int8 (per tensor,
-    stochastic rounding), the matmul in FP32; the gradient is not quantized, so int8_full
-    computes exactly what int8 does."""
+    stochastic rounding), the matmul in FP32. int8 passes the gradient through unquantized;
+    int8_full quantizes it, per row for the left operand's gradient and per last-axis
+    channel for the right one's, as its integer linears do."""
     from qsync_opt import ops
+    from qsync_opt.runtime.gemm import quantize_output_grad
 
     gen = torch.Generator().manual_seed(5)
     a0, b0 = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 4, 5, generator=gen)
-    g = torch.randn(2, 3, 5, generator=gen)
-    grads = {}
-    for p in (precision, Precision.int8):
-        model = torch.nn.Sequential(MatMul())
-        apply_precisions(model, {"0": p}, seed=2)
-        s = model[0].qseed + 1
-        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
-        y = model[0](a, b)
-        aq, bq = ops.fake_quant_int8(a0, seed=2 * s), ops.fake_quant_int8(b0, seed=2 * s + 1)
-        assert torch.equal(y.detach(), torch.matmul(aq, bq))
-        y.backward(g)
-        assert torch.allclose(a.grad, g @ bq.transpose(1, 2), rtol=1e-6, atol=1e-6)
-        grads[p] = (a.grad, b.grad)
-    assert all(torch.equal(u, v) for u, v in zip(grads[precision], grads[Precision.int8],
-                                                 strict=True))
+    g = torch.randn(2, 3, 5, generator=gen) * torch.logspace(-2, 0, 3).reshape(1, 3, 1)
+    model = torch.nn.Sequential(MatMul())
+    apply_precisions(model, {"0": precision}, seed=2)
+    s = model[0].qseed + 1
+    a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    y = model[0](a, b)
+    aq, bq = ops.fake_quant_int8(a0, seed=2 * s), ops.fake_quant_int8(b0, seed=2 * s + 1)
+    assert torch.equal(y.detach(), torch.matmul(aq, bq))
+    y.backward(g)
+    ga, gb = g, g
+    if precision == Precision.int8_full:
+        ga = quantize_output_grad(g, "a", (s + 0x9E37) & 0x7FFFFFFF)
+        gb = quantize_output_grad(g, "b", (s + 2 * 0x9E37) & 0x7FFFFFFF)
+        assert not torch.equal(ga, g) and not torch.equal(gb, g)
+    assert torch.allclose(a.grad, ga @ bq.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(b.grad, aq.transpose(1, 2) @ gb, rtol=1e-6, atol=1e-6)
 
 
 def test_devices_command_says_what_is_emulated(capsys) -> None:

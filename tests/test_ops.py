@@ -177,7 +177,7 @@ def test_int8_full_backward_equals_its_reference_formula(grad_scale: str) -> Non
     sgw = (sgc * sx).expand(8) if sgc.dim() == 0 else sgc * sx
     gw = ref.rescale_int32_rows(gw_acc, sgw, torch.ones(16), None, torch.float32)
     assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
-    assert s0 == 3 and s1  # the seed streams documented in ops._seeds
+    assert s0 == 3 and s1  # the seed streams documented in ops.int8.seeds
 
 
 def test_bf16_backward_and_gradient_dtypes() -> None:

@@ -53,7 +53,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
               "docs/DEVICES.md R1).")
     print("Emulated, but costed at the peaks above: fp8 = e4m3-rounded inputs and weights, FP32 "
           "GEMM, FP32 gradients;\nint8/int8_full attention matmuls = int8-rounded operands, FP32 "
-          "matmul. int8 Linear/Conv2d run real int8 GEMMs.")
+          "matmul (int8_full: int8-rounded output gradients too). int8 Linear/Conv2d run real int8 GEMMs.")
     print("int4 is opt-in (on no default menu): DEVICE:int4 (t4:int4, cpu/2~t4:int4) or --int4 "
           "adds it where a card has an INT4 peak.\nHere int4 values [-7, 7] live in int8 storage "
           "and run through the exact int8 GEMM: int4's rounding, no int4 speed gain on this CPU.")

@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from . import load_cpu
+from . import backends, load_cpu
 
 __all__ = ["BACKENDS", "strict_int_mm", "use_backend"]
 
@@ -28,8 +28,6 @@ BACKENDS = ("cpp", "python")
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the block on ``name``: ``"cpp"`` (pytest.skip when not built) or ``"python"``."""
-    from .. import ops
-
     if name == "cpp":
         ok, why = load_cpu()
         if not ok:
@@ -40,7 +38,7 @@ def use_backend(name: str) -> Iterator[None]:
         return
     if name != "python":
         raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
-    with mock.patch.object(ops, "_use_cpp", lambda t: False):
+    with mock.patch.object(backends, "use_cpp", lambda t: False):
         yield
 
 

@@ -4,7 +4,9 @@ dispatcher (:mod:`.dispatch`) share.
 * :func:`run_linear` / :func:`run_gemm` run one linear or matmul-like call at a precision
   (16 bit: operands cast, the result cast back; int8 / int4: the qsync integer GEMM or
   int8 / int4 fake-quantization, rounded as ``qsync_opt.ops.NUMERICS`` says: int8
-  stochastically, int4 to nearest; fp8: e4m3 fake-quantization);
+  stochastically, int4 to nearest; fp8: e4m3 fake-quantization); a matmul-like call at
+  int8_full also quantizes its output gradient in backward (:func:`int8_full_gemm`), as
+  the integer linears do;
 * :class:`RuntimeStep` is the ``step`` of the attention decomposition
   (:mod:`qsync_opt.attention`) that runs its GEMM steps at their planned precisions;
 * :data:`COUNTERS` / :func:`record_call` are the active call tallies of
@@ -30,8 +32,9 @@ from ..models.layers import MatMul
 from ..precision import Precision
 from ..schemas import OpKind
 
-__all__ = ["COUNTERS", "HALF_DTYPES", "QMixin", "RuntimeStep", "record_call", "run_gemm",
-           "run_linear", "swappable_kind"]
+__all__ = ["COUNTERS", "HALF_DTYPES", "QMixin", "RuntimeStep", "gemm_operand_roles",
+           "int8_full_gemm", "quantize_output_grad", "record_call", "run_gemm", "run_linear",
+           "swappable_kind"]
 
 #: The 16-bit precisions and their torch dtypes.
 HALF_DTYPES = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}
@@ -83,6 +86,8 @@ def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Preci
         return fn(*args, **kwargs)
     dtype = floats[0].dtype
     base = next_seed() if p in (Precision.int8, Precision.int8_full, Precision.int4) else 0
+    if p == Precision.int8_full:
+        return int8_full_gemm(fn, args, kwargs, base)
     k = 0
 
     def conv(t: Any) -> Any:
@@ -101,6 +106,102 @@ def run_gemm(kind: str, fn: Callable[..., Any], args: Any, kwargs: Any, p: Preci
     a2, k2 = tree_unflatten([conv(t) for t in flat], spec)
     out = fn(*a2, **k2)
     return out.to(dtype) if p in HALF_DTYPES and isinstance(out, Tensor) else out
+
+
+def gemm_operand_roles(fn: Callable[..., Any], n_floats: int) -> list[str]:
+    """The role of each floating-point operand of a matmul-like call, in argument order:
+    ``"a"`` (the left operand: its gradient is ``G @ B^T``), ``"b"`` (the right one: ``A^T @
+    G``) or ``""`` (neither: ``baddbmm``'s added input, an einsum's third operand). The
+    indicator's forms (:func:`qsync_opt.indicator_calls.functional_form`) take the same two."""
+    name = getattr(fn, "__name__", "")
+    roles = [""] * n_floats
+    if name == "baddbmm":
+        order = [1, 2]
+    elif name == "__rmatmul__":  # self.__rmatmul__(other) computes other @ self
+        order = [1, 0]
+    else:
+        order = [0, 1]
+    for role, i in zip(("a", "b"), order, strict=True):
+        if i < n_floats:
+            roles[i] = role
+    return roles
+
+
+def quantize_output_grad(g: Tensor, role: str, seed: int) -> Tensor:
+    """int8_full's output gradient ``g`` of a matmul-like call as one operand's gradient GEMM
+    uses it, fake-quantized to int8 (``ops.NUMERICS``: rounding ``grad_stochastic``, scales
+    ``grad_scale``). ``"a"`` (``G @ B^T``): one scale per row, i.e. per position across the
+    last axis, with ``grad_scale`` row or rowcol; ``"b"`` (``A^T @ G``): one per last-axis
+    channel across every other axis with rowcol; else one per tensor. A 1-D gradient takes one
+    scale per element for both (each element is its own row and channel), a 0-D one one scale.
+    The indicator's ``int8row`` / ``int8gcol`` kinds are these, element for element."""
+    n = ops.NUMERICS
+    stochastic = n.grad_stochastic
+    per = {"a": n.grad_scale in ("row", "rowcol"), "b": n.grad_scale == "rowcol"}[role]
+    if g.dim() == 0 or not per:
+        return ops.fake_quant_int8(g, None, stochastic, seed)
+    if g.dim() == 1:
+        return ops.fake_quant_int8(g, 0, stochastic, seed)
+    flat = g.reshape(-1, g.shape[-1])
+    return ops.fake_quant_int8(flat, 0 if role == "a" else 1, stochastic, seed).reshape(g.shape)
+
+
+class _GradQuantizedGemm(torch.autograd.Function):
+    """``call(*floats)`` (the operands already fake-quantized) whose backward hands each
+    operand's vector-Jacobian product its own quantization of the output gradient
+    (:func:`quantize_output_grad` by :func:`gemm_operand_roles`); the forward's graph is
+    kept, so backward runs only the two gradient GEMMs."""
+
+    @staticmethod
+    def forward(ctx: Any, call: Callable[..., Tensor], roles: list[str], seed: int,
+                *floats: Tensor) -> Tensor:
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in floats]
+        with torch.enable_grad():
+            out = call(*leaves)
+        ctx.graph, ctx.leaves, ctx.roles, ctx.seed = out, leaves, roles, seed
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        grads: list[Tensor | None] = [None] * len(ctx.leaves)
+        wanted = [i for i, t in enumerate(ctx.leaves) if t.requires_grad]
+        for k, role in enumerate(("a", "b", "")):
+            idx = [i for i in wanted if ctx.roles[i] == role]
+            if not idx:
+                continue
+            g = grad if not role else quantize_output_grad(
+                grad, role, (ctx.seed + (k + 1) * 0x9E37) & 0x7FFFFFFF)
+            got = torch.autograd.grad(ctx.graph, [ctx.leaves[i] for i in idx], g,
+                                      retain_graph=True, allow_unused=True)
+            for i, gi in zip(idx, got, strict=True):
+                grads[i] = gi
+        return (None, None, None, *grads)
+
+
+def int8_full_gemm(fn: Callable[..., Any], args: Any, kwargs: Any, base: int) -> Tensor:
+    """A matmul-like call at int8_full: every float operand fake-quantized to int8 as at
+    int8 (seeds ``2 * base + k``), the product in the operands' dtype, and in backward the
+    output gradient quantized to int8 for each operand's gradient GEMM
+    (:func:`quantize_output_grad`; seeds from ``base``), as ``qsync::int8_linear`` does with
+    ``int8_backward``: what the cost model (``rules.GRAD_QUANTIZE_PASSES``) charges and the
+    indicator's int8_full error model assumes."""
+    flat, spec = tree_flatten((args, kwargs))
+    pos = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.is_floating_point()]
+    quantized = [ops.fake_quant_int8(flat[i], seed=(2 * base + k) & 0x7FFFFFFF)
+                 for k, i in enumerate(pos)]
+
+    def call(*floats: Tensor) -> Tensor:
+        leaves = list(flat)
+        for i, t in zip(pos, floats, strict=True):
+            leaves[i] = t
+        a2, k2 = tree_unflatten(leaves, spec)
+        return fn(*a2, **k2)
+
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in quantized)):
+        return call(*quantized)
+    out: Tensor = _GradQuantizedGemm.apply(call, gemm_operand_roles(fn, len(pos)), base,
+                                           *quantized)
+    return out
 
 
 class QMixin:

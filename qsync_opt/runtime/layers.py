@@ -14,9 +14,10 @@ FP32 gradients. Per precision:
   GEMM, stochastic rounding, a fresh seed each call from the layer's counter; int8_full's
   backward quantizes the output gradient per row for the input gradient and per output
   channel for the weight gradient: ``qsync_opt.ops.NUMERICS``); attention
-  matmuls fake-quantize both operands to int8 and multiply in the input dtype, with an
-  unquantized gradient, so ``int8_full`` computes there exactly what ``int8`` does (there is
-  no batched int8 GEMM op yet).
+  matmuls fake-quantize both operands to int8 and multiply in the input dtype (there is no
+  batched int8 GEMM op yet); at ``int8_full`` their backward quantizes the output gradient
+  the same way, per row for the left operand's gradient and per last-axis channel for the
+  right one's (:func:`~qsync_opt.runtime.gemm.int8_full_gemm`).
 * ``int4`` (opt-in): ``qsync::int4_linear`` / ``qsync::int4_conv2d``: values in [-7, 7]
   (scale abs-max/7; weights per output channel, activations per tensor; rounded to nearest,
   which kept 0.85 of the gradient's direction where stochastic rounding kept 0.77:
@@ -51,6 +52,7 @@ from .gemm import (
     HALF_DTYPES,
     QMixin,
     RuntimeStep,
+    int8_full_gemm,
     record_call,
     run_gemm,
     run_linear,
@@ -128,7 +130,9 @@ class QMatMul(MatMul, QMixin):
         if p in _HALF:
             d = _HALF[p]
             return torch.matmul(a.to(d), b.to(d)).to(a.dtype)
-        if p in (Precision.int8, Precision.int8_full):
+        if p == Precision.int8_full:
+            return int8_full_gemm(torch.matmul, (a, b), {}, self._next_seed())
+        if p == Precision.int8:
             s = self._next_seed()
             return torch.matmul(ops.fake_quant_int8(a, seed=2 * s),
                                 ops.fake_quant_int8(b, seed=2 * s + 1))
