@@ -7,13 +7,12 @@ package) becomes an edge of the import graph. The tests assert:
 * each module imports only modules of its own layer or of lower ones (``LAYERS``, every
   module placed explicitly; a new module fails until it is placed);
 * ``runtime/`` never imports ``solvers/``;
-* ``schemas`` imports nothing of the package but ``precision``, ``errors`` and
-  ``device_names`` (except the lazy wrappers in ``UPWARD``);
+* ``schemas`` imports nothing of the package but ``precision``, ``errors``, ``files`` and
+  ``device_names``;
 * no module imports another module's private (underscore) name or a private module, nor
   reads one as ``module._name``, except ``PRIVATE_ALLOWED`` (exact: an entry that no longer
   occurs fails, so the list only shrinks);
-* the graph (less ``UPWARD``) has no cycles except ``CYCLES_ALLOWED`` (exact, each with its
-  reason).
+* the graph has no cycles except ``CYCLES_ALLOWED`` (exact, each with its reason).
 """
 
 from __future__ import annotations
@@ -33,15 +32,15 @@ SOURCE_DIRS = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
 #: Names are relative to ``qsync_opt`` ("" is the package itself).
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress",
-                    "limits"]),
+                    "limits", "files"]),
     ("schemas", ["schemas"]),
     ("io", ["io", "outfolder"]),
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
     ("workloads and kernels", [
         "user_model", "models", "models.layers", "models.bert", "models.digits_cnn",
-        "models.digits_resnet", "models.gpt2", "models.patterns", "models.resnet",
+        "models.digits_resnet", "models.gpt2", "models.resnet",
         "models.tiny_gpt", "models.vgg", "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
-        "ops.reference", "ops.testing", "attention"]),
+        "ops.reference", "attention"]),
     ("graph, devices, costs", [
         "graph", "graph.annotate", "graph.capture", "graph.fallback", "graph.kinds",
         "graph.naming", "graph.recording", "graph.tracing", "graph.user_files",
@@ -79,16 +78,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("solve", ["solve", "dominance"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "cli.netsim", "testing"]),
+             "cli.planning", "cli.netsim"]),
 ]
-
-#: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.
-UPWARD: dict[tuple[str, str], str] = {
-    ("schemas", "io"): "Document.save/Document.load are thin lazy wrappers over io.save/"
-                       "io.load (the public API: Plan.load(path) in README, tests, benchmarks); "
-                       "they import io only when called. Removed when callers use io directly.",
-    ("schemas", "plan"): "Plan.load(path, graph) calls plan.check_plan lazily (same reason).",
-}
 
 #: Cross-module private imports kept, exactly: (importer, imported, name) -> the step that
 #: removes it. ``name`` None: the private module itself.
@@ -97,8 +88,7 @@ PRIVATE_ALLOWED: dict[tuple[str, str, str | None], str] = {
                                  "load_cpu (everyone else imports it from qsync_opt.ops)",
 }
 
-#: Import cycles kept, exactly: frozenset of the cycle's modules -> why. Counted without the
-#: ``UPWARD`` edges (each of those closes a cycle by definition and is justified there).
+#: Import cycles kept, exactly: frozenset of the cycle's modules -> why.
 CYCLES_ALLOWED: dict[frozenset[str], str] = {}
 
 
@@ -211,13 +201,12 @@ def layer_violations() -> set[tuple[str, str]]:
 
 
 def test_imports_go_down_the_layers() -> None:
-    found = layer_violations()
-    new = sorted(found - set(UPWARD))
-    assert not new, "imports into a higher layer: " + "; ".join(
+    """No exceptions: a document saves and loads itself through ``files`` (below
+    ``schemas``), and a caller checks a plan against its graph with ``plan.check_plan``."""
+    found = sorted(layer_violations())
+    assert not found, "imports into a higher layer: " + "; ".join(
         f"{_where(m)} imports {_full(t)} ({LAYERS[LAYER_OF[m]][0]} -> {LAYERS[LAYER_OF[t]][0]})"
-        for m, t in new)
-    stale = sorted(set(UPWARD) - found)
-    assert not stale, f"UPWARD lists imports that no longer occur (remove them): {stale}"
+        for m, t in found)
 
 
 def test_runtime_never_imports_solvers() -> None:
@@ -228,7 +217,7 @@ def test_runtime_never_imports_solvers() -> None:
 
 
 def test_schemas_imports_only_the_foundation() -> None:
-    allowed = {"precision", "errors", "device_names"} | {t for m, t in UPWARD if m == "schemas"}
+    allowed = {"precision", "errors", "files", "device_names"}
     got = {t for t, _, _ in GRAPH["schemas"]}
     assert got <= allowed, f"schemas imports {sorted(got - allowed)}"
 
@@ -258,7 +247,7 @@ def cycles() -> set[frozenset[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     succ: dict[str, set[str]] = defaultdict(set)
     for m, es in GRAPH.items():
-        succ[m] |= {t for t, _, _ in es if (m, t) not in UPWARD}
+        succ[m] |= {t for t, _, _ in es}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
