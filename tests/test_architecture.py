@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
                  "runtime.commhooks", "runtime.pipecuts", "runtime.pipeline",
                  "runtime.pipedist", "runtime.pipetrain", "runtime.pipepredict",
-                 "runtime.pipescale",
+                 "runtime.pipescale", "runtime.gather",
                  "runtime.rankfail"]),
     # fused training arrays: the fused operators over the precision layers, the array's
     # trainer over the runtime's data and schedules

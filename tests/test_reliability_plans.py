@@ -287,6 +287,25 @@ def test_a_plan_that_fits_passes_every_reader(digits_graph, tmp_path, capsys) ->
         assert code == 0, (argv, err)
 
 
+@pytest.mark.parametrize("call", [lambda p, g: Plan.load(p, g),
+                                  lambda p, g: Plan.load(p, graph=g)],
+                         ids=["positional", "keyword"])
+def test_plan_load_never_returns_a_plan_it_did_not_check(call, digits_graph, tmp_path) -> None:
+    """``Plan.load`` reads; ``check_plan`` checks. Handed a graph, ``Plan.load`` refuses in
+    one line naming ``check_plan`` rather than return a plan it did not check, whether or
+    not the plan fits."""
+    fits = save(_digits_plan(digits_graph), tmp_path / "ok.json")
+    edit, needle = _cases(digits_graph)["another graph"]
+    bad = save(_digits_plan(digits_graph, edit), tmp_path / "bad.json")
+    for path in (fits, bad):
+        with pytest.raises(TypeError, match=r"qsync_opt\.plan\.check_plan\(plan, graph\)") as exc:
+            call(path, digits_graph)
+        assert "\n" not in str(exc.value)
+    assert call(fits, None) == Plan.load(fits)  # no graph: a plain read
+    with pytest.raises(QsyncInputError, match=needle):
+        check_plan(Plan.load(bad), digits_graph)
+
+
 def test_train_refuses_another_models_plan(digits_graph, tmp_path, capsys) -> None:
     path = save(_digits_plan(digits_graph), tmp_path / "d.json")
     code, _, err = run(capsys, "train", "--model", "resnet18", "--plan", path, "--out",
