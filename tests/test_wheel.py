@@ -107,3 +107,23 @@ def test_unpickling_is_seen(source: str) -> None:
 ])
 def test_safe_reads_are_not_unpickling(source: str) -> None:
     assert not find_unpickling("m.py", source)
+
+
+@pytest.mark.slow
+def test_plain_values_are_gathered_as_json() -> None:
+    """The pipeline's stages share their summaries through ``all_gather_json`` instead of
+    ``all_gather_object``: every rank's value comes back in rank order, of any length (the
+    empty one too), non-ASCII text, NaN and infinities kept, tuples as lists."""
+    import json
+    import math
+
+    from qsync_opt.profile.gloo import spawn_local
+    from support.gather_job import gather_job
+
+    values = [{"rank": 0, "shapes": {"conv2": (8, 4, 3, 3)}, "evals": ([1.5, math.nan], 7)},
+              {},
+              {"rank": 2, "mix": {"int8": 3}, "name": "über ✓", "loss": -math.inf,
+               "long": list(range(5000))}]
+    got = json.loads(spawn_local(gather_job, len(values), values, timeout_s=300))
+    assert json.dumps(got) == json.dumps(values)
+    assert got[0]["shapes"]["conv2"] == [8, 4, 3, 3] and math.isnan(got[0]["evals"][0][1])
