@@ -26,13 +26,14 @@ import argparse
 import json
 import math
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from qsync_opt.models import patterns
 from torch import nn
 
 import qsync_opt as qs
@@ -43,6 +44,10 @@ from qsync_opt.runtime import apply_plan, count_calls
 from qsync_opt.solve import solve
 from qsync_opt.synthetic import random_indicator
 from qsync_opt.user_model import default_loss
+
+# the torch-native copies of third-party patterns are test code (tests/support/patterns.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import patterns  # noqa: E402
 
 CLUSTER = "v100x16+t4x16"
 Builder = Callable[[bool], tuple[nn.Module, Any]]  # full -> (model, example_inputs)

@@ -96,7 +96,7 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
     """Refuse, in one line naming what is wrong, a plan that does not belong to ``graph``.
 
     The one check of every command that reads a plan (report, replay, train and its
-    ``--dry-run``, ``Plan.load(path, graph=...)``): the graph's structure hash; every planned
+    ``--dry-run``, and a Python caller's ``check_plan(Plan.load(path), graph)``): the graph's structure hash; every planned
     op exists in the graph and every choosable op is planned; a pinned op keeps its pin and a pass-through op is not set; a
     choosable op gets a precision the op allows and the group's card runs; ops of one tie
     group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`.

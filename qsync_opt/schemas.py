@@ -19,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import weakref
 from collections import Counter
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -31,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -38,6 +41,8 @@ from pydantic import (
 )
 
 from .device_names import canonical_name
+from .errors import QsyncInputError, SchemaVersionError, describe_validation_error, one_line
+from .files import atomic_write_text, check_depth, read_json
 from .precision import DType, Precision
 
 NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
@@ -55,7 +60,7 @@ MAX_DEVICES_PER_NODE = 1024
 MAX_BATCH = 1_048_576  # samples per device per iteration (2**20)
 MAX_OPS = 100_000  # operators in a graph
 
-#: Validation context of a document read from a file (see qsync_opt.io.parse_document).
+#: Validation context of a document read from a file (see :func:`parse_document`).
 FROM_FILE = "qsync_from_file"
 
 
@@ -130,7 +135,7 @@ def header_problem(data: dict[str, Any], cls: type[Document]) -> str | None:
     """What is wrong with a document's header for ``cls`` (another ``schema_name``, or a
     ``schema_version`` that is not exactly the integer this qsync-opt reads: ``true`` is not
     1, ``1.0`` is not 1), or None; a missing field reads as ``cls``'s. The one version check:
-    :class:`Document`'s validator and :func:`qsync_opt.io.parse_document` both call it."""
+    :class:`Document`'s validator and :func:`parse_document` both call it."""
     name = data.get("schema_name", cls.SCHEMA_NAME)
     version = data.get("schema_version", cls.SCHEMA_VERSION)
     if name != cls.SCHEMA_NAME:
@@ -163,18 +168,17 @@ class Document(Schema):
         data["schema_version"] = data.get("schema_version", cls.SCHEMA_VERSION)
         return data
 
-    def save(self, path: Any) -> Any:
-        """Write this document as JSON, atomically (see :func:`qsync_opt.io.save`)."""
-        from .io import save
-
-        return save(self, path)
+    def save(self, path: str | os.PathLike[str], *, what: str | None = None) -> Path:
+        """Write this document as JSON (:func:`to_json`), atomically (see
+        :func:`qsync_opt.files.atomic_write`); ``what``: the flag or field the path came
+        from, named by a failed write."""
+        return atomic_write_text(path, to_json(self), what=what)
 
     @classmethod
-    def load(cls, path: Any) -> Any:
-        """Read a document of this type, refusing other kinds and versions clearly."""
-        from .io import load
-
-        return load(path, cls)
+    def load(cls, path: str | os.PathLike[str]) -> Self:
+        """Read a document of this type from a JSON file, refusing other kinds and versions
+        clearly (:func:`parse_document`)."""
+        return parse_document(read_json(path), cls, where=str(path))
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON, the first 16 hex digits (provenance, plan checks);
@@ -811,16 +815,15 @@ class Plan(Document):
         return self
 
     @classmethod
-    def load(cls, path: Any, graph: ModelGraph | None = None) -> Any:
-        """Read a Plan; given ``graph``, refuse a plan that does not belong to it (another
-        graph, an op it lacks, a pinned op lowered, a precision an op or card cannot run):
-        :func:`qsync_opt.plan.check_plan`."""
-        plan = super().load(path)
+    def load(cls, path: str | os.PathLike[str], graph: object = None) -> Self:
+        """Read a Plan. Whether it belongs to a graph is :func:`qsync_opt.plan.check_plan`'s
+        to say, called on the plan this returns: given ``graph`` this refuses (TypeError)
+        rather than return a plan it did not check."""
         if graph is not None:
-            from .plan import check_plan
-
-            check_plan(plan, graph)
-        return plan
+            raise TypeError("Plan.load(path) reads a plan without checking it against a "
+                            "graph: call qsync_opt.plan.check_plan(plan, graph) on the plan "
+                            "it returns")
+        return super().load(path)
 
 
 class SolveReport(Document):
@@ -896,8 +899,31 @@ def schema_names() -> list[str]:
 def json_schema(name: str) -> dict[str, Any]:
     cls = SCHEMAS.get(name) or SUB_SCHEMAS.get(name)
     if cls is None:
-        from .errors import QsyncInputError
-
         raise QsyncInputError(f"unknown schema {name!r}; known: {', '.join(schema_names())}")
     return cls.model_json_schema()
 
+
+D = TypeVar("D", bound=Document)
+
+
+def to_json(doc: Document, indent: int | None = 2) -> str:
+    """A document's JSON as written to a file (the golden plans are this text)."""
+    return doc.model_dump_json(indent=indent) + "\n"
+
+
+def parse_document(data: object, cls: type[D], where: str = "") -> D:
+    """Validate parsed JSON as ``cls``, refusing other kinds and unknown versions clearly."""
+    prefix = f"{where}: " if where else ""
+    if not isinstance(data, dict):
+        raise QsyncInputError(one_line(f"{prefix}expected a JSON object holding a "
+                                       f"{cls.SCHEMA_NAME}"))
+    check_depth(data, where)
+    problem = header_problem(data, cls)
+    if problem is not None:
+        raise SchemaVersionError(one_line(prefix + problem))
+    try:
+        return cls.model_validate(data, context={FROM_FILE: True})
+    except ValidationError as exc:
+        raise QsyncInputError(describe_validation_error(exc, where)) from None
+    except RecursionError:  # cannot happen below MAX_DEPTH; never a traceback
+        raise QsyncInputError(one_line(f"{prefix}nested too deeply")) from None

@@ -7,13 +7,12 @@ package) becomes an edge of the import graph. The tests assert:
 * each module imports only modules of its own layer or of lower ones (``LAYERS``, every
   module placed explicitly; a new module fails until it is placed);
 * ``runtime/`` never imports ``solvers/``;
-* ``schemas`` imports nothing of the package but ``precision``, ``errors`` and
-  ``device_names`` (except the lazy wrappers in ``UPWARD``);
+* ``schemas`` imports nothing of the package but ``precision``, ``errors``, ``files`` and
+  ``device_names``;
 * no module imports another module's private (underscore) name or a private module, nor
   reads one as ``module._name``, except ``PRIVATE_ALLOWED`` (exact: an entry that no longer
   occurs fails, so the list only shrinks);
-* the graph (less ``UPWARD``) has no cycles except ``CYCLES_ALLOWED`` (exact, each with its
-  reason).
+* the graph has no cycles except ``CYCLES_ALLOWED`` (exact, each with its reason).
 """
 
 from __future__ import annotations
@@ -33,17 +32,17 @@ SOURCE_DIRS = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
 #: Names are relative to ``qsync_opt`` ("" is the package itself).
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress",
-                    "limits"]),
+                    "limits", "files"]),
     ("schemas", ["schemas"]),
     ("io", ["io", "outfolder"]),
     # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
     ("workloads and kernels", [
         "user_model", "models", "models.workload", "models.samples", "models.resolve",
         "models.layers", "models.bert", "models.digits_cnn",
-        "models.digits_resnet", "models.gpt2", "models.patterns", "models.resnet",
+        "models.digits_resnet", "models.gpt2", "models.resnet",
         "models.tiny_gpt", "models.vgg", "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
         "ops.reference", "ops.rounding", "ops.backends", "ops.quantize", "ops.intmm",
-        "ops.int8", "ops.int4", "ops.fakequant", "ops.testing", "attention"]),
+        "ops.int8", "ops.int4", "ops.fakequant", "attention"]),
     ("graph, devices, costs", [
         "graph", "graph.annotate", "graph.capture", "graph.fallback", "graph.kinds",
         "graph.naming", "graph.recording", "graph.tracing", "graph.cache",
@@ -69,7 +68,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
                  "runtime.commhooks", "runtime.pipecuts", "runtime.pipeline",
                  "runtime.pipedist", "runtime.pipetrain", "runtime.pipepredict",
-                 "runtime.pipescale",
+                 "runtime.pipescale", "runtime.gather",
                  "runtime.rankfail"]),
     # fused training arrays: the fused operators over the precision layers, the array's
     # trainer over the runtime's data and schedules
@@ -86,16 +85,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("solve", ["solve", "dominance"]),
     ("frontier, report", ["frontier", "report", "demo"]),
     ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "cli.netsim", "cli.profile", "cli.report", "cli.sweep", "cli.train", "testing"]),
+             "cli.planning", "cli.netsim", "cli.profile", "cli.report", "cli.sweep", "cli.train"]),
 ]
-
-#: Upward imports kept, exactly: (importer, imported) -> why, and the step that removes it.
-UPWARD: dict[tuple[str, str], str] = {
-    ("schemas", "io"): "Document.save/Document.load are thin lazy wrappers over io.save/"
-                       "io.load (the public API: Plan.load(path) in README, tests, benchmarks); "
-                       "they import io only when called. Removed when callers use io directly.",
-    ("schemas", "plan"): "Plan.load(path, graph) calls plan.check_plan lazily (same reason).",
-}
 
 #: Cross-module private imports kept, exactly: (importer, imported, name) -> the step that
 #: removes it. ``name`` None: the private module itself.
@@ -105,8 +96,7 @@ PRIVATE_ALLOWED: dict[tuple[str, str, str | None], str] = {
                                           "qsync_opt.ops)",
 }
 
-#: Import cycles kept, exactly: frozenset of the cycle's modules -> why. Counted without the
-#: ``UPWARD`` edges (each of those closes a cycle by definition and is justified there).
+#: Import cycles kept, exactly: frozenset of the cycle's modules -> why.
 CYCLES_ALLOWED: dict[frozenset[str], str] = {}
 
 
@@ -250,13 +240,12 @@ def layer_violations() -> set[tuple[str, str]]:
 
 
 def test_imports_go_down_the_layers() -> None:
-    found = layer_violations()
-    new = sorted(found - set(UPWARD))
-    assert not new, "imports into a higher layer: " + "; ".join(
+    """No exceptions: a document saves and loads itself through ``files`` (below
+    ``schemas``), and a caller checks a plan against its graph with ``plan.check_plan``."""
+    found = sorted(layer_violations())
+    assert not found, "imports into a higher layer: " + "; ".join(
         f"{_where(m)} imports {_full(t)} ({LAYERS[LAYER_OF[m]][0]} -> {LAYERS[LAYER_OF[t]][0]})"
-        for m, t in new)
-    stale = sorted(set(UPWARD) - found)
-    assert not stale, f"UPWARD lists imports that no longer occur (remove them): {stale}"
+        for m, t in found)
 
 
 def test_runtime_never_imports_solvers() -> None:
@@ -267,7 +256,7 @@ def test_runtime_never_imports_solvers() -> None:
 
 
 def test_schemas_imports_only_the_foundation() -> None:
-    allowed = {"precision", "errors", "device_names"} | {t for m, t in UPWARD if m == "schemas"}
+    allowed = {"precision", "errors", "files", "device_names"}
     got = {t for t, _, _ in GRAPH["schemas"]}
     assert got <= allowed, f"schemas imports {sorted(got - allowed)}"
 
@@ -297,7 +286,7 @@ def cycles() -> set[frozenset[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     succ: dict[str, set[str]] = defaultdict(set)
     for m, es in GRAPH.items():
-        succ[m] |= {t for t, _, _ in es if (m, t) not in UPWARD}
+        succ[m] |= {t for t, _, _ in es}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -14,7 +14,7 @@ import pytest
 from qsync_opt import CostTable, ModelGraph, Plan, SolveReport, load
 from qsync_opt.cli import main
 from qsync_opt.precision import Precision
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qsync_opt import indicator as ind
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 _FILE = '''
 import torch

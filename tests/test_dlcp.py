@@ -32,7 +32,7 @@ from qsync_opt.runtime.dlcp import (
 from qsync_opt.runtime.faults import ENV, NO_FAULTS
 from qsync_opt.runtime.syncmode import check_combination, parse_comm, parse_sync
 from qsync_opt.runtime.train import emulate
-from qsync_opt.testing import run_cli, run_params, run_rows
+from support.harness import run_cli, run_params, run_rows
 
 # ----------------------------------------------------------------------------- the policy
 

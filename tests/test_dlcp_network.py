@@ -25,7 +25,7 @@ from qsync_opt.runtime.faults import ENV, NO_FAULTS
 from qsync_opt.runtime.sync import net_masks
 from qsync_opt.runtime.syncmode import parse_comm
 from qsync_opt.runtime.train import emulate
-from qsync_opt.testing import run_cli, run_params, run_rows
+from support.harness import run_cli, run_params, run_rows
 
 pytestmark = pytest.mark.usefixtures("runtime_quiet")
 

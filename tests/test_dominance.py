@@ -30,7 +30,7 @@ from qsync_opt.evaluator import Evaluation, evaluate
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.solve import compare, reachable_ms, solve
 from qsync_opt.synthetic import random_indicator, synthetic_graph
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 
 def _ev(samples_per_s: float, objective: float, *, fits: bool = True, batch: int = 64,

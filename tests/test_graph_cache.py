@@ -198,7 +198,7 @@ def test_a_user_file_is_never_cached(folder, tmp_path) -> None:
 
 
 def test_the_cli_traces_a_built_in_once(folder, traces, tmp_path) -> None:
-    from qsync_opt.testing import run_cli
+    from support.harness import run_cli
 
     for _ in range(2):
         code, _, err = run_cli("graph", "--model", MODEL, "--batch", "16", "--out",

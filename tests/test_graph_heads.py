@@ -14,12 +14,12 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from qsync_opt.models.patterns import PATTERNS
 from torch import nn
 
 from qsync_opt import trace
 from qsync_opt.graph import HEAD_REASON
 from qsync_opt.schemas import ModelGraph, OpKind, OpRole
+from support.patterns import PATTERNS
 
 GEMMS = (OpKind.linear, OpKind.conv, OpKind.matmul)
 

@@ -19,7 +19,7 @@ from torch import nn
 from qsync_opt import trace
 from qsync_opt.graph import unseen_ops
 from qsync_opt.schemas import OpKind
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 
 def window_attention(x: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor,

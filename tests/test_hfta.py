@@ -18,7 +18,7 @@ from qsync_opt.errors import QsyncInputError
 from qsync_opt.hfta.convert import fuse
 from qsync_opt.hfta.functional import FuncArray
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
-from qsync_opt.testing import max_abs_diff, run_cli, run_params
+from support.harness import max_abs_diff, run_cli, run_params
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from qsync_opt.models import get_workload
 
 from qsync_opt.hfta.convert import fuse
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
-from qsync_opt.testing import max_abs_diff, run_cli, run_params
+from support.harness import max_abs_diff, run_cli, run_params
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -31,7 +31,7 @@ from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from qsync_opt.runtime.layers import QMatMul
-from qsync_opt.testing import count_calls, max_abs_diff, run_cli, run_params
+from support.harness import count_calls, max_abs_diff, run_cli, run_params
 
 B = 3
 TOL = 1e-10

@@ -28,7 +28,7 @@ from qsync_opt.hfta.ops import (
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from qsync_opt.runtime.gemm import run_linear
-from qsync_opt.testing import count_calls
+from support.harness import count_calls
 
 B = 3
 TOL = 1e-10

@@ -112,7 +112,7 @@ def test_bad_input_is_one_line(plans, tmp_path, extra, needle) -> None:
 def test_bad_numbers_are_refused_when_parsed(extra) -> None:
     """Since issue 41 every numeric flag is checked by its argparse type (exit 2, one line
     naming the flag), before anything is built."""
-    from qsync_opt.testing import run_cli
+    from support.harness import run_cli
 
     code, _, err = run_cli("train", "--model", "digits_cnn", *extra)
     assert code == 2 and f"argument {extra[0]}: expected" in err and err.count("\n") == 1, err

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import qsync_opt.cuda
 
+from support.product import find_test_code, find_unpickling
+
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ["qsync_opt", "solvers", "models", "cuda", "tests", "benchmarks"]
 BARE_IMPORT = re.compile(r"^\s*(from|import) (models|solvers)(\.|\s|$)", re.MULTILINE)
@@ -171,6 +173,12 @@ def test_wheel_contents(tmp_path: Path) -> None:
             assert rel in entries, f"{rel} missing from the wheel: add it to pyproject's packages"
     top = {e.split("/", 1)[0] for e in entries}
     assert not {"models", "solvers", "cuda", "tests"} & top
+    # the product only: no test code, nothing that unpickles (tests/support/product.py)
+    with zipfile.ZipFile(whl) as zf:
+        found = [r for e in entries if e.endswith(".py")
+                 for src in [zf.read(e).decode()]
+                 for r in find_test_code(e, src) + find_unpickling(e, src)]
+    assert not found, "; ".join(found)
     assert top == {"qsync_opt", "qsync_opt-0.1.0.dist-info"}
     with zipfile.ZipFile(whl) as zf:
         top_level = zf.read("qsync_opt-0.1.0.dist-info/top_level.txt").decode().split()

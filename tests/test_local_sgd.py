@@ -21,7 +21,7 @@ from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import ENV, NO_FAULTS, FaultPlan
 from qsync_opt.runtime.syncmode import parse_sync, rounds
 from qsync_opt.runtime.train import emulate
-from qsync_opt.testing import run_params, run_rows
+from support.harness import run_params, run_rows
 
 
 @pytest.fixture(scope="module")

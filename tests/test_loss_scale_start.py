@@ -23,7 +23,7 @@ from qsync_opt.runtime.config import DEFAULT_LR, USER_MODEL_LR, TrainConfig
 from qsync_opt.runtime.metrics import run_warnings
 from qsync_opt.runtime.scaler import PROBE_SCALES, probe_scale
 from qsync_opt.runtime.train import emulate
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 # fc1 and fc2 run at fp16 on the t4; the logits are multiplied by 30, so at a loss scale of
 # 2**16 the output gradient reaching fc2 overflows fp16 (the probe finds 2**12 finite) while

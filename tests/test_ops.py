@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import qsync_opt.ops as ops
 from qsync_opt.ops import reference as ref
 from qsync_opt.ops._build import load_cpu
-from qsync_opt.ops.testing import BACKENDS as OPS_BACKENDS
-from qsync_opt.ops.testing import strict_int_mm, use_backend
+from support.ops_backends import BACKENDS as OPS_BACKENDS
+from support.ops_backends import strict_int_mm, use_backend
 
 CPP = load_cpu()[0]
 needs_cpp = pytest.mark.skipif(not CPP, reason=f"C++ kernels not built: {load_cpu()[1]}")

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from qsync_opt.ops.testing import strict_int_mm, use_backend
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
+from support.ops_backends import strict_int_mm, use_backend
 
 
 class ConvNeXtBlock(nn.Module):

@@ -11,8 +11,8 @@ from qsync_opt.models import get_workload
 from qsync_opt.profile.gloo import spawn_local
 from qsync_opt.runtime.compress import parse_compressor
 from qsync_opt.runtime.data import IndexedBatches
-from qsync_opt.runtime.pipedist import job_result, run_stage_job
 from qsync_opt.runtime.pipeline import Pipeline, split_stages
+from support.pipeline_jobs import job_result, run_stage_job
 
 
 def _single(spec):

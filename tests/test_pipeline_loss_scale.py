@@ -21,7 +21,7 @@ from qsync_opt.cluster import parse_shorthand
 from qsync_opt.graph import trace
 from qsync_opt.plan import make_plan
 from qsync_opt.runtime.scaler import PROBE_SCALES
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

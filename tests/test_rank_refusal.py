@@ -18,7 +18,7 @@ import pytest
 from qsync_opt.errors import QsyncInputError
 from qsync_opt.runtime import launch
 from qsync_opt.runtime.rankfail import refusal, report_failure, sort_line
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 #: What each rank runs instead of ``-m qsync_opt.runtime.train``: the worker, with a link
 #: planted at OUT/PATH by rank RANK once it has finished step STEP (the progress update every

@@ -2,7 +2,7 @@
 runs exactly those ops at their planned precisions (issue 16).
 
 Covers HuggingFace GPT-2 / BERT (from configs, random weights, no downloads), the
-torch-native patterns of torchvision / timm / Swin code (qsync_opt.models.patterns),
+torch-native patterns of torchvision / timm / Swin code (tests/support/patterns.py),
 nn.MultiheadAttention in its variants, F.scaled_dot_product_attention and functional linears.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from qsync_opt.models.patterns import PATTERNS, vit_mha
 from torch import nn
 
 from qsync_opt import QsyncInputError
@@ -24,6 +23,7 @@ from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_plan, apply_precisions, count_calls
 from qsync_opt.runtime.dispatch import mha_forward, sdpa_forward
 from qsync_opt.schemas import ModelGraph, OpKind, OpRole
+from support.patterns import PATTERNS, vit_mha
 
 GEMM_KINDS = (OpKind.linear, OpKind.matmul, OpKind.conv)
 MIX = [Precision.int8, Precision.bf16, Precision.fp16, Precision.fp32, Precision.fp8,
@@ -523,7 +523,7 @@ def test_other_ops_holding_over_one_percent_are_named_in_a_warning(caplog) -> No
 
 
 def test_cli_graph_names_the_ops_it_cannot_see_inside(tmp_path: Any) -> None:
-    from qsync_opt.testing import run_cli
+    from support.harness import run_cli
 
     f = tmp_path / "opaque.py"
     f.write_text(

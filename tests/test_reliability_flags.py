@@ -34,7 +34,7 @@ from qsync_opt.cli import build_parser
 from qsync_opt.limits import MAX_STEPS, parse_float, parse_int
 from qsync_opt.runtime.schedule import parse_schedule
 from qsync_opt.runtime.syncmode import parse_sync, round_count, rounds
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 #: What every command needs besides the flag under test (the flag fails first anyway).
 REQUIRED: dict[str, tuple[str, ...]] = {

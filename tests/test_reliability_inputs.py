@@ -41,7 +41,7 @@ from qsync_opt.schemas import (
     Plan,
 )
 from qsync_opt.synthetic import random_indicator
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

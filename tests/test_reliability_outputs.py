@@ -22,7 +22,7 @@ from qsync_opt.errors import OutputError
 from qsync_opt.runtime import checkpoint as ck
 from qsync_opt.runtime import config as rc
 from qsync_opt.runtime.metrics import MetricsWriter, write_json
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 SECRET = b"outside: must stay as it is\n"
 

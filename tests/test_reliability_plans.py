@@ -1,5 +1,5 @@
 """Issue 15, plans: a plan file never runs code; one validation path for every command that
-reads a plan (report, replay, train and its --dry-run, Plan.load(graph=...)); a model file
+reads a plan (report, replay, train and its --dry-run, check_plan); a model file
 that exits or raises a BaseException gives one line.
 
 Every command runs in-process through ``qsync_opt.cli.main`` (exit code, stdout, stderr).
@@ -262,7 +262,7 @@ def test_every_plan_reading_command_refuses_a_plan_that_does_not_fit(case, digit
         assert_one_line_refusal(code, err, needle)
         assert not (tmp_path / "r.png").exists() and not (tmp_path / "run").exists(), argv
     with pytest.raises(QsyncInputError) as exc:
-        Plan.load(path, graph=digits_graph)
+        check_plan(Plan.load(path), digits_graph)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -280,11 +280,30 @@ def test_a_plan_that_fits_passes_every_reader(digits_graph, tmp_path, capsys) ->
     plan = _digits_plan(digits_graph,
                         lambda d: d["groups"]["t4"]["precisions"].__setitem__(op, "int8"))
     path = save(plan, tmp_path / "ok.json")
-    assert Plan.load(path, graph=digits_graph) == plan
+    assert Plan.load(path) == plan
     check_plan(plan, digits_graph)
     for argv in _plan_readers(path, tmp_path):
         code, _, err = run(capsys, *argv)
         assert code == 0, (argv, err)
+
+
+@pytest.mark.parametrize("call", [lambda p, g: Plan.load(p, g),
+                                  lambda p, g: Plan.load(p, graph=g)],
+                         ids=["positional", "keyword"])
+def test_plan_load_never_returns_a_plan_it_did_not_check(call, digits_graph, tmp_path) -> None:
+    """``Plan.load`` reads; ``check_plan`` checks. Handed a graph, ``Plan.load`` refuses in
+    one line naming ``check_plan`` rather than return a plan it did not check, whether or
+    not the plan fits."""
+    fits = save(_digits_plan(digits_graph), tmp_path / "ok.json")
+    edit, needle = _cases(digits_graph)["another graph"]
+    bad = save(_digits_plan(digits_graph, edit), tmp_path / "bad.json")
+    for path in (fits, bad):
+        with pytest.raises(TypeError, match=r"qsync_opt\.plan\.check_plan\(plan, graph\)") as exc:
+            call(path, digits_graph)
+        assert "\n" not in str(exc.value)
+    assert call(fits, None) == Plan.load(fits)  # no graph: a plain read
+    with pytest.raises(QsyncInputError, match=needle):
+        check_plan(Plan.load(bad), digits_graph)
 
 
 def test_train_refuses_another_models_plan(digits_graph, tmp_path, capsys) -> None:

@@ -40,7 +40,7 @@ from qsync_opt.runtime.config import (
     set_path,
 )
 from qsync_opt.schemas import Plan
-from qsync_opt.testing import assert_same_tree
+from support.harness import assert_same_tree
 
 REPO = Path(__file__).resolve().parents[1]
 #: Only a hang reaches it.
@@ -322,7 +322,7 @@ def test_non_finite_or_negative_numbers_are_refused_naming_the_flag(
     """`--lr inf` and `--timeout inf` passed the launcher and failed in the ranks (exit 1)."""
     if flag == "--momentum" and value in ("0", "-0.0", "0.0"):
         value = "1"  # 0 is a valid momentum; 1 is not
-    from qsync_opt.testing import run_cli
+    from support.harness import run_cli
 
     out = tmp_path_factory.mktemp("bad")
     # since issue 41 refused when the command line is parsed, by the flag's bounded type

@@ -30,7 +30,7 @@ from qsync_opt.runtime.train import (
     rank_slice,
     weighted_backward,
 )
-from qsync_opt.testing import assert_same_tree
+from support.harness import assert_same_tree
 
 REPO = Path(__file__).resolve().parents[1]
 

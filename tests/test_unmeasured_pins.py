@@ -16,7 +16,7 @@ from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem, ProblemOptions
 from qsync_opt.schemas import IndicatorTable, ModelGraph
 from qsync_opt.solve import build_problem, solve
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 CLUSTER = "t4x2"
 

@@ -22,7 +22,7 @@ from qsync_opt.graph import load_user_workload, trace
 from qsync_opt.io import save
 from qsync_opt.plan import check_plan, make_plan
 from qsync_opt.schemas import OpRole, Plan
-from qsync_opt.testing import run_cli
+from support.harness import run_cli
 
 CLUSTER = "a100x1+t4x1"
 

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from ..errors import QsyncInputError
 from .compress import AQSGD, parse_compressor
 from .config import TrainConfig, latest_complete_set, remove_stale, set_path
+from .gather import all_gather_json
 from .pipeline import Pipeline, split_stages, split_top
 
 __all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "micro_sizes", "pipeline_spec",
@@ -576,11 +577,10 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
             "shapes": {nm: b.last_shape for nm, b in pipe.boundaries.items()
                        if b.last_shape is not None and rank in (b.src, b.dst)},
             "evals": (plain, comp, correct, n)}
-    shares: list[Any] = [None] * S
-    dist.all_gather_object(shares, mine)
+    shares = all_gather_json(mine)  # JSON: the tuples come back as lists
     for sh in shares:  # every rank learns every boundary's shape (for the formula)
         for nm, shape in sh["shapes"].items():
-            pipe.boundaries[nm].last_shape = shape
+            pipe.boundaries[nm].last_shape = tuple(shape)
     plain, comp, correct, n = shares[last_rank]["evals"]
     evals = _eval_fields(plain, correct, n, cls, comp)
     summary = clean(_summary(config, setup, pipe, shares, data, steps=step, start=start,

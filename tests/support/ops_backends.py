@@ -1,7 +1,5 @@
 """Test utilities for the ops: run on one CPU implementation, and check integer-GEMM layouts.
 
-Used by the project's tests and available to anyone adding a kernel:
-
 - :func:`use_backend` runs the block on the C++ kernels (``"cpp"``; skips the calling test
   when they are not built) or on the Python references (``"python"``).
 - :func:`strict_int_mm` makes ``torch._int_mm`` refuse operands whose strides give no valid
@@ -17,7 +15,7 @@ from unittest import mock
 
 import torch
 
-from . import backends, load_cpu
+from qsync_opt.ops import backends, load_cpu
 
 __all__ = ["BACKENDS", "strict_int_mm", "use_backend"]
 

@@ -1,4 +1,6 @@
-"""Torch-native models reproducing the patterns of torchvision, timm and Swin code.
+"""Torch-native models reproducing the patterns of torchvision, timm and Swin code, for the
+tracers' tests (tests/test_real_models.py, tests/test_graph_heads.py) and the trace benchmark
+(benchmarks/bench_models.py); not part of the package.
 
 Those libraries cannot be installed beside the CPU torch pinned here, so the patterns their
 models are made of are written out in plain torch, each with a builder returning

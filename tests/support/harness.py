@@ -1,4 +1,4 @@
-"""Helpers for tests of qsync-opt and of code built on it (the project's own tests use them).
+"""What the tests run things through and compare results with.
 
 - :func:`run_cli` runs the ``qsync-opt`` command line in this process and returns its exit
   code, stdout and stderr (an argparse error's ``SystemExit`` becomes its code).
@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+from collections import Counter
+from pathlib import Path
 from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from qsync_opt.cli import main
+from qsync_opt.runtime import checkpoint as ck
 
 __all__ = ["assert_same_tree", "count_calls", "max_abs_diff", "run_cli", "run_params",
            "run_rows"]
@@ -24,10 +33,6 @@ def count_calls(functions: dict[Any, str]) -> Any:
     """A context manager (a ``TorchFunctionMode``) whose ``counts`` (a Counter) counts the
     calls of ``functions`` (function -> name) made inside it; calls nested inside a counted
     one are not seen, so a fused kernel's own internals do not count."""
-    from collections import Counter
-
-    from torch.overrides import TorchFunctionMode
-
     class CountCalls(TorchFunctionMode):
         def __init__(self) -> None:
             super().__init__()
@@ -45,8 +50,6 @@ def count_calls(functions: dict[Any, str]) -> Any:
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
     """``qsync-opt ARGV...`` in process: (exit code, stdout, stderr)."""
-    from .cli import main
-
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -59,8 +62,6 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
     """``a`` and ``b`` equal bit for bit: tensors by dtype and ``torch.equal``, containers
     by keys/length and type, other values by ``==`` (so NaN-free plain values)."""
-    import torch
-
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
     elif isinstance(a, dict):
@@ -78,8 +79,6 @@ def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
 def run_params(out: Any, rank: int, buffers: bool = False) -> dict[str, Any]:
     """The model tensors of a training run's latest checkpoint of ``rank`` (``out``: its
     folder); without ``buffers``, BatchNorm's running statistics and counters left out."""
-    from .runtime import checkpoint as ck
-
     path = ck.latest_checkpoint(out, rank)
     assert path is not None, f"no checkpoint of rank {rank} in {out}"
     doc = ck.load_checkpoint(path)
@@ -95,8 +94,5 @@ def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 def run_rows(out: Any, rank: int) -> list[dict[str, Any]]:
     """The metrics rows of a training run's ``rank``."""
-    import json
-    from pathlib import Path
-
     text = (Path(out) / f"metrics.rank{rank}.jsonl").read_text()
     return [json.loads(x) for x in text.splitlines()]
