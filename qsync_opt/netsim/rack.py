@@ -1,4 +1,5 @@
-"""Time-based loss detection (RACK, RFC 8985) for :class:`.engine.Connection`, per stream.
+"""Time-based loss detection (RACK, RFC 8985) for :class:`.engine.Connection` (the ``conn``
+of these functions), per stream.
 
 A stream is what the network keeps in order: one priority class (strict priority reorders
 across classes by design) on one path. Under flow-hash routing a connection has one path, so
@@ -19,10 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .engine import Connection
+from typing import Any
 
 Stream = tuple[int, int]  # (priority class, path index within its connection)
 
@@ -72,7 +70,7 @@ class Rack:
         return max(base, 2.0 * self.late, spread, self.max_rtt.get(k, 0.0))
 
 
-def delivered(conn: Connection, s: int) -> bool:
+def delivered(conn: Any, s: int) -> bool:
     """Packet ``s`` was delivered: update its stream's newest delivery and mark lost what
     was sent before it on that stream and is overdue. True when this starts a recovery."""
     r = conn.rack
@@ -100,7 +98,7 @@ def delivered(conn: Connection, s: int) -> bool:
     return lost
 
 
-def reordered(conn: Connection, s: int) -> None:
+def reordered(conn: Any, s: int) -> None:
     """The first transmission of ``s`` arrived (marked lost, given up, or not yet): when a
     packet of its stream sent after it was delivered first, that is reordering, and how late
     it came (its RTT over the newer one's) sets the window's floor."""
@@ -112,7 +110,7 @@ def reordered(conn: Connection, s: int) -> None:
         r.late = max(r.late, conn.sim.now - conn.sent_at[s] - r.rtt[k])
 
 
-def mark(conn: Connection, k: Stream) -> bool:
+def mark(conn: Any, k: Stream) -> bool:
     """Mark lost each packet of stream ``k`` sent before its newest delivery whose RTT plus
     the reorder window has passed; arm the reorder timer for the first that has not (RFC
     8985 6.2 step 5). True when this starts a fast recovery."""
@@ -141,7 +139,7 @@ def mark(conn: Connection, k: Stream) -> bool:
     return lost and conn._recover(flight)
 
 
-def timer(conn: Connection, k: Stream, due: float) -> None:
+def timer(conn: Any, k: Stream, due: float) -> None:
     """Stream ``k``'s reorder timer (armed by :func:`mark` for ``due``)."""
     r = conn.rack
     assert r is not None
