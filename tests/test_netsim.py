@@ -495,3 +495,17 @@ def test_simulator_limits_are_one_line_exit_2(argv, needle, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+def test_the_ns3_leafspine_case_is_checked() -> None:
+    from qsync_opt.netsim.ns3ref import _normalize
+
+    good = {"kind": "leafspine", "hosts_per_leaf": 2, "bytes_each": 1000, "host_gbps": 1.0,
+            "uplink_gbps": 1.0, "delay_us": 1.0, "buffer_packets": 10}
+    out = _normalize(good, 0)
+    assert out["spray"] is True and out["run"] == 1
+    for bad, needle in [({"spray": 1}, "spray"), ({"run": 0}, "run"),
+                        ({"hosts_per_leaf": 65}, "64 hosts"), ({"uplink_gbps": 0}, "uplink_gbps"),
+                        ({"colour": 1}, "unknown")]:
+        with pytest.raises(ValueError, match=needle):
+            _normalize({**good, **bad}, 0)

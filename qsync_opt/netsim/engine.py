@@ -2,7 +2,8 @@
 
 Every packet ("cell") is one event per hop: it waits in its link's output queue, is
 serialised at the link's rate, and arrives ``delay_us`` later at the next node, which
-forwards it on a shortest path (ECMP by flow hash, or sprayed per packet) or delivers it.
+forwards it on a shortest path (ECMP by flow hash, or the path its sender drew for it:
+spraying) or delivers it.
 
 Queues (:class:`Sim` ``queue=``): ``"fifo"`` -- one drop-tail queue per port; ``"priority"``
 -- strict priority over ``classes`` classes (0 is the highest), and when the buffer is full
@@ -20,14 +21,13 @@ successive messages (a ring step, a bucket push) in sequence-number order, NewRe
 slow start from ``init_cwnd`` packets, congestion avoidance (+1/cwnd per ack), every packet
 acked (selective acks, no delayed acks). Loss detection (``detect``):
 
-- ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per priority class (strict
-  priority reorders across classes by design): a packet is lost when a packet of its class
-  sent after it has been delivered and it has been out longer than that delivery's RTT plus
-  a reorder window (:meth:`.rack.Rack.window`: RFC 8985's until reordering is seen; after
-  it, or from the start where ``expect_reordering`` -- a host behind a spraying fabric --
-  also twice the most an out-of-order delivery came late, the class's RTT spread srtt +
-  4 rttvar and the longest RTT the class has seen); a reorder timer marks what becomes
-  overdue between acks. A lost retransmission is found the same way.
+- ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per stream -- one priority
+  class on one path (:mod:`.rack`: on one path a packet is never overtaken by a later-sent
+  one of its class or a lower one, so only such a delivery is evidence; a sprayed packet's
+  path is drawn by its sender, which so knows it): a packet is lost when such a later-sent
+  packet has been delivered and it has been out longer than that delivery's RTT plus the
+  reorder window (:meth:`.rack.Rack.window`); a reorder timer marks what becomes overdue
+  between acks. A lost retransmission is found the same way.
   No tail loss probe: a lost tail waits for the RTO.
 - ``"dupthresh"``: a packet is lost when ``dupthresh`` packets above it are acked (RFC 6675;
   ns-3's TCP, kept for the cross-check): it assumes one path keeps order, so under spraying
