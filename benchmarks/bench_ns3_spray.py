@@ -33,10 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts-per-leaf", type=int, default=4)
     ap.add_argument("--bytes", type=int, default=1_000_000, help="per flow")
     args = ap.parse_args(argv)
+    try:
+        buffers = [int(b) for b in args.buffers.split(",")]
+    except ValueError:
+        raise SystemExit(f"--buffers: expected comma-separated packet counts, got "
+                         f"{args.buffers!r}") from None
+    for flag, v, hi in (("--runs", args.runs, 100), ("--hosts-per-leaf", args.hosts_per_leaf, 64),
+                        ("--bytes", args.bytes, 1 << 30), *(("--buffers", b, 10**6) for b in buffers)):
+        if not 1 <= v <= hi:
+            raise SystemExit(f"{flag}: expected an integer in [1, {hi}], got {v}")
     if not ns3ref.available():
         raise SystemExit(ns3ref.MISSING_MESSAGE)
-    cs = cases(args.runs, [int(b) for b in args.buffers.split(",")], args.hosts_per_leaf,
-               args.bytes)
+    cs = cases(args.runs, buffers, args.hosts_per_leaf, args.bytes)
     theirs = ns3ref.run(cs, timeout_s=1800)
     k = args.hosts_per_leaf
     print(f"{k} flows of {args.bytes:,} bytes leaf 0 -> leaf 1, hosts and uplinks 10 Gb/s, "
