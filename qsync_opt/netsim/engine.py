@@ -133,7 +133,7 @@ class Sim:
     """One simulation over a :class:`~qsync_opt.netsim.topology.Topology` (module docstring)."""
 
     def __init__(self, topo: Topology, *, queue: str = "fifo", routing: str = "hash",
-                 seed: int = 0, classes: int = 8, bin_us: float = 100.0,
+                 seed: int = 0, classes: int = 8, bin_us: float | None = 100.0,
                  max_events: int = DEFAULT_MAX_EVENTS, cell_bytes: int | None = None) -> None:
         if queue not in QUEUES:
             raise ValueError(f"queue: expected one of {', '.join(QUEUES)}, got {queue!r}")
@@ -151,7 +151,7 @@ class Sim:
         self.events = 0
         self.max_events = int(max_events)
         self.cell_bytes = cell_bytes
-        self.bin_s = bin_us * 1e-6
+        self.bin_s = bin_us * 1e-6 if bin_us else 0.0  # 0: no per-bin load kept
         self.ports = [_Port(self.classes, topo.is_host[link.src]) for link in topo.links]
         self.stats = [LinkStats() for _ in topo.links]
         self._rate = [link.bytes_per_s for link in topo.links]
@@ -214,8 +214,9 @@ class Sim:
         st.packets += 1
         dur = pkt.size / self._rate[li]
         st.busy_s += dur
-        b = int(self.now / self.bin_s)
-        st.bins[b] = st.bins.get(b, 0) + pkt.size
+        if self.bin_s:
+            b = int(self.now / self.bin_s)
+            st.bins[b] = st.bins.get(b, 0) + pkt.size
         self.at(self.now + self._delay[li], self._arrive, self._dst[li], pkt)
         port = self.ports[li]
         for q in port.queues:

@@ -225,7 +225,8 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
     if len(ready_ms) != len(ranks) or any(len(r) != len(buckets) for r in ready_ms):
         raise ValueError("ready_ms: expected one row per rank, one time per bucket")
     sim = Sim(topo, queue=cfg.queue, routing=cfg.routing, seed=seed, classes=cfg.classes,
-              bin_us=cfg.bin_us, max_events=cfg.max_events, cell_bytes=cfg.cell_bytes)
+              bin_us=cfg.bin_us if keep_bins else None, max_events=cfg.max_events,
+              cell_bytes=cfg.cell_bytes)
     rng = random.Random(seed * 7919 + 17)
     ready = []
     for row in ready_ms:
