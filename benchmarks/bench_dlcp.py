@@ -39,6 +39,7 @@ import torch
 from bench_accuracy import ci  # the benchmarks' one 95% t interval
 
 from qsync_opt import load_cluster, trace
+from qsync_opt.io import atomic_write_text
 from qsync_opt.machine import cpu_model
 from qsync_opt.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
@@ -108,7 +109,10 @@ def network(args: argparse.Namespace) -> int:
           f"{args.min_rto_ms:g} ms; analytic ring all-reduce "
           f"{sum(b.allreduce_ms for b in costs.buckets):.2f} ms in all")
     rows, dump = [], {}
-    for scenario in SCENARIOS:
+    scenarios = args.scenarios.split(",")
+    if not scenarios or any(sc not in SCENARIOS for sc in scenarios):
+        raise SystemExit(f"--scenarios: expected names from {', '.join(SCENARIOS)}")
+    for scenario in scenarios:
         net = cluster_network(cluster, scenario)
         for policy in args.net_policies.split(","):
             if policy not in NET_POLICIES:
@@ -141,10 +145,10 @@ def network(args: argparse.Namespace) -> int:
                       f"exposed p50 {s['exposed_ms']['p50']:7.2f} p99 {s['exposed_ms']['p99']:7.2f}"
                       f" ms; lost {s['lost_fraction']:.4f} (front/mid/back "
                       f"{by_part[0]:.3f}/{by_part[1]:.3f}/{by_part[2]:.3f}); busiest link "
-                      f"{util:.2f}; drops {s['drops']}, timeouts {s['timeouts']} "
-                      f"[{s['wall_s']:.0f} s]", flush=True)
-    if args.dump:
-        args.dump.write_text(json.dumps(dump, indent=1))
+                      f"{util:.2f}; drops {s['drops']}, retransmissions {s['retransmits']}, "
+                      f"timeouts {s['timeouts']} [{s['wall_s']:.0f} s]", flush=True)
+                if args.dump:  # after every cell: a run stopped early keeps what it did
+                    atomic_write_text(args.dump, json.dumps(dump, indent=1))
     return 0
 
 
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--net-cluster", default="v100x16+t4x16")
     ap.add_argument("--net-policies", default="fifo+tcp,priority+bounded,fifo+bounded,priority+tcp",
                     help="queue+transport pairs; the mixed two separate what each half does")
+    ap.add_argument("--scenarios", default="ring,incast,oversubscribed",
+                    help="the network half's scenarios, comma-separated, run in this order")
     ap.add_argument("--iterations", type=int, default=100)
     ap.add_argument("--cell-kib", type=int, default=256)
     ap.add_argument("--jitter", type=float, default=0.01,

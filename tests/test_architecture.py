@@ -51,7 +51,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         # the sync rules (QSR's rule, learning-rate schedules): pure, read by the replayer
         "runtime.schedule", "runtime.syncmode", "runtime.dlcp", "runtime.compress",
         # the packet simulator's core: pure Python, imports nothing of the package
-        "netsim", "netsim.topology", "netsim.rack", "netsim.engine", "netsim.traffic", "netsim.ns3ref"]),
+        "netsim", "netsim.topology", "netsim.rack", "netsim.engine", "netsim.traffic", "netsim.ns3leafspine",
+         "netsim.ns3ref"]),
     ("precision layers", ["runtime.gemm", "runtime.dispatch", "runtime.layers",
                           "profile.builders"]),
     ("indicator, replayer", ["indicator", "indicator.errormodel", "indicator.terms",

@@ -158,13 +158,15 @@ def _config(plan: Path, out: Path, **kw: Any) -> TrainConfig:
 
 def _expected(plan: Path, params: dict[str, torch.Tensor], comm: str, seed: int,
               step: int, rank: int) -> float:
-    """The fraction of the gradient the simulated network drops for ``rank`` at ``step``."""
+    """The fraction of the gradient the simulated network drops for ``rank`` at ``step``
+    (its buckets leaving at the replayed backward's times, as the run's)."""
+    from qsync_opt.runtime.prepare import prepare
+
     mode = parse_comm(comm)
     table = ChunkTable.build([p.numel() for p in params.values()], mode.chunk_elems)
-    from qsync_opt.schemas import Plan
-
-    cluster = Plan.load(plan).cluster
-    masks = net_masks(table, mode, seed, cluster, ["cpu", "cpu_2"])
+    setup = prepare(_config(plan, plan.parent / "unused", comm=comm, seed=seed))
+    masks = net_masks(table, mode, seed, setup.plan.cluster, ["cpu", "cpu_2"], setup,
+                      names=list(params))
     m = clip_to_bound(table, masks[step % len(masks)][rank], mode.p)
     return int(table.sizes[m].sum()) / table.total
 
@@ -191,6 +193,49 @@ def test_emulated_drops_are_the_simulators(plan: Path, tmp_path: Path) -> None:
                 _expected(plan, params, CONGESTED, 3, s, r), abs=1e-12)
             dropped.append(row["dropped_frac"])
     assert max(dropped) > 0
+
+
+def test_dlcp_buckets_leave_at_their_backward_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The network mode's buckets are emitted as the backward produces them (the replayer's
+    timeline of the plan, per group), not all at once: the first DDP bucket (the last
+    layers) is ready first, each later one no earlier, the slower group's later, and the
+    last at about the end of the group's backward. dlcp_masks simulates exactly those."""
+    from qsync_opt.models import get_workload
+
+    from qsync_opt.netsim import cluster as nc
+    from qsync_opt.replayer import Replayer
+
+    graph = trace("resnet18")
+    named = list(get_workload("resnet18").build().named_parameters())
+    names, numels = [n for n, _ in named], [p.numel() for _, p in named]
+    cl = parse_shorthand("v100x1+t4x1").with_default_batch(graph.batch_size)
+    buckets = ddp_buckets(numels)
+    assert len(buckets) >= 2
+    ready = nc.param_bucket_ready_ms(graph, cl, names, buckets)
+    tl = Replayer(graph, cl, nc._estimate(graph, cl)).simulate(
+        Replayer(graph, cl, nc._estimate(graph, cl)).uniform("highest"), events=False)
+    for g, row in zip(cl.groups, ready, strict=True):
+        gt = tl.groups[g.name]
+        assert gt.forward_ms < row[0] < row[-1] and row == sorted(row)
+        assert row[-1] == pytest.approx(gt.forward_ms + gt.backward_ms, rel=0.02)
+    assert all(t4 > v100 for v100, t4 in zip(*ready, strict=True))
+    seen: list[Any] = []
+    real = nc.run_iterations
+
+    def spy(net: Any, bs: Any, group_ready: Any, *a: Any, **kw: Any) -> Any:
+        seen.append(group_ready)
+        return real(net, bs, group_ready, *a, **kw)
+    monkeypatch.setattr(nc, "run_iterations", spy)
+    mode = parse_comm("dlcp:iterations=1,chunk_kib=256")
+    table = ChunkTable.build(numels, mode.chunk_elems)
+    cfg = nc.NetConfig(policy="priority+bounded", cell_bytes=256 << 10)
+    nc.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1, seed=0,
+                  graph=graph, names=names)
+    nc.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1, seed=0)
+    assert seen == [ready, [[0.0] * len(buckets)] * 2]
+    with pytest.raises(ValueError, match="names"):
+        nc.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1,
+                      seed=0, graph=graph, names=names[:-1])
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -387,20 +387,52 @@ def _totals(topo, ranks, cfg: NetConfig, seeds: int = 3) -> tuple[int, int, int,
     return drops, retx, lost, timeouts
 
 
+ALL_POLICIES = ["fifo+tcp", "priority+bounded", "fifo+bounded", "priority+tcp"]
+
+
 @pytest.mark.parametrize("uplink_gbps", [5.0, 2.0])
-@pytest.mark.parametrize("routing,policies", [
-    ("hash", ["fifo+tcp", "priority+bounded", "fifo+bounded", "priority+tcp"]),
-    ("spray", ["fifo+tcp", "fifo+bounded"])])
-def test_a_network_that_drops_nothing_gives_up_and_retransmits_nothing(uplink_gbps, routing,
-                                                                      policies):
+@pytest.mark.parametrize("routing", ["hash", "spray"])
+def test_a_network_that_drops_nothing_gives_up_and_retransmits_nothing(uplink_gbps, routing):
     """Congested uplinks, buffers that never fill: no drop, so nothing may be retransmitted,
-    timed out or given up. Under spraying the packets of a connection reorder; the
-    time-based detection (RACK) tolerates it. (Strict priority under spraying still is not
-    clean: docs/NETSIM.md gives its figures.)"""
+    timed out or given up, under every policy. Under spraying the packets of a connection
+    reorder across paths, and strict priority starves a class on one path for as long as
+    the higher classes keep it busy; the sender's RACK runs per (class, path) and so never
+    takes either for loss."""
     topo, ranks = _lossless_fabric(uplink_gbps)
-    for policy in policies:
+    for policy in ALL_POLICIES:
         cfg = NetConfig(policy=policy, routing=routing, cell_bytes=1460, jitter=0.05)
         assert _totals(topo, ranks, cfg) == (0, 0, 0, 0), policy
+
+
+def _scenario_totals(scenario: str, buffer_bytes: int, cfg: NetConfig) -> tuple[int, int, float, int]:
+    from qsync_opt.cluster import load_cluster
+    from qsync_opt.netsim.cluster import SCENARIO_PATTERN
+
+    net = cluster_network(load_cluster("v100x8+t4x8"), scenario, buffer_bytes=buffer_bytes)
+    buckets = [_mixed_bucket(), _mixed_bucket()]
+    ready = [[0.05, 0.1], [0.0, 0.2]]  # per group: the T4s' backward ends later
+    runs = run_iterations(net, buckets, ready, cfg, pattern=SCENARIO_PATTERN[scenario],
+                          iterations=2, seed=3)
+    s = summarise(runs)
+    return s["drops"], s["retransmits"], s["lost_fraction"], s["timeouts"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["ring", "incast", "oversubscribed"])
+def test_every_policy_and_routing_loses_nothing_without_drops_and_recovers_with_them(scenario):
+    """The class, on the cluster fabric: every scenario x policy x routing. With buffers
+    that never fill: no drop, no retransmission, no timeout, nothing given up. With small
+    buffers: drops, and every one found (retransmitted, or given up within the bound p):
+    the iteration completes (run_iterations raises otherwise) and TCP gives nothing up."""
+    for policy in ALL_POLICIES:
+        for routing in ("hash", "spray"):
+            cfg = NetConfig(policy=policy, routing=routing, cell_bytes=4096, p=0.05)
+            assert _scenario_totals(scenario, BIG, cfg) == (0, 0, 0.0, 0), (policy, routing)
+            drops, retx, lost, _ = _scenario_totals(scenario, 16 << 10, cfg)
+            assert drops > 0, (policy, routing)
+            assert retx + lost > 0 and lost <= 0.05, (policy, routing)
+            if cfg.bounded is None:
+                assert lost == 0.0 and retx >= drops, (policy, routing)
 
 
 def test_duplicate_thresholds_take_spraying_reordering_for_loss():
@@ -463,3 +495,17 @@ def test_simulator_limits_are_one_line_exit_2(argv, needle, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+def test_the_ns3_leafspine_case_is_checked() -> None:
+    from qsync_opt.netsim.ns3ref import _normalize
+
+    good = {"kind": "leafspine", "hosts_per_leaf": 2, "bytes_each": 1000, "host_gbps": 1.0,
+            "uplink_gbps": 1.0, "delay_us": 1.0, "buffer_packets": 10}
+    out = _normalize(good, 0)
+    assert out["spray"] is True and out["run"] == 1
+    for bad, needle in [({"spray": 1}, "spray"), ({"run": 0}, "run"),
+                        ({"hosts_per_leaf": 65}, "64 hosts"), ({"uplink_gbps": 0}, "uplink_gbps"),
+                        ({"colour": 1}, "unknown")]:
+        with pytest.raises(ValueError, match=needle):
+            _normalize({**good, **bad}, 0)

@@ -272,16 +272,55 @@ def rank_cluster(cluster: ClusterSpec, rank_groups: Sequence[str]) -> tuple[Clus
     return cluster.model_copy(update={"groups": groups}), device
 
 
+def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequence[str],
+                          buckets: Sequence[Bucket], plan: Any = None) -> list[list[float]]:
+    """Per group of ``cluster``, per bucket of ``buckets`` (:func:`ddp_buckets`: layer names
+    are indices into the parameter names ``names``): when the backward has computed its
+    last gradient (ms), on the replayer's compute timeline of ``plan`` (default, or a plan
+    of another graph: every group at its highest precision). A parameter's gradient is
+    ready when the backward of its op ends (the op: the longest dotted prefix of its name
+    that names one of ``graph``'s ops); one no op claims, at the end of the backward."""
+    from ..replayer import Replayer
+
+    cl = cluster.with_default_batch(graph.batch_size)
+    rep = Replayer(graph, cl, _estimate(graph, cl))
+    mine = plan is not None and getattr(plan, "graph_hash", None) == graph.structure_hash()
+    tl = rep.simulate(plan if mine else rep.uniform("highest"), events=True)
+    out = []
+    for g in cl.groups:
+        done = {e.name: e.end_ms for e in tl.events if e.group == g.name and e.kind == "bwd"}
+        end = max(done.values(), default=0.0)
+
+        def ready(name: str, done: dict[str, float] = done, end: float = end) -> float:
+            parts = name.split(".")
+            for k in range(len(parts) - 1, 0, -1):
+                t = done.get(".".join(parts[:k]))
+                if t is not None:
+                    return t
+            return done.get(name, end)
+        out.append([max(ready(names[int(i)]) for i, _, _ in b.layers) for b in buckets])
+    return out
+
+
+def _estimate(graph: ModelGraph, cluster: ClusterSpec) -> CostTable:
+    from ..costs import estimate
+
+    return estimate(graph, cluster)
+
+
 def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
                scenario: str, cfg: NetConfig, iterations: int, seed: int,
-               buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> list[list[Any]]:
+               buffer_bytes: int = DEFAULT_BUFFER_BYTES, graph: ModelGraph | None = None,
+               names: Sequence[str] | None = None, plan: Any = None) -> list[list[Any]]:
     """What the network would lose of a training run's gradients, for the runtime's DLCP:
     ``iterations`` seeded simulated iterations (seed, seed + 1, ...) of the ranks'
-    ``cluster`` (:func:`rank_cluster`) under ``scenario``, every DDP bucket
-    (:func:`ddp_buckets` of ``table.numels``) ready at once, and per iteration, per rank,
-    the chunk mask (:func:`drop_mask`) of the packets lost of the messages that rank sent
-    (a loss of the parameter server's reply: of the rank it was for), unbounded (the
-    runtime bounds it per tensor)."""
+    ``cluster`` (:func:`rank_cluster`) under ``scenario``, each DDP bucket
+    (:func:`ddp_buckets` of ``table.numels``) leaving as its backward produces it (ready
+    times from :func:`param_bucket_ready_ms` of ``graph``, the parameters' ``names`` and
+    ``plan``, as the benchmark's network half emits them; without a graph, every bucket
+    ready at once), and per iteration, per rank, the chunk mask (:func:`drop_mask`) of the
+    packets lost of the messages that rank sent (a loss of the parameter server's reply: of
+    the rank it was for), unbounded (the runtime bounds it per tensor)."""
     import torch
 
     cl, device = rank_cluster(cluster, rank_groups)
@@ -295,8 +334,13 @@ def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
             f"comm: dlcp's network: a simulated iteration needs about {est:,} events at "
             f"chunk_kib={cfg.cell_bytes / 1024:g}, above the simulator's cap of "
             f"{cfg.max_events:,}; use chunk_kib={kib:g} or more")
-    zero = [[0.0] * len(buckets) for _ in cl.groups]
-    runs = run_iterations(net, buckets, zero, cfg, pattern=SCENARIO_PATTERN[scenario],
+    if graph is not None and names is not None:
+        if len(names) != len(table.numels):
+            raise ValueError("names: expected one name per parameter of the chunk table")
+        ready = param_bucket_ready_ms(graph, cl, names, buckets, plan)
+    else:
+        ready = [[0.0] * len(buckets) for _ in cl.groups]
+    runs = run_iterations(net, buckets, ready, cfg, pattern=SCENARIO_PATTERN[scenario],
                           iterations=iterations, seed=seed)
     dev_of = {h: i for i, h in enumerate(sorted(net.ranks))}  # host id -> device index
     rank_of = {d: r for r, d in enumerate(device)}
@@ -428,6 +472,6 @@ def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
 
 
 __all__ = ["COMM_MODEL_HELP", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
-           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "dlcp_masks", "ddp_buckets", "rank_cluster", "drop_mask", "params_bucket", "estimate_events",
+           "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "dlcp_masks", "ddp_buckets", "rank_cluster", "drop_mask", "params_bucket", "estimate_events", "param_bucket_ready_ms",
            "group_ready_ms", "parse_comm_model", "run_iterations",
            "with_netsim_comm", "workload_buckets"]

@@ -2,7 +2,8 @@
 
 Every packet ("cell") is one event per hop: it waits in its link's output queue, is
 serialised at the link's rate, and arrives ``delay_us`` later at the next node, which
-forwards it on a shortest path (ECMP by flow hash, or sprayed per packet) or delivers it.
+forwards it on a shortest path (ECMP by flow hash, or the path its sender drew for it:
+spraying) or delivers it.
 
 Queues (:class:`Sim` ``queue=``): ``"fifo"`` -- one drop-tail queue per port; ``"priority"``
 -- strict priority over ``classes`` classes (0 is the highest), and when the buffer is full
@@ -20,14 +21,13 @@ successive messages (a ring step, a bucket push) in sequence-number order, NewRe
 slow start from ``init_cwnd`` packets, congestion avoidance (+1/cwnd per ack), every packet
 acked (selective acks, no delayed acks). Loss detection (``detect``):
 
-- ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per priority class (strict
-  priority reorders across classes by design): a packet is lost when a packet of its class
-  sent after it has been delivered and it has been out longer than that delivery's RTT plus
-  a reorder window (:meth:`.rack.Rack.window`: RFC 8985's until reordering is seen; after
-  it, or from the start where ``expect_reordering`` -- a host behind a spraying fabric --
-  also twice the most an out-of-order delivery came late, the class's RTT spread srtt +
-  4 rttvar and the longest RTT the class has seen); a reorder timer marks what becomes
-  overdue between acks. A lost retransmission is found the same way.
+- ``"rack"`` (default): time-based, as Linux's RACK (RFC 8985), per stream -- one priority
+  class on one path (:mod:`.rack`: on one path a packet is never overtaken by a later-sent
+  one of its class or a lower one, so only such a delivery is evidence; a sprayed packet's
+  path is drawn by its sender, which so knows it): a packet is lost when such a later-sent
+  packet has been delivered and it has been out longer than that delivery's RTT plus the
+  reorder window (:meth:`.rack.Rack.window`); a reorder timer marks what becomes overdue
+  between acks. A lost retransmission is found the same way.
   No tail loss probe: a lost tail waits for the RTO.
 - ``"dupthresh"``: a packet is lost when ``dupthresh`` packets above it are acked (RFC 6675;
   ns-3's TCP, kept for the cross-check): it assumes one path keeps order, so under spraying
@@ -67,7 +67,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rack import Rack
+from . import rack as rackmod
+from .rack import Rack, Stream
 from .topology import Topology
 
 QUEUES = ("fifo", "priority")
@@ -91,10 +92,12 @@ class NetsimLimit(RuntimeError):
 
 
 class Pkt:
-    __slots__ = ("conn", "seq", "size", "prio", "dst")
+    __slots__ = ("conn", "seq", "size", "prio", "dst", "route", "hop")
 
-    def __init__(self, conn: Connection, seq: int, size: int, prio: int, dst: int) -> None:
+    def __init__(self, conn: Connection, seq: int, size: int, prio: int, dst: int,
+                 route: tuple[int, ...] | None = None) -> None:
         self.conn, self.seq, self.size, self.prio, self.dst = conn, seq, size, prio, dst
+        self.route, self.hop = route, 0  # a sprayed packet's links, chosen by its sender
 
 
 @dataclass
@@ -130,7 +133,7 @@ class Sim:
     """One simulation over a :class:`~qsync_opt.netsim.topology.Topology` (module docstring)."""
 
     def __init__(self, topo: Topology, *, queue: str = "fifo", routing: str = "hash",
-                 seed: int = 0, classes: int = 8, bin_us: float = 100.0,
+                 seed: int = 0, classes: int = 8, bin_us: float | None = 100.0,
                  max_events: int = DEFAULT_MAX_EVENTS, cell_bytes: int | None = None) -> None:
         if queue not in QUEUES:
             raise ValueError(f"queue: expected one of {', '.join(QUEUES)}, got {queue!r}")
@@ -148,7 +151,7 @@ class Sim:
         self.events = 0
         self.max_events = int(max_events)
         self.cell_bytes = cell_bytes
-        self.bin_s = bin_us * 1e-6
+        self.bin_s = bin_us * 1e-6 if bin_us else 0.0  # 0: no per-bin load kept
         self.ports = [_Port(self.classes, topo.is_host[link.src]) for link in topo.links]
         self.stats = [LinkStats() for _ in topo.links]
         self._rate = [link.bytes_per_s for link in topo.links]
@@ -211,8 +214,9 @@ class Sim:
         st.packets += 1
         dur = pkt.size / self._rate[li]
         st.busy_s += dur
-        b = int(self.now / self.bin_s)
-        st.bins[b] = st.bins.get(b, 0) + pkt.size
+        if self.bin_s:
+            b = int(self.now / self.bin_s)
+            st.bins[b] = st.bins.get(b, 0) + pkt.size
         self.at(self.now + self._delay[li], self._arrive, self._dst[li], pkt)
         port = self.ports[li]
         for q in port.queues:
@@ -235,15 +239,30 @@ class Sim:
         self.enqueue(self.choose(node, pkt), pkt)
 
     def choose(self, node: int, pkt: Pkt) -> int:
+        if pkt.route is not None:
+            pkt.hop += 1
+            return pkt.route[pkt.hop - 1]
         hops = self.topo.next_links(node, pkt.dst)
         if len(hops) == 1:
             return hops[0]
         if not hops:
             raise ValueError(f"no route from {self.topo.names[node]} to "
                              f"{self.topo.names[pkt.dst]}")
-        if self.routing == "spray":
-            return hops[self.rng.randrange(len(hops))]
         return hops[_mix(self.salt, pkt.conn.flow_key, node) % len(hops)]
+
+    def spray_route(self, src: int, dst: int) -> tuple[int, ...]:
+        """A sprayed packet's links from ``src`` to ``dst``: at every node with several
+        shortest-path next hops, one drawn uniformly (by its sender, which so knows it)."""
+        out, node = [], src
+        while node != dst:
+            hops = self.topo.next_links(node, dst)
+            if not hops:
+                raise ValueError(f"no route from {self.topo.names[src]} to "
+                                 f"{self.topo.names[dst]}")
+            li = hops[0] if len(hops) == 1 else hops[self.rng.randrange(len(hops))]
+            out.append(li)
+            node = self._dst[li]
+        return tuple(out)
 
     # ------------------------------------------------------------------ helpers
     def connection(self, src: int, dst: int, **kw: Any) -> Connection:
@@ -320,6 +339,7 @@ class Connection:
         self.prio: list[int] = []
         self.msg: list[Message] = []
         self.sent: list[int] = []
+        self.stream: list[Stream] = []  # RACK's stream of the latest transmission
         self.sent_at: list[float] = []
         self.acked: list[bool] = []
         self.lost: list[bool] = []
@@ -382,6 +402,7 @@ class Connection:
             self.msg.append(msg)
         k = n
         self.sent += [0] * k
+        self.stream += [(0, 0)] * k
         self.tx_id += [0] * k
         self.sent_at += [0.0] * k
         self.acked += [False] * k
@@ -423,15 +444,17 @@ class Connection:
         self.tx_id[s] = self.tx_count
         if self.sent[s] > 1:
             self.rtx_out[s] = 0
+        route = sim.spray_route(self.src, self.dst) if sim.routing == "spray" else None
         if self.rack is not None:
-            self.rack.txq.setdefault(self.prio[s], deque()).append((self.tx_count, s))
+            k = self.stream[s] = self.rack.stream(self.prio[s], route)
+            self.rack.txq.setdefault(k, deque()).append((self.tx_count, s))
         self.lost[s] = False
         if self.in_prr:
             self.prr_out += 1
         if self.pipe == 0:
             self.last_progress = sim.now  # the timer measures from the first packet out
         self.pipe += 1
-        pkt = Pkt(self, s, self.size[s], self.prio[s], self.dst)
+        pkt = Pkt(self, s, self.size[s], self.prio[s], self.dst, route)
         sim.enqueue(sim.choose(self.src, pkt), pkt)
         if not self.timer_armed:
             self.timer_armed = True
@@ -477,7 +500,7 @@ class Connection:
             if dsack:
                 self.rack.mult += 1  # a spurious retransmission: widen the reorder window
             elif self.sent[s] == 1:
-                self._rack_reordered(s)
+                rackmod.reordered(self, s)
         if m.done_s is not None and not m.acked_done:
             # the receiver has all it needs: the sender stops the rest of the message
             m.acked_done = True
@@ -510,7 +533,7 @@ class Connection:
             else:
                 self.cwnd += 1.0 / self.cwnd
         if self.rack is not None:
-            entered = self._rack_delivered(s)
+            entered = rackmod.delivered(self, s)
         else:
             c = self.prio[s]
             if self.cpos[s] > self.chigh.get(c, -1):
@@ -587,78 +610,6 @@ class Connection:
         self.prr_delivered = self.prr_out = 0
         self.recover_fs = flight
         return True
-
-    # ------------------------------------------------------------------ RACK
-    def _rack_delivered(self, s: int) -> bool:
-        """Packet ``s`` was delivered: update its class's newest delivery (or note the
-        reordering it shows) and mark lost what was sent before it and is overdue."""
-        r = self.rack
-        assert r is not None
-        c, now = self.prio[s], self.sim.now
-        rtt = now - self.sent_at[s]
-        if self.sent[s] > 1 and rtt < r.min_rtt:
-            return False  # the original's ack, likely: no sample (RFC 8985 6.2 step 2)
-        if self.sent[s] == 1:
-            r.min_rtt = min(r.min_rtt, rtt)
-            r.max_rtt[c] = max(r.max_rtt.get(c, 0.0), rtt)
-            if c in r.srtt:
-                r.var[c] = 0.75 * r.var[c] + 0.25 * abs(r.srtt[c] - rtt)
-                r.srtt[c] = 0.875 * r.srtt[c] + 0.125 * rtt
-            else:
-                r.srtt[c], r.var[c] = rtt, rtt / 2
-        if self.tx_id[s] > r.tx.get(c, 0):
-            r.tx[c], r.rtt[c] = self.tx_id[s], rtt
-        return self._rack_mark(c)
-
-    def _rack_reordered(self, s: int) -> None:
-        """The first transmission of ``s`` arrived (marked lost, given up, or not yet): when a
-        packet of its class sent after it was delivered first, that is reordering, and how
-        late it came (its RTT over the newer one's) sets the window's floor."""
-        r = self.rack
-        assert r is not None
-        c = self.prio[s]
-        if self.tx_id[s] < r.tx.get(c, 0):
-            r.seen = True
-            r.late = max(r.late, self.sim.now - self.sent_at[s] - r.rtt[c])
-
-    def _rack_mark(self, c: int) -> bool:
-        """Mark lost each packet of class ``c`` sent before its newest delivery whose RTT
-        plus the reorder window has passed; arm the reorder timer for the first that has
-        not (RFC 8985 6.2 step 5). True when this starts a fast recovery."""
-        r = self.rack
-        assert r is not None
-        q = r.txq.get(c)
-        newest, rtt, now = r.tx.get(c, 0), r.rtt.get(c, 0.0), self.sim.now
-        wnd = r.window(c, self.in_prr)
-        flight, lost = self.pipe, False
-        while q:
-            tid, s = q[0]
-            if self.tx_id[s] != tid or self.acked[s] or self.lost[s]:
-                q.popleft()
-                continue
-            if tid >= newest:
-                break
-            due = self.sent_at[s] + rtt + wnd
-            if now + 1e-12 < due:
-                if due < r.armed.get(c, math.inf):
-                    r.armed[c] = due
-                    self.sim.at(due, self._rack_timer, c, due)
-                break
-            q.popleft()
-            self._mark_lost(s)
-            lost = True
-        return lost and self._recover(flight)
-
-    def _rack_timer(self, c: int, due: float) -> None:
-        r = self.rack
-        assert r is not None
-        if r.armed.get(c) != due:
-            return  # re-armed earlier since
-        del r.armed[c]
-        entered = self._rack_mark(c)
-        if self.in_prr:
-            self._prr(0, entered)
-        self.try_send()
 
     def _mark_lost(self, s: int) -> None:
         self.lost[s] = True

@@ -43,7 +43,10 @@ N = router, N+1 = receiver), ``tx_packets``, ``retx_packets`` (totals), ``rx_byt
 overshoots: 8 x 1 MB into 1000 packets already loses ~1000 packets; 4 x 250 kB (692 packets)
 does not.
 
-Both kinds accept ``"stop_s"`` (simulated-time safety limit, default 100 s); the simulation
+``{"kind": "leafspine", ...}``: two leaves, two spines, per-packet random ECMP
+(:mod:`qsync_opt.netsim.ns3leafspine` documents it).
+
+Every kind accepts ``"stop_s"`` (simulated-time safety limit, default 100 s); the simulation
 also stops as soon as every sink has received all its bytes, so no FIN/TIME_WAIT is simulated
 and drops/transmissions after the last delivery are not counted.
 
@@ -134,6 +137,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .ns3leafspine import LEAFSPINE_CPP
+
 MISSING_MESSAGE = (
     "ns-3's Python bindings are not installed: `pip install ns3` "
     "(or the project's extra: `pip install -e .[netsim]`)"
@@ -148,9 +153,14 @@ _TAIL_CHARS = 4000
 _REQUIRED = {
     "bottleneck": ("bytes", "gbps", "delay_us", "buffer_packets"),
     "incast": ("senders", "bytes_each", "gbps", "delay_us", "buffer_packets"),
+    "leafspine": ("hosts_per_leaf", "bytes_each", "host_gbps", "uplink_gbps", "delay_us",
+                  "buffer_packets"),
 }
-_INT_KEYS = ("bytes", "bytes_each", "senders", "buffer_packets", "mss")
+_INT_KEYS = ("bytes", "bytes_each", "senders", "buffer_packets", "mss", "hosts_per_leaf", "run")
 _OPTIONAL: dict[str, Any] = {"mss": _DEFAULT_MSS, "min_rto_ms": _DEFAULT_MIN_RTO_MS, "stop_s": _DEFAULT_STOP_S}
+#: the leaf/spine kind's own optional keys: per-packet random ECMP (ns-3's
+#: Ipv4GlobalRouting::RandomEcmpRouting) or not, and ns-3's RNG run number
+_LEAFSPINE_OPTIONAL: dict[str, Any] = {"spray": True, "run": 1}
 
 
 def available() -> bool:
@@ -174,7 +184,8 @@ def _normalize(case: dict[str, Any], index: int) -> dict[str, Any]:
     kind = case.get("kind")
     if kind not in _REQUIRED:
         raise ValueError(f"ns3ref case {index}: kind must be one of {sorted(_REQUIRED)}, got {kind!r}")
-    known = {"kind", *_REQUIRED[kind], *_OPTIONAL}
+    optional = {**_OPTIONAL, **(_LEAFSPINE_OPTIONAL if kind == "leafspine" else {})}
+    known = {"kind", *_REQUIRED[kind], *optional}
     unknown = sorted(set(case) - known)
     if unknown:
         raise ValueError(f"ns3ref case {index} ({kind}): unknown keys {unknown}")
@@ -182,21 +193,28 @@ def _normalize(case: dict[str, Any], index: int) -> dict[str, Any]:
     if missing:
         raise ValueError(f"ns3ref case {index} ({kind}): missing keys {missing}")
     out: dict[str, Any] = {"kind": kind}
-    for key in (*_REQUIRED[kind], *_OPTIONAL):
-        value: Any = case[key] if key in case else _OPTIONAL[key]
+    for key in (*_REQUIRED[kind], *optional):
+        value: Any = case[key] if key in case else optional[key]
+        if key == "spray":
+            if not isinstance(value, bool):
+                raise ValueError(f"ns3ref case {index}: spray must be true or false, got {value!r}")
+            out[key] = value
+            continue
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if key in _INT_KEYS:
             if not number or not math.isfinite(value) or value != int(value) or value < 1:
                 raise ValueError(f"ns3ref case {index}: {key} must be a positive int, got {value!r}")
             out[key] = int(value)
         else:
-            positive = key in ("gbps", "stop_s")
+            positive = key in ("gbps", "stop_s", "host_gbps", "uplink_gbps")
             if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
                 raise ValueError(f"ns3ref case {index}: {key} must be "
                                  f"{'positive' if positive else '>= 0'}, got {value!r}")
             out[key] = float(value)
     if out["mss"] > 65495:
         raise ValueError(f"ns3ref case {index}: mss {out['mss']} too large")
+    if kind == "leafspine" and out["hosts_per_leaf"] > 64:
+        raise ValueError(f"ns3ref case {index}: at most 64 hosts per leaf")
     if kind == "incast" and out["senders"] > _MAX_SENDERS:
         raise ValueError(f"ns3ref case {index}: at most {_MAX_SENDERS} senders")
     return out
@@ -611,7 +629,7 @@ def _child_main() -> int:
     importlib.import_module("ns")
     cppyy = importlib.import_module("cppyy")
     t1 = time.perf_counter()
-    cppyy.cppdef(_CPP)
+    cppyy.cppdef(_CPP + LEAFSPINE_CPP)  # one unit: the leaf/spine case uses _CPP's helpers
     drv = cppyy.gbl.qsync_ns3ref
     defaults = json.loads(str(drv.Defaults()))
     t2 = time.perf_counter()
@@ -622,10 +640,15 @@ def _child_main() -> int:
             raw = drv.RunBottleneck(case["bytes"], case["gbps"], case["delay_us"],
                                     case["buffer_packets"], case["mss"], case["min_rto_ms"],
                                     case["stop_s"])
-        else:
+        elif case["kind"] == "incast":
             raw = drv.RunIncast(case["senders"], case["bytes_each"], case["gbps"],
                                 case["delay_us"], case["buffer_packets"], case["mss"],
                                 case["min_rto_ms"], case["stop_s"])
+        else:
+            raw = drv.RunLeafSpine(case["hosts_per_leaf"], case["bytes_each"],
+                                   case["host_gbps"], case["uplink_gbps"], case["delay_us"],
+                                   case["buffer_packets"], case["mss"], case["min_rto_ms"],
+                                   case["stop_s"], bool(case["spray"]), case["run"])
         result = json.loads(str(raw))
         if "error" in result:
             raise RuntimeError(f"ns-3 driver: {result['error']} (case {case})")

@@ -23,7 +23,9 @@ missing packets are zero-filled and counted as lost bytes of their layers.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import math
 import random
 import statistics
@@ -53,14 +55,13 @@ class Bucket:
     def bytes(self) -> int:
         return sum(b for _, b, _ in self.layers)
 
+    @functools.cached_property
+    def _ends(self) -> list[int]:
+        return list(itertools.accumulate(b for _, b, _ in self.layers))
+
     def layer_at(self, offset: int) -> int:
         """Index into :attr:`layers` of the byte at ``offset``."""
-        acc = 0
-        for i, (_, b, _) in enumerate(self.layers):
-            acc += b
-            if offset < acc:
-                return i
-        return len(self.layers) - 1
+        return min(bisect.bisect_right(self._ends, offset), len(self.layers) - 1)
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,7 @@ class _Run:
         cfg = self.cfg
         return self.sim.connection(a, b, mss=cfg.cell_bytes, header=cfg.header_bytes,
                                    init_cwnd=cfg.init_cwnd, min_rto_ms=cfg.min_rto_ms,
-                                   bounded=cfg.bounded, detect=cfg.detect,
-                                   expect_reordering=cfg.routing == "spray")
+                                   bounded=cfg.bounded, detect=cfg.detect)
 
     def send(self, a: int, b: int, k: int, offset: int, nbytes: int,
              on_done: Callable[[float], None]) -> None:
@@ -225,7 +225,8 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
     if len(ready_ms) != len(ranks) or any(len(r) != len(buckets) for r in ready_ms):
         raise ValueError("ready_ms: expected one row per rank, one time per bucket")
     sim = Sim(topo, queue=cfg.queue, routing=cfg.routing, seed=seed, classes=cfg.classes,
-              bin_us=cfg.bin_us, max_events=cfg.max_events, cell_bytes=cfg.cell_bytes)
+              bin_us=cfg.bin_us if keep_bins else None, max_events=cfg.max_events,
+              cell_bytes=cfg.cell_bytes)
     rng = random.Random(seed * 7919 + 17)
     ready = []
     for row in ready_ms:

@@ -330,19 +330,21 @@ def _drop_recorder(model: nn.Module, mode: Any, seed: int,
         if network is None:
             raise ValueError("dlcp: the network mode needs the plan's cluster and rank groups")
         masks = net_masks(ChunkTable.build(numels, int(mode.chunk_elems)), mode, seed,
-                          *network)
+                          *network, names=[n for n, _ in named])
     return (DropRecorder(mode, [n for n, _ in named], numels, seed, masks),
             [p for _, p in named])
 
 
-def net_masks(table: Any, mode: Any, seed: int, cluster: Any,
-              rank_groups: Sequence[str]) -> list[list[Tensor]]:
+def net_masks(table: Any, mode: Any, seed: int, cluster: Any, rank_groups: Sequence[str],
+              setup: Any = None, *, names: Sequence[str] | None = None) -> list[list[Tensor]]:
     """``--comm dlcp``'s drops from the network: the packet simulator's lost chunks per
     iteration and rank (:func:`qsync_opt.netsim.cluster.dlcp_masks`), ``mode.iterations``
     iterations of ``cluster`` cut to ``rank_groups``, simulated once; the bounded-loss
     transport at ``mode.p`` behind DLCP's priority queues (``priority``) or FIFO ones,
-    cells of one chunk. A run too large for the simulator's event cap is refused in one
-    line."""
+    cells of one chunk. With the run's ``setup`` (its workload and plan) and the
+    parameters' ``names``, each DDP bucket leaves at the replayed backward's time for it
+    (the workload traced at the plan's batch); without, all at once. A run too large for
+    the simulator's event cap is refused in one line."""
     from ..errors import QsyncInputError
     from ..netsim.cluster import dlcp_masks, limit_message
     from ..netsim.engine import NetsimLimit
@@ -350,10 +352,17 @@ def net_masks(table: Any, mode: Any, seed: int, cluster: Any,
 
     policy = "priority+bounded" if mode.policy == "priority" else "fifo+bounded"
     cfg = NetConfig(policy=policy, p=min(mode.p, 0.999), cell_bytes=table.chunk_elems * 4)
+    graph = plan = None
+    if setup is not None and names is not None:
+        from ..graph import trace
+
+        plan = setup.plan
+        graph = trace(setup.workload, plan.provenance.get("graph_batch"), warn=False)
     try:
         return dlcp_masks(table, cluster, rank_groups, scenario=mode.scenario, cfg=cfg,
                           iterations=mode.iterations, seed=seed,
-                          buffer_bytes=int(mode.buffer_kib * 1024))
+                          buffer_bytes=int(mode.buffer_kib * 1024), graph=graph, names=names,
+                          plan=plan)
     except NetsimLimit as exc:
         raise QsyncInputError("comm: dlcp's network: "
                               + limit_message(exc, "chunk_kib=", None)) from None
@@ -616,10 +625,11 @@ class LocalSGDSync(GradientSync):
 
 
 def make_sync(config: Any, world: int, device: torch.device, emulated: bool,
-              cluster: Any = None) -> GradientSync:
+              cluster: Any = None, setup: Any = None) -> GradientSync:
     """The gradient-sync mode a run's config asks for (``sync``, ``comm``), over ``world``
     ranks, in one process (``emulated``) or one per rank; ``cluster``: the plan's (the
-    network ``--comm dlcp`` takes its drops from)."""
+    network ``--comm dlcp`` takes its drops from), ``setup``: the run's (its workload and
+    plan time the buckets' backward there)."""
     mode = config.sync_mode()
     cm = config.comm_mode()
     comm = cm.kind
@@ -630,7 +640,7 @@ def make_sync(config: Any, world: int, device: torch.device, emulated: bool,
         return LocalSGDSync(world, mode, config.schedule(), config.steps, device=device,
                             emulated=emulated,
                             average_optimizer_state=config.average_optimizer_state)
-    network = None if cluster is None else (cluster, list(config.rank_groups))
+    network = None if cluster is None else (cluster, list(config.rank_groups), setup)
     if emulated:
         return EmulatedSync(world, comm, dlcp, config.seed, network)
     return (DDPSync(world, device, comm, dlcp, config.seed, network) if world > 1

@@ -119,7 +119,7 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
     ranks = list(range(config.world_size))
     models = [build_model(setup, r, device) for r in ranks]
     sync = (make_sync(config, config.world_size, device, emulated=True,
-                      cluster=setup.plan.cluster) if sync is None else sync)
+                      cluster=setup.plan.cluster, setup=setup) if sync is None else sync)
     out = Path(config.out_dir)
     tr = Trainer(setup, ranks, models, sync, device, faults=faults,
                  log_state_hash=_log_state_hash())
@@ -189,7 +189,8 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
         from .emulate import add_slowdown
 
         slowdown = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
-        sync = make_sync(config, world, device, emulated=False, cluster=setup.plan.cluster)
+        sync = make_sync(config, world, device, emulated=False, cluster=setup.plan.cluster,
+                         setup=setup)
         tr = Trainer(setup, [rank], [model], sync, device, faults=faults,
                      log_state_hash=_log_state_hash())
         res = tr.train(show_progress=rank == 0)
