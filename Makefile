@@ -24,6 +24,8 @@ test: setup
 	$(MAKE) typecheck
 	$(BIN)/python -m pytest
 
+# The fast tier, for the inner loop: every test not marked slow (every folder of tests/ keeps
+# some: tests/test_suite_tiers.py); `make test` (CI) runs them all.
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"
 

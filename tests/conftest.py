@@ -86,6 +86,17 @@ def digits_graph() -> ModelGraph:
     return trace("digits_cnn")
 
 
+@pytest.fixture(scope="session")
+def demo_part_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, Path]:
+    """``qsync-opt demo --no-local --method random`` run once for the session (part 2, the
+    planning showcase, on the random indicator): (exit code, stdout, stderr, its --out)."""
+    from qsync_opt.testing import run_cli
+
+    out = tmp_path_factory.mktemp("demo_part_2")
+    code, stdout, stderr = run_cli("demo", "--no-local", "--method", "random", "--out", str(out))
+    return code, stdout, stderr, out
+
+
 @pytest.fixture
 def runtime_quiet(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """For training-run tests: no fault variable set (the plans are handed in) and one

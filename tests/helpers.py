@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """The script ``benchmarks/<name>.py`` as a module (``qsync_bench_<name>``), loaded once:
+    """The script ``benchmarks/<name>.py`` as a module (``qsync_<name>``), loaded once:
     a later call returns the module already loaded."""
-    module_name = f"qsync_bench_{name}"
+    module_name = f"qsync_{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name,

@@ -3,30 +3,16 @@ target between the low end and fp32 (no training here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.indicator import indicate
 from qsync_opt.problem import AllocationProblem
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("qsync_bench_accuracy",
-                                                  REPO / "benchmarks" / "bench_accuracy.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qsync_bench_accuracy"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-B = _bench()
+B = load_benchmark("bench_accuracy")
 
 
 @pytest.fixture(scope="module")

@@ -4,30 +4,15 @@ cells are drawn from known distributions)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from qsync_opt.precision import Precision
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("qsync_bench_indicator",
-                                                  REPO / "benchmarks" / "bench_indicator.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qsync_bench_indicator"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-B = _bench()
+B = load_benchmark("bench_indicator")
 
 #: effect, rounding noise sd, per-piece sample sd: "loud" has a large sample part, "rough"
 #: a large rounding part, the rest are quiet.

@@ -10,29 +10,15 @@ damage generator), so a failure shrinks to one damage and can be replayed by its
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _campaign():
-    spec = importlib.util.spec_from_file_location("qsync_campaign",
-                                                  REPO / "benchmarks" / "campaign.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qsync_campaign"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-C = _campaign()
+C = load_benchmark("campaign")
 
 
 @pytest.fixture(scope="module")

@@ -128,10 +128,9 @@ def test_console_script_exit_code_and_one_line(tmp_path) -> None:
     assert "inter_node_bandwidth_gb_per_s" in proc.stderr
 
 
-def test_demo_plans_and_removes_the_straggler(capsys, tmp_path) -> None:
+def test_demo_plans_and_removes_the_straggler(demo_part_2) -> None:
     """The demo with the random indicator (fast): every allocator compared, a plan written."""
-    code, out, _ = run(capsys, "demo", "--no-local", "--method", "random", "--out",
-                       str(tmp_path))
+    code, out, _, tmp_path = demo_part_2
     assert code == 0
     assert "part 1" not in out
     assert "resnet50" in out and "v100x16+t4x16" in out
@@ -153,8 +152,16 @@ def test_demo_plans_and_removes_the_straggler(capsys, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_demo_runs(capsys, tmp_path) -> None:
-    """The demo as `make demo` runs it: the qsync indicator on synthetic batches."""
+def test_demo_runs(capsys, tmp_path, monkeypatch) -> None:
+    """The demo as `make demo` runs it: the qsync indicator on synthetic batches. Part 1 trains
+    each plan once (A B, not A B B A) on a profile of 3 repeats: the same steps, half the runs
+    (the repeat of a run adds only the spread figure, which a single run leaves out)."""
+    import functools
+
+    from qsync_opt import demo
+
+    monkeypatch.setattr(demo, "local_job", functools.partial(demo.local_job, repeats=3,
+                                                             rounds=1))
     code, out, _ = run(capsys, "demo", "--out", str(tmp_path), "--steps", "20")
     assert code == 0 and "indicator: qsync" in out
     assert "the V100s no longer wait for the T4s" in out
@@ -281,6 +288,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 def test_a_small_memory_limit_gives_the_indicator_refusal_line(tmp_path) -> None:
     """Under an address-space limit 400 MiB above what the process holds (prlimit --as),
     ResNet-18's qsync indicator at batch 8 (about 0.7 GiB) is refused in one line naming

@@ -193,6 +193,7 @@ def test_nvcc_command_flags():
         nvcc_command(["a.cu"], "o.so", archs=("sm_80",), nvcc="nvcc")
 
 
+@pytest.mark.slow
 def test_every_cu_compiles_with_nvcc(tmp_path):
     nvcc = _nvcc_or_skip()
     sources = sorted(source_dir().glob("*.cu"))
@@ -245,6 +246,7 @@ def test_every_cu_compiles_with_nvcc(tmp_path):
     assert handle.qsync_quantize_int4(None, 0, None, None, 4, 0, 0, 0, None) == 1
 
 
+@pytest.mark.slow
 def test_build_cache_and_cli(tmp_path, monkeypatch):
     _nvcc_or_skip()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

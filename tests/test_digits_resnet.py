@@ -115,6 +115,7 @@ def test_qsync_indicator_on_real_batches() -> None:
         assert vals[Precision.int8] > 0.0
 
 
+@pytest.mark.slow
 def test_short_training_lowers_the_held_out_loss() -> None:
     # 100 AdamW steps (lr 1e-3, batch 64) from the registry init; measured (seed 0):
     # held-out loss 2.32 -> 0.60, accuracy 0.95. The eval-mode loss lags the training

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import load_benchmark
 from torch import nn
 
 from qsync_opt import ops
@@ -175,16 +176,7 @@ def test_indicator_models_the_two_quantizations() -> None:
 def test_the_measurement_script_ranks_the_choices_on_tiny_gpt() -> None:
     """benchmarks/bench_grad_noise.py on tiny_gpt, one seed: a row per choice, the defaults
     starred, and round-to-nearest ahead of stochastic rounding for int4's forward."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grad_noise.py"
-    spec = importlib.util.spec_from_file_location("qsync_bench_grad_noise", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_grad_noise")
     rows = {label: (c, e) for label, c, e in module.measure(
         "tiny_gpt", 1, {"int8_forward_stochastic": True}, 4)}
     assert len(rows) == len(module.CHOICES)

@@ -484,6 +484,7 @@ def _sweep(tmp_path, name: str, *extra: str) -> tuple[dict[str, Any], str]:
 @pytest.mark.parametrize(("fuse_mode", "inputs"), [("serial", "per_model"),
                                                  ("measure", "per_model"),
                                                  ("fused", "replicated")])
+@pytest.mark.slow
 def test_sweep_tiny_gpt_runs_on_the_fused_route(tmp_path, fuse_mode: str, inputs: str) -> None:
     doc, text = _sweep(tmp_path, fuse_mode, "--fuse", fuse_mode, "--inputs", inputs, "--export")
     assert doc["route"] == "fused" and "route: torch.func" not in text

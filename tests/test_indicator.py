@@ -209,6 +209,7 @@ def test_batch_scaling_and_errors(digits_tables) -> None:
         indicate("digits_cnn", batches=0)
 
 
+@pytest.mark.slow
 def test_synthetic_data_for_catalog_workloads() -> None:
     table = indicate("resnet18", batches=1, batch=2, cache=False)
     assert table.data == "synthetic" and len(table.values) == 20

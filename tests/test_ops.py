@@ -262,6 +262,7 @@ def test_reference_rng_against_scalar_python() -> None:
     assert got.tolist() == [scalar(2**35 + i, 99) for i in range(50)]
 
 
+@pytest.mark.slow
 def test_python_fallback_when_cpp_is_disabled() -> None:
     code = ("import torch, qsync_opt.ops as o; a = o.available()['cpu']; "
             "q, s = o.quantize_int8(torch.arange(-5., 6.), stochastic=False); "
@@ -708,6 +709,7 @@ def test_int8_full_conv_gradients_within_quantization_error(backend: str, conv: 
     assert rel(x.grad, xr.grad) < 0.1 and rel(w.grad, wr.grad) < 0.1
 
 
+@pytest.mark.slow
 def test_inplace_and_depthwise_with_cpp_disabled_by_environment() -> None:
     """QSYNC_DISABLE_CPP=1 (the Python references, selected as a user would): an in-place
     ReLU after int8 linear and an exact int8_full depthwise conv with an in-place add."""

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from helpers import load_benchmark
 from qsync_opt.models import get_workload
 
 from qsync_opt.errors import QsyncInputError
@@ -207,17 +208,7 @@ def test_balancing_refuses_more_stages_than_cut_points():
 
 
 def _bench_compression():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compression.py"
-    spec = importlib.util.spec_from_file_location("qsync_bench_compression", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qsync_bench_compression"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_compression")
 
 
 def test_the_compression_study_runs_and_counts_bytes_by_formula():

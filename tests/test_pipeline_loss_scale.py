@@ -95,6 +95,7 @@ def _same_states(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("extra", [[], ["--micro-batches", "2", "--compress-act", "topk:0.3",
                                         "--feedback", "aqsgd"]])
+@pytest.mark.slow
 def test_a_pipeline_overflowing_at_2_pow_16_trains_from_step_0(tmp_path, fp16_plan, monkeypatch,
                                                                extra) -> None:
     """One process: the probe overflows at 2**16, starts at 2**12, every step trains, no
@@ -125,6 +126,7 @@ def test_a_pipeline_overflowing_at_2_pow_16_trains_from_step_0(tmp_path, fp16_pl
     _same_states(out, tmp_path / "fixed")
 
 
+@pytest.mark.slow
 def test_a_pipeline_skipping_most_steps_says_so_first(tmp_path, fp16_plan, monkeypatch,
                                                      capsys) -> None:
     """Overflowing at every scale: the probe tries them all and starts at 1, every step is
@@ -142,6 +144,7 @@ def test_a_pipeline_skipping_most_steps_says_so_first(tmp_path, fp16_plan, monke
     assert "qsync-opt: train: WARNING: 3 of 3 steps" in err
 
 
+@pytest.mark.slow
 def test_a_resumed_or_fp32_or_fixed_scale_pipeline_does_not_probe(tmp_path, fp16_plan,
                                                                   monkeypatch) -> None:
     _scaled(monkeypatch, 30.0)

@@ -238,6 +238,7 @@ def test_a_deep_plan_is_one_line_from_report(capsys: pytest.CaptureFixture[str],
 # ----------------------------------------------------------------------------- sizes
 
 
+@pytest.mark.slow
 def test_sizes_beyond_the_limits_are_refused_with_the_limit_named(
         documents: dict[str, tuple[type, dict[str, Any]]]) -> None:
     cls, cluster = documents["cluster"]
@@ -298,6 +299,7 @@ _GROUPS_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_cluster_of_600000_groups_is_refused_not_hung(tmp_path: Path) -> None:
     """It hung in a quadratic duplicate-name check (hours); refused at once now."""
     f = tmp_path / "many.json"
@@ -618,6 +620,7 @@ _FSIZE_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_file_size_limit_is_one_line_not_a_signal(tmp_path: Path) -> None:
     """Past RLIMIT_FSIZE the kernel sends SIGXFSZ, whose default kills the process mid-write
     (exit -25, nothing said); the CLI ignores it, so the write fails with EFBIG, reported."""

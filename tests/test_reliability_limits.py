@@ -223,6 +223,7 @@ _HUGE_COST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_huge_cost_is_solved_by_cpsat_not_looped_on() -> None:
     """A time cost of 1e30 ms beside a budget of a few ms: the old rounding loop stepped
     one unit at a time, ~1e19 times (r * unit no longer changes in floating point), before

@@ -4,28 +4,17 @@ the first run's time, so the median timed a cache look-up)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import load_benchmark
 from qsync_opt.solvers import SolveOptions, get_backend
 
 from qsync_opt import estimate, parse_shorthand
 from qsync_opt.problem import AllocationProblem
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("qsync_bench_solvers",
-                                                  REPO / "benchmarks" / "bench_solvers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qsync_bench_solvers"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_solvers")
 
 
 def _small(*_: object) -> AllocationProblem:

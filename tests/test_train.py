@@ -427,6 +427,7 @@ def test_group_not_in_plan_is_one_line_exit_2(mixed_plan: Path, tmp_path: Path) 
     assert len(p.stderr.strip().splitlines()) == 1 and "rank_groups[0]" in p.stderr
 
 
+@pytest.mark.slow
 def test_plan_for_another_model_and_world_mismatch_exit_2(mixed_plan: Path,
                                                           tmp_path: Path) -> None:
     p = _run_cli(_config(mixed_plan, tmp_path / "o", workload="tiny_gpt"), tmp_path)

@@ -67,6 +67,7 @@ def test_measure_memory_refuses_negative_step(tmp_path: Path) -> None:
     assert "--measure-memory" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_the_measured_step_keeps_its_checkpoint(tmp_path: Path) -> None:
     """The measured step is a step like any other: the checkpoint due after it is written
     (a kill at the next step resumes from there)."""
