@@ -9,6 +9,9 @@ from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: The steps of the session's uninterrupted two-rank run (conftest's ``gloo_straight``).
+GLOO_STEPS = 6
+
 
 def load_benchmark(name: str) -> ModuleType:
     """The script ``benchmarks/<name>.py`` as a module (``qsync_<name>``), loaded once:

@@ -22,9 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from qsync_opt import parse_shorthand, trace
 from qsync_opt.errors import QsyncInputError, describe_validation_error
-from qsync_opt.plan import make_plan
 from qsync_opt.precision import Precision
 from qsync_opt.runtime import config as rc
 from qsync_opt.runtime import train as rt
@@ -53,13 +51,9 @@ COLLECTIVE_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def plan_path(digits_mixed_plan: Path) -> Path:
     """digits_cnn, groups "cpu" (fp32, batch 48) and "cpu_2" (mixed precisions, batch 16)."""
-    path = tmp_path_factory.mktemp("plan") / "mixed.json"
-    cluster = parse_shorthand("cpux1@48+cpux1@16")
-    make_plan(trace("digits_cnn"), cluster,
-              {"cpu_2": {"conv1": "bf16", "conv2": "int8", "fc1": "fp16"}}).save(path)
-    return path
+    return digits_mixed_plan
 
 
 def _config(plan: Path, out: Path, **kw: object) -> TrainConfig:
@@ -505,14 +499,14 @@ def _train(plan: Path, out: Path, steps: int, *extra: str, **env: str
 
 @pytest.mark.slow
 def test_two_gloo_ranks_killed_inside_a_save_resume_bit_for_bit(plan_path: Path,
+                                                                 gloo_straight: Path,
                                                                  tmp_path: Path) -> None:
     """torchrun, two gloo ranks, a checkpoint every 2 steps: rank 0 dies in the save of step
     4 after writing its file, before the marker (the old layout left the ranks' files at
     steps 4 and 2 and the resume refused). The resume takes the set of step 2 on both ranks
-    and ends equal to a run never stopped: summaries, metrics and checkpoints, bit for bit."""
-    straight = tmp_path / "straight"
-    p = _train(plan_path, straight, 6, "--checkpoint-every", "2", QSYNC_LOG_STATE_HASH="1")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    and ends equal to a run never stopped (the session's, same plan and flags): summaries,
+    metrics and checkpoints, bit for bit."""
+    straight = gloo_straight
     out = tmp_path / "killed"
     p = _train(plan_path, out, 6, "--checkpoint-every", "2", QSYNC_LOG_STATE_HASH="1",
                QSYNC_TEST_DIE_IN_SAVE="0:4")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import GLOO_STEPS
 
 from qsync_opt import parse_shorthand, trace
 from qsync_opt.plan import make_plan
@@ -44,10 +45,9 @@ def _plan(path: Path, second: dict[str, str]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mixed_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def mixed_plan(digits_mixed_plan: Path) -> Path:
     # second group: conv1 bf16, conv2 int8 (stochastic rounding), fc1 fp16 (loss scaling)
-    return _plan(tmp_path_factory.mktemp("plan") / "mixed.json",
-                 {"conv1": "bf16", "conv2": "int8", "fc1": "fp16"})
+    return digits_mixed_plan
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,6 @@ COLLECTIVE_TIMEOUT_S = 300
 RUN_LIMIT_S = 600
 #: Fields of a metrics row that are wall times (never reproducible).
 TIMED = ("step_ms", "compute_ms", "sync_ms", "comm_ms")
-GLOO_STEPS = 6
 
 
 def _cli_train(plan: Path, out: Path, steps: int, *extra: str,
@@ -114,15 +113,6 @@ def _ckpt(out: Path, rank: int = 0) -> dict:
 
 def _rank_checkpoints(out: Path) -> list[dict]:
     return [_ckpt(out, r) for r in (0, 1)]
-
-
-@pytest.fixture(scope="module")
-def gloo_straight(mixed_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """GLOO_STEPS uninterrupted steps of the mixed plan on two gloo ranks, state hashes logged."""
-    out = tmp_path_factory.mktemp("gloo") / "straight"
-    p = _cli_train(mixed_plan, out, GLOO_STEPS, QSYNC_LOG_STATE_HASH="1")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out
 
 
 def _start_two_ranks(config: Path, stdout: int, **extra: str) -> list[subprocess.Popen]:
