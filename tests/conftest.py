@@ -91,11 +91,15 @@ def digits_graph() -> ModelGraph:
 def demo_part_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, Path]:
     """``qsync-opt demo --no-local --method random`` run once for the session (part 2, the
     planning showcase, on the random indicator): (exit code, stdout, stderr, its --out)."""
-    from qsync_opt.testing import run_cli
+    import io
+
+    from qsync_opt.cli import main
 
     out = tmp_path_factory.mktemp("demo_part_2")
-    code, stdout, stderr = run_cli("demo", "--no-local", "--method", "random", "--out", str(out))
-    return code, stdout, stderr, out
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["demo", "--no-local", "--method", "random", "--out", str(out)])
+    return code, stdout.getvalue(), stderr.getvalue(), out
 
 
 @pytest.fixture(scope="session")
