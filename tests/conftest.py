@@ -3,7 +3,7 @@
 Under ``CI=true`` (the CI runner and ``.ci/run`` set it) nothing native may be missing
 silently: ``QSYNC_REQUIRE_CPP=1`` is set here, before any test module loads the ops, so a
 C++ build that fails raises in every test (and every rank a test starts) that reaches the
-kernels instead of the Python references serving, and tests/test_cuda.py fails where nvcc is
+kernels instead of the Python references serving, and tests/ops/test_cuda.py fails where nvcc is
 missing or the CUDA kernels do not load.
 """
 

@@ -44,7 +44,7 @@ from qsync_opt.precision import Precision
 from qsync_opt.problem import AllocationProblem, PairTerm, ProblemOptions, check_finite
 from qsync_opt.synthetic import random_indicator, synthetic_graph
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXACT = {"highs": PulpIlp("highs"), "cbc": PulpIlp("cbc"), "cpsat": CpSat()}
 MENU = (Precision.fp32, Precision.fp16, Precision.int8)
 
@@ -231,7 +231,7 @@ def test_a_huge_cost_is_solved_by_cpsat_not_looped_on() -> None:
     such a choice is hopeless (alone beyond the budget) and fixed to 0 in the formulation,
     so CP-SAT solves the problem and agrees with HiGHS (it once refused it as "cannot be
     scaled")."""
-    code = _HUGE_COST.format(tests=str(REPO / "tests"))
+    code = _HUGE_COST.format(tests=str(Path(__file__).resolve().parent))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,5 +1,5 @@
 """The pipeline's fp16 loss-scale start and run warnings (issue 41): the data-parallel rule
-(tests/test_loss_scale_start.py) on ``train --pipeline-stages``, in one process and in one
+(tests/runtime/test_loss_scale_start.py) on ``train --pipeline-stages``, in one process and in one
 process per stage (qsync_opt.runtime.pipescale)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from qsync_opt.plan import make_plan
 from qsync_opt.runtime.scaler import PROBE_SCALES
 from qsync_opt.testing import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # digits_cnn with fc2's weights and bias times K: the gradient reaching the t4's fp16 fc1
 # grows K-fold. K=30 overflows fp16 at a loss scale of 2**16 (the probe finds 2**12 finite)

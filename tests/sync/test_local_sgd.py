@@ -161,7 +161,7 @@ def test_fp16_comm_in_emulation_sends_half_the_bytes(plans: dict[str, Path],
 
 # ----------------------------------------------------------------------------- two gloo ranks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GLOO_ARGS = ("--sync", "qsr:alpha=0.15,h_base=2", "--lr", "0.1", "--lr-schedule",
              "cosine:warmup=2", "--momentum", "0.9", "--steps", "12")
 

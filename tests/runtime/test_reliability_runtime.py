@@ -40,7 +40,7 @@ from qsync_opt.runtime.launch import add_train_parser, cmd_train
 from qsync_opt.schemas import Plan
 from qsync_opt.testing import assert_same_tree
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Only a hang reaches it.
 RUN_LIMIT_S = 600
 #: Collective timeout of the two-rank runs: a rank starting late on a loaded machine is fine.

@@ -109,7 +109,7 @@ def test_comm_and_the_combination_table():
 def test_the_readme_table_is_the_combination_table():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = [x for x in text.splitlines() if x.startswith("| `--sync` \\ `--comm`")]
     assert len(lines) == 1
     rows = text.split(lines[0], 1)[1].splitlines()[2:5]

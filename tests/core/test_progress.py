@@ -131,7 +131,7 @@ def _train(tmp_path, capsys, *extra):
 
 def test_a_run_into_a_pipe_prints_progress_lines(tmp_path, capsys, runtime_quiet):
     """stderr is not a terminal here (captured), as under nohup or a batch scheduler (the
-    torchrun case, a real pipe: tests/test_pipetrain.py's slow test): with a short interval
+    torchrun case, a real pipe: tests/pipeline/test_pipetrain.py's slow test): with a short interval
     every step writes its line; with 0, none."""
     import sys
 

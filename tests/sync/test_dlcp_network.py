@@ -193,7 +193,7 @@ def test_emulated_drops_are_the_simulators(plan: Path, tmp_path: Path) -> None:
     assert max(dropped) > 0
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

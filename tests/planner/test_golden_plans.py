@@ -13,7 +13,7 @@ minutes), and checks:
 
 Regenerate after an intended change (and review the diff of ``tests/golden/``)::
 
-    QSYNC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -p no:cacheprovider tests/test_golden_plans.py
+    QSYNC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -p no:cacheprovider tests/planner/test_golden_plans.py
 
 Without ``QSYNC_REGEN_GOLDEN`` a mismatch fails with the first differing keys, written as
 ``group / op: golden -> now`` for precisions, and as JSON paths for the rest.
@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 REGEN = os.environ.get("QSYNC_REGEN_GOLDEN") == "1"
 
 #: Provenance keys naming library or dependency versions (none today; see the docstring).
@@ -211,7 +211,7 @@ def _check(case: str, spec: tuple[str, str, str, dict[str, Any]], golden_dir: Pa
         path.write_text(text)
         return
     assert path.exists(), (f"{path} is missing: run QSYNC_REGEN_GOLDEN=1 .venv/bin/python -m "
-                           "pytest tests/test_golden_plans.py")
+                           "pytest tests/planner/test_golden_plans.py")
     golden = path.read_text()
     if text != golden:
         found = _first_differences(json.loads(golden), json.loads(text), limit=200)

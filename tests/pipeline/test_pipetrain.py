@@ -18,7 +18,7 @@ from qsync_opt.cluster import parse_shorthand
 from qsync_opt.graph import trace
 from qsync_opt.plan import make_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

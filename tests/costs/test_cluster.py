@@ -14,7 +14,7 @@ from qsync_opt.devices import ALIASES, CATALOG
 from qsync_opt.errors import QsyncInputError, SchemaVersionError
 from qsync_opt.schemas import ClusterSpec, DeviceGroup
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 

@@ -30,7 +30,7 @@ from qsync_opt.synthetic import random_indicator
 from qsync_opt.testing import run_cli
 
 P = Precision
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 # ----------------------------------------------------------------------------- vocabulary

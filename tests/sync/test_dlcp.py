@@ -264,7 +264,7 @@ def test_emulated_drops_keep_replicas_identical(plan: Path, tmp_path: Path, poli
 
 # ----------------------------------------------------------------------------- two gloo ranks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _gloo(plan: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -33,7 +33,7 @@ from qsync_opt.runtime.train import (
 )
 from qsync_opt.testing import assert_same_tree
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _plan(path: Path, second: dict[str, str]) -> Path:

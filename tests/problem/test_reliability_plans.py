@@ -100,7 +100,7 @@ def test_plans_record_the_model_files_hash(user_plan, digits_graph) -> None:
 def test_a_plan_naming_a_file_runs_nothing_without_model(user_plan, tmp_path, capsys) -> None:
     commands = _plan_readers(user_plan["path"], tmp_path)
     # (train --model FILE runs the file the user names, once its sha256 is the plan's:
-    # tests/test_user_models.py)
+    # tests/models/test_user_models.py)
     for argv in commands:
         code, _, err = run(capsys, *argv)
         assert_one_line_refusal(code, err)

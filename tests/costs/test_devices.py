@@ -357,7 +357,7 @@ def test_hopper_int8_runtime_rate_is_the_h200_measurement_and_its_derivation() -
 
 
 def test_hopper_int8_runtime_rate_is_documented() -> None:
-    text = (Path(__file__).resolve().parents[1] / "docs" / "DEVICES.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "DEVICES.md").read_text()
     assert "**R1**" in text and "benchmarks/results/gpu_h200/bench_cuda.log" in text
     assert "1.0941" in text and "125.6" in text and "96.0" in text and "derived" in text
 
