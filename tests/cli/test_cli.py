@@ -116,6 +116,7 @@ def test_user_model_from_the_cli(capsys, tmp_path) -> None:
     assert code == 0 and json.loads(out)["batch_size"] == 5
 
 
+@pytest.mark.slow
 def test_console_script_exit_code_and_one_line(tmp_path) -> None:
     exe = shutil.which("qsync-opt", path=str(Path(sys.executable).parent))
     assert exe, "the qsync-opt console script is installed beside the interpreter"
@@ -128,6 +129,7 @@ def test_console_script_exit_code_and_one_line(tmp_path) -> None:
     assert "inter_node_bandwidth_gb_per_s" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_plans_and_removes_the_straggler(demo_part_2) -> None:
     """The demo with the random indicator (fast): every allocator compared, a plan written."""
     code, out, _, tmp_path = demo_part_2

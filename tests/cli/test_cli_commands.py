@@ -54,6 +54,7 @@ def test_indicate_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert most[0].split()[:2] == ["op", "int8"] and len(most) == 2 + 2  # header, rule, 2 rows
 
 
+@pytest.mark.slow
 def test_python_m_runs_the_cli() -> None:
     """``python -m qsync_opt.cli`` (the training launcher and the demo run it) is the
     ``qsync-opt`` command."""

@@ -199,6 +199,7 @@ def test_solve_with_fx_warns_once(tmp_path, caplog, monkeypatch) -> None:
     assert said.count("cannot see inside") == 1, said
 
 
+@pytest.mark.slow
 def test_a_plan_made_with_tracer_fx_is_accepted_where_it_is_checked(tmp_path, monkeypatch) -> None:
     from qsync_opt import Plan, load
     from qsync_opt.plan import graph_for_plan

@@ -121,6 +121,7 @@ def test_replicated_inputs_feed_every_model_the_same_batch():
     assert torch.allclose(out, torch.stack([m(x) for m in ref]), atol=1e-10, rtol=0)
 
 
+@pytest.mark.slow
 def test_unsupported_models_are_refused_by_name():
     """vit_b16 reads its class token (a Parameter) outside a module: no fused form."""
     with pytest.raises(QsyncInputError, match="hfta: 'class_token' is a parameter"):
@@ -136,6 +137,7 @@ def _train_run(tmp: Path, seed: int, steps: int, lr: float, *extra: str) -> dict
     return run_params(out, 0, buffers=True)
 
 
+@pytest.mark.slow
 def test_sweep_model_equals_its_train_run(tmp_path):
     """Model s of the sweep is `train --seed s --nproc 1`: same initial weights, same
     batches, same optimizer. Float32 sums reorder between a grouped and a plain
@@ -198,6 +200,7 @@ def test_plan_precisions_reach_the_fused_ops(tmp_path):
     assert all(x == x for x in tr.last_loss)  # finite
 
 
+@pytest.mark.slow
 def test_exported_models_resume_in_train(tmp_path):
     out = tmp_path / "sweep"
     with contextlib.redirect_stdout(io.StringIO()):
@@ -419,6 +422,7 @@ def test_load_standalone_models_into_an_array():
         arr.load_models(others[:1])
 
 
+@pytest.mark.slow
 def test_standalone_fallback_equals_the_array(tmp_path):
     """Where the standalone models win the measurement, the sweep trains them one by one:
     the same models as the array trains (float32 reordering only), the same NaN rule, and

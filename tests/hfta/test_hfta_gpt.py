@@ -434,6 +434,7 @@ def test_an_op_the_walk_cannot_place_is_refused_by_name(cls: type[nn.Module],
 
 
 @pytest.mark.parametrize("route", ["fused", "torch.func"])
+@pytest.mark.slow
 def test_sweep_model_equals_its_train_run(tmp_path, monkeypatch, route: str) -> None:
     """tiny_gpt trains on the fused operators (the trainer picks the route itself) or, with
     the converter's refusal forced, on the torch.func route (stack_module_state + vmap):
@@ -495,6 +496,7 @@ def test_sweep_tiny_gpt_runs_on_the_fused_route(tmp_path, fuse_mode: str, inputs
         assert "lm_head" in doc["fuse"]["ops"] and "transformer.wte" in doc["fuse"]["ops"]
 
 
+@pytest.mark.slow
 def test_exported_tiny_gpt_resumes_in_train(tmp_path) -> None:
     """`sweep --export` writes model 1 (its tied weight and AdamW state, the moments of both
     uses) as a checkpoint set that `train` resumes: 2 steps in the sweep and 1 in train equal

@@ -4,6 +4,7 @@ and the indicate/CLI paths (docs/ALLOCATION.md, A loss-aware indicator)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,6 +75,7 @@ def _dense_toy(seed: int = 0):
     return x, w, a, t
 
 
+@pytest.mark.slow
 def test_quadratic_toy_prediction_matches_the_real_int8_kernel() -> None:
     x, w, a, t = _dense_toy()
     loss = _quadratic(t, a)

@@ -464,6 +464,7 @@ def _start_launcher(script: str, tag: str) -> tuple[subprocess.Popen[str], list[
     pytest.param(signal.SIGINT, marks=pytest.mark.slow),
     pytest.param(signal.SIGKILL, marks=pytest.mark.slow),  # and with torchrun, below
 ])
+@pytest.mark.slow
 def test_the_child_and_its_ranks_die_with_the_launcher(sig: int) -> None:
     """SIGKILL: torchrun's parent-death signal and the rank's watchdog; SIGTERM and SIGINT:
     forwarded to torchrun's process group, then the launcher dies of the same signal."""

@@ -179,6 +179,7 @@ def test_default_dlcp_on_a_quiet_network_is_the_plain_all_reduce(plan: Path,
     assert {r["dropped_frac"] for r in rows} == {0.0}
 
 
+@pytest.mark.slow
 def test_emulated_drops_are_the_simulators(plan: Path, tmp_path: Path) -> None:
     out = tmp_path / "c"
     emulate(_config(plan, out, comm=CONGESTED, seed=3), faults=NO_FAULTS)
