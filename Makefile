@@ -24,20 +24,24 @@ test: setup
 	$(MAKE) typecheck
 	$(BIN)/python -m pytest
 
+# The fast tier, for the inner loop: every test not marked slow (every folder of tests/ keeps
+# some: tests/test_suite_tiers.py); `make test` (CI) runs them all.
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"
 
 demo: setup
 	$(BIN)/qsync-opt demo
 
-# mypy cannot follow package-dir, so it checks a tree of links laid out as the installed package
+# mypy cannot follow package-dir, so it checks a tree of links laid out as the installed package;
+# its cache lives beside that tree (build/mypy-cache), so a second run checks only what changed
 typecheck: setup
 	rm -rf build/typecheck && mkdir -p build/typecheck/qsync_opt
 	for f in qsync_opt/*; do ln -s "$$PWD/$$f" build/typecheck/qsync_opt/; done
 	ln -s "$$PWD/solvers" build/typecheck/qsync_opt/solvers
 	ln -s "$$PWD/models" build/typecheck/qsync_opt/models
 	ln -s "$$PWD/cuda" build/typecheck/qsync_opt/cuda
-	cd build/typecheck && MYPYPATH=. ../../$(BIN)/mypy --config-file ../../pyproject.toml -p qsync_opt
+	cd build/typecheck && MYPYPATH=. ../../$(BIN)/mypy --config-file ../../pyproject.toml \
+		--cache-dir ../mypy-cache -p qsync_opt
 
 lint: setup
 	$(BIN)/ruff check qsync_opt solvers models cuda tests benchmarks

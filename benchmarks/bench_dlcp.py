@@ -1,7 +1,7 @@
 """Bounded-loss priority gradient communication (DLCP), its quality side (issue 20, part A).
 
 Per model, two ranks in the emulated data-parallel path (the same drop decisions and
-arithmetic as the DDP hook on two gloo ranks: tests/test_dlcp.py), every op at fp32, one
+arithmetic as the DDP hook on two gloo ranks: tests/sync/test_dlcp.py), every op at fp32, one
 cosine schedule, ``--seeds`` paired seeds: ``--comm dlcp:p=P,stress,policy=POLICY`` (the
 fixed-p stress mode) for P in
 ``--ps`` and the three policies (``priority``, ``random``, ``unbiased``), against the plain

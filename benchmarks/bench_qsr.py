@@ -11,7 +11,7 @@ Per model, four sync modes at equal steps under one cosine schedule:
 
 Each mode is trained on two ranks of this CPU, every op at fp32, ``--seeds`` seeds in the
 emulation (one process, both replicas: the same arithmetic as two processes, checked by
-tests/test_local_sgd.py) and ``--gloo-seeds`` of them also on two real gloo ranks
+tests/sync/test_local_sgd.py) and ``--gloo-seeds`` of them also on two real gloo ranks
 (``qsync-opt train --nproc 2``), where communication is measured: ``comm_ms`` (wall time
 inside collectives, from the metrics rows), its share of the step time, the payload bytes
 (``bytes_sent``) and the wall time. Held-out loss (and accuracy for a classifier) is the

@@ -17,7 +17,7 @@ text truncated, the document wrapped in deep nesting. Each run is classified:
 
     .venv/bin/python benchmarks/campaign.py [--per-case 40] [--seed 0] [--timeout 60]
 
-tests/test_campaign.py runs the same damages (fewer of them) and fails on anything but
+tests/cli/test_campaign.py runs the same damages (fewer of them) and fails on anything but
 ``refused`` and ``accepted``.
 """
 

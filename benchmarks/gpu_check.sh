@@ -10,10 +10,10 @@
 # installed into a folder of their own and put on PYTHONPATH first.
 #
 # 1. the device, and a timed build of the CUDA kernels (sm_75..sm_90 + PTX);
-# 2. the GPU tests: the CUDA kernels bit for bit against their references (tests/test_cuda.py,
+# 2. the GPU tests: the CUDA kernels bit for bit against their references (tests/ops/test_cuda.py,
 #    which also compiles them with nvcc for every architecture), the ops on CUDA
-#    (tests/test_ops.py), profiling on CUDA (tests/test_profile.py), the fused arrays on
-#    CUDA (tests/test_hfta_cuda.py);
+#    (tests/ops/test_ops.py), profiling on CUDA (tests/profile/test_profile.py), the fused arrays on
+#    CUDA (tests/hfta/test_hfta_cuda.py);
 # 3. compute-sanitizer's memcheck over the int8/int4 kernel tests, where it is installed;
 # 4. the kernels' timings against the torch ops they replace (benchmarks/bench_cuda.py);
 # 5. the fused arrays on the card (benchmarks/bench_hfta.py --device cuda).
@@ -53,14 +53,14 @@ lib=$(tail -1 "$OUT/machine.txt" | sed -n 's/^built \(.*\) in .*/\1/p')
 if [[ -n "$lib" ]]; then export QSYNC_CUDA_LIB=$lib; fi
 
 echo "== 2. GPU tests"
-timeout "${TEST_S:-300}" "${PYTEST[@]}" tests/test_cuda.py tests/test_ops.py \
-    tests/test_profile.py tests/test_hfta_cuda.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+timeout "${TEST_S:-300}" "${PYTEST[@]}" tests/ops/test_cuda.py tests/ops/test_ops.py \
+    tests/profile/test_profile.py tests/hfta/test_hfta_cuda.py 2>&1 | tee "$OUT/pytest.log" | tail -40
 echo "pytest exit: ${PIPESTATUS[0]}"
 
 echo "== 3. compute-sanitizer memcheck on the kernel tests"
 if command -v compute-sanitizer >/dev/null; then
     timeout "${SAN_S:-150}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "${PYTEST[@]}" tests/test_cuda.py -k "int4_pack_and_gemm or grid_stride or ties" \
+        "${PYTEST[@]}" tests/ops/test_cuda.py -k "int4_pack_and_gemm or grid_stride or ties" \
         2>&1 | tee "$OUT/memcheck.log" | tail -15
     echo "memcheck exit: ${PIPESTATUS[0]}"
 else

@@ -3,7 +3,7 @@
 Under ``CI=true`` (the CI runner and ``.ci/run`` set it) nothing native may be missing
 silently: ``QSYNC_REQUIRE_CPP=1`` is set here, before any test module loads the ops, so a
 C++ build that fails raises in every test (and every rank a test starts) that reaches the
-kernels instead of the Python references serving, and tests/test_cuda.py fails where nvcc is
+kernels instead of the Python references serving, and tests/ops/test_cuda.py fails where nvcc is
 missing or the CUDA kernels do not load.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import GLOO_STEPS
 
 from qsync_opt import ModelGraph, trace
 
@@ -84,6 +85,56 @@ def bert_graph() -> ModelGraph:
 @pytest.fixture(scope="session")
 def digits_graph() -> ModelGraph:
     return trace("digits_cnn")
+
+
+@pytest.fixture(scope="session")
+def demo_part_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, Path]:
+    """``qsync-opt demo --no-local --method random`` run once for the session (part 2, the
+    planning showcase, on the random indicator): (exit code, stdout, stderr, its --out)."""
+    import io
+
+    from qsync_opt.cli import main
+
+    out = tmp_path_factory.mktemp("demo_part_2")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["demo", "--no-local", "--method", "random", "--out", str(out)])
+    return code, stdout.getvalue(), stderr.getvalue(), out
+
+
+@pytest.fixture(scope="session")
+def digits_mixed_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A digits_cnn plan for groups "cpu" (fp32, batch 48) and "cpu_2" (conv1 bf16, conv2
+    int8 with stochastic rounding, fc1 fp16 with loss scaling; batch 16), written directly, so
+    the runtime under test does not depend on what a solver picks."""
+    from qsync_opt import parse_shorthand
+    from qsync_opt.plan import make_plan
+
+    path = tmp_path_factory.mktemp("plan") / "mixed.json"
+    make_plan(trace("digits_cnn"), parse_shorthand("cpux1@48+cpux1@16"),
+              {"cpu_2": {"conv1": "bf16", "conv2": "int8", "fc1": "fp16"}}).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gloo_straight(digits_mixed_plan: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of one uninterrupted `qsync-opt train` of :func:`digits_mixed_plan` on two
+    gloo ranks (torchrun, one rank per group): GLOO_STEPS steps, a checkpoint every 2 steps,
+    state hashes logged. Made once for the session: the runs that are killed and resumed,
+    and the ranks' agreement, are all checked against it."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("gloo") / "straight"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), QSYNC_LOG_STATE_HASH="1")
+    env.pop("QSYNC_LAUNCHER_PID", None)
+    cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn",
+           "--plan", str(digits_mixed_plan), "--nproc", "2", "--rank-groups", "0:cpu,1:cpu_2",
+           "--steps", str(GLOO_STEPS), "--out", str(out), "--backend", "gloo",
+           "--timeout", "300", "--checkpoint-every", "2"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ model under ``vmap``.
 It needs no converter (any traceable-by-vmap model runs), and no kernel of it is chosen by
 us: ``vmap`` lowers each op to its own batched form (a batched matmul for Linear, a grouped
 or looped convolution for Conv2d). :mod:`.convert`'s fused operators are checked against it
-(tests/test_hfta.py for the CNNs, tests/test_hfta_gpt.py for tiny_gpt): both routes give the
+(tests/hfta/test_hfta.py for the CNNs, tests/hfta/test_hfta_gpt.py for tiny_gpt): both routes give the
 same outputs and gradients. The trainer takes this route for a model the converter refuses.
 """
 

@@ -194,7 +194,7 @@ def _bshape(B: int, p: Tensor) -> tuple[int, ...]:
 #: ``B`` models at once: ``[B, cols]`` of the ``[B, n]`` view), so that each slice's passes
 #: and temporaries stay in cache: a step is memory-bound, and over a whole parameter of
 #: hundreds of MB its ops would each stream it through memory again. Element-wise, so the
-#: result is the same bit for bit (tests/test_hfta_optim.py). 0 turns it off.
+#: result is the same bit for bit (tests/hfta/test_hfta_optim.py). 0 turns it off.
 CHUNK_ELEMENTS = 1 << 16
 
 

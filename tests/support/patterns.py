@@ -1,5 +1,5 @@
 """Torch-native models reproducing the patterns of torchvision, timm and Swin code, for the
-tracers' tests (tests/test_real_models.py, tests/test_graph_heads.py) and the trace benchmark
+tracers' tests (tests/models/test_real_models.py, tests/graph/test_graph_heads.py) and the trace benchmark
 (benchmarks/bench_models.py); not part of the package.
 
 Those libraries cannot be installed beside the CPU torch pinned here, so the patterns their

@@ -1,5 +1,5 @@
 """One rank of a pipeline training across gloo processes, and its result read back: what
-tests/test_pipeline_dist.py runs through :func:`qsync_opt.profile.gloo.spawn_local` to compare
+tests/pipeline/test_pipeline_dist.py runs through :func:`qsync_opt.profile.gloo.spawn_local` to compare
 the multi-process pipeline (:class:`~qsync_opt.runtime.pipedist.DistStage`) with the
 one-process one. A test harness, so not part of the package: each spawned process imports
 this module as ``support.pipeline_jobs`` (tests/ is on the path pytest hands it)."""
