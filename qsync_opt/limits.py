@@ -30,6 +30,9 @@ MAX_STEPS = 1_000_000_000
 MAX_EVAL_BATCHES = 100_000
 #: The longest number text read (digits and signs): beyond it, no count of this package.
 _MAX_DIGITS = 40
+#: The spaces allowed around a number: ASCII only (str.strip() would also take "\x1f",
+#: "\xa0" or "\u2003").
+_SPACES = " \t\n\r\f\v"
 
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
@@ -42,7 +45,7 @@ def parse_int(text: Any) -> int | None:
         return None
     if isinstance(text, int):
         return text
-    s = str(text).strip()
+    s = str(text).strip(_SPACES)
     if len(s) > _MAX_DIGITS or not _INT.fullmatch(s):
         return None
     return int(s)
@@ -56,7 +59,7 @@ def parse_float(text: Any) -> float | None:
     if isinstance(text, (int, float)):
         v = float(text)
     else:
-        s = str(text).strip()
+        s = str(text).strip(_SPACES)
         if len(s) > 4 * _MAX_DIGITS or not _FLOAT.fullmatch(s):
             return None
         v = float(s)

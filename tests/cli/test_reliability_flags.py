@@ -521,3 +521,10 @@ def test_a_train_config_file_states_the_same_limits(field: str) -> None:
     doc[field] = 10**12
     with pytest.raises(ValidationError, match=r"<= (1000000000|100000)\b"):
         TrainConfig(**doc)
+
+
+@pytest.mark.parametrize("space", ["\x1f", "\x1c", "\xa0", "\u2003", "\u3000", "\x85"])
+def test_a_number_beside_a_non_ascii_or_control_space_is_refused(space: str) -> None:
+    for text in (f"0{space}", f"{space}7", f"{space}1.5{space}"):
+        assert parse_int(text) is None and parse_float(text) is None
+    assert parse_int(" 7\t") == 7 and parse_float("\n1.5 ") == 1.5
