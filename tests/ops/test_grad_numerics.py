@@ -200,28 +200,17 @@ def test_the_error_model_assumes_the_kernels_rounding() -> None:
     assert (k.a == "int4n") == (not ops.NUMERICS.int4_forward_stochastic)
 
 
-def _bench_module():  # type: ignore[no-untyped-def]
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grad_noise.py"
-    spec = importlib.util.spec_from_file_location("qsync_bench_grad_noise", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
-def test_stochastic_rounding_averages_out_and_round_to_nearest_does_not() -> None:
+def test_stochastic_rounding_averages_out_and_round_to_nearest_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The bias measurement behind the rounding rule (bench_grad_noise.py --repeats), on
     tiny_gpt's int8 forward: averaged over 4 seeds, stochastic rounding's gradient error
     falls (unbiased: about 1/sqrt(4)) and ends below round to nearest's, whose error does
     not change (it draws no random numbers: all bias)."""
-    module = _bench_module()
-    module.ROLES[:] = [r for r in module.ROLES if r[0] == "int8 forward"]
+    module = load_benchmark("bench_grad_noise")
+    monkeypatch.setattr(module, "ROLES", [r for r in module.ROLES if r[0] == "int8 forward"])
     rows = {label.rstrip(" *"): (e1, em) for _, label, _, _, e1, em in module.bias(
         "tiny_gpt", 4, 2)}
     (sr1, srm), (rtn1, rtnm) = rows["sr"], rows["rtn"]
