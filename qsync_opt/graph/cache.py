@@ -97,19 +97,21 @@ def load_cached(key: dict[str, object]) -> ModelGraph | None:
 
 
 def store(key: dict[str, object], graph: ModelGraph) -> None:
-    """Write ``graph`` under ``key``, atomically, then :func:`prune`; a failure is logged,
-    never raised."""
+    """Write ``graph`` under ``key``, atomically, then :func:`prune`; a failure is logged at
+    info level, never raised and never printed: the cache only saves the next trace, and a
+    command's output (one line on bad input) must not change because a cache could not be
+    written (a full disk, a file-size limit, a read-only home)."""
     name = cache_file(key)
     text = json.dumps({"key": key, "graph": graph.model_dump(mode="json")}) + "\n"
     try:
         outfolder.write_text(cache_root(), f"{FOLDER}/{name}", text, what="graph cache")
     except (OutputError, OSError) as exc:
-        log.warning("graph cache: %s not written (%s)", name, exc)
+        log.info("graph cache: %s not written (%s)", name, exc)
         return
     try:
         prune(key)
     except (OutputError, OSError) as exc:
-        log.warning("graph cache: older graphs of %s not deleted (%s)", key["workload"], exc)
+        log.info("graph cache: older graphs of %s not deleted (%s)", key["workload"], exc)
 
 
 def prune(key: dict[str, object]) -> int:

@@ -212,3 +212,18 @@ def test_the_cache_file_name_is_safe_for_any_workload_name() -> None:
     key = graph_cache.cache_key("../../etc/passwd\n", "0" * 16, 1, {})
     name = graph_cache.cache_file(key)
     assert os.sep not in name and "\n" not in name and name.endswith(".json")
+
+
+def test_a_cache_that_cannot_be_written_prints_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A write that fails (a file-size limit, a full disk) costs only the next trace: the
+    command's output is what it would be without a cache."""
+    gc = graph_cache
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise OSError(27, "File too large")
+    monkeypatch.setattr(gc.outfolder, "write_text", refuse)
+    key = gc.cache_key("digits_cnn", "0" * 64, 8, {})
+    gc.store(key, trace("digits_cnn", batch=8))
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
