@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from . import source_dir
+from qsync_opt.cuda import source_dir
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
-
-from .build import CudaBuildError, build
+from qsync_opt.cuda.build import CudaBuildError, build
 
 log = logging.getLogger(__name__)
 

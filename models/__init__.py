@@ -44,22 +44,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 # Submodules with the real-data helpers; builders: digits_cnn.digits_cnn,
 # digits_resnet.digits_resnet, tiny_gpt.tiny_gpt.
-from . import digits_cnn, digits_resnet, tiny_gpt
-from .bert import BertConfig, BertForQuestionAnswering, bert_base
-from .digits_cnn import DigitsCNN, load_digits_tensors, train_test_split
-from .digits_resnet import DigitsResNet
-from .gpt2 import GPT, GPTConfig, gpt2_medium, gpt2_small, gpt2_xl
-from .layers import MatMul
-from .resnet import ResNet, resnet18, resnet18_32, resnet50
-from .samples import image_split, real_batches, synthetic_batches
-from .tiny_gpt import VOCAB_SIZE as TINY_GPT_VOCAB_SIZE
-from .vgg import VGG, vgg16_bn
-from .vit import VisionTransformer, ViTConfig, vit_b16
-from .workload import TraceInputs, Workload, package_code_digest
+from qsync_opt.models import digits_cnn, digits_resnet, tiny_gpt
+from qsync_opt.models.bert import BertConfig, BertForQuestionAnswering, bert_base
+from qsync_opt.models.digits_cnn import DigitsCNN, load_digits_tensors, train_test_split
+from qsync_opt.models.digits_resnet import DigitsResNet
+from qsync_opt.models.gpt2 import GPT, GPTConfig, gpt2_medium, gpt2_small, gpt2_xl
+from qsync_opt.models.layers import MatMul
+from qsync_opt.models.resnet import ResNet, resnet18, resnet18_32, resnet50
+from qsync_opt.models.samples import image_split, real_batches, synthetic_batches
+from qsync_opt.models.tiny_gpt import VOCAB_SIZE as TINY_GPT_VOCAB_SIZE
+from qsync_opt.models.vgg import VGG, vgg16_bn
+from qsync_opt.models.vit import VisionTransformer, ViTConfig, vit_b16
+from qsync_opt.models.workload import TraceInputs, Workload, package_code_digest
+from torch import nn
 
 __all__ = [
     "GPT",

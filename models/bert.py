@@ -26,9 +26,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from qsync_opt.models.layers import MatMul
 from torch import nn
-
-from .layers import MatMul
 
 __all__ = ["BertConfig", "BertForQuestionAnswering", "bert_base"]
 

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from qsync_opt.models.digits_cnn import NUM_CLASSES, load_digits_tensors
+from qsync_opt.models.resnet import BasicBlock, conv1x1, conv3x3, init_weights
 from torch import nn
-
-from .digits_cnn import NUM_CLASSES, load_digits_tensors
-from .resnet import BasicBlock, conv1x1, conv3x3, init_weights
 
 __all__ = ["IMAGE_SIZE", "WIDTHS", "DigitsResNet", "digits_resnet", "load_digits32_tensors"]
 

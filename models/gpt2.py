@@ -29,9 +29,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from qsync_opt.models.layers import MatMul
 from torch import nn
-
-from .layers import MatMul
 
 __all__ = [
     "GPT",

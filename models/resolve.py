@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import torch
+from qsync_opt.models import Workload, get_workload
 from torch import nn
 
-from ..errors import QsyncInputError
-from ..user_model import UserWorkload
-from ..user_model import load_user_workload as _load
-from ..user_model import model_file_sha256 as _digest
-from . import Workload, get_workload
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.user_model import UserWorkload
+from qsync_opt.user_model import load_user_workload as _load
+from qsync_opt.user_model import model_file_sha256 as _digest
 
 
 def is_user_model(spec: str) -> bool:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+from qsync_opt.models import digits_cnn, digits_resnet
+from qsync_opt.models.digits_cnn import train_test_split
+from qsync_opt.models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
+from qsync_opt.models.workload import Workload
 from torch import Tensor
 
-from ..errors import QsyncInputError
-from . import digits_cnn, digits_resnet
-from .digits_cnn import train_test_split
-from .tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
-from .workload import Workload
+from qsync_opt.errors import QsyncInputError
 
 __all__ = ["image_split", "real_batches", "synthetic_batches"]
 

@@ -24,8 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from .gpt2 import GPT, GPTConfig
+from qsync_opt.models.gpt2 import GPT, GPTConfig
 
 __all__ = [
     "DEFAULT_MAX_CHARS",

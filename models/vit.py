@@ -32,9 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from qsync_opt.models.layers import MatMul
 from torch import nn
-
-from .layers import MatMul
 
 __all__ = ["ViTConfig", "VisionTransformer", "vit_b16"]
 

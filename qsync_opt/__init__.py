@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .cluster import load_cluster, parse_shorthand
-from .costs import estimate
-from .devices import CATALOG, get_device, known_device_names
-from .errors import QsyncInputError, SchemaVersionError, TraceError
-from .io import load, save
-from .precision import DType, Precision
-from .schemas import (
+from qsync_opt.cluster import load_cluster, parse_shorthand
+from qsync_opt.costs import estimate
+from qsync_opt.devices import CATALOG, get_device, known_device_names
+from qsync_opt.errors import QsyncInputError, SchemaVersionError, TraceError
+from qsync_opt.io import load, save
+from qsync_opt.precision import DType, Precision
+from qsync_opt.schemas import (
     ClusterSpec,
     CostTable,
     DeviceGroup,
@@ -30,7 +30,7 @@ from .schemas import (
 )
 
 if TYPE_CHECKING:
-    from .graph import trace
+    from qsync_opt.graph import trace
 
 __version__ = "0.1.0"
 
@@ -39,7 +39,7 @@ def __getattr__(name: str) -> Any:
     """:func:`trace` is imported when first used: the tracer needs torch, and the rest of the
     package's top level does not (``qsync_opt.profile.tables`` imports without torch)."""
     if name == "trace":
-        from .graph import trace
+        from qsync_opt.graph import trace
 
         return trace
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .schemas import OpKind
+from qsync_opt.schemas import OpKind
 
 __all__ = ["MHA_GEMMS", "SDPA_GEMMS", "Step", "base_name", "mha_forward", "mha_gemms",
            "sdpa_forward"]

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from .costs import estimate, gradient_buckets
-from .errors import QsyncInputError
-from .precision import Precision
-from .schemas import ClusterSpec, CostTable, ModelGraph, OpCost
+from qsync_opt.costs import estimate, gradient_buckets
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import Precision
+from qsync_opt.schemas import ClusterSpec, CostTable, ModelGraph, OpCost
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

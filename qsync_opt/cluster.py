@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .devices import canonical_name, is_derived
-from .errors import QsyncInputError, describe_validation_error, one_line
-from .io import parse_document, parse_text
-from .schemas import MAX_BATCH, MAX_DEVICES, MAX_GROUPS, ClusterSpec
+from qsync_opt.devices import canonical_name, is_derived
+from qsync_opt.errors import QsyncInputError, describe_validation_error, one_line
+from qsync_opt.io import parse_document, parse_text
+from qsync_opt.schemas import MAX_BATCH, MAX_DEVICES, MAX_GROUPS, ClusterSpec
 
 _GROUP_RE = re.compile(
     r"^(?P<device>[a-z][a-z0-9_]*?(?:/[0-9.]+(?::[0-9.]+[gm])?(?:~[a-z][a-z0-9_]*?)?)?"

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from .devices import get_device
-from .precision import ACTIVATION_DTYPES, DType, Precision
-from .rules import PASS_PRECISION, allowed_on
-from .schemas import (
+from qsync_opt.devices import get_device
+from qsync_opt.precision import ACTIVATION_DTYPES, DType, Precision
+from qsync_opt.rules import PASS_PRECISION, allowed_on
+from qsync_opt.schemas import (
     CastCost,
     ClusterSpec,
     CommModel,

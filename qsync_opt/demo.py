@@ -31,22 +31,22 @@ from typing import Any
 
 import torch
 
-from . import __version__, outfolder
-from .cluster import load_cluster, parse_shorthand
-from .costs import estimate, group_summary
-from .dominance import CHEAP_BASELINES, Candidate, marked_table, recommend_row
-from .evaluator import evaluate
-from .graph import trace
-from .indicator import indicate
-from .io import to_json
-from .precision import Precision
-from .problem import AllocationProblem
-from .profile import derive, measure_comm_local, profile_detailed, with_comm
-from .replayer import Replayer
-from .report import straggler_reason
-from .schemas import Plan
-from .solve import CompareRow, compare, reachable_ms
-from .summaries import (
+from qsync_opt import __version__, outfolder
+from qsync_opt.cluster import load_cluster, parse_shorthand
+from qsync_opt.costs import estimate, group_summary
+from qsync_opt.dominance import CHEAP_BASELINES, Candidate, marked_table, recommend_row
+from qsync_opt.evaluator import evaluate
+from qsync_opt.graph import trace
+from qsync_opt.indicator import indicate
+from qsync_opt.io import to_json
+from qsync_opt.precision import Precision
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.profile import derive, measure_comm_local, profile_detailed, with_comm
+from qsync_opt.replayer import Replayer
+from qsync_opt.report import straggler_reason
+from qsync_opt.schemas import Plan
+from qsync_opt.solve import CompareRow, compare, reachable_ms
+from qsync_opt.summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
     format_table,
@@ -357,10 +357,10 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
               f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
               f"straggler: {straggler_reason(low)}.")
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
-    from .indicator import fast_options, indicate
-    from .problem import AllocationProblem
-    from .solve import compare
-    from .solvers.ilp import fastest_times
+    from qsync_opt.indicator import fast_options, indicate
+    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.solve import compare
+    from qsync_opt.solvers.ilp import fastest_times
 
     t0 = time.perf_counter()
     ind = indicate(model, indicator_batches, method, batch=8,
@@ -410,7 +410,7 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
                   f"per card), the same makespan costs {split.objective / exact.objective:.0%} of "
                   "the precision-only plan's degradation.")
         print(f"wrote {out}/plan.json")
-        from .frontier import format_points, frontier, plot_frontier
+        from qsync_opt.frontier import format_points, frontier, plot_frontier
 
         pts = frontier(problem, points=4, allocators=("exact", "greedy", "uniform",
                                                       "dynamic-batching", "strong-only"))

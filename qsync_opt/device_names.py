@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from .errors import QsyncInputError
+from qsync_opt.errors import QsyncInputError
 
 #: The catalog's canonical names, in the catalog's order (:data:`qsync_opt.devices.CATALOG`).
 CATALOG_NAMES: tuple[str, ...] = (

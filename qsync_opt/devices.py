@@ -49,7 +49,7 @@ from typing import Any
 
 # the names live in the dependency-free device_names (the schemas check names with it);
 # re-exported here, where callers look for the catalog
-from .device_names import (  # noqa: F401
+from qsync_opt.device_names import (  # noqa: F401
     ALIASES,
     CATALOG_NAMES,
     CPU,
@@ -65,10 +65,10 @@ from .device_names import (  # noqa: F401
     known_device_names,
     number_text,
 )
-from .machine import cache_root
-from .machine import cpu_model as cpu_model_name
-from .precision import DType, Precision
-from .schemas import ClusterSpec, DeviceSpec
+from qsync_opt.machine import cache_root
+from qsync_opt.machine import cpu_model as cpu_model_name
+from qsync_opt.precision import DType, Precision
+from qsync_opt.schemas import ClusterSpec, DeviceSpec
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ def measure_cpu() -> DeviceSpec:
         log.info("measuring this CPU's matmul throughput and bandwidth (once, cached)")
         figures = _measure_cpu_figures()
         try:
-            from .io import atomic_write_text
+            from qsync_opt.io import atomic_write_text
 
             entries = {k: v for k, v in entries.items() if isinstance(v, dict)}
             entries[key] = figures

@@ -31,10 +31,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import QsyncInputError
-from .precision import Precision
-from .problem import AllocationProblem, GroupModel
-from .schemas import OpRole
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import Precision
+from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.schemas import OpRole
 
 GIB = float(2**30)
 #: How many pinned ops a line names (the heaviest first).
@@ -53,7 +53,7 @@ def _memory_upper_bound(g: GroupModel) -> float:
 
 
 def _exact_backend() -> str:
-    from .solvers.pulp_model import available
+    from qsync_opt.solvers.pulp_model import available
 
     for name in ("highs", "cbc"):
         if available(name):
@@ -63,10 +63,10 @@ def _exact_backend() -> str:
 
 def _group_min_memory(g: GroupModel, gi: int, backend: str, time_limit_s: float
                       ) -> tuple[float, list[int]]:
-    from .solvers import CbcOptions, HighsOptions, SolveOptions
-    from .solvers.formulation import formulate_group
-    from .solvers.pulp_model import pulp_module, read_assignment, run, to_pulp
-    from .solvers.timing import Stopwatch
+    from qsync_opt.solvers import CbcOptions, HighsOptions, SolveOptions
+    from qsync_opt.solvers.formulation import formulate_group
+    from qsync_opt.solvers.pulp_model import pulp_module, read_assignment, run, to_pulp
+    from qsync_opt.solvers.timing import Stopwatch
 
     if not g.choices:
         return g.memory_bytes([]), []
@@ -106,7 +106,7 @@ def _fastest(problem: AllocationProblem, time_limit_s: float,
              skip: frozenset[str] = frozenset()) -> dict[str, tuple[float, list[int]] | None]:
     """Per group the least time over memory-feasible assignments and one reaching it (None:
     none, or the group is in ``skip``, known not to fit)."""
-    from .solvers.fastest import fastest_plans
+    from qsync_opt.solvers.fastest import fastest_plans
 
     return fastest_plans(problem, _exact_backend(), time_limit_s, skip)
 
@@ -285,7 +285,7 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
     blocking group, the pinned ops that weigh most in its least-memory (or fastest) plan,
     with their share.
     """
-    from .solvers.checks import FEAS_REL
+    from qsync_opt.solvers.checks import FEAS_REL
 
     mins = min_memory(problem, time_limit_s=time_limit_s)
     too_big = frozenset(g.name for g in problem.groups
@@ -361,7 +361,7 @@ def precheck(problem: AllocationProblem, check: str = "target", *,
     target; the default one falls back to the lexicographic mode when out of reach).
     Without a PuLP solver only ``"fixed"`` is checked.
     """
-    from .solvers.checks import FEAS_REL, check_resolution
+    from qsync_opt.solvers.checks import FEAS_REL, check_resolution
 
     if check not in PRECHECKS:
         raise QsyncInputError(f"check: expected one of {', '.join(PRECHECKS)}, got {check!r}")

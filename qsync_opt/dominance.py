@@ -23,12 +23,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import QsyncInputError
-from .evaluator import Evaluation
-from .problem import EVAL_TOL, AllocationProblem
-from .schemas import Plan
-from .solve import CompareRow, format_rows, run_backend
-from .solvers import SolveOptions
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.evaluator import Evaluation
+from qsync_opt.problem import EVAL_TOL, AllocationProblem
+from qsync_opt.schemas import Plan
+from qsync_opt.solve import CompareRow, format_rows, run_backend
+from qsync_opt.solvers import SolveOptions
 
 #: Relative tolerance of "as fast" and "as little degraded": differences within it are ties.
 REL_TOL = EVAL_TOL

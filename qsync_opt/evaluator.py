@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import QsyncInputError
-from .problem import EVAL_TOL, AllocationProblem, ProblemOptions
-from .replayer import Timeline
-from .schemas import ClusterSpec, Plan
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.problem import EVAL_TOL, AllocationProblem, ProblemOptions
+from qsync_opt.replayer import Timeline
+from qsync_opt.schemas import ClusterSpec, Plan
 
 
 @dataclass
@@ -75,7 +75,7 @@ what it costs free, and the target only decides ``meets_target``), against the s
 target.
     """
     if plan.graph_hash != problem.graph.structure_hash():
-        from .plan import plan_graph_difference
+        from qsync_opt.plan import plan_graph_difference
 
         raise QsyncInputError(plan_graph_difference(plan, problem.graph))
     target = problem.target_ms if target_ms is None else target_ms

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import OutputError, QsyncInputError, one_line
+from qsync_opt.errors import OutputError, QsyncInputError, one_line
 
 #: Deepest nesting of objects/arrays (tables/arrays in TOML) a document may have. The
 #: deepest schema (a Plan's cluster groups, an IndicatorTable's terms) uses 5.

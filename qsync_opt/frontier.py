@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import QsyncInputError
-from .io import atomic_write_bytes
-from .problem import AllocationProblem
-from .progress import Progress
-from .solvers import SolveOptions
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.io import atomic_write_bytes
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.progress import Progress
+from qsync_opt.solvers import SolveOptions
 
 #: Allocators swept over the targets, and baselines scored once.
 SWEPT = ("exact", "exact+split", "greedy", "additive-ilp")
@@ -65,7 +65,7 @@ class FrontierPoint:
 
 def target_range(problem: AllocationProblem) -> tuple[float, float]:
     """(smallest reachable makespan, all-reference makespan) of the linear model."""
-    from .solve import InfeasibleError, reachable_ms
+    from qsync_opt.solve import InfeasibleError, reachable_ms
 
     lo = reachable_ms(problem)
     if lo is None:  # infeasible, not bad input (its own exit code in the CLI)
@@ -79,7 +79,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
              batch_multiple: int | None = None, progress: bool = False) -> list[FrontierPoint]:
     """Sweep the makespan target over ``points`` values and score every allocator
     (``progress``: a bar on stderr, drawn once the sweep has run 2 s)."""
-    from .solve import run_backend
+    from qsync_opt.solve import run_backend
 
     if points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {points}")
@@ -96,7 +96,7 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
         if plan is None:
             return FrontierPoint(name, target, status, None, None, None, None, None, None, None,
                                  False)
-        from .evaluator import evaluate
+        from qsync_opt.evaluator import evaluate
 
         ev = evaluate(problem, plan, target_ms=target)
         return FrontierPoint(
@@ -166,7 +166,7 @@ def _exact_point(problem: AllocationProblem, name: str, t: float, exact: str,
                  extra_splits: list[dict[str, int]], point: Callable[..., FrontierPoint],
                  bar: Progress) -> FrontierPoint:
     """The ``exact`` (given split) or ``exact+split`` (joint split) point at target ``t``."""
-    from .solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
+    from qsync_opt.solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
 
     bar.advance(note=f"{name} at {t:.1f} ms")
     prob = problem.retarget(t)
@@ -230,7 +230,7 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     finally:
         plt.close(fig)
     if folder is not None:
-        from .outfolder import write_bytes
+        from qsync_opt.outfolder import write_bytes
 
         return write_bytes(folder, path, buf.getvalue(), what or "--out")
     return atomic_write_bytes(path, buf.getvalue(), what=what)

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .attention import mha_forward, sdpa_forward
-from .graph import CallNamer, gemm_call_kind, is_conv1d_like, is_leaf_module
-from .graph.naming import UniqueNames
-from .models.layers import MatMul
-from .schemas import OpKind
+from qsync_opt.attention import mha_forward, sdpa_forward
+from qsync_opt.graph import CallNamer, gemm_call_kind, is_conv1d_like, is_leaf_module
+from qsync_opt.graph.naming import UniqueNames
+from qsync_opt.models.layers import MatMul
+from qsync_opt.schemas import OpKind
 
 
 @dataclass

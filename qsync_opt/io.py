@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TypeVar
 
-from .files import (
+from qsync_opt.files import (
     MAX_DEPTH,
     atomic_write,
     atomic_write_bytes,
@@ -25,7 +25,7 @@ from .files import (
     read_text,
     write_failure,
 )
-from .schemas import Document, parse_document, to_json
+from qsync_opt.schemas import Document, parse_document, to_json
 
 __all__ = ["MAX_DEPTH", "atomic_write", "atomic_write_bytes", "atomic_write_text",
            "check_depth", "check_output_file", "load", "parse_document", "parse_text",

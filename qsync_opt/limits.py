@@ -114,7 +114,7 @@ def spec_type(check: Callable[[str], Any], field: str | None = None) -> Callable
     ``check(text)`` runs when the command line is parsed (its QsyncInputError's message,
     less a leading ``field: ``, is the one-line refusal after the flag); the text itself
     is the value."""
-    from .errors import QsyncInputError
+    from qsync_opt.errors import QsyncInputError
 
     def convert(text: str) -> str:
         try:

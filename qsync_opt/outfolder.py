@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from .errors import OutputError, one_line
+from qsync_opt.errors import OutputError, one_line
 
 __all__ = ["append_text", "check_folder", "check_names", "ensure_folder", "list_names",
            "make_folder", "read_bytes", "remove", "replace_link", "swap_folder", "write",

@@ -13,10 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import QsyncInputError, TraceError
-from .precision import Precision
-from .rules import allowed_on, check_plan_entry, check_tie
-from .schemas import MAX_BATCH, ClusterSpec, GroupPlan, JSONScalar, ModelGraph, OpRole, Plan
+from qsync_opt.errors import QsyncInputError, TraceError
+from qsync_opt.precision import Precision
+from qsync_opt.rules import allowed_on, check_plan_entry, check_tie
+from qsync_opt.schemas import (
+    MAX_BATCH,
+    ClusterSpec,
+    GroupPlan,
+    JSONScalar,
+    ModelGraph,
+    OpRole,
+    Plan,
+)
 
 #: Most samples per device a plan may give a group (beyond it no card's memory holds a
 #: step): the schemas' one limit.
@@ -101,7 +109,7 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
     choosable op gets a precision the op allows and the group's card runs; ops of one tie
     group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`.
     """
-    from .devices import get_device
+    from qsync_opt.devices import get_device
 
     if plan.graph_hash != graph.structure_hash():
         raise QsyncInputError(plan_graph_difference(plan, graph))
@@ -140,7 +148,7 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
 
 def _registry_name(spec: str) -> str | None:
     """The registry's own name of workload ``spec``; None when it names none."""
-    from .models import get_workload
+    from qsync_opt.models import get_workload
 
     try:
         return get_workload(spec).name
@@ -159,7 +167,7 @@ def plan_model(plan: Plan, model: str | None, flag: str = "--model") -> str | No
     - the plan names a file but carries no ``workload_sha256``, or the given file's content
       has another hash (the file is read, not run).
     """
-    from .graph import is_user_model, model_file_sha256
+    from qsync_opt.graph import is_user_model, model_file_sha256
 
     wl = repr(plan.workload)
     if is_user_model(plan.workload):
@@ -209,8 +217,8 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
     :class:`~qsync_opt.user_model.UserWorkload` whose sha256 is the plan's), traced instead
     of importing the file again.
     """
-    from .graph import TIE_MODES, trace
-    from .models import get_workload
+    from qsync_opt.graph import TIE_MODES, trace
+    from qsync_opt.models import get_workload
 
     prov = plan.provenance
     batch = prov.get("graph_batch")
@@ -228,7 +236,7 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
         if sha is not None:
             assert model is not None
             if workload is None or getattr(workload, "sha256", None) != sha:
-                from .graph import load_user_workload
+                from qsync_opt.graph import load_user_workload
 
                 workload = load_user_workload(model, sha256=sha)
             wl_ = workload

@@ -53,12 +53,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .batchmodel import TableCosts
-from .errors import QsyncInputError
-from .precision import DType, Precision
-from .replayer import Replayer
-from .rules import PASS_PRECISION, allowed_on, fidelity, widest_precision
-from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, OpRole, Plan
+from qsync_opt.batchmodel import TableCosts
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import DType, Precision
+from qsync_opt.replayer import Replayer
+from qsync_opt.rules import PASS_PRECISION, allowed_on, fidelity, widest_precision
+from qsync_opt.schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, OpRole, Plan
 
 #: Precisions a strong group may run as its reference.
 REFERENCE_PRECISIONS = (Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16)
@@ -134,7 +134,7 @@ class ProblemOptions:
         if self.strong_groups is not None:
             object.__setattr__(self, "strong_groups", tuple(self.strong_groups))
         if isinstance(self.sync, Mapping):  # as to_json wrote it
-            from .replayer import PeriodicSync
+            from qsync_opt.replayer import PeriodicSync
 
             try:
                 object.__setattr__(self, "sync", PeriodicSync(**dict(self.sync)))
@@ -864,7 +864,7 @@ class AllocationProblem:
 
     def make_plan(self, assignment: Mapping[str, Sequence[int]],
                   provenance: Mapping[str, Any] | None = None) -> Plan:
-        from .plan import make_plan
+        from qsync_opt.plan import make_plan
 
         prov = dict(self.provenance())
         prov.update(provenance or {})

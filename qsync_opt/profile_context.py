@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .precision import Precision
-from .schemas import ModelGraph, OpRole
+from qsync_opt.precision import Precision
+from qsync_opt.schemas import ModelGraph, OpRole
 
 HEAD = "<head>"
 TAIL = "<tail>"
@@ -281,7 +281,7 @@ def _iqr(xs: Sequence[float]) -> float:
 
 def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module]:
     """``build(assignment)``: a deep copy of ``base`` with the runtime layers applied."""
-    from .runtime.layers import apply_precisions
+    from qsync_opt.runtime.layers import apply_precisions
 
     def build(assignment: dict[str, Precision]) -> nn.Module:
         m = copy.deepcopy(base)
@@ -295,7 +295,7 @@ def stepper(workload: Any, batch: int, device: torch.device
             ) -> Callable[[nn.Module], tuple[float, float, float, float]]:
     """``step(model)``: a training step on fixed inputs (gradients set to None, forward +
     loss, backward, an SGD momentum step as the runtime's default); its four timestamps."""
-    from .models import compute_loss
+    from qsync_opt.models import compute_loss
 
     inputs = workload.make_inputs(batch, device)
     targets = workload.make_targets(batch, device)

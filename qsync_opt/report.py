@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import QsyncInputError
-from .precision import BY_FIDELITY, Precision
-from .replayer import GroupTimeline, Timeline
-from .schemas import CostTable, ModelGraph, OpRole, Plan
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import BY_FIDELITY, Precision
+from qsync_opt.replayer import GroupTimeline, Timeline
+from qsync_opt.schemas import CostTable, ModelGraph, OpRole, Plan
 
 GiB = 1024**3
 
@@ -178,7 +178,7 @@ def sparse_ticks(n: int, max_labels: int = MAX_OP_LABELS) -> list[int]:
 
 
 def _check_same_graph(plan: Plan, graph: ModelGraph) -> None:
-    from .plan import plan_graph_difference
+    from qsync_opt.plan import plan_graph_difference
 
     if plan.graph_hash != graph.structure_hash():
         raise QsyncInputError(plan_graph_difference(plan, graph))
@@ -340,7 +340,7 @@ def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes, what: str = "
     """Write ``data`` to ``path`` atomically with the package's one writer
     (:func:`qsync_opt.io.atomic_write_bytes`: mode kept, links written through); a failure
     is one line, ``WHAT: cannot write PATH (reason)``."""
-    from .io import atomic_write_bytes
+    from qsync_opt.io import atomic_write_bytes
 
     return atomic_write_bytes(path, data, what=what)
 
@@ -411,10 +411,10 @@ def load_report_inputs(plan_path: str | os.PathLike[str],
     sha256 must be the plan's ``workload_sha256``): a plan never runs code. Costs are the
     roofline estimates unless a CostTable file is given.
     """
-    from .costs import estimate
-    from .io import load
-    from .plan import graph_for_plan
-    from .replayer import Replayer
+    from qsync_opt.costs import estimate
+    from qsync_opt.io import load
+    from qsync_opt.plan import graph_for_plan
+    from qsync_opt.replayer import Replayer
 
     try:
         plan = load(plan_path, Plan)
@@ -422,7 +422,7 @@ def load_report_inputs(plan_path: str | os.PathLike[str],
         raise type(exc)(f"plan: {exc}") from None
     prov = plan.provenance
     if graph_path is not None:
-        from .plan import check_plan
+        from qsync_opt.plan import check_plan
 
         try:
             graph = load(graph_path, ModelGraph)

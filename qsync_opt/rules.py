@@ -50,10 +50,18 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .devices import get_device
-from .errors import QsyncInputError
-from .precision import PRECISION_INFO, DType, Precision
-from .schemas import ClusterSpec, CostTable, DeviceGroup, ModelGraph, OpKind, OpNode, OpRole
+from qsync_opt.devices import get_device
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import PRECISION_INFO, DType, Precision
+from qsync_opt.schemas import (
+    ClusterSpec,
+    CostTable,
+    DeviceGroup,
+    ModelGraph,
+    OpKind,
+    OpNode,
+    OpRole,
+)
 
 MiB = 1024**2
 #: Reserve per GPU for the CUDA context and library workspaces (cuBLAS/cuDNN handles). A

@@ -40,10 +40,15 @@ from pydantic import (
     model_validator,
 )
 
-from .device_names import canonical_name
-from .errors import QsyncInputError, SchemaVersionError, describe_validation_error, one_line
-from .files import atomic_write_text, check_depth, read_json
-from .precision import DType, Precision
+from qsync_opt.device_names import canonical_name
+from qsync_opt.errors import (
+    QsyncInputError,
+    SchemaVersionError,
+    describe_validation_error,
+    one_line,
+)
+from qsync_opt.files import atomic_write_text, check_depth, read_json
+from qsync_opt.precision import DType, Precision
 
 NAME_RE = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 #: A device name: a catalog key, or a derived CPU such as ``cpu/2:4g~t4`` (devices.py).

@@ -13,23 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cluster import load_cluster
-from .costs import estimate
-from .devices import get_device
-from .errors import QsyncInputError
-from .evaluator import Evaluation, evaluate
-from .graph import trace
-from .io import load
-from .problem import AllocationProblem, ProblemOptions
-from .progress import Progress
-from .schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
-from .solvers import SolveOptions, get_backend, registry, timing
-from .solvers.checks import check_numbers
-from .solvers.relaxation import relaxation_bound
-from .solvers.report import ZERO_REL, mode_text, objective_scale
-from .solvers.timing import Deadline
-from .splits import BOUND_REL, SplitBounds, batch_splits
-from .units import GIB, fmt_bytes
+from qsync_opt.cluster import load_cluster
+from qsync_opt.costs import estimate
+from qsync_opt.devices import get_device
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.evaluator import Evaluation, evaluate
+from qsync_opt.graph import trace
+from qsync_opt.io import load
+from qsync_opt.problem import AllocationProblem, ProblemOptions
+from qsync_opt.progress import Progress
+from qsync_opt.schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan, SolveReport
+from qsync_opt.solvers import SolveOptions, get_backend, registry, timing
+from qsync_opt.solvers.checks import check_numbers
+from qsync_opt.solvers.relaxation import relaxation_bound
+from qsync_opt.solvers.report import ZERO_REL, mode_text, objective_scale
+from qsync_opt.solvers.timing import Deadline
+from qsync_opt.splits import BOUND_REL, SplitBounds, batch_splits
+from qsync_opt.units import GIB, fmt_bytes
 
 #: Per-device batch at which the indicator runs on this CPU when none is given.
 INDICATOR_BATCH = 8
@@ -123,14 +123,14 @@ def build_problem(
     else:
         table = load(costs, CostTable)
     if comm_model is not None:
-        from .netsim.cluster import parse_comm_model, with_netsim_comm
+        from qsync_opt.netsim.cluster import parse_comm_model, with_netsim_comm
 
         table = with_netsim_comm(graph, cl, table, parse_comm_model(comm_model))
     if indicator is None:
-        from .indicator import fast_options, indicate, placeholder_indicator
+        from qsync_opt.indicator import fast_options, indicate, placeholder_indicator
 
         if check is not None and indicator_method != "random":
-            from .diagnose import precheck
+            from qsync_opt.diagnose import precheck
 
             trial = AllocationProblem(graph, cl, table, placeholder_indicator(graph), options)
             lines = precheck(trial, check)
@@ -228,7 +228,7 @@ def _fail(problem: AllocationProblem, solver: str, report: SolveReport,
     left = call.deadline.remaining() if call is not None else 60.0
     if left >= MIN_DIAGNOSIS_S:
         try:
-            from .diagnose import explain
+            from qsync_opt.diagnose import explain
 
             # explain gives each group's least-memory program the limit, and the fastest
             # plans share it: n + 1 shares at most.
@@ -283,7 +283,7 @@ def reachable_ms(problem: AllocationProblem, call: _Call | None = None) -> float
     """The smallest makespan any memory-feasible plan reaches in the linear model (None:
     some group fits nothing, or no PuLP solver). Within ``call``'s deadline (60 s without
     one); raises :class:`~qsync_opt.solvers.ilp.FastestTimeLimit` when time runs out."""
-    from .solvers.ilp import FastestTimeLimit, PulpIlp, fastest_times
+    from qsync_opt.solvers.ilp import FastestTimeLimit, PulpIlp, fastest_times
 
     key = id(problem.groups)
     if call is not None and key in call.reach:
@@ -304,7 +304,7 @@ def reachable_ms(problem: AllocationProblem, call: _Call | None = None) -> float
 
 def _solve_modes(problem: AllocationProblem, solver: str, opts: SolveOptions, refine: int,
                  mode: str, slack: float, call: _Call) -> tuple[Plan, SolveReport]:
-    from .solvers.ilp import FastestTimeLimit
+    from qsync_opt.solvers.ilp import FastestTimeLimit
 
     plan, report = _solve_refined(problem, solver, opts, refine, call)
     if plan is not None:
@@ -360,7 +360,7 @@ def _solve_refined_ev(problem: AllocationProblem, solver: str, opts: SolveOption
     lists the rounds (``kept`` marks the one returned) and says plainly when re-targeting
     the linear model cannot meet the replayer's target. ``first``: round 0 already solved
     (an OPTIMAL solve of ``problem`` with these options: solving it again gives it again)."""
-    from .solvers.ilp import FastestTimeLimit
+    from qsync_opt.solvers.ilp import FastestTimeLimit
 
     call = call or _Call.start(opts)
     target = problem.target_ms
@@ -464,7 +464,7 @@ def _solve_budget(problem: AllocationProblem, solver: str, opts: SolveOptions,
     """Least linear makespan whose optimal degradation is within ``budget``: bisection on the
     target (the optimum of the target mode is non-increasing in the target), within the
     call's deadline (stopped early, the best plan so far is returned and the mode says so)."""
-    from .solvers.ilp import FastestTimeLimit
+    from qsync_opt.solvers.ilp import FastestTimeLimit
 
     call = call or _Call.start(opts)
     try:
@@ -541,7 +541,7 @@ def _bounds(problem: AllocationProblem, subs: list[AllocationProblem], solver: s
     a rounded model and the heuristics no model at all, so their objectives bound nothing.
     The floors' proofs of no plan hold for every backend (none returns a plan the exact
     model refuses)."""
-    from .solvers.ilp import PulpIlp
+    from qsync_opt.solvers.ilp import PulpIlp
 
     if not PRUNE_SPLITS:
         return SplitBounds(subs, [False] * len(problem.groups), enabled=False).at(
@@ -573,7 +573,7 @@ def solve_joint(problem: AllocationProblem, solver: str, opts: SolveOptions, ref
     the strong groups' time at their *given* batch, which a split that moves samples onto
     them cannot meet), it falls back as :func:`solve` does: first the smallest makespan any
     split reaches (exact backends), then the least degradation within ``slack`` of it."""
-    from .solvers.ilp import FastestTimeLimit
+    from qsync_opt.solvers.ilp import FastestTimeLimit
 
     t0 = time.perf_counter()
     call = call or _Call.start(opts)

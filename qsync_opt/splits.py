@@ -36,10 +36,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from .errors import QsyncInputError
-from .problem import AllocationProblem, GroupModel
-from .solvers.checks import time_lower_bound
-from .solvers.parts import part_floor
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.solvers.checks import time_lower_bound
+from qsync_opt.solvers.parts import part_floor
 
 #: Relative margin below which a bound is taken to equal the best objective (not prune).
 BOUND_REL = 1e-9

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .costs import group_summary
-from .graph import unseen_ops
-from .replayer import Replayer, Timeline
-from .schemas import ModelGraph, OpRole, Plan
+from qsync_opt.costs import group_summary
+from qsync_opt.graph import unseen_ops
+from qsync_opt.replayer import Replayer, Timeline
+from qsync_opt.schemas import ModelGraph, OpRole, Plan
 
 GiB = 1024**3
 

@@ -16,8 +16,8 @@ import random
 import torch
 from torch import nn
 
-from .graph import trace
-from .schemas import CostTable, IndicatorTable, ModelGraph
+from qsync_opt.graph import trace
+from qsync_opt.schemas import CostTable, IndicatorTable, ModelGraph
 
 
 class _Block(nn.Module):
@@ -93,8 +93,8 @@ def random_indicator(graph: ModelGraph, seed: int = 0, *,
     The opt-in precisions (int4) get values only with ``opt_in=True``, drawn from a stream
     of their own after the others, so a table without them is what it always was.
     """
-    from .indicator import enforce_monotone
-    from .precision import OPT_IN
+    from qsync_opt.indicator import enforce_monotone
+    from qsync_opt.precision import OPT_IN
 
     rng = random.Random(seed)
     extra = random.Random(f"{seed}:opt-in")

@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import QsyncInputError
-from .models.workload import TraceInputs
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.models.workload import TraceInputs
 
 __all__ = ["TASK_USER", "UserWorkload", "call_model", "load_user_workload", "split_inputs"]
 

@@ -9,7 +9,7 @@ backend unavailable.
 
 from __future__ import annotations
 
-from .base import (
+from qsync_opt.solvers.base import (
     Backend,
     CbcOptions,
     CpSatOptions,
@@ -27,11 +27,11 @@ __all__ = ["EXACT", "Backend", "CbcOptions", "CpSatOptions", "DynamicBatchingOpt
 
 def registry() -> dict[str, Backend]:
     """Backends by name, in the order `compare` lists them. Built on each call."""
-    from .additive import AdditiveIlp
-    from .baselines import DynamicBatching, StrongOnly, Uniform
-    from .cpsat import CpSat
-    from .greedy import Greedy
-    from .ilp import PulpIlp
+    from qsync_opt.solvers.additive import AdditiveIlp
+    from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
+    from qsync_opt.solvers.cpsat import CpSat
+    from qsync_opt.solvers.greedy import Greedy
+    from qsync_opt.solvers.ilp import PulpIlp
 
     backends: list[Backend] = [
         PulpIlp("highs"), PulpIlp("cbc"), CpSat(), Greedy(), Greedy(per_ms=True),

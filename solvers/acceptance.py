@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..precision import Precision
-from ..problem import AllocationProblem, DerivedUnit, GroupModel, widest_precision
-from ..replayer import Change, IncrementalReplay
+from qsync_opt.precision import Precision
+from qsync_opt.problem import AllocationProblem, DerivedUnit, GroupModel, widest_precision
+from qsync_opt.replayer import Change, IncrementalReplay
 
 #: Relative slack of the acceptance checks, well inside the evaluator's (EVAL_TOL = 1e-7),
 #: so float drift of incremental sums cannot flip a verdict the evaluator would give.

@@ -4,14 +4,15 @@ scored on the real, cast-aware one."""
 
 from __future__ import annotations
 
-from ..problem import AllocationProblem
-from ..schemas import Plan, SolveReport
-from .base import SolveOptions
-from .checks import exact_violation
-from .driver import solve_assignment
-from .ilp import PulpIlp
-from .report import finish, mode_text
-from .timing import Stopwatch
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.checks import exact_violation
+from qsync_opt.solvers.driver import solve_assignment
+from qsync_opt.solvers.ilp import PulpIlp
+from qsync_opt.solvers.report import finish, mode_text
+from qsync_opt.solvers.timing import Stopwatch
+
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.schemas import Plan, SolveReport
 
 
 def cast_violations(problem: AllocationProblem, assignment: dict[str, list[int]]) -> list[str]:

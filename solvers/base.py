@@ -22,12 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..errors import QsyncInputError
+from qsync_opt.errors import QsyncInputError
 
 if TYPE_CHECKING:
-    from ..problem import AllocationProblem
-    from ..schemas import Plan, SolveReport
-    from .timing import Stopwatch
+    from qsync_opt.solvers.timing import Stopwatch
+
+    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.schemas import Plan, SolveReport
 
 #: A raw option value handed to a solver unchanged.
 RawValue = bool | int | float | str

@@ -21,14 +21,15 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import QsyncInputError
-from ..evaluator import Evaluation, evaluate
-from ..precision import Precision
-from ..problem import AllocationProblem, GroupModel
-from ..schemas import ClusterSpec, Plan, SolveReport
-from .base import SolveOptions
-from .report import finish
-from .timing import Stopwatch
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.report import finish
+from qsync_opt.solvers.timing import Stopwatch
+
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.evaluator import Evaluation, evaluate
+from qsync_opt.precision import Precision
+from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.schemas import ClusterSpec, Plan, SolveReport
 
 log = logging.getLogger(__name__)
 

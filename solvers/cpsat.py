@@ -29,15 +29,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..problem import AllocationProblem
-from ..schemas import Plan, SolveReport
-from . import timing
-from .base import Forbidden, PartResult, SolveOptions, Translation
-from .checks import cheap_infeasibility, exact_violation, infeasible_messages
-from .driver import solve_exact
-from .formulation import formulate
-from .integers import IntGroup, Scaling, integer_group, omega_scale_for, scaling_for
-from .timing import Stopwatch
+from qsync_opt.solvers import timing
+from qsync_opt.solvers.base import Forbidden, PartResult, SolveOptions, Translation
+from qsync_opt.solvers.checks import cheap_infeasibility, exact_violation, infeasible_messages
+from qsync_opt.solvers.driver import solve_exact
+from qsync_opt.solvers.formulation import formulate
+from qsync_opt.solvers.integers import (
+    IntGroup,
+    Scaling,
+    integer_group,
+    omega_scale_for,
+    scaling_for,
+)
+from qsync_opt.solvers.timing import Stopwatch
+
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.schemas import Plan, SolveReport
 
 
 def _chosen(solver: Any, row: Sequence[Any]) -> int:

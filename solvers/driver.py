@@ -24,16 +24,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..problem import AllocationProblem, GroupModel
-from ..schemas import Plan, SolveReport
-from . import parts, timing
-from .base import ExactBackend, Forbidden, PartResult, SolveOptions, Translation
-from .checks import check_numbers, infeasible_messages
-from .memo import memo_hit, memo_key, memo_store
-from .parts import better_of, part_floor, part_objective, program_parts
-from .report import finish, mode_text
-from .timing import Deadline, Stopwatch
-from .warmstart import start_hints
+from qsync_opt.solvers import parts, timing
+from qsync_opt.solvers.base import ExactBackend, Forbidden, PartResult, SolveOptions, Translation
+from qsync_opt.solvers.checks import check_numbers, infeasible_messages
+from qsync_opt.solvers.memo import memo_hit, memo_key, memo_store
+from qsync_opt.solvers.parts import better_of, part_floor, part_objective, program_parts
+from qsync_opt.solvers.report import finish, mode_text
+from qsync_opt.solvers.timing import Deadline, Stopwatch
+from qsync_opt.solvers.warmstart import start_hints
+
+from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.schemas import Plan, SolveReport
 
 #: Re-solves of a program whose OPTIMAL was only proven within the absolute tolerance.
 MAX_RESCALES = 3

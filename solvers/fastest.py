@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import QsyncInputError
-from ..problem import AllocationProblem
-from .base import SolveOptions
-from .checks import time_lower_bound
-from .formulation import formulate
-from .pulp_model import PULP_NAMES, pulp_module, read_assignment, run, to_pulp
-from .timing import Deadline, Stopwatch
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.checks import time_lower_bound
+from qsync_opt.solvers.formulation import formulate
+from qsync_opt.solvers.pulp_model import PULP_NAMES, pulp_module, read_assignment, run, to_pulp
+from qsync_opt.solvers.timing import Deadline, Stopwatch
+
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.problem import AllocationProblem
 
 
 class FastestTimeLimit(QsyncInputError):
@@ -88,7 +89,7 @@ def group_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
     within ``time_limit_s`` (greedy's start): (backend, the result, None when nothing
     fits), or None with no backend. Raises :class:`FastestTimeLimit` when the time ran out
     without a plan (no time left included)."""
-    from .pulp_model import available
+    from qsync_opt.solvers.pulp_model import available
 
     if not time_limit_s > 0:
         raise FastestTimeLimit("the exact fastest plan: no time left")

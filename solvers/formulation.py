@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..problem import AllocationProblem, GroupModel
+from qsync_opt.problem import AllocationProblem, GroupModel
 
 #: The equation families, in the order a group's rows are written.
 FAMILIES = ("one_hot", "derived_and", "derived_all", "pair_a", "pair_b", "working_set",

@@ -47,10 +47,7 @@ import heapq
 import logging
 from typing import NamedTuple
 
-from ..errors import QsyncInputError
-from ..problem import AllocationProblem, GroupModel
-from ..schemas import Plan, SolveReport
-from .acceptance import (
+from qsync_opt.solvers.acceptance import (
     ACCEPTANCES,
     REL_TOL,
     Acceptance,
@@ -58,11 +55,15 @@ from .acceptance import (
     LinearState,
     ReplayAcceptance,
 )
-from .base import SolveOptions
-from .checks import cheap_infeasibility, check_numbers
-from .fastest import FastestTimeLimit, group_fastest
-from .report import finish, mode_text
-from .timing import Stopwatch
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.checks import cheap_infeasibility, check_numbers
+from qsync_opt.solvers.fastest import FastestTimeLimit, group_fastest
+from qsync_opt.solvers.report import finish, mode_text
+from qsync_opt.solvers.timing import Stopwatch
+
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.schemas import Plan, SolveReport
 
 log = logging.getLogger(__name__)
 

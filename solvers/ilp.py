@@ -29,16 +29,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..problem import AllocationProblem
-from ..schemas import Plan, SolveReport
-from . import timing
-from .base import Forbidden, PartResult, SolveOptions, Translation
-from .checks import FEAS_REL, exact_violation, infeasible_messages
-from .driver import solve_exact
-from .fastest import FastestTimeLimit, fastest_plans, fastest_times
-from .formulation import formulate
-from .parts import part_objective
-from .pulp_model import (
+from qsync_opt.solvers import timing
+from qsync_opt.solvers.base import Forbidden, PartResult, SolveOptions, Translation
+from qsync_opt.solvers.checks import FEAS_REL, exact_violation, infeasible_messages
+from qsync_opt.solvers.driver import solve_exact
+from qsync_opt.solvers.fastest import FastestTimeLimit, fastest_plans, fastest_times
+from qsync_opt.solvers.formulation import formulate
+from qsync_opt.solvers.parts import part_objective
+from qsync_opt.solvers.pulp_model import (
     PULP_NAMES,
     Outcome,
     PulpProgram,
@@ -50,7 +48,10 @@ from .pulp_model import (
     set_start,
     to_pulp,
 )
-from .timing import Stopwatch
+from qsync_opt.solvers.timing import Stopwatch
+
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.schemas import Plan, SolveReport
 
 __all__ = ["FEAS_REL", "FastestTimeLimit", "PulpIlp", "exact_violation", "fastest_plans",
            "fastest_times"]

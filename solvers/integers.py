@@ -34,11 +34,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import QsyncInputError
-from ..problem import AllocationProblem
-from .base import CPSAT_UNITS
-from .checks import FEAS_REL, check_numbers
-from .formulation import Block, Formulation
+from qsync_opt.solvers.base import CPSAT_UNITS
+from qsync_opt.solvers.checks import FEAS_REL, check_numbers
+from qsync_opt.solvers.formulation import Block, Formulation
+
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.problem import AllocationProblem
 
 #: Target range of the scaled budget / capacity (units) and of the scaled objective total.
 _UNITS_LOW = CPSAT_UNITS

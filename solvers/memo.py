@@ -9,9 +9,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from ..problem import AllocationProblem, GroupModel
-from .base import PartResult
-from .checks import exact_violation
+from qsync_opt.solvers.base import PartResult
+from qsync_opt.solvers.checks import exact_violation
+
+from qsync_opt.problem import AllocationProblem, GroupModel
 
 
 def group_digest(g: GroupModel) -> str:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..problem import AllocationProblem
-from .base import PartResult, SolveOptions
-from .checks import exact_violation
-from .report import ZERO_REL, objective_scale
+from qsync_opt.solvers.base import PartResult, SolveOptions
+from qsync_opt.solvers.checks import exact_violation
+from qsync_opt.solvers.report import ZERO_REL, objective_scale
+
+from qsync_opt.problem import AllocationProblem
 
 
 def part_objective(problem: AllocationProblem, gis: Sequence[int],

@@ -34,9 +34,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import SolveOptions
-from .formulation import Block, Formulation
-from .timing import Stopwatch, solver_limit
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.formulation import Block, Formulation
+from qsync_opt.solvers.timing import Stopwatch, solver_limit
 
 PULP_NAMES = {"cbc": ("PULP_CBC_CMD", "COIN_CMD"), "highs": ("HiGHS",)}
 #: Feasibility and integrality tolerance asked of CBC and HiGHS (rows are normalised to ~1).

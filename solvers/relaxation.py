@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..problem import AllocationProblem
-from . import parts
-from .base import SolveOptions
-from .formulation import formulate
-from .pulp_model import available, lp_relaxation
+from qsync_opt.solvers import parts
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.formulation import formulate
+from qsync_opt.solvers.pulp_model import available, lp_relaxation
+
+from qsync_opt.problem import AllocationProblem
 
 #: The LP relaxation's optimum is taken down by this relative margin (the LP solver's
 #: optimality tolerance) before it bounds anything.

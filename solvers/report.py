@@ -8,10 +8,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..problem import AllocationProblem
-from ..schemas import Plan, SolveReport
-from .base import SolveOptions
-from .timing import Stopwatch
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.timing import Stopwatch
+
+from qsync_opt.problem import AllocationProblem
+from qsync_opt.schemas import Plan, SolveReport
 
 #: Objective differences below this fraction of the largest possible objective are zero
 #: (bounds of -3.9e-16 on an optimum of 0 are solver noise, not a gap).

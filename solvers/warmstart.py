@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import time
 
-from ..problem import AllocationProblem
-from .base import SolveOptions
-from .checks import check_hints
-from .timing import Deadline
+from qsync_opt.solvers.base import SolveOptions
+from qsync_opt.solvers.checks import check_hints
+from qsync_opt.solvers.timing import Deadline
+
+from qsync_opt.problem import AllocationProblem
 
 
 def greedy_hints(problem: AllocationProblem, messages: list[str],
@@ -19,7 +20,7 @@ def greedy_hints(problem: AllocationProblem, messages: list[str],
     within the call's ``deadline``."""
     t0 = time.perf_counter()
     try:
-        from .greedy import Greedy
+        from qsync_opt.solvers.greedy import Greedy
     except Exception as exc:  # the greedy backend is optional here
         messages.append(f"warm start: greedy unavailable ({type(exc).__name__}: {exc}); "
                         "solving without a warm start")

@@ -30,20 +30,9 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from .. import __version__
-from ..errors import QsyncInputError, describe_validation_error, one_line
-from ..schemas import MAX_BATCH
-from ..summaries import (
-    REPLAY_HEADER,
-    GiB,
-    estimate_summary_lines,
-    graph_summary_lines,
-    plan_lines,
-    replay_rows,
-    uniform_plans,
-)
-from . import demo, info, model, netsim, planning, profile, report, sweep, train
-from .args import (
+from qsync_opt import __version__
+from qsync_opt.cli import demo, info, model, netsim, planning, profile, report, sweep, train
+from qsync_opt.cli.args import (
     BATCH,
     BATCHES,
     EXIT_BAD_INPUT,
@@ -57,11 +46,22 @@ from .args import (
     int_range,
     positive_int,
 )
-from .demo import cmd_demo
-from .info import cmd_devices, cmd_models, cmd_schema
-from .model import cmd_estimate, cmd_graph, cmd_indicate, cmd_replay
-from .netsim import cmd_netsim
-from .planning import cmd_compare, cmd_pareto, cmd_solve
+from qsync_opt.cli.demo import cmd_demo
+from qsync_opt.cli.info import cmd_devices, cmd_models, cmd_schema
+from qsync_opt.cli.model import cmd_estimate, cmd_graph, cmd_indicate, cmd_replay
+from qsync_opt.cli.netsim import cmd_netsim
+from qsync_opt.cli.planning import cmd_compare, cmd_pareto, cmd_solve
+from qsync_opt.errors import QsyncInputError, describe_validation_error, one_line
+from qsync_opt.schemas import MAX_BATCH
+from qsync_opt.summaries import (
+    REPLAY_HEADER,
+    GiB,
+    estimate_summary_lines,
+    graph_summary_lines,
+    plan_lines,
+    replay_rows,
+    uniform_plans,
+)
 
 __all__ = [
     "BATCH", "BATCHES", "COMMANDS", "EXIT_BAD_INPUT", "EXIT_CODES_HELP", "EXIT_INFEASIBLE",
@@ -132,8 +132,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Before a command works: every output file it was told to write must be writable (not
     a folder, not through a file, in a folder it may write), every output folder one it can
     write into or make; refused in one line naming the flag, so no work is thrown away."""
-    from ..io import check_output_file
-    from ..outfolder import check_folder
+    from qsync_opt.io import check_output_file
+    from qsync_opt.outfolder import check_folder
 
     command = getattr(args, "command", None) or ""
     for dest in OUTPUT_FILES.get(command, ()):
@@ -160,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(batches, int) and batches < 1:
         parser.error(f"argument --batches: expected a positive integer, got {batches}")
     _fail_writes_with_efbig()
-    from ..solve import InfeasibleError, SolveTimeLimit
-    from ..solvers.fastest import FastestTimeLimit
+    from qsync_opt.solve import InfeasibleError, SolveTimeLimit
+    from qsync_opt.solvers.fastest import FastestTimeLimit
 
     try:
         check_outputs(args)

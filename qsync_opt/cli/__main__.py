@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import main
+from qsync_opt.cli import main
 
 raise SystemExit(main())

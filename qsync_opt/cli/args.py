@@ -9,13 +9,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..cluster import SHORTHAND_HELP
-from ..graph import TIE_MODES, is_user_model, load_user_workload, trace
-from ..indicator import METHODS
-from ..limits import MAX_STEPS, finite_float, int_range, parse_float, positive_int, spec_type
-from ..netsim.cluster import COMM_MODEL_HELP
-from ..runtime.schedule import SCHEDULE_SYNTAX
-from ..schemas import MAX_BATCH, ClusterSpec, ModelGraph
+from qsync_opt.cluster import SHORTHAND_HELP
+from qsync_opt.graph import TIE_MODES, is_user_model, load_user_workload, trace
+from qsync_opt.indicator import METHODS
+from qsync_opt.limits import (
+    MAX_STEPS,
+    finite_float,
+    int_range,
+    parse_float,
+    positive_int,
+    spec_type,
+)
+from qsync_opt.netsim.cluster import COMM_MODEL_HELP
+from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX
+from qsync_opt.schemas import MAX_BATCH, ClusterSpec, ModelGraph
 
 BATCH = positive_int(MAX_BATCH)
 
@@ -72,9 +79,9 @@ def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
     """``--cluster`` (or ``text``) loaded, and with ``--int4`` int4 enabled on every group
     whose card has an INT4 peak (:func:`qsync_opt.devices.enable_int4`). Says on stderr which
     groups got it; refuses (one line, exit 2) when none can."""
-    from ..cluster import load_cluster
-    from ..devices import INT4_CARDS, enable_int4
-    from ..errors import QsyncInputError
+    from qsync_opt.cluster import load_cluster
+    from qsync_opt.devices import INT4_CARDS, enable_int4
+    from qsync_opt.errors import QsyncInputError
 
     cluster = load_cluster(args.cluster if text is None else text)
     if not getattr(args, "int4", False):
@@ -121,25 +128,25 @@ SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all
 def _check_schedule_text(text: str) -> None:
     """``--lr-schedule`` on its own: kind, keys and values (warm-up against ``--steps``
     when both are known, :func:`sync_arg`)."""
-    from ..runtime.schedule import parse_schedule
+    from qsync_opt.runtime.schedule import parse_schedule
 
     parse_schedule(text, 1.0, MAX_STEPS)
 
 
 def _check_sync_text(text: str) -> None:
-    from ..runtime.syncmode import parse_sync
+    from qsync_opt.runtime.syncmode import parse_sync
 
     parse_sync(text)
 
 
 def _check_compressor_text(text: str) -> None:
-    from ..runtime.compress import parse_compressor
+    from qsync_opt.runtime.compress import parse_compressor
 
     parse_compressor(text)
 
 
 def _check_gbps_text(text: str) -> None:
-    from ..errors import QsyncInputError
+    from qsync_opt.errors import QsyncInputError
 
     parts = str(text).split(",")
     vals = [parse_float(x) for x in parts]
@@ -181,9 +188,9 @@ def sync_arg(args: argparse.Namespace) -> Any:
     """The replayer's sync model of ``--sync`` (None: DDP's); bad text, or ``--lr``,
     ``--lr-schedule`` or ``--steps`` without ``--sync``: one line naming the flag. Cheap
     (the rounds are counted, not listed): call it before any work."""
-    from ..errors import QsyncInputError
-    from ..replayer import sync_model_for
-    from ..runtime.syncmode import parse_sync
+    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.replayer import sync_model_for
+    from qsync_opt.runtime.syncmode import parse_sync
 
     text = getattr(args, "sync", None)
     given = {k: getattr(args, k, None) for k in SYNC_DEFAULTS}

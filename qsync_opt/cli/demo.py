@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..indicator import METHODS
-from .args import BATCHES, positive_int
+from qsync_opt.cli.args import BATCHES, positive_int
+from qsync_opt.indicator import METHODS
 
 #: What the demo writes into its folder (checked before any work: no link there).
 DEMO_FILES = ("plan.json", "frontier.png", "graph.json", "costs.json", "indicator.json",
@@ -14,8 +14,8 @@ DEMO_FILES = ("plan.json", "frontier.png", "graph.json", "costs.json", "indicato
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
-    from ..outfolder import check_folder, check_names
+    from qsync_opt.demo import run_demo
+    from qsync_opt.outfolder import check_folder, check_names
 
     out = check_folder(args.out or "qsync-demo", "--out")  # before any work
     check_names(out, files=DEMO_FILES)

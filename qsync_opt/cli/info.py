@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..devices import CATALOG, get_device
-from ..models import WORKLOADS
-from ..precision import DType
-from ..schemas import json_schema, schema_names
-from ..summaries import GiB, format_table
-from .args import command, emit_json
+from qsync_opt.cli.args import command, emit_json
+from qsync_opt.devices import CATALOG, get_device
+from qsync_opt.models import WORKLOADS
+from qsync_opt.precision import DType
+from qsync_opt.schemas import json_schema, schema_names
+from qsync_opt.summaries import GiB, format_table
 
 
 def cmd_models(args: argparse.Namespace) -> int:

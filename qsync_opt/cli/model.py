@@ -9,25 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import outfolder
-from ..cluster import SHORTHAND_HELP
-from ..costs import estimate
-from ..errors import QsyncInputError
-from ..indicator import METHODS
-from ..io import atomic_write_text, load, save, to_json
-from ..netsim.cluster import COMM_MODEL_HELP
-from ..plan import check_plan, make_plan, plan_model
-from ..replayer import Replayer
-from ..schemas import MAX_BATCH, Document, Plan
-from ..summaries import (
-    REPLAY_HEADER,
-    estimate_summary_lines,
-    format_table,
-    graph_summary_lines,
-    replay_rows,
-    uniform_plans,
-)
-from .args import (
+from qsync_opt import outfolder
+from qsync_opt.cli.args import (
     BATCH,
     BATCHES,
     COMPRESSOR_TEXT,
@@ -46,6 +29,23 @@ from .args import (
     sync_arg,
     trace_args,
     workload_arg,
+)
+from qsync_opt.cluster import SHORTHAND_HELP
+from qsync_opt.costs import estimate
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.indicator import METHODS
+from qsync_opt.io import atomic_write_text, load, save, to_json
+from qsync_opt.netsim.cluster import COMM_MODEL_HELP
+from qsync_opt.plan import check_plan, make_plan, plan_model
+from qsync_opt.replayer import Replayer
+from qsync_opt.schemas import MAX_BATCH, Document, Plan
+from qsync_opt.summaries import (
+    REPLAY_HEADER,
+    estimate_summary_lines,
+    format_table,
+    graph_summary_lines,
+    replay_rows,
+    uniform_plans,
 )
 
 
@@ -136,7 +136,7 @@ def _replay_checks(args: argparse.Namespace) -> Any:
     defaults filled in. Returns the sync model (:func:`sync_arg`)."""
     pipelined = getattr(args, "pipeline_stages", None) is not None
     if getattr(args, "comm_model", None):  # its own keys first, then where it applies
-        from ..netsim.cluster import parse_comm_model
+        from qsync_opt.netsim.cluster import parse_comm_model
 
         parse_comm_model(args.comm_model)
     for flag, attr, *default in _PIPELINE_ONLY:
@@ -173,7 +173,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         raise QsyncInputError("cluster: --cluster is required without --plan")
     if getattr(args, "comm_model", None):  # checked whole (each key) before any work
-        from ..netsim.cluster import parse_comm_model
+        from qsync_opt.netsim.cluster import parse_comm_model
 
         parse_comm_model(args.comm_model)
         if getattr(args, "pipeline_stages", None) is not None:
@@ -183,7 +183,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _replay_pipeline(args, plan_doc, graph, cluster)
     costs = estimate(graph, cluster)
     if getattr(args, "comm_model", None):
-        from ..netsim.cluster import parse_comm_model, with_netsim_comm
+        from qsync_opt.netsim.cluster import parse_comm_model, with_netsim_comm
 
         spec = parse_comm_model(args.comm_model)
         costs = with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec)
@@ -224,9 +224,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
-    from ..runtime.config import rank_groups_example
-    from ..runtime.launch import resolve_ranks
-    from ..runtime.pipepredict import predict_pipeline
+    from qsync_opt.runtime.config import rank_groups_example
+    from qsync_opt.runtime.launch import resolve_ranks
+    from qsync_opt.runtime.pipepredict import predict_pipeline
 
     plan = plan_doc if plan_doc is not None else make_plan(
         graph, cluster, {}, {"solver": "none (every op at fp32)"})
@@ -304,12 +304,12 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
     so a refusal stays one line."""
     import dataclasses
 
-    from ..devices import get_device
-    from ..diagnose import precheck
-    from ..indicator import cover, indicate, placeholder_indicator
-    from ..precision import Precision
-    from ..problem import AllocationProblem
-    from ..solve import INDICATOR_BATCH, InfeasibleError, build_problem
+    from qsync_opt.devices import get_device
+    from qsync_opt.diagnose import precheck
+    from qsync_opt.indicator import cover, indicate, placeholder_indicator
+    from qsync_opt.precision import Precision
+    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.solve import INDICATOR_BATCH, InfeasibleError, build_problem
 
     method = args.method
     trial = build_problem(graph, cluster, indicator=placeholder_indicator(graph),
@@ -339,8 +339,8 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
 
 
 def cmd_indicate(args: argparse.Namespace) -> int:
-    from ..indicator import fast_options, indicate, rank_table
-    from ..precision import Precision
+    from qsync_opt.indicator import fast_options, indicate, rank_table
+    from qsync_opt.precision import Precision
 
     t0 = time.perf_counter()
     fast = fast_options() if args.fast else {}

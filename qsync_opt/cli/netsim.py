@@ -9,28 +9,36 @@ import json
 import sys
 from typing import Any
 
-from ..cluster import SHORTHAND_HELP
-from ..errors import QsyncInputError
-from ..io import atomic_write_bytes, atomic_write_text, load
-from ..netsim.cluster import limit_message
-from ..netsim.engine import NetsimLimit
-from ..netsim.traffic import POLICIES as NETSIM_POLICIES
-from ..netsim.traffic import SCENARIOS as NETSIM_SCENARIOS
-from .args import SEED, cluster_arg, emit_json, finite_float, model_args, positive_int, trace_args
+from qsync_opt.cli.args import (
+    SEED,
+    cluster_arg,
+    emit_json,
+    finite_float,
+    model_args,
+    positive_int,
+    trace_args,
+)
+from qsync_opt.cluster import SHORTHAND_HELP
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.io import atomic_write_bytes, atomic_write_text, load
+from qsync_opt.netsim.cluster import limit_message
+from qsync_opt.netsim.engine import NetsimLimit
+from qsync_opt.netsim.traffic import POLICIES as NETSIM_POLICIES
+from qsync_opt.netsim.traffic import SCENARIOS as NETSIM_SCENARIOS
 
 
 def cmd_netsim(args: argparse.Namespace) -> int:
-    from ..costs import estimate
-    from ..netsim.cluster import (
+    from qsync_opt.costs import estimate
+    from qsync_opt.netsim.cluster import (
         SCENARIO_PATTERN,
         check_hosts,
         cluster_network,
         group_ready_ms,
         workload_buckets,
     )
-    from ..netsim.traffic import NetConfig, layer_bytes, summarise
-    from ..plan import check_plan, plan_model
-    from ..schemas import Plan
+    from qsync_opt.netsim.traffic import NetConfig, layer_bytes, summarise
+    from qsync_opt.plan import check_plan, plan_model
+    from qsync_opt.schemas import Plan
 
     plan = None
     sha = None
@@ -118,8 +126,8 @@ def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg:
               pattern: str) -> list[Any]:
     """``--iterations`` seeded iterations (the first checks the event estimate before any
     work), with a progress bar on a terminal."""
-    from ..netsim.cluster import check_events, run_iterations
-    from ..progress import Progress
+    from qsync_opt.netsim.cluster import check_events, run_iterations
+    from qsync_opt.progress import Progress
 
     check_events(net, buckets, pattern, cfg)
     runs = []

@@ -8,10 +8,7 @@ import json
 import sys
 from typing import Any
 
-from ..errors import QsyncInputError
-from ..io import atomic_write_text, save
-from ..summaries import plan_lines
-from .args import (
+from qsync_opt.cli.args import (
     EXIT_CODES_HELP,
     cluster_arg,
     command,
@@ -24,11 +21,14 @@ from .args import (
     trace_args,
     workload_arg,
 )
-from .model import computed_indicator, say_all
+from qsync_opt.cli.model import computed_indicator, say_all
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.io import atomic_write_text, save
+from qsync_opt.summaries import plan_lines
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
-    from ..problem import ProblemOptions
+    from qsync_opt.problem import ProblemOptions
 
     pins = {}
     for item in args.pin or []:
@@ -43,7 +43,7 @@ def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
 
 
 def _solve_options(args: argparse.Namespace) -> Any:
-    from ..solvers import SolveOptions
+    from qsync_opt.solvers import SolveOptions
 
     if args.time_limit is not None and not args.time_limit > 0:
         raise QsyncInputError(f"time-limit: expected a positive number of seconds, got {args.time_limit}")
@@ -56,7 +56,7 @@ def _check_names(args: argparse.Namespace) -> None:
     """The allocator names (``--solver``, ``--solvers``, ``--exact``) and ``--mode``'s
     ``--budget``, checked before anything is traced or computed (an unknown solver was
     refused only after the indicator had run)."""
-    from ..solvers import EXACT, registry
+    from qsync_opt.solvers import EXACT, registry
 
     known = list(registry())
     given: list[tuple[str, str, list[str]]] = []
@@ -84,7 +84,7 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
     computed indicator runs the model (``build_problem``); the computed indicator is
     :func:`computed_indicator`'s (cached; the lines saying what it did go to ``said``)."""
-    from ..solve import build_problem
+    from qsync_opt.solve import build_problem
 
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
@@ -92,7 +92,7 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     _check_names(args)
     options = _problem_options(args, sync_arg(args))  # every flag before the trace
     if getattr(args, "comm_model", None):
-        from ..netsim.cluster import parse_comm_model
+        from qsync_opt.netsim.cluster import parse_comm_model
 
         parse_comm_model(args.comm_model)
     wl = workload_arg(args)
@@ -109,8 +109,8 @@ def _build_problem(args: argparse.Namespace, check: str | None,
 
 @notes_after_success
 def cmd_solve(args: argparse.Namespace) -> int:
-    from ..evaluator import evaluate
-    from ..solve import solve
+    from qsync_opt.evaluator import evaluate
+    from qsync_opt.solve import solve
 
     # Another batch split can fit what this one does not; the budget mode has no target.
     check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
@@ -124,7 +124,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     save(plan, args.out, what="--out")
     if args.report:
         save(report, args.report, what="--report")
-    from ..dominance import dominance_note  # the cheap baselines against this plan
+    from qsync_opt.dominance import dominance_note  # the cheap baselines against this plan
 
     dominated = dominance_note(problem, plan, ev, args.solver, _solve_options(args),
                                joint_split=args.joint_split)
@@ -159,7 +159,14 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_pareto(args: argparse.Namespace) -> int:
-    from ..frontier import ONCE, SWEPT, format_points, frontier, frontier_json, plot_frontier
+    from qsync_opt.frontier import (
+        ONCE,
+        SWEPT,
+        format_points,
+        frontier,
+        frontier_json,
+        plot_frontier,
+    )
 
     if args.points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {args.points}")
@@ -186,8 +193,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..dominance import dominated_by, marked_table
-    from ..solve import compare
+    from qsync_opt.dominance import dominated_by, marked_table
+    from qsync_opt.solve import compare
 
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.

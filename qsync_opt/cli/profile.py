@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..limits import int_range, positive_int
-from ..profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP
-from ..schemas import MAX_BATCH, CostTable
+from qsync_opt.limits import int_range, positive_int
+from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP
+from qsync_opt.schemas import MAX_BATCH, CostTable
 
 #: The command's help description: the first line of :mod:`qsync_opt.profile`'s docstring.
 DESCRIPTION = (
@@ -42,8 +42,8 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from ..io import save, to_json
-    from ..profile import merge, profile_detailed  # torch, only when it runs
+    from qsync_opt.io import save, to_json
+    from qsync_opt.profile import merge, profile_detailed  # torch, only when it runs
 
     prof = profile_detailed(args.model, args.batch, device=args.device,
                             device_name=args.device_name, repeats=args.repeats,

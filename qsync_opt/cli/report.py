@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from ..report import load_report_inputs, plan_figure, plan_summary_lines, report_summary
+from qsync_opt.report import load_report_inputs, plan_figure, plan_summary_lines, report_summary
 
 
 def add_report_parser(sub: Any) -> argparse.ArgumentParser:

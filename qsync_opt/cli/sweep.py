@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..hfta import sweep as lib
-from ..hfta.sweep import SweepRequest, parse_seeds, parse_values, run_sweep
-from ..limits import (
+from qsync_opt.hfta import sweep as lib
+from qsync_opt.hfta.sweep import SweepRequest, parse_seeds, parse_values, run_sweep
+from qsync_opt.limits import (
     MAX_EVAL_BATCHES,
     MAX_STEPS,
     finite_float,
@@ -19,8 +19,8 @@ from ..limits import (
     positive_int,
     spec_type,
 )
-from ..runtime.schedule import SCHEDULE_SYNTAX
-from ..schemas import MAX_BATCH
+from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX
+from qsync_opt.schemas import MAX_BATCH
 
 __all__ = ["add_sweep_parser", "cmd_sweep", "sweep_request"]
 
@@ -34,7 +34,7 @@ def _wds(text: str) -> list[float]:
 
 
 def _schedule_text(text: str) -> Any:
-    from ..runtime.schedule import parse_schedule
+    from qsync_opt.runtime.schedule import parse_schedule
 
     return parse_schedule(text, 1.0, MAX_STEPS)  # the warm-up against --steps: later
 
@@ -95,9 +95,9 @@ def sweep_request(args: argparse.Namespace) -> SweepRequest:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from ..io import atomic_write_text
-    from ..runtime.metrics import clean
-    from ..summaries import format_table
+    from qsync_opt.io import atomic_write_text
+    from qsync_opt.runtime.metrics import clean
+    from qsync_opt.summaries import format_table
 
     req = sweep_request(args)
     quiet = args.json == "-"

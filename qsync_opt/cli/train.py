@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
-from ..progress import LOG_EVERY_S
-from ..runtime import launch
-from ..runtime.config import (
+from qsync_opt.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
+from qsync_opt.progress import LOG_EVERY_S
+from qsync_opt.runtime import launch
+from qsync_opt.runtime.config import (
     DEFAULT_LR,
     MAX_ABS_SEED,
     MAX_PROGRESS_EVERY_S,
@@ -22,11 +22,11 @@ from ..runtime.config import (
     USER_MODEL_LR,
     TrainConfig,
 )
-from ..runtime.launch import MAX_RANKS
-from ..runtime.rankfail import report_failure
-from ..runtime.schedule import SCHEDULE_SYNTAX, parse_schedule
-from ..runtime.syncmode import parse_comm, parse_sync
-from ..schemas import MAX_BATCH, Plan
+from qsync_opt.runtime.launch import MAX_RANKS
+from qsync_opt.runtime.rankfail import report_failure
+from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX, parse_schedule
+from qsync_opt.runtime.syncmode import parse_comm, parse_sync
+from qsync_opt.schemas import MAX_BATCH, Plan
 
 __all__ = ["add_train_parser", "cmd_train"]
 
@@ -34,7 +34,7 @@ log = launch.log  # the launcher's warnings keep its logger's name
 
 
 def _compressor(text: str) -> Any:
-    from ..runtime.compress import parse_compressor  # torch: only when the flag is given
+    from qsync_opt.runtime.compress import parse_compressor  # torch: only when the flag is given
 
     return parse_compressor(text)
 
@@ -183,7 +183,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.emulate_dp:
         if args.dry_run:
             return 0
-        from ..runtime.train import emulate  # the worker module, only when it runs
+        from qsync_opt.runtime.train import emulate  # the worker module, only when it runs
 
         result = emulate(config)
         if isinstance(result, int) and not isinstance(result, bool):
@@ -194,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
-    from ..ops import load_cpu
+    from qsync_opt.ops import load_cpu
 
     load_cpu()  # compile the C++ kernels once here, not in every rank at once
     env = dict(os.environ)
@@ -211,8 +211,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none),
     then the communication and the pipeline's boundaries."""
-    from ..outfolder import read_bytes
-    from ..runtime.metrics import ranks_text, sync_line
+    from qsync_opt.outfolder import read_bytes
+    from qsync_opt.runtime.metrics import ranks_text, sync_line
 
     path = Path(config.out_dir) / "summary.json"
     try:

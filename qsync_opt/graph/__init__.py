@@ -29,14 +29,7 @@ workloads kept on disk). Workloads named by a string are resolved by
 
 from __future__ import annotations
 
-from ..models.resolve import (
-    is_user_model,
-    load_user_model,
-    load_user_workload,
-    model_file_sha256,
-    resolve_workload,
-)
-from .annotate import (
+from qsync_opt.graph.annotate import (
     ALL_GEMM_PRECISIONS,
     CONV_PRECISIONS,
     HEAD_REASON,
@@ -44,9 +37,16 @@ from .annotate import (
     TIE_MODES,
     unseen_ops,
 )
-from .kinds import is_conv1d_like, is_leaf_module
-from .naming import CallNamer, gemm_call_kind
-from .tracing import trace
+from qsync_opt.graph.kinds import is_conv1d_like, is_leaf_module
+from qsync_opt.graph.naming import CallNamer, gemm_call_kind
+from qsync_opt.graph.tracing import trace
+from qsync_opt.models.resolve import (
+    is_user_model,
+    load_user_model,
+    load_user_workload,
+    model_file_sha256,
+    resolve_workload,
+)
 
 __all__ = [
     "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",

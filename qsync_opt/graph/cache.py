@@ -31,11 +31,11 @@ from importlib import metadata
 
 import torch
 
-from .. import outfolder
-from ..errors import OutputError, QsyncInputError
-from ..io import parse_document, parse_text
-from ..machine import cache_root
-from ..schemas import ModelGraph
+from qsync_opt import outfolder
+from qsync_opt.errors import OutputError, QsyncInputError
+from qsync_opt.io import parse_document, parse_text
+from qsync_opt.machine import cache_root
+from qsync_opt.schemas import ModelGraph
 
 log = logging.getLogger("qsync_opt.graph")
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from .kinds import function_kind, is_leaf_module, method_kind, module_kind
-from .naming import (
+from qsync_opt.graph.kinds import function_kind, is_leaf_module, method_kind, module_kind
+from qsync_opt.graph.naming import (
     CallNamer,
     UniqueNames,
     class_name,
@@ -23,7 +23,7 @@ from .naming import (
     target_name,
     tensors_of,
 )
-from .recording import (
+from qsync_opt.graph.recording import (
     Expansion,
     RawOp,
     SavedRecorder,

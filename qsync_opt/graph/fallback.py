@@ -11,10 +11,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..models.layers import MatMul
-from ..schemas import OpKind
-from .kinds import function_kind, is_leaf_module, method_kind, module_kind
-from .naming import (
+from qsync_opt.graph.kinds import function_kind, is_leaf_module, method_kind, module_kind
+from qsync_opt.graph.naming import (
     CallNamer,
     UniqueNames,
     class_name,
@@ -22,7 +20,7 @@ from .naming import (
     target_name,
     tensors_of,
 )
-from .recording import (
+from qsync_opt.graph.recording import (
     Expansion,
     RawOp,
     SavedRecorder,
@@ -35,6 +33,8 @@ from .recording import (
     real_like,
     storage_id,
 )
+from qsync_opt.models.layers import MatMul
+from qsync_opt.schemas import OpKind
 
 
 def _put_back_forward(mod: nn.Module, own: Any) -> None:

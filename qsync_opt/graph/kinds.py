@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import MatMul
-from ..schemas import OpKind
+from qsync_opt.models.layers import MatMul
+from qsync_opt.schemas import OpKind
 
 _MODULE_KINDS: list[tuple[tuple[type[nn.Module], ...], OpKind]] = [
     ((nn.Linear,), OpKind.linear),

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..schemas import OpKind
-from .kinds import function_kind, method_kind
+from qsync_opt.graph.kinds import function_kind, method_kind
+from qsync_opt.schemas import OpKind
 
 #: The functional calls the runtime dispatches per call (and the tracers name alike).
 _GEMM_CALL_KINDS = {OpKind.linear: "linear", OpKind.matmul: "matmul"}

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import mha_forward, sdpa_forward
-from ..schemas import OpKind
-from .naming import tensors_of
+from qsync_opt.attention import mha_forward, sdpa_forward
+from qsync_opt.graph.naming import tensors_of
+from qsync_opt.schemas import OpKind
 
 
 @dataclass

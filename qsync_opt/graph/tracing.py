@@ -9,16 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import QsyncInputError, TraceError
-from ..models import TraceInputs, Workload
-from ..models.resolve import is_user_model, load_user_workload, resolve_workload
-from ..schemas import ModelGraph, TensorSpec
-from ..user_model import split_inputs
-from . import cache as graph_cache
-from .annotate import build_graph, warn_unseen
-from .capture import fx_raw_ops
-from .fallback import all_real, function_mode_raw_ops
-from .recording import RawOp
+from qsync_opt.errors import QsyncInputError, TraceError
+from qsync_opt.graph import cache as graph_cache
+from qsync_opt.graph.annotate import build_graph, warn_unseen
+from qsync_opt.graph.capture import fx_raw_ops
+from qsync_opt.graph.fallback import all_real, function_mode_raw_ops
+from qsync_opt.graph.recording import RawOp
+from qsync_opt.models import TraceInputs, Workload
+from qsync_opt.models.resolve import is_user_model, load_user_workload, resolve_workload
+from qsync_opt.schemas import ModelGraph, TensorSpec
+from qsync_opt.user_model import split_inputs
 
 log = logging.getLogger("qsync_opt.graph")  # one logger for the whole package
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .convert import FusedArray
+from qsync_opt.hfta.convert import FusedArray
 
 __all__ = ["ARRAY_MARGIN", "MAX_PAIRS_FACTOR", "Choice", "decide", "measure_choice", "near_tie",
            "sync", "time_pairs", "time_step"]
@@ -200,7 +200,7 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
     candidate, e.g. under lower precisions). The array's parameters, buffers and gradients
     are as they were after; the timing steps run throwaway optimizers (``optimizer``: sgd or
     adamw, fused for the array, torch's for the standalone models)."""
-    from .optim import FusedAdamW, FusedSGD
+    from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
 
     choice = Choice(threads=torch.get_num_threads())
     per_op = isinstance(array, FusedArray)  # the torch.func route has no per-op modes

@@ -58,11 +58,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops
-from ..errors import QsyncInputError
-from ..models.layers import MatMul
-from ..precision import Precision
-from ..runtime.gemm import HALF_DTYPES, QMixin, run_gemm, run_linear
+from qsync_opt import ops
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.models.layers import MatMul
+from qsync_opt.precision import Precision
+from qsync_opt.runtime.gemm import HALF_DTYPES, QMixin, run_gemm, run_linear
 
 __all__ = ["FusedBatchNorm2d", "FusedConv2d", "FusedEmbedding", "FusedLayerNorm",
            "FusedLinear", "FusedMatMul", "INT8_MODES", "conv_to_linear", "fold", "unfold"]

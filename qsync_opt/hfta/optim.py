@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import QsyncInputError
-from ..runtime.schedule import LRSchedule, parse_schedule
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.runtime.schedule import LRSchedule, parse_schedule
 
 __all__ = ["FusedAdamW", "FusedLRSchedule", "FusedSGD", "fused_schedule"]
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import QsyncInputError
+from qsync_opt.errors import QsyncInputError
 
 __all__ = ["MAX_MODELS", "SweepRequest", "array_memory_bytes", "check_out", "check_request",
            "export_run", "parse_seeds", "parse_values", "run_sweep"]
@@ -59,7 +59,7 @@ def parse_seeds(text: str) -> list[int]:
     """``0-7``, ``0,3,5`` or a mix (``0-3,8``): distinct seeds, in the order given, each
     within ``train --seed``'s bound (+-2^48: the export is a ``train`` run), ASCII digits,
     at most :data:`MAX_MODELS` of them."""
-    from ..runtime.config import MAX_ABS_SEED
+    from qsync_opt.runtime.config import MAX_ABS_SEED
 
     out: list[int] = []
     seen: set[int] = set()
@@ -88,7 +88,7 @@ def parse_seeds(text: str) -> list[int]:
 def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
     """Comma-separated numbers, each finite (ASCII digits) and > 0 (``positive``) or >= 0;
     at most :data:`MAX_MODELS`."""
-    from ..limits import parse_float
+    from qsync_opt.limits import parse_float
 
     vals: list[float] = []
     parts = [p.strip() for p in str(text).split(",")]
@@ -106,7 +106,7 @@ def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
 def array_memory_bytes(workload: str, batch: int, B: int, optimizer: str) -> int:
     """What ``B`` models need: weights, gradients and optimizer state (SGD momentum: 1
     copy, AdamW: 2), and the traced graph's saved activations at ``batch``, each x ``B``."""
-    from ..graph import trace
+    from qsync_opt.graph import trace
 
     g = trace(workload, batch)
     params = int(g.param_bytes)
@@ -119,7 +119,7 @@ def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, st
     """The memory the array may use and where it is: the plan's group's card, else the CUDA
     ``device``'s free memory, else this machine's available memory."""
     if plan is not None and group is not None:
-        from ..devices import get_device
+        from qsync_opt.devices import get_device
 
         spec = next(g for g in plan.cluster.groups if g.name == group)
         dev = get_device(spec.device)
@@ -152,7 +152,7 @@ def check_out(out: Path, n_models: int, export: bool) -> None:
     one line naming the path (qsync_opt.outfolder)."""
     import stat
 
-    from ..outfolder import check_folder, check_names, list_names
+    from qsync_opt.outfolder import check_folder, check_names, list_names
 
     check_folder(out, "--out")
     check_names(out, files=["sweep.json"])
@@ -183,7 +183,7 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     export's sets and all) or, on a failure, left as it was."""
     import secrets
 
-    from ..outfolder import list_names, make_folder, remove, swap_folder
+    from qsync_opt.outfolder import list_names, make_folder, remove, swap_folder
 
     folder = out / f"model{b}"
     for name, _st in list_names(out):  # what a killed export of this model left
@@ -206,15 +206,15 @@ def _export_into(trainer: Any, b: int, folder: Path, final: Path) -> None:
     """Write model ``b``'s run into ``folder`` (its final place: ``final``)."""
     import torch
 
-    from ..cluster import load_cluster
-    from ..graph import trace
-    from ..io import to_json
-    from ..outfolder import write_text
-    from ..plan import make_plan
-    from ..runtime.checkpoint import commit_set, rank_document, write_rank_file
-    from ..runtime.config import TrainConfig, run_fingerprint, set_path
-    from ..runtime.prepare import make_optimizer
-    from ..runtime.scaler import LossScaler
+    from qsync_opt.cluster import load_cluster
+    from qsync_opt.graph import trace
+    from qsync_opt.io import to_json
+    from qsync_opt.outfolder import write_text
+    from qsync_opt.plan import make_plan
+    from qsync_opt.runtime.checkpoint import commit_set, rank_document, write_rank_file
+    from qsync_opt.runtime.config import TrainConfig, run_fingerprint, set_path
+    from qsync_opt.runtime.prepare import make_optimizer
+    from qsync_opt.runtime.scaler import LossScaler
 
     spec, v = trainer.spec, trainer.spec.variants[b]
     plan = make_plan(trace(spec.workload, trainer.batch), load_cluster("cpux1"), {},
@@ -308,7 +308,7 @@ def check_request(req: SweepRequest) -> None:
     models the seeds and values make, ``--export`` with ``--out``, the momentum with its
     optimizer, and the schedule at every learning rate. The output paths are checked by
     :func:`check_out` (``--out``, in :func:`run_sweep`) and the CLI (``--json``)."""
-    from ..runtime.schedule import parse_schedule
+    from qsync_opt.runtime.schedule import parse_schedule
 
     n = len(req.seeds) * len(req.lrs) * len(req.wds)
     if n > MAX_MODELS:
@@ -328,15 +328,15 @@ def check_request(req: SweepRequest) -> None:
 
 def _plan_precisions(req: SweepRequest) -> tuple[Any, dict[str, str]]:
     """The plan (``--plan``, checked against the model) and its group's precisions."""
-    from ..precision import Precision
-    from ..schemas import Plan
+    from qsync_opt.precision import Precision
+    from qsync_opt.schemas import Plan
 
     if (req.plan is None) != (req.group is None):
         raise QsyncInputError("--plan and --group: give both (the group whose precisions the "
                               "array runs) or neither")
     if req.plan is None:
         return None, {}
-    from ..plan import graph_for_plan
+    from qsync_opt.plan import graph_for_plan
 
     plan = Plan.load(req.plan)
     graph_for_plan(plan, req.model)
@@ -350,8 +350,8 @@ def _choose_fuse(tr: Any, req: SweepRequest, precisions: dict[str, str], n_model
                  batch: int, say: Callable[[str], None]) -> dict[str, Any]:
     """Apply ``--fuse`` to the array (``measure``: the measured choice, said); its JSON."""
     if req.fuse == "measure":
-        from .choice import measure_choice
-        from .trainer import per_model_losses
+        from qsync_opt.hfta.choice import measure_choice
+        from qsync_opt.hfta.trainer import per_model_losses
 
         x, y = tr.batch_at(0)
         fp32 = all(p == "fp32" for p in precisions.values())
@@ -381,10 +381,10 @@ def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
     (:func:`export_run`)."""
     import torch
 
-    from ..models import UnknownWorkloadError, get_workload
-    from ..runtime.metrics import clean
-    from .choice import sync
-    from .trainer import ArrayTrainer, SweepSpec, Variant, resolve_device
+    from qsync_opt.hfta.choice import sync
+    from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant, resolve_device
+    from qsync_opt.models import UnknownWorkloadError, get_workload
+    from qsync_opt.runtime.metrics import clean
 
     check_request(req)
     variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(req.seeds, req.lrs,
@@ -436,7 +436,7 @@ def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
            "samples_per_s": round(len(variants) * batch * req.steps / wall, 1),
            "threads": torch.get_num_threads()}
     if req.out:
-        from ..outfolder import write_text
+        from qsync_opt.outfolder import write_text
 
         out = Path(req.out)
         if req.export:

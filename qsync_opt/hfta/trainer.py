@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import QsyncInputError
-from .convert import fuse
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.hfta.convert import fuse
 
 __all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses",
            "resolve_device"]
@@ -107,7 +107,7 @@ def per_model_losses(workload: Any, out: Tensor, inputs: Sequence[Any],
     """``[B]``: each model's mean loss on its own batch (``out`` model-major ``[B, N, ...]``;
     ``targets`` ``[B, N, ...]``). Classification and causal LM: one cross-entropy call for
     all ``B``; other tasks: the workload's loss per model."""
-    from ..models import TASK_CAUSAL_LM, TASK_CLASSIFICATION
+    from qsync_opt.models import TASK_CAUSAL_LM, TASK_CLASSIFICATION
 
     B = out.shape[0]
     if workload.task in (TASK_CLASSIFICATION, TASK_CAUSAL_LM) and workload.loss == \
@@ -123,10 +123,10 @@ class ArrayTrainer:
     """Train ``spec``'s variants as one fused array (module docstring)."""
 
     def __init__(self, spec: SweepSpec) -> None:
-        from ..models import UnknownWorkloadError, get_workload
-        from ..precision import Precision
-        from ..runtime.data import GlobalBatches
-        from .optim import FusedAdamW, FusedSGD, fused_schedule
+        from qsync_opt.hfta.optim import FusedAdamW, FusedSGD, fused_schedule
+        from qsync_opt.models import UnknownWorkloadError, get_workload
+        from qsync_opt.precision import Precision
+        from qsync_opt.runtime.data import GlobalBatches
 
         if not spec.variants:
             raise QsyncInputError("variants: expected at least one model")
@@ -146,7 +146,7 @@ class ArrayTrainer:
         try:
             self.array = fuse(self.models, input_mode=spec.input_mode)
         except QsyncInputError as exc:
-            from .functional import FuncArray
+            from qsync_opt.hfta.functional import FuncArray
 
             if any(p != "fp32" for p in spec.precisions.values()):
                 raise QsyncInputError(
@@ -297,7 +297,7 @@ class ArrayTrainer:
 
     def train(self, steps: int | None = None, progress: bool = False) -> None:
         total = self.spec.steps if steps is None else steps
-        from ..progress import Progress
+        from qsync_opt.progress import Progress
 
         with Progress(f"sweep of {self.B}", total=total, enabled=progress) as bar:
             while self.step < total:
@@ -308,7 +308,7 @@ class ArrayTrainer:
     # ------------------------------------------------------------------ results
 
     def evaluate(self) -> list[dict[str, Any]]:
-        from ..models import TASK_CLASSIFICATION
+        from qsync_opt.models import TASK_CLASSIFICATION
 
         if self.standalone is not None:
             self.array.load_models(self.standalone)

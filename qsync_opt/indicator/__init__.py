@@ -15,16 +15,15 @@ the other methods of :data:`METHODS`. The modules:
 
 from __future__ import annotations
 
-from ..models.samples import real_batches, synthetic_batches
-from .compute import (
+from qsync_opt.indicator.compute import (
     ERROR_MODEL_VERSION,
     PROGRESS_EVERY_S,
     default_cache_dir,
     fast_options,
     indicate,
 )
-from .curv import CURV_LR, CURVATURES
-from .errormodel import (
+from qsync_opt.indicator.curv import CURV_LR, CURVATURES
+from qsync_opt.indicator.errormodel import (
     FLOAT_KINDS,
     INT4_QMAX,
     LADDERS,
@@ -34,7 +33,7 @@ from .errormodel import (
     element_variance,
     kinds_for,
 )
-from .memory import (
+from qsync_opt.indicator.memory import (
     HESSIAN_ACTIVATION_FACTOR,
     RUNTIME_BYTES,
     TERM_COPIES,
@@ -43,7 +42,7 @@ from .memory import (
     check_indicator_memory,
     indicator_memory,
 )
-from .tables import (
+from qsync_opt.indicator.tables import (
     UNMEASURED_GRAD,
     UNMEASURED_RAN,
     cover,
@@ -52,6 +51,7 @@ from .tables import (
     rank_table,
     scale_to_batch,
 )
+from qsync_opt.models.samples import real_batches, synthetic_batches
 
 __all__ = [
     "CURVATURES", "CURV_LR", "ERROR_MODEL_VERSION", "FLOAT_KINDS", "HESSIAN_ACTIVATION_FACTOR",

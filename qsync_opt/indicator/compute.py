@@ -14,20 +14,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import QsyncInputError
-from ..graph import resolve_workload, trace
-from ..indicator_calls import Bilinear, CallCapture
-from ..io import load, save
-from ..machine import cache_root
-from ..models import Workload
-from ..precision import Precision
-from ..progress import LOG_EVERY_S, duration
-from ..schemas import IndicatorTable, ModelGraph, OpRole
-from .curv import CURV_LR, curv_batch
-from .errormodel import NOMINAL, check_method
-from .memory import available_memory_bytes, check_indicator_memory, gib, indicator_memory
-from .tables import UNMEASURED_GRAD, UNMEASURED_RAN, enforce_monotone, mean_of, table_summary
-from .terms import (
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.graph import resolve_workload, trace
+from qsync_opt.indicator.curv import CURV_LR, curv_batch
+from qsync_opt.indicator.errormodel import NOMINAL, check_method
+from qsync_opt.indicator.memory import (
+    available_memory_bytes,
+    check_indicator_memory,
+    gib,
+    indicator_memory,
+)
+from qsync_opt.indicator.tables import (
+    UNMEASURED_GRAD,
+    UNMEASURED_RAN,
+    enforce_monotone,
+    mean_of,
+    table_summary,
+)
+from qsync_opt.indicator.terms import (
     OpCapture,
     OpStats,
     captures_of,
@@ -37,6 +41,13 @@ from .terms import (
     qsync_terms,
     wvar_terms,
 )
+from qsync_opt.indicator_calls import Bilinear, CallCapture
+from qsync_opt.io import load, save
+from qsync_opt.machine import cache_root
+from qsync_opt.models import Workload
+from qsync_opt.precision import Precision
+from qsync_opt.progress import LOG_EVERY_S, duration
+from qsync_opt.schemas import IndicatorTable, ModelGraph, OpRole
 
 log = logging.getLogger("qsync_opt.indicator")
 

@@ -90,8 +90,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import QsyncInputError
-from ..precision import Precision
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import Precision
 
 #: The indicator methods, the one list (``qsync-opt indicate/solve/compare/pareto/demo
 #: --method`` offer these choices): the default first.

@@ -7,9 +7,16 @@ collectives (ring, parameter server, hierarchical) from bucket ready times;
 :mod:`.ns3ref` runs the cases ns-3 can also run, for the cross-check. docs/NETSIM.md.
 """
 
-from .engine import NetsimLimit, Sim
-from .topology import FabricSpec, Topology, fabric, single_link, star
-from .traffic import PATTERNS, POLICIES, Bucket, IterationResult, NetConfig, simulate_iteration
+from qsync_opt.netsim.engine import NetsimLimit, Sim
+from qsync_opt.netsim.topology import FabricSpec, Topology, fabric, single_link, star
+from qsync_opt.netsim.traffic import (
+           PATTERNS,
+           POLICIES,
+           Bucket,
+           IterationResult,
+           NetConfig,
+           simulate_iteration,
+)
 
 __all__ = ["PATTERNS", "POLICIES", "Bucket", "FabricSpec", "IterationResult", "NetConfig",
            "NetsimLimit", "Sim", "Topology", "fabric", "simulate_iteration", "single_link",

@@ -24,12 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..devices import get_device
-from ..errors import QsyncInputError
-from ..schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
-from .engine import DEFAULT_MAX_EVENTS, NetsimLimit
-from .topology import Topology
-from .traffic import (
+from qsync_opt.devices import get_device
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.netsim.engine import DEFAULT_MAX_EVENTS, NetsimLimit
+from qsync_opt.netsim.topology import Topology
+from qsync_opt.netsim.traffic import (
     POLICIES,
     SCENARIOS,
     Bucket,
@@ -38,6 +37,7 @@ from .traffic import (
     quantile,
     simulate_iteration,
 )
+from qsync_opt.schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
 
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
@@ -165,7 +165,7 @@ def group_ready_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
                    plan: Any = None, optimizer: str = "sgd") -> tuple[list[list[float]], Any]:
     """Each group's bucket ready times (ms) from the replayer's compute timeline of ``plan``
     (default: every group at its highest precision) and that timeline."""
-    from ..replayer import Replayer
+    from qsync_opt.replayer import Replayer
 
     rep = Replayer(graph, cluster, costs, optimizer=optimizer)
     tl = rep.simulate(plan if plan is not None else rep.uniform("highest"), events=False)
@@ -280,7 +280,7 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
     of another graph: every group at its highest precision). A parameter's gradient is
     ready when the backward of its op ends (the op: the longest dotted prefix of its name
     that names one of ``graph``'s ops); one no op claims, at the end of the backward."""
-    from ..replayer import Replayer
+    from qsync_opt.replayer import Replayer
 
     cl = cluster.with_default_batch(graph.batch_size)
     rep = Replayer(graph, cl, _estimate(graph, cl))
@@ -303,7 +303,7 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
 
 
 def _estimate(graph: ModelGraph, cluster: ClusterSpec) -> CostTable:
-    from ..costs import estimate
+    from qsync_opt.costs import estimate
 
     return estimate(graph, cluster)
 

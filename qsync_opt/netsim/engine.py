@@ -67,9 +67,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import rack as rackmod
-from .rack import Rack, Stream
-from .topology import Topology
+from qsync_opt.netsim import rack as rackmod
+from qsync_opt.netsim.rack import Rack, Stream
+from qsync_opt.netsim.topology import Topology
 
 QUEUES = ("fifo", "priority")
 ROUTING = ("hash", "spray")

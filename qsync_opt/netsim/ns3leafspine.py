@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import Sim
-from .topology import FabricSpec, fabric
+from qsync_opt.netsim.engine import Sim
+from qsync_opt.netsim.topology import FabricSpec, fabric
 
 #: payload and per-segment header bytes of ns-3's segments here (TCP 20 + IPv4 20 + PPP 2)
 MSS, HEADER = 1448, 42

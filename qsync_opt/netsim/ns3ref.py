@@ -137,7 +137,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .ns3leafspine import LEAFSPINE_CPP
+from qsync_opt.netsim.ns3leafspine import LEAFSPINE_CPP
 
 MISSING_MESSAGE = (
     "ns-3's Python bindings are not installed: `pip install ns3` "

@@ -33,8 +33,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import DEFAULT_MAX_EVENTS, DEFAULT_MIN_RTO_MS, DETECT, Connection, Message, Sim
-from .topology import Topology
+from qsync_opt.netsim.engine import (
+    DEFAULT_MAX_EVENTS,
+    DEFAULT_MIN_RTO_MS,
+    DETECT,
+    Connection,
+    Message,
+    Sim,
+)
+from qsync_opt.netsim.topology import Topology
 
 PATTERNS = ("ring", "ps", "hierarchical")
 #: The fabrics a cluster's network is simulated on (``netsim.cluster``): a ring over the

@@ -50,20 +50,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import backends, fakequant, int4, int8, intmm, quantize, rounding
-from .backends import available, default_bwd_dtype, load_cpu
-from .fakequant import FP8_MAX, fake_quant_float, fake_quant_int4, fake_quant_int8
-from .int4 import int4_conv2d, int4_linear
-from .int8 import int8_conv2d, int8_linear
-from .intmm import FLOAT_EXACT_MAX_K, emulated_half, float_exact_gemm, gemm_layout_ok, int_mm
-from .quantize import (
+from qsync_opt.ops import backends, fakequant, int4, int8, intmm, quantize, rounding
+from qsync_opt.ops.backends import available, default_bwd_dtype, load_cpu
+from qsync_opt.ops.fakequant import FP8_MAX, fake_quant_float, fake_quant_int4, fake_quant_int8
+from qsync_opt.ops.int4 import int4_conv2d, int4_linear
+from qsync_opt.ops.int8 import int8_conv2d, int8_linear
+from qsync_opt.ops.intmm import (
+    FLOAT_EXACT_MAX_K,
+    emulated_half,
+    float_exact_gemm,
+    gemm_layout_ok,
+    int_mm,
+)
+from qsync_opt.ops.quantize import (
     dequantize_int8,
     quantize_int4,
     quantize_int8,
     rescale_int32,
     rescale_int32_rows,
 )
-from .rounding import GRAD_SCALES, Numerics, numerics
+from qsync_opt.ops.rounding import GRAD_SCALES, Numerics, numerics
 
 __all__ = [
     "available", "quantize_int8", "dequantize_int8", "rescale_int32", "int8_linear",

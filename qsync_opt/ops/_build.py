@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..machine import cache_root, cpu_model
+from qsync_opt.machine import cache_root, cpu_model
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._build import load_cpu
+from qsync_opt.ops._build import load_cpu
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def cuda_kernels() -> Any:
     if not torch.cuda.is_available():
         return None
     try:
-        from ..cuda.kernels import load
+        from qsync_opt.cuda.kernels import load
 
         return load()
     except Exception as exc:  # a missing or broken build: the references serve
@@ -49,7 +49,7 @@ def available() -> dict[str, str]:
             out["cuda"] = "CUDA kernels (qsync_opt.cuda, ctypes)"
         else:
             try:
-                from ..cuda.kernels import load_error
+                from qsync_opt.cuda.kernels import load_error
 
                 reason = load_error() or "not loaded"
             except Exception as exc:

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import reference as ref
-from . import rounding
-from .backends import owned
-from .quantize import dequantize_impl, quantize_impl
-from .rounding import pick
+from qsync_opt.ops import reference as ref
+from qsync_opt.ops import rounding
+from qsync_opt.ops.backends import owned
+from qsync_opt.ops.quantize import dequantize_impl, quantize_impl
+from qsync_opt.ops.rounding import pick
 
 __all__ = ["FP8_MAX", "fake_quant_float", "fake_quant_int4", "fake_quant_int8"]
 

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import reference as ref
-from . import rounding
-from .backends import check_float, default_bwd_dtype, owned
-from .int8 import (
+from qsync_opt.ops import reference as ref
+from qsync_opt.ops import rounding
+from qsync_opt.ops.backends import check_float, default_bwd_dtype, owned
+from qsync_opt.ops.int8 import (
     conv_backward,
     int_conv2d_fake,
     int_conv2d_forward,
@@ -21,9 +21,9 @@ from .int8 import (
     save_conv,
     seeds,
 )
-from .intmm import int_mm, mm16
-from .quantize import dequantize_impl, quantize_impl, quantize_rows_impl, rescale_rows
-from .rounding import pick
+from qsync_opt.ops.intmm import int_mm, mm16
+from qsync_opt.ops.quantize import dequantize_impl, quantize_impl, quantize_rows_impl, rescale_rows
+from qsync_opt.ops.rounding import pick
 
 __all__ = ["int4_conv2d", "int4_linear"]
 

@@ -12,17 +12,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from . import intmm, rounding
-from . import reference as ref
-from .backends import check_float, default_bwd_dtype, owned
-from .intmm import int_mm, mm16
-from .quantize import (
+from qsync_opt.ops import intmm, rounding
+from qsync_opt.ops import reference as ref
+from qsync_opt.ops.backends import check_float, default_bwd_dtype, owned
+from qsync_opt.ops.intmm import int_mm, mm16
+from qsync_opt.ops.quantize import (
     dequantize_impl,
     quantize_impl,
     rescale_int32_op,
     rescale_rows,
 )
-from .rounding import grad_scale_code, pick
+from qsync_opt.ops.rounding import grad_scale_code, pick
 
 __all__ = ["conv_backward", "grad_w_rescale", "im2col_int8", "int8_conv2d", "int8_linear",
            "int_conv2d_fake", "int_conv2d_forward", "int_linear_fake", "pair", "quantize_grad",

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import backends
-from . import reference as ref
-from .backends import check_float, owned
+from qsync_opt.ops import backends
+from qsync_opt.ops import reference as ref
+from qsync_opt.ops.backends import check_float, owned
 
 __all__ = ["dequantize_impl", "dequantize_int8", "quantize_impl", "quantize_int4", "quantize_int8",
            "quantize_rows_impl", "rescale_int32", "rescale_int32_op", "rescale_int32_rows",

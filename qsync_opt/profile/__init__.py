@@ -38,13 +38,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .tables import derive, fit_cast, median_iqr, merge, with_comm
+from qsync_opt.profile.tables import derive, fit_cast, median_iqr, merge, with_comm
 
 if TYPE_CHECKING:
-    from .builders import OpBuilder
-    from .gloo import measure_comm_local, spawn_local
-    from .orchestrate import Profile, environment, environment_note, profile, profile_detailed
-    from .timing import (
+    from qsync_opt.profile.builders import OpBuilder
+    from qsync_opt.profile.gloo import measure_comm_local, spawn_local
+    from qsync_opt.profile.orchestrate import (
+        Profile,
+        environment,
+        environment_note,
+        profile,
+        profile_detailed,
+    )
+    from qsync_opt.profile.timing import (
         ALLREDUCE_SIZES,
         CAST_SIZES,
         DEFAULT_REPEATS,

@@ -13,16 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import __version__
-from ..cluster import parse_shorthand
-from ..costs import estimate, gradient_buckets, op_precisions
-from ..devices import get_device, known_device_names
-from ..errors import QsyncInputError
-from ..precision import Precision
-from ..schemas import CostTable, ModelGraph, OpCost, OpRole
-from .builders import OpBuilder, check_shapes
-from .tables import median_iqr
-from .timing import (
+from qsync_opt import __version__
+from qsync_opt.cluster import parse_shorthand
+from qsync_opt.costs import estimate, gradient_buckets, op_precisions
+from qsync_opt.devices import get_device, known_device_names
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import Precision
+from qsync_opt.profile.builders import OpBuilder, check_shapes
+from qsync_opt.profile.tables import median_iqr
+from qsync_opt.profile.timing import (
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
     Timer,
@@ -32,6 +31,7 @@ from .timing import (
     measure_optimizer,
     time_fwd_bwd,
 )
+from qsync_opt.schemas import CostTable, ModelGraph, OpCost, OpRole
 
 
 @dataclass
@@ -115,7 +115,7 @@ def profile_detailed(
     """
     if method not in ("context", "isolated"):
         raise QsyncInputError(f"method: expected 'context' or 'isolated', got {method!r}")
-    from ..machine import pin_malloc
+    from qsync_opt.machine import pin_malloc
 
     pin_malloc()  # as the training ranks do: large buffers cost the same in every process
     if threads is None:
@@ -137,8 +137,8 @@ def profile_detailed(
 def _profile(workload: str, batch: int | None, *, device: str, device_name: str | None,
              repeats: int, warmup: int, precisions: Iterable[Precision | str] | None,
              graph: ModelGraph | None, method: str = "context") -> Profile:
-    from ..graph import trace
-    from ..models import get_workload
+    from qsync_opt.graph import trace
+    from qsync_opt.models import get_workload
 
     start = time.perf_counter()
     if repeats < 1 or warmup < 0:
@@ -294,7 +294,7 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
                 ) -> tuple[dict[tuple[str, Precision], tuple[float, float]],
                            dict[tuple[str, str], tuple[float, float]], list[str], dict[Any, Any]]:
     """Entries from in-context uniform runs (see :mod:`qsync_opt.profile_context`)."""
-    from ..profile_context import HEAD, TAIL, model_builder, run_uniform, stepper
+    from qsync_opt.profile_context import HEAD, TAIL, model_builder, run_uniform, stepper
 
     choosable = [o for o in graph.ops if o.role == OpRole.choosable]
     menu: list[Precision] = []

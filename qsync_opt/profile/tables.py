@@ -6,11 +6,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-from ..costs import gradient_buckets
-from ..devices import get_device
-from ..errors import QsyncInputError
-from ..precision import DType, Precision
-from ..schemas import CommModel, CostTable, ModelGraph
+from qsync_opt.costs import gradient_buckets
+from qsync_opt.devices import get_device
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import DType, Precision
+from qsync_opt.schemas import CommModel, CostTable, ModelGraph
 
 
 def fit_cast(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -58,7 +58,7 @@ def derive(table: CostTable, devices: Iterable[str]) -> CostTable:
     ``F``, restricted to its precision menu; the optimizer step is not stretched and keeps
     the ``cpu`` time. Devices already in the table are left as they are.
     """
-    from ..devices import canonical_name, is_derived
+    from qsync_opt.devices import canonical_name, is_derived
 
     have = {e.device for e in table.entries}
     entries, casts, opt = list(table.entries), list(table.casts), list(table.optimizer)

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..costs import cast_pairs
-from ..devices import get_device
-from ..precision import DType
-from ..schemas import CastCost, CommModel
-from .tables import fit_cast
+from qsync_opt.costs import cast_pairs
+from qsync_opt.devices import get_device
+from qsync_opt.precision import DType
+from qsync_opt.profile.tables import fit_cast
+from qsync_opt.schemas import CastCost, CommModel
 
 DEFAULT_REPEATS = 10
 
@@ -85,7 +85,7 @@ def measure_dispatch_us(device: torch.device | str = "cpu", repeats: int = 200) 
 
 def measure_casts(dev_name: str, device: torch.device, repeats: int, warmup: int
                    ) -> tuple[list[CastCost], list[str]]:
-    from ..ops import quantize_int8
+    from qsync_opt.ops import quantize_int8
 
     timer = Timer(device)
     casts: list[CastCost] = []

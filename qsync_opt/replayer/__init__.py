@@ -43,12 +43,18 @@ compiler and the diagnosis read the same ones); this package is the event loop a
   allocator's "what if" in well under a millisecond. Tests hold the two equal.
 """
 
-from ..rules import DEFAULT_CONTEXT_BYTES, GRAD_DTYPE, MiB, widest
-from .incremental import Change, IncrementalReplay
-from .loop import Replayer, simulate
-from .prepared import PreparedReplay
-from .sync import AllReduceSync, PeriodicSync, SyncModel, SyncSchedule, sync_model_for
-from .timeline import Event, GroupTimeline, Timeline
+from qsync_opt.replayer.incremental import Change, IncrementalReplay
+from qsync_opt.replayer.loop import Replayer, simulate
+from qsync_opt.replayer.prepared import PreparedReplay
+from qsync_opt.replayer.sync import (
+           AllReduceSync,
+           PeriodicSync,
+           SyncModel,
+           SyncSchedule,
+           sync_model_for,
+)
+from qsync_opt.replayer.timeline import Event, GroupTimeline, Timeline
+from qsync_opt.rules import DEFAULT_CONTEXT_BYTES, GRAD_DTYPE, MiB, widest
 
 __all__ = ["DEFAULT_CONTEXT_BYTES", "GRAD_DTYPE", "AllReduceSync", "Change", "Event",
            "GroupTimeline", "IncrementalReplay", "MiB", "PeriodicSync", "PreparedReplay",

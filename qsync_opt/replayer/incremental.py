@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import QsyncInputError
-from ..precision import DType, Precision
-from ..schemas import OpRole, Plan
-from .prepared import PreparedReplay
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import DType, Precision
+from qsync_opt.replayer.prepared import PreparedReplay
+from qsync_opt.schemas import OpRole, Plan
 
 
 class _Fenwick:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import QsyncInputError
+from qsync_opt.errors import QsyncInputError
 
 __all__ = ["PipelineStep", "pipeline_step"]
 

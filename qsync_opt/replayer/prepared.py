@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..costs import DDP_BUCKET_CAP_BYTES, gradient_buckets
-from ..errors import QsyncInputError
-from ..precision import Precision
-from ..rules import DEFAULT_CONTEXT_BYTES, CostRules, check_plan_entry, check_tie, fidelity
-from ..schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
-from .sync import AllReduceSync, PeriodicSync, SyncModel
+from qsync_opt.costs import DDP_BUCKET_CAP_BYTES, gradient_buckets
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import Precision
+from qsync_opt.replayer.sync import AllReduceSync, PeriodicSync, SyncModel
+from qsync_opt.rules import DEFAULT_CONTEXT_BYTES, CostRules, check_plan_entry, check_tie, fidelity
+from qsync_opt.schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
 
 
 class PreparedReplay:

@@ -112,8 +112,8 @@ def sync_model_for(text: str | None, *, lr: float = 0.05, lr_schedule: str = "co
     default); QSR's rounds from the learning-rate schedule of a ``steps``-step run."""
     if text is None:
         return None
-    from ..runtime.schedule import parse_schedule
-    from ..runtime.syncmode import parse_sync, round_count
+    from qsync_opt.runtime.schedule import parse_schedule
+    from qsync_opt.runtime.syncmode import parse_sync, round_count
 
     mode = parse_sync(text)
     if mode.kind == "ddp":

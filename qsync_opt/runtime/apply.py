@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..errors import QsyncInputError
-from ..precision import Precision
-from ..schemas import ModelGraph, Plan
-from .layers import apply_precisions, classify_ops, swappable_kind
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.precision import Precision
+from qsync_opt.runtime.layers import apply_precisions, classify_ops, swappable_kind
+from qsync_opt.schemas import ModelGraph, Plan
 
 
 @dataclass
@@ -60,7 +60,7 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
         raise QsyncInputError(f"group: the plan has no group {group!r}; its groups: "
                               f"{', '.join(plan.groups)}")
     if graph is not None:  # the one plan check of every reader (hash, ops, pins, menus)
-        from ..plan import check_plan
+        from qsync_opt.plan import check_plan
 
         check_plan(plan, graph)
     wanted = plan.groups[group].precisions

@@ -66,7 +66,7 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         indices, grads = _in_model_order(state, bucket)
         counts = drops.stage(grads, state.step, state.rank, indices)
         if counts is not None:  # unbiased: the bucket's kept counts, the same order everywhere
-            from .dlcp import chunk_index
+            from qsync_opt.runtime.dlcp import chunk_index
 
             sel = chunk_index(drops.table, indices)
             mine = counts[sel]
@@ -84,7 +84,7 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
             buf.copy_(out)  # decompress into the bucket (torch's hook does the same)
             out = buf
         if counts is not None:
-            from .dlcp import rescale
+            from qsync_opt.runtime.dlcp import rescale
 
             rescale(grads, drops.table, counts, indices)
         meter.interval(t0, time.perf_counter(), nbytes)

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import QsyncInputError
-from ..limits import parse_float, parse_int
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.limits import parse_float, parse_int
 
 __all__ = ["AQSGD", "EF", "EF21", "FEEDBACKS", "Codec", "Compressor", "Identity", "Payload",
            "Plain", "Quant", "TopK", "aqsgd_bytes", "make_codec", "parse_compressor"]

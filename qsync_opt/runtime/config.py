@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..errors import QsyncInputError
-from ..limits import MAX_EVAL_BATCHES, MAX_STEPS
-from ..progress import LOG_EVERY_S
-from ..schemas import MAX_BATCH, Document, Int, Real
-from .schedule import SCHEDULE_SYNTAX
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.limits import MAX_EVAL_BATCHES, MAX_STEPS
+from qsync_opt.progress import LOG_EVERY_S
+from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX
+from qsync_opt.schemas import MAX_BATCH, Document, Int, Real
 
 if TYPE_CHECKING:
-    from ..schemas import Plan
+    from qsync_opt.schemas import Plan
 
 #: Sane limits: beyond them a value is a typo or an attack, not a run (named when refused).
 MAX_BATCH_PER_DEVICE = MAX_BATCH  # the schemas' one limit
@@ -130,7 +130,7 @@ class PipelineSpec(BaseModel):
         if self.micro_batches > self.batch:
             raise ValueError(f"--micro-batches must be at most the batch ({self.batch}), "
                              f"got {self.micro_batches}")
-        from .compress import parse_compressor
+        from qsync_opt.runtime.compress import parse_compressor
 
         for flag, text in (("--compress-act", self.compress_act),
                            ("--compress-grad", self.compress_grad)):
@@ -260,8 +260,8 @@ class TrainConfig(Document):
     def _check(self) -> TrainConfig:
         if not self.rank_groups:
             raise ValueError("rank_groups must name at least one rank's group")
-        from .schedule import parse_schedule
-        from .syncmode import check_combination, parse_comm, parse_sync
+        from qsync_opt.runtime.schedule import parse_schedule
+        from qsync_opt.runtime.syncmode import check_combination, parse_comm, parse_sync
 
         for name, fn in (("sync", parse_sync), ("comm", parse_comm)):
             try:
@@ -316,19 +316,19 @@ class TrainConfig(Document):
 
     def schedule(self) -> Any:
         """The run's :class:`~qsync_opt.runtime.schedule.LRSchedule`."""
-        from .schedule import parse_schedule
+        from qsync_opt.runtime.schedule import parse_schedule
 
         return parse_schedule(self.lr_schedule, self.lr, self.steps)
 
     def sync_mode(self) -> Any:
         """The run's :class:`~qsync_opt.runtime.syncmode.SyncMode`."""
-        from .syncmode import parse_sync
+        from qsync_opt.runtime.syncmode import parse_sync
 
         return parse_sync(self.sync)
 
     def comm_mode(self) -> Any:
         """The run's :class:`~qsync_opt.runtime.syncmode.CommMode`."""
-        from .syncmode import parse_comm
+        from qsync_opt.runtime.syncmode import parse_comm
 
         return parse_comm(self.comm)
 
@@ -457,7 +457,7 @@ def step_folders(out_dir: str | Path) -> list[tuple[int, Path]]:
     refused (qsync_opt.outfolder); a linked ``step-N`` is not a set."""
     import stat
 
-    from ..outfolder import list_names
+    from qsync_opt.outfolder import list_names
 
     found = []
     for name, st in list_names(out_dir, CKPT_DIR):
@@ -472,7 +472,7 @@ def read_commit(folder: Path, step: int) -> CheckpointSet | None:
     rank's file there, a regular file; links are never followed)."""
     import stat
 
-    from ..outfolder import list_names, read_bytes
+    from qsync_opt.outfolder import list_names, read_bytes
 
     out = folder.parent.parent
     rel = Path(CKPT_DIR, folder.name)
@@ -511,7 +511,7 @@ def legacy_checkpoints(out_dir: str | Path) -> list[Path]:
     """Checkpoints of the one-file-per-rank layout of earlier versions (not resumable)."""
     import stat
 
-    from ..outfolder import list_names
+    from qsync_opt.outfolder import list_names
 
     out = Path(out_dir)
     names = {n for n, st in list_names(out) if stat.S_ISREG(st.st_mode)}
@@ -572,7 +572,7 @@ def check_out_folder(out_dir: str | Path, create: bool = False) -> Path:
     writes, reads or deletes in it (its files, ``ckpt`` and everything below) must hold no
     link and nothing but regular files and folders. Refused in one line naming the path
     (qsync_opt.outfolder)."""
-    from ..outfolder import check_folder, check_names, ensure_folder, list_names
+    from qsync_opt.outfolder import check_folder, check_names, ensure_folder, list_names
 
     out = (ensure_folder if create else check_folder)(out_dir, "--out")
     check_names(out, files=[n for n, _ in list_names(out) if RUN_FILES.fullmatch(n)],
@@ -592,7 +592,7 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
     (qsync_opt.outfolder)."""
     import stat
 
-    from ..outfolder import list_names, remove
+    from qsync_opt.outfolder import list_names, remove
 
     out = Path(out_dir)
     for _, folder in step_folders(out):
@@ -627,7 +627,7 @@ def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
     """After a commit: every *older* set than the one just committed. A newer folder is left
     alone: a rank that is not in lock-step with rank 0 (Local SGD runs no collective between
     syncs) may already be writing its file of the next set while rank 0 commits this one."""
-    from ..outfolder import remove
+    from qsync_opt.outfolder import remove
 
     m = _STEP_DIR.fullmatch(keep.name)
     keep_step = int(m[1]) if m else None

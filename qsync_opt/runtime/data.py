@@ -34,7 +34,7 @@ class GlobalBatches:
         self.wl, self.seed, self.B = workload, seed, global_batch
         self.kind = "synthetic"
         self._stream: tuple[int, Iterator[Any]] | None = None
-        from ..models import image_split
+        from qsync_opt.models import image_split
 
         if getattr(workload, "user_data", None) is not None:
             self.kind = "user"
@@ -44,7 +44,7 @@ class GlobalBatches:
             self.test: Any = ((xte,), yte, int(yte.shape[0]))
             self.kind = "digits"
         elif workload.name == "tiny_gpt":
-            from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
+            from qsync_opt.models.tiny_gpt import encode, stdlib_corpus, train_val_split
 
             self.train, self.test = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
             self.seq = workload.seq_len or 128
@@ -61,7 +61,7 @@ class GlobalBatches:
 
     def _draw(self, pool: Any, gen: torch.Generator, b: int) -> tuple[Any, Tensor | None]:
         if self.kind == "text":
-            from ..models.tiny_gpt import sample_batch
+            from qsync_opt.models.tiny_gpt import sample_batch
 
             xb, yb = sample_batch(pool, b, self.seq, gen)
             return (xb,), yb
@@ -83,7 +83,7 @@ class GlobalBatches:
 
     def eval_batches(self, n: int) -> Iterator[tuple[Any, Tensor | None]]:
         if self.kind == "user":
-            from ..user_model import EVAL_SEED_OFFSET
+            from qsync_opt.user_model import EVAL_SEED_OFFSET
 
             for b in self.wl.batches(self.B, n, self.seed + EVAL_SEED_OFFSET):
                 yield as_inputs(b), None
@@ -102,14 +102,14 @@ def as_inputs(batch: Any) -> Any:
 
 def take(inputs: Any, idx: Tensor) -> Any:
     """Samples ``idx`` of every batched tensor (dicts and tuples kept)."""
-    from ..user_model import map_tensors
+    from qsync_opt.user_model import map_tensors
 
     return map_tensors(lambda t: t[idx] if t.dim() > 0 else t, inputs)
 
 
 def batch_size_of(inputs: Any) -> int:
     """Samples in a batch's inputs (dim 0 of its first batched tensor)."""
-    from ..user_model import named_inputs
+    from qsync_opt.user_model import named_inputs
 
     for _, t in named_inputs(inputs):
         if isinstance(t, Tensor) and t.dim() > 0:
@@ -118,7 +118,7 @@ def batch_size_of(inputs: Any) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    from ..user_model import map_tensors
+    from qsync_opt.user_model import map_tensors
 
     return map_tensors(lambda t: t.to(device), batch)
 
@@ -126,7 +126,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
 def rank_slice(batch: tuple[Any, Tensor | None], offset: int, b: int
                ) -> tuple[Any, Tensor | None]:
     """Rank's contiguous samples ``offset .. offset+b`` of a global batch."""
-    from ..user_model import slice_batch
+    from qsync_opt.user_model import slice_batch
 
     inputs, targets = batch
     return (slice_batch(inputs, offset, b),
@@ -145,8 +145,8 @@ class IndexedBatches:
     """
 
     def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
-        from ..errors import QsyncInputError
-        from ..models import image_split
+        from qsync_opt.errors import QsyncInputError
+        from qsync_opt.models import image_split
 
         self.wl, self.seed, self.B = workload, seed, global_batch
         if (split := image_split(workload.name)) is not None:
@@ -154,7 +154,7 @@ class IndexedBatches:
             self.train: tuple[Tensor, Tensor] = (xtr, ytr)
             self.test: tuple[Tensor, Tensor] = (xte, yte)
         elif workload.name == "tiny_gpt":
-            from ..models.tiny_gpt import encode, stdlib_corpus, train_val_split
+            from qsync_opt.models.tiny_gpt import encode, stdlib_corpus, train_val_split
 
             tr, te = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
             seq = workload.seq_len or 128

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..attention import (
+from qsync_opt.attention import (
     MHA_GEMMS,
     SDPA_GEMMS,
     Step,
@@ -33,8 +33,15 @@ from ..attention import (
     mha_gemms,
     sdpa_forward,
 )
-from ..precision import Precision
-from .gemm import COUNTERS, QMixin, RuntimeStep, record_call, run_gemm, swappable_kind
+from qsync_opt.precision import Precision
+from qsync_opt.runtime.gemm import (
+    COUNTERS,
+    QMixin,
+    RuntimeStep,
+    record_call,
+    run_gemm,
+    swappable_kind,
+)
 
 __all__ = ["FunctionalDispatch", "RuntimeStep", "Step", "base_name", "count_calls",
            "functional_op_exists", "mha_forward", "mha_gemms", "sdpa_forward", "MHA_GEMMS",
@@ -46,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 def _gemm_call_kind(func: Any) -> str | None:
-    from ..graph import gemm_call_kind  # graph imports this module lazily; no import cycle
+    from qsync_opt.graph import gemm_call_kind  # graph imports this module lazily; no import cycle
 
     return gemm_call_kind(func)
 
@@ -92,7 +99,7 @@ class FunctionalDispatch:
 
     def __init__(self, model: nn.Module, precisions: Mapping[str, Precision],
                  seed: int = 0) -> None:
-        from ..graph import CallNamer, is_leaf_module
+        from qsync_opt.graph import CallNamer, is_leaf_module
 
         self.model = model
         self.precisions = dict(precisions)

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import ops
-from ..models.layers import MatMul
-from ..precision import Precision
-from ..schemas import OpKind
+from qsync_opt import ops
+from qsync_opt.models.layers import MatMul
+from qsync_opt.precision import Precision
+from qsync_opt.schemas import OpKind
 
 __all__ = ["COUNTERS", "HALF_DTYPES", "QMixin", "RuntimeStep", "gemm_operand_roles",
            "int8_full_gemm", "quantize_output_grad", "record_call", "run_gemm", "run_linear",
@@ -225,7 +225,7 @@ def swappable_kind(mod: nn.Module) -> str | None:
     """``"linear"``, ``"conv"``, ``"matmul"`` or ``"conv1d_hf"`` for a GEMM module with a
     precision-specific layer (the out_proj of an nn.MultiheadAttention is run by its parent:
     see :class:`~qsync_opt.runtime.layers.QMultiheadAttention`), else None."""
-    from ..graph import is_conv1d_like
+    from qsync_opt.graph import is_conv1d_like
 
     if is_conv1d_like(mod):
         return "conv1d_hf"

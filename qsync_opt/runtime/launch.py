@@ -63,11 +63,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..devices import get_device, is_derived
-from ..errors import QsyncInputError, describe_validation_error
-from ..progress import LOG_EVERY_S
-from ..schemas import MAX_DEVICES, Plan
-from .config import (
+from qsync_opt.devices import get_device, is_derived
+from qsync_opt.errors import QsyncInputError, describe_validation_error
+from qsync_opt.progress import LOG_EVERY_S
+from qsync_opt.runtime.config import (
     AVERAGE_STATE_REFUSAL,
     DEFAULT_LR,
     PIPELINE_SYNC_REFUSAL,
@@ -75,10 +74,11 @@ from .config import (
     TrainConfig,
     rank_groups_example,
 )
-from .rankfail import sort_line
-from .schedule import parse_schedule
-from .syncmode import parse_comm, parse_sync
-from .watchdog import watch_parents
+from qsync_opt.runtime.rankfail import sort_line
+from qsync_opt.runtime.schedule import parse_schedule
+from qsync_opt.runtime.syncmode import parse_comm, parse_sync
+from qsync_opt.runtime.watchdog import watch_parents
+from qsync_opt.schemas import MAX_DEVICES, Plan
 
 __all__ = ["CONFIG_NAME", "MAX_RANKS", "WORKER_MODULE", "build_config", "checkpoint_note",
            "free_port", "local_command", "multinode_commands", "resolve_ranks",
@@ -174,8 +174,8 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
     the data). Nothing is written: without ``--plan`` the fp32 plan goes into
     ``pending["plan"]`` and warnings into ``pending["warnings"]``, for :func:`write_config`
     and the caller once every check has passed."""
-    from ..graph import is_user_model, load_user_workload
-    from ..plan import graph_for_plan, plan_model
+    from qsync_opt.graph import is_user_model, load_user_workload
+    from qsync_opt.plan import graph_for_plan, plan_model
 
     if getattr(args, "lr", None) is None:
         args.lr = USER_MODEL_LR if is_user_model(args.model) else DEFAULT_LR
@@ -207,7 +207,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
                 raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
     name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
     out = Path(args.out) if args.out else Path("runs") / name0
-    from .config import check_out_folder
+    from qsync_opt.runtime.config import check_out_folder
 
     check_out_folder(out)  # a folder we may write, holding no planted link: before any work
     pending = {} if pending is None else pending
@@ -246,12 +246,12 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
     ranks = resolve_ranks(plan, args.nproc, args.rank_groups, pending["warnings"])
     pipeline = None
     if pipelined:
-        from .pipetrain import pipeline_spec
+        from qsync_opt.runtime.pipetrain import pipeline_spec
 
         if user is not None:
             raise QsyncInputError("--pipeline-stages: pipelines run the registry workloads "
                                   "(qsync-opt models), not a model file")
-        from .config import check_batches
+        from qsync_opt.runtime.config import check_batches
 
         check_batches(plan, ranks)
         pipeline = pipeline_spec(args, plan, ranks, lines)
@@ -260,7 +260,7 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
         if note:
             lines.append(note)
     if user is not None:
-        from .config import check_batches
+        from qsync_opt.runtime.config import check_batches
 
         global_batch = sum(check_batches(plan, ranks))
         loss_line = user.check(global_batch, args.seed)
@@ -296,7 +296,7 @@ def checkpoint_note(every: int, steps: int) -> str | None:
 def _check_sync_flags(args: argparse.Namespace) -> None:
     """--sync, --comm and --lr-schedule, and whether the sync mode and the transport combine:
     refused in one line before anything is written."""
-    from .syncmode import check_combination
+    from qsync_opt.runtime.syncmode import check_combination
 
     def flagged(fn: Any, text: str, flag: str) -> Any:
         try:
@@ -323,9 +323,9 @@ def fp32_plan(args: argparse.Namespace, out: Path, write: bool = True) -> Any:
     ``cpuxN``, N = ``--nproc`` or 1) at ``--batch`` per device, written to
     ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan) and its path
     returned; with ``write=False`` the plan itself, nothing written."""
-    from ..cluster import load_cluster
-    from ..graph import trace
-    from ..plan import make_plan
+    from qsync_opt.cluster import load_cluster
+    from qsync_opt.graph import trace
+    from qsync_opt.plan import make_plan
 
     if args.batch is not None and args.batch < 1:
         raise QsyncInputError(f"--batch: expected a positive integer, got {args.batch}")
@@ -335,8 +335,8 @@ def fp32_plan(args: argparse.Namespace, out: Path, write: bool = True) -> Any:
                                                      "fp32 everywhere)"})
     if not write:
         return plan
-    from ..io import to_json
-    from ..outfolder import write_text
+    from qsync_opt.io import to_json
+    from qsync_opt.outfolder import write_text
 
     return write_text(out, "fp32.plan.json", to_json(plan))
 
@@ -354,10 +354,10 @@ def write_config(config: TrainConfig, plan: Plan | None = None) -> Path:
     the fp32 plan of a run without ``--plan`` (:func:`build_config`), written to
     ``config.plan_path`` only after those checks.
     """
-    from ..io import to_json
-    from ..outfolder import write_text
-    from .checkpoint import check_set_files
-    from .config import check_batches, check_out_folder, check_resume
+    from qsync_opt.io import to_json
+    from qsync_opt.outfolder import write_text
+    from qsync_opt.runtime.checkpoint import check_set_files
+    from qsync_opt.runtime.config import check_batches, check_out_folder, check_resume
 
     fp32 = plan
     plan = fp32 if fp32 is not None else Plan.load(config.plan_path)

@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops
-from ..attention import MHA_GEMMS, base_name, mha_forward, mha_gemms
-from ..errors import QsyncInputError
-from ..models.layers import MatMul
-from ..precision import Precision
-from .dispatch import FunctionalDispatch, functional_op_exists
-from .gemm import (
+from qsync_opt import ops
+from qsync_opt.attention import MHA_GEMMS, base_name, mha_forward, mha_gemms
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.models.layers import MatMul
+from qsync_opt.precision import Precision
+from qsync_opt.runtime.dispatch import FunctionalDispatch, functional_op_exists
+from qsync_opt.runtime.gemm import (
     COUNTERS,
     HALF_DTYPES,
     QMixin,

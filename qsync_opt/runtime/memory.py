@@ -419,8 +419,8 @@ def measure_plan_memory(workload: str, plan: Any, batch: int, *, group: str = "c
     ``optimizer``. Inputs and targets are counted in ``baseline["extra"]``.
     ``plan=None`` runs the model as built.
     """
-    from ..models import compute_loss, get_workload
-    from .apply import apply_plan
+    from qsync_opt.models import compute_loss, get_workload
+    from qsync_opt.runtime.apply import apply_plan
 
     wl = get_workload(workload)
     torch.manual_seed(seed)

@@ -27,8 +27,8 @@ from typing import Any
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..errors import QsyncInputError
-from ..graph.kinds import is_leaf_module
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.graph.kinds import is_leaf_module
 
 __all__ = ["BALANCE_SLACK", "StageSplit", "op_costs_from_table", "plan_op_costs",
            "split_stages", "stage_costs", "trace_model"]
@@ -85,7 +85,7 @@ def _crossing(nodes: list[fx.Node], i: int) -> int:
 
 def _default_costs(model: nn.Module, example: Any) -> dict[str, float]:
     """Forward + backward FLOPs of the module ops of the traced graph (functions cost 0)."""
-    from ..graph import trace
+    from qsync_opt.graph import trace
 
     g = trace(model, example_inputs=example, include_loss=False)
     return {op.name: float(op.fwd_flops + op.bwd_flops) for op in g.ops}

@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..errors import QsyncInputError
-from .compress import Payload
-from .pipeline import Pipeline
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.runtime.compress import Payload
+from qsync_opt.runtime.pipeline import Pipeline
 
 __all__ = ["BACKWARD_TAG", "DistStage", "recv_payload", "send_payload"]
 

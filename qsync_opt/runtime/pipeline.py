@@ -34,9 +34,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..errors import QsyncInputError
-from .compress import Codec, Compressor, Identity, make_codec
-from .pipecuts import (
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.runtime.compress import Codec, Compressor, Identity, make_codec
+from qsync_opt.runtime.pipecuts import (
     BALANCE_SLACK,
     StageSplit,
     op_costs_from_table,

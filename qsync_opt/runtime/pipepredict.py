@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..errors import QsyncInputError
-from .compress import parse_compressor
-from .pipeline import Pipeline, split_stages
-from .pipetrain import micro_sizes
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.runtime.compress import parse_compressor
+from qsync_opt.runtime.pipeline import Pipeline, split_stages
+from qsync_opt.runtime.pipetrain import micro_sizes
 
 __all__ = ["predict_pipeline"]
 
@@ -36,12 +36,12 @@ def predict_pipeline(workload: str, plan: Any, ranks: list[str], *,
     receiver. :func:`qsync_opt.replayer.pipeline.pipeline_step` gives the GPipe step, at
     each link bandwidth, uncompressed and compressed. Under AQ-SGD a sample's first visit is
     sent whole; the prediction is the steady state, every sample seen."""
-    from ..costs import estimate
-    from ..graph import trace
-    from ..models import UnknownWorkloadError, get_workload
-    from ..replayer.pipeline import pipeline_step
-    from .compress import Identity
-    from .pipeline import plan_op_costs
+    from qsync_opt.costs import estimate
+    from qsync_opt.graph import trace
+    from qsync_opt.models import UnknownWorkloadError, get_workload
+    from qsync_opt.replayer.pipeline import pipeline_step
+    from qsync_opt.runtime.compress import Identity
+    from qsync_opt.runtime.pipeline import plan_op_costs
 
     S = len(ranks)
     if S < 2:
@@ -74,7 +74,7 @@ def predict_pipeline(workload: str, plan: Any, ranks: list[str], *,
     else:
         both = [plan_op_costs(table, plan, g) for g in ranks]
         split = split_stages(model, n_stages=S, costs=both, example_inputs=example)
-    from .pipeline import stage_costs
+    from qsync_opt.runtime.pipeline import stage_costs
 
     f = [stage_costs(split, fwd_c[k])[k] for k in range(S)]
     b = [stage_costs(split, bwd_c[k])[k] for k in range(S)]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .metrics import run_warnings
-from .pipeline import Pipeline
-from .scaler import LossScaler, probe_scale
+from qsync_opt.runtime.metrics import run_warnings
+from qsync_opt.runtime.pipeline import Pipeline
+from qsync_opt.runtime.scaler import LossScaler, probe_scale
 
 __all__ = ["pipeline_run_fields", "start_pipeline_scale", "untouched"]
 
@@ -35,7 +35,7 @@ def untouched(pipe: Pipeline, stages: Sequence[nn.Module], counters: Any = None
     of ``stages`` (cleared before and after), their buffers, stochastic-rounding seeds and
     functional-dispatch seeds, the torch RNG, every boundary's codec state (feedback buffers,
     RNGs, byte counters) and last shape, and ``counters.header_bytes`` when given."""
-    from .checkpoint import qseeds, set_qseeds
+    from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
 
     rng = torch.get_rng_state()
     codecs = copy.deepcopy(pipe.codec_state())

@@ -50,11 +50,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import QsyncInputError
-from .compress import AQSGD, parse_compressor
-from .config import TrainConfig, latest_complete_set, remove_stale, set_path
-from .gather import all_gather_json
-from .pipeline import Pipeline, split_stages, split_top
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.runtime.compress import AQSGD, parse_compressor
+from qsync_opt.runtime.config import TrainConfig, latest_complete_set, remove_stale, set_path
+from qsync_opt.runtime.gather import all_gather_json
+from qsync_opt.runtime.pipeline import Pipeline, split_stages, split_top
 
 __all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "micro_sizes", "pipeline_spec",
            "predicted_bytes", "run_pipeline"]
@@ -64,7 +64,7 @@ class _Data:
     """Batches with indices where the workload has real data, else without."""
 
     def __init__(self, wl: Any, seed: int, batch: int, feedback: str) -> None:
-        from .data import GlobalBatches, IndexedBatches
+        from qsync_opt.runtime.data import GlobalBatches, IndexedBatches
 
         try:
             self.src: Any = IndexedBatches(wl, seed, batch)
@@ -93,8 +93,8 @@ class _Data:
 
 
 def _workload(config: TrainConfig) -> Any:
-    from ..graph import is_user_model
-    from ..models import UnknownWorkloadError, get_workload
+    from qsync_opt.graph import is_user_model
+    from qsync_opt.models import UnknownWorkloadError, get_workload
 
     if is_user_model(config.workload):
         raise QsyncInputError("--pipeline-stages: pipelines run the registry workloads "
@@ -107,7 +107,7 @@ def _workload(config: TrainConfig) -> Any:
 
 def _stage_model(config: TrainConfig, setup: Any, rank: int) -> nn.Module:
     """The whole model, seeded as on every rank, under ``rank``'s group's plan."""
-    from .apply import apply_plan
+    from qsync_opt.runtime.apply import apply_plan
 
     torch.manual_seed(config.seed)
     model = setup.workload.build().float()
@@ -169,7 +169,7 @@ def predicted_bytes(pipe: Pipeline, micro_sizes: list[int],
 
 
 def _aqsgd_line(pipe: Pipeline, n_samples: int | None) -> str | None:
-    from .compress import aqsgd_bytes
+    from qsync_opt.runtime.compress import aqsgd_bytes
 
     if n_samples is None or not any(isinstance(b.act_send, AQSGD)
                                     for b in pipe.boundaries.values()):
@@ -181,7 +181,7 @@ def _aqsgd_line(pipe: Pipeline, n_samples: int | None) -> str | None:
 
 
 def _precision_mix(stage: nn.Module) -> dict[str, int]:
-    from .gemm import QMixin
+    from qsync_opt.runtime.gemm import QMixin
 
     mix: dict[str, int] = {}
     for m in stage.modules():
@@ -229,7 +229,7 @@ class NoOptimizer:
 
 def _optimizer(config: TrainConfig, stage: nn.Module) -> Any:
     """The stage's optimizer, or a :class:`NoOptimizer` for a stage without parameters."""
-    from .prepare import make_optimizer
+    from qsync_opt.runtime.prepare import make_optimizer
 
     if not any(p.requires_grad for p in stage.parameters()):
         return NoOptimizer()
@@ -238,7 +238,7 @@ def _optimizer(config: TrainConfig, stage: nn.Module) -> Any:
 
 def _rank_doc(step: int, stage: nn.Module, opt: Any, pipe: Pipeline,
               rank: int, scaler: Any, skipped: int, last_loss: float) -> dict[str, Any]:
-    from .checkpoint import FORMAT, qseeds
+    from qsync_opt.runtime.checkpoint import FORMAT, qseeds
 
     codecs = {n: b.state_dict() for n, b in pipe.boundaries.items() if rank in (b.src, b.dst)}
     return {"format": FORMAT, "kind": "pipeline", "step": step, "stage": rank,
@@ -249,7 +249,7 @@ def _rank_doc(step: int, stage: nn.Module, opt: Any, pipe: Pipeline,
 
 def _load_rank_doc(doc: dict[str, Any], stage: nn.Module, opt: Any,
                    pipe: Pipeline, rank: int, scaler: Any) -> tuple[int, int, float]:
-    from .checkpoint import set_qseeds
+    from qsync_opt.runtime.checkpoint import set_qseeds
 
     if doc.get("kind") != "pipeline" or doc.get("stage") != rank:
         raise QsyncInputError(f"checkpoint: rank {rank}'s file is not stage {rank} of a "
@@ -321,9 +321,9 @@ def _eval_fields(losses: list[float], correct: list[float], n: int, classificati
 
 def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     """The whole pipeline in this process (``--emulate-dp`` with ``--pipeline-stages``)."""
-    from .metrics import MetricsWriter, StepProgress, clean, write_json
-    from .pipescale import pipeline_run_fields, start_pipeline_scale
-    from .scaler import LossScaler
+    from qsync_opt.runtime.metrics import MetricsWriter, StepProgress, clean, write_json
+    from qsync_opt.runtime.pipescale import pipeline_run_fields, start_pipeline_scale
+    from qsync_opt.runtime.scaler import LossScaler
 
     spec = config.pipeline
     assert spec is not None
@@ -402,7 +402,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
 
 
 def _eval_local(config: TrainConfig, pipe: Pipeline, data: _Data, wl: Any) -> dict[str, Any]:
-    from ..models import TASK_CLASSIFICATION
+    from qsync_opt.models import TASK_CLASSIFICATION
 
     spec = config.pipeline
     assert spec is not None
@@ -431,7 +431,7 @@ def _eval_local(config: TrainConfig, pipe: Pipeline, data: _Data, wl: Any) -> di
 
 def _resume(config: TrainConfig, pipe: Pipeline, opts: list[Any],
             scaler: Any, ranks: list[int]) -> tuple[int, int, float]:
-    from .checkpoint import load_checkpoint
+    from qsync_opt.runtime.checkpoint import load_checkpoint
 
     cs = latest_complete_set(config.out_dir) if config.resume else None
     if ranks[0] == 0:
@@ -449,7 +449,7 @@ def _resume(config: TrainConfig, pipe: Pipeline, opts: list[Any],
 def _save_local(config: TrainConfig, setup: Any, pipe: Pipeline,
                 opts: list[Any], scaler: Any, step: int, skipped: int,
                 last: float) -> None:
-    from .checkpoint import commit_set, write_rank_file
+    from qsync_opt.runtime.checkpoint import commit_set, write_rank_file
 
     folder = set_path(config.out_dir, step)
     for k in range(config.world_size):
@@ -465,11 +465,11 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s part of the run (the process group is up, one rank per stage)."""
     import torch.distributed as dist
 
-    from .checkpoint import commit_set, write_rank_file
-    from .metrics import MetricsWriter, StepProgress, clean, write_json
-    from .pipedist import DistStage
-    from .pipescale import pipeline_run_fields, start_pipeline_scale
-    from .scaler import LossScaler
+    from qsync_opt.runtime.checkpoint import commit_set, write_rank_file
+    from qsync_opt.runtime.metrics import MetricsWriter, StepProgress, clean, write_json
+    from qsync_opt.runtime.pipedist import DistStage
+    from qsync_opt.runtime.pipescale import pipeline_run_fields, start_pipeline_scale
+    from qsync_opt.runtime.scaler import LossScaler
 
     spec = config.pipeline
     assert spec is not None
@@ -553,7 +553,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     finally:
         mw.close()
     # held-out batches, plain and with compressed activations
-    from ..models import TASK_CLASSIFICATION
+    from qsync_opt.models import TASK_CLASSIFICATION
 
     cls = wl.task == TASK_CLASSIFICATION
     plain: list[float] = []
@@ -625,12 +625,12 @@ def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | Non
     the exact split every rank makes."""
     from pydantic import ValidationError
 
-    from ..costs import estimate
-    from ..errors import describe_validation_error
-    from ..graph import trace
-    from ..models import UnknownWorkloadError, get_workload
-    from .config import PipelineSpec, rank_groups_example
-    from .pipeline import plan_op_costs
+    from qsync_opt.costs import estimate
+    from qsync_opt.errors import describe_validation_error
+    from qsync_opt.graph import trace
+    from qsync_opt.models import UnknownWorkloadError, get_workload
+    from qsync_opt.runtime.config import PipelineSpec, rank_groups_example
+    from qsync_opt.runtime.pipeline import plan_op_costs
 
     n = int(args.pipeline_stages)
     if len(ranks) != n:

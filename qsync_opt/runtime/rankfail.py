@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from ..errors import QsyncInputError
+from qsync_opt.errors import QsyncInputError
 
 __all__ = ["RANK_ERROR", "exit_codes", "failed_rank", "refusal", "report_failure", "sort_line"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import QsyncInputError
-from ..limits import parse_float
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.limits import parse_float
 
 __all__ = ["LRSchedule", "SCHEDULE_KINDS", "SCHEDULE_SYNTAX", "parse_options",
            "parse_schedule"]

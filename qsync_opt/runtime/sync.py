@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .commhooks import encode
+from qsync_opt.runtime.commhooks import encode
 
 __all__ = ["CommMeter", "DDPSync", "EmulatedSync", "GradientSync", "LocalSGDSync", "LocalSync",
            "ddp_bucket_bytes", "make_sync"]
@@ -270,7 +270,7 @@ class DDPSync(GradientSync):
         if self.dlcp is not None:  # DDP's own buckets: the drop bound is per tensor
             self.drops, params = _drop_recorder(model, self.dlcp, self.seed, self.network)
         ddp = DDP(model, device_ids=ids, **kw)
-        from .commhooks import HookState, chain_hook
+        from qsync_opt.runtime.commhooks import HookState, chain_hook
 
         self.hook_state = HookState(self.world, self.comm, self.meter, self.drops, params,
                                     dist.get_rank())
@@ -321,7 +321,7 @@ def _drop_recorder(model: nn.Module, mode: Any, seed: int,
     parameters (in the model's order, the order its chunks are numbered in); unless
     ``mode.stress``, with the drops the simulated network of ``network`` (the plan's
     cluster, the run's rank groups) loses (:func:`net_masks`)."""
-    from .dlcp import ChunkTable, DropRecorder
+    from qsync_opt.runtime.dlcp import ChunkTable, DropRecorder
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     numels = [p.numel() for _, p in named]
@@ -345,16 +345,16 @@ def net_masks(table: Any, mode: Any, seed: int, cluster: Any, rank_groups: Seque
     parameters' ``names``, each DDP bucket leaves at the replayed backward's time for it
     (the workload traced at the plan's batch); without, all at once. A run too large for
     the simulator's event cap is refused in one line."""
-    from ..errors import QsyncInputError
-    from ..netsim.cluster import dlcp_masks, limit_message
-    from ..netsim.engine import NetsimLimit
-    from ..netsim.traffic import NetConfig
+    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.netsim.cluster import dlcp_masks, limit_message
+    from qsync_opt.netsim.engine import NetsimLimit
+    from qsync_opt.netsim.traffic import NetConfig
 
     policy = "priority+bounded" if mode.policy == "priority" else "fifo+bounded"
     cfg = NetConfig(policy=policy, p=min(mode.p, 0.999), cell_bytes=table.chunk_elems * 4)
     graph = plan = None
     if setup is not None and names is not None:
-        from ..graph import trace
+        from qsync_opt.graph import trace
 
         plan = setup.plan
         graph = trace(setup.workload, plan.provenance.get("graph_batch"), warn=False)
@@ -399,7 +399,7 @@ class EmulatedSync(GradientSync):
     def _reduce_dlcp(self, models: Sequence[nn.Module]) -> None:
         """Each replica zero-fills its dropped chunks (the DDP hook's stage 1), then the sum
         divided by the world, or for ``unbiased`` by each chunk's kept count."""
-        from .dlcp import rescale
+        from qsync_opt.runtime.dlcp import rescale
 
         t0 = time.perf_counter()
         if self.drops is None:
@@ -512,7 +512,7 @@ class LocalSGDSync(GradientSync):
 
     # -- the rounds
     def _enter(self, step: int) -> None:
-        from .syncmode import round_length
+        from qsync_opt.runtime.syncmode import round_length
 
         if self.round_len == 0 and step == 0:  # the first round of a fresh run
             self.round_start, self.round_len = 0, round_length(self.mode, self.schedule, 0,

@@ -52,10 +52,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import QsyncInputError
-from ..limits import parse_float
-from ..netsim.traffic import SCENARIOS
-from .schedule import LRSchedule, parse_options
+from qsync_opt.errors import QsyncInputError
+from qsync_opt.limits import parse_float
+from qsync_opt.netsim.traffic import SCENARIOS
+from qsync_opt.runtime.schedule import LRSchedule, parse_options
 
 __all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
            "SyncMode", "check_combination", "parse_comm", "parse_sync", "qsr_period",
@@ -205,7 +205,7 @@ def _word(items: list[str], key: str) -> tuple[str | None, list[str]]:
 
 
 def _parse_dlcp(raw: str) -> CommMode:
-    from .dlcp import POLICIES
+    from qsync_opt.runtime.dlcp import POLICIES
 
     head, _, rest = raw.partition(":")
     items = [x for x in rest.split(",") if x.strip()]

@@ -69,17 +69,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import QsyncInputError, one_line
-from .checkpoint import atomic_torch_save, latest_checkpoint, load_checkpoint
-from .config import TrainConfig
-from .data import GlobalBatches, batch_size_of, rank_slice, to_device
-from .faults import FaultPlan
-from .metrics import clean, state_hash, write_json
-from .prepare import Setup, build_model, card_mismatch, make_optimizer, prepare
-from .scaler import GROWTH_INTERVAL, MAX_SCALE, LossScaler, grads_finite
-from .sync import DDPSync, EmulatedSync, GradientSync, LocalSync, ddp_bucket_bytes, make_sync
-from .trainer import Trainer, TrainingError, weighted_backward
-from .watchdog import watch_parents
+from qsync_opt.errors import QsyncInputError, one_line
+from qsync_opt.runtime.checkpoint import atomic_torch_save, latest_checkpoint, load_checkpoint
+from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.data import GlobalBatches, batch_size_of, rank_slice, to_device
+from qsync_opt.runtime.faults import FaultPlan
+from qsync_opt.runtime.metrics import clean, state_hash, write_json
+from qsync_opt.runtime.prepare import Setup, build_model, card_mismatch, make_optimizer, prepare
+from qsync_opt.runtime.scaler import GROWTH_INTERVAL, MAX_SCALE, LossScaler, grads_finite
+from qsync_opt.runtime.sync import (
+    DDPSync,
+    EmulatedSync,
+    GradientSync,
+    LocalSync,
+    ddp_bucket_bytes,
+    make_sync,
+)
+from qsync_opt.runtime.trainer import Trainer, TrainingError, weighted_backward
+from qsync_opt.runtime.watchdog import watch_parents
 
 __all__ = [
     # the entry points
@@ -112,7 +119,7 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
     faults = FaultPlan.from_env() if faults is None else faults
     setup = prepare(config)
     if config.pipeline is not None:
-        from .pipetrain import emulate_pipeline
+        from qsync_opt.runtime.pipetrain import emulate_pipeline
 
         return emulate_pipeline(config, setup)
     device = torch.device("cpu")
@@ -140,7 +147,7 @@ def _dist_env() -> tuple[int, int, int]:
 def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
     """The per-rank entry (see the module docstring); returns the run's summary.
     ``faults``: the faults to inject (None: those the environment asks for)."""
-    from ..machine import pin_malloc
+    from qsync_opt.machine import pin_malloc
 
     pin_malloc()  # step times independent of the process's allocation history
     faults = FaultPlan.from_env() if faults is None else faults
@@ -153,7 +160,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
     setup = prepare(config)
     # Load (and on first use, compile) the C++ kernels before any collective, so a build can
     # never hold up a rendezvous or an all-reduce past its timeout.
-    from ..ops import load_cpu
+    from qsync_opt.ops import load_cpu
 
     load_cpu()
     backend = config.backend
@@ -178,7 +185,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
         initialised = True
     try:
         if config.pipeline is not None:
-            from .pipetrain import run_pipeline
+            from qsync_opt.runtime.pipetrain import run_pipeline
 
             return run_pipeline(config, setup, rank)
         model = build_model(setup, rank, device)
@@ -186,7 +193,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
         # stretched by F where it runs, so the bucketed all-reduce waits as it would for a
         # slower card (emulation: equal CPUs stand in for different cards). The hooks live
         # as long as this frame, the whole run.
-        from .emulate import add_slowdown
+        from qsync_opt.runtime.emulate import add_slowdown
 
         slowdown = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
         sync = make_sync(config, world, device, emulated=False, cluster=setup.plan.cluster,
@@ -223,7 +230,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m qsync_opt.runtime.train CONFIG.json``; 2 and one line on bad input."""
-    from ..io import load
+    from qsync_opt.io import load
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:

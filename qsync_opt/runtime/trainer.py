@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import one_line
-from .checkpoint import (
+from qsync_opt.errors import one_line
+from qsync_opt.runtime.checkpoint import (
     CheckpointError,
     load_checkpoint,
     rank_document,
@@ -44,10 +44,10 @@ from .checkpoint import (
     set_qseeds,
     write_rank_file,
 )
-from .config import CheckpointSet, check_resume, remove_stale, set_path
-from .data import GlobalBatches, batch_size_of, rank_slice, to_device
-from .faults import NO_FAULTS, FaultPlan
-from .metrics import (
+from qsync_opt.runtime.config import CheckpointSet, check_resume, remove_stale, set_path
+from qsync_opt.runtime.data import GlobalBatches, batch_size_of, rank_slice, to_device
+from qsync_opt.runtime.faults import NO_FAULTS, FaultPlan
+from qsync_opt.runtime.metrics import (
     MetricsWriter,
     StepProgress,
     run_warnings,
@@ -55,9 +55,9 @@ from .metrics import (
     step_row,
     sync_totals,
 )
-from .prepare import Setup, make_optimizer
-from .scaler import LossScaler, probe_scale
-from .sync import GradientSync
+from qsync_opt.runtime.prepare import Setup, make_optimizer
+from qsync_opt.runtime.scaler import LossScaler, probe_scale
+from qsync_opt.runtime.sync import GradientSync
 
 __all__ = ["Trainer", "TrainingError", "weighted_backward"]
 
@@ -72,7 +72,7 @@ def weighted_backward(model: nn.Module, workload: Any, inputs: Any, targets: Ten
     """Forward one micro-batch, backward ``loss * weight * scale``; return (loss, #correct).
     The workload's ``forward`` and ``loss_of`` run it (a user's file: keyword inputs, its
     own loss or the default)."""
-    from ..models import TASK_CLASSIFICATION
+    from qsync_opt.models import TASK_CLASSIFICATION
 
     out = workload.forward(model, inputs)
     loss = workload.loss_of(out, inputs, targets)
@@ -152,7 +152,7 @@ class Trainer:
 
     def save(self) -> None:
         """Every local rank's file of this step's set, a barrier, rank 0's commit marker."""
-        from .checkpoint import commit_set
+        from qsync_opt.runtime.checkpoint import commit_set
 
         folder = set_path(self.out, self.step)
         for i, (r, rng, m, opt) in enumerate(zip(self.ranks, self.rngs, self.models, self.opts,
@@ -206,7 +206,7 @@ class Trainer:
     def _finite_at(self, scale: float) -> bool:
         """One probe: forward and backward of step 0's batch at ``scale`` on every local
         replica (the plain model: no gradient sync), then everything it touched restored."""
-        from .checkpoint import qseeds, set_qseeds
+        from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
 
         s = self.s
         inputs, targets = self.data.batch(0)
@@ -333,7 +333,7 @@ class Trainer:
         ``bucket_sizes``, when they are separate storage: ``gradient_as_bucket_view`` off,
         the default) and is added to the baseline.
         """
-        from .memory import measure_step_memory
+        from qsync_opt.runtime.memory import measure_step_memory
 
         step = self.step
         if len(self.models) != 1 or self.device.type != "cpu":
@@ -350,7 +350,7 @@ class Trainer:
                        "peak_op": m.peak_op}
 
     def evaluate(self, model: nn.Module, rng_i: int) -> tuple[float, float | None]:
-        from ..models import TASK_CLASSIFICATION
+        from qsync_opt.models import TASK_CLASSIFICATION
 
         if self.cfg.eval_batches == 0:
             return float("nan"), None
