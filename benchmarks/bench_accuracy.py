@@ -5,7 +5,7 @@ Cluster. One strong and one weak group of one device each, both at ``--batch`` p
 by default this CPU and ``cpu/2`` (an emulated card half as fast), or with ``--cluster`` two
 catalog cards (e.g. ``v100x1+t4x1``: the plans are chosen from the catalog's estimates for
 those cards). ``--int4`` adds int4 to the menu of every group whose card has an INT4 peak
-(the library's :func:`~qsync_opt.devices.enable_int4`: the T4 becomes ``t4:int4``); each
+(the library's :func:`~qsync_opt.costs.devices.enable_int4`: the T4 becomes ``t4:int4``); each
 group's menu is printed. The training is emulated on this CPU either way, single-process
 data parallel (``TrainConfig(emulate_dp=True)``, mathematically the synchronous run).
 
@@ -85,17 +85,17 @@ from typing import Any
 import torch
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.devices import enable_int4
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.core.precision import Precision
+from qsync_opt.costs.devices import enable_int4
+from qsync_opt.documents.schemas import ClusterSpec, Plan
 from qsync_opt.indicator import METHODS, indicate
-from qsync_opt.machine import cpu_model
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.job.rank import emulate
+from qsync_opt.planner.solve import InfeasibleError, reachable_ms, solve
+from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.schedule import parse_schedule
-from qsync_opt.runtime.train import emulate
-from qsync_opt.schemas import ClusterSpec, Plan
-from qsync_opt.solve import InfeasibleError, reachable_ms, solve
+from qsync_opt.strategy.schedule import parse_schedule
 
 #: The switches (--float-gemm, --emulate-half) held for the whole run.
 _MODES = contextlib.ExitStack()
@@ -269,7 +269,7 @@ def fp32_eval(model: str, seed: int, global_batch: int, eval_batches: int,
     trained weights of ``checkpoint`` (``emulate``'s)."""
     from qsync_opt.models import TASK_CLASSIFICATION, compute_loss, get_workload
 
-    from qsync_opt.runtime.train import GlobalBatches, load_checkpoint
+    from qsync_opt.job.rank import GlobalBatches, load_checkpoint
 
     wl = get_workload(model)
     torch.manual_seed(seed)

@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qsync_opt.models import get_workload  # noqa: E402
 
-from qsync_opt.runtime.compress import Identity, aqsgd_bytes, parse_compressor  # noqa: E402
+from qsync_opt.pipeline.stages import Pipeline, split_stages  # noqa: E402
 from qsync_opt.runtime.data import IndexedBatches  # noqa: E402
-from qsync_opt.runtime.pipeline import Pipeline, split_stages  # noqa: E402
+from qsync_opt.strategy.codecs import Identity, aqsgd_bytes, parse_compressor  # noqa: E402
 
 #: The cuts the studies in docs/BENCHMARKS.md ran with (the balancing before issue 41 chose
 #: them from the traced FLOPs over the points where one tensor crosses); pinned, so the
@@ -109,7 +109,7 @@ def configs(full: bool) -> list[Config]:
 def _stage_ms(model_name: str, cuts: tuple[str, ...], micro_batch: int, device: str
               ) -> tuple[list[float], list[float]]:
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.runtime.pipeline import op_costs_from_table, stage_costs
+    from qsync_opt.pipeline.stages import op_costs_from_table, stage_costs
 
     table = estimate(trace(model_name, micro_batch), parse_shorthand(f"{device}x1"))
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ def _stage_ms(model_name: str, cuts: tuple[str, ...], micro_batch: int, device: 
 def predicted_step_ms(model_name: str, cuts: list[str], micro_batch: int, micro: int,
                       act: list[float], grad: list[float], gbps: float,
                       device: str = "t4") -> float:
-    from qsync_opt.replayer.pipeline import pipeline_step
+    from qsync_opt.pipeline.gpipe import pipeline_step
 
     f, b = _stage_ms(model_name, tuple(cuts), micro_batch, device)
     return pipeline_step(f, b, act, grad, micro_batches=micro, gbps=gbps,

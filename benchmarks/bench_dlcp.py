@@ -39,13 +39,13 @@ import torch
 from bench_accuracy import ci  # the benchmarks' one 95% t interval
 
 from qsync_opt import load_cluster, trace
-from qsync_opt.io import atomic_write_text
-from qsync_opt.machine import cpu_model
-from qsync_opt.plan import make_plan
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.documents.io import atomic_write_text
+from qsync_opt.job.rank import emulate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.dlcp import POLICIES
 from qsync_opt.runtime.faults import NO_FAULTS
-from qsync_opt.runtime.train import emulate
+from qsync_opt.strategy.droppolicy import POLICIES
 
 #: Per model: steps, per-rank batch, optimizer, peak lr, schedule, held-out batches, and the
 #: chunk (KiB): small enough that 1% of the gradient is many chunks.
@@ -84,7 +84,7 @@ def network(args: argparse.Namespace) -> int:
     priority+bounded and the two mixed ones) x
     {hash, spray} x the three scenarios, the workload's real buckets emitted at the
     replayer's ready times (every group at its highest precision)."""
-    from qsync_opt.costs import estimate
+    from qsync_opt.costs.roofline import estimate
     from qsync_opt.netsim.cluster import (
         SCENARIO_PATTERN,
         SCENARIOS,

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.frontier import format_points, frontier, plot_frontier
-from qsync_opt.machine import cpu_model
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import batch_splits, solve
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.planner.frontier import format_points, frontier, plot_frontier
+from qsync_opt.planner.solve import batch_splits, solve
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator
 
 INSTANCES = [("resnet50", "v100x16+t4x16"), ("bert_base", "a100x8+t4x8")]
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     seeds = [int(x) for x in args.seeds.split(",")]
     print(f"machine: {cpu_model()}; exact backend highs; random indicators "
-          f"(qsync_opt.synthetic.random_indicator), seeds {', '.join(map(str, seeds))}")
+          f"(qsync_opt.problem.synthetic.random_indicator), seeds {', '.join(map(str, seeds))}")
     for model, shorthand in INSTANCES:
         g = trace(model)
         c = parse_shorthand(shorthand)

@@ -63,8 +63,8 @@ from qsync_opt.models import compute_loss, get_workload
 from torch import nn
 
 import qsync_opt.ops as ops
-from qsync_opt.runtime.gemm import swappable_kind
-from qsync_opt.runtime.layers import apply_precisions
+from qsync_opt.ops.gemm import swappable_kind
+from qsync_opt.ops.layers import apply_precisions
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 

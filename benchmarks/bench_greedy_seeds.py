@@ -4,7 +4,7 @@ Per (workload, cluster, seed): the exact objective (HiGHS, the linear model's op
 the problem's target) and each greedy variant's objective divided by it, at the same
 target. Greedy runs with QSync's replayer acceptance (the default) and with the linear
 model's acceptance, ranked by gain (``greedy``) and by gain per added millisecond
-(``greedy-per-ms``). Indicators are ``qsync_opt.synthetic.random_indicator(graph, seed)``:
+(``greedy-per-ms``). Indicators are ``qsync_opt.problem.synthetic.random_indicator(graph, seed)``:
 the ratios depend on the indicator, so one seed is not a figure; the range over seeds is.
 The target is the problem's default (no straggler); where that is out of reach even at the
 fastest precisions it is the smallest reachable makespan plus 2% (what ``solve``'s auto mode
@@ -24,10 +24,10 @@ from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.ilp import PulpIlp
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.solve import LEXICOGRAPHIC_SLACK, reachable_ms
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.planner.solve import LEXICOGRAPHIC_SLACK, reachable_ms
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 
 VARIANTS = (("greedy", False, "replayer"), ("greedy", False, "linear"),
             ("greedy-per-ms", True, "replayer"), ("greedy-per-ms", True, "linear"))

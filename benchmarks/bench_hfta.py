@@ -345,7 +345,7 @@ def main() -> None:
         for line in Path(args.dump).read_text().splitlines():
             r = json.loads(line)
             done[(r["model"], r["B"], r["batch"])] = r
-    from qsync_opt.machine import cpu_model
+    from qsync_opt.core.machine import cpu_model
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"--optimizers: expected sgd and/or adamw, got {bad[0]!r}")
     load = os.getloadavg()[0]
-    from qsync_opt.machine import cpu_model
+    from qsync_opt.core.machine import cpu_model
 
     print(f"# {cpu_model()}; torch {torch.__version__}; {args.threads} thread(s); load average "
           f"{load:.2f}; {args.reps} rounds of {args.steps} steps, ways shuffled per round")

@@ -37,8 +37,8 @@ from scipy.stats import spearmanr
 from torch import nn
 
 from qsync_opt import trace
+from qsync_opt.core.precision import Precision
 from qsync_opt.indicator import METHODS, indicate
-from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 
 #: The switches (--float-gemm, --emulate-half) held for the whole run.

@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.schemas import CostTable
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import CostTable
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 
 BATCH = {"digits_cnn": 64, "tiny_gpt": 16, "resnet18": 8}
 

@@ -34,16 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from qsync_opt.models.user import default_loss
 from torch import nn
 
 import qsync_opt as qs
+from qsync_opt.documents.io import atomic_write_text
 from qsync_opt.graph import unseen_ops
-from qsync_opt.io import atomic_write_text
-from qsync_opt.problem import AllocationProblem, ProblemOptions
+from qsync_opt.planner.solve import solve
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 from qsync_opt.runtime import apply_plan, count_calls
-from qsync_opt.solve import solve
-from qsync_opt.synthetic import random_indicator
-from qsync_opt.user_model import default_loss
 
 # the torch-native copies of third-party patterns are test code (tests/support/patterns.py)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

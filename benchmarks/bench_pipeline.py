@@ -2,7 +2,7 @@
 
 For resnet50 on v100x16+t4x16 and bert_base on a100x8+t4x8 (catalog estimates, the seeded
 random indicator, so no model runs): the plain solve, the joint batch split with its bounds
-(``qsync_opt.splits``) and the reference procedure that solves every candidate split
+(``qsync_opt.planner.splits``) and the reference procedure that solves every candidate split
 (``solve.PRUNE_SPLITS = False``), each from a fresh problem (the joint split re-makes the
 problem at every candidate, and that is part of its cost); the plans of the two joint runs
 are compared. With ``--pareto``, the whole Pareto sweep of resnet50 (``frontier``, as
@@ -33,13 +33,13 @@ from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 from qsync_opt.solvers import SolveOptions
 from qsync_opt.solvers.memo import clear_part_memo
 
-import qsync_opt.solve as solve_mod
+import qsync_opt.planner.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.frontier import frontier
-from qsync_opt.machine import cpu_model
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import solve
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.planner.frontier import frontier
+from qsync_opt.planner.solve import solve
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator
 
 INSTANCES = [("resnet50", "v100x16+t4x16"), ("bert_base", "a100x8+t4x8")]
 

@@ -43,15 +43,15 @@ import torch
 from qsync_opt.models import compute_loss, get_workload
 
 from qsync_opt import Plan, estimate, parse_shorthand, trace
-from qsync_opt.machine import cpu_model, pin_malloc
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
+from qsync_opt.core.machine import cpu_model, pin_malloc
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import CommModel, CostTable
+from qsync_opt.planner.solve import reachable_ms, solve
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 from qsync_opt.profile import measure_comm_local, profile_detailed, with_comm
 from qsync_opt.runtime import apply_plan
 from qsync_opt.runtime.memory import measure_plan_memory
-from qsync_opt.schemas import CommModel, CostTable
-from qsync_opt.solve import reachable_ms, solve
-from qsync_opt.synthetic import random_indicator
 
 BATCH = {"digits_cnn": 64, "tiny_gpt": 16, "resnet18": 8}
 MIB = 1024 * 1024
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     pin_malloc()
     print(f"machine: {cpu_model()}, torch {torch.__version__}, 1 thread per process, glibc "
-          f"malloc thresholds pinned (qsync_opt.machine.pin_malloc); load average "
+          f"malloc thresholds pinned (qsync_opt.core.machine.pin_malloc); load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start")
     t_all: list[float] = []
     m_all: list[float] = []

@@ -51,14 +51,14 @@ import torch
 from bench_accuracy import ci  # the benchmarks' one 95% t interval
 
 from qsync_opt import load_cluster, trace
-from qsync_opt.machine import cpu_model
-from qsync_opt.plan import make_plan
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.job.rank import emulate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.replayer import Replayer, sync_model_for
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import NO_FAULTS
-from qsync_opt.runtime.schedule import parse_schedule
-from qsync_opt.runtime.syncmode import parse_sync, rounds
-from qsync_opt.runtime.train import emulate
+from qsync_opt.strategy.modes import parse_sync, rounds
+from qsync_opt.strategy.schedule import parse_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,8 +129,8 @@ def predictor(model: str, d: dict[str, Any], comm: Any) -> Any:
     """The replayer's per-step time of ``--sync MODE`` for this model on two ranks of this
     CPU: every op's time profiled here (in context, fp32, one thread), the all-reduce the
     alpha-beta fitted on two real gloo processes (``comm``)."""
+    from qsync_opt.costs.tables import with_comm
     from qsync_opt.profile import profile_detailed
-    from qsync_opt.profile.tables import with_comm
 
     g = trace(model, d["batch"])
     costs = with_comm(profile_detailed(model, d["batch"], device="cpu", precisions=["fp32"],

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 from qsync_opt import Plan, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.machine import cpu_model
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.core.precision import Precision
+from qsync_opt.planner.solve import solve
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator
 from qsync_opt.profile import derive, measure_comm_local, profile_detailed, with_comm
-from qsync_opt.solve import solve
-from qsync_opt.synthetic import random_indicator
 
 
 def train(model: str, plan: Path, out: Path, steps: int) -> dict:

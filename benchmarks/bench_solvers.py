@@ -4,7 +4,7 @@ Per instance it prints the problem size (units, one-hot and pair variables; each
 backend's own variable and constraint counts), and per allocator: status, objective,
 objective against the exact optimum, linear and replayer makespan, throughput against the
 exact plan, model-building and solver seconds and the median wall time over repeats.
-Indicators are seeded random tables (qsync_opt.synthetic.random_indicator): solve times do
+Indicators are seeded random tables (qsync_opt.problem.synthetic.random_indicator): solve times do
 not depend on where Omega comes from, and the real indicator of gpt2_medium would take far
 longer than the solves. Casts are on, tie groups off. The synthetic graph is a residual MLP
 of 600 Linear layers (width 256-2048, batch 256; at batch 32 fp32 is already the fastest
@@ -31,10 +31,10 @@ from qsync_opt.solvers import SolveOptions, registry
 from qsync_opt.solvers.memo import clear_part_memo
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.machine import cpu_model
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.core.machine import cpu_model
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 #: (model, cluster, target). None: the default target (strong groups at fp32, no
 #: straggler); a fraction f: f of the way from the fastest to the all-reference makespan,
@@ -53,7 +53,7 @@ INSTANCES = [
 
 def fastest_makespan(prob: AllocationProblem) -> float:
     """The least makespan any memory-feasible plan reaches (each group's exact minimum)."""
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     best = reachable_ms(prob)
     if best is None:

@@ -28,9 +28,7 @@ from pathlib import Path
 import torch
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.plan import make_plan
-from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.train import (
+from qsync_opt.job.rank import (
     EmulatedSync,
     GlobalBatches,
     build_model,
@@ -38,7 +36,9 @@ from qsync_opt.runtime.train import (
     prepare,
     rank_slice,
 )
-from qsync_opt.runtime.trainer import weighted_backward
+from qsync_opt.job.steps import weighted_backward
+from qsync_opt.problem.plan import make_plan
+from qsync_opt.runtime.config import TrainConfig
 
 SPLITS = ((32, 32), (43, 21), (21, 43))
 

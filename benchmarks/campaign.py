@@ -71,8 +71,8 @@ def case_id(schema: str, index: int) -> str:
 def make_documents(folder: Path) -> dict[str, Path]:
     """Valid documents of every schema, made by the CLI itself."""
     from qsync_opt import cli, trace
-    from qsync_opt.io import save
-    from qsync_opt.synthetic import random_indicator
+    from qsync_opt.documents.io import save
+    from qsync_opt.problem.synthetic import random_indicator
 
     cluster = {"schema_name": "ClusterSpec", "schema_version": 1,
                "groups": [{"name": "fast", "device": "cpu", "count": 1, "batch_per_device": 32},

@@ -1,16 +1,16 @@
 """A workload named by a string: a registry name (a built-in) or a user's ``path/file.py:fn``
-(:mod:`qsync_opt.user_model`); either way a :class:`~qsync_opt.models.Workload`."""
+(:mod:`qsync_opt.models.user`); either way a :class:`~qsync_opt.models.Workload`."""
 
 from __future__ import annotations
 
 import torch
 from qsync_opt.models import Workload, get_workload
+from qsync_opt.models.user import UserWorkload
+from qsync_opt.models.user import load_user_workload as _load
+from qsync_opt.models.user import model_file_sha256 as _digest
 from torch import nn
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.user_model import UserWorkload
-from qsync_opt.user_model import load_user_workload as _load
-from qsync_opt.user_model import model_file_sha256 as _digest
+from qsync_opt.core.errors import QsyncInputError
 
 
 def is_user_model(spec: str) -> bool:
@@ -26,7 +26,7 @@ def model_file_sha256(spec: str) -> str:
 
 
 def load_user_workload(spec: str, *, sha256: str | None = None) -> UserWorkload:
-    """``path/file.py:fn`` as a :class:`~qsync_opt.user_model.UserWorkload` (this RUNS the
+    """``path/file.py:fn`` as a :class:`~qsync_opt.models.user.UserWorkload` (this RUNS the
     file; with ``sha256`` its content must have that hash, checked before it runs)."""
     return _load(spec, sha256)
 
@@ -44,7 +44,7 @@ def load_user_model(spec: str, *, sha256: str | None = None
 
 def resolve_workload(name: str, *, sha256: str | None = None) -> Workload:
     """A registry name, or ``path.py:fn`` for a user's model (imported: it runs), as a
-    :class:`Workload` (a built-in, or a :class:`~qsync_opt.user_model.UserWorkload`)."""
+    :class:`Workload` (a built-in, or a :class:`~qsync_opt.models.user.UserWorkload`)."""
     if is_user_model(name):
         return load_user_workload(name, sha256=sha256)
     try:

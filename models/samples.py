@@ -12,7 +12,7 @@ from qsync_opt.models.tiny_gpt import encode, sample_batch, stdlib_corpus, train
 from qsync_opt.models.workload import Workload
 from torch import Tensor
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 __all__ = ["image_split", "real_batches", "synthetic_batches"]
 

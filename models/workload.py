@@ -1,7 +1,7 @@
 """The one ``Workload`` protocol: what the tracer, the indicator, the solver, the report and
 the trainer ask of a model to plan and train, met alike by the built-in workloads
 (:class:`qsync_opt.models.BuiltinWorkload`) and a user's model file
-(:class:`qsync_opt.user_model.UserWorkload`).
+(:class:`qsync_opt.models.user.UserWorkload`).
 
 Where the two kinds differ, the difference is a member of the protocol, implemented by
 each kind, never a type check in the caller:

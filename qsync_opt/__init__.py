@@ -3,20 +3,21 @@
 Pipeline (docs/ARCHITECTURE.md): workload -> :func:`trace` -> ModelGraph; device catalog + cluster spec
 -> :func:`estimate` -> CostTable; later stages add the indicator, the allocation problem and
 its solvers, the replayer, the plan and the training runtime. Every arrow is a schema in
-:mod:`qsync_opt.schemas`, written and read by :mod:`qsync_opt.io`.
+:mod:`qsync_opt.documents.schemas`, written and read by :mod:`qsync_opt.documents.io`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from qsync_opt.cluster import load_cluster, parse_shorthand
-from qsync_opt.costs import estimate
-from qsync_opt.devices import CATALOG, get_device, known_device_names
-from qsync_opt.errors import QsyncInputError, SchemaVersionError, TraceError
-from qsync_opt.io import load, save
-from qsync_opt.precision import DType, Precision
-from qsync_opt.schemas import (
+from qsync_opt.core.errors import QsyncInputError, SchemaVersionError, TraceError
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.core.version import __version__ as __version__
+from qsync_opt.costs.cluster import load_cluster, parse_shorthand
+from qsync_opt.costs.devices import CATALOG, get_device, known_device_names
+from qsync_opt.costs.roofline import estimate
+from qsync_opt.documents.io import load, save
+from qsync_opt.documents.schemas import (
     ClusterSpec,
     CostTable,
     DeviceGroup,
@@ -32,12 +33,11 @@ from qsync_opt.schemas import (
 if TYPE_CHECKING:
     from qsync_opt.graph import trace
 
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     """:func:`trace` is imported when first used: the tracer needs torch, and the rest of the
-    package's top level does not (``qsync_opt.profile.tables`` imports without torch)."""
+    package's top level does not (``qsync_opt.costs.tables`` imports without torch)."""
     if name == "trace":
         from qsync_opt.graph import trace
 

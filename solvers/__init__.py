@@ -1,6 +1,6 @@
 """Allocators (installed as ``qsync_opt.solvers``): the backend protocol and its registry.
 
-Each backend turns an :class:`~qsync_opt.problem.AllocationProblem` into a
+Each backend turns an :class:`~qsync_opt.problem.program.AllocationProblem` into a
 ``(Plan, SolveReport)``. The exact backends (PuLP with CBC or HiGHS, OR-Tools CP-SAT:
 each a translation of the formulation and one run, orchestrated by :mod:`.driver`), QSync's replayer-guided greedy allocator and the baselines register here; imports of
 optional solver packages are guarded inside each backend so a missing one only makes that

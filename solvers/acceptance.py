@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, DerivedUnit, GroupModel, widest_precision
+from qsync_opt.core.precision import Precision
+from qsync_opt.problem.program import AllocationProblem, DerivedUnit, GroupModel, widest_precision
 from qsync_opt.replayer import Change, IncrementalReplay
 
 #: Relative slack of the acceptance checks, well inside the evaluator's (EVAL_TOL = 1e-7),
@@ -201,7 +201,7 @@ class ReplayAcceptance:
     what the strong groups expose), not a move's: counting it here refused plans the target
     admits. A move must also keep the group inside the evaluator's linear rows (time budget
     and the linear memory, which on fp32-flow tables is a conservative sum of the replayer's
-    timeline), so that every accepted plan is one :func:`~qsync_opt.evaluator.evaluate` calls
+    timeline), so that every accepted plan is one :func:`~qsync_opt.problem.evaluator.evaluate` calls
     feasible; ``vetoes`` counts the moves only those rows refused.
 
     Every op of a tie unit is set; a rejected move is undone by setting the old precision

@@ -11,8 +11,8 @@ from qsync_opt.solvers.ilp import PulpIlp
 from qsync_opt.solvers.report import finish, mode_text
 from qsync_opt.solvers.timing import Stopwatch
 
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.schemas import Plan, SolveReport
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.problem.program import AllocationProblem
 
 
 def cast_violations(problem: AllocationProblem, assignment: dict[str, list[int]]) -> list[str]:

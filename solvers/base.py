@@ -22,13 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 if TYPE_CHECKING:
     from qsync_opt.solvers.timing import Stopwatch
 
-    from qsync_opt.problem import AllocationProblem
-    from qsync_opt.schemas import Plan, SolveReport
+    from qsync_opt.documents.schemas import Plan, SolveReport
+    from qsync_opt.problem.program import AllocationProblem
 
 #: A raw option value handed to a solver unchanged.
 RawValue = bool | int | float | str

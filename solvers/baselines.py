@@ -25,11 +25,11 @@ from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.report import finish
 from qsync_opt.solvers.timing import Stopwatch
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.evaluator import Evaluation, evaluate
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, GroupModel
-from qsync_opt.schemas import ClusterSpec, Plan, SolveReport
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import ClusterSpec, Plan, SolveReport
+from qsync_opt.problem.evaluator import Evaluation, evaluate
+from qsync_opt.problem.program import AllocationProblem, GroupModel
 
 log = logging.getLogger(__name__)
 

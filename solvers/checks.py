@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem, GroupModel, check_finite
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.problem.program import AllocationProblem, GroupModel, check_finite
 
 #: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
 #: capacity * (1 + FEAS_REL) in the floating-point model (100x inside the evaluator's

@@ -43,8 +43,8 @@ from qsync_opt.solvers.integers import (
 )
 from qsync_opt.solvers.timing import Stopwatch
 
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.schemas import Plan, SolveReport
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.problem.program import AllocationProblem
 
 
 def _chosen(solver: Any, row: Sequence[Any]) -> int:

@@ -33,8 +33,8 @@ from qsync_opt.solvers.report import finish, mode_text
 from qsync_opt.solvers.timing import Deadline, Stopwatch
 from qsync_opt.solvers.warmstart import start_hints
 
-from qsync_opt.problem import AllocationProblem, GroupModel
-from qsync_opt.schemas import Plan, SolveReport
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.problem.program import AllocationProblem, GroupModel
 
 #: Re-solves of a program whose OPTIMAL was only proven within the absolute tolerance.
 MAX_RESCALES = 3

@@ -19,8 +19,8 @@ from qsync_opt.solvers.formulation import formulate
 from qsync_opt.solvers.pulp_model import PULP_NAMES, pulp_module, read_assignment, run, to_pulp
 from qsync_opt.solvers.timing import Deadline, Stopwatch
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.problem.program import AllocationProblem
 
 
 class FastestTimeLimit(QsyncInputError):

@@ -1,5 +1,5 @@
 """The integer program, written once: variables, named rows per equation family, and an
-objective, built from an :class:`~qsync_opt.problem.AllocationProblem` (or some of its
+objective, built from an :class:`~qsync_opt.problem.program.AllocationProblem` (or some of its
 groups). The backends translate it (:mod:`.pulp_model` into PuLP for CBC and HiGHS,
 :mod:`.cpsat` into CP-SAT's integers); nothing here knows a solver.
 
@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.problem.program import AllocationProblem, GroupModel
 
 #: The equation families, in the order a group's rows are written.
 FAMILIES = ("one_hot", "derived_and", "derived_all", "pair_a", "pair_b", "working_set",

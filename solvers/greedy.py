@@ -61,9 +61,9 @@ from qsync_opt.solvers.fastest import FastestTimeLimit, group_fastest
 from qsync_opt.solvers.report import finish, mode_text
 from qsync_opt.solvers.timing import Stopwatch
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem, GroupModel
-from qsync_opt.schemas import Plan, SolveReport
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.problem.program import AllocationProblem, GroupModel
 
 log = logging.getLogger(__name__)
 

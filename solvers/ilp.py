@@ -50,8 +50,8 @@ from qsync_opt.solvers.pulp_model import (
 )
 from qsync_opt.solvers.timing import Stopwatch
 
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.schemas import Plan, SolveReport
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.problem.program import AllocationProblem
 
 __all__ = ["FEAS_REL", "FastestTimeLimit", "PulpIlp", "exact_violation", "fastest_plans",
            "fastest_times"]

@@ -38,8 +38,8 @@ from qsync_opt.solvers.base import CPSAT_UNITS
 from qsync_opt.solvers.checks import FEAS_REL, check_numbers
 from qsync_opt.solvers.formulation import Block, Formulation
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.problem.program import AllocationProblem
 
 #: Target range of the scaled budget / capacity (units) and of the scaled objective total.
 _UNITS_LOW = CPSAT_UNITS

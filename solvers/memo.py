@@ -12,7 +12,7 @@ from typing import Any
 from qsync_opt.solvers.base import PartResult
 from qsync_opt.solvers.checks import exact_violation
 
-from qsync_opt.problem import AllocationProblem, GroupModel
+from qsync_opt.problem.program import AllocationProblem, GroupModel
 
 
 def group_digest(g: GroupModel) -> str:

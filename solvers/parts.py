@@ -10,7 +10,7 @@ from qsync_opt.solvers.base import PartResult, SolveOptions
 from qsync_opt.solvers.checks import exact_violation
 from qsync_opt.solvers.report import ZERO_REL, objective_scale
 
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem.program import AllocationProblem
 
 
 def part_objective(problem: AllocationProblem, gis: Sequence[int],

@@ -10,7 +10,7 @@ from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.formulation import formulate
 from qsync_opt.solvers.pulp_model import available, lp_relaxation
 
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem.program import AllocationProblem
 
 #: The LP relaxation's optimum is taken down by this relative margin (the LP solver's
 #: optimality tolerance) before it bounds anything.

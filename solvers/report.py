@@ -11,8 +11,8 @@ from typing import Any
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.timing import Stopwatch
 
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.schemas import Plan, SolveReport
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.problem.program import AllocationProblem
 
 #: Objective differences below this fraction of the largest possible objective are zero
 #: (bounds of -3.9e-16 on an optimum of 0 are solver noise, not a gap).

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 #: The clock every deadline reads (monotonic seconds). Tests may replace it (a fake clock).
 clock: Callable[[], float] = time.perf_counter

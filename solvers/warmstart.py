@@ -11,7 +11,7 @@ from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.checks import check_hints
 from qsync_opt.solvers.timing import Deadline
 
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem.program import AllocationProblem
 
 
 def greedy_hints(problem: AllocationProblem, messages: list[str],

@@ -36,9 +36,9 @@ def _fresh_part_memo() -> None:
 
 @contextlib.contextmanager
 def _fixed_cpu() -> Iterator[Any]:
-    from qsync_opt import devices
-    from qsync_opt.io import load
-    from qsync_opt.schemas import DeviceSpec
+    from qsync_opt.costs import devices
+    from qsync_opt.documents.io import load
+    from qsync_opt.documents.schemas import DeviceSpec
 
     spec = load(REPO / "tests" / "golden" / "input.cpu.DeviceSpec.json", DeviceSpec)
     mp = pytest.MonkeyPatch()
@@ -108,7 +108,7 @@ def digits_mixed_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     int8 with stochastic rounding, fc1 fp16 with loss scaling; batch 16), written directly, so
     the runtime under test does not depend on what a solver picks."""
     from qsync_opt import parse_shorthand
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
 
     path = tmp_path_factory.mktemp("plan") / "mixed.json"
     make_plan(trace("digits_cnn"), parse_shorthand("cpux1@48+cpux1@16"),

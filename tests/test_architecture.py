@@ -1,18 +1,21 @@
-"""The package's layers, asserted from its source (issue 17, "Acyclic layers, enforced").
+"""The package's layers, asserted from its source.
 
 Every module is parsed with :mod:`ast`; every import (module level and inside functions,
 absolute and relative, ``from . import x`` resolving to the module ``x`` or to a name of the
 package) becomes an edge of the import graph. The tests assert:
 
-* each module imports only modules of its own layer or of lower ones (``LAYERS``, every
-  module placed explicitly; a new module fails until it is placed);
-* ``runtime/`` never imports ``solvers/``;
-* ``schemas`` imports nothing of the package but ``precision``, ``errors``, ``files`` and
-  ``device_names``;
+* every module sits in a package of ``PACKAGES`` (one row per package with its layer; a new
+  package fails until it is placed) and docs/ARCHITECTURE.md draws the same table;
+* each module imports only modules of its own layer or of lower ones, and no two packages
+  import each other;
+* the training packages never import the planner or a solver;
+* ``documents.schemas`` imports nothing of the package but the core's precisions, errors and
+  device names and ``documents.files``;
 * no module imports another module's private (underscore) name or a private module, nor
   reads one as ``module._name``, except ``PRIVATE_ALLOWED`` (exact: an entry that no longer
   occurs fails, so the list only shrinks);
-* the graph has no cycles except ``CYCLES_ALLOWED`` (exact, each with its reason).
+* the graph has no cycles except ``CYCLES_ALLOWED`` (exact, each with its reason);
+* only ``cli/`` builds an argparse parser.
 """
 
 from __future__ import annotations
@@ -28,66 +31,48 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
                "models": "qsync_opt.models", "cuda": "qsync_opt.cuda"}
 
-#: Lowest layer first. A module may import modules of its own layer or of a lower one.
-#: Names are relative to ``qsync_opt`` ("" is the package itself).
-LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["precision", "errors", "units", "machine", "device_names", "progress",
-                    "limits", "files"]),
-    ("schemas", ["schemas"]),
-    ("io", ["io", "outfolder"]),
-    # torch modules and kernels that know nothing of plans: the workloads, the C++ ops
-    ("workloads and kernels", [
-        "user_model", "models", "models.workload", "models.samples", "models.resolve",
-        "models.layers", "models.bert", "models.digits_cnn",
-        "models.digits_resnet", "models.gpt2", "models.resnet",
-        "models.tiny_gpt", "models.vgg", "models.vit", "cuda", "cuda.build", "cuda.kernels", "ops", "ops._build",
-        "ops.reference", "ops.rounding", "ops.backends", "ops.quantize", "ops.intmm",
-        "ops.int8", "ops.int4", "ops.fakequant", "attention"]),
-    ("graph, devices, costs", [
-        "graph", "graph.annotate", "graph.capture", "graph.fallback", "graph.kinds",
-        "graph.naming", "graph.recording", "graph.tracing", "graph.cache",
-        "devices", "rules", "costs", "cluster", "batchmodel", "profile.tables",
-        "profile.timing", "profile.gloo",
-        # the sync rules (QSR's rule, learning-rate schedules): pure, read by the replayer
-        "runtime.schedule", "runtime.syncmode", "runtime.dlcp", "runtime.compress",
-        # the packet simulator's core: pure Python, imports nothing of the package
-        "netsim", "netsim.topology", "netsim.rack", "netsim.engine", "netsim.traffic", "netsim.ns3leafspine",
-         "netsim.ns3ref"]),
-    ("precision layers", ["runtime.gemm", "runtime.dispatch", "runtime.layers",
-                          "profile.builders"]),
-    ("indicator, replayer", ["indicator", "indicator.errormodel", "indicator.terms",
-                              "indicator.curv", "indicator.memory", "indicator.tables",
-                              "indicator.compute", "indicator_calls", "replayer", "replayer.sync", "replayer.timeline",
-                             "replayer.prepared", "replayer.loop", "replayer.incremental",
-                             "replayer.pipeline",
-                             "plan", "synthetic", "profile_context", "profile",
-                             "profile.orchestrate", "summaries", "",
-                             "netsim.cluster"]),
-    ("runtime", ["runtime", "runtime.apply", "runtime.config", "runtime.emulate",
-                 "runtime.memory", "runtime.watchdog", "runtime.launch", "runtime.faults",
-                 "runtime.scaler", "runtime.sync", "runtime.data", "runtime.metrics",
-                 "runtime.checkpoint", "runtime.prepare", "runtime.trainer", "runtime.train",
-                 "runtime.commhooks", "runtime.pipecuts", "runtime.pipeline",
-                 "runtime.pipedist", "runtime.pipetrain", "runtime.pipepredict",
-                 "runtime.pipescale", "runtime.gather",
-                 "runtime.rankfail"]),
-    # fused training arrays: the fused operators over the precision layers, the array's
-    # trainer over the runtime's data and schedules
-    ("hfta", ["hfta", "hfta.ops", "hfta.optim", "hfta.convert", "hfta.functional",
-              "hfta.choice", "hfta.trainer", "hfta.sweep"]),
-    ("problem", ["problem", "evaluator"]),
-    ("solvers", ["solvers", "solvers.base", "solvers.timing", "solvers.checks",
-                 "solvers.report", "solvers.parts", "solvers.memo", "solvers.driver",
-                 "solvers.formulation", "splits", "solvers.pulp_model", "solvers.fastest",
-                 "solvers.warmstart", "solvers.baselines", "solvers.integers", "solvers.cpsat",
-                 "solvers.acceptance", "solvers.greedy", "solvers.ilp", "solvers.additive",
-                 "solvers.relaxation",
-                 "diagnose"]),
-    ("solve", ["solve", "dominance"]),
-    ("frontier, report", ["frontier", "report", "demo"]),
-    ("cli", ["cli", "cli.__main__", "cli.args", "cli.demo", "cli.info", "cli.model",
-             "cli.planning", "cli.netsim", "cli.profile", "cli.report", "cli.sweep", "cli.train"]),
+#: One row per package, lowest layer first: (package, layer, what it holds). A module belongs
+#: to the package that is its first name under ``qsync_opt`` (``""`` is the package's own
+#: ``__init__``, its front); it may import modules of its own layer or of a lower one.
+#: docs/ARCHITECTURE.md's table "The tree" says the same (``test_the_docs_draw_this_table``).
+PACKAGES: list[tuple[str, int, str]] = [
+    ("core", 0, "precisions, errors, units, limits, device names, this host, progress, the version"),
+    ("documents", 1, "the pydantic documents, atomic files, io, output folders"),
+    ("strategy", 2, "pure rules both sides read: sync modes and the QSR rule, learning-rate "
+                    "schedules, DLCP's drop policy, the boundary codecs"),
+    ("models", 3, "the workloads: one Workload protocol for built-in models and user files"),
+    ("cuda", 3, "the CUDA kernels and their build"),
+    ("ops", 3, "the quantized kernels and their references, op kinds and call names, the "
+               "precision layers and per-call dispatch, decomposed attention"),
+    ("graph", 4, "tracing and annotation to a ModelGraph, the cache of traced graphs"),
+    ("costs", 5, "the device catalog, clusters, the roofline estimate, the batch model, the "
+                 "CostTable algebra, the cost-and-memory rules"),
+    ("profile", 6, "measured cost tables: ops alone and in context, the local gloo harness"),
+    ("indicator", 6, "Omega per op and precision, and the GEMM calls it measures"),
+    ("replayer", 7, "the step-time event loop: SyncModel, DDP's all-reduce, Local SGD and QSR"),
+    ("netsim", 7, "the packet-level simulator of gradient traffic and its ns-3 references"),
+    ("problem", 8, "the integer program's data, the evaluator, plans and their check, "
+                   "synthetic instances"),
+    ("runtime", 9, "the trainer's parts: config, prepare, data, scaler, checkpoints, metrics, "
+                   "memory, emulation, faults, the watchdog"),
+    ("sync", 10, "how replicas agree: DDP, Local SGD under QSR, the transport hook, DLCP masks"),
+    ("pipeline", 10, "cuts, stages with compressed boundaries, one-process and distributed "
+                     "runners, the step-time prediction"),
+    ("hfta", 10, "horizontally fused training arrays and their sweep"),
+    ("job", 11, "a training job: the launcher, each rank's entry point, the step loop"),
+    ("solvers", 12, "one driver and the backends that translate the formulation and run "
+                    "once; greedy and the baselines"),
+    ("planner", 13, "the solve pipeline: modes, refinement, the joint split, diagnosis, "
+                    "dominance, the Pareto sweep, plan figures"),
+    ("cli", 14, "one module per command, each registering its own parser; the demo"),
+    ("", 15, "the package's front: the names most callers need, re-exported"),
 ]
+LAYER_OF_PACKAGE = {p: layer for p, layer, _ in PACKAGES}
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
 
 #: Cross-module private imports kept, exactly: (importer, imported, name) -> the step that
 #: removes it. ``name`` None: the private module itself.
@@ -185,23 +170,53 @@ def _edges(module: str, path: Path) -> list[tuple[str, str | None, int]]:
 
 GRAPH: dict[str, list[tuple[str, str | None, int]]] = {
     m: _edges(m, p) for m, p in MODULES.items()}
-LAYER_OF = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
+LAYER_OF = {m: LAYER_OF_PACKAGE[package_of(m)] for m in MODULES
+            if package_of(m) in LAYER_OF_PACKAGE}
 
 
 def _where(module: str) -> str:
     return f"{MODULES[module].relative_to(ROOT)}"
 
 
-def test_every_module_is_placed_once() -> None:
-    placed = [m for _, ms in LAYERS for m in ms]
-    twice = sorted({m for m in placed if placed.count(m) > 1})
-    assert not twice, f"placed in two layers: {twice}"
-    missing = sorted(set(MODULES) - set(placed))
-    assert not missing, (
-        f"modules not in the layer table: {[_where(m) for m in missing]}; add each to "
-        "LAYERS in tests/test_architecture.py, in the lowest layer holding everything it imports")
-    gone = sorted(set(placed) - set(MODULES))
-    assert not gone, f"LAYERS names modules that do not exist: {gone}"
+def test_every_module_is_in_a_package_of_the_table() -> None:
+    names = [p for p, _, _ in PACKAGES]
+    assert len(names) == len(set(names)), "a package listed twice in PACKAGES"
+    loose = sorted(_where(m) for m in MODULES if "." not in m and m and not
+                   MODULES[m].name == "__init__.py")
+    assert not loose, f"modules outside every package (put each into the package of its layer): {loose}"
+    missing = sorted({package_of(m) for m in MODULES} - set(names))
+    assert not missing, (f"packages not in the table: {missing}; add each to PACKAGES in "
+                         "tests/test_architecture.py, in the lowest layer holding everything it "
+                         "imports, and to docs/ARCHITECTURE.md's table")
+    gone = sorted(set(names) - {package_of(m) for m in MODULES})
+    assert not gone, f"PACKAGES names packages that do not exist: {gone}"
+
+
+def _doc_table() -> list[tuple[str, int]]:
+    """The rows ``| layer | `package/` | ... |`` of docs/ARCHITECTURE.md's section "The tree"."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## The tree", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            name = cells[1].strip("`").removesuffix("/")
+            rows.append(("" if name == "qsync_opt" else name, int(cells[0])))
+    return rows
+
+
+def test_the_docs_draw_this_table() -> None:
+    """docs/ARCHITECTURE.md's table of packages is this one: same packages, same layers, in
+    the same order."""
+    assert _doc_table() == [(p, layer) for p, layer, _ in PACKAGES]
+
+
+def test_packages_form_no_cycle() -> None:
+    """Packages of one layer may import each other's modules, but never both ways."""
+    edges = {(package_of(m), package_of(t)) for m, es in GRAPH.items() for t, _, _ in es
+             if package_of(m) != package_of(t)}
+    both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+    assert not both, f"packages importing each other: {both}"
 
 
 #: What building a command-line parser calls (argparse's API).
@@ -237,7 +252,7 @@ def test_only_the_cli_builds_parsers() -> None:
 
 def layer_violations() -> set[tuple[str, str]]:
     return {(m, t) for m, es in GRAPH.items() for t, _, _ in es
-            if LAYER_OF.get(t, -1) > LAYER_OF.get(m, len(LAYERS))}
+            if LAYER_OF.get(t, -1) > LAYER_OF.get(m, len(PACKAGES))}
 
 
 def test_imports_go_down_the_layers() -> None:
@@ -245,20 +260,24 @@ def test_imports_go_down_the_layers() -> None:
     ``schemas``), and a caller checks a plan against its graph with ``plan.check_plan``."""
     found = sorted(layer_violations())
     assert not found, "imports into a higher layer: " + "; ".join(
-        f"{_where(m)} imports {_full(t)} ({LAYERS[LAYER_OF[m]][0]} -> {LAYERS[LAYER_OF[t]][0]})"
+        f"{_where(m)} imports {_full(t)} (layer {LAYER_OF[m]} -> {LAYER_OF[t]})"
         for m, t in found)
 
 
-def test_runtime_never_imports_solvers() -> None:
+#: The packages that train, and the ones that plan: a run never needs a solver.
+RUNNING = {"runtime", "sync", "pipeline", "hfta", "job"}
+PLANNING = {"solvers", "planner"}
+
+
+def test_training_never_imports_the_planner() -> None:
     bad = sorted((m, t) for m, es in GRAPH.items() for t, _, _ in es
-                 if (m == "runtime" or m.startswith("runtime."))
-                 and (t == "solvers" or t.startswith("solvers.")))
-    assert not bad, f"runtime imports solvers: {bad}"
+                 if package_of(m) in RUNNING and package_of(t) in PLANNING)
+    assert not bad, f"a training package imports the planner or a solver: {bad}"
 
 
 def test_schemas_imports_only_the_foundation() -> None:
-    allowed = {"precision", "errors", "files", "device_names"}
-    got = {t for t, _, _ in GRAPH["schemas"]}
+    allowed = {"core.precision", "core.errors", "documents.files", "core.device_names"}
+    got = {t for t, _, _ in GRAPH["documents.schemas"]}
     assert got <= allowed, f"schemas imports {sorted(got - allowed)}"
 
 
@@ -330,30 +349,32 @@ def test_no_import_cycles() -> None:
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from . import errors\n", [("errors", None)]),
-    ("from .ops import _build\n", [("ops._build", None)]),
-    ("from .solvers import _private\n", [("solvers", "_private")]),
-    ("from .solvers.ilp import _add_group, PulpIlp\n",
+    ("from ..core import errors\n", [("core.errors", None)]),
+    ("from ..ops import _build\n", [("ops._build", None)]),
+    ("from ..solvers import _private\n", [("solvers", "_private")]),
+    ("from ..solvers.ilp import _add_group, PulpIlp\n",
      [("solvers.ilp", "_add_group"), ("solvers.ilp", None)]),
-    ("def f():\n    from .io import load\n", [("io", None)]),
+    ("def f():\n    from ..documents.io import load\n", [("documents.io", None)]),
+    ("from . import dominance\n", [("planner.dominance", None)]),
     ("import qsync_opt.solvers.ilp as ilp\nilp._pulp()\n",
      [("solvers.ilp", None), ("solvers.ilp", "_pulp")]),
-    ("from .solvers import ilp\nx = ilp._Program\n",
+    ("from qsync_opt.solvers import ilp\nx = ilp._Program\n",
      [("solvers.ilp", None), ("solvers.ilp", "_Program")]),
-    ("from . import __version__\nimport torch\n", [("", None)]),
+    ("from .. import __version__\nimport torch\n", [("", None)]),
 ])
 def test_the_parser_sees_every_kind_of_import(tmp_path: Path, source: str,
                                               expected: list[tuple[str, str | None]]) -> None:
     path = tmp_path / "mod.py"
     path.write_text(source)
-    got = [(t, n) for t, n, _ in _edges("frontier", path)]
+    got = [(t, n) for t, n, _ in _edges("planner.frontier", path)]
     assert sorted(got, key=str) == sorted(expected, key=str)
 
 
 def test_the_dependency_free_names_are_the_catalogs() -> None:
     """``device_names`` lists the catalog's names without importing it; ``devices`` refuses
     at import a catalog that differs, and both resolve every alias alike."""
-    from qsync_opt import device_names, devices
+    from qsync_opt.core import device_names
+    from qsync_opt.costs import devices
 
     assert device_names.CATALOG_NAMES == tuple(devices.CATALOG)
     assert devices.canonical_name is device_names.canonical_name
@@ -370,9 +391,9 @@ def test_the_header_is_checked_once_for_files_and_objects(header: dict) -> None:
     validator (an object): one check, ``schemas.header_problem``."""
     from pydantic import ValidationError
 
-    from qsync_opt.errors import SchemaVersionError
-    from qsync_opt.io import parse_document
-    from qsync_opt.schemas import ClusterSpec, header_problem
+    from qsync_opt.core.errors import SchemaVersionError
+    from qsync_opt.documents.io import parse_document
+    from qsync_opt.documents.schemas import ClusterSpec, header_problem
 
     problem = header_problem(header, ClusterSpec)
     assert problem is not None

@@ -185,3 +185,14 @@ def test_wheel_contents(tmp_path: Path) -> None:
         entry_points = zf.read("qsync_opt-0.1.0.dist-info/entry_points.txt").decode()
     assert top_level == ["qsync_opt"]
     assert "qsync-opt = qsync_opt.cli:main" in entry_points
+
+
+def test_version_is_said_once() -> None:
+    """The package's version (``qsync_opt.core.version``) is pyproject.toml's."""
+    import tomllib
+
+    import qsync_opt
+    from qsync_opt.core.version import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert qsync_opt.__version__ == __version__ == project["version"]

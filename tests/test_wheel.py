@@ -46,7 +46,7 @@ def test_the_test_helpers_live_under_tests() -> None:
         assert importlib.util.find_spec(name) is not None, name
     for name in ("qsync_opt.testing", "qsync_opt.ops.testing", "qsync_opt.models.patterns"):
         assert importlib.util.find_spec(name) is None, name
-    import qsync_opt.runtime.pipedist as pipedist
+    import qsync_opt.pipeline.dist as pipedist
 
     assert not hasattr(pipedist, "run_stage_job") and not hasattr(pipedist, "job_result")
 
@@ -68,8 +68,8 @@ def test_test_code_is_seen(path: str, source: str) -> None:
 
 @pytest.mark.parametrize("path, source", [
     ("qsync_opt/testbed.py", "x = 1\n"),
-    ("qsync_opt/plan.py", "from .testing_tools import x\n"),
-    ("qsync_opt/plan.py", "from . import pytest_like\n"),
+    ("qsync_opt/problem/plan.py", "from .testing_tools import x\n"),
+    ("qsync_opt/problem/plan.py", "from . import pytest_like\n"),
 ])
 def test_product_code_is_not_test_code(path: str, source: str) -> None:
     assert not find_test_code(path, source)

@@ -14,7 +14,7 @@ module each for :mod:`.netsim`, :mod:`.report`, :mod:`.train`, :mod:`.sweep`,
 (``add_<command>_parser``); :mod:`.args` holds the flag types, the shared arguments and the
 exit codes. :func:`build_parser` runs every registration in :data:`COMMANDS`' order, and
 :func:`main` (the entry point ``qsync_opt.cli:main``) is here; the text the commands print is
-:mod:`qsync_opt.summaries`. The library builds no parser: a command's module calls library
+:mod:`qsync_opt.cli.summaries`. The library builds no parser: a command's module calls library
 functions of plain values.
 """
 
@@ -30,7 +30,6 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from qsync_opt import __version__
 from qsync_opt.cli import demo, info, model, netsim, planning, profile, report, sweep, train
 from qsync_opt.cli.args import (
     BATCH,
@@ -51,9 +50,7 @@ from qsync_opt.cli.info import cmd_devices, cmd_models, cmd_schema
 from qsync_opt.cli.model import cmd_estimate, cmd_graph, cmd_indicate, cmd_replay
 from qsync_opt.cli.netsim import cmd_netsim
 from qsync_opt.cli.planning import cmd_compare, cmd_pareto, cmd_solve
-from qsync_opt.errors import QsyncInputError, describe_validation_error, one_line
-from qsync_opt.schemas import MAX_BATCH
-from qsync_opt.summaries import (
+from qsync_opt.cli.summaries import (
     REPLAY_HEADER,
     GiB,
     estimate_summary_lines,
@@ -62,6 +59,9 @@ from qsync_opt.summaries import (
     replay_rows,
     uniform_plans,
 )
+from qsync_opt.core.errors import QsyncInputError, describe_validation_error, one_line
+from qsync_opt.core.version import __version__
+from qsync_opt.documents.schemas import MAX_BATCH
 
 __all__ = [
     "BATCH", "BATCHES", "COMMANDS", "EXIT_BAD_INPUT", "EXIT_CODES_HELP", "EXIT_INFEASIBLE",
@@ -132,8 +132,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Before a command works: every output file it was told to write must be writable (not
     a folder, not through a file, in a folder it may write), every output folder one it can
     write into or make; refused in one line naming the flag, so no work is thrown away."""
-    from qsync_opt.io import check_output_file
-    from qsync_opt.outfolder import check_folder
+    from qsync_opt.documents.io import check_output_file
+    from qsync_opt.documents.outfolder import check_folder
 
     command = getattr(args, "command", None) or ""
     for dest in OUTPUT_FILES.get(command, ()):
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(batches, int) and batches < 1:
         parser.error(f"argument --batches: expected a positive integer, got {batches}")
     _fail_writes_with_efbig()
-    from qsync_opt.solve import InfeasibleError, SolveTimeLimit
+    from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit
     from qsync_opt.solvers.fastest import FastestTimeLimit
 
     try:

@@ -1,5 +1,5 @@
 """The CLI's argument types (every numeric flag checked: ASCII digits, finite, in
-its stated range, :mod:`qsync_opt.limits`; a bad value is one line, exit 2, before any work), JSON output, and ``--model`` traced."""
+its stated range, :mod:`qsync_opt.core.limits`; a bad value is one line, exit 2, before any work), JSON output, and ``--model`` traced."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from qsync_opt.cluster import SHORTHAND_HELP
-from qsync_opt.graph import TIE_MODES, is_user_model, load_user_workload, trace
-from qsync_opt.indicator import METHODS
-from qsync_opt.limits import (
+from qsync_opt.core.limits import (
     MAX_STEPS,
     finite_float,
     int_range,
@@ -20,9 +17,12 @@ from qsync_opt.limits import (
     positive_int,
     spec_type,
 )
+from qsync_opt.costs.cluster import SHORTHAND_HELP
+from qsync_opt.documents.schemas import MAX_BATCH, ClusterSpec, ModelGraph
+from qsync_opt.graph import TIE_MODES, is_user_model, load_user_workload, trace
+from qsync_opt.indicator import METHODS
 from qsync_opt.netsim.cluster import COMM_MODEL_HELP
-from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX
-from qsync_opt.schemas import MAX_BATCH, ClusterSpec, ModelGraph
+from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX
 
 BATCH = positive_int(MAX_BATCH)
 
@@ -77,11 +77,11 @@ INT4_FLAG_HELP = ("add int4 (opt-in) to the menu of every group whose card has a
 
 def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
     """``--cluster`` (or ``text``) loaded, and with ``--int4`` int4 enabled on every group
-    whose card has an INT4 peak (:func:`qsync_opt.devices.enable_int4`). Says on stderr which
+    whose card has an INT4 peak (:func:`qsync_opt.costs.devices.enable_int4`). Says on stderr which
     groups got it; refuses (one line, exit 2) when none can."""
-    from qsync_opt.cluster import load_cluster
-    from qsync_opt.devices import INT4_CARDS, enable_int4
-    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.core.errors import QsyncInputError
+    from qsync_opt.costs.cluster import load_cluster
+    from qsync_opt.costs.devices import INT4_CARDS, enable_int4
 
     cluster = load_cluster(args.cluster if text is None else text)
     if not getattr(args, "int4", False):
@@ -128,25 +128,25 @@ SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all
 def _check_schedule_text(text: str) -> None:
     """``--lr-schedule`` on its own: kind, keys and values (warm-up against ``--steps``
     when both are known, :func:`sync_arg`)."""
-    from qsync_opt.runtime.schedule import parse_schedule
+    from qsync_opt.strategy.schedule import parse_schedule
 
     parse_schedule(text, 1.0, MAX_STEPS)
 
 
 def _check_sync_text(text: str) -> None:
-    from qsync_opt.runtime.syncmode import parse_sync
+    from qsync_opt.strategy.modes import parse_sync
 
     parse_sync(text)
 
 
 def _check_compressor_text(text: str) -> None:
-    from qsync_opt.runtime.compress import parse_compressor
+    from qsync_opt.strategy.codecs import parse_compressor
 
     parse_compressor(text)
 
 
 def _check_gbps_text(text: str) -> None:
-    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.core.errors import QsyncInputError
 
     parts = str(text).split(",")
     vals = [parse_float(x) for x in parts]
@@ -165,7 +165,7 @@ SYNC_TEXT = spec_type(_check_sync_text, "sync")
 SCHEDULE_TEXT = spec_type(_check_schedule_text, "lr_schedule")
 #: A learning rate: finite, > 0.
 LEARNING_RATE = finite_float(0, 1e6, lo_open=True)
-#: A run's optimizer steps (:data:`qsync_opt.limits.MAX_STEPS`).
+#: A run's optimizer steps (:data:`qsync_opt.core.limits.MAX_STEPS`).
 STEPS = positive_int(MAX_STEPS)
 #: The defaults of ``--lr``, ``--lr-schedule`` and ``--steps`` under ``--sync``.
 SYNC_DEFAULTS: dict[str, Any] = {"lr": 0.05, "lr_schedule": "constant", "steps": 100}
@@ -188,9 +188,9 @@ def sync_arg(args: argparse.Namespace) -> Any:
     """The replayer's sync model of ``--sync`` (None: DDP's); bad text, or ``--lr``,
     ``--lr-schedule`` or ``--steps`` without ``--sync``: one line naming the flag. Cheap
     (the rounds are counted, not listed): call it before any work."""
-    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.core.errors import QsyncInputError
     from qsync_opt.replayer import sync_model_for
-    from qsync_opt.runtime.syncmode import parse_sync
+    from qsync_opt.strategy.modes import parse_sync
 
     text = getattr(args, "sync", None)
     given = {k: getattr(args, k, None) for k in SYNC_DEFAULTS}

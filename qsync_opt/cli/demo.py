@@ -1,4 +1,4 @@
-"""The ``demo`` command: its arguments handed to :func:`qsync_opt.demo.run_demo`."""
+"""The ``demo`` command: its arguments handed to :func:`qsync_opt.cli.walkthrough.run_demo`."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ DEMO_FILES = ("plan.json", "frontier.png", "graph.json", "costs.json", "indicato
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from qsync_opt.demo import run_demo
-    from qsync_opt.outfolder import check_folder, check_names
+    from qsync_opt.cli.walkthrough import run_demo
+    from qsync_opt.documents.outfolder import check_folder, check_names
 
     out = check_folder(args.out or "qsync-demo", "--out")  # before any work
     check_names(out, files=DEMO_FILES)

@@ -6,11 +6,11 @@ import argparse
 from typing import Any
 
 from qsync_opt.cli.args import command, emit_json
-from qsync_opt.devices import CATALOG, get_device
+from qsync_opt.cli.summaries import GiB, format_table
+from qsync_opt.core.precision import DType
+from qsync_opt.costs.devices import CATALOG, get_device
+from qsync_opt.documents.schemas import json_schema, schema_names
 from qsync_opt.models import WORKLOADS
-from qsync_opt.precision import DType
-from qsync_opt.schemas import json_schema, schema_names
-from qsync_opt.summaries import GiB, format_table
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
                      ",".join(p.value for p in s.precisions)))
     print(format_table(rows, ["device", "cc", "GiB", "GB/s", "fp32", "tf32", "fp16", "bf16", "int8",
                         "fp8", "int4", "precisions"]))
-    print("\nDense peak TFLOPS (TOPS for int8/int4) from datasheets; sources in qsync_opt/devices.py.")
+    print("\nDense peak TFLOPS (TOPS for int8/int4) from datasheets; sources in qsync_opt/costs/devices.py.")
     rated = [f"{s.name} {DType(k).value} {v:.1f}" for s in specs for k, v in s.runtime_tflops.items()]
     if rated:
         print("The estimate uses the runtime's recorded rate instead of peak x efficiency for: "

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qsync_opt import outfolder
 from qsync_opt.cli.args import (
     BATCH,
     BATCHES,
@@ -30,16 +29,7 @@ from qsync_opt.cli.args import (
     trace_args,
     workload_arg,
 )
-from qsync_opt.cluster import SHORTHAND_HELP
-from qsync_opt.costs import estimate
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.indicator import METHODS
-from qsync_opt.io import atomic_write_text, load, save, to_json
-from qsync_opt.netsim.cluster import COMM_MODEL_HELP
-from qsync_opt.plan import check_plan, make_plan, plan_model
-from qsync_opt.replayer import Replayer
-from qsync_opt.schemas import MAX_BATCH, Document, Plan
-from qsync_opt.summaries import (
+from qsync_opt.cli.summaries import (
     REPLAY_HEADER,
     estimate_summary_lines,
     format_table,
@@ -47,6 +37,16 @@ from qsync_opt.summaries import (
     replay_rows,
     uniform_plans,
 )
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.cluster import SHORTHAND_HELP
+from qsync_opt.costs.roofline import estimate
+from qsync_opt.documents import outfolder
+from qsync_opt.documents.io import atomic_write_text, load, save, to_json
+from qsync_opt.documents.schemas import MAX_BATCH, Document, Plan
+from qsync_opt.indicator import METHODS
+from qsync_opt.netsim.cluster import COMM_MODEL_HELP
+from qsync_opt.problem.plan import check_plan, make_plan, plan_model
+from qsync_opt.replayer import Replayer
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -224,9 +224,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
+    from qsync_opt.job.launch import resolve_ranks
+    from qsync_opt.pipeline.predict import predict_pipeline
     from qsync_opt.runtime.config import rank_groups_example
-    from qsync_opt.runtime.launch import resolve_ranks
-    from qsync_opt.runtime.pipepredict import predict_pipeline
 
     plan = plan_doc if plan_doc is not None else make_plan(
         graph, cluster, {}, {"solver": "none (every op at fp32)"})
@@ -304,12 +304,12 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
     so a refusal stays one line."""
     import dataclasses
 
-    from qsync_opt.devices import get_device
-    from qsync_opt.diagnose import precheck
+    from qsync_opt.core.precision import Precision
+    from qsync_opt.costs.devices import get_device
     from qsync_opt.indicator import cover, indicate, placeholder_indicator
-    from qsync_opt.precision import Precision
-    from qsync_opt.problem import AllocationProblem
-    from qsync_opt.solve import INDICATOR_BATCH, InfeasibleError, build_problem
+    from qsync_opt.planner.diagnose import precheck
+    from qsync_opt.planner.solve import INDICATOR_BATCH, InfeasibleError, build_problem
+    from qsync_opt.problem.program import AllocationProblem
 
     method = args.method
     trial = build_problem(graph, cluster, indicator=placeholder_indicator(graph),
@@ -339,8 +339,8 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
 
 
 def cmd_indicate(args: argparse.Namespace) -> int:
+    from qsync_opt.core.precision import Precision
     from qsync_opt.indicator import fast_options, indicate, rank_table
-    from qsync_opt.precision import Precision
 
     t0 = time.perf_counter()
     fast = fast_options() if args.fast else {}

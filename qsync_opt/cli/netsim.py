@@ -18,9 +18,9 @@ from qsync_opt.cli.args import (
     positive_int,
     trace_args,
 )
-from qsync_opt.cluster import SHORTHAND_HELP
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.io import atomic_write_bytes, atomic_write_text, load
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.cluster import SHORTHAND_HELP
+from qsync_opt.documents.io import atomic_write_bytes, atomic_write_text, load
 from qsync_opt.netsim.cluster import limit_message
 from qsync_opt.netsim.engine import NetsimLimit
 from qsync_opt.netsim.traffic import POLICIES as NETSIM_POLICIES
@@ -28,7 +28,8 @@ from qsync_opt.netsim.traffic import SCENARIOS as NETSIM_SCENARIOS
 
 
 def cmd_netsim(args: argparse.Namespace) -> int:
-    from qsync_opt.costs import estimate
+    from qsync_opt.costs.roofline import estimate
+    from qsync_opt.documents.schemas import Plan
     from qsync_opt.netsim.cluster import (
         SCENARIO_PATTERN,
         check_hosts,
@@ -37,8 +38,7 @@ def cmd_netsim(args: argparse.Namespace) -> int:
         workload_buckets,
     )
     from qsync_opt.netsim.traffic import NetConfig, layer_bytes, summarise
-    from qsync_opt.plan import check_plan, plan_model
-    from qsync_opt.schemas import Plan
+    from qsync_opt.problem.plan import check_plan, plan_model
 
     plan = None
     sha = None
@@ -126,8 +126,8 @@ def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg:
               pattern: str) -> list[Any]:
     """``--iterations`` seeded iterations (the first checks the event estimate before any
     work), with a progress bar on a terminal."""
+    from qsync_opt.core.progress import Progress
     from qsync_opt.netsim.cluster import check_events, run_iterations
-    from qsync_opt.progress import Progress
 
     check_events(net, buckets, pattern, cfg)
     runs = []

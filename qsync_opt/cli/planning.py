@@ -22,13 +22,13 @@ from qsync_opt.cli.args import (
     workload_arg,
 )
 from qsync_opt.cli.model import computed_indicator, say_all
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.io import atomic_write_text, save
-from qsync_opt.summaries import plan_lines
+from qsync_opt.cli.summaries import plan_lines
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.documents.io import atomic_write_text, save
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
-    from qsync_opt.problem import ProblemOptions
+    from qsync_opt.problem.program import ProblemOptions
 
     pins = {}
     for item in args.pin or []:
@@ -84,7 +84,7 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
     computed indicator runs the model (``build_problem``); the computed indicator is
     :func:`computed_indicator`'s (cached; the lines saying what it did go to ``said``)."""
-    from qsync_opt.solve import build_problem
+    from qsync_opt.planner.solve import build_problem
 
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
@@ -109,8 +109,8 @@ def _build_problem(args: argparse.Namespace, check: str | None,
 
 @notes_after_success
 def cmd_solve(args: argparse.Namespace) -> int:
-    from qsync_opt.evaluator import evaluate
-    from qsync_opt.solve import solve
+    from qsync_opt.planner.solve import solve
+    from qsync_opt.problem.evaluator import evaluate
 
     # Another batch split can fit what this one does not; the budget mode has no target.
     check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
@@ -124,7 +124,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     save(plan, args.out, what="--out")
     if args.report:
         save(report, args.report, what="--report")
-    from qsync_opt.dominance import dominance_note  # the cheap baselines against this plan
+    from qsync_opt.planner.dominance import dominance_note  # the cheap baselines against this plan
 
     dominated = dominance_note(problem, plan, ev, args.solver, _solve_options(args),
                                joint_split=args.joint_split)
@@ -159,7 +159,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_pareto(args: argparse.Namespace) -> int:
-    from qsync_opt.frontier import (
+    from qsync_opt.planner.frontier import (
         ONCE,
         SWEPT,
         format_points,
@@ -193,8 +193,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
-    from qsync_opt.dominance import dominated_by, marked_table
-    from qsync_opt.solve import compare
+    from qsync_opt.planner.dominance import dominated_by, marked_table
+    from qsync_opt.planner.solve import compare
 
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from qsync_opt.limits import int_range, positive_int
+from qsync_opt.core.limits import int_range, positive_int
+from qsync_opt.documents.schemas import MAX_BATCH, CostTable
 from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP
-from qsync_opt.schemas import MAX_BATCH, CostTable
 
 #: The command's help description: the first line of :mod:`qsync_opt.profile`'s docstring.
 DESCRIPTION = (
@@ -42,7 +42,7 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from qsync_opt.io import save, to_json
+    from qsync_opt.documents.io import save, to_json
     from qsync_opt.profile import merge, profile_detailed  # torch, only when it runs
 
     prof = profile_detailed(args.model, args.batch, device=args.device,

@@ -1,5 +1,5 @@
 """The ``qsync-opt report`` command: its parser and its body (the report itself is
-:mod:`qsync_opt.report`)."""
+:mod:`qsync_opt.planner.figure`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import json
 import sys
 from typing import Any
 
-from qsync_opt.report import load_report_inputs, plan_figure, plan_summary_lines, report_summary
+from qsync_opt.planner.figure import (
+    load_report_inputs,
+    plan_figure,
+    plan_summary_lines,
+    report_summary,
+)
 
 
 def add_report_parser(sub: Any) -> argparse.ArgumentParser:

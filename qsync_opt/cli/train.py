@@ -1,5 +1,5 @@
-"""The ``train`` command: its parser and its body over :mod:`qsync_opt.runtime.launch`
-(the checks, the run's config, torchrun) and the runtime (:mod:`qsync_opt.runtime.train`)."""
+"""The ``train`` command: its parser and its body over :mod:`qsync_opt.job.launch`
+(the checks, the run's config, torchrun) and the runtime (:mod:`qsync_opt.job.rank`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qsync_opt.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
-from qsync_opt.progress import LOG_EVERY_S
-from qsync_opt.runtime import launch
+from qsync_opt.core.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
+from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.documents.schemas import MAX_BATCH, Plan
+from qsync_opt.job import launch
+from qsync_opt.job.launch import MAX_RANKS
 from qsync_opt.runtime.config import (
     DEFAULT_LR,
     MAX_ABS_SEED,
@@ -22,11 +24,9 @@ from qsync_opt.runtime.config import (
     USER_MODEL_LR,
     TrainConfig,
 )
-from qsync_opt.runtime.launch import MAX_RANKS
 from qsync_opt.runtime.rankfail import report_failure
-from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX, parse_schedule
-from qsync_opt.runtime.syncmode import parse_comm, parse_sync
-from qsync_opt.schemas import MAX_BATCH, Plan
+from qsync_opt.strategy.modes import parse_comm, parse_sync
+from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
 __all__ = ["add_train_parser", "cmd_train"]
 
@@ -34,7 +34,7 @@ log = launch.log  # the launcher's warnings keep its logger's name
 
 
 def _compressor(text: str) -> Any:
-    from qsync_opt.runtime.compress import parse_compressor  # torch: only when the flag is given
+    from qsync_opt.strategy.codecs import parse_compressor  # torch: only when the flag is given
 
     return parse_compressor(text)
 
@@ -183,7 +183,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.emulate_dp:
         if args.dry_run:
             return 0
-        from qsync_opt.runtime.train import emulate  # the worker module, only when it runs
+        from qsync_opt.job.rank import emulate  # the worker module, only when it runs
 
         result = emulate(config)
         if isinstance(result, int) and not isinstance(result, bool):
@@ -211,7 +211,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none),
     then the communication and the pipeline's boundaries."""
-    from qsync_opt.outfolder import read_bytes
+    from qsync_opt.documents.outfolder import read_bytes
     from qsync_opt.runtime.metrics import ranks_text, sync_line
 
     path = Path(config.out_dir) / "summary.json"

@@ -37,8 +37,6 @@ from qsync_opt.graph.annotate import (
     TIE_MODES,
     unseen_ops,
 )
-from qsync_opt.graph.kinds import is_conv1d_like, is_leaf_module
-from qsync_opt.graph.naming import CallNamer, gemm_call_kind
 from qsync_opt.graph.tracing import trace
 from qsync_opt.models.resolve import (
     is_user_model,
@@ -47,6 +45,8 @@ from qsync_opt.models.resolve import (
     model_file_sha256,
     resolve_workload,
 )
+from qsync_opt.ops.kinds import is_conv1d_like, is_leaf_module
+from qsync_opt.ops.naming import CallNamer, gemm_call_kind
 
 __all__ = [
     "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",

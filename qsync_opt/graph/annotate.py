@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.graph.kinds import is_conv1d_like
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import Edge, ModelGraph, OpKind, OpNode, OpRole, TensorSpec
 from qsync_opt.graph.recording import RawOp, storage_id
-from qsync_opt.precision import Precision
-from qsync_opt.schemas import Edge, ModelGraph, OpKind, OpNode, OpRole, TensorSpec
+from qsync_opt.ops.kinds import is_conv1d_like
 
 log = logging.getLogger("qsync_opt.graph")  # one logger for the whole package
 

@@ -8,10 +8,10 @@ workload, the batch and the tracer's settings (``include_loss``, ``pin_head``, `
 user's file, which may import other files; a workload made or changed outside the package's
 registry) has no code digest and is never cached.
 
-The files live in ``graphs/`` of the cache folder (:func:`qsync_opt.machine.cache_root`),
+The files live in ``graphs/`` of the cache folder (:func:`qsync_opt.core.machine.cache_root`),
 one per key, each holding its key beside the graph: a file whose key is not the one asked
 for (copied, planted, or from a hash collision) is ignored. Files are written atomically and
-read, written and deleted through no link (:mod:`qsync_opt.outfolder`: a link planted in the
+read, written and deleted through no link (:mod:`qsync_opt.documents.outfolder`: a link planted in the
 cache folder, or a ``graphs`` folder that is a link, is never followed). When a workload is
 traced again after its code changed, its graphs made by the older code are deleted, so the
 folder does not grow with every edit. A file that cannot be
@@ -31,11 +31,11 @@ from importlib import metadata
 
 import torch
 
-from qsync_opt import outfolder
-from qsync_opt.errors import OutputError, QsyncInputError
-from qsync_opt.io import parse_document, parse_text
-from qsync_opt.machine import cache_root
-from qsync_opt.schemas import ModelGraph
+from qsync_opt.core.errors import OutputError, QsyncInputError
+from qsync_opt.core.machine import cache_root
+from qsync_opt.documents import outfolder
+from qsync_opt.documents.io import parse_document, parse_text
+from qsync_opt.documents.schemas import ModelGraph
 
 log = logging.getLogger("qsync_opt.graph")
 

@@ -14,15 +14,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from qsync_opt.graph.kinds import function_kind, is_leaf_module, method_kind, module_kind
-from qsync_opt.graph.naming import (
-    CallNamer,
-    UniqueNames,
-    class_name,
-    gemm_call_kind,
-    target_name,
-    tensors_of,
-)
 from qsync_opt.graph.recording import (
     Expansion,
     RawOp,
@@ -34,6 +25,15 @@ from qsync_opt.graph.recording import (
     meta_state,
     once_per_tensor,
     storage_id,
+)
+from qsync_opt.ops.kinds import function_kind, is_leaf_module, method_kind, module_kind
+from qsync_opt.ops.naming import (
+    CallNamer,
+    UniqueNames,
+    class_name,
+    gemm_call_kind,
+    target_name,
+    tensors_of,
 )
 
 

@@ -11,15 +11,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qsync_opt.graph.kinds import function_kind, is_leaf_module, method_kind, module_kind
-from qsync_opt.graph.naming import (
-    CallNamer,
-    UniqueNames,
-    class_name,
-    gemm_call_kind,
-    target_name,
-    tensors_of,
-)
+from qsync_opt.documents.schemas import OpKind
 from qsync_opt.graph.recording import (
     Expansion,
     RawOp,
@@ -34,7 +26,15 @@ from qsync_opt.graph.recording import (
     storage_id,
 )
 from qsync_opt.models.layers import MatMul
-from qsync_opt.schemas import OpKind
+from qsync_opt.ops.kinds import function_kind, is_leaf_module, method_kind, module_kind
+from qsync_opt.ops.naming import (
+    CallNamer,
+    UniqueNames,
+    class_name,
+    gemm_call_kind,
+    target_name,
+    tensors_of,
+)
 
 
 def _put_back_forward(mod: nn.Module, own: Any) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt.attention import mha_forward, sdpa_forward
-from qsync_opt.graph.naming import tensors_of
-from qsync_opt.schemas import OpKind
+from qsync_opt.documents.schemas import OpKind
+from qsync_opt.ops.attention import mha_forward, sdpa_forward
+from qsync_opt.ops.naming import tensors_of
 
 
 @dataclass
@@ -67,7 +67,7 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 
 class Expansion:
     """The step function (``step(suffix, kind, fn, *args)``) a decomposed attention
-    (:func:`qsync_opt.attention.mha_forward` / ``sdpa_forward``) runs under while
+    (:func:`qsync_opt.ops.attention.mha_forward` / ``sdpa_forward``) runs under while
     tracing: each step runs under the saved-tensor recorder and becomes a raw op named
     ``<base>.<suffix>``, linked to its producers by tensor identity. The runtime runs the
     very same decomposition, so the graph's FLOPs and memory are those the runtime spends."""

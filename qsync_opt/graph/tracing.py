@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt.errors import QsyncInputError, TraceError
+from qsync_opt.core.errors import QsyncInputError, TraceError
+from qsync_opt.documents.schemas import ModelGraph, TensorSpec
 from qsync_opt.graph import cache as graph_cache
 from qsync_opt.graph.annotate import build_graph, warn_unseen
 from qsync_opt.graph.capture import fx_raw_ops
@@ -17,8 +18,7 @@ from qsync_opt.graph.fallback import all_real, function_mode_raw_ops
 from qsync_opt.graph.recording import RawOp
 from qsync_opt.models import TraceInputs, Workload
 from qsync_opt.models.resolve import is_user_model, load_user_workload, resolve_workload
-from qsync_opt.schemas import ModelGraph, TensorSpec
-from qsync_opt.user_model import split_inputs
+from qsync_opt.models.user import split_inputs
 
 log = logging.getLogger("qsync_opt.graph")  # one logger for the whole package
 
@@ -74,7 +74,7 @@ def trace(
     """Trace a workload into a :class:`ModelGraph` without allocating real memory.
 
     ``workload`` is a registry name (``qsync-opt models``), ``path/file.py:fn`` (a user's
-    model file, :mod:`qsync_opt.user_model`), a :class:`~qsync_opt.models.Workload` (a
+    model file, :mod:`qsync_opt.models.user`), a :class:`~qsync_opt.models.Workload` (a
     built-in, or a user's file loaded), or an ``nn.Module`` with ``example_inputs``
     (a Tensor, a tuple of positional tensors, or a dict of keyword tensors). ``batch``
     overrides the batch (default: a registry workload's default batch, a user file's example

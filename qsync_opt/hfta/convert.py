@@ -66,7 +66,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.hfta import ops as H
 from qsync_opt.models.layers import MatMul
 
@@ -690,7 +690,7 @@ def serial_forward(mod: nn.Module, x: Tensor, B: int, replicated: bool) -> Tenso
     outputs joined, in the op's layout (``replicated``: an Embedding's ids are shared by the
     models). Integer and fp8 precisions already run one call per model (each model's own
     quantization scale), so they run as they are."""
-    from qsync_opt.precision import Precision
+    from qsync_opt.core.precision import Precision
 
     p = Precision(getattr(mod, "precision", Precision.fp32))
     if p not in (Precision.fp32, Precision.tf32):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 __all__ = ["FuncArray"]
 

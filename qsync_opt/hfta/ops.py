@@ -31,20 +31,20 @@ models with one kernel call, on one of the two layouts of :mod:`qsync_opt.hfta`:
   :func:`fold`, :func:`unfold` and :func:`conv_to_linear` move between the layouts.
 
 Precisions (:class:`FusedLinear`, :class:`FusedConv2d` and :class:`FusedMatMul`, attribute
-``precision``, as the runtime's precision layers, :mod:`qsync_opt.runtime.layers`): ``fp32`` / ``tf32`` run the one
+``precision``, as the runtime's precision layers, :mod:`qsync_opt.ops.layers`): ``fp32`` / ``tf32`` run the one
 fused call; ``fp16`` / ``bf16`` cast operands to 16 bit for that one call and the result back
 to the input dtype. ``int8``, ``int8_full``, ``int4`` and ``fp8`` quantize each tensor with a
 per-tensor (activation) scale, which must be each model's own, so they run ``B`` calls, one
-per model, of exactly the runtime's kernels (:func:`qsync_opt.runtime.gemm.run_linear`;
+per model, of exactly the runtime's kernels (:func:`qsync_opt.ops.gemm.run_linear`;
 ``ops.int8_conv2d`` / ``ops.int4_conv2d`` as ``QConv2d`` runs them; the matmul's operands
-fake-quantized by :func:`~qsync_opt.runtime.gemm.run_gemm` as ``QMatMul`` does), each with a
-fresh seed from the layer's counter (:class:`~qsync_opt.runtime.gemm.QMixin`): the fused layer then equals
+fake-quantized by :func:`~qsync_opt.ops.gemm.run_gemm` as ``QMatMul`` does), each with a
+fresh seed from the layer's counter (:class:`~qsync_opt.ops.gemm.QMixin`): the fused layer then equals
 ``B`` standalone layers given the same seeds, bit for bit. There is no batched integer GEMM
 in :mod:`qsync_opt.ops`, so ``int8_mode`` has the one value ``"loop"``.
 
 Every operator has ``from_modules(mods)`` (fuse ``B`` standalone torch modules of the matching
 type: parameters and buffers copied, hyper-parameters checked equal, a
-:class:`~qsync_opt.errors.QsyncInputError` naming what differs) and ``export(b)`` (model
+:class:`~qsync_opt.core.errors.QsyncInputError` naming what differs) and ``export(b)`` (model
 ``b``'s standalone torch module, with copies of its parameters and buffers).
 """
 
@@ -59,10 +59,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qsync_opt import ops
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
 from qsync_opt.models.layers import MatMul
-from qsync_opt.precision import Precision
-from qsync_opt.runtime.gemm import HALF_DTYPES, QMixin, run_gemm, run_linear
+from qsync_opt.ops.gemm import HALF_DTYPES, QMixin, run_gemm, run_linear
 
 __all__ = ["FusedBatchNorm2d", "FusedConv2d", "FusedEmbedding", "FusedLayerNorm",
            "FusedLinear", "FusedMatMul", "INT8_MODES", "conv_to_linear", "fold", "unfold"]
@@ -747,7 +747,7 @@ class FusedMatMul(nn.Module, QMixin):
     fp32 / tf32 one call, fp16 / bf16 one call on 16-bit operands (the result back in the
     first operand's dtype); int8, int8_full, int4 and fp8 fake-quantize each operand with a
     per-tensor scale, which must be each model's own, so they run ``B`` calls, one per model,
-    of :func:`~qsync_opt.runtime.gemm.run_gemm` (what QMatMul computes), each with a fresh seed.
+    of :func:`~qsync_opt.ops.gemm.run_gemm` (what QMatMul computes), each with a fresh seed.
     """
 
     def __init__(self, B: int) -> None:

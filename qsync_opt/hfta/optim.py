@@ -24,12 +24,12 @@ is skipped entirely (its state is neither created nor advanced).
 Learning rates are per-model arrays that a schedule drives: :meth:`FusedSGD.set_lr` /
 :meth:`FusedAdamW.set_lr`, or the ``lr`` attribute. :class:`FusedLRSchedule` (built from
 schedule texts by :func:`fused_schedule`) holds one
-:class:`~qsync_opt.runtime.schedule.LRSchedule` per model; ``lr_at(step)`` gives all ``B``
+:class:`~qsync_opt.strategy.schedule.LRSchedule` per model; ``lr_at(step)`` gives all ``B``
 rates and ``apply(optimizer, step)`` sets them. ``state_dict()`` / ``load_state_dict()``
 round-trip the hyper-parameter arrays with the state, so a resumed run continues exactly.
 
 Bad input (an array of the wrong length, a value out of range, a parameter without the
-leading model axis) raises :class:`~qsync_opt.errors.QsyncInputError` naming the field.
+leading model axis) raises :class:`~qsync_opt.core.errors.QsyncInputError` naming the field.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.runtime.schedule import LRSchedule, parse_schedule
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.strategy.schedule import LRSchedule, parse_schedule
 
 __all__ = ["FusedAdamW", "FusedLRSchedule", "FusedSGD", "fused_schedule"]
 
@@ -616,7 +616,7 @@ def _adamw_scalars(group: dict[str, Any], arrays: _Arrays, step: Tensor, dev: to
 # ----------------------------------------------------------------------------- schedules
 
 class FusedLRSchedule:
-    """One :class:`~qsync_opt.runtime.schedule.LRSchedule` per fused model.
+    """One :class:`~qsync_opt.strategy.schedule.LRSchedule` per fused model.
 
     ``lr_at(step)`` is every model's learning rate at optimizer step ``step`` (an int for
     all, or ``B`` per-model step counts) as a float64 tensor ``[B]``; ``apply(optimizer,

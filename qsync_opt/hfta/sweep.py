@@ -22,7 +22,7 @@ fp32 on one rank, the run's settings in its fingerprint). An export replaces an 
 in ``OUT/model{b}`` whole (written beside it, then swapped in), and refuses, before
 training, a ``model{b}`` holding more (a ``train`` run continued there). ``--out`` is checked
 before any work (a writable folder, no link inside where the sweep writes:
-:mod:`qsync_opt.outfolder`).
+:mod:`qsync_opt.documents.outfolder`).
 
 The array runs on the fused operators for every model the converter places (CNNs, MLPs and
 GPT-style transformers: ``digits_cnn``, ``resnet18``, ``tiny_gpt``...); any other model
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 __all__ = ["MAX_MODELS", "SweepRequest", "array_memory_bytes", "check_out", "check_request",
            "export_run", "parse_seeds", "parse_values", "run_sweep"]
@@ -88,7 +88,7 @@ def parse_seeds(text: str) -> list[int]:
 def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
     """Comma-separated numbers, each finite (ASCII digits) and > 0 (``positive``) or >= 0;
     at most :data:`MAX_MODELS`."""
-    from qsync_opt.limits import parse_float
+    from qsync_opt.core.limits import parse_float
 
     vals: list[float] = []
     parts = [p.strip() for p in str(text).split(",")]
@@ -119,7 +119,7 @@ def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, st
     """The memory the array may use and where it is: the plan's group's card, else the CUDA
     ``device``'s free memory, else this machine's available memory."""
     if plan is not None and group is not None:
-        from qsync_opt.devices import get_device
+        from qsync_opt.costs.devices import get_device
 
         spec = next(g for g in plan.cluster.groups if g.name == group)
         dev = get_device(spec.device)
@@ -149,10 +149,10 @@ def check_out(out: Path, n_models: int, export: bool) -> None:
     link where the sweep writes (``sweep.json``; with ``export``, each ``model{b}`` and
     everything in it but the export's own ``checkpoint.pt`` link), and each ``model{b}``
     that exists holds an earlier export only (which the new one replaces whole). Refused in
-    one line naming the path (qsync_opt.outfolder)."""
+    one line naming the path (qsync_opt.documents.outfolder)."""
     import stat
 
-    from qsync_opt.outfolder import check_folder, check_names, list_names
+    from qsync_opt.documents.outfolder import check_folder, check_names, list_names
 
     check_folder(out, "--out")
     check_names(out, files=["sweep.json"])
@@ -183,7 +183,7 @@ def export_run(trainer: Any, b: int, out: Path) -> Path:
     export's sets and all) or, on a failure, left as it was."""
     import secrets
 
-    from qsync_opt.outfolder import list_names, make_folder, remove, swap_folder
+    from qsync_opt.documents.outfolder import list_names, make_folder, remove, swap_folder
 
     folder = out / f"model{b}"
     for name, _st in list_names(out):  # what a killed export of this model left
@@ -206,11 +206,11 @@ def _export_into(trainer: Any, b: int, folder: Path, final: Path) -> None:
     """Write model ``b``'s run into ``folder`` (its final place: ``final``)."""
     import torch
 
-    from qsync_opt.cluster import load_cluster
+    from qsync_opt.costs.cluster import load_cluster
+    from qsync_opt.documents.io import to_json
+    from qsync_opt.documents.outfolder import write_text
     from qsync_opt.graph import trace
-    from qsync_opt.io import to_json
-    from qsync_opt.outfolder import write_text
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
     from qsync_opt.runtime.checkpoint import commit_set, rank_document, write_rank_file
     from qsync_opt.runtime.config import TrainConfig, run_fingerprint, set_path
     from qsync_opt.runtime.prepare import make_optimizer
@@ -308,7 +308,7 @@ def check_request(req: SweepRequest) -> None:
     models the seeds and values make, ``--export`` with ``--out``, the momentum with its
     optimizer, and the schedule at every learning rate. The output paths are checked by
     :func:`check_out` (``--out``, in :func:`run_sweep`) and the CLI (``--json``)."""
-    from qsync_opt.runtime.schedule import parse_schedule
+    from qsync_opt.strategy.schedule import parse_schedule
 
     n = len(req.seeds) * len(req.lrs) * len(req.wds)
     if n > MAX_MODELS:
@@ -328,15 +328,15 @@ def check_request(req: SweepRequest) -> None:
 
 def _plan_precisions(req: SweepRequest) -> tuple[Any, dict[str, str]]:
     """The plan (``--plan``, checked against the model) and its group's precisions."""
-    from qsync_opt.precision import Precision
-    from qsync_opt.schemas import Plan
+    from qsync_opt.core.precision import Precision
+    from qsync_opt.documents.schemas import Plan
 
     if (req.plan is None) != (req.group is None):
         raise QsyncInputError("--plan and --group: give both (the group whose precisions the "
                               "array runs) or neither")
     if req.plan is None:
         return None, {}
-    from qsync_opt.plan import graph_for_plan
+    from qsync_opt.problem.plan import graph_for_plan
 
     plan = Plan.load(req.plan)
     graph_for_plan(plan, req.model)
@@ -436,7 +436,7 @@ def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
            "samples_per_s": round(len(variants) * batch * req.steps / wall, 1),
            "threads": torch.get_num_threads()}
     if req.out:
-        from qsync_opt.outfolder import write_text
+        from qsync_opt.documents.outfolder import write_text
 
         out = Path(req.out)
         if req.export:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.hfta.convert import fuse
 
 __all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses",
@@ -123,9 +123,9 @@ class ArrayTrainer:
     """Train ``spec``'s variants as one fused array (module docstring)."""
 
     def __init__(self, spec: SweepSpec) -> None:
+        from qsync_opt.core.precision import Precision
         from qsync_opt.hfta.optim import FusedAdamW, FusedSGD, fused_schedule
         from qsync_opt.models import UnknownWorkloadError, get_workload
-        from qsync_opt.precision import Precision
         from qsync_opt.runtime.data import GlobalBatches
 
         if not spec.variants:
@@ -297,7 +297,7 @@ class ArrayTrainer:
 
     def train(self, steps: int | None = None, progress: bool = False) -> None:
         total = self.spec.steps if steps is None else steps
-        from qsync_opt.progress import Progress
+        from qsync_opt.core.progress import Progress
 
         with Progress(f"sweep of {self.B}", total=total, enabled=progress) as bar:
             while self.step < total:

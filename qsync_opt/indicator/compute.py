@@ -14,8 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.machine import cache_root
+from qsync_opt.core.precision import Precision
+from qsync_opt.core.progress import LOG_EVERY_S, duration
+from qsync_opt.documents.io import load, save
+from qsync_opt.documents.schemas import IndicatorTable, ModelGraph, OpRole
 from qsync_opt.graph import resolve_workload, trace
+from qsync_opt.indicator.calls import Bilinear, CallCapture
 from qsync_opt.indicator.curv import CURV_LR, curv_batch
 from qsync_opt.indicator.errormodel import NOMINAL, check_method
 from qsync_opt.indicator.memory import (
@@ -41,18 +47,12 @@ from qsync_opt.indicator.terms import (
     qsync_terms,
     wvar_terms,
 )
-from qsync_opt.indicator_calls import Bilinear, CallCapture
-from qsync_opt.io import load, save
-from qsync_opt.machine import cache_root
 from qsync_opt.models import Workload
-from qsync_opt.precision import Precision
-from qsync_opt.progress import LOG_EVERY_S, duration
-from qsync_opt.schemas import IndicatorTable, ModelGraph, OpRole
 
 log = logging.getLogger("qsync_opt.indicator")
 
 #: Off a terminal, the indicator's progress is a line at most this often (seconds): the
-#: interval every progress line of the tool keeps (qsync_opt.progress).
+#: interval every progress line of the tool keeps (qsync_opt.core.progress).
 PROGRESS_EVERY_S = LOG_EVERY_S
 
 
@@ -430,7 +430,7 @@ def indicate(
     """Omega[op][precision] for every choosable op of ``workload``, from ``batches`` batches.
 
     ``workload``: a registry name or workload, or a user's model (``PATH.py:FUNCTION``,
-    which is run, or a :class:`~qsync_opt.user_model.UserWorkload`): its ``build()`` under
+    which is run, or a :class:`~qsync_opt.models.user.UserWorkload`): its ``build()`` under
     the seed, its ``loss()`` or the default loss, its ``data()`` or synthetic batches shaped
     like its example inputs, at any ``batch`` (the notes say which loss and data were used).
     The model is the workload's (seeded init) unless ``model`` is given (e.g. a trained

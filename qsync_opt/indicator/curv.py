@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.indicator.calls import Bilinear, CallCapture
 from qsync_opt.indicator.errormodel import SPECS, element_variance, kind_parts
-from qsync_opt.indicator_calls import Bilinear, CallCapture
-from qsync_opt.precision import Precision
 
 #: The ``curv`` method's default SGD learning rate for its backward (update) term: the
 #: accuracy study's SGD rate (benchmarks/bench_accuracy.py, digits_cnn). ``lr=0`` drops it.

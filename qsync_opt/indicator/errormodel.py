@@ -90,8 +90,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
 
 #: The indicator methods, the one list (``qsync-opt indicate/solve/compare/pareto/demo
 #: --method`` offer these choices): the default first.
@@ -166,7 +166,7 @@ def kinds_for(p: Precision, b_is_weight: bool) -> Kinds | None:
     re-quantizes a weight per input column for the input gradient (its forward scales are
     per output channel, which do not factor out of ``G @ W``); a matmul's activation ``b``
     has one scale, which does, so its backward uses it as the forward did
-    (:func:`qsync_opt.runtime.gemm.int8_full_gemm`)."""
+    (:func:`qsync_opt.ops.gemm.int8_full_gemm`)."""
     k = SPECS[p]
     if k is None or b_is_weight or k.b_bwd != "int8+col":
         return k

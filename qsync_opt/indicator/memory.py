@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.documents.schemas import ModelGraph, OpRole
 from qsync_opt.indicator.errormodel import check_method
-from qsync_opt.schemas import ModelGraph, OpRole
 
 #: Working copies the term computations keep of the largest op's tensors (variances,
 #: squares and propagated terms of its operands, output and output gradient).

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import IndicatorTable, ModelGraph
 from qsync_opt.indicator.errormodel import LADDERS
-from qsync_opt.precision import Precision
-from qsync_opt.schemas import IndicatorTable, ModelGraph
 
 
 def placeholder_indicator(graph: ModelGraph) -> IndicatorTable:

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from qsync_opt.core.precision import Precision
+from qsync_opt.indicator.calls import Bilinear, Call
 from qsync_opt.indicator.errormodel import SPECS, element_variance, kind_parts, kinds_for
-from qsync_opt.indicator_calls import Bilinear, Call
-from qsync_opt.precision import Precision
 
 
 @dataclass

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qsync_opt.devices import get_device
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.devices import get_device
+from qsync_opt.documents.schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
 from qsync_opt.netsim.engine import DEFAULT_MAX_EVENTS, NetsimLimit
 from qsync_opt.netsim.topology import Topology
 from qsync_opt.netsim.traffic import (
@@ -37,7 +38,6 @@ from qsync_opt.netsim.traffic import (
     quantile,
     simulate_iteration,
 )
-from qsync_opt.schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
 
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
@@ -197,9 +197,9 @@ def params_bucket(numels: Sequence[int]) -> Bucket:
 
 def drop_mask(table: Any, bucket: Bucket, lost: Sequence[tuple[int, int]]) -> Any:
     """The simulator's loss handed to the runtime's DLCP: the chunks of ``table``
-    (:class:`qsync_opt.runtime.dlcp.ChunkTable`) that any lost byte range ``(offset,
+    (:class:`qsync_opt.strategy.droppolicy.ChunkTable`) that any lost byte range ``(offset,
     bytes)`` of ``bucket`` (:func:`params_bucket` of the same numels) touches, as the bool
-    mask :func:`qsync_opt.runtime.dlcp.apply_drops` takes."""
+    mask :func:`qsync_opt.strategy.droppolicy.apply_drops` takes."""
     import torch
 
     dropped = torch.zeros(table.n_chunks, dtype=torch.bool)
@@ -303,7 +303,7 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
 
 
 def _estimate(graph: ModelGraph, cluster: ClusterSpec) -> CostTable:
-    from qsync_opt.costs import estimate
+    from qsync_opt.costs.roofline import estimate
 
     return estimate(graph, cluster)
 

@@ -42,11 +42,11 @@ from qsync_opt.netsim.engine import (
     Sim,
 )
 from qsync_opt.netsim.topology import Topology
+from qsync_opt.strategy.modes import NET_SCENARIOS
 
 PATTERNS = ("ring", "ps", "hierarchical")
-#: The fabrics a cluster's network is simulated on (``netsim.cluster``): a ring over the
-#: leaf/spine fabric, incast to a parameter server, an oversubscribed spine.
-SCENARIOS = ("ring", "incast", "oversubscribed")
+#: The fabrics a cluster's network is simulated on (:data:`qsync_opt.strategy.modes.NET_SCENARIOS`)
+SCENARIOS = NET_SCENARIOS
 # queue discipline + transport; the two mixed ones separate what each half does
 POLICIES = {"fifo+tcp": ("fifo", None), "priority+bounded": ("priority", "bounded"),
             "fifo+bounded": ("fifo", "bounded"), "priority+tcp": ("priority", None)}

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from qsync_opt.machine import cache_root, cpu_model
+from qsync_opt.core.machine import cache_root, cpu_model
 
 log = logging.getLogger(__name__)
 

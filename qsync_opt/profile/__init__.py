@@ -7,7 +7,7 @@ keys, and replaces what it can measure:
 * **Ops**, each *in isolation*: the op's module (or function, rebuilt from the op's kind and
   target) on random inputs of its traced shapes, a random output gradient pushed back with
   ``torch.autograd.backward``; choosable ops swapped to each precision the device runs with
-  :func:`~qsync_opt.runtime.layers.apply_precisions`; pass-through and promoting ops fed
+  :func:`~qsync_opt.ops.layers.apply_precisions`; pass-through and promoting ops fed
   inputs of each activation dtype. Warm-up calls, then the median of ``repeats``; the spread
   (interquartile range over median) goes to :attr:`Profile.spread` and a summary to the
   table's notes. Ops with identical signatures (module type and settings, shapes, precision:
@@ -30,7 +30,7 @@ inputs), :mod:`.gloo` (the local gloo harness: :func:`spawn_local`,
 :func:`with_comm`, :func:`derive`, :func:`merge`; it needs no torch, and importing this
 package imports torch only when a name that needs it is first used). The command
 ``qsync-opt profile`` is :mod:`qsync_opt.cli.profile`; the in-context method's runs are
-:mod:`qsync_opt.profile_context`.
+:mod:`qsync_opt.profile.incontext`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from qsync_opt.profile.tables import derive, fit_cast, median_iqr, merge, with_comm
+from qsync_opt.costs.tables import derive, fit_cast, median_iqr, merge, with_comm
 
 if TYPE_CHECKING:
     from qsync_opt.profile.builders import OpBuilder

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qsync_opt.precision import Precision
-from qsync_opt.schemas import ModelGraph, OpKind, OpNode, OpRole
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import ModelGraph, OpKind, OpNode, OpRole
 
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "transpose", "permute", "getitem", "narrow",
           "split", "chunk", "squeeze", "unsqueeze", "expand", "t"}
@@ -75,7 +75,7 @@ class OpBuilder:
                 ) -> tuple[Callable[[], Any], str] | tuple[None, str]:
         m = copy.deepcopy(mod).to(self.device).train()
         if op.role == OpRole.choosable:
-            from qsync_opt.runtime.layers import apply_precisions
+            from qsync_opt.ops.layers import apply_precisions
 
             holder = nn.Module()
             holder.add_module("m", m)

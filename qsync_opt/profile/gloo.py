@@ -8,16 +8,16 @@ from typing import Any
 
 import torch
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.documents.schemas import CommModel
 from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, measure_allreduce
-from qsync_opt.schemas import CommModel
 
 
 def _gloo_rank(rank: int, world: int, init: str, q: Any, fn: Callable[..., Any],
                args: tuple[Any, ...]) -> None:
     import torch.distributed as dist
 
-    from qsync_opt.machine import pin_malloc
+    from qsync_opt.core.machine import pin_malloc
 
     torch.set_num_threads(1)
     pin_malloc()

@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt import __version__
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.costs import estimate, gradient_buckets, op_precisions
-from qsync_opt.devices import get_device, known_device_names
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.core.version import __version__
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.costs.devices import get_device, known_device_names
+from qsync_opt.costs.roofline import estimate, gradient_buckets, op_precisions
+from qsync_opt.costs.tables import median_iqr
+from qsync_opt.documents.schemas import CostTable, ModelGraph, OpCost, OpRole
 from qsync_opt.profile.builders import OpBuilder, check_shapes
-from qsync_opt.profile.tables import median_iqr
 from qsync_opt.profile.timing import (
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
@@ -31,7 +32,6 @@ from qsync_opt.profile.timing import (
     measure_optimizer,
     time_fwd_bwd,
 )
-from qsync_opt.schemas import CostTable, ModelGraph, OpCost, OpRole
 
 
 @dataclass
@@ -109,13 +109,13 @@ def profile_detailed(
     intra-op threads for the measurement (restored after; default: as set). Profile with the
     thread count training will use: on a shared 2-core machine a 2-thread op waits for the
     other core (ms-long stalls), a 1-thread op does not. ``method`` is ``"context"`` (default:
-    choosable ops timed inside whole steps of uniform plans, :mod:`qsync_opt.profile_context`;
+    choosable ops timed inside whole steps of uniform plans, :mod:`qsync_opt.profile.incontext`;
     the table's ``activation_flow`` is ``"fp32"``, as the runtime runs) or ``"isolated"``
     (every op alone; ``activation_flow="native"``).
     """
     if method not in ("context", "isolated"):
         raise QsyncInputError(f"method: expected 'context' or 'isolated', got {method!r}")
-    from qsync_opt.machine import pin_malloc
+    from qsync_opt.core.machine import pin_malloc
 
     pin_malloc()  # as the training ranks do: large buffers cost the same in every process
     if threads is None:
@@ -236,7 +236,7 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
     optimizer = [o.model_copy(update={"ms": opt_ms[o.optimizer]}) for o in template.optimizer]
     comm = measure_allreduce(dev, repeats, warmup)
     how = ("choosable ops in context (whole steps of each uniform precision, module hooks; "
-           "see qsync_opt.profile_context), the other ops' in-context fp32 time split by their "
+           "see qsync_opt.profile.incontext), the other ops' in-context fp32 time split by their "
            "isolated timings on random inputs of their traced shapes" if context else
            "each op in isolation on random inputs of its traced shapes")
     notes = [environment_note(dev_name, dev),
@@ -293,8 +293,8 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
                 estimated: dict[tuple[str, Precision], tuple[float, float]],
                 ) -> tuple[dict[tuple[str, Precision], tuple[float, float]],
                            dict[tuple[str, str], tuple[float, float]], list[str], dict[Any, Any]]:
-    """Entries from in-context uniform runs (see :mod:`qsync_opt.profile_context`)."""
-    from qsync_opt.profile_context import HEAD, TAIL, model_builder, run_uniform, stepper
+    """Entries from in-context uniform runs (see :mod:`qsync_opt.profile.incontext`)."""
+    from qsync_opt.profile.incontext import HEAD, TAIL, model_builder, run_uniform, stepper
 
     choosable = [o for o in graph.ops if o.role == OpRole.choosable]
     menu: list[Precision] = []

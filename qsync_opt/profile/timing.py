@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt.costs import cast_pairs
-from qsync_opt.devices import get_device
-from qsync_opt.precision import DType
-from qsync_opt.profile.tables import fit_cast
-from qsync_opt.schemas import CastCost, CommModel
+from qsync_opt.core.precision import DType
+from qsync_opt.costs.devices import get_device
+from qsync_opt.costs.roofline import cast_pairs
+from qsync_opt.costs.tables import fit_cast
+from qsync_opt.documents.schemas import CastCost, CommModel
 
 DEFAULT_REPEATS = 10
 

@@ -27,7 +27,7 @@ group of the cluster (all devices of a group run the same plan, so one represent
   its own cast copy; without a cast it shares its producer's tensor), the largest single op's
   working set, and a context reserve.
 
-The rules of the first three points and of memory are :mod:`qsync_opt.rules` (the problem
+The rules of the first three points and of memory are :mod:`qsync_opt.costs.rules` (the problem
 compiler and the diagnosis read the same ones); this package is the event loop around them:
 
 * :mod:`.sync`: the sync models (:class:`SyncModel`, :class:`AllReduceSync`, and
@@ -43,10 +43,11 @@ compiler and the diagnosis read the same ones); this package is the event loop a
   allocator's "what if" in well under a millisecond. Tests hold the two equal.
 """
 
+from qsync_opt.costs.rules import DEFAULT_CONTEXT_BYTES, GRAD_DTYPE, MiB, widest
 from qsync_opt.replayer.incremental import Change, IncrementalReplay
 from qsync_opt.replayer.loop import Replayer, simulate
 from qsync_opt.replayer.prepared import PreparedReplay
-from qsync_opt.replayer.sync import (
+from qsync_opt.replayer.syncmodel import (
            AllReduceSync,
            PeriodicSync,
            SyncModel,
@@ -54,7 +55,6 @@ from qsync_opt.replayer.sync import (
            sync_model_for,
 )
 from qsync_opt.replayer.timeline import Event, GroupTimeline, Timeline
-from qsync_opt.rules import DEFAULT_CONTEXT_BYTES, GRAD_DTYPE, MiB, widest
 
 __all__ = ["DEFAULT_CONTEXT_BYTES", "GRAD_DTYPE", "AllReduceSync", "Change", "Event",
            "GroupTimeline", "IncrementalReplay", "MiB", "PeriodicSync", "PreparedReplay",

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import DType, Precision
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.documents.schemas import OpRole, Plan
 from qsync_opt.replayer.prepared import PreparedReplay
-from qsync_opt.schemas import OpRole, Plan
 
 
 class _Fenwick:

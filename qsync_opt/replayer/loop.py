@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qsync_opt.precision import Precision
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import ClusterSpec, CostTable, ModelGraph, Plan
 from qsync_opt.replayer.incremental import IncrementalReplay
 from qsync_opt.replayer.prepared import PreparedReplay
-from qsync_opt.replayer.sync import PeriodicSync, SyncSchedule
+from qsync_opt.replayer.syncmodel import PeriodicSync, SyncSchedule
 from qsync_opt.replayer.timeline import Event, GroupTimeline, Timeline
-from qsync_opt.schemas import ClusterSpec, CostTable, ModelGraph, Plan
 
 
 class Replayer(PreparedReplay):

@@ -1,5 +1,5 @@
 """A (graph, cluster, costs) prepared for replay: the inputs checked, the gradient buckets
-indexed, the step syncs, the cost rules (:class:`~qsync_opt.rules.CostRules`) built, and
+indexed, the step syncs, the cost rules (:class:`~qsync_opt.costs.rules.CostRules`) built, and
 plans validated into per-op precision rows. The event loop (:class:`~.loop.Replayer`) and
 the incremental path (:class:`~.incremental.IncrementalReplay`) both start from it."""
 
@@ -7,12 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from qsync_opt.costs import DDP_BUCKET_CAP_BYTES, gradient_buckets
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
-from qsync_opt.replayer.sync import AllReduceSync, PeriodicSync, SyncModel
-from qsync_opt.rules import DEFAULT_CONTEXT_BYTES, CostRules, check_plan_entry, check_tie, fidelity
-from qsync_opt.schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.costs.roofline import DDP_BUCKET_CAP_BYTES, gradient_buckets
+from qsync_opt.costs.rules import (
+    DEFAULT_CONTEXT_BYTES,
+    CostRules,
+    check_plan_entry,
+    check_tie,
+    fidelity,
+)
+from qsync_opt.documents.schemas import ClusterSpec, CostTable, ModelGraph, OpRole, Plan
+from qsync_opt.replayer.syncmodel import AllReduceSync, PeriodicSync, SyncModel
 
 
 class PreparedReplay:
@@ -49,7 +55,7 @@ class PreparedReplay:
         self.costs = costs
         #: The runtime's per-step bookkeeping collectives (tables profiled on it): a 32-byte
         #: all-reduce of the step's statistics before the optimizer, and a broadcast of the
-        #: buffers after it (qsync_opt.runtime.train). Zero for one rank and for estimates.
+        #: buffers after it (qsync_opt.job.rank). Zero for one rank and for estimates.
         native_flow = costs.activation_flow == "native"
         comm = costs.comm
         self.stats_sync_ms = 0.0 if native_flow else comm.allreduce_ms(32)
@@ -79,7 +85,7 @@ class PreparedReplay:
                     + " (the table was made for another graph)")
         rules = CostRules(graph, self.cluster, costs, optimizer=optimizer,
                           context_bytes=context_bytes)
-        #: The cost-and-memory rules (:mod:`qsync_opt.rules`) this replay is made of.
+        #: The cost-and-memory rules (:mod:`qsync_opt.costs.rules`) this replay is made of.
         self.rules = rules
         self.native_flow = rules.native_flow
         self.ops = rules.ops

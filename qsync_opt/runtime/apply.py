@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
-from qsync_opt.runtime.layers import apply_precisions, classify_ops, swappable_kind
-from qsync_opt.schemas import ModelGraph, Plan
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import ModelGraph, Plan
+from qsync_opt.ops.layers import apply_precisions, classify_ops, swappable_kind
 
 
 @dataclass
@@ -46,12 +46,12 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
 
     Each planned op runs at its precision the way the tracer saw it: GEMM modules swapped for
     their precision-specific layers (Linear, Conv1d/2d, MatMul, HF-style Conv1D), the sub-ops
-    of nn.MultiheadAttention in :class:`~qsync_opt.runtime.layers.QMultiheadAttention`, and
+    of nn.MultiheadAttention in :class:`~qsync_opt.ops.layers.QMultiheadAttention`, and
     functional GEMMs and ``F.scaled_dot_product_attention`` per call
-    (:class:`~qsync_opt.runtime.dispatch.FunctionalDispatch`).
+    (:class:`~qsync_opt.ops.dispatch.FunctionalDispatch`).
 
     Refused, with one line naming what differs: a group the plan lacks, a plan made for
-    another graph (when ``graph`` is given: :func:`qsync_opt.plan.check_plan`; always: every
+    another graph (when ``graph`` is given: :func:`qsync_opt.problem.plan.check_plan`; always: every
     planned op must be an op of ``model``). Reported: GEMM modules the plan does not cover
     (they keep running as they are). ``seed`` seeds the layers' stochastic rounding (give
     each rank its own).
@@ -60,7 +60,7 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
         raise QsyncInputError(f"group: the plan has no group {group!r}; its groups: "
                               f"{', '.join(plan.groups)}")
     if graph is not None:  # the one plan check of every reader (hash, ops, pins, menus)
-        from qsync_opt.plan import check_plan
+        from qsync_opt.problem.plan import check_plan
 
         check_plan(plan, graph)
     wanted = plan.groups[group].precisions

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt.errors import QsyncInputError, one_line
+from qsync_opt.core.errors import QsyncInputError, one_line
+from qsync_opt.ops.gemm import QMixin
 from qsync_opt.runtime.config import (
     CKPT_DIR,
     COMMIT_NAME,
@@ -37,7 +38,6 @@ from qsync_opt.runtime.config import (
     rank_file,
     remove_other_sets,
 )
-from qsync_opt.runtime.gemm import QMixin
 
 __all__ = ["FORMAT", "CheckpointError", "atomic_torch_save", "check_set_files", "commit_set",
            "latest_checkpoint", "link_latest", "load_checkpoint", "qseeds", "rank_document",
@@ -78,7 +78,7 @@ def replica_entry(doc: dict[str, Any], rank: int) -> dict[str, Any] | None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    from qsync_opt.io import atomic_write
+    from qsync_opt.documents.io import atomic_write
 
     atomic_write(path, lambda fh: torch.save(obj, fh))
 
@@ -90,8 +90,8 @@ def _out_of(folder: Path) -> Path:
 
 def write_rank_file(folder: Path, rank: int, doc: dict[str, Any]) -> Path:
     """Write rank ``rank``'s file of the set in ``folder`` (``OUT/ckpt/step-N``, created)
-    atomically, never through a link inside ``OUT`` (qsync_opt.outfolder); its path."""
-    from qsync_opt.outfolder import write
+    atomically, never through a link inside ``OUT`` (qsync_opt.documents.outfolder); its path."""
+    from qsync_opt.documents.outfolder import write
 
     path = rank_file(folder, rank)
     out = _out_of(folder)
@@ -103,7 +103,7 @@ def commit_set(out: Path, folder: Path, step: int, world_size: int, run: dict[st
                link: bool) -> None:
     """Rank 0, once every rank's file is on disk: the commit marker, then every older set
     goes; ``link``: ``out/checkpoint.pt`` points at the set's ``rank0.pt``."""
-    from qsync_opt.outfolder import write_text
+    from qsync_opt.documents.outfolder import write_text
 
     write_text(out, Path(CKPT_DIR, folder.name, COMMIT_NAME),
                commit_document(step, world_size, run))
@@ -117,7 +117,7 @@ class CheckpointError(QsyncInputError):
 
 
 #: The keys of a rank file and what each must be (module docstring); a pipeline's file has
-#: its own (qsync_opt.runtime.pipetrain).
+#: its own (qsync_opt.pipeline.run).
 _NUM = (int, float)
 _TRAIN_KEYS: dict[str, tuple[type, ...]] = {
     "step": (int,), "scale": _NUM, "good": (int,), "bad_run": (int,), "skipped": (int,),
@@ -230,7 +230,7 @@ def link_latest(out: Path, target: Path) -> None:
     """``out/checkpoint.pt`` -> the newest set's rank0.pt (readers of the old layout): the
     one link the runtime makes in ``out``; a link there is replaced (never followed), a
     regular file (an old run's checkpoint) left alone."""
-    from qsync_opt.outfolder import replace_link
+    from qsync_opt.documents.outfolder import replace_link
 
     try:
         replace_link(out, LEGACY_NAME, os.path.relpath(target, out))

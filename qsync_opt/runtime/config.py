@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.limits import MAX_EVAL_BATCHES, MAX_STEPS
-from qsync_opt.progress import LOG_EVERY_S
-from qsync_opt.runtime.schedule import SCHEDULE_SYNTAX
-from qsync_opt.schemas import MAX_BATCH, Document, Int, Real
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.limits import MAX_EVAL_BATCHES, MAX_STEPS
+from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
+from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX
 
 if TYPE_CHECKING:
-    from qsync_opt.schemas import Plan
+    from qsync_opt.documents.schemas import Plan
 
 #: Sane limits: beyond them a value is a typo or an attack, not a run (named when refused).
 MAX_BATCH_PER_DEVICE = MAX_BATCH  # the schemas' one limit
@@ -100,9 +100,9 @@ def _range_text(integer: bool, lo: float, lo_in: bool, hi: float | None, hi_in: 
 
 class PipelineSpec(BaseModel):
     """A pipeline-parallel run (``qsync-opt train --pipeline-stages N``): rank ``k`` runs
-    stage ``k`` of the model cut at ``cuts`` (qsync_opt.runtime.pipeline), at the plan's
+    stage ``k`` of the model cut at ``cuts`` (qsync_opt.pipeline.stages), at the plan's
     precisions for its rank group, every boundary's activation and gradient through its
-    compressor (qsync_opt.runtime.compress) with the feedback wrapper."""
+    compressor (qsync_opt.strategy.codecs) with the feedback wrapper."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -130,7 +130,7 @@ class PipelineSpec(BaseModel):
         if self.micro_batches > self.batch:
             raise ValueError(f"--micro-batches must be at most the batch ({self.batch}), "
                              f"got {self.micro_batches}")
-        from qsync_opt.runtime.compress import parse_compressor
+        from qsync_opt.strategy.codecs import parse_compressor
 
         for flag, text in (("--compress-act", self.compress_act),
                            ("--compress-grad", self.compress_grad)):
@@ -169,7 +169,7 @@ class TrainConfig(Document):
                                  f"default {DEFAULT_LR}, {USER_MODEL_LR} for a model file.")
     lr_schedule: str = Field(
         default="constant",
-        description=f"{SCHEDULE_SYNTAX} (qsync_opt.runtime.schedule): every step's lr, in "
+        description=f"{SCHEDULE_SYNTAX} (qsync_opt.strategy.schedule): every step's lr, in "
                     "its metrics row.")
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: Real = Field(default=0.9, ge=0, lt=1)
@@ -177,7 +177,7 @@ class TrainConfig(Document):
                                description="SGD's L2 term / AdamW's decoupled decay.")
     sync: str = Field(
         default="ddp",
-        description="How the replicas agree (qsync_opt.runtime.syncmode): ddp (gradients "
+        description="How the replicas agree (qsync_opt.strategy.modes): ddp (gradients "
                     "all-reduced every step), local:H (parameters averaged every H steps), "
                     "qsr:alpha=A,h_base=H0[,power=P] (the quadratic synchronisation rule).")
     comm: str = Field(
@@ -185,7 +185,7 @@ class TrainConfig(Document):
         description="Gradient transport of the ddp mode's all-reduce: allreduce (FP32), "
                     "fp16 (torch's fp16 compression hook) or dlcp[:...] (bounded-loss: the "
                     "simulated network's losses, or dlcp:p=P,stress; "
-                    "qsync_opt.runtime.syncmode).")
+                    "qsync_opt.strategy.modes).")
     average_optimizer_state: bool = Field(
         default=False,
         description="Local SGD / QSR: also average the optimizer's state (momentum, Adam's "
@@ -260,8 +260,8 @@ class TrainConfig(Document):
     def _check(self) -> TrainConfig:
         if not self.rank_groups:
             raise ValueError("rank_groups must name at least one rank's group")
-        from qsync_opt.runtime.schedule import parse_schedule
-        from qsync_opt.runtime.syncmode import check_combination, parse_comm, parse_sync
+        from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
+        from qsync_opt.strategy.schedule import parse_schedule
 
         for name, fn in (("sync", parse_sync), ("comm", parse_comm)):
             try:
@@ -315,20 +315,20 @@ class TrainConfig(Document):
         return len(self.rank_groups)
 
     def schedule(self) -> Any:
-        """The run's :class:`~qsync_opt.runtime.schedule.LRSchedule`."""
-        from qsync_opt.runtime.schedule import parse_schedule
+        """The run's :class:`~qsync_opt.strategy.schedule.LRSchedule`."""
+        from qsync_opt.strategy.schedule import parse_schedule
 
         return parse_schedule(self.lr_schedule, self.lr, self.steps)
 
     def sync_mode(self) -> Any:
-        """The run's :class:`~qsync_opt.runtime.syncmode.SyncMode`."""
-        from qsync_opt.runtime.syncmode import parse_sync
+        """The run's :class:`~qsync_opt.strategy.modes.SyncMode`."""
+        from qsync_opt.strategy.modes import parse_sync
 
         return parse_sync(self.sync)
 
     def comm_mode(self) -> Any:
-        """The run's :class:`~qsync_opt.runtime.syncmode.CommMode`."""
-        from qsync_opt.runtime.syncmode import parse_comm
+        """The run's :class:`~qsync_opt.strategy.modes.CommMode`."""
+        from qsync_opt.strategy.modes import parse_comm
 
         return parse_comm(self.comm)
 
@@ -425,7 +425,7 @@ COMMIT_NAME = "commit.json"
 LEGACY_NAME = "checkpoint.pt"  # a link to the newest set's rank0.pt in single-process runs
 _STEP_DIR = re.compile(r"step-(\d{1,18})")
 _LEGACY_RANK = re.compile(r"checkpoint\.rank.*\.pt")
-#: What a run writes at the top of its out folder (all refused when a link: qsync_opt.outfolder).
+#: What a run writes at the top of its out folder (all refused when a link: qsync_opt.documents.outfolder).
 RUN_FILES = re.compile(r"(train_config|fp32\.plan|summary(\.rank\d+)?)\.json|"
                        r"metrics\.rank\d+\.jsonl")
 
@@ -454,10 +454,10 @@ class CheckpointSet:
 def step_folders(out_dir: str | Path) -> list[tuple[int, Path]]:
     """Every ``step-N`` folder under ``OUT/ckpt``, complete or not, by step. Read without
     following a link: a linked ``ckpt`` (or a link where a file or folder should be) is
-    refused (qsync_opt.outfolder); a linked ``step-N`` is not a set."""
+    refused (qsync_opt.documents.outfolder); a linked ``step-N`` is not a set."""
     import stat
 
-    from qsync_opt.outfolder import list_names
+    from qsync_opt.documents.outfolder import list_names
 
     found = []
     for name, st in list_names(out_dir, CKPT_DIR):
@@ -472,7 +472,7 @@ def read_commit(folder: Path, step: int) -> CheckpointSet | None:
     rank's file there, a regular file; links are never followed)."""
     import stat
 
-    from qsync_opt.outfolder import list_names, read_bytes
+    from qsync_opt.documents.outfolder import list_names, read_bytes
 
     out = folder.parent.parent
     rel = Path(CKPT_DIR, folder.name)
@@ -511,7 +511,7 @@ def legacy_checkpoints(out_dir: str | Path) -> list[Path]:
     """Checkpoints of the one-file-per-rank layout of earlier versions (not resumable)."""
     import stat
 
-    from qsync_opt.outfolder import list_names
+    from qsync_opt.documents.outfolder import list_names
 
     out = Path(out_dir)
     names = {n for n, st in list_names(out) if stat.S_ISREG(st.st_mode)}
@@ -571,8 +571,8 @@ def check_out_folder(out_dir: str | Path, create: bool = False) -> Path:
     can be made (``create``: it is; a link given as ``--out`` is followed); what a run
     writes, reads or deletes in it (its files, ``ckpt`` and everything below) must hold no
     link and nothing but regular files and folders. Refused in one line naming the path
-    (qsync_opt.outfolder)."""
-    from qsync_opt.outfolder import check_folder, check_names, ensure_folder, list_names
+    (qsync_opt.documents.outfolder)."""
+    from qsync_opt.documents.outfolder import check_folder, check_names, ensure_folder, list_names
 
     out = (ensure_folder if create else check_folder)(out_dir, "--out")
     check_names(out, files=[n for n, _ in list_names(out) if RUN_FILES.fullmatch(n)],
@@ -589,10 +589,10 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
     ``world_size``, the metrics of ranks it does not have (its own ranks truncate theirs),
     so nothing of the older run is read as this one's, and its ``checkpoint.pt`` link.
     Nothing is followed: a link where a folder or file is deleted is refused
-    (qsync_opt.outfolder)."""
+    (qsync_opt.documents.outfolder)."""
     import stat
 
-    from qsync_opt.outfolder import list_names, remove
+    from qsync_opt.documents.outfolder import list_names, remove
 
     out = Path(out_dir)
     for _, folder in step_folders(out):
@@ -627,7 +627,7 @@ def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
     """After a commit: every *older* set than the one just committed. A newer folder is left
     alone: a rank that is not in lock-step with rank 0 (Local SGD runs no collective between
     syncs) may already be writing its file of the next set while rank 0 commits this one."""
-    from qsync_opt.outfolder import remove
+    from qsync_opt.documents.outfolder import remove
 
     m = _STEP_DIR.fullmatch(keep.name)
     keep_step = int(m[1]) if m else None

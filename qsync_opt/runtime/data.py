@@ -24,7 +24,7 @@ class GlobalBatches:
 
     A batch is ``(inputs, targets)``: ``inputs`` a tuple of positional tensors or (a user's
     model with keyword inputs) a dict; ``targets`` a Tensor, or None for a user's model,
-    whose batch carries its own (:mod:`qsync_opt.user_model`). A user's file with ``data()``
+    whose batch carries its own (:mod:`qsync_opt.models.user`). A user's file with ``data()``
     gives the batches: step ``k`` is the ``k``-th batch of ``data(B, seed)`` (then of
     ``data(B, seed + 1)`` ... when it ends), evaluation the first of ``data(B, seed +
     EVAL_SEED_OFFSET)``.
@@ -83,7 +83,7 @@ class GlobalBatches:
 
     def eval_batches(self, n: int) -> Iterator[tuple[Any, Tensor | None]]:
         if self.kind == "user":
-            from qsync_opt.user_model import EVAL_SEED_OFFSET
+            from qsync_opt.models.user import EVAL_SEED_OFFSET
 
             for b in self.wl.batches(self.B, n, self.seed + EVAL_SEED_OFFSET):
                 yield as_inputs(b), None
@@ -102,14 +102,14 @@ def as_inputs(batch: Any) -> Any:
 
 def take(inputs: Any, idx: Tensor) -> Any:
     """Samples ``idx`` of every batched tensor (dicts and tuples kept)."""
-    from qsync_opt.user_model import map_tensors
+    from qsync_opt.models.user import map_tensors
 
     return map_tensors(lambda t: t[idx] if t.dim() > 0 else t, inputs)
 
 
 def batch_size_of(inputs: Any) -> int:
     """Samples in a batch's inputs (dim 0 of its first batched tensor)."""
-    from qsync_opt.user_model import named_inputs
+    from qsync_opt.models.user import named_inputs
 
     for _, t in named_inputs(inputs):
         if isinstance(t, Tensor) and t.dim() > 0:
@@ -118,7 +118,7 @@ def batch_size_of(inputs: Any) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    from qsync_opt.user_model import map_tensors
+    from qsync_opt.models.user import map_tensors
 
     return map_tensors(lambda t: t.to(device), batch)
 
@@ -126,7 +126,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
 def rank_slice(batch: tuple[Any, Tensor | None], offset: int, b: int
                ) -> tuple[Any, Tensor | None]:
     """Rank's contiguous samples ``offset .. offset+b`` of a global batch."""
-    from qsync_opt.user_model import slice_batch
+    from qsync_opt.models.user import slice_batch
 
     inputs, targets = batch
     return (slice_batch(inputs, offset, b),
@@ -145,7 +145,7 @@ class IndexedBatches:
     """
 
     def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
-        from qsync_opt.errors import QsyncInputError
+        from qsync_opt.core.errors import QsyncInputError
         from qsync_opt.models import image_split
 
         self.wl, self.seed, self.B = workload, seed, global_batch

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 __all__ = ["DIE_EXIT_CODE", "ENV", "NO_FAULTS", "FaultPlan", "RankSteps", "parse_rank_steps"]
 

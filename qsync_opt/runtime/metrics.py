@@ -69,8 +69,8 @@ class MetricsWriter:
 
     def __init__(self, path: Path, start_step: int) -> None:
         # in the run's folder (path.parent): read, rewritten and appended to without ever
-        # following a link there (qsync_opt.outfolder)
-        from qsync_opt.outfolder import append_text, read_bytes, write_text
+        # following a link there (qsync_opt.documents.outfolder)
+        from qsync_opt.documents.outfolder import append_text, read_bytes, write_text
 
         self.path = path
         old = read_bytes(path.parent, path.name)
@@ -136,12 +136,12 @@ def run_warnings(steps: int, skipped: int, first_loss: float | None, final_loss:
 class StepProgress:
     """A training run's progress on stderr, from the process that reports it (rank 0): the
     bar on a terminal (``tty``), else a plain line every ``every_s`` seconds
-    (:class:`qsync_opt.progress.ProgressLog`; 0: none), so a run under nohup or a batch
+    (:class:`qsync_opt.core.progress.ProgressLog`; 0: none), so a run under nohup or a batch
     scheduler shows it is alive. Other ranks pass ``report=False``."""
 
     def __init__(self, total: int, every_s: float, *, start: int = 0, report: bool = True,
                  tty: bool | None = None) -> None:
-        from qsync_opt.progress import ProgressLog
+        from qsync_opt.core.progress import ProgressLog
 
         self.total = total
         self.tty = sys.stderr.isatty() if tty is None else tty
@@ -165,8 +165,8 @@ def sync_totals(path: Path) -> dict[str, Any] | None:
     ``comm_ms`` (the wall time inside them) and ``steps``. None without such rows."""
     rounds = steps = nbytes = 0
     ms = 0.0
-    from qsync_opt.errors import QsyncInputError
-    from qsync_opt.outfolder import read_bytes
+    from qsync_opt.core.errors import QsyncInputError
+    from qsync_opt.documents.outfolder import read_bytes
 
     try:
         data = read_bytes(path.parent, path.name)  # never through a link in the run's folder
@@ -203,7 +203,7 @@ def clean(x: Any) -> Any:
 def write_json(path: Path, obj: Any) -> None:
     """``obj`` as indented, key-sorted JSON, written atomically into the run's folder
     (``path.parent``), never through a link there."""
-    from qsync_opt.outfolder import write_text
+    from qsync_opt.documents.outfolder import write_text
 
     write_text(path.parent, path.name, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import Plan
 from qsync_opt.runtime.apply import apply_plan
 from qsync_opt.runtime.config import TrainConfig, check_batches, run_fingerprint
-from qsync_opt.schemas import Plan
 
 __all__ = ["Setup", "build_model", "card_mismatch", "make_optimizer", "prepare"]
 
@@ -40,8 +40,8 @@ class Setup:
 
 def prepare(config: TrainConfig) -> Setup:
     """Validate the config against its plan and workload; QsyncInputError names the field."""
+    from qsync_opt.documents.io import load
     from qsync_opt.graph import is_user_model, load_user_workload
-    from qsync_opt.io import load
     from qsync_opt.models import UnknownWorkloadError, get_workload
 
     wl: Any
@@ -82,7 +82,7 @@ def prepare(config: TrainConfig) -> Setup:
 def card_mismatch(setup: Setup, rank: int, card_name: str) -> str | None:
     """A warning when the GPU a rank found is not the card its plan group was made for
     (compared by the catalog's display name, e.g. 'NVIDIA T4 16 GB' against 'Tesla T4')."""
-    from qsync_opt.devices import get_device
+    from qsync_opt.costs.devices import get_device
 
     group = setup.config.rank_groups[rank]
     spec = next((g for g in setup.plan.cluster.groups if g.name == group), None)

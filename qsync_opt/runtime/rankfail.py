@@ -5,7 +5,7 @@ A rank that refuses its input (a ``data()`` batch of another shape, a loss witho
 prints one line, ``qsync-opt train: ...``, and exits 2 (:mod:`.train`); every rank may print
 the same line, and torchrun then logs and raises its ``ChildFailedError`` (40-odd lines).
 The launcher holds those back (:func:`sort_line`) and raises the rank's refusal as the
-command's own :class:`~qsync_opt.errors.QsyncInputError`: one line on stderr, exit code 2,
+command's own :class:`~qsync_opt.core.errors.QsyncInputError`: one line on stderr, exit code 2,
 the line ``--emulate-dp`` gives. A refusal is the run's cause whichever rank torchrun names
 first: a peer that was waiting in a collective fails too (a gloo read error, exit 1), and
 torchrun may name that peer, its clock reading the same second. Any other failure shows
@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 
 __all__ = ["RANK_ERROR", "exit_codes", "failed_rank", "refusal", "report_failure", "sort_line"]
 
@@ -28,9 +28,9 @@ _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 #: torchrun's own failure report (its elastic log lines, its ChildFailedError traceback).
 _TORCHRUN_REPORT = re.compile(
     r"^(?:[WE]\d{4} [0-9:.]+ \d+ torch/distributed/elastic/|Traceback \(most recent call)")
-#: How a rank's one-line failure starts (qsync_opt.runtime.train.main).
+#: How a rank's one-line failure starts (qsync_opt.job.rank.main).
 RANK_ERROR = "qsync-opt train: "
-#: A rank's line for a failure that is not a refusal of input (qsync_opt.runtime.train.main).
+#: A rank's line for a failure that is not a refusal of input (qsync_opt.job.rank.main).
 _RANK_FAILURE = re.compile(r"qsync-opt train: rank \d+: [A-Za-z_][\w.]*: ")
 
 

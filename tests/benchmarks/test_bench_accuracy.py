@@ -10,7 +10,7 @@ from helpers import load_benchmark
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.indicator import indicate
-from qsync_opt.problem import AllocationProblem
+from qsync_opt.problem.program import AllocationProblem
 
 B = load_benchmark("bench_accuracy")
 

@@ -10,7 +10,7 @@ import statistics
 import pytest
 from helpers import load_benchmark
 
-from qsync_opt.precision import Precision
+from qsync_opt.core.precision import Precision
 
 B = load_benchmark("bench_indicator")
 

@@ -9,8 +9,8 @@ from helpers import load_benchmark
 from qsync_opt.solvers import SolveOptions, get_backend
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 
 def _bench():

@@ -13,7 +13,7 @@ import pytest
 
 from qsync_opt import CostTable, ModelGraph, Plan, SolveReport, load
 from qsync_opt.cli import main
-from qsync_opt.precision import Precision
+from qsync_opt.core.precision import Precision
 from support.harness import run_cli
 
 
@@ -160,7 +160,7 @@ def test_demo_runs(capsys, tmp_path, monkeypatch) -> None:
     (the repeat of a run adds only the spread figure, which a single run leaves out)."""
     import functools
 
-    from qsync_opt import demo
+    from qsync_opt.cli import walkthrough as demo
 
     monkeypatch.setattr(demo, "local_job", functools.partial(demo.local_job, repeats=3,
                                                              rounds=1))
@@ -181,7 +181,7 @@ def test_demo_runs(capsys, tmp_path, monkeypatch) -> None:
 
 
 def test_demo_gives_no_verdict_on_a_loaded_or_noisy_machine() -> None:
-    from qsync_opt.demo import quiet_verdict
+    from qsync_opt.cli.walkthrough import quiet_verdict
 
     assert quiet_verdict(0.3, 2, 0.01, 2) is None
     loaded = quiet_verdict(6.0, 2, 0.01, 2)
@@ -403,7 +403,7 @@ def test_replay_uniform_plans_trace_and_plan_files(capsys, tmp_path) -> None:
 
 def test_replay_refuses_a_plan_precision_the_card_lacks(capsys, tmp_path) -> None:
     from qsync_opt import load_cluster, save, trace
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
 
     graph = trace("digits_cnn")
     cluster = load_cluster("v100x2+t4x2")

@@ -11,7 +11,7 @@ import pytest
 
 from qsync_opt import __version__
 from qsync_opt.cli import build_parser, main
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.indicator import METHODS, check_method
 
 
@@ -100,7 +100,7 @@ def _commands_with(flag: str) -> list[str]:
 def test_every_lr_schedule_help_lists_every_key_the_parser_takes() -> None:
     """sweep's help left out step's warmup, which it accepts: every command's help comes
     from the parser's own table now."""
-    from qsync_opt.runtime.schedule import _SCHEDULE_KEYS, parse_schedule
+    from qsync_opt.strategy.schedule import _SCHEDULE_KEYS, parse_schedule
 
     commands = _commands_with("--lr-schedule")
     assert {"train", "sweep", "replay", "solve"} <= set(commands)
@@ -120,7 +120,7 @@ def test_every_lr_schedule_help_lists_every_key_the_parser_takes() -> None:
 
 
 def test_every_sync_help_lists_every_qsr_key() -> None:
-    from qsync_opt.runtime.syncmode import QSR_KEYS, SYNC_KINDS, parse_sync
+    from qsync_opt.strategy.modes import QSR_KEYS, SYNC_KINDS, parse_sync
 
     commands = _commands_with("--sync")
     assert {"train", "replay", "solve"} <= set(commands)
@@ -152,7 +152,7 @@ def test_a_validation_message_never_shows_the_schema_path() -> None:
     field's message keeps its field (the config file's name) beside the flag."""
     from pydantic import BaseModel, ValidationError, field_validator, model_validator
 
-    from qsync_opt.errors import describe_validation_error
+    from qsync_opt.core.errors import describe_validation_error
 
     class Doc(BaseModel):
         steps: int = 1
@@ -204,7 +204,7 @@ def test_a_config_file_refused_at_the_rank_names_no_schema_path(tmp_path, capsys
     under local SGD, written by hand) is one line without '(root)'."""
     import json
 
-    from qsync_opt.runtime import train as worker
+    from qsync_opt.job import rank as worker
 
     doc = {"schema_name": "TrainConfig", "schema_version": 1, "workload": "digits_cnn",
            "plan_path": str(tmp_path / "p.json"), "rank_groups": ["cpu", "cpu"], "steps": 1,
@@ -240,8 +240,8 @@ def test_a_document_file_with_a_whole_document_error_names_no_schema_path(tmp_pa
 def test_the_comm_help_lists_every_kind_policy_scenario_and_key_the_parser_takes() -> None:
     """``--comm``'s help is prose around the syntax: every word ``parse_comm`` accepts is in
     it and in ``COMM_SYNTAX`` (the refusal's text), and each one it lists parses."""
-    from qsync_opt.runtime.dlcp import POLICIES
-    from qsync_opt.runtime.syncmode import COMM_KINDS, COMM_SYNTAX, NET_SCENARIOS, parse_comm
+    from qsync_opt.strategy.droppolicy import POLICIES
+    from qsync_opt.strategy.modes import COMM_KINDS, COMM_SYNTAX, NET_SCENARIOS, parse_comm
 
     text = " ".join(_help_of("train", "--comm").split())
     network = ("p", "chunk_kib", "iterations", "buffer_kib")

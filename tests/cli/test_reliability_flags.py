@@ -3,7 +3,7 @@ command line is parsed; nothing accepted is ignored; no exception escapes; no wo
 before a refusal, and a refusal is one line.
 
 * Every integer and float flag of every command (netsim's included) has a bounded type
-  (:mod:`qsync_opt.limits`), and each refuses huge, negative, non-finite, unicode-digit and
+  (:mod:`qsync_opt.core.limits`), and each refuses huge, negative, non-finite, unicode-digit and
   malformed values with exit 2 and one line naming the flag.
 * Spec flags carrying numbers (``--sync local:H``, ``--compress-act quant:B``,
   ``--lr-schedule``, ``--link-gbps``, ``--comm``, ``sweep --seeds/--lr/--wd``, cluster
@@ -31,9 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsync_opt.cli import build_parser
-from qsync_opt.limits import MAX_STEPS, parse_float, parse_int
-from qsync_opt.runtime.schedule import parse_schedule
-from qsync_opt.runtime.syncmode import parse_sync, round_count, rounds
+from qsync_opt.core.limits import MAX_STEPS, parse_float, parse_int
+from qsync_opt.strategy.modes import parse_sync, round_count, rounds
+from qsync_opt.strategy.schedule import parse_schedule
 from support.harness import run_cli
 
 #: What every command needs besides the flag under test (the flag fails first anyway).
@@ -430,7 +430,7 @@ def test_a_ranks_input_error_is_the_one_line_of_the_refusal(tmp_path, monkeypatc
     failures still show torchrun's report."""
     import sys
 
-    from qsync_opt.runtime import launch
+    from qsync_opt.job import launch
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launch, "local_command",

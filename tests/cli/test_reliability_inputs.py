@@ -24,12 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qsync_opt import io as qio
-from qsync_opt.cluster import load_cluster, load_cluster_file, parse_shorthand
-from qsync_opt.costs import estimate
-from qsync_opt.errors import QsyncInputError, one_line
-from qsync_opt.plan import make_plan
-from qsync_opt.schemas import (
+from qsync_opt.core.errors import QsyncInputError, one_line
+from qsync_opt.costs.cluster import load_cluster, load_cluster_file, parse_shorthand
+from qsync_opt.costs.roofline import estimate
+from qsync_opt.documents import io as qio
+from qsync_opt.documents.schemas import (
     MAX_BATCH,
     MAX_DEVICES,
     MAX_GROUPS,
@@ -40,7 +39,8 @@ from qsync_opt.schemas import (
     ModelGraph,
     Plan,
 )
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.problem.plan import make_plan
+from qsync_opt.problem.synthetic import random_indicator
 from support.harness import run_cli
 
 FAST = settings(max_examples=40, deadline=None,
@@ -290,8 +290,8 @@ def test_a_5000_digit_number_in_a_file_is_one_line(tmp_path: Path) -> None:
 
 _GROUPS_CHILD = textwrap.dedent("""
     import json, sys
-    from qsync_opt.cluster import load_cluster_file
-    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.costs.cluster import load_cluster_file
+    from qsync_opt.core.errors import QsyncInputError
     try:
         load_cluster_file(sys.argv[1])
     except QsyncInputError as exc:
@@ -479,8 +479,8 @@ def test_a_symlinked_output_is_written_through(tmp_path: Path, umask022: None) -
 
 
 def test_report_and_frontier_pngs_use_the_one_writer(tmp_path: Path, umask022: None) -> None:
-    from qsync_opt.frontier import plot_frontier
-    from qsync_opt.report import _atomic_write_bytes
+    from qsync_opt.planner.figure import _atomic_write_bytes
+    from qsync_opt.planner.frontier import plot_frontier
 
     target = tmp_path / "fig.png"
     target.write_bytes(b"old")
@@ -661,8 +661,8 @@ def test_a_train_config_refuses_booleans_and_strings_as_numbers(field, value) ->
 
 @pytest.mark.parametrize("x", [2, 0.5, 1e-6, 0.000123, 3.0, 1.25, 40])
 def test_a_derived_device_name_is_written_positionally_and_reads_back(x) -> None:
-    from qsync_opt.device_names import number_text
-    from qsync_opt.devices import get_device
+    from qsync_opt.core.device_names import number_text
+    from qsync_opt.costs.devices import get_device
 
     text = number_text(x)
     assert "e" not in text.lower() and float(text) == x

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from qsync_opt import outfolder
-from qsync_opt.errors import OutputError
+from qsync_opt.core.errors import OutputError
+from qsync_opt.documents import outfolder
 from qsync_opt.runtime import checkpoint as ck
 from qsync_opt.runtime import config as rc
 from qsync_opt.runtime.metrics import MetricsWriter, write_json

@@ -1,10 +1,10 @@
-"""The precision vocabulary (qsync_opt.precision): names, dtype rules, fidelity order."""
+"""The precision vocabulary (qsync_opt.core.precision): names, dtype rules, fidelity order."""
 
 from __future__ import annotations
 
 import pytest
 
-from qsync_opt.precision import (
+from qsync_opt.core.precision import (
     ACTIVATION_DTYPES,
     BY_FIDELITY,
     PRECISION_INFO,

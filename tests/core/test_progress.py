@@ -1,4 +1,4 @@
-"""qsync_opt.progress: a bar only once its step has run its delay, only when enabled."""
+"""qsync_opt.core.progress: a bar only once its step has run its delay, only when enabled."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from qsync_opt.progress import Progress
+from qsync_opt.core.progress import Progress
 
 
 def test_disabled_bar_writes_nothing():
@@ -54,7 +54,7 @@ class _Clock:
 
 
 def test_a_log_line_every_interval_and_none_between():
-    from qsync_opt.progress import ProgressLog
+    from qsync_opt.core.progress import ProgressLog
 
     out, clock = io.StringIO(), _Clock()
     log = ProgressLog("train", 1000, 30.0, stream=out, clock=clock)
@@ -68,7 +68,7 @@ def test_a_log_line_every_interval_and_none_between():
 
 
 def test_a_resumed_run_counts_its_own_steps_and_a_bad_loss_is_said():
-    from qsync_opt.progress import ProgressLog
+    from qsync_opt.core.progress import ProgressLog
 
     out, clock = io.StringIO(), _Clock()
     log = ProgressLog("train", 100, 10.0, start=40, stream=out, clock=clock)
@@ -78,7 +78,7 @@ def test_a_resumed_run_counts_its_own_steps_and_a_bad_loss_is_said():
 
 
 def test_interval_zero_writes_nothing():
-    from qsync_opt.progress import ProgressLog
+    from qsync_opt.core.progress import ProgressLog
 
     out, clock = io.StringIO(), _Clock()
     log = ProgressLog("train", 10, 0.0, stream=out, clock=clock)
@@ -89,7 +89,7 @@ def test_interval_zero_writes_nothing():
 
 
 def test_durations_read_as_a_person_writes_them():
-    from qsync_opt.progress import duration
+    from qsync_opt.core.progress import duration
 
     assert [duration(x) for x in (0, 42.4, 245, 3600 * 3 + 7 * 60, float("inf"), -5)] == \
         ["0s", "42s", "4m 05s", "3h 07m", "unknown", "0s"]
@@ -97,7 +97,7 @@ def test_durations_read_as_a_person_writes_them():
 
 def test_the_default_interval_is_stated_in_the_help_and_the_config():
     from qsync_opt.cli import build_parser
-    from qsync_opt.progress import LOG_EVERY_S
+    from qsync_opt.core.progress import LOG_EVERY_S
     from qsync_opt.runtime.config import TrainConfig
 
     assert LOG_EVERY_S == 30.0

@@ -1,9 +1,9 @@
-"""Byte counts print in the unit that fits (qsync_opt.units)."""
+"""Byte counts print in the unit that fits (qsync_opt.core.units)."""
 
 from __future__ import annotations
 
-from qsync_opt.solve import CompareRow, format_rows
-from qsync_opt.units import GIB, KIB, MIB, fmt_bytes, fmt_pair
+from qsync_opt.core.units import GIB, KIB, MIB, fmt_bytes, fmt_pair
+from qsync_opt.planner.solve import CompareRow, format_rows
 
 
 def test_units_fit_the_size() -> None:

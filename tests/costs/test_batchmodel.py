@@ -1,4 +1,4 @@
-"""Measured costs at batches nobody measured: the fitted batch model (qsync_opt.batchmodel)."""
+"""Measured costs at batches nobody measured: the fitted batch model (qsync_opt.costs.batchmodel)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qsync_opt as qs
-from qsync_opt.batchmodel import BatchScaling, fit_line
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import compare
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.batchmodel import BatchScaling, fit_line
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.planner.solve import compare
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator
 
 
 @given(a=st.floats(0, 5), c=st.floats(0, 2),

@@ -1,4 +1,4 @@
-"""Cluster specs (qsync_opt.cluster): the shorthand, TOML/JSON files and their errors."""
+"""Cluster specs (qsync_opt.costs.cluster): the shorthand, TOML/JSON files and their errors."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsync_opt.cluster import load_cluster, load_cluster_file, parse_shorthand
-from qsync_opt.devices import ALIASES, CATALOG
-from qsync_opt.errors import QsyncInputError, SchemaVersionError
-from qsync_opt.schemas import ClusterSpec, DeviceGroup
+from qsync_opt.core.errors import QsyncInputError, SchemaVersionError
+from qsync_opt.costs.cluster import load_cluster, load_cluster_file, parse_shorthand
+from qsync_opt.costs.devices import ALIASES, CATALOG
+from qsync_opt.documents.schemas import ClusterSpec, DeviceGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from qsync_opt import CostTable, ModelGraph, estimate, get_device, load_cluster, trace
-from qsync_opt.costs import DDP_BUCKET_CAP_BYTES, group_summary
-from qsync_opt.precision import DType, Precision
-from qsync_opt.schemas import Efficiencies, OpRole
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.costs.roofline import DDP_BUCKET_CAP_BYTES, group_summary
+from qsync_opt.documents.schemas import Efficiencies, OpRole
 
 M, K, N = 4096, 1024, 1024
 

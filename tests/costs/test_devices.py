@@ -1,4 +1,4 @@
-"""The device catalog (qsync_opt.devices) against docs/DEVICES.md, and the CPU entry."""
+"""The device catalog (qsync_opt.costs.devices) against docs/DEVICES.md, and the CPU entry."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from qsync_opt import devices
-from qsync_opt.devices import (
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.costs import devices
+from qsync_opt.costs.devices import (
     ALIASES,
     CATALOG,
     canonical_name,
     get_device,
     known_device_names,
 )
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import DType, Precision
-from qsync_opt.schemas import DeviceSpec
+from qsync_opt.documents.schemas import DeviceSpec
 
 GiB = 1024**3
 MiB = 1024**2

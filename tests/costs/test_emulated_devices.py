@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from qsync_opt import trace
-from qsync_opt.cluster import SHORTHAND_HELP, load_cluster, parse_shorthand
-from qsync_opt.costs import estimate, group_summary
-from qsync_opt.devices import (
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.costs.cluster import SHORTHAND_HELP, load_cluster, parse_shorthand
+from qsync_opt.costs.devices import (
     CATALOG,
     base_device,
     canonical_name,
@@ -15,11 +16,10 @@ from qsync_opt.devices import (
     is_derived,
     known_device_names,
 )
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.plan import make_plan
-from qsync_opt.precision import DType, Precision
+from qsync_opt.costs.roofline import estimate, group_summary
+from qsync_opt.documents.schemas import ClusterSpec, DeviceGroup, DeviceSpec, Plan
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.replayer import Replayer
-from qsync_opt.schemas import ClusterSpec, DeviceGroup, DeviceSpec, Plan
 
 GiB = 1024**3
 MiB = 1024**2

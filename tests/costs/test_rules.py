@@ -1,4 +1,4 @@
-"""The cost-and-memory rules (qsync_opt.rules), case by case, on a five-op graph worked by
+"""The cost-and-memory rules (qsync_opt.costs.rules), case by case, on a five-op graph worked by
 hand: the dtype chain, the casts between neighbours, compute lookups, the memory of an op in
 each precision, a group's static memory and the three memory views; and the replayer and the
 linear model built on the same rules agreeing with them."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from qsync_opt import ModelGraph, QsyncInputError
-from qsync_opt.precision import DType, Precision
-from qsync_opt.rules import (
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.costs.rules import (
     DEFAULT_CONTEXT_BYTES,
     GRAD_DTYPE,
     PASS_PRECISION,
@@ -22,7 +22,7 @@ from qsync_opt.rules import (
     widest,
     widest_precision,
 )
-from qsync_opt.schemas import (
+from qsync_opt.documents.schemas import (
     CastCost,
     ClusterSpec,
     CommModel,
@@ -456,7 +456,10 @@ def test_the_replayer_reports_what_the_rules_give() -> None:
 
 def test_one_definition_of_each_rule() -> None:
     """The replayer, the problem and the costs take the rules' names, not copies."""
-    from qsync_opt import costs, problem, replayer, rules
+    from qsync_opt import replayer
+    from qsync_opt.costs import roofline as costs
+    from qsync_opt.costs import rules
+    from qsync_opt.problem import program as problem
 
     assert replayer.GRAD_DTYPE is rules.GRAD_DTYPE
     assert replayer.widest is rules.widest

@@ -28,9 +28,9 @@ from qsync_opt import (
     load_cluster,
     save,
 )
-from qsync_opt.io import parse_document
-from qsync_opt.precision import Precision
-from qsync_opt.schemas import SCHEMAS, GroupPlan, json_schema, schema_names
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.io import parse_document
+from qsync_opt.documents.schemas import SCHEMAS, GroupPlan, json_schema, schema_names
 
 
 def _docs(digits_graph: ModelGraph) -> list[Any]:

@@ -14,9 +14,9 @@ from qsync_opt.models import get_workload
 from torch import nn
 
 from qsync_opt import ModelGraph, QsyncInputError, TraceError, trace
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import OpKind, OpRole
 from qsync_opt.graph import HEAD_REASON
-from qsync_opt.precision import Precision
-from qsync_opt.schemas import OpKind, OpRole
 
 
 def test_resnet50_convs_choosable_and_fc_pinned(resnet50_graph: ModelGraph) -> None:
@@ -317,7 +317,7 @@ def test_meta_trace_allocates_no_parameter_memory() -> None:
 
 def test_a_name_used_again_gets_a_suffix_in_order_of_use() -> None:
     """One rule for both tracers and the call namer: base, base_1, base_2..."""
-    from qsync_opt.graph.naming import CallNamer, UniqueNames
+    from qsync_opt.ops.naming import CallNamer, UniqueNames
 
     unique = UniqueNames()
     assert [unique(n) for n in ("relu", "relu", "fc", "relu")] == ["relu", "relu_1", "fc",

@@ -13,9 +13,9 @@ import pytest
 import qsync_opt.models as models
 from qsync_opt.models import BuiltinWorkload
 
+from qsync_opt.documents.io import to_json
 from qsync_opt.graph import cache as graph_cache
 from qsync_opt.graph import trace
-from qsync_opt.io import to_json
 
 MODEL = "digits_cnn"
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsync_opt import trace
+from qsync_opt.documents.schemas import ModelGraph, OpKind, OpRole
 from qsync_opt.graph import HEAD_REASON
-from qsync_opt.schemas import ModelGraph, OpKind, OpRole
 from support.patterns import PATTERNS
 
 GEMMS = (OpKind.linear, OpKind.conv, OpKind.matmul)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsync_opt import trace
+from qsync_opt.documents.schemas import OpKind
 from qsync_opt.graph import unseen_ops
-from qsync_opt.schemas import OpKind
 from support.harness import run_cli
 
 
@@ -202,7 +202,7 @@ def test_solve_with_fx_warns_once(tmp_path, caplog, monkeypatch) -> None:
 @pytest.mark.slow
 def test_a_plan_made_with_tracer_fx_is_accepted_where_it_is_checked(tmp_path, monkeypatch) -> None:
     from qsync_opt import Plan, load
-    from qsync_opt.plan import graph_for_plan
+    from qsync_opt.problem.plan import graph_for_plan
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     f = tmp_path / "swinlike.py"

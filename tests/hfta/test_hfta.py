@@ -14,7 +14,7 @@ import torch
 from qsync_opt.models import get_workload
 
 from qsync_opt.cli import main
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.hfta.convert import fuse
 from qsync_opt.hfta.functional import FuncArray
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
@@ -174,10 +174,10 @@ def test_a_nan_stays_in_its_model():
 
 
 def test_plan_precisions_reach_the_fused_ops(tmp_path):
-    from qsync_opt.cluster import parse_shorthand
+    from qsync_opt.core.precision import Precision
+    from qsync_opt.costs.cluster import parse_shorthand
     from qsync_opt.graph import trace
-    from qsync_opt.plan import make_plan
-    from qsync_opt.precision import Precision
+    from qsync_opt.problem.plan import make_plan
 
     plan = make_plan(trace("digits_cnn", 64), parse_shorthand("v100x1+t4x1"),
                      {"t4": {"conv2": "int8", "fc1": "fp16"}}, provenance={"solver": "test"})

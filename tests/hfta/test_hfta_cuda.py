@@ -172,9 +172,9 @@ def test_sweep_cli_on_cuda_measures_exports_and_train_resumes(tmp_path):
 @gpu
 def test_a_plan_with_int8_runs_on_cuda(tmp_path):
     """A plan group's int8 and fp16 ops run on the GPU array (the fused int8 GEMM path)."""
-    from qsync_opt.cluster import parse_shorthand
+    from qsync_opt.costs.cluster import parse_shorthand
     from qsync_opt.graph import trace
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
 
     plan = make_plan(trace("digits_cnn", 64), parse_shorthand("v100x1+t4x1"),
                      {"t4": {"conv2": "int8", "fc1": "int8", "fc2": "fp16"}},

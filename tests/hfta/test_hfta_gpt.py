@@ -22,15 +22,15 @@ from qsync_opt.models.gpt2 import GPT, GPTConfig
 from torch import Tensor, nn
 
 from qsync_opt.cli import main
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
 from qsync_opt.hfta.convert import FusedArray, fuse
 from qsync_opt.hfta.functional import FuncArray
 from qsync_opt.hfta.ops import FusedEmbedding, FusedLayerNorm, FusedLinear, FusedMatMul
 from qsync_opt.hfta.optim import FusedAdamW
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
-from qsync_opt.precision import Precision
+from qsync_opt.ops.layers import QMatMul
 from qsync_opt.runtime import apply_precisions
-from qsync_opt.runtime.layers import QMatMul
 from support.harness import count_calls, max_abs_diff, run_cli, run_params
 
 B = 3
@@ -518,9 +518,9 @@ def test_exported_tiny_gpt_resumes_in_train(tmp_path) -> None:
 def test_sweep_tiny_gpt_with_a_plan(tmp_path) -> None:
     """--plan/--group: the group's precisions reach the fused Linear ops and the attention
     matmuls (a line says where they went), and the array trains."""
-    from qsync_opt.cluster import parse_shorthand
+    from qsync_opt.costs.cluster import parse_shorthand
     from qsync_opt.graph import trace
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
 
     lower = {"transformer.h.0.mlp.c_fc": "int8", "transformer.h.1.attn.qk_matmul": "fp16",
              "transformer.h.2.attn.av_matmul": "int8", "transformer.h.3.attn.c_proj": "fp16"}

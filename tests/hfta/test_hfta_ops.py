@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qsync_opt import QsyncInputError, ops
+from qsync_opt.core.precision import Precision
 from qsync_opt.hfta.ops import (
     FusedBatchNorm2d,
     FusedConv2d,
@@ -25,9 +26,8 @@ from qsync_opt.hfta.ops import (
     fold,
     unfold,
 )
-from qsync_opt.precision import Precision
+from qsync_opt.ops.gemm import run_linear
 from qsync_opt.runtime import apply_precisions
-from qsync_opt.runtime.gemm import run_linear
 from support.harness import count_calls
 
 B = 3

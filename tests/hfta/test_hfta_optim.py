@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.hfta.optim import FusedAdamW, FusedLRSchedule, FusedSGD, fused_schedule
-from qsync_opt.runtime.schedule import parse_schedule
+from qsync_opt.strategy.schedule import parse_schedule
 
 B = 4
 SHAPES = [(B, 5, 3), (B, 7), (B, 2, 3, 3, 3), (B,)]

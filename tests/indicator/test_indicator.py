@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 import qsync_opt.ops as ops
 from qsync_opt import QsyncInputError, trace
+from qsync_opt.core.precision import Precision as P
+from qsync_opt.documents.schemas import IndicatorTable
 from qsync_opt.indicator import (
     LADDERS,
     METHODS,
@@ -19,10 +21,8 @@ from qsync_opt.indicator import (
     indicate,
     scale_to_batch,
 )
+from qsync_opt.indicator.calls import module_bilinear
 from qsync_opt.indicator.terms import OpCapture, qsync_terms
-from qsync_opt.indicator_calls import module_bilinear
-from qsync_opt.precision import Precision as P
-from qsync_opt.schemas import IndicatorTable
 
 SEEDS = 400
 
@@ -355,7 +355,7 @@ def test_a_cached_table_without_int4_serves_callers_that_do_not_need_it(tmp_path
     """A table cached before int4 joined the ops' menus is reused for a cluster without
     int4 (build_problem passes the cluster's menus as ``needs``) and recomputed for one
     with it."""
-    from qsync_opt.io import load, save
+    from qsync_opt.documents.io import load, save
 
     first = indicate("digits_cnn", batches=2, cache_dir=tmp_path)
     (path,) = tmp_path.glob("*.json")

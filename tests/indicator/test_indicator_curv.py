@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import qsync_opt.ops as ops
+from qsync_opt.core.precision import Precision as P
+from qsync_opt.documents.schemas import IndicatorTable
 from qsync_opt.indicator import (
     LADDERS,
     METHODS,
@@ -18,8 +20,6 @@ from qsync_opt.indicator import (
     indicate,
 )
 from qsync_opt.indicator.curv import curv_batch
-from qsync_opt.precision import Precision as P
-from qsync_opt.schemas import IndicatorTable
 
 B, K, N = 64, 32, 16
 

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsync_opt import trace
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import IndicatorTable, ModelGraph
 from qsync_opt.indicator import METHODS, indicate
-from qsync_opt.indicator_calls import CallCapture
-from qsync_opt.precision import Precision
-from qsync_opt.schemas import IndicatorTable, ModelGraph
+from qsync_opt.indicator.calls import CallCapture
 
 _FUNCTIONAL = '''
 import math
@@ -98,7 +98,7 @@ def test_functional_gemms_get_measured_values_from_every_method(tmp_path, method
 
 
 def test_the_capture_names_calls_as_the_tracers_do(tmp_path) -> None:
-    from qsync_opt.user_model import load_user_workload
+    from qsync_opt.models.user import load_user_workload
 
     wl = load_user_workload(_write(tmp_path, _FUNCTIONAL))
     graph = trace(wl)
@@ -192,7 +192,7 @@ def test_an_op_no_batch_runs_is_unmeasured_not_zero(tmp_path, capsys) -> None:
 
 
 def test_functional_matmul_forms_match_the_calls() -> None:
-    from qsync_opt.indicator_calls import functional_form
+    from qsync_opt.indicator.calls import functional_form
 
     a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
     for func, args, want in [

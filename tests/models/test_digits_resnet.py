@@ -17,8 +17,8 @@ from qsync_opt.models import digits_resnet as resnet_mod
 from qsync_opt.models.samples import real_batches
 
 from qsync_opt import trace
+from qsync_opt.core.precision import Precision
 from qsync_opt.indicator import indicate
-from qsync_opt.precision import Precision
 from qsync_opt.runtime.data import GlobalBatches
 
 NAME = "digits_resnet"

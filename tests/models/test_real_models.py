@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsync_opt import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import ModelGraph, OpKind, OpRole
 from qsync_opt.graph import is_conv1d_like, trace, unseen_ops
-from qsync_opt.precision import Precision
+from qsync_opt.ops.dispatch import mha_forward, sdpa_forward
 from qsync_opt.runtime import apply_plan, apply_precisions, count_calls
-from qsync_opt.runtime.dispatch import mha_forward, sdpa_forward
-from qsync_opt.schemas import ModelGraph, OpKind, OpRole
 from support.patterns import PATTERNS, vit_mha
 
 GEMM_KINDS = (OpKind.linear, OpKind.matmul, OpKind.conv)
@@ -298,7 +298,7 @@ def test_an_all_fp32_multihead_attention_takes_torchs_own_path() -> None:
 def _apply_mixed(model: nn.Module, ex: tuple[Any, ...], method: str = "auto"
                  ) -> tuple[ModelGraph, dict[str, Precision]]:
     from qsync_opt import load_cluster
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
 
     g = trace(model, example_inputs=ex, method=method)
     plan = _mixed(g)
@@ -361,7 +361,7 @@ def test_hf_bert_sdpa_attention_is_seen_and_dispatched() -> None:
 
 def test_apply_refuses_a_plan_naming_an_op_the_model_lacks() -> None:
     from qsync_opt import load_cluster
-    from qsync_opt.plan import make_plan
+    from qsync_opt.problem.plan import make_plan
 
     model, ex = PATTERNS["swin_like"]()
     g = trace(model, example_inputs=ex)
@@ -384,7 +384,7 @@ def test_a_planned_functional_op_no_forward_runs_is_named_in_a_warning(caplog) -
     # forward.
     model, ex = PATTERNS["swin_like"]()
     apply_precisions(model, {"blocks.0.attn.sdpa.qk": "int8", "blocks.0.attn.matmul": "bf16"})
-    with caplog.at_level(logging.WARNING, logger="qsync_opt.runtime.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="qsync_opt.ops.dispatch"):
         model(*ex)
         model(*ex)
     assert caplog.text.count("did not run") == 1

@@ -1,4 +1,4 @@
-"""A user's own model file through every command (qsync_opt.user_model; issue 16).
+"""A user's own model file through every command (qsync_opt.models.user; issue 16).
 
 Files are written to tmp_path and run from another working directory than theirs; HF
 BERT-for-QA is built from a small config with random weights (no downloads).
@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.documents.io import save
+from qsync_opt.documents.schemas import OpRole, Plan
 from qsync_opt.graph import load_user_workload, trace
-from qsync_opt.io import save
-from qsync_opt.plan import check_plan, make_plan
-from qsync_opt.schemas import OpRole, Plan
+from qsync_opt.problem.plan import check_plan, make_plan
 from support.harness import run_cli
 
 CLUSTER = "a100x1+t4x1"
@@ -167,7 +167,7 @@ def test_a_user_file_at_another_batch_is_traced_on_synthetic_inputs(tmp_path) ->
 
 def test_default_losses_for_dataclass_dict_and_tensor_outputs(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
-    from qsync_opt.user_model import default_loss, default_loss_kind
+    from qsync_opt.models.user import default_loss, default_loss_kind
 
     out = transformers.modeling_outputs.QuestionAnsweringModelOutput(
         start_logits=torch.randn(2, 5), end_logits=torch.randn(2, 5))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from qsync_opt.models import BuiltinWorkload, Workload, get_workload
+from qsync_opt.models.user import UserWorkload
 
 from qsync_opt.graph import resolve_workload
-from qsync_opt.user_model import UserWorkload
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = """

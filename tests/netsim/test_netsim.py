@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.netsim import (
     Bucket,
     FabricSpec,
@@ -30,7 +30,7 @@ from qsync_opt.netsim.cluster import (
     run_iterations,
 )
 from qsync_opt.netsim.traffic import summarise
-from qsync_opt.runtime.dlcp import ChunkTable, apply_drops
+from qsync_opt.strategy.droppolicy import ChunkTable, apply_drops
 
 BIG = 1 << 40  # a buffer that never fills
 HUGE_WINDOW = 10**9
@@ -243,7 +243,7 @@ def test_the_event_cap_names_the_cell_size():
 
 
 def test_a_cluster_run_refuses_before_simulating_when_cells_are_too_small():
-    from qsync_opt.cluster import load_cluster
+    from qsync_opt.costs.cluster import load_cluster
 
     cl = load_cluster("v100x16+t4x16")
     net = cluster_network(cl, "ring")
@@ -254,7 +254,7 @@ def test_a_cluster_run_refuses_before_simulating_when_cells_are_too_small():
 
 
 def test_cluster_fabric_shapes():
-    from qsync_opt.cluster import load_cluster
+    from qsync_opt.costs.cluster import load_cluster
 
     cl = load_cluster("v100x16+t4x16")
     ring = cluster_network(cl, "ring")
@@ -346,8 +346,8 @@ def test_netsim_cli_refuses_in_one_line(argv, what, capsys):
 
 
 def test_the_replayer_takes_bucket_times_from_the_simulator():
-    from qsync_opt.cluster import load_cluster
-    from qsync_opt.costs import estimate
+    from qsync_opt.costs.cluster import load_cluster
+    from qsync_opt.costs.roofline import estimate
     from qsync_opt.graph import trace
     from qsync_opt.netsim.cluster import bucket_times_ms, with_netsim_comm
     from qsync_opt.replayer import Replayer
@@ -405,7 +405,7 @@ def test_a_network_that_drops_nothing_gives_up_and_retransmits_nothing(uplink_gb
 
 
 def _scenario_totals(scenario: str, buffer_bytes: int, cfg: NetConfig) -> tuple[int, int, float, int]:
-    from qsync_opt.cluster import load_cluster
+    from qsync_opt.costs.cluster import load_cluster
     from qsync_opt.netsim.cluster import SCENARIO_PATTERN
 
     net = cluster_network(load_cluster("v100x8+t4x8"), scenario, buffer_bytes=buffer_bytes)

@@ -17,9 +17,9 @@ from helpers import load_benchmark
 from torch import nn
 
 from qsync_opt import ops
+from qsync_opt.core.precision import Precision
 from qsync_opt.indicator import SPECS, element_variance
 from qsync_opt.ops import reference as ref
-from qsync_opt.precision import Precision
 from qsync_opt.runtime import apply_precisions
 
 

@@ -16,17 +16,17 @@ from torch import nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from qsync_opt import QsyncInputError, estimate, load_cluster, ops, trace
-from qsync_opt.devices import CATALOG, enable_int4, get_device, int4_device
+from qsync_opt.core.precision import BY_FIDELITY, OPT_IN, PRECISION_INFO, DType, Precision
+from qsync_opt.costs.devices import CATALOG, enable_int4, get_device, int4_device
+from qsync_opt.documents.io import to_json
+from qsync_opt.documents.schemas import DeviceSpec, Efficiencies, Plan, json_schema
 from qsync_opt.indicator import LADDERS, SPECS, element_variance, enforce_monotone
-from qsync_opt.io import to_json
 from qsync_opt.ops import reference as ref
-from qsync_opt.plan import check_plan, make_plan
-from qsync_opt.precision import BY_FIDELITY, OPT_IN, PRECISION_INFO, DType, Precision
-from qsync_opt.problem import ProblemOptions
+from qsync_opt.planner.solve import build_problem, solve
+from qsync_opt.problem.plan import check_plan, make_plan
+from qsync_opt.problem.program import ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 from qsync_opt.runtime import apply_precisions
-from qsync_opt.schemas import DeviceSpec, Efficiencies, Plan, json_schema
-from qsync_opt.solve import build_problem, solve
-from qsync_opt.synthetic import random_indicator
 from support.harness import run_cli
 
 P = Precision
@@ -478,9 +478,9 @@ def test_cli_int4_flag_says_which_groups_got_it(tmp_path: Path) -> None:
 def test_emulated_data_parallel_trains_an_int4_plan_on_a_derived_cpu(tmp_path: Path) -> None:
     """``cpu/2~t4:int4`` (a CPU standing in for a T4 with int4) runs its int4 ops in the
     runtime: the emulated data-parallel path trains the plan and counts int4 calls."""
+    from qsync_opt.job.rank import build_model, emulate, prepare
     from qsync_opt.runtime import count_calls
     from qsync_opt.runtime.config import TrainConfig
-    from qsync_opt.runtime.train import build_model, emulate, prepare
 
     cluster = load_cluster("cpux1@48+cpu/2~t4:int4x1@16")
     assert [(g.name, g.device) for g in cluster.groups] == [("cpu", "cpu"),

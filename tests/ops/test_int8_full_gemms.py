@@ -23,13 +23,13 @@ import torch
 from qsync_opt.models.layers import MatMul
 from torch import Tensor, nn
 
-from qsync_opt import rules
+from qsync_opt.core.precision import Precision
+from qsync_opt.costs import rules
+from qsync_opt.documents.schemas import OpKind
 from qsync_opt.indicator import SPECS, element_variance, kinds_for
-from qsync_opt.indicator_calls import Bilinear, functional_form, module_bilinear
-from qsync_opt.precision import Precision
+from qsync_opt.indicator.calls import Bilinear, functional_form, module_bilinear
+from qsync_opt.ops.gemm import gemm_operand_roles, run_gemm
 from qsync_opt.runtime import apply_precisions
-from qsync_opt.runtime.gemm import gemm_operand_roles, run_gemm
-from qsync_opt.schemas import OpKind
 
 SEEDS = 300
 P = Precision.int8_full

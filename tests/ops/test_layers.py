@@ -8,7 +8,7 @@ from qsync_opt.models import compute_loss, get_workload
 from qsync_opt.models.layers import MatMul
 
 from qsync_opt import QsyncInputError
-from qsync_opt.precision import Precision
+from qsync_opt.core.precision import Precision
 from qsync_opt.runtime import QLinear, QMatMul, apply_precisions
 
 
@@ -167,7 +167,7 @@ def test_int8_attention_matmul_is_emulated(precision: Precision) -> None:
     int8_full quantizes it, per row for the left operand's gradient and per last-axis
     channel for the right one's, as its integer linears do."""
     from qsync_opt import ops
-    from qsync_opt.runtime.gemm import quantize_output_grad
+    from qsync_opt.ops.gemm import quantize_output_grad
 
     gen = torch.Generator().manual_seed(5)
     a0, b0 = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 4, 5, generator=gen)

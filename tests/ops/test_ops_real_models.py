@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from qsync_opt.precision import Precision
+from qsync_opt.core.precision import Precision
 from qsync_opt.runtime import apply_precisions
 from support.ops_backends import strict_int_mm, use_backend
 

@@ -11,10 +11,10 @@ import torch
 from helpers import load_benchmark
 from qsync_opt.models import get_workload
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.runtime.compress import Identity, Plain, Quant, TopK
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.pipeline.stages import Boundary, Pipeline, split_stages
 from qsync_opt.runtime.data import IndexedBatches
-from qsync_opt.runtime.pipeline import Boundary, Pipeline, split_stages
+from qsync_opt.strategy.codecs import Identity, Plain, Quant, TopK
 
 
 def _model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -227,7 +227,7 @@ def test_the_compression_study_runs_and_counts_bytes_by_formula():
 
 def test_stages_balance_on_a_cost_table_too():
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.runtime.pipeline import op_costs_from_table
+    from qsync_opt.pipeline.stages import op_costs_from_table
 
     graph = trace("tiny_gpt", 4)
     table = estimate(graph, parse_shorthand("t4x1"))
@@ -242,7 +242,7 @@ def test_stages_balance_on_a_cost_table_too():
 
 def test_stage_costs_add_up_to_the_model_and_follow_the_cuts():
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.runtime.pipeline import op_costs_from_table, stage_costs
+    from qsync_opt.pipeline.stages import op_costs_from_table, stage_costs
 
     table = estimate(trace("digits_cnn", 16), parse_shorthand("t4x1"))
     fwd = op_costs_from_table(table, "t4", part="fwd")
@@ -261,7 +261,7 @@ def test_stage_costs_add_up_to_the_model_and_follow_the_cuts():
 
 def _digits_costs() -> dict[str, float]:
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.runtime.pipeline import op_costs_from_table
+    from qsync_opt.pipeline.stages import op_costs_from_table
 
     return op_costs_from_table(estimate(trace("digits_cnn", 16), parse_shorthand("cpux1")),
                                "cpu")
@@ -272,7 +272,7 @@ def _brute_force(model: torch.nn.Module, n_stages: int, costs: dict[str, float],
     fewest bytes crossing among the splits within the balancing's slack of it."""
     import itertools
 
-    from qsync_opt.runtime.pipecuts import (
+    from qsync_opt.pipeline.cuts import (
         BALANCE_SLACK,
         _compute_nodes,
         _crossings,
@@ -304,7 +304,7 @@ def test_balanced_cuts_balance_first_then_send_the_fewest_bytes(name, stages):
     slack of the least possible (over every scope change, not only the fewest-crossing
     points), and no balanced split sends fewer bytes."""
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.runtime.pipecuts import BALANCE_SLACK, _compute_nodes, op_costs_from_table
+    from qsync_opt.pipeline.cuts import BALANCE_SLACK, _compute_nodes, op_costs_from_table
 
     wl = get_workload(name)
     x = wl.make_inputs(4, torch.device("cpu"))
@@ -326,12 +326,12 @@ def test_the_balance_is_not_limited_to_the_fewest_crossing_points():
     x = wl.make_inputs(4, torch.device("cpu"))
     model = _model("tiny_gpt")
     split = split_stages(model, n_stages=3, example_inputs=x)
-    from qsync_opt.runtime.pipecuts import _default_costs
+    from qsync_opt.pipeline.cuts import _default_costs
 
     least, _, _ = _brute_force(model, 3, _default_costs(model, x), x)
     blocks = split_stages(model, cuts=["transformer.h.1.ln_2", "transformer.h.3"],
                           example_inputs=x)
-    from qsync_opt.runtime.pipecuts import stage_costs
+    from qsync_opt.pipeline.cuts import stage_costs
 
     old = max(stage_costs(blocks, _default_costs(model, x)))
     assert old > 1.1 * least  # the old rule's split is not balanced
@@ -343,8 +343,8 @@ def test_every_stage_count_builds_and_trains_stages_without_parameters_too(stage
     """digits_cnn has 11 ops, 6 with parameters: from 4 stages on some stage may hold none
     (relu1 alone crashed the optimizer). Every count trains, and a parameter-less stage gets
     a NoOptimizer."""
+    from qsync_opt.pipeline.run import NoOptimizer, _optimizer
     from qsync_opt.runtime.config import TrainConfig
-    from qsync_opt.runtime.pipetrain import NoOptimizer, _optimizer
 
     wl = get_workload("digits_cnn")
     x, y, _ = IndexedBatches(wl, 0, 8).batch(0)
@@ -396,7 +396,7 @@ def test_a_cut_across_which_an_integer_would_cross_is_refused_naming_the_stage(c
 
 
 def test_balancing_never_cuts_where_an_integer_crosses():
-    from qsync_opt.runtime.pipecuts import _compute_nodes, _crossings
+    from qsync_opt.pipeline.cuts import _compute_nodes, _crossings
 
     wl = get_workload("tiny_gpt")
     x = wl.make_inputs(2, torch.device("cpu"))

@@ -8,10 +8,10 @@ import pytest
 import torch
 from qsync_opt.models import get_workload
 
+from qsync_opt.pipeline.stages import Pipeline, split_stages
 from qsync_opt.profile.gloo import spawn_local
-from qsync_opt.runtime.compress import parse_compressor
 from qsync_opt.runtime.data import IndexedBatches
-from qsync_opt.runtime.pipeline import Pipeline, split_stages
+from qsync_opt.strategy.codecs import parse_compressor
 from support.pipeline_jobs import job_result, run_stage_job
 
 

@@ -1,6 +1,6 @@
 """The pipeline's fp16 loss-scale start and run warnings (issue 41): the data-parallel rule
 (tests/runtime/test_loss_scale_start.py) on ``train --pipeline-stages``, in one process and in one
-process per stage (qsync_opt.runtime.pipescale)."""
+process per stage (qsync_opt.pipeline.scale)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from qsync_opt import models
-from qsync_opt.cluster import parse_shorthand
+from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.graph import trace
-from qsync_opt.plan import make_plan
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.scaler import PROBE_SCALES
 from support.harness import run_cli
 
@@ -114,8 +114,8 @@ def test_a_pipeline_overflowing_at_2_pow_16_trains_from_step_0(tmp_path, fp16_pl
     assert s["first_loss"] == _rows(out)[0]["loss"]
     assert not o.startswith("WARNING") and "WARNING" not in err
     # the same run at a fixed start of 2**12: no probe, the same bytes and states
+    from qsync_opt.job.rank import emulate
     from qsync_opt.runtime.config import TrainConfig
-    from qsync_opt.runtime.train import emulate
 
     doc = json.loads((out / "train_config.json").read_text())
     fixed = TrainConfig.model_validate({**doc, "loss_scale": 2.0 ** 12,

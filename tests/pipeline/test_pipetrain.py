@@ -1,5 +1,5 @@
 """``qsync-opt train --pipeline-stages N``: one rank per stage, each stage at its rank group's
-plan, compressed boundaries, checkpoints and resume (qsync_opt.runtime.pipetrain)."""
+plan, compressed boundaries, checkpoints and resume (qsync_opt.pipeline.run)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from qsync_opt.cli import main
-from qsync_opt.cluster import parse_shorthand
+from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.graph import trace
-from qsync_opt.plan import make_plan
+from qsync_opt.problem.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,14 +131,14 @@ def test_resume_reproduces_the_run(tmp_path, monkeypatch, feedback, act):
 def test_heterogeneous_balance_gives_the_slower_stage_less(tmp_path):
     from qsync_opt.models import get_workload
 
-    from qsync_opt.runtime.pipeline import split_stages, stage_costs
+    from qsync_opt.pipeline.stages import split_stages, stage_costs
 
     torch.manual_seed(0)
     wl = get_workload("tiny_gpt")
     model = wl.build()
     x = wl.make_inputs(2, torch.device("cpu"))
     even = split_stages(model, n_stages=2, example_inputs=x)
-    from qsync_opt.runtime.pipecuts import _default_costs
+    from qsync_opt.pipeline.cuts import _default_costs
 
     c = _default_costs(model, x)
     slow = {k: 3 * v for k, v in c.items()}
@@ -221,8 +221,8 @@ def _replay(capsys, *argv: str) -> dict:
 
 
 def test_replay_predicts_the_compressed_pipeline(capsys):
-    from qsync_opt.costs import estimate
-    from qsync_opt.runtime.compress import parse_compressor
+    from qsync_opt.costs.roofline import estimate
+    from qsync_opt.strategy.codecs import parse_compressor
 
     base = ["--model", "tiny_gpt", "--batch", "16", "--cluster", "t4x2",
             "--pipeline-stages", "2", "--micro-batches", "4", "--link-gbps", "1,10"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.replayer.pipeline import pipeline_step
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.pipeline.gpipe import pipeline_step
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 5])

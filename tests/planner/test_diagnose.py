@@ -11,16 +11,16 @@ from qsync_opt.solvers import SolveOptions
 from qsync_opt.solvers.ilp import PulpIlp, fastest_times
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.diagnose import (
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.planner.diagnose import (
     GIB,
     InfeasibleProblem,
     explain,
     min_memory,
     pinned_shares,
 )
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 HIGHS = PulpIlp("highs")
 pytestmark = pytest.mark.skipif(not HIGHS.is_available(), reason="HiGHS not available")
@@ -203,7 +203,7 @@ def test_explain_on_a_synthetic_problem_with_a_tiny_target_and_headroom():
 
 
 def test_infeasible_problem_is_one_line_even_with_newlines_in_a_line():
-    from qsync_opt.diagnose import Diagnosis
+    from qsync_opt.planner.diagnose import Diagnosis
 
     d = Diagnosis(lines=["a\nb", "c"], min_memory_bytes={}, fastest_ms={},
                   fastest_makespan_ms=None, blocking=[])

@@ -1,5 +1,5 @@
 """A returned plan that a cheap baseline dominates: ``solve``'s note, and the plan the demo
-trains (qsync_opt.dominance, qsync_opt.demo.choose_plan)."""
+trains (qsync_opt.planner.dominance, qsync_opt.cli.walkthrough.choose_plan)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from qsync_opt.solvers import SolveOptions
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.demo import choose_plan
-from qsync_opt.dominance import (
+from qsync_opt.cli.walkthrough import choose_plan
+from qsync_opt.planner.dominance import (
     CHEAP_BASELINES,
     MARK_LEGEND,
     Candidate,
@@ -26,10 +26,10 @@ from qsync_opt.dominance import (
     recommend,
     recommend_row,
 )
-from qsync_opt.evaluator import Evaluation, evaluate
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import compare, reachable_ms, solve
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.planner.solve import compare, reachable_ms, solve
+from qsync_opt.problem.evaluator import Evaluation, evaluate
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 from support.harness import run_cli
 
 
@@ -343,8 +343,8 @@ def test_demo_part_2_writes_the_plan_nothing_in_its_table_dominates(demo_part_2)
     """resnet50 on v100x16+t4x16 (the random indicator): the joint split dominates the exact
     plan, so plan.json is the joint split's, one line says why, and no row of the table
     (its printed figures, every row taken to fit) dominates the plan written."""
-    from qsync_opt.io import load
-    from qsync_opt.schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan
+    from qsync_opt.documents.io import load
+    from qsync_opt.documents.schemas import ClusterSpec, CostTable, IndicatorTable, ModelGraph, Plan
 
     code, out, err, tmp_path = demo_part_2
     assert code == 0, err
@@ -379,8 +379,8 @@ def test_the_demo_says_what_a_batch_split_changes(split, said) -> None:
     """The demo's part 1 may train a plan with another batch split than its fp32 run (the
     dynamic-batching plan): it says the averaged gradient is still the whole batch's and
     where a gap comes from (benchmarks/bench_split_gradient.py), only then."""
-    from qsync_opt.demo import split_note
-    from qsync_opt.plan import make_plan
+    from qsync_opt.cli.walkthrough import split_note
+    from qsync_opt.problem.plan import make_plan
 
     graph = trace("digits_cnn")
     even = make_plan(graph, parse_shorthand("cpux1@32+cpu/2x1@32"), {})

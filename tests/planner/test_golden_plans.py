@@ -6,7 +6,7 @@ each instance x solver the test solves (or compares, for the baselines) with the
 and a ``random_indicator(graph, seed)`` (the real indicator needs real batches and
 minutes), and checks:
 
-- the plan's JSON (``qsync_opt.io.to_json``) is byte-for-byte the golden file's ``plan``
+- the plan's JSON (``qsync_opt.documents.io.to_json``) is byte-for-byte the golden file's ``plan``
   (a plan holds no timing: the limit it records is the one asked for, the time used is
   the report's ``wall_s``);
 - the SolveReport's ``status``, ``objective`` and ``mode`` are the golden file's ``report``.
@@ -111,8 +111,8 @@ def _fixed_cpu(fixed_cpu_module: Any) -> Any:
 @functools.cache
 def _problem(name: str) -> Any:
     import qsync_opt as qs
-    from qsync_opt.problem import AllocationProblem, ProblemOptions
-    from qsync_opt.synthetic import random_indicator
+    from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+    from qsync_opt.problem.synthetic import random_indicator
 
     workload, cluster_spec, options = PROBLEMS[name]
     graph = _graph(workload)
@@ -143,8 +143,8 @@ def _record(case: str, spec: tuple[str, str, str, dict[str, Any]]) -> str:
     """The golden text of one case: the stripped plan JSON and the report's verdict."""
     from qsync_opt.solvers import SolveOptions
 
-    from qsync_opt import io
-    from qsync_opt.solve import compare, solve
+    from qsync_opt.documents import io
+    from qsync_opt.planner.solve import compare, solve
 
     pname, how, solver, kwargs = spec
     kwargs = dict(kwargs)
@@ -250,8 +250,8 @@ def test_two_solves_give_identical_bytes(solver: str) -> None:
 
     from qsync_opt.solvers import SolveOptions
 
-    from qsync_opt import io
-    from qsync_opt.solve import solve
+    from qsync_opt.documents import io
+    from qsync_opt.planner.solve import solve
 
     problem = _problem("digits_cnn")
     texts = []
@@ -268,7 +268,7 @@ def test_two_solves_give_identical_bytes(solver: str) -> None:
 
 def test_digits_cnn_uses_the_fixed_cpu(_fixed_cpu: Any) -> None:
     """The CPU instance is planned on the fixed figures, not this machine's."""
-    from qsync_opt.devices import get_device
+    from qsync_opt.costs.devices import get_device
 
     problem = _problem("digits_cnn")
 

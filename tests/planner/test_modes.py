@@ -10,11 +10,11 @@ import pytest
 from qsync_opt.solvers.ilp import PulpIlp
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.frontier import frontier, plot_frontier
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.solve import InfeasibleError, batch_splits, solve
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.planner.frontier import frontier, plot_frontier
+from qsync_opt.planner.solve import InfeasibleError, batch_splits, solve
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,7 @@ def _brute(prob: AllocationProblem) -> float | None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_joint_split_is_never_worse_than_the_best_fixed_split(seed):
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     base = _small(seed)
     ref = base.makespan_ms(base.reference_assignment())
@@ -80,7 +80,7 @@ def test_joint_split_falls_back_lexicographically_when_the_default_target_is_out
     """The default target is the strong group's time at its *given* batch: a split that moves
     samples onto it cannot meet it. Auto mode must then take the smallest makespan any split
     reaches and the least degradation within the slack of it (it raised INFEASIBLE)."""
-    from qsync_opt.solve import LEXICOGRAPHIC_SLACK, reachable_ms
+    from qsync_opt.planner.solve import LEXICOGRAPHIC_SLACK, reachable_ms
 
     prob = _small(seed)
     splits = batch_splits(prob, 8)
@@ -138,7 +138,7 @@ def test_lexicographic_mode_when_the_default_target_is_out_of_reach():
 
 
 def test_budget_mode_finds_the_least_makespan_within_the_degradation_budget():
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     prob = _small(4)
     ref = prob.makespan_ms(prob.reference_assignment())
@@ -209,7 +209,7 @@ def test_infeasible_memory_is_explained(capsys):
 def test_a_matched_extra_target_is_not_solved():
     """An exact point as fast and as little degraded as another allocator's point matches
     it (no solve at that makespan could show more); slower or more degraded does not."""
-    from qsync_opt.frontier import FrontierPoint, matched
+    from qsync_opt.planner.frontier import FrontierPoint, matched
 
     def pt(ms, obj):
         return FrontierPoint("exact", ms, "OPTIMAL", obj, ms, ms, 1e3 / ms, 1e3 / ms, 1,

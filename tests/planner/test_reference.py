@@ -9,11 +9,11 @@ import pytest
 from qsync_opt.solvers import get_backend
 
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.solve import InfeasibleError, solve
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.core.precision import Precision
+from qsync_opt.planner.solve import InfeasibleError, solve
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 
 EXACT = ("highs", "cbc", "cpsat")
 CLUSTER = "v100x16+t4x16"

@@ -11,11 +11,9 @@ import pytest
 
 from qsync_opt import ModelGraph, Plan, QsyncInputError, estimate, parse_shorthand, save
 from qsync_opt.cli.report import add_report_parser, cmd_report
-from qsync_opt.plan import make_plan
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.replayer import GroupTimeline, Replayer, Timeline
-from qsync_opt.report import (
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import OpRole
+from qsync_opt.planner.figure import (
     heatmap_matrix,
     load_report_inputs,
     plan_figure,
@@ -26,8 +24,10 @@ from qsync_opt.report import (
     straggler_reason,
     time_parts,
 )
-from qsync_opt.schemas import OpRole
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.problem.plan import make_plan
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
+from qsync_opt.replayer import GroupTimeline, Replayer, Timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

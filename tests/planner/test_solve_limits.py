@@ -14,12 +14,12 @@ from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
 from qsync_opt.solvers.report import finish
 from qsync_opt.solvers.timing import Stopwatch
 
-import qsync_opt.solve as solve_mod
+import qsync_opt.planner.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 EXACT = ["highs", "cbc", "cpsat"]
 BACKENDS = {"highs": PulpIlp("highs"), "cbc": PulpIlp("cbc"), "cpsat": CpSat()}

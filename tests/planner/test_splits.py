@@ -1,4 +1,4 @@
-"""The joint split search prunes candidates exactly (qsync_opt.splits, solve._joint_attempt).
+"""The joint split search prunes candidates exactly (qsync_opt.planner.splits, solve._joint_attempt).
 
 The pruned search must return the plan the reference procedure returns (every candidate
 solved once, then refined in ascending order): the same plan JSON, objective and split, on
@@ -18,12 +18,12 @@ import pytest
 from qsync_opt.solvers.checks import time_lower_bound
 from qsync_opt.solvers.timing import Stopwatch
 
-import qsync_opt.solve as solve_mod
+import qsync_opt.planner.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import batch_splits, solve
-from qsync_opt.splits import SplitBounds, memory_floor
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.planner.solve import batch_splits, solve
+from qsync_opt.planner.splits import SplitBounds, memory_floor
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 
 @functools.cache
@@ -71,7 +71,7 @@ CASES = [(seed, shorthand, perturb, frac)
 @pytest.mark.parametrize("seed,shorthand,perturb,frac", CASES)
 @pytest.mark.parametrize("refine", [0, 2])
 def test_pruned_search_returns_the_reference_plan(seed, shorthand, perturb, frac, refine):
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     base = _problem(seed, shorthand, perturb)
     lo = reachable_ms(base)
@@ -87,7 +87,7 @@ def test_pruned_search_returns_the_reference_plan(seed, shorthand, perturb, frac
 def test_other_backends_get_the_reference_plan_too(solver):
     """CP-SAT and greedy use only the floors (their objectives bound nothing); CBC the
     solved parts as HiGHS does."""
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     base = _problem(1, "a100x1@64+t4x1@64")
     lo = reachable_ms(base)
@@ -100,7 +100,7 @@ def test_other_backends_get_the_reference_plan_too(solver):
 
 def test_bounds_skip_candidates_on_monotone_costs():
     prob = _problem(0, "a100x1@64+t4x1@64")
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     lo = reachable_ms(prob)
     hi = prob.makespan_ms(prob.reference_assignment())
@@ -147,7 +147,7 @@ def test_floors_are_lower_bounds(seed):
 
 
 def _targets(prob: AllocationProblem, fracs: tuple[float, ...]) -> list[AllocationProblem]:
-    from qsync_opt.solve import reachable_ms
+    from qsync_opt.planner.solve import reachable_ms
 
     lo = reachable_ms(prob)
     hi = prob.makespan_ms(prob.reference_assignment())

@@ -7,11 +7,11 @@ import random
 import pytest
 
 from qsync_opt import Plan, estimate, parse_shorthand, trace
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.evaluator import evaluate
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 
 def _problem(graph, shorthand, options=None, seed=0, perturb=False):

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from qsync_opt import ModelGraph, Plan, QsyncInputError, parse_shorthand, save, trace
 from qsync_opt.cli import main
+from qsync_opt.documents.schemas import OpRole
 from qsync_opt.graph import load_user_model
-from qsync_opt.plan import MAX_BATCH_PER_DEVICE, check_plan, make_plan
-from qsync_opt.schemas import OpRole
+from qsync_opt.problem.plan import MAX_BATCH_PER_DEVICE, check_plan, make_plan
 
 CLUSTER = "v100x1+t4x1"  # catalog cards: no CPU measurement, two groups
 
@@ -298,7 +298,7 @@ def test_plan_load_never_returns_a_plan_it_did_not_check(call, digits_graph, tmp
     edit, needle = _cases(digits_graph)["another graph"]
     bad = save(_digits_plan(digits_graph, edit), tmp_path / "bad.json")
     for path in (fits, bad):
-        with pytest.raises(TypeError, match=r"qsync_opt\.plan\.check_plan\(plan, graph\)") as exc:
+        with pytest.raises(TypeError, match=r"qsync_opt\.problem\.plan\.check_plan\(plan, graph\)") as exc:
             call(path, digits_graph)
         assert "\n" not in str(exc.value)
     assert call(fits, None) == Plan.load(fits)  # no graph: a plain read

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.io import save
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.schemas import IndicatorTable, ModelGraph
-from qsync_opt.solve import build_problem, solve
+from qsync_opt.core.precision import Precision
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.documents.io import save
+from qsync_opt.documents.schemas import IndicatorTable, ModelGraph
+from qsync_opt.planner.solve import build_problem, solve
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from support.harness import run_cli
 
 CLUSTER = "t4x2"

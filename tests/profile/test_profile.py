@@ -10,8 +10,9 @@ import pytest
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, trace
 from qsync_opt.cli.profile import add_profile_parser
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.io import load
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.documents.io import load
+from qsync_opt.documents.schemas import CostTable
 from qsync_opt.profile import (
     Profile,
     fit_cast,
@@ -21,7 +22,6 @@ from qsync_opt.profile import (
     profile_detailed,
 )
 from qsync_opt.replayer import Replayer
-from qsync_opt.schemas import CostTable
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_cli_profile_writes_a_cost_table(tmp_path, digits_graph: ModelGraph) -> 
 
 
 def test_intervals_attribute_time_by_execution_order() -> None:
-    from qsync_opt.profile_context import HEAD, TAIL, intervals
+    from qsync_opt.profile.incontext import HEAD, TAIL, intervals
 
     ev = [("fpre", "a", 1.0), ("fpost", "a", 3.0), ("fpre", "b", 4.0), ("fpost", "b", 7.0),
           ("bpre", "b", 11.0), ("bpost", "b", 14.0), ("bpre", "a", 15.0), ("bpost", "a", 15.0)]
@@ -220,12 +220,12 @@ def test_in_context_runs_only_uniform_plans_and_predicts_mixed_ones(
         digits_graph: ModelGraph, digits_profile: Profile) -> None:
     """A mixed plan's prediction uses no measurement of that plan: the profiler only ran
     uniform assignments, and the prediction is a sum over the table's entries."""
-    from qsync_opt.plan import make_plan
-    from qsync_opt.precision import Precision
+    from qsync_opt.core.precision import Precision
+    from qsync_opt.problem.plan import make_plan
 
     ran = digits_profile.assignments_run
     # one uniform assignment per precision of the CPU's menu, and nothing else
-    from qsync_opt.devices import get_device
+    from qsync_opt.costs.devices import get_device
 
     menu = [p.value for p in get_device("cpu").precisions]
     assert len(menu) == 5  # fp32, bf16, fp16, int8, int8_full
@@ -282,7 +282,7 @@ def test_derive_builds_a_slower_cpu_from_the_cpu_entries(digits_graph: ModelGrap
 
 
 def test_pin_malloc_is_idempotent() -> None:
-    from qsync_opt.machine import pin_malloc
+    from qsync_opt.core.machine import pin_malloc
 
     first = pin_malloc()
     assert pin_malloc() is first

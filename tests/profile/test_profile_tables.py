@@ -10,17 +10,17 @@ import textwrap
 import pytest
 
 import qsync_opt.profile as prof
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.profile.tables import fit_cast, median_iqr
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.tables import fit_cast, median_iqr
 
 
 def test_the_table_algebra_imports_without_torch() -> None:
-    """With torch made unimportable, ``qsync_opt.profile.tables`` (and the package, for its
+    """With torch made unimportable, ``qsync_opt.costs.tables`` (and the package, for its
     torch-free names) still import and compute; a name that needs torch fails on use only."""
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None  # any import of torch now raises ImportError
-        from qsync_opt.profile.tables import derive, fit_cast, median_iqr, merge, with_comm
+        from qsync_opt.costs.tables import derive, fit_cast, median_iqr, merge, with_comm
         from qsync_opt.profile import fit_cast as again
         assert again is fit_cast
         a, b = fit_cast([1.0, 2.0, 3.0], [3.0, 5.0, 7.0])
@@ -41,7 +41,8 @@ def test_the_table_algebra_imports_without_torch() -> None:
 
 
 def test_the_package_names_are_the_submodules() -> None:
-    from qsync_opt.profile import builders, gloo, orchestrate, tables, timing
+    from qsync_opt.costs import tables
+    from qsync_opt.profile import builders, gloo, orchestrate, timing
 
     assert prof.profile_detailed is orchestrate.profile_detailed
     assert prof.Profile is orchestrate.Profile

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsync_opt import estimate, load_cluster, trace
-from qsync_opt.precision import Precision
+from qsync_opt.core.precision import Precision
+from qsync_opt.problem.synthetic import synthetic_graph
 from qsync_opt.replayer import Replayer
-from qsync_opt.synthetic import synthetic_graph
 
 WORKLOADS = (("digits_cnn", 8), ("tiny_gpt", 4), ("resnet18", 2), ("synthetic", 0))
 #: cpux1 has no context reserve, so a few bytes of difference would show in the relative test.

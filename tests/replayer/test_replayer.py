@@ -9,9 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, load_cluster, trace
-from qsync_opt.precision import DType, Precision
-from qsync_opt.replayer import AllReduceSync, Replayer, simulate
-from qsync_opt.schemas import (
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.documents.schemas import (
     CastCost,
     ClusterSpec,
     CommModel,
@@ -25,6 +24,7 @@ from qsync_opt.schemas import (
     OpRole,
     OptimizerCost,
 )
+from qsync_opt.replayer import AllReduceSync, Replayer, simulate
 
 P = Precision
 

@@ -1,4 +1,4 @@
-"""``qsync-opt train``'s launcher (qsync_opt.runtime.launch), without launching ranks."""
+"""``qsync-opt train``'s launcher (qsync_opt.job.launch), without launching ranks."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from qsync_opt.cli.train import add_train_parser, cmd_train
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.plan import make_plan
-from qsync_opt.runtime import launch
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.job import launch
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
 
 
@@ -62,7 +62,7 @@ def test_the_config_written_for_a_hybrid_cpu_cluster(plans, tmp_path, capsys) ->
     text = capsys.readouterr().out
     assert "cpu_2 x2" in text and "emulation" in text
     assert "torch.distributed.run --nproc-per-node 2 --master-port" in text
-    assert "-m qsync_opt.runtime.train" in text and str(out / "train_config.json") in text
+    assert "-m qsync_opt.job.rank" in text and str(out / "train_config.json") in text
     # The file is plain JSON that every rank reads.
     assert json.loads((out / "train_config.json").read_text())["schema_name"] == "TrainConfig"
 
@@ -135,7 +135,7 @@ def test_print_command_multinode(plans, tmp_path, capsys) -> None:
     assert "# 2 node(s) x 4 rank(s)" in out
     for node in (0, 1):
         assert (f"torchrun --nnodes 2 --node-rank {node} --nproc-per-node 4 --master-addr HOST0 "
-                f"--master-port 29500 -m qsync_opt.runtime.train {cfg}") in out
+                f"--master-port 29500 -m qsync_opt.job.rank {cfg}") in out
     assert "# node 1: ranks 4..7 (t4_2)" in out
     # Explicit rank groups: one node running them all.
     args = _args("--model", "digits_cnn", "--plan", str(plans["gpus"]), "--out", str(tmp_path),
@@ -195,7 +195,7 @@ import sys
 print("boom on rank 1", flush=True)
 print("""torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-qsync_opt.runtime.train FAILED
+qsync_opt.job.rank FAILED
 ------------------------------------------------------------
 Failures:
   <NO_OTHER_FAILURES>
@@ -229,9 +229,9 @@ def test_emulate_dp_runs_in_process(plans, tmp_path, monkeypatch) -> None:
     import types
 
     seen = []
-    fake = types.ModuleType("qsync_opt.runtime.train")
+    fake = types.ModuleType("qsync_opt.job.rank")
     fake.emulate = lambda config: seen.append(config)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "qsync_opt.runtime.train", fake)
+    monkeypatch.setitem(sys.modules, "qsync_opt.job.rank", fake)
     import qsync_opt.runtime as rt
 
     monkeypatch.setattr(rt, "train", fake, raising=False)

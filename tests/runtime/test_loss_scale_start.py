@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from qsync_opt.cluster import parse_shorthand
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.documents.io import save
 from qsync_opt.graph import trace
-from qsync_opt.io import save
-from qsync_opt.plan import make_plan
+from qsync_opt.job.rank import emulate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import DEFAULT_LR, USER_MODEL_LR, TrainConfig
 from qsync_opt.runtime.metrics import run_warnings
 from qsync_opt.runtime.scaler import PROBE_SCALES, probe_scale
-from qsync_opt.runtime.train import emulate
 from support.harness import run_cli
 
 # fc1 and fc2 run at fp16 on the t4; the logits are multiplied by 30, so at a loss scale of

@@ -121,10 +121,10 @@ def test_replayer_predicts_the_runtime_peak_within_5_percent() -> None:
     import pytest
 
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.precision import Precision
-    from qsync_opt.problem import AllocationProblem, ProblemOptions
+    from qsync_opt.core.precision import Precision
+    from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+    from qsync_opt.problem.synthetic import random_indicator
     from qsync_opt.runtime.memory import measure_plan_memory
-    from qsync_opt.synthetic import random_indicator
 
     g = trace("digits_cnn", 32)
     cl = parse_shorthand("cpux1@32")

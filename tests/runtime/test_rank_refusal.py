@@ -1,7 +1,7 @@
 """A refusal inside a multi-rank ``train`` is the command's one line and exit code 2.
 
 A link planted inside ``--out`` while the ranks run (after the launcher checked the folder)
-makes the rank that writes through it refuse (qsync_opt.outfolder); its peer, waiting in a
+makes the rank that writes through it refuse (qsync_opt.documents.outfolder); its peer, waiting in a
 collective, then fails too, and torchrun may name that peer first. Whichever rank refuses,
 with every writer a rank uses (its checkpoint file, the set's folder, the commit marker, its
 summary, rank 0's summary), the command prints the line a one-process run gives and exits 2,
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.runtime import launch
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.job import launch
 from qsync_opt.runtime.rankfail import refusal, report_failure, sort_line
 from support.harness import run_cli
 
-#: What each rank runs instead of ``-m qsync_opt.runtime.train``: the worker, with a link
+#: What each rank runs instead of ``-m qsync_opt.job.rank``: the worker, with a link
 #: planted at OUT/PATH by rank RANK once it has finished step STEP (the progress update every
 #: runner calls after a step: the data-parallel trainer and the pipeline's stages).
 _WORKER = r'''
@@ -150,7 +150,7 @@ def test_a_failure_without_a_refusal_still_names_the_rank(capsys) -> None:
 @pytest.mark.parametrize(("line", "refused"), [
     (_REFUSAL, "--out /r: /r/summary.rank1.json is a symbolic link"),
     (_PEER, None),
-    ("qsync-opt train: rank 1: qsync_opt.errors.Other: x\n", None),
+    ("qsync-opt train: rank 1: qsync_opt.core.errors.Other: x\n", None),
     ("qsync-opt train: model: data(8, 0) batch 1 of m.py\n", "model: data(8, 0) batch 1 of m.py"),
 ])
 def test_which_rank_lines_are_refusals(line, refused) -> None:

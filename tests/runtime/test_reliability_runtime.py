@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from qsync_opt.cli.train import add_train_parser, cmd_train
-from qsync_opt.errors import QsyncInputError, describe_validation_error
-from qsync_opt.precision import Precision
+from qsync_opt.core.errors import QsyncInputError, describe_validation_error
+from qsync_opt.core.precision import Precision
+from qsync_opt.documents.schemas import Plan
+from qsync_opt.job import rank as rt
 from qsync_opt.runtime import config as rc
-from qsync_opt.runtime import train as rt
 from qsync_opt.runtime.config import (
     MAX_BATCH_PER_DEVICE,
     TrainConfig,
@@ -37,7 +38,6 @@ from qsync_opt.runtime.config import (
     run_fingerprint,
     set_path,
 )
-from qsync_opt.schemas import Plan
 from support.harness import assert_same_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -431,7 +431,7 @@ def _kill_all(pids: list[int]) -> None:
 FAKE_TORCHRUN = textwrap.dedent("""
     import subprocess, sys, time
     rank = subprocess.Popen([sys.executable, "-c",
-        "import time; from qsync_opt.runtime.launch import watch_parents; "
+        "import time; from qsync_opt.job.launch import watch_parents; "
         "watch_parents(0); time.sleep(600)"], start_new_session=True,
         env=__import__("os").environ | {"TORCHELASTIC_RUN_ID": "x"})
     import os
@@ -442,7 +442,7 @@ FAKE_TORCHRUN = textwrap.dedent("""
 LAUNCHER = textwrap.dedent("""
     import signal, sys
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
-    from qsync_opt.runtime.launch import run_streaming
+    from qsync_opt.job.launch import run_streaming
     import os
     rc, _ = run_streaming([sys.executable, "-c", sys.argv[1]], dict(os.environ))
     print("launcher returned", rc, flush=True)

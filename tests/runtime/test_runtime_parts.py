@@ -14,15 +14,15 @@ import torch
 from torch import Tensor, nn
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.plan import make_plan
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.job.rank import emulate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime import checkpoint as ck
 from qsync_opt.runtime import config as rc
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import ENV, NO_FAULTS, FaultPlan, parse_rank_steps
 from qsync_opt.runtime.scaler import LossScaler, grads_finite
-from qsync_opt.runtime.sync import EmulatedSync
-from qsync_opt.runtime.train import emulate
+from qsync_opt.sync.replicas import EmulatedSync
 
 STEPS = 4
 
@@ -281,8 +281,7 @@ def test_the_scalers_state_round_trips_as_the_checkpoint_holds_it() -> None:
 
 
 def test_the_attention_decomposition_is_one_module_reexported() -> None:
-    from qsync_opt import attention
-    from qsync_opt.runtime import dispatch, gemm, layers
+    from qsync_opt.ops import attention, dispatch, gemm, layers
 
     for name in ("mha_forward", "sdpa_forward", "mha_gemms", "base_name", "MHA_GEMMS",
                  "SDPA_GEMMS"):
@@ -295,7 +294,8 @@ def test_the_attention_decomposition_is_one_module_reexported() -> None:
 
 
 def test_the_watchdog_is_importable_from_the_launcher() -> None:
-    from qsync_opt.runtime import launch, watchdog
+    from qsync_opt.job import launch
+    from qsync_opt.runtime import watchdog
 
     assert launch.watch_parents is watchdog.watch_parents
     assert watchdog.pid_alive(__import__("os").getpid())

@@ -17,9 +17,7 @@ import torch
 from helpers import GLOO_STEPS
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.plan import make_plan
-from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.train import (
+from qsync_opt.job.rank import (
     EmulatedSync,
     GlobalBatches,
     TrainingError,
@@ -31,6 +29,8 @@ from qsync_opt.runtime.train import (
     rank_slice,
     weighted_backward,
 )
+from qsync_opt.problem.plan import make_plan
+from qsync_opt.runtime.config import TrainConfig
 from support.harness import assert_same_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +118,7 @@ def _rank_checkpoints(out: Path) -> list[dict]:
 def _start_two_ranks(config: Path, stdout: int, **extra: str) -> list[subprocess.Popen]:
     """Ranks 0 and 1 of ``config`` started by hand (no torchrun), stderr piped."""
     port = str(_free_port())
-    return [subprocess.Popen([sys.executable, "-m", "qsync_opt.runtime.train", str(config)],
+    return [subprocess.Popen([sys.executable, "-m", "qsync_opt.job.rank", str(config)],
                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra),
                              stdout=stdout, stderr=subprocess.PIPE, text=True)
@@ -366,7 +366,7 @@ def test_a_stalled_rank_makes_the_other_fail_by_the_collective_timeout(
 
 
 def test_single_process_run_resumes_exactly(mixed_plan: Path, tmp_path: Path) -> None:
-    from qsync_opt.runtime.train import run
+    from qsync_opt.job.rank import run
 
     one = dict(emulate_dp=False, rank_groups=["cpu_2"])
     straight = run(_config(mixed_plan, tmp_path / "a", steps=4, **one))
@@ -385,7 +385,7 @@ def test_torchrun_with_a_dead_rank_fails_never_hangs(mixed_plan: Path, tmp_path:
     cfg.save(path)
     proc = subprocess.run(  # only a hang reaches the timeout
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "qsync_opt.runtime.train", str(path)],
+         "--master-port", str(_free_port()), "-m", "qsync_opt.job.rank", str(path)],
         env=_env(QSYNC_TEST_DIE_AT_STEP="1:2"), capture_output=True, text=True,
         timeout=RUN_LIMIT_S)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -399,7 +399,7 @@ def test_torchrun_with_a_dead_rank_fails_never_hangs(mixed_plan: Path, tmp_path:
 def _run_cli(cfg: TrainConfig, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "cfg.json"
     cfg.save(path)
-    return subprocess.run([sys.executable, "-m", "qsync_opt.runtime.train", str(path)],
+    return subprocess.run([sys.executable, "-m", "qsync_opt.job.rank", str(path)],
                           env=_env(), capture_output=True, text=True, timeout=60)
 
 
@@ -433,7 +433,7 @@ def test_bad_config_field_is_one_line_exit_2(tmp_path: Path) -> None:
     path.write_text(json.dumps({"schema_name": "TrainConfig", "workload": "digits_cnn",
                                 "plan_path": "x", "rank_groups": ["cpu"], "steps": 0,
                                 "out_dir": str(tmp_path)}))
-    p = subprocess.run([sys.executable, "-m", "qsync_opt.runtime.train", str(path)],
+    p = subprocess.run([sys.executable, "-m", "qsync_opt.job.rank", str(path)],
                        env=_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "steps" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
@@ -442,10 +442,10 @@ def test_bad_config_field_is_one_line_exit_2(tmp_path: Path) -> None:
 def test_a_rank_on_another_card_is_warned(tmp_path):
     """On a GPU each rank compares its card with the plan group's (no GPU needed here)."""
     from qsync_opt import estimate, parse_shorthand, trace
-    from qsync_opt.problem import AllocationProblem
+    from qsync_opt.job.rank import card_mismatch, prepare
+    from qsync_opt.problem.program import AllocationProblem
+    from qsync_opt.problem.synthetic import random_indicator
     from qsync_opt.runtime.config import TrainConfig
-    from qsync_opt.runtime.train import card_mismatch, prepare
-    from qsync_opt.synthetic import random_indicator
 
     g = trace("digits_cnn")
     c = parse_shorthand("v100x1+t4x1")

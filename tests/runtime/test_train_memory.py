@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import qsync_opt as qs
-from qsync_opt.cluster import parse_shorthand
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.costs.cluster import parse_shorthand
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 
 
 def _plan_and_prediction(tmp: Path, name: str, batch: int, precision: str) -> tuple[Path, int]:
@@ -91,8 +91,8 @@ def test_the_finite_check_allocates_no_copy_of_the_gradients() -> None:
     bool copy of each gradient); it is reductions only now, and still exact."""
     import torch
 
+    from qsync_opt.job.rank import grads_finite
     from qsync_opt.runtime.memory import measure_step_memory
-    from qsync_opt.runtime.train import grads_finite
 
     model = torch.nn.Linear(512, 512)
     for p in model.parameters():

@@ -30,9 +30,9 @@ from qsync_opt.solvers.checks import FEAS_REL
 from qsync_opt.solvers.formulation import FAMILIES, formulate
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.evaluator import evaluate
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 BACKENDS = registry()
 PARAMS = [pytest.param(name, id=name) for name in BACKENDS]

@@ -40,10 +40,10 @@ from qsync_opt.solvers.ilp import FEAS_REL, PulpIlp
 from qsync_opt.solvers.integers import _INT_LIMIT, _down, _up
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, PairTerm, ProblemOptions, check_finite
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.problem.program import AllocationProblem, PairTerm, ProblemOptions, check_finite
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 REPO = Path(__file__).resolve().parents[2]
 EXACT = {"highs": PulpIlp("highs"), "cbc": PulpIlp("cbc"), "cpsat": CpSat()}
@@ -205,7 +205,7 @@ _HUGE_COST = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from test_reliability_limits import _instance, _wide
-    from qsync_opt.errors import QsyncInputError
+    from qsync_opt.core.errors import QsyncInputError
     from qsync_opt.solvers import SolveOptions
     from qsync_opt.solvers.cpsat import CpSat
     from qsync_opt.solvers.ilp import PulpIlp
@@ -421,7 +421,7 @@ def test_a_loader_never_sees_a_half_built_library(tmp_path) -> None:
 
 
 def test_the_cache_root_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path) -> None:
-    from qsync_opt.machine import cache_root
+    from qsync_opt.core.machine import cache_root
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_root() == tmp_path / "qsync-opt"

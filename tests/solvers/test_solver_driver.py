@@ -29,9 +29,9 @@ from qsync_opt.solvers.ilp import PulpIlp
 from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 
 @functools.cache

@@ -18,11 +18,11 @@ from qsync_opt.solvers.timing import (
     solver_limit,
 )
 
-import qsync_opt.solve as solve_mod
+import qsync_opt.planner.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.problem import AllocationProblem
-from qsync_opt.solve import solve
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.planner.solve import solve
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 
 def _problem(layers: int = 8) -> AllocationProblem:

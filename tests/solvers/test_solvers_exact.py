@@ -28,11 +28,11 @@ from qsync_opt.solvers.ilp import (
 )
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.evaluator import evaluate
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, PairTerm, ProblemOptions
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, PairTerm, ProblemOptions
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 ILPS = [PulpIlp("cbc"), PulpIlp("highs")]
 EXACT = [*ILPS, CpSat()]

@@ -18,11 +18,11 @@ from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, parse_shorthand, trace
-from qsync_opt.evaluator import evaluate
-from qsync_opt.precision import DType, Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.schemas import OpRole
-from qsync_opt.synthetic import perturb_costs, random_indicator, synthetic_graph
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.documents.schemas import OpRole
+from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 P = Precision
 LINEAR = SolveOptions(acceptance="linear")

@@ -19,12 +19,12 @@ from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.pulp_model import Outcome
 from qsync_opt.solvers.timing import Stopwatch
 
-import qsync_opt.solve as solve_mod
+import qsync_opt.planner.solve as solve_mod
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.problem import AllocationProblem, ProblemOptions
-from qsync_opt.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 EXACT = ["highs", "cbc", "cpsat"]
 ALL = [*EXACT, "greedy", "greedy-per-ms"]

@@ -23,9 +23,9 @@ from qsync_opt.solvers.report import finish, relative_gap
 from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, PairTerm, ProblemOptions
-from qsync_opt.synthetic import random_indicator, synthetic_graph
+from qsync_opt.core.precision import Precision
+from qsync_opt.problem.program import AllocationProblem, PairTerm, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 EXACT = {"highs": PulpIlp("highs"), "cbc": PulpIlp("cbc"), "cpsat": CpSat()}
 MENU = (Precision.fp32, Precision.fp16, Precision.int8)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.runtime.compress import (
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.strategy.codecs import (
     AQSGD,
     EF,
     EF21,

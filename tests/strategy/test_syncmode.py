@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.runtime.schedule import LRSchedule, parse_schedule
-from qsync_opt.runtime.syncmode import (
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.strategy.modes import (
     COMM_KINDS,
     COMPATIBLE,
     CommMode,
@@ -23,6 +22,7 @@ from qsync_opt.runtime.syncmode import (
     rounds,
     sync_steps,
 )
+from qsync_opt.strategy.schedule import LRSchedule, parse_schedule
 
 # ----------------------------------------------------------------------------- schedules
 

@@ -1,6 +1,6 @@
 """One rank of a pipeline training across gloo processes, and its result read back: what
 tests/pipeline/test_pipeline_dist.py runs through :func:`qsync_opt.profile.gloo.spawn_local` to compare
-the multi-process pipeline (:class:`~qsync_opt.runtime.pipedist.DistStage`) with the
+the multi-process pipeline (:class:`~qsync_opt.pipeline.dist.DistStage`) with the
 one-process one. A test harness, so not part of the package: each spawned process imports
 this module as ``support.pipeline_jobs`` (tests/ is on the path pytest hands it)."""
 
@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from qsync_opt.models import get_workload
 
-from qsync_opt.runtime.compress import parse_compressor
+from qsync_opt.pipeline.dist import DistStage
+from qsync_opt.pipeline.stages import Pipeline, split_stages
 from qsync_opt.runtime.data import IndexedBatches
-from qsync_opt.runtime.pipedist import DistStage
-from qsync_opt.runtime.pipeline import Pipeline, split_stages
+from qsync_opt.strategy.codecs import parse_compressor
 
 __all__ = ["job_result", "run_stage_job"]
 

@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.plan import make_plan
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.job.rank import emulate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.dlcp import (
+from qsync_opt.runtime.faults import ENV, NO_FAULTS
+from qsync_opt.strategy.droppolicy import (
     ChunkTable,
     DropRecorder,
     apply_drops,
@@ -29,9 +31,7 @@ from qsync_opt.runtime.dlcp import (
     kept_counts,
     rescale,
 )
-from qsync_opt.runtime.faults import ENV, NO_FAULTS
-from qsync_opt.runtime.syncmode import check_combination, parse_comm, parse_sync
-from qsync_opt.runtime.train import emulate
+from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from support.harness import run_cli, run_params, run_rows
 
 # ----------------------------------------------------------------------------- the policy

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.errors import QsyncInputError
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.job.rank import emulate
 from qsync_opt.netsim.cluster import ddp_buckets, rank_cluster
-from qsync_opt.plan import make_plan
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
-from qsync_opt.runtime.dlcp import ChunkTable, DropRecorder, clip_to_bound
 from qsync_opt.runtime.faults import ENV, NO_FAULTS
-from qsync_opt.runtime.sync import net_masks
-from qsync_opt.runtime.syncmode import parse_comm
-from qsync_opt.runtime.train import emulate
+from qsync_opt.strategy.droppolicy import ChunkTable, DropRecorder, clip_to_bound
+from qsync_opt.strategy.modes import parse_comm
+from qsync_opt.sync.replicas import net_masks
 from support.harness import run_cli, run_params, run_rows
 
 pytestmark = pytest.mark.usefixtures("runtime_quiet")

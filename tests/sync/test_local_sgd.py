@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from qsync_opt import parse_shorthand, trace
-from qsync_opt.plan import make_plan
+from qsync_opt.job.rank import emulate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime import checkpoint as ck
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import ENV, NO_FAULTS, FaultPlan
-from qsync_opt.runtime.syncmode import parse_sync, rounds
-from qsync_opt.runtime.train import emulate
+from qsync_opt.strategy.modes import parse_sync, rounds
 from support.harness import run_params, run_rows
 
 

@@ -8,14 +8,14 @@ import random
 import pytest
 
 from qsync_opt import estimate, load_cluster, trace
-from qsync_opt.errors import QsyncInputError
-from qsync_opt.precision import Precision
-from qsync_opt.problem import AllocationProblem, ProblemOptions
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.planner.solve import solve
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.synthetic import random_indicator
 from qsync_opt.replayer import PeriodicSync, Replayer, sync_model_for
-from qsync_opt.runtime.schedule import parse_schedule
-from qsync_opt.runtime.syncmode import parse_sync, rounds
-from qsync_opt.solve import solve
-from qsync_opt.synthetic import random_indicator
+from qsync_opt.strategy.modes import parse_sync, rounds
+from qsync_opt.strategy.schedule import parse_schedule
 
 
 @pytest.fixture(scope="module")

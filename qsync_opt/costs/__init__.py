@@ -1,0 +1,1 @@
+"""What an op costs: the device catalog, clusters, the roofline estimate, the batch model, the CostTable algebra and the cost-and-memory rules."""

@@ -1,0 +1,1 @@
+"""The integer program's data (AllocationProblem), the evaluator, plans and their check, synthetic instances."""

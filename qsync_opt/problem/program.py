@@ -1,0 +1,971 @@
+"""The allocation problem: the one input every allocator and the evaluator read.
+
+:class:`AllocationProblem` turns a graph, a cluster, a CostTable, an IndicatorTable and
+:class:`ProblemOptions` into, per device group, the coefficients of the integer program of
+docs/ARCHITECTURE.md (The allocation problem, the replayer and the runtime):
+
+* **Decision units.** One decision per choosable op, or per tie group (ops that share one
+  decision). A unit's choices on a group are the precisions every one of its ops allows,
+  intersected with the card's menu and with any user pin.
+* **Time of a group** (one device, one iteration, compute stream only), in ms::
+
+      C_g(x) = c0 + sum_u t_u[x_u] + sum_{(a,b)} t_ab[x_a, x_b]
+
+  The unary and pair terms are *derived from the replayer's own cost rules*
+  (:meth:`qsync_opt.costs.rules.CostRules.op_items`, which the replayer runs), op by op: every op's items depend on the unit that sets its own
+  dtype (itself if choosable, the producer upstream of a pass-through) and, per float
+  in-edge, on the unit that sets that producer's dtype. Items are additive over in-edges,
+  so each op splits into a self term and one pair term per edge: casts sit exactly on the
+  edges (after collapsing pass-through chains) where producer and consumer dtypes differ.
+* **Memory of one device**, in bytes: static FP32 weights, gradients, optimizer state,
+  buffers and context, plus unary/pair terms for low-precision weight copies and saved
+  activations, plus the largest single op's working set (a max: one row per unit in the
+  program, ``W >= w_u[x_u]``), against ``capacity * (1 - memory_headroom)``.
+* **Degradation**: ``sum_u Omega_u[x_u]`` from the indicator (Omega is relative, so it is
+  the same at every batch, see ``indicator.scale_to_batch``); the objective weighs each
+  group by its share of the global batch.
+* **Makespan** (the linear model): ``T = max_g C_g + tail + opt``, ``tail`` the all-reduce
+  of the last gradient bucket (the one that cannot overlap backward), ``opt`` the slowest
+  optimizer step. The replayer scores the same plan with overlap and bucket alignment.
+
+* **Derived units.** A promoting op (add, cat) fed only by decision units runs in the
+  widest of their dtypes (autocast). Its dtype is not a decision but it sets the casts
+  downstream, so it becomes a *derived unit* (``GroupModel.derived``): it has choices
+  (fp32/fp16/bf16) and unary/pair terms like any unit, and ``derived_rows()`` gives the
+  AND rows that tie its choice to its inputs' (ResNet's residual adds, once batch norm runs
+  in its input's dtype as under autocast, chain these).
+
+Where the linear model is exact. On every catalog workload the linear model reproduces the
+replayer's per-group compute time and memory for any plan (tests hold them equal). One
+rule of the replayer is not pairwise and is approximated, with a note: an op with two or
+more choosable producers *and* storage shared with an earlier op takes its saved-activation
+bytes as the maximum over its producers' choices (an upper bound). It does not occur in the
+catalog models.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import DType, Precision
+from qsync_opt.costs.batchmodel import TableCosts
+from qsync_opt.costs.rules import PASS_PRECISION, allowed_on, fidelity, widest_precision
+from qsync_opt.documents.schemas import (
+    ClusterSpec,
+    CostTable,
+    IndicatorTable,
+    ModelGraph,
+    OpRole,
+    Plan,
+)
+from qsync_opt.replayer import Replayer
+
+#: Precisions a strong group may run as its reference.
+REFERENCE_PRECISIONS = (Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16)
+
+
+@dataclass(frozen=True)
+class ProblemOptions:
+    """What the user decides besides graph, cluster, costs and indicator.
+
+    ``target_ms``: makespan target of the linear model (None: the strong groups' time at
+    their reference precision, i.e. no straggler). ``memory_headroom``: fraction of each
+    card's usable memory kept free. ``pinned``: op name -> precision, on every group (an op a
+    group cannot run at that precision is an error). ``reference``: the strong groups'
+    reference precision (fp32 as QSync; tf32/bf16 as most A100/H100 users run), used where
+    a card offers it. ``strong_groups``: which groups set the default target (None: the
+    fastest at the reference). ``casts``: False drops every cast term (the additive model of
+    QSync's and HAWQ-V3's ILP, for the baseline). ``ties``: False gives every op its own
+    decision even where the graph ties it (calls of one module stay tied: they are one set
+    of weights), to measure what tying costs. ``lower_reference``: whether the solver may
+    lower the strong groups below their reference precision. None (default): they are
+    *held* at it (each of their units has that one choice) under the default target and
+    under a given target they meet at their reference; a given target below that frees
+    them, and the problem's notes say so. False: always held; True: never. A strong group
+    whose reference plan does not fit its memory is never held (the notes say so). The
+    decision is made when the problem is built; ``retarget`` keeps it (solve-replay
+    refinement tightens the linear target, never by lowering the strong groups).
+    ``sync``: the replayer's sync model (None: DDP's all-reduce every step; a
+    :class:`~qsync_opt.replayer.PeriodicSync` for Local SGD / QSR, whose communication is paid
+    once per round, so the time it frees goes to higher precision).
+    """
+
+    target_ms: float | None = None
+    memory_headroom: float = 0.0
+    pinned: Mapping[str, Precision | str] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    reference: Precision | str = Precision.fp32
+    strong_groups: tuple[str, ...] | None = None
+    casts: bool = True
+    ties: bool = True
+    lower_reference: bool | None = None
+    sync: Any = None
+
+    def __post_init__(self) -> None:
+        if self.target_ms is not None and not (
+                isinstance(self.target_ms, (int, float)) and not isinstance(self.target_ms, bool)
+                and 0 < self.target_ms < math.inf):
+            raise QsyncInputError(
+                f"target_ms: expected a positive finite number, got {self.target_ms!r}")
+        if not 0 <= self.memory_headroom < 1:
+            raise QsyncInputError(
+                f"memory_headroom: expected a fraction in [0, 1), got {self.memory_headroom}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise QsyncInputError(f"optimizer: expected sgd or adam, got {self.optimizer!r}")
+        if self.lower_reference is not None and not isinstance(self.lower_reference, bool):
+            raise QsyncInputError(
+                f"lower_reference: expected true, false or null, got {self.lower_reference!r}")
+        try:
+            ref = Precision(self.reference)
+        except ValueError:
+            raise QsyncInputError(f"reference: unknown precision {self.reference!r}") from None
+        if ref not in REFERENCE_PRECISIONS:
+            raise QsyncInputError(
+                f"reference: expected one of {', '.join(p.value for p in REFERENCE_PRECISIONS)}, "
+                f"got {ref.value}")
+        object.__setattr__(self, "reference", ref)
+        pins = {}
+        for op, p in dict(self.pinned).items():
+            try:
+                pins[op] = Precision(p)
+            except ValueError:
+                raise QsyncInputError(f"pinned: op {op}: unknown precision {p!r}") from None
+        object.__setattr__(self, "pinned", pins)
+        if self.strong_groups is not None:
+            object.__setattr__(self, "strong_groups", tuple(self.strong_groups))
+        if isinstance(self.sync, Mapping):  # as to_json wrote it
+            from qsync_opt.replayer import PeriodicSync
+
+            try:
+                object.__setattr__(self, "sync", PeriodicSync(**dict(self.sync)))
+            except (TypeError, ValueError) as exc:
+                raise QsyncInputError(f"sync: {exc}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target_ms": self.target_ms, "memory_headroom": self.memory_headroom,
+                "pinned": {k: Precision(v).value for k, v in self.pinned.items()},
+                "optimizer": self.optimizer, "reference": Precision(self.reference).value,
+                "strong_groups": list(self.strong_groups) if self.strong_groups else None,
+                "casts": self.casts, "ties": self.ties, "lower_reference": self.lower_reference,
+                "sync": (None if self.sync is None else
+                         {"mean_period": self.sync.mean_period, "mode": self.sync.mode,
+                          "rounds": self.sync.rounds, "steps": self.sync.steps})}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One decision: the ops that share it (one op, or a tie group)."""
+
+    name: str
+    ops: tuple[str, ...]
+
+
+@dataclass
+class PairTerm:
+    """Coefficients of a pair of units (a < b): ``[choice of a][choice of b]``."""
+
+    a: int
+    b: int
+    time: list[list[float]]
+    mem: list[list[float]]
+
+
+@dataclass(frozen=True)
+class DerivedUnit:
+    """A promoting op (add, cat) fed only by decision units: its dtype is not chosen but
+    follows from theirs (autocast's widest rule). Index ``index`` in the extended unit space;
+    ``choices`` are fp32/fp16/bf16 as pass-through precisions."""
+
+    index: int
+    op: str
+    inputs: tuple[int, ...]
+    choices: tuple[Precision, ...]
+
+
+def _widest_choices(inputs: Sequence[tuple[Precision, ...]]) -> tuple[Precision, ...]:
+    """The dtypes a promoting op can end up in, given its inputs' choices."""
+    can = [{p.info.gives_out for p in c} for c in inputs]
+    out = []
+    if any(DType.fp32 in c for c in can) or (len(can) > 1 and len(set().union(*can)) > 1):
+        out.append(Precision.fp32)
+    for dt in (DType.fp16, DType.bf16):
+        if all(dt in c for c in can):
+            out.append(PASS_PRECISION[dt])
+    return tuple(sorted(out, key=fidelity, reverse=True))
+
+
+@dataclass
+class GroupModel:
+    """One device group's coefficients. Choice indices refer to ``choices[u]``, which lists
+    the unit's precisions from the most exact to the least."""
+
+    name: str
+    device: str
+    count: int
+    batch: int
+    weight: float  # share of the global batch
+    capacity_bytes: float  # usable memory * (1 - headroom)
+    usable_bytes: int
+    choices: list[tuple[Precision, ...]]
+    time0: float
+    time1: list[list[float]]
+    mem0: float
+    mem1: list[list[float]]
+    work0: float
+    work1: list[list[float]]
+    omega1: list[list[float]]
+    pairs: list[PairTerm]
+    reference: list[int]
+    derived: list[DerivedUnit] = field(default_factory=list)
+
+    @property
+    def n_units(self) -> int:
+        """Real decisions; derived units follow them in time1/mem1/work1 and pair indices."""
+        return len(self.choices)
+
+    @property
+    def all_choices(self) -> list[tuple[Precision, ...]]:
+        return list(self.choices) + [d.choices for d in self.derived]
+
+    def complete(self, a: Sequence[int]) -> list[int]:
+        """Extend an assignment of the real units with the derived units' choices."""
+        full = list(a)
+        if len(full) != len(self.choices):
+            raise ValueError(f"assignment has {len(full)} choices, expected {len(self.choices)}")
+        for d in self.derived:
+            full.append(self.derived_choice(d, full))
+        return full
+
+    def derived_choice(self, d: DerivedUnit, full: Sequence[int]) -> int:
+        """Derived unit ``d``'s choice index given its inputs' choices in ``full``."""
+        ext = self.all_choices
+        dtypes = {ext[u][full[u]].info.gives_out for u in d.inputs}
+        return d.choices.index(widest_precision(dtypes))
+
+    def time_ms(self, a: Sequence[int]) -> float:
+        a = self.complete(a) if self.derived else a
+        t = self.time0 + sum(row[c] for row, c in zip(self.time1, a, strict=True))
+        return t + sum(p.time[a[p.a]][a[p.b]] for p in self.pairs)
+
+    def memory_bytes(self, a: Sequence[int]) -> float:
+        a = self.complete(a) if self.derived else a
+        m = self.mem0 + sum(row[c] for row, c in zip(self.mem1, a, strict=True))
+        m += sum(p.mem[a[p.a]][a[p.b]] for p in self.pairs)
+        work = max([self.work0] + [row[c] for row, c in zip(self.work1, a, strict=True)])
+        return m + work
+
+    def derived_rows(self) -> list[tuple[int, int, list[list[tuple[int, int]]]]]:
+        """The derived units' definition as AND rows, for the exact backends.
+
+        One entry ``(d, k, inputs)`` per derived unit ``d`` and each 16-bit choice ``k`` of
+        it: ``inputs`` lists, per input unit, the ``(unit, choice)`` pairs giving that dtype.
+        With S_i the sum of those x of input i: ``x[d,k] <= S_i`` for every i and
+        ``x[d,k] >= sum_i S_i - (len(inputs) - 1)``; with one-hot rows on ``d`` this fixes
+        ``d`` exactly (fp32 is the rest). An input that can never give it forces ``x[d,k] = 0``.
+        """
+        ext = self.all_choices
+        rows = []
+        for d in self.derived:
+            for k, p in enumerate(d.choices):
+                if p == Precision.fp32:
+                    continue
+                dt = p.info.gives_out
+                rows.append((d.index, k, [[(u, j) for j, q in enumerate(ext[u])
+                                           if q.info.gives_out == dt] for u in d.inputs]))
+        return rows
+
+    def degradation(self, a: Sequence[int]) -> float:
+        return sum(row[c] for row, c in zip(self.omega1, a, strict=True))
+
+    def lowest(self) -> list[int]:
+        return [len(c) - 1 for c in self.choices]
+
+
+def check_finite(groups: Sequence[GroupModel], unit_names: Sequence[str] | None = None) -> None:
+    """Refuse (one line, naming the group, the quantity and the op) any coefficient the
+    solvers would be given that is not a finite number: Infinity or NaN in a cost, a
+    capacity or an indicator value would otherwise reach the solvers' scaling."""
+
+    def name(u: int) -> str:
+        return (unit_names[u] if unit_names is not None and u < len(unit_names)
+                else f"unit {u}")
+
+    def bad(v: Any) -> bool:
+        return not isinstance(v, (int, float)) or not math.isfinite(v)
+
+    for g in groups:
+        where = f"group {g.name}"
+        for what, v in (("weight", g.weight), ("capacity_bytes", g.capacity_bytes),
+                        ("time0 (fixed time, ms)", g.time0), ("mem0 (fixed memory, bytes)",
+                                                              g.mem0),
+                        ("work0 (working set, bytes)", g.work0)):
+            if bad(v):
+                raise QsyncInputError(f"{where}: {what} is {v!r}; expected a finite number "
+                                      "(check the costs and cluster files)")
+        for what, rows in (("time cost (ms)", g.time1), ("memory cost (bytes)", g.mem1),
+                           ("working set (bytes)", g.work1),
+                           ("indicator value (Omega)", g.omega1)):
+            for u, row in enumerate(rows):
+                for v in row:
+                    if bad(v):
+                        raise QsyncInputError(
+                            f"{where}, op {name(u)}: {what} is {v!r}; expected a finite "
+                            "number (check the costs and indicator files)")
+        for p in g.pairs:
+            for what, mat in (("cast time (ms)", p.time), ("cast memory (bytes)", p.mem)):
+                if any(bad(v) for row in mat for v in row):
+                    raise QsyncInputError(
+                        f"{where}, ops {name(p.a)} -> {name(p.b)}: a {what} is not a finite "
+                        "number (check the costs file)")
+
+
+def _held_at_reference(g: GroupModel) -> GroupModel:
+    """``g`` with every real unit held at its reference choice (one choice each); a derived
+    unit keeps the choices its inputs can still give. The coefficients are sliced from
+    ``g``'s, not rebuilt, so any assignment of the held group costs what it costs in ``g``;
+    pair terms left with one choice on a side become unary (or constant) terms."""
+    n_real = len(g.choices)
+    keep: list[list[int]] = [[r] for r in g.reference]
+    ext: list[tuple[Precision, ...]] = [(g.choices[u][r],) for u, r in enumerate(g.reference)]
+    derived = []
+    for d in g.derived:
+        can = set(_widest_choices([ext[u] for u in d.inputs]))
+        k = [i for i, p in enumerate(d.choices) if p in can]
+        keep.append(k)
+        ext.append(tuple(d.choices[i] for i in k))
+        derived.append(dataclasses.replace(d, choices=ext[-1]))
+
+    def cut(rows: list[list[float]]) -> list[list[float]]:
+        return [[row[i] for i in k] for row, k in zip(rows, keep, strict=True)]
+
+    time0, mem0 = g.time0, g.mem0
+    time1, mem1, work1 = cut(g.time1), cut(g.mem1), cut(g.work1)
+    pairs = []
+    for p in g.pairs:
+        t = [[p.time[i][j] for j in keep[p.b]] for i in keep[p.a]]
+        m = [[p.mem[i][j] for j in keep[p.b]] for i in keep[p.a]]
+        if len(t) == 1 and len(t[0]) == 1:
+            time0 += t[0][0]
+            mem0 += m[0][0]
+        elif len(t) == 1:
+            time1[p.b] = [x + y for x, y in zip(time1[p.b], t[0], strict=True)]
+            mem1[p.b] = [x + y for x, y in zip(mem1[p.b], m[0], strict=True)]
+        elif len(t[0]) == 1:
+            time1[p.a] = [x + row[0] for x, row in zip(time1[p.a], t, strict=True)]
+            mem1[p.a] = [x + row[0] for x, row in zip(mem1[p.a], m, strict=True)]
+        else:
+            pairs.append(PairTerm(p.a, p.b, t, m))
+    return dataclasses.replace(
+        g, choices=ext[:n_real], time0=time0, time1=time1, mem0=mem0, mem1=mem1, work1=work1,
+        omega1=[[row[r]] for row, r in zip(g.omega1, g.reference, strict=True)], pairs=pairs,
+        reference=[0] * n_real, derived=derived)
+
+
+def _hash(doc: Any) -> str:
+    return str(doc.content_hash())
+
+
+def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
+                group: str, device: str) -> list[Precision]:
+    allowed = allowed_on(op, menu)
+    if pin is not None:
+        if pin not in allowed:
+            raise QsyncInputError(
+                f"pinned: op {op.name} cannot run at {pin.value} on group {group} ({device}); "
+                f"allowed: {', '.join(p.value for p in allowed)}")
+        allowed = [pin]
+    return allowed
+
+
+#: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
+EVAL_TOL = 1e-7
+
+
+def pin_unmeasured(options: ProblemOptions, indicator: IndicatorTable, graph: ModelGraph
+                   ) -> tuple[ProblemOptions, list[str]]:
+    """``options`` with every choosable op of ``graph`` that ``indicator`` could not measure
+    (:attr:`~qsync_opt.documents.schemas.IndicatorTable.unmeasured`) pinned fp32, unless the user
+    pinned it already; and those ops' names. Every problem is made through here, so no path
+    (the CLI, :func:`qsync_opt.planner.solve.build_problem`, a problem made directly) lowers such
+    an op for free."""
+    choosable = {o.name for o in graph.choosable_ops()}
+    new = sorted(n for n in indicator.unmeasured if n in choosable and n not in options.pinned)
+    if not new:
+        return options, []
+    pins = {**options.pinned, **dict.fromkeys(new, Precision.fp32)}
+    return dataclasses.replace(options, pinned=pins), new
+
+
+class AllocationProblem:
+    """The integer program's data for one (graph, cluster with batches, costs, indicator).
+
+    ``cost_provider`` makes costs for another cluster or batch split (dynamic batching,
+    leaving groups out, the joint split); by default
+    :class:`~qsync_opt.costs.batchmodel.TableCosts` of ``costs`` (estimated costs re-estimated
+    with the same efficiencies, measured ones from a fitted batch model). The problem never
+    estimates costs itself.
+    """
+
+    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
+                 indicator: IndicatorTable, options: ProblemOptions | None = None, *,
+                 cost_provider: Callable[[ClusterSpec], CostTable] | None = None) -> None:
+        self.graph = graph
+        self.cluster = cluster.with_default_batch(graph.batch_size)
+        self.costs = costs
+        self.indicator = indicator
+        self.options = options or ProblemOptions()
+        self.cost_provider = cost_provider
+        #: Problems re-made for other batch splits (shared by retarget() copies).
+        self.split_cache: dict[tuple[tuple[str, int], ...], AllocationProblem] = {}
+        #: What the joint split search keeps about a set of those problems (planner/solve.py).
+        self.split_search_cache: dict[tuple[int, ...], Any] = {}
+        #: Problems the evaluator re-made for plans of other clusters, by cluster and options.
+        self.remade: dict[str, AllocationProblem] = {}
+        if indicator.graph_hash != graph.structure_hash() and (
+                indicator.workload != graph.workload
+                or any(o.name not in indicator.values for o in graph.choosable_ops())):
+            raise QsyncInputError(
+                f"indicator: made for graph {indicator.graph_hash} ({indicator.workload}), not "
+                f"{graph.structure_hash()} ({graph.workload})")
+        self.replayer = Replayer(graph, self.cluster, costs, optimizer=self.options.optimizer,
+                                 enforce_ties=self.options.ties, sync=self.options.sync)
+        self.notes: list[str] = []
+        if indicator.graph_hash != graph.structure_hash():
+            self.notes.append(
+                f"indicator measured on {indicator.workload} at batch {indicator.batch_size} "
+                f"(graph {indicator.graph_hash}); matched to this graph by op name (its values "
+                + ("are expected changes of the batch-mean loss, about the same at every batch)"
+                   if indicator.method == "curv" else
+                   "are relative, so they hold at every batch)"))
+        if indicator.method == "curv":
+            self.notes.append(
+                "indicator curv: each value is the op's expected increase of the batch-mean "
+                "loss per training step at that precision, in nats (second order); the "
+                "objective is the plan's predicted loss increase per step, each group's weighted "
+                "by its share of the batch")
+        ops = {o.name: o for o in graph.ops}
+        self.options, unmeasured = pin_unmeasured(self.options, indicator, graph)
+        if unmeasured:
+            self.notes.append(
+                f"indicator {indicator.method}: {len(unmeasured)} op(s) without a value pinned "
+                f"fp32 ({', '.join(unmeasured[:5])}{' ...' if len(unmeasured) > 5 else ''}; "
+                "the indicator could not measure them, and a value is never assumed)")
+        for name in self.options.pinned:
+            if name not in ops:
+                raise QsyncInputError(f"pinned: graph {graph.workload} has no op {name!r}")
+            if not ops[name].choosable:
+                raise QsyncInputError(f"pinned: op {name} is {ops[name].role.value}, not choosable")
+        self.units = self._units()
+        self.unit_of = {op: u for u, unit in enumerate(self.units) for op in unit.ops}
+        rep = self.replayer
+        self.bucket_tail_ms = rep.bucket_ms[-1] if rep.bucket_ms else 0.0
+        # The optimizer and, on the runtime's profiled tables, its per-step bookkeeping syncs.
+        self.optimizer_ms = max(g.optimizer_ms for g in rep.groups) + rep.step_sync_ms
+        self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
+        self._approx: dict[str, int] = {"memory_or": 0}
+        self.groups = [self._group_model(gi) for gi in range(len(rep.groups))]
+        check_finite(self.groups, [u.ops[0] for u in self.units])
+        if self._approx["memory_or"]:
+            self.notes.append(
+                f"linear model: {self._approx['memory_or']} ops with several choosable producers "
+                "take their saved-activation bytes as the maximum over those producers' choices")
+        self.reference_times = {g.name: g.time_ms(g.reference) for g in self.groups}
+        self.strong_groups = self._strong_groups()
+        #: The strong groups' makespan at their reference in the linear model (no straggler).
+        self.reference_makespan_ms = (max(self.reference_times[g] for g in self.strong_groups)
+                                      + self.bucket_tail_ms + self.optimizer_ms)
+        if self.options.target_ms is not None:
+            self.target_ms = float(self.options.target_ms)
+            self.target_source = "given"
+        else:
+            self.target_ms = self.reference_makespan_ms
+            self.target_source = (f"default: strong group(s) {', '.join(self.strong_groups)} at "
+                                  f"{Precision(self.options.reference).value} (no straggler)")
+        #: The strong groups held at their reference precision (``options.lower_reference``):
+        #: each of their units has that one choice.
+        self.held_groups = self._hold_reference()
+
+    # ------------------------------------------------------------------ construction
+
+    def _units(self) -> list[Unit]:
+        units: list[Unit] = []
+        by_tie: dict[str, list[str]] = {}
+        order: list[str] = []
+        for op in self.graph.ops:
+            if not op.choosable:
+                continue
+            tie = op.tie_group if (self.options.ties or (op.tie_group or "").startswith(
+                "module:")) else None
+            key = tie or f"op:{op.name}"
+            if key not in by_tie:
+                by_tie[key] = []
+                order.append(key)
+            by_tie[key].append(op.name)
+        for key in order:
+            names = by_tie[key]
+            units.append(Unit(name=names[0] if len(names) == 1 else key, ops=tuple(names)))
+        return units
+
+    def _strong_groups(self) -> tuple[str, ...]:
+        names = [g.name for g in self.groups]
+        if self.options.strong_groups is not None:
+            bad = [s for s in self.options.strong_groups if s not in names]
+            if bad or not self.options.strong_groups:
+                raise QsyncInputError(
+                    f"strong_groups: expected names among {', '.join(names)}, got "
+                    f"{', '.join(self.options.strong_groups) or 'none'}")
+            return tuple(self.options.strong_groups)
+        best = min(self.reference_times.values())
+        return tuple(n for n in names if self.reference_times[n] <= best * (1 + 1e-9))
+
+    def _hold_reference(self) -> tuple[str, ...]:
+        """Hold the strong groups at their reference precision as ``options.lower_reference``
+        says (None: unless a given target is below what they reach there); a strong group
+        whose reference plan does not fit its memory stays free. The notes say why a strong
+        group is not held."""
+        lower = self.options.lower_reference
+        if lower:
+            return ()
+        ref = Precision(self.options.reference).value
+        strong = ", ".join(self.strong_groups)
+        if lower is None and self.target_ms < self.reference_makespan_ms * (1 - 1e-9):
+            self.notes.append(
+                f"the target {self.target_ms:.3f} ms is below the strong group(s)' "
+                f"{self.reference_makespan_ms:.3f} ms at their reference {ref}: {strong} may be "
+                "lowered too (lower_reference=False holds them)")
+            return ()
+        held = []
+        for gi, g in enumerate(self.groups):
+            if g.name not in self.strong_groups:
+                continue
+            need = g.memory_bytes(g.reference)
+            if need > g.capacity_bytes * (1 + EVAL_TOL):
+                self.notes.append(
+                    f"strong group {g.name} ({g.device}) is not held at its reference {ref}: "
+                    f"its reference plan needs {need / 2**30:.2f} GiB, has "
+                    f"{g.capacity_bytes / 2**30:.2f} GiB, so the solver may lower its ops to "
+                    "fit memory")
+                continue
+            self.groups[gi] = _held_at_reference(g)
+            held.append(g.name)
+        if held and self.options.target_ms is None:
+            # The replayer also exposes the all-reduce the backward does not hide (buckets
+            # queue on the links); with the strong groups held no plan removes it.
+            replay = self.no_straggler_replay_ms()
+            if replay > self.target_ms * (1 + 1e-9):
+                self.notes.append(
+                    f"with no straggler the replayer's iteration is {replay:.3f} ms, the "
+                    f"default target {self.target_ms:.3f} ms plus {replay - self.target_ms:.3f} "
+                    f"ms of all-reduce left exposed after the backward of {', '.join(held)} "
+                    "(held at the reference): no plan meets the target in the replayer")
+        return tuple(held)
+
+    def no_straggler_replay_ms(self) -> float:
+        """The replayer's iteration with the strong groups at their reference and no group
+        slower than them: the strong groups' forward and backward, the all-reduce of their
+        buckets (each starts when theirs are ready and the previous one is done), then the
+        step syncs and the slowest optimizer step (as ``Replayer.simulate`` times them)."""
+        rep = self.replayer
+        rules = rep.rules
+        ready: list[list[float]] = []
+        ends: list[float] = []
+        for gi, g in enumerate(self.groups):
+            if g.name not in self.strong_groups:
+                continue
+            grp = rep.groups[gi]
+            prec = rules.plan_row([unit.ops for unit in self.units],
+                                  [g.choices[u][g.reference[u]] for u in range(len(self.units))])
+            din, dout = rules.dtypes(prec)
+            items = [rules.op_items(grp, i, prec, din, dout) for i in range(rep.n)]
+            t = sum(x[2] for fwd, _ in items for x in fwd)
+            done = [0.0] * rep.n
+            for i in range(rep.n - 1, -1, -1):
+                t += sum(x[2] for x in items[i][1])
+                done[i] = t
+            ready.append([done[f] for f in rep.bucket_first])
+            ends.append(t)
+        comm_end = rep.sync.schedule(ready, rep.bucket_ms).comm_end_ms
+        return (max(max(ends), comm_end) + rep.stats_sync_ms
+                + max(grp.optimizer_ms for grp in rep.groups) + rep.buffer_sync_ms)
+
+    def _group_model(self, gi: int) -> GroupModel:
+        rep = self.replayer
+        rules = rep.rules
+        grp = rules.groups[gi]
+        spec = self.cluster.groups[gi]
+        n = rep.n
+        units = self.units
+        pins = {k: Precision(v) for k, v in self.options.pinned.items()}
+        # Choices per unit: the intersection over its ops, most exact first.
+        choices: list[tuple[Precision, ...]] = []
+        for unit in units:
+            common: set[Precision] | None = None
+            for name in unit.ops:
+                op = rep.ops[rep.index[name]]
+                allowed = set(_op_choices(op, grp.menu, pins.get(name), grp.name, grp.device))
+                common = allowed if common is None else common & allowed
+            if not common:
+                raise QsyncInputError(
+                    f"group {grp.name} ({grp.device}): tied ops {', '.join(unit.ops)} share no "
+                    "precision the card runs")
+            choices.append(tuple(sorted(common, key=fidelity, reverse=True)))
+        # Which unit sets each op's output dtype (None: fp32 whatever the plan). A promoting
+        # op whose inputs all come from units gets a *derived* unit: its dtype is the widest
+        # of theirs (fp16 only if all give fp16, likewise bf16, else fp32), not a decision.
+        n_real = len(units)
+        unit_of = [self.unit_of.get(o.name) for o in rep.ops]
+        src: list[int | None] = [None] * n
+        derived: list[DerivedUnit] = []
+        ext: list[tuple[Precision, ...]] = list(choices)  # real, then derived, choices
+        by_inputs: dict[tuple[int, ...], int] = {}
+        for i, o in enumerate(rep.ops):
+            if o.role == OpRole.choosable:
+                src[i] = unit_of[i]
+            elif o.role == OpRole.pass_through and rep.in_edges[i]:
+                src[i] = src[rep.in_edges[i][0][0]]
+            elif o.role == OpRole.promote and rep.in_edges[i] and rep.native_flow:
+                ins = [src[u] for u, _ in rep.in_edges[i]]
+                known = [x for x in ins if x is not None]
+                if len(known) == len(ins):
+                    key = tuple(sorted(set(known)))
+                    if key not in by_inputs:
+                        dchoices = _widest_choices([ext[u] for u in key])
+                        by_inputs[key] = n_real + len(derived)
+                        derived.append(DerivedUnit(index=n_real + len(derived), op=o.name,
+                                                   inputs=key, choices=dchoices))
+                        ext.append(dchoices)
+                    src[i] = by_inputs[key]
+
+        def out_dtype(u: int | None, k: int | None) -> DType:
+            if u is None or k is None:
+                return DType.fp32
+            return rules.gives_out(ext[u][k])
+
+        time0 = 0.0
+        mem0 = float(sum(rules.static_memory(grp).values()))
+        work0 = 0.0
+        time1 = [[0.0] * len(c) for c in ext]
+        mem1 = [[0.0] * len(c) for c in ext]
+        work1 = [[0.0] * len(c) for c in ext]
+        pairs: dict[tuple[int, int], PairTerm] = {}
+
+        def add_pair(a: int, ka: int, b: int, kb: int, t: float, m: float) -> None:
+            if a == b:
+                if ka == kb:
+                    time1[a][ka] += t
+                    mem1[a][ka] += m
+                return
+            if a > b:
+                a, ka, b, kb = b, kb, a, ka
+            term = pairs.get((a, b))
+            if term is None:
+                term = pairs[(a, b)] = PairTerm(
+                    a, b, [[0.0] * len(ext[b]) for _ in ext[a]],
+                    [[0.0] * len(ext[b]) for _ in ext[a]])
+            term.time[ka][kb] += t
+            term.mem[ka][kb] += m
+
+        def add(units_choices: Sequence[tuple[int | None, int | None]], t: float, m: float) -> None:
+            var = [(u, k) for u, k in units_choices if u is not None and k is not None]
+            if not var:
+                nonlocal time0, mem0
+                time0 += t
+                mem0 += m
+            elif len(var) == 1:
+                u, k = var[0]
+                time1[u][k] += t
+                mem1[u][k] += m
+            else:
+                (a, ka), (b, kb) = var
+                add_pair(a, ka, b, kb, t, m)
+
+        prec: list[Precision | None] = [None] * n
+        din = [DType.fp32] * n
+        dout = [DType.fp32] * n
+
+        def setup(i: int, s: int | None, ks: int | None) -> None:
+            o = rep.ops[i]
+            if o.role == OpRole.choosable:
+                assert s is not None and ks is not None  # a choosable op is its own unit
+                p = choices[s][ks]
+                prec[i] = p
+                din[i], dout[i] = rules.takes_in(p), rules.gives_out(p)
+            else:
+                prec[i] = None
+                if o.role in (OpRole.pass_through, OpRole.promote) and rep.in_edges[i]:
+                    din[i] = dout[i] = out_dtype(s, ks)
+                else:
+                    din[i] = dout[i] = DType.fp32
+
+        def items_ms(i: int, edges: list[tuple[int, int]]) -> float:
+            return rules.op_ms(grp, i, prec, din, dout, edges)
+
+        for i in range(n):
+            o = rep.ops[i]
+            s = unit_of[i] if o.role == OpRole.choosable else (
+                src[i] if o.role in (OpRole.pass_through, OpRole.promote) else None)
+            s_range: list[int | None] = list(range(len(ext[s]))) if s is not None else [None]
+            edges = rep.in_edges[i]
+            edge_units = [src[u] for u, _ in edges]
+            for ks in s_range:
+                setup(i, s, ks)
+                for u, _ in edges:
+                    dout[u] = DType.fp32
+                base = items_ms(i, [])
+                add([(s, ks)], base, 0.0)
+                # Working set and weight copy depend on the op's own dtypes only.
+                _, wcopy, work = rules.op_memory(grp, i, prec, din, dout)
+                if s is None:
+                    work0 = max(work0, work)
+                else:
+                    assert ks is not None  # s set: ks ranges over its choices
+                    work1[s][ks] = max(work1[s][ks], work)
+                add([(s, ks)], 0.0, wcopy)
+                # One pair term per in-edge for the casts on it.
+                if self.options.casts:
+                    for (u, numel), eu in zip(edges, edge_units, strict=True):
+                        e_range: list[int | None] = (list(range(len(ext[eu])))
+                                                     if eu is not None else [None])
+                        for ke in e_range:
+                            if eu is not None and eu == s and ke != ks:
+                                continue
+                            dout[u] = out_dtype(eu, ke)
+                            t = rules.edge_ms(grp, i, prec, din, dout, u, numel)
+                            dout[u] = DType.fp32
+                            if t:
+                                add([(s, ks), (eu, ke)], t, 0.0)
+            # Saved activations: depend on the own dtype and on whether any input is cast.
+            # (Without storage shared with an earlier op the input casts change nothing.)
+            var_edges = sorted({eu for eu in edge_units if eu is not None and eu != s}
+                               ) if o.saved_shared_bytes else []
+            if len(var_edges) > 1:
+                self._approx["memory_or"] += 1 if gi == 0 else 0
+            for ks in s_range:
+                setup(i, s, ks)
+                combos = list(itertools.product(*[range(len(ext[v])) for v in var_edges]))
+                vals: list[tuple[tuple[int, ...], float]] = []
+                for combo in combos:
+                    assign = dict(zip(var_edges, combo, strict=True))
+                    for u, _ in edges:
+                        eu = src[u]
+                        k = ks if eu == s else None if eu is None else assign.get(eu)
+                        dout[u] = out_dtype(eu, k)
+                    saved, _, _ = rules.op_memory(grp, i, prec, din, dout)
+                    vals.append((combo, saved))
+                if len(var_edges) == 1:
+                    for combo, saved in vals:
+                        add([(s, ks), (var_edges[0], combo[0])], 0.0, saved)
+                else:
+                    add([(s, ks)], 0.0, max(v for _, v in vals))
+            for u, _ in edges:
+                dout[u] = DType.fp32
+            prec[i] = None
+            din[i] = dout[i] = DType.fp32
+        if not self.options.casts:
+            # The additive model: compute only (no input, weight or gradient casts); its
+            # memory terms stay those of the real model.
+            time0, time1 = self._additive_times(gi, ext, unit_of)
+            for term in pairs.values():
+                term.time = [[0.0] * len(row) for row in term.time]
+        omega1 = self._omega(choices)
+        ref = Precision(self.options.reference)
+        reference = []
+        for c in choices:
+            if ref in c:
+                reference.append(c.index(ref))
+            elif Precision.fp32 in c:
+                reference.append(c.index(Precision.fp32))
+            else:
+                reference.append(0)
+        b = int(spec.batch_per_device or self.graph.batch_size)
+        weight = spec.count * b / sum(g.count * int(g.batch_per_device or self.graph.batch_size)
+                                      for g in self.cluster.groups)
+        return GroupModel(
+            name=grp.name, device=grp.device, count=spec.count, batch=b, weight=weight,
+            capacity_bytes=grp.capacity * (1 - self.options.memory_headroom),
+            usable_bytes=grp.capacity, choices=choices, time0=time0, time1=time1, mem0=mem0,
+            mem1=mem1, work0=work0, work1=work1, omega1=omega1,
+            pairs=[pairs[k] for k in sorted(pairs)], reference=reference, derived=derived)
+
+    def _additive_times(self, gi: int, choices: list[tuple[Precision, ...]],
+                        unit_of: list[int | None]
+                        ) -> tuple[float, list[list[float]]]:
+        rules = self.replayer.rules
+        grp = rules.groups[gi]
+        time0 = 0.0
+        time1 = [[0.0] * len(c) for c in choices]
+        for i in range(rules.n):
+            u = unit_of[i]
+            if u is None:
+                f, b = rules.compute_ms(grp, i, None, DType.fp32)
+                time0 += f + b
+            else:
+                for k, p in enumerate(choices[u]):
+                    f, b = rules.compute_ms(grp, i, p, p.info.gives_out)
+                    time1[u][k] += f + b
+        return time0, time1
+
+    def _omega(self, choices: list[tuple[Precision, ...]]) -> list[list[float]]:
+        values = self.indicator.values
+        out: list[list[float]] = []
+        for unit, ch in zip(self.units, choices, strict=True):
+            row = []
+            for p in ch:
+                total = 0.0
+                for name in unit.ops:
+                    if p == Precision.fp32:
+                        continue
+                    v = values.get(name, {}).get(p)
+                    if v is None:
+                        raise QsyncInputError(
+                            f"indicator: no value for op {name} at {p.value} (method "
+                            f"{self.indicator.method}); recompute it for this graph")
+                    total += v
+                row.append(total)
+            out.append(row)
+        return out
+
+    # ------------------------------------------------------------------ plans
+
+    def group(self, name: str) -> GroupModel:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise QsyncInputError(f"no group {name!r}; groups: {', '.join(g.name for g in self.groups)}")
+
+    def assignment(self, plan: Plan | Mapping[str, Mapping[str, Precision | str]]
+                   ) -> dict[str, list[int]]:
+        """Choice indices per group for a plan (validated by the replayer's rules)."""
+        precs = self.replayer.precisions_for(plan)
+        out: dict[str, list[int]] = {}
+        for g, row in zip(self.groups, precs, strict=True):
+            a = []
+            for u, unit in enumerate(self.units):
+                p = row[self.replayer.index[unit.ops[0]]]
+                if p not in g.choices[u]:
+                    held = (f" ({g.name} is held at its reference precision: "
+                            "lower_reference=True, or --lower-reference, frees it)"
+                            if g.name in self.held_groups else "")
+                    raise QsyncInputError(
+                        f"plan: group {g.name}, op {unit.ops[0]}: {p} is not among the "
+                        f"problem's choices {', '.join(q.value for q in g.choices[u])}{held}")
+                a.append(g.choices[u].index(p))
+            out[g.name] = a
+        return out
+
+    def precisions(self, assignment: Mapping[str, Sequence[int]]) -> dict[str, dict[str, Precision]]:
+        """Op -> precision per group from choice indices."""
+        out: dict[str, dict[str, Precision]] = {}
+        for g in self.groups:
+            a = assignment[g.name]
+            out[g.name] = {op: g.choices[u][a[u]] for u, unit in enumerate(self.units)
+                           for op in unit.ops}
+        return out
+
+    def make_plan(self, assignment: Mapping[str, Sequence[int]],
+                  provenance: Mapping[str, Any] | None = None) -> Plan:
+        from qsync_opt.problem.plan import make_plan
+
+        prov = dict(self.provenance())
+        prov.update(provenance or {})
+        return make_plan(self.graph, self.cluster, self.precisions(assignment), prov)
+
+    def provenance(self) -> dict[str, Any]:
+        return {"graph_hash": self.graph.structure_hash(), "graph_batch": self.graph.batch_size,
+                "graph_tie_mode": self.graph.tie_mode, "costs_hash": _hash(self.costs),
+                "indicator_hash": _hash(self.indicator), "indicator_method": self.indicator.method,
+                "target_ms": self.target_ms, "reference": Precision(self.options.reference).value,
+                "memory_headroom": self.options.memory_headroom,
+                "optimizer": self.options.optimizer,
+                "held_at_reference": ",".join(self.held_groups)}
+
+    def reference_assignment(self) -> dict[str, list[int]]:
+        return {g.name: list(g.reference) for g in self.groups}
+
+    def makespan_ms(self, assignment: Mapping[str, Sequence[int]]) -> float:
+        """The linear model's makespan."""
+        return max(g.time_ms(assignment[g.name]) for g in self.groups) + self.tail_ms
+
+    @property
+    def tail_ms(self) -> float:
+        """What every group's time is charged after its backward: last bucket + optimizer."""
+        return self.bucket_tail_ms + self.optimizer_ms
+
+    def group_budget_ms(self) -> float:
+        """A group's compute time allowed by the target (the per-group time row's bound)."""
+        return self.target_ms - self.tail_ms
+
+    def objective(self, assignment: Mapping[str, Sequence[int]]) -> float:
+        return sum(g.weight * g.degradation(assignment[g.name]) for g in self.groups)
+
+    # ------------------------------------------------------------------ variations
+
+    def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None
+                     ) -> AllocationProblem:
+        """The same problem on another cluster or batch split.
+
+        Costs are kept when they already cover the new batches and world size; otherwise
+        they come from ``cost_provider``, by default :class:`~qsync_opt.costs.batchmodel.TableCosts`
+        of this problem's table (estimated costs re-estimated with the same efficiencies,
+        measured ones from a fitted batch model).
+        """
+        cluster = cluster.with_default_batch(self.graph.batch_size)
+        have = {(c.device, c.batch_size) for c in self.costs.entries}
+        need = {(g.device, int(g.batch_per_device or self.graph.batch_size))
+                for g in cluster.groups}
+        same_world = cluster.world_size == self.cluster.world_size
+        costs = self.costs
+        if not need <= have or not same_world:
+            provider = self.cost_provider or TableCosts(self.costs, self.graph)
+            costs = provider(cluster)
+        opts = options or self.options
+        names = {g.name for g in cluster.groups}
+        if opts.strong_groups is None and self.held_groups and set(self.held_groups) <= names:
+            # The groups held here stay the strong ones (held where the target allows),
+            # whatever group is fastest at the new split.
+            opts = dataclasses.replace(opts, strong_groups=self.held_groups)
+        return AllocationProblem(self.graph, cluster, costs, self.indicator, opts,
+                                 cost_provider=self.cost_provider)
+
+    def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
+        """The same problem with another makespan target (no coefficient is rebuilt)."""
+        if not 0 < target_ms < math.inf:
+            raise QsyncInputError(
+                f"target_ms: expected a positive finite number, got {target_ms!r}")
+        other = copy.copy(self)
+        other.target_ms = float(target_ms)
+        other.target_source = source
+        other.options = dataclasses.replace(self.options, target_ms=float(target_ms))
+        return other
+
+    def with_options(self, **changes: Any) -> AllocationProblem:
+        opts = self.options.to_json()
+        opts.update(changes)
+        if opts.get("strong_groups") is not None:
+            opts["strong_groups"] = tuple(opts["strong_groups"])
+        return AllocationProblem(self.graph, self.cluster, self.costs, self.indicator,
+                                 ProblemOptions(**opts), cost_provider=self.cost_provider)
+
+    def size(self) -> dict[str, int]:
+        """Units, one-hot variables and pair variables per group (for reports)."""
+        return {
+            "units": len(self.units),
+            "x_vars": sum(len(c) for g in self.groups for c in g.choices),
+            "pair_vars": sum(len(p.time) * len(p.time[0]) for g in self.groups for p in g.pairs),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {"workload": self.graph.workload, "groups": [
+            {"name": g.name, "device": g.device, "count": g.count, "batch": g.batch,
+             "weight": g.weight, "reference_ms": self.reference_times[g.name],
+             "capacity_bytes": g.capacity_bytes} for g in self.groups],
+            "target_ms": self.target_ms, "target_source": self.target_source,
+            "held_at_reference": list(self.held_groups),
+            "tail_ms": self.tail_ms, **self.size(), "notes": self.notes}
