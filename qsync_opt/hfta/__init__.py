@@ -1,4 +1,4 @@
-"""Horizontally fused training arrays (HFTA, issue 22): ``B`` variants of one model trained
+"""Horizontally fused training arrays (HFTA): ``B`` variants of one model trained
 as one job, each with its own weights, hyper-parameters and data stream.
 
 Layouts (the fused operators' contract; every op of :mod:`.ops` says which it takes):

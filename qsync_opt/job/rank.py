@@ -8,7 +8,7 @@ Entry points
     On many nodes torchrun does the distributing (``--nnodes``, ``--rdzv-endpoint``); this
     module only reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR.
 
-The runtime in parts (issue 17): this module only starts a run. The parts:
+The runtime in parts: this module only starts a run. The parts:
 
 * :mod:`.prepare`: the config checked against its plan and workload, the model, the optimizer;
 * :mod:`.data`: the deterministic global batches and each rank's slice (an uneven sampler);

@@ -12,7 +12,7 @@ the planner sees exactly the GEMMs the runtime runs.
   suffix (``x.qk_1`` -> ``x.qk``).
 
 It needs only torch and the op kinds, so it sits below both the graph's tracers and the
-runtime (issue 17: acyclic layers).
+runtime (the layers stay acyclic).
 """
 
 from __future__ import annotations

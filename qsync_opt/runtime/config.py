@@ -38,7 +38,7 @@ MAX_TIMEOUT_S = 7 * 86400.0
 MAX_SLOWDOWN = 1000.0
 #: train's learning rate without --lr: the built-in workloads' (their tests and benchmarks
 #: are tuned at it) and a model file's. 0.05 with SGD momentum 0.9 diverged torchvision's
-#: ResNet-50 and ConvNeXt and timm's ViT from random weights (issue 41); a model file gets
+#: ResNet-50 and ConvNeXt and timm's ViT from random weights; a model file gets
 #: the smaller default (docs/MODELS.md) and every run warns when its loss explodes.
 DEFAULT_LR = 0.05
 USER_MODEL_LR = 0.005
@@ -291,7 +291,7 @@ class TrainConfig(Document):
         return self
 
     def _check_unused(self) -> None:
-        """A setting that would do nothing is refused, never ignored (issue 41)."""
+        """A setting that would do nothing is refused, never ignored."""
         if self.average_optimizer_state and self.sync == "ddp":
             raise ValueError("--average-optimizer-state: only with --sync local:H or qsr:... "
                              "(under ddp every replica steps on the same averaged gradient, "

@@ -1,13 +1,13 @@
 """Bounded-loss priority gradient communication (DLCP), as one pure drop policy.
 
-DLCP (issue 20) lets a bounded fraction of a gradient's packets be lost: the receiver stops
+DLCP lets a bounded fraction of a gradient's packets be lost: the receiver stops
 a tensor once ``1 - p`` of it has arrived and zero-fills the rest, and the network drops the
 least important packets first. Here the packets are **chunks**: every parameter's gradient
 cut, in the model's parameter order, into pieces of ``chunk_kib`` KiB (of fp32; a
 parameter's last chunk is shorter). The bound is **per tensor**, as DLCP bounds each
 message: a rank drops at most ``floor(p * n)`` of each parameter's ``n`` gradient elements,
 so every DDP bucket (any set of whole tensors) loses at most a fraction ``p`` and no layer
-is ever wiped (issue 41: a bound over the whole gradient let a small layer lose all of it).
+is ever wiped (a bound over the whole gradient would let a small layer lose all of it).
 The decisions for one tensor depend on that tensor alone (the random policies draw from a
 generator of (seed, step, rank, parameter)), so DDP's buckets, however torch lays them
 out, and the emulated path drop the same chunks.
