@@ -25,7 +25,8 @@ from support.harness import run_cli
 #: runner calls after a step: the data-parallel trainer and the pipeline's stages).
 _WORKER = r'''
 import os, sys
-from qsync_opt.runtime import metrics, train
+from qsync_opt.job import rank as train
+from qsync_opt.runtime import metrics
 
 RANK, STEP, PATH, OUT, TARGET = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
 update = metrics.StepProgress.update
