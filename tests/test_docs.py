@@ -216,3 +216,27 @@ def test_every_source_path_the_pages_cite_exists() -> None:
                for p in _pages() for path in sorted(_py_paths(p.read_text(), tops))
                if not ((ROOT / path).exists() or (ROOT / "qsync_opt" / path).exists())]
     assert missing == []
+
+
+def test_every_test_the_pages_name_exists() -> None:
+    """A ``tests/x.py::test_name`` the README or docs/ cite as the proof of a promise is a
+    function or class of that file."""
+    missing = []
+    for p in _pages():
+        for path, name in set(re.findall(r"\b(tests/[\w/]+\.py)::(\w+)", p.read_text())):
+            source = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
+            if not re.search(rf"^\s*(?:async )?(?:def|class) {name}\b", source, flags=re.M):
+                missing.append(f"{p.relative_to(ROOT)}: {path}::{name}")
+    assert missing == []
+
+
+def test_every_test_name_the_pages_cite_is_a_test() -> None:
+    """A backticked ``test_...`` name in the README or docs/ is a test function of tests/ (a
+    test renamed or removed fails here, naming the page)."""
+    defined = set()
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        defined |= set(re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), flags=re.M))
+    missing = [f"{p.relative_to(ROOT)}: {name}" for p in _pages()
+               for name in sorted(set(re.findall(r"`(test_\w+)`", p.read_text())))
+               if name not in defined]
+    assert missing == []
