@@ -85,11 +85,16 @@ def _library_files() -> list[Path]:
                   for p in (ROOT / folder).rglob("*") if p.suffix in {".py", ".cu", ".cpp", ".h"})
 
 
+def _suite_files() -> list[Path]:
+    return sorted(p for folder in ("tests", "benchmarks") for p in (ROOT / folder).rglob("*.py"))
+
+
 def test_docs_say_what_the_code_does_not_its_history() -> None:
-    """No issue numbers in the README, docs/ or the library's source and docstrings: they say
-    what the code does; the dated history lives in benchmarks/results/."""
+    """No issue numbers in the README, docs/, the library's source and docstrings, nor the
+    tests' and benchmarks' docstrings and comments: they say what the code does or what a
+    test checks; the dated history lives in benchmarks/results/."""
     found = [f"{p.relative_to(ROOT)}:{i + 1}"
-             for p in [*_pages(), *_library_files()]
+             for p in [*_pages(), *_library_files(), *_suite_files()]
              for i, line in enumerate(p.read_text().splitlines())
              if re.search(r"\bissues? #?\d+|\bissue-\d+", line, flags=re.I)]
     assert found == []
