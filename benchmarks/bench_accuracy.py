@@ -1,5 +1,5 @@
 """Accuracy of plans where plans really differ: a two-group hybrid trained under each plan,
-many seeds (issues 9 and 18).
+many seeds.
 
 Cluster. One strong and one weak group of one device each, both at ``--batch`` per rank:
 by default this CPU and ``cpu/2`` (an emulated card half as fast), or with ``--cluster`` two
@@ -53,7 +53,7 @@ reference, then the mean of those differences and its 95% t interval. "within no
 the interval contains 0; otherwise the difference and its interval are stated as beyond
 noise. Each exact plan against the random plans: per seed the median of the N random plans'
 metric, then exact minus that median, paired over seeds (mean, 95% t interval). The goal
-(issue 18) holds for a method when that difference is negative and larger in size than the
+(the exact plan loses less than random plans) holds for a method when that difference is negative and larger in size than the
 interval's half-width; one verdict line per method. The same paired test compares the first
 exact plan with greedy and UP. ``--dump FILE`` writes per-plan per-seed metrics, predicted
 makespans, plan descriptions, indicator timings and the target as JSON.
@@ -156,7 +156,7 @@ def versus_median(xs: list[float], others: list[list[float]]) -> tuple[float, fl
 
 
 def goal_holds(d: float, h: float) -> bool:
-    """Issue 18's goal: the exact plan loses less (d < 0) by more than the 95% interval."""
+    """The goal: the exact plan loses less (d < 0) by more than the 95% interval."""
     return not math.isnan(h) and d < 0 and abs(d) > h
 
 

@@ -1,5 +1,5 @@
 """Compressed activations and gradients between pipeline stages: what training loses, and
-how many bytes cross (issue 21; the single-process study of part A).
+how many bytes cross (the single-process study).
 
 Each configuration trains the model cut into ``--stages`` stages (the cuts of
 :data:`STUDY_CUTS` where it has the model and count: the ones the recorded studies ran
@@ -53,7 +53,7 @@ from qsync_opt.pipeline.stages import Pipeline, split_stages  # noqa: E402
 from qsync_opt.runtime.data import IndexedBatches  # noqa: E402
 from qsync_opt.strategy.codecs import Identity, aqsgd_bytes, parse_compressor  # noqa: E402
 
-#: The cuts the studies in docs/BENCHMARKS.md ran with (the balancing before issue 41 chose
+#: The cuts the studies in docs/BENCHMARKS.md ran with (an older balancing chose
 #: them from the traced FLOPs over the points where one tensor crosses); pinned, so the
 #: recorded figures reproduce whatever the balancing chooses now.
 STUDY_CUTS: dict[tuple[str, int], list[str]] = {

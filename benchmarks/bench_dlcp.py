@@ -1,4 +1,4 @@
-"""Bounded-loss priority gradient communication (DLCP), its quality side (issue 20, part A).
+"""Bounded-loss priority gradient communication (DLCP), its quality side.
 
 Per model, two ranks in the emulated data-parallel path (the same drop decisions and
 arithmetic as the DDP hook on two gloo ranks: tests/sync/test_dlcp.py), every op at fp32, one

@@ -1,4 +1,4 @@
-"""One-step gradient noise of the integer precisions, per rounding and scale choice (issue 41).
+"""One-step gradient noise of the integer precisions, per rounding and scale choice.
 
 For each model every GEMM module (Linear, Conv, MatMul, HF Conv1D) runs at one precision
 (``apply_precisions``), one forward and backward on one fixed batch, and the whole parameter

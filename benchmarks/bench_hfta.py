@@ -1,4 +1,4 @@
-"""Fused training arrays on this CPU (or a GPU): throughput of B models trained as one job (issue 22).
+"""Fused training arrays on this CPU (or a GPU): throughput of B models trained as one job.
 
 For every cell (model, B, batch per model) four ways of training B variants of the model
 (different seeds, SGD lr 0.05 momentum 0.9, per-model inputs) are timed on the same steps:
@@ -23,7 +23,7 @@ is samples per second (B x batch x steps / wall), the median over rounds with th
 (min-max). Ratios are against ``serial``: of the medians, and (``paired``, cells run since
 the rounds' times are kept in the dump) the median [min-max] of each round's own
 choice/serial ratio, which a slow drift of the machine's speed does not move. One torch
-thread in the parent (``--threads``); the bar of the issue: ``choice`` at least 0.95x
+thread in the parent (``--threads``); the bar it checks: ``choice`` at least 0.95x
 ``serial`` in every cell.
 
 Cells whose B x batch exceeds ``--max-samples`` for the model are skipped (ResNet-18 at 32x32

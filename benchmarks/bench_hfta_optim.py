@@ -1,5 +1,4 @@
-"""The fused optimizers' step against B torch optimizers, on a model's real parameter shapes
-(issue 22).
+"""The fused optimizers' step against B torch optimizers, on a model's real parameter shapes.
 
 For every (model, optimizer, B) the optimizer step alone is timed, on the shapes of the
 model's parameters (B copies; gradients random, fixed), in four ways:

@@ -1,4 +1,4 @@
-"""The loops back of the solve pipeline, timed side by side (issue 17's goals).
+"""The loops back of the solve pipeline, timed side by side.
 
 For resnet50 on v100x16+t4x16 and bert_base on a100x8+t4x8 (catalog estimates, the seeded
 random indicator, so no model runs): the plain solve, the joint batch split with its bounds
@@ -6,7 +6,7 @@ random indicator, so no model runs): the plain solve, the joint batch split with
 (``solve.PRUNE_SPLITS = False``), each from a fresh problem (the joint split re-makes the
 problem at every candidate, and that is part of its cost); the plans of the two joint runs
 are compared. With ``--pareto``, the whole Pareto sweep of resnet50 (``frontier``, as
-``qsync-opt pareto`` runs it) with and without the bounds. With ``--cli``, the issue's
+``qsync-opt pareto`` runs it) with and without the bounds. With ``--cli``, three
 commands end to end, each a fresh process (model trace, the cached qsync indicator, solve,
 plan written): ``qsync-opt solve --model resnet50 --cluster v100x16+t4x16 --solver highs``
 with and without ``--joint-split``, and ``qsync-opt pareto`` on the same instance.
@@ -88,7 +88,7 @@ def _wall(args: list[str], exe: Path | None) -> float:
 
 
 def cli_figures(repeats: int, baseline: Path | None = None) -> None:
-    """The issue's three commands end to end; with ``baseline`` (another checkout's
+    """The three planning commands end to end; with ``baseline`` (another checkout's
     ``qsync-opt``, e.g. the commit before the redesign) each command alternates between the
     two executables, run by run, so both see the same machine."""
     base = ["--model", "resnet50", "--cluster", "v100x16+t4x16"]
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pareto", action="store_true", help="also time the resnet50 sweep")
     ap.add_argument("--cli", action="store_true",
-                    help="also time the issue's commands end to end (computes and caches the "
+                    help="also time the planning commands end to end (computes and caches the "
                          "qsync indicator first if it is not cached: about 30 min)")
     ap.add_argument("--only-cli", action="store_true", help="only the --cli figures")
     ap.add_argument("--baseline", type=Path, metavar="EXE",

@@ -1,4 +1,4 @@
-"""Local SGD with the quadratic synchronisation rule (QSR) against DDP (issue 19).
+"""Local SGD with the quadratic synchronisation rule (QSR) against DDP.
 
 Per model, four sync modes at equal steps under one cosine schedule:
 

@@ -13,8 +13,8 @@ choice on the small cards and the problem is trivial).
 Every repeat is a cold solve: the process's memo of solved parts
 (``solvers.memo.clear_part_memo``, which answers a part already solved in this process
 without running a solver) is cleared before each one, so repeats 2-3 time the solver, not a
-cache look-up (before issue 41 HiGHS's and CBC's repeats were answered by the memo in 1-2%
-of the first run's time, and CP-SAT has none). ``--warm`` keeps the memo, to see its effect.
+cache look-up (with the memo kept, HiGHS's and CBC's repeats are answered by it in 1-2% of
+the first run's time; CP-SAT has none). ``--warm`` keeps the memo, to see its effect.
 
     .venv/bin/python benchmarks/bench_solvers.py [--repeats 3] [--quick] [--warm]
 """

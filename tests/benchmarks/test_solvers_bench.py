@@ -1,6 +1,6 @@
 """benchmarks/bench_solvers.py times cold solves: every repeat starts from an empty memo of
-solved parts (issue 41: HiGHS's and CBC's repeats 2-3 were answered by the memo in 1-2% of
-the first run's time, so the median timed a cache look-up)."""
+solved parts (with the memo kept, HiGHS's and CBC's repeats 2-3 are answered by it in 1-2%
+of the first run's time, so the median would time a cache look-up)."""
 
 from __future__ import annotations
 

@@ -335,7 +335,7 @@ def test_compare_json_rows(capsys, tmp_path) -> None:
 
 
 def test_compare_and_solve_plan_for_the_sync_mode(capsys, tmp_path) -> None:
-    """``compare``/``solve --sync``: the figures are for that mode (issue 19): under Local
+    """``compare``/``solve --sync``: the figures are for that mode: under Local
     SGD the gradient all-reduce is gone and one averaging is paid per round, so the default
     target (the strong group at fp32) falls; the JSON and the printout say which mode."""
     base = ("--model", "digits_cnn", "--cluster", "l4x1+t4x1", "--method", "random",
@@ -364,7 +364,7 @@ def test_compare_and_solve_plan_for_the_sync_mode(capsys, tmp_path) -> None:
     for bad, field in ((("--sync", "local:0"), "--sync"), (("--sync", "qsr:alpha=x"), "--sync"),
                        (("--sync", "local:4", "--steps", "0"), "--steps")):
         code, _, err = run_exit(capsys, "compare", *base, *bad)
-        assert code == 2 and err.count("\n") == 1, err  # refused when parsed (issue 41)
+        assert code == 2 and err.count("\n") == 1, err  # refused when parsed, by the flag's type
         assert f"error: {field}: " in err or f"error: argument {field}: " in err, err
 
 

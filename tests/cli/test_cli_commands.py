@@ -82,7 +82,7 @@ def test_the_commands_are_the_families_functions() -> None:
         assert getattr(cli, fn.__name__) is fn
 
 
-# ----------------------------------------------------------------------------- issue 41
+# ------------------------------------------ every flag's help lists the keys it takes
 
 
 def _help_of(command: str, flag: str) -> str:

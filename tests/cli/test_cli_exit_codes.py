@@ -1,4 +1,4 @@
-"""The CLI's exit codes (issue 41): bad input 2, a proven infeasible problem 3, no plan
+"""The CLI's exit codes: bad input 2, a proven infeasible problem 3, no plan
 within the time limit 4, each its own so a script can tell them apart; and identical
 inputs give identical plan bytes through ``solve --out``."""
 

@@ -1,4 +1,4 @@
-"""Issue 41, the input-validation classes: every count has a stated limit checked when the
+"""The input-validation classes: every count has a stated limit checked when the
 command line is parsed; nothing accepted is ignored; no exception escapes; no work is done
 before a refusal, and a refusal is one line.
 

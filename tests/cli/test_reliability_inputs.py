@@ -1,4 +1,4 @@
-"""Issue 15, bad input and failed writes: one line, exit 2, no traceback, no file changed.
+"""Bad input and failed writes: one line, exit 2, no traceback, no file changed.
 
 Classes of input, each refused at its root: documents nested too deeply; a non-finite number
 in any numeric field of any document (and in any float flag); numeric flags out of range;

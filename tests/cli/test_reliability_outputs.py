@@ -1,4 +1,4 @@
-"""Issue 41, output safety: nothing inside an output folder is followed, old output is never
+"""Output safety: nothing inside an output folder is followed, old output is never
 reused, output paths are refused before any work, and a corrupt or hostile checkpoint is one
 line (exit 2) that names the file, never loaded beyond tensors and plain values.
 
@@ -276,7 +276,8 @@ def test_sweep_refuses_a_link_at_every_name_it_writes_before_training(
 
 @pytest.mark.slow
 def test_an_export_replaces_the_earlier_export_whole(tmp_path: Path, capsys: Any) -> None:
-    """The issue's repro: exports of 6 then 3 steps left both sets and train resumed at 6."""
+    """An export replaces the earlier one whole (a killed export's leftover included): exports
+    of 4 then 2 steps leave only the second set, and train resumes at its step 2."""
     out = tmp_path / "S"
     assert _sweep(out, 4, "--export")[0] == 0
     (out / ".model0.0badf00d.tmp" / "ckpt").mkdir(parents=True)  # a killed export's leftover

@@ -41,7 +41,7 @@ def test_count_without_total():
     assert bar.line().startswith("scan: 7 ")
 
 
-# ----------------------------------------------------------------------------- issue 41:
+# -----------------------------------------------------------------------------
 # a run whose output is not a terminal (nohup, a batch scheduler) writes a line every so often
 
 

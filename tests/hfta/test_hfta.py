@@ -390,7 +390,7 @@ def test_sweep_bad_input_is_one_line(capsys, argv, needle):
     base = ["sweep", "--model", "digits_cnn", "--steps", "1"]
     try:
         rc = main([*base, *argv])
-    except SystemExit as exc:  # refused when parsed (issue 41)
+    except SystemExit as exc:  # refused when parsed, by the flag's type
         rc = exc.code
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err

@@ -193,7 +193,7 @@ def test_linear_quantized_equals_separate_runtime_calls(precision: Precision) ->
         assert torch.equal(fused.weight.grad[b], ws[b].grad)
         assert torch.equal(fused.bias.grad[b], bs[b].grad)
     again = fused(xs)  # a fresh seed per call: different stochastic rounding
-    if precision not in (Precision.fp8, Precision.int4):  # int4 rounds to nearest (issue 41)
+    if precision not in (Precision.fp8, Precision.int4):  # int4 rounds to nearest
         assert not torch.equal(again, out)
     else:
         assert torch.equal(again, out)

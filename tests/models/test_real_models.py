@@ -1,5 +1,5 @@
 """Real models end to end: every GEMM a model runs is an op the planner sees, and the runtime
-runs exactly those ops at their planned precisions (issue 16).
+runs exactly those ops at their planned precisions.
 
 Covers HuggingFace GPT-2 / BERT (from configs, random weights, no downloads), the
 torch-native patterns of torchvision / timm / Swin code (tests/support/patterns.py),

@@ -1,4 +1,4 @@
-"""A user's own model file through every command (qsync_opt.models.user; issue 16).
+"""A user's own model file through every command (qsync_opt.models.user).
 
 Files are written to tmp_path and run from another working directory than theirs; HF
 BERT-for-QA is built from a small config with random weights (no downloads).

@@ -1,5 +1,5 @@
 """int8_full's output gradient: one scale per row (token / output position) for the input
-gradient and one per output channel for the weight gradient (``ops.NUMERICS``; issue 41).
+gradient and one per output channel for the weight gradient (``ops.NUMERICS``).
 
 One scale per tensor let a few large rows (a token, a class token, an outlier) set the step
 for every element, so most of the gradient rounded away: a patch embedding's weight-gradient

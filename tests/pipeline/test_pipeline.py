@@ -1,4 +1,4 @@
-"""Stages, compressed boundaries and the single-process GPipe schedule (issue 21, part A)."""
+"""Stages, compressed boundaries and the single-process GPipe schedule."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_stage_costs_add_up_to_the_model_and_follow_the_cuts():
     assert sum(f) == pytest.approx(sum(v for k, v in fwd.items() if not k.startswith("loss")))
 
 
-# ----------------------------------------------------------------------------- issue 41
+# ---------------------------------------------------------------- cuts balanced and checked
 
 
 def _digits_costs() -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The pipeline across gloo processes equals the one-process pipeline (issue 21, part B)."""
+"""The pipeline across gloo processes equals the one-process pipeline."""
 
 from __future__ import annotations
 

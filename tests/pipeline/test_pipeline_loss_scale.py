@@ -1,4 +1,4 @@
-"""The pipeline's fp16 loss-scale start and run warnings (issue 41): the data-parallel rule
+"""The pipeline's fp16 loss-scale start and run warnings: the data-parallel rule
 (tests/runtime/test_loss_scale_start.py) on ``train --pipeline-stages``, in one process and in one
 process per stage (qsync_opt.pipeline.scale)."""
 

@@ -168,7 +168,7 @@ def test_bad_pipeline_flags_are_one_line(tmp_path, capsys, argv, needle):
     try:
         rc = main(["train", "--model", "digits_cnn", "--out", str(tmp_path / "o"), "--dry-run",
                    *argv])
-    except SystemExit as exc:  # refused when parsed (issue 41)
+    except SystemExit as exc:  # refused when parsed, by the flag's type
         rc = exc.code
     err = capsys.readouterr().err
     assert rc == 2, err
@@ -266,13 +266,13 @@ def test_replay_pipeline_follows_the_plan(capsys, mixed_plan):
 def test_replay_pipeline_bad_input(capsys, argv, needle):
     try:
         rc = main(["replay", "--model", "digits_cnn", *argv])
-    except SystemExit as exc:  # refused when parsed (issue 41)
+    except SystemExit as exc:  # refused when parsed, by the flag's type
         rc = exc.code
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
 
 
-# ----------------------------------------------------------------------------- issue 41
+# ----------------------------------- stages without parameters, the summary, bad cuts
 
 
 @pytest.mark.parametrize("flags", [["--pipeline-stages", "4"], ["--pipeline-stages", "8"],
@@ -327,7 +327,7 @@ def test_a_cut_that_cannot_work_is_refused_in_one_line_before_anything_runs(
 
 @pytest.mark.slow
 def test_parameter_less_stages_under_torchrun_with_progress_lines(tmp_path):
-    """The issue's case under torchrun (a rank with relu1 alone failed), and the progress
+    """A parameter-less stage under torchrun (a rank holding relu1 alone trains), and the progress
     lines a run whose output is a pipe prints (rank 0, through the launcher)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "qsync_opt.cli", "train", "--model",

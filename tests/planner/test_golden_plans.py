@@ -1,10 +1,9 @@
 """Golden plans: the plan JSON the library makes for the README's instances, pinned.
 
-Added before the issue-17 redesign so that a refactor which changes any plan (an op's
-precision, a batch split, an objective's last digit, a provenance field) fails here. For
-each instance x solver the test solves (or compares, for the baselines) with the Python API
-and a ``random_indicator(graph, seed)`` (the real indicator needs real batches and
-minutes), and checks:
+A refactor which changes any plan (an op's precision, a batch split, an objective's last
+digit, a provenance field) fails here. For each instance x solver the test solves (or
+compares, for the baselines) with the Python API and a ``random_indicator(graph, seed)`` (the
+real indicator needs real batches and minutes), and checks:
 
 - the plan's JSON (``qsync_opt.documents.io.to_json``) is byte-for-byte the golden file's ``plan``
   (a plan holds no timing: the limit it records is the one asked for, the time used is

@@ -1,5 +1,5 @@
 """The strong groups stay at their reference precision unless the user, the target or memory
-says otherwise (issue 14: the "no straggler" default target lowered the V100s themselves)."""
+says otherwise: the "no straggler" default target never lowers the strong cards themselves."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15, plans: a plan file never runs code; one validation path for every command that
+"""Plans: a plan file never runs code; one validation path for every command that
 reads a plan (report, replay, train and its --dry-run, check_plan); a model file
 that exits or raises a BaseException gives one line.
 

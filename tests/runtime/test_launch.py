@@ -110,7 +110,7 @@ def test_bad_input_is_one_line(plans, tmp_path, extra, needle) -> None:
 
 @pytest.mark.parametrize("extra", [["--nproc", "0"], ["--steps", "0"], ["--seed", "9" * 30]])
 def test_bad_numbers_are_refused_when_parsed(extra) -> None:
-    """Since issue 41 every numeric flag is checked by its argparse type (exit 2, one line
+    """Every numeric flag is checked by its argparse type (exit 2, one line
     naming the flag), before anything is built."""
     from support.harness import run_cli
 

@@ -1,4 +1,4 @@
-"""Where fp16's loss scale starts, the run's loud warnings and train's default lr (issue 41).
+"""Where fp16's loss scale starts, the run's loud warnings and train's default lr.
 
 A model whose fp16 gradients overflow at 2**16 used to skip every step of a short run (the
 scale halved once a step) while the run exited 0; now a fresh run probes its first batch at
@@ -139,7 +139,7 @@ def test_most_steps_skipped_warns(steps: int, skipped: int, warned: bool) -> Non
 
 
 @pytest.mark.parametrize("first, final, ev, warned", [
-    (6.9, 24295.0, 24295.0, True),          # ResNet-50 at lr 0.05 (issue 41)
+    (6.9, 24295.0, 24295.0, True),          # ResNet-50 at lr 0.05: the loss grew
     (6.9, 3.0, 24295.0, True),              # the held-out loss alone
     (6.9, 6.0, None, False),                # no held-out batches
     (6.9, float("nan"), None, True),        # not finite

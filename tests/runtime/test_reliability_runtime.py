@@ -1,4 +1,4 @@
-"""Issue 15, the training runtime: checkpoint sets survive a kill at any moment of a save, a
+"""The training runtime's reliability: checkpoint sets survive a kill at any moment of a save, a
 resume refuses another run's checkpoint, ranks die with the launcher, bad numbers are one
 line at the launcher."""
 
@@ -319,7 +319,7 @@ def test_non_finite_or_negative_numbers_are_refused_naming_the_flag(
     from support.harness import run_cli
 
     out = tmp_path_factory.mktemp("bad")
-    # since issue 41 refused when the command line is parsed, by the flag's bounded type
+    # refused when the command line is parsed, by the flag's bounded type
     code, _, err = run_cli("train", "--model", "digits_cnn", "--plan", str(plan_path),
                            "--nproc", "2", "--rank-groups", "0:cpu,1:cpu_2", "--out", str(out),
                            "--dry-run", f"{flag}={value}")

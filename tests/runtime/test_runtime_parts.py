@@ -1,4 +1,4 @@
-"""The runtime in parts (issue 17): the gradient-sync seam's hooks, the fault plan handed to
+"""The runtime in parts: the gradient-sync seam's hooks, the fault plan handed to
 the trainer, the loss scaler, the rank file's format, and the modules below the layers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15, part D: no hangs in the solvers' integer scaling or in the C++ build, and
+"""No hangs in the solvers' integer scaling or in the C++ build, and
 OPTIMAL means optimal.
 
 * CP-SAT's integer scaling: every rounding loop is bounded; a number that cannot be scaled
@@ -102,8 +102,8 @@ def _wide(rng: random.Random) -> float:
 
 
 def _bimodal(rng: random.Random) -> float:
-    """~1e5 times the rest now and then, else ~1e-6 (the issue's shape: under the old
-    absolute gap, 1e-6 of the largest coefficient, HiGHS returned 1.2x-4.3x the optimum,
+    """~1e5 times the rest now and then, else ~1e-6 (the shape that an absolute gap of
+    1e-6 of the largest coefficient gets wrong: HiGHS returned 1.2x-4.3x the optimum,
     CBC up to 4.8x, CP-SAT 1.8x, all as OPTIMAL, on these seeds)."""
     return rng.uniform(1, 9) * (1e5 if rng.random() < 0.3 else 1e-6)
 
@@ -228,7 +228,7 @@ _HUGE_COST = textwrap.dedent("""
 def test_a_huge_cost_is_solved_by_cpsat_not_looped_on() -> None:
     """A time cost of 1e30 ms beside a budget of a few ms: the old rounding loop stepped
     one unit at a time, ~1e19 times (r * unit no longer changes in floating point), before
-    any time limit applied. Run apart: on the old code this is the hang. Since issue 41
+    any time limit applied. Run apart, so a hang fails only this test. Now
     such a choice is hopeless (alone beyond the budget) and fixed to 0 in the formulation,
     so CP-SAT solves the problem and agrees with HiGHS (it once refused it as "cannot be
     scaled")."""

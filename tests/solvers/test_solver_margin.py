@@ -1,4 +1,4 @@
-"""The time limit bounds the whole call, the solvers' own overrun included (issue 41): a
+"""The time limit bounds the whole call, the solvers' own overrun included: a
 HiGHS/CBC run is handed what is left less a stated margin (solvers.timing.solver_limit), a
 run with too little left is not started, and no joint-split candidate starts with less than
 MIN_CANDIDATE_S left. The solvers' time is charged to a fake clock."""

@@ -1,4 +1,4 @@
-"""Issue 41, the solvers: an unproven value is never a proof, the time limit bounds every
+"""The solvers' proofs: an unproven value is never a proof, the time limit bounds every
 path, an infeasible problem is infeasible for every backend, extreme but finite costs give
 every backend the same answer (or one refusal), and CP-SAT names HiGHS when it stops with a
 gap. Small synthetic problems; nothing timed beyond a generous "within the limit + 1 s"."""

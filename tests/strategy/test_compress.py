@@ -1,4 +1,4 @@
-"""Compressors and feedback wrappers for pipeline boundaries (issue 21, part A)."""
+"""Compressors and feedback wrappers for pipeline boundaries."""
 
 from __future__ import annotations
 

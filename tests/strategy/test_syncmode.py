@@ -1,4 +1,4 @@
-"""The pure rules of issue 19: learning-rate schedules, sync-mode specs and QSR's round rule."""
+"""The pure rules of the sync modes: learning-rate schedules, sync-mode specs and QSR's round rule."""
 
 from __future__ import annotations
 

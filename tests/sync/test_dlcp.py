@@ -1,4 +1,4 @@
-"""Bounded-loss priority gradient communication (issue 20, part A): the one drop policy, the
+"""Bounded-loss priority gradient communication: the one drop policy, the
 emulated data-parallel path and the DDP hook chain on two gloo ranks."""
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def test_priority_drops_in_magnitude_order_within_each_tensor(layers: int, per: 
 
 
 def test_a_small_layer_is_never_wiped() -> None:
-    """Issue 41: with the bound over the whole gradient, p=0.5 dropped bn2 entirely (its
-    chunks scored least). Per tensor, each keeps at least half of itself."""
+    """The bound is per tensor: over the whole gradient, p=0.5 would drop bn2 entirely (its
+    chunks score least). Per tensor, each keeps at least half of itself."""
     numels = [4096, 64, 64, 4096]  # conv, bn2.weight, bn2.bias, fc
     table = ChunkTable.build(numels, 16)
     grads = [torch.ones(4096), torch.full((64,), 1e-6), torch.full((64,), 1e-6),

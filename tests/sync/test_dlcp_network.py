@@ -1,4 +1,4 @@
-"""``--comm dlcp`` by default drops what the simulated network loses (issue 41): the packet
+"""``--comm dlcp`` by default drops what the simulated network loses: the packet
 simulator's lost chunks per rank (netsim.cluster.dlcp_masks), cut per tensor to p, the same
 on the emulated path and on two gloo ranks; fixed p is the explicit ``stress`` mode."""
 

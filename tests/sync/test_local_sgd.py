@@ -1,4 +1,4 @@
-"""Local SGD and QSR on the runtime's sync layer (issue 19), in emulation: H = 1 equals DDP,
+"""Local SGD and QSR on the runtime's sync layer, in emulation: H = 1 equals DDP,
 replicas agree exactly after every sync, rounds and bytes follow the schedule, and a resume
 syncs at the same steps."""
 
@@ -199,7 +199,7 @@ def test_two_gloo_ranks_under_qsr_resume_bit_for_bit_and_match_emulation(
     assert r0[-1]["synced"] and len(expect) < 12
     # the bookkeeping all-reduce runs once per round: between syncs nothing is sent
     assert {r["bytes_sent"] for r in r0 if not r["synced"]} == {0}
-    # and the launcher says the rounds and bytes (issue 41)
+    # and the launcher says the rounds and bytes
     sent = sum(r["bytes_sent"] for r in r0) / 1e6
     assert (f"  sync qsr:alpha=0.15,h_base=2: {len(expect)} round(s) in 12 step(s), "
             f"{sent:.2f} MB sent per rank, ") in p.stdout, p.stdout[-2000:]
@@ -244,7 +244,7 @@ def test_a_commit_leaves_a_newer_set_being_written(tmp_path: Path) -> None:
     assert (set_path(tmp_path, 6) / "commit.json").exists()
 
 
-# ----------------------------------------------------------------------------- issue 41
+# ------------------------- rounds and bytes in the summary, optimizer-state averaging
 
 
 @pytest.mark.parametrize("sync", ["local:3", "qsr:alpha=0.1,h_base=2", "ddp"])

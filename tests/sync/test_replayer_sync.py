@@ -1,4 +1,4 @@
-"""The replayer's sync model takes a sync period (issue 19): Local SGD / QSR pay their
+"""The replayer's sync model takes a sync period: Local SGD / QSR pay their
 communication once per round, and the planner spends the time it frees."""
 
 from __future__ import annotations
