@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qsync_opt.hfta.convert import FusedArray
+from qsync_opt.hfta.fused_array import FusedArray
+from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
 
 __all__ = ["ARRAY_MARGIN", "MAX_PAIRS_FACTOR", "Choice", "decide", "measure_choice", "near_tie",
            "sync", "time_pairs", "time_step"]
@@ -200,8 +201,6 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
     candidate, e.g. under lower precisions). The array's parameters, buffers and gradients
     are as they were after; the timing steps run throwaway optimizers (``optimizer``: sgd or
     adamw, fused for the array, torch's for the standalone models)."""
-    from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
-
     choice = Choice(threads=torch.get_num_threads())
     per_op = isinstance(array, FusedArray)  # the torch.func route has no per-op modes
     if loss_one is not None and array.B == 1:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vmap
 
 from qsync_opt.core.errors import QsyncInputError
 
@@ -37,8 +38,6 @@ class FuncArray(nn.Module):
 
     def __init__(self, models: Sequence[nn.Module], *, input_mode: str = "per_model") -> None:
         super().__init__()
-        from torch.func import stack_module_state
-
         if not models:
             raise QsyncInputError("models: expected at least one")
         if input_mode not in ("per_model", "replicated"):
@@ -71,8 +70,6 @@ class FuncArray(nn.Module):
                 {n: getattr(self, f"buf{i}") for i, n in enumerate(self.buffer_names)})
 
     def forward(self, *inputs: Tensor) -> Tensor:
-        from torch.func import functional_call, vmap
-
         base = self._base[0]
         base.train(self.training)
 
