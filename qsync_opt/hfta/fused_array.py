@@ -28,7 +28,7 @@ from qsync_opt.core.precision import Precision
 from qsync_opt.hfta.conv_ops import FusedBatchNorm2d, FusedConv2d
 from qsync_opt.hfta.layouts import conv_to_linear, convert_layout
 from qsync_opt.hfta.linear_ops import FusedEmbedding, FusedLayerNorm, FusedLinear
-from qsync_opt.hfta.translation import RULES, batched_matmul, resolve
+from qsync_opt.hfta.translation import RULES, batched_matmul, resolve_call
 
 __all__ = ["FusedArray", "op_key", "serial_forward"]
 
@@ -146,8 +146,8 @@ class FusedArray(nn.Module):
                 env[name] = self.shared[step[2]](env[step[3]])
             elif kind == "op":
                 _, _, rule, call, op, args, kwargs, majors = step
-                env[name] = RULES[rule](B, call, op, resolve(env, args, majors),
-                                         resolve(env, kwargs, majors))
+                r_args, r_kwargs = resolve_call(env, args, kwargs, majors)
+                env[name] = RULES[rule](B, call, op, r_args, r_kwargs)
             elif kind == "flatten":
                 env[name] = conv_to_linear(env[step[2]], B)
             elif kind == "output":

@@ -11,7 +11,7 @@ to every model, a batched matmul.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,12 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.hfta.layouts import expand_shared, with_singletons
 from qsync_opt.hfta.op_tables import DIM_ARGS, EVERY_DIM, REQUIRED, SELF_SHAPED_OPS
 
-__all__ = ["Major", "RULES", "Ref", "batched_matmul", "resolve", "unwrap"]
+__all__ = ["Major", "OpCall", "RULES", "Ref", "Rule", "batched_matmul", "resolve", "resolve_call",
+           "unwrap"]
+
+#: A call of the standalone model's code: the function, or a method by its name.
+OpCall = Callable[..., object] | str
+
 
 class Ref(str):
     """A reference to a value of the walk (a node name), as opposed to a string constant."""
@@ -37,14 +42,35 @@ class Major:
         self.t = t
 
 
-def resolve(env: dict[str, Any], a: Any, majors: frozenset[str] = frozenset()) -> Any:
+#: A translation rule: ``(B, the call, the op's name, its arguments, its keyword
+#: arguments)`` with the walk's values put in, to the call's result for all ``B`` models.
+Rule = Callable[[int, OpCall, str, Sequence[object], Mapping[str, object]], object]
+
+
+def _major(v: object, op: str) -> Tensor:
+    """The tensor of model-major operand ``v`` (the walk hands the rules one)."""
+    if not isinstance(v, Major):
+        raise QsyncInputError(f"hfta: {op}: expected a model-major operand, got "
+                              f"{type(v).__name__}")
+    return v.t
+
+
+def _wrap(v: object, who: str) -> object:
+    """A model-major value (a tensor, or a tuple or list of them) as :class:`Major`."""
+    if isinstance(v, (tuple, list)):
+        return type(v)(_wrap(t, who) for t in v)
+    if not isinstance(v, Tensor):
+        raise QsyncInputError(f"hfta: {who}: expected a model-major tensor, got "
+                              f"{type(v).__name__}")
+    return Major(v)
+
+
+def resolve(env: Mapping[str, object], a: object,
+            majors: frozenset[str] = frozenset()) -> object:
     """``a`` with its references resolved; the model-major ones wrapped in :class:`Major`."""
     if isinstance(a, Ref):
         v = env[a]
-        if a in majors:
-            return (type(v)(Major(t) for t in v) if isinstance(v, (tuple, list))
-                    else Major(v))
-        return v
+        return _wrap(v, a) if a in majors else v
     if isinstance(a, (tuple, list)):
         return type(a)(resolve(env, x, majors) for x in a)
     if isinstance(a, dict):
@@ -55,7 +81,16 @@ def resolve(env: dict[str, Any], a: Any, majors: frozenset[str] = frozenset()) -
     return a
 
 
-def unwrap(a: Any) -> Any:
+def resolve_call(env: Mapping[str, object], args: Sequence[object],
+                 kwargs: Mapping[str, object], majors: frozenset[str],
+                 ) -> tuple[tuple[object, ...], dict[str, object]]:
+    """A step's arguments and keyword arguments, resolved (:func:`resolve`)."""
+    return (tuple(resolve(env, a, majors) for a in args),
+            {k: resolve(env, v, majors) for k, v in kwargs.items()})
+
+
+def unwrap(a: object) -> object:
+    """``a`` with every :class:`Major` replaced by its tensor."""
     if isinstance(a, Major):
         return a.t
     if isinstance(a, (tuple, list)):
@@ -67,14 +102,21 @@ def unwrap(a: Any) -> Any:
     return a
 
 
-def _invoke(call: Callable[..., Any] | str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _unwrap_all(args: Sequence[object]) -> list[object]:
+    return [unwrap(a) for a in args]
+
+
+def _unwrap_kw(kwargs: Mapping[str, object]) -> dict[str, object]:
+    return {k: unwrap(v) for k, v in kwargs.items()}
+
+
+def _invoke(call: OpCall, args: Sequence[object], kwargs: Mapping[str, object]) -> object:
     if isinstance(call, str):
         return getattr(args[0], call)(*args[1:], **kwargs)
     return call(*args, **kwargs)
 
 
-
-def _shift(d: Any, op: str) -> Any:
+def _shift(d: object, op: str) -> Any:
     """A dim of the per-model value as a dim of the model-major one."""
     if isinstance(d, bool) or d is None:
         return d
@@ -85,16 +127,18 @@ def _shift(d: Any, op: str) -> Any:
     raise QsyncInputError(f"hfta: {op}: dim {d!r}: expected an int or a tuple of ints")
 
 
-def _rule_shared(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
+def _rule_shared(B: int, call: OpCall, op: str, args: Sequence[object],
+                 kwargs: Mapping[str, object]) -> object:
     """The call as written (no operand has the model axis, or the result keeps the layout
     of the first operand)."""
-    return _invoke(call, unwrap(args), unwrap(kwargs))
+    return _invoke(call, _unwrap_all(args), _unwrap_kw(kwargs))
 
 
-def _rule_broadcast(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    leaves: list[Any] = []
+def _rule_broadcast(B: int, call: OpCall, op: str, args: Sequence[object],
+                    kwargs: Mapping[str, object]) -> object:
+    leaves: list[Major | Tensor] = []
 
-    def collect(v: Any) -> None:
+    def collect(v: object) -> None:
         if isinstance(v, (tuple, list)):
             for x in v:
                 collect(x)
@@ -102,11 +146,11 @@ def _rule_broadcast(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
             leaves.append(v)
 
     collect(args)
-    collect(kwargs)
+    collect(kwargs)  # a mapping: not looked into (the rank is the positional operands')
     rank = max([v.t.dim() - 1 if isinstance(v, Major) else v.dim() for v in leaves],
                default=0)
 
-    def align(v: Any) -> Any:
+    def align(v: object) -> object:
         if isinstance(v, Major):
             return with_singletons(v.t, rank - (v.t.dim() - 1))
         if isinstance(v, (tuple, list)):
@@ -119,27 +163,28 @@ def _rule_broadcast(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
     return _invoke(call, new_args, {k: align(v) for k, v in kwargs.items()})
 
 
-def _rule_dims(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    x = args[0].t
-    args = list(args)
-    kwargs = dict(kwargs)
+def _rule_dims(B: int, call: OpCall, op: str, args: Sequence[object],
+               kwargs: Mapping[str, object]) -> object:
+    x = _major(args[0], op)
+    new_args = list(args)
+    new_kwargs = dict(kwargs)
     for pos, kw, default in DIM_ARGS[op]:
-        given = kwargs.get(kw, args[pos] if pos < len(args) else None)
+        given = new_kwargs.get(kw, new_args[pos] if pos < len(new_args) else None)
         if given is None:
             if default is REQUIRED:
                 raise QsyncInputError(f"hfta: {op} of a model-major value needs its {kw} "
                                       "argument")
             if default is EVERY_DIM:
-                return _every_dim(x, op, args, kwargs)
+                return _every_dim(x, op, new_kwargs)
             given = default
-        if kw in kwargs or pos >= len(args):
-            kwargs[kw] = _shift(given, op)
+        if kw in new_kwargs or pos >= len(new_args):
+            new_kwargs[kw] = _shift(given, op)
         else:
-            args[pos] = _shift(given, op)
-    return _invoke(call, unwrap(args), unwrap(kwargs))
+            new_args[pos] = _shift(given, op)
+    return _invoke(call, _unwrap_all(new_args), _unwrap_kw(new_kwargs))
 
 
-def _every_dim(x: Tensor, op: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+def _every_dim(x: Tensor, op: str, kwargs: dict[str, object]) -> object:
     """``size()``, ``squeeze()``, ``sum()`` / ``mean()`` without a dim: over the per-model
     dims only."""
     dims = tuple(range(1, x.dim()))
@@ -149,34 +194,46 @@ def _every_dim(x: Tensor, op: str, args: list[Any], kwargs: dict[str, Any]) -> A
     if op == "squeeze":
         ones = tuple(d for d in dims if x.shape[d] == 1)
         return x.squeeze(ones) if ones else x
-    extra = {k: unwrap(v) for k, v in kwargs.items()}
+    extra = _unwrap_kw(kwargs)
     if not dims:  # a per-model scalar: nothing to reduce (torch reads dim=() as "all")
         dtype = extra.get("dtype")
-        return x.clone() if dtype is None else x.to(dtype)
+        if dtype is None:
+            return x.clone()
+        if not isinstance(dtype, torch.dtype):
+            raise QsyncInputError(f"hfta: {op}: dtype {dtype!r}: expected a torch dtype")
+        return x.to(dtype)
     out: Tensor = getattr(x, op)(dim=dims, **extra)
     return out
 
 
-def _sizes(rest: Sequence[Any], kwargs: dict[str, Any], *names: str) -> tuple[Any, ...]:
+def _sizes(rest: Sequence[object], kwargs: Mapping[str, object],
+           *names: str) -> tuple[Any, ...]:
+    """The sizes a call gives (ints; or a dtype for ``view``): as one sequence or each an
+    argument, or by keyword."""
     for n in names:
         if n in kwargs:
-            return tuple(kwargs[n])
+            given = kwargs[n]
+            if not isinstance(given, (tuple, list, torch.Size)):
+                raise QsyncInputError(f"hfta: {n}={given!r}: expected a sequence of sizes")
+            return tuple(given)
     if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
         return tuple(rest[0])
     return tuple(rest)
 
 
-def _rule_view(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    x, rest = args[0].t, unwrap(args[1:])
-    sizes = _sizes(rest, unwrap(kwargs), "shape", "size")
+def _rule_view(B: int, call: OpCall, op: str, args: Sequence[object],
+               kwargs: Mapping[str, object]) -> object:
+    x, rest = _major(args[0], op), _unwrap_all(args[1:])
+    sizes = _sizes(rest, _unwrap_kw(kwargs), "shape", "size")
     if len(sizes) == 1 and isinstance(sizes[0], torch.dtype):
         return x.view(sizes[0])
     return x.reshape(x.shape[0], *sizes)
 
 
-def _rule_expand(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    x, rest = args[0].t, unwrap(args[1:])
-    sizes = _sizes(rest, unwrap(kwargs), "size", "sizes", "repeats", "dims")
+def _rule_expand(B: int, call: OpCall, op: str, args: Sequence[object],
+                 kwargs: Mapping[str, object]) -> object:
+    x, rest = _major(args[0], op), _unwrap_all(args[1:])
+    sizes = _sizes(rest, _unwrap_kw(kwargs), "size", "sizes", "repeats", "dims")
     if op == "permute":
         return x.permute(0, *_shift(tuple(sizes), op))
     x = with_singletons(x, len(sizes) - (x.dim() - 1))  # new leading per-model dims
@@ -185,19 +242,35 @@ def _rule_expand(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
     return x.expand(x.shape[0], *sizes)
 
 
-def _rule_as(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
+def _rule_as(B: int, call: OpCall, op: str, args: Sequence[object],
+             kwargs: Mapping[str, object]) -> object:
     x, other = args[0], args[1]
-    shape = other.t.shape[1:] if isinstance(other, Major) else other.shape
+    if isinstance(other, Major):
+        shape = other.t.shape[1:]
+    elif isinstance(other, Tensor):
+        shape = other.shape
+    else:
+        raise QsyncInputError(f"hfta: {op}: expected a tensor to take the shape of, got "
+                              f"{type(other).__name__}")
     if op == "expand_as":
         if isinstance(x, Major):
             t = with_singletons(x.t, len(shape) - (x.t.dim() - 1))
             return t.expand(t.shape[0], *shape)
-        return x.expand(B, *shape)
-    return x.t.reshape(x.t.shape[0], *shape)
+        return _expand_to(x, B, shape, op)
+    t = _major(x, op)
+    return t.reshape(t.shape[0], *shape)
 
 
-def _rule_getitem(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    base, idx = args[0].t, unwrap(args[1])
+def _expand_to(x: object, B: int, shape: torch.Size, op: str) -> Tensor:
+    """Shared ``x`` expanded to ``[B, *shape]``."""
+    if not isinstance(x, Tensor):
+        raise QsyncInputError(f"hfta: {op}: expected a tensor, got {type(x).__name__}")
+    return x.expand(B, *shape)
+
+
+def _rule_getitem(B: int, call: OpCall, op: str, args: Sequence[object],
+                  kwargs: Mapping[str, object]) -> object:
+    base, idx = _major(args[0], op), unwrap(args[1])
     parts = idx if isinstance(idx, tuple) else (idx,)
     if sum(isinstance(p, (Tensor, list)) for p in parts) > 1:
         raise QsyncInputError("hfta: indexing a model-major value with more than one tensor "
@@ -205,9 +278,10 @@ def _rule_getitem(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
     return base[(slice(None), *parts)]
 
 
-def _rule_attr(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    x = args[0].t
-    what = args[1] if op == "getattr" else op
+def _rule_attr(B: int, call: OpCall, op: str, args: Sequence[object],
+               kwargs: Mapping[str, object]) -> object:
+    x = _major(args[0], op)
+    what = str(args[1]) if op == "getattr" else op
     if what == "shape":
         return torch.Size(x.shape[1:])
     if what in ("ndim", "dim", "ndimension"):
@@ -217,23 +291,37 @@ def _rule_attr(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
     return getattr(x, what)
 
 
-def _rule_cat(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
-    seq = [v.t if isinstance(v, Major) else expand_shared(v, B, op) for v in args[0]]
+def _rule_cat(B: int, call: OpCall, op: str, args: Sequence[object],
+              kwargs: Mapping[str, object]) -> object:
+    given = args[0]
+    if not isinstance(given, (tuple, list)):
+        raise QsyncInputError(f"hfta: {op}: expected a sequence of tensors, got "
+                              f"{type(given).__name__}")
+    seq = [v.t if isinstance(v, Major) else expand_shared(v, B, op) for v in given]
     rest = list(args[1:])
-    kwargs = dict(kwargs)
-    if "dim" in kwargs:
-        kwargs["dim"] = _shift(kwargs["dim"], op)
+    new_kwargs = dict(kwargs)
+    if "dim" in new_kwargs:
+        new_kwargs["dim"] = _shift(new_kwargs["dim"], op)
     elif rest:
         rest[0] = _shift(rest[0], op)
     else:
-        kwargs["dim"] = 1
-    return _invoke(call, [seq, *unwrap(rest)], unwrap(kwargs))
+        new_kwargs["dim"] = 1
+    return _invoke(call, [seq, *_unwrap_all(rest)], _unwrap_kw(new_kwargs))
 
 
-def _rule_matmul(B: int, call: Any, op: str, args: Any, kwargs: Any) -> Any:
+def _operand(v: object, op: str) -> Tensor:
+    """A matmul operand's tensor (model-major or shared)."""
+    t = unwrap(v)
+    if not isinstance(t, Tensor):
+        raise QsyncInputError(f"hfta: {op}: expected a tensor operand, got {type(t).__name__}")
+    return t
+
+
+def _rule_matmul(B: int, call: OpCall, op: str, args: Sequence[object],
+                 kwargs: Mapping[str, object]) -> object:
     a = args[0]
     b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
-    return batched_matmul(unwrap(a), isinstance(a, Major), unwrap(b),
+    return batched_matmul(_operand(a, op), isinstance(a, Major), _operand(b, op),
                           isinstance(b, Major), B, torch.matmul)
 
 
@@ -264,8 +352,8 @@ def batched_matmul(a: Tensor, a_major: bool, b: Tensor, b_major: bool, B: int,
     return out
 
 
-RULES: dict[str, Callable[[int, Any, str, Any, Any], Any]] = {
+
+RULES: dict[str, Rule] = {
     "shared": _rule_shared, "broadcast": _rule_broadcast, "dims": _rule_dims,
     "view": _rule_view, "expand": _rule_expand, "as": _rule_as, "getitem": _rule_getitem,
     "attr": _rule_attr, "cat": _rule_cat, "matmul": _rule_matmul}
-
