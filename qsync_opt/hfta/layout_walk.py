@@ -7,11 +7,12 @@ knows of each op; :mod:`qsync_opt.hfta.translation` the rules its steps name).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.fx.node import Argument
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.hfta.fused_array import op_key
@@ -31,13 +32,17 @@ from qsync_opt.hfta.op_tables import (
     SPATIAL_MODULES,
     STATELESS_MODULES,
     TENSOR_ATTRS,
+    FusedOp,
 )
-from qsync_opt.hfta.translation import Ref
+from qsync_opt.hfta.translation import OpCall, Ref
 from qsync_opt.models.layers import MatMul
 
 __all__ = ["LayoutWalk"]
 
-def _leaves(a: Any, cls: type) -> list[Any]:
+_T = TypeVar("_T")
+
+
+def _leaves(a: object, cls: type[_T]) -> list[_T]:
     """The ``cls`` instances in ``a``, through tuples, lists, dict values and slices."""
     if isinstance(a, cls):
         return [a]
@@ -50,7 +55,7 @@ def _leaves(a: Any, cls: type) -> list[Any]:
     return []
 
 
-def _nodes_in(a: Any) -> list[fx.Node]:
+def _nodes_in(a: object) -> list[fx.Node]:
     return _leaves(a, fx.Node)
 
 
@@ -116,13 +121,14 @@ class LayoutWalk:
         elif n.op == "call_module":
             self.module(n)
         elif n.op in ("call_function", "call_method"):
+            call: OpCall
+            op: str | None
             if n.op == "call_method":
-                call: Any = str(n.target)
-                op: str | None = call
+                call = op = str(n.target)
                 who = f"method .{call}() ({n.name})"
             else:
                 call = n.target
-                op = FUNCTION_NAMES.get(call)
+                op = None if isinstance(call, str) else FUNCTION_NAMES.get(call)
                 who = f"function {getattr(call, '__name__', call)} ({n.name})"
             self.call(n.name, call, op, tuple(n.args), dict(n.kwargs), who)
         elif n.op == "output":
@@ -213,7 +219,7 @@ class LayoutWalk:
                                   "LayerNorm, Embedding, MatMul; shared: activations, "
                                   "pooling, dropout, Flatten, Softmax)")
 
-    def build(self, fcls: Any, mods: Sequence[nn.Module], target: str) -> nn.Module:
+    def build(self, fcls: type[FusedOp], mods: Sequence[nn.Module], target: str) -> nn.Module:
         """The fused op of ``mods``; a parameter it shares with an op fused before (a tied
         weight) becomes that op's fused Parameter."""
         fmod: nn.Module = fcls.from_modules(mods)
@@ -253,8 +259,8 @@ class LayoutWalk:
         self.steps.append(("matmul", n.name, k, srcs[0], am, srcs[1], bm))
         self.layout[n.name] = "M"
 
-    def call(self, name: str, call: Any, op: str | None, args: tuple[Any, ...],
-             kwargs: dict[str, Any], who: str) -> None:
+    def call(self, name: str, call: OpCall, op: str | None, args: tuple[Argument, ...],
+             kwargs: dict[str, Argument], who: str) -> None:
         """A function or method call: its translation rule and the layout of its result
         (module docstring)."""
         nodes = _nodes_in((args, kwargs))
@@ -307,7 +313,7 @@ class LayoutWalk:
         rule, out = self.rule(op, first_lay, args, lays, who)
         self.emit(name, rule, call, op, args, kwargs, out, subst=subst)
 
-    def rule(self, op: str, first_lay: str | None, args: tuple[Any, ...],
+    def rule(self, op: str, first_lay: str | None, args: tuple[Argument, ...],
              lays: dict[str, str], who: str) -> tuple[str, str]:
         """(the translation rule, the result's layout) of op ``op`` with a model-major
         operand."""
@@ -357,13 +363,14 @@ class LayoutWalk:
             return "attr", "S"
         raise QsyncInputError(f"hfta: {who} has no fused form for model-major values")
 
-    def emit(self, name: str, rule: str, call: Any, op: str | None, args: tuple[Any, ...],
-             kwargs: dict[str, Any], out: str, *, subst: dict[str, str] | None = None) -> None:
+    def emit(self, name: str, rule: str, call: OpCall, op: str | None,
+             args: tuple[Argument, ...],
+             kwargs: dict[str, Argument], out: str, *, subst: dict[str, str] | None = None) -> None:
         """An ``op`` step: the call's arguments with the walk's values as references (a node
         in ``subst`` by its value in the layout the rule takes)."""
         subst = subst or {}
 
-        def ref(a: Any) -> Any:
+        def ref(a: object) -> object:
             if isinstance(a, fx.Node):
                 return Ref(subst.get(a.name, a.name))
             if isinstance(a, (tuple, list)):
@@ -382,5 +389,5 @@ class LayoutWalk:
         self.layout[name] = out
 
 
-def _refs_in(a: Any) -> list[Ref]:
+def _refs_in(a: object) -> list[Ref]:
     return _leaves(a, Ref)

@@ -18,18 +18,22 @@ from torch import nn
 from qsync_opt.hfta.conv_ops import FusedBatchNorm2d, FusedConv2d
 from qsync_opt.hfta.linear_ops import FusedEmbedding, FusedLayerNorm, FusedLinear
 
+#: A fused operator with parameters (each has ``from_modules`` and ``export``).
+FusedOp = FusedConv2d | FusedBatchNorm2d | FusedLinear | FusedLayerNorm | FusedEmbedding
+
 #: Modules that hold no parameters and act per element or per channel: shared by all B.
 STATELESS_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU,
               nn.Dropout, nn.Identity, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
               nn.Hardswish, nn.Hardsigmoid)
 SPATIAL_MODULES = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 SPATIAL_FUNCTIONS = {"adaptive_avg_pool2d", "max_pool2d", "avg_pool2d"}
-FUSED_CLASSES = {nn.Conv2d: FusedConv2d, nn.BatchNorm2d: FusedBatchNorm2d,
-          nn.Linear: FusedLinear, nn.LayerNorm: FusedLayerNorm,
-          nn.Embedding: FusedEmbedding}
+FUSED_CLASSES: dict[type[nn.Module], type[FusedOp]] = {
+    nn.Conv2d: FusedConv2d, nn.BatchNorm2d: FusedBatchNorm2d, nn.Linear: FusedLinear,
+    nn.LayerNorm: FusedLayerNorm, nn.Embedding: FusedEmbedding}
 #: The layout each fused op takes (and gives); the Embedding takes ids M or S, gives M.
-FUSED_LAYOUT = {FusedConv2d: "C", FusedBatchNorm2d: "C", FusedLinear: "M",
-           FusedLayerNorm: "M", FusedEmbedding: "M"}
+FUSED_LAYOUT: dict[type[FusedOp], str] = {
+    FusedConv2d: "C", FusedBatchNorm2d: "C", FusedLinear: "M", FusedLayerNorm: "M",
+    FusedEmbedding: "M"}
 
 #: Functions the walk knows, by the name the translation tables below use (methods go by
 #: their own name).
