@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ def check_fused_count(B: object, owner: str) -> int:
     return int(B)
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: object) -> TypeGuard[numbers.Real]:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -47,7 +47,7 @@ def shape_text(t: Tensor) -> str:
     return "[" + ", ".join(str(int(s)) for s in t.shape) + "]"
 
 
-def per_model(value: Any, B: int, field: str, *, lo: float = 0.0,
+def per_model(value: object, B: int, field: str, *, lo: float = 0.0,
                hi: float = math.inf, hi_open: bool = False) -> Tensor:
     """``value`` (a float, ``B`` floats or a 1-D tensor of ``B``) -> float64 CPU ``[B]``,
     every entry finite and in ``[lo, hi]`` (``[lo, hi)`` with ``hi_open``)."""
@@ -86,12 +86,12 @@ def per_model(value: Any, B: int, field: str, *, lo: float = 0.0,
     return out
 
 
-def _is_pair(x: Any) -> bool:
+def _is_pair(x: object) -> bool:
     return (isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and len(x) == 2
             and all(is_number(v) for v in x))
 
 
-def per_model_betas(value: Any, B: int, field: str) -> Tensor:
+def per_model_betas(value: object, B: int, field: str) -> Tensor:
     """Betas -> float64 CPU ``[B, 2]`` (row ``b`` is model ``b``'s ``(beta1, beta2)``).
 
     Accepted: one pair ``(b1, b2)``; ``B`` pairs ``[(b1, b2), ...]``; a tensor ``[2]`` or
@@ -139,7 +139,7 @@ def per_model_betas(value: Any, B: int, field: str) -> Tensor:
     return check(out)
 
 
-def step_mask(mask: Any, B: int, owner: str) -> Tensor | None:
+def step_mask(mask: object, B: int, owner: str) -> Tensor | None:
     """The step mask -> bool CPU ``[B]``, or None when every model steps."""
     if mask is None:
         return None

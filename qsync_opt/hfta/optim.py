@@ -116,7 +116,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     _ARRAY_KEYS: tuple[str, ...] = ()
 
-    def __init__(self, params: Any, B: int, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Params, B: int, defaults: dict[str, Any]) -> None:
         self.B = check_fused_count(B, type(self).__name__)
         if isinstance(params, Tensor):
             params = [params]

@@ -31,7 +31,7 @@ __all__ = ["ONE_CALL_PRECISIONS", "as_precision", "check_model_count", "check_mo
 ONE_CALL_PRECISIONS = (Precision.fp32, Precision.tf32, *HALF_DTYPES)
 
 
-def check_model_count(b: Any) -> int:
+def check_model_count(b: object) -> int:
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
         raise QsyncInputError(f"B: expected a positive number of models, got {b!r}")
     return b
@@ -74,12 +74,12 @@ def tensor_fields(*names: str) -> dict[str, Callable[[Any], Any]]:
     """dtype, device, requires_grad of each named (optional) tensor attribute."""
     out: dict[str, Callable[[Any], Any]] = {}
     for n in names:
-        def get(m: Any, n: str = n) -> Any:
+        def get(m: nn.Module, n: str = n) -> object:
             t = getattr(m, n)
             return None if t is None else (t.dtype, t.device)
         out[f"{n} dtype/device"] = get
 
-        def grad(m: Any, n: str = n) -> Any:
+        def grad(m: nn.Module, n: str = n) -> object:
             t = getattr(m, n)
             return None if t is None else t.requires_grad
         out[f"{n}.requires_grad"] = grad
@@ -135,7 +135,7 @@ def init_like_torch(weight: Tensor, bias: Tensor | None) -> None:
                 nn.init.uniform_(bias[b], -bound, bound)
 
 
-def check_model_index(b: Any, count: int, who: str) -> None:
+def check_model_index(b: object, count: int, who: str) -> None:
     if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < count:
         raise QsyncInputError(f"{who}.export: model index {b!r} outside 0..{count - 1}")
 

@@ -53,6 +53,7 @@ from qsync_opt.models import (
     TASK_CAUSAL_LM,
     TASK_CLASSIFICATION,
     UnknownWorkloadError,
+    Workload,
     get_workload,
 )
 from qsync_opt.runtime.data import GlobalBatches
@@ -109,20 +110,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def build_variant_model(workload: Any, seed: int) -> nn.Module:
+def build_variant_model(workload: Workload, seed: int) -> nn.Module:
     """Model ``seed``'s initial weights, as ``train --seed seed`` builds them."""
     torch.manual_seed(seed)
     return workload.build().float().train()
 
 
-def per_model_losses(workload: Any, out: Tensor, inputs: Sequence[Any],
+def per_model_losses(workload: Workload, out: Tensor, inputs: Sequence[Any],
                      targets: Tensor) -> Tensor:
     """``[B]``: each model's mean loss on its own batch (``out`` model-major ``[B, N, ...]``;
     ``targets`` ``[B, N, ...]``). Classification and causal LM: one cross-entropy call for
     all ``B``; other tasks: the workload's loss per model."""
     B = out.shape[0]
-    if workload.task in (TASK_CLASSIFICATION, TASK_CAUSAL_LM) and workload.loss == \
-            "cross_entropy":
+    if workload.task in (TASK_CLASSIFICATION, TASK_CAUSAL_LM) and getattr(
+            workload, "loss", None) == "cross_entropy":
         k = out.shape[-1]
         per = F.cross_entropy(out.reshape(-1, k), targets.reshape(-1), reduction="none")
         return per.view(B, -1).mean(1)
