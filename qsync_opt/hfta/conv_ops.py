@@ -14,15 +14,12 @@ independent variants of a conv layer run as one layer on ``[N, B*C, H, W]``.
   so they run unchanged on the channel-folded layout (:mod:`qsync_opt.hfta.layouts` moves
   between the layouts).
 
-:class:`FusedConv2d`'s precisions (attribute ``precision``, as the runtime's ``QConv2d``,
-:mod:`qsync_opt.ops.layers`): ``fp32`` / ``tf32`` run the one fused call; ``fp16`` / ``bf16``
-cast operands to 16 bit for that one call and the result back to the input dtype. ``int8``,
-``int8_full``, ``int4`` and ``fp8`` quantize each tensor with a per-tensor (activation)
-scale, which must be each model's own, so they run ``B`` calls, one per model, of exactly
-the runtime's kernels (``ops.int8_conv2d`` / ``ops.int4_conv2d`` as ``QConv2d`` runs them),
-each with a fresh seed from the layer's counter (:class:`~qsync_opt.ops.gemm.QMixin`): the
-fused layer then equals ``B`` standalone layers given the same seeds, bit for bit.
-Building and exporting: :mod:`qsync_opt.hfta.stacking`.
+:class:`FusedConv2d`'s precisions (attribute ``precision``, as the runtime's ``QConv2d``)
+follow :mod:`qsync_opt.hfta.linear_ops`' rule: one fused call at fp32, tf32, fp16 and bf16;
+one call per model, with each model's own scale and a fresh seed, at int8, int8_full, int4
+and fp8 (``ops.int8_conv2d`` / ``ops.int4_conv2d`` as ``QConv2d`` runs them), so the fused
+layer equals ``B`` standalone layers given the same seeds, bit for bit. Building and
+exporting: :mod:`qsync_opt.hfta.stacking`.
 """
 
 from __future__ import annotations
@@ -37,20 +34,7 @@ from torch import Tensor, nn
 from qsync_opt import ops
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
-from qsync_opt.hfta.stacking import (
-    ONE_CALL_PRECISIONS,
-    as_precision,
-    check_model_count,
-    check_model_index,
-    check_same,
-    common_precision,
-    export_into,
-    filled_gemm_layer,
-    init_like_torch,
-    modules_of_type,
-    stack_into,
-    tensor_fields,
-)
+from qsync_opt.hfta import stacking
 from qsync_opt.ops.gemm import HALF_DTYPES, QMixin
 
 __all__ = ["FusedBatchNorm2d", "FusedConv2d"]
@@ -85,7 +69,7 @@ class FusedConv2d(nn.Module, QMixin):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.B = check_model_count(B)
+        self.B = stacking.check_model_count(B)
         self.in_channels, self.out_channels, self.groups = (int(in_channels),
                                                             int(out_channels), int(groups))
         if self.groups < 1 or in_channels % groups or out_channels % groups:
@@ -109,7 +93,7 @@ class FusedConv2d(nn.Module, QMixin):
                                                *self.kernel_size, **kw))
         self.bias: nn.Parameter | None = (nn.Parameter(torch.empty(B, out_channels, **kw))
                                           if bias else None)
-        init_like_torch(self.weight, self.bias)
+        stacking.init_like_torch(self.weight, self.bias)
         self.precision: Precision = Precision.fp32
         self.qseed = 0
         self.qname = ""
@@ -136,11 +120,11 @@ class FusedConv2d(nn.Module, QMixin):
             raise QsyncInputError(
                 f"FusedConv2d: expected input [N, B*in={self.B * self.in_channels}, H, W], "
                 f"got shape {tuple(x.shape)}")
-        p = as_precision(self.precision, "FusedConv2d.precision")
+        p = stacking.as_precision(self.precision, "FusedConv2d.precision")
         self._count()
         w: Tensor = self.weight
         bias: Tensor | None = self.bias
-        if p in ONE_CALL_PRECISIONS:
+        if p in stacking.ONE_CALL_PRECISIONS:
             dtype = x.dtype
             if p in HALF_DTYPES:
                 d = HALF_DTYPES[p]
@@ -172,32 +156,32 @@ class FusedConv2d(nn.Module, QMixin):
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module]) -> FusedConv2d:
         """Fuse ``B`` nn.Conv2d modules (zero padding; a QConv2d's precision is kept)."""
-        got = modules_of_type(mods, nn.Conv2d, "FusedConv2d")
-        check_same("FusedConv2d", got, {
+        got = stacking.modules_of_type(mods, nn.Conv2d, "FusedConv2d")
+        stacking.check_same("FusedConv2d", got, {
             "in_channels": lambda m: m.in_channels, "out_channels": lambda m: m.out_channels,
             "kernel_size": lambda m: tuple(m.kernel_size), "stride": lambda m: tuple(m.stride),
             "padding": lambda m: m.padding if isinstance(m.padding, str) else tuple(m.padding),
             "dilation": lambda m: tuple(m.dilation), "groups": lambda m: m.groups,
             "padding_mode": lambda m: m.padding_mode, "bias": lambda m: m.bias is not None,
-            **tensor_fields("weight", "bias")})
+            **stacking.tensor_fields("weight", "bias")})
         first = got[0]
         if first.padding_mode != "zeros":
             raise QsyncInputError(f"FusedConv2d.from_modules: padding_mode "
                                   f"{first.padding_mode!r} is not supported (zeros only)")
-        precision = common_precision("FusedConv2d", got)
+        precision = stacking.common_precision("FusedConv2d", got)
         fused = cls(len(got), first.in_channels, first.out_channels, first.kernel_size,
                     first.stride, first.padding, first.dilation, first.groups,
                     first.bias is not None, device=first.weight.device,
                     dtype=first.weight.dtype)
-        return filled_gemm_layer(fused, got, precision)
+        return stacking.filled_gemm_layer(fused, got, precision)
 
     def export(self, b: int) -> nn.Conv2d:
         """Model ``b``'s standalone nn.Conv2d (copies of its weights)."""
-        check_model_index(b, self.B, "FusedConv2d")
+        stacking.check_model_index(b, self.B, "FusedConv2d")
         m = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride,
                       self.padding, self.dilation, self.groups, self.bias is not None,
                       device=self.weight.device, dtype=self.weight.dtype)
-        export_into(m, self, b, ("weight", "bias"))
+        stacking.export_into(m, self, b, ("weight", "bias"))
         m.train(self.training)
         return m
 
@@ -222,7 +206,7 @@ class FusedBatchNorm2d(nn.Module):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.B = check_model_count(B)
+        self.B = stacking.check_model_count(B)
         self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
@@ -274,14 +258,14 @@ class FusedBatchNorm2d(nn.Module):
     def from_modules(cls, mods: Sequence[nn.Module]) -> FusedBatchNorm2d:
         """Fuse ``B`` nn.BatchNorm2d modules: parameters, running statistics and the batch
         count (which must be equal: the fused layer has one)."""
-        got = modules_of_type(mods, nn.BatchNorm2d, "FusedBatchNorm2d")
-        check_same("FusedBatchNorm2d", got, {
+        got = stacking.modules_of_type(mods, nn.BatchNorm2d, "FusedBatchNorm2d")
+        stacking.check_same("FusedBatchNorm2d", got, {
             "num_features": lambda m: m.num_features, "eps": lambda m: m.eps,
             "momentum": lambda m: m.momentum, "affine": lambda m: m.affine,
             "track_running_stats": lambda m: m.track_running_stats,
             "running stats presence": lambda m: m.running_mean is not None,
-            **tensor_fields("weight", "bias", "running_mean")})
-        check_same("FusedBatchNorm2d", got, {
+            **stacking.tensor_fields("weight", "bias", "running_mean")})
+        stacking.check_same("FusedBatchNorm2d", got, {
             "num_batches_tracked": lambda m: (None if m.num_batches_tracked is None
                                               else int(m.num_batches_tracked))})
         first = got[0]
@@ -293,7 +277,7 @@ class FusedBatchNorm2d(nn.Module):
         for name in ("weight", "bias", "running_mean", "running_var"):
             dst = getattr(fused, name)
             if dst is not None:
-                stack_into(dst, [getattr(m, name) for m in got])
+                stacking.stack_into(dst, [getattr(m, name) for m in got])
         if fused.num_batches_tracked is not None and first.num_batches_tracked is not None:
             fused.num_batches_tracked.copy_(first.num_batches_tracked)
         fused.train(first.training)
@@ -301,13 +285,13 @@ class FusedBatchNorm2d(nn.Module):
 
     def export(self, b: int) -> nn.BatchNorm2d:
         """Model ``b``'s standalone nn.BatchNorm2d (copies of its parameters and buffers)."""
-        check_model_index(b, self.B, "FusedBatchNorm2d")
+        stacking.check_model_index(b, self.B, "FusedBatchNorm2d")
         ref = self.weight if self.weight is not None else self.running_mean
         m = nn.BatchNorm2d(self.num_features, self.eps, self.momentum, self.affine,
                            self.track_running_stats,
                            device=None if ref is None else ref.device,
                            dtype=None if ref is None else ref.dtype)
-        export_into(m, self, b, ("weight", "bias", "running_mean", "running_var"))
+        stacking.export_into(m, self, b, ("weight", "bias", "running_mean", "running_var"))
         if self.num_batches_tracked is not None and m.num_batches_tracked is not None:
             m.num_batches_tracked.copy_(self.num_batches_tracked)
         m.train(self.training)

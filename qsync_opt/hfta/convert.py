@@ -15,10 +15,10 @@ value a layout (:mod:`qsync_opt.hfta`):
   (``narrow``, ``arange``, ``logical_not``), sizes, the replicated input.
 
 Each op with parameters becomes its fused operator built from the ``B`` models' own modules
-(:mod:`.conv_ops`, :mod:`.linear_ops`): Conv2d, BatchNorm2d (``C``), Linear, LayerNorm (``M``, any rank), Embedding
-(ids ``M`` ``[B, *S]`` or shared ``[*S]``, both giving ``[B, *S, D]``); an attention
-``MatMul`` becomes :class:`~.linear_ops.FusedMatMul` (no parameters; it carries a plan's precision).
-A tensor parameter two modules share (GPT's ``lm_head.weight`` is ``transformer.wte.weight``)
+(:mod:`.conv_ops`, :mod:`.linear_ops`): Conv2d, BatchNorm2d (``C``), Linear, LayerNorm (``M``,
+any rank), Embedding (ids ``M`` ``[B, *S]`` or shared ``[*S]``, both giving ``[B, *S, D]``);
+an attention ``MatMul`` becomes :class:`~.linear_ops.FusedMatMul` (no parameters; it carries
+a plan's precision). A tensor parameter two modules share (GPT's ``lm_head.weight`` is ``transformer.wte.weight``)
 is one fused ``[B, ...]`` Parameter of both fused ops, so both uses' gradients add as in the
 standalone model, and :meth:`FusedArray.export` ties it again. Stateless modules (ReLU,
 GELU, pooling, dropout, identity) run unchanged on either layout; ``torch.flatten(x, 1)`` (or

@@ -2,10 +2,11 @@
 ``qsync-opt train``'s layout.
 
 An export (``sweep --export``) writes each model as a standalone run, ``OUT/model{b}``: a
-checkpoint set of ``qsync-opt train``'s layout that ``train --model M --seed S --lr L --weight-decay W --out OUT/model{b}`` resumes (every op at
-fp32 on one rank, the run's settings in its fingerprint). An export replaces an earlier one
-in ``OUT/model{b}`` whole (written beside it, then swapped in), and refuses, before
-training, a ``model{b}`` holding more (a ``train`` run continued there).
+checkpoint set of ``qsync-opt train``'s layout that ``train --model M --seed S --lr L
+--weight-decay W --out OUT/model{b}`` resumes (every op at fp32 on one rank, the run's
+settings in its fingerprint). An export replaces an earlier one in ``OUT/model{b}`` whole
+(written beside it, then swapped in), and refuses, before training, a ``model{b}`` holding
+more (a ``train`` run continued there).
 :func:`check_out` checks ``--out`` before any work (a writable folder, no link inside where
 the sweep writes: :mod:`qsync_opt.documents.outfolder`).
 """

@@ -18,8 +18,7 @@ same outputs and gradients. The trainer takes this route for a model the convert
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +56,7 @@ class FuncArray(nn.Module):
         self._template = [copy.deepcopy(models[0])]
         self._base = self._template
 
-    def _apply(self, fn: Any, recurse: bool = True) -> FuncArray:
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FuncArray:
         """``.to(device)`` and the like move the template too (it is no submodule), so that
         anything of it that ``functional_call`` does not swap for a stacked tensor is on the
         array's device."""

@@ -39,20 +39,7 @@ from torch import Tensor, nn
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
-from qsync_opt.hfta.stacking import (
-    ONE_CALL_PRECISIONS,
-    as_precision,
-    check_model_count,
-    check_model_index,
-    check_same,
-    common_precision,
-    export_into,
-    filled_gemm_layer,
-    init_like_torch,
-    modules_of_type,
-    stack_into,
-    tensor_fields,
-)
+from qsync_opt.hfta import stacking
 from qsync_opt.models.layers import MatMul
 from qsync_opt.ops.gemm import HALF_DTYPES, QMixin, run_gemm, run_linear
 
@@ -78,13 +65,13 @@ class FusedLinear(nn.Module, QMixin):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.B = check_model_count(B)
+        self.B = stacking.check_model_count(B)
         self.in_features, self.out_features = int(in_features), int(out_features)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(B, out_features, in_features, **kw))
         self.bias: nn.Parameter | None = (nn.Parameter(torch.empty(B, out_features, **kw))
                                           if bias else None)
-        init_like_torch(self.weight, self.bias)
+        stacking.init_like_torch(self.weight, self.bias)
         self.precision: Precision = Precision.fp32
         self.qseed = 0
         self.qname = ""
@@ -100,11 +87,11 @@ class FusedLinear(nn.Module, QMixin):
             raise QsyncInputError(
                 f"FusedLinear: expected input [B={self.B}, N, ..., {self.in_features}], "
                 f"got shape {tuple(x.shape)}")
-        p = as_precision(self.precision, "FusedLinear.precision")
+        p = stacking.as_precision(self.precision, "FusedLinear.precision")
         self._count()
         w: Tensor = self.weight
         bias: Tensor | None = self.bias
-        if p in ONE_CALL_PRECISIONS:
+        if p in stacking.ONE_CALL_PRECISIONS:
             x3 = x.reshape(self.B, -1, self.in_features)
             dtype = x.dtype
             if p in HALF_DTYPES:
@@ -125,22 +112,22 @@ class FusedLinear(nn.Module, QMixin):
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module]) -> FusedLinear:
         """Fuse ``B`` nn.Linear modules (a runtime QLinear's precision is kept: all equal)."""
-        got = modules_of_type(mods, nn.Linear, "FusedLinear")
-        check_same("FusedLinear", got, {
+        got = stacking.modules_of_type(mods, nn.Linear, "FusedLinear")
+        stacking.check_same("FusedLinear", got, {
             "in_features": lambda m: m.in_features, "out_features": lambda m: m.out_features,
-            "bias": lambda m: m.bias is not None, **tensor_fields("weight", "bias")})
-        precision = common_precision("FusedLinear", got)
+            "bias": lambda m: m.bias is not None, **stacking.tensor_fields("weight", "bias")})
+        precision = stacking.common_precision("FusedLinear", got)
         first = got[0]
         fused = cls(len(got), first.in_features, first.out_features, first.bias is not None,
                     device=first.weight.device, dtype=first.weight.dtype)
-        return filled_gemm_layer(fused, got, precision)
+        return stacking.filled_gemm_layer(fused, got, precision)
 
     def export(self, b: int) -> nn.Linear:
         """Model ``b``'s standalone nn.Linear (copies of its weights)."""
-        check_model_index(b, self.B, "FusedLinear")
+        stacking.check_model_index(b, self.B, "FusedLinear")
         m = nn.Linear(self.in_features, self.out_features, self.bias is not None,
                       device=self.weight.device, dtype=self.weight.dtype)
-        export_into(m, self, b, ("weight", "bias"))
+        stacking.export_into(m, self, b, ("weight", "bias"))
         m.train(self.training)
         return m
 
@@ -159,7 +146,7 @@ class FusedLayerNorm(nn.Module):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.B = check_model_count(B)
+        self.B = stacking.check_model_count(B)
         shape = ((int(normalized_shape),) if isinstance(normalized_shape, int)
                  else tuple(int(s) for s in normalized_shape))
         self.normalized_shape: tuple[int, ...] = shape
@@ -194,11 +181,11 @@ class FusedLayerNorm(nn.Module):
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module]) -> FusedLayerNorm:
         """Fuse ``B`` nn.LayerNorm modules."""
-        got = modules_of_type(mods, nn.LayerNorm, "FusedLayerNorm")
-        check_same("FusedLayerNorm", got, {
+        got = stacking.modules_of_type(mods, nn.LayerNorm, "FusedLayerNorm")
+        stacking.check_same("FusedLayerNorm", got, {
             "normalized_shape": lambda m: tuple(m.normalized_shape), "eps": lambda m: m.eps,
             "elementwise_affine": lambda m: m.elementwise_affine,
-            "bias": lambda m: m.bias is not None, **tensor_fields("weight", "bias")})
+            "bias": lambda m: m.bias is not None, **stacking.tensor_fields("weight", "bias")})
         first = got[0]
         fused = cls(len(got), first.normalized_shape, first.eps, first.elementwise_affine,
                     first.bias is not None,
@@ -207,18 +194,18 @@ class FusedLayerNorm(nn.Module):
         for name in ("weight", "bias"):
             dst = getattr(fused, name)
             if dst is not None:
-                stack_into(dst, [getattr(m, name) for m in got])
+                stacking.stack_into(dst, [getattr(m, name) for m in got])
         fused.train(first.training)
         return fused
 
     def export(self, b: int) -> nn.LayerNorm:
         """Model ``b``'s standalone nn.LayerNorm (copies of its parameters)."""
-        check_model_index(b, self.B, "FusedLayerNorm")
+        stacking.check_model_index(b, self.B, "FusedLayerNorm")
         m = nn.LayerNorm(self.normalized_shape, self.eps, self.elementwise_affine,
                          bias=self.bias is not None,
                          device=None if self.weight is None else self.weight.device,
                          dtype=None if self.weight is None else self.weight.dtype)
-        export_into(m, self, b, ("weight", "bias"))
+        stacking.export_into(m, self, b, ("weight", "bias"))
         m.train(self.training)
         return m
 
@@ -247,7 +234,7 @@ class FusedEmbedding(nn.Module):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.B = check_model_count(B)
+        self.B = stacking.check_model_count(B)
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -295,13 +282,13 @@ class FusedEmbedding(nn.Module):
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module]) -> FusedEmbedding:
         """Fuse ``B`` nn.Embedding modules (dense gradients only)."""
-        got = modules_of_type(mods, nn.Embedding, "FusedEmbedding")
-        check_same("FusedEmbedding", got, {
+        got = stacking.modules_of_type(mods, nn.Embedding, "FusedEmbedding")
+        stacking.check_same("FusedEmbedding", got, {
             "num_embeddings": lambda m: m.num_embeddings,
             "embedding_dim": lambda m: m.embedding_dim, "padding_idx": lambda m: m.padding_idx,
             "max_norm": lambda m: m.max_norm, "norm_type": lambda m: m.norm_type,
             "scale_grad_by_freq": lambda m: m.scale_grad_by_freq,
-            "sparse": lambda m: m.sparse, **tensor_fields("weight")})
+            "sparse": lambda m: m.sparse, **stacking.tensor_fields("weight")})
         first = got[0]
         if first.sparse:
             raise QsyncInputError("FusedEmbedding.from_modules: sparse=True is not supported "
@@ -309,13 +296,13 @@ class FusedEmbedding(nn.Module):
         fused = cls(len(got), first.num_embeddings, first.embedding_dim, first.padding_idx,
                     first.max_norm, first.norm_type, first.scale_grad_by_freq,
                     device=first.weight.device, dtype=first.weight.dtype)
-        stack_into(fused.weight, [m.weight for m in got])
+        stacking.stack_into(fused.weight, [m.weight for m in got])
         fused.train(first.training)
         return fused
 
     def export(self, b: int) -> nn.Embedding:
         """Model ``b``'s standalone nn.Embedding (a copy of its table)."""
-        check_model_index(b, self.B, "FusedEmbedding")
+        stacking.check_model_index(b, self.B, "FusedEmbedding")
         m = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
                          self.max_norm, self.norm_type, self.scale_grad_by_freq,
                          _weight=self.weight[b].detach().clone())
@@ -342,7 +329,7 @@ class FusedMatMul(nn.Module, QMixin):
 
     def __init__(self, B: int) -> None:
         super().__init__()
-        self.B = check_model_count(B)
+        self.B = stacking.check_model_count(B)
         self.precision: Precision = Precision.fp32
         self.qseed = 0
         self.qname = ""
@@ -357,9 +344,9 @@ class FusedMatMul(nn.Module, QMixin):
                 f"FusedMatMul: expected two model-major operands [B={self.B}, ..., n, k] and "
                 f"[B={self.B}, ..., k, m] of one rank (at least 3), got shapes "
                 f"{tuple(a.shape)} and {tuple(b.shape)}")
-        p = as_precision(self.precision, "FusedMatMul.precision")
+        p = stacking.as_precision(self.precision, "FusedMatMul.precision")
         self._count()
-        if p in ONE_CALL_PRECISIONS:
+        if p in stacking.ONE_CALL_PRECISIONS:
             out: Tensor = run_gemm("matmul", torch.matmul, (a, b), {}, p, self._next_seed)
             return out
         return torch.stack([run_gemm("matmul", torch.matmul, (a[i], b[i]), {}, p,
@@ -368,15 +355,15 @@ class FusedMatMul(nn.Module, QMixin):
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module]) -> FusedMatMul:
         """Fuse ``B`` MatMul modules (a runtime QMatMul's precision is kept: all equal)."""
-        got = modules_of_type(mods, MatMul, "FusedMatMul")
+        got = stacking.modules_of_type(mods, MatMul, "FusedMatMul")
         fused = cls(len(got))
-        fused.precision = common_precision("FusedMatMul", got)
+        fused.precision = stacking.common_precision("FusedMatMul", got)
         fused.train(got[0].training)
         return fused
 
     def export(self, b: int) -> MatMul:
         """Model ``b``'s standalone MatMul (it holds nothing: a fresh fp32 module)."""
-        check_model_index(b, self.B, "FusedMatMul")
+        stacking.check_model_index(b, self.B, "FusedMatMul")
         m = MatMul()
         m.train(self.training)
         return m

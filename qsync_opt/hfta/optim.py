@@ -26,8 +26,9 @@ Learning rates are per-model arrays that a schedule drives: :meth:`FusedSGD.set_
 :mod:`qsync_opt.hfta.lr_schedules`). ``state_dict()`` / ``load_state_dict()``
 round-trip the hyper-parameter arrays with the state, so a resumed run continues exactly.
 
-Bad input (an array of the wrong length, a value out of range (:mod:`qsync_opt.hfta.hyperparams`),
-a parameter without the leading model axis) raises :class:`~qsync_opt.core.errors.QsyncInputError` naming the field.
+Bad input (an array of the wrong length, a value out of range: :mod:`qsync_opt.hfta.hyperparams`;
+a parameter without the leading model axis) raises
+:class:`~qsync_opt.core.errors.QsyncInputError` naming the field.
 """
 
 

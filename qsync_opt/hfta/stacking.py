@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,8 +23,8 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.ops.gemm import HALF_DTYPES
 
-__all__ = ["ONE_CALL_PRECISIONS", "as_precision", "check_model_count", "check_model_index",
-           "check_same", "common_precision", "export_into", "filled_gemm_layer",
+__all__ = ["GemmLayer", "ONE_CALL_PRECISIONS", "as_precision", "check_model_count",
+           "check_model_index", "check_same", "common_precision", "export_into", "filled_gemm_layer",
            "init_like_torch", "modules_of_type", "stack_into", "tensor_fields"]
 
 #: Precisions run as the one fused call (16 bit: with cast operands).
@@ -60,7 +60,8 @@ def modules_of_type(mods: Sequence[nn.Module], cls: type[nn.Module], who: str) -
     return got
 
 
-def check_same(who: str, mods: Sequence[nn.Module], fields: dict[str, Callable[[Any], Any]]) -> None:
+def check_same(who: str, mods: Sequence[nn.Module],
+               fields: dict[str, Callable[[Any], Any]]) -> None:
     """Raise QsyncInputError naming the first field whose value differs between ``mods``."""
     for name, get in fields.items():
         vals = [get(m) for m in mods]
@@ -113,12 +114,31 @@ def common_precision(who: str, mods: Sequence[nn.Module]) -> Precision:
     return Precision(getattr(mods[0], "precision", "fp32"))
 
 
-def filled_gemm_layer(fused: Any, got: Sequence[Any], precision: Precision) -> Any:
+class GemmLayer(Protocol):
+    """A fused GEMM layer (FusedLinear, FusedConv2d): ``[B, ...]`` weight and bias, a
+    precision."""
+
+    precision: Precision
+
+    @property
+    def weight(self) -> Tensor: ...
+
+    @property
+    def bias(self) -> Tensor | None: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+_Layer = TypeVar("_Layer", bound=GemmLayer)
+
+
+def filled_gemm_layer(fused: _Layer, got: Sequence[nn.Linear | nn.Conv2d],
+                      precision: Precision) -> _Layer:
     """``fused`` with the ``B`` modules' weights and biases stacked in, their precision and
     the first one's train/eval mode (a GEMM layer's ``from_modules``)."""
     stack_into(fused.weight, [m.weight for m in got])
     if fused.bias is not None:
-        stack_into(fused.bias, [m.bias for m in got])
+        stack_into(fused.bias, [m.bias for m in got if m.bias is not None])
     fused.precision = precision
     fused.train(got[0].training)
     return fused
