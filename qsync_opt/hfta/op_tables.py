@@ -23,8 +23,8 @@ FusedOp = FusedConv2d | FusedBatchNorm2d | FusedLinear | FusedLayerNorm | FusedE
 
 #: Modules that hold no parameters and act per element or per channel: shared by all B.
 STATELESS_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU,
-              nn.Dropout, nn.Identity, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
-              nn.Hardswish, nn.Hardsigmoid)
+                     nn.Dropout, nn.Identity, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
+                     nn.Hardswish, nn.Hardsigmoid)
 SPATIAL_MODULES = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 SPATIAL_FUNCTIONS = {"adaptive_avg_pool2d", "max_pool2d", "avg_pool2d"}
 FUSED_CLASSES: dict[type[nn.Module], type[FusedOp]] = {
@@ -79,26 +79,26 @@ FUNCTION_NAMES: dict[Callable[..., object], str] = {
 }
 #: Ops that act per element (or broadcast their operands' leading dims, as attention does).
 BROADCAST_OPS = {"add", "sub", "mul", "div", "truediv", "floordiv", "pow", "neg", "add_", "sub_",
-              "mul_", "div_", "exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu",
-              "relu_", "erf", "where", "maximum", "minimum", "clamp", "clamp_", "masked_fill",
-              "masked_fill_", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt",
-              "le", "gt", "ge", "gelu", "silu", "leaky_relu", "softplus", "hardswish",
-              "hardsigmoid", "relu6", "elu", "mish", "dropout", "reciprocal", "square",
-              "sin", "cos", "scaled_dot_product_attention"}
+                 "mul_", "div_", "exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu",
+                 "relu_", "erf", "where", "maximum", "minimum", "clamp", "clamp_", "masked_fill",
+                 "masked_fill_", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt",
+                 "le", "gt", "ge", "gelu", "silu", "leaky_relu", "softplus", "hardswish",
+                 "hardsigmoid", "relu6", "elu", "mish", "dropout", "reciprocal", "square",
+                 "sin", "cos", "scaled_dot_product_attention"}
 #: Of those, the ops whose result has the first operand's shape (a shared first operand is
 #: broadcast to the models first).
 SELF_SHAPED_OPS = {"masked_fill", "masked_fill_", "add_", "sub_", "mul_", "div_", "clamp_",
-                "relu_"}
+                   "relu_"}
 #: Ops whose result has the layout of their first operand (dtype, device, copies, likes).
 LIKE_OPS = {"contiguous", "float", "double", "half", "bfloat16", "to", "type_as", "type",
-         "clone", "detach", "cpu", "cuda", "requires_grad_", "zeros_like", "ones_like",
-         "full_like", "empty_like", "rand_like", "randn_like"}
+            "clone", "detach", "cpu", "cuda", "requires_grad_", "zeros_like", "ones_like",
+            "full_like", "empty_like", "rand_like", "randn_like"}
 #: Methods that make a new tensor of a given size (no model axis: shared).
 FRESH_OPS = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"}
 #: Ops that draw random numbers: on a shared value every model would draw the same.
 RANDOM_OPS = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial",
-           "rand_like", "randn_like", "bernoulli_", "normal_", "uniform_", "random_",
-           "exponential_", "dropout"}
+              "rand_like", "randn_like", "bernoulli_", "normal_", "uniform_", "random_",
+              "exponential_", "dropout"}
 #: The attributes of a tensor the walk reads (``shape`` and ``ndim`` per model).
 TENSOR_ATTRS = {"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad", "layout"}
 
