@@ -316,9 +316,9 @@ def paired(r: dict[str, Any]) -> str:
 
 
 def _available_bytes(device: str = "cpu") -> int:
-    from qsync_opt.hfta.sweep import _capacity
+    from qsync_opt.hfta.sweep import memory_capacity
 
-    return _capacity(None, None, torch.device(device))[0]
+    return memory_capacity(None, None, torch.device(device))[0]
 
 
 def main() -> None:

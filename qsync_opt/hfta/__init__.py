@@ -1,7 +1,7 @@
 """Horizontally fused training arrays (HFTA): ``B`` variants of one model trained
 as one job, each with its own weights, hyper-parameters and data stream.
 
-Layouts (the fused operators' contract; every op of :mod:`.ops` says which it takes):
+Layouts (the fused operators' contract, :mod:`.layouts`; every fused op says which it takes):
 
 * channel-folded, ``[N, B*C, *spatial]``: the conv family (Conv2d as one grouped
   convolution, BatchNorm2d over ``B*C`` channels, pooling, elementwise ops), model ``b``'s
@@ -12,7 +12,7 @@ Layouts (the fused operators' contract; every op of :mod:`.ops` says which it ta
   transformer);
 * shared, no model axis: what every model computes alike (buffers such as a causal mask,
   position ids, sizes, a replicated input), broadcast against the per-model shape where it
-  meets a model-major value (:mod:`.convert`).
+  meets a model-major value (:mod:`.translation`).
 
 Every fused parameter has the model axis first (``[B, ...]``: a Linear's weight is
 ``[B, out, in]``, a Conv2d's ``[B, out, in / groups, kh, kw]``), so the fused optimizers
@@ -23,8 +23,19 @@ hyper-parameter arrays broadcast along it, and model ``b``'s standalone weights 
 A parameter two modules share (a GPT's tied ``lm_head`` / ``wte``) is one fused tensor of
 both fused ops, listed once.
 
-Parts: :mod:`.ops` (the fused operators, ``from_modules`` / ``export``), :mod:`.optim`
-(fused SGD with momentum and AdamW, fused learning-rate schedules, a per-model step mask),
-:mod:`.convert` (a model's fx graph walked into a fused array), :mod:`.functional` (the
-torch.func route, for any model), :mod:`.choice`, :mod:`.trainer`, :mod:`.sweep`.
+Parts, each one job:
+
+* the fused operators: :mod:`.conv_ops` (Conv2d, BatchNorm2d), :mod:`.linear_ops` (Linear,
+  LayerNorm, Embedding, the attention MatMul), :mod:`.stacking` (``from_modules`` /
+  ``export``), :mod:`.layouts` (the moves between layouts);
+* the converter: :mod:`.convert` (``fuse``), :mod:`.layout_walk` (a model's fx graph walked
+  once), :mod:`.op_tables` (what the walk knows of each op), :mod:`.translation` (the rules
+  its steps run), :mod:`.fused_array` (the module it builds, with per-op modes);
+  :mod:`.functional` (the torch.func route, for any model);
+* the optimizers: :mod:`.optim` (fused SGD with momentum and AdamW, a per-model step mask),
+  :mod:`.hyperparams` (per-model hyper-parameter arrays), :mod:`.lr_schedules` (fused
+  learning-rate schedules);
+* the run side: :mod:`.choice` (fuse or not, measured), :mod:`.trainer` (the array's
+  training step), :mod:`.sweep` (``run_sweep``), :mod:`.export` (a model as a ``train``
+  run). The ``sweep`` command is :mod:`qsync_opt.cli.sweep`.
 """

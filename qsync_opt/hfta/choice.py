@@ -44,9 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from qsync_opt.hfta.convert import FusedArray
+from qsync_opt.hfta.functional import FuncArray
+from qsync_opt.hfta.fused_array import FusedArray
+from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
 
 __all__ = ["ARRAY_MARGIN", "MAX_PAIRS_FACTOR", "Choice", "decide", "measure_choice", "near_tie",
            "sync", "time_pairs", "time_step"]
@@ -164,7 +166,7 @@ def _capture(array: FusedArray, inputs: Sequence[Tensor]) -> dict[str, Tensor]:
     hooks = []
     modes = dict(array.modes)
     for k, mod in array.fused.items():
-        def pre(m: Any, args: Any, k: str = k) -> None:
+        def pre(m: nn.Module, args: tuple[Tensor, ...], k: str = k) -> None:
             seen.setdefault(k, args[0].detach())
         hooks.append(mod.register_forward_pre_hook(pre))
         array.modes[k] = "fused"
@@ -189,7 +191,7 @@ def _time_op(array: FusedArray, k: str, x0: Tensor, reps: int,
     return time_step(lambda: run(False), lambda: run(True), reps, device)
 
 
-def measure_choice(array: Any, inputs: Sequence[Tensor],
+def measure_choice(array: FusedArray | FuncArray, inputs: Sequence[Tensor],
                    loss: Callable[[Tensor], Tensor],
                    loss_one: Callable[[Tensor, int], Tensor] | None = None, *,
                    reps: int = 5, optimizer: str = "sgd") -> Choice:
@@ -200,10 +202,9 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
     candidate, e.g. under lower precisions). The array's parameters, buffers and gradients
     are as they were after; the timing steps run throwaway optimizers (``optimizer``: sgd or
     adamw, fused for the array, torch's for the standalone models)."""
-    from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
-
     choice = Choice(threads=torch.get_num_threads())
-    per_op = isinstance(array, FusedArray)  # the torch.func route has no per-op modes
+    # the torch.func route has no per-op modes
+    fused_array = array if isinstance(array, FusedArray) else None
     if loss_one is not None and array.B == 1:
         choice.separate = True
         choice.reason = ("one model, nothing to fuse: a one-model array runs the model's own "
@@ -212,20 +213,21 @@ def measure_choice(array: Any, inputs: Sequence[Tensor],
     state = {k: v.detach().clone() for k, v in array.state_dict().items()}
     device = next((x.device for x in inputs if isinstance(x, Tensor)), None)
     replicated = array.input_mode == "replicated"
-    if per_op:
-        array.separate = False
+    if fused_array is not None:
+        fused_array.separate = False
     # Every op's input, from one forward: about the activations of a step, so each is let go
     # once its op is timed, and none is held while the whole steps run (holding them all
     # through the whole-step timing had a B=8 batch-256 ResNet-18 measurement killed for
     # memory at 24 GB, about twice what the array's step needs).
-    seen = _capture(array, inputs) if per_op else {}
-    for k in (list(array.fused) if per_op else []):
-        f, s = _time_op(array, k, seen.pop(k), reps, device)
-        mode = "fused" if f <= s else "serial"
-        array.modes[k] = mode
-        choice.ops[k.replace("__", ".")] = {"fused_ms": round(f, 4), "serial_ms": round(s, 4),
-                                            "mode": mode}
-    del seen
+    if fused_array is not None:
+        seen = _capture(fused_array, inputs)
+        for k in list(fused_array.fused):
+            f, s = _time_op(fused_array, k, seen.pop(k), reps, device)
+            mode = "fused" if f <= s else "serial"
+            fused_array.modes[k] = mode
+            choice.ops[k.replace("__", ".")] = {"fused_ms": round(f, 4),
+                                                "serial_ms": round(s, 4), "mode": mode}
+        del seen
     params = list(array.parameters())
     fopt: Any = (FusedAdamW(params, array.B, lr=1e-3) if optimizer == "adamw"
                  else FusedSGD(params, array.B, lr=0.01, momentum=0.9))

@@ -18,11 +18,11 @@ same outputs and gradients. The trainer takes this route for a model the convert
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vmap
 
 from qsync_opt.core.errors import QsyncInputError
 
@@ -37,8 +37,6 @@ class FuncArray(nn.Module):
 
     def __init__(self, models: Sequence[nn.Module], *, input_mode: str = "per_model") -> None:
         super().__init__()
-        from torch.func import stack_module_state
-
         if not models:
             raise QsyncInputError("models: expected at least one")
         if input_mode not in ("per_model", "replicated"):
@@ -58,7 +56,7 @@ class FuncArray(nn.Module):
         self._template = [copy.deepcopy(models[0])]
         self._base = self._template
 
-    def _apply(self, fn: Any, recurse: bool = True) -> FuncArray:
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FuncArray:
         """``.to(device)`` and the like move the template too (it is no submodule), so that
         anything of it that ``functional_call`` does not swap for a stacked tensor is on the
         array's device."""
@@ -71,8 +69,6 @@ class FuncArray(nn.Module):
                 {n: getattr(self, f"buf{i}") for i, n in enumerate(self.buffer_names)})
 
     def forward(self, *inputs: Tensor) -> Tensor:
-        from torch.func import functional_call, vmap
-
         base = self._base[0]
         base.train(self.training)
 

@@ -22,20 +22,19 @@ models' AdamW bias corrections may differ. As in torch, a parameter whose ``grad
 is skipped entirely (its state is neither created nor advanced).
 
 Learning rates are per-model arrays that a schedule drives: :meth:`FusedSGD.set_lr` /
-:meth:`FusedAdamW.set_lr`, or the ``lr`` attribute. :class:`FusedLRSchedule` (built from
-schedule texts by :func:`fused_schedule`) holds one
-:class:`~qsync_opt.strategy.schedule.LRSchedule` per model; ``lr_at(step)`` gives all ``B``
-rates and ``apply(optimizer, step)`` sets them. ``state_dict()`` / ``load_state_dict()``
+:meth:`FusedAdamW.set_lr`, or the ``lr`` attribute (the schedules:
+:mod:`qsync_opt.hfta.lr_schedules`). ``state_dict()`` / ``load_state_dict()``
 round-trip the hyper-parameter arrays with the state, so a resumed run continues exactly.
 
-Bad input (an array of the wrong length, a value out of range, a parameter without the
-leading model axis) raises :class:`~qsync_opt.core.errors.QsyncInputError` naming the field.
+Bad input (an array of the wrong length, a value out of range: :mod:`qsync_opt.hfta.hyperparams`;
+a parameter without the leading model axis) raises
+:class:`~qsync_opt.core.errors.QsyncInputError` naming the field.
 """
+
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -43,147 +42,19 @@ import torch
 from torch import Tensor
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.strategy.schedule import LRSchedule, parse_schedule
+from qsync_opt.hfta.hyperparams import (
+    F64,
+    Params,
+    PerModel,
+    PerModelBetas,
+    check_fused_count,
+    per_model,
+    per_model_betas,
+    shape_text,
+    step_mask,
+)
 
-__all__ = ["FusedAdamW", "FusedLRSchedule", "FusedSGD", "fused_schedule"]
-
-#: A per-model hyper-parameter: one float for every model, or ``B`` values.
-PerModel = float | Sequence[float] | Tensor
-#: What the optimizers take as ``params`` (as torch: tensors, named tensors or groups).
-Params = Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]] | Tensor
-#: AdamW's betas: one pair, ``B`` pairs (or a ``[B, 2]`` tensor), or two per-model arrays.
-PerModelBetas = tuple[float, float] | Sequence[Sequence[float]] | Sequence[PerModel] | Tensor
-
-_F64 = torch.float64
-
-
-# ----------------------------------------------------------------------------- validation
-
-def _check_B(B: Any, owner: str) -> int:
-    if isinstance(B, bool) or not isinstance(B, numbers.Integral) or int(B) < 1:
-        raise QsyncInputError(f"{owner}: B (the number of fused models) must be an integer "
-                              f">= 1, got {B!r}")
-    return int(B)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _shape(t: Tensor) -> str:
-    return "[" + ", ".join(str(int(s)) for s in t.shape) + "]"
-
-
-def _per_model(value: Any, B: int, field: str, *, lo: float = 0.0,
-               hi: float = math.inf, hi_open: bool = False) -> Tensor:
-    """``value`` (a float, ``B`` floats or a 1-D tensor of ``B``) -> float64 CPU ``[B]``,
-    every entry finite and in ``[lo, hi]`` (``[lo, hi)`` with ``hi_open``)."""
-    if isinstance(value, Tensor):
-        if value.is_complex() or value.dtype == torch.bool:
-            raise QsyncInputError(f"{field}: expected real numbers, got a {value.dtype} tensor")
-        if value.dim() == 0:
-            out = value.detach().to("cpu", _F64).reshape(1).expand(B).clone()
-        elif value.dim() == 1 and value.numel() == B:
-            out = value.detach().to("cpu", _F64).clone()
-        else:
-            raise QsyncInputError(f"{field}: expected a float or {B} values (one per model, "
-                                  f"B={B}), got a tensor of shape {_shape(value)}")
-    elif _is_number(value):
-        out = torch.full((B,), float(value), dtype=_F64)
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        if len(value) != B:
-            raise QsyncInputError(f"{field}: expected a float or {B} values (one per model, "
-                                  f"B={B}), got {len(value)} values")
-        bad = [i for i, v in enumerate(value)
-               if not (_is_number(v) or (isinstance(v, Tensor) and v.numel() == 1))]
-        if bad:
-            raise QsyncInputError(f"{field}: model {bad[0]}'s value must be a number, got "
-                                  f"{value[bad[0]]!r}")
-        out = torch.tensor([float(v) for v in value], dtype=_F64)
-    else:
-        raise QsyncInputError(f"{field}: expected a float or {B} values (one per model), got "
-                              f"{type(value).__name__}")
-    for i, v in enumerate(out.tolist()):
-        if not math.isfinite(v):
-            raise QsyncInputError(f"{field}: model {i}'s value must be finite, got {v!r}")
-        if v < lo or v > hi or (hi_open and v >= hi):
-            upper = ")" if hi_open else "]"
-            rng = f">= {lo:g}" if math.isinf(hi) else f"in [{lo:g}, {hi:g}{upper}"
-            raise QsyncInputError(f"{field}: model {i}'s value must be {rng}, got {v:g}")
-    return out
-
-
-def _is_pair(x: Any) -> bool:
-    return (isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and len(x) == 2
-            and all(_is_number(v) for v in x))
-
-
-def _per_model_betas(value: Any, B: int, field: str) -> Tensor:
-    """Betas -> float64 CPU ``[B, 2]`` (row ``b`` is model ``b``'s ``(beta1, beta2)``).
-
-    Accepted: one pair ``(b1, b2)``; ``B`` pairs ``[(b1, b2), ...]``; a tensor ``[2]`` or
-    ``[B, 2]``; two per-model arrays ``(b1s, b2s)`` (each a float, ``B`` floats or a 1-D
-    tensor). With ``B == 2`` a 2 x 2 nested list reads both as two pairs and as two arrays;
-    where the readings differ it is refused (pass a ``[2, 2]`` tensor, rows are models, or
-    the two arrays as tensors)."""
-    def check(out: Tensor) -> Tensor:
-        for j, name in enumerate(("beta1", "beta2")):
-            _per_model(out[:, j], B, f"{field}[{name}]", lo=0.0, hi=1.0, hi_open=True)
-        return out
-
-    if isinstance(value, Tensor):
-        if value.dim() == 1 and value.numel() == 2:
-            return check(value.detach().to("cpu", _F64).reshape(1, 2).expand(B, 2).clone())
-        if value.dim() == 2 and tuple(value.shape) == (B, 2):
-            return check(value.detach().to("cpu", _F64).clone())
-        raise QsyncInputError(f"{field}: expected a pair, {B} pairs (a [B, 2] tensor, "
-                              f"B={B}) or two arrays of {B}, got a tensor of shape "
-                              f"{_shape(value)}")
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
-        raise QsyncInputError(f"{field}: expected a pair (beta1, beta2), {B} pairs or two "
-                              f"arrays of {B}, got {type(value).__name__}")
-    pairs = None
-    if len(value) == B and all(_is_pair(v) for v in value):
-        pairs = torch.tensor([[float(a), float(b)] for a, b in value], dtype=_F64)
-    arrays = None
-    if len(value) == 2:
-        try:
-            arrays = torch.stack([_per_model(value[0], B, f"{field}[beta1]", lo=-math.inf),
-                                  _per_model(value[1], B, f"{field}[beta2]", lo=-math.inf)],
-                                 dim=1)
-        except QsyncInputError:
-            if pairs is None:
-                raise
-    if pairs is not None and arrays is not None and not torch.equal(pairs, arrays):
-        raise QsyncInputError(f"{field}: with B=2 the nested list {value!r} reads both as two "
-                              f"(beta1, beta2) pairs and as two per-model arrays; pass a "
-                              f"[2, 2] tensor (row b = model b's pair) or the two arrays as "
-                              f"tensors")
-    out = pairs if pairs is not None else arrays
-    if out is None:
-        raise QsyncInputError(f"{field}: expected a pair (beta1, beta2), {B} pairs or two "
-                              f"arrays of {B}, got {len(value)} entries")
-    return check(out)
-
-
-def _as_mask(mask: Any, B: int, owner: str) -> Tensor | None:
-    """The step mask -> bool CPU ``[B]``, or None when every model steps."""
-    if mask is None:
-        return None
-    if isinstance(mask, Tensor):
-        if mask.dtype != torch.bool:
-            raise QsyncInputError(f"{owner}.step: mask must be a bool tensor of {B} (one per "
-                                  f"model), got dtype {mask.dtype}")
-        m = mask.detach().to("cpu")
-    elif isinstance(mask, Sequence) and all(isinstance(v, bool) for v in mask):
-        m = torch.tensor(list(mask), dtype=torch.bool)
-    else:
-        raise QsyncInputError(f"{owner}.step: mask must be a bool tensor of {B} (one per "
-                              f"model), got {type(mask).__name__}")
-    if tuple(m.shape) != (B,):
-        raise QsyncInputError(f"{owner}.step: mask must have shape [{B}] (one entry per "
-                              f"model), got {_shape(m)}")
-    return m
+__all__ = ["CHUNK_ELEMENTS", "FusedAdamW", "FusedOptimizer", "FusedSGD"]
 
 
 def _bshape(B: int, p: Tensor) -> tuple[int, ...]:
@@ -240,14 +111,14 @@ class _Arrays:
 
 # ----------------------------------------------------------------------------- base class
 
-class _FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(torch.optim.Optimizer):
     """What both fused optimizers share: the model count, per-model arrays in every group,
     the leading-``B`` check, the step mask, ``set_lr`` and the state-dict round trip."""
 
     _ARRAY_KEYS: tuple[str, ...] = ()
 
-    def __init__(self, params: Any, B: int, defaults: dict[str, Any]) -> None:
-        self.B = _check_B(B, type(self).__name__)
+    def __init__(self, params: Params, B: int, defaults: dict[str, Any]) -> None:
+        self.B = check_fused_count(B, type(self).__name__)
         if isinstance(params, Tensor):
             params = [params]
         super().__init__(params, defaults)
@@ -271,9 +142,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if p.dim() < 1 or p.shape[0] != self.B:
                 raise QsyncInputError(
                     f"{owner}: every parameter needs the model axis first (leading dim "
-                    f"B={self.B}), got {what} of shape {_shape(p)}")
+                    f"B={self.B}), got {what} of shape {shape_text(p)}")
             if not p.is_floating_point():
-                raise QsyncInputError(f"{owner}: {what} of shape {_shape(p)} is {p.dtype}; "
+                raise QsyncInputError(f"{owner}: {what} of shape {shape_text(p)} is {p.dtype}; "
                                       f"only real floating-point parameters are supported")
         group = dict(param_group)
         group["params"] = plist
@@ -291,7 +162,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Set every model's learning rate (``B`` values, or one for all) in every group, or
         in group index ``group`` only. The arrays are replaced, never written in place, so a
         state dict taken before keeps its rates."""
-        arr = _per_model(lrs, self.B, f"{type(self).__name__}.set_lr: lr")
+        arr = per_model(lrs, self.B, f"{type(self).__name__}.set_lr: lr")
         groups = self.param_groups if group is None else [self.param_groups[group]]
         for g in groups:
             g["lr"] = arr.clone()
@@ -331,7 +202,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._normalize(g)
         for p, st in self.state.items():
             if isinstance(p, Tensor) and "step" in st:
-                st["step"] = st["step"].to(device=p.device, dtype=_F64)
+                st["step"] = st["step"].to(device=p.device, dtype=F64)
 
     # -- step -----------------------------------------------------------------------------
     def _fused_step(self, group: dict[str, Any], arrays: _Arrays, p: Tensor, grad: Tensor,
@@ -348,7 +219,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         owner = type(self).__name__
-        m_cpu = _as_mask(mask, self.B, owner)
+        m_cpu = step_mask(mask, self.B, owner)
         if m_cpu is not None:
             if not bool(m_cpu.any()):
                 return loss
@@ -362,7 +233,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise QsyncInputError(f"{owner}: sparse gradients are not supported "
-                                          f"(parameter of shape {_shape(p)})")
+                                          f"(parameter of shape {shape_text(p)})")
                 m = None
                 if m_cpu is not None:
                     if p.device not in masks:
@@ -382,7 +253,7 @@ def _commit(dst: Tensor, new: Tensor, m: Tensor | None) -> None:
 
 # ----------------------------------------------------------------------------- SGD
 
-class FusedSGD(_FusedOptimizer):
+class FusedSGD(FusedOptimizer):
     """SGD (momentum, dampening, weight decay, Nesterov) for ``B`` fused models.
 
     ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` are each a float (every model)
@@ -404,7 +275,7 @@ class FusedSGD(_FusedOptimizer):
                  dampening: PerModel = 0.0, nesterov: bool = False) -> None:
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
                     "weight_decay": weight_decay, "nesterov": bool(nesterov)}
-        B = _check_B(B, "FusedSGD")
+        B = check_fused_count(B, "FusedSGD")
         self.B = B
         probe = dict(defaults)
         self._normalize(probe)  # refuse bad defaults before any group is built
@@ -412,11 +283,11 @@ class FusedSGD(_FusedOptimizer):
 
     def _normalize(self, group: dict[str, Any]) -> None:
         B = self.B
-        group["lr"] = _per_model(group["lr"], B, "FusedSGD lr")
-        group["momentum"] = _per_model(group["momentum"], B, "FusedSGD momentum")
-        group["dampening"] = _per_model(group["dampening"], B, "FusedSGD dampening",
+        group["lr"] = per_model(group["lr"], B, "FusedSGD lr")
+        group["momentum"] = per_model(group["momentum"], B, "FusedSGD momentum")
+        group["dampening"] = per_model(group["dampening"], B, "FusedSGD dampening",
                                         lo=-math.inf)
-        group["weight_decay"] = _per_model(group["weight_decay"], B,
+        group["weight_decay"] = per_model(group["weight_decay"], B,
                                            "FusedSGD weight_decay")
         group["nesterov"] = bool(group.get("nesterov", False))
         if group["nesterov"] and (bool((group["momentum"] <= 0).any())
@@ -432,7 +303,7 @@ class FusedSGD(_FusedOptimizer):
         shape = _bshape(B, p)
         st = self.state[p]
         if "step" not in st:
-            st["step"] = torch.zeros(B, dtype=_F64, device=dev)
+            st["step"] = torch.zeros(B, dtype=F64, device=dev)
         m = None if m_b is None else m_b.view(shape)
         flags = getattr(arrays, "flags", None)
         if flags is None:  # once per group and step, not per parameter
@@ -491,17 +362,17 @@ class FusedSGD(_FusedOptimizer):
             st["step"] += 1
         else:
             _commit(p, torch.addcmul(p, upd, neg_lr), m)
-            st["step"] += m_b.to(_F64)
+            st["step"] += m_b.to(F64)
 
 
 # ----------------------------------------------------------------------------- AdamW
 
-class FusedAdamW(_FusedOptimizer):
+class FusedAdamW(FusedOptimizer):
     """AdamW (decoupled weight decay, optional AMSGrad) for ``B`` fused models.
 
     ``lr``, ``eps`` and ``weight_decay`` are each a float or ``B`` values; ``betas`` is one
     pair, ``B`` pairs (a list, or a ``[B, 2]`` tensor) or two per-model arrays
-    ``(beta1s, beta2s)`` (see :func:`_per_model_betas` for the ``B == 2`` case). Model
+    ``(beta1s, beta2s)`` (see :func:`per_model_betas` for the ``B == 2`` case). Model
     ``b``'s update of ``p[b]`` equals :class:`torch.optim.AdamW` with model ``b``'s values
     and model ``b``'s own step count.
 
@@ -519,7 +390,7 @@ class FusedAdamW(_FusedOptimizer):
                  amsgrad: bool = False) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "amsgrad": bool(amsgrad)}
-        B = _check_B(B, "FusedAdamW")
+        B = check_fused_count(B, "FusedAdamW")
         self.B = B
         probe = dict(defaults)
         self._normalize(probe)
@@ -527,10 +398,10 @@ class FusedAdamW(_FusedOptimizer):
 
     def _normalize(self, group: dict[str, Any]) -> None:
         B = self.B
-        group["lr"] = _per_model(group["lr"], B, "FusedAdamW lr")
-        group["betas"] = _per_model_betas(group["betas"], B, "FusedAdamW betas")
-        group["eps"] = _per_model(group["eps"], B, "FusedAdamW eps")
-        group["weight_decay"] = _per_model(group["weight_decay"], B,
+        group["lr"] = per_model(group["lr"], B, "FusedAdamW lr")
+        group["betas"] = per_model_betas(group["betas"], B, "FusedAdamW betas")
+        group["eps"] = per_model(group["eps"], B, "FusedAdamW eps")
+        group["weight_decay"] = per_model(group["weight_decay"], B,
                                            "FusedAdamW weight_decay")
         group["amsgrad"] = bool(group.get("amsgrad", False))
 
@@ -540,14 +411,14 @@ class FusedAdamW(_FusedOptimizer):
         shape = _bshape(B, p)
         st = self.state[p]
         if "step" not in st:
-            st["step"] = torch.zeros(B, dtype=_F64, device=dev)
+            st["step"] = torch.zeros(B, dtype=F64, device=dev)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if group["amsgrad"] and "max_exp_avg_sq" not in st:
             st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         m = None if m_b is None else m_b.view(shape)
 
-        step = st["step"] + (1.0 if m_b is None else m_b.to(_F64))
+        step = st["step"] + (1.0 if m_b is None else m_b.to(F64))
         sc = _adamw_scalars(group, arrays, step, dev, dt)
         wd = bool((group["weight_decay"] != 0).any())
 
@@ -599,10 +470,10 @@ def _adamw_scalars(group: dict[str, Any], arrays: _Arrays, step: Tensor, dev: to
     got = arrays.scalars.get(key)
     if got is not None:
         return got
-    lr64 = arrays.get("lr", dev, _F64)
-    betas64 = arrays.get("betas", dev, _F64)
+    lr64 = arrays.get("lr", dev, F64)
+    betas64 = arrays.get("betas", dev, F64)
     beta1_64, beta2_64 = betas64[:, 0], betas64[:, 1]
-    out = {"decay": (1.0 - lr64 * arrays.get("weight_decay", dev, _F64)).to(dt),
+    out = {"decay": (1.0 - lr64 * arrays.get("weight_decay", dev, F64)).to(dt),
            "neg_step_size": (lr64 / (1.0 - beta1_64 ** step)).neg().to(dt),
            "bc2_sqrt": (1.0 - beta2_64 ** step).sqrt().to(dt),
            "one_minus_b1": (1.0 - beta1_64).to(dt),
@@ -611,96 +482,3 @@ def _adamw_scalars(group: dict[str, Any], arrays: _Arrays, step: Tensor, dev: to
            "eps": arrays.get("eps", dev, dt)}
     arrays.scalars[key] = out
     return out
-
-
-# ----------------------------------------------------------------------------- schedules
-
-class FusedLRSchedule:
-    """One :class:`~qsync_opt.strategy.schedule.LRSchedule` per fused model.
-
-    ``lr_at(step)`` is every model's learning rate at optimizer step ``step`` (an int for
-    all, or ``B`` per-model step counts) as a float64 tensor ``[B]``; ``apply(optimizer,
-    step)`` sets a fused optimizer's per-model rates to it (and returns them)."""
-
-    def __init__(self, schedules: Sequence[LRSchedule]) -> None:
-        if isinstance(schedules, LRSchedule) or not isinstance(schedules, Sequence):
-            raise QsyncInputError("FusedLRSchedule: expected a sequence of LRSchedule (one "
-                                  f"per model), got {type(schedules).__name__}")
-        if len(schedules) < 1:
-            raise QsyncInputError("FusedLRSchedule: expected at least one schedule (one per "
-                                  "model), got none")
-        for i, s in enumerate(schedules):
-            if not isinstance(s, LRSchedule):
-                raise QsyncInputError(f"FusedLRSchedule: model {i}'s schedule must be an "
-                                      f"LRSchedule, got {type(s).__name__}")
-        self.schedules: tuple[LRSchedule, ...] = tuple(schedules)
-
-    @property
-    def B(self) -> int:
-        return len(self.schedules)
-
-    def lr_at(self, step: int | Sequence[int] | Tensor) -> Tensor:
-        """Every model's learning rate at ``step`` (float64 ``[B]``)."""
-        B = self.B
-        if isinstance(step, Tensor) and step.dim() == 0:
-            step = int(step.item())
-        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-            steps = [int(step)] * B
-        else:
-            vals = step.tolist() if isinstance(step, Tensor) else step
-            if (not isinstance(vals, Sequence) or len(vals) != B
-                    or not all(float(v).is_integer() for v in vals)):
-                raise QsyncInputError(f"FusedLRSchedule.lr_at: step must be an integer or "
-                                      f"{B} integers (one per model), got {step!r}")
-            steps = [int(v) for v in vals]
-        return torch.tensor([s.lr_at(k) for s, k in zip(self.schedules, steps, strict=True)], dtype=_F64)
-
-    def apply(self, optimizer: _FusedOptimizer, step: int | Sequence[int] | Tensor) -> Tensor:
-        """Set ``optimizer``'s per-model learning rates to ``lr_at(step)``; return them."""
-        ob = getattr(optimizer, "B", None)
-        if not hasattr(optimizer, "set_lr") or ob is None:
-            raise QsyncInputError("FusedLRSchedule.apply: expected a fused optimizer "
-                                  f"(FusedSGD, FusedAdamW), got {type(optimizer).__name__}")
-        if ob != self.B:
-            raise QsyncInputError(f"FusedLRSchedule.apply: the schedule has {self.B} models, "
-                                  f"the optimizer B={ob}")
-        lrs = self.lr_at(step)
-        optimizer.set_lr(lrs)
-        return lrs
-
-    def describe(self) -> list[str]:
-        """Each model's canonical schedule text."""
-        return [s.describe() for s in self.schedules]
-
-
-def fused_schedule(texts: str | Sequence[str], lrs: PerModel, total_steps: int) -> FusedLRSchedule:
-    """One schedule per model from ``--lr-schedule`` texts (one text for all, or ``B``) and
-    per-model base learning rates ``lrs`` (``B`` values), each over ``total_steps``."""
-    if isinstance(lrs, Tensor):
-        lr_list = lrs.detach().reshape(-1).tolist()
-    elif isinstance(lrs, Sequence) and not isinstance(lrs, (str, bytes)):
-        lr_list = list(lrs)
-    elif _is_number(lrs):
-        lr_list = [float(lrs)] * (1 if isinstance(texts, str) else len(texts))
-    else:
-        raise QsyncInputError(f"fused_schedule: lrs must be {len(texts)} numbers (one per "
-                              f"model), got {type(lrs).__name__}")
-    if isinstance(texts, str):
-        text_list = [texts] * len(lr_list)
-    else:
-        text_list = list(texts)
-    if len(text_list) != len(lr_list):
-        raise QsyncInputError(f"fused_schedule: {len(text_list)} schedule texts for "
-                              f"{len(lr_list)} learning rates (one each per model)")
-    if not text_list:
-        raise QsyncInputError("fused_schedule: expected at least one model, got none")
-    out = []
-    for i, (text, lr) in enumerate(zip(text_list, lr_list, strict=True)):
-        if not isinstance(text, str):
-            raise QsyncInputError(f"fused_schedule: model {i}'s schedule must be a string, "
-                                  f"got {type(text).__name__}")
-        try:
-            out.append(parse_schedule(text, float(lr), total_steps))
-        except QsyncInputError as e:
-            raise QsyncInputError(f"fused_schedule: model {i}: {e}") from None
-    return FusedLRSchedule(out)

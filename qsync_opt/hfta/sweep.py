@@ -45,10 +45,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qsync_opt.core.errors import QsyncInputError
+import torch
 
-__all__ = ["MAX_MODELS", "SweepRequest", "array_memory_bytes", "check_out", "check_request",
-           "export_run", "parse_seeds", "parse_values", "run_sweep"]
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.limits import parse_float
+from qsync_opt.core.precision import Precision
+from qsync_opt.costs.devices import get_device
+from qsync_opt.documents.outfolder import write_text
+from qsync_opt.documents.schemas import Plan
+from qsync_opt.graph import trace
+from qsync_opt.hfta.choice import measure_choice, sync
+from qsync_opt.hfta.export import check_out, export_run
+from qsync_opt.hfta.trainer import (
+    ArrayTrainer,
+    SweepSpec,
+    Variant,
+    per_model_losses,
+    resolve_device,
+)
+from qsync_opt.models import UnknownWorkloadError, get_workload
+from qsync_opt.problem.plan import graph_for_plan
+from qsync_opt.runtime.config import MAX_ABS_SEED
+from qsync_opt.runtime.metrics import clean
+from qsync_opt.strategy.schedule import parse_schedule
+
+__all__ = ["MAX_MODELS", "SweepRequest", "array_memory_bytes", "check_request",
+           "memory_capacity", "parse_seeds", "parse_values", "run_sweep"]
 
 
 #: Models of one sweep (seeds x learning rates x weight decays).
@@ -59,8 +81,6 @@ def parse_seeds(text: str) -> list[int]:
     """``0-7``, ``0,3,5`` or a mix (``0-3,8``): distinct seeds, in the order given, each
     within ``train --seed``'s bound (+-2^48: the export is a ``train`` run), ASCII digits,
     at most :data:`MAX_MODELS` of them."""
-    from qsync_opt.runtime.config import MAX_ABS_SEED
-
     out: list[int] = []
     seen: set[int] = set()
     for part in (p.strip() for p in str(text).split(",")):
@@ -88,8 +108,6 @@ def parse_seeds(text: str) -> list[int]:
 def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
     """Comma-separated numbers, each finite (ASCII digits) and > 0 (``positive``) or >= 0;
     at most :data:`MAX_MODELS`."""
-    from qsync_opt.core.limits import parse_float
-
     vals: list[float] = []
     parts = [p.strip() for p in str(text).split(",")]
     if len(parts) > MAX_MODELS:
@@ -106,8 +124,6 @@ def parse_values(text: str, flag: str, *, positive: bool) -> list[float]:
 def array_memory_bytes(workload: str, batch: int, B: int, optimizer: str) -> int:
     """What ``B`` models need: weights, gradients and optimizer state (SGD momentum: 1
     copy, AdamW: 2), and the traced graph's saved activations at ``batch``, each x ``B``."""
-    from qsync_opt.graph import trace
-
     g = trace(workload, batch)
     params = int(g.param_bytes)
     saved = sum(op.saved_bytes - op.saved_shared_bytes for op in g.ops)
@@ -115,18 +131,15 @@ def array_memory_bytes(workload: str, batch: int, B: int, optimizer: str) -> int
     return int(B * (params * copies + saved))
 
 
-def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, str]:
+def memory_capacity(plan: Plan | None, group: str | None,
+                    device: torch.device | None = None) -> tuple[int, str]:
     """The memory the array may use and where it is: the plan's group's card, else the CUDA
     ``device``'s free memory, else this machine's available memory."""
     if plan is not None and group is not None:
-        from qsync_opt.costs.devices import get_device
-
         spec = next(g for g in plan.cluster.groups if g.name == group)
         dev = get_device(spec.device)
         return int(dev.usable_memory_bytes), f"{group} ({spec.device})"
     if device is not None and device.type == "cuda":
-        import torch
-
         free, _total = torch.cuda.mem_get_info(device)
         return int(free), f"{device} ({torch.cuda.get_device_name(device)}) free"
     try:
@@ -139,127 +152,10 @@ def _capacity(plan: Any, group: str | None, device: Any = None) -> tuple[int, st
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
 
 
-#: What an export writes into ``OUT/model{b}``; a folder holding anything else (a ``train``
-#: run continued there) is not replaced (:func:`check_out`).
-EXPORT_NAMES = frozenset({"fp32.plan.json", "ckpt", "checkpoint.pt"})
 
 
-def check_out(out: Path, n_models: int, export: bool) -> None:
-    """Before any training: ``--out`` is a folder this process can write into, holding no
-    link where the sweep writes (``sweep.json``; with ``export``, each ``model{b}`` and
-    everything in it but the export's own ``checkpoint.pt`` link), and each ``model{b}``
-    that exists holds an earlier export only (which the new one replaces whole). Refused in
-    one line naming the path (qsync_opt.documents.outfolder)."""
-    import stat
 
-    from qsync_opt.documents.outfolder import check_folder, check_names, list_names
-
-    check_folder(out, "--out")
-    check_names(out, files=["sweep.json"])
-    if not export:
-        return
-    top = dict(list_names(out))
-    for b in range(n_models):
-        name = f"model{b}"
-        if name not in top:
-            continue
-        if not stat.S_ISDIR(top[name].st_mode):
-            check_names(out, folders=[name])  # refuses the link or file, naming it
-        foreign = [n for n, _ in list_names(out, name) if n not in EXPORT_NAMES
-                   and not (n.startswith(".") and n.endswith(".tmp"))]
-        if foreign:
-            raise QsyncInputError(
-                f"--out {out}: {out / name} holds more than an earlier export "
-                f"({', '.join(sorted(foreign)[:4])}): a train run continued there? An export "
-                "replaces only an earlier export: move it away, or use another --out")
-        # the export's own checkpoint.pt link goes with the folder, never followed
-        check_names(out, files=[f"{name}/fp32.plan.json"], folders=[f"{name}/ckpt"])
-
-
-def export_run(trainer: Any, b: int, out: Path) -> Path:
-    """Model ``b`` as the checkpoint set of the run ``train --seed S --nproc 1`` would have
-    written after as many steps (module docstring); returns the run's folder. Written into
-    a new folder beside it, then swapped in: ``OUT/model{b}`` is replaced whole (an earlier
-    export's sets and all) or, on a failure, left as it was."""
-    import secrets
-
-    from qsync_opt.documents.outfolder import list_names, make_folder, remove, swap_folder
-
-    folder = out / f"model{b}"
-    for name, _st in list_names(out):  # what a killed export of this model left
-        if re.fullmatch(rf"\.model{b}\.[0-9a-f]{{8}}(\.old)?\.tmp", name):
-            remove(out, name, links=True)
-    tmp = make_folder(out, f".model{b}.{secrets.token_hex(4)}.tmp")
-    try:
-        _export_into(trainer, b, tmp, folder)
-        swap_folder(out, tmp.name, folder.name)
-    except BaseException:
-        try:
-            remove(out, tmp.name)
-        except OSError:
-            pass
-        raise
-    return folder
-
-
-def _export_into(trainer: Any, b: int, folder: Path, final: Path) -> None:
-    """Write model ``b``'s run into ``folder`` (its final place: ``final``)."""
-    import torch
-
-    from qsync_opt.costs.cluster import load_cluster
-    from qsync_opt.documents.io import to_json
-    from qsync_opt.documents.outfolder import write_text
-    from qsync_opt.graph import trace
-    from qsync_opt.problem.plan import make_plan
-    from qsync_opt.runtime.checkpoint import commit_set, rank_document, write_rank_file
-    from qsync_opt.runtime.config import TrainConfig, run_fingerprint, set_path
-    from qsync_opt.runtime.prepare import make_optimizer
-    from qsync_opt.runtime.scaler import LossScaler
-
-    spec, v = trainer.spec, trainer.spec.variants[b]
-    plan = make_plan(trace(spec.workload, trainer.batch), load_cluster("cpux1"), {},
-                     provenance={"solver": "none (train without --plan: fp32 everywhere)"})
-    write_text(folder, "fp32.plan.json", to_json(plan))
-    plan_path = final / "fp32.plan.json"
-    config = TrainConfig(workload=trainer.wl.name, plan_path=str(plan_path.absolute()),
-                         rank_groups=["cpu"], steps=max(trainer.step, 1), lr=v.lr,
-                         optimizer=spec.optimizer, momentum=spec.momentum,
-                         lr_schedule=spec.lr_schedule, weight_decay=v.weight_decay,
-                         seed=v.seed, out_dir=str(final.absolute()))
-    model = trainer.export(b)
-    opt = make_optimizer(config, model)
-    if trainer.standalone is not None:  # the standalone model's own optimizer state
-        own = trainer.standalone_opts[b].state_dict()
-        opt.load_state_dict({"state": own["state"], "param_groups": opt.state_dict()[
-            "param_groups"]})
-    fused_state = {} if trainer.standalone is not None else trainer.opt.state
-    by_name = dict(trainer.array.named_model_parameters())
-    for name, p in model.named_parameters():
-        p_fused = by_name[name]
-        st = fused_state.get(p_fused, {})
-        mine: dict[str, Any] = {}
-        if spec.optimizer == "sgd" and "momentum_buffer" in st:
-            started = st.get("momentum_started")
-            if started is None or bool(started[b]):
-                mine["momentum_buffer"] = st["momentum_buffer"][b].detach().cpu().clone()
-        elif spec.optimizer == "adamw" and "exp_avg" in st:
-            mine = {"step": torch.tensor(float(st["step"][b])),
-                    "exp_avg": st["exp_avg"][b].detach().cpu().clone(),
-                    "exp_avg_sq": st["exp_avg_sq"][b].detach().cpu().clone()}
-        if mine:
-            opt.state[p] = mine
-    scaler = LossScaler(1.0)
-    scaler.good = trainer.step - trainer.skipped[b]
-    step = trainer.step
-    ck = set_path(folder, step)
-    write_rank_file(ck, 0, rank_document(
-        step=step, scaler=scaler.state_dict(), bad_run=0, skipped=trainer.skipped[b],
-        last_loss=trainer.last_loss[b], model=model, optimizer=opt, rank=0,
-        rng=torch.get_rng_state(), sync={}))
-    commit_set(folder, ck, step, 1, run_fingerprint(config, plan), link=True)
-
-
-def _plan_line(trainer: Any, group: str) -> str:
+def _plan_line(trainer: ArrayTrainer, group: str) -> str:
     """Where the plan's precisions went: the array's ops that took them (the attention
     matmuls among them), those below fp32, and the plan's ops the array has no op for."""
     if trainer.route != "fused":  # the trainer refused anything but fp32 there
@@ -308,8 +204,6 @@ def check_request(req: SweepRequest) -> None:
     models the seeds and values make, ``--export`` with ``--out``, the momentum with its
     optimizer, and the schedule at every learning rate. The output paths are checked by
     :func:`check_out` (``--out``, in :func:`run_sweep`) and the CLI (``--json``)."""
-    from qsync_opt.strategy.schedule import parse_schedule
-
     n = len(req.seeds) * len(req.lrs) * len(req.wds)
     if n > MAX_MODELS:
         raise QsyncInputError(f"--seeds, --lr, --wd: {len(req.seeds)} x {len(req.lrs)} x "
@@ -326,18 +220,13 @@ def check_request(req: SweepRequest) -> None:
             raise QsyncInputError(f"--lr-schedule: {str(exc).partition(': ')[2]}") from None
 
 
-def _plan_precisions(req: SweepRequest) -> tuple[Any, dict[str, str]]:
+def _plan_precisions(req: SweepRequest) -> tuple[Plan | None, dict[str, str]]:
     """The plan (``--plan``, checked against the model) and its group's precisions."""
-    from qsync_opt.core.precision import Precision
-    from qsync_opt.documents.schemas import Plan
-
     if (req.plan is None) != (req.group is None):
         raise QsyncInputError("--plan and --group: give both (the group whose precisions the "
                               "array runs) or neither")
     if req.plan is None:
         return None, {}
-    from qsync_opt.problem.plan import graph_for_plan
-
     plan = Plan.load(req.plan)
     graph_for_plan(plan, req.model)
     if req.group not in plan.groups:
@@ -346,13 +235,10 @@ def _plan_precisions(req: SweepRequest) -> tuple[Any, dict[str, str]]:
     return plan, {op: Precision(p).value for op, p in plan.groups[req.group].precisions.items()}
 
 
-def _choose_fuse(tr: Any, req: SweepRequest, precisions: dict[str, str], n_models: int,
+def _choose_fuse(tr: ArrayTrainer, req: SweepRequest, precisions: dict[str, str], n_models: int,
                  batch: int, say: Callable[[str], None]) -> dict[str, Any]:
     """Apply ``--fuse`` to the array (``measure``: the measured choice, said); its JSON."""
     if req.fuse == "measure":
-        from qsync_opt.hfta.choice import measure_choice
-        from qsync_opt.hfta.trainer import per_model_losses
-
         x, y = tr.batch_at(0)
         fp32 = all(p == "fp32" for p in precisions.values())
         reps = 5 if n_models * batch <= 1024 else 3
@@ -379,13 +265,6 @@ def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
     (:func:`check_out`), the plan and the memory of the whole array; with ``req.out`` the
     document goes to ``OUT/sweep.json`` and, with ``req.export``, every model is exported
     (:func:`export_run`)."""
-    import torch
-
-    from qsync_opt.hfta.choice import sync
-    from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant, resolve_device
-    from qsync_opt.models import UnknownWorkloadError, get_workload
-    from qsync_opt.runtime.metrics import clean
-
     check_request(req)
     variants = [Variant(s, lr, wd) for s, lr, wd in itertools.product(req.seeds, req.lrs,
                                                                       req.wds)]
@@ -399,7 +278,7 @@ def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
     device = resolve_device(req.device)
     batch = req.batch or wl.default_batch
     need = array_memory_bytes(wl.name, batch, len(variants), req.optimizer)
-    cap, where = _capacity(plan, req.group, device)
+    cap, where = memory_capacity(plan, req.group, device)
     if need > cap:
         raise QsyncInputError(f"memory: {len(variants)} models at batch {batch} need about "
                               f"{need / 2**30:.2f} GiB, {where} has {cap / 2**30:.2f} GiB: "
@@ -436,10 +315,9 @@ def run_sweep(req: SweepRequest, say: Callable[[str], None]) -> dict[str, Any]:
            "samples_per_s": round(len(variants) * batch * req.steps / wall, 1),
            "threads": torch.get_num_threads()}
     if req.out:
-        from qsync_opt.documents.outfolder import write_text
-
         out = Path(req.out)
         if req.export:
             doc["exported"] = [str(export_run(tr, b, out)) for b in range(len(variants))]
         write_text(out, "sweep.json", json.dumps(clean(doc), indent=2) + "\n", what="--out")
     return doc
+

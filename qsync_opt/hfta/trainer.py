@@ -22,7 +22,7 @@ optimizers and the same per-model learning rates; the results and exports are th
 
 A plan: the array runs the precisions one group of a plan gives (the same for its ``B``
 models): each fused op takes its op's precision (fused Linear has the int8 path), and so do
-the attention matmuls (:class:`~.ops.FusedMatMul`, a transformer's ``qk_matmul`` /
+the attention matmuls (:class:`~.linear_ops.FusedMatMul`, a transformer's ``qk_matmul`` /
 ``av_matmul``); the plan's ops the array has no op for are listed in ``plan_unplaced``.
 
 Routes: the converter (:func:`~.convert.fuse`) places CNNs, MLPs and GPT-style transformers
@@ -33,6 +33,7 @@ torch.func route (:mod:`.functional`), fp32 only, and ``route_reason`` says why.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.core.progress import Progress
 from qsync_opt.hfta.convert import fuse
+from qsync_opt.hfta.functional import FuncArray
+from qsync_opt.hfta.lr_schedules import fused_schedule
+from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
+from qsync_opt.models import (
+    TASK_CAUSAL_LM,
+    TASK_CLASSIFICATION,
+    UnknownWorkloadError,
+    Workload,
+    get_workload,
+)
+from qsync_opt.runtime.data import GlobalBatches
 
 __all__ = ["ArrayTrainer", "SweepSpec", "Variant", "build_variant_model", "per_model_losses",
            "resolve_device"]
@@ -96,22 +110,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def build_variant_model(workload: Any, seed: int) -> nn.Module:
+def build_variant_model(workload: Workload, seed: int) -> nn.Module:
     """Model ``seed``'s initial weights, as ``train --seed seed`` builds them."""
     torch.manual_seed(seed)
     return workload.build().float().train()
 
 
-def per_model_losses(workload: Any, out: Tensor, inputs: Sequence[Any],
+def per_model_losses(workload: Workload, out: Tensor, inputs: Sequence[Any],
                      targets: Tensor) -> Tensor:
     """``[B]``: each model's mean loss on its own batch (``out`` model-major ``[B, N, ...]``;
     ``targets`` ``[B, N, ...]``). Classification and causal LM: one cross-entropy call for
     all ``B``; other tasks: the workload's loss per model."""
-    from qsync_opt.models import TASK_CAUSAL_LM, TASK_CLASSIFICATION
-
     B = out.shape[0]
-    if workload.task in (TASK_CLASSIFICATION, TASK_CAUSAL_LM) and workload.loss == \
-            "cross_entropy":
+    if workload.task in (TASK_CLASSIFICATION, TASK_CAUSAL_LM) and getattr(
+            workload, "loss", None) == "cross_entropy":
         k = out.shape[-1]
         per = F.cross_entropy(out.reshape(-1, k), targets.reshape(-1), reduction="none")
         return per.view(B, -1).mean(1)
@@ -123,11 +135,6 @@ class ArrayTrainer:
     """Train ``spec``'s variants as one fused array (module docstring)."""
 
     def __init__(self, spec: SweepSpec) -> None:
-        from qsync_opt.core.precision import Precision
-        from qsync_opt.hfta.optim import FusedAdamW, FusedSGD, fused_schedule
-        from qsync_opt.models import UnknownWorkloadError, get_workload
-        from qsync_opt.runtime.data import GlobalBatches
-
         if not spec.variants:
             raise QsyncInputError("variants: expected at least one model")
         try:
@@ -146,8 +153,6 @@ class ArrayTrainer:
         try:
             self.array = fuse(self.models, input_mode=spec.input_mode)
         except QsyncInputError as exc:
-            from qsync_opt.hfta.functional import FuncArray
-
             if any(p != "fp32" for p in spec.precisions.values()):
                 raise QsyncInputError(
                     f"{exc}; a plan's precisions need the fused operators, and this model "
@@ -297,8 +302,6 @@ class ArrayTrainer:
 
     def train(self, steps: int | None = None, progress: bool = False) -> None:
         total = self.spec.steps if steps is None else steps
-        from qsync_opt.core.progress import Progress
-
         with Progress(f"sweep of {self.B}", total=total, enabled=progress) as bar:
             while self.step < total:
                 losses = self.train_step()
@@ -308,8 +311,6 @@ class ArrayTrainer:
     # ------------------------------------------------------------------ results
 
     def evaluate(self) -> list[dict[str, Any]]:
-        from qsync_opt.models import TASK_CLASSIFICATION
-
         if self.standalone is not None:
             self.array.load_models(self.standalone)
         n_eval = self.spec.eval_batches
@@ -344,7 +345,5 @@ class ArrayTrainer:
         """Model ``b`` as a standalone model (a copy, on the CPU: the checkpoints of
         ``train`` hold CPU tensors, whatever device the array trained on)."""
         if self.standalone is not None:
-            import copy
-
             return copy.deepcopy(self.standalone[b]).cpu()
         return self.array.export(b).cpu()

@@ -399,7 +399,7 @@ def test_sweep_bad_input_is_one_line(capsys, argv, needle):
 def test_sweep_checks_memory_before_building(capsys, monkeypatch):
     import qsync_opt.hfta.sweep as sweep
 
-    monkeypatch.setattr(sweep, "_capacity",
+    monkeypatch.setattr(sweep, "memory_capacity",
                         lambda plan, group, device=None: (10_000, "the test card"))
     built = []
     monkeypatch.setattr("qsync_opt.hfta.trainer.ArrayTrainer.__init__",

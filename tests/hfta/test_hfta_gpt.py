@@ -24,9 +24,10 @@ from torch import Tensor, nn
 from qsync_opt.cli import main
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
-from qsync_opt.hfta.convert import FusedArray, fuse
+from qsync_opt.hfta.convert import fuse
 from qsync_opt.hfta.functional import FuncArray
-from qsync_opt.hfta.ops import FusedEmbedding, FusedLayerNorm, FusedLinear, FusedMatMul
+from qsync_opt.hfta.fused_array import FusedArray
+from qsync_opt.hfta.linear_ops import FusedEmbedding, FusedLayerNorm, FusedLinear, FusedMatMul
 from qsync_opt.hfta.optim import FusedAdamW
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
 from qsync_opt.ops.layers import QMatMul

@@ -1,4 +1,4 @@
-"""HFTA fused operators (qsync_opt.hfta.ops): each equals B standalone torch modules
+"""HFTA fused operators (qsync_opt.hfta.conv_ops, .linear_ops): each equals B standalone torch modules
 (outputs, every gradient, BN running statistics), runs one kernel call for all B models,
 round-trips through export / from_modules, and refuses modules that differ."""
 
@@ -16,16 +16,9 @@ from torch import Tensor, nn
 
 from qsync_opt import QsyncInputError, ops
 from qsync_opt.core.precision import Precision
-from qsync_opt.hfta.ops import (
-    FusedBatchNorm2d,
-    FusedConv2d,
-    FusedEmbedding,
-    FusedLayerNorm,
-    FusedLinear,
-    conv_to_linear,
-    fold,
-    unfold,
-)
+from qsync_opt.hfta.conv_ops import FusedBatchNorm2d, FusedConv2d
+from qsync_opt.hfta.layouts import conv_to_linear, fold, unfold
+from qsync_opt.hfta.linear_ops import FusedEmbedding, FusedLayerNorm, FusedLinear
 from qsync_opt.ops.gemm import run_linear
 from qsync_opt.runtime import apply_precisions
 from support.harness import count_calls

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.hfta.optim import FusedAdamW, FusedLRSchedule, FusedSGD, fused_schedule
+from qsync_opt.hfta.lr_schedules import FusedLRSchedule, fused_schedule
+from qsync_opt.hfta.optim import FusedAdamW, FusedSGD
 from qsync_opt.strategy.schedule import parse_schedule
 
 B = 4
