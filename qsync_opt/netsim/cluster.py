@@ -24,8 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.costs.devices import get_device
+from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
 from qsync_opt.netsim.engine import DEFAULT_MAX_EVENTS, NetsimLimit
 from qsync_opt.netsim.topology import Topology
@@ -38,6 +41,7 @@ from qsync_opt.netsim.traffic import (
     quantile,
     simulate_iteration,
 )
+from qsync_opt.replayer import Replayer
 
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
@@ -165,8 +169,6 @@ def group_ready_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
                    plan: Any = None, optimizer: str = "sgd") -> tuple[list[list[float]], Any]:
     """Each group's bucket ready times (ms) from the replayer's compute timeline of ``plan``
     (default: every group at its highest precision) and that timeline."""
-    from qsync_opt.replayer import Replayer
-
     rep = Replayer(graph, cluster, costs, optimizer=optimizer)
     tl = rep.simulate(plan if plan is not None else rep.uniform("highest"), events=False)
     return tl.bucket_ready_ms, tl
@@ -200,8 +202,6 @@ def drop_mask(table: Any, bucket: Bucket, lost: Sequence[tuple[int, int]]) -> An
     (:class:`qsync_opt.strategy.droppolicy.ChunkTable`) that any lost byte range ``(offset,
     bytes)`` of ``bucket`` (:func:`params_bucket` of the same numels) touches, as the bool
     mask :func:`qsync_opt.strategy.droppolicy.apply_drops` takes."""
-    import torch
-
     dropped = torch.zeros(table.n_chunks, dtype=torch.bool)
     starts, acc = [], 0
     for _, b, _ in bucket.layers:
@@ -280,8 +280,6 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
     of another graph: every group at its highest precision). A parameter's gradient is
     ready when the backward of its op ends (the op: the longest dotted prefix of its name
     that names one of ``graph``'s ops); one no op claims, at the end of the backward."""
-    from qsync_opt.replayer import Replayer
-
     cl = cluster.with_default_batch(graph.batch_size)
     rep = Replayer(graph, cl, _estimate(graph, cl))
     mine = plan is not None and getattr(plan, "graph_hash", None) == graph.structure_hash()
@@ -303,8 +301,6 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
 
 
 def _estimate(graph: ModelGraph, cluster: ClusterSpec) -> CostTable:
-    from qsync_opt.costs.roofline import estimate
-
     return estimate(graph, cluster)
 
 
@@ -321,8 +317,6 @@ def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
     ready at once), and per iteration, per rank, the chunk mask (:func:`drop_mask`) of the
     packets lost of the messages that rank sent (a loss of the parameter server's reply: of
     the rank it was for), unbounded (the runtime bounds it per tensor)."""
-    import torch
-
     cl, device = rank_cluster(cluster, rank_groups)
     check_hosts(cl)
     net = cluster_network(cl, scenario, buffer_bytes=buffer_bytes)

@@ -42,6 +42,8 @@ from torch import nn
 
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ModelGraph, OpRole
+from qsync_opt.models import compute_loss
+from qsync_opt.ops.layers import apply_precisions
 
 HEAD = "<head>"
 TAIL = "<tail>"
@@ -281,8 +283,6 @@ def _iqr(xs: Sequence[float]) -> float:
 
 def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module]:
     """``build(assignment)``: a deep copy of ``base`` with the runtime layers applied."""
-    from qsync_opt.ops.layers import apply_precisions
-
     def build(assignment: dict[str, Precision]) -> nn.Module:
         m = copy.deepcopy(base)
         apply_precisions(m, assignment, seed=0)
@@ -295,8 +295,6 @@ def stepper(workload: Any, batch: int, device: torch.device
             ) -> Callable[[nn.Module], tuple[float, float, float, float]]:
     """``step(model)``: a training step on fixed inputs (gradients set to None, forward +
     loss, backward, an SGD momentum step as the runtime's default); its four timestamps."""
-    from qsync_opt.models import compute_loss
-
     inputs = workload.make_inputs(batch, device)
     targets = workload.make_targets(batch, device)
     sync = device.type == "cuda"

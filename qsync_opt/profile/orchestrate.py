@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.machine import pin_malloc
 from qsync_opt.core.precision import Precision
 from qsync_opt.core.version import __version__
 from qsync_opt.costs.cluster import parse_shorthand
@@ -21,7 +22,10 @@ from qsync_opt.costs.devices import get_device, known_device_names
 from qsync_opt.costs.roofline import estimate, gradient_buckets, op_precisions
 from qsync_opt.costs.tables import median_iqr
 from qsync_opt.documents.schemas import CostTable, ModelGraph, OpCost, OpRole
+from qsync_opt.graph import trace
+from qsync_opt.models import get_workload
 from qsync_opt.profile.builders import OpBuilder, check_shapes
+from qsync_opt.profile.incontext import HEAD, TAIL, model_builder, run_uniform, stepper
 from qsync_opt.profile.timing import (
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
@@ -115,8 +119,6 @@ def profile_detailed(
     """
     if method not in ("context", "isolated"):
         raise QsyncInputError(f"method: expected 'context' or 'isolated', got {method!r}")
-    from qsync_opt.core.machine import pin_malloc
-
     pin_malloc()  # as the training ranks do: large buffers cost the same in every process
     if threads is None:
         return _profile(workload, batch, device=device, device_name=device_name,
@@ -137,9 +139,6 @@ def profile_detailed(
 def _profile(workload: str, batch: int | None, *, device: str, device_name: str | None,
              repeats: int, warmup: int, precisions: Iterable[Precision | str] | None,
              graph: ModelGraph | None, method: str = "context") -> Profile:
-    from qsync_opt.graph import trace
-    from qsync_opt.models import get_workload
-
     start = time.perf_counter()
     if repeats < 1 or warmup < 0:
         raise QsyncInputError("repeats must be >= 1 and warmup >= 0")
@@ -294,8 +293,6 @@ def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device,
                 ) -> tuple[dict[tuple[str, Precision], tuple[float, float]],
                            dict[tuple[str, str], tuple[float, float]], list[str], dict[Any, Any]]:
     """Entries from in-context uniform runs (see :mod:`qsync_opt.profile.incontext`)."""
-    from qsync_opt.profile.incontext import HEAD, TAIL, model_builder, run_uniform, stepper
-
     choosable = [o for o in graph.ops if o.role == OpRole.choosable]
     menu: list[Precision] = []
     for o in choosable:

@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from qsync_opt.strategy.modes import parse_sync, round_count
+from qsync_opt.strategy.schedule import parse_schedule
+
 
 @dataclass(frozen=True)
 class SyncSchedule:
@@ -112,9 +115,6 @@ def sync_model_for(text: str | None, *, lr: float = 0.05, lr_schedule: str = "co
     default); QSR's rounds from the learning-rate schedule of a ``steps``-step run."""
     if text is None:
         return None
-    from qsync_opt.strategy.modes import parse_sync, round_count
-    from qsync_opt.strategy.schedule import parse_schedule
-
     mode = parse_sync(text)
     if mode.kind == "ddp":
         return None
