@@ -43,6 +43,7 @@ from torch import nn
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ModelGraph, OpRole
 from qsync_opt.models import compute_loss
+from qsync_opt.models.workload import Workload
 from qsync_opt.ops.layers import apply_precisions
 
 HEAD = "<head>"
@@ -291,7 +292,7 @@ def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module
     return build
 
 
-def stepper(workload: Any, batch: int, device: torch.device
+def stepper(workload: Workload, batch: int, device: torch.device
             ) -> Callable[[nn.Module], tuple[float, float, float, float]]:
     """``step(model)``: a training step on fixed inputs (gradients set to None, forward +
     loss, backward, an SGD momentum step as the runtime's default); its four timestamps."""
