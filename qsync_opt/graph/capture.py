@@ -37,7 +37,7 @@ from qsync_opt.ops.naming import (
 )
 
 
-def is_python_function(fn: Any) -> bool:
+def is_python_function(fn: object) -> bool:
     """A plain Python function (not torch's, not a builtin): fx keeps one as a single op
     only when it is ``torch.fx.wrap``-ed (torchvision's Swin attention), else it traces it."""
     mod = getattr(fn, "__module__", None) or ""
@@ -54,7 +54,9 @@ class _HiddenWork(TorchFunctionMode):
         self.gemms = 0
         self.flops = FlopCounterMode(display=False)
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., Any], types: object,
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if gemm_call_kind(func) is not None:
             self.gemms += 1
         return func(*args, **(kwargs or {}))
@@ -63,7 +65,7 @@ class _HiddenWork(TorchFunctionMode):
         self.flops.__enter__()
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self.flops.__exit__(*exc)
 

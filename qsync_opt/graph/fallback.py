@@ -37,7 +37,7 @@ from qsync_opt.ops.naming import (
 )
 
 
-def _put_back_forward(mod: nn.Module, own: Any) -> None:
+def _put_back_forward(mod: nn.Module, own: Callable[..., Any] | None) -> None:
     """Drop the patched ``forward`` of ``mod``; put back the instance's own one, if it had one."""
     mod.__dict__.pop("forward", None)
     if own:

@@ -114,7 +114,7 @@ class _Recorder:
         return ops[min(k, len(ops) - 1)]
 
     def _fpre(self, name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
             k = self.count.get(name, 0)
             op = self._op(name, k)
             if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -123,7 +123,7 @@ class _Recorder:
         return hook
 
     def _fpost(self, name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
             t = self.clock()
             k = self.count.get(name, 0)
             self.count[name] = k + 1
