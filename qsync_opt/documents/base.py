@@ -18,7 +18,6 @@ message (:data:`MAX_GROUPS`, :data:`MAX_DEVICES`, :data:`MAX_DEVICES_PER_NODE`,
 :data:`MAX_BATCH`, :data:`MAX_OPS`).
 """
 
-
 from __future__ import annotations
 
 import hashlib

@@ -4,20 +4,10 @@ named here from the modules that define them (:mod:`~qsync_opt.documents.base`,
 :mod:`~qsync_opt.documents.costing`, :mod:`~qsync_opt.documents.solution`): callers import
 them from this module.
 
-All models are frozen and forbid unknown fields. The ones written to disk derive from
-:class:`Document` and carry ``schema_name`` and ``schema_version``; a reader refuses a file of
-another kind or of a version it does not know, with a message that says which. Units are in
-the field names (``_ms``, ``_bytes``, ``_gb_per_s``, ``_us``, ``_tflops``); FLOPs count a
-multiply-add as two.
-
-Numbers are checked for the whole class of input, not field by field: every float of every
-schema must be finite (``allow_inf_nan=False``: Infinity and NaN are refused naming the
-field; only SolveReport, an output no command reads, may hold a bound of -inf); integer and float fields refuse ``true``/``false`` and strings (:data:`Int`,
-:data:`Real`: a bool is an int in Python); sizes have sane upper limits, named in the
-message (:data:`MAX_GROUPS`, :data:`MAX_DEVICES`, :data:`MAX_DEVICES_PER_NODE`,
-:data:`MAX_BATCH`, :data:`MAX_OPS`).
+All models are frozen and forbid unknown fields; every number is checked for the whole
+class of input (finite floats, no bools or strings for numbers, sane size limits): see
+:mod:`~qsync_opt.documents.base`, where the number types and limits are.
 """
-
 
 from __future__ import annotations
 

@@ -290,7 +290,8 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
     cl = cluster.with_default_batch(graph.batch_size)
     rep = Replayer(graph, cl, _estimate(graph, cl))
     mine = plan is not None and getattr(plan, "graph_hash", None) == graph.structure_hash()
-    tl = rep.simulate(plan if mine else rep.uniform("highest"), events=True)
+    tl = rep.simulate(plan if mine and plan is not None else rep.uniform("highest"),
+                      events=True)
     out = []
     for g in cl.groups:
         done = {e.name: e.end_ms for e in tl.events if e.group == g.name and e.kind == "bwd"}

@@ -35,7 +35,7 @@ Convolutions with a ``padding_mode`` other than zeros are padded first, as torch
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -325,9 +325,10 @@ def _swap_module(mod: nn.Module, name: str, p: Precision, seed: int) -> None:
             if isinstance(mod, plain):
                 mod.__class__ = qcls
                 break
-    mod.precision = p
-    mod.qseed = seed
-    mod.qname = name
+    q = cast(QMixin, mod)
+    q.precision = p
+    q.qseed = seed
+    q.qname = name
 
 
 def _swap_attention(modules: Mapping[str, nn.Module], mha: dict[str, dict[str, Precision]],
@@ -338,10 +339,11 @@ def _swap_attention(modules: Mapping[str, nn.Module], mha: dict[str, dict[str, P
         mod = modules[parent]
         if not isinstance(mod, _QMHAMixin):
             mod.__class__ = _q_class(type(mod), _QMHAMixin)
-        mod.precisions = subs
-        mod.precision = Precision.fp32
-        mod.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF
-        mod.qname = parent
+        q = cast(_QMHAMixin, mod)
+        q.precisions = subs
+        q.precision = Precision.fp32
+        q.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF
+        q.qname = parent
 
 
 def _install_dispatch(model: nn.Module, functional: dict[str, Precision], seed: int) -> None:

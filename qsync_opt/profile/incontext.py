@@ -42,8 +42,7 @@ from torch import nn
 
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ModelGraph, OpRole
-from qsync_opt.models import compute_loss
-from qsync_opt.models.workload import Workload
+from qsync_opt.models import BuiltinWorkload, compute_loss
 from qsync_opt.ops.layers import apply_precisions
 
 HEAD = "<head>"
@@ -314,7 +313,7 @@ def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module
     return build
 
 
-def stepper(workload: Workload, batch: int, device: torch.device
+def stepper(workload: BuiltinWorkload, batch: int, device: torch.device
             ) -> Callable[[nn.Module], tuple[float, float, float, float]]:
     """``step(model)``: a training step on fixed inputs (gradients set to None, forward +
     loss, backward, an SGD momentum step as the runtime's default); its four timestamps."""

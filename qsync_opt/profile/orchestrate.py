@@ -30,8 +30,7 @@ from qsync_opt.documents.schemas import (
     OpRole,
 )
 from qsync_opt.graph import trace
-from qsync_opt.models import get_workload
-from qsync_opt.models.workload import Workload
+from qsync_opt.models import BuiltinWorkload, get_workload
 from qsync_opt.profile.builders import OpBuilder, check_shapes
 from qsync_opt.profile.incontext import (
     HEAD,
@@ -342,7 +341,7 @@ def profile(workload: str, batch: int | None = None, *, device: str = "cpu",
                             precisions=precisions, **kw).table
 
 
-def _in_context(model: nn.Module, wl: Workload, graph: ModelGraph, dev: torch.device,
+def _in_context(model: nn.Module, wl: BuiltinWorkload, graph: ModelGraph, dev: torch.device,
                 dev_name: str, spec: DeviceSpec, wanted: set[Precision] | None, repeats: int,
                 warmup: int, isolated: dict[tuple[str, Precision], tuple[float, float]],
                 estimated: dict[tuple[str, Precision], tuple[float, float]],
