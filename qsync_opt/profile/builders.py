@@ -134,7 +134,7 @@ class OpBuilder:
         return (lambda: fn(*xs)), sig
 
 
-def check_shapes(out: Any, op: OpNode) -> bool:
+def check_shapes(out: object, op: OpNode) -> bool:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     shapes = [list(o.shape) for o in outs if isinstance(o, torch.Tensor)]
     return shapes == op.output_shapes
