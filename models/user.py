@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,11 +66,18 @@ EVAL_SEED_OFFSET = 1_000_003
 MAX_MODEL_FILE_BYTES = 64 << 20
 
 
+#: A batch's inputs as a model file gives them: one tensor, a tuple or list of tensors (the
+#: positional arguments) or a dict of tensors (the keyword arguments).
+Inputs = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
+#: The example inputs of a model file, as kept (:func:`_normalise_example`).
+Example = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
+
+
 def _one_line(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def split_inputs(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """(positional, keyword) arguments of a batch: a dict is keywords, a Tensor one
     positional argument, a tuple/list positional arguments."""
     if isinstance(inputs, Mapping):
@@ -80,13 +87,13 @@ def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(inputs), {}
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
+def call_model(model: nn.Module, inputs: Inputs) -> Any:
     """``model(*inputs)`` or ``model(**inputs)`` (see :func:`split_inputs`)."""
     args, kwargs = split_inputs(inputs)
     return model(*args, **kwargs)
 
 
-def map_tensors(fn: Callable[[Tensor], Tensor], batch: Any) -> Any:
+def map_tensors(fn: Callable[[Tensor], Tensor], batch: object) -> Any:
     """``batch`` with ``fn`` applied to each tensor (dicts, tuples, lists kept; None kept)."""
     if isinstance(batch, Tensor):
         return fn(batch)
@@ -97,18 +104,18 @@ def map_tensors(fn: Callable[[Tensor], Tensor], batch: Any) -> Any:
     return batch
 
 
-def slice_batch(batch: Any, start: int, size: int) -> Any:
+def slice_batch(batch: object, start: int, size: int) -> Any:
     """Samples ``start .. start+size`` of every tensor with a batch dimension."""
     return map_tensors(lambda t: t[start:start + size] if t.dim() > 0 else t, batch)
 
 
-def _describe(t: Any) -> str:
+def _describe(t: object) -> str:
     if isinstance(t, Tensor):
         return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}"
     return f"a {type(t).__name__}"
 
 
-def named_inputs(inputs: Any) -> list[tuple[str, Any]]:
+def named_inputs(inputs: Inputs) -> list[tuple[str, Any]]:
     """A batch's inputs as (name, value): a mapping's keys, ``input`` for one tensor, else
     ``input i`` by position."""
     if isinstance(inputs, Mapping):
@@ -118,7 +125,7 @@ def named_inputs(inputs: Any) -> list[tuple[str, Any]]:
     return [(f"input {i}", v) for i, v in enumerate(inputs)]
 
 
-def _normalise_example(spec: str, ex: Any) -> Tensor | tuple[Tensor, ...] | dict[str, Tensor]:
+def _normalise_example(spec: str, ex: object) -> Example:
     if isinstance(ex, Tensor):
         return ex
     if isinstance(ex, Mapping):
@@ -144,7 +151,7 @@ def _normalise_example(spec: str, ex: Any) -> Tensor | tuple[Tensor, ...] | dict
                           f"Tensor, a tuple/list or a dict of them), got {_describe(ex)}")
 
 
-def _batch_of(example: Any) -> int:
+def _batch_of(example: Inputs) -> int:
     for _, t in named_inputs(example):
         if t.dim() > 0:
             return int(t.shape[0])
@@ -154,7 +161,7 @@ def _batch_of(example: Any) -> int:
 # ----------------------------------------------------------------------------- loss defaults
 
 
-def _get(outputs: Any, key: str) -> Any:
+def _get(outputs: object, key: str) -> Any:
     if isinstance(outputs, Mapping):
         return outputs.get(key)
     if isinstance(outputs, (Tensor, tuple, list)):
@@ -162,7 +169,7 @@ def _get(outputs: Any, key: str) -> Any:
     return getattr(outputs, key, None)
 
 
-def _needs_grad(outputs: Any) -> bool:
+def _needs_grad(outputs: object) -> bool:
     """True when autograd records and some output tensor requires grad: a loss of these
     outputs must then require grad too."""
     if not torch.is_grad_enabled():
@@ -176,7 +183,7 @@ def _needs_grad(outputs: Any) -> bool:
     return False
 
 
-def _first_tensor(outputs: Any) -> Tensor | None:
+def _first_tensor(outputs: object) -> Tensor | None:
     if isinstance(outputs, Tensor):
         return outputs
     if isinstance(outputs, Mapping):
@@ -192,14 +199,14 @@ def _first_tensor(outputs: Any) -> Tensor | None:
     return None
 
 
-def _logits(outputs: Any) -> Tensor | None:
+def _logits(outputs: object) -> Tensor | None:
     if isinstance(outputs, Tensor):
         return outputs
     t = _get(outputs, "logits")
     return t if isinstance(t, Tensor) else _first_tensor(outputs)
 
 
-def sample_seeds(batch: Any) -> list[int]:
+def sample_seeds(batch: Inputs) -> list[int]:
     """One seed per sample: a hash of the sample's content in every batched tensor."""
     tensors = [t for _, t in named_inputs(batch) if isinstance(t, Tensor) and t.dim() > 0]
     n = int(tensors[0].shape[0]) if tensors else 0
@@ -214,7 +221,7 @@ def sample_seeds(batch: Any) -> list[int]:
     return seeds
 
 
-def synthetic_targets(logits: Tensor, batch: Any) -> Tensor:
+def synthetic_targets(logits: Tensor, batch: Inputs) -> Tensor:
     """Class ids for ``logits`` (shape ``logits.shape[:-1]``, in ``[0, logits.shape[-1])``),
     each sample's drawn from its content hash (:func:`sample_seeds`)."""
     classes = int(logits.shape[-1])
@@ -237,7 +244,7 @@ def _ce(logits: Tensor, labels: Tensor) -> Tensor:
         f"loss(outputs, batch)")
 
 
-def default_loss_kind(outputs: Any, batch: Any) -> str:
+def default_loss_kind(outputs: object, batch: object) -> str:
     """Which default :func:`default_loss` takes for these outputs and batch: ``model``,
     ``qa``, ``labels`` or ``synthetic``."""
     own = _get(outputs, "loss")
@@ -298,7 +305,7 @@ class UserWorkload:
     loss = "user"
 
     def __init__(self, path: Path, fn_name: str, module: ModuleType, sha256: str,
-                 model: nn.Module, example: Any) -> None:
+                 model: nn.Module, example: Example) -> None:
         self.path = path
         self.fn_name = fn_name
         self.name = f"{path}:{fn_name}"
@@ -410,12 +417,12 @@ class UserWorkload:
                     f"{exc.__class__.__name__}: {_one_line(str(exc))}") from None
             yield b
 
-    def check_batch(self, batch: Any, size: int, where: str) -> None:
+    def check_batch(self, batch: object, size: int, where: str) -> None:
         """Refuse (one line) a batch not shaped like the example at ``size`` samples."""
         _check_like(self, batch, size, f"{where} of {self.path.name}")
 
     # -- forward and loss
-    def forward(self, model: nn.Module, inputs: Any) -> Any:
+    def forward(self, model: nn.Module, inputs: Inputs) -> Any:
         return call_model(model, inputs)
 
     def loss_of(self, outputs: Any, inputs: Any, targets: Any = None) -> Tensor:
@@ -447,7 +454,7 @@ class UserWorkload:
                                   f"torch.tensor(...)); training cannot step on it")
         return value.reshape(())
 
-    def loss_line(self, outputs: Any = None, batch: Any = None) -> str:
+    def loss_line(self, outputs: object = None, batch: object = None) -> str:
         """One line saying which loss is used (for these outputs and this batch; default: the
         last trace's outputs and the example)."""
         if self.user_loss is not None:
@@ -470,7 +477,7 @@ class UserWorkload:
         inputs = self.example if batch == self.default_batch else self.make_inputs(batch, "cpu")
         return TraceInputs(self.model, inputs)
 
-    def saw_outputs(self, outputs: Any) -> None:
+    def saw_outputs(self, outputs: object) -> None:
         """Kept: :meth:`loss_line` says which default loss these outputs choose."""
         self.example_outputs = outputs
 
@@ -478,7 +485,7 @@ class UserWorkload:
         """:meth:`batches`, each paired with None: the loss reads its targets from it."""
         return ((x, None) for x in self.batches(batch, n, seed))
 
-    def usage_lines(self, outputs: Any = None, inputs: Any = None) -> list[str]:
+    def usage_lines(self, outputs: object = None, inputs: object = None) -> list[str]:
         """The loss and the data the file uses (:meth:`loss_line`, :meth:`data_line`)."""
         return [self.loss_line(outputs, inputs), self.data_line()]
 
@@ -532,7 +539,7 @@ def _hook(module: ModuleType, name: str, path: Path, form: str) -> Any:
                           f"function {form}: make it one, or remove it for the default")
 
 
-def _check_like(wl: UserWorkload, batch: Any, size: int, where: str) -> None:
+def _check_like(wl: UserWorkload, batch: object, size: int, where: str) -> None:
     ex = wl.example
     if isinstance(ex, Tensor) and isinstance(batch, (tuple, list)) and len(batch) == 1:
         batch = batch[0]
@@ -571,7 +578,7 @@ def _call(spec: str, module: ModuleType, fn_name: str) -> Any:
                               f"{_one_line(str(exc))}") from None
 
 
-def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
+def _check_result(spec: str, result: object) -> tuple[nn.Module, Any]:
     if not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], nn.Module):
         raise QsyncInputError(f"model: {_one_line(spec)} must return (nn.Module, "
                               f"example_inputs), not {_describe(result)}")
@@ -655,7 +662,7 @@ def load_user_workload(spec: str, sha256: str | None = None) -> UserWorkload:
     return UserWorkload(resolved, fn_name, module, digest, model, example)
 
 
-def _check_runs(spec: str, model: nn.Module, example: Any) -> None:
+def _check_runs(spec: str, model: nn.Module, example: Inputs) -> None:
     """The model's forward on two samples of its own example inputs (eval mode, no grad,
     the RNG state kept): a model that cannot run them (an ``nn.Linear`` fed int64) is refused
     in one line, not traced on shapes alone."""

@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from qsync_opt.core.errors import QsyncInputError
+
 __all__ = ["MAX_EVAL_BATCHES", "MAX_STEPS", "finite_float", "int_range", "parse_float",
            "parse_int", "positive_int", "spec_type"]
 
@@ -114,8 +116,6 @@ def spec_type(check: Callable[[str], Any], field: str | None = None) -> Callable
     ``check(text)`` runs when the command line is parsed (its QsyncInputError's message,
     less a leading ``field: ``, is the one-line refusal after the flag); the text itself
     is the value."""
-    from qsync_opt.core.errors import QsyncInputError
-
     def convert(text: str) -> str:
         try:
             check(text)

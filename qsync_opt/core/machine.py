@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 
@@ -28,8 +30,6 @@ def cache_root() -> Path:
         try:
             base = str(Path.home() / ".cache")
         except (RuntimeError, KeyError):
-            import tempfile
-
             uid = os.getuid() if hasattr(os, "getuid") else 0
             base = os.path.join(tempfile.gettempdir(), f"qsync-opt-cache-{uid}")
     return Path(base) / "qsync-opt"
@@ -61,8 +61,6 @@ def pin_malloc() -> bool:
     if platform.system() != "Linux":
         return False
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
               and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from functools import lru_cache, partial
@@ -68,6 +69,7 @@ from qsync_opt.core.device_names import (  # noqa: F401
 from qsync_opt.core.machine import cache_root
 from qsync_opt.core.machine import cpu_model as cpu_model_name
 from qsync_opt.core.precision import DType, Precision
+from qsync_opt.documents.io import atomic_write_text
 from qsync_opt.documents.schemas import ClusterSpec, DeviceSpec
 
 log = logging.getLogger(__name__)
@@ -325,8 +327,6 @@ def enable_int4(cluster: ClusterSpec) -> tuple[ClusterSpec, list[str]]:
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    import statistics
-
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -347,7 +347,7 @@ def _meminfo_bytes(key: str) -> int | None:
 
 def _measure_cpu_figures(size: int = 1024, repeats: int = 5) -> dict[str, float]:
     """Matmul throughput per dtype and copy bandwidth, timed with torch on this CPU."""
-    import torch
+    import torch  # lazy: `import qsync_opt` reaches this module and must not pull torch
 
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
@@ -383,7 +383,7 @@ def measure_cpu() -> DeviceSpec:
     they already include this machine's efficiency; the estimator is told so by
     ``measured=True``. Bandwidth is a 64 MiB copy (read + write bytes).
     """
-    import torch
+    import torch  # lazy: `import qsync_opt` reaches this module and must not pull torch
 
     cpu_model = cpu_model_name()
     key = f"{cpu_model}|{torch.__version__}|{torch.get_num_threads()}"
@@ -403,8 +403,6 @@ def measure_cpu() -> DeviceSpec:
         log.info("measuring this CPU's matmul throughput and bandwidth (once, cached)")
         figures = _measure_cpu_figures()
         try:
-            from qsync_opt.documents.io import atomic_write_text
-
             entries = {k: v for k, v in entries.items() if isinstance(v, dict)}
             entries[key] = figures
             atomic_write_text(cache, json.dumps({"entries": entries}, indent=1))

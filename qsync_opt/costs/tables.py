@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import DType, Precision
-from qsync_opt.costs.devices import get_device
+from qsync_opt.costs.devices import canonical_name, get_device, is_derived
 from qsync_opt.costs.roofline import gradient_buckets
 from qsync_opt.documents.schemas import CommModel, CostTable, ModelGraph
 
@@ -58,8 +58,6 @@ def derive(table: CostTable, devices: Iterable[str]) -> CostTable:
     ``F``, restricted to its precision menu; the optimizer step is not stretched and keeps
     the ``cpu`` time. Devices already in the table are left as they are.
     """
-    from qsync_opt.costs.devices import canonical_name, is_derived
-
     have = {e.device for e in table.entries}
     entries, casts, opt = list(table.entries), list(table.casts), list(table.optimizer)
     notes = list(table.notes)

@@ -125,6 +125,173 @@ def _role(kind: OpKind, n_float_inputs: int) -> OpRole:
     return OpRole.pass_through
 
 
+def _state_storages(raw: list[RawOp]) -> set[int]:
+    """Storages of parameters and buffers: the parameters each op reads, and those of leaf
+    modules (read inside them)."""
+    state_storages = set()
+    for op in raw:
+        for p in op.params:
+            state_storages.add(storage_id(p))
+    for op in raw:
+        if op.module is not None:
+            for t in list(op.module.parameters()) + list(op.module.buffers()):
+                state_storages.add(storage_id(t))
+    return state_storages
+
+
+def _saved_bytes(op: RawOp, state_storages: set[int], seen_saved: set[int]) -> tuple[int, int]:
+    """The activation bytes ``op`` saves for backward, and the part of them an earlier op
+    already saved (``seen_saved``, updated)."""
+    saved_bytes = shared = 0
+    for t in op.saved:
+        sid = storage_id(t)
+        if sid in state_storages:
+            continue
+        nb = _nbytes(t)
+        saved_bytes += nb
+        if sid in seen_saved:
+            shared += nb
+        seen_saved.add(sid)
+    return saved_bytes, shared
+
+
+def _own_params(op: RawOp, seen_params: set[tuple[int, int, int]]) -> tuple[int, int]:
+    """The parameters ``op`` owns (not counted by an earlier op; ``seen_params`` updated) and
+    the bytes of all the parameters it reads."""
+    own_params = 0
+    param_bytes = 0
+    for p in op.params:
+        param_bytes += _nbytes(p)
+        # A parameter read whole or by slices (nn.MultiheadAttention's q/k/v rows of
+        # in_proj_weight): each distinct slice counts once, a tied one once in all.
+        piece = (storage_id(p), int(p.storage_offset()), p.numel())
+        if piece not in seen_params:
+            own_params += p.numel()
+            seen_params.add(piece)
+    return own_params, param_bytes
+
+
+def _bwd_flops(op: RawOp, fwd_flops: int, needs_in: bool) -> int:
+    """Backward FLOPs: one GEMM per input that needs a gradient (weights included) for a
+    choosable kind, else twice the forward where anything needs a gradient."""
+    has_wgrad = any(p.requires_grad for p in op.params)
+    if op.kind in _CHOOSABLE:
+        if op.kind == OpKind.matmul:
+            n_grads = sum(t.requires_grad for t in op.input_tensors)
+        else:
+            n_grads = int(needs_in) + int(has_wgrad)
+        return fwd_flops * n_grads
+    return 2 * fwd_flops if (needs_in or has_wgrad) else 0
+
+
+def _role_menu(op: RawOp) -> tuple[OpRole, list[Precision], str | None]:
+    """The op's role, its allowed precisions and, pinned, why."""
+    role = _role(op.kind, sum(1 for t in op.input_tensors if t.is_floating_point()))
+    if op.kind == OpKind.norm and "batch_norm" in _snake(op.target):
+        # Autocast lists batch_norm in neither its fp32 nor its 16-bit list: it runs in its
+        # input's dtype (cuDNN keeps the statistics in fp32), so it passes dtypes through.
+        role = OpRole.pass_through
+    no_runtime = _no_runtime_layer(op) if role == OpRole.choosable else None
+    if no_runtime:
+        role = OpRole.pinned
+    allowed: list[Precision]
+    if role == OpRole.choosable:
+        allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)
+    elif role == OpRole.pinned:
+        allowed = [Precision.fp32]
+    else:
+        allowed = []
+    pin_reason = (no_runtime or PIN_REASONS.get(op.kind)) if role == OpRole.pinned else None
+    return role, allowed, pin_reason
+
+
+def _node(op: RawOp, state_storages: set[int], seen_saved: set[int],
+          seen_params: set[tuple[int, int, int]]) -> dict[str, Any]:
+    """The fields of ``op``'s :class:`OpNode` (depth 0: set once the edges are known)."""
+    saved_bytes, shared = _saved_bytes(op, state_storages, seen_saved)
+    own_params, param_bytes = _own_params(op, seen_params)
+    fwd_flops, _, wshape = _flops(op)
+    fwd_flops = max(fwd_flops, op.hidden_flops)  # an opaque function: what it really does
+    needs_in = any(t.requires_grad for t in op.input_tensors)
+    bwd_flops = _bwd_flops(op, fwd_flops, needs_in)
+    in_numel = sum(t.numel() for t in op.input_tensors)
+    out_numel = sum(t.numel() for t in op.outputs)
+    fwd_bytes = sum(_nbytes(t) for t in op.input_tensors) + sum(
+        _nbytes(t) for t in op.outputs) + param_bytes
+    role, allowed, pin_reason = _role_menu(op)
+    return dict(
+        name=op.name, kind=op.kind, target=op.target, role=role,
+        allowed_precisions=allowed,
+        pin_reason=pin_reason,
+        input_shapes=[list(t.shape) for t in op.input_tensors],
+        output_shapes=[list(t.shape) for t in op.outputs],
+        weight_shape=wshape, param_count=own_params,
+        input_numel=in_numel, output_numel=out_numel,
+        fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes),
+        saved_bytes=saved_bytes, saved_shared_bytes=shared,
+        needs_input_grad=needs_in, depth=0, hidden_gemms=op.hidden_gemms,
+    )
+
+
+def _add_edges(op: RawOp, index: dict[str, int], edges: dict[tuple[str, str], Edge]) -> None:
+    """The edges into ``op`` from earlier ops, first one per pair kept."""
+    for src, t in op.inputs:
+        if src in index and index[src] < index[op.name]:
+            edges.setdefault((src, op.name), Edge(
+                src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t),
+                dtype=str(t.dtype).removeprefix("torch.")))
+
+
+def _set_depths(names: list[str], nodes: list[dict[str, Any]],
+                edges: dict[tuple[str, str], Edge]
+                ) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[str, int]]:
+    """Each node's depth: the longest path from the input, counting ops that compute (GEMMs
+    and pinned ops). Returns the predecessors, the successors and the depths."""
+    preds: dict[str, list[str]] = {n: [] for n in names}
+    succs: dict[str, list[str]] = {n: [] for n in names}
+    for s, d in edges:
+        preds[d].append(s)
+        succs[s].append(d)
+    depth: dict[str, int] = {}
+    for nd in nodes:
+        base = max((depth[p] for p in preds[nd["name"]]), default=0)
+        depth[nd["name"]] = base + (1 if nd["kind"] in _COMPUTING_FOR_DEPTH else 0)
+        nd["depth"] = depth[nd["name"]]
+    return preds, succs, depth
+
+
+def _pin_head(raw: list[RawOp], nodes: list[dict[str, Any]], succs: dict[str, list[str]],
+              index: dict[str, int], pin_head: bool, unpin: Sequence[str]) -> None:
+    """Pin the classifier head fp32 (``pin_head``), but for the ops ``unpin`` names; an
+    unpin naming no op is refused."""
+    unpin_set = set(unpin)
+    if pin_head:
+        for n in head_ops(raw, nodes, succs):
+            if n not in unpin_set:
+                nd = nodes[index[n]]
+                nd["role"] = OpRole.pinned
+                nd["allowed_precisions"] = [Precision.fp32]
+                nd["pin_reason"] = HEAD_REASON
+    unknown = unpin_set - set(index)
+    if unknown:
+        raise QsyncInputError(f"unpin: no op named {', '.join(sorted(unknown))} in the graph")
+
+
+def _tie_module_calls(raw: list[RawOp], nodes: list[dict[str, Any]]) -> None:
+    """A module called more than once is one set of weights the runtime swaps once: its calls
+    always share one decision, whatever the tie mode."""
+    by_module: dict[Any, list[int]] = {}
+    for i, op in enumerate(raw):
+        key = op.tie_key if op.tie_key is not None else (
+            id(op.module) if op.module is not None else None)
+        if key is not None and nodes[i]["role"] == OpRole.choosable:
+            by_module.setdefault(key, []).append(i)
+    for members in by_module.values():
+        if len(members) > 1:
+            for i in members:
+                nodes[i]["tie_group"] = f"module:{raw[members[0]].name}"
+
+
 def build_graph(
     raw: list[RawOp],
     *,
@@ -137,134 +304,20 @@ def build_graph(
     unpin: Sequence[str],
     tie: str,
 ) -> ModelGraph:
-    state_storages = set()
-    param_ids: set[int] = set()
-    for param in model.parameters():
-        param_ids.add(id(param))
-    for op in raw:
-        for p in op.params:
-            state_storages.add(storage_id(p))
-    # Buffers and parameters of leaf modules are read inside them; their storages too.
-    for op in raw:
-        if op.module is not None:
-            for t in list(op.module.parameters()) + list(op.module.buffers()):
-                state_storages.add(storage_id(t))
-
+    state_storages = _state_storages(raw)
     names = [o.name for o in raw]
     index = {n: i for i, n in enumerate(names)}
     seen_saved: set[int] = set()
     seen_params: set[tuple[int, int, int]] = set()
     nodes: list[dict[str, Any]] = []
     edges: dict[tuple[str, str], Edge] = {}
-
     for op in raw:
-        saved_bytes = shared = 0
-        for t in op.saved:
-            sid = storage_id(t)
-            if sid in state_storages:
-                continue
-            nb = _nbytes(t)
-            saved_bytes += nb
-            if sid in seen_saved:
-                shared += nb
-            seen_saved.add(sid)
-        own_params = 0
-        param_bytes = 0
-        for p in op.params:
-            param_bytes += _nbytes(p)
-            # A parameter read whole or by slices (nn.MultiheadAttention's q/k/v rows of
-            # in_proj_weight): each distinct slice counts once, a tied one once in all.
-            piece = (storage_id(p), int(p.storage_offset()), p.numel())
-            if piece not in seen_params:
-                own_params += p.numel()
-                seen_params.add(piece)
-        fwd_flops, _, wshape = _flops(op)
-        fwd_flops = max(fwd_flops, op.hidden_flops)  # an opaque function: what it really does
-        needs_in = any(t.requires_grad for t in op.input_tensors)
-        has_wgrad = any(p.requires_grad for p in op.params)
-        if op.kind in _CHOOSABLE:
-            # One backward GEMM per input that needs a gradient (weights included).
-            if op.kind == OpKind.matmul:
-                n_grads = sum(t.requires_grad for t in op.input_tensors)
-            else:
-                n_grads = int(needs_in) + int(has_wgrad)
-            bwd_flops = fwd_flops * n_grads
-        else:
-            bwd_flops = 2 * fwd_flops if (needs_in or has_wgrad) else 0
-        in_numel = sum(t.numel() for t in op.input_tensors)
-        out_numel = sum(t.numel() for t in op.outputs)
-        fwd_bytes = sum(_nbytes(t) for t in op.input_tensors) + sum(
-            _nbytes(t) for t in op.outputs) + param_bytes
-        role = _role(op.kind, sum(1 for t in op.input_tensors if t.is_floating_point()))
-        if op.kind == OpKind.norm and "batch_norm" in _snake(op.target):
-            # Autocast lists batch_norm in neither its fp32 nor its 16-bit list: it runs in its
-            # input's dtype (cuDNN keeps the statistics in fp32), so it passes dtypes through.
-            role = OpRole.pass_through
-        no_runtime = _no_runtime_layer(op) if role == OpRole.choosable else None
-        if no_runtime:
-            role = OpRole.pinned
-        allowed: list[Precision]
-        if role == OpRole.choosable:
-            allowed = list(CONV_PRECISIONS if op.kind == OpKind.conv else ALL_GEMM_PRECISIONS)
-        elif role == OpRole.pinned:
-            allowed = [Precision.fp32]
-        else:
-            allowed = []
-        nodes.append(dict(
-            name=op.name, kind=op.kind, target=op.target, role=role,
-            allowed_precisions=allowed,
-            pin_reason=(no_runtime or PIN_REASONS.get(op.kind)) if role == OpRole.pinned else None,
-            input_shapes=[list(t.shape) for t in op.input_tensors],
-            output_shapes=[list(t.shape) for t in op.outputs],
-            weight_shape=wshape, param_count=own_params,
-            input_numel=in_numel, output_numel=out_numel,
-            fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes),
-            saved_bytes=saved_bytes, saved_shared_bytes=shared,
-            needs_input_grad=needs_in, depth=0, hidden_gemms=op.hidden_gemms,
-        ))
-        for src, t in op.inputs:
-            if src in index and index[src] < index[op.name]:
-                edges.setdefault((src, op.name), Edge(
-                    src=src, dst=op.name, shape=list(t.shape), numel=t.numel(), bytes=_nbytes(t),
-                    dtype=str(t.dtype).removeprefix("torch.")))
-
-    # Depth: longest path from the input, counting ops that compute (GEMMs and pinned ops).
-    preds: dict[str, list[str]] = {n: [] for n in names}
-    succs: dict[str, list[str]] = {n: [] for n in names}
-    for s, d in edges:
-        preds[d].append(s)
-        succs[s].append(d)
-    depth: dict[str, int] = {}
-    for nd in nodes:
-        base = max((depth[p] for p in preds[nd["name"]]), default=0)
-        depth[nd["name"]] = base + (1 if nd["kind"] in _COMPUTING_FOR_DEPTH else 0)
-        nd["depth"] = depth[nd["name"]]
-
-    unpin_set = set(unpin)
-    if pin_head:
-        for n in head_ops(raw, nodes, succs):
-            if n not in unpin_set:
-                nd = nodes[index[n]]
-                nd["role"] = OpRole.pinned
-                nd["allowed_precisions"] = [Precision.fp32]
-                nd["pin_reason"] = HEAD_REASON
-    unknown = unpin_set - set(names)
-    if unknown:
-        raise QsyncInputError(f"unpin: no op named {', '.join(sorted(unknown))} in the graph")
-
+        nodes.append(_node(op, state_storages, seen_saved, seen_params))
+        _add_edges(op, index, edges)
+    preds, succs, depth = _set_depths(names, nodes, edges)
+    _pin_head(raw, nodes, succs, index, pin_head, unpin)
     _assign_ties(nodes, preds, tie)
-    # A module called more than once is one set of weights the runtime swaps once: its calls
-    # always share one decision, whatever the tie mode.
-    by_module: dict[Any, list[int]] = {}
-    for i, op in enumerate(raw):
-        key = op.tie_key if op.tie_key is not None else (
-            id(op.module) if op.module is not None else None)
-        if key is not None and nodes[i]["role"] == OpRole.choosable:
-            by_module.setdefault(key, []).append(i)
-    for members in by_module.values():
-        if len(members) > 1:
-            for i in members:
-                nodes[i]["tie_group"] = f"module:{raw[members[0]].name}"
+    _tie_module_calls(raw, nodes)
     buffers = {id(b): b for b in model.buffers()}
     params = {id(p): p for p in model.parameters()}
     return ModelGraph(

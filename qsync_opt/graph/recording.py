@@ -75,7 +75,7 @@ class Expansion:
     def __init__(self, base: str, target: str, rec: SavedRecorder, raw: list[RawOp],
                  producer: dict[int, str], unique: Callable[[str], str],
                  param_storages: set[int], alive: list[Any], is_loss: bool,
-                 tie: Any = None) -> None:
+                 tie: int | None = None) -> None:
         self.base, self.target, self.rec, self.raw = base, target, rec, raw
         self.producer, self.unique, self.param_storages = producer, unique, param_storages
         self.alive, self.is_loss, self.tie = alive, is_loss, tie
@@ -110,11 +110,12 @@ class Expansion:
         return value
 
 
-def expand_mha(step: Expansion, mod: nn.MultiheadAttention, args: Any, kwargs: Any) -> Any:
+def expand_mha(step: Expansion, mod: nn.MultiheadAttention, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
     return mha_forward(step, mod, *args, **kwargs)
 
 
-def expand_sdpa(step: Expansion, args: Any, kwargs: Any) -> Any:
+def expand_sdpa(step: Expansion, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return sdpa_forward(step, *args, **kwargs)
 
 

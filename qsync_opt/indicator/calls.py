@@ -93,11 +93,11 @@ class Call:
     g: Tensor | None = None
 
 
-def _float_tensor(t: Any) -> bool:
+def _float_tensor(t: object) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point()
 
 
-def functional_form(kind: str, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+def functional_form(kind: str, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
                     ) -> tuple[Tensor, Tensor, Bilinear] | None:
     """(a, b, form) of a functional GEMM call, or None when it has no two float operands."""
     if kind == "linear":
@@ -150,7 +150,7 @@ class CallCapture:
 
     # -- recording ------------------------------------------------------------------------
 
-    def keep(self, name: str, bl: Bilinear, a: Tensor, b: Tensor, y: Any,
+    def keep(self, name: str, bl: Bilinear, a: Tensor, b: Tensor, y: object,
              weight: Tensor | None) -> None:
         if name not in self.names or not isinstance(y, Tensor):
             return
@@ -213,11 +213,12 @@ class CallCapture:
         owner = self
 
         class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                                   kwargs: Any = None) -> Any:
+            def __torch_function__(self, func: Callable[..., Any], types: object,
+                                   args: tuple[Any, ...] = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
                 return owner._on_call(func, args, kwargs or {})
 
-        def root_pre(m: nn.Module, args: Any) -> None:
+        def root_pre(m: nn.Module, args: tuple[Any, ...]) -> None:
             self.namer.reset()
             self.module_calls.reset()
             self.step_names.reset()
@@ -244,20 +245,21 @@ class CallCapture:
         st.enter_context(_Mode())
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stack.close()
 
-    def _leaf_pre(self, mod: nn.Module, args: Any) -> None:
+    def _leaf_pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
         self.depth += 1
 
-    def _leaf_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+    def _leaf_post(self, mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
         self.depth -= 1
 
-    def _pop(self, mod: nn.Module, args: Any, out: Any) -> None:
+    def _pop(self, mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
         if self.scope:
             self.scope.pop()
 
-    def _on_call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    def _on_call(self, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
         kind = gemm_call_kind(func) if self.depth == 0 else None
         if kind is None:
             return func(*args, **kwargs)
@@ -277,11 +279,11 @@ class _Push:
     def __init__(self, owner: CallCapture, name: str) -> None:
         self.owner, self.name = owner, name
 
-    def __call__(self, mod: nn.Module, args: Any) -> None:
+    def __call__(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
         self.owner.scope.append(self.name)
 
 
-def _restore_forward(mod: nn.Module, own: Any) -> None:
+def _restore_forward(mod: nn.Module, own: Callable[..., Any] | None) -> None:
     mod.__dict__.pop("forward", None)
     if own:
         mod.__dict__["forward"] = own

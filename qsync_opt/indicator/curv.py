@@ -166,6 +166,81 @@ def gn_quad(calls: Sequence[CurvCall], jt: Sequence[Tensor | None], us: Sequence
     return out
 
 
+#: Per op and precision: the probe pattern (the two operands' formats) and its factor.
+_Keys = dict[str, dict[Precision, tuple[tuple[str, ...], float]]]
+
+
+def _curv_keys(bls: dict[str, Bilinear], ops_calls: dict[str, list[CurvCall]],
+               precisions: dict[str, Sequence[Precision]], lr: float) -> tuple[_Keys, _Keys]:
+    """The forward and backward probe patterns of every op and precision (backward: only
+    where the second operand is a weight and ``lr`` > 0)."""
+    fwd_keys: _Keys = {}
+    bwd_keys: _Keys = {}
+    for n in ops_calls:
+        for p in precisions[n]:
+            k = SPECS[p]
+            if k is None:
+                continue
+            fwd_keys.setdefault(n, {})[p] = curv_pattern((k.a, k.b))
+            if bls[n].b_is_weight and lr > 0:
+                bwd_keys.setdefault(n, {})[p] = curv_pattern((k.a_bwd, k.g_w))
+    return fwd_keys, bwd_keys
+
+
+def _probe_all(keys: _Keys, make: Callable[[str, tuple[str, ...]], Callable[[], list[Tensor]]],
+               ops_calls: dict[str, list[CurvCall]], samples: int,
+               quad: Callable[[Sequence[CurvCall], Sequence[Tensor]], list[float]]
+               ) -> dict[tuple[str, tuple[str, ...]], float]:
+    """Per pattern, ``samples`` probes that perturb every op using it at once; each op's
+    half mean of its own part of the quadratic form."""
+    got: dict[tuple[str, tuple[str, ...]], float] = {}
+    for key in sorted({kf[0] for row in keys.values() for kf in row.values()}):
+        users = [n for n, row in keys.items() if any(kf[0] == key for kf in row.values())]
+        makers = {n: make(n, key) for n in users}
+        flat = [(n, c) for n in users for c in ops_calls[n]]
+        totals = dict.fromkeys(users, 0.0)
+        for _ in range(samples):
+            us = [u for n in users for u in makers[n]()]
+            for (n, _), v in zip(flat, quad([c for _, c in flat], us), strict=True):
+                totals[n] += v
+        for n in users:
+            got[(n, key)] = 0.5 * totals[n] / samples
+    return got
+
+
+def _forward_probe(bl: Bilinear, cs: list[CurvCall], key: tuple[str, ...],
+                   gen: torch.Generator, stochastic: bool) -> Callable[[], list[Tensor]]:
+    """Draws of each call's output change when both operands are rounded to ``key``."""
+    sds = [(element_variance(c.a, key[0], stochastic=stochastic).sqrt(),
+            element_variance(c.b, key[1], per_channel=bl.b_is_weight,
+                             stochastic=stochastic).sqrt()) for c in cs]
+    return lambda: [bl.f(sa * rademacher(c.a.shape, gen), c.b)
+                    + bl.f(c.a, sb * rademacher(c.b.shape, gen))
+                    for c, (sa, sb) in zip(cs, sds, strict=True)]
+
+
+def _backward_probe(bl: Bilinear, cs: list[CurvCall], key: tuple[str, ...],
+                    gen: torch.Generator, stochastic: bool) -> Callable[[], list[Tensor]]:
+    """Draws of each call's output change under the weight-gradient error of ``key`` (one
+    weight perturbation for every call)."""
+    var: Tensor | None = None
+    for c in cs:
+        assert c.g is not None
+        v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
+                       c.b.shape, c.g.square())
+             + bl.grad_b(c.a.square(), c.b.shape,
+                         element_variance(c.g, key[1], stochastic=stochastic,
+                                          channel_dim=bl.channel_dim)))
+        var = v if var is None else var + v
+    assert var is not None
+    sd = var.sqrt()
+
+    def draw() -> list[Tensor]:
+        z = rademacher(sd.shape, gen)  # one weight perturbation, every call
+        return [bl.f(c.a, sd * z) for c in cs]
+    return draw
+
+
 def curv_terms(bls: dict[str, Bilinear], ops_calls: dict[str, list[CurvCall]],
                 precisions: dict[str, Sequence[Precision]], samples: int,
                 gen: torch.Generator, stochastic: bool, lr: float,
@@ -176,64 +251,13 @@ def curv_terms(bls: dict[str, Bilinear], ops_calls: dict[str, list[CurvCall]],
     own part ``u_op^T (H u)_op``: the cross terms with other ops' independent probes are
     zero-mean, so it stays unbiased for one product per probe and pattern, whatever the
     number of ops."""
-    fwd_keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]] = {}
-    bwd_keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]] = {}
-    for n in ops_calls:
-        for p in precisions[n]:
-            k = SPECS[p]
-            if k is None:
-                continue
-            fwd_keys.setdefault(n, {})[p] = curv_pattern((k.a, k.b))
-            if bls[n].b_is_weight and lr > 0:
-                bwd_keys.setdefault(n, {})[p] = curv_pattern((k.a_bwd, k.g_w))
-
-    def probe_all(keys: dict[str, dict[Precision, tuple[tuple[str, ...], float]]],
-                  make: Callable[[str, tuple[str, ...]], Callable[[], list[Tensor]]]
-                  ) -> dict[tuple[str, tuple[str, ...]], float]:
-        got: dict[tuple[str, tuple[str, ...]], float] = {}
-        for key in sorted({kf[0] for row in keys.values() for kf in row.values()}):
-            users = [n for n, row in keys.items() if any(kf[0] == key for kf in row.values())]
-            makers = {n: make(n, key) for n in users}
-            flat = [(n, c) for n in users for c in ops_calls[n]]
-            totals = dict.fromkeys(users, 0.0)
-            for _ in range(samples):
-                us = [u for n in users for u in makers[n]()]
-                for (n, _), v in zip(flat, quad([c for _, c in flat], us), strict=True):
-                    totals[n] += v
-            for n in users:
-                got[(n, key)] = 0.5 * totals[n] / samples
-        return got
-
-    def forward_probe(n: str, key: tuple[str, ...]) -> Callable[[], list[Tensor]]:
-        bl, cs = bls[n], ops_calls[n]
-        sds = [(element_variance(c.a, key[0], stochastic=stochastic).sqrt(),
-                element_variance(c.b, key[1], per_channel=bl.b_is_weight,
-                                 stochastic=stochastic).sqrt()) for c in cs]
-        return lambda: [bl.f(sa * rademacher(c.a.shape, gen), c.b)
-                        + bl.f(c.a, sb * rademacher(c.b.shape, gen))
-                        for c, (sa, sb) in zip(cs, sds, strict=True)]
-
-    def backward_probe(n: str, key: tuple[str, ...]) -> Callable[[], list[Tensor]]:
-        bl, cs = bls[n], ops_calls[n]
-        var: Tensor | None = None
-        for c in cs:
-            assert c.g is not None
-            v = (bl.grad_b(element_variance(c.a, key[0], stochastic=stochastic),
-                           c.b.shape, c.g.square())
-                 + bl.grad_b(c.a.square(), c.b.shape,
-                             element_variance(c.g, key[1], stochastic=stochastic,
-                                              channel_dim=bl.channel_dim)))
-            var = v if var is None else var + v
-        assert var is not None
-        sd = var.sqrt()
-
-        def draw() -> list[Tensor]:
-            z = rademacher(sd.shape, gen)  # one weight perturbation, every call
-            return [bl.f(c.a, sd * z) for c in cs]
-        return draw
-
-    fwd = probe_all(fwd_keys, forward_probe)
-    bwd = probe_all(bwd_keys, backward_probe) if bwd_keys else {}
+    fwd_keys, bwd_keys = _curv_keys(bls, ops_calls, precisions, lr)
+    fwd = _probe_all(fwd_keys, lambda n, key: _forward_probe(bls[n], ops_calls[n], key, gen,
+                                                             stochastic),
+                     ops_calls, samples, quad)
+    bwd = _probe_all(bwd_keys, lambda n, key: _backward_probe(bls[n], ops_calls[n], key, gen,
+                                                              stochastic),
+                     ops_calls, samples, quad) if bwd_keys else {}
     out: dict[str, dict[Precision, tuple[float, float]]] = {}
     for n in ops_calls:
         row: dict[Precision, tuple[float, float]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,8 +83,6 @@ def available_memory_bytes() -> int | None:
     """Memory this process can still take: MemAvailable (/proc/meminfo), lowered by a
     cgroup limit (memory.max less memory.current) and by an address-space limit
     (RLIMIT_AS less the current VmSize) where set. None where nothing can be read."""
-    import resource
-
     found: list[int] = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -20,13 +20,16 @@ available in :func:`run_iterations`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
 from qsync_opt.costs.devices import get_device
-from qsync_opt.documents.schemas import ClusterSpec, CostTable, GradBucket, ModelGraph
+from qsync_opt.costs.roofline import estimate
+from qsync_opt.documents.schemas import ClusterSpec, CostTable, GradBucket, ModelGraph, Plan
 from qsync_opt.netsim.engine import DEFAULT_MAX_EVENTS, NetsimLimit
 from qsync_opt.netsim.topology import Topology
 from qsync_opt.netsim.traffic import (
@@ -38,6 +41,12 @@ from qsync_opt.netsim.traffic import (
     quantile,
     simulate_iteration,
 )
+from qsync_opt.replayer import Replayer
+from qsync_opt.replayer.timeline import Timeline
+from qsync_opt.strategy.droppolicy import ChunkTable
+
+#: A plan as the replayer takes it: a Plan, or group -> op -> precision.
+PlanLike = Plan | Mapping[str, Mapping[str, Precision | str]]
 
 SCENARIO_PATTERN = {"ring": "ring", "incast": "ps", "oversubscribed": "ring"}
 DEFAULT_BUFFER_BYTES = 4 << 20
@@ -162,11 +171,10 @@ def check_events(net: Network, buckets: Sequence[Bucket], pattern: str, cfg: Net
 
 
 def group_ready_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
-                   plan: Any = None, optimizer: str = "sgd") -> tuple[list[list[float]], Any]:
+                   plan: PlanLike | None = None, optimizer: str = "sgd"
+                   ) -> tuple[list[list[float]], Timeline]:
     """Each group's bucket ready times (ms) from the replayer's compute timeline of ``plan``
     (default: every group at its highest precision) and that timeline."""
-    from qsync_opt.replayer import Replayer
-
     rep = Replayer(graph, cluster, costs, optimizer=optimizer)
     tl = rep.simulate(plan if plan is not None else rep.uniform("highest"), events=False)
     return tl.bucket_ready_ms, tl
@@ -195,13 +203,11 @@ def params_bucket(numels: Sequence[int]) -> Bucket:
                         for i in range(len(numels) - 1, -1, -1)))
 
 
-def drop_mask(table: Any, bucket: Bucket, lost: Sequence[tuple[int, int]]) -> Any:
+def drop_mask(table: ChunkTable, bucket: Bucket, lost: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The simulator's loss handed to the runtime's DLCP: the chunks of ``table``
     (:class:`qsync_opt.strategy.droppolicy.ChunkTable`) that any lost byte range ``(offset,
     bytes)`` of ``bucket`` (:func:`params_bucket` of the same numels) touches, as the bool
     mask :func:`qsync_opt.strategy.droppolicy.apply_drops` takes."""
-    import torch
-
     dropped = torch.zeros(table.n_chunks, dtype=torch.bool)
     starts, acc = [], 0
     for _, b, _ in bucket.layers:
@@ -273,19 +279,19 @@ def rank_cluster(cluster: ClusterSpec, rank_groups: Sequence[str]) -> tuple[Clus
 
 
 def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequence[str],
-                          buckets: Sequence[Bucket], plan: Any = None) -> list[list[float]]:
+                          buckets: Sequence[Bucket], plan: PlanLike | None = None
+                          ) -> list[list[float]]:
     """Per group of ``cluster``, per bucket of ``buckets`` (:func:`ddp_buckets`: layer names
     are indices into the parameter names ``names``): when the backward has computed its
     last gradient (ms), on the replayer's compute timeline of ``plan`` (default, or a plan
     of another graph: every group at its highest precision). A parameter's gradient is
     ready when the backward of its op ends (the op: the longest dotted prefix of its name
     that names one of ``graph``'s ops); one no op claims, at the end of the backward."""
-    from qsync_opt.replayer import Replayer
-
     cl = cluster.with_default_batch(graph.batch_size)
     rep = Replayer(graph, cl, _estimate(graph, cl))
     mine = plan is not None and getattr(plan, "graph_hash", None) == graph.structure_hash()
-    tl = rep.simulate(plan if mine else rep.uniform("highest"), events=True)
+    tl = rep.simulate(plan if mine and plan is not None else rep.uniform("highest"),
+                      events=True)
     out = []
     for g in cl.groups:
         done = {e.name: e.end_ms for e in tl.events if e.group == g.name and e.kind == "bwd"}
@@ -303,15 +309,14 @@ def param_bucket_ready_ms(graph: ModelGraph, cluster: ClusterSpec, names: Sequen
 
 
 def _estimate(graph: ModelGraph, cluster: ClusterSpec) -> CostTable:
-    from qsync_opt.costs.roofline import estimate
-
     return estimate(graph, cluster)
 
 
-def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
+def dlcp_masks(table: ChunkTable, cluster: ClusterSpec, rank_groups: Sequence[str], *,
                scenario: str, cfg: NetConfig, iterations: int, seed: int,
                buffer_bytes: int = DEFAULT_BUFFER_BYTES, graph: ModelGraph | None = None,
-               names: Sequence[str] | None = None, plan: Any = None) -> list[list[Any]]:
+               names: Sequence[str] | None = None, plan: PlanLike | None = None
+               ) -> list[list[torch.Tensor]]:
     """What the network would lose of a training run's gradients, for the runtime's DLCP:
     ``iterations`` seeded simulated iterations (seed, seed + 1, ...) of the ranks'
     ``cluster`` (:func:`rank_cluster`) under ``scenario``, each DDP bucket
@@ -321,8 +326,6 @@ def dlcp_masks(table: Any, cluster: ClusterSpec, rank_groups: Sequence[str], *,
     ready at once), and per iteration, per rank, the chunk mask (:func:`drop_mask`) of the
     packets lost of the messages that rank sent (a loss of the parameter server's reply: of
     the rank it was for), unbounded (the runtime bounds it per tensor)."""
-    import torch
-
     cl, device = rank_cluster(cluster, rank_groups)
     check_hosts(cl)
     net = cluster_network(cl, scenario, buffer_bytes=buffer_bytes)

@@ -102,20 +102,12 @@ std::string RunLeafSpine(uint32_t k, uint64_t bytesEach, double hostGbps, double
         addr.SetBase(Ipv4Address(net.str().c_str()), Ipv4Mask("255.255.255.0"));
         ifs.push_back(addr.Assign(links[i]));
     }
-    std::string err = StripQueueDiscs(all);
-    if (!err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + err + "\"}"; }
-    Ipv4GlobalRoutingHelper::PopulateRoutingTables();
-    g_flows.resize(k);
-    for (uint32_t i = 0; i < k; ++i) {
-        AddFlow(i, hosts.Get(i), hostLinks[i].Get(0), hosts.Get(k + i),
-                ifs[k + i].GetAddress(0), bytesEach);
-    }
-    if (!g_err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + g_err + "\"}"; }
-    Simulator::Stop(Seconds(stopS));
-    Simulator::Run();
-    std::string out = Finish(true);
-    Simulator::Destroy();
-    return out;
+    return RunFlows(all, k, [&] {
+        for (uint32_t i = 0; i < k; ++i) {
+            AddFlow(i, hosts.Get(i), hostLinks[i].Get(0), hosts.Get(k + i),
+                    ifs[k + i].GetAddress(0), bytesEach);
+        }
+    }, stopS, true);
 }
 
 }  // namespace qsync_ns3ref

@@ -286,6 +286,7 @@ _CPP = r"""
 #include <iomanip>
 #include <vector>
 #include <string>
+#include <functional>
 
 namespace qsync_ns3ref {
 using namespace ns3;
@@ -536,6 +537,23 @@ static std::string Finish(bool list) {
     return os.str();
 }
 
+// The common tail of every case: the queue discs stripped, the routes built, the ``n``
+// flows ``addFlows`` registers run until ``stopS``, and the results (``list``: per flow).
+std::string RunFlows(NodeContainer nodes, uint32_t n, const std::function<void()>& addFlows,
+                     double stopS, bool list) {
+    std::string err = StripQueueDiscs(nodes);
+    if (!err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + err + "\"}"; }
+    Ipv4GlobalRoutingHelper::PopulateRoutingTables();
+    g_flows.resize(n);
+    addFlows();
+    if (!g_err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + g_err + "\"}"; }
+    Simulator::Stop(Seconds(stopS));
+    Simulator::Run();
+    std::string out = Finish(list);
+    Simulator::Destroy();
+    return out;
+}
+
 std::string RunBottleneck(uint64_t bytes, double gbps, double delayUs, uint32_t buffer,
                           uint32_t mss, double minRtoMs, double stopS) {
     Reset();
@@ -553,17 +571,9 @@ std::string RunBottleneck(uint64_t bytes, double gbps, double delayUs, uint32_t 
     Ipv4AddressHelper addr;
     addr.SetBase("10.1.1.0", "255.255.255.0");
     Ipv4InterfaceContainer ifs = addr.Assign(devs);
-    std::string err = StripQueueDiscs(nodes);
-    if (!err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + err + "\"}"; }
-    Ipv4GlobalRoutingHelper::PopulateRoutingTables();
-    g_flows.resize(1);
-    AddFlow(0, nodes.Get(0), devs.Get(0), nodes.Get(1), ifs.GetAddress(1), bytes);
-    if (!g_err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + g_err + "\"}"; }
-    Simulator::Stop(Seconds(stopS));
-    Simulator::Run();
-    std::string out = Finish(false);
-    Simulator::Destroy();
-    return out;
+    return RunFlows(nodes, 1, [&] {
+        AddFlow(0, nodes.Get(0), devs.Get(0), nodes.Get(1), ifs.GetAddress(1), bytes);
+    }, stopS, false);
 }
 
 std::string RunIncast(uint32_t senders, uint64_t bytesEach, double gbps, double delayUs,
@@ -601,20 +611,12 @@ std::string RunIncast(uint32_t senders, uint64_t bytesEach, double gbps, double 
     }
     addr.SetBase("10.250.0.0", "255.255.255.0");
     Ipv4InterfaceContainer bifs = addr.Assign(bott);
-    std::string err = StripQueueDiscs(all);
-    if (!err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + err + "\"}"; }
-    Ipv4GlobalRoutingHelper::PopulateRoutingTables();
-    g_flows.resize(senders);
-    for (uint32_t i = 0; i < senders; ++i) {
-        AddFlow(i, hosts.Get(i), senderLinks[i].Get(0), receiver.Get(0), bifs.GetAddress(1),
-                bytesEach);
-    }
-    if (!g_err.empty()) { Simulator::Destroy(); return "{\"error\":\"" + g_err + "\"}"; }
-    Simulator::Stop(Seconds(stopS));
-    Simulator::Run();
-    std::string out = Finish(true);
-    Simulator::Destroy();
-    return out;
+    return RunFlows(all, senders, [&] {
+        for (uint32_t i = 0; i < senders; ++i) {
+            AddFlow(i, hosts.Get(i), senderLinks[i].Get(0), receiver.Get(0),
+                    bifs.GetAddress(1), bytesEach);
+        }
+    }, stopS, true);
 }
 
 }  // namespace qsync_ns3ref

@@ -220,6 +220,138 @@ def _ring(run: _Run, members: list[int], k: int, start: Callable[[int, Callable[
         start(i, functools.partial(step, i, 0))
 
 
+def _jittered_ready(ready_ms: Sequence[Sequence[float]], cfg: NetConfig,
+                    seed: int) -> list[list[float]]:
+    """Each rank's bucket ready times in seconds, jittered (``cfg.jitter``, a relative
+    Gaussian; ``cfg.start_jitter_us``, a uniform delay) and made non-decreasing."""
+    rng = random.Random(seed * 7919 + 17)
+    ready = []
+    for row in ready_ms:
+        prev, out = 0.0, []
+        for t in row:
+            t = t * (1 + cfg.jitter * rng.gauss(0.0, 1.0)) if cfg.jitter else t
+            if cfg.start_jitter_us:
+                t += rng.uniform(0.0, cfg.start_jitter_us) * 1e-3
+            prev = max(prev, t, 0.0)
+            out.append(prev * 1e-3)
+        ready.append(out)
+    return ready
+
+
+class _Gates:
+    """Member i may start bucket k once it is ready and it has finished bucket k-1."""
+
+    def __init__(self, run: _Run, ready: list[list[float]], n: int, nb: int) -> None:
+        self.run, self.ready = run, ready
+        self.fin = [[False] * nb for _ in range(n)]
+        self.waiting: dict[tuple[int, int], Callable[[], None]] = {}
+
+    def gate(self, i: int, k: int, go: Callable[[], None]) -> None:
+        def check() -> None:
+            if k == 0 or self.fin[i][k - 1]:
+                go()
+            else:
+                self.waiting[(i, k - 1)] = go
+        self.run.sim.at(self.ready[i][k], check)
+
+    def member_done(self, i: int, k: int, t: float) -> None:
+        self.fin[i][k] = True
+        self.run.finish(k, t)
+        go = self.waiting.pop((i, k), None)
+        if go is not None:
+            go()
+
+
+def _start_ring(run: _Run, gates: _Gates, ranks: Sequence[int], nb: int) -> None:
+    """Every bucket a ring all-reduce over all the ranks."""
+    n = len(ranks)
+    for k in range(nb):
+        def ring_start(i: int, go: Callable[[], None], k: int = k) -> None:
+            gates.gate(i, k, go)
+
+        def ring_done(i: int, t: float, k: int = k) -> None:
+            gates.member_done(i, k, t)
+        _ring(run, [ranks[i] for i in range(n)], k, ring_start, ring_done)
+
+
+def _start_ps(run: _Run, gates: _Gates, ranks: Sequence[int], buckets: Sequence[Bucket],
+              ps: int | None) -> None:
+    """Every bucket pushed to the parameter server ``ps``, sent back once all have come."""
+    if ps is None:
+        raise ValueError("pattern ps: a parameter-server host is needed")
+    n = len(ranks)
+    for k in range(len(buckets)):
+        count = [0]
+        size = buckets[k].bytes
+
+        def pushed(t: float, k: int = k, count: list[int] = count, size: int = size) -> None:
+            count[0] += 1
+            if count[0] == n:
+                for i in range(n):
+                    run.send(ps, ranks[i], k, 0, size, functools.partial(gates.member_done, i, k))
+        for i in range(n):
+            gates.gate(i, k, functools.partial(run.send, ranks[i], ps, k, 0, buckets[k].bytes,
+                                               pushed))
+
+
+def _start_hierarchical(run: _Run, gates: _Gates, ranks: Sequence[int],
+                        buckets: Sequence[Bucket],
+                        nodes: Sequence[Sequence[int]] | None) -> None:
+    """Every bucket reduced to each node's leader, a ring over the leaders, then sent back
+    to the node's members."""
+    n = len(ranks)
+    groups = [list(g) for g in (nodes or [list(range(n))])]
+    index = {r: i for i, r in enumerate(ranks)}
+    for k in range(len(buckets)):
+        leaders = [g[0] for g in groups]
+        reduced = [0] * len(groups)
+
+        def at_leader(gi: int, go: Callable[[], None], k: int = k, reduced: list[int] = reduced
+                      ) -> None:
+            g = groups[gi]
+
+            def one(*_: float) -> None:  # the leader's own bucket, then each member's
+                reduced[gi] += 1
+                if reduced[gi] == len(g):
+                    go()
+            gates.gate(index[g[0]], k, one)
+            for h in g[1:]:
+                gates.gate(index[h], k, functools.partial(run.send, h, g[0], k, 0,
+                                                          buckets[k].bytes, one))
+
+        def leader_done(gi: int, t: float, k: int = k) -> None:
+            g = groups[gi]
+            gates.member_done(index[g[0]], k, t)
+            for h in g[1:]:
+                run.send(g[0], h, k, 0, buckets[k].bytes,
+                         functools.partial(gates.member_done, index[h], k))
+        _ring(run, leaders, k, at_leader, leader_done)
+
+
+def _losses(run: _Run, buckets: Sequence[Bucket], cell: int
+            ) -> tuple[dict[str, int], dict[str, int], list[tuple[int, int, int]],
+                       list[tuple[int, int]]]:
+    """Per layer the bytes lost and sent, and each lost cell's (bucket, offset, bytes) and
+    (sender, receiver)."""
+    lost: dict[str, int] = {}
+    sent: dict[str, int] = {}
+    ranges: list[tuple[int, int, int]] = []
+    ends: list[tuple[int, int]] = []
+    for (k, off, nbytes, m), ab in zip(run.msgs, run.ends, strict=True):
+        b = buckets[k]
+        missing = set(m.missing)
+        for q in range(m.first, m.first + m.n):
+            i = q - m.first
+            name = b.layers[b.layer_at(off + i * cell)][0]
+            size = min(cell, nbytes - i * cell)
+            sent[name] = sent.get(name, 0) + size
+            if q in missing:
+                lost[name] = lost.get(name, 0) + size
+                ranges.append((k, off + i * cell, size))
+                ends.append(ab)
+    return lost, sent, ranges, ends
+
+
 def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[Bucket],
                        ready_ms: Sequence[Sequence[float]], cfg: NetConfig, *,
                        pattern: str = "ring", seed: int = 0, ps: int | None = None,
@@ -234,107 +366,19 @@ def simulate_iteration(topo: Topology, ranks: Sequence[int], buckets: Sequence[B
     sim = Sim(topo, queue=cfg.queue, routing=cfg.routing, seed=seed, classes=cfg.classes,
               bin_us=cfg.bin_us if keep_bins else None, max_events=cfg.max_events,
               cell_bytes=cfg.cell_bytes)
-    rng = random.Random(seed * 7919 + 17)
-    ready = []
-    for row in ready_ms:
-        prev, out = 0.0, []
-        for t in row:
-            t = t * (1 + cfg.jitter * rng.gauss(0.0, 1.0)) if cfg.jitter else t
-            if cfg.start_jitter_us:
-                t += rng.uniform(0.0, cfg.start_jitter_us) * 1e-3
-            prev = max(prev, t, 0.0)
-            out.append(prev * 1e-3)
-        ready.append(out)
+    ready = _jittered_ready(ready_ms, cfg, seed)
     run = _Run(sim, topo, ranks, buckets, cfg, ps=ps)
     n, nb = len(ranks), len(buckets)
-    # member i may start bucket k once it is ready and it has finished bucket k-1
-    fin = [[False] * nb for _ in range(n)]
-    waiting: dict[tuple[int, int], Callable[[], None]] = {}
-
-    def gate(i: int, k: int, go: Callable[[], None]) -> None:
-        def check() -> None:
-            if k == 0 or fin[i][k - 1]:
-                go()
-            else:
-                waiting[(i, k - 1)] = go
-        sim.at(ready[i][k], check)
-
-    def member_done(i: int, k: int, t: float) -> None:
-        fin[i][k] = True
-        run.finish(k, t)
-        go = waiting.pop((i, k), None)
-        if go is not None:
-            go()
-
+    gates = _Gates(run, ready, n, nb)
     if pattern == "ring":
-        for k in range(nb):
-            def ring_start(i: int, go: Callable[[], None], k: int = k) -> None:
-                gate(i, k, go)
-
-            def ring_done(i: int, t: float, k: int = k) -> None:
-                member_done(i, k, t)
-            _ring(run, [ranks[i] for i in range(n)], k, ring_start, ring_done)
+        _start_ring(run, gates, ranks, nb)
     elif pattern == "ps":
-        if ps is None:
-            raise ValueError("pattern ps: a parameter-server host is needed")
-        for k in range(nb):
-            count = [0]
-            size = buckets[k].bytes
-
-            def pushed(t: float, k: int = k, count: list[int] = count, size: int = size) -> None:
-                count[0] += 1
-                if count[0] == n:
-                    for i in range(n):
-                        run.send(ps, ranks[i], k, 0, size, functools.partial(member_done, i, k))
-            for i in range(n):
-                gate(i, k, functools.partial(run.send, ranks[i], ps, k, 0, buckets[k].bytes,
-                                             pushed))
+        _start_ps(run, gates, ranks, buckets, ps)
     else:
-        groups = [list(g) for g in (nodes or [list(range(n))])]
-        index = {r: i for i, r in enumerate(ranks)}
-        for k in range(nb):
-            leaders = [g[0] for g in groups]
-            reduced = [0] * len(groups)
-
-            def at_leader(gi: int, go: Callable[[], None], k: int = k, reduced: list[int] = reduced
-                          ) -> None:
-                g = groups[gi]
-
-                def one(*_: float) -> None:  # the leader's own bucket, then each member's
-                    reduced[gi] += 1
-                    if reduced[gi] == len(g):
-                        go()
-                gate(index[g[0]], k, one)
-                for h in g[1:]:
-                    gate(index[h], k, functools.partial(run.send, h, g[0], k, 0, buckets[k].bytes,
-                                                        one))
-
-            def leader_done(gi: int, t: float, k: int = k) -> None:
-                g = groups[gi]
-                member_done(index[g[0]], k, t)
-                for h in g[1:]:
-                    run.send(g[0], h, k, 0, buckets[k].bytes,
-                             functools.partial(member_done, index[h], k))
-            _ring(run, leaders, k, at_leader, leader_done)
+        _start_hierarchical(run, gates, ranks, buckets, nodes)
     sim.run()
-    lost: dict[str, int] = {}
-    sent: dict[str, int] = {}
-    ranges: list[tuple[int, int, int]] = []
-    ends: list[tuple[int, int]] = []
-    cell = cfg.cell_bytes
-    for (k, off, nbytes, m), ab in zip(run.msgs, run.ends, strict=True):
-        b = buckets[k]
-        missing = set(m.missing)
-        for q in range(m.first, m.first + m.n):
-            i = q - m.first
-            name = b.layers[b.layer_at(off + i * cell)][0]
-            size = min(cell, nbytes - i * cell)
-            sent[name] = sent.get(name, 0) + size
-            if q in missing:
-                lost[name] = lost.get(name, 0) + size
-                ranges.append((k, off + i * cell, size))
-                ends.append(ab)
-    unfinished = [k for k in range(nb) if not all(fin[i][k] for i in range(n))]
+    lost, sent, ranges, ends = _losses(run, buckets, cfg.cell_bytes)
+    unfinished = [k for k in range(nb) if not all(gates.fin[i][k] for i in range(n))]
     if unfinished:
         raise RuntimeError(f"netsim: buckets {unfinished} never completed (a deadlock in the "
                            "pattern: please report it)")

@@ -174,7 +174,7 @@ def _clear_dead_builds(folder: Path) -> None:
 
 def _compile(build: Path) -> None:
     """Compile the kernels into ``build`` (a private folder) with torch's cpp_extension."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # lazy: the optional C++ build's compiler
 
     sources = []
     for src in sorted(CSRC.glob("*.cpp")):

@@ -103,6 +103,85 @@ def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         mask, float("-inf"))
 
 
+def _inputs_lbe(step: Step, mha: nn.MultiheadAttention, query: Tensor, key: Tensor,
+                value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Step ``inputs``: query, key and value brought to (L, B, E), keeping which inputs are
+    the same tensor (one step output each)."""
+    batched = query.dim() == 3
+    distinct: list[Tensor] = []
+    for t in (query, key, value):
+        if not any(t is d for d in distinct):
+            distinct.append(t)
+
+    def to_lbe(*xs: Tensor) -> tuple[Tensor, ...]:
+        out = []
+        for x in xs:
+            if not batched:
+                x = x.unsqueeze(1)
+            elif mha.batch_first:
+                x = x.transpose(0, 1)
+            out.append(x)
+        return tuple(out)
+
+    moved = step("inputs", OpKind.reshape, to_lbe, *distinct)
+    pick = {id(d): m for d, m in zip(distinct, moved, strict=True)}
+    return pick[id(query)], pick[id(key)], pick[id(value)]
+
+
+def _projections(step: Step, mha: nn.MultiheadAttention, names: tuple[str, ...],
+                 q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The input projections as the steps ``names`` says (one packed ``in_proj``, ``q_proj``
+    and a packed ``kv_proj``, or three), and the ``split`` of a packed one."""
+    E = mha.embed_dim
+    b = mha.in_proj_bias
+    bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
+    if names == ("in_proj",):
+        qkv = step("in_proj", OpKind.linear, F.linear, q_in, mha.in_proj_weight, b)
+        q, k, v = step("split", OpKind.reshape, lambda t: tuple(t.chunk(3, dim=-1)), qkv)
+        return q, k, v
+    if names == ("q_proj", "kv_proj"):
+        w = mha.in_proj_weight
+        q = step("q_proj", OpKind.linear, F.linear, q_in, w[:E], bq)
+        kv = step("kv_proj", OpKind.linear, F.linear, k_in, w[E:],
+                  None if b is None else b[E:])
+        k, v = step("split", OpKind.reshape, lambda t: tuple(t.chunk(2, dim=-1)), kv)
+        return q, k, v
+    if mha._qkv_same_embed_dim:
+        w = mha.in_proj_weight
+        wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+    else:
+        wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    q = step("q_proj", OpKind.linear, F.linear, q_in, wq, bq)
+    k = step("k_proj", OpKind.linear, F.linear, k_in, wk, bk)
+    v = step("v_proj", OpKind.linear, F.linear, v_in, wv, bv)
+    return q, k, v
+
+
+def _masked(step: Step, scores: Tensor, attn_mask: Tensor | None,
+            key_padding_mask: Tensor | None, is_causal: bool, H: int, S: int) -> Tensor:
+    """The scores with the causal fill (``causal``) or the attention and key-padding masks
+    added (``mask_prep``, ``mask``)."""
+    mask = _float_mask(attn_mask, scores.dtype)
+    if mask is None and is_causal:
+        scores = step("causal", OpKind.elementwise, _causal_fill, scores)
+    kpm = _float_mask(key_padding_mask, scores.dtype)
+    if mask is not None or kpm is not None:
+        def merged(mask: Tensor | None, kpm: Tensor | None) -> Tensor:
+            m = None
+            if mask is not None:
+                m = mask.unsqueeze(0) if mask.dim() == 2 else mask
+            if kpm is not None:
+                k2 = kpm.reshape(-1, S).view(-1, 1, 1, S).expand(-1, H, -1, -1).reshape(
+                    -1, 1, S)
+                m = k2 if m is None else m + k2
+            assert m is not None
+            return m
+
+        full = step("mask_prep", OpKind.elementwise, merged, mask, kpm)
+        scores = step("mask", OpKind.elementwise, torch.add, scores, full)
+    return scores
+
+
 def mha_forward(step: Step, mha: nn.MultiheadAttention, query: Tensor, key: Tensor,
                 value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None,
@@ -122,47 +201,10 @@ def mha_forward(step: Step, mha: nn.MultiheadAttention, query: Tensor, key: Tens
     batched = query.dim() == 3
     E, H = mha.embed_dim, mha.num_heads
     hd = E // H
-    # Bring everything to (L, B, E), keeping which inputs are the same tensor.
-    distinct: list[Tensor] = []
-    for t in (query, key, value):
-        if not any(t is d for d in distinct):
-            distinct.append(t)
-
-    def to_lbe(*xs: Tensor) -> tuple[Tensor, ...]:
-        out = []
-        for x in xs:
-            if not batched:
-                x = x.unsqueeze(1)
-            elif mha.batch_first:
-                x = x.transpose(0, 1)
-            out.append(x)
-        return tuple(out)
-
-    moved = step("inputs", OpKind.reshape, to_lbe, *distinct)
-    pick = {id(d): m for d, m in zip(distinct, moved, strict=True)}
-    q_in, k_in, v_in = pick[id(query)], pick[id(key)], pick[id(value)]
+    q_in, k_in, v_in = _inputs_lbe(step, mha, query, key, value)
     L, B = q_in.shape[0], q_in.shape[1]
     S = k_in.shape[0]
-    b = mha.in_proj_bias
-    bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
-    if names == ("in_proj",):
-        qkv = step("in_proj", OpKind.linear, F.linear, q_in, mha.in_proj_weight, b)
-        q, k, v = step("split", OpKind.reshape, lambda t: tuple(t.chunk(3, dim=-1)), qkv)
-    elif names == ("q_proj", "kv_proj"):
-        w = mha.in_proj_weight
-        q = step("q_proj", OpKind.linear, F.linear, q_in, w[:E], bq)
-        kv = step("kv_proj", OpKind.linear, F.linear, k_in, w[E:],
-                  None if b is None else b[E:])
-        k, v = step("split", OpKind.reshape, lambda t: tuple(t.chunk(2, dim=-1)), kv)
-    else:
-        if mha._qkv_same_embed_dim:
-            w = mha.in_proj_weight
-            wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
-        else:
-            wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-        q = step("q_proj", OpKind.linear, F.linear, q_in, wq, bq)
-        k = step("k_proj", OpKind.linear, F.linear, k_in, wk, bk)
-        v = step("v_proj", OpKind.linear, F.linear, v_in, wv, bv)
+    q, k, v = _projections(step, mha, names, q_in, k_in, v_in)
 
     def heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return (q.reshape(L, B * H, hd).transpose(0, 1), k.reshape(S, B * H, hd).transpose(0, 1),
@@ -172,24 +214,7 @@ def mha_forward(step: Step, mha: nn.MultiheadAttention, query: Tensor, key: Tens
     q = step("scale", OpKind.elementwise, torch.mul, q, 1.0 / math.sqrt(hd))
     kt = step("k_t", OpKind.reshape, torch.transpose, k, -2, -1)
     scores = step("qk", OpKind.matmul, torch.bmm, q, kt)  # (B*H, L, S)
-    mask = _float_mask(attn_mask, scores.dtype)
-    if mask is None and is_causal:
-        scores = step("causal", OpKind.elementwise, _causal_fill, scores)
-    kpm = _float_mask(key_padding_mask, scores.dtype)
-    if mask is not None or kpm is not None:
-        def merged(mask: Tensor | None, kpm: Tensor | None) -> Tensor:
-            m = None
-            if mask is not None:
-                m = mask.unsqueeze(0) if mask.dim() == 2 else mask
-            if kpm is not None:
-                k2 = kpm.reshape(-1, S).view(-1, 1, 1, S).expand(-1, H, -1, -1).reshape(
-                    -1, 1, S)
-                m = k2 if m is None else m + k2
-            assert m is not None
-            return m
-
-        full = step("mask_prep", OpKind.elementwise, merged, mask, kpm)
-        scores = step("mask", OpKind.elementwise, torch.add, scores, full)
+    scores = _masked(step, scores, attn_mask, key_padding_mask, is_causal, H, S)
     probs = step("softmax", OpKind.softmax, torch.softmax, scores, -1)
     dropped = probs
     if mha.training and mha.dropout > 0.0:

@@ -25,7 +25,7 @@ def cuda_kernels() -> Any:
     if not torch.cuda.is_available():
         return None
     try:
-        from qsync_opt.cuda.kernels import load
+        from qsync_opt.cuda.kernels import load  # lazy: the optional CUDA build
 
         return load()
     except Exception as exc:  # a missing or broken build: the references serve
@@ -49,7 +49,7 @@ def available() -> dict[str, str]:
             out["cuda"] = "CUDA kernels (qsync_opt.cuda, ctypes)"
         else:
             try:
-                from qsync_opt.cuda.kernels import load_error
+                from qsync_opt.cuda.kernels import load_error  # lazy: the optional CUDA build
 
                 reason = load_error() or "not loaded"
             except Exception as exc:

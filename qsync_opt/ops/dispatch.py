@@ -59,8 +59,9 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., Any], types: object,
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         o = self.owner
         if o.depth > 0:
@@ -123,7 +124,7 @@ class FunctionalDispatch:
         self.seed = (self.seed + 1) & 0x7FFFFFFF
         return self.seed
 
-    def _root_pre(self, mod: nn.Module, args: Any) -> None:
+    def _root_pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
         if self.active == 0:
             self.namer.param_names = {id(p): n for n, p in self.model.named_parameters()}
             self.namer.reset()
@@ -133,7 +134,7 @@ class FunctionalDispatch:
             self.mode.__enter__()
         self.active += 1
 
-    def _root_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+    def _root_post(self, mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
         self.active -= 1
         if self.active == 0 and self.mode is not None:
             mode, self.mode = self.mode, None
@@ -151,16 +152,16 @@ class FunctionalDispatch:
         not produce: the plan was made for another model, or another code path)."""
         return sorted(set(self.precisions) - self.seen)
 
-    def _leaf_pre(self, mod: nn.Module, args: Any) -> None:
+    def _leaf_pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
         self.depth += 1
 
-    def _leaf_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+    def _leaf_post(self, mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
         self.depth -= 1
 
     def _scope_pre(self, name: str) -> Callable[[nn.Module, Any], None]:
         return _ScopePush(self, name)
 
-    def _scope_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+    def _scope_post(self, mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
         if self.scope:
             self.scope.pop()
 
@@ -177,7 +178,7 @@ class _ScopePush:
     def __init__(self, owner: FunctionalDispatch, name: str) -> None:
         self.owner, self.name = owner, name
 
-    def __call__(self, mod: nn.Module, args: Any) -> None:
+    def __call__(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
         self.owner.scope.append(self.name)
 
 
@@ -212,12 +213,12 @@ def count_calls(model: nn.Module) -> Iterator[dict[str, dict[str, int]]]:
     handles: list[Any] = []
 
     def count_module(name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
             record_call(name, Precision.fp32)
         return hook
 
     def count_mha(name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             assert isinstance(mod, nn.MultiheadAttention)  # registered on those only
             qkv = list(args[:3])
             for key in ("query", "key", "value")[len(qkv):]:

@@ -125,7 +125,7 @@ def module_kind(mod: nn.Module) -> OpKind:
     return OpKind.other
 
 
-def function_kind(fn: Any) -> OpKind:
+def function_kind(fn: object) -> OpKind:
     if fn in _FUNCTION_KINDS:
         return _FUNCTION_KINDS[fn]
     if fn in _RESHAPE_FUNCTIONS:

@@ -35,7 +35,7 @@ Convolutions with a ``padding_mode`` other than zeros are padded first, as torch
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -279,6 +279,83 @@ def classify_ops(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _parse_precisions(precisions: Mapping[str, Precision | str]) -> dict[str, Precision]:
+    parsed: dict[str, Precision] = {}
+    for name, value in sorted(precisions.items()):
+        try:
+            parsed[name] = Precision(value)
+        except ValueError:
+            raise QsyncInputError(f"precisions: {name}: unknown precision {value!r}") from None
+    return parsed
+
+
+def _check_classified(how: dict[str, str], modules: Mapping[str, nn.Module]) -> None:
+    """Refuse a name that is no op of the model and a module with no precision-specific
+    layer."""
+    for name, h in how.items():
+        if h == "missing":
+            raise QsyncInputError(f"precisions: no module named {name!r} in the model")
+        if h == "not_gemm":
+            raise QsyncInputError(
+                f"precisions: {name} is a {type(modules[name]).__name__}; only Linear, "
+                "Conv1d/Conv2d, MatMul, Conv1D, nn.MultiheadAttention sub-ops and functional "
+                "GEMMs have precision-specific layers")
+
+
+def _tie_repeats(how: dict[str, str], parsed: dict[str, Precision]) -> None:
+    """A module's repeated calls share its one layer: each gives the module its precision
+    (``parsed`` and ``how`` updated), two different ones are refused."""
+    for name, h in how.items():
+        if h == "repeat":
+            base = base_name(name)
+            if parsed.setdefault(base, parsed[name]) != parsed[name]:
+                raise QsyncInputError(
+                    f"precisions: {name}: a repeated call of module {base}, which is one set of "
+                    f"weights; it cannot run at both {parsed[base].value} and "
+                    f"{parsed[name].value}")
+            how.setdefault(base, "module")
+
+
+def _swap_module(mod: nn.Module, name: str, p: Precision, seed: int) -> None:
+    """Make the GEMM module ``mod`` its precision-specific layer, running at ``p``."""
+    if swappable_kind(mod) == "conv1d_hf":
+        mod.__class__ = _q_class(type(mod), _QConv1DMixin)
+    else:
+        for qcls, plain in _SWAPS:
+            if isinstance(mod, plain):
+                mod.__class__ = qcls
+                break
+    q = cast(QMixin, mod)
+    q.precision = p
+    q.qseed = seed
+    q.qname = name
+
+
+def _swap_attention(modules: Mapping[str, nn.Module], mha: dict[str, dict[str, Precision]],
+                    seed: int) -> None:
+    """Make each nn.MultiheadAttention of ``mha`` a :class:`QMultiheadAttention` running its
+    sub-ops at the precisions given."""
+    for i, (parent, subs) in enumerate(sorted(mha.items())):
+        mod = modules[parent]
+        if not isinstance(mod, _QMHAMixin):
+            mod.__class__ = _q_class(type(mod), _QMHAMixin)
+        q = cast(_QMHAMixin, mod)
+        q.precisions = subs
+        q.precision = Precision.fp32
+        q.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF
+        q.qname = parent
+
+
+def _install_dispatch(model: nn.Module, functional: dict[str, Precision], seed: int) -> None:
+    """Replace ``model``'s functional dispatch by one for ``functional`` (none if empty)."""
+    old = model.__dict__.pop("_qsync_dispatch", None)
+    if old is not None:
+        old.remove()
+    if functional:
+        model.__dict__["_qsync_dispatch"] = FunctionalDispatch(model, functional,
+                                                               seed=seed * 1_000_003 + 17)
+
+
 def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str],
                      seed: int = 0) -> dict[str, Any]:
     """Make the named ops of ``model`` run at the given precisions, in place.
@@ -294,38 +371,17 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
     nn.MultiheadAttention sub-op.
     """
     modules = dict(model.named_modules())
-    parsed: dict[str, Precision] = {}
-    for name, value in sorted(precisions.items()):
-        try:
-            parsed[name] = Precision(value)
-        except ValueError:
-            raise QsyncInputError(f"precisions: {name}: unknown precision {value!r}") from None
+    parsed = _parse_precisions(precisions)
     how = classify_ops(model, parsed)
-    for name, h in how.items():
-        if h == "missing":
-            raise QsyncInputError(f"precisions: no module named {name!r} in the model")
-        if h == "not_gemm":
-            raise QsyncInputError(
-                f"precisions: {name} is a {type(modules[name]).__name__}; only Linear, "
-                "Conv1d/Conv2d, MatMul, Conv1D, nn.MultiheadAttention sub-ops and functional "
-                "GEMMs have precision-specific layers")
+    _check_classified(how, modules)
+    _tie_repeats(how, parsed)
     applied: dict[str, Any] = {}
     mha: dict[str, dict[str, Precision]] = {}
     functional: dict[str, Precision] = {}
-    for name, h in how.items():  # a module's repeated calls share its one layer
-        if h == "repeat":
-            base = base_name(name)
-            if parsed.setdefault(base, parsed[name]) != parsed[name]:
-                raise QsyncInputError(
-                    f"precisions: {name}: a repeated call of module {base}, which is one set of "
-                    f"weights; it cannot run at both {parsed[base].value} and "
-                    f"{parsed[name].value}")
-            how.setdefault(base, "module")
     for i, (name, p) in enumerate(sorted(parsed.items())):
         if how[name] == "repeat":
             applied[name] = p
             continue
-        seed_i = (seed * 1_000_003 + i * 7919) & 0x7FFFFFFF
         if how[name] == "mha":
             found = _mha_of(modules, name)
             assert found is not None  # how[name] is "mha" only where _mha_of found one
@@ -339,30 +395,8 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
         elif how[name] == "functional":
             functional[name] = p
         else:
-            mod = modules[name]
-            if swappable_kind(mod) == "conv1d_hf":
-                mod.__class__ = _q_class(type(mod), _QConv1DMixin)
-            else:
-                for qcls, plain in _SWAPS:
-                    if isinstance(mod, plain):
-                        mod.__class__ = qcls
-                        break
-            mod.precision = p
-            mod.qseed = seed_i
-            mod.qname = name
+            _swap_module(modules[name], name, p, (seed * 1_000_003 + i * 7919) & 0x7FFFFFFF)
         applied[name] = p
-    for i, (parent, subs) in enumerate(sorted(mha.items())):
-        mod = modules[parent]
-        if not isinstance(mod, _QMHAMixin):
-            mod.__class__ = _q_class(type(mod), _QMHAMixin)
-        mod.precisions = subs
-        mod.precision = Precision.fp32
-        mod.qseed = (seed * 1_000_003 + 104729 * (i + 1)) & 0x7FFFFFFF
-        mod.qname = parent
-    old = model.__dict__.pop("_qsync_dispatch", None)
-    if old is not None:
-        old.remove()
-    if functional:
-        model.__dict__["_qsync_dispatch"] = FunctionalDispatch(model, functional,
-                                                               seed=seed * 1_000_003 + 17)
+    _swap_attention(modules, mha, seed)
+    _install_dispatch(model, functional, seed)
     return applied

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,7 @@ from qsync_opt.ops.kinds import function_kind, method_kind
 _GEMM_CALL_KINDS = {OpKind.linear: "linear", OpKind.matmul: "matmul"}
 
 
-def gemm_call_kind(func: Any, method: str | None = None) -> str | None:
+def gemm_call_kind(func: object, method: str | None = None) -> str | None:
     """``"linear"``, ``"matmul"`` or ``"sdpa"`` for a functional GEMM or attention call
     (``func`` a torch function, or ``method`` the name of a Tensor method), else None."""
     if func is F.scaled_dot_product_attention:
@@ -64,7 +63,7 @@ class CallNamer:
     def reset(self) -> None:
         self.unique.reset()
 
-    def name(self, kind: str, scope: str, args: Any = ()) -> str:
+    def name(self, kind: str, scope: str, args: object = ()) -> str:
         base = None
         if kind != "sdpa":
             flat = tensors_of(args)
@@ -77,7 +76,7 @@ class CallNamer:
         return self.unique(base)
 
 
-def target_name(fn: Any) -> str:
+def target_name(fn: object) -> str:
     name = getattr(fn, "__name__", None) or str(fn)
     mod = getattr(fn, "__module__", None)
     if fn in (operator.getitem,) or mod == "_operator":
@@ -89,6 +88,6 @@ def class_name(mod: nn.Module) -> str:
     return type(mod).__module__ + "." + type(mod).__qualname__
 
 
-def tensors_of(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: object) -> list[torch.Tensor]:
     flat, _ = tree_flatten(value)
     return [t for t in flat if isinstance(t, torch.Tensor)]

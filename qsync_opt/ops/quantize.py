@@ -150,22 +150,34 @@ def quantize_int4(x: Tensor, axis: int | None = None, stochastic: bool = True,
     return torch.ops.qsync.quantize_int4(x, axis, int(group_rows), stochastic, int(seed))
 
 
-@torch.library.custom_op("qsync::rescale_int32", mutates_args=())
-def rescale_int32_op(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
-                dtype: torch.dtype) -> Tensor:
+def _rescale_impl(kernel: str, acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
+                  dtype: torch.dtype, per_row: bool) -> Tensor:
+    """``kernel`` (``rescale_int32`` or ``rescale_int32_rows``) on the C++ kernels, the CUDA
+    kernels (``sx`` a float per tensor, a float tensor per row) or the reference."""
     if backends.use_cpp(acc):
-        out = torch.ops.qsync_cpu.rescale_int32(acc, sx, sw, bias, dtype)
+        out = getattr(torch.ops.qsync_cpu, kernel)(acc, sx, sw, bias, dtype)
     elif acc.is_cuda and backends.cuda_kernels() is not None:
-        out = backends.cuda_kernels().rescale_int32(acc.contiguous(), float(sx), sw.float().contiguous(),
-                                    None if bias is None else bias.float().contiguous(), dtype)
+        cuda_sx = sx.float().contiguous() if per_row else float(sx)
+        out = getattr(backends.cuda_kernels(), kernel)(
+            acc.contiguous(), cuda_sx, sw.float().contiguous(),
+            None if bias is None else bias.float().contiguous(), dtype)
     else:
-        out = ref.rescale_int32(acc, sx, sw, bias, dtype)
+        out = getattr(ref, kernel)(acc, sx, sw, bias, dtype)
     return owned(out, (acc, sx, sw, bias))
 
 
-@rescale_int32_op.register_fake
-def _(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+def _rescale_fake(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
+                  dtype: torch.dtype) -> Tensor:
     return acc.new_empty(acc.shape, dtype=dtype)
+
+
+@torch.library.custom_op("qsync::rescale_int32", mutates_args=())
+def rescale_int32_op(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
+                dtype: torch.dtype) -> Tensor:
+    return _rescale_impl("rescale_int32", acc, sx, sw, bias, dtype, per_row=False)
+
+
+rescale_int32_op.register_fake(_rescale_fake)
 
 
 def rescale_int32(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = None,
@@ -177,21 +189,10 @@ def rescale_int32(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = Non
 @torch.library.custom_op("qsync::rescale_int32_rows", mutates_args=())
 def rescale_int32_rows_op(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None,
                      dtype: torch.dtype) -> Tensor:
-    if backends.use_cpp(acc):
-        out = torch.ops.qsync_cpu.rescale_int32_rows(acc, sx, sw, bias, dtype)
-    elif acc.is_cuda and backends.cuda_kernels() is not None:
-        out = backends.cuda_kernels().rescale_int32_rows(acc.contiguous(), sx.float().contiguous(),
-                                         sw.float().contiguous(),
-                                         None if bias is None else bias.float().contiguous(),
-                                         dtype)
-    else:
-        out = ref.rescale_int32_rows(acc, sx, sw, bias, dtype)
-    return owned(out, (acc, sx, sw, bias))
+    return _rescale_impl("rescale_int32_rows", acc, sx, sw, bias, dtype, per_row=True)
 
 
-@rescale_int32_rows_op.register_fake
-def _(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
-    return acc.new_empty(acc.shape, dtype=dtype)
+rescale_int32_rows_op.register_fake(_rescale_fake)
 
 
 def rescale_int32_rows(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None = None,

@@ -15,6 +15,7 @@ from torch import nn
 
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ModelGraph, OpKind, OpNode, OpRole
+from qsync_opt.ops.layers import apply_precisions
 
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "transpose", "permute", "getitem", "narrow",
           "split", "chunk", "squeeze", "unsqueeze", "expand", "t"}
@@ -75,8 +76,6 @@ class OpBuilder:
                 ) -> tuple[Callable[[], Any], str] | tuple[None, str]:
         m = copy.deepcopy(mod).to(self.device).train()
         if op.role == OpRole.choosable:
-            from qsync_opt.ops.layers import apply_precisions
-
             holder = nn.Module()
             holder.add_module("m", m)
             apply_precisions(holder, {"m": p})
@@ -135,7 +134,7 @@ class OpBuilder:
         return (lambda: fn(*xs)), sig
 
 
-def check_shapes(out: Any, op: OpNode) -> bool:
+def check_shapes(out: object, op: OpNode) -> bool:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     shapes = [list(o.shape) for o in outs if isinstance(o, torch.Tensor)]
     return shapes == op.output_shapes

@@ -3,22 +3,22 @@ group, and the all-reduce model of such a group."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.machine import pin_malloc
 from qsync_opt.documents.schemas import CommModel
 from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, measure_allreduce
 
 
 def _gloo_rank(rank: int, world: int, init: str, q: Any, fn: Callable[..., Any],
                args: tuple[Any, ...]) -> None:
-    import torch.distributed as dist
-
-    from qsync_opt.core.machine import pin_malloc
-
     torch.set_num_threads(1)
     pin_malloc()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -33,10 +33,6 @@ def _gloo_rank(rank: int, world: int, init: str, q: Any, fn: Callable[..., Any],
 def spawn_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 900) -> Any:
     """Run ``fn(rank, *args)`` in ``world`` spawned processes joined in one gloo group (one
     thread each, malloc pinned); return rank 0's result (picklable; ``fn`` importable)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,6 +42,8 @@ from torch import nn
 
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ModelGraph, OpRole
+from qsync_opt.models import BuiltinWorkload, compute_loss
+from qsync_opt.ops.layers import apply_precisions
 
 HEAD = "<head>"
 TAIL = "<tail>"
@@ -111,7 +113,7 @@ class _Recorder:
         return ops[min(k, len(ops) - 1)]
 
     def _fpre(self, name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
             k = self.count.get(name, 0)
             op = self._op(name, k)
             if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -120,7 +122,7 @@ class _Recorder:
         return hook
 
     def _fpost(self, name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
             t = self.clock()
             k = self.count.get(name, 0)
             self.count[name] = k + 1
@@ -185,35 +187,22 @@ def intervals(events: Sequence[tuple[str, str, float]], t_start: float, t_fend: 
     return fwd, bwd
 
 
-def run_uniform(
-    build: Callable[[dict[str, Precision]], nn.Module],
-    step: Callable[[nn.Module], tuple[float, float, float, float]],
-    graph: ModelGraph,
-    precisions: Sequence[Precision],
-    repeats: int,
-    warmup: int,
-    budget_s: float = 20.0,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[Precision, UniformRun]:
-    """Measure every uniform precision in context (see the module docstring).
+#: One hooked step's time split by :func:`intervals`: (forward, backward) ->
+#: {("op" | "seg", name): seconds}.
+_Split = tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]
+#: One plain step: (forward + loss, backward, optimizer) seconds.
+_Plain = tuple[float, float, float]
 
-    ``build(assignment)`` returns a fresh model with the runtime layers applied;
-    ``step(model)`` clears the gradients, runs forward, loss, backward and the optimizer
-    step and returns (t_start, t_fend, t_bend, t_opt_end) from ``time.perf_counter``, so
-    the timed steps sit in the same context as training steps. A precision
-    whose steps are slow (fp16 on a CPU without fp16 GEMMs runs 10-20x slower) gets one
-    warm-up round when its first step takes over a second, and stops after ``budget_s``
-    seconds of rounds once it has 3 samples.
-    """
-    calls = module_calls(graph)
-    models = {}
-    assigns = {}
-    for p in precisions:
-        assigns[p] = uniform_assignment(graph, p)
-        models[p] = build(assigns[p])
-    plain: dict[Precision, list[tuple[float, float, float]]] = {p: [] for p in precisions}
-    hooked: dict[Precision, list[tuple[dict[tuple[str, str], float],
-                                       dict[tuple[str, str], float]]]] = {p: [] for p in precisions}
+
+def _sample_steps(models: dict[Precision, nn.Module],
+                  step: Callable[[nn.Module], tuple[float, float, float, float]],
+                  calls: dict[str, list[str]], precisions: Sequence[Precision], repeats: int,
+                  warmup: int, budget_s: float, clock: Callable[[], float]
+                  ) -> tuple[dict[Precision, list[_Plain]], dict[Precision, list[_Split]]]:
+    """Round-robin over the precisions: per round one step without hooks and one with, until
+    each has its samples (after its warm-up; within ``budget_s`` once it has 3)."""
+    plain: dict[Precision, list[_Plain]] = {p: [] for p in precisions}
+    hooked: dict[Precision, list[_Split]] = {p: [] for p in precisions}
     with warnings.catch_warnings():
         # "Full backward hook is firing when gradients are computed with respect to module
         # outputs since no inputs require gradients": handled by intervals().
@@ -240,35 +229,70 @@ def run_uniform(
                 spent[p] += (t2 - t0) + (t2h - t0h)
                 plain[p].append((t1 - t0, t2 - t1, t3 - t2))
                 hooked[p].append(intervals(rec.events, t0h, t1h, t2h, rec.early))
-    out: dict[Precision, UniformRun] = {}
+    return plain, hooked
+
+
+def _summarise(p: Precision, assignment: dict[str, Precision], plain: list[_Plain],
+               hooked: list[_Split]) -> UniformRun:
+    """One precision's medians: the step without hooks, and each op's and segment's share,
+    normalised to the hooked step and scaled by the hook correction."""
+    sf = statistics.median(x[0] for x in plain) * 1e3
+    sb = statistics.median(x[1] for x in plain) * 1e3
+    hf = statistics.median(sum(f.values()) for f, _ in hooked) * 1e3
+    hb = statistics.median(sum(b.values()) for _, b in hooked) * 1e3
+    scale = (sf / hf if hf > 0 else 1.0, sb / hb if hb > 0 else 1.0)
+    run = UniformRun(precision=p, assignment=assignment, step_fwd_ms=sf, step_bwd_ms=sb,
+                     hook_scale=scale, samples=len(plain),
+                     optimizer_ms=statistics.median(x[2] for x in plain) * 1e3)
+    keys_f = set().union(*(f.keys() for f, _ in hooked))
+    keys_b = set().union(*(b.keys() for _, b in hooked))
+    meds_f = {k: statistics.median(f.get(k, 0.0) for f, _ in hooked) for k in keys_f}
+    meds_b = {k: statistics.median(b.get(k, 0.0) for _, b in hooked) for k in keys_b}
+    # Medians of parts need not add up to the median of the whole: normalise so they do
+    # (then the hook correction makes the uniform step exact).
+    nf = hf / sum(meds_f.values()) / 1e3 if meds_f else 1.0
+    nb = hb / sum(meds_b.values()) / 1e3 if meds_b else 1.0
+    for (kind, op), v in meds_f.items():
+        (run.op_fwd if kind == "op" else run.seg_fwd)[op] = v * 1e3 * nf * scale[0]
+    for (kind, op), v in meds_b.items():
+        (run.op_bwd if kind == "op" else run.seg_bwd)[op] = v * 1e3 * nb * scale[1]
+    for kind_op in keys_f:
+        if kind_op[0] == "op":
+            fs = [f.get(kind_op, 0.0) for f, _ in hooked]
+            bs = [b.get(kind_op, 0.0) for _, b in hooked]
+            run.spread[kind_op[1]] = (_iqr(fs), _iqr(bs))
+    return run
+
+
+def run_uniform(
+    build: Callable[[dict[str, Precision]], nn.Module],
+    step: Callable[[nn.Module], tuple[float, float, float, float]],
+    graph: ModelGraph,
+    precisions: Sequence[Precision],
+    repeats: int,
+    warmup: int,
+    budget_s: float = 20.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[Precision, UniformRun]:
+    """Measure every uniform precision in context (see the module docstring).
+
+    ``build(assignment)`` returns a fresh model with the runtime layers applied;
+    ``step(model)`` clears the gradients, runs forward, loss, backward and the optimizer
+    step and returns (t_start, t_fend, t_bend, t_opt_end) from ``time.perf_counter``, so
+    the timed steps sit in the same context as training steps. A precision
+    whose steps are slow (fp16 on a CPU without fp16 GEMMs runs 10-20x slower) gets one
+    warm-up round when its first step takes over a second, and stops after ``budget_s``
+    seconds of rounds once it has 3 samples.
+    """
+    calls = module_calls(graph)
+    models = {}
+    assigns = {}
     for p in precisions:
-        sf = statistics.median(x[0] for x in plain[p]) * 1e3
-        sb = statistics.median(x[1] for x in plain[p]) * 1e3
-        hf = statistics.median(sum(f.values()) for f, _ in hooked[p]) * 1e3
-        hb = statistics.median(sum(b.values()) for _, b in hooked[p]) * 1e3
-        scale = (sf / hf if hf > 0 else 1.0, sb / hb if hb > 0 else 1.0)
-        run = UniformRun(precision=p, assignment=assigns[p], step_fwd_ms=sf, step_bwd_ms=sb,
-                         hook_scale=scale, samples=len(plain[p]),
-                         optimizer_ms=statistics.median(x[2] for x in plain[p]) * 1e3)
-        keys_f = set().union(*(f.keys() for f, _ in hooked[p]))
-        keys_b = set().union(*(b.keys() for _, b in hooked[p]))
-        meds_f = {k: statistics.median(f.get(k, 0.0) for f, _ in hooked[p]) for k in keys_f}
-        meds_b = {k: statistics.median(b.get(k, 0.0) for _, b in hooked[p]) for k in keys_b}
-        # Medians of parts need not add up to the median of the whole: normalise so they do
-        # (then the hook correction makes the uniform step exact).
-        nf = hf / sum(meds_f.values()) / 1e3 if meds_f else 1.0
-        nb = hb / sum(meds_b.values()) / 1e3 if meds_b else 1.0
-        for (kind, op), v in meds_f.items():
-            (run.op_fwd if kind == "op" else run.seg_fwd)[op] = v * 1e3 * nf * scale[0]
-        for (kind, op), v in meds_b.items():
-            (run.op_bwd if kind == "op" else run.seg_bwd)[op] = v * 1e3 * nb * scale[1]
-        for kind_op in keys_f:
-            if kind_op[0] == "op":
-                fs = [f.get(kind_op, 0.0) for f, _ in hooked[p]]
-                bs = [b.get(kind_op, 0.0) for _, b in hooked[p]]
-                run.spread[kind_op[1]] = (_iqr(fs), _iqr(bs))
-        out[p] = run
-    return out
+        assigns[p] = uniform_assignment(graph, p)
+        models[p] = build(assigns[p])
+    plain, hooked = _sample_steps(models, step, calls, precisions, repeats, warmup, budget_s,
+                                  clock)
+    return {p: _summarise(p, assigns[p], plain[p], hooked[p]) for p in precisions}
 
 
 def _iqr(xs: Sequence[float]) -> float:
@@ -281,8 +305,6 @@ def _iqr(xs: Sequence[float]) -> float:
 
 def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module]:
     """``build(assignment)``: a deep copy of ``base`` with the runtime layers applied."""
-    from qsync_opt.ops.layers import apply_precisions
-
     def build(assignment: dict[str, Precision]) -> nn.Module:
         m = copy.deepcopy(base)
         apply_precisions(m, assignment, seed=0)
@@ -291,12 +313,10 @@ def model_builder(base: nn.Module) -> Callable[[dict[str, Precision]], nn.Module
     return build
 
 
-def stepper(workload: Any, batch: int, device: torch.device
+def stepper(workload: BuiltinWorkload, batch: int, device: torch.device
             ) -> Callable[[nn.Module], tuple[float, float, float, float]]:
     """``step(model)``: a training step on fixed inputs (gradients set to None, forward +
     loss, backward, an SGD momentum step as the runtime's default); its four timestamps."""
-    from qsync_opt.models import compute_loss
-
     inputs = workload.make_inputs(batch, device)
     targets = workload.make_targets(batch, device)
     sync = device.type == "cuda"

@@ -14,14 +14,32 @@ import torch
 from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.machine import pin_malloc
 from qsync_opt.core.precision import Precision
 from qsync_opt.core.version import __version__
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.costs.devices import get_device, known_device_names
 from qsync_opt.costs.roofline import estimate, gradient_buckets, op_precisions
 from qsync_opt.costs.tables import median_iqr
-from qsync_opt.documents.schemas import CostTable, ModelGraph, OpCost, OpRole
+from qsync_opt.documents.schemas import (
+    CommModel,
+    CostTable,
+    DeviceSpec,
+    ModelGraph,
+    OpCost,
+    OpRole,
+)
+from qsync_opt.graph import trace
+from qsync_opt.models import BuiltinWorkload, get_workload
 from qsync_opt.profile.builders import OpBuilder, check_shapes
+from qsync_opt.profile.incontext import (
+    HEAD,
+    TAIL,
+    UniformRun,
+    model_builder,
+    run_uniform,
+    stepper,
+)
 from qsync_opt.profile.timing import (
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
@@ -115,8 +133,6 @@ def profile_detailed(
     """
     if method not in ("context", "isolated"):
         raise QsyncInputError(f"method: expected 'context' or 'isolated', got {method!r}")
-    from qsync_opt.core.machine import pin_malloc
-
     pin_malloc()  # as the training ranks do: large buffers cost the same in every process
     if threads is None:
         return _profile(workload, batch, device=device, device_name=device_name,
@@ -134,43 +150,25 @@ def profile_detailed(
         torch.set_num_threads(old)
 
 
-def _profile(workload: str, batch: int | None, *, device: str, device_name: str | None,
-             repeats: int, warmup: int, precisions: Iterable[Precision | str] | None,
-             graph: ModelGraph | None, method: str = "context") -> Profile:
-    from qsync_opt.graph import trace
-    from qsync_opt.models import get_workload
+@dataclass
+class _IsolatedTimes:
+    """What timing every op alone gave: (op, precision) -> (fwd, bwd) ms medians, their
+    spread, why an op was not measured, and how many entries identical ops shared."""
 
-    start = time.perf_counter()
-    if repeats < 1 or warmup < 0:
-        raise QsyncInputError("repeats must be >= 1 and warmup >= 0")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise QsyncInputError("--device cuda: no CUDA device is available here")
-    dev_name = _device_name(dev, device_name)
-    if graph is None:
-        graph = trace(workload, batch)
-    elif batch is not None and graph.batch_size != batch:
-        raise QsyncInputError(f"graph was traced at batch {graph.batch_size}, not {batch}")
-    b = graph.batch_size
-    wanted = None if precisions is None else {Precision(p) for p in precisions}
-    template = estimate(graph, parse_shorthand(f"{dev_name}x1"))
+    measured: dict[tuple[str, Precision], tuple[float, float]] = field(default_factory=dict)
+    spread: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    shared: int = 0
 
-    torch.manual_seed(0)
-    wl = get_workload(workload)
-    with torch.device(dev):
-        model = wl.build()
-    model.to(dev).train()
-    builder = OpBuilder(model, graph, dev)
-    timer = Timer(dev)
-    dispatch_us = measure_dispatch_us(dev)
 
-    measured: dict[tuple[str, Precision], tuple[float, float]] = {}
-    spread: dict[tuple[str, str], tuple[float, float]] = {}
+def _time_isolated(graph: ModelGraph, builder: OpBuilder, timer: Timer, spec: DeviceSpec,
+                   wanted: set[Precision] | None, context: bool, repeats: int,
+                   warmup: int) -> _IsolatedTimes:
+    """Time every op alone on random inputs of its traced shapes (``context``: only the ops
+    that are not choosable, at their first precision; the choosable ones are timed in
+    context); identical ops (one signature) are timed once."""
+    out = _IsolatedTimes()
     cache: dict[str, tuple[float, float, float, float]] = {}
-    reasons: dict[str, str] = {}
-    shared = 0
-    spec = get_device(dev_name)
-    context = method == "context"
     for op in graph.ops:
         if context and op.role == OpRole.choosable:
             continue  # timed in context below
@@ -184,36 +182,35 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
             except Exception as exc:  # a module that cannot be copied or swapped
                 run, sig = None, f"{type(exc).__name__}: {exc}"
             if run is None:
-                reasons[op.name] = sig
+                out.reasons[op.name] = sig
                 continue
             if sig in cache:
-                shared += 1
+                out.shared += 1
             else:
                 try:
                     with torch.no_grad():
                         probe = run()
                     if not check_shapes(probe, op):
-                        reasons[op.name] = "rebuilt op's output shape differs from the trace"
+                        out.reasons[op.name] = "rebuilt op's output shape differs from the trace"
                         continue
                     fwd, bwd = time_fwd_bwd(run, timer, repeats, warmup)
                 except Exception as exc:
-                    reasons[op.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                    out.reasons[op.name] = (f"{type(exc).__name__}: "
+                                            f"{str(exc).splitlines()[0][:80]}")
                     continue
                 fm, fs = median_iqr(fwd)
                 bm, bs = median_iqr(bwd)
                 cache[sig] = (fm, bm, fs, bs)
             fm, bm, fs, bs = cache[sig]
-            measured[(op.name, p)] = (fm, bm)
-            spread[(op.name, p.value)] = (fs, bs)
+            out.measured[(op.name, p)] = (fm, bm)
+            out.spread[(op.name, p.value)] = (fs, bs)
+    return out
 
-    ctx_notes: list[str] = []
-    runs: dict[Precision, Any] = {}
-    if context:
-        ctx_measured, ctx_spread, ctx_notes, runs = _in_context(
-            model, wl, graph, dev, dev_name, spec, wanted, repeats, warmup, measured,
-            {(e.op, e.precision): (e.fwd_ms, e.bwd_ms) for e in template.entries})
-        measured.update(ctx_measured)
-        spread.update(ctx_spread)
+
+def _merge_entries(template: CostTable, measured: dict[tuple[str, Precision],
+                                                       tuple[float, float]]
+                   ) -> tuple[list[OpCost], int]:
+    """The template's entries with the measured ones put in; and how many stay estimated."""
     entries: list[OpCost] = []
     n_est = 0
     for e in template.entries:
@@ -224,6 +221,84 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
         else:
             entries.append(e.model_copy(update={"fwd_ms": m[0], "bwd_ms": m[1],
                                                 "source": "measured"}))
+    return entries, n_est
+
+
+def _measurement_notes(dev_name: str, dev: torch.device, workload: str, batch: int,
+                       context: bool, repeats: int, warmup: int, n_entries: int, n_est: int,
+                       times: _IsolatedTimes, ctx_notes: list[str],
+                       dispatch_us: float) -> list[str]:
+    """The table's notes on how its op entries were measured, their spread, and the ops
+    left estimated."""
+    how = ("choosable ops in context (whole steps of each uniform precision, module hooks; "
+           "see qsync_opt.profile.incontext), the other ops' in-context fp32 time split by their "
+           "isolated timings on random inputs of their traced shapes" if context else
+           "each op in isolation on random inputs of its traced shapes")
+    notes = [environment_note(dev_name, dev),
+             f"{dev_name}: profiled {workload} at batch {batch}: {how}, {warmup} warm-up calls, "
+             f"median of {repeats}; "
+             f"{n_entries - n_est} entries measured ({times.shared} shared by identical ops), "
+             f"{n_est} kept from the estimator (source=estimated)",
+             *ctx_notes,
+             f"{dev_name}: dispatch overhead (1-element add, forward+backward): "
+             f"{dispatch_us:.1f} us, measured (recorded as efficiencies.launch_overhead_us)"]
+    if times.spread:
+        vals = sorted(max(v) for v in times.spread.values())
+        notes.append(f"{dev_name}: spread (IQR/median) over {len(vals)} measured entries: "
+                     f"median {statistics.median(vals):.1%}, worst {vals[-1]:.1%}")
+    for name, why in sorted(times.reasons.items()):
+        notes.append(f"{dev_name}: {name}: estimated ({why})")
+    return notes
+
+
+def _comm_with_note(comm: CommModel | None, template: CostTable,
+                    dev_name: str) -> tuple[CommModel, str]:
+    """The measured all-reduce model (the estimator's where none was measured) and its note."""
+    if comm is None:
+        return template.comm, (f"{dev_name}: torch.distributed not initialised with world > 1: "
+                               "comm model and buckets are the estimator's (source=estimated)")
+    return comm, (f"{dev_name}: all-reduce fitted on the process group: "
+                  f"{comm.bandwidth_gb_per_s:.3g} GB/s, {comm.latency_us:.3g} us per hop")
+
+
+def _profile(workload: str, batch: int | None, *, device: str, device_name: str | None,
+             repeats: int, warmup: int, precisions: Iterable[Precision | str] | None,
+             graph: ModelGraph | None, method: str = "context") -> Profile:
+    start = time.perf_counter()
+    if repeats < 1 or warmup < 0:
+        raise QsyncInputError("repeats must be >= 1 and warmup >= 0")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QsyncInputError("--device cuda: no CUDA device is available here")
+    dev_name = _device_name(dev, device_name)
+    if graph is None:
+        graph = trace(workload, batch)
+    elif batch is not None and graph.batch_size != batch:
+        raise QsyncInputError(f"graph was traced at batch {graph.batch_size}, not {batch}")
+    wanted = None if precisions is None else {Precision(p) for p in precisions}
+    template = estimate(graph, parse_shorthand(f"{dev_name}x1"))
+
+    torch.manual_seed(0)
+    wl = get_workload(workload)
+    with torch.device(dev):
+        model = wl.build()
+    model.to(dev).train()
+    builder = OpBuilder(model, graph, dev)
+    timer = Timer(dev)
+    dispatch_us = measure_dispatch_us(dev)
+    spec = get_device(dev_name)
+    context = method == "context"
+    times = _time_isolated(graph, builder, timer, spec, wanted, context, repeats, warmup)
+
+    ctx_notes: list[str] = []
+    runs: dict[Precision, UniformRun] = {}
+    if context:
+        ctx_measured, ctx_spread, ctx_notes, runs = _in_context(
+            model, wl, graph, dev, dev_name, spec, wanted, repeats, warmup, times.measured,
+            {(e.op, e.precision): (e.fwd_ms, e.bwd_ms) for e in template.entries})
+        times.measured.update(ctx_measured)
+        times.spread.update(ctx_spread)
+    entries, n_est = _merge_entries(template, times.measured)
 
     casts, cast_notes = measure_casts(dev_name, dev, repeats, warmup)
     measured_pairs = {(c.src, c.dst) for c in casts}
@@ -234,36 +309,15 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
         # training), the median over the precisions (it does not depend on them).
         opt_ms["sgd"] = statistics.median(r.optimizer_ms for r in runs.values())
     optimizer = [o.model_copy(update={"ms": opt_ms[o.optimizer]}) for o in template.optimizer]
-    comm = measure_allreduce(dev, repeats, warmup)
-    how = ("choosable ops in context (whole steps of each uniform precision, module hooks; "
-           "see qsync_opt.profile.incontext), the other ops' in-context fp32 time split by their "
-           "isolated timings on random inputs of their traced shapes" if context else
-           "each op in isolation on random inputs of its traced shapes")
-    notes = [environment_note(dev_name, dev),
-             f"{dev_name}: profiled {workload} at batch {b}: {how}, {warmup} warm-up calls, "
-             f"median of {repeats}; "
-             f"{len(entries) - n_est} entries measured ({shared} shared by identical ops), "
-             f"{n_est} kept from the estimator (source=estimated)",
-             *ctx_notes,
-             f"{dev_name}: dispatch overhead (1-element add, forward+backward): "
-             f"{dispatch_us:.1f} us, measured (recorded as efficiencies.launch_overhead_us)"]
-    if spread:
-        vals = sorted(max(v) for v in spread.values())
-        notes.append(f"{dev_name}: spread (IQR/median) over {len(vals)} measured entries: "
-                     f"median {statistics.median(vals):.1%}, worst {vals[-1]:.1%}")
-    for name, why in sorted(reasons.items()):
-        notes.append(f"{dev_name}: {name}: estimated ({why})")
+    comm, comm_note = _comm_with_note(measure_allreduce(dev, repeats, warmup), template,
+                                      dev_name)
+    notes = _measurement_notes(dev_name, dev, workload, graph.batch_size, context, repeats,
+                               warmup, len(entries), n_est, times, ctx_notes, dispatch_us)
     notes += cast_notes
     notes.append(f"{dev_name}: optimizer step over {graph.param_count} parameters: SGD "
                  f"{opt_ms['sgd']:.3f} ms{' (in context)' if runs else ''}, Adam "
                  f"{opt_ms['adam']:.3f} ms (measured)")
-    if comm is None:
-        comm = template.comm
-        notes.append(f"{dev_name}: torch.distributed not initialised with world > 1: comm "
-                     "model and buckets are the estimator's (source=estimated)")
-    else:
-        notes.append(f"{dev_name}: all-reduce fitted on the process group: "
-                     f"{comm.bandwidth_gb_per_s:.3g} GB/s, {comm.latency_us:.3g} us per hop")
+    notes.append(comm_note)
     buckets = gradient_buckets(graph, comm, template.bucket_cap_bytes)
     eff = template.efficiencies.model_copy(update={"launch_overhead_us": dispatch_us})
     table = CostTable(workload=graph.workload, graph_hash=graph.structure_hash(), entries=entries,
@@ -272,7 +326,7 @@ def _profile(workload: str, batch: int | None, *, device: str, device_name: str 
                       efficiencies=eff, notes=notes,
                       activation_flow="fp32" if context else "native",
                       environment={dev_name: environment(dev, method)})
-    return Profile(table=table, spread=spread, dispatch_us=dispatch_us,
+    return Profile(table=table, spread=times.spread, dispatch_us=dispatch_us,
                    seconds=time.perf_counter() - start,
                    uniform_ms={p.value: (r.step_fwd_ms, r.step_bwd_ms) for p, r in runs.items()},
                    assignments_run=[{k: v.value for k, v in r.assignment.items()}
@@ -287,15 +341,14 @@ def profile(workload: str, batch: int | None = None, *, device: str = "cpu",
                             precisions=precisions, **kw).table
 
 
-def _in_context(model: nn.Module, wl: Any, graph: ModelGraph, dev: torch.device, dev_name: str,
-                spec: Any, wanted: set[Precision] | None, repeats: int, warmup: int,
-                isolated: dict[tuple[str, Precision], tuple[float, float]],
+def _in_context(model: nn.Module, wl: BuiltinWorkload, graph: ModelGraph, dev: torch.device,
+                dev_name: str, spec: DeviceSpec, wanted: set[Precision] | None, repeats: int,
+                warmup: int, isolated: dict[tuple[str, Precision], tuple[float, float]],
                 estimated: dict[tuple[str, Precision], tuple[float, float]],
                 ) -> tuple[dict[tuple[str, Precision], tuple[float, float]],
-                           dict[tuple[str, str], tuple[float, float]], list[str], dict[Any, Any]]:
+                           dict[tuple[str, str], tuple[float, float]], list[str],
+                           dict[Precision, UniformRun]]:
     """Entries from in-context uniform runs (see :mod:`qsync_opt.profile.incontext`)."""
-    from qsync_opt.profile.incontext import HEAD, TAIL, model_builder, run_uniform, stepper
-
     choosable = [o for o in graph.ops if o.role == OpRole.choosable]
     menu: list[Precision] = []
     for o in choosable:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from qsync_opt.core.precision import DType
@@ -16,6 +17,7 @@ from qsync_opt.costs.devices import get_device
 from qsync_opt.costs.roofline import cast_pairs
 from qsync_opt.costs.tables import fit_cast
 from qsync_opt.documents.schemas import CastCost, CommModel
+from qsync_opt.ops import quantize_int8
 
 DEFAULT_REPEATS = 10
 
@@ -85,8 +87,6 @@ def measure_dispatch_us(device: torch.device | str = "cpu", repeats: int = 200) 
 
 def measure_casts(dev_name: str, device: torch.device, repeats: int, warmup: int
                    ) -> tuple[list[CastCost], list[str]]:
-    from qsync_opt.ops import quantize_int8
-
     timer = Timer(device)
     casts: list[CastCost] = []
     notes: list[str] = []
@@ -120,8 +120,6 @@ def measure_casts(dev_name: str, device: torch.device, repeats: int, warmup: int
 
 
 def measure_allreduce(device: torch.device, repeats: int, warmup: int) -> CommModel | None:
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     n = dist.get_world_size()

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
+
+from qsync_opt.documents.schemas import CommModel
+from qsync_opt.strategy.modes import parse_sync, round_count
+from qsync_opt.strategy.schedule import parse_schedule
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,11 @@ class PeriodicSync:
         n = len(bucket_ms)
         return SyncSchedule([barrier] * n, [barrier] * n)
 
-    def round_ms(self, comm: Any, param_bytes: int, buffer_bytes: int) -> float:
+    def round_ms(self, comm: CommModel, param_bytes: int, buffer_bytes: int) -> float:
         """One round's averaging all-reduce and its statistics all-reduce."""
         return float(comm.allreduce_ms(param_bytes + buffer_bytes) + comm.allreduce_ms(32))
 
-    def per_step_ms(self, comm: Any, param_bytes: int, buffer_bytes: int) -> float:
+    def per_step_ms(self, comm: CommModel, param_bytes: int, buffer_bytes: int) -> float:
         return self.round_ms(comm, param_bytes, buffer_bytes) / self.mean_period
 
     def describe(self) -> str:
@@ -112,9 +116,6 @@ def sync_model_for(text: str | None, *, lr: float = 0.05, lr_schedule: str = "co
     default); QSR's rounds from the learning-rate schedule of a ``steps``-step run."""
     if text is None:
         return None
-    from qsync_opt.strategy.modes import parse_sync, round_count
-    from qsync_opt.strategy.schedule import parse_schedule
-
     mode = parse_sync(text)
     if mode.kind == "ddp":
         return None

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import parse_float
+from qsync_opt.strategy.droppolicy import POLICIES
 from qsync_opt.strategy.schedule import LRSchedule, parse_options
 
 __all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
@@ -205,8 +206,6 @@ def _word(items: list[str], key: str) -> tuple[str | None, list[str]]:
 
 
 def _parse_dlcp(raw: str) -> CommMode:
-    from qsync_opt.strategy.droppolicy import POLICIES
-
     head, _, rest = raw.partition(":")
     items = [x for x in rest.split(",") if x.strip()]
     flags = [x for x in items if x.strip().lower() == "stress"]
