@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import OpRole
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 
 GIB = float(2**30)
 #: How many pinned ops a line names (the heaviest first).
