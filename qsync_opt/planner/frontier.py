@@ -200,7 +200,7 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     written by :func:`qsync_opt.documents.io.atomic_write_bytes` (``what``: the flag the path came
     from, for a one-line error when it cannot be written), or, given the output ``folder``
     it is a name in, by :func:`qsync_opt.documents.outfolder.write_bytes` (no link there followed)."""
-    import matplotlib
+    import matplotlib  # optional: the figure only, so the frontier runs without it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -23,6 +23,8 @@ from qsync_opt.documents.schemas import (
     SolveReport,
 )
 from qsync_opt.graph import trace
+from qsync_opt.indicator import fast_options, indicate, placeholder_indicator
+from qsync_opt.netsim.cluster import parse_comm_model, with_netsim_comm
 from qsync_opt.planner.call import (
     InfeasibleError,
     SolveCall,
@@ -87,12 +89,8 @@ def build_problem(
     else:
         table = load(costs, CostTable)
     if comm_model is not None:
-        from qsync_opt.netsim.cluster import parse_comm_model, with_netsim_comm
-
         table = with_netsim_comm(graph, cl, table, parse_comm_model(comm_model))
     if indicator is None:
-        from qsync_opt.indicator import fast_options, indicate, placeholder_indicator
-
         if check is not None and indicator_method != "random":
             trial = AllocationProblem(graph, cl, table, placeholder_indicator(graph), options)
             lines = precheck(trial, check)

@@ -65,7 +65,7 @@ from qsync_opt.documents.schemas import (
 from qsync_opt.problem.coefficients import GroupInputs, group_model
 from qsync_opt.problem.groupmodel import GroupModel, Unit, check_finite, held_at_reference
 from qsync_opt.problem.plan import make_plan
-from qsync_opt.replayer import Replayer
+from qsync_opt.replayer import PeriodicSync, Replayer
 
 #: Precisions a strong group may run as its reference.
 REFERENCE_PRECISIONS = (Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16)
@@ -141,8 +141,6 @@ class ProblemOptions:
         if self.strong_groups is not None:
             object.__setattr__(self, "strong_groups", tuple(self.strong_groups))
         if isinstance(self.sync, Mapping):  # as to_json wrote it
-            from qsync_opt.replayer import PeriodicSync
-
             try:
                 object.__setattr__(self, "sync", PeriodicSync(**dict(self.sync)))
             except (TypeError, ValueError) as exc:
@@ -249,19 +247,7 @@ class AllocationProblem:
         # The optimizer and, on the runtime's profiled tables, its per-step bookkeeping syncs.
         self.optimizer_ms = max(g.optimizer_ms for g in rep.groups) + rep.step_sync_ms
         self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
-        inputs = GroupInputs(
-            rules=rep.rules, units=self.units, unit_of=self.unit_of, pinned=self.options.pinned,
-            casts=self.options.casts, memory_headroom=self.options.memory_headroom,
-            reference=Precision(self.options.reference), indicator=indicator,
-            cluster=self.cluster, graph_batch=graph.batch_size)
-        built = [group_model(inputs, gi) for gi in range(len(rep.groups))]
-        self.groups = [model for model, _ in built]
-        memory_or = built[0][1] if built else 0
-        check_finite(self.groups, [u.ops[0] for u in self.units])
-        if memory_or:
-            self.notes.append(
-                f"linear model: {memory_or} ops with several choosable producers "
-                "take their saved-activation bytes as the maximum over those producers' choices")
+        self.groups = self._group_models()
         self.reference_times = {g.name: g.time_ms(g.reference) for g in self.groups}
         self.strong_groups = self._strong_groups()
         #: The strong groups' makespan at their reference in the linear model (no straggler).
@@ -298,6 +284,25 @@ class AllocationProblem:
             names = by_tie[key]
             units.append(Unit(name=names[0] if len(names) == 1 else key, ops=tuple(names)))
         return units
+
+    def _group_models(self) -> list[GroupModel]:
+        """Every group's coefficients (:mod:`qsync_opt.problem.coefficients`), checked finite;
+        a note when the linear model bounds some ops' saved activations."""
+        rep = self.replayer
+        inputs = GroupInputs(
+            rules=rep.rules, units=self.units, unit_of=self.unit_of, pinned=self.options.pinned,
+            casts=self.options.casts, memory_headroom=self.options.memory_headroom,
+            reference=Precision(self.options.reference), indicator=self.indicator,
+            cluster=self.cluster, graph_batch=self.graph.batch_size)
+        built = [group_model(inputs, gi) for gi in range(len(rep.groups))]
+        groups = [model for model, _ in built]
+        memory_or = built[0][1] if built else 0
+        check_finite(groups, [u.ops[0] for u in self.units])
+        if memory_or:
+            self.notes.append(
+                f"linear model: {memory_or} ops with several choosable producers "
+                "take their saved-activation bytes as the maximum over those producers' choices")
+        return groups
 
     def _strong_groups(self) -> tuple[str, ...]:
         names = [g.name for g in self.groups]
