@@ -240,7 +240,8 @@ class _GroupTerms:
         (without storage shared with an earlier op the input casts change nothing)."""
         rules, src = self.rules, self.src
         edges = rules.in_edges[i]
-        var_edges = sorted({src[u] for u, _ in edges if src[u] is not None and src[u] != s}
+        edge_units = [src[u] for u, _ in edges]
+        var_edges = sorted({eu for eu in edge_units if eu is not None and eu != s}
                            ) if rules.ops[i].saved_shared_bytes else []
         if len(var_edges) > 1:
             self.memory_or += 1
