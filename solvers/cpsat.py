@@ -151,7 +151,7 @@ class CpSat:
         """The call's integer models (the formulation translated twice, inner and outer),
         or, before any scaling, the groups' least time and memory's proof of no plan
         (costs far above a tiny budget need no integers)."""
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # lazy: OR-Tools is heavy to import
 
         proof = cheap_infeasibility(problem)
         if proof:  # the report's scaling keys are always there: zero units, no integers

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.formulation import Block, Formulation
 from qsync_opt.solvers.timing import Stopwatch, solver_limit
@@ -55,7 +56,7 @@ def abs_gap(rel_gap: float) -> float:
 
 
 def pulp_module() -> Any:
-    import pulp
+    import pulp  # lazy: importing PuLP costs ~0.3 s, kept off paths that never solve
 
     return pulp
 
@@ -232,9 +233,7 @@ def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float 
     by HiGHS on the same normalised rows as :func:`to_pulp` gives it, passed straight to
     highspy: ("OPTIMAL", objective in the formulation's units), ("INFEASIBLE", None) or
     (another status, None)."""
-    import highspy
-    import numpy as np
-
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
     limit = solver_limit(float(options.time_limit_s))
     if not limit > 0:  # not started: too little time left for a run and its margin
         return "TIME_LIMIT", None
@@ -354,7 +353,7 @@ def _quiet_stdout() -> Iterator[None]:
 def _use_threads(threads: int | None) -> None:
     """HiGHS fixes its thread pool at the first run in a process; a run asking for another
     thread count fails (model status kNotset) unless the pool is reset: reset it then."""
-    import highspy
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
 
     global _HIGHS_THREADS
     want = int(threads or 0)
@@ -367,9 +366,7 @@ def _use_threads(threads: int | None) -> None:
 def _load_model(pulp: Any, lp: Any) -> list[Any]:
     """Pass ``lp``'s columns, objective, integrality and rows to its highspy model in bulk
     (numpy arrays, not one column and row at a time); its variables, indexed."""
-    import highspy
-    import numpy as np
-
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
     h = lp.solverModel
     inf = highspy.kHighsInf
     variables = lp.variables()
@@ -424,8 +421,6 @@ def _highs_class(pulp: Any) -> Any:
         outcome: tuple[Any, Any, float, float] | None = None
 
         def actualSolve(self, lp: Any) -> Any:
-            import numpy as np
-
             global _HIGHS_BANNER_DONE
             t0 = time.perf_counter()
             if _HIGHS_BANNER_DONE:
@@ -565,7 +560,7 @@ def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: 
     sw.build_s += total - solver.run_s  # model transfer into highspy
     assert solver.outcome is not None
     mstatus, primal, dual_bound, obj_value = solver.outcome
-    import highspy
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
 
     S = highspy.HighsModelStatus
     has_sol = primal == 2  # kSolutionStatusFeasible
