@@ -27,6 +27,8 @@ from qsync_opt.solvers import SolveOptions, get_backend
 from qsync_opt.solvers.ilp import FastestTimeLimit, PulpIlp
 from qsync_opt.solvers.relaxation import relaxation_bound
 
+#: Relative slack above the smallest reachable makespan in the lexicographic mode.
+LEXICOGRAPHIC_SLACK = 0.02
 #: At most this many candidate batch splits in the joint model (evenly thinned beyond).
 MAX_SPLITS = 64
 

@@ -36,8 +36,13 @@ from qsync_opt.planner.call import (
     run_backend,
     time_limit_error,
 )
+
+# re-exported (README's Python example imports compare and format_rows from here)
+from qsync_opt.planner.compare import CompareRow as CompareRow
+from qsync_opt.planner.compare import compare as compare
+from qsync_opt.planner.compare import format_rows as format_rows
 from qsync_opt.planner.diagnose import precheck
-from qsync_opt.planner.joint import solve_joint
+from qsync_opt.planner.joint import LEXICOGRAPHIC_SLACK, solve_joint
 from qsync_opt.planner.refine import REFINE_ROUNDS, refine_against_replayer
 from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.solvers import SolveOptions
@@ -110,10 +115,6 @@ def build_problem(
     else:
         ind = load(indicator, IndicatorTable)
     return AllocationProblem(graph, cl, table, ind, options)
-
-
-#: Relative slack above the smallest reachable makespan in the lexicographic mode.
-LEXICOGRAPHIC_SLACK = 0.02
 
 
 def solve(problem: AllocationProblem, solver: str = "cpsat",
