@@ -32,6 +32,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,7 @@ def abs_gap(rel_gap: float) -> float:
     return max(ABS_GAP_OF_REL * min(max(rel_gap, 0.0), 1e-3), 1e-13)
 
 
-def pulp_module() -> Any:
+def pulp_module() -> ModuleType:
     import pulp  # lazy: importing PuLP costs ~0.3 s, kept off paths that never solve
 
     return pulp
@@ -193,7 +194,7 @@ def _scaled_objective(form: Formulation, cols: list[Any]
     return terms, scale, offset
 
 
-def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
+def to_pulp(pulp: ModuleType, form: Formulation, name: str) -> PulpProgram:
     """The PuLP model of ``form`` (see the module's docstring for the numerics)."""
     lp = pulp.LpProblem(name, pulp.LpMinimize)
     LpAffineExpression, LpConstraint = pulp.LpAffineExpression, pulp.LpConstraint
@@ -363,7 +364,7 @@ def _use_threads(threads: int | None) -> None:
         _HIGHS_THREADS = want
 
 
-def _load_model(pulp: Any, lp: Any) -> list[Any]:
+def _load_model(pulp: ModuleType, lp: Any) -> list[Any]:
     """Pass ``lp``'s columns, objective, integrality and rows to its highspy model in bulk
     (numpy arrays, not one column and row at a time); its variables, indexed."""
     import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
@@ -409,7 +410,7 @@ def _load_model(pulp: Any, lp: Any) -> list[Any]:
     return variables
 
 
-def _highs_class(pulp: Any) -> Any:
+def _highs_class(pulp: Any) -> Any:  # Any: the class subclasses one of its members
     class _Highs(pulp.HiGHS):
         """pulp's HiGHS, with the model passed to highspy in bulk (numpy arrays, not one
         column and row at a time), a warm start (highspy setSolution), the run timed apart
@@ -456,7 +457,7 @@ def _highs_class(pulp: Any) -> Any:
     return _Highs
 
 
-def _cbc_class(pulp: Any, base_name: str) -> Any:
+def _cbc_class(pulp: Any, base_name: str) -> Any:  # Any: subclasses one of its members
     base = getattr(pulp, base_name)
 
     class _Cbc(base):  # type: ignore[misc, valid-type]
@@ -518,7 +519,7 @@ def cbc_log_value(text: str, label: str, lower: bool = False) -> float | None:
 
 
 
-def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_limit: float,
+def run(pulp: ModuleType, prog: PulpProgram, backend: str, options: SolveOptions, time_limit: float,
         start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
     """Run CBC or HiGHS (``backend``) on ``prog`` for at most ``time_limit`` seconds
     (``start``: from the variables' initial values); the solver's time goes to
@@ -536,7 +537,7 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
     return _run_cbc(pulp, prog, options, time_limit, start, sw, messages)
 
 
-def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+def _run_highs(pulp: ModuleType, prog: PulpProgram, options: SolveOptions, time_limit: float,
                start: bool, sw: Stopwatch) -> Outcome:
     """One HiGHS run (through highspy) handed ``time_limit`` seconds."""
     lp = prog.lp
@@ -577,7 +578,7 @@ def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: 
     return Outcome("ERROR", None, solver.run_s, f"HiGHS model status {mstatus}")
 
 
-def _run_cbc(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+def _run_cbc(pulp: ModuleType, prog: PulpProgram, options: SolveOptions, time_limit: float,
              start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
     """One CBC run (its command line) handed ``time_limit`` seconds; the bound read from
     its log when it stops early."""
