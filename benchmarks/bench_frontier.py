@@ -21,7 +21,8 @@ from pathlib import Path
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.core.machine import cpu_model
 from qsync_opt.planner.frontier import format_points, frontier, plot_frontier
-from qsync_opt.planner.solve import batch_splits, solve
+from qsync_opt.planner.solve import solve
+from qsync_opt.planner.splits import batch_splits
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import random_indicator
 

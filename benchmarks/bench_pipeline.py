@@ -33,7 +33,7 @@ from _timing import timed  # benchmarks/ is on sys.path when a script here runs
 from qsync_opt.solvers import SolveOptions
 from qsync_opt.solvers.memo import clear_part_memo
 
-import qsync_opt.planner.solve as solve_mod
+import qsync_opt.planner.joint as joint_mod
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.core.machine import cpu_model
 from qsync_opt.planner.frontier import frontier
@@ -65,11 +65,11 @@ OPTIONS = SolveOptions(time_limit_s=900)
 
 
 def _joint(model: str, cluster: str, prune: bool):
-    solve_mod.PRUNE_SPLITS = prune
+    joint_mod.PRUNE_SPLITS = prune
     try:
         return solve(_problem(model, cluster), "highs", OPTIONS, joint_split=True)
     finally:
-        solve_mod.PRUNE_SPLITS = True
+        joint_mod.PRUNE_SPLITS = True
 
 
 def _cli(args: list[str], exe: Path | None = None) -> None:
@@ -157,13 +157,13 @@ def main() -> None:
         print(f"  {r1.messages[0]}")
     if args.pareto:
         for prune in (True, False):
-            solve_mod.PRUNE_SPLITS = prune
+            joint_mod.PRUNE_SPLITS = prune
             try:
                 t0 = time.perf_counter()
                 pts = frontier(_problem("resnet50", "v100x16+t4x16"), options=OPTIONS)
                 dt = time.perf_counter() - t0
             finally:
-                solve_mod.PRUNE_SPLITS = True
+                joint_mod.PRUNE_SPLITS = True
             print(f"pareto resnet50 on v100x16+t4x16 ({'bounds' if prune else 'every split'}): "
                   f"{dt:.1f} s, {len(pts)} points")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")

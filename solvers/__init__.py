@@ -27,6 +27,7 @@ __all__ = ["EXACT", "Backend", "CbcOptions", "CpSatOptions", "DynamicBatchingOpt
 
 def registry() -> dict[str, Backend]:
     """Backends by name, in the order `compare` lists them. Built on each call."""
+    # imported on call: every backend module imports this package
     from qsync_opt.solvers.additive import AdditiveIlp
     from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
     from qsync_opt.solvers.cpsat import CpSat

@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from qsync_opt.core.precision import Precision
-from qsync_opt.problem.program import AllocationProblem, DerivedUnit, GroupModel, widest_precision
+from qsync_opt.costs.rules import widest_precision
+from qsync_opt.problem.groupmodel import DerivedUnit, GroupModel
+from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.replayer import Change, IncrementalReplay
 
 #: Relative slack of the acceptance checks, well inside the evaluator's (EVAL_TOL = 1e-7),

@@ -29,7 +29,8 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ClusterSpec, Plan, SolveReport
 from qsync_opt.problem.evaluator import Evaluation, evaluate
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.problem.program import AllocationProblem, GroupModel, check_finite
+from qsync_opt.problem.groupmodel import GroupModel, check_finite
+from qsync_opt.problem.program import AllocationProblem
 
 #: What the exact backends call feasible: time <= budget * (1 + FEAS_REL) and memory <=
 #: capacity * (1 + FEAS_REL) in the floating-point model (100x inside the evaluator's

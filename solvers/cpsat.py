@@ -27,6 +27,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from qsync_opt.solvers import timing
@@ -151,7 +152,7 @@ class CpSat:
         """The call's integer models (the formulation translated twice, inner and outer),
         or, before any scaling, the groups' least time and memory's proof of no plan
         (costs far above a tiny budget need no integers)."""
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # lazy: OR-Tools is heavy to import
 
         proof = cheap_infeasibility(problem)
         if proof:  # the report's scaling keys are always there: zero units, no integers
@@ -290,7 +291,7 @@ class CpSat:
 
     # ----------------------------------------------------------- the CP-SAT model
 
-    def _build(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
+    def _build(self, cp_model: ModuleType, problem: AllocationProblem, gis: Sequence[int],
                ints: Mapping[int, IntGroup], hints: Mapping[str, Sequence[int]] | None
                ) -> tuple[Any, dict[int, list[list[Any]]], int, int]:
         """The CP-SAT model of the groups ``gis``: each group's block of the formulation,
@@ -312,7 +313,7 @@ class CpSat:
                                                          [c for _, c in terms]))
         return model, xs, n_vars, n_cons
 
-    def _solve_once(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
+    def _solve_once(self, cp_model: ModuleType, problem: AllocationProblem, gis: Sequence[int],
                     ints: Mapping[int, IntGroup], hints: Mapping[str, Sequence[int]] | None,
                     options: SolveOptions, time_limit: float, sc: Scaling, sw: Stopwatch,
                     messages: list[str] | None = None) -> tuple[_Solved, int, int]:
@@ -355,7 +356,7 @@ class CpSat:
                     f"{solved.scaled_bound:.17g} by more than the gap")
         return None
 
-    def _solve_raw(self, cp_model: Any, problem: AllocationProblem, gis: Sequence[int],
+    def _solve_raw(self, cp_model: ModuleType, problem: AllocationProblem, gis: Sequence[int],
                    ints: Mapping[int, IntGroup], hints: Mapping[str, Sequence[int]] | None,
                    options: SolveOptions, t_end: float, sc: Scaling, sw: Stopwatch
                    ) -> tuple[_Solved, int, int]:
@@ -410,7 +411,7 @@ class _BlockWriter:
     coefficients: one-hot rows become ``add_exactly_one``, a forbidden choice an equality
     to 0, the working set ``W`` an integer variable in memory units."""
 
-    def __init__(self, cp_model: Any, model: Any, ig: IntGroup) -> None:
+    def __init__(self, cp_model: ModuleType, model: Any, ig: IntGroup) -> None:
         self.model, self.ig, self.block, self.form = model, ig, ig.block, ig.form
         self.expr = cp_model.LinearExpr
         b, variables = self.block, self.form.variables

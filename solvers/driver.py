@@ -34,7 +34,8 @@ from qsync_opt.solvers.timing import Deadline, Stopwatch
 from qsync_opt.solvers.warmstart import start_hints
 
 from qsync_opt.documents.schemas import Plan, SolveReport
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 
 #: Re-solves of a program whose OPTIMAL was only proven within the absolute tolerance.
 MAX_RESCALES = 3

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.checks import time_lower_bound
 from qsync_opt.solvers.formulation import formulate
-from qsync_opt.solvers.pulp_model import PULP_NAMES, pulp_module, read_assignment, run, to_pulp
+from qsync_opt.solvers.pulp_model import (
+    PULP_NAMES,
+    available,
+    pulp_module,
+    read_assignment,
+    run,
+    to_pulp,
+)
 from qsync_opt.solvers.timing import Deadline, Stopwatch
 
 from qsync_opt.core.errors import QsyncInputError
@@ -89,8 +96,6 @@ def group_fastest(problem: AllocationProblem, gi: int, time_limit_s: float
     within ``time_limit_s`` (greedy's start): (backend, the result, None when nothing
     fits), or None with no backend. Raises :class:`FastestTimeLimit` when the time ran out
     without a plan (no time left included)."""
-    from qsync_opt.solvers.pulp_model import available
-
     if not time_limit_s > 0:
         raise FastestTimeLimit("the exact fastest plan: no time left")
     others = frozenset(g.name for j, g in enumerate(problem.groups) if j != gi)

@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 
 #: The equation families, in the order a group's rows are written.
 FAMILIES = ("one_hot", "derived_and", "derived_all", "pair_a", "pair_b", "working_set",

@@ -63,7 +63,8 @@ from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan, SolveReport
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 
 log = logging.getLogger(__name__)
 

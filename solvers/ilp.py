@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from qsync_opt.solvers import timing
@@ -142,11 +143,11 @@ class PulpIlp:
 
     # ------------------------------------------------------------- one program
 
-    def _run(self, pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+    def _run(self, pulp: ModuleType, prog: PulpProgram, options: SolveOptions, time_limit: float,
              start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
         return run(pulp, prog, self.backend, options, time_limit, start, sw, messages)
 
-    def _solve_program(self, pulp: Any, problem: AllocationProblem, gis: Sequence[int],
+    def _solve_program(self, pulp: ModuleType, problem: AllocationProblem, gis: Sequence[int],
                        options: SolveOptions, hints: Mapping[str, Sequence[int]] | None,
                        deadline: float, sw: Stopwatch, messages: list[str], tag: str,
                        forbid: Forbidden | None = None) -> _Solved:

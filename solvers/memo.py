@@ -12,7 +12,8 @@ from typing import Any
 from qsync_opt.solvers.base import PartResult
 from qsync_opt.solvers.checks import exact_violation
 
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 
 
 def group_digest(g: GroupModel) -> str:

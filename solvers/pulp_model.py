@@ -32,8 +32,10 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.formulation import Block, Formulation
 from qsync_opt.solvers.timing import Stopwatch, solver_limit
@@ -54,8 +56,8 @@ def abs_gap(rel_gap: float) -> float:
     return max(ABS_GAP_OF_REL * min(max(rel_gap, 0.0), 1e-3), 1e-13)
 
 
-def pulp_module() -> Any:
-    import pulp
+def pulp_module() -> ModuleType:
+    import pulp  # lazy: importing PuLP costs ~0.3 s, kept off paths that never solve
 
     return pulp
 
@@ -192,7 +194,7 @@ def _scaled_objective(form: Formulation, cols: list[Any]
     return terms, scale, offset
 
 
-def to_pulp(pulp: Any, form: Formulation, name: str) -> PulpProgram:
+def to_pulp(pulp: ModuleType, form: Formulation, name: str) -> PulpProgram:
     """The PuLP model of ``form`` (see the module's docstring for the numerics)."""
     lp = pulp.LpProblem(name, pulp.LpMinimize)
     LpAffineExpression, LpConstraint = pulp.LpAffineExpression, pulp.LpConstraint
@@ -232,9 +234,7 @@ def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float 
     by HiGHS on the same normalised rows as :func:`to_pulp` gives it, passed straight to
     highspy: ("OPTIMAL", objective in the formulation's units), ("INFEASIBLE", None) or
     (another status, None)."""
-    import highspy
-    import numpy as np
-
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
     limit = solver_limit(float(options.time_limit_s))
     if not limit > 0:  # not started: too little time left for a run and its margin
         return "TIME_LIMIT", None
@@ -354,7 +354,7 @@ def _quiet_stdout() -> Iterator[None]:
 def _use_threads(threads: int | None) -> None:
     """HiGHS fixes its thread pool at the first run in a process; a run asking for another
     thread count fails (model status kNotset) unless the pool is reset: reset it then."""
-    import highspy
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
 
     global _HIGHS_THREADS
     want = int(threads or 0)
@@ -364,12 +364,10 @@ def _use_threads(threads: int | None) -> None:
         _HIGHS_THREADS = want
 
 
-def _load_model(pulp: Any, lp: Any) -> list[Any]:
+def _load_model(pulp: ModuleType, lp: Any) -> list[Any]:
     """Pass ``lp``'s columns, objective, integrality and rows to its highspy model in bulk
     (numpy arrays, not one column and row at a time); its variables, indexed."""
-    import highspy
-    import numpy as np
-
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
     h = lp.solverModel
     inf = highspy.kHighsInf
     variables = lp.variables()
@@ -412,7 +410,7 @@ def _load_model(pulp: Any, lp: Any) -> list[Any]:
     return variables
 
 
-def _highs_class(pulp: Any) -> Any:
+def _highs_class(pulp: Any) -> Any:  # Any: the class subclasses one of its members
     class _Highs(pulp.HiGHS):
         """pulp's HiGHS, with the model passed to highspy in bulk (numpy arrays, not one
         column and row at a time), a warm start (highspy setSolution), the run timed apart
@@ -424,8 +422,6 @@ def _highs_class(pulp: Any) -> Any:
         outcome: tuple[Any, Any, float, float] | None = None
 
         def actualSolve(self, lp: Any) -> Any:
-            import numpy as np
-
             global _HIGHS_BANNER_DONE
             t0 = time.perf_counter()
             if _HIGHS_BANNER_DONE:
@@ -461,7 +457,7 @@ def _highs_class(pulp: Any) -> Any:
     return _Highs
 
 
-def _cbc_class(pulp: Any, base_name: str) -> Any:
+def _cbc_class(pulp: Any, base_name: str) -> Any:  # Any: subclasses one of its members
     base = getattr(pulp, base_name)
 
     class _Cbc(base):  # type: ignore[misc, valid-type]
@@ -523,7 +519,7 @@ def cbc_log_value(text: str, label: str, lower: bool = False) -> float | None:
 
 
 
-def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_limit: float,
+def run(pulp: ModuleType, prog: PulpProgram, backend: str, options: SolveOptions, time_limit: float,
         start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
     """Run CBC or HiGHS (``backend``) on ``prog`` for at most ``time_limit`` seconds
     (``start``: from the variables' initial values); the solver's time goes to
@@ -541,7 +537,7 @@ def run(pulp: Any, prog: PulpProgram, backend: str, options: SolveOptions, time_
     return _run_cbc(pulp, prog, options, time_limit, start, sw, messages)
 
 
-def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+def _run_highs(pulp: ModuleType, prog: PulpProgram, options: SolveOptions, time_limit: float,
                start: bool, sw: Stopwatch) -> Outcome:
     """One HiGHS run (through highspy) handed ``time_limit`` seconds."""
     lp = prog.lp
@@ -565,7 +561,7 @@ def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: 
     sw.build_s += total - solver.run_s  # model transfer into highspy
     assert solver.outcome is not None
     mstatus, primal, dual_bound, obj_value = solver.outcome
-    import highspy
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
 
     S = highspy.HighsModelStatus
     has_sol = primal == 2  # kSolutionStatusFeasible
@@ -582,7 +578,7 @@ def _run_highs(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: 
     return Outcome("ERROR", None, solver.run_s, f"HiGHS model status {mstatus}")
 
 
-def _run_cbc(pulp: Any, prog: PulpProgram, options: SolveOptions, time_limit: float,
+def _run_cbc(pulp: ModuleType, prog: PulpProgram, options: SolveOptions, time_limit: float,
              start: bool, sw: Stopwatch, messages: list[str]) -> Outcome:
     """One CBC run (its command line) handed ``time_limit`` seconds; the bound read from
     its log when it stops early."""

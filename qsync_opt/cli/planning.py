@@ -193,8 +193,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
+    from qsync_opt.planner.compare import compare
     from qsync_opt.planner.dominance import dominated_by, marked_table
-    from qsync_opt.planner.solve import compare
 
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.

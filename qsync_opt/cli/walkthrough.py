@@ -49,9 +49,10 @@ from qsync_opt.documents.io import to_json
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.graph import trace
 from qsync_opt.indicator import indicate
+from qsync_opt.planner.compare import CompareRow, compare
 from qsync_opt.planner.dominance import CHEAP_BASELINES, Candidate, marked_table, recommend_row
 from qsync_opt.planner.figure import straggler_reason
-from qsync_opt.planner.solve import CompareRow, compare, reachable_ms
+from qsync_opt.planner.solve import reachable_ms
 from qsync_opt.problem.evaluator import evaluate
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.profile import derive, measure_comm_local, profile_detailed, with_comm
@@ -359,7 +360,7 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
               f"straggler: {straggler_reason(low)}.")
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
     from qsync_opt.indicator import fast_options, indicate
-    from qsync_opt.planner.solve import compare
+    from qsync_opt.planner.compare import compare
     from qsync_opt.problem.program import AllocationProblem
     from qsync_opt.solvers.ilp import fastest_times
 

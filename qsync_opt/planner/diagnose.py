@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import OpRole
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.solvers import CbcOptions, HighsOptions, SolveOptions
+from qsync_opt.solvers.checks import FEAS_REL, check_resolution
+from qsync_opt.solvers.fastest import fastest_plans
+from qsync_opt.solvers.formulation import formulate_group
+from qsync_opt.solvers.pulp_model import available, pulp_module, read_assignment, run, to_pulp
+from qsync_opt.solvers.timing import Stopwatch
 
 GIB = float(2**30)
 #: How many pinned ops a line names (the heaviest first).
@@ -53,8 +60,6 @@ def _memory_upper_bound(g: GroupModel) -> float:
 
 
 def _exact_backend() -> str:
-    from qsync_opt.solvers.pulp_model import available
-
     for name in ("highs", "cbc"):
         if available(name):
             return name
@@ -63,11 +68,6 @@ def _exact_backend() -> str:
 
 def _group_min_memory(g: GroupModel, gi: int, backend: str, time_limit_s: float
                       ) -> tuple[float, list[int]]:
-    from qsync_opt.solvers import CbcOptions, HighsOptions, SolveOptions
-    from qsync_opt.solvers.formulation import formulate_group
-    from qsync_opt.solvers.pulp_model import pulp_module, read_assignment, run, to_pulp
-    from qsync_opt.solvers.timing import Stopwatch
-
     if not g.choices:
         return g.memory_bytes([]), []
     # The group's own rows, with a capacity no assignment reaches: its memory row never
@@ -106,8 +106,6 @@ def _fastest(problem: AllocationProblem, time_limit_s: float,
              skip: frozenset[str] = frozenset()) -> dict[str, tuple[float, list[int]] | None]:
     """Per group the least time over memory-feasible assignments and one reaching it (None:
     none, or the group is in ``skip``, known not to fit)."""
-    from qsync_opt.solvers.fastest import fastest_plans
-
     return fastest_plans(problem, _exact_backend(), time_limit_s, skip)
 
 
@@ -285,8 +283,6 @@ def explain(problem: AllocationProblem, *, time_limit_s: float = 60.0) -> Diagno
     blocking group, the pinned ops that weigh most in its least-memory (or fastest) plan,
     with their share.
     """
-    from qsync_opt.solvers.checks import FEAS_REL
-
     mins = min_memory(problem, time_limit_s=time_limit_s)
     too_big = frozenset(g.name for g in problem.groups
                         if mins[g.name][0] > g.capacity_bytes * (1 + FEAS_REL))
@@ -361,8 +357,6 @@ def precheck(problem: AllocationProblem, check: str = "target", *,
     target; the default one falls back to the lexicographic mode when out of reach).
     Without a PuLP solver only ``"fixed"`` is checked.
     """
-    from qsync_opt.solvers.checks import FEAS_REL, check_resolution
-
     if check not in PRECHECKS:
         raise QsyncInputError(f"check: expected one of {', '.join(PRECHECKS)}, got {check!r}")
     check_resolution(problem)  # costs no makespan can resolve: refused, not "no plan"

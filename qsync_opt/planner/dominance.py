@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan
-from qsync_opt.planner.solve import CompareRow, format_rows, run_backend
+from qsync_opt.planner.call import run_backend
+from qsync_opt.planner.compare import CompareRow, format_rows
 from qsync_opt.problem.evaluator import Evaluation
 from qsync_opt.problem.program import EVAL_TOL, AllocationProblem
 from qsync_opt.solvers import SolveOptions
@@ -186,7 +187,7 @@ def dominated_by(rows: Sequence[CompareRow]) -> list[str | None]:
 
 
 def marked_table(rows: Sequence[CompareRow]) -> str:
-    """:func:`~qsync_opt.planner.solve.format_rows` with the dominated rows marked, and the mark's
+    """:func:`~qsync_opt.planner.compare.format_rows` with the dominated rows marked, and the mark's
     legend on one line after the table when a row carries it."""
     marks = [f"[dominated by {x}]" if x else None for x in dominated_by(rows)]
     text = format_rows(rows, marks)

@@ -24,12 +24,18 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import BY_FIDELITY, Precision
+from qsync_opt.costs.roofline import estimate
+from qsync_opt.documents.io import atomic_write_bytes, load
 from qsync_opt.documents.schemas import CostTable, ModelGraph, OpRole, Plan
-from qsync_opt.replayer import GroupTimeline, Timeline
+from qsync_opt.problem.plan import check_plan, graph_for_plan, plan_graph_difference
+from qsync_opt.replayer import GroupTimeline, Replayer, Timeline
+
+if TYPE_CHECKING:  # matplotlib is optional: its types only for the checker
+    from matplotlib.axes import Axes
 
 GiB = 1024**3
 
@@ -178,8 +184,6 @@ def sparse_ticks(n: int, max_labels: int = MAX_OP_LABELS) -> list[int]:
 
 
 def _check_same_graph(plan: Plan, graph: ModelGraph) -> None:
-    from qsync_opt.problem.plan import plan_graph_difference
-
     if plan.graph_hash != graph.structure_hash():
         raise QsyncInputError(plan_graph_difference(plan, graph))
 
@@ -225,17 +229,10 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
         raise QsyncInputError(
             f"timeline: no group {', '.join(missing)} (it has {', '.join(timeline.groups)})")
 
-    from matplotlib.colors import BoundaryNorm, ListedColormap
+    # optional dependency: matplotlib is imported only when a figure is drawn
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
-    ng, nops = len(groups), len(ops)
-    order = list(BY_FIDELITY)
-    code = {p.value: i for i, p in enumerate(order)}
-    codes = [[code[v] for v in row] for row in matrix]
-    present = {v for row in matrix for v in row}
-    legend: list[str] = [p.value for p in order if p.value in present]
-
+    ng = len(groups)
     heat_h = 0.38 * ng + 1.9
     bars_h = 0.55 * ng + 1.6
     fig = Figure(figsize=(14, heat_h + bars_h + 0.8), layout="constrained")
@@ -244,6 +241,31 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     ax_time = fig.add_subplot(gs[1, 0])
     ax_mem = fig.add_subplot(gs[1, 1])
     fig.suptitle(_title(plan, timeline), fontsize=12)
+    legend, ticks = _draw_heatmap(ax_heat, plan, ops, groups, matrix)
+    _draw_times(ax_time, timeline, groups)
+    _draw_memory(ax_mem, timeline, groups)
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    target = _atomic_write_bytes(path, buf.getvalue(), what)
+    return PlanFigure(path=target, ops=ops, groups=groups, matrix=matrix, legend=legend,
+                      tick_ops=ticks)
+
+
+def _draw_heatmap(ax_heat: Axes, plan: Plan, ops: list[str], groups: list[str],
+                  matrix: list[list[str]]) -> tuple[list[str], list[int]]:
+    """Panel (a): the precision of every choosable op per group; the legend's precisions
+    and the ops named on the axis."""
+    # optional dependency: matplotlib is imported only when a figure is drawn
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.patches import Patch
+
+    ng, nops = len(groups), len(ops)
+    order = list(BY_FIDELITY)
+    code = {p.value: i for i, p in enumerate(order)}
+    codes = [[code[v] for v in row] for row in matrix]
+    present = {v for row in matrix for v in row}
+    legend: list[str] = [p.value for p in order if p.value in present]
 
     by_name = {g.name: g for g in plan.cluster.groups}
 
@@ -269,7 +291,12 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
                             for p in legend],
                    title="most exact → least", loc="upper left", bbox_to_anchor=(1.005, 1.0),
                    fontsize=8, title_fontsize=8, frameon=False)
+    return legend, ticks
 
+
+def _draw_times(ax_time: Axes, timeline: Timeline, groups: list[str]) -> None:
+    """Panel (b): where each group's iteration goes."""
+    ng = len(groups)
     # (b) one iteration per group
     labels = [f"{g}\n{timeline.groups[g].device}, batch {timeline.groups[g].batch_per_device}"
               + ("\n(straggler)" if ng > 1 and g == timeline.straggler else "")
@@ -293,6 +320,10 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     ax_time.set_title("(b) where each group's iteration goes", loc="left", fontsize=10)
     ax_time.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
+
+def _draw_memory(ax_mem: Axes, timeline: Timeline, groups: list[str]) -> None:
+    """Panel (c): memory per device against capacity."""
+    ng = len(groups)
     # (c) memory against capacity
     cats = [c for c in MEMORY_ORDER if any(c in timeline.groups[g].memory for g in groups)]
     cats += sorted({c for g in groups for c in timeline.groups[g].memory} - set(cats))
@@ -320,12 +351,6 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     ax_mem.set_title("(c) memory per device against capacity", loc="left", fontsize=10)
     ax_mem.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    target = _atomic_write_bytes(path, buf.getvalue(), what)
-    return PlanFigure(path=target, ops=ops, groups=groups, matrix=matrix, legend=legend,
-                      tick_ops=ticks)
-
 
 def _short(name: str, limit: int = OP_LABEL_CHARS) -> str:
     """An op name cut to ``limit`` characters, keeping its informative end."""
@@ -340,8 +365,6 @@ def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes, what: str = "
     """Write ``data`` to ``path`` atomically with the package's one writer
     (:func:`qsync_opt.documents.io.atomic_write_bytes`: mode kept, links written through); a failure
     is one line, ``WHAT: cannot write PATH (reason)``."""
-    from qsync_opt.documents.io import atomic_write_bytes
-
     return atomic_write_bytes(path, data, what=what)
 
 
@@ -411,19 +434,12 @@ def load_report_inputs(plan_path: str | os.PathLike[str],
     sha256 must be the plan's ``workload_sha256``): a plan never runs code. Costs are the
     roofline estimates unless a CostTable file is given.
     """
-    from qsync_opt.costs.roofline import estimate
-    from qsync_opt.documents.io import load
-    from qsync_opt.problem.plan import graph_for_plan
-    from qsync_opt.replayer import Replayer
-
     try:
         plan = load(plan_path, Plan)
     except QsyncInputError as exc:
         raise type(exc)(f"plan: {exc}") from None
     prov = plan.provenance
     if graph_path is not None:
-        from qsync_opt.problem.plan import check_plan
-
         try:
             graph = load(graph_path, ModelGraph)
         except QsyncInputError as exc:

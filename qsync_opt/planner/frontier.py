@@ -29,6 +29,10 @@ from typing import Any
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.progress import Progress
 from qsync_opt.documents.io import atomic_write_bytes
+from qsync_opt.documents.outfolder import write_bytes
+from qsync_opt.planner.call import InfeasibleError, SolveTimeLimit, reachable_ms, run_backend
+from qsync_opt.planner.joint import solve_joint
+from qsync_opt.problem.evaluator import evaluate
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.solvers import SolveOptions
 
@@ -65,7 +69,6 @@ class FrontierPoint:
 
 def target_range(problem: AllocationProblem) -> tuple[float, float]:
     """(smallest reachable makespan, all-reference makespan) of the linear model."""
-    from qsync_opt.planner.solve import InfeasibleError, reachable_ms
 
     lo = reachable_ms(problem)
     if lo is None:  # infeasible, not bad input (its own exit code in the CLI)
@@ -79,7 +82,6 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
              batch_multiple: int | None = None, progress: bool = False) -> list[FrontierPoint]:
     """Sweep the makespan target over ``points`` values and score every allocator
     (``progress``: a bar on stderr, drawn once the sweep has run 2 s)."""
-    from qsync_opt.planner.solve import run_backend
 
     if points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {points}")
@@ -96,7 +98,6 @@ def frontier(problem: AllocationProblem, *, points: int = 8, exact: str = "highs
         if plan is None:
             return FrontierPoint(name, target, status, None, None, None, None, None, None, None,
                                  False)
-        from qsync_opt.problem.evaluator import evaluate
 
         ev = evaluate(problem, plan, target_ms=target)
         return FrontierPoint(
@@ -166,7 +167,6 @@ def _exact_point(problem: AllocationProblem, name: str, t: float, exact: str,
                  extra_splits: list[dict[str, int]], point: Callable[..., FrontierPoint],
                  bar: Progress) -> FrontierPoint:
     """The ``exact`` (given split) or ``exact+split`` (joint split) point at target ``t``."""
-    from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit, run_backend, solve_joint
 
     bar.advance(note=f"{name} at {t:.1f} ms")
     prob = problem.retarget(t)
@@ -200,7 +200,7 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     written by :func:`qsync_opt.documents.io.atomic_write_bytes` (``what``: the flag the path came
     from, for a one-line error when it cannot be written), or, given the output ``folder``
     it is a name in, by :func:`qsync_opt.documents.outfolder.write_bytes` (no link there followed)."""
-    import matplotlib
+    import matplotlib  # optional: the figure only, so the frontier runs without it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -230,7 +230,6 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     finally:
         plt.close(fig)
     if folder is not None:
-        from qsync_opt.documents.outfolder import write_bytes
 
         return write_bytes(folder, path, buf.getvalue(), what or "--out")
     return atomic_write_bytes(path, buf.getvalue(), what=what)

@@ -37,7 +37,8 @@ import copy
 from collections.abc import Sequence
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.problem.program import AllocationProblem, GroupModel
+from qsync_opt.problem.groupmodel import GroupModel
+from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.solvers.checks import time_lower_bound
 from qsync_opt.solvers.parts import part_floor
 

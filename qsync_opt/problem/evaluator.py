@@ -14,6 +14,7 @@ from typing import Any
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import ClusterSpec, Plan
+from qsync_opt.problem.plan import plan_graph_difference
 from qsync_opt.problem.program import EVAL_TOL, AllocationProblem, ProblemOptions
 from qsync_opt.replayer import Timeline
 
@@ -75,8 +76,6 @@ what it costs free, and the target only decides ``meets_target``), against the s
 target.
     """
     if plan.graph_hash != problem.graph.structure_hash():
-        from qsync_opt.problem.plan import plan_graph_difference
-
         raise QsyncInputError(plan_graph_difference(plan, problem.graph))
     target = problem.target_ms if target_ms is None else target_ms
     prob = problem

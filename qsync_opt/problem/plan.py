@@ -15,6 +15,7 @@ from typing import Any
 
 from qsync_opt.core.errors import QsyncInputError, TraceError
 from qsync_opt.core.precision import Precision
+from qsync_opt.costs.devices import get_device
 from qsync_opt.costs.rules import allowed_on, check_plan_entry, check_tie
 from qsync_opt.documents.schemas import (
     MAX_BATCH,
@@ -109,8 +110,6 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
     choosable op gets a precision the op allows and the group's card runs; ops of one tie
     group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`.
     """
-    from qsync_opt.costs.devices import get_device
-
     if plan.graph_hash != graph.structure_hash():
         raise QsyncInputError(plan_graph_difference(plan, graph))
     ops = {o.name: o for o in graph.ops}
@@ -148,7 +147,7 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
 
 def _registry_name(spec: str) -> str | None:
     """The registry's own name of workload ``spec``; None when it names none."""
-    from qsync_opt.models import get_workload
+    from qsync_opt.models import get_workload  # lazy: the model registry imports torch
 
     try:
         return get_workload(spec).name
@@ -167,7 +166,7 @@ def plan_model(plan: Plan, model: str | None, flag: str = "--model") -> str | No
     - the plan names a file but carries no ``workload_sha256``, or the given file's content
       has another hash (the file is read, not run).
     """
-    from qsync_opt.graph import is_user_model, model_file_sha256
+    from qsync_opt.graph import is_user_model, model_file_sha256  # lazy: imports torch
 
     wl = repr(plan.workload)
     if is_user_model(plan.workload):
@@ -217,8 +216,8 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
     :class:`~qsync_opt.models.user.UserWorkload` whose sha256 is the plan's), traced instead
     of importing the file again.
     """
-    from qsync_opt.graph import TIE_MODES, trace
-    from qsync_opt.models import get_workload
+    from qsync_opt.graph import TIE_MODES, trace  # lazy: tracing imports torch
+    from qsync_opt.models import get_workload  # lazy: the model registry imports torch
 
     prov = plan.provenance
     batch = prov.get("graph_batch")
@@ -236,7 +235,7 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
         if sha is not None:
             assert model is not None
             if workload is None or getattr(workload, "sha256", None) != sha:
-                from qsync_opt.graph import load_user_workload
+                from qsync_opt.graph import load_user_workload  # lazy: imports torch
 
                 workload = load_user_workload(model, sha256=sha)
             wl_ = workload

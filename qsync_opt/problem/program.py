@@ -47,25 +47,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.core.precision import DType, Precision
+from qsync_opt.core.precision import Precision
 from qsync_opt.costs.batchmodel import TableCosts
-from qsync_opt.costs.rules import PASS_PRECISION, allowed_on, fidelity, widest_precision
 from qsync_opt.documents.schemas import (
     ClusterSpec,
     CostTable,
     IndicatorTable,
     ModelGraph,
-    OpRole,
     Plan,
 )
-from qsync_opt.replayer import Replayer
+from qsync_opt.problem.coefficients import GroupInputs, group_model
+from qsync_opt.problem.groupmodel import GroupModel, Unit, check_finite, held_at_reference
+from qsync_opt.problem.plan import make_plan
+from qsync_opt.replayer import PeriodicSync, Replayer
 
 #: Precisions a strong group may run as its reference.
 REFERENCE_PRECISIONS = (Precision.fp32, Precision.tf32, Precision.bf16, Precision.fp16)
@@ -141,8 +141,6 @@ class ProblemOptions:
         if self.strong_groups is not None:
             object.__setattr__(self, "strong_groups", tuple(self.strong_groups))
         if isinstance(self.sync, Mapping):  # as to_json wrote it
-            from qsync_opt.replayer import PeriodicSync
-
             try:
                 object.__setattr__(self, "sync", PeriodicSync(**dict(self.sync)))
             except (TypeError, ValueError) as exc:
@@ -159,229 +157,9 @@ class ProblemOptions:
                           "rounds": self.sync.rounds, "steps": self.sync.steps})}
 
 
-@dataclass(frozen=True)
-class Unit:
-    """One decision: the ops that share it (one op, or a tie group)."""
-
-    name: str
-    ops: tuple[str, ...]
-
-
-@dataclass
-class PairTerm:
-    """Coefficients of a pair of units (a < b): ``[choice of a][choice of b]``."""
-
-    a: int
-    b: int
-    time: list[list[float]]
-    mem: list[list[float]]
-
-
-@dataclass(frozen=True)
-class DerivedUnit:
-    """A promoting op (add, cat) fed only by decision units: its dtype is not chosen but
-    follows from theirs (autocast's widest rule). Index ``index`` in the extended unit space;
-    ``choices`` are fp32/fp16/bf16 as pass-through precisions."""
-
-    index: int
-    op: str
-    inputs: tuple[int, ...]
-    choices: tuple[Precision, ...]
-
-
-def _widest_choices(inputs: Sequence[tuple[Precision, ...]]) -> tuple[Precision, ...]:
-    """The dtypes a promoting op can end up in, given its inputs' choices."""
-    can = [{p.info.gives_out for p in c} for c in inputs]
-    out = []
-    if any(DType.fp32 in c for c in can) or (len(can) > 1 and len(set().union(*can)) > 1):
-        out.append(Precision.fp32)
-    for dt in (DType.fp16, DType.bf16):
-        if all(dt in c for c in can):
-            out.append(PASS_PRECISION[dt])
-    return tuple(sorted(out, key=fidelity, reverse=True))
-
-
-@dataclass
-class GroupModel:
-    """One device group's coefficients. Choice indices refer to ``choices[u]``, which lists
-    the unit's precisions from the most exact to the least."""
-
-    name: str
-    device: str
-    count: int
-    batch: int
-    weight: float  # share of the global batch
-    capacity_bytes: float  # usable memory * (1 - headroom)
-    usable_bytes: int
-    choices: list[tuple[Precision, ...]]
-    time0: float
-    time1: list[list[float]]
-    mem0: float
-    mem1: list[list[float]]
-    work0: float
-    work1: list[list[float]]
-    omega1: list[list[float]]
-    pairs: list[PairTerm]
-    reference: list[int]
-    derived: list[DerivedUnit] = field(default_factory=list)
-
-    @property
-    def n_units(self) -> int:
-        """Real decisions; derived units follow them in time1/mem1/work1 and pair indices."""
-        return len(self.choices)
-
-    @property
-    def all_choices(self) -> list[tuple[Precision, ...]]:
-        return list(self.choices) + [d.choices for d in self.derived]
-
-    def complete(self, a: Sequence[int]) -> list[int]:
-        """Extend an assignment of the real units with the derived units' choices."""
-        full = list(a)
-        if len(full) != len(self.choices):
-            raise ValueError(f"assignment has {len(full)} choices, expected {len(self.choices)}")
-        for d in self.derived:
-            full.append(self.derived_choice(d, full))
-        return full
-
-    def derived_choice(self, d: DerivedUnit, full: Sequence[int]) -> int:
-        """Derived unit ``d``'s choice index given its inputs' choices in ``full``."""
-        ext = self.all_choices
-        dtypes = {ext[u][full[u]].info.gives_out for u in d.inputs}
-        return d.choices.index(widest_precision(dtypes))
-
-    def time_ms(self, a: Sequence[int]) -> float:
-        a = self.complete(a) if self.derived else a
-        t = self.time0 + sum(row[c] for row, c in zip(self.time1, a, strict=True))
-        return t + sum(p.time[a[p.a]][a[p.b]] for p in self.pairs)
-
-    def memory_bytes(self, a: Sequence[int]) -> float:
-        a = self.complete(a) if self.derived else a
-        m = self.mem0 + sum(row[c] for row, c in zip(self.mem1, a, strict=True))
-        m += sum(p.mem[a[p.a]][a[p.b]] for p in self.pairs)
-        work = max([self.work0] + [row[c] for row, c in zip(self.work1, a, strict=True)])
-        return m + work
-
-    def derived_rows(self) -> list[tuple[int, int, list[list[tuple[int, int]]]]]:
-        """The derived units' definition as AND rows, for the exact backends.
-
-        One entry ``(d, k, inputs)`` per derived unit ``d`` and each 16-bit choice ``k`` of
-        it: ``inputs`` lists, per input unit, the ``(unit, choice)`` pairs giving that dtype.
-        With S_i the sum of those x of input i: ``x[d,k] <= S_i`` for every i and
-        ``x[d,k] >= sum_i S_i - (len(inputs) - 1)``; with one-hot rows on ``d`` this fixes
-        ``d`` exactly (fp32 is the rest). An input that can never give it forces ``x[d,k] = 0``.
-        """
-        ext = self.all_choices
-        rows = []
-        for d in self.derived:
-            for k, p in enumerate(d.choices):
-                if p == Precision.fp32:
-                    continue
-                dt = p.info.gives_out
-                rows.append((d.index, k, [[(u, j) for j, q in enumerate(ext[u])
-                                           if q.info.gives_out == dt] for u in d.inputs]))
-        return rows
-
-    def degradation(self, a: Sequence[int]) -> float:
-        return sum(row[c] for row, c in zip(self.omega1, a, strict=True))
-
-    def lowest(self) -> list[int]:
-        return [len(c) - 1 for c in self.choices]
-
-
-def check_finite(groups: Sequence[GroupModel], unit_names: Sequence[str] | None = None) -> None:
-    """Refuse (one line, naming the group, the quantity and the op) any coefficient the
-    solvers would be given that is not a finite number: Infinity or NaN in a cost, a
-    capacity or an indicator value would otherwise reach the solvers' scaling."""
-
-    def name(u: int) -> str:
-        return (unit_names[u] if unit_names is not None and u < len(unit_names)
-                else f"unit {u}")
-
-    def bad(v: Any) -> bool:
-        return not isinstance(v, (int, float)) or not math.isfinite(v)
-
-    for g in groups:
-        where = f"group {g.name}"
-        for what, v in (("weight", g.weight), ("capacity_bytes", g.capacity_bytes),
-                        ("time0 (fixed time, ms)", g.time0), ("mem0 (fixed memory, bytes)",
-                                                              g.mem0),
-                        ("work0 (working set, bytes)", g.work0)):
-            if bad(v):
-                raise QsyncInputError(f"{where}: {what} is {v!r}; expected a finite number "
-                                      "(check the costs and cluster files)")
-        for what, rows in (("time cost (ms)", g.time1), ("memory cost (bytes)", g.mem1),
-                           ("working set (bytes)", g.work1),
-                           ("indicator value (Omega)", g.omega1)):
-            for u, row in enumerate(rows):
-                for v in row:
-                    if bad(v):
-                        raise QsyncInputError(
-                            f"{where}, op {name(u)}: {what} is {v!r}; expected a finite "
-                            "number (check the costs and indicator files)")
-        for p in g.pairs:
-            for what, mat in (("cast time (ms)", p.time), ("cast memory (bytes)", p.mem)):
-                if any(bad(v) for row in mat for v in row):
-                    raise QsyncInputError(
-                        f"{where}, ops {name(p.a)} -> {name(p.b)}: a {what} is not a finite "
-                        "number (check the costs file)")
-
-
-def _held_at_reference(g: GroupModel) -> GroupModel:
-    """``g`` with every real unit held at its reference choice (one choice each); a derived
-    unit keeps the choices its inputs can still give. The coefficients are sliced from
-    ``g``'s, not rebuilt, so any assignment of the held group costs what it costs in ``g``;
-    pair terms left with one choice on a side become unary (or constant) terms."""
-    n_real = len(g.choices)
-    keep: list[list[int]] = [[r] for r in g.reference]
-    ext: list[tuple[Precision, ...]] = [(g.choices[u][r],) for u, r in enumerate(g.reference)]
-    derived = []
-    for d in g.derived:
-        can = set(_widest_choices([ext[u] for u in d.inputs]))
-        k = [i for i, p in enumerate(d.choices) if p in can]
-        keep.append(k)
-        ext.append(tuple(d.choices[i] for i in k))
-        derived.append(dataclasses.replace(d, choices=ext[-1]))
-
-    def cut(rows: list[list[float]]) -> list[list[float]]:
-        return [[row[i] for i in k] for row, k in zip(rows, keep, strict=True)]
-
-    time0, mem0 = g.time0, g.mem0
-    time1, mem1, work1 = cut(g.time1), cut(g.mem1), cut(g.work1)
-    pairs = []
-    for p in g.pairs:
-        t = [[p.time[i][j] for j in keep[p.b]] for i in keep[p.a]]
-        m = [[p.mem[i][j] for j in keep[p.b]] for i in keep[p.a]]
-        if len(t) == 1 and len(t[0]) == 1:
-            time0 += t[0][0]
-            mem0 += m[0][0]
-        elif len(t) == 1:
-            time1[p.b] = [x + y for x, y in zip(time1[p.b], t[0], strict=True)]
-            mem1[p.b] = [x + y for x, y in zip(mem1[p.b], m[0], strict=True)]
-        elif len(t[0]) == 1:
-            time1[p.a] = [x + row[0] for x, row in zip(time1[p.a], t, strict=True)]
-            mem1[p.a] = [x + row[0] for x, row in zip(mem1[p.a], m, strict=True)]
-        else:
-            pairs.append(PairTerm(p.a, p.b, t, m))
-    return dataclasses.replace(
-        g, choices=ext[:n_real], time0=time0, time1=time1, mem0=mem0, mem1=mem1, work1=work1,
-        omega1=[[row[r]] for row, r in zip(g.omega1, g.reference, strict=True)], pairs=pairs,
-        reference=[0] * n_real, derived=derived)
-
 
 def _hash(doc: Any) -> str:
     return str(doc.content_hash())
-
-
-def _op_choices(op: Any, menu: frozenset[Precision], pin: Precision | None,
-                group: str, device: str) -> list[Precision]:
-    allowed = allowed_on(op, menu)
-    if pin is not None:
-        if pin not in allowed:
-            raise QsyncInputError(
-                f"pinned: op {op.name} cannot run at {pin.value} on group {group} ({device}); "
-                f"allowed: {', '.join(p.value for p in allowed)}")
-        allowed = [pin]
-    return allowed
 
 
 #: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
@@ -469,13 +247,7 @@ class AllocationProblem:
         # The optimizer and, on the runtime's profiled tables, its per-step bookkeeping syncs.
         self.optimizer_ms = max(g.optimizer_ms for g in rep.groups) + rep.step_sync_ms
         self.global_batch = sum(g.count * int(g.batch_per_device or 1) for g in self.cluster.groups)
-        self._approx: dict[str, int] = {"memory_or": 0}
-        self.groups = [self._group_model(gi) for gi in range(len(rep.groups))]
-        check_finite(self.groups, [u.ops[0] for u in self.units])
-        if self._approx["memory_or"]:
-            self.notes.append(
-                f"linear model: {self._approx['memory_or']} ops with several choosable producers "
-                "take their saved-activation bytes as the maximum over those producers' choices")
+        self.groups = self._group_models()
         self.reference_times = {g.name: g.time_ms(g.reference) for g in self.groups}
         self.strong_groups = self._strong_groups()
         #: The strong groups' makespan at their reference in the linear model (no straggler).
@@ -512,6 +284,25 @@ class AllocationProblem:
             names = by_tie[key]
             units.append(Unit(name=names[0] if len(names) == 1 else key, ops=tuple(names)))
         return units
+
+    def _group_models(self) -> list[GroupModel]:
+        """Every group's coefficients (:mod:`qsync_opt.problem.coefficients`), checked finite;
+        a note when the linear model bounds some ops' saved activations."""
+        rep = self.replayer
+        inputs = GroupInputs(
+            rules=rep.rules, units=self.units, unit_of=self.unit_of, pinned=self.options.pinned,
+            casts=self.options.casts, memory_headroom=self.options.memory_headroom,
+            reference=Precision(self.options.reference), indicator=self.indicator,
+            cluster=self.cluster, graph_batch=self.graph.batch_size)
+        built = [group_model(inputs, gi) for gi in range(len(rep.groups))]
+        groups = [model for model, _ in built]
+        memory_or = built[0][1] if built else 0
+        check_finite(groups, [u.ops[0] for u in self.units])
+        if memory_or:
+            self.notes.append(
+                f"linear model: {memory_or} ops with several choosable producers "
+                "take their saved-activation bytes as the maximum over those producers' choices")
+        return groups
 
     def _strong_groups(self) -> tuple[str, ...]:
         names = [g.name for g in self.groups]
@@ -553,7 +344,7 @@ class AllocationProblem:
                     f"{g.capacity_bytes / 2**30:.2f} GiB, so the solver may lower its ops to "
                     "fit memory")
                 continue
-            self.groups[gi] = _held_at_reference(g)
+            self.groups[gi] = held_at_reference(g)
             held.append(g.name)
         if held and self.options.target_ms is None:
             # The replayer also exposes the all-reduce the backward does not hide (buckets
@@ -595,243 +386,6 @@ class AllocationProblem:
         return (max(max(ends), comm_end) + rep.stats_sync_ms
                 + max(grp.optimizer_ms for grp in rep.groups) + rep.buffer_sync_ms)
 
-    def _group_model(self, gi: int) -> GroupModel:
-        rep = self.replayer
-        rules = rep.rules
-        grp = rules.groups[gi]
-        spec = self.cluster.groups[gi]
-        n = rep.n
-        units = self.units
-        pins = {k: Precision(v) for k, v in self.options.pinned.items()}
-        # Choices per unit: the intersection over its ops, most exact first.
-        choices: list[tuple[Precision, ...]] = []
-        for unit in units:
-            common: set[Precision] | None = None
-            for name in unit.ops:
-                op = rep.ops[rep.index[name]]
-                allowed = set(_op_choices(op, grp.menu, pins.get(name), grp.name, grp.device))
-                common = allowed if common is None else common & allowed
-            if not common:
-                raise QsyncInputError(
-                    f"group {grp.name} ({grp.device}): tied ops {', '.join(unit.ops)} share no "
-                    "precision the card runs")
-            choices.append(tuple(sorted(common, key=fidelity, reverse=True)))
-        # Which unit sets each op's output dtype (None: fp32 whatever the plan). A promoting
-        # op whose inputs all come from units gets a *derived* unit: its dtype is the widest
-        # of theirs (fp16 only if all give fp16, likewise bf16, else fp32), not a decision.
-        n_real = len(units)
-        unit_of = [self.unit_of.get(o.name) for o in rep.ops]
-        src: list[int | None] = [None] * n
-        derived: list[DerivedUnit] = []
-        ext: list[tuple[Precision, ...]] = list(choices)  # real, then derived, choices
-        by_inputs: dict[tuple[int, ...], int] = {}
-        for i, o in enumerate(rep.ops):
-            if o.role == OpRole.choosable:
-                src[i] = unit_of[i]
-            elif o.role == OpRole.pass_through and rep.in_edges[i]:
-                src[i] = src[rep.in_edges[i][0][0]]
-            elif o.role == OpRole.promote and rep.in_edges[i] and rep.native_flow:
-                ins = [src[u] for u, _ in rep.in_edges[i]]
-                known = [x for x in ins if x is not None]
-                if len(known) == len(ins):
-                    key = tuple(sorted(set(known)))
-                    if key not in by_inputs:
-                        dchoices = _widest_choices([ext[u] for u in key])
-                        by_inputs[key] = n_real + len(derived)
-                        derived.append(DerivedUnit(index=n_real + len(derived), op=o.name,
-                                                   inputs=key, choices=dchoices))
-                        ext.append(dchoices)
-                    src[i] = by_inputs[key]
-
-        def out_dtype(u: int | None, k: int | None) -> DType:
-            if u is None or k is None:
-                return DType.fp32
-            return rules.gives_out(ext[u][k])
-
-        time0 = 0.0
-        mem0 = float(sum(rules.static_memory(grp).values()))
-        work0 = 0.0
-        time1 = [[0.0] * len(c) for c in ext]
-        mem1 = [[0.0] * len(c) for c in ext]
-        work1 = [[0.0] * len(c) for c in ext]
-        pairs: dict[tuple[int, int], PairTerm] = {}
-
-        def add_pair(a: int, ka: int, b: int, kb: int, t: float, m: float) -> None:
-            if a == b:
-                if ka == kb:
-                    time1[a][ka] += t
-                    mem1[a][ka] += m
-                return
-            if a > b:
-                a, ka, b, kb = b, kb, a, ka
-            term = pairs.get((a, b))
-            if term is None:
-                term = pairs[(a, b)] = PairTerm(
-                    a, b, [[0.0] * len(ext[b]) for _ in ext[a]],
-                    [[0.0] * len(ext[b]) for _ in ext[a]])
-            term.time[ka][kb] += t
-            term.mem[ka][kb] += m
-
-        def add(units_choices: Sequence[tuple[int | None, int | None]], t: float, m: float) -> None:
-            var = [(u, k) for u, k in units_choices if u is not None and k is not None]
-            if not var:
-                nonlocal time0, mem0
-                time0 += t
-                mem0 += m
-            elif len(var) == 1:
-                u, k = var[0]
-                time1[u][k] += t
-                mem1[u][k] += m
-            else:
-                (a, ka), (b, kb) = var
-                add_pair(a, ka, b, kb, t, m)
-
-        prec: list[Precision | None] = [None] * n
-        din = [DType.fp32] * n
-        dout = [DType.fp32] * n
-
-        def setup(i: int, s: int | None, ks: int | None) -> None:
-            o = rep.ops[i]
-            if o.role == OpRole.choosable:
-                assert s is not None and ks is not None  # a choosable op is its own unit
-                p = choices[s][ks]
-                prec[i] = p
-                din[i], dout[i] = rules.takes_in(p), rules.gives_out(p)
-            else:
-                prec[i] = None
-                if o.role in (OpRole.pass_through, OpRole.promote) and rep.in_edges[i]:
-                    din[i] = dout[i] = out_dtype(s, ks)
-                else:
-                    din[i] = dout[i] = DType.fp32
-
-        def items_ms(i: int, edges: list[tuple[int, int]]) -> float:
-            return rules.op_ms(grp, i, prec, din, dout, edges)
-
-        for i in range(n):
-            o = rep.ops[i]
-            s = unit_of[i] if o.role == OpRole.choosable else (
-                src[i] if o.role in (OpRole.pass_through, OpRole.promote) else None)
-            s_range: list[int | None] = list(range(len(ext[s]))) if s is not None else [None]
-            edges = rep.in_edges[i]
-            edge_units = [src[u] for u, _ in edges]
-            for ks in s_range:
-                setup(i, s, ks)
-                for u, _ in edges:
-                    dout[u] = DType.fp32
-                base = items_ms(i, [])
-                add([(s, ks)], base, 0.0)
-                # Working set and weight copy depend on the op's own dtypes only.
-                _, wcopy, work = rules.op_memory(grp, i, prec, din, dout)
-                if s is None:
-                    work0 = max(work0, work)
-                else:
-                    assert ks is not None  # s set: ks ranges over its choices
-                    work1[s][ks] = max(work1[s][ks], work)
-                add([(s, ks)], 0.0, wcopy)
-                # One pair term per in-edge for the casts on it.
-                if self.options.casts:
-                    for (u, numel), eu in zip(edges, edge_units, strict=True):
-                        e_range: list[int | None] = (list(range(len(ext[eu])))
-                                                     if eu is not None else [None])
-                        for ke in e_range:
-                            if eu is not None and eu == s and ke != ks:
-                                continue
-                            dout[u] = out_dtype(eu, ke)
-                            t = rules.edge_ms(grp, i, prec, din, dout, u, numel)
-                            dout[u] = DType.fp32
-                            if t:
-                                add([(s, ks), (eu, ke)], t, 0.0)
-            # Saved activations: depend on the own dtype and on whether any input is cast.
-            # (Without storage shared with an earlier op the input casts change nothing.)
-            var_edges = sorted({eu for eu in edge_units if eu is not None and eu != s}
-                               ) if o.saved_shared_bytes else []
-            if len(var_edges) > 1:
-                self._approx["memory_or"] += 1 if gi == 0 else 0
-            for ks in s_range:
-                setup(i, s, ks)
-                combos = list(itertools.product(*[range(len(ext[v])) for v in var_edges]))
-                vals: list[tuple[tuple[int, ...], float]] = []
-                for combo in combos:
-                    assign = dict(zip(var_edges, combo, strict=True))
-                    for u, _ in edges:
-                        eu = src[u]
-                        k = ks if eu == s else None if eu is None else assign.get(eu)
-                        dout[u] = out_dtype(eu, k)
-                    saved, _, _ = rules.op_memory(grp, i, prec, din, dout)
-                    vals.append((combo, saved))
-                if len(var_edges) == 1:
-                    for combo, saved in vals:
-                        add([(s, ks), (var_edges[0], combo[0])], 0.0, saved)
-                else:
-                    add([(s, ks)], 0.0, max(v for _, v in vals))
-            for u, _ in edges:
-                dout[u] = DType.fp32
-            prec[i] = None
-            din[i] = dout[i] = DType.fp32
-        if not self.options.casts:
-            # The additive model: compute only (no input, weight or gradient casts); its
-            # memory terms stay those of the real model.
-            time0, time1 = self._additive_times(gi, ext, unit_of)
-            for term in pairs.values():
-                term.time = [[0.0] * len(row) for row in term.time]
-        omega1 = self._omega(choices)
-        ref = Precision(self.options.reference)
-        reference = []
-        for c in choices:
-            if ref in c:
-                reference.append(c.index(ref))
-            elif Precision.fp32 in c:
-                reference.append(c.index(Precision.fp32))
-            else:
-                reference.append(0)
-        b = int(spec.batch_per_device or self.graph.batch_size)
-        weight = spec.count * b / sum(g.count * int(g.batch_per_device or self.graph.batch_size)
-                                      for g in self.cluster.groups)
-        return GroupModel(
-            name=grp.name, device=grp.device, count=spec.count, batch=b, weight=weight,
-            capacity_bytes=grp.capacity * (1 - self.options.memory_headroom),
-            usable_bytes=grp.capacity, choices=choices, time0=time0, time1=time1, mem0=mem0,
-            mem1=mem1, work0=work0, work1=work1, omega1=omega1,
-            pairs=[pairs[k] for k in sorted(pairs)], reference=reference, derived=derived)
-
-    def _additive_times(self, gi: int, choices: list[tuple[Precision, ...]],
-                        unit_of: list[int | None]
-                        ) -> tuple[float, list[list[float]]]:
-        rules = self.replayer.rules
-        grp = rules.groups[gi]
-        time0 = 0.0
-        time1 = [[0.0] * len(c) for c in choices]
-        for i in range(rules.n):
-            u = unit_of[i]
-            if u is None:
-                f, b = rules.compute_ms(grp, i, None, DType.fp32)
-                time0 += f + b
-            else:
-                for k, p in enumerate(choices[u]):
-                    f, b = rules.compute_ms(grp, i, p, p.info.gives_out)
-                    time1[u][k] += f + b
-        return time0, time1
-
-    def _omega(self, choices: list[tuple[Precision, ...]]) -> list[list[float]]:
-        values = self.indicator.values
-        out: list[list[float]] = []
-        for unit, ch in zip(self.units, choices, strict=True):
-            row = []
-            for p in ch:
-                total = 0.0
-                for name in unit.ops:
-                    if p == Precision.fp32:
-                        continue
-                    v = values.get(name, {}).get(p)
-                    if v is None:
-                        raise QsyncInputError(
-                            f"indicator: no value for op {name} at {p.value} (method "
-                            f"{self.indicator.method}); recompute it for this graph")
-                    total += v
-                row.append(total)
-            out.append(row)
-        return out
-
     # ------------------------------------------------------------------ plans
 
     def group(self, name: str) -> GroupModel:
@@ -871,8 +425,6 @@ class AllocationProblem:
 
     def make_plan(self, assignment: Mapping[str, Sequence[int]],
                   provenance: Mapping[str, Any] | None = None) -> Plan:
-        from qsync_opt.problem.plan import make_plan
-
         prov = dict(self.provenance())
         prov.update(provenance or {})
         return make_plan(self.graph, self.cluster, self.precisions(assignment), prov)

@@ -16,8 +16,10 @@ import random
 import torch
 from torch import nn
 
+from qsync_opt.core.precision import OPT_IN
 from qsync_opt.documents.schemas import CostTable, IndicatorTable, ModelGraph
 from qsync_opt.graph import trace
+from qsync_opt.indicator import enforce_monotone
 
 
 class _Block(nn.Module):
@@ -93,9 +95,6 @@ def random_indicator(graph: ModelGraph, seed: int = 0, *,
     The opt-in precisions (int4) get values only with ``opt_in=True``, drawn from a stream
     of their own after the others, so a table without them is what it always was.
     """
-    from qsync_opt.core.precision import OPT_IN
-    from qsync_opt.indicator import enforce_monotone
-
     rng = random.Random(seed)
     extra = random.Random(f"{seed}:opt-in")
     values = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qsync_opt.core.units import GIB, KIB, MIB, fmt_bytes, fmt_pair
-from qsync_opt.planner.solve import CompareRow, format_rows
+from qsync_opt.planner.compare import CompareRow, format_rows
 
 
 def test_units_fit_the_size() -> None:

@@ -12,7 +12,7 @@ import qsync_opt as qs
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.costs.batchmodel import BatchScaling, fit_line
 from qsync_opt.costs.cluster import parse_shorthand
-from qsync_opt.planner.solve import compare
+from qsync_opt.planner.compare import compare
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import random_indicator
 

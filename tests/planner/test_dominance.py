@@ -12,6 +12,7 @@ from qsync_opt.solvers import SolveOptions
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.cli.walkthrough import choose_plan
+from qsync_opt.planner.compare import compare
 from qsync_opt.planner.dominance import (
     CHEAP_BASELINES,
     MARK_LEGEND,
@@ -26,7 +27,7 @@ from qsync_opt.planner.dominance import (
     recommend,
     recommend_row,
 )
-from qsync_opt.planner.solve import compare, reachable_ms, solve
+from qsync_opt.planner.solve import reachable_ms, solve
 from qsync_opt.problem.evaluator import Evaluation, evaluate
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import random_indicator, synthetic_graph

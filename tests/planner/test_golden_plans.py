@@ -143,7 +143,8 @@ def _record(case: str, spec: tuple[str, str, str, dict[str, Any]]) -> str:
     from qsync_opt.solvers import SolveOptions
 
     from qsync_opt.documents import io
-    from qsync_opt.planner.solve import compare, solve
+    from qsync_opt.planner.compare import compare
+    from qsync_opt.planner.solve import solve
 
     pname, how, solver, kwargs = spec
     kwargs = dict(kwargs)

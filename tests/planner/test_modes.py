@@ -11,7 +11,8 @@ from qsync_opt.solvers.ilp import PulpIlp
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.planner.frontier import frontier, plot_frontier
-from qsync_opt.planner.solve import InfeasibleError, batch_splits, solve
+from qsync_opt.planner.solve import InfeasibleError, solve
+from qsync_opt.planner.splits import batch_splits
 from qsync_opt.problem.evaluator import evaluate
 from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph

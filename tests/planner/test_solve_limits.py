@@ -14,7 +14,7 @@ from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
 from qsync_opt.solvers.report import finish
 from qsync_opt.solvers.timing import Stopwatch
 
-import qsync_opt.planner.solve as solve_mod
+import qsync_opt.planner.call as call_mod
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
 from qsync_opt.problem.evaluator import evaluate
@@ -129,7 +129,7 @@ def test_refinement_keeps_the_best_round_not_the_last(monkeypatch) -> None:
     assert r_fast > reach
     prob = prob0.retarget(reach + 0.75 * (r_fast - reach))  # round 1 lands above the floor
     scripted = _Scripted([fast, ref])
-    monkeypatch.setattr(solve_mod, "_backend", lambda name: scripted)
+    monkeypatch.setattr(call_mod, "get_backend", lambda name: scripted)
     plan, rep = solve(prob, "scripted", refine=1, compare_ties=False)
     assert len(rep.rounds) == 2 and scripted.targets[1] < scripted.targets[0]
     assert prob.assignment(plan) == fast
@@ -324,7 +324,7 @@ def test_a_backend_that_is_not_exact_falls_back_on_its_own_figure(monkeypatch) -
     own = prob.makespan_ms(prob.reference_assignment())
     assert exact is not None and own > exact * 1.1 and own > prob.target_ms
     backend = _ReferenceOnly()
-    monkeypatch.setattr(solve_mod, "_backend", lambda name: backend)
+    monkeypatch.setattr(call_mod, "get_backend", lambda name: backend)
     plan, rep = solve(prob, "reference-only", compare_ties=False)
     assert prob.assignment(plan) == prob.reference_assignment()
     assert rep.mode.startswith("lexicographic")

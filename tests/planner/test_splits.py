@@ -18,10 +18,10 @@ import pytest
 from qsync_opt.solvers.checks import time_lower_bound
 from qsync_opt.solvers.timing import Stopwatch
 
-import qsync_opt.planner.solve as solve_mod
+import qsync_opt.planner.joint as joint_mod
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.planner.solve import batch_splits, solve
-from qsync_opt.planner.splits import SplitBounds, memory_floor
+from qsync_opt.planner.solve import solve
+from qsync_opt.planner.splits import SplitBounds, batch_splits, memory_floor
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
@@ -50,12 +50,12 @@ def _strip(doc: dict) -> dict:
 def _both(prob: AllocationProblem, multiple: int, refine: int, solver: str = "highs"):
     out = []
     for prune in (True, False):
-        solve_mod.PRUNE_SPLITS = prune
+        joint_mod.PRUNE_SPLITS = prune
         try:
             plan, rep = solve(prob, solver, joint_split=True, batch_multiple=multiple,
                               refine=refine, compare_ties=False)
         finally:
-            solve_mod.PRUNE_SPLITS = True
+            joint_mod.PRUNE_SPLITS = True
         out.append((plan, rep))
     return out
 

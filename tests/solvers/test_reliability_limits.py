@@ -42,7 +42,8 @@ from qsync_opt.solvers.integers import _INT_LIMIT, _down, _up
 from qsync_opt import estimate, parse_shorthand
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
-from qsync_opt.problem.program import AllocationProblem, PairTerm, ProblemOptions, check_finite
+from qsync_opt.problem.groupmodel import PairTerm, check_finite
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ from qsync_opt.solvers.timing import (
     solver_limit,
 )
 
-import qsync_opt.planner.solve as solve_mod
+import qsync_opt.planner.joint as joint_mod
 from qsync_opt import estimate, parse_shorthand
-from qsync_opt.planner.solve import solve
+from qsync_opt.planner.solve import SolveTimeLimit, solve
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
@@ -108,7 +108,7 @@ def test_the_joint_split_ends_within_its_limit_when_highs_overruns(monkeypatch, 
     try:
         solve(prob, "highs", SolveOptions(time_limit_s=limit), joint_split=True, refine=0,
               compare_ties=False)
-    except solve_mod.SolveTimeLimit:
+    except SolveTimeLimit:
         pass  # no plan within the limit is an answer too: the call ended in time
     assert timing.clock() - t0 <= limit + 1.0
     assert any(handed > 0 for _, handed in runs)
@@ -123,24 +123,24 @@ def test_no_candidate_starts_with_less_than_the_minimum_left(monkeypatch) -> Non
     the report says so."""
     now, runs = _charged(monkeypatch)
     prob = _problem()
-    real_bounds = solve_mod._bounds
+    real_bounds = joint_mod.split_bounds
 
     def late(*args, **kwargs):
         got = real_bounds(*args, **kwargs)
         now[0] += 1e6  # all but about 20 s of the limit is gone
         return got
 
-    monkeypatch.setattr(solve_mod, "_bounds", late)
+    monkeypatch.setattr(joint_mod, "split_bounds", late)
     limit = 1e6 + 20.0
     n_runs: list[int] = []
-    real_first = solve_mod._joint_first
+    real_first = joint_mod.joint_first
 
     def first(*args, **kwargs):
         n_runs.append(len(runs))
         return real_first(*args, **kwargs)
 
-    monkeypatch.setattr(solve_mod, "_joint_first", first)
-    monkeypatch.setattr(solve_mod, "MIN_CANDIDATE_S", 30.0)
+    monkeypatch.setattr(joint_mod, "joint_first", first)
+    monkeypatch.setattr(joint_mod, "MIN_CANDIDATE_S", 30.0)
     plan, rep = solve(prob, "highs", SolveOptions(time_limit_s=limit), joint_split=True,
                       refine=0, compare_ties=False)
     own = {g.name: g.batch_per_device or prob.graph.batch_size for g in prob.cluster.groups}

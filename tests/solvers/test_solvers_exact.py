@@ -31,7 +31,8 @@ from qsync_opt import estimate, parse_shorthand
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.problem.evaluator import evaluate
-from qsync_opt.problem.program import AllocationProblem, PairTerm, ProblemOptions
+from qsync_opt.problem.groupmodel import PairTerm
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.problem.synthetic import perturb_costs, random_indicator, synthetic_graph
 
 ILPS = [PulpIlp("cbc"), PulpIlp("highs")]

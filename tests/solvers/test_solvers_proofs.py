@@ -19,7 +19,8 @@ from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.pulp_model import Outcome
 from qsync_opt.solvers.timing import Stopwatch
 
-import qsync_opt.planner.solve as solve_mod
+import qsync_opt.planner.joint as joint_mod
+import qsync_opt.planner.refine as refine_mod
 from qsync_opt import estimate, parse_shorthand
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit, reachable_ms, solve
@@ -168,7 +169,7 @@ def test_the_joint_split_solves_the_given_split_first(monkeypatch, first_status)
         return real_with(self, cluster, options)
 
     monkeypatch.setattr(AllocationProblem, "with_cluster", slow)
-    real_run = solve_mod.run_backend
+    real_run = joint_mod.run_backend
 
     def first_run(*args, **kwargs):
         plan, rep, ev = real_run(*args, **kwargs)
@@ -176,14 +177,15 @@ def test_the_joint_split_solves_the_given_split_first(monkeypatch, first_status)
             rep = rep.model_copy(update={"status": first_status})
         return plan, rep, ev
 
-    monkeypatch.setattr(solve_mod, "run_backend", first_run)
+    monkeypatch.setattr(joint_mod, "run_backend", first_run)
+    monkeypatch.setattr(refine_mod, "run_backend", first_run)
     own = {g.name: g.batch_per_device or prob.graph.batch_size for g in prob.cluster.groups}
     plan, rep = solve(prob, "highs", SolveOptions(time_limit_s=4.0), joint_split=True,
                       refine=0, compare_ties=False)
     assert built[0] == own
     assert {n: g.batch_per_device for n, g in plan.groups.items()} == own
     assert any("not built: the time limit ran out" in m for m in rep.messages), rep.messages
-    assert len(built) < len(solve_mod.batch_splits(prob, None, solve_mod.MAX_SPLITS))
+    assert len(built) < len(joint_mod.batch_splits(prob, None, joint_mod.MAX_SPLITS))
 
 
 # --------------------------------------------------------------------------- infeasible

@@ -24,7 +24,8 @@ from qsync_opt.solvers.timing import Stopwatch
 
 from qsync_opt import estimate, parse_shorthand
 from qsync_opt.core.precision import Precision
-from qsync_opt.problem.program import AllocationProblem, PairTerm, ProblemOptions
+from qsync_opt.problem.groupmodel import PairTerm
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
 
 EXACT = {"highs": PulpIlp("highs"), "cbc": PulpIlp("cbc"), "cpsat": CpSat()}
