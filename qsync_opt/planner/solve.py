@@ -1,7 +1,7 @@
-"""The allocator API: build a problem, solve it with any backend, compare backends.
+"""The allocator API: build a problem and solve it with any backend.
 
 Every plan any backend returns passes through :func:`qsync_opt.problem.evaluator.evaluate`; the
-report's messages carry the evaluation, and :func:`compare` tabulates it.
+report's messages carry the evaluation (:func:`qsync_opt.planner.compare.compare` tabulates it).
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ from qsync_opt.planner.call import (
     run_backend,
     time_limit_error,
 )
-
-# re-exported (README's Python example imports compare and format_rows from here)
-from qsync_opt.planner.compare import CompareRow as CompareRow
-from qsync_opt.planner.compare import compare as compare
-from qsync_opt.planner.compare import format_rows as format_rows
 from qsync_opt.planner.diagnose import precheck
 from qsync_opt.planner.joint import LEXICOGRAPHIC_SLACK, solve_joint
 from qsync_opt.planner.refine import REFINE_ROUNDS, refine_against_replayer
