@@ -138,6 +138,20 @@ def gloo_straight(digits_mixed_plan: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for the test, as the ranks run (OMP_NUM_THREADS=1): the same kernels,
+    so sums reduce in the same order and an int8 or 4-bit rounding cannot flip; the number
+    before is restored. A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def runtime_quiet(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """For training-run tests: no fault variable set (the plans are handed in) and one
     torch thread (the runs are tiny, and the machine is shared)."""

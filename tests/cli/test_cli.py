@@ -156,13 +156,14 @@ def test_demo_plans_and_removes_the_straggler(demo_part_2) -> None:
 @pytest.mark.slow
 def test_demo_runs(capsys, tmp_path, monkeypatch) -> None:
     """The demo as `make demo` runs it: the qsync indicator on synthetic batches. Part 1 trains
-    each plan once (A B, not A B B A) on a profile of 3 repeats: the same steps, half the runs
-    (the repeat of a run adds only the spread figure, which a single run leaves out)."""
+    each plan once (A B, not A B B A) on a profile of 2 repeats: the same steps, half the runs
+    (the repeat of a run adds only the spread figure, which a single run leaves out), and
+    the fewest profile rounds that still give each entry its spread."""
     import functools
 
     from qsync_opt.cli import walkthrough as demo
 
-    monkeypatch.setattr(demo, "local_job", functools.partial(demo.local_job, repeats=3,
+    monkeypatch.setattr(demo, "local_job", functools.partial(demo.local_job, repeats=2,
                                                              rounds=1))
     code, out, _ = run(capsys, "demo", "--out", str(tmp_path), "--steps", "20")
     assert code == 0 and "indicator: qsync" in out

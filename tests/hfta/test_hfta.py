@@ -20,13 +20,8 @@ from qsync_opt.hfta.functional import FuncArray
 from qsync_opt.hfta.trainer import ArrayTrainer, SweepSpec, Variant
 from support.harness import max_abs_diff, run_cli, run_params
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+#: one torch thread, as the ranks run (conftest)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _models(name: str, B: int) -> list[torch.nn.Module]:

@@ -42,12 +42,8 @@ SMALL = GPTConfig(vocab_size=98, n_ctx=16, n_embd=32, n_layer=2, n_head=4, dropo
 OTHER = GPTConfig(vocab_size=50, n_ctx=8, n_embd=24, n_layer=1, n_head=2, dropout=0.1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+#: one torch thread, as the ranks run (conftest)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _gpts(cfg: GPTConfig, count: int = B) -> list[GPT]:

@@ -264,7 +264,8 @@ print(json.dumps({"estimate": est.total, "peak": status("VmHWM") - base}))
 
 
 @pytest.mark.parametrize("model,batch,method", [
-    ("resnet18", 4, "wvar"),
+    # a child process whose peak RSS is read: a run of seconds, for the full suite
+    pytest.param("resnet18", 4, "wvar", marks=pytest.mark.slow),
     pytest.param("tiny_gpt", 8, "qsync", marks=pytest.mark.slow),  # 20-35 s on 2 cores
     # curv: 383 MB measured against 411 MB estimated; 25-55 s
     pytest.param("tiny_gpt", 8, "curv", marks=pytest.mark.slow),

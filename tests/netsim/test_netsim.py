@@ -390,9 +390,10 @@ def _totals(topo, ranks, cfg: NetConfig, seeds: int = 3) -> tuple[int, int, int,
 ALL_POLICIES = ["fifo+tcp", "priority+bounded", "fifo+bounded", "priority+tcp"]
 
 
-@pytest.mark.parametrize("uplink_gbps", [5.0, 2.0])
-@pytest.mark.parametrize("routing", ["hash", "spray"])
-def test_a_network_that_drops_nothing_gives_up_and_retransmits_nothing(uplink_gbps, routing):
+# both routings at the tighter uplink, where the queues come closest to their buffers (a
+# looser one is the same class of network: congested, never full)
+@pytest.mark.parametrize("routing,uplink_gbps", [("hash", 2.0), ("spray", 2.0)])
+def test_a_network_that_drops_nothing_gives_up_and_retransmits_nothing(routing, uplink_gbps):
     """Congested uplinks, buffers that never fill: no drop, so nothing may be retransmitted,
     timed out or given up, under every policy. Under spraying the packets of a connection
     reorder across paths, and strict priority starves a class on one path for as long as

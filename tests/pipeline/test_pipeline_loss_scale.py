@@ -42,12 +42,8 @@ models.WORKLOADS["digits_cnn"] = dataclasses.replace(_wl, build=_build)
 """
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+#: one torch thread, as the ranks run (conftest)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _scaled(monkeypatch: pytest.MonkeyPatch, k: float) -> None:

@@ -21,14 +21,8 @@ from qsync_opt.problem.plan import make_plan
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """The ranks run with one thread each (OMP_NUM_THREADS=1): so does the one-process
-    pipeline here, or its sums reorder and an int8 or 4-bit rounding can flip."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+#: one torch thread, as the ranks run (conftest)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

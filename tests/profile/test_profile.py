@@ -26,7 +26,7 @@ from qsync_opt.replayer import Replayer
 
 @pytest.fixture(scope="module")
 def digits_profile(digits_graph: ModelGraph) -> Profile:
-    return profile_detailed("digits_cnn", device="cpu", repeats=3, warmup=1, threads=1,
+    return profile_detailed("digits_cnn", device="cpu", repeats=2, warmup=0, threads=1,
                             graph=digits_graph)
 
 

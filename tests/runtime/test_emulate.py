@@ -97,12 +97,8 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Ten
     return out.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: one torch thread, as the ranks run (conftest)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_factor_three_takes_three_times_as_long_forward_and_backward(

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -396,47 +397,68 @@ def test_torchrun_with_a_dead_rank_fails_never_hangs(mixed_plan: Path, tmp_path:
 # ----------------------------------------------------------------------------- bad input
 
 
-def _run_cli(cfg: TrainConfig, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+@pytest.fixture
+def rank_main(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+              runtime_quiet: None) -> Callable[[Path], tuple[int, str]]:
+    """The rank entry point (``python -m qsync_opt.job.rank CONFIG``) run in this process
+    as a single rank started by hand: (exit code, stderr). The children of the slow tests
+    above start it as its own process."""
+    from qsync_opt.job.rank import main
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "QSYNC_LAUNCHER_PID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    def call(path: Path) -> tuple[int, str]:
+        capfd.readouterr()
+        code = main([str(path)])
+        return code, capfd.readouterr().err
+
+    return call
+
+
+def _run_cli(cfg: TrainConfig, tmp_path: Path,
+             rank_main: Callable[[Path], tuple[int, str]]) -> tuple[int, str]:
     path = tmp_path / "cfg.json"
     cfg.save(path)
-    return subprocess.run([sys.executable, "-m", "qsync_opt.job.rank", str(path)],
-                          env=_env(), capture_output=True, text=True, timeout=60)
+    return rank_main(path)
 
 
-def test_missing_plan_file_is_one_line_exit_2(tmp_path: Path) -> None:
-    p = _run_cli(_config(tmp_path / "nope.json", tmp_path / "o", emulate_dp=False,
-                         rank_groups=["cpu"]), tmp_path)
-    assert p.returncode == 2
-    assert len(p.stderr.strip().splitlines()) == 1 and "plan_path" in p.stderr
+def test_missing_plan_file_is_one_line_exit_2(tmp_path: Path, rank_main) -> None:
+    code, err = _run_cli(_config(tmp_path / "nope.json", tmp_path / "o", emulate_dp=False,
+                                 rank_groups=["cpu"]), tmp_path, rank_main)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "plan_path" in err
 
 
-def test_group_not_in_plan_is_one_line_exit_2(mixed_plan: Path, tmp_path: Path) -> None:
-    p = _run_cli(_config(mixed_plan, tmp_path / "o", emulate_dp=False, rank_groups=["v100"]),
-                 tmp_path)
-    assert p.returncode == 2
-    assert len(p.stderr.strip().splitlines()) == 1 and "rank_groups[0]" in p.stderr
+def test_group_not_in_plan_is_one_line_exit_2(mixed_plan: Path, tmp_path: Path,
+                                              rank_main) -> None:
+    code, err = _run_cli(_config(mixed_plan, tmp_path / "o", emulate_dp=False,
+                                 rank_groups=["v100"]), tmp_path, rank_main)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "rank_groups[0]" in err
 
 
-@pytest.mark.slow
-def test_plan_for_another_model_and_world_mismatch_exit_2(mixed_plan: Path,
-                                                          tmp_path: Path) -> None:
-    p = _run_cli(_config(mixed_plan, tmp_path / "o", workload="tiny_gpt"), tmp_path)
-    assert p.returncode == 2 and "made for digits_cnn" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
-    p = _run_cli(_config(mixed_plan, tmp_path / "o", emulate_dp=False), tmp_path)
-    assert p.returncode == 2 and "WORLD_SIZE" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+def test_plan_for_another_model_and_world_mismatch_exit_2(mixed_plan: Path, tmp_path: Path,
+                                                          rank_main) -> None:
+    code, err = _run_cli(_config(mixed_plan, tmp_path / "o", workload="tiny_gpt"), tmp_path,
+                         rank_main)
+    assert code == 2 and "made for digits_cnn" in err
+    assert len(err.strip().splitlines()) == 1
+    code, err = _run_cli(_config(mixed_plan, tmp_path / "o", emulate_dp=False), tmp_path,
+                         rank_main)
+    assert code == 2 and "WORLD_SIZE" in err
+    assert len(err.strip().splitlines()) == 1
 
 
-def test_bad_config_field_is_one_line_exit_2(tmp_path: Path) -> None:
+def test_bad_config_field_is_one_line_exit_2(tmp_path: Path, rank_main) -> None:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"schema_name": "TrainConfig", "workload": "digits_cnn",
                                 "plan_path": "x", "rank_groups": ["cpu"], "steps": 0,
                                 "out_dir": str(tmp_path)}))
-    p = subprocess.run([sys.executable, "-m", "qsync_opt.job.rank", str(path)],
-                       env=_env(), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "steps" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    code, err = rank_main(path)
+    assert code == 2 and "steps" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_rank_on_another_card_is_warned(tmp_path):

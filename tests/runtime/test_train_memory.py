@@ -14,6 +14,7 @@ import qsync_opt as qs
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.problem.synthetic import random_indicator
+from support.harness import run_cli
 
 
 def _plan_and_prediction(tmp: Path, name: str, batch: int, precision: str) -> tuple[Path, int]:
@@ -59,12 +60,11 @@ def test_two_ranks_measure_their_own_peak(tmp_path: Path, precision: str) -> Non
 
 def test_measure_memory_refuses_negative_step(tmp_path: Path) -> None:
     plan, _ = _plan_and_prediction(tmp_path, "digits_cnn", 32, "fp32")
-    res = subprocess.run(
-        [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn", "--plan",
-         str(plan), "--nproc", "2", "--steps", "4", "--out", str(tmp_path / "o"),
-         "--measure-memory", "-1", "--dry-run"], capture_output=True, text=True)
-    assert res.returncode == 2
-    assert "--measure-memory" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    code, _, err = run_cli("train", "--model", "digits_cnn", "--plan", str(plan), "--nproc", "2",
+                           "--steps", "4", "--out", str(tmp_path / "o"), "--measure-memory",
+                           "-1", "--dry-run")
+    assert code == 2
+    assert "--measure-memory" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
