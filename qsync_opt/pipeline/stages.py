@@ -46,8 +46,9 @@ from qsync_opt.pipeline.cuts import (
 )
 from qsync_opt.strategy.codecs import Codec, Compressor, Identity, make_codec
 
-__all__ = ["BALANCE_SLACK", "Boundary", "Pipeline", "StageSplit", "op_costs_from_table",
-           "plan_op_costs", "split_stages", "split_top", "stage_costs", "trace_model"]
+__all__ = ["BALANCE_SLACK", "Boundary", "Pipeline", "StageSplit", "micro_sizes",
+           "op_costs_from_table", "plan_op_costs", "split_stages", "split_top", "stage_costs",
+           "trace_model"]
 
 
 class _BoundaryFn(torch.autograd.Function):
@@ -333,3 +334,9 @@ class Pipeline(nn.Module):
         """Activation and gradient bytes sent so far, over every boundary."""
         return (sum(b.act_bytes for b in self.boundaries.values()),
                 sum(b.grad_bytes for b in self.boundaries.values()))
+
+
+def micro_sizes(batch: int, micro: int) -> list[int]:
+    """The sizes of the ``micro`` micro-batches a batch of ``batch`` samples splits into
+    (as :meth:`Pipeline.train_step` splits it)."""
+    return [int(t.numel()) for t in torch.tensor_split(torch.arange(batch), micro)]
