@@ -71,16 +71,16 @@ def pipeline_spec(request: PipelineRequest, plan: Plan, ranks: list[str], *, mod
     if request.feedback == "aqsgd":
         PipelineBatches(wl, 0, batch, "aqsgd")  # the workload has indexed samples, enough
     torch.manual_seed(0)
-    model = wl.build().float()
+    net = wl.build().float()
     example = wl.make_inputs(batch, torch.device("cpu"))  # shapes only (meta tensors)
     if request.cuts:
-        split = _given_split(request.cuts, n, model, example)
+        split = _given_split(request.cuts, n, net, example)
         how = "as given"
     else:
         graph = trace(model, plan.groups[ranks[0]].batch_per_device)
         table = estimate(graph, plan.cluster)
         costs = [plan_op_costs(table, plan, g) for g in ranks]
-        split = split_stages(model, n_stages=n, costs=costs, example_inputs=example)
+        split = split_stages(net, n_stages=n, costs=costs, example_inputs=example)
         how = ("balanced on each stage's estimated ms (its group's device and plan): "
                + ", ".join(f"{c:.3f}" for c in split.costs))
     try:
