@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qsync_opt.pipeline.stages import Pipeline
+from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
 from qsync_opt.runtime.metrics import run_warnings
 from qsync_opt.runtime.scaler import LossScaler, probe_scale
 
@@ -35,8 +36,6 @@ def untouched(pipe: Pipeline, stages: Sequence[nn.Module], counters: Any = None
     of ``stages`` (cleared before and after), their buffers, stochastic-rounding seeds and
     functional-dispatch seeds, the torch RNG, every boundary's codec state (feedback buffers,
     RNGs, byte counters) and last shape, and ``counters.header_bytes`` when given."""
-    from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
-
     rng = torch.get_rng_state()
     codecs = copy.deepcopy(pipe.codec_state())
     shapes = {n: b.last_shape for n, b in pipe.boundaries.items()}

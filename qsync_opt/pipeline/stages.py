@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.fx.passes.split_module import split_module
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.pipeline.cuts import (
@@ -136,8 +137,6 @@ def split_top(split: StageSplit) -> tuple[fx.GraphModule, dict[str, str], dict[s
     with the checks that the stages can be built: every stage holds an op, and no parameter
     is read outside every stage. :class:`Pipeline` builds on it; the launcher calls it
     alone to refuse a cut before any rank starts."""
-    from torch.fx.passes.split_module import split_module
-
     gm = split.gm
     qualnames: dict[str, str] = {}
     top = split_module(gm, gm, lambda n: split.stage_of[n.name], qualname_map=qualnames,

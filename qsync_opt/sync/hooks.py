@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qsync_opt.strategy.droppolicy import chunk_index, rescale
+
 __all__ = ["HookState", "chain_hook", "encode"]
 
 
@@ -66,8 +68,6 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         indices, grads = _in_model_order(state, bucket)
         counts = drops.stage(grads, state.step, state.rank, indices)
         if counts is not None:  # unbiased: the bucket's kept counts, the same order everywhere
-            from qsync_opt.strategy.droppolicy import chunk_index
-
             sel = chunk_index(drops.table, indices)
             mine = counts[sel]
             dist.all_reduce(mine)
@@ -84,8 +84,6 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
             buf.copy_(out)  # decompress into the bucket (torch's hook does the same)
             out = buf
         if counts is not None:
-            from qsync_opt.strategy.droppolicy import rescale
-
             rescale(grads, drops.table, counts, indices)
         meter.interval(t0, time.perf_counter(), nbytes)
         return out
