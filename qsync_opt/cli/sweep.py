@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qsync_opt.cli.summaries import format_table
 from qsync_opt.core.limits import (
     MAX_EVAL_BATCHES,
     MAX_STEPS,
@@ -17,10 +18,12 @@ from qsync_opt.core.limits import (
     positive_int,
     spec_type,
 )
+from qsync_opt.documents.io import atomic_write_text
 from qsync_opt.documents.schemas import MAX_BATCH
 from qsync_opt.hfta import sweep as lib
 from qsync_opt.hfta.sweep import SweepRequest, parse_seeds, parse_values, run_sweep
-from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX
+from qsync_opt.runtime.metrics import clean
+from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
 __all__ = ["add_sweep_parser", "cmd_sweep", "sweep_request"]
 
@@ -34,8 +37,6 @@ def _wds(text: str) -> list[float]:
 
 
 def _schedule_text(text: str) -> Any:
-    from qsync_opt.strategy.schedule import parse_schedule
-
     return parse_schedule(text, 1.0, MAX_STEPS)  # the warm-up against --steps: later
 
 
@@ -95,10 +96,6 @@ def sweep_request(args: argparse.Namespace) -> SweepRequest:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from qsync_opt.cli.summaries import format_table
-    from qsync_opt.documents.io import atomic_write_text
-    from qsync_opt.runtime.metrics import clean
-
     req = sweep_request(args)
     quiet = args.json == "-"
     def say(line: str) -> None:

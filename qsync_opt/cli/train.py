@@ -13,9 +13,11 @@ from typing import Any
 
 from qsync_opt.core.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import MAX_BATCH, Plan
 from qsync_opt.job import launch
 from qsync_opt.job.launch import MAX_RANKS, TrainRequest
+from qsync_opt.ops import load_cpu
 from qsync_opt.pipeline.spec import PipelineRequest
 from qsync_opt.runtime.config import (
     DEFAULT_LR,
@@ -25,7 +27,9 @@ from qsync_opt.runtime.config import (
     USER_MODEL_LR,
     TrainConfig,
 )
+from qsync_opt.runtime.metrics import ranks_text, sync_line
 from qsync_opt.runtime.rankfail import report_failure
+from qsync_opt.strategy.codecs import parse_compressor
 from qsync_opt.strategy.modes import parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
@@ -35,8 +39,6 @@ log = launch.log  # the launcher's warnings keep its logger's name
 
 
 def _compressor(text: str) -> Any:
-    from qsync_opt.strategy.codecs import parse_compressor  # torch: only when the flag is given
-
     return parse_compressor(text)
 
 
@@ -233,8 +235,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
-    from qsync_opt.ops import load_cpu
-
     load_cpu()  # compile the C++ kernels once here, not in every rank at once
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -250,9 +250,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none),
     then the communication and the pipeline's boundaries."""
-    from qsync_opt.documents.outfolder import read_bytes
-    from qsync_opt.runtime.metrics import ranks_text, sync_line
-
     path = Path(config.out_dir) / "summary.json"
     try:
         data = read_bytes(path.parent, path.name)  # never through a link in --out
