@@ -9,6 +9,7 @@ wire bytes, and hands them to :func:`qsync_opt.pipeline.gpipe.pipeline_step`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ def predict_pipeline(workload: str, plan: Any, ranks: list[str], *,
             "boundaries": rows, "steps": steps}
 
 
-def _split(model: torch.nn.Module, example: object, cuts: list[str] | None,
+def _split(model: torch.nn.Module, example: Sequence[object], cuts: list[str] | None,
            costs: list[dict[str, float]] | None, S: int) -> StageSplit:
     """The model cut at ``cuts``, else balanced on each stage's ``costs``."""
     if cuts:
@@ -95,7 +96,7 @@ def _split(model: torch.nn.Module, example: object, cuts: list[str] | None,
     return split_stages(model, n_stages=S, costs=costs, example_inputs=example)
 
 
-def _boundary_bytes(split: StageSplit, example: object, act_c: Compressor, grad_c: Compressor
+def _boundary_bytes(split: StageSplit, example: Sequence[object], act_c: Compressor, grad_c: Compressor
                     ) -> tuple[list[float], list[float], list[float], list[dict[str, Any]]]:
     """Per link, the bytes a micro-batch sends raw, as compressed activations and as
     compressed gradients (found by one forward), and a row per boundary."""
@@ -103,7 +104,7 @@ def _boundary_bytes(split: StageSplit, example: object, act_c: Compressor, grad_
     pipe = Pipeline(split)
     pipe.eval()
     with torch.no_grad():
-        pipe.run(tuple(example))  # type: ignore[call-overload]
+        pipe.run(tuple(example))
     raw = [0.0] * (S - 1)
     act = [0.0] * (S - 1)
     grad = [0.0] * (S - 1)
