@@ -27,10 +27,11 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # annotations only: the code digest and the protocol need no torch
+    import torch
+    from torch import nn
 
 __all__ = ["TraceInputs", "Workload", "package_code_digest"]
 

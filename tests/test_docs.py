@@ -245,3 +245,47 @@ def test_every_test_name_the_pages_cite_is_a_test() -> None:
                for name in sorted(set(re.findall(r"`(test_\w+)`", p.read_text())))
                if name not in defined]
     assert missing == []
+
+
+#: A cross-reference in a docstring: ``:mod:`.x```, ``:func:`~.x.f``` (relative to the
+#: module's package).
+_RELATIVE_REF = re.compile(r":(mod|func|class|data|meth|attr):`~?(\.[\w.]+)`")
+
+
+def _library_modules() -> dict[str, Path]:
+    packages = {"qsync_opt": "qsync_opt", "solvers": "qsync_opt.solvers",
+                "models": "qsync_opt.models", "cuda": "qsync_opt.cuda"}
+    out = {}
+    for folder, package in packages.items():
+        for p in (ROOT / folder).rglob("*.py"):
+            parts = list(p.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = p
+    return out
+
+
+def test_docstrings_point_at_modules_that_exist() -> None:
+    """Every relative cross-reference in a library docstring (``:mod:`.layers```) names a
+    module of its own package, or a name its package defines: one that moved is written in
+    full."""
+    modules = _library_modules()
+    broken = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            for role, ref in _RELATIVE_REF.findall(line):
+                dots = len(ref) - len(ref.lstrip("."))
+                base = package
+                for _ in range(dots - 1):
+                    base = base.rpartition(".")[0]
+                first = ref.lstrip(".").split(".")[0]
+                target = f"{base}.{ref.lstrip('.')}"
+                if role == "mod":
+                    ok = target in modules
+                else:
+                    ok = f"{base}.{first}" in modules or re.search(
+                        rf"\b{first}\b", modules[base].read_text()) is not None
+                if not ok:
+                    broken.append(f"{path.relative_to(ROOT)}:{i}: {ref}")
+    assert broken == []

@@ -61,6 +61,8 @@ from qsync_opt.cli.summaries import (
 )
 from qsync_opt.core.errors import QsyncInputError, describe_validation_error, one_line
 from qsync_opt.core.version import __version__
+from qsync_opt.documents.io import check_output_file
+from qsync_opt.documents.outfolder import check_folder
 from qsync_opt.documents.schemas import MAX_BATCH
 
 __all__ = [
@@ -132,9 +134,6 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Before a command works: every output file it was told to write must be writable (not
     a folder, not through a file, in a folder it may write), every output folder one it can
     write into or make; refused in one line naming the flag, so no work is thrown away."""
-    from qsync_opt.documents.io import check_output_file
-    from qsync_opt.documents.outfolder import check_folder
-
     command = getattr(args, "command", None) or ""
     for dest in OUTPUT_FILES.get(command, ()):
         val = getattr(args, dest, None)
@@ -160,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(batches, int) and batches < 1:
         parser.error(f"argument --batches: expected a positive integer, got {batches}")
     _fail_writes_with_efbig()
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit
     from qsync_opt.solvers.fastest import FastestTimeLimit
 

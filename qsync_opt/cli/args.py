@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import (
     MAX_STEPS,
     finite_float,
@@ -17,12 +18,16 @@ from qsync_opt.core.limits import (
     positive_int,
     spec_type,
 )
-from qsync_opt.costs.cluster import SHORTHAND_HELP
+from qsync_opt.costs.cluster import SHORTHAND_HELP, load_cluster
+from qsync_opt.costs.devices import INT4_CARDS, enable_int4
 from qsync_opt.documents.schemas import MAX_BATCH, ClusterSpec, ModelGraph
 from qsync_opt.graph import TIE_MODES, is_user_model, load_user_workload, trace
 from qsync_opt.indicator import METHODS
 from qsync_opt.netsim.cluster import COMM_MODEL_HELP
-from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX
+from qsync_opt.replayer import sync_model_for
+from qsync_opt.strategy.codecs import parse_compressor
+from qsync_opt.strategy.modes import parse_sync
+from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
 BATCH = positive_int(MAX_BATCH)
 
@@ -79,10 +84,6 @@ def cluster_arg(args: argparse.Namespace, text: Any = None) -> ClusterSpec:
     """``--cluster`` (or ``text``) loaded, and with ``--int4`` int4 enabled on every group
     whose card has an INT4 peak (:func:`qsync_opt.costs.devices.enable_int4`). Says on stderr which
     groups got it; refuses (one line, exit 2) when none can."""
-    from qsync_opt.core.errors import QsyncInputError
-    from qsync_opt.costs.cluster import load_cluster
-    from qsync_opt.costs.devices import INT4_CARDS, enable_int4
-
     cluster = load_cluster(args.cluster if text is None else text)
     if not getattr(args, "int4", False):
         return cluster
@@ -128,26 +129,18 @@ SYNC_FLAG_HELP = ("the runtime's sync mode the times are for: ddp (gradients all
 def _check_schedule_text(text: str) -> None:
     """``--lr-schedule`` on its own: kind, keys and values (warm-up against ``--steps``
     when both are known, :func:`sync_arg`)."""
-    from qsync_opt.strategy.schedule import parse_schedule
-
     parse_schedule(text, 1.0, MAX_STEPS)
 
 
 def _check_sync_text(text: str) -> None:
-    from qsync_opt.strategy.modes import parse_sync
-
     parse_sync(text)
 
 
 def _check_compressor_text(text: str) -> None:
-    from qsync_opt.strategy.codecs import parse_compressor
-
     parse_compressor(text)
 
 
 def _check_gbps_text(text: str) -> None:
-    from qsync_opt.core.errors import QsyncInputError
-
     parts = str(text).split(",")
     vals = [parse_float(x) for x in parts]
     if not parts or len(parts) > 64 or not all(v is not None and 0 < v < 1e6 for v in vals):
@@ -188,10 +181,6 @@ def sync_arg(args: argparse.Namespace) -> Any:
     """The replayer's sync model of ``--sync`` (None: DDP's); bad text, or ``--lr``,
     ``--lr-schedule`` or ``--steps`` without ``--sync``: one line naming the flag. Cheap
     (the rounds are counted, not listed): call it before any work."""
-    from qsync_opt.core.errors import QsyncInputError
-    from qsync_opt.replayer import sync_model_for
-    from qsync_opt.strategy.modes import parse_sync
-
     text = getattr(args, "sync", None)
     given = {k: getattr(args, k, None) for k in SYNC_DEFAULTS}
     kind = "ddp" if text is None else parse_sync(text).kind  # the text checked when parsed

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from qsync_opt.cli.args import BATCHES, positive_int
+from qsync_opt.documents.outfolder import check_folder, check_names
 from qsync_opt.indicator import METHODS
 
 #: What the demo writes into its folder (checked before any work: no link there).
@@ -14,9 +15,7 @@ DEMO_FILES = ("plan.json", "frontier.png", "graph.json", "costs.json", "indicato
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from qsync_opt.cli.walkthrough import run_demo
-    from qsync_opt.documents.outfolder import check_folder, check_names
-
+    from qsync_opt.cli.walkthrough import run_demo  # lazy: the demo pulls the solver stack
     out = check_folder(args.out or "qsync-demo", "--out")  # before any work
     check_names(out, files=DEMO_FILES)
     return run_demo(out=args.out, method=args.method, indicator_batches=args.indicator_batches,

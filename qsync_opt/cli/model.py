@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -38,15 +39,27 @@ from qsync_opt.cli.summaries import (
     uniform_plans,
 )
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
 from qsync_opt.costs.cluster import SHORTHAND_HELP
+from qsync_opt.costs.devices import get_device
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents import outfolder
 from qsync_opt.documents.io import atomic_write_text, load, save, to_json
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Plan
-from qsync_opt.indicator import METHODS
-from qsync_opt.netsim.cluster import COMM_MODEL_HELP
+from qsync_opt.indicator import (
+    METHODS,
+    cover,
+    fast_options,
+    indicate,
+    placeholder_indicator,
+    rank_table,
+)
+from qsync_opt.job.launch import resolve_ranks
+from qsync_opt.netsim.cluster import COMM_MODEL_HELP, parse_comm_model, with_netsim_comm
+from qsync_opt.pipeline.predict import predict_pipeline
 from qsync_opt.problem.plan import check_plan, make_plan, plan_model
 from qsync_opt.replayer import Replayer
+from qsync_opt.runtime.config import rank_groups_example
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -136,8 +149,6 @@ def _replay_checks(args: argparse.Namespace) -> Any:
     defaults filled in. Returns the sync model (:func:`sync_arg`)."""
     pipelined = getattr(args, "pipeline_stages", None) is not None
     if getattr(args, "comm_model", None):  # its own keys first, then where it applies
-        from qsync_opt.netsim.cluster import parse_comm_model
-
         parse_comm_model(args.comm_model)
     for flag, attr, *default in _PIPELINE_ONLY:
         if getattr(args, attr, None) is None:
@@ -173,8 +184,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         raise QsyncInputError("cluster: --cluster is required without --plan")
     if getattr(args, "comm_model", None):  # checked whole (each key) before any work
-        from qsync_opt.netsim.cluster import parse_comm_model
-
         parse_comm_model(args.comm_model)
         if getattr(args, "pipeline_stages", None) is not None:
             raise QsyncInputError("--comm-model: not with --pipeline-stages (the pipeline "
@@ -183,8 +192,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _replay_pipeline(args, plan_doc, graph, cluster)
     costs = estimate(graph, cluster)
     if getattr(args, "comm_model", None):
-        from qsync_opt.netsim.cluster import parse_comm_model, with_netsim_comm
-
         spec = parse_comm_model(args.comm_model)
         costs = with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec)
         if not args.json:
@@ -224,10 +231,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
-    from qsync_opt.job.launch import resolve_ranks
-    from qsync_opt.pipeline.predict import predict_pipeline
-    from qsync_opt.runtime.config import rank_groups_example
-
     plan = plan_doc if plan_doc is not None else make_plan(
         graph, cluster, {}, {"solver": "none (every op at fp32)"})
     n = args.pipeline_stages
@@ -302,11 +305,7 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
     method could not measure are pinned fp32, a line each in ``said`` saying why; a value
     of 0 is never assumed. The command prints ``said`` with its result (:func:`say_all`),
     so a refusal stays one line."""
-    import dataclasses
-
-    from qsync_opt.core.precision import Precision
-    from qsync_opt.costs.devices import get_device
-    from qsync_opt.indicator import cover, indicate, placeholder_indicator
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.planner.diagnose import precheck
     from qsync_opt.planner.solve import INDICATOR_BATCH, InfeasibleError, build_problem
     from qsync_opt.problem.program import AllocationProblem
@@ -339,9 +338,6 @@ def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: A
 
 
 def cmd_indicate(args: argparse.Namespace) -> int:
-    from qsync_opt.core.precision import Precision
-    from qsync_opt.indicator import fast_options, indicate, rank_table
-
     t0 = time.perf_counter()
     fast = fast_options() if args.fast else {}
     table = indicate(workload_arg(args), args.batches, args.method, batch=args.batch,

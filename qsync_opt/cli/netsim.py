@@ -19,27 +19,29 @@ from qsync_opt.cli.args import (
     trace_args,
 )
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.progress import Progress
 from qsync_opt.costs.cluster import SHORTHAND_HELP
+from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.io import atomic_write_bytes, atomic_write_text, load
-from qsync_opt.netsim.cluster import limit_message
+from qsync_opt.documents.schemas import Plan
+from qsync_opt.netsim.cluster import (
+    SCENARIO_PATTERN,
+    check_events,
+    check_hosts,
+    cluster_network,
+    group_ready_ms,
+    limit_message,
+    run_iterations,
+    workload_buckets,
+)
 from qsync_opt.netsim.engine import NetsimLimit
 from qsync_opt.netsim.traffic import POLICIES as NETSIM_POLICIES
 from qsync_opt.netsim.traffic import SCENARIOS as NETSIM_SCENARIOS
+from qsync_opt.netsim.traffic import NetConfig, layer_bytes, summarise
+from qsync_opt.problem.plan import check_plan, plan_model
 
 
 def cmd_netsim(args: argparse.Namespace) -> int:
-    from qsync_opt.costs.roofline import estimate
-    from qsync_opt.documents.schemas import Plan
-    from qsync_opt.netsim.cluster import (
-        SCENARIO_PATTERN,
-        check_hosts,
-        cluster_network,
-        group_ready_ms,
-        workload_buckets,
-    )
-    from qsync_opt.netsim.traffic import NetConfig, layer_bytes, summarise
-    from qsync_opt.problem.plan import check_plan, plan_model
-
     plan = None
     sha = None
     if args.plan:
@@ -126,9 +128,6 @@ def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg:
               pattern: str) -> list[Any]:
     """``--iterations`` seeded iterations (the first checks the event estimate before any
     work), with a progress bar on a terminal."""
-    from qsync_opt.core.progress import Progress
-    from qsync_opt.netsim.cluster import check_events, run_iterations
-
     check_events(net, buckets, pattern, cfg)
     runs = []
     with Progress("netsim", args.iterations, enabled=sys.stderr.isatty()) as bar:

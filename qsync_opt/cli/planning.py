@@ -25,9 +25,12 @@ from qsync_opt.cli.model import computed_indicator, say_all
 from qsync_opt.cli.summaries import plan_lines
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import atomic_write_text, save
+from qsync_opt.netsim.cluster import parse_comm_model
+from qsync_opt.problem.evaluator import evaluate
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.problem.program import ProblemOptions
 
     pins = {}
@@ -43,6 +46,7 @@ def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
 
 
 def _solve_options(args: argparse.Namespace) -> Any:
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.solvers import SolveOptions
 
     if args.time_limit is not None and not args.time_limit > 0:
@@ -56,6 +60,7 @@ def _check_names(args: argparse.Namespace) -> None:
     """The allocator names (``--solver``, ``--solvers``, ``--exact``) and ``--mode``'s
     ``--budget``, checked before anything is traced or computed (an unknown solver was
     refused only after the indicator had run)."""
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.solvers import EXACT, registry
 
     known = list(registry())
@@ -84,6 +89,7 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
     computed indicator runs the model (``build_problem``); the computed indicator is
     :func:`computed_indicator`'s (cached; the lines saying what it did go to ``said``)."""
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.planner.solve import build_problem
 
     if args.indicator_batch is not None and args.indicator_batch < 1:
@@ -92,8 +98,6 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     _check_names(args)
     options = _problem_options(args, sync_arg(args))  # every flag before the trace
     if getattr(args, "comm_model", None):
-        from qsync_opt.netsim.cluster import parse_comm_model
-
         parse_comm_model(args.comm_model)
     wl = workload_arg(args)
     graph = trace_args(args, workload=wl)
@@ -109,9 +113,8 @@ def _build_problem(args: argparse.Namespace, check: str | None,
 
 @notes_after_success
 def cmd_solve(args: argparse.Namespace) -> int:
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.planner.solve import solve
-    from qsync_opt.problem.evaluator import evaluate
-
     # Another batch split can fit what this one does not; the budget mode has no target.
     check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
     said: list[str] = []
@@ -124,7 +127,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     save(plan, args.out, what="--out")
     if args.report:
         save(report, args.report, what="--report")
-    from qsync_opt.planner.dominance import dominance_note  # the cheap baselines against this plan
+    # lazy: the solver stack (~50 ms), only for the commands that solve
+    from qsync_opt.planner.dominance import dominance_note
 
     dominated = dominance_note(problem, plan, ev, args.solver, _solve_options(args),
                                joint_split=args.joint_split)
@@ -159,6 +163,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_pareto(args: argparse.Namespace) -> int:
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.planner.frontier import (
         ONCE,
         SWEPT,
@@ -193,6 +198,7 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
+    # lazy: the solver stack (~50 ms), only for the commands that solve
     from qsync_opt.planner.compare import compare
     from qsync_opt.planner.dominance import dominated_by, marked_table
 

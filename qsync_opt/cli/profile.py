@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from qsync_opt.core.limits import int_range, positive_int
+from qsync_opt.documents.io import save, to_json
 from qsync_opt.documents.schemas import MAX_BATCH, CostTable
+from qsync_opt.profile import merge, profile_detailed
 from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP
 
 #: The command's help description: the first line of :mod:`qsync_opt.profile`'s docstring.
@@ -42,9 +45,6 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from qsync_opt.documents.io import save, to_json
-    from qsync_opt.profile import merge, profile_detailed  # torch, only when it runs
-
     prof = profile_detailed(args.model, args.batch, device=args.device,
                             device_name=args.device_name, repeats=args.repeats,
                             warmup=args.warmup, threads=args.threads,
@@ -54,8 +54,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         table = merge([table] + [CostTable.load(x) for x in args.merge])
     save(table, args.out, what="--out")
     if getattr(args, "json", False):
-        import sys
-
         sys.stdout.write(to_json(table))
         return 0
     n_meas = sum(e.source == "measured" for e in table.entries)

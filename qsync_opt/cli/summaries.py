@@ -3,6 +3,7 @@ a cost estimate, a replay and a plan (with the comparison plans a replay shows).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,8 +111,6 @@ REPLAY_HEADER = ["plan", "group", "device", "batch", "compute ms", "casts ms", "
 
 def plan_lines(problem: Any, plan: Plan, ev: Any) -> list[str]:
     """Per group: how many ops run at each precision, time and memory."""
-    from collections import Counter
-
     lines = []
     for name, gp in plan.groups.items():
         counts = Counter(p.value for p in gp.precisions.values())

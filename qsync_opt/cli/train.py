@@ -13,9 +13,12 @@ from typing import Any
 
 from qsync_opt.core.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import MAX_BATCH, Plan
 from qsync_opt.job import launch
-from qsync_opt.job.launch import MAX_RANKS
+from qsync_opt.job.launch import MAX_RANKS, TrainRequest
+from qsync_opt.ops import load_cpu
+from qsync_opt.pipeline.spec import PipelineRequest
 from qsync_opt.runtime.config import (
     DEFAULT_LR,
     MAX_ABS_SEED,
@@ -24,18 +27,18 @@ from qsync_opt.runtime.config import (
     USER_MODEL_LR,
     TrainConfig,
 )
+from qsync_opt.runtime.metrics import ranks_text, sync_line
 from qsync_opt.runtime.rankfail import report_failure
+from qsync_opt.strategy.codecs import parse_compressor
 from qsync_opt.strategy.modes import parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
-__all__ = ["add_train_parser", "cmd_train"]
+__all__ = ["add_train_parser", "cmd_train", "train_request"]
 
 log = launch.log  # the launcher's warnings keep its logger's name
 
 
 def _compressor(text: str) -> Any:
-    from qsync_opt.strategy.codecs import parse_compressor  # torch: only when the flag is given
-
     return parse_compressor(text)
 
 
@@ -44,6 +47,21 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model under a plan with torchrun (DDP, gloo on CPU, NCCL on GPU)",
         description=(launch.__doc__ or "").split("\n\n")[0])
+    _add_plan_flags(p)
+    _add_optimizer_flags(p)
+    _add_run_flags(p)
+    _add_pipeline_flags(p)
+    p.add_argument("--print-command", action="store_true",
+                   help="write the config and print the torchrun commands for the plan's "
+                        "nodes (multi-node), without launching")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the config and print the local command, without launching")
+    p.set_defaults(fn=cmd_train)
+    return p
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The model, the plan (or the fp32 plan's cluster and batch) and the ranks."""
     p.add_argument("--model", required=True,
                    help="workload the plan was made for (qsync-opt models), or its model file "
                         "PATH.py:FUNCTION (run on every rank; its sha256 must be the plan's)")
@@ -61,6 +79,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--rank-groups", default=None, metavar="R:GROUP,...",
                    help="group of each rank, e.g. 0:v100,1:t4 (default: the plan's groups in "
                         "order, one rank per device)")
+
+
+def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
+    """Steps, the optimizer and its schedule, and how the replicas agree."""
     p.add_argument("--steps", type=positive_int(MAX_STEPS), default=100,
                    help="optimizer steps in total (default 100)")
     p.add_argument("--lr", type=finite_float(0, 1e6, lo_open=True), default=None,
@@ -96,6 +118,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
                         "prediction (qsync-opt netsim)")
     p.add_argument("--average-optimizer-state", action="store_true",
                    help="local/qsr: also average the optimizer state at every sync")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The seed, the output folder, checkpoints and resuming, the process group."""
     p.add_argument("--seed", type=int_range(-MAX_ABS_SEED, MAX_ABS_SEED), default=0)
     p.add_argument("--out", default=None,
                    help="output folder: config, checkpoints, metrics.jsonl (default "
@@ -124,6 +150,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--measure-memory", type=int_range(0, MAX_STEPS), default=None, metavar="STEP",
                    help="measure step STEP's exact peak live tensor bytes inside every CPU rank "
                         "(summary.rankR.json 'memory'); the step's time includes the tracking")
+
+
+def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    """``--pipeline-stages`` and its boundaries' compressors."""
     g = p.add_argument_group(
         "pipeline parallelism", "one rank per stage instead of one replica per rank; each "
         "stage at its rank group's plan, its boundaries compressed")
@@ -143,13 +173,6 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--compress-at-eval", action="store_true",
                    help="compress the activations when scoring the held-out batches too "
                         "(the summary has both either way)")
-    p.add_argument("--print-command", action="store_true",
-                   help="write the config and print the torchrun commands for the plan's "
-                        "nodes (multi-node), without launching")
-    p.add_argument("--dry-run", action="store_true",
-                   help="write the config and print the local command, without launching")
-    p.set_defaults(fn=cmd_train)
-    return p
 
 
 # ----------------------------------------------------------------------------- checks
@@ -160,11 +183,29 @@ _seconds = finite_float(0, MAX_PROGRESS_EVERY_S,
                         expected=f"seconds from 0 (none) to {MAX_PROGRESS_EVERY_S:g}")
 
 
+def train_request(args: argparse.Namespace) -> TrainRequest:
+    """The parsed flags as the launcher's :class:`~qsync_opt.job.launch.TrainRequest`."""
+    return TrainRequest(
+        model=args.model, plan=args.plan, cluster=args.cluster, batch=args.batch,
+        nproc=args.nproc, rank_groups=args.rank_groups, steps=args.steps, lr=args.lr,
+        lr_schedule=args.lr_schedule, optimizer=args.optimizer, momentum=args.momentum,
+        weight_decay=args.weight_decay, sync=args.sync, comm=args.comm,
+        average_optimizer_state=args.average_optimizer_state, seed=args.seed, out=args.out,
+        checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
+        resume_anyway=args.resume_anyway, emulate_dp=args.emulate_dp,
+        timeout_s=args.timeout, backend=args.backend, progress_every_s=args.progress_every,
+        measure_memory=args.measure_memory,
+        pipeline=PipelineRequest(
+            stages=args.pipeline_stages, cuts=args.cuts, micro_batches=args.micro_batches,
+            compress_act=args.compress_act, compress_grad=args.compress_grad,
+            feedback=args.feedback, compress_at_eval=args.compress_at_eval))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """``qsync-opt train``: 0 on success, 1 when a rank failed; bad input raises (exit 2)."""
     lines: list[str] = []
     pending: dict[str, Any] = {}
-    config = launch.build_config(args, lines, pending)
+    config = launch.build_config(train_request(args), lines, pending)
     path = launch.write_config(config, pending.get("plan"))
     for warning in pending["warnings"]:  # after every check: a refusal is one line
         log.warning(warning)
@@ -194,8 +235,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
-    from qsync_opt.ops import load_cpu
-
     load_cpu()  # compile the C++ kernels once here, not in every rank at once
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -211,9 +250,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none),
     then the communication and the pipeline's boundaries."""
-    from qsync_opt.documents.outfolder import read_bytes
-    from qsync_opt.runtime.metrics import ranks_text, sync_line
-
     path = Path(config.out_dir) / "summary.json"
     try:
         data = read_bytes(path.parent, path.name)  # never through a link in --out

@@ -46,17 +46,20 @@ from qsync_opt.costs.cluster import load_cluster, parse_shorthand
 from qsync_opt.costs.roofline import estimate, group_summary
 from qsync_opt.documents import outfolder
 from qsync_opt.documents.io import to_json
-from qsync_opt.documents.schemas import Plan
+from qsync_opt.documents.schemas import ClusterSpec, CostTable, ModelGraph, Plan
 from qsync_opt.graph import trace
-from qsync_opt.indicator import indicate
+from qsync_opt.indicator import fast_options, indicate
 from qsync_opt.planner.compare import CompareRow, compare
 from qsync_opt.planner.dominance import CHEAP_BASELINES, Candidate, marked_table, recommend_row
 from qsync_opt.planner.figure import straggler_reason
+from qsync_opt.planner.frontier import format_points, frontier, plot_frontier
 from qsync_opt.planner.solve import reachable_ms
 from qsync_opt.problem.evaluator import evaluate
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.profile import derive, measure_comm_local, profile_detailed, with_comm
 from qsync_opt.replayer import Replayer
+from qsync_opt.replayer.timeline import Timeline
+from qsync_opt.solvers.ilp import fastest_times
 
 MODEL = "digits_cnn"
 BATCH = 32
@@ -99,6 +102,55 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
     load0 = os.getloadavg()[0]  # before the demo's own work (its profile would count)
     print(f"== the whole job on this CPU: {MODEL} on {SHORTHAND} (cpu/2: this CPU, every op "
           "stretched 2x)")
+    problem, costs, prof = _local_problem(repeats)
+    rows = compare(problem, joint_split=True)
+    print(f"4. every allocator, target {problem.target_ms:.2f} ms ({problem.target_source}):")
+    print(marked_table(rows))
+    for r in rows:
+        if r.status == "ERROR":
+            print(f"   {r.solver}: {'; '.join(r.messages)}")
+    pick = choose_plan(problem, rows)
+    if pick is None:
+        print("no exact allocator found a feasible plan; stopping the local job here")
+        return {}
+    chosen, why = pick
+    if why is None:
+        print(f"   the plan to train: {chosen.solver}'s (no other row's plan is as fast or faster "
+              "and as little or less degraded, one of them strictly)")
+    else:
+        print(f"   the plan to train: {chosen.solver}'s, not the exact plan: {why}"
+              + ("; `qsync-opt solve` prints this as a note" if chosen.solver in CHEAP_BASELINES
+                 else ""))
+    plan = chosen.plan
+    fp32 = problem.make_plan({g.name: [c.index(Precision.fp32) for c in g.choices]
+                              for g in problem.groups}, {"solver": "all-fp32"})
+    for name, doc in (("local_plan.json", plan), ("local_fp32.json", fp32),
+                      ("local_costs.json", costs)):
+        outfolder.write_text(out, name, to_json(doc), what="--out")
+    order = [0, 1, 1, 0][: 2 * rounds] if rounds <= 2 else [0, 1] * rounds
+    labels = [("all fp32", fp32, out / "local_fp32.json"),
+              (f"{chosen.solver} plan", plan, out / "local_plan.json")]
+    runs = _train_interleaved(out, labels, order, steps, chosen.solver)
+    load1 = os.getloadavg()[0]
+    figures = _prediction_table(problem, runs, labels)
+    a, b = runs["all fp32"], runs[f"{chosen.solver} plan"]
+    spread = max(a["spread"], b["spread"])
+    verdict = quiet_verdict(load0, os.cpu_count() or 1, spread, len(order) // 2)
+    _print_verdict(problem, figures, a, b, chosen.solver, verdict=verdict,
+                   loads=(load0, load1), spread=spread)
+    note = split_note(plan, fp32)
+    if note:
+        print(note)
+    sync = sync_beside_ddp(out / "local_plan.json", steps, chosen.solver)
+    print()
+    return {"sync": sync, "figures": figures, "runs": runs, "verdict": verdict, "load": (load0, load1),
+            "spread": spread}
+
+
+def _local_problem(repeats: int) -> tuple[AllocationProblem, Any, Any]:
+    """Steps 1-3: the model traced, profiled on this CPU in context, its indicator; the
+    problem (retargeted to the smallest reachable makespan when the default is out of
+    reach), the cost table and the profile."""
     t0 = time.perf_counter()
     graph = trace(MODEL, BATCH)
     print(f"1. traced {MODEL} at batch {BATCH}: {len(graph.ops)} ops, "
@@ -130,35 +182,15 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
               + f", {b16:.2f} against {f32:.2f} ms, not a GPU's 2-8x faster), so the plan "
               "takes the smallest reachable makespan (+2%) and the least degradation there")
         problem = problem.retarget(best * 1.02, source="smallest reachable makespan + 2%")
-    rows = compare(problem, joint_split=True)
-    print(f"4. every allocator, target {problem.target_ms:.2f} ms ({problem.target_source}):")
-    print(marked_table(rows))
-    for r in rows:
-        if r.status == "ERROR":
-            print(f"   {r.solver}: {'; '.join(r.messages)}")
-    pick = choose_plan(problem, rows)
-    if pick is None:
-        print("no exact allocator found a feasible plan; stopping the local job here")
-        return {}
-    chosen, why = pick
-    if why is None:
-        print(f"   the plan to train: {chosen.solver}'s (no other row's plan is as fast or faster "
-              "and as little or less degraded, one of them strictly)")
-    else:
-        print(f"   the plan to train: {chosen.solver}'s, not the exact plan: {why}"
-              + ("; `qsync-opt solve` prints this as a note" if chosen.solver in CHEAP_BASELINES
-                 else ""))
-    plan = chosen.plan
-    fp32 = problem.make_plan({g.name: [c.index(Precision.fp32) for c in g.choices]
-                              for g in problem.groups}, {"solver": "all-fp32"})
-    for name, doc in (("local_plan.json", plan), ("local_fp32.json", fp32),
-                      ("local_costs.json", costs)):
-        outfolder.write_text(out, name, to_json(doc), what="--out")
-    order = [0, 1, 1, 0][: 2 * rounds] if rounds <= 2 else [0, 1] * rounds
-    labels = [("all fp32", fp32, out / "local_fp32.json"),
-              (f"{chosen.solver} plan", plan, out / "local_plan.json")]
+    return problem, costs, prof
+
+
+def _train_interleaved(out: Path, labels: list[tuple[str, Plan, Path]], order: list[int],
+                       steps: int, solver: str) -> dict[str, dict[str, Any]]:
+    """Step 5: the fp32 plan and the chosen one trained in ``order``, each run fresh; per
+    plan, each rank's median over runs of each run's median step."""
     print(f"5. training two gloo ranks (cpu, cpu/2), {steps} steps a run, all-fp32 and "
-          f"{chosen.solver}'s plan (written to {out / 'local_plan.json'}) interleaved "
+          f"{solver}'s plan (written to {out / 'local_plan.json'}) interleaved "
           f"{' '.join('AB'[i] for i in order)} (A fp32, B the plan), each run fresh ...")
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="qsync-demo-") as tmp:  # fresh runs, never resumed
@@ -170,11 +202,16 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
             acc["samples"].append(res["ranks"])
             acc["secs"] += time.perf_counter() - t0
             acc.update({k: v for k, v in res.items() if k != "ranks"})
-    load1 = os.getloadavg()[0]
     for acc in runs.values():  # per rank: the median over runs of each run's median step
         acc["ranks"] = {g: statistics.median(x[g] for x in acc["samples"]) for g in acc["samples"][0]}
         acc["spread"] = max((max(x[g] for x in acc["samples"]) - min(x[g] for x in acc["samples"]))
                           / acc["ranks"][g] for g in acc["samples"][0])
+    return runs
+
+
+def _prediction_table(problem: AllocationProblem, runs: dict[str, dict[str, Any]],
+                      labels: list[tuple[str, Plan, Path]]) -> dict[Any, Any]:
+    """Step 6: predicted against measured step time and peak memory, per plan and group."""
     print("6. predicted (profiled costs, replayer) against measured (median over runs of each "
           "run's median step_ms; step 3's exact peak of live tensor bytes inside each rank; "
           "held-out accuracy of the "
@@ -200,14 +237,20 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
             print(f"{label:>{w}} {g.name:>6} {pred:8.2f} {meas:8.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
                   f"{(pred - meas) / meas:+7.1%} {pm / MIB:9.2f} {mm / MIB:9.2f} "
                   f"{(pm - mm) / mm:+7.1%} {res.get('eval_accuracy', float('nan')):9.4f}")
-    a, b = runs["all fp32"], runs[f"{chosen.solver} plan"]
+    return figures
+
+
+def _print_verdict(problem: AllocationProblem, figures: dict[Any, Any], a: dict[str, Any],
+                   b: dict[str, Any], solver: str, *, verdict: str | None,
+                   loads: tuple[float, float], spread: float) -> None:
+    """The launch's overhead factor, the plan's prediction with it, and the measured speed-up
+    (or why it is not a result) and accuracy."""
+    load0, load1 = loads
     sa, sb = max(a["ranks"].values()), max(b["ranks"].values())
     pa = max(figures[("all fp32", g.name)][0] for g in problem.groups)
-    pb = max(figures[(f"{chosen.solver} plan", g.name)][0] for g in problem.groups)
+    pb = max(figures[(f"{solver} plan", g.name)][0] for g in problem.groups)
     factor = sa / pa
     cores = os.cpu_count() or 1
-    spread = max(a["spread"], b["spread"])
-    verdict = quiet_verdict(load0, cores, spread, len(order) // 2)
     print(f"   load average {load0:.2f} when the demo started, {load1:.2f} after training "
           f"({cores} cores; the demo's own work accounts for 1-2 of it); the same plan's runs "
           f"differ by up to {spread:.1%}.")
@@ -225,13 +268,6 @@ def local_job(out: Path, steps: int = 80, repeats: int = 10, rounds: int = 2
           f"{a.get('eval_accuracy', float('nan')):.4f} (one seed: "
           "`benchmarks/bench_accuracy.py` gives the seed noise). Training took "
           f"{a['secs']:.0f} s and {b['secs']:.0f} s.")
-    note = split_note(plan, fp32)
-    if note:
-        print(note)
-    sync = sync_beside_ddp(out / "local_plan.json", steps, chosen.solver)
-    print()
-    return {"sync": sync, "figures": figures, "runs": runs, "verdict": verdict, "load": (load0, load1),
-            "spread": spread}
 
 
 def choose_plan(problem: AllocationProblem, rows: Sequence[CompareRow]
@@ -343,27 +379,8 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
     v, t = by_group["v100"], by_group["t4"]
     print(f"\nAt FP32 the T4 group computes {float(t['compute_fp32_ms']) / float(v['compute_fp32_ms']):.1f}x "
           f"slower than the V100 group: the V100s wait for it, the wait the allocator must remove.")
-    rep = Replayer(graph, cluster, costs)
-    timelines = {name: rep.simulate(p) for name, p in uniform_plans(rep).items()}
-    print("\nreplayer: one iteration, casts and bucketed all-reduce overlapped with backward")
-    replayed = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
-    print(format_table(replayed, REPLAY_HEADER))
-    high, low = timelines["uniform-highest"], timelines.get("weak-lowest")
-    print(f"straggler at FP32 (the group whose iteration ends last): {straggler_reason(high)}")
-    if low is not None:
-        t_hi, t_lo = high.groups["t4"], low.groups["t4"]
-        verb = "cuts" if t_lo.compute_ms < t_hi.compute_ms else "raises"  # casts can outweigh
-        print(f"Uniform lowest precision on the T4s {verb} their compute from {t_hi.compute_ms:.0f} "
-              f"to {t_lo.compute_ms:.0f} ms ({t_lo.n_casts} casts, {t_lo.cast_ms:.0f} ms of them) "
-              f"against the V100s' {high.groups['v100'].compute_ms:.0f} ms: the iteration goes "
-              f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
-              f"straggler: {straggler_reason(low)}.")
+    high = _replay_uniform(graph, cluster, costs)
     # The planning job: indicator, every allocator, the plan written, the straggler gone.
-    from qsync_opt.indicator import fast_options, indicate
-    from qsync_opt.planner.compare import compare
-    from qsync_opt.problem.program import AllocationProblem
-    from qsync_opt.solvers.ilp import fastest_times
-
     t0 = time.perf_counter()
     ind = indicate(model, indicator_batches, method, batch=8,
                    progress=sys.stderr.isatty(), **fast_options())
@@ -382,46 +399,7 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
     pick = recommend_row(rows)  # the plan nothing in the table dominates
     out = folder or "qsync-demo"
     if pick is not None:
-        best, why, exact = pick
-        by = {r.solver: r for r in rows}
-        chosen = by[best.solver]
-        assert chosen.plan is not None
-        ev = best.ev
-        outfolder.write_text(out, "plan.json", to_json(chosen.plan), what="--out")
-        if why is not None:
-            print(f"\nplan.json gets {chosen.solver}'s plan, not {exact.solver}'s: {why}")
-        print(f"\n{chosen.solver}'s plan ({chosen.status}):")
-        print("\n".join(plan_lines(problem, chosen.plan, ev)))
-        tl = ev.timeline
-        assert tl is not None
-        ratio = tl.groups["t4"].compute_ms / tl.groups["v100"].compute_ms
-        wait, wait_hi = tl.groups["v100"].straggler_wait_ms, high.groups["v100"].straggler_wait_ms
-        print(f"The T4s compute in {ratio:.2f}x the V100s' time ("
-              + ("the V100s no longer wait for the T4s" if wait <= 1e-6 * tl.iteration_ms
-                 else f"the V100s still wait {wait:.0f} ms for the T4s")
-              + f"; {wait_hi:.0f} ms with every card at FP32): iteration "
-              f"{ev.replay_makespan_ms:.0f} ms in the replayer against {high.iteration_ms:.0f} ms "
-              f"with every card at FP32; straggler: {straggler_reason(tl)}.")
-        so = by.get("strong-only")
-        if so is not None and so.samples_per_s:
-            print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "
-                  f"with the V100s alone ({ev.samples_per_s / so.samples_per_s:.2f}x).")
-        split = next((r for r in rows if r.solver.endswith("+split") and r.plan is not None), None)
-        if split is not None and split.objective is not None and exact.objective:
-            print(f"With the batch split chosen too ({', '.join(f'{g}={b}' for g, b in split.batches.items())} "
-                  f"per card), the same makespan costs {split.objective / exact.objective:.0%} of "
-                  "the precision-only plan's degradation.")
-        print(f"wrote {out}/plan.json")
-        from qsync_opt.planner.frontier import format_points, frontier, plot_frontier
-
-        pts = frontier(problem, points=4, allocators=("exact", "greedy", "uniform",
-                                                      "dynamic-batching", "strong-only"))
-        print("\nPareto frontier (degradation against throughput as the target sweeps; "
-              "`qsync-opt pareto` adds the joint split):")
-        print(format_points(pts))
-        plot_frontier(pts, "frontier.png", f"{model} on {shorthand}", what="--out",
-                      folder=out)
-        print(f"wrote {out}/frontier.png")
+        _show_plan(problem, rows, pick, high, out, title=f"{model} on {shorthand}")
     else:
         print("\nno exact allocator found a feasible plan; see the table above")
     if folder:
@@ -430,3 +408,68 @@ def showcase(*, folder: str | None = None, method: str = "qsync", indicator_batc
             outfolder.write_text(folder, name, to_json(doc), what="--out")
         print(f"wrote {folder}/graph.json, costs.json, indicator.json, cluster.json")
     return 0
+
+
+def _replay_uniform(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable) -> Timeline:
+    """The uniform plans replayed, and the straggler at FP32 and at the lowest precision;
+    returns the FP32 timeline."""
+    rep = Replayer(graph, cluster, costs)
+    timelines = {name: rep.simulate(p) for name, p in uniform_plans(rep).items()}
+    print("\nreplayer: one iteration, casts and bucketed all-reduce overlapped with backward")
+    replayed = [r for name, tl in timelines.items() for r in replay_rows(name, tl)]
+    print(format_table(replayed, REPLAY_HEADER))
+    high, low = timelines["uniform-highest"], timelines.get("weak-lowest")
+    print(f"straggler at FP32 (the group whose iteration ends last): {straggler_reason(high)}")
+    if low is not None:
+        t_hi, t_lo = high.groups["t4"], low.groups["t4"]
+        verb = "cuts" if t_lo.compute_ms < t_hi.compute_ms else "raises"  # casts can outweigh
+        print(f"Uniform lowest precision on the T4s {verb} their compute from {t_hi.compute_ms:.0f} "
+              f"to {t_lo.compute_ms:.0f} ms ({t_lo.n_casts} casts, {t_lo.cast_ms:.0f} ms of them) "
+              f"against the V100s' {high.groups['v100'].compute_ms:.0f} ms: the iteration goes "
+              f"from {high.iteration_ms:.0f} to {low.iteration_ms:.0f} ms in these estimates; "
+              f"straggler: {straggler_reason(low)}.")
+    return high
+
+
+def _show_plan(problem: AllocationProblem, rows: list[CompareRow],
+               pick: tuple[Candidate, str | None, CompareRow], high: Timeline, out: str, *,
+               title: str) -> None:
+    """The recommended plan written to ``out``, what it does to the straggler, and the
+    Pareto frontier."""
+    best, why, exact = pick
+    by = {r.solver: r for r in rows}
+    chosen = by[best.solver]
+    assert chosen.plan is not None
+    ev = best.ev
+    outfolder.write_text(out, "plan.json", to_json(chosen.plan), what="--out")
+    if why is not None:
+        print(f"\nplan.json gets {chosen.solver}'s plan, not {exact.solver}'s: {why}")
+    print(f"\n{chosen.solver}'s plan ({chosen.status}):")
+    print("\n".join(plan_lines(problem, chosen.plan, ev)))
+    tl = ev.timeline
+    assert tl is not None
+    ratio = tl.groups["t4"].compute_ms / tl.groups["v100"].compute_ms
+    wait, wait_hi = tl.groups["v100"].straggler_wait_ms, high.groups["v100"].straggler_wait_ms
+    print(f"The T4s compute in {ratio:.2f}x the V100s' time ("
+          + ("the V100s no longer wait for the T4s" if wait <= 1e-6 * tl.iteration_ms
+             else f"the V100s still wait {wait:.0f} ms for the T4s")
+          + f"; {wait_hi:.0f} ms with every card at FP32): iteration "
+          f"{ev.replay_makespan_ms:.0f} ms in the replayer against {high.iteration_ms:.0f} ms "
+          f"with every card at FP32; straggler: {straggler_reason(tl)}.")
+    so = by.get("strong-only")
+    if so is not None and so.samples_per_s:
+        print(f"Throughput {ev.samples_per_s:.0f} samples/s against {so.samples_per_s:.0f} "
+              f"with the V100s alone ({ev.samples_per_s / so.samples_per_s:.2f}x).")
+    split = next((r for r in rows if r.solver.endswith("+split") and r.plan is not None), None)
+    if split is not None and split.objective is not None and exact.objective:
+        print(f"With the batch split chosen too ({', '.join(f'{g}={b}' for g, b in split.batches.items())} "
+              f"per card), the same makespan costs {split.objective / exact.objective:.0%} of "
+              "the precision-only plan's degradation.")
+    print(f"wrote {out}/plan.json")
+    pts = frontier(problem, points=4, allocators=("exact", "greedy", "uniform",
+                                                  "dynamic-batching", "strong-only"))
+    print("\nPareto frontier (degradation against throughput as the target sweeps; "
+          "`qsync-opt pareto` adds the joint split):")
+    print(format_points(pts))
+    plot_frontier(pts, "frontier.png", title, what="--out", folder=out)
+    print(f"wrote {out}/frontier.png")

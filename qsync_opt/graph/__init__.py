@@ -21,8 +21,8 @@ How it works:
 
 The package, by job: :mod:`.tracing` (the entry point :func:`trace`), :mod:`.capture` (the
 torch.fx tracer), :mod:`.fallback` (the function-mode tracer), :mod:`.recording` (what both
-tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`.kinds` (op kinds, leaf
-modules), :mod:`.naming` (:class:`CallNamer`) and :mod:`.cache` (traced graphs of built-in
+tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`qsync_opt.ops.kinds` (op kinds, leaf
+modules), :mod:`qsync_opt.ops.naming` (:class:`CallNamer`) and :mod:`.cache` (traced graphs of built-in
 workloads kept on disk). Workloads named by a string are resolved by
 :mod:`qsync_opt.models.resolve`, re-exported here.
 """

@@ -29,8 +29,6 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 
-import torch
-
 from qsync_opt.core.errors import OutputError, QsyncInputError
 from qsync_opt.core.machine import cache_root
 from qsync_opt.documents import outfolder
@@ -53,11 +51,20 @@ def _package_version() -> str:
         return "unknown"
 
 
+def torch_version() -> str:
+    """torch's version as its distribution states it (``torch.__version__``), read without
+    importing torch, so that a graph found in the cache costs no import of torch."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def cache_key(cache_name: str, code_digest: str, batch: int,
               settings: dict[str, object]) -> dict[str, object]:
     """Everything a traced graph depends on, as a JSON-able mapping."""
     return {"format": FORMAT, "package": _package_version(), "code": code_digest,
-            "torch": torch.__version__, "python": list(sys.version_info[:2]),
+            "torch": torch_version(), "python": list(sys.version_info[:2]),
             "workload": cache_name, "batch": batch, "settings": settings}
 
 

@@ -47,7 +47,6 @@ The command itself (its parser, its output) is :mod:`qsync_opt.cli.train`.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
@@ -57,7 +56,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +65,37 @@ from pydantic import ValidationError
 
 from qsync_opt.core.errors import QsyncInputError, describe_validation_error
 from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.costs.cluster import load_cluster
 from qsync_opt.costs.devices import get_device, is_derived
+from qsync_opt.documents.io import to_json
+from qsync_opt.documents.outfolder import write_text
 from qsync_opt.documents.schemas import MAX_DEVICES, Plan
+from qsync_opt.graph import is_user_model, load_user_workload, trace
+from qsync_opt.models.user import UserWorkload
+from qsync_opt.pipeline.spec import PipelineRequest, pipeline_spec
+from qsync_opt.problem.plan import graph_for_plan, make_plan, plan_model
+from qsync_opt.runtime.checkpoint import check_set_files
 from qsync_opt.runtime.config import (
     AVERAGE_STATE_REFUSAL,
     DEFAULT_LR,
     PIPELINE_SYNC_REFUSAL,
     USER_MODEL_LR,
+    PipelineSpec,
     TrainConfig,
+    check_batches,
+    check_out_folder,
+    check_resume,
     rank_groups_example,
 )
 from qsync_opt.runtime.rankfail import sort_line
 from qsync_opt.runtime.watchdog import watch_parents
-from qsync_opt.strategy.modes import parse_comm, parse_sync
+from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import parse_schedule
 
-__all__ = ["CONFIG_NAME", "MAX_RANKS", "WORKER_MODULE", "build_config", "checkpoint_note",
-           "free_port", "local_command", "multinode_commands", "resolve_ranks",
-           "run_streaming", "watch_parents", "write_config"]
+__all__ = ["CONFIG_NAME", "MAX_RANKS", "WORKER_MODULE", "TrainRequest", "build_config",
+           "checkpoint_note", "free_port", "local_command", "multinode_commands",
+           "resolve_defaults", "resolve_ranks", "run_streaming", "watch_parents",
+           "write_config"]
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +176,74 @@ def _slowdowns(plan: Plan, ranks: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def build_config(args: argparse.Namespace, lines: list[str] | None = None,
+@dataclass(frozen=True)
+class TrainRequest:
+    """What ``qsync-opt train`` was asked, as plain values (built by the command line from
+    its flags; :func:`build_config` checks it against the plan). ``lr`` and ``nproc`` None:
+    their defaults (:func:`resolve_defaults`)."""
+
+    model: str
+    plan: str | None = None
+    cluster: str | None = None
+    batch: int | None = None
+    nproc: int | None = None
+    rank_groups: str | None = None
+    steps: int = 100
+    lr: float | None = None
+    lr_schedule: str = "constant"
+    optimizer: str = "sgd"
+    momentum: float | None = None
+    weight_decay: float = 0.0
+    sync: str = "ddp"
+    comm: str = "allreduce"
+    average_optimizer_state: bool = False
+    seed: int = 0
+    out: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = True
+    resume_anyway: bool = False
+    emulate_dp: bool = False
+    timeout_s: float = 120.0
+    backend: str = "auto"
+    progress_every_s: float = LOG_EVERY_S
+    measure_memory: int | None = None
+    pipeline: PipelineRequest = field(default_factory=PipelineRequest)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline.stages is not None
+
+
+def resolve_defaults(request: TrainRequest, lines: list[str] | None = None) -> TrainRequest:
+    """The request with ``lr`` (a model file's default, else the built-in workloads') and,
+    for a pipeline without ``--nproc`` or ``--rank-groups``, ``nproc`` (one rank per stage)
+    filled in; the flags that combine badly refused."""
+    user = is_user_model(request.model)
+    if request.lr is None:
+        request = replace(request, lr=USER_MODEL_LR if user else DEFAULT_LR)
+        if lines is not None and user:
+            lines.append(f"no --lr: {USER_MODEL_LR}, a model file's default (the built-in "
+                         f"workloads' {DEFAULT_LR} diverged ResNet-50, ConvNeXt and ViT)")
+    _check_sync_flags(request)
+    if request.momentum is not None and request.optimizer != "sgd":
+        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({request.optimizer} has "
+                              "its own moment estimates)")
+    stages = request.pipeline.stages
+    if stages is None:
+        flag = request.pipeline.flag_without_stages()
+        if flag is not None:
+            raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
+        return request
+    if not 2 <= stages <= 64:
+        raise QsyncInputError(f"--pipeline-stages: expected 2 to 64 stages, got {stages}")
+    if request.nproc is None and request.rank_groups is None:
+        request = replace(request, nproc=stages)
+    return request
+
+
+def build_config(request: TrainRequest, lines: list[str] | None = None,
                  pending: dict[str, Any] | None = None) -> TrainConfig:
-    """Validate the arguments against the plan and return the run's TrainConfig.
+    """Validate the request against the plan and return the run's TrainConfig.
 
     A user's model file (``--model PATH.py:FUNCTION``) is checked here, before any rank
     starts: its sha256 against the plan's (before it runs), the plan against its graph, then
@@ -174,112 +252,107 @@ def build_config(args: argparse.Namespace, lines: list[str] | None = None,
     the data). Nothing is written: without ``--plan`` the fp32 plan goes into
     ``pending["plan"]`` and warnings into ``pending["warnings"]``, for :func:`write_config`
     and the caller once every check has passed."""
-    from qsync_opt.graph import is_user_model, load_user_workload
-    from qsync_opt.problem.plan import graph_for_plan, plan_model
-
-    if getattr(args, "lr", None) is None:
-        args.lr = USER_MODEL_LR if is_user_model(args.model) else DEFAULT_LR
-        if lines is not None and is_user_model(args.model):
-            lines.append(f"no --lr: {USER_MODEL_LR}, a model file's default (the built-in "
-                         f"workloads' {DEFAULT_LR} diverged ResNet-50, ConvNeXt and ViT)")
-    _check_sync_flags(args)
-    if getattr(args, "momentum", None) is not None and args.optimizer != "sgd":
-        raise QsyncInputError(f"--momentum: only with --optimizer sgd ({args.optimizer} has "
-                              "its own moment estimates)")
-    pipelined = getattr(args, "pipeline_stages", None) is not None
-    if pipelined:
-        if not 2 <= args.pipeline_stages <= 64:
-            raise QsyncInputError(f"--pipeline-stages: expected 2 to 64 stages, got "
-                                  f"{args.pipeline_stages}")
-        if args.nproc is None and args.rank_groups is None:
-            args.nproc = args.pipeline_stages
-    else:
-        for flag, val, default in (("--cuts", getattr(args, "cuts", None), None),
-                                   ("--micro-batches", getattr(args, "micro_batches", 1), 1),
-                                   ("--compress-act", getattr(args, "compress_act", "none"),
-                                    "none"),
-                                   ("--compress-grad", getattr(args, "compress_grad", "none"),
-                                    "none"),
-                                   ("--feedback", getattr(args, "feedback", "none"), "none"),
-                                   ("--compress-at-eval",
-                                    getattr(args, "compress_at_eval", False), False)):
-            if val != default:
-                raise QsyncInputError(f"{flag}: only with --pipeline-stages N")
-    name0 = Path(args.model.partition(":")[0]).stem if is_user_model(args.model) else args.model
-    out = Path(args.out) if args.out else Path("runs") / name0
-    from qsync_opt.runtime.config import check_out_folder
-
+    request = resolve_defaults(request, lines)
+    name0 = (Path(request.model.partition(":")[0]).stem if is_user_model(request.model)
+             else request.model)
+    out = Path(request.out) if request.out else Path("runs") / name0
     check_out_folder(out)  # a folder we may write, holding no planted link: before any work
     pending = {} if pending is None else pending
     pending.setdefault("warnings", [])
-    if args.plan is None:
-        plan_path = out / "fp32.plan.json"
-        pending["plan"] = fp32_plan(args, out, write=False)
-        if lines is not None:
-            lines.append(f"no --plan: every op at fp32 on every rank ({plan_path})")
-    else:
-        for flag, val in (("--cluster", args.cluster),
-                          ("--batch", None if pipelined else args.batch)):
-            if val is not None:
-                raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
-                                      "cluster and the batches)")
-        plan_path = Path(args.plan)
-    plan = pending.get("plan") or Plan.load(plan_path)  # a bad file: one line each
-    workload, sha = args.model, None
-    user = None
-    if is_user_model(args.model):
-        sha = plan_model(plan, args.model)  # the file's hash, before it runs
-        user = load_user_workload(args.model, sha256=sha)
-        workload = user.name  # absolute: the ranks may run in another folder
-    # The plan against the model, as every command that reads a plan checks it: made for
-    # this model's graph, every op there, no pin overridden, precisions the cards run.
-    graph_for_plan(plan, args.model, workload=user)
-    if pipelined and args.rank_groups is None:
-        devices = sum(g.count for g in plan.cluster.groups)
-        if devices != args.pipeline_stages and args.nproc == args.pipeline_stages:
-            whose = "the plan's cluster" if args.plan is not None else "--cluster"
-            raise QsyncInputError(
-                f"--pipeline-stages {args.pipeline_stages}: {whose} has {devices} "
-                "devices; say which group runs each stage with --rank-groups (e.g. "
-                + rank_groups_example([g.name for g in plan.cluster.groups],
-                                      args.pipeline_stages) + ")")
-    ranks = resolve_ranks(plan, args.nproc, args.rank_groups, pending["warnings"])
+    plan, plan_path = _run_plan(request, out, pending, lines)
+    workload, sha, user = _checked_model(request, plan)
+    ranks = _stage_ranks(request, plan, pending["warnings"])
     pipeline = None
-    if pipelined:
-        from qsync_opt.pipeline.run import pipeline_spec
-
+    if request.pipelined:
         if user is not None:
             raise QsyncInputError("--pipeline-stages: pipelines run the registry workloads "
                                   "(qsync-opt models), not a model file")
-        from qsync_opt.runtime.config import check_batches
-
         check_batches(plan, ranks)
-        pipeline = pipeline_spec(args, plan, ranks, lines)
+        pipeline = pipeline_spec(request.pipeline, plan, ranks, model=request.model,
+                                 batch=request.batch, lines=lines)
     if lines is not None:
-        note = checkpoint_note(args.checkpoint_every, args.steps)
+        note = checkpoint_note(request.checkpoint_every, request.steps)
         if note:
             lines.append(note)
     if user is not None:
-        from qsync_opt.runtime.config import check_batches
-
         global_batch = sum(check_batches(plan, ranks))
-        loss_line = user.check(global_batch, args.seed)
+        loss_line = user.check(global_batch, request.seed)
         if lines is not None:
             lines += [loss_line, user.data_line()]
+    return _train_config(request, plan, plan_path, ranks, out, workload=workload, sha=sha,
+                         pipeline=pipeline)
+
+
+def _run_plan(request: TrainRequest, out: Path, pending: dict[str, Any],
+              lines: list[str] | None) -> tuple[Plan, Path]:
+    """The run's plan and its path: ``--plan``'s, else the fp32 plan (made, not written:
+    ``pending["plan"]``)."""
+    if request.plan is None:
+        plan_path = out / "fp32.plan.json"
+        pending["plan"] = fp32_plan(request, out, write=False)
+        if lines is not None:
+            lines.append(f"no --plan: every op at fp32 on every rank ({plan_path})")
+    else:
+        for flag, val in (("--cluster", request.cluster),
+                          ("--batch", None if request.pipelined else request.batch)):
+            if val is not None:
+                raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
+                                      "cluster and the batches)")
+        plan_path = Path(request.plan)
+    plan = pending.get("plan") or Plan.load(plan_path)  # a bad file: one line each
+    return plan, plan_path
+
+
+def _checked_model(request: TrainRequest, plan: Plan
+                   ) -> tuple[str, str | None, UserWorkload | None]:
+    """The plan against the model, as every command that reads a plan checks it: made for
+    this model's graph, every op there, no pin overridden, precisions the cards run. Returns
+    the config's workload, a model file's sha256 and its loaded workload."""
+    workload, sha = request.model, None
+    user = None
+    if is_user_model(request.model):
+        sha = plan_model(plan, request.model)  # the file's hash, before it runs
+        user = load_user_workload(request.model, sha256=sha)
+        workload = user.name  # absolute: the ranks may run in another folder
+    graph_for_plan(plan, request.model, workload=user)
+    return workload, sha, user
+
+
+def _stage_ranks(request: TrainRequest, plan: Plan, warnings: list[str]) -> list[str]:
+    """Every rank's group (:func:`resolve_ranks`); a pipeline on a cluster of another size
+    than its stages must say which group runs each stage."""
+    stages = request.pipeline.stages
+    if stages is not None and request.rank_groups is None:
+        devices = sum(g.count for g in plan.cluster.groups)
+        if devices != stages and request.nproc == stages:
+            whose = "the plan's cluster" if request.plan is not None else "--cluster"
+            raise QsyncInputError(
+                f"--pipeline-stages {stages}: {whose} has {devices} "
+                "devices; say which group runs each stage with --rank-groups (e.g. "
+                + rank_groups_example([g.name for g in plan.cluster.groups], stages) + ")")
+    return resolve_ranks(plan, request.nproc, request.rank_groups, warnings)
+
+
+def _train_config(request: TrainRequest, plan: Plan, plan_path: Path, ranks: list[str],
+                  out: Path, *, workload: str, sha: str | None,
+                  pipeline: PipelineSpec | None) -> TrainConfig:
+    """The run's :class:`~qsync_opt.runtime.config.TrainConfig` (its own checks: one line)."""
+    assert request.lr is not None  # resolve_defaults
     try:
         return TrainConfig(
             workload=workload, workload_sha256=sha, plan_path=str(plan_path.resolve()),
             rank_groups=ranks,
-            steps=args.steps, lr=args.lr, optimizer=args.optimizer,
-            momentum=0.9 if args.momentum is None else args.momentum,
-            lr_schedule=args.lr_schedule, weight_decay=args.weight_decay, sync=args.sync,
-            comm=args.comm, average_optimizer_state=args.average_optimizer_state,
-            seed=args.seed, out_dir=str(out.resolve()), checkpoint_every=args.checkpoint_every,
-            resume=not args.no_resume, emulate_dp=args.emulate_dp,
-            slowdown=_slowdowns(plan, ranks), timeout_s=args.timeout, backend=args.backend,
-            memory_step=getattr(args, "measure_memory", None), pipeline=pipeline,
-            progress_every_s=getattr(args, "progress_every", LOG_EVERY_S),
-            resume_anyway=getattr(args, "resume_anyway", False))
+            steps=request.steps, lr=request.lr, optimizer=request.optimizer,
+            momentum=0.9 if request.momentum is None else request.momentum,
+            lr_schedule=request.lr_schedule, weight_decay=request.weight_decay,
+            sync=request.sync, comm=request.comm,
+            average_optimizer_state=request.average_optimizer_state,
+            seed=request.seed, out_dir=str(out.resolve()),
+            checkpoint_every=request.checkpoint_every,
+            resume=request.resume, emulate_dp=request.emulate_dp,
+            slowdown=_slowdowns(plan, ranks), timeout_s=request.timeout_s,
+            backend=request.backend, memory_step=request.measure_memory, pipeline=pipeline,
+            progress_every_s=request.progress_every_s, resume_anyway=request.resume_anyway)
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
 
@@ -293,51 +366,44 @@ def checkpoint_note(every: int, steps: int) -> str | None:
             f"checkpoint is the one every run writes at its end (step {steps})")
 
 
-def _check_sync_flags(args: argparse.Namespace) -> None:
+def _check_sync_flags(request: TrainRequest) -> None:
     """--sync, --comm and --lr-schedule, and whether the sync mode and the transport combine:
     refused in one line before anything is written."""
-    from qsync_opt.strategy.modes import check_combination
 
-    def flagged(fn: Any, text: str, flag: str) -> Any:
+    def flagged(fn: Callable[[str], Any], text: str, flag: str) -> Any:
         try:
             return fn(text)
         except QsyncInputError as exc:
             raise QsyncInputError(f"{flag}: {str(exc).partition(': ')[2]}") from None
 
-    mode = flagged(parse_sync, args.sync, "--sync")
-    comm = flagged(parse_comm, args.comm, "--comm")
-    if args.steps >= 1 and args.lr > 0:  # else TrainConfig names --steps / --lr
-        flagged(lambda t: parse_schedule(t, args.lr, args.steps), args.lr_schedule,
+    lr = request.lr
+    assert lr is not None  # resolve_defaults
+    mode = flagged(parse_sync, request.sync, "--sync")
+    comm = flagged(parse_comm, request.comm, "--comm")
+    if request.steps >= 1 and lr > 0:  # else TrainConfig names --steps / --lr
+        flagged(lambda t: parse_schedule(t, lr, request.steps), request.lr_schedule,
                 "--lr-schedule")
     check_combination(mode, comm)
     # the config refuses these too; here they are refused before OUT/fp32.plan.json is made
-    if getattr(args, "pipeline_stages", None) is not None and (
-            mode.kind != "ddp" or comm.kind != "allreduce"):
+    if request.pipelined and (mode.kind != "ddp" or comm.kind != "allreduce"):
         raise QsyncInputError(PIPELINE_SYNC_REFUSAL)
-    if getattr(args, "average_optimizer_state", False) and not mode.averages_parameters:
+    if request.average_optimizer_state and not mode.averages_parameters:
         raise QsyncInputError(AVERAGE_STATE_REFUSAL)
 
 
-def fp32_plan(args: argparse.Namespace, out: Path, write: bool = True) -> Any:
+def fp32_plan(request: TrainRequest, out: Path, write: bool = True) -> Plan | Path:
     """Without ``--plan``: every op at fp32 on every group of ``--cluster`` (default
     ``cpuxN``, N = ``--nproc`` or 1) at ``--batch`` per device, written to
     ``OUT/fp32.plan.json`` (atomically; the run reads it like any plan) and its path
     returned; with ``write=False`` the plan itself, nothing written."""
-    from qsync_opt.costs.cluster import load_cluster
-    from qsync_opt.graph import trace
-    from qsync_opt.problem.plan import make_plan
-
-    if args.batch is not None and args.batch < 1:
-        raise QsyncInputError(f"--batch: expected a positive integer, got {args.batch}")
-    cluster = load_cluster(args.cluster or f"cpux{args.nproc or 1}")
-    graph = trace(args.model, args.batch)
+    if request.batch is not None and request.batch < 1:
+        raise QsyncInputError(f"--batch: expected a positive integer, got {request.batch}")
+    cluster = load_cluster(request.cluster or f"cpux{request.nproc or 1}")
+    graph = trace(request.model, request.batch)
     plan = make_plan(graph, cluster, {}, provenance={"solver": "none (train without --plan: "
                                                      "fp32 everywhere)"})
     if not write:
         return plan
-    from qsync_opt.documents.io import to_json
-    from qsync_opt.documents.outfolder import write_text
-
     return write_text(out, "fp32.plan.json", to_json(plan))
 
 
@@ -354,11 +420,6 @@ def write_config(config: TrainConfig, plan: Plan | None = None) -> Path:
     the fp32 plan of a run without ``--plan`` (:func:`build_config`), written to
     ``config.plan_path`` only after those checks.
     """
-    from qsync_opt.documents.io import to_json
-    from qsync_opt.documents.outfolder import write_text
-    from qsync_opt.runtime.checkpoint import check_set_files
-    from qsync_opt.runtime.config import check_batches, check_out_folder, check_resume
-
     fp32 = plan
     plan = fp32 if fp32 is not None else Plan.load(config.plan_path)
     check_batches(plan, config.rank_groups)

@@ -10,21 +10,21 @@ Entry points
 
 The runtime in parts: this module only starts a run. The parts:
 
-* :mod:`.prepare`: the config checked against its plan and workload, the model, the optimizer;
-* :mod:`.data`: the deterministic global batches and each rank's slice (an uneven sampler);
-* :mod:`.trainer`: the step loop (gradient weighting, BatchNorm policy, NaN/inf guard);
-* :mod:`.sync`: the gradient-sync seam (:class:`GradientSync`, its hooks before and after
+* :mod:`qsync_opt.runtime.prepare`: the config checked against its plan and workload, the model, the optimizer;
+* :mod:`qsync_opt.runtime.data`: the deterministic global batches and each rank's slice (an uneven sampler);
+* :mod:`qsync_opt.job.steps`: the step loop (gradient weighting, BatchNorm policy, NaN/inf guard);
+* :mod:`qsync_opt.sync.replicas`: the gradient-sync seam (:class:`GradientSync`, its hooks before and after
   backward, after the optimizer step and at checkpoint save and load; :class:`DDPSync`,
   :class:`EmulatedSync`, :class:`LocalSync`);
-* :mod:`.scaler`: the dynamic loss scale (:class:`~qsync_opt.runtime.scaler.LossScaler`);
-* :mod:`.checkpoint`: the rank files of a checkpoint set, written atomically;
-* :mod:`.pipetrain`: a pipeline-parallel run (``config.pipeline``: one rank per stage);
-* :mod:`.metrics`: the per-step rows, the progress bar, the summary;
-* :mod:`.faults`: the faults a test injects (:class:`~qsync_opt.runtime.faults.FaultPlan`);
-* :mod:`.watchdog`: a rank dies with its launcher.
+* :mod:`qsync_opt.runtime.scaler`: the dynamic loss scale (:class:`~qsync_opt.runtime.scaler.LossScaler`);
+* :mod:`qsync_opt.runtime.checkpoint`: the rank files of a checkpoint set, written atomically;
+* :mod:`qsync_opt.pipeline.run`: a pipeline-parallel run (``config.pipeline``: one rank per stage);
+* :mod:`qsync_opt.runtime.metrics`: the per-step rows, the progress bar, the summary;
+* :mod:`qsync_opt.runtime.faults`: the faults a test injects (:class:`~qsync_opt.runtime.faults.FaultPlan`);
+* :mod:`qsync_opt.runtime.watchdog`: a rank dies with its launcher.
 
 Checkpoints
-    Saved as a *set* per step (layout in :mod:`.config`, files in :mod:`.checkpoint`); a
+    Saved as a *set* per step (layout in :mod:`qsync_opt.runtime.config`, files in :mod:`qsync_opt.runtime.checkpoint`); a
     resume takes the newest complete set on every rank (the ranks check they agree), after
     refusing one written under other settings
     (:func:`~qsync_opt.runtime.config.check_resume`), and removes incomplete sets and stale
@@ -33,7 +33,7 @@ Checkpoints
     layout.
 
 Metrics
-    ``out_dir/metrics.rank{r}.jsonl``: one JSON line per step per rank (:mod:`.metrics`).
+    ``out_dir/metrics.rank{r}.jsonl``: one JSON line per step per rank (:mod:`qsync_opt.runtime.metrics`).
     Setting ``QSYNC_LOG_STATE_HASH=1`` adds ``state_sha256`` (the whole state_dict after the
     step). ``summary.json`` (and ``summary.rank{r}.json``) hold the final result.
 
@@ -70,10 +70,15 @@ import torch
 import torch.distributed as dist
 
 from qsync_opt.core.errors import QsyncInputError, one_line
+from qsync_opt.core.machine import pin_malloc
+from qsync_opt.documents.io import load
 from qsync_opt.job.steps import Trainer, TrainingError, weighted_backward
+from qsync_opt.ops import load_cpu
+from qsync_opt.pipeline.run import emulate_pipeline, run_pipeline
 from qsync_opt.runtime.checkpoint import atomic_torch_save, latest_checkpoint, load_checkpoint
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.data import GlobalBatches, batch_size_of, rank_slice, to_device
+from qsync_opt.runtime.emulate import add_slowdown
 from qsync_opt.runtime.faults import FaultPlan
 from qsync_opt.runtime.metrics import clean, state_hash, write_json
 from qsync_opt.runtime.prepare import Setup, build_model, card_mismatch, make_optimizer, prepare
@@ -119,8 +124,6 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
     faults = FaultPlan.from_env() if faults is None else faults
     setup = prepare(config)
     if config.pipeline is not None:
-        from qsync_opt.pipeline.run import emulate_pipeline
-
         return emulate_pipeline(config, setup)
     device = torch.device("cpu")
     ranks = list(range(config.world_size))
@@ -147,8 +150,6 @@ def _dist_env() -> tuple[int, int, int]:
 def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
     """The per-rank entry (see the module docstring); returns the run's summary.
     ``faults``: the faults to inject (None: those the environment asks for)."""
-    from qsync_opt.core.machine import pin_malloc
-
     pin_malloc()  # step times independent of the process's allocation history
     faults = FaultPlan.from_env() if faults is None else faults
     if config.emulate_dp:
@@ -160,9 +161,28 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
     setup = prepare(config)
     # Load (and on first use, compile) the C++ kernels before any collective, so a build can
     # never hold up a rendezvous or an all-reduce past its timeout.
-    from qsync_opt.ops import load_cpu
-
     load_cpu()
+    backend, device = _backend_and_device(config, setup, rank, local)
+    initialised = False
+    if world > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=config.timeout_s))
+        initialised = True
+    try:
+        if config.pipeline is not None:
+            return run_pipeline(config, setup, rank)
+        return _run_replica(config, setup, rank, world, device, faults)
+    finally:
+        if initialised:
+            dist.destroy_process_group()
+
+
+def _backend_and_device(config: TrainConfig, setup: Setup, rank: int, local: int
+                        ) -> tuple[str, torch.device]:
+    """The process group's backend (``auto``: NCCL where CUDA is, else gloo; gloo for a
+    pipeline) and this rank's device, warning when its card is not the plan's."""
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -175,63 +195,55 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
         warn = card_mismatch(setup, rank, torch.cuda.get_device_name(device))
         if warn:
             sys.stderr.write(f"qsync-opt: warning: {warn}\n")
+    return backend, device
+
+
+def _run_replica(config: TrainConfig, setup: Setup, rank: int, world: int,
+                 device: torch.device, faults: FaultPlan) -> dict[str, Any]:
+    """This rank's replica of a data-parallel run, trained; the summary written."""
+    model = build_model(setup, rank, device)
+    # A derived device (cpu/F): every op's measured forward and backward time is
+    # stretched by F where it runs, so the bucketed all-reduce waits as it would for a
+    # slower card (emulation: equal CPUs stand in for different cards). The hooks live
+    # as long as this frame, the whole run.
+    slowdown = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
+    sync = make_sync(config, world, device, emulated=False, cluster=setup.plan.cluster,
+                     setup=setup)
+    tr = Trainer(setup, [rank], [model], sync, device, faults=faults,
+                 log_state_hash=_log_state_hash())
+    res = tr.train(show_progress=rank == 0)
+    evals = _all_evals(config, setup, res["evals"][rank], rank, world, device)
+    summary = clean(tr.summary(res["state_sha256"], evals, res["wall_s"],
+                               res["resumed_from"]))
+    summary["rank"] = rank
     out = Path(config.out_dir)
-    initialised = False
+    write_json(out / f"summary.rank{rank}.json", summary)
+    if rank == 0:
+        write_json(out / "summary.json", summary)
     if world > 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=config.timeout_s))
-        initialised = True
-    try:
-        if config.pipeline is not None:
-            from qsync_opt.pipeline.run import run_pipeline
+        dist.barrier()
+    del slowdown
+    return summary
 
-            return run_pipeline(config, setup, rank)
-        model = build_model(setup, rank, device)
-        # A derived device (cpu/F): every op's measured forward and backward time is
-        # stretched by F where it runs, so the bucketed all-reduce waits as it would for a
-        # slower card (emulation: equal CPUs stand in for different cards). The hooks live
-        # as long as this frame, the whole run.
-        from qsync_opt.runtime.emulate import add_slowdown
 
-        slowdown = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
-        sync = make_sync(config, world, device, emulated=False, cluster=setup.plan.cluster,
-                         setup=setup)
-        tr = Trainer(setup, [rank], [model], sync, device, faults=faults,
-                     log_state_hash=_log_state_hash())
-        res = tr.train(show_progress=rank == 0)
-        ev = res["evals"][rank]
-        evals = [ev]
-        if world > 1:
-            vec = torch.zeros(world, 2, dtype=torch.float64)
-            vec[rank, 0] = ev["loss"]
-            vec[rank, 1] = ev["accuracy"] if ev["accuracy"] is not None else float("nan")
-            vec = vec.to(device)
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-            vec = vec.cpu()
-            acc = setup.workload.task == "classification"
-            evals = [{"rank": r, "group": config.rank_groups[r], "loss": float(vec[r, 0]),
-                      "accuracy": float(vec[r, 1]) if acc else None} for r in range(world)]
-        summary = clean(tr.summary(res["state_sha256"], evals, res["wall_s"],
-                                   res["resumed_from"]))
-        summary["rank"] = rank
-        write_json(out / f"summary.rank{rank}.json", summary)
-        if rank == 0:
-            write_json(out / "summary.json", summary)
-        if world > 1:
-            dist.barrier()
-        del slowdown
-        return summary
-    finally:
-        if initialised:
-            dist.destroy_process_group()
+def _all_evals(config: TrainConfig, setup: Setup, ev: dict[str, Any], rank: int, world: int,
+               device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's held-out loss and accuracy (an all-reduce of each rank's own)."""
+    if world <= 1:
+        return [ev]
+    vec = torch.zeros(world, 2, dtype=torch.float64)
+    vec[rank, 0] = ev["loss"]
+    vec[rank, 1] = ev["accuracy"] if ev["accuracy"] is not None else float("nan")
+    vec = vec.to(device)
+    dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+    vec = vec.cpu()
+    acc = setup.workload.task == "classification"
+    return [{"rank": r, "group": config.rank_groups[r], "loss": float(vec[r, 0]),
+             "accuracy": float(vec[r, 1]) if acc else None} for r in range(world)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m qsync_opt.job.rank CONFIG.json``; 2 and one line on bad input."""
-    from qsync_opt.documents.io import load
-
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m qsync_opt.job.rank CONFIG.json", file=sys.stderr)

@@ -1,11 +1,11 @@
 """The step loop shared by the multi-process run (one local replica) and the emulation.
 
-One step: draw the global batch (:mod:`.data`), every local replica runs forward and a
+One step: draw the global batch (:mod:`qsync_opt.runtime.data`), every local replica runs forward and a
 weighted backward of its slice, the gradient-sync mode agrees on one gradient
-(:mod:`.sync`), the ranks agree whether every loss and gradient is finite, and then either
-every replica steps (gradients unscaled first: :mod:`.scaler`) or every replica skips the
+(:mod:`qsync_opt.sync.replicas`), the ranks agree whether every loss and gradient is finite, and then either
+every replica steps (gradients unscaled first: :mod:`qsync_opt.runtime.scaler`) or every replica skips the
 step and restores its buffers; the buffers are synchronised and a metrics row written per
-replica (:mod:`.metrics`). Checkpoints are saved and resumed here (:mod:`.checkpoint`);
+replica (:mod:`qsync_opt.runtime.metrics`). Checkpoints are saved and resumed here (:mod:`qsync_opt.runtime.checkpoint`);
 faults come from the :class:`~qsync_opt.runtime.faults.FaultPlan` the trainer is given.
 
 Gradient weighting
@@ -19,7 +19,7 @@ BatchNorm policy
     forward so that every rank's whole ``state_dict`` is identical after every step).
 
 Precision
-    Master weights, gradients and the all-reduce are FP32 (see :mod:`.layers`). NaN/inf
+    Master weights, gradients and the all-reduce are FP32 (see :mod:`qsync_opt.ops.layers`). NaN/inf
     guard: when any rank sees a non-finite loss or gradient (a count all-reduced with the
     step's statistics) every rank skips the step and restores its buffers;
     ``config.max_bad_steps`` consecutive skips stop the run (:class:`TrainingError`).
@@ -36,9 +36,12 @@ import torch
 from torch import Tensor, nn
 
 from qsync_opt.core.errors import one_line
+from qsync_opt.models import TASK_CLASSIFICATION
 from qsync_opt.runtime.checkpoint import (
     CheckpointError,
+    commit_set,
     load_checkpoint,
+    qseeds,
     rank_document,
     replica_entry,
     set_qseeds,
@@ -47,6 +50,7 @@ from qsync_opt.runtime.checkpoint import (
 from qsync_opt.runtime.config import CheckpointSet, check_resume, remove_stale, set_path
 from qsync_opt.runtime.data import GlobalBatches, batch_size_of, rank_slice, to_device
 from qsync_opt.runtime.faults import NO_FAULTS, FaultPlan
+from qsync_opt.runtime.memory import measure_step_memory
 from qsync_opt.runtime.metrics import (
     MetricsWriter,
     StepProgress,
@@ -72,8 +76,6 @@ def weighted_backward(model: nn.Module, workload: Any, inputs: Any, targets: Ten
     """Forward one micro-batch, backward ``loss * weight * scale``; return (loss, #correct).
     The workload's ``forward`` and ``loss_of`` run it (a user's file: keyword inputs, its
     own loss or the default)."""
-    from qsync_opt.models import TASK_CLASSIFICATION
-
     out = workload.forward(model, inputs)
     loss = workload.loss_of(out, inputs, targets)
     if poison:
@@ -152,8 +154,6 @@ class Trainer:
 
     def save(self) -> None:
         """Every local rank's file of this step's set, a barrier, rank 0's commit marker."""
-        from qsync_opt.runtime.checkpoint import commit_set
-
         folder = set_path(self.out, self.step)
         for i, (r, rng, m, opt) in enumerate(zip(self.ranks, self.rngs, self.models, self.opts,
                                                  strict=True)):
@@ -194,8 +194,8 @@ class Trainer:
     # -- the loss scale's start
     def start_scale(self) -> None:
         """A fresh run with fp16 and no ``--loss-scale``: the initial scale is the largest of
-        :data:`~.scaler.PROBE_SCALES` at which step 0's batch gives a finite loss and
-        gradients on every rank (:mod:`.scaler`); nothing else of the run changes."""
+        :data:`~qsync_opt.runtime.scaler.PROBE_SCALES` at which step 0's batch gives a finite loss and
+        gradients on every rank (:mod:`qsync_opt.runtime.scaler`); nothing else of the run changes."""
         if not (self.scaler.dynamic and self.cfg.loss_scale is None and self.step == 0):
             return
         chosen, tried = probe_scale(self._finite_at)
@@ -206,8 +206,6 @@ class Trainer:
     def _finite_at(self, scale: float) -> bool:
         """One probe: forward and backward of step 0's batch at ``scale`` on every local
         replica (the plain model: no gradient sync), then everything it touched restored."""
-        from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
-
         s = self.s
         inputs, targets = self.data.batch(0)
         inputs = to_device(inputs, self.device)
@@ -237,7 +235,9 @@ class Trainer:
 
     # -- one step
     def train_step(self, metrics: list[MetricsWriter]) -> None:
-        cfg, s = self.cfg, self.s
+        """One step: every local replica's forward and backward, the sync, the optimizer
+        steps (or the skips the ranks agree on), a metrics row per replica."""
+        cfg = self.cfg
         step = self.step
         lr = self.schedule.lr_at(step)
         for opt in self.opts:
@@ -247,10 +247,41 @@ class Trainer:
         inputs = to_device(inputs, self.device)
         targets = targets.to(self.device) if targets is not None else None
         saved = [[b.detach().clone() for b in m.buffers()] for m in self.models]
-        rows = []
         local = torch.zeros(4, dtype=torch.float64)  # nonfinite, sum loss*b, correct, sum b
-        compute_s = []
         self.sync.before_backward(step, self.models)
+        rows, compute_s = self._backward_replicas(step, inputs, targets, local)
+        t_sync = time.perf_counter()
+        self.sync.after_backward(step, self.models)
+        bad = [self.scalers[i].nonfinite([m], [rows[i][2]]) for i, m in enumerate(self.models)]
+        local[0] += sum(bad)
+        tot = self.sync.sum_stats(local)
+        if self.sync.independent_steps:  # each replica its own step (Local SGD)
+            skips = [n > 0 for n in bad]
+        else:  # one gradient: every replica steps, or none
+            skips = [bool(tot[0] > 0)] * len(self.models)
+        self._step_replicas(saved, skips)
+        self.sync.after_step(step, self.models, all(skips))
+        self.sync.sync_buffers(self.models)
+        sync_s = time.perf_counter() - t_sync
+        self.last_loss = float(tot[1]) / float(tot[3])
+        if self.first_loss is None:
+            self.first_loss = self.last_loss
+        self._write_rows(metrics, rows, compute_s, skips, sync_s=sync_s, lr=lr)
+        self.step += 1
+        if self.bad_run >= cfg.max_bad_steps:
+            raise TrainingError(f"{self.bad_run} consecutive steps had a non-finite loss or "
+                                f"gradient (max_bad_steps={cfg.max_bad_steps}); stopping at "
+                                f"step {step}")
+
+    def _backward_replicas(self, step: int, inputs: Any, targets: Tensor | None,
+                           local: Tensor
+                           ) -> tuple[list[tuple[int, int, float, float]], list[float]]:
+        """Every local replica's forward and backward of its slice of the step's batch;
+        ``local`` accumulates the loss and the correct count. Returns a row per replica
+        (rank, batch, loss, correct) and each one's compute seconds."""
+        s = self.s
+        rows = []
+        compute_s = []
         for i, (r, fm, opt) in enumerate(zip(self.ranks, self.forward_models, self.opts,
                                              strict=True)):
             self.faults.at_step(r, step)
@@ -268,15 +299,11 @@ class Trainer:
             local[1] += loss * b
             local[2] += correct
             local[3] += b
-        t_sync = time.perf_counter()
-        self.sync.after_backward(step, self.models)
-        bad = [self.scalers[i].nonfinite([m], [rows[i][2]]) for i, m in enumerate(self.models)]
-        local[0] += sum(bad)
-        tot = self.sync.sum_stats(local)
-        if self.sync.independent_steps:  # each replica its own step (Local SGD)
-            skips = [n > 0 for n in bad]
-        else:  # one gradient: every replica steps, or none
-            skips = [bool(tot[0] > 0)] * len(self.models)
+        return rows, compute_s
+
+    def _step_replicas(self, saved: list[list[Tensor]], skips: list[bool]) -> None:
+        """Each replica's optimizer step, or its skip (buffers restored, gradients
+        dropped); the loss scales updated and the run of bad steps counted."""
         for m, opt, bufs, sc, skip in zip(self.models, self.opts, saved, self.scalers, skips,
                                           strict=True):
             if skip:
@@ -291,12 +318,12 @@ class Trainer:
             self.bad_run, self.skipped = self.bad_run + 1, self.skipped + 1
         else:
             self.bad_run = 0
-        self.sync.after_step(step, self.models, all(skips))
-        self.sync.sync_buffers(self.models)
-        sync_s = time.perf_counter() - t_sync
-        self.last_loss = float(tot[1]) / float(tot[3])
-        if self.first_loss is None:
-            self.first_loss = self.last_loss
+
+    def _write_rows(self, metrics: list[MetricsWriter],
+                    rows: list[tuple[int, int, float, float]], compute_s: list[float],
+                    skips: list[bool], *, sync_s: float, lr: float) -> None:
+        """The step's metrics row of every local replica."""
+        cfg, s, step = self.cfg, self.s, self.step
         nbytes = self.sync.bytes_per_step(self.models[0])
         info = self.sync.step_info(step)
         per_rank = info.pop("per_rank", {})  # a mode's own per-rank fields (dlcp's drops)
@@ -313,11 +340,6 @@ class Trainer:
                 extra=per_rank.get(r),
                 accuracy=correct / b if classification else None,
                 state_sha256=state_hash(m) if self.log_state_hash else None))
-        self.step += 1
-        if self.bad_run >= cfg.max_bad_steps:
-            raise TrainingError(f"{self.bad_run} consecutive steps had a non-finite loss or "
-                                f"gradient (max_bad_steps={cfg.max_bad_steps}); stopping at "
-                                f"step {step}")
 
     def measure_memory(self, metrics: list[MetricsWriter]) -> None:
         """One training step as any other, with its exact peak live tensor bytes measured
@@ -333,8 +355,6 @@ class Trainer:
         ``bucket_sizes``, when they are separate storage: ``gradient_as_bucket_view`` off,
         the default) and is added to the baseline.
         """
-        from qsync_opt.runtime.memory import measure_step_memory
-
         step = self.step
         if len(self.models) != 1 or self.device.type != "cpu":
             self.memory = {"step": step, "peak_bytes": None,
@@ -350,8 +370,6 @@ class Trainer:
                        "peak_op": m.peak_op}
 
     def evaluate(self, model: nn.Module, rng_i: int) -> tuple[float, float | None]:
-        from qsync_opt.models import TASK_CLASSIFICATION
-
         if self.cfg.eval_batches == 0:
             return float("nan"), None
         model.eval()

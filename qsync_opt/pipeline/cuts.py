@@ -24,10 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.fx.passes.shape_prop import ShapeProp
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.graph import trace
 from qsync_opt.ops.kinds import is_leaf_module
 
 __all__ = ["BALANCE_SLACK", "StageSplit", "op_costs_from_table", "plan_op_costs",
@@ -85,8 +88,6 @@ def _crossing(nodes: list[fx.Node], i: int) -> int:
 
 def _default_costs(model: nn.Module, example: Any) -> dict[str, float]:
     """Forward + backward FLOPs of the module ops of the traced graph (functions cost 0)."""
-    from qsync_opt.graph import trace
-
     g = trace(model, example_inputs=example, include_loss=False)
     return {op.name: float(op.fwd_flops + op.bwd_flops) for op in g.ops}
 
@@ -189,8 +190,6 @@ def _crossings(gm: fx.GraphModule, nodes: list[fx.Node], example: Any) -> _Cross
     """The traced graph's shapes on meta tensors at ``example``; None without an example or
     where the shapes cannot be found (an op with no meta kernel). Linear in the graph: each
     value is live from after its producer to its last use."""
-    from torch.fx.passes.shape_prop import ShapeProp
-
     if example is None:
         return None
     try:
@@ -238,8 +237,6 @@ def _partition(pts: list[int], n_stages: int, prefixes: list[list[float]],
     over the previous cut). Without ``cap``: the least largest stage cost. With it: every
     stage at most ``cap``, and the least (boundary cost, sum of squared stage costs),
     lexicographically."""
-    import numpy as np
-
     m = len(pts)
     where = np.asarray(pts)
     bnd = np.array([boundary[p] if k else 0.0 for k, p in enumerate(pts[:-1])] + [0.0])

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor
 
@@ -55,8 +56,6 @@ def send_payload(p: Payload, dst: int, handles: list[Any], keep: list[Tensor],
                  tag: int = 0) -> int:
     """Send ``p`` to rank ``dst`` (non-blocking; ``handles``/``keep`` hold the requests and
     the tensors until they are waited); returns the header's bytes."""
-    import torch.distributed as dist
-
     h = _header(p)
     n = torch.tensor([h.numel()], dtype=torch.int64)
     for t in (n, h, *[t.detach().contiguous() for t in p.tensors]):
@@ -67,8 +66,6 @@ def send_payload(p: Payload, dst: int, handles: list[Any], keep: list[Tensor],
 
 def recv_payload(src: int, tag: int = 0) -> tuple[Payload, int]:
     """Receive one payload from rank ``src`` (blocking); returns it and its header's bytes."""
-    import torch.distributed as dist
-
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, src, tag=tag)
     h = torch.zeros(int(n), dtype=torch.int64)
@@ -92,8 +89,6 @@ class DistStage:
     """Rank ``rank``'s part of ``pipe`` (one stage per rank; world size = stages)."""
 
     def __init__(self, pipe: Pipeline, rank: int) -> None:
-        import torch.distributed as dist
-
         if dist.get_world_size() != len(pipe.stages):
             raise QsyncInputError(f"pipeline: {len(pipe.stages)} stages need as many ranks, "
                                   f"got {dist.get_world_size()}")
@@ -262,8 +257,6 @@ class DistStage:
         return total
 
     def _sync_ties(self) -> None:
-        import torch.distributed as dist
-
         for tie, group in self.tie_groups:
             mine = [name for k, name in tie if k == self.rank]
             if not mine:

@@ -22,7 +22,7 @@ AQ-SGD needs them), or :class:`~qsync_opt.runtime.data.GlobalBatches` for the sy
 workloads (no AQ-SGD there). Every rank draws the same batch of ``pipeline.batch`` samples
 at every step.
 
-Checkpoints are sets as in data-parallel runs (:mod:`.config`): rank ``k``'s file holds its
+Checkpoints are sets as in data-parallel runs (:mod:`qsync_opt.runtime.config`): rank ``k``'s file holds its
 stage's parameters and buffers, its optimizer, the codec state of every boundary (feedback
 buffers, quantizer RNGs, byte counters), the RNG and the loss scale; rank 0 commits the set
 once every rank has written its file. A resume continues bit for bit.
@@ -44,28 +44,46 @@ import functools
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.pipeline.stages import Pipeline, split_stages, split_top
+from qsync_opt.graph import is_user_model
+from qsync_opt.models import TASK_CLASSIFICATION, UnknownWorkloadError, get_workload
+from qsync_opt.ops.gemm import QMixin
+from qsync_opt.pipeline.dist import DistStage
+from qsync_opt.pipeline.scale import pipeline_run_fields, start_pipeline_scale
+from qsync_opt.pipeline.stages import Pipeline, micro_sizes, split_stages
+from qsync_opt.runtime.apply import apply_plan
+from qsync_opt.runtime.checkpoint import (
+    FORMAT,
+    commit_set,
+    load_checkpoint,
+    qseeds,
+    set_qseeds,
+    write_rank_file,
+)
 from qsync_opt.runtime.config import TrainConfig, latest_complete_set, remove_stale, set_path
+from qsync_opt.runtime.data import GlobalBatches, IndexedBatches
 from qsync_opt.runtime.gather import all_gather_json
-from qsync_opt.strategy.codecs import AQSGD, parse_compressor
+from qsync_opt.runtime.metrics import MetricsWriter, StepProgress, clean, write_json
+from qsync_opt.runtime.prepare import make_optimizer
+from qsync_opt.runtime.scaler import LossScaler
+from qsync_opt.strategy.codecs import AQSGD, aqsgd_bytes, parse_compressor
 
-__all__ = ["NoOptimizer", "build_pipeline", "emulate_pipeline", "micro_sizes", "pipeline_spec",
+__all__ = ["NoOptimizer", "PipelineBatches", "build_pipeline", "emulate_pipeline",
            "predicted_bytes", "run_pipeline"]
 
 
-class _Data:
+class PipelineBatches:
     """Batches with indices where the workload has real data, else without."""
 
     def __init__(self, wl: Any, seed: int, batch: int, feedback: str) -> None:
-        from qsync_opt.runtime.data import GlobalBatches, IndexedBatches
-
         try:
             self.src: Any = IndexedBatches(wl, seed, batch)
             self.indexed = True
@@ -93,9 +111,6 @@ class _Data:
 
 
 def _workload(config: TrainConfig) -> Any:
-    from qsync_opt.graph import is_user_model
-    from qsync_opt.models import UnknownWorkloadError, get_workload
-
     if is_user_model(config.workload):
         raise QsyncInputError("--pipeline-stages: pipelines run the registry workloads "
                               "(qsync-opt models), not a model file")
@@ -107,8 +122,6 @@ def _workload(config: TrainConfig) -> Any:
 
 def _stage_model(config: TrainConfig, setup: Any, rank: int) -> nn.Module:
     """The whole model, seeded as on every rank, under ``rank``'s group's plan."""
-    from qsync_opt.runtime.apply import apply_plan
-
     torch.manual_seed(config.seed)
     model = setup.workload.build().float()
     apply_plan(model, setup.plan, config.rank_groups[rank], seed=config.seed * 1000 + rank)
@@ -169,8 +182,6 @@ def predicted_bytes(pipe: Pipeline, micro_sizes: list[int],
 
 
 def _aqsgd_line(pipe: Pipeline, n_samples: int | None) -> str | None:
-    from qsync_opt.strategy.codecs import aqsgd_bytes
-
     if n_samples is None or not any(isinstance(b.act_send, AQSGD)
                                     for b in pipe.boundaries.values()):
         return None
@@ -181,8 +192,6 @@ def _aqsgd_line(pipe: Pipeline, n_samples: int | None) -> str | None:
 
 
 def _precision_mix(stage: nn.Module) -> dict[str, int]:
-    from qsync_opt.ops.gemm import QMixin
-
     mix: dict[str, int] = {}
     for m in stage.modules():
         if isinstance(m, QMixin):
@@ -194,11 +203,6 @@ def _precision_mix(stage: nn.Module) -> dict[str, int]:
 def _scaled_loss(wl: Any, scale: float, out: Any, inputs: Any, targets: Tensor) -> Tensor:
     """The workload's loss times the loss scale (fp16 stages: gradients cross scaled)."""
     return wl.loss_of(out, inputs, targets) * scale
-
-
-def micro_sizes(batch: int, micro: int) -> list[int]:
-    """The sizes of the ``micro`` micro-batches a batch of ``batch`` samples splits into."""
-    return [int(t.numel()) for t in torch.tensor_split(torch.arange(batch), micro)]
 
 
 class NoOptimizer:
@@ -229,8 +233,6 @@ class NoOptimizer:
 
 def _optimizer(config: TrainConfig, stage: nn.Module) -> Any:
     """The stage's optimizer, or a :class:`NoOptimizer` for a stage without parameters."""
-    from qsync_opt.runtime.prepare import make_optimizer
-
     if not any(p.requires_grad for p in stage.parameters()):
         return NoOptimizer()
     return make_optimizer(config, stage)
@@ -238,8 +240,6 @@ def _optimizer(config: TrainConfig, stage: nn.Module) -> Any:
 
 def _rank_doc(step: int, stage: nn.Module, opt: Any, pipe: Pipeline,
               rank: int, scaler: Any, skipped: int, last_loss: float) -> dict[str, Any]:
-    from qsync_opt.runtime.checkpoint import FORMAT, qseeds
-
     codecs = {n: b.state_dict() for n, b in pipe.boundaries.items() if rank in (b.src, b.dst)}
     return {"format": FORMAT, "kind": "pipeline", "step": step, "stage": rank,
             "model": stage.state_dict(), "optimizer": opt.state_dict(), "codecs": codecs,
@@ -249,8 +249,6 @@ def _rank_doc(step: int, stage: nn.Module, opt: Any, pipe: Pipeline,
 
 def _load_rank_doc(doc: dict[str, Any], stage: nn.Module, opt: Any,
                    pipe: Pipeline, rank: int, scaler: Any) -> tuple[int, int, float]:
-    from qsync_opt.runtime.checkpoint import set_qseeds
-
     if doc.get("kind") != "pipeline" or doc.get("stage") != rank:
         raise QsyncInputError(f"checkpoint: rank {rank}'s file is not stage {rank} of a "
                               "pipeline run")
@@ -267,7 +265,7 @@ def _load_rank_doc(doc: dict[str, Any], stage: nn.Module, opt: Any,
 
 
 def _summary(config: TrainConfig, setup: Any, pipe: Pipeline, shares: list[dict[str, Any]],
-             data: _Data, *, steps: int, start: int, skipped: int, final_loss: float, evals: dict[str, Any],
+             data: PipelineBatches, *, steps: int, start: int, skipped: int, final_loss: float, evals: dict[str, Any],
              wall_s: float, n_samples: int | None, emulated: bool) -> dict[str, Any]:
     spec = config.pipeline
     assert spec is not None
@@ -321,14 +319,10 @@ def _eval_fields(losses: list[float], correct: list[float], n: int, classificati
 
 def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     """The whole pipeline in this process (``--emulate-dp`` with ``--pipeline-stages``)."""
-    from qsync_opt.pipeline.scale import pipeline_run_fields, start_pipeline_scale
-    from qsync_opt.runtime.metrics import MetricsWriter, StepProgress, clean, write_json
-    from qsync_opt.runtime.scaler import LossScaler
-
     spec = config.pipeline
     assert spec is not None
     wl = setup.workload
-    data = _Data(wl, config.seed, spec.batch, spec.feedback)
+    data = PipelineBatches(wl, config.seed, spec.batch, spec.feedback)
     S = spec.stages
     pipe = build_pipeline(config, setup, list(range(S)), data.n_samples)
     opts = [_optimizer(config, pipe.stages[k]) for k in range(S)]
@@ -401,9 +395,7 @@ def emulate_pipeline(config: TrainConfig, setup: Any) -> dict[str, Any]:
     return summary
 
 
-def _eval_local(config: TrainConfig, pipe: Pipeline, data: _Data, wl: Any) -> dict[str, Any]:
-    from qsync_opt.models import TASK_CLASSIFICATION
-
+def _eval_local(config: TrainConfig, pipe: Pipeline, data: PipelineBatches, wl: Any) -> dict[str, Any]:
     spec = config.pipeline
     assert spec is not None
     cls = wl.task == TASK_CLASSIFICATION
@@ -431,8 +423,6 @@ def _eval_local(config: TrainConfig, pipe: Pipeline, data: _Data, wl: Any) -> di
 
 def _resume(config: TrainConfig, pipe: Pipeline, opts: list[Any],
             scaler: Any, ranks: list[int]) -> tuple[int, int, float]:
-    from qsync_opt.runtime.checkpoint import load_checkpoint
-
     cs = latest_complete_set(config.out_dir) if config.resume else None
     if ranks[0] == 0:
         remove_stale(config.out_dir, cs, config.world_size)
@@ -449,8 +439,6 @@ def _resume(config: TrainConfig, pipe: Pipeline, opts: list[Any],
 def _save_local(config: TrainConfig, setup: Any, pipe: Pipeline,
                 opts: list[Any], scaler: Any, step: int, skipped: int,
                 last: float) -> None:
-    from qsync_opt.runtime.checkpoint import commit_set, write_rank_file
-
     folder = set_path(config.out_dir, step)
     for k in range(config.world_size):
         write_rank_file(folder, k, _rank_doc(step, pipe.stages[k], opts[k], pipe, k, scaler,
@@ -461,106 +449,154 @@ def _save_local(config: TrainConfig, setup: Any, pipe: Pipeline,
 # ----------------------------------------------------------------------------- one rank each
 
 
+@dataclass
+class _RankRun:
+    """One rank's part of a distributed pipeline run, as its steps leave it."""
+
+    config: TrainConfig
+    setup: Any
+    rank: int
+    data: PipelineBatches
+    pipe: Pipeline
+    ds: DistStage
+    opt: Any
+    scaler: LossScaler
+    start: int = 0
+    skipped: int = 0
+    last: float = float("nan")
+    first: float | None = None
+    step: int = 0
+    probe: Any = None
+
+    @property
+    def last_rank(self) -> int:
+        spec = self.config.pipeline
+        assert spec is not None
+        return spec.stages - 1
+
+
 def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s part of the run (the process group is up, one rank per stage)."""
-    import torch.distributed as dist
+    run = _start_rank(config, setup, rank)
+    t0 = time.perf_counter()
+    _train_rank(run)
+    share = _rank_share(run)
+    return _finish_rank(run, share, t0)
 
-    from qsync_opt.pipeline.dist import DistStage
-    from qsync_opt.pipeline.scale import pipeline_run_fields, start_pipeline_scale
-    from qsync_opt.runtime.checkpoint import commit_set, write_rank_file
-    from qsync_opt.runtime.metrics import MetricsWriter, StepProgress, clean, write_json
-    from qsync_opt.runtime.scaler import LossScaler
 
+def _start_rank(config: TrainConfig, setup: Any, rank: int) -> _RankRun:
+    """The rank's stage, optimizer and loss scale, resumed from the agreed set, and the
+    starting loss scale probed."""
     spec = config.pipeline
     assert spec is not None
     wl = setup.workload
-    S = spec.stages
-    last_rank = S - 1
-    data = _Data(wl, config.seed, spec.batch, spec.feedback)
+    data = PipelineBatches(wl, config.seed, spec.batch, spec.feedback)
     pipe = build_pipeline(config, setup, [rank], data.n_samples)
     ds = DistStage(pipe, rank)
-    opt = _optimizer(config, ds.stage)
-    scaler = LossScaler(setup.init_scale)
-    out = Path(config.out_dir)
+    run = _RankRun(config, setup, rank, data, pipe, ds, _optimizer(config, ds.stage),
+                   LossScaler(setup.init_scale))
     cs = latest_complete_set(config.out_dir) if config.resume else None
     dist.barrier()  # every rank has seen the sets before rank 0 removes the stale ones
-    start, skipped, last = _resume(config, pipe, [opt], scaler, [rank])
-    if cs is None and start:
+    run.start, run.skipped, run.last = _resume(config, pipe, [run.opt], run.scaler, [rank])
+    if cs is None and run.start:
         raise QsyncInputError("checkpoint: the ranks disagree on the set to resume")
     x0, y0, i0 = data.batch(0)
-    probe = start_pipeline_scale(
-        scaler, fresh=start == 0, loss_scale=config.loss_scale, pipe=pipe, stages=[ds.stage],
+    run.probe = start_pipeline_scale(
+        run.scaler, fresh=run.start == 0, loss_scale=config.loss_scale, pipe=pipe,
+        stages=[ds.stage],
         step_at=lambda sc: ds.train_step(functools.partial(_scaled_loss, wl, sc), x0, y0,
                                          micro_batches=spec.micro_batches, idx=i0) / sc,
-        loss_here=rank == last_rank, total_bad=_all_sum, counters=ds)
-    first: float | None = None
-    sched = config.schedule()
-    t0 = time.perf_counter()
-    mw = MetricsWriter(out / f"metrics.rank{rank}.jsonl", start)
-    bar = StepProgress(config.steps, config.progress_every_s, start=start, report=rank == 0)
+        loss_here=rank == run.last_rank, total_bad=_all_sum, counters=ds)
+    run.step = run.start
+    return run
 
-    def save(step: int) -> None:
-        folder = set_path(config.out_dir, step)  # made by write_rank_file, never followed
-        write_rank_file(folder, rank, _rank_doc(step, ds.stage, opt, pipe, rank, scaler,
-                                                skipped, last))
-        dist.barrier()
-        if rank == 0:
-            commit_set(out, folder, step, config.world_size, setup.run, link=False)
-        dist.barrier()
 
-    step = start
+def _save_rank(run: _RankRun, step: int) -> None:
+    """Every rank writes its file of the set; rank 0 commits it once all have."""
+    config = run.config
+    folder = set_path(config.out_dir, step)  # made by write_rank_file, never followed
+    write_rank_file(folder, run.rank, _rank_doc(step, run.ds.stage, run.opt, run.pipe,
+                                                run.rank, run.scaler, run.skipped, run.last))
+    dist.barrier()
+    if run.rank == 0:
+        commit_set(Path(config.out_dir), folder, step, config.world_size, run.setup.run,
+                   link=False)
+    dist.barrier()
+
+
+def _train_rank(run: _RankRun) -> None:
+    """The steps from the resumed one to ``config.steps``, a metrics row each, checkpoints
+    on the way and at the end."""
+    config = run.config
+    mw = MetricsWriter(Path(config.out_dir) / f"metrics.rank{run.rank}.jsonl", run.start)
+    bar = StepProgress(config.steps, config.progress_every_s, start=run.start,
+                       report=run.rank == 0)
     try:
-        while step < config.steps:
-            x, y, idx = data.batch(step)
-            opt.zero_grad(set_to_none=True)
-            for g in opt.param_groups:
-                g["lr"] = sched.lr_at(step)
-            sent0 = _sent(pipe, rank)
-            t = time.perf_counter()
-            scale = scaler.scale
-            loss = ds.train_step(functools.partial(_scaled_loss, wl, scale), x, y,
-                                 micro_batches=spec.micro_batches, idx=idx) / scale
-            scaler.unscale_(ds.stage)
-            bad = torch.tensor([scaler.nonfinite([ds.stage],
-                                                 [loss] if rank == last_rank else [])],
-                               dtype=torch.int64)
-            lv = torch.tensor([loss if rank == last_rank else 0.0], dtype=torch.float64)
-            dist.all_reduce(bad)
-            dist.all_reduce(lv)  # every rank learns the loss (for its checkpoint and rows)
-            loss = float(lv)
-            if int(bad) == 0:
-                opt.step()
-            else:
-                skipped += 1
-            scaler.update(bool(int(bad)))
-            step += 1
-            last = loss
-            first = loss if first is None else first
-            sent1 = _sent(pipe, rank)
-            mw.write({"step": step - 1, "rank": rank, "stage": rank,
-                      "group": config.rank_groups[rank], "loss": loss,
-                      "lr": sched.lr_at(step - 1),
-                      "step_ms": round((time.perf_counter() - t) * 1000, 3),
-                      "act_bytes_sent": sent1[0] - sent0[0],
-                      "grad_bytes_sent": sent1[1] - sent0[1],
-                      "skipped": bool(int(bad)), "loss_scale": scale})
-            bar.update(step, loss)
-            if (config.checkpoint_every and step % config.checkpoint_every == 0
-                    and step < config.steps):
-                save(step)
-        if step > start or start == 0:
-            save(step)
+        while run.step < config.steps:
+            mw.write(_rank_step(run))
+            bar.update(run.step, run.last)
+            if (config.checkpoint_every and run.step % config.checkpoint_every == 0
+                    and run.step < config.steps):
+                _save_rank(run, run.step)
+        if run.step > run.start or run.start == 0:
+            _save_rank(run, run.step)
     finally:
         mw.close()
-    # held-out batches, plain and with compressed activations
-    from qsync_opt.models import TASK_CLASSIFICATION
 
+
+def _rank_step(run: _RankRun) -> dict[str, Any]:
+    """One training step on this rank: the ranks agree on skipping it (a non-finite count
+    all-reduced) and every rank learns the loss. Returns the step's metrics row."""
+    config, rank, ds, opt, scaler = run.config, run.rank, run.ds, run.opt, run.scaler
+    spec = config.pipeline
+    assert spec is not None
+    sched = config.schedule()
+    step = run.step
+    x, y, idx = run.data.batch(step)
+    opt.zero_grad(set_to_none=True)
+    for g in opt.param_groups:
+        g["lr"] = sched.lr_at(step)
+    sent0 = _sent(run.pipe, rank)
+    t = time.perf_counter()
+    scale = scaler.scale
+    loss = ds.train_step(functools.partial(_scaled_loss, run.setup.workload, scale), x, y,
+                         micro_batches=spec.micro_batches, idx=idx) / scale
+    scaler.unscale_(ds.stage)
+    last_rank = rank == run.last_rank
+    bad = torch.tensor([scaler.nonfinite([ds.stage], [loss] if last_rank else [])],
+                       dtype=torch.int64)
+    lv = torch.tensor([loss if last_rank else 0.0], dtype=torch.float64)
+    dist.all_reduce(bad)
+    dist.all_reduce(lv)  # every rank learns the loss (for its checkpoint and rows)
+    loss = float(lv)
+    if int(bad) == 0:
+        opt.step()
+    else:
+        run.skipped += 1
+    scaler.update(bool(int(bad)))
+    run.step = step + 1
+    run.last = loss
+    run.first = loss if run.first is None else run.first
+    sent1 = _sent(run.pipe, rank)
+    return {"step": step, "rank": rank, "stage": rank,
+            "group": config.rank_groups[rank], "loss": loss,
+            "lr": sched.lr_at(step),
+            "step_ms": round((time.perf_counter() - t) * 1000, 3),
+            "act_bytes_sent": sent1[0] - sent0[0],
+            "grad_bytes_sent": sent1[1] - sent0[1],
+            "skipped": bool(int(bad)), "loss_scale": scale}
+
+
+def _rank_share(run: _RankRun) -> dict[str, Any]:
+    """This rank's share of the summary: its stage, its boundaries' byte counters and
+    shapes, and the held-out losses, plain and with compressed activations."""
+    wl, ds, pipe, rank = run.setup.workload, run.ds, run.pipe, run.rank
     cls = wl.task == TASK_CLASSIFICATION
     plain: list[float] = []
     comp: list[float] = []
     correct: list[float] = []
     n = 0
-    for xb, yb in data.eval_batches(config.eval_batches):
+    for xb, yb in run.data.eval_batches(run.config.eval_batches):
         k = int(yb.shape[0])
         lp, outp = ds.evaluate(wl.loss_of, xb, yb, compress=False)
         lc, _ = ds.evaluate(wl.loss_of, xb, yb, compress=True)
@@ -569,7 +605,7 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
         if cls and outp is not None:
             correct.append(float((outp.argmax(-1) == yb).sum()))
         n += k
-    mine = {"rank": rank, "mix": _precision_mix(ds.stage),
+    return {"rank": rank, "mix": _precision_mix(ds.stage),
             "params": sum(p.numel() for p in ds.stage.parameters()),
             "header_bytes": ds.header_bytes,
             "boundaries": {nm: (b.act_bytes, b.grad_bytes, b.act_raw, b.grad_raw)
@@ -577,19 +613,29 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
             "shapes": {nm: b.last_shape for nm, b in pipe.boundaries.items()
                        if b.last_shape is not None and rank in (b.src, b.dst)},
             "evals": (plain, comp, correct, n)}
+
+
+def _finish_rank(run: _RankRun, mine: dict[str, Any], t0: float) -> dict[str, Any]:
+    """Every rank's share gathered; the summary written (``summary.rank{k}.json``, and
+    ``summary.json`` by rank 0) and returned."""
+    config, rank, pipe = run.config, run.rank, run.pipe
     shares = all_gather_json(mine)  # JSON: the tuples come back as lists
     for sh in shares:  # every rank learns every boundary's shape (for the formula)
         for nm, shape in sh["shapes"].items():
             pipe.boundaries[nm].last_shape = tuple(shape)
-    plain, comp, correct, n = shares[last_rank]["evals"]
+    plain, comp, correct, n = shares[run.last_rank]["evals"]
+    cls = run.setup.workload.task == TASK_CLASSIFICATION
     evals = _eval_fields(plain, correct, n, cls, comp)
-    summary = clean(_summary(config, setup, pipe, shares, data, steps=step, start=start,
-                             skipped=skipped, final_loss=last, evals=evals,
-                             wall_s=time.perf_counter() - t0, n_samples=data.n_samples,
-                             emulated=False) | pipeline_run_fields(
-        scaler, probe, steps=step, skipped=skipped, first_loss=first, final_loss=last,
-        eval_loss=evals.get("eval_loss")))
+    summary = clean(_summary(config, run.setup, pipe, shares, run.data, steps=run.step,
+                             start=run.start, skipped=run.skipped, final_loss=run.last,
+                             evals=evals, wall_s=time.perf_counter() - t0,
+                             n_samples=run.data.n_samples, emulated=False)
+                    | pipeline_run_fields(run.scaler, run.probe, steps=run.step,
+                                          skipped=run.skipped, first_loss=run.first,
+                                          final_loss=run.last,
+                                          eval_loss=evals.get("eval_loss")))
     summary["rank"] = rank
+    out = Path(config.out_dir)
     write_json(out / f"summary.rank{rank}.json", summary)
     if rank == 0:
         write_json(out / "summary.json", summary)
@@ -599,8 +645,6 @@ def run_pipeline(config: TrainConfig, setup: Any, rank: int) -> dict[str, Any]:
 
 def _all_sum(n: int) -> int:
     """``n`` summed over the ranks (every rank calls it)."""
-    import torch.distributed as dist
-
     t = torch.tensor([n], dtype=torch.int64)
     dist.all_reduce(t)
     return int(t)
@@ -611,74 +655,3 @@ def _sent(pipe: Pipeline, rank: int) -> tuple[int, int]:
     a = sum(b.act_bytes for b in pipe.boundaries.values() if b.src == rank)
     g = sum(b.grad_bytes for b in pipe.boundaries.values() if b.dst == rank)
     return a, g
-
-
-# ----------------------------------------------------------------------------- launcher side
-
-
-def pipeline_spec(args: Any, plan: Any, ranks: list[str], lines: list[str] | None = None
-                  ) -> Any:
-    """``qsync-opt train --pipeline-stages N``'s :class:`~.config.PipelineSpec`: the batch
-    (``--batch``, else the plan's per-device batch when the stages' groups agree on it) and
-    the cuts (``--cuts``, checked against the traced model; else balanced on each stage's
-    estimated per-op ms: its group's device at its plan's precisions), so the config records
-    the exact split every rank makes."""
-    from pydantic import ValidationError
-
-    from qsync_opt.core.errors import describe_validation_error
-    from qsync_opt.costs.roofline import estimate
-    from qsync_opt.graph import trace
-    from qsync_opt.models import UnknownWorkloadError, get_workload
-    from qsync_opt.pipeline.stages import plan_op_costs
-    from qsync_opt.runtime.config import PipelineSpec, rank_groups_example
-
-    n = int(args.pipeline_stages)
-    if len(ranks) != n:
-        raise QsyncInputError(f"--pipeline-stages {n}: one rank per stage, but the ranks are "
-                              f"{len(ranks)} ({', '.join(ranks)}); pass --rank-groups with {n} "
-                              "ranks (e.g. " + rank_groups_example(ranks, n) + ")")
-    try:
-        wl = get_workload(args.model)
-    except UnknownWorkloadError as exc:
-        raise QsyncInputError(f"--model: {exc}") from None
-    batches = sorted({plan.groups[g].batch_per_device for g in ranks})
-    if args.batch is not None:
-        batch = int(args.batch)
-    elif len(batches) == 1:
-        batch = batches[0]
-    else:
-        raise QsyncInputError(f"--batch: the stages' plan groups have batches "
-                              f"{', '.join(map(str, batches))}; every stage of a pipeline "
-                              "processes the same batch: pass --batch")
-    if args.feedback == "aqsgd":
-        _Data(wl, 0, batch, "aqsgd")  # the workload has indexed samples, and enough of them
-    torch.manual_seed(0)
-    model = wl.build().float()
-    example = wl.make_inputs(batch, torch.device("cpu"))  # shapes only (meta tensors)
-    if args.cuts:
-        cuts = [c.strip() for c in str(args.cuts).split(",") if c.strip()]
-        if len(cuts) != n - 1:
-            raise QsyncInputError(f"--cuts: {n} stages need {n - 1} cuts, got {len(cuts)}")
-        try:
-            split = split_stages(model, cuts=cuts, example_inputs=example)
-            split_top(split)  # every stage can be built (no copy of the weights)
-        except QsyncInputError as exc:
-            raise QsyncInputError(f"--cuts: {str(exc).partition(': ')[2]}") from None
-        how = "as given"
-    else:
-        graph = trace(args.model, plan.groups[ranks[0]].batch_per_device)
-        table = estimate(graph, plan.cluster)
-        costs = [plan_op_costs(table, plan, g) for g in ranks]
-        split = split_stages(model, n_stages=n, costs=costs, example_inputs=example)
-        how = ("balanced on each stage's estimated ms (its group's device and plan): "
-               + ", ".join(f"{c:.3f}" for c in split.costs))
-    try:
-        spec = PipelineSpec(stages=n, cuts=list(split.cuts),
-                            micro_batches=args.micro_batches, batch=batch,
-                            compress_act=args.compress_act, compress_grad=args.compress_grad,
-                            feedback=args.feedback, compress_at_eval=args.compress_at_eval)
-    except ValidationError as exc:
-        raise QsyncInputError(describe_validation_error(exc, "train")) from None
-    if lines is not None:
-        lines.append(f"pipeline: {spec.describe()} (cuts {how})")
-    return spec

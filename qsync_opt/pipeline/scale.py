@@ -1,13 +1,13 @@
 """The pipeline's loss-scale start and run warnings: the data-parallel rule, reused.
 
-A pipeline run (:mod:`.pipetrain`, in one process or one process per stage) starts its fp16
-loss scale where a data-parallel run does (:mod:`.scaler`): a fresh run with fp16 and no
+A pipeline run (:mod:`qsync_opt.pipeline.run`, in one process or one process per stage) starts its fp16
+loss scale where a data-parallel run does (:mod:`qsync_opt.runtime.scaler`): a fresh run with fp16 and no
 ``--loss-scale`` runs step 0's batch forward and backward through the whole pipeline at each
-of :data:`~.scaler.PROBE_SCALES`, largest first (:func:`~.scaler.probe_scale`), and starts at
+of :data:`~qsync_opt.runtime.scaler.PROBE_SCALES`, largest first (:func:`~qsync_opt.runtime.scaler.probe_scale`), and starts at
 the first where the loss and every stage's gradients are finite; across processes each stage
 checks its own gradients (the last stage the loss too) and the ranks all-reduce the count, so
 they agree on the scale. The probe leaves no trace (:func:`untouched`). The summary gets the
-same ``warnings`` as a data-parallel run's (:func:`~.metrics.run_warnings`), printed first on
+same ``warnings`` as a data-parallel run's (:func:`~qsync_opt.runtime.metrics.run_warnings`), printed first on
 its line, with ``loss_scale``, ``first_loss`` and ``scale_probe``.
 """
 
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qsync_opt.pipeline.stages import Pipeline
+from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
 from qsync_opt.runtime.metrics import run_warnings
 from qsync_opt.runtime.scaler import LossScaler, probe_scale
 
@@ -35,8 +36,6 @@ def untouched(pipe: Pipeline, stages: Sequence[nn.Module], counters: Any = None
     of ``stages`` (cleared before and after), their buffers, stochastic-rounding seeds and
     functional-dispatch seeds, the torch RNG, every boundary's codec state (feedback buffers,
     RNGs, byte counters) and last shape, and ``counters.header_bytes`` when given."""
-    from qsync_opt.runtime.checkpoint import qseeds, set_qseeds
-
     rng = torch.get_rng_state()
     codecs = copy.deepcopy(pipe.codec_state())
     shapes = {n: b.last_shape for n, b in pipe.boundaries.items()}

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.fx.passes.split_module import split_module
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.pipeline.cuts import (
@@ -46,8 +47,9 @@ from qsync_opt.pipeline.cuts import (
 )
 from qsync_opt.strategy.codecs import Codec, Compressor, Identity, make_codec
 
-__all__ = ["BALANCE_SLACK", "Boundary", "Pipeline", "StageSplit", "op_costs_from_table",
-           "plan_op_costs", "split_stages", "split_top", "stage_costs", "trace_model"]
+__all__ = ["BALANCE_SLACK", "Boundary", "Pipeline", "StageSplit", "micro_sizes",
+           "op_costs_from_table", "plan_op_costs", "split_stages", "split_top", "stage_costs",
+           "trace_model"]
 
 
 class _BoundaryFn(torch.autograd.Function):
@@ -135,8 +137,6 @@ def split_top(split: StageSplit) -> tuple[fx.GraphModule, dict[str, str], dict[s
     with the checks that the stages can be built: every stage holds an op, and no parameter
     is read outside every stage. :class:`Pipeline` builds on it; the launcher calls it
     alone to refuse a cut before any rank starts."""
-    from torch.fx.passes.split_module import split_module
-
     gm = split.gm
     qualnames: dict[str, str] = {}
     top = split_module(gm, gm, lambda n: split.stage_of[n.name], qualname_map=qualnames,
@@ -333,3 +333,9 @@ class Pipeline(nn.Module):
         """Activation and gradient bytes sent so far, over every boundary."""
         return (sum(b.act_bytes for b in self.boundaries.values()),
                 sum(b.grad_bytes for b in self.boundaries.values()))
+
+
+def micro_sizes(batch: int, micro: int) -> list[int]:
+    """The sizes of the ``micro`` micro-batches a batch of ``batch`` samples splits into
+    (as :meth:`Pipeline.train_step` splits it)."""
+    return [int(t.numel()) for t in torch.tensor_split(torch.arange(batch), micro)]

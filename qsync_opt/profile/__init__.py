@@ -26,7 +26,7 @@ keys, and replaces what it can measure:
 The package, by job: :mod:`.orchestrate` (the profiler run: :func:`profile_detailed`),
 :mod:`.timing` (the clock and the measurements), :mod:`.builders` (ops rebuilt on random
 inputs), :mod:`.gloo` (the local gloo harness: :func:`spawn_local`,
-:func:`measure_comm_local`), :mod:`.tables` (the CostTable algebra: :func:`fit_cast`,
+:func:`measure_comm_local`), :mod:`qsync_opt.costs.tables` (the CostTable algebra: :func:`fit_cast`,
 :func:`with_comm`, :func:`derive`, :func:`merge`; it needs no torch, and importing this
 package imports torch only when a name that needs it is first used). The command
 ``qsync-opt profile`` is :mod:`qsync_opt.cli.profile`; the in-context method's runs are

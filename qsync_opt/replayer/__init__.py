@@ -30,7 +30,7 @@ group of the cluster (all devices of a group run the same plan, so one represent
 The rules of the first three points and of memory are :mod:`qsync_opt.costs.rules` (the problem
 compiler and the diagnosis read the same ones); this package is the event loop around them:
 
-* :mod:`.sync`: the sync models (:class:`SyncModel`, :class:`AllReduceSync`, and
+* :mod:`qsync_opt.replayer.syncmodel`: the sync models (:class:`SyncModel`, :class:`AllReduceSync`, and
   :class:`PeriodicSync` for Local SGD / QSR, communication paid once per round);
 * :mod:`.timeline`: what an iteration reports (:class:`Timeline`, :class:`GroupTimeline`,
   :class:`Event`, the chrome trace);

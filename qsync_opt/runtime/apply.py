@@ -22,6 +22,7 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import ModelGraph, Plan
 from qsync_opt.ops.layers import apply_precisions, classify_ops, swappable_kind
+from qsync_opt.problem.plan import check_plan
 
 
 @dataclass
@@ -60,8 +61,6 @@ def apply_plan(model: nn.Module, plan: Plan, group: str, *, graph: ModelGraph | 
         raise QsyncInputError(f"group: the plan has no group {group!r}; its groups: "
                               f"{', '.join(plan.groups)}")
     if graph is not None:  # the one plan check of every reader (hash, ops, pins, menus)
-        from qsync_opt.problem.plan import check_plan
-
         check_plan(plan, graph)
     wanted = plan.groups[group].precisions
     how = classify_ops(model, wanted)

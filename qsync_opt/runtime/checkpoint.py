@@ -20,6 +20,9 @@ the newest set's ``rank0.pt`` (:func:`link_latest`).
 from __future__ import annotations
 
 import os
+import pickle
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,8 @@ import torch
 from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError, one_line
+from qsync_opt.documents.io import atomic_write
+from qsync_opt.documents.outfolder import replace_link, write, write_text
 from qsync_opt.ops.gemm import QMixin
 from qsync_opt.runtime.config import (
     CKPT_DIR,
@@ -78,8 +83,6 @@ def replica_entry(doc: dict[str, Any], rank: int) -> dict[str, Any] | None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    from qsync_opt.documents.io import atomic_write
-
     atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
@@ -91,8 +94,6 @@ def _out_of(folder: Path) -> Path:
 def write_rank_file(folder: Path, rank: int, doc: dict[str, Any]) -> Path:
     """Write rank ``rank``'s file of the set in ``folder`` (``OUT/ckpt/step-N``, created)
     atomically, never through a link inside ``OUT`` (qsync_opt.documents.outfolder); its path."""
-    from qsync_opt.documents.outfolder import write
-
     path = rank_file(folder, rank)
     out = _out_of(folder)
     write(out, Path(CKPT_DIR, folder.name, path.name), lambda fh: torch.save(doc, fh))
@@ -103,8 +104,6 @@ def commit_set(out: Path, folder: Path, step: int, world_size: int, run: dict[st
                link: bool) -> None:
     """Rank 0, once every rank's file is on disk: the commit marker, then every older set
     goes; ``link``: ``out/checkpoint.pt`` points at the set's ``rank0.pt``."""
-    from qsync_opt.documents.outfolder import write_text
-
     write_text(out, Path(CKPT_DIR, folder.name, COMMIT_NAME),
                commit_document(step, world_size, run))
     remove_other_sets(out, folder)
@@ -166,10 +165,6 @@ def load_checkpoint(path: str | os.PathLike[str], kind: str | None = None,
     file this runtime wrote (a pickle of other objects, a truncated, empty or foreign file,
     other contents) raises :class:`CheckpointError`, one line naming the file and what was
     wrong."""
-    import pickle
-    import re
-    import warnings
-
     def refuse(why: str) -> CheckpointError:
         return CheckpointError(one_line(f"checkpoint {os.fspath(path)}: {why}; not a "
                                         "checkpoint qsync-opt wrote (--no-resume starts "
@@ -230,8 +225,6 @@ def link_latest(out: Path, target: Path) -> None:
     """``out/checkpoint.pt`` -> the newest set's rank0.pt (readers of the old layout): the
     one link the runtime makes in ``out``; a link there is replaced (never followed), a
     regular file (an old run's checkpoint) left alone."""
-    from qsync_opt.documents.outfolder import replace_link
-
     try:
         replace_link(out, LEGACY_NAME, os.path.relpath(target, out))
     except OSError:

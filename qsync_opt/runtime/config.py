@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -26,8 +27,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import MAX_EVAL_BATCHES, MAX_STEPS
 from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.documents.outfolder import (
+    check_folder,
+    check_names,
+    ensure_folder,
+    list_names,
+    read_bytes,
+    remove,
+)
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
-from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX
+from qsync_opt.strategy.codecs import parse_compressor
+from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
+from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
 if TYPE_CHECKING:
     from qsync_opt.documents.schemas import Plan
@@ -130,8 +141,6 @@ class PipelineSpec(BaseModel):
         if self.micro_batches > self.batch:
             raise ValueError(f"--micro-batches must be at most the batch ({self.batch}), "
                              f"got {self.micro_batches}")
-        from qsync_opt.strategy.codecs import parse_compressor
-
         for flag, text in (("--compress-act", self.compress_act),
                            ("--compress-grad", self.compress_grad)):
             try:
@@ -260,9 +269,6 @@ class TrainConfig(Document):
     def _check(self) -> TrainConfig:
         if not self.rank_groups:
             raise ValueError("rank_groups must name at least one rank's group")
-        from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
-        from qsync_opt.strategy.schedule import parse_schedule
-
         for name, fn in (("sync", parse_sync), ("comm", parse_comm)):
             try:
                 fn(getattr(self, name))
@@ -316,20 +322,14 @@ class TrainConfig(Document):
 
     def schedule(self) -> Any:
         """The run's :class:`~qsync_opt.strategy.schedule.LRSchedule`."""
-        from qsync_opt.strategy.schedule import parse_schedule
-
         return parse_schedule(self.lr_schedule, self.lr, self.steps)
 
     def sync_mode(self) -> Any:
         """The run's :class:`~qsync_opt.strategy.modes.SyncMode`."""
-        from qsync_opt.strategy.modes import parse_sync
-
         return parse_sync(self.sync)
 
     def comm_mode(self) -> Any:
         """The run's :class:`~qsync_opt.strategy.modes.CommMode`."""
-        from qsync_opt.strategy.modes import parse_comm
-
         return parse_comm(self.comm)
 
 
@@ -455,10 +455,6 @@ def step_folders(out_dir: str | Path) -> list[tuple[int, Path]]:
     """Every ``step-N`` folder under ``OUT/ckpt``, complete or not, by step. Read without
     following a link: a linked ``ckpt`` (or a link where a file or folder should be) is
     refused (qsync_opt.documents.outfolder); a linked ``step-N`` is not a set."""
-    import stat
-
-    from qsync_opt.documents.outfolder import list_names
-
     found = []
     for name, st in list_names(out_dir, CKPT_DIR):
         m = _STEP_DIR.fullmatch(name)
@@ -470,10 +466,6 @@ def step_folders(out_dir: str | Path) -> list[tuple[int, Path]]:
 def read_commit(folder: Path, step: int) -> CheckpointSet | None:
     """The set in ``folder`` (``OUT/ckpt/step-N``) when it is complete (marker valid, every
     rank's file there, a regular file; links are never followed)."""
-    import stat
-
-    from qsync_opt.documents.outfolder import list_names, read_bytes
-
     out = folder.parent.parent
     rel = Path(CKPT_DIR, folder.name)
     try:
@@ -509,10 +501,6 @@ def commit_document(step: int, world_size: int, run: dict[str, Any]) -> str:
 
 def legacy_checkpoints(out_dir: str | Path) -> list[Path]:
     """Checkpoints of the one-file-per-rank layout of earlier versions (not resumable)."""
-    import stat
-
-    from qsync_opt.documents.outfolder import list_names
-
     out = Path(out_dir)
     names = {n for n, st in list_names(out) if stat.S_ISREG(st.st_mode)}
     found = [out / n for n in [LEGACY_NAME, *sorted(n for n in names if
@@ -572,8 +560,6 @@ def check_out_folder(out_dir: str | Path, create: bool = False) -> Path:
     writes, reads or deletes in it (its files, ``ckpt`` and everything below) must hold no
     link and nothing but regular files and folders. Refused in one line naming the path
     (qsync_opt.documents.outfolder)."""
-    from qsync_opt.documents.outfolder import check_folder, check_names, ensure_folder, list_names
-
     out = (ensure_folder if create else check_folder)(out_dir, "--out")
     check_names(out, files=[n for n, _ in list_names(out) if RUN_FILES.fullmatch(n)],
                 folders=[CKPT_DIR])
@@ -590,10 +576,6 @@ def remove_stale(out_dir: str | Path, keep: CheckpointSet | None,
     so nothing of the older run is read as this one's, and its ``checkpoint.pt`` link.
     Nothing is followed: a link where a folder or file is deleted is refused
     (qsync_opt.documents.outfolder)."""
-    import stat
-
-    from qsync_opt.documents.outfolder import list_names, remove
-
     out = Path(out_dir)
     for _, folder in step_folders(out):
         if keep is None or folder != keep.path:
@@ -627,8 +609,6 @@ def remove_other_sets(out_dir: str | Path, keep: Path) -> None:
     """After a commit: every *older* set than the one just committed. A newer folder is left
     alone: a rank that is not in lock-step with rank 0 (Local SGD runs no collective between
     syncs) may already be writing its file of the next set while rank 0 commits this one."""
-    from qsync_opt.documents.outfolder import remove
-
     m = _STEP_DIR.fullmatch(keep.name)
     keep_step = int(m[1]) if m else None
     for step, folder in step_folders(out_dir):

@@ -16,6 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.models import image_split
+from qsync_opt.models.tiny_gpt import encode, sample_batch, stdlib_corpus, train_val_split
+from qsync_opt.models.user import EVAL_SEED_OFFSET, map_tensors, named_inputs, slice_batch
+
 __all__ = ["GlobalBatches", "IndexedBatches", "as_inputs", "batch_size_of", "rank_slice", "take", "to_device"]
 
 
@@ -34,8 +39,6 @@ class GlobalBatches:
         self.wl, self.seed, self.B = workload, seed, global_batch
         self.kind = "synthetic"
         self._stream: tuple[int, Iterator[Any]] | None = None
-        from qsync_opt.models import image_split
-
         if getattr(workload, "user_data", None) is not None:
             self.kind = "user"
         elif (split := image_split(workload.name)) is not None:
@@ -44,8 +47,6 @@ class GlobalBatches:
             self.test: Any = ((xte,), yte, int(yte.shape[0]))
             self.kind = "digits"
         elif workload.name == "tiny_gpt":
-            from qsync_opt.models.tiny_gpt import encode, stdlib_corpus, train_val_split
-
             self.train, self.test = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
             self.seq = workload.seq_len or 128
             self.kind = "text"
@@ -61,8 +62,6 @@ class GlobalBatches:
 
     def _draw(self, pool: Any, gen: torch.Generator, b: int) -> tuple[Any, Tensor | None]:
         if self.kind == "text":
-            from qsync_opt.models.tiny_gpt import sample_batch
-
             xb, yb = sample_batch(pool, b, self.seq, gen)
             return (xb,), yb
         inputs, targets, n = pool
@@ -83,8 +82,6 @@ class GlobalBatches:
 
     def eval_batches(self, n: int) -> Iterator[tuple[Any, Tensor | None]]:
         if self.kind == "user":
-            from qsync_opt.models.user import EVAL_SEED_OFFSET
-
             for b in self.wl.batches(self.B, n, self.seed + EVAL_SEED_OFFSET):
                 yield as_inputs(b), None
             return
@@ -102,15 +99,11 @@ def as_inputs(batch: Any) -> Any:
 
 def take(inputs: Any, idx: Tensor) -> Any:
     """Samples ``idx`` of every batched tensor (dicts and tuples kept)."""
-    from qsync_opt.models.user import map_tensors
-
     return map_tensors(lambda t: t[idx] if t.dim() > 0 else t, inputs)
 
 
 def batch_size_of(inputs: Any) -> int:
     """Samples in a batch's inputs (dim 0 of its first batched tensor)."""
-    from qsync_opt.models.user import named_inputs
-
     for _, t in named_inputs(inputs):
         if isinstance(t, Tensor) and t.dim() > 0:
             return int(t.shape[0])
@@ -118,16 +111,12 @@ def batch_size_of(inputs: Any) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    from qsync_opt.models.user import map_tensors
-
     return map_tensors(lambda t: t.to(device), batch)
 
 
 def rank_slice(batch: tuple[Any, Tensor | None], offset: int, b: int
                ) -> tuple[Any, Tensor | None]:
     """Rank's contiguous samples ``offset .. offset+b`` of a global batch."""
-    from qsync_opt.models.user import slice_batch
-
     inputs, targets = batch
     return (slice_batch(inputs, offset, b),
             targets[offset:offset + b] if targets is not None else None)
@@ -145,17 +134,12 @@ class IndexedBatches:
     """
 
     def __init__(self, workload: Any, seed: int, global_batch: int) -> None:
-        from qsync_opt.core.errors import QsyncInputError
-        from qsync_opt.models import image_split
-
         self.wl, self.seed, self.B = workload, seed, global_batch
         if (split := image_split(workload.name)) is not None:
             xtr, ytr, xte, yte = split
             self.train: tuple[Tensor, Tensor] = (xtr, ytr)
             self.test: tuple[Tensor, Tensor] = (xte, yte)
         elif workload.name == "tiny_gpt":
-            from qsync_opt.models.tiny_gpt import encode, stdlib_corpus, train_val_split
-
             tr, te = train_val_split(encode(stdlib_corpus(max_chars=400_000)))
             seq = workload.seq_len or 128
             self.train, self.test = self._windows(tr, seq), self._windows(te, seq)

@@ -8,7 +8,7 @@ save of a step's checkpoint after writing its own file, before the set is commit
 
 The torchrun ranks are separate processes, so their tests set environment variables
 (:data:`ENV`); :meth:`FaultPlan.from_env` reads them once, at the worker's entry
-(:mod:`.train`), never inside a step::
+(:mod:`qsync_opt.job.rank`), never inside a step::
 
     QSYNC_TEST_DIE_AT_STEP="RANK:STEP[,STEP...]"
     QSYNC_TEST_HANG_AT_STEP="RANK:STEP[,STEP...]"

@@ -72,6 +72,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._C._profiler import _EventType
+
+from qsync_opt.models import compute_loss, get_workload
+from qsync_opt.runtime.apply import apply_plan
 
 __all__ = ["MemoryTrace", "StepMemory", "count_tensor_bytes", "mark", "measure_plan_memory",
            "measure_step_memory", "track_memory"]
@@ -244,8 +248,6 @@ def _replay(results: Any, watch: dict[int, int]) -> MemoryTrace:
     """Running sum of the profile's CPU allocations and frees in time order, by pointer."""
     if results is None:
         raise RuntimeError("the profiler returned no results (was another profiler active?)")
-    from torch._C._profiler import _EventType
-
     events = _flatten(results.experimental_event_tree())
     order = sorted(range(len(events)), key=lambda k: (events[k].start_time_ns, k))
     tr = MemoryTrace()
@@ -419,9 +421,6 @@ def measure_plan_memory(workload: str, plan: Any, batch: int, *, group: str = "c
     ``optimizer``. Inputs and targets are counted in ``baseline["extra"]``.
     ``plan=None`` runs the model as built.
     """
-    from qsync_opt.models import compute_loss, get_workload
-    from qsync_opt.runtime.apply import apply_plan
-
     wl = get_workload(workload)
     torch.manual_seed(seed)
     model = wl.build().float().train()

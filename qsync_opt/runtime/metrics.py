@@ -21,6 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.progress import ProgressLog
+from qsync_opt.documents.outfolder import append_text, read_bytes, write_text
+
 __all__ = ["MetricsWriter", "StepProgress", "clean", "progress", "ranks_text",
            "run_warnings", "state_hash", "step_row", "sync_line", "sync_totals",
            "write_json"]
@@ -70,8 +74,6 @@ class MetricsWriter:
     def __init__(self, path: Path, start_step: int) -> None:
         # in the run's folder (path.parent): read, rewritten and appended to without ever
         # following a link there (qsync_opt.documents.outfolder)
-        from qsync_opt.documents.outfolder import append_text, read_bytes, write_text
-
         self.path = path
         old = read_bytes(path.parent, path.name)
         if old is not None:
@@ -141,8 +143,6 @@ class StepProgress:
 
     def __init__(self, total: int, every_s: float, *, start: int = 0, report: bool = True,
                  tty: bool | None = None) -> None:
-        from qsync_opt.core.progress import ProgressLog
-
         self.total = total
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.report = report
@@ -165,9 +165,6 @@ def sync_totals(path: Path) -> dict[str, Any] | None:
     ``comm_ms`` (the wall time inside them) and ``steps``. None without such rows."""
     rounds = steps = nbytes = 0
     ms = 0.0
-    from qsync_opt.core.errors import QsyncInputError
-    from qsync_opt.documents.outfolder import read_bytes
-
     try:
         data = read_bytes(path.parent, path.name)  # never through a link in the run's folder
         text = data.decode("utf-8", errors="replace") if data is not None else ""
@@ -203,8 +200,6 @@ def clean(x: Any) -> Any:
 def write_json(path: Path, obj: Any) -> None:
     """``obj`` as indented, key-sorted JSON, written atomically into the run's folder
     (``path.parent``), never through a link there."""
-    from qsync_opt.documents.outfolder import write_text
-
     write_text(path.parent, path.name, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 

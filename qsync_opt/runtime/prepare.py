@@ -19,7 +19,11 @@ from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
+from qsync_opt.costs.devices import get_device
+from qsync_opt.documents.io import load
 from qsync_opt.documents.schemas import Plan
+from qsync_opt.graph import is_user_model, load_user_workload
+from qsync_opt.models import UnknownWorkloadError, get_workload
 from qsync_opt.runtime.apply import apply_plan
 from qsync_opt.runtime.config import TrainConfig, check_batches, run_fingerprint
 
@@ -40,10 +44,6 @@ class Setup:
 
 def prepare(config: TrainConfig) -> Setup:
     """Validate the config against its plan and workload; QsyncInputError names the field."""
-    from qsync_opt.documents.io import load
-    from qsync_opt.graph import is_user_model, load_user_workload
-    from qsync_opt.models import UnknownWorkloadError, get_workload
-
     wl: Any
     if is_user_model(config.workload):
         # A user's model file: run only when it is the file the plan was made from.
@@ -82,8 +82,6 @@ def prepare(config: TrainConfig) -> Setup:
 def card_mismatch(setup: Setup, rank: int, card_name: str) -> str | None:
     """A warning when the GPU a rank found is not the card its plan group was made for
     (compared by the catalog's display name, e.g. 'NVIDIA T4 16 GB' against 'Tesla T4')."""
-    from qsync_opt.costs.devices import get_device
-
     group = setup.config.rank_groups[rank]
     spec = next((g for g in setup.plan.cluster.groups if g.name == group), None)
     if spec is None or spec.device.startswith("cpu"):

@@ -2,7 +2,7 @@
 "Root Cause" block, and the ranks' own one-line failures kept apart from torchrun's report.
 
 A rank that refuses its input (a ``data()`` batch of another shape, a loss without grad)
-prints one line, ``qsync-opt train: ...``, and exits 2 (:mod:`.train`); every rank may print
+prints one line, ``qsync-opt train: ...``, and exits 2 (:mod:`qsync_opt.job.rank`); every rank may print
 the same line, and torchrun then logs and raises its ``ChildFailedError`` (40-odd lines).
 The launcher holds those back (:func:`sort_line`) and raises the rank's refusal as the
 command's own :class:`~qsync_opt.core.errors.QsyncInputError`: one line on stderr, exit code 2,

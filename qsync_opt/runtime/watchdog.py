@@ -3,7 +3,7 @@
 Under ``qsync-opt train`` (``QSYNC_LAUNCHER_PID`` set) or torchrun (``TORCHELASTIC_RUN_ID``),
 :func:`watch_parents` starts a daemon thread that ends the rank within a second once the
 launcher or the rank's parent (torchrun) is gone, even when they were killed by SIGKILL. The
-launcher (:mod:`.launch`) and the worker's entry (:mod:`.train`) both use it; it imports
+launcher (:mod:`qsync_opt.job.launch`) and the worker's entry (:mod:`qsync_opt.job.rank`) both use it; it imports
 neither, so they form no import cycle.
 """
 

@@ -26,12 +26,12 @@ Chunks are dropped in that order while they fit the tensor's budget, stopping at
 that does not: the dropped fraction never exceeds ``p``, less than one chunk of the budget
 is left unused, and the order is strict (a fill that skipped a chunk too long for the rest of
 the budget and took later, shorter ones would over-drop short chunks). The same functions
-serve the DDP hook chain (:mod:`.commhooks`), the emulated data-parallel path
+serve the DDP hook chain (:mod:`qsync_opt.sync.hooks`), the emulated data-parallel path
 (:class:`~qsync_opt.sync.replicas.EmulatedSync`) and a drop decision handed in from outside
 (:func:`apply_drops` takes any mask, e.g. the network simulator's lost packets), so they
 cannot drift.
 
-Where the drops come from (``--comm dlcp``'s two modes, :mod:`.syncmode`): by default the
+Where the drops come from (``--comm dlcp``'s two modes, :mod:`qsync_opt.strategy.modes`): by default the
 packet simulator's losses for the run's cluster (``masks``: per simulated iteration, per
 rank, the chunks the network lost of that rank's messages), each tensor's cut to its bound
 by :func:`clip_to_bound`, step ``s`` taking iteration ``s mod len(masks)``; in the

@@ -37,7 +37,7 @@ Gradient transports (``--comm``, ``TrainConfig.comm``), composed into the one DD
     of each gradient tensor is dropped; a network that loses nothing drops nothing.
 ``dlcp:p=P,stress[,policy=priority|random|unbiased][,chunk_kib=64][,layer_bias=1]``
     The **stress** mode: a fraction ``P`` of each tensor dropped on every step, congested or
-    not, the chunks chosen by ``policy`` (:mod:`.dlcp`).
+    not, the chunks chosen by ``policy`` (:mod:`qsync_opt.strategy.droppolicy`).
 
 Both run before the FP32 all-reduce, in DDP's own buckets (the bound is per tensor, as DLCP
 bounds each message, so per bucket). They emulate the network's losses for their effect on

@@ -16,7 +16,7 @@ each optimizer step, so a schedule holds no state: a resumed run computes the sa
 and the schedule's text is part of the run's fingerprint (a resume under another schedule is
 refused like one under another ``--lr``). Every metrics row carries its step's ``lr``.
 
-The same function serves the QSR sync rule (:mod:`.syncmode`), which reads the learning rate
+The same function serves the QSR sync rule (:mod:`qsync_opt.strategy.modes`), which reads the learning rate
 at the start of each round.
 """
 

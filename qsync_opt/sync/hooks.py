@@ -4,7 +4,7 @@ DDP has a single comm-hook slot, so every transport is a stage of one chain, reg
 (:meth:`~qsync_opt.sync.replicas.DDPSync.wrap`): ``allreduce`` divides each FP32 bucket by the
 world and all-reduces it (torch's ``allreduce_hook``); ``fp16`` casts it to fp16 and divides
 there (torch's ``fp16_compress_hook``), all-reduces, and casts back into the bucket; ``dlcp`` first zero-fills the chunks
-:mod:`.dlcp` drops from the bucket's tensors (the simulated network's losses, or the
+:mod:`qsync_opt.strategy.droppolicy` drops from the bucket's tensors (the simulated network's losses, or the
 stress mode's policy) (DDP keeps its buckets, so
 communication still overlaps backward; the bound is per tensor, so per bucket too) and,
 for its ``unbiased`` policy, all-reduces the bucket's kept counts and rescales each chunk
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from qsync_opt.strategy.droppolicy import chunk_index, rescale
 
 __all__ = ["HookState", "chain_hook", "encode"]
 
@@ -66,8 +68,6 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         indices, grads = _in_model_order(state, bucket)
         counts = drops.stage(grads, state.step, state.rank, indices)
         if counts is not None:  # unbiased: the bucket's kept counts, the same order everywhere
-            from qsync_opt.strategy.droppolicy import chunk_index
-
             sel = chunk_index(drops.table, indices)
             mine = counts[sel]
             dist.all_reduce(mine)
@@ -84,8 +84,6 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
             buf.copy_(out)  # decompress into the bucket (torch's hook does the same)
             out = buf
         if counts is not None:
-            from qsync_opt.strategy.droppolicy import rescale
-
             rescale(grads, drops.table, counts, indices)
         meter.interval(t0, time.perf_counter(), nbytes)
         return out

@@ -1,6 +1,6 @@
 """How the replicas agree: the gradient-synchronisation seam of the trainer.
 
-The trainer (:mod:`.trainer`) calls a :class:`GradientSync` at fixed points of every step,
+The trainer (:mod:`qsync_opt.job.steps`) calls a :class:`GradientSync` at fixed points of every step,
 in this order::
 
     wrap(model)                          once per replica: the module used for forward
@@ -26,7 +26,7 @@ The next systems plug in as subclasses, without touching the trainer:
   ``state_dict(replica)``.
 
 Implementations: :class:`DDPSync` (torch DDP's bucketed all-reduce in backward, one comm
-hook: :mod:`.commhooks`), :class:`EmulatedSync` (one process holding every rank's replica),
+hook: :mod:`qsync_opt.sync.hooks`), :class:`EmulatedSync` (one process holding every rank's replica),
 :class:`LocalSGDSync` (Local SGD and QSR, both paths) and :class:`LocalSync` (world 1);
 :func:`make_sync` picks the one a config asks for.
 """
@@ -44,8 +44,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qsync_opt.sync.hooks import encode
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.graph import trace
+from qsync_opt.netsim.cluster import dlcp_masks, limit_message
+from qsync_opt.netsim.engine import NetsimLimit
+from qsync_opt.netsim.traffic import NetConfig
+from qsync_opt.strategy.droppolicy import ChunkTable, DropRecorder, rescale
+from qsync_opt.strategy.modes import round_length
+from qsync_opt.sync.hooks import HookState, chain_hook, encode
 
 __all__ = ["CommMeter", "DDPSync", "EmulatedSync", "GradientSync", "LocalSGDSync", "LocalSync",
            "ddp_bucket_bytes", "make_sync"]
@@ -213,8 +222,6 @@ class LocalSync(GradientSync):
 def ddp_bucket_bytes(model: nn.Module) -> int | None:
     """Bytes of DDP's flat gradient buckets when they are storage of their own (0 when the
     gradients are views into them, or without DDP; None when DDP does not say)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     if not isinstance(model, DDP):
         return 0
     try:
@@ -244,7 +251,7 @@ class DDPSync(GradientSync):
     """torch DDP: the gradient average happens in backward (bucketed all-reduce).
 
     One comm hook is registered (DDP has a single slot), built from the transport chain of
-    ``comm`` (:mod:`.syncmode`): ``allreduce`` divides each FP32 bucket by the world and
+    ``comm`` (:mod:`qsync_opt.strategy.modes`): ``allreduce`` divides each FP32 bucket by the world and
     all-reduces it (torch's ``allreduce_hook``), ``fp16`` casts it to fp16 first (torch's
     ``fp16_compress_hook``) and back after. Every bucket's launch-to-completion interval and
     payload go to :attr:`meter`."""
@@ -259,8 +266,6 @@ class DDPSync(GradientSync):
         self.hook_state: Any = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         ids = [self.device.index] if self.device.type == "cuda" else None
         # buffers are synchronised after each step by sync_buffers, not before each forward
         sig = inspect.signature(DDP.__init__).parameters
@@ -270,8 +275,6 @@ class DDPSync(GradientSync):
         if self.dlcp is not None:  # DDP's own buckets: the drop bound is per tensor
             self.drops, params = _drop_recorder(model, self.dlcp, self.seed, self.network)
         ddp = DDP(model, device_ids=ids, **kw)
-        from qsync_opt.sync.hooks import HookState, chain_hook
-
         self.hook_state = HookState(self.world, self.comm, self.meter, self.drops, params,
                                     dist.get_rank())
         ddp.register_comm_hook(self.hook_state, chain_hook)
@@ -302,8 +305,6 @@ class DDPSync(GradientSync):
     def sync_buffers(self, models: Sequence[nn.Module]) -> None:
         # One broadcast per dtype (a ResNet-18 has 60 BN buffers: 60 latency-bound
         # broadcasts a step would cost more than its gradient all-reduce on gloo).
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for buf in models[0].buffers():
             by_dtype.setdefault(buf.dtype, []).append(buf)
@@ -321,8 +322,6 @@ def _drop_recorder(model: nn.Module, mode: Any, seed: int,
     parameters (in the model's order, the order its chunks are numbered in); unless
     ``mode.stress``, with the drops the simulated network of ``network`` (the plan's
     cluster, the run's rank groups) loses (:func:`net_masks`)."""
-    from qsync_opt.strategy.droppolicy import ChunkTable, DropRecorder
-
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     numels = [p.numel() for _, p in named]
     masks = None
@@ -345,17 +344,10 @@ def net_masks(table: Any, mode: Any, seed: int, cluster: Any, rank_groups: Seque
     parameters' ``names``, each DDP bucket leaves at the replayed backward's time for it
     (the workload traced at the plan's batch); without, all at once. A run too large for
     the simulator's event cap is refused in one line."""
-    from qsync_opt.core.errors import QsyncInputError
-    from qsync_opt.netsim.cluster import dlcp_masks, limit_message
-    from qsync_opt.netsim.engine import NetsimLimit
-    from qsync_opt.netsim.traffic import NetConfig
-
     policy = "priority+bounded" if mode.policy == "priority" else "fifo+bounded"
     cfg = NetConfig(policy=policy, p=min(mode.p, 0.999), cell_bytes=table.chunk_elems * 4)
     graph = plan = None
     if setup is not None and names is not None:
-        from qsync_opt.graph import trace
-
         plan = setup.plan
         graph = trace(setup.workload, plan.provenance.get("graph_batch"), warn=False)
     try:
@@ -399,8 +391,6 @@ class EmulatedSync(GradientSync):
     def _reduce_dlcp(self, models: Sequence[nn.Module]) -> None:
         """Each replica zero-fills its dropped chunks (the DDP hook's stage 1), then the sum
         divided by the world, or for ``unbiased`` by each chunk's kept count."""
-        from qsync_opt.strategy.droppolicy import rescale
-
         t0 = time.perf_counter()
         if self.drops is None:
             self.drops, _ = _drop_recorder(models[0], self.dlcp, self.seed, self.network)
@@ -475,7 +465,7 @@ class EmulatedSync(GradientSync):
 
 
 class LocalSGDSync(GradientSync):
-    """Local SGD and QSR (:mod:`.syncmode`): every replica steps on its own gradient; after
+    """Local SGD and QSR (:mod:`qsync_opt.strategy.modes`): every replica steps on its own gradient; after
     the last step of each round the FP32 parameters, the floating BatchNorm statistics and
     (``average_optimizer_state``) the optimizer's floating state are averaged, weighted by
     each rank's share of the global batch, in one flat all-reduce (a weighted average, so
@@ -512,8 +502,6 @@ class LocalSGDSync(GradientSync):
 
     # -- the rounds
     def _enter(self, step: int) -> None:
-        from qsync_opt.strategy.modes import round_length
-
         if self.round_len == 0 and step == 0:  # the first round of a fresh run
             self.round_start, self.round_len = 0, round_length(self.mode, self.schedule, 0,
                                                                self.total_steps)

@@ -4,6 +4,7 @@ the cache folder is never trusted nor written through."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import textwrap
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import qsync_opt.models as models
+import torch
 from qsync_opt.models import BuiltinWorkload
 
 from qsync_opt.documents.io import to_json
@@ -73,7 +75,7 @@ def test_a_change_of_the_code_or_the_versions_misses(folder, traces, monkeypatch
     trace(MODEL, 16, cache=True)
     monkeypatch.setattr(graph_cache, "_package_version", lambda: "99.0")
     trace(MODEL, 16, cache=True)
-    monkeypatch.setattr(graph_cache.torch, "__version__", "0.0.1")
+    monkeypatch.setattr(graph_cache, "torch_version", lambda: "0.0.1")
     trace(MODEL, 16, cache=True)
     assert len(traces) == 4  # each a miss
     assert len(_files(folder)) == 3  # the first code's file deleted when the code changed
@@ -227,3 +229,16 @@ def test_a_cache_that_cannot_be_written_prints_nothing(
     gc.store(key, trace("digits_cnn", batch=8))
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+def test_the_key_names_torch_without_importing_it() -> None:
+    """The key holds torch's installed version (the same string as ``torch.__version__``),
+    and neither the cache nor the workload protocol (the code digest) imports torch at the
+    top, so that a cached graph can be found without importing torch."""
+    assert graph_cache.cache_key("digits_cnn", "0" * 64, 8, {})["torch"] == torch.__version__
+    for rel in ("qsync_opt/graph/cache.py", "models/workload.py"):
+        tree = ast.parse((Path(__file__).resolve().parents[2] / rel).read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m.split(".")[0] == "torch"], rel

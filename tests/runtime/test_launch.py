@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from qsync_opt.cli.train import add_train_parser, cmd_train
+from qsync_opt.cli.train import add_train_parser, cmd_train, train_request
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.job import launch
+from qsync_opt.pipeline.spec import PipelineRequest
 from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
 
@@ -282,3 +284,43 @@ def test_an_interval_beyond_steps_still_checkpoints_the_end(plans, tmp_path, cap
     latest = latest_checkpoint(out)
     assert latest is not None
     assert load_checkpoint(latest)["step"] == 2
+
+
+# ----------------------------------------------------------------------------- typed request
+
+
+def test_the_launcher_takes_plain_values_not_argparse(plans, tmp_path) -> None:
+    """The command line turns its flags into a frozen TrainRequest; the launcher builds the
+    same config from one made by hand (no argparse in between), and cannot change it."""
+    request = launch.TrainRequest(model="digits_cnn", plan=str(plans["hybrid"]),
+                                  out=str(tmp_path / "run"), steps=3)
+    config = launch.build_config(request)
+    assert config.lr == launch.DEFAULT_LR and config.rank_groups == ["cpu", "cpu_2"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.lr = 1.0  # type: ignore[misc]
+    assert train_request(_args("--model", "digits_cnn", "--plan", str(plans["hybrid"]),
+                               "--out", str(tmp_path / "run"), "--steps", "3")) == request
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("cuts", "conv2", "--cuts"), ("micro_batches", 2, "--micro-batches"),
+    ("compress_act", "topk:0.1", "--compress-act"), ("compress_grad", "quant:8", "--compress-grad"),
+    ("feedback", "ef", "--feedback"), ("compress_at_eval", True, "--compress-at-eval")])
+def test_every_pipeline_flag_without_stages_is_refused_by_name(field, value, flag) -> None:
+    request = launch.TrainRequest(model="digits_cnn",
+                                  pipeline=PipelineRequest(**{field: value}))
+    with pytest.raises(QsyncInputError, match=f"^{flag}: only with --pipeline-stages N"):
+        launch.resolve_defaults(request)
+
+
+@pytest.mark.parametrize("stages", [0, 1, 65, -3])
+def test_a_stage_count_out_of_range_is_refused(stages) -> None:
+    request = launch.TrainRequest(model="digits_cnn", pipeline=PipelineRequest(stages=stages))
+    with pytest.raises(QsyncInputError, match="^--pipeline-stages: expected 2 to 64"):
+        launch.resolve_defaults(request)
+
+
+def test_a_pipeline_defaults_to_one_rank_per_stage() -> None:
+    request = launch.TrainRequest(model="digits_cnn", pipeline=PipelineRequest(stages=3))
+    resolved = launch.resolve_defaults(request)
+    assert resolved.nproc == 3 and resolved.lr == launch.DEFAULT_LR and request.nproc is None
