@@ -459,10 +459,10 @@ def test_one_definition_of_each_rule() -> None:
     from qsync_opt import replayer
     from qsync_opt.costs import roofline as costs
     from qsync_opt.costs import rules
-    from qsync_opt.problem import program as problem
+    from qsync_opt.problem import groupmodel
 
     assert replayer.GRAD_DTYPE is rules.GRAD_DTYPE
     assert replayer.widest is rules.widest
     assert replayer.DEFAULT_CONTEXT_BYTES == rules.DEFAULT_CONTEXT_BYTES
-    assert problem.widest_precision is rules.widest_precision
+    assert groupmodel.widest_precision is rules.widest_precision
     assert costs.PASS_PRECISION is rules.PASS_PRECISION
