@@ -1,0 +1,60 @@
+"""HiGHS's process-wide state, shared by every HiGHS run in the process (the exact
+program's, through PuLP, and the LP relaxation's): the banner its C++ prints when the
+first ``Highs`` object is made, and its thread pool, fixed at the first run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+#: The thread count of HiGHS's process-wide scheduler (None: not started by us yet).
+_HIGHS_THREADS: int | None = None
+_HIGHS_BANNER_DONE = False
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (HiGHS prints its banner from C++ when the first Highs
+    object is made, before output_flag can be set; it would corrupt JSON on stdout)."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def without_banner(make: Callable[[], T]) -> T:
+    """``make()``, the process's first HiGHS object made with stdout silenced."""
+    global _HIGHS_BANNER_DONE
+    if _HIGHS_BANNER_DONE:
+        return make()
+    with quiet_stdout():
+        made = make()
+    _HIGHS_BANNER_DONE = True
+    return made
+
+
+def use_threads(threads: int | None) -> None:
+    """HiGHS fixes its thread pool at the first run in a process; a run asking for another
+    thread count fails (model status kNotset) unless the pool is reset: reset it then."""
+    import highspy  # lazy: importing HiGHS costs ~0.25 s, kept off paths that never solve
+
+    global _HIGHS_THREADS
+    want = int(threads or 0)
+    if want != _HIGHS_THREADS:
+        if _HIGHS_THREADS is not None:
+            highspy.Highs.resetGlobalScheduler(True)
+        _HIGHS_THREADS = want
