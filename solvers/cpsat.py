@@ -11,15 +11,8 @@ the rows of the chosen groups, family by family (one-hot rows become
 warm start and the loose-optimum loop are its (an OPTIMAL whose objective rounding could
 hide a better plan is re-solved on an objective scale fitted to the choices left).
 
-Each program is solved on the outer model first (:mod:`.outer_inner`); if its optimum is
-feasible in the exact model (``GroupModel.time_ms`` / ``memory_bytes``, relative tolerance
-``FEAS_REL``) it is the exact optimum (up to ``2 * max_objective_error``). Otherwise the
-optimum sits within the rounding slack of a bound, and the inner model gives the plan
-(status OPTIMAL only if it meets the outer bound within the gap). Either way the exact
-objective of CP-SAT's plan is at most the optimum of the problem with the budget reduced by
-``max_time_slack_ms`` and the capacity by ``max_mem_slack_bytes``, plus
-``2 * max_objective_error`` and the relative gap; the reported bound (the outer model's) is
-a bound on the exact problem.
+Each program is solved on its outer and inner integer models (:mod:`.outer_inner`, which
+states what the plan and the bound guarantee).
 """
 
 from __future__ import annotations

@@ -1,14 +1,18 @@
 """HiGHS's process-wide state, shared by every HiGHS run in the process (the exact
 program's, through PuLP, and the LP relaxation's): the banner its C++ prints when the
-first ``Highs`` object is made, and its thread pool, fixed at the first run."""
+first ``Highs`` object is made, and its thread pool, fixed at the first run; and a model's
+columns and rows passed to a ``Highs`` object in bulk (numpy arrays, not one at a time)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -58,3 +62,40 @@ def use_threads(threads: int | None) -> None:
         if _HIGHS_THREADS is not None:
             highspy.Highs.resetGlobalScheduler(True)
         _HIGHS_THREADS = want
+
+
+def add_columns(h: Any, lower: Sequence[float], upper: Sequence[float],
+                costs: Sequence[tuple[int, float]]) -> None:
+    """Columns with their bounds, and the nonzero objective costs (column, cost)."""
+    h.addVars(len(lower), np.array(lower, dtype=np.float64), np.array(upper, dtype=np.float64))
+    if costs:
+        h.changeColsCost(len(costs), np.array([i for i, _ in costs], dtype=np.int32),
+                         np.array([c for _, c in costs], dtype=np.float64))
+
+
+@dataclass
+class RowArrays:
+    """Rows gathered for one bulk ``addRows``: bounds and the nonzeros row by row."""
+
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+
+    def add(self, lower: float, upper: float, terms: Iterable[tuple[int, float]]) -> None:
+        self.starts.append(len(self.index))
+        for i, c in terms:
+            self.index.append(i)
+            self.value.append(c)
+        self.lower.append(lower)
+        self.upper.append(upper)
+
+    def load(self, h: Any) -> None:
+        """Pass the rows to ``h`` (nothing when there are none)."""
+        if self.lower:
+            h.addRows(len(self.lower), np.array(self.lower, dtype=np.float64),
+                      np.array(self.upper, dtype=np.float64), len(self.index),
+                      np.array(self.starts, dtype=np.int32),
+                      np.array(self.index, dtype=np.int32),
+                      np.array(self.value, dtype=np.float64))

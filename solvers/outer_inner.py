@@ -4,6 +4,15 @@ the exact optimum. Otherwise (an optimum within the rounding slack of a bound) t
 model (costs up, bounds down), whose every solution is exactly feasible, gives the plan and
 the outer model the bound. Each run's report is checked against its solution
 (:mod:`.consistency`); the objective scale is refitted when the driver forbids choices.
+
+The outer optimum is the exact optimum (up to ``2 * max_objective_error``) when the exact
+model (``GroupModel.time_ms`` / ``memory_bytes``, relative tolerance ``FEAS_REL``) accepts
+it. Otherwise the optimum sits within the rounding slack of a bound, and the inner model's
+plan is OPTIMAL only if it meets the outer bound within the gap. Either way the exact
+objective of CP-SAT's plan is at most the optimum of the problem with the budget reduced by
+``max_time_slack_ms`` and the capacity by ``max_mem_slack_bytes``, plus
+``2 * max_objective_error`` and the relative gap; the reported bound (the outer model's) is
+a bound on the exact problem.
 """
 
 from __future__ import annotations
@@ -194,15 +203,13 @@ def solve_checked(raw: RawRun, check: ReportCheck, t: CpSatTranslation, gis: Seq
     t_end = timing.clock() + max(time_limit, 0.0)
     solved, nv, nc = raw(t.cp_model, problem, gis, ints, hints, options, t_end, sc, t.sw)
     why = _report_fails(check, solved, options.rel_gap)
-    if why is None:
-        return solved, nv, nc
     tag = problem.groups[gis[0]].name if len(gis) == 1 else "all"
-    if hints is not None and t_end - timing.clock() > 0:
+    if why is not None and hints is not None and t_end - timing.clock() > 0:
         messages.append(check.retried_note(tag, "CP-SAT", solved.name, why))
         solved, nv, nc = raw(t.cp_model, problem, gis, ints, None, options, t_end, sc, t.sw)
         why = _report_fails(check, solved, options.rel_gap)
-        if why is None:
-            return solved, nv, nc
+    if why is None:
+        return solved, nv, nc
     messages.append(check.kept_note(tag, "CP-SAT", solved.name, why))
     floor = sum(ints[gi].obj_min for gi in gis)
     return dataclasses.replace(solved, status="FEASIBLE", bound=floor), nv, nc

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.cbc_log import read_cbc_log
-from qsync_opt.solvers.highs_process import use_threads, without_banner
+from qsync_opt.solvers.highs_process import RowArrays, add_columns, use_threads, without_banner
 from qsync_opt.solvers.pulp_model import PulpProgram
 from qsync_opt.solvers.timing import Stopwatch, solver_limit
 
@@ -86,7 +86,6 @@ class Outcome:
     abs_tol: float | None = None
 
 
-
 def _load_model(pulp: ModuleType, lp: Any) -> list[Any]:
     """Pass ``lp``'s columns, objective, integrality and rows to its highspy model in bulk
     (numpy arrays, not one column and row at a time); its variables, indexed."""
@@ -94,42 +93,23 @@ def _load_model(pulp: ModuleType, lp: Any) -> list[Any]:
     h = lp.solverModel
     inf = highspy.kHighsInf
     variables = lp.variables()
-    n = len(variables)
     for i, v in enumerate(variables):
         v.index = i
-    h.addVars(n, np.array([-inf if v.lowBound is None else v.lowBound
-                           for v in variables], dtype=np.float64),
-              np.array([inf if v.upBound is None else v.upBound
-                        for v in variables], dtype=np.float64))
-    obj = [(v.index, c) for v, c in lp.objective.items() if c]
-    if obj:
-        h.changeColsCost(len(obj), np.array([i for i, _ in obj], dtype=np.int32),
-                         np.array([c for _, c in obj], dtype=np.float64))
+    add_columns(h, [-inf if v.lowBound is None else v.lowBound for v in variables],
+                [inf if v.upBound is None else v.upBound for v in variables],
+                [(v.index, c) for v, c in lp.objective.items() if c])
     ints = [v.index for v in variables if v.cat == pulp.LpInteger]
     if ints:
         h.changeColsIntegrality(
             len(ints), np.array(ints, dtype=np.int32),
             np.full(len(ints), int(highspy.HighsVarType.kInteger), dtype=np.uint8))
-    lower: list[float] = []
-    upper: list[float] = []
-    starts: list[int] = []
-    index: list[int] = []
-    value: list[float] = []
+    rows = RowArrays()
     for i, con in enumerate(lp._constraints.values()):
         con.index = i
-        starts.append(len(index))
-        for v, c in con.items():
-            if c:
-                index.append(v.index)
-                value.append(c)
         lb, ub = con.getLb(), con.getUb()
-        lower.append(-inf if lb is None else lb)
-        upper.append(inf if ub is None else ub)
-    if lower:
-        h.addRows(len(lower), np.array(lower, dtype=np.float64),
-                  np.array(upper, dtype=np.float64), len(index),
-                  np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
-                  np.array(value, dtype=np.float64))
+        rows.add(-inf if lb is None else lb, inf if ub is None else ub,
+                 ((v.index, c) for v, c in con.items() if c))
+    rows.load(h)
     return variables
 
 
@@ -207,7 +187,6 @@ def _cbc_class(pulp: Any, base_name: str) -> Any:  # Any: subclasses one of its 
                 self.io_s += time.perf_counter() - t
 
     return _Cbc
-
 
 
 def run(pulp: ModuleType, prog: PulpProgram, backend: str, options: SolveOptions, time_limit: float,

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 from qsync_opt.solvers import parts
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.formulation import Formulation, formulate
-from qsync_opt.solvers.highs_process import use_threads, without_banner
+from qsync_opt.solvers.highs_process import RowArrays, add_columns, use_threads, without_banner
 from qsync_opt.solvers.pulp_model import column_bounds, normalised_rows, scaled_objective
 from qsync_opt.solvers.pulp_runs import FEAS_TOL, available
 from qsync_opt.solvers.timing import solver_limit
@@ -70,28 +69,14 @@ def lp_relaxation(form: Formulation, options: SolveOptions) -> tuple[str, float 
     use_threads(options.threads)
     inf = highspy.kHighsInf
     bounds = column_bounds(form)
-    h.addVars(len(bounds), np.array([lb for lb, _ in bounds], dtype=np.float64),
-              np.array([inf if ub is None else ub for _, ub in bounds], dtype=np.float64))
     terms, scale, offset = scaled_objective(form, list(range(len(bounds))))
-    if terms:
-        h.changeColsCost(len(terms), np.array([v for v, _ in terms], dtype=np.int32),
-                         np.array([c for _, c in terms], dtype=np.float64))
-    lower: list[float] = []
-    upper: list[float] = []
-    starts: list[int] = []
-    index: list[int] = []
-    value: list[float] = []
+    add_columns(h, [lb for lb, _ in bounds], [inf if ub is None else ub for _, ub in bounds],
+                terms)
+    rows = RowArrays()
     for row, rterms, rhs in normalised_rows(form):
-        starts.append(len(index))
-        index.extend(v for v, _ in rterms)
-        value.extend(c for _, c in rterms)
-        lower.append(rhs if row.sense in ("==", ">=") else -inf)
-        upper.append(rhs if row.sense in ("==", "<=") else inf)
-    if lower:
-        h.addRows(len(lower), np.array(lower, dtype=np.float64),
-                  np.array(upper, dtype=np.float64), len(index),
-                  np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
-                  np.array(value, dtype=np.float64))
+        rows.add(rhs if row.sense in ("==", ">=") else -inf,
+                 rhs if row.sense in ("==", "<=") else inf, rterms)
+    rows.load(h)
     h.run()
     S = highspy.HighsModelStatus
     status = h.getModelStatus()
