@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from qsync_opt.solvers.formulation import Row
 from qsync_opt.solvers.integers import IntGroup
 
 from qsync_opt.problem.program import AllocationProblem
 
+if TYPE_CHECKING:  # OR-Tools is imported when a solve needs it (heavy to import)
+    from ortools.sat.python.cp_model import CpModel, CpSolver
 
-def chosen(solver: Any, row: Sequence[Any]) -> int:
+
+def chosen(solver: CpSolver, row: Sequence[Any]) -> int:
     """The index of the variable of a one-hot row that is 1 in the solver's solution."""
     values = [solver.value(v) for v in row]
     return max(range(len(values)), key=values.__getitem__)
@@ -45,7 +49,7 @@ def build_model(cp_model: ModuleType, gis: Sequence[int], ints: Mapping[int, Int
     return model, xs, n_vars, n_cons
 
 
-def read_solution(solver: Any, problem: AllocationProblem, gis: Sequence[int],
+def read_solution(solver: CpSolver, problem: AllocationProblem, gis: Sequence[int],
                   xs: Mapping[int, list[list[Any]]], ints: Mapping[int, IntGroup]
                   ) -> tuple[dict[str, list[int]], int]:
     """Each group's choices in the solver's solution, and their scaled objective
@@ -64,7 +68,7 @@ class BlockWriter:
     coefficients: one-hot rows become ``add_exactly_one``, a forbidden choice an equality
     to 0, the working set ``W`` an integer variable in memory units."""
 
-    def __init__(self, cp_model: ModuleType, model: Any, ig: IntGroup) -> None:
+    def __init__(self, cp_model: ModuleType, model: CpModel, ig: IntGroup) -> None:
         self.model, self.ig, self.block, self.form = model, ig, ig.block, ig.form
         self.expr = cp_model.LinearExpr
         b, variables = self.block, self.form.variables
@@ -103,7 +107,7 @@ class BlockWriter:
         for ri in self.block.rows:
             self.n_cons += self._write_row(self.form.rows[ri])
 
-    def _write_row(self, r: Any) -> int:
+    def _write_row(self, r: Row) -> int:
         """One row of the block; the number of constraints it became."""
         cv, model, expr, fam = self.cv, self.model, self.expr, r.family
         if fam == "one_hot":

@@ -10,9 +10,12 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:  # HiGHS is imported when a solve needs it (~0.25 s)
+    from highspy import Highs
 
 T = TypeVar("T")
 
@@ -64,7 +67,7 @@ def use_threads(threads: int | None) -> None:
         _HIGHS_THREADS = want
 
 
-def add_columns(h: Any, lower: Sequence[float], upper: Sequence[float],
+def add_columns(h: Highs, lower: Sequence[float], upper: Sequence[float],
                 costs: Sequence[tuple[int, float]]) -> None:
     """Columns with their bounds, and the nonzero objective costs (column, cost)."""
     h.addVars(len(lower), np.array(lower, dtype=np.float64), np.array(upper, dtype=np.float64))
@@ -91,7 +94,7 @@ class RowArrays:
         self.lower.append(lower)
         self.upper.append(upper)
 
-    def load(self, h: Any) -> None:
+    def load(self, h: Highs) -> None:
         """Pass the rows to ``h`` (nothing when there are none)."""
         if self.lower:
             h.addRows(len(self.lower), np.array(self.lower, dtype=np.float64),
