@@ -16,14 +16,8 @@ from dataclasses import dataclass
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.checks import time_lower_bound
 from qsync_opt.solvers.formulation import formulate
-from qsync_opt.solvers.pulp_model import (
-    PULP_NAMES,
-    available,
-    pulp_module,
-    read_assignment,
-    run,
-    to_pulp,
-)
+from qsync_opt.solvers.pulp_model import read_assignment, to_pulp
+from qsync_opt.solvers.pulp_runs import PULP_NAMES, available, pulp_module, run
 from qsync_opt.solvers.timing import Deadline, Stopwatch
 
 from qsync_opt.core.errors import QsyncInputError

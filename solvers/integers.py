@@ -116,6 +116,17 @@ class Scaling:
         return dict(self.__dict__)
 
 
+def scaling_message(form_rows: int, sc: Scaling) -> str:
+    """What the report says of the call's integer scaling."""
+    return (f"integer scaling (the formulation's {form_rows} rows translated twice): "
+            f"time unit {sc.time_unit_ms:g} ms, memory unit {sc.mem_unit_bytes:g} B, "
+            f"objective x{sc.omega_scale:g} rounded to nearest; the inner model rounds "
+            "costs up and bounds down (its plans are feasible in the exact model) and may "
+            f"lose assignments within {sc.max_time_slack_ms:.3g} ms of the budget or "
+            f"{sc.max_mem_slack_bytes:.3g} B of the capacity; the outer model (costs down, "
+            f"bounds up) gives the bound; objective error <= {sc.max_objective_error:.3g}")
+
+
 @dataclass
 class IntGroup:
     """One group's coefficients, in integers."""

@@ -40,7 +40,8 @@ from qsync_opt.solvers import CbcOptions, HighsOptions, SolveOptions
 from qsync_opt.solvers.checks import FEAS_REL, check_resolution
 from qsync_opt.solvers.fastest import fastest_plans
 from qsync_opt.solvers.formulation import formulate_group
-from qsync_opt.solvers.pulp_model import available, pulp_module, read_assignment, run, to_pulp
+from qsync_opt.solvers.pulp_model import read_assignment, to_pulp
+from qsync_opt.solvers.pulp_runs import available, pulp_module, run
 from qsync_opt.solvers.timing import Stopwatch
 
 GIB = float(2**30)

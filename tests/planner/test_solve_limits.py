@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from qsync_opt.solvers import SolveOptions, parts, timing
+from qsync_opt.solvers import SolveOptions, parts, row_repair, timing
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.ilp import PulpIlp, fastest_plans
@@ -223,19 +223,15 @@ def test_per_group_programs_share_the_time_that_remains(monkeypatch, name) -> No
     monkeypatch.setattr(timing, "clock", lambda: now[0])
     monkeypatch.setattr(parts, "least_part", lambda problem, gis: None)
     limits: list[tuple[str, float]] = []
-    real = PulpIlp._solve_program
+    real = row_repair.solve_program
 
-    def program(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag,
-                forbid=None):
-        limits.append((tag, deadline - now[0]))
+    def program(run_once, pulp, p, hints, forbid=None):
+        limits.append((p.tag, p.deadline - now[0]))
         if len(limits) == 1:  # the first run: its whole share passes without a plan
-            now[0] = deadline
-            return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag,
-                        forbid)
-        return real(self, pulp, problem, gis, options, hints, deadline, sw, messages, tag,
-                    forbid)
+            now[0] = p.deadline
+        return real(run_once, pulp, p, hints, forbid)
 
-    monkeypatch.setattr(PulpIlp, "_solve_program", program)
+    monkeypatch.setattr(row_repair, "solve_program", program)
     plan, rep = backend.solve(prob, SolveOptions(time_limit_s=8.0))
     first = prob.groups[0].name
     assert [t for t, _ in limits] == [first, prob.groups[1].name, first]

@@ -223,8 +223,10 @@ def test_a_forbidden_choice_is_a_variable_fixed_to_zero() -> None:
 
 def test_the_translations_carry_every_row() -> None:
     from ortools.sat.python import cp_model
-    from qsync_opt.solvers.cpsat import CpSat, integer_group, scaling_for
-    from qsync_opt.solvers.pulp_model import pulp_module, to_pulp
+    from qsync_opt.solvers.cpsat_writer import build_model
+    from qsync_opt.solvers.integers import integer_group, scaling_for
+    from qsync_opt.solvers.pulp_model import to_pulp
+    from qsync_opt.solvers.pulp_runs import pulp_module
 
     prob = _case(*CASES[0])
     form = formulate(prob)
@@ -235,7 +237,7 @@ def test_the_translations_carry_every_row() -> None:
         v.name for v in form.variables)
     sc = scaling_for(prob)
     ints = {b.gi: integer_group(form, b, sc)[0] for b in form.blocks}
-    model, _, nv, nc = CpSat()._build(cp_model, prob, range(len(prob.groups)), ints, None)
+    model, _, nv, nc = build_model(cp_model, range(len(prob.groups)), ints, None)
     # one equality per variable fixed to 0 (a forbidden or hopeless choice) besides the rows
     fixed = sum(v.ub == 0.0 for v in form.variables)
     assert nv == form.n_variables and nc == form.n_constraints + fixed

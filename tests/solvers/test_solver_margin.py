@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from qsync_opt.solvers import SolveOptions, pulp_model, timing
+from qsync_opt.solvers import SolveOptions, pulp_model, pulp_runs, relaxation, timing
 from qsync_opt.solvers.formulation import formulate
 from qsync_opt.solvers.timing import (
     AFTER_RUN_S,
@@ -48,18 +48,18 @@ def test_too_little_left_starts_nothing(seconds) -> None:
 
 @pytest.mark.parametrize("backend", ["highs", "cbc"])
 def test_a_run_with_too_little_left_is_not_started(monkeypatch, backend) -> None:
-    if not pulp_model.available(backend):
+    if not pulp_runs.available(backend):
         pytest.skip(f"{backend} missing")
-    pulp = pulp_model.pulp_module()
+    pulp = pulp_runs.pulp_module()
     prob = _problem()
     prog = pulp_model.to_pulp(pulp, formulate(prob, [0]), "margin")
     started: list[float] = []
     monkeypatch.setattr(prog.lp, "solve", lambda solver: started.append(1.0))
     msgs: list[str] = []
-    out = pulp_model.run(pulp, prog, backend, SolveOptions(), 0.06, False, Stopwatch(), msgs)
+    out = pulp_runs.run(pulp, prog, backend, SolveOptions(), 0.06, False, Stopwatch(), msgs)
     assert out.status == "TIME_LIMIT" and not started
     assert any("not started" in m for m in msgs), msgs
-    status, value = pulp_model.lp_relaxation(formulate(prob, [0]),
+    status, value = relaxation.lp_relaxation(formulate(prob, [0]),
                                              SolveOptions().with_time_left(0.06))
     assert (status, value) == ("TIME_LIMIT", None)
 
@@ -71,8 +71,8 @@ def _charged(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[tuple[f
     real_clock = timing.clock
     monkeypatch.setattr(timing, "clock", lambda: real_clock() + now[0])
     runs: list[tuple[float, float]] = []
-    real_run = pulp_model.run
-    real_class = pulp_model._highs_class
+    real_run = pulp_runs.run
+    real_class = pulp_runs._highs_class
 
     def charged_class(pulp):
         base = real_class(pulp)
@@ -90,7 +90,7 @@ def _charged(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[tuple[f
         runs.append((time_limit, solver_limit(time_limit)))
         return out
 
-    monkeypatch.setattr(pulp_model, "_highs_class", charged_class)
+    monkeypatch.setattr(pulp_runs, "_highs_class", charged_class)
     from qsync_opt.solvers import ilp
 
     monkeypatch.setattr(ilp, "run", spy)

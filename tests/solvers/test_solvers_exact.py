@@ -443,7 +443,7 @@ def test_constructors() -> None:
 
 
 def test_cbc_log_bound_is_rounded_down() -> None:
-    from qsync_opt.solvers.pulp_model import cbc_log_value
+    from qsync_opt.solvers.cbc_log import cbc_log_value
 
     log = "Result - Stopped on time limit\nObjective value:   408.48463960\nLower bound:   408.085\n"
     assert cbc_log_value(log, "Objective value") == pytest.approx(408.4846396)

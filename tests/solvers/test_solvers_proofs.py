@@ -16,7 +16,7 @@ from qsync_opt.solvers.checks import check_resolution
 from qsync_opt.solvers.cpsat import CpSat
 from qsync_opt.solvers.fastest import FastestTimeLimit, fastest_plans, fastest_results
 from qsync_opt.solvers.greedy import Greedy
-from qsync_opt.solvers.pulp_model import Outcome
+from qsync_opt.solvers.pulp_runs import Outcome
 from qsync_opt.solvers.timing import Stopwatch
 
 import qsync_opt.planner.joint as joint_mod
