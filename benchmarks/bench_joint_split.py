@@ -17,22 +17,25 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
+
+from qsync_opt.solvers.memo import clear_part_memo
 
 from qsync_opt import estimate, parse_shorthand, trace
 from qsync_opt.planner.frontier import frontier
 from qsync_opt.planner.solve import solve
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import random_indicator
-from qsync_opt.solvers.memo import clear_part_memo
 
 
-def cpu(fn: object) -> float:
-    """CPU seconds of one call of ``fn``, the memo of solved parts emptied first (so each
-    call costs what it costs in a fresh process)."""
+def cpu(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``fn(*args, **kwargs)`` and its CPU seconds, the memo of solved parts emptied first
+    (so each call costs what it costs in a fresh process)."""
     clear_part_memo()
     t0 = time.process_time()
-    fn()  # type: ignore[operator]
-    return time.process_time() - t0
+    out = fn(*args, **kwargs)
+    return out, time.process_time() - t0
 
 
 def main() -> None:
@@ -49,15 +52,14 @@ def main() -> None:
     indicator = random_indicator(graph)
     times: dict[str, list[float]] = {"build": [], "plain": [], "joint": [], "pareto": []}
     for _ in range(args.repeats):
-        box: list[AllocationProblem] = []
-        times["build"].append(cpu(lambda: box.append(
-            AllocationProblem(graph, cluster, costs, indicator))))
-        times["plain"].append(cpu(lambda: solve(box[0], args.solver)))
+        problem, t = cpu(AllocationProblem, graph, cluster, costs, indicator)
+        times["build"].append(t)
+        times["plain"].append(cpu(solve, problem, args.solver)[1])
         fresh = AllocationProblem(graph, cluster, costs, indicator)
-        times["joint"].append(cpu(lambda: solve(fresh, args.solver, joint_split=True)))
+        times["joint"].append(cpu(solve, fresh, args.solver, joint_split=True)[1])
         if args.pareto:
             other = AllocationProblem(graph, cluster, costs, indicator)
-            times["pareto"].append(cpu(lambda: frontier(other)))
+            times["pareto"].append(cpu(frontier, other)[1])
     print(f"{args.model} on {args.cluster}, solver {args.solver}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"{args.repeats} repeats, CPU seconds (user + sys), median [all]")
