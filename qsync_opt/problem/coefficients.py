@@ -131,6 +131,10 @@ class _Recorder:
         self.derived: list[DerivedUnit] = []
         self.ext: list[tuple[Precision, ...]] = list(choices)
         self._find_sources()
+        #: per unit (real, then derived), the dtype each of its choices gives out
+        self.gives = [tuple(rules.gives_out(p) for p in c) for c in self.ext]
+        #: per op, the producers of its float in-edges (in ``in_edges`` order)
+        self.producers = [[v for v, _ in edges] for edges in rules.in_edges]
         self.calls: list[Call] = []
         self.call_index: dict[Call, int] = {}
         self.steps: list[tuple[int, Slot, tuple[int, ...], int]] = []
@@ -172,36 +176,34 @@ class _Recorder:
     def out_dtype(self, u: int | None, k: int | None) -> DType:
         if u is None or k is None:
             return DType.fp32
-        return self.rules.gives_out(self.ext[u][k])
+        return self.gives[u][k]
 
     def call(self, kind: int, i: int, u: int = -1, numel: int = 0) -> int:
         """The index of the rules call on op ``i`` in the current dtypes (made once)."""
-        ins = tuple(self.dout[v] for v, _ in self.rules.in_edges[i])
-        key: Call = (kind, i, self.prec[i], self.din[i], self.dout[i], ins, u, numel)
+        dout = self.dout
+        key: Call = (kind, i, self.prec[i], self.din[i], dout[i],
+                     tuple([dout[v] for v in self.producers[i]]), u, numel)
         got = self.call_index.get(key)
         if got is None:
             got = self.call_index[key] = len(self.calls)
             self.calls.append(key)
         return got
 
-    @staticmethod
-    def slot(units_choices: Sequence[tuple[int | None, int | None]]) -> Slot:
-        """Where a term of these (unit, choice)s goes (None: a pair of one unit's two
-        different choices, which no plan has)."""
-        var = [(u, k) for u, k in units_choices if u is not None and k is not None]
-        if not var:
-            return ()
-        if len(var) == 1:
-            return var[0]
-        (a, ka), (b, kb) = var
-        if a == b:
-            return (a, ka) if ka == kb else None
-        return (a, ka, b, kb) if a < b else (b, kb, a, ka)
-
-    def step(self, op: int, units_choices: Sequence[tuple[int | None, int | None]],
-             calls: tuple[int, ...], comp: int = 0) -> None:
-        slot = self.slot(units_choices)
-        if slot is not None or op == _WORK:
+    def step(self, op: int, s: int | None, ks: int | None, calls: tuple[int, ...],
+             comp: int = 0, e: int | None = None, ke: int | None = None) -> None:
+        """Record that ``op`` adds ``calls``' results into the term of unit ``s`` at choice
+        ``ks`` and, where ``e`` is given, unit ``e`` at ``ke`` (None: not a decision); a
+        pair of one unit's two different choices, which no plan has, is dropped."""
+        slot: Slot
+        if s is None or ks is None:
+            slot = () if e is None or ke is None else (e, ke)
+        elif e is None or ke is None:
+            slot = (s, ks)
+        elif s == e:
+            slot = (s, ks) if ks == ke else None
+        else:
+            slot = (s, ks, e, ke) if s < e else (e, ke, s, ks)
+        if slot is not None:
             self.steps.append((op, slot, calls, comp))
 
     def setup(self, i: int, s: int | None, ks: int | None) -> None:
@@ -247,11 +249,11 @@ class _Recorder:
         self.setup(i, s, ks)
         for u, _ in edges:
             dout[u] = DType.fp32
-        self.step(_ADD_T, [(s, ks)], (self.call(_MS, i),))
+        self.step(_ADD_T, s, ks, (self.call(_MS, i),))
         # Working set and weight copy depend on the op's own dtypes only.
         mem = self.call(_MEM, i)
-        self.step(_WORK, [(s, ks)], (mem,), 2)
-        self.step(_ADD_M, [(s, ks)], (mem,), 1)
+        self.step(_WORK, s, ks, (mem,), 2)
+        self.step(_ADD_M, s, ks, (mem,), 1)
         if not self.casts:
             return
         for u, numel in edges:
@@ -263,7 +265,7 @@ class _Recorder:
                 dout[u] = self.out_dtype(eu, ke)
                 edge = self.call(_EDGE, i, u, numel)
                 dout[u] = DType.fp32
-                self.step(_ADD_T_NONZERO, [(s, ks), (eu, ke)], (edge,))
+                self.step(_ADD_T_NONZERO, s, ks, (edge,), 0, eu, ke)
 
     def _add_saved(self, i: int, s: int | None, s_range: list[int | None]) -> None:
         """Saved activations: they depend on the own dtype and on whether any input is cast
@@ -287,9 +289,9 @@ class _Recorder:
                 vals.append((combo, self.call(_MEM, i)))
             if len(var_edges) == 1:
                 for combo, mem in vals:
-                    self.step(_ADD_M, [(s, ks), (var_edges[0], combo[0])], (mem,), 0)
+                    self.step(_ADD_M, s, ks, (mem,), 0, var_edges[0], combo[0])
             else:
-                self.step(_ADD_M_MAX, [(s, ks)], tuple(mem for _, mem in vals), 0)
+                self.step(_ADD_M_MAX, s, ks, tuple(mem for _, mem in vals), 0)
 
 
 def schedule_for(inputs: GroupInputs, gi: int, cache: ScheduleCache | None = None
