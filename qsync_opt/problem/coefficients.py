@@ -85,8 +85,9 @@ _ADD_T, _ADD_M, _ADD_T_NONZERO, _WORK, _ADD_M_MAX = 0, 1, 2, 3, 4
 #: Where a step adds: None (nowhere), () the constant, (u, k) a unary, (a, ka, b, kb) a pair.
 Slot = tuple[int, ...] | None
 #: One rules call: kind, op, the op's precision, its dtypes in and out, its in-edge
-#: producers' dtypes (in ``in_edges`` order), and for an edge call the producer and numel.
-Call = tuple[int, int, Precision | None, DType, DType, tuple[DType, ...], int, int]
+#: producers that give out another dtype than fp32 with that dtype, and for an edge call the
+#: producer and numel.
+Call = tuple[int, int, Precision | None, DType, DType, tuple[tuple[int, DType], ...], int, int]
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,8 @@ class _Recorder:
     def call(self, kind: int, i: int, u: int = -1, numel: int = 0) -> int:
         """The index of the rules call on op ``i`` in the current dtypes (made once)."""
         dout = self.dout
-        key: Call = (kind, i, self.prec[i], self.din[i], dout[i],
-                     tuple([dout[v] for v in self.producers[i]]), u, numel)
+        ins = tuple([(v, dout[v]) for v in self.producers[i] if dout[v] is not DType.fp32])
+        key: Call = (kind, i, self.prec[i], self.din[i], dout[i], ins, u, numel)
         got = self.call_index.get(key)
         if got is None:
             got = self.call_index[key] = len(self.calls)
@@ -310,28 +311,30 @@ def schedule_for(inputs: GroupInputs, gi: int, cache: ScheduleCache | None = Non
     return got
 
 
-def _call_values(rules: CostRules, grp: GroupCosts, calls: Sequence[Call]) -> list[object]:
+def _call_values(rules: CostRules, grp: GroupCosts, calls: Sequence[Call]) -> list[Any]:
     """Every call's result on ``grp``: each op's precision and dtypes set as recorded, the
     others left fp32 (the rules read only the op's own and its in-edges' producers')."""
     n = rules.n
+    fp32 = DType.fp32
     prec: list[Precision | None] = [None] * n
-    din = [DType.fp32] * n
-    dout = [DType.fp32] * n
-    out: list[object] = []
+    din = [fp32] * n
+    dout = [fp32] * n
+    op_ms, op_memory, edge_ms = rules.op_ms, rules.op_memory, rules.edge_ms
+    out: list[Any] = []
+    append = out.append
     for kind, i, p, di, do, ins, u, numel in calls:
-        edges = rules.in_edges[i]
-        for (v, _), d in zip(edges, ins, strict=True):
+        for v, d in ins:
             dout[v] = d
         prec[i], din[i], dout[i] = p, di, do
         if kind == _MS:
-            out.append(rules.op_ms(grp, i, prec, din, dout, []))
+            append(op_ms(grp, i, prec, din, dout, []))
         elif kind == _MEM:
-            out.append(rules.op_memory(grp, i, prec, din, dout))
+            append(op_memory(grp, i, prec, din, dout))
         else:
-            out.append(rules.edge_ms(grp, i, prec, din, dout, u, numel))
-        for v, _ in edges:
-            dout[v] = DType.fp32
-        prec[i], din[i], dout[i] = None, DType.fp32, DType.fp32
+            append(edge_ms(grp, i, prec, din, dout, u, numel))
+        for v, _ in ins:
+            dout[v] = fp32
+        prec[i], din[i], dout[i] = None, fp32, fp32
     return out
 
 
@@ -370,26 +373,36 @@ class _Terms:
     def apply(self, steps: Sequence[tuple[int, Slot, tuple[int, ...], int]],
               values: Sequence[Any]) -> None:
         """Every step, in order, on the calls' ``values``."""
+        time1, mem1, work1, add = self.time1, self.mem1, self.work1, self.add
         for op, slot, calls, comp in steps:
-            if op == _WORK:
+            assert slot is not None  # recorded only with a slot
+            if op == _ADD_T:
+                if len(slot) == 2:
+                    u, k = slot
+                    time1[u][k] += values[calls[0]]
+                    mem1[u][k] += 0.0
+                else:
+                    add(slot, values[calls[0]], 0.0)
+            elif op == _ADD_M:
+                if len(slot) == 2:
+                    u, k = slot
+                    time1[u][k] += 0.0
+                    mem1[u][k] += values[calls[0]][comp]
+                else:
+                    add(slot, 0.0, values[calls[0]][comp])
+            elif op == _WORK:
                 work = values[calls[0]][comp]
                 if slot:
                     u, k = slot
-                    self.work1[u][k] = max(self.work1[u][k], work)
+                    work1[u][k] = max(work1[u][k], work)
                 else:
                     self.work0 = max(self.work0, work)
-                continue
-            assert slot is not None  # recorded only with a slot
-            if op == _ADD_T:
-                self.add(slot, values[calls[0]], 0.0)
-            elif op == _ADD_M:
-                self.add(slot, 0.0, values[calls[0]][comp])
             elif op == _ADD_T_NONZERO:
                 t = values[calls[0]]
                 if t:
-                    self.add(slot, t, 0.0)
+                    add(slot, t, 0.0)
             else:
-                self.add(slot, 0.0, max(values[c][comp] for c in calls))
+                add(slot, 0.0, max(values[c][comp] for c in calls))
 
 
 def additive_times(rules: CostRules, grp: GroupCosts, sched: Schedule
