@@ -106,6 +106,8 @@ class Schedule:
     calls: list[Call]
     steps: list[tuple[int, Slot, tuple[int, ...], int]]
     memory_or: int
+    #: the graph's ops it was recorded on (a schedule is only used on these very ops)
+    ops: Sequence[OpNode]
 
 
 #: Schedules by what they depend on, shared by the problems made from one problem.
@@ -150,7 +152,7 @@ class _Recorder:
             self.add_op(i)
         return Schedule(choices=self.choices, ext=self.ext, derived=self.derived,
                         unit_of=self.unit_of, calls=self.calls, steps=self.steps,
-                        memory_or=self.memory_or)
+                        memory_or=self.memory_or, ops=self.rules.ops)
 
     def _find_sources(self) -> None:
         rules, src = self.rules, self.src
@@ -298,7 +300,8 @@ class _Recorder:
 def schedule_for(inputs: GroupInputs, gi: int, cache: ScheduleCache | None = None
                  ) -> Schedule:
     """Group ``gi``'s :class:`Schedule`, from ``cache`` when one was made for the same graph,
-    menu, units, pins and options (then the units' choices are checked again all the same)."""
+    menu, units, pins and options (then the units' choices are checked again all the same);
+    the graph is told by its ops, the very list the schedule was recorded on."""
     rules = inputs.rules
     choices = unit_choices(inputs, gi)
     if cache is None:
@@ -306,7 +309,7 @@ def schedule_for(inputs: GroupInputs, gi: int, cache: ScheduleCache | None = Non
     key = (id(rules.ops), rules.native_flow, inputs.casts, tuple(inputs.units),
            tuple(inputs.unit_of.items()), tuple(choices))
     got = cache.get(key)
-    if got is None:
+    if got is None or got.ops is not rules.ops:
         got = cache[key] = _Recorder(inputs, choices).schedule()
     return got
 

@@ -58,3 +58,17 @@ def test_a_schedule_is_not_reused_for_other_choices_or_options():
     additive = problem.with_options(casts=False)
     assert additive.groups == _fresh(additive).groups
     assert additive.groups != problem.groups
+
+
+def test_schedules_of_another_graph_object_are_not_used():
+    graph = trace("digits_cnn")
+    cluster = parse_shorthand("v100x2+t4x2")
+    costs = estimate(graph, cluster)
+    indicator = random_indicator(graph)
+    problem = AllocationProblem(graph, cluster, costs, indicator)
+    copy = graph.model_copy(deep=True)
+    other = AllocationProblem(copy, cluster, costs, indicator, schedules=problem.schedules)
+    # the copy's groups were recorded on the copy's ops, next to the original's
+    assert any(s.ops is graph.ops for s in problem.schedules.values())
+    assert any(s.ops is copy.ops for s in problem.schedules.values())
+    assert other.groups == _fresh(other).groups
