@@ -15,10 +15,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import DType, Precision
-from qsync_opt.costs.rules import CostRules, allowed_on, fidelity
+from qsync_opt.costs.rules import CostRules, GroupCosts, allowed_on, fidelity
 from qsync_opt.documents.schemas import ClusterSpec, IndicatorTable, OpNode, OpRole
 from qsync_opt.problem.groupmodel import DerivedUnit, GroupModel, PairTerm, Unit, widest_choices
 
@@ -74,8 +75,47 @@ def unit_choices(inputs: GroupInputs, gi: int) -> list[tuple[Precision, ...]]:
     return choices
 
 
-class _GroupTerms:
-    """The terms of one group as they are accumulated, op by op.
+#: The rules calls a schedule makes (:meth:`CostRules.op_ms`, ``op_memory``, ``edge_ms``).
+_MS, _MEM, _EDGE = 0, 1, 2
+#: The steps of a schedule, applied in order to a group's terms: add a call's time, add a
+#: component of its memory, add its time only where it is not 0 (a cast), raise the working
+#: set to it, add the largest saved bytes of several calls.
+_ADD_T, _ADD_M, _ADD_T_NONZERO, _WORK, _ADD_M_MAX = 0, 1, 2, 3, 4
+
+#: Where a step adds: None (nowhere), () the constant, (u, k) a unary, (a, ka, b, kb) a pair.
+Slot = tuple[int, ...] | None
+#: One rules call: kind, op, the op's precision, its dtypes in and out, its in-edge
+#: producers that give out another dtype than fp32 with that dtype, and for an edge call the
+#: producer and numel.
+Call = tuple[int, int, Precision | None, DType, DType, tuple[tuple[int, DType], ...], int, int]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one group's coefficients are derived, whatever its batch: the decisions'
+    choices (``choices``, ``ext``: the real units', then the derived ones'), the rules calls
+    to make (``calls``, each once) and the steps that add their results into the terms, in
+    the order of the op-by-op derivation (so every sum is the same float sum). It depends
+    on the graph, the group's menu, the units, pins and options, never on the batch: the
+    candidate splits of one problem share it (:class:`ScheduleCache`)."""
+
+    choices: list[tuple[Precision, ...]]
+    ext: list[tuple[Precision, ...]]
+    derived: list[DerivedUnit]
+    unit_of: list[int | None]
+    calls: list[Call]
+    steps: list[tuple[int, Slot, tuple[int, ...], int]]
+    memory_or: int
+    #: the graph's ops it was recorded on (a schedule is only used on these very ops)
+    ops: Sequence[OpNode]
+
+
+#: Schedules by what they depend on, shared by the problems made from one problem.
+ScheduleCache = dict[tuple[object, ...], Schedule]
+
+
+class _Recorder:
+    """Walks the ops once, as the derivation does, and records the rules calls and the steps.
 
     ``src[i]``: the unit that sets op ``i``'s output dtype (None: fp32 whatever the plan). A
     promoting op whose inputs all come from units gets a *derived* unit: its dtype is the
@@ -83,11 +123,9 @@ class _GroupTerms:
     ``ext``: the choices of the real units, then of the derived ones.
     """
 
-    def __init__(self, inputs: GroupInputs, gi: int, choices: list[tuple[Precision, ...]]
-                 ) -> None:
+    def __init__(self, inputs: GroupInputs, choices: list[tuple[Precision, ...]]) -> None:
         rules = inputs.rules
         self.rules = rules
-        self.grp = rules.groups[gi]
         self.casts = inputs.casts
         self.choices = choices
         n = rules.n
@@ -96,19 +134,25 @@ class _GroupTerms:
         self.derived: list[DerivedUnit] = []
         self.ext: list[tuple[Precision, ...]] = list(choices)
         self._find_sources()
-        ext = self.ext
-        self.time0 = 0.0
-        self.mem0 = float(sum(rules.static_memory(self.grp).values()))
-        self.work0 = 0.0
-        self.time1 = [[0.0] * len(c) for c in ext]
-        self.mem1 = [[0.0] * len(c) for c in ext]
-        self.work1 = [[0.0] * len(c) for c in ext]
-        self.pairs: dict[tuple[int, int], PairTerm] = {}
+        #: per unit (real, then derived), the dtype each of its choices gives out
+        self.gives = [tuple(rules.gives_out(p) for p in c) for c in self.ext]
+        #: per op, the producers of its float in-edges (in ``in_edges`` order)
+        self.producers = [[v for v, _ in edges] for edges in rules.in_edges]
+        self.calls: list[Call] = []
+        self.call_index: dict[Call, int] = {}
+        self.steps: list[tuple[int, Slot, tuple[int, ...], int]] = []
         self.prec: list[Precision | None] = [None] * n
         self.din = [DType.fp32] * n
         self.dout = [DType.fp32] * n
         #: ops whose saved-activation bytes are the maximum over several producers' choices
         self.memory_or = 0
+
+    def schedule(self) -> Schedule:
+        for i in range(self.rules.n):
+            self.add_op(i)
+        return Schedule(choices=self.choices, ext=self.ext, derived=self.derived,
+                        unit_of=self.unit_of, calls=self.calls, steps=self.steps,
+                        memory_or=self.memory_or, ops=self.rules.ops)
 
     def _find_sources(self) -> None:
         rules, src = self.rules, self.src
@@ -135,38 +179,35 @@ class _GroupTerms:
     def out_dtype(self, u: int | None, k: int | None) -> DType:
         if u is None or k is None:
             return DType.fp32
-        return self.rules.gives_out(self.ext[u][k])
+        return self.gives[u][k]
 
-    def add_pair(self, a: int, ka: int, b: int, kb: int, t: float, m: float) -> None:
-        if a == b:
-            if ka == kb:
-                self.time1[a][ka] += t
-                self.mem1[a][ka] += m
-            return
-        if a > b:
-            a, ka, b, kb = b, kb, a, ka
-        term = self.pairs.get((a, b))
-        if term is None:
-            ext = self.ext
-            term = self.pairs[(a, b)] = PairTerm(
-                a, b, [[0.0] * len(ext[b]) for _ in ext[a]],
-                [[0.0] * len(ext[b]) for _ in ext[a]])
-        term.time[ka][kb] += t
-        term.mem[ka][kb] += m
+    def call(self, kind: int, i: int, u: int = -1, numel: int = 0) -> int:
+        """The index of the rules call on op ``i`` in the current dtypes (made once)."""
+        dout = self.dout
+        ins = tuple([(v, dout[v]) for v in self.producers[i] if dout[v] is not DType.fp32])
+        key: Call = (kind, i, self.prec[i], self.din[i], dout[i], ins, u, numel)
+        got = self.call_index.get(key)
+        if got is None:
+            got = self.call_index[key] = len(self.calls)
+            self.calls.append(key)
+        return got
 
-    def add(self, units_choices: Sequence[tuple[int | None, int | None]], t: float,
-            m: float) -> None:
-        var = [(u, k) for u, k in units_choices if u is not None and k is not None]
-        if not var:
-            self.time0 += t
-            self.mem0 += m
-        elif len(var) == 1:
-            u, k = var[0]
-            self.time1[u][k] += t
-            self.mem1[u][k] += m
+    def step(self, op: int, s: int | None, ks: int | None, calls: tuple[int, ...],
+             comp: int = 0, e: int | None = None, ke: int | None = None) -> None:
+        """Record that ``op`` adds ``calls``' results into the term of unit ``s`` at choice
+        ``ks`` and, where ``e`` is given, unit ``e`` at ``ke`` (None: not a decision); a
+        pair of one unit's two different choices, which no plan has, is dropped."""
+        slot: Slot
+        if s is None or ks is None:
+            slot = () if e is None or ke is None else (e, ke)
+        elif e is None or ke is None:
+            slot = (s, ks)
+        elif s == e:
+            slot = (s, ks) if ks == ke else None
         else:
-            (a, ka), (b, kb) = var
-            self.add_pair(a, ka, b, kb, t, m)
+            slot = (s, ks, e, ke) if s < e else (e, ke, s, ks)
+        if slot is not None:
+            self.steps.append((op, slot, calls, comp))
 
     def setup(self, i: int, s: int | None, ks: int | None) -> None:
         """Op ``i``'s own precision and dtypes with its unit ``s`` at choice ``ks``."""
@@ -206,21 +247,16 @@ class _GroupTerms:
     def _add_compute(self, i: int, s: int | None, ks: int | None) -> None:
         """Op ``i``'s time, working set and weight copy at its unit's choice ``ks``, and one
         pair term per in-edge for the casts on it."""
-        rules, dout = self.rules, self.dout
-        edges = rules.in_edges[i]
+        dout = self.dout
+        edges = self.rules.in_edges[i]
         self.setup(i, s, ks)
         for u, _ in edges:
             dout[u] = DType.fp32
-        base = rules.op_ms(self.grp, i, self.prec, self.din, dout, [])
-        self.add([(s, ks)], base, 0.0)
+        self.step(_ADD_T, s, ks, (self.call(_MS, i),))
         # Working set and weight copy depend on the op's own dtypes only.
-        _, wcopy, work = rules.op_memory(self.grp, i, self.prec, self.din, dout)
-        if s is None:
-            self.work0 = max(self.work0, work)
-        else:
-            assert ks is not None  # s set: ks ranges over its choices
-            self.work1[s][ks] = max(self.work1[s][ks], work)
-        self.add([(s, ks)], 0.0, wcopy)
+        mem = self.call(_MEM, i)
+        self.step(_WORK, s, ks, (mem,), 2)
+        self.step(_ADD_M, s, ks, (mem,), 1)
         if not self.casts:
             return
         for u, numel in edges:
@@ -230,10 +266,9 @@ class _GroupTerms:
                 if eu is not None and eu == s and ke != ks:
                     continue
                 dout[u] = self.out_dtype(eu, ke)
-                t = rules.edge_ms(self.grp, i, self.prec, self.din, dout, u, numel)
+                edge = self.call(_EDGE, i, u, numel)
                 dout[u] = DType.fp32
-                if t:
-                    self.add([(s, ks), (eu, ke)], t, 0.0)
+                self.step(_ADD_T_NONZERO, s, ks, (edge,), 0, eu, ke)
 
     def _add_saved(self, i: int, s: int | None, s_range: list[int | None]) -> None:
         """Saved activations: they depend on the own dtype and on whether any input is cast
@@ -247,36 +282,147 @@ class _GroupTerms:
             self.memory_or += 1
         for ks in s_range:
             self.setup(i, s, ks)
-            vals: list[tuple[tuple[int, ...], float]] = []
+            vals: list[tuple[tuple[int, ...], int]] = []
             for combo in itertools.product(*[range(len(self.ext[v])) for v in var_edges]):
                 assign = dict(zip(var_edges, combo, strict=True))
                 for u, _ in edges:
                     eu = src[u]
                     k = ks if eu == s else None if eu is None else assign.get(eu)
                     self.dout[u] = self.out_dtype(eu, k)
-                saved, _, _ = rules.op_memory(self.grp, i, self.prec, self.din, self.dout)
-                vals.append((combo, saved))
+                vals.append((combo, self.call(_MEM, i)))
             if len(var_edges) == 1:
-                for combo, saved in vals:
-                    self.add([(s, ks), (var_edges[0], combo[0])], 0.0, saved)
+                for combo, mem in vals:
+                    self.step(_ADD_M, s, ks, (mem,), 0, var_edges[0], combo[0])
             else:
-                self.add([(s, ks)], 0.0, max(v for _, v in vals))
+                self.step(_ADD_M_MAX, s, ks, tuple(mem for _, mem in vals), 0)
 
-    def additive_times(self) -> tuple[float, list[list[float]]]:
-        """The additive model's time terms: compute only (no input, weight or gradient casts)."""
-        rules = self.rules
-        time0 = 0.0
-        time1 = [[0.0] * len(c) for c in self.ext]
-        for i in range(rules.n):
-            u = self.unit_of[i]
-            if u is None:
-                f, b = rules.compute_ms(self.grp, i, None, DType.fp32)
-                time0 += f + b
+
+def schedule_for(inputs: GroupInputs, gi: int, cache: ScheduleCache | None = None
+                 ) -> Schedule:
+    """Group ``gi``'s :class:`Schedule`, from ``cache`` when one was made for the same graph,
+    menu, units, pins and options (then the units' choices are checked again all the same);
+    the graph is told by its ops, the very list the schedule was recorded on."""
+    rules = inputs.rules
+    choices = unit_choices(inputs, gi)
+    if cache is None:
+        return _Recorder(inputs, choices).schedule()
+    key = (id(rules.ops), rules.native_flow, inputs.casts, tuple(inputs.units),
+           tuple(inputs.unit_of.items()), tuple(choices))
+    got = cache.get(key)
+    if got is None or got.ops is not rules.ops:
+        got = cache[key] = _Recorder(inputs, choices).schedule()
+    return got
+
+
+def _call_values(rules: CostRules, grp: GroupCosts, calls: Sequence[Call]) -> list[Any]:
+    """Every call's result on ``grp``: each op's precision and dtypes set as recorded, the
+    others left fp32 (the rules read only the op's own and its in-edges' producers')."""
+    n = rules.n
+    fp32 = DType.fp32
+    prec: list[Precision | None] = [None] * n
+    din = [fp32] * n
+    dout = [fp32] * n
+    op_ms, op_memory, edge_ms = rules.op_ms, rules.op_memory, rules.edge_ms
+    out: list[Any] = []
+    append = out.append
+    for kind, i, p, di, do, ins, u, numel in calls:
+        for v, d in ins:
+            dout[v] = d
+        prec[i], din[i], dout[i] = p, di, do
+        if kind == _MS:
+            append(op_ms(grp, i, prec, din, dout, []))
+        elif kind == _MEM:
+            append(op_memory(grp, i, prec, din, dout))
+        else:
+            append(edge_ms(grp, i, prec, din, dout, u, numel))
+        for v, _ in ins:
+            dout[v] = fp32
+        prec[i], din[i], dout[i] = None, fp32, fp32
+    return out
+
+
+class _Terms:
+    """One group's terms as a schedule's steps add into them."""
+
+    def __init__(self, ext: list[tuple[Precision, ...]], mem0: float) -> None:
+        self.ext = ext
+        self.time0 = 0.0
+        self.mem0 = mem0
+        self.work0 = 0.0
+        self.time1 = [[0.0] * len(c) for c in ext]
+        self.mem1 = [[0.0] * len(c) for c in ext]
+        self.work1 = [[0.0] * len(c) for c in ext]
+        self.pairs: dict[tuple[int, int], PairTerm] = {}
+
+    def add(self, slot: tuple[int, ...], t: float, m: float) -> None:
+        if not slot:
+            self.time0 += t
+            self.mem0 += m
+        elif len(slot) == 2:
+            u, k = slot
+            self.time1[u][k] += t
+            self.mem1[u][k] += m
+        else:
+            a, ka, b, kb = slot
+            term = self.pairs.get((a, b))
+            if term is None:
+                ext = self.ext
+                term = self.pairs[(a, b)] = PairTerm(
+                    a, b, [[0.0] * len(ext[b]) for _ in ext[a]],
+                    [[0.0] * len(ext[b]) for _ in ext[a]])
+            term.time[ka][kb] += t
+            term.mem[ka][kb] += m
+
+    def apply(self, steps: Sequence[tuple[int, Slot, tuple[int, ...], int]],
+              values: Sequence[Any]) -> None:
+        """Every step, in order, on the calls' ``values``."""
+        time1, mem1, work1, add = self.time1, self.mem1, self.work1, self.add
+        for op, slot, calls, comp in steps:
+            assert slot is not None  # recorded only with a slot
+            if op == _ADD_T:
+                if len(slot) == 2:
+                    u, k = slot
+                    time1[u][k] += values[calls[0]]
+                    mem1[u][k] += 0.0
+                else:
+                    add(slot, values[calls[0]], 0.0)
+            elif op == _ADD_M:
+                if len(slot) == 2:
+                    u, k = slot
+                    time1[u][k] += 0.0
+                    mem1[u][k] += values[calls[0]][comp]
+                else:
+                    add(slot, 0.0, values[calls[0]][comp])
+            elif op == _WORK:
+                work = values[calls[0]][comp]
+                if slot:
+                    u, k = slot
+                    work1[u][k] = max(work1[u][k], work)
+                else:
+                    self.work0 = max(self.work0, work)
+            elif op == _ADD_T_NONZERO:
+                t = values[calls[0]]
+                if t:
+                    add(slot, t, 0.0)
             else:
-                for k, p in enumerate(self.ext[u]):
-                    f, b = rules.compute_ms(self.grp, i, p, p.info.gives_out)
-                    time1[u][k] += f + b
-        return time0, time1
+                add(slot, 0.0, max(values[c][comp] for c in calls))
+
+
+def additive_times(rules: CostRules, grp: GroupCosts, sched: Schedule
+                   ) -> tuple[float, list[list[float]]]:
+    """The additive model's time terms: compute only (no input, weight or gradient casts)."""
+    time0 = 0.0
+    time1 = [[0.0] * len(c) for c in sched.ext]
+    for i in range(rules.n):
+        u = sched.unit_of[i]
+        if u is None:
+            f, b = rules.compute_ms(grp, i, None, DType.fp32)
+            time0 += f + b
+        else:
+            for k, p in enumerate(sched.ext[u]):
+                f, b = rules.compute_ms(grp, i, p, p.info.gives_out)
+                time1[u][k] += f + b
+    return time0, time1
 
 
 def omega_rows(units: Sequence[Unit], choices: list[tuple[Precision, ...]],
@@ -316,31 +462,34 @@ def reference_choices(choices: list[tuple[Precision, ...]], reference: Precision
     return out
 
 
-def group_model(inputs: GroupInputs, gi: int) -> tuple[GroupModel, int]:
+def group_model(inputs: GroupInputs, gi: int, cache: ScheduleCache | None = None
+                ) -> tuple[GroupModel, int]:
     """Group ``gi``'s coefficients, and how many of its ops take their saved-activation
-    bytes as the maximum over several producers' choices (an upper bound)."""
-    choices = unit_choices(inputs, gi)
-    terms = _GroupTerms(inputs, gi, choices)
-    for i in range(inputs.rules.n):
-        terms.add_op(i)
+    bytes as the maximum over several producers' choices (an upper bound). ``cache``: the
+    schedules of problems made from the same one (their other batches share them)."""
+    sched = schedule_for(inputs, gi, cache)
+    rules = inputs.rules
+    grp = rules.groups[gi]
+    terms = _Terms(sched.ext, float(sum(rules.static_memory(grp).values())))
+    terms.apply(sched.steps, _call_values(rules, grp, sched.calls))
     time0, time1 = terms.time0, terms.time1
     if not inputs.casts:
         # The additive model: compute only; its memory terms stay those of the real model.
-        time0, time1 = terms.additive_times()
+        time0, time1 = additive_times(rules, grp, sched)
         for term in terms.pairs.values():
             term.time = [[0.0] * len(row) for row in term.time]
     spec = inputs.cluster.groups[gi]
-    grp = terms.grp
+    choices = sched.choices
     b = int(spec.batch_per_device or inputs.graph_batch)
     weight = spec.count * b / sum(g.count * int(g.batch_per_device or inputs.graph_batch)
                                   for g in inputs.cluster.groups)
     model = GroupModel(
         name=grp.name, device=grp.device, count=spec.count, batch=b, weight=weight,
         capacity_bytes=grp.capacity * (1 - inputs.memory_headroom),
-        usable_bytes=grp.capacity, choices=choices, time0=time0, time1=time1,
+        usable_bytes=grp.capacity, choices=list(choices), time0=time0, time1=time1,
         mem0=terms.mem0, mem1=terms.mem1, work0=terms.work0, work1=terms.work1,
         omega1=omega_rows(inputs.units, choices, inputs.indicator),
         pairs=[terms.pairs[k] for k in sorted(terms.pairs)],
         reference=reference_choices(choices, inputs.reference),
-        derived=terms.derived)
-    return model, terms.memory_or
+        derived=list(sched.derived))
+    return model, sched.memory_or

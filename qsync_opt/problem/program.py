@@ -62,7 +62,7 @@ from qsync_opt.documents.schemas import (
     ModelGraph,
     Plan,
 )
-from qsync_opt.problem.coefficients import GroupInputs, group_model
+from qsync_opt.problem.coefficients import GroupInputs, ScheduleCache, group_model
 from qsync_opt.problem.groupmodel import GroupModel, Unit, check_finite, held_at_reference
 from qsync_opt.problem.plan import make_plan
 from qsync_opt.replayer import PeriodicSync, Replayer
@@ -188,13 +188,17 @@ class AllocationProblem:
     leaving groups out, the joint split); by default
     :class:`~qsync_opt.costs.batchmodel.TableCosts` of ``costs`` (estimated costs re-estimated
     with the same efficiencies, measured ones from a fitted batch model). The problem never
-    estimates costs itself.
+    estimates costs itself. ``schedules``: how the groups' coefficients are derived
+    (:class:`~qsync_opt.problem.coefficients.Schedule`), shared with the problems made from
+    this one (another batch split derives its coefficients without walking the ops again).
     """
 
     def __init__(self, graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
                  indicator: IndicatorTable, options: ProblemOptions | None = None, *,
-                 cost_provider: Callable[[ClusterSpec], CostTable] | None = None) -> None:
+                 cost_provider: Callable[[ClusterSpec], CostTable] | None = None,
+                 schedules: ScheduleCache | None = None) -> None:
         self.graph = graph
+        self.schedules: ScheduleCache = {} if schedules is None else schedules
         self.cluster = cluster.with_default_batch(graph.batch_size)
         self.costs = costs
         self.indicator = indicator
@@ -294,7 +298,7 @@ class AllocationProblem:
             casts=self.options.casts, memory_headroom=self.options.memory_headroom,
             reference=Precision(self.options.reference), indicator=self.indicator,
             cluster=self.cluster, graph_batch=self.graph.batch_size)
-        built = [group_model(inputs, gi) for gi in range(len(rep.groups))]
+        built = [group_model(inputs, gi, self.schedules) for gi in range(len(rep.groups))]
         groups = [model for model, _ in built]
         memory_or = built[0][1] if built else 0
         check_finite(groups, [u.ops[0] for u in self.units])
@@ -484,7 +488,7 @@ class AllocationProblem:
             # whatever group is fastest at the new split.
             opts = dataclasses.replace(opts, strong_groups=self.held_groups)
         return AllocationProblem(self.graph, cluster, costs, self.indicator, opts,
-                                 cost_provider=self.cost_provider)
+                                 cost_provider=self.cost_provider, schedules=self.schedules)
 
     def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
         """The same problem with another makespan target (no coefficient is rebuilt)."""
@@ -503,7 +507,8 @@ class AllocationProblem:
         if opts.get("strong_groups") is not None:
             opts["strong_groups"] = tuple(opts["strong_groups"])
         return AllocationProblem(self.graph, self.cluster, self.costs, self.indicator,
-                                 ProblemOptions(**opts), cost_provider=self.cost_provider)
+                                 ProblemOptions(**opts), cost_provider=self.cost_provider,
+                                 schedules=self.schedules)
 
     def size(self) -> dict[str, int]:
         """Units, one-hot variables and pair variables per group (for reports)."""
