@@ -10,27 +10,26 @@ the other methods of :data:`METHODS`. The modules:
 * ``batches``: the synthetic and real batches measured on;
 * ``memory``: what a run holds, and the refusal when the machine has less;
 * ``tables``: tables after measuring (monotone ladders, coverage, ranks, the placeholder);
-* ``compute``: :func:`indicate`, its steps and its disk cache.
+* ``cache``: the settings a table is measured with and its disk cache (no torch);
+* ``entry``: :func:`indicate`, which looks the cache up before importing torch;
+* ``variances``: the error model's per-element variances, computed on tensors;
+* ``compute``: measuring a table, its steps.
 """
 
 from __future__ import annotations
 
-from qsync_opt.indicator.compute import (
-    ERROR_MODEL_VERSION,
-    PROGRESS_EVERY_S,
-    default_cache_dir,
-    fast_options,
-    indicate,
-)
-from qsync_opt.indicator.curv import CURV_LR, CURVATURES
+from typing import Any
+
+from qsync_opt.indicator.cache import ERROR_MODEL_VERSION, default_cache_dir
+from qsync_opt.indicator.entry import fast_options, indicate
 from qsync_opt.indicator.errormodel import (
+    CURV_LR,
     FLOAT_KINDS,
     INT4_QMAX,
     LADDERS,
     METHODS,
     SPECS,
     check_method,
-    element_variance,
     kinds_for,
 )
 from qsync_opt.indicator.memory import (
@@ -51,7 +50,6 @@ from qsync_opt.indicator.tables import (
     rank_table,
     scale_to_batch,
 )
-from qsync_opt.models.samples import real_batches, synthetic_batches
 
 __all__ = [
     "CURVATURES", "CURV_LR", "ERROR_MODEL_VERSION", "FLOAT_KINDS", "HESSIAN_ACTIVATION_FACTOR",
@@ -62,3 +60,25 @@ __all__ = [
     "indicator_memory", "kinds_for", "placeholder_indicator", "rank_table", "real_batches",
     "scale_to_batch", "synthetic_batches",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The names whose modules import torch, imported when first read (importing the
+    package, as the command line does, and reading a cached table need no torch)."""
+    if name == "PROGRESS_EVERY_S":
+        from qsync_opt.indicator import compute  # lazy: imports torch
+
+        return compute.PROGRESS_EVERY_S
+    if name == "CURVATURES":
+        from qsync_opt.indicator import curv  # lazy: imports torch
+
+        return curv.CURVATURES
+    if name == "element_variance":
+        from qsync_opt.indicator import variances  # lazy: imports torch
+
+        return variances.element_variance
+    if name in ("real_batches", "synthetic_batches"):
+        from qsync_opt.models import samples  # lazy: imports torch
+
+        return getattr(samples, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
