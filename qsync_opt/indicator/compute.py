@@ -224,7 +224,8 @@ def add_call_terms(stats: OpStats, bl: Bilinear, cap: OpCapture,
     """One captured call's terms, by the method, appended to its op's accumulators
     (``trace_pair``: the hessian method's per-element traces of the op's weight and input)."""
     if s.method == "qsync":
-        for p, (vf, vb) in qsync_terms(bl, cap, precisions, s.stochastic, s.term_dtype,
+        dtype = s.term_dtype if s.term_dtype is not None else torch.float32
+        for p, (vf, vb) in qsync_terms(bl, cap, precisions, s.stochastic, dtype,
                                        s.term_rows).items():
             stats.fwd.setdefault(p, []).append(vf)
             stats.bwd.setdefault(p, []).append(vb)

@@ -21,11 +21,7 @@ from qsync_opt.ops import quantize_int8
 from qsync_opt.profile.settings import (
     ALLREDUCE_SIZES,
     CAST_SIZES,
-    DEFAULT_REPEATS,
-    DEFAULT_WARMUP,
 )
-
-
 
 _TORCH_DTYPE = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16, DType.fp16: torch.float16}
 
