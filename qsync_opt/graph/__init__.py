@@ -32,7 +32,8 @@ the names re-exported from modules that need torch are imported when first read.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from qsync_opt.core.modelspec import is_user_model
 from qsync_opt.graph.roles import (
@@ -45,12 +46,25 @@ from qsync_opt.graph.roles import (
 )
 from qsync_opt.graph.tracing import trace
 
-#: Names re-exported from modules that import torch, imported when first read, so that
-#: importing the package (the command line does) and reading a cached graph need no torch.
-_FROM_RESOLVE = ("load_user_model", "load_user_workload", "model_file_sha256",
-                 "resolve_workload")
-_FROM_KINDS = ("is_conv1d_like", "is_leaf_module")
-_FROM_NAMING = ("CallNamer", "gemm_call_kind")
+if TYPE_CHECKING:
+    from qsync_opt.models.resolve import (
+        load_user_model,
+        load_user_workload,
+        model_file_sha256,
+        resolve_workload,
+    )
+    from qsync_opt.ops.kinds import is_conv1d_like, is_leaf_module
+    from qsync_opt.ops.naming import CallNamer, gemm_call_kind
+
+#: Names re-exported from modules that import torch -> their module, imported when first
+#: read, so that importing the package (the command line does) and reading a cached graph
+#: need no torch.
+_LAZY = {
+    "load_user_model": "qsync_opt.models.resolve", "load_user_workload": "qsync_opt.models.resolve",
+    "model_file_sha256": "qsync_opt.models.resolve", "resolve_workload": "qsync_opt.models.resolve",
+    "is_conv1d_like": "qsync_opt.ops.kinds", "is_leaf_module": "qsync_opt.ops.kinds",
+    "CallNamer": "qsync_opt.ops.naming", "gemm_call_kind": "qsync_opt.ops.naming",
+}
 
 __all__ = [
     "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",
@@ -61,17 +75,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The names whose modules import torch, imported when first read."""
-    if name in _FROM_RESOLVE:
-        from qsync_opt.models import resolve  # lazy: the registry imports torch
-
-        return getattr(resolve, name)
-    if name in _FROM_KINDS:
-        from qsync_opt.ops import kinds  # lazy: imports torch
-
-        return getattr(kinds, name)
-    if name in _FROM_NAMING:
-        from qsync_opt.ops import naming  # lazy: imports torch
-
-        return getattr(naming, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

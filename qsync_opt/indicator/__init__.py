@@ -18,7 +18,8 @@ the other methods of :data:`METHODS`. The modules:
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from qsync_opt.indicator.cache import ERROR_MODEL_VERSION, default_cache_dir
 from qsync_opt.indicator.entry import fast_options, indicate
@@ -51,6 +52,19 @@ from qsync_opt.indicator.tables import (
     scale_to_batch,
 )
 
+if TYPE_CHECKING:
+    from qsync_opt.indicator.compute import PROGRESS_EVERY_S
+    from qsync_opt.indicator.curv import CURVATURES
+    from qsync_opt.indicator.variances import element_variance
+    from qsync_opt.models.samples import real_batches, synthetic_batches
+
+#: Names re-exported from modules that import torch -> their module (imported on use).
+_LAZY = {
+    "PROGRESS_EVERY_S": "qsync_opt.indicator.compute", "CURVATURES": "qsync_opt.indicator.curv",
+    "element_variance": "qsync_opt.indicator.variances",
+    "real_batches": "qsync_opt.models.samples", "synthetic_batches": "qsync_opt.models.samples",
+}
+
 __all__ = [
     "CURVATURES", "CURV_LR", "ERROR_MODEL_VERSION", "FLOAT_KINDS", "HESSIAN_ACTIVATION_FACTOR",
     "INT4_QMAX", "LADDERS", "METHODS", "PROGRESS_EVERY_S", "RUNTIME_BYTES", "SPECS",
@@ -65,20 +79,9 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """The names whose modules import torch, imported when first read (importing the
     package, as the command line does, and reading a cached table need no torch)."""
-    if name == "PROGRESS_EVERY_S":
-        from qsync_opt.indicator import compute  # lazy: imports torch
-
-        return compute.PROGRESS_EVERY_S
-    if name == "CURVATURES":
-        from qsync_opt.indicator import curv  # lazy: imports torch
-
-        return curv.CURVATURES
-    if name == "element_variance":
-        from qsync_opt.indicator import variances  # lazy: imports torch
-
-        return variances.element_variance
-    if name in ("real_batches", "synthetic_batches"):
-        from qsync_opt.models import samples  # lazy: imports torch
-
-        return getattr(samples, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

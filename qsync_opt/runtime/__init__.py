@@ -5,6 +5,7 @@ when it builds its parsers): the names re-exported here are imported when first 
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,24 +23,20 @@ if TYPE_CHECKING:
 __all__ = ["ApplyReport", "FunctionalDispatch", "QConv1d", "QConv2d", "QLinear", "QMatMul",
            "QMultiheadAttention", "apply_plan", "apply_precisions", "count_calls"]
 
-_FROM_DISPATCH = ("FunctionalDispatch", "count_calls")
-_FROM_LAYERS = ("QConv1d", "QConv2d", "QLinear", "QMatMul", "QMultiheadAttention",
-                "apply_precisions")
-_FROM_APPLY = ("ApplyReport", "apply_plan")
+#: The re-exported names -> their module (imported on use: they import torch).
+_LAZY = {
+    "FunctionalDispatch": "qsync_opt.ops.dispatch", "count_calls": "qsync_opt.ops.dispatch",
+    "QConv1d": "qsync_opt.ops.layers", "QConv2d": "qsync_opt.ops.layers",
+    "QLinear": "qsync_opt.ops.layers", "QMatMul": "qsync_opt.ops.layers",
+    "QMultiheadAttention": "qsync_opt.ops.layers", "apply_precisions": "qsync_opt.ops.layers",
+    "ApplyReport": "qsync_opt.runtime.apply", "apply_plan": "qsync_opt.runtime.apply",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """The re-exported names, imported when first read (their modules import torch)."""
-    if name in _FROM_DISPATCH:
-        from qsync_opt.ops import dispatch  # lazy: imports torch
-
-        return getattr(dispatch, name)
-    if name in _FROM_LAYERS:
-        from qsync_opt.ops import layers  # lazy: imports torch
-
-        return getattr(layers, name)
-    if name in _FROM_APPLY:
-        from qsync_opt.runtime import apply  # lazy: imports torch
-
-        return getattr(apply, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
