@@ -2,7 +2,7 @@
 
 A built-in workload's graph depends only on code and settings, all in the key: the
 package's version and every Python source of the package and its models
-(:func:`~qsync_opt.models.workload.package_code_digest`), torch's and Python's versions, the
+(:func:`~qsync_opt.core.modelspec.package_code_digest`), torch's and Python's versions, the
 workload, the batch and the tracer's settings (``include_loss``, ``pin_head``, ``unpin``,
 ``tie``, ``method``, the graph's name). A workload whose code cannot be known in full (a
 user's file, which may import other files; a workload made or changed outside the package's
