@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError, TraceError
 from qsync_opt.documents.schemas import ModelGraph, TensorSpec
@@ -56,8 +57,8 @@ def _through_opaque(raw: list[RawOp], label: str,
     return seen, "function_mode"
 
 
-def trace_any(workload: Any, batch: int | None, *, example_inputs: Any, include_loss: bool,
-              pin_head: bool, unpin: Sequence[str], tie: str, name: str | None, method: str,
+def trace_any(workload: str | Workload | nn.Module, batch: int | None, *, example_inputs: Any,
+              include_loss: bool, pin_head: bool, unpin: Sequence[str], tie: str, name: str | None, method: str,
               model_sha256: str | None, cache: bool) -> ModelGraph:
     """:func:`qsync_opt.graph.tracing.trace` past its cache lookup: the workload resolved,
     traced (or its graph read from the cache where ``cache``), not yet warned about."""

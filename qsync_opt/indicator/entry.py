@@ -21,6 +21,7 @@ from qsync_opt.indicator.cache import (
 from qsync_opt.indicator.errormodel import CURV_LR
 
 if TYPE_CHECKING:  # annotations only: a cached table is found without torch
+    import torch
     from torch import nn
 
     from qsync_opt.models import Workload
@@ -42,7 +43,7 @@ def indicate(
     cache_dir: str | Path | None = None,
     progress: bool = False,
     hutchinson_samples: int = 2,
-    term_dtype: Any = None,
+    term_dtype: torch.dtype | None = None,
     term_rows: int | None = None,
     memory_check: bool = True,
     needs: Collection[Precision] | None = None,
