@@ -10,7 +10,10 @@ before and after: wall times mean something only where it was low.
 
 ``--baseline PATH`` times another installation's ``qsync-opt`` (an older tree's
 ``.venv/bin/qsync-opt``) on the same cases, its runs interleaved with this one's so that a
-change of load falls on both alike.
+change of load falls on both alike. Each installation then runs with a cache folder of its
+own (``XDG_CACHE_HOME``), a copy of this user's without the traced graphs: the graph cache is
+keyed by the package's code, and two trees sharing one folder would delete each other's
+graphs at every run, so that no run would be warm.
 
     .venv/bin/python benchmarks/bench_cli_plan.py [--repeats 5] [--baseline OTHER/.venv/bin/qsync-opt]
 """
@@ -21,6 +24,7 @@ import argparse
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,12 +59,13 @@ def cases(model: str, cluster: str, solver: str, out: Path) -> dict[str, list[st
     }
 
 
-def run_once(exe: str, argv: list[str]) -> tuple[float, float]:
-    """One fresh process of ``exe argv``: (wall seconds, its CPU seconds). A failure stops
-    the benchmark with the command's last lines."""
+def run_once(exe: str, argv: list[str], env: dict[str, str] | None = None
+             ) -> tuple[float, float]:
+    """One fresh process of ``exe argv`` (in ``env``, default this one's): (wall seconds,
+    its CPU seconds). A failure stops the benchmark with the command's last lines."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    done = subprocess.run([exe, *argv], capture_output=True, text=True)
+    done = subprocess.run([exe, *argv], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -70,16 +75,34 @@ def run_once(exe: str, argv: list[str]) -> tuple[float, float]:
     return wall, cpu
 
 
-def measure(exes: dict[str, str], commands: dict[str, list[str]], repeats: int
-            ) -> dict[tuple[str, str], Timing]:
+def own_caches(exes: dict[str, str], tmp: Path) -> dict[str, dict[str, str] | None]:
+    """Each executable's environment: with one, this one's; with several, each its own
+    cache folder, a copy of this user's without ``graphs/`` (the indicator tables and the
+    host's facts stay warm; each tree traces its graphs once, in its warm-up)."""
+    if len(exes) == 1:
+        return {who: None for who in exes}
+    from qsync_opt.core.machine import cache_root
+
+    envs: dict[str, dict[str, str] | None] = {}
+    for who in exes:
+        home = tmp / f"cache-{who}"
+        if cache_root().is_dir():
+            shutil.copytree(cache_root(), home / "qsync-opt", symlinks=True,
+                            ignore=lambda folder, names: ["graphs"] if "graphs" in names else [])
+        envs[who] = dict(os.environ, XDG_CACHE_HOME=str(home))
+    return envs
+
+
+def measure(exes: dict[str, str], commands: dict[str, list[str]], repeats: int,
+            envs: dict[str, dict[str, str] | None]) -> dict[tuple[str, str], Timing]:
     """Every case with every executable: a warm-up, then ``repeats`` runs, interleaved."""
     out = {(who, case): Timing() for who in exes for case in commands}
     for case, argv in commands.items():
         for who, exe in exes.items():
-            out[who, case].warmup_wall = run_once(exe, argv)[0]
+            out[who, case].warmup_wall = run_once(exe, argv, envs[who])[0]
         for _ in range(repeats):
             for who, exe in exes.items():
-                wall, cpu = run_once(exe, argv)
+                wall, cpu = run_once(exe, argv, envs[who])
                 out[who, case].wall.append(wall)
                 out[who, case].cpu.append(cpu)
     return out
@@ -132,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = cases(args.model, args.cluster, args.solver, Path(tmp))
         if args.only:
             commands = {k: v for k, v in commands.items() if k in args.only}
-        timings = measure(exes, commands, args.repeats)
+        timings = measure(exes, commands, args.repeats, own_caches(exes, Path(tmp)))
     for who, exe in exes.items():
         print(f"{who}: {exe}")
     print("\n".join(table(timings, exes, args.repeats)))

@@ -11,13 +11,10 @@ from qsync_opt.models.user import model_file_sha256 as _digest
 from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.modelspec import is_user_model
 
-
-def is_user_model(spec: str) -> bool:
-    """True when ``spec`` names a user's Python file (``path/file.py:fn``), which importing
-    runs; anything else is a registry name (qsync-opt models), which runs only our code."""
-    path_s, sep, fn_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-    return bool(sep) and path_s.endswith(".py")
+__all__ = ["is_user_model", "load_user_model", "load_user_workload", "model_file_sha256",
+           "resolve_workload"]
 
 
 def model_file_sha256(spec: str) -> str:

@@ -21,13 +21,11 @@ each kind, never a type check in the caller:
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from qsync_opt.core.modelspec import package_code_digest
 
 if TYPE_CHECKING:  # annotations only: the code digest and the protocol need no torch
     import torch
@@ -143,19 +141,3 @@ class Workload(Protocol):
         """The content hash of the model's file, recorded in graphs and plans; None for a
         built-in."""
         ...
-
-
-@functools.lru_cache(maxsize=1)
-def package_code_digest() -> str:
-    """sha256 (hex, 16 digits) over every Python source of the installed package and its
-    built-in models (relative path and content, in sorted order): any change of the tracer,
-    the annotator or a model's code gives another digest. Read once per process."""
-    roots = [Path(sys.modules[__name__.split(".")[0]].__file__ or ".").parent,
-             Path(__file__).parent]
-    h = hashlib.sha256()
-    for i, root in enumerate(roots):
-        for path in sorted(root.rglob("*.py")):
-            h.update(f"{i}:{path.relative_to(root).as_posix()}\0".encode())
-            h.update(path.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()[:16]

@@ -18,14 +18,14 @@ from qsync_opt.core.limits import (
     positive_int,
     spec_type,
 )
+from qsync_opt.core.modelspec import is_user_model
 from qsync_opt.costs.cluster import SHORTHAND_HELP, load_cluster
 from qsync_opt.costs.devices import INT4_CARDS, enable_int4
 from qsync_opt.documents.schemas import MAX_BATCH, ClusterSpec, ModelGraph
-from qsync_opt.graph import TIE_MODES, is_user_model, load_user_workload, trace
+from qsync_opt.graph import TIE_MODES, trace
 from qsync_opt.indicator import METHODS
 from qsync_opt.netsim.cluster import COMM_MODEL_HELP
 from qsync_opt.replayer import sync_model_for
-from qsync_opt.strategy.codecs import parse_compressor
 from qsync_opt.strategy.modes import parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
@@ -53,6 +53,8 @@ def workload_arg(args: argparse.Namespace, model_sha256: str | None = None) -> A
     """``--model``: a registry name as it is, a ``PATH.py:FUNCTION`` file loaded (it is run:
     the user named it; with ``model_sha256`` it must have that content hash first)."""
     if is_user_model(args.model):
+        from qsync_opt.models.resolve import load_user_workload  # lazy: imports torch
+
         return load_user_workload(args.model, sha256=model_sha256)
     return args.model
 
@@ -137,6 +139,8 @@ def _check_sync_text(text: str) -> None:
 
 
 def _check_compressor_text(text: str) -> None:
+    from qsync_opt.strategy.codecs import parse_compressor  # lazy: the codecs import torch
+
     parse_compressor(text)
 
 

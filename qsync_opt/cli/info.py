@@ -10,10 +10,11 @@ from qsync_opt.cli.summaries import GiB, format_table
 from qsync_opt.core.precision import DType
 from qsync_opt.costs.devices import CATALOG, get_device
 from qsync_opt.documents.schemas import json_schema, schema_names
-from qsync_opt.models import WORKLOADS
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from qsync_opt.models import WORKLOADS  # lazy: the registry imports torch
+
     rows = [(w.name, w.default_batch, w.input_doc, "real" if w.real_data else "synthetic",
              w.description) for w in WORKLOADS.values()]
     if args.json:

@@ -54,12 +54,9 @@ from qsync_opt.indicator import (
     placeholder_indicator,
     rank_table,
 )
-from qsync_opt.job.launch import resolve_ranks
 from qsync_opt.netsim.cluster import COMM_MODEL_HELP, parse_comm_model, with_netsim_comm
-from qsync_opt.pipeline.predict import predict_pipeline
 from qsync_opt.problem.plan import check_plan, make_plan, plan_model
 from qsync_opt.replayer import Replayer
-from qsync_opt.runtime.config import rank_groups_example
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -231,6 +228,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
+    # lazy: the launcher, the pipeline and the runtime import torch (this path alone uses them)
+    from qsync_opt.job.launch import resolve_ranks
+    from qsync_opt.pipeline.predict import predict_pipeline
+    from qsync_opt.runtime.config import rank_groups_example
+
     plan = plan_doc if plan_doc is not None else make_plan(
         graph, cluster, {}, {"solver": "none (every op at fp32)"})
     n = args.pipeline_stages

@@ -8,10 +8,10 @@ import sys
 from typing import Any
 
 from qsync_opt.core.limits import int_range, positive_int
+from qsync_opt.costs.tables import merge
 from qsync_opt.documents.io import save, to_json
 from qsync_opt.documents.schemas import MAX_BATCH, CostTable
-from qsync_opt.profile import merge, profile_detailed
-from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP
+from qsync_opt.profile.settings import DEFAULT_REPEATS, DEFAULT_WARMUP
 
 #: The command's help description: the first line of :mod:`qsync_opt.profile`'s docstring.
 DESCRIPTION = (
@@ -45,6 +45,8 @@ def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from qsync_opt.profile import profile_detailed  # lazy: the profiler imports torch
+
     prof = profile_detailed(args.model, args.batch, device=args.device,
                             device_name=args.device_name, repeats=args.repeats,
                             warmup=args.warmup, threads=args.threads,

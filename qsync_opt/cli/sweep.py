@@ -20,12 +20,15 @@ from qsync_opt.core.limits import (
 )
 from qsync_opt.documents.io import atomic_write_text
 from qsync_opt.documents.schemas import MAX_BATCH
-from qsync_opt.hfta import sweep as lib
-from qsync_opt.hfta.sweep import SweepRequest, parse_seeds, parse_values, run_sweep
-from qsync_opt.runtime.metrics import clean
+from qsync_opt.hfta.request import SweepRequest, check_request, parse_seeds, parse_values
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
 __all__ = ["add_sweep_parser", "cmd_sweep", "sweep_request"]
+
+#: The command's help description: the first line of :mod:`qsync_opt.hfta.sweep`'s
+#: docstring (the sweep imports torch; building the parser must not).
+DESCRIPTION = ("``qsync-opt sweep``: a seed / learning-rate / weight-decay sweep trained as "
+               "one fused array.")
 
 
 def _lrs(text: str) -> list[float]:
@@ -42,7 +45,7 @@ def _schedule_text(text: str) -> Any:
 
 def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="train many variants of a model as one fused array (HFTA)",
-                       description=(lib.__doc__ or "").split("\n\n")[0])
+                       description=DESCRIPTION)
     p.add_argument("--model", required=True, help="workload (qsync-opt models)")
     p.add_argument("--seeds", type=spec_type(parse_seeds, "--seeds"), default="0",
                    help="seeds: 0-7, 0,3,5 (default 0)")
@@ -82,7 +85,7 @@ def add_sweep_parser(sub: Any) -> argparse.ArgumentParser:
 
 def sweep_request(args: argparse.Namespace) -> SweepRequest:
     """The sweep ``args`` ask for, every flag checked (:func:`~qsync_opt.hfta.sweep.
-    check_request`) before anything is built or trained."""
+    check_request`, :mod:`qsync_opt.hfta.request`) before anything is built or trained."""
     req = SweepRequest(
         model=args.model, seeds=parse_seeds(args.seeds),
         lrs=parse_values(args.lr, "--lr", positive=True),
@@ -91,11 +94,15 @@ def sweep_request(args: argparse.Namespace) -> SweepRequest:
         lr_schedule=args.lr_schedule, inputs=args.inputs, fuse=args.fuse, plan=args.plan,
         group=args.group, eval_batches=args.eval_batches, device=args.device, out=args.out,
         export=args.export)
-    lib.check_request(req)
+    check_request(req)
     return req
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    # lazy: the fused trainer and the metrics import torch (only a run needs them)
+    from qsync_opt.hfta.sweep import run_sweep
+    from qsync_opt.runtime.metrics import clean
+
     req = sweep_request(args)
     quiet = args.json == "-"
     def say(line: str) -> None:

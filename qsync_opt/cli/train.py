@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsync_opt.core.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from qsync_opt.core.progress import LOG_EVERY_S
 from qsync_opt.documents.outfolder import read_bytes
-from qsync_opt.documents.schemas import MAX_BATCH, Plan
-from qsync_opt.job import launch
-from qsync_opt.job.launch import MAX_RANKS, TrainRequest
-from qsync_opt.ops import load_cpu
-from qsync_opt.pipeline.spec import PipelineRequest
+from qsync_opt.documents.schemas import MAX_BATCH, MAX_DEVICES, Plan
 from qsync_opt.runtime.config import (
     DEFAULT_LR,
     MAX_ABS_SEED,
@@ -27,18 +24,28 @@ from qsync_opt.runtime.config import (
     USER_MODEL_LR,
     TrainConfig,
 )
-from qsync_opt.runtime.metrics import ranks_text, sync_line
 from qsync_opt.runtime.rankfail import report_failure
-from qsync_opt.strategy.codecs import parse_compressor
 from qsync_opt.strategy.modes import parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
+if TYPE_CHECKING:  # annotations only: the launcher imports torch
+    from qsync_opt.job.launch import TrainRequest
+
 __all__ = ["add_train_parser", "cmd_train", "train_request"]
 
-log = launch.log  # the launcher's warnings keep its logger's name
+log = logging.getLogger("qsync_opt.job.launch")  # the launcher's warnings keep its logger's name
+
+#: The command's help description: the first line of :mod:`qsync_opt.job.launch`'s docstring
+#: (the launcher imports torch; building the parser must not).
+DESCRIPTION = ("``qsync-opt train``: check a plan against the ranks, write the run's config, "
+               "launch torchrun.")
+#: ``--nproc``'s limit: the launcher's ``MAX_RANKS``.
+MAX_RANKS = MAX_DEVICES
 
 
 def _compressor(text: str) -> Any:
+    from qsync_opt.strategy.codecs import parse_compressor  # lazy: the codecs import torch
+
     return parse_compressor(text)
 
 
@@ -46,7 +53,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``train`` to a subparsers object; the parser's default ``fn`` is :func:`cmd_train`."""
     p = sub.add_parser(
         "train", help="train a model under a plan with torchrun (DDP, gloo on CPU, NCCL on GPU)",
-        description=(launch.__doc__ or "").split("\n\n")[0])
+        description=DESCRIPTION)
     _add_plan_flags(p)
     _add_optimizer_flags(p)
     _add_run_flags(p)
@@ -185,6 +192,10 @@ _seconds = finite_float(0, MAX_PROGRESS_EVERY_S,
 
 def train_request(args: argparse.Namespace) -> TrainRequest:
     """The parsed flags as the launcher's :class:`~qsync_opt.job.launch.TrainRequest`."""
+    # lazy: the launcher and the pipeline import torch (only a run needs them)
+    from qsync_opt.job.launch import TrainRequest
+    from qsync_opt.pipeline.spec import PipelineRequest
+
     return TrainRequest(
         model=args.model, plan=args.plan, cluster=args.cluster, batch=args.batch,
         nproc=args.nproc, rank_groups=args.rank_groups, steps=args.steps, lr=args.lr,
@@ -203,6 +214,10 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``qsync-opt train``: 0 on success, 1 when a rank failed; bad input raises (exit 2)."""
+    # lazy: the launcher and the kernels import torch (only a run needs them)
+    from qsync_opt.job import launch
+    from qsync_opt.ops import load_cpu
+
     lines: list[str] = []
     pending: dict[str, Any] = {}
     config = launch.build_config(train_request(args), lines, pending)
@@ -250,6 +265,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none),
     then the communication and the pipeline's boundaries."""
+    from qsync_opt.runtime.metrics import ranks_text, sync_line  # lazy: imports torch
+
     path = Path(config.out_dir) / "summary.json"
     try:
         data = read_bytes(path.parent, path.name)  # never through a link in --out

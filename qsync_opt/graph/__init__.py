@@ -19,17 +19,24 @@ How it works:
    promote), FLOPs (a multiply-add is 2 FLOPs), bytes, depths, the classifier head pin,
    optional tie groups.
 
-The package, by job: :mod:`.tracing` (the entry point :func:`trace`), :mod:`.capture` (the
+The package, by job: :mod:`.tracing` (the entry point :func:`trace`, which looks the cache up
+before importing torch), :mod:`.tracer` (the tracing itself), :mod:`.capture` (the
 torch.fx tracer), :mod:`.fallback` (the function-mode tracer), :mod:`.recording` (what both
-tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`qsync_opt.ops.kinds` (op kinds, leaf
-modules), :mod:`qsync_opt.ops.naming` (:class:`CallNamer`) and :mod:`.cache` (traced graphs of built-in
-workloads kept on disk). Workloads named by a string are resolved by
-:mod:`qsync_opt.models.resolve`, re-exported here.
+tracers share), :mod:`.annotate` (raw ops -> ModelGraph), :mod:`.roles` (the annotation's vocabulary and the
+unseen ops), :mod:`qsync_opt.ops.kinds` (op kinds, leaf modules), :mod:`qsync_opt.ops.naming`
+(:class:`CallNamer`) and :mod:`.cache` (traced graphs of built-in workloads kept on disk).
+Workloads named by a string are resolved by :mod:`qsync_opt.models.resolve`, re-exported
+here. Importing the package imports no torch: :func:`trace` finds a cached graph first, and
+the names re-exported from modules that need torch are imported when first read.
 """
 
 from __future__ import annotations
 
-from qsync_opt.graph.annotate import (
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from qsync_opt.core.modelspec import is_user_model
+from qsync_opt.graph.roles import (
     ALL_GEMM_PRECISIONS,
     CONV_PRECISIONS,
     HEAD_REASON,
@@ -38,15 +45,26 @@ from qsync_opt.graph.annotate import (
     unseen_ops,
 )
 from qsync_opt.graph.tracing import trace
-from qsync_opt.models.resolve import (
-    is_user_model,
-    load_user_model,
-    load_user_workload,
-    model_file_sha256,
-    resolve_workload,
-)
-from qsync_opt.ops.kinds import is_conv1d_like, is_leaf_module
-from qsync_opt.ops.naming import CallNamer, gemm_call_kind
+
+if TYPE_CHECKING:
+    from qsync_opt.models.resolve import (
+        load_user_model,
+        load_user_workload,
+        model_file_sha256,
+        resolve_workload,
+    )
+    from qsync_opt.ops.kinds import is_conv1d_like, is_leaf_module
+    from qsync_opt.ops.naming import CallNamer, gemm_call_kind
+
+#: Names re-exported from modules that import torch -> their module, imported when first
+#: read, so that importing the package (the command line does) and reading a cached graph
+#: need no torch.
+_LAZY = {
+    "load_user_model": "qsync_opt.models.resolve", "load_user_workload": "qsync_opt.models.resolve",
+    "model_file_sha256": "qsync_opt.models.resolve", "resolve_workload": "qsync_opt.models.resolve",
+    "is_conv1d_like": "qsync_opt.ops.kinds", "is_leaf_module": "qsync_opt.ops.kinds",
+    "CallNamer": "qsync_opt.ops.naming", "gemm_call_kind": "qsync_opt.ops.naming",
+}
 
 __all__ = [
     "ALL_GEMM_PRECISIONS", "CONV_PRECISIONS", "HEAD_REASON", "PIN_REASONS", "TIE_MODES",
@@ -54,3 +72,12 @@ __all__ = [
     "load_user_model", "load_user_workload", "model_file_sha256", "resolve_workload", "trace",
     "unseen_ops",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

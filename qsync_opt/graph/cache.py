@@ -2,7 +2,7 @@
 
 A built-in workload's graph depends only on code and settings, all in the key: the
 package's version and every Python source of the package and its models
-(:func:`~qsync_opt.models.workload.package_code_digest`), torch's and Python's versions, the
+(:func:`~qsync_opt.core.modelspec.package_code_digest`), torch's and Python's versions, the
 workload, the batch and the tracer's settings (``include_loss``, ``pin_head``, ``unpin``,
 ``tie``, ``method``, the graph's name). A workload whose code cannot be known in full (a
 user's file, which may import other files; a workload made or changed outside the package's
@@ -17,6 +17,11 @@ traced again after its code changed, its graphs made by the older code are delet
 folder does not grow with every edit. A file that cannot be
 read or parsed, or holds no valid graph, is traced again and replaced; a cache that cannot
 be written costs only the next trace.
+
+A lookup at no given batch (:func:`qsync_opt.graph.tracing.trace` of a built-in's name)
+reads the workload's default batch from a small file of the same folder, written when the
+workload was traced at its default batch (:func:`store_default_batch`), so that a cached
+graph is found without importing the registry, the tracer or torch.
 """
 
 from __future__ import annotations
@@ -81,13 +86,15 @@ def cache_file(key: dict[str, object]) -> str:
     return f"{_stem(key)}-{str(key['code'])[:8]}-b{key['batch']}-{digest}.json"
 
 
-def load_cached(key: dict[str, object]) -> ModelGraph | None:
-    """The graph cached under ``key``, or None (none there, or not usable: logged)."""
+def _stored(key: dict[str, object], quiet: bool) -> dict[str, object] | None:
+    """The JSON object filed under ``key`` (holding that key), or None (none there, or not
+    usable: logged unless ``quiet``)."""
     name = cache_file(key)
     try:
         data = outfolder.read_bytes(cache_root(), f"{FOLDER}/{name}", what="graph cache")
     except (OutputError, OSError) as exc:
-        log.warning("graph cache: %s not read (%s); tracing", name, exc)
+        if not quiet:
+            log.warning("graph cache: %s not read (%s); tracing", name, exc)
         return None
     if data is None:
         return None
@@ -97,10 +104,54 @@ def load_cached(key: dict[str, object]) -> ModelGraph | None:
         stored = parse_text(data.decode("utf-8"), "JSON", name)
         if not isinstance(stored, dict) or stored.get("key") != key:
             raise QsyncInputError("it holds another key")
-        return parse_document(stored.get("graph"), ModelGraph, name)
+        return stored
     except (QsyncInputError, UnicodeDecodeError) as exc:
-        log.warning("graph cache: %s unusable (%s); tracing again", name, exc)
+        if not quiet:
+            log.warning("graph cache: %s unusable (%s); tracing again", name, exc)
         return None
+
+
+def load_cached(key: dict[str, object], quiet: bool = False) -> ModelGraph | None:
+    """The graph cached under ``key``, or None (none there, or not usable: logged unless
+    ``quiet``, as for a lookup that a trace follows on a miss, which logs it)."""
+    stored = _stored(key, quiet)
+    if stored is None:
+        return None
+    try:
+        return parse_document(stored.get("graph"), ModelGraph, cache_file(key))
+    except QsyncInputError as exc:
+        if not quiet:
+            log.warning("graph cache: %s unusable (%s); tracing again", cache_file(key), exc)
+        return None
+
+
+def default_batch_key(cache_name: str, code_digest: str) -> dict[str, object]:
+    """The key of a workload's default batch as its code states it (``"batch"`` is
+    ``"default"``): what a lookup of a built-in at no given batch reads, without importing
+    the registry (which imports torch)."""
+    return {"format": FORMAT, "package": _package_version(), "code": code_digest,
+            "python": list(sys.version_info[:2]), "workload": cache_name, "batch": "default"}
+
+
+def load_default_batch(cache_name: str, code_digest: str) -> int | None:
+    """The default batch recorded for the workload by this code, or None."""
+    stored = _stored(default_batch_key(cache_name, code_digest), quiet=True)
+    batch = stored.get("default_batch") if stored is not None else None
+    return batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else None
+
+
+def store_default_batch(cache_name: str, code_digest: str, batch: int) -> None:
+    """Record the workload's default batch (written atomically; a failure is logged at info
+    level, never raised, as :func:`store`'s; it shares the graphs' prune)."""
+    key = default_batch_key(cache_name, code_digest)
+    if load_default_batch(cache_name, code_digest) == batch:
+        return
+    name = cache_file(key)
+    text = json.dumps({"key": key, "default_batch": batch}) + "\n"
+    try:
+        outfolder.write_text(cache_root(), f"{FOLDER}/{name}", text, what="graph cache")
+    except (OutputError, OSError) as exc:
+        log.info("graph cache: %s not written (%s)", name, exc)
 
 
 def store(key: dict[str, object], graph: ModelGraph) -> None:

@@ -10,27 +10,27 @@ the other methods of :data:`METHODS`. The modules:
 * ``batches``: the synthetic and real batches measured on;
 * ``memory``: what a run holds, and the refusal when the machine has less;
 * ``tables``: tables after measuring (monotone ladders, coverage, ranks, the placeholder);
-* ``compute``: :func:`indicate`, its steps and its disk cache.
+* ``cache``: the settings a table is measured with and its disk cache (no torch);
+* ``entry``: :func:`indicate`, which looks the cache up before importing torch;
+* ``variances``: the error model's per-element variances, computed on tensors;
+* ``compute``: measuring a table, its steps.
 """
 
 from __future__ import annotations
 
-from qsync_opt.indicator.compute import (
-    ERROR_MODEL_VERSION,
-    PROGRESS_EVERY_S,
-    default_cache_dir,
-    fast_options,
-    indicate,
-)
-from qsync_opt.indicator.curv import CURV_LR, CURVATURES
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from qsync_opt.indicator.cache import ERROR_MODEL_VERSION, default_cache_dir
+from qsync_opt.indicator.entry import fast_options, indicate
 from qsync_opt.indicator.errormodel import (
+    CURV_LR,
     FLOAT_KINDS,
     INT4_QMAX,
     LADDERS,
     METHODS,
     SPECS,
     check_method,
-    element_variance,
     kinds_for,
 )
 from qsync_opt.indicator.memory import (
@@ -51,7 +51,19 @@ from qsync_opt.indicator.tables import (
     rank_table,
     scale_to_batch,
 )
-from qsync_opt.models.samples import real_batches, synthetic_batches
+
+if TYPE_CHECKING:
+    from qsync_opt.indicator.compute import PROGRESS_EVERY_S
+    from qsync_opt.indicator.curv import CURVATURES
+    from qsync_opt.indicator.variances import element_variance
+    from qsync_opt.models.samples import real_batches, synthetic_batches
+
+#: Names re-exported from modules that import torch -> their module (imported on use).
+_LAZY = {
+    "PROGRESS_EVERY_S": "qsync_opt.indicator.compute", "CURVATURES": "qsync_opt.indicator.curv",
+    "element_variance": "qsync_opt.indicator.variances",
+    "real_batches": "qsync_opt.models.samples", "synthetic_batches": "qsync_opt.models.samples",
+}
 
 __all__ = [
     "CURVATURES", "CURV_LR", "ERROR_MODEL_VERSION", "FLOAT_KINDS", "HESSIAN_ACTIVATION_FACTOR",
@@ -62,3 +74,14 @@ __all__ = [
     "indicator_memory", "kinds_for", "placeholder_indicator", "rank_table", "real_batches",
     "scale_to_batch", "synthetic_batches",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The names whose modules import torch, imported when first read (importing the
+    package, as the command line does, and reading a cached table need no torch)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,5 +1,5 @@
-"""``indicate``: Omega[op][precision] for every choosable op, measured from batches, and its
-disk cache."""
+"""``indicate``: Omega[op][precision] for every choosable op, measured from batches (its disk
+cache: :mod:`.cache`)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,20 @@ import torch
 from torch import Tensor, nn
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.core.machine import cache_root
 from qsync_opt.core.precision import Precision
 from qsync_opt.core.progress import LOG_EVERY_S, duration
-from qsync_opt.documents.io import load, save
+from qsync_opt.documents.io import save
 from qsync_opt.documents.schemas import IndicatorTable, ModelGraph, OpRole
-from qsync_opt.graph import resolve_workload, trace
+from qsync_opt.graph import trace
+from qsync_opt.indicator.cache import (
+    IndicatorSettings,
+    cache_path,
+    cached_table,
+    check_settings,
+)
 from qsync_opt.indicator.calls import Bilinear, CallCapture
 from qsync_opt.indicator.curv import CURV_LR, curv_batch
-from qsync_opt.indicator.errormodel import NOMINAL, check_method
+from qsync_opt.indicator.errormodel import NOMINAL
 from qsync_opt.indicator.memory import (
     available_memory_bytes,
     check_indicator_memory,
@@ -48,6 +53,7 @@ from qsync_opt.indicator.terms import (
     wvar_terms,
 )
 from qsync_opt.models import Workload
+from qsync_opt.models.resolve import resolve_workload
 
 log = logging.getLogger("qsync_opt.indicator")
 
@@ -83,39 +89,6 @@ class IndicatorProgress:
         sys.stderr.flush()
 
 
-def fast_options() -> dict[str, Any]:
-    """``indicate(**fast_options())``: propagate the qsync variances in bf16 for 2 samples
-    per batch (scales and variances still from whole batches) — for large models."""
-    return {"term_dtype": torch.bfloat16, "term_rows": 2}
-
-
-#: The error model's version: tables cached under another (int4 stochastic, int8_full's
-#: per-tensor output gradient, a matmul's ``b`` re-quantized per column) are not reused.
-ERROR_MODEL_VERSION = 3
-
-
-def default_cache_dir() -> Path:
-    return cache_root() / "indicators" / f"e{ERROR_MODEL_VERSION}"
-
-
-@dataclasses.dataclass(frozen=True)
-class IndicatorSettings:
-    """What a table is measured with, every field in its cache key: the method, the number of
-    batches and their size, the seed, gamma, the int8 rounding assumed, and the hessian and
-    curv probes, the qsync terms' dtype and rows, curv's learning rate."""
-
-    method: str
-    batches: int
-    batch: int
-    seed: int
-    gamma: float
-    stochastic: bool
-    hutchinson_samples: int
-    term_dtype: torch.dtype
-    term_rows: int | None
-    lr: float
-
-
 @dataclasses.dataclass
 class Measurements:
     """What the batches gave: per-op accumulators, the ops a call of which was captured in
@@ -136,11 +109,7 @@ def checked_workload(workload: str | Workload, batch: int | None, s: IndicatorSe
                      ) -> tuple[AnyWorkload, int]:
     """The workload and batch ``indicate`` measures, its arguments checked (one-line
     :class:`QsyncInputError` naming the argument)."""
-    if not s.lr >= 0:
-        raise QsyncInputError(f"lr: expected a non-negative number, got {s.lr}")
-    check_method(s.method)
-    if s.batches < 1:
-        raise QsyncInputError(f"batches: expected a positive integer, got {s.batches}")
+    check_settings(s)
     wl = resolve_workload(workload) if isinstance(workload, str) else workload
     if not isinstance(wl, Workload):
         raise QsyncInputError("model: indicate() takes a registry name, a PATH.py:FUNCTION "
@@ -149,46 +118,6 @@ def checked_workload(workload: str | Workload, batch: int | None, s: IndicatorSe
     if b < 1:
         raise QsyncInputError(f"batch: expected a positive integer, got {b}")
     return wl, b
-
-
-def cache_path(wl: AnyWorkload, graph: ModelGraph, s: IndicatorSettings,
-               cache_dir: str | Path | None) -> Path:
-    """Where the table of these settings is cached: keyed by the workload (a user's file:
-    its content's sha256 and function), batch, batches, method, seed, gamma, rounding, the
-    method's settings and the graph's structure."""
-    folder = Path(cache_dir) if cache_dir else default_cache_dir()
-    tag = "" if s.term_dtype == torch.float32 else f"-{str(s.term_dtype).split('.')[-1]}"
-    tag += f"-r{s.term_rows}" if s.term_rows else ""
-    tag += f"-h{s.hutchinson_samples}-lr{s.lr:g}" if s.method == "curv" else ""
-    key = wl.cache_name
-    return folder / (f"{key}-b{s.batch}-n{s.batches}-{s.method}-s{s.seed}-g{s.gamma:g}-"
-                     f"{'sr' if s.stochastic else 'rtn'}{tag}-{graph.structure_hash()}.json")
-
-
-def cached_table(path: Path, wl: AnyWorkload, graph: ModelGraph,
-                 needs: Collection[Precision] | None, method: str,
-                 report: Callable[[str], None] | None) -> IndicatorTable | None:
-    """The table cached at ``path`` when it has a value for every op at every precision in
-    ``needs`` the op allows; None when there is none, it lacks one, or it is unreadable."""
-    if not path.is_file():
-        return None
-    try:
-        table = load(path, IndicatorTable)
-        # a table cached before a precision joined the ops' menus (int4) is stale
-        # for a caller that needs that precision (``needs``: default, every one)
-        if all(p in table.values.get(o.name, {}) for o in graph.choosable_ops()
-               if o.name not in table.unmeasured
-               for p in o.allowed_precisions if needs is None or p in needs):
-            log.info("indicator: reusing %s", path)
-            table = table.model_copy(update={"workload": wl.name})  # a moved file
-            if report is not None:
-                report(f"indicator {method}: from the cache ({path}; "
-                       f"{table_summary(table)})")
-            return table
-        log.info("indicator: %s lacks a precision the ops allow; recomputing", path)
-    except QsyncInputError as exc:
-        log.warning("indicator cache %s unreadable (%s); recomputing", path, exc)
-    return None
 
 
 def prepared_model(wl: AnyWorkload, graph: ModelGraph, method: str, model: nn.Module | None,
@@ -295,7 +224,8 @@ def add_call_terms(stats: OpStats, bl: Bilinear, cap: OpCapture,
     """One captured call's terms, by the method, appended to its op's accumulators
     (``trace_pair``: the hessian method's per-element traces of the op's weight and input)."""
     if s.method == "qsync":
-        for p, (vf, vb) in qsync_terms(bl, cap, precisions, s.stochastic, s.term_dtype,
+        dtype = s.term_dtype if s.term_dtype is not None else torch.float32
+        for p, (vf, vb) in qsync_terms(bl, cap, precisions, s.stochastic, dtype,
                                        s.term_rows).items():
             stats.fwd.setdefault(p, []).append(vf)
             stats.bwd.setdefault(p, []).append(vb)
@@ -464,8 +394,8 @@ def indicate(
     # a user's file is cached by its content hash (and function), never by its path
     path = None
     if cache and model is None and data is None:
-        path = cache_path(wl, graph, settings, cache_dir)
-        table = cached_table(path, wl, graph, needs, method, report)
+        path = cache_path(wl.cache_name, graph, settings, cache_dir)
+        table = cached_table(path, wl.name, graph, needs, method, report)
         if table is not None:
             return table
     torch.manual_seed(seed)

@@ -13,11 +13,8 @@ from torch import Tensor, nn
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
 from qsync_opt.indicator.calls import Bilinear, CallCapture
-from qsync_opt.indicator.errormodel import SPECS, element_variance, kind_parts
-
-#: The ``curv`` method's default SGD learning rate for its backward (update) term: the
-#: accuracy study's SGD rate (benchmarks/bench_accuracy.py, digits_cnn). ``lr=0`` drops it.
-CURV_LR = 0.05
+from qsync_opt.indicator.errormodel import CURV_LR, SPECS, kind_parts
+from qsync_opt.indicator.variances import element_variance
 
 
 @dataclass

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from qsync_opt.core.precision import Precision
 from qsync_opt.indicator.calls import Bilinear, Call
-from qsync_opt.indicator.errormodel import SPECS, element_variance, kind_parts, kinds_for
+from qsync_opt.indicator.errormodel import SPECS, kind_parts, kinds_for
+from qsync_opt.indicator.variances import element_variance
 
 
 @dataclass

@@ -22,8 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
@@ -43,7 +42,11 @@ from qsync_opt.netsim.traffic import (
 )
 from qsync_opt.replayer import Replayer
 from qsync_opt.replayer.timeline import Timeline
-from qsync_opt.strategy.droppolicy import ChunkTable
+
+if TYPE_CHECKING:  # annotations only: the comm model and the simulator need no torch
+    import torch
+
+    from qsync_opt.strategy.droppolicy import ChunkTable
 
 #: A plan as the replayer takes it: a Plan, or group -> op -> precision.
 PlanLike = Plan | Mapping[str, Mapping[str, Precision | str]]
@@ -208,6 +211,8 @@ def drop_mask(table: ChunkTable, bucket: Bucket, lost: Sequence[tuple[int, int]]
     (:class:`qsync_opt.strategy.droppolicy.ChunkTable`) that any lost byte range ``(offset,
     bytes)`` of ``bucket`` (:func:`params_bucket` of the same numels) touches, as the bool
     mask :func:`qsync_opt.strategy.droppolicy.apply_drops` takes."""
+    import torch  # lazy: the masks are tensors; the rest of the module needs no torch
+
     dropped = torch.zeros(table.n_chunks, dtype=torch.bool)
     starts, acc = [], 0
     for _, b, _ in bucket.layers:
@@ -326,6 +331,8 @@ def dlcp_masks(table: ChunkTable, cluster: ClusterSpec, rank_groups: Sequence[st
     ready at once), and per iteration, per rank, the chunk mask (:func:`drop_mask`) of the
     packets lost of the messages that rank sent (a loss of the parameter server's reply: of
     the rank it was for), unbounded (the runtime bounds it per tensor)."""
+    import torch  # lazy: the masks are tensors; the rest of the module needs no torch
+
     cl, device = rank_cluster(cluster, rank_groups)
     check_hosts(cl)
     net = cluster_network(cl, scenario, buffer_bytes=buffer_bytes)

@@ -50,14 +50,13 @@ if TYPE_CHECKING:
         profile,
         profile_detailed,
     )
-    from qsync_opt.profile.timing import (
+    from qsync_opt.profile.settings import (
         ALLREDUCE_SIZES,
         CAST_SIZES,
         DEFAULT_REPEATS,
         DEFAULT_WARMUP,
-        Timer,
-        measure_dispatch_us,
     )
+    from qsync_opt.profile.timing import Timer, measure_dispatch_us
 
 #: The names that need torch -> the module of this package that holds them (imported on use).
 _LAZY = {
@@ -65,8 +64,8 @@ _LAZY = {
     "measure_comm_local": "gloo", "spawn_local": "gloo",
     "Profile": "orchestrate", "environment": "orchestrate", "environment_note": "orchestrate",
     "profile": "orchestrate", "profile_detailed": "orchestrate",
-    "ALLREDUCE_SIZES": "timing", "CAST_SIZES": "timing", "DEFAULT_REPEATS": "timing",
-    "DEFAULT_WARMUP": "timing", "Timer": "timing", "measure_dispatch_us": "timing",
+    "ALLREDUCE_SIZES": "settings", "CAST_SIZES": "settings", "DEFAULT_REPEATS": "settings",
+    "DEFAULT_WARMUP": "settings", "Timer": "timing", "measure_dispatch_us": "timing",
 }
 
 __all__ = [

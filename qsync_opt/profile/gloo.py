@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.machine import pin_malloc
 from qsync_opt.documents.schemas import CommModel
-from qsync_opt.profile.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, measure_allreduce
+from qsync_opt.profile.settings import DEFAULT_REPEATS, DEFAULT_WARMUP
+from qsync_opt.profile.timing import measure_allreduce
 
 
 def _gloo_rank(rank: int, world: int, init: str, q: Any, fn: Callable[..., Any],

@@ -40,9 +40,8 @@ from qsync_opt.profile.incontext import (
     run_uniform,
     stepper,
 )
+from qsync_opt.profile.settings import DEFAULT_REPEATS, DEFAULT_WARMUP
 from qsync_opt.profile.timing import (
-    DEFAULT_REPEATS,
-    DEFAULT_WARMUP,
     Timer,
     measure_allreduce,
     measure_casts,

@@ -18,18 +18,10 @@ from qsync_opt.costs.roofline import cast_pairs
 from qsync_opt.costs.tables import fit_cast
 from qsync_opt.documents.schemas import CastCost, CommModel
 from qsync_opt.ops import quantize_int8
-
-DEFAULT_REPEATS = 10
-
-
-DEFAULT_WARMUP = 3
-
-
-CAST_SIZES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20)
-
-
-ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)
-
+from qsync_opt.profile.settings import (
+    ALLREDUCE_SIZES,
+    CAST_SIZES,
+)
 
 _TORCH_DTYPE = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16, DType.fp16: torch.float16}
 

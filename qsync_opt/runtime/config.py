@@ -36,7 +36,6 @@ from qsync_opt.documents.outfolder import (
     remove,
 )
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
-from qsync_opt.strategy.codecs import parse_compressor
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
@@ -135,6 +134,8 @@ class PipelineSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineSpec:
+        from qsync_opt.strategy.codecs import parse_compressor  # lazy: the codecs import torch
+
         if len(self.cuts) != self.stages - 1:
             raise ValueError(f"--cuts: {self.stages} stages need {self.stages - 1} cuts, got "
                              f"{len(self.cuts)}")

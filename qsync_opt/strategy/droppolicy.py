@@ -48,11 +48,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qsync_opt.strategy.modes import POLICIES
+
 __all__ = ["POLICIES", "ChunkTable", "DropRecorder", "apply_drops", "choose_drops", "chunk_index",
            "clip_to_bound",
            "drop_generator", "kept_counts", "layer_of", "rescale"]
-
-POLICIES = ("priority", "random", "unbiased")
 
 
 @dataclass(frozen=True)

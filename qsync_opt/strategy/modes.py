@@ -54,14 +54,15 @@ from dataclasses import dataclass
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import parse_float
-from qsync_opt.strategy.droppolicy import POLICIES
 from qsync_opt.strategy.schedule import LRSchedule, parse_options
 
-__all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
+__all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "POLICIES", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
            "SyncMode", "check_combination", "parse_comm", "parse_sync", "qsr_period",
            "round_count", "round_length", "rounds", "sync_steps"]
 
 SYNC_KINDS = ("ddp", "local", "qsr")
+#: DLCP's drop policies (:mod:`qsync_opt.strategy.droppolicy` implements them).
+POLICIES = ("priority", "random", "unbiased")
 COMM_KINDS = ("allreduce", "fp16", "dlcp")
 
 #: (sync kind, comm kind) pairs that run; docs/CLI.md's table is checked against it.

@@ -17,7 +17,7 @@ from qsync_opt.models import BuiltinWorkload
 
 from qsync_opt.documents.io import to_json
 from qsync_opt.graph import cache as graph_cache
-from qsync_opt.graph import trace
+from qsync_opt.graph import trace, tracing
 
 MODEL = "digits_cnn"
 
@@ -71,7 +71,9 @@ def test_any_change_of_batch_or_tracer_settings_misses(folder, traces, change) -
 
 def test_a_change_of_the_code_or_the_versions_misses(folder, traces, monkeypatch) -> None:
     trace(MODEL, 16, cache=True)
-    monkeypatch.setattr(models, "package_code_digest", lambda: "0" * 16)  # a model edited
+    # a model edited: the digest as the registry and the cache-first lookup read it
+    monkeypatch.setattr(models, "package_code_digest", lambda: "0" * 16)
+    monkeypatch.setattr(tracing, "package_code_digest", lambda: "0" * 16)
     trace(MODEL, 16, cache=True)
     monkeypatch.setattr(graph_cache, "_package_version", lambda: "99.0")
     trace(MODEL, 16, cache=True)
@@ -108,6 +110,7 @@ def test_graphs_made_by_other_code_are_deleted_when_the_workload_is_traced_again
     link = folder / f"{MODEL}-00000000-b1-{'0' * 24}.json"  # named like an old file
     link.symlink_to(victim)
     monkeypatch.setattr(models, "package_code_digest", lambda: "f" * 16)  # the code changed
+    monkeypatch.setattr(tracing, "package_code_digest", lambda: "f" * 16)
     trace(MODEL, 16, cache=True)
     now = {p.name for p in _files(folder)}
     kept = {n for n in old if n.startswith("resnet18_32-")}
@@ -242,3 +245,22 @@ def test_the_key_names_torch_without_importing_it() -> None:
         names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.split(".")[0] == "torch"], rel
+
+
+def test_a_builtin_at_its_default_batch_is_found_without_the_registry(folder, traces,
+                                                                      monkeypatch) -> None:
+    """Traced at its default batch, a built-in's record of that batch lets the next lookup
+    at no batch find the graph without resolving the name (the registry imports torch)."""
+    import qsync_opt.models.resolve as resolve
+
+    first = trace(MODEL, cache=True)
+    assert first.batch_size == models.get_workload(MODEL).default_batch
+
+    def no_registry(name):
+        raise AssertionError("the registry was read")
+
+    monkeypatch.setattr(resolve, "get_workload", no_registry)
+    assert trace(MODEL, cache=True) == first
+    assert trace(MODEL, first.batch_size, cache=True) == first
+    assert len(traces) == 1
+    assert len([p for p in _files(folder) if "-bdefault-" in p.name]) == 1

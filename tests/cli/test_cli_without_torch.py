@@ -1,0 +1,136 @@
+"""The command line without torch: ``qsync-opt --help`` and every command's ``--help``
+import no torch, and a solve whose traced graph and indicator table are cached (the second
+run of the same command) completes without importing torch, its output and plan the same as
+the first run's. Each run is a fresh interpreter (the test process itself has torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qsync_opt.cli import COMMANDS, build_parser
+
+#: Runs ``qsync_opt.cli.main(argv)``, then says on the last line of stderr whether torch
+#: was imported; ``QSYNC_BLOCK_TORCH=1`` makes any import of torch fail loudly instead.
+RUNNER = """
+import json, os, sys
+if os.environ.get("QSYNC_BLOCK_TORCH") == "1":
+    sys.modules["torch"] = None
+from qsync_opt.cli import main
+try:
+    rc = main(json.loads(sys.argv[1]))
+except SystemExit as exc:
+    rc = exc.code
+sys.stdout.flush()
+sys.stderr.write("\\nTORCH " + str("torch" in sys.modules and sys.modules["torch"] is not None)
+                 + "\\n")
+sys.exit(rc)
+"""
+
+
+def _run(argv: list[str], cache: Path, cwd: Path, block: bool = False
+         ) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), OMP_NUM_THREADS="1",
+               QSYNC_BLOCK_TORCH="1" if block else "0")
+    return subprocess.run([sys.executable, "-c", RUNNER, json.dumps(argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _torch_imported(p: subprocess.CompletedProcess[str]) -> bool:
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("TORCH "), p.stderr[-2000:]
+    return last == "TORCH True"
+
+
+def _timeless(text: str) -> str:
+    """``text`` without what differs run to run: durations, the file written, and where the
+    indicator came from (computed by the first run, read from the cache by the next)."""
+    return "\n".join(re.sub(r"[0-9.]+ s\b", "T s", line) for line in text.splitlines()
+                     if not line.startswith(("wrote ", "indicator ")))
+
+
+def _command_names() -> list[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return list(sub.choices)  # type: ignore[union-attr]
+
+
+def test_every_command_registers_its_parser() -> None:
+    assert len(_command_names()) == len(COMMANDS)
+
+
+@pytest.mark.parametrize("command", [None, *_command_names()])
+def test_help_imports_no_torch(command: str | None, tmp_path: Path) -> None:
+    p = _run(["--help"] if command is None else [command, "--help"], tmp_path / "cache",
+             tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "usage: qsync-opt" in p.stdout
+    assert not _torch_imported(p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [None, "16"])
+def test_a_warm_solve_imports_no_torch(batch: str | None, tmp_path: Path) -> None:
+    """Cold, the solve traces and measures (torch); warm, at the default batch (read from
+    the cache's record of it) or a given one, it reads both caches and imports no torch,
+    even when any import of torch would fail; the output and the plan are the first run's."""
+    cache = tmp_path / "cache"
+    argv = ["solve", "--model", "digits_cnn", "--cluster", "v100x1+t4x1", "--solver", "highs",
+            "--indicator-batches", "2"] + (["--batch", batch] if batch else [])
+    first = _run([*argv, "--out", "p1.json"], cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert _torch_imported(first)  # traced and measured
+    warm = _run([*argv, "--out", "p2.json"], cache, tmp_path)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    assert not _torch_imported(warm)
+    blocked = _run([*argv, "--out", "p3.json"], cache, tmp_path, block=True)
+    assert blocked.returncode == 0, blocked.stderr[-2000:]
+    assert warm.stdout.count("indicator qsync: from the cache") == 1
+    assert _timeless(warm.stdout) == _timeless(first.stdout) == _timeless(blocked.stdout)
+    plans = [(tmp_path / f"p{i}.json").read_bytes() for i in (1, 2, 3)]
+    assert plans[0] == plans[1] == plans[2]
+
+
+@pytest.mark.slow
+def test_a_broken_default_batch_record_is_traced_again(tmp_path: Path) -> None:
+    """A default-batch record that is not a positive integer, or holds another key, is not
+    used: the command traces (so imports torch) and its output is the same."""
+    cache = tmp_path / "cache"
+    argv = ["graph", "--model", "digits_cnn"]
+    first = _run(argv, cache, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    records = list((cache / "qsync-opt" / "graphs").glob("*-bdefault-*.json"))
+    assert len(records) == 1
+    stored = json.loads(records[0].read_text())
+    for bad in (0, -3, True, "64", 1.5, None):
+        records[0].write_text(json.dumps({**stored, "default_batch": bad}))
+        again = _run(argv, cache, tmp_path)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert _torch_imported(again), bad
+        assert _timeless(again.stdout) == _timeless(first.stdout)
+        records = list((cache / "qsync-opt" / "graphs").glob("*-bdefault-*.json"))
+        assert json.loads(records[0].read_text())["default_batch"] == stored["default_batch"]
+    records[0].write_text(json.dumps({**stored, "key": {**stored["key"], "workload": "x"}}))
+    again = _run(argv, cache, tmp_path)
+    assert again.returncode == 0 and _timeless(again.stdout) == _timeless(first.stdout)
+    assert _torch_imported(again)
+    warm = _run(argv, cache, tmp_path)
+    assert _timeless(warm.stdout) == _timeless(first.stdout) and not _torch_imported(warm)
+
+
+def test_the_parsers_constants_match_their_modules() -> None:
+    """train's and sweep's parsers state the launcher's and the sweep's description and
+    limits without importing them."""
+    from qsync_opt.cli import sweep as cli_sweep
+    from qsync_opt.cli import train as cli_train
+    from qsync_opt.hfta import sweep
+    from qsync_opt.job import launch
+
+    assert (launch.__doc__ or "").split("\n\n")[0] == cli_train.DESCRIPTION
+    assert (sweep.__doc__ or "").split("\n\n")[0] == cli_sweep.DESCRIPTION
+    assert launch.MAX_RANKS == cli_train.MAX_RANKS
