@@ -122,12 +122,13 @@ def test_a_pipeline_overflowing_at_2_pow_16_trains_from_step_0(tmp_path, fp16_pl
     warning; it leaves no trace (feedback buffers, byte counters, seeds included): the run
     equals one started at 2**12 with no probe, bit for bit. Without extra flags the run is
     the module's (the one the ranks are compared with)."""
-    _scaled(monkeypatch, 30.0)
     if extra:
+        _scaled(monkeypatch, 30.0)
         out = tmp_path / "run"
         code, o, err = _probed(fp16_plan, out, *extra)
-    else:
+    else:  # the fixture scales the model itself: take it before scaling here
         out, code, o, err = request.getfixturevalue("probed_one_process")
+        _scaled(monkeypatch, 30.0)  # for the run at a fixed start below
     assert code == 0, err
     s = json.loads((out / "summary.json").read_text())
     assert s["scale_probe"] == {"tried": [2.0 ** 16, 2.0 ** 12], "scale": 2.0 ** 12}
