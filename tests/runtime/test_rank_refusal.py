@@ -3,8 +3,8 @@
 A link planted inside ``--out`` while the ranks run (after the launcher checked the folder)
 makes the rank that writes through it refuse (qsync_opt.documents.outfolder); its peer, waiting in a
 collective, then fails too, and torchrun may name that peer first. Whichever rank refuses,
-with every writer a rank uses (its checkpoint file, the set's folder, the commit marker, its
-summary, rank 0's summary), the command prints the line a one-process run gives and exits 2,
+with every kind of writer a rank uses (its checkpoint file, the set's folder, the commit
+marker, its summary), the command prints the line a one-process run gives and exits 2,
 and nothing outside ``--out`` is written.
 """
 
