@@ -89,18 +89,46 @@ def _same_states(a: Path, b: Path) -> None:
             assert torch.equal(x["model"][k], y["model"][k]), k
 
 
+def _probed(fp16_plan: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+    """The one-process pipeline at K=30 (the caller scales the model): 3 steps at lr 0.001,
+    its loss scale probed; (exit code, stdout, stderr)."""
+    return run_cli(*_pipe_args(fp16_plan, out, "--steps", "3", "--lr", "0.001",
+                               "--emulate-dp", *extra))
+
+
+@pytest.fixture(scope="module")
+def probed_one_process(fp16_plan: Path, tmp_path_factory: pytest.TempPathFactory
+                       ) -> tuple[Path, int, str, str]:
+    """:func:`_probed` without extra flags, run once for the module: (its --out, exit code,
+    stdout, stderr). The one-process run the probe tests check and the ranks must equal."""
+    out = tmp_path_factory.mktemp("probed") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            _scaled(mp, 30.0)
+            code, o, err = _probed(fp16_plan, out)
+    finally:
+        torch.set_num_threads(threads)
+    return out, code, o, err
+
+
 @pytest.mark.parametrize("extra", [[], ["--micro-batches", "2", "--compress-act", "topk:0.3",
                                         "--feedback", "aqsgd"]])
 @pytest.mark.slow
 def test_a_pipeline_overflowing_at_2_pow_16_trains_from_step_0(tmp_path, fp16_plan, monkeypatch,
-                                                               extra) -> None:
+                                                               request, extra) -> None:
     """One process: the probe overflows at 2**16, starts at 2**12, every step trains, no
     warning; it leaves no trace (feedback buffers, byte counters, seeds included): the run
-    equals one started at 2**12 with no probe, bit for bit."""
-    _scaled(monkeypatch, 30.0)
-    out = tmp_path / "run"
-    code, o, err = run_cli(*_pipe_args(fp16_plan, out, "--steps", "3", "--lr", "0.001",
-                                       "--emulate-dp", *extra))
+    equals one started at 2**12 with no probe, bit for bit. Without extra flags the run is
+    the module's (the one the ranks are compared with)."""
+    if extra:
+        _scaled(monkeypatch, 30.0)
+        out = tmp_path / "run"
+        code, o, err = _probed(fp16_plan, out, *extra)
+    else:  # the fixture scales the model itself: take it before scaling here
+        out, code, o, err = request.getfixturevalue("probed_one_process")
+        _scaled(monkeypatch, 30.0)  # for the run at a fixed start below
     assert code == 0, err
     s = json.loads((out / "summary.json").read_text())
     assert s["scale_probe"] == {"tried": [2.0 ** 16, 2.0 ** 12], "scale": 2.0 ** 12}
@@ -161,23 +189,25 @@ def test_a_resumed_or_fp32_or_fixed_scale_pipeline_does_not_probe(tmp_path, fp16
 
 
 @pytest.mark.slow
-def test_the_ranks_agree_on_the_scale_and_equal_one_process(tmp_path, fp16_plan) -> None:
+def test_the_ranks_agree_on_the_scale_and_equal_one_process(tmp_path, fp16_plan,
+                                                           probed_one_process) -> None:
     """One process per stage (torchrun): each stage checks its own gradients, the count is
-    all-reduced, both ranks start at 2**12, and the run equals the one-process pipeline."""
+    all-reduced, both ranks start at 2**12, and the run equals the one-process pipeline (the
+    module's, same plan and flags but --emulate-dp)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(PATCH.format(k=30.0)))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    outs = {}
-    for how in ("ranks", "one"):
-        out = tmp_path / how
-        argv = _pipe_args(fp16_plan, out, "--steps", "3", "--lr", "0.001",
-                          *(["--emulate-dp"] if how == "one" else []))
-        r = subprocess.run([sys.executable, "-m", "qsync_opt.cli", *argv], env=env,
-                           capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        outs[how] = json.loads((out / "summary.json").read_text())
+    out = tmp_path / "ranks"
+    argv = _pipe_args(fp16_plan, out, "--steps", "3", "--lr", "0.001")
+    r = subprocess.run([sys.executable, "-m", "qsync_opt.cli", *argv], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    one, code, _, err = probed_one_process
+    assert code == 0, err
+    outs = {how: json.loads((path / "summary.json").read_text())
+            for how, path in (("ranks", out), ("one", one))}
     for s in outs.values():
         assert s["scale_probe"] == {"tried": [2.0 ** 16, 2.0 ** 12], "scale": 2.0 ** 12}
         assert s["skipped_steps"] == 0 and s["warnings"] == []

@@ -3,13 +3,14 @@
 A link planted inside ``--out`` while the ranks run (after the launcher checked the folder)
 makes the rank that writes through it refuse (qsync_opt.documents.outfolder); its peer, waiting in a
 collective, then fails too, and torchrun may name that peer first. Whichever rank refuses,
-with every writer a rank uses (its checkpoint file, the set's folder, the commit marker, its
-summary, rank 0's summary), the command prints the line a one-process run gives and exits 2,
+with every kind of writer a rank uses (its checkpoint file, the set's folder, the commit
+marker, its summary), the command prints the line a one-process run gives and exits 2,
 and nothing outside ``--out`` is written.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,37 +22,40 @@ from qsync_opt.runtime.rankfail import refusal, report_failure, sort_line
 from support.harness import run_cli
 
 #: What each rank runs instead of ``-m qsync_opt.job.rank``: the worker, with a link
-#: planted at OUT/PATH by rank RANK once it has finished step STEP (the progress update every
-#: runner calls after a step: the data-parallel trainer and the pipeline's stages).
+#: planted at OUT/PATH (each of PATHS, comma-separated; the I-th to TARGET followed by I) by
+#: rank RANK once it has finished step STEP (the progress update every runner calls after a
+#: step: the data-parallel trainer and the pipeline's stages).
 _WORKER = r'''
 import os, sys
 from qsync_opt.job import rank as train
 from qsync_opt.runtime import metrics
 
-RANK, STEP, PATH, OUT, TARGET = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
+RANK, STEP, PATHS, OUT, TARGET = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
 update = metrics.StepProgress.update
 
 def planting(self, step, loss):
     if step == STEP and int(os.environ["RANK"]) == RANK:
-        where = os.path.join(OUT, PATH)
-        os.makedirs(os.path.dirname(where), exist_ok=True)
-        os.symlink(TARGET, where + ".planting")
-        os.replace(where + ".planting", where)
+        for i, path in enumerate(PATHS.split(",")):
+            where = os.path.join(OUT, path)
+            os.makedirs(os.path.dirname(where), exist_ok=True)
+            os.symlink(f"{TARGET}{i}", where + ".planting")
+            os.replace(where + ".planting", where)
     return update(self, step, loss)
 
 metrics.StepProgress.update = planting
 sys.exit(train.main(sys.argv[6:]))
 '''
 
-#: (rank that plants, after step, path inside --out): every writer a rank uses after that
+#: (rank that plants, after step, path inside --out): one case per kind of writer a rank
+#: uses after that, and both ranks refusing (rank 0 at the marker, rank 1 elsewhere). Left
+#: out as the same writer and path check as a kept case: rank 0's checkpoint file (rank 1's
+#: is kept), summary.rank0.json and summary.json (rank 0's summaries: the same writer as
+#: rank 1's, and rank 0 refusing is the commit marker's case).
 WRITERS = [
-    (1, 3, "ckpt/step-00000004/rank1.pt"),      # rank 1's checkpoint file
-    (0, 3, "ckpt/step-00000004/rank0.pt"),      # rank 0's
+    (1, 3, "ckpt/step-00000004/rank1.pt"),      # a rank's checkpoint file
     (1, 3, "ckpt/step-00000004"),               # the set's folder, both ranks write into it
     (0, 3, "ckpt/step-00000004/commit.json"),   # rank 0's commit marker
     (1, 5, "summary.rank1.json"),               # rank 1's summary (rank 0 waits for it)
-    (0, 5, "summary.rank0.json"),
-    (0, 5, "summary.json"),
 ]
 
 
@@ -78,6 +82,8 @@ def _one_line(code: int, err: str) -> str:
 @pytest.mark.parametrize(("rank", "step", "rel"), WRITERS, ids=[w[2] for w in WRITERS])
 def test_a_link_planted_during_a_two_rank_run_is_one_refusal(tmp_path, monkeypatch, rank,
                                                               step, rel) -> None:
+    """One two-rank run per writer kind (a run stops at its first refusal, so one run can
+    not plant at several): the refusing rank's line and exit 2, nothing written outside."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out, outside = tmp_path / "run", tmp_path / "outside"
@@ -159,21 +165,24 @@ def test_which_rank_lines_are_refusals(line, refused) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rel", ["metrics.rank1.jsonl", "checkpoint.pt"])
-def test_a_link_over_a_name_the_run_never_reopens_is_not_followed(tmp_path, monkeypatch,
-                                                                 rel) -> None:
+def test_a_link_over_a_name_the_run_never_reopens_is_not_followed(tmp_path,
+                                                                 monkeypatch) -> None:
     """The metrics file is appended to through the descriptor opened at the start, and
     ``checkpoint.pt`` is a link the runtime only ever replaces (a one-process run makes it;
     the ranks of a torchrun do not): a link planted there while the ranks run is never
-    followed, and the run ends normally."""
+    followed, and the run ends normally. Both links in one run: neither stops it, so each
+    is checked as it would be alone (nothing reaches either target)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out, outside = tmp_path / "run", tmp_path / "outside"
     outside.mkdir()
-    _plant_with(monkeypatch, tmp_path, 1, 3, rel, out, outside / "x")
+    rels = ["metrics.rank1.jsonl", "checkpoint.pt"]
+    _plant_with(monkeypatch, tmp_path, 1, 3, ",".join(rels), out, outside / "x")
     code, _out, err = run_cli("train", "--model", "digits_cnn", "--cluster", "cpux2",
                               "--nproc", "2", "--steps", "6", "--checkpoint-every", "2",
                               "--backend", "gloo", "--timeout", "120", "--out", str(out))
     assert code == 0, err
+    for i, rel in enumerate(rels):  # both were planted, and both are still links
+        assert os.readlink(out / rel) == str(outside / f"x{i}"), rel
     assert list(outside.iterdir()) == []
     assert (out / "ckpt" / "step-00000006" / "commit.json").is_file()
