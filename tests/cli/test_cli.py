@@ -281,8 +281,11 @@ def test_memory_infeasible_split_is_explained_before_the_indicator(capsys, tmp_p
     capsys.readouterr()
 
 
+#: The command under an address-space limit ``argv[1]`` MiB above what the process holds once
+#: torch is loaded (the command line itself loads torch only when a command needs it).
 _LIMITED_CHILD = r"""
 import resource, sys
+import torch  # noqa: F401
 from qsync_opt.cli import main
 for line in open("/proc/self/status"):
     if line.startswith("VmSize:"):
