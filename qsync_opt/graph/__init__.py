@@ -32,9 +32,9 @@ the names re-exported from modules that need torch are imported when first read.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from qsync_opt.core.lazy import lazy_getattr
 from qsync_opt.core.modelspec import is_user_model
 from qsync_opt.graph.roles import (
     ALL_GEMM_PRECISIONS,
@@ -74,10 +74,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+#: the names above whose modules import torch, imported when first read
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

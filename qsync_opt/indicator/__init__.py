@@ -18,9 +18,9 @@ the other methods of :data:`METHODS`. The modules:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from qsync_opt.core.lazy import lazy_getattr
 from qsync_opt.indicator.cache import ERROR_MODEL_VERSION, default_cache_dir
 from qsync_opt.indicator.entry import fast_options, indicate
 from qsync_opt.indicator.errormodel import (
@@ -76,12 +76,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The names whose modules import torch, imported when first read (importing the
-    package, as the command line does, and reading a cached table need no torch)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+#: the names above whose modules import torch, imported when first read
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

@@ -35,9 +35,9 @@ package imports torch only when a name that needs it is first used). The command
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from qsync_opt.core.lazy import lazy_getattr
 from qsync_opt.costs.tables import derive, fit_cast, median_iqr, merge, with_comm
 
 if TYPE_CHECKING:
@@ -76,10 +76,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+#: the names above whose modules import torch, imported when first read
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

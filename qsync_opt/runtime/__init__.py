@@ -5,8 +5,9 @@ when it builds its parsers): the names re-exported here are imported when first 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qsync_opt.core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from qsync_opt.ops.dispatch import FunctionalDispatch, count_calls
@@ -33,10 +34,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+#: the names above whose modules import torch, imported when first read
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)
