@@ -278,7 +278,8 @@ def test_training_never_imports_the_planner() -> None:
 
 #: The modules that define the documents; ``documents.schemas`` names them all.
 SCHEMA_MODULES = {"documents.schemas", "documents.base", "documents.hardware",
-                  "documents.opgraph", "documents.costing", "documents.solution"}
+                  "documents.opgraph", "documents.costing", "documents.solution",
+                  "documents.jobstrategy"}
 
 
 def test_schemas_imports_only_the_foundation() -> None:

@@ -58,6 +58,10 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     _add_optimizer_flags(p)
     _add_run_flags(p)
     _add_pipeline_flags(p)
+    p.add_argument("--override", action="store_true",
+                   help="run --sync/--comm/--pipeline-* flags that contradict a version-2 "
+                        "plan's strategy instead of refusing them (each override is recorded "
+                        "in the run's config)")
     p.add_argument("--print-command", action="store_true",
                    help="write the config and print the torchrun commands for the plan's "
                         "nodes (multi-node), without launching")
@@ -104,12 +108,14 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
                    help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=finite_float(0, 1e6), default=0.0,
                    help="SGD/Adam L2 term, AdamW's decoupled decay (default 0)")
-    p.add_argument("--sync", type=spec_type(parse_sync, "sync"), default="ddp", metavar="MODE",
-                   help="ddp (gradients all-reduced every step, default), local:H (parameters "
+    p.add_argument("--sync", type=spec_type(parse_sync, "sync"), default=None, metavar="MODE",
+                   help="a version-2 plan's own by default, else ddp; "
+                        "ddp (gradients all-reduced every step), local:H (parameters "
                         "averaged every H steps) or qsr:alpha=A,h_base=H0[,power=P] (QSR)")
-    p.add_argument("--comm", type=spec_type(parse_comm, "comm"), default="allreduce",
+    p.add_argument("--comm", type=spec_type(parse_comm, "comm"), default=None,
                    metavar="TRANSPORT",
-                   help="gradient transport of ddp's all-reduce: allreduce (FP32, default), "
+                   help="gradient transport of ddp's all-reduce (a version-2 plan's own by "
+                        "default, else allreduce): allreduce (FP32), "
                         "fp16, or dlcp[:p=P][,policy=priority|random|unbiased][,chunk_kib=K]"
                         "[,scenario=ring|incast|oversubscribed][,iterations=N][,buffer_kib=B] "
                         "(bounded-loss priority, in DDP's own buckets: each rank zero-fills the "
@@ -200,7 +206,7 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
         model=args.model, plan=args.plan, cluster=args.cluster, batch=args.batch,
         nproc=args.nproc, rank_groups=args.rank_groups, steps=args.steps, lr=args.lr,
         lr_schedule=args.lr_schedule, optimizer=args.optimizer, momentum=args.momentum,
-        weight_decay=args.weight_decay, sync=args.sync, comm=args.comm,
+        weight_decay=args.weight_decay, sync=args.sync, comm=args.comm, override=args.override,
         average_optimizer_state=args.average_optimizer_state, seed=args.seed, out=args.out,
         checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
         resume_anyway=args.resume_anyway, emulate_dp=args.emulate_dp,

@@ -139,12 +139,15 @@ def header_problem(data: dict[str, Any], cls: type[Document]) -> str | None:
     1, ``1.0`` is not 1), or None; a missing field reads as ``cls``'s. The one version check:
     :class:`Document`'s validator and :func:`parse_document` both call it."""
     name = data.get("schema_name", cls.SCHEMA_NAME)
-    version = data.get("schema_version", cls.SCHEMA_VERSION)
+    versions = cls.SCHEMA_VERSIONS or (cls.SCHEMA_VERSION,)
+    version = data.get("schema_version", versions[0])
     if name != cls.SCHEMA_NAME:
         return f"schema_name is {written(name)}, expected {cls.SCHEMA_NAME!r}"
-    if type(version) is not int or version != cls.SCHEMA_VERSION:
+    if type(version) is not int or version not in versions:
+        which = (f"version {versions[0]}" if len(versions) == 1 else
+                 "versions " + ", ".join(map(str, versions)))
         return (f"schema_version {written(version)} of {cls.SCHEMA_NAME} is not one this "
-                f"qsync-opt reads (it reads version {cls.SCHEMA_VERSION})")
+                f"qsync-opt reads (it reads {which})")
     return None
 
 
@@ -153,6 +156,9 @@ class Document(Schema):
 
     SCHEMA_NAME: ClassVar[str] = "Document"
     SCHEMA_VERSION: ClassVar[int] = 1
+    #: Every version this qsync-opt reads (empty: ``SCHEMA_VERSION`` only); a missing
+    #: ``schema_version`` reads as the first.
+    SCHEMA_VERSIONS: ClassVar[tuple[int, ...]] = ()
 
     schema_name: str = Field("Document", description="Kind of document; fixed per schema.")
     schema_version: Int = Field(1, description="Version of that schema's layout.")
@@ -167,7 +173,8 @@ class Document(Schema):
         if problem is not None:
             raise ValueError(problem)
         data["schema_name"] = data.get("schema_name", cls.SCHEMA_NAME)
-        data["schema_version"] = data.get("schema_version", cls.SCHEMA_VERSION)
+        data["schema_version"] = data.get("schema_version",
+                                          (cls.SCHEMA_VERSIONS or (cls.SCHEMA_VERSION,))[0])
         return data
 
     def save(self, path: str | os.PathLike[str], *, what: str | None = None) -> Path:

@@ -10,8 +10,10 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import (
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -28,6 +30,7 @@ from qsync_opt.documents.base import (
     finite_or_none,
 )
 from qsync_opt.documents.hardware import ClusterSpec
+from qsync_opt.documents.jobstrategy import Strategy
 
 
 class GroupPlan(Schema):
@@ -37,11 +40,20 @@ class GroupPlan(Schema):
 
 
 class Plan(Document):
-    """Which precision every choosable op runs at on every device group."""
+    """Which precision every choosable op runs at on every device group; from version 2
+    also the job's strategy (:class:`~qsync_opt.documents.jobstrategy.Strategy`: sync,
+    transport, pipeline and their prediction).
+
+    A plan without a strategy is written as version 1, byte for byte as before; it runs
+    as ddp, fp32, no pipeline unless the command's flags say otherwise. A version-2 plan
+    always holds its strategy, and ``train --plan`` runs exactly that."""
 
     SCHEMA_NAME: ClassVar[str] = "Plan"
+    SCHEMA_VERSION: ClassVar[int] = 2
+    SCHEMA_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
     schema_name: Literal["Plan"] = Field("Plan", description="Kind of document.")
-    schema_version: Literal[1] = Field(1, description="Layout version this file uses.")
+    schema_version: Literal[1, 2] = Field(
+        1, description="Layout version this file uses: 1 without a strategy, 2 with one.")
 
     workload: str
     workload_sha256: str | None = Field(
@@ -56,11 +68,46 @@ class Plan(Document):
         default_factory=dict,
         description="solver, status, objective, gap, wall_s, costs/indicator hashes, options.",
     )
+    strategy: Strategy | None = Field(
+        None, description="Version 2: the job's sync, transport and pipeline, as chosen and "
+        "predicted by the planner (absent from version 1).")
 
     @field_validator("provenance", mode="before")
     @classmethod
     def _finite_provenance(cls, v: Any, info: ValidationInfo) -> Any:
         return finite_or_none(v, "provenance", info)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_of_content(cls, data: Any) -> Any:
+        """A plan made in memory with a strategy is version 2; one read from a file must say
+        which version it is, and a version-1 file holds no strategy."""
+        if isinstance(data, dict) and "schema_version" not in data:
+            data = {**data, "schema_version": 2 if data.get("strategy") is not None else 1}
+        return data
+
+    @model_validator(mode="after")
+    def _strategy_matches_version(self) -> Plan:
+        if self.schema_version == 1 and self.strategy is not None:
+            raise ValueError("strategy: a version-1 plan holds no strategy (write "
+                             "schema_version 2)")
+        if self.schema_version == 2 and self.strategy is None:
+            raise ValueError("strategy: a version-2 plan holds its strategy (sync, transport, "
+                             "pipeline); none is given")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_strategy(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Version 1 is written without the strategy key, as before it existed."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("strategy", 0) is None:
+            del out["strategy"]
+        return out
+
+    @property
+    def job_strategy(self) -> Strategy:
+        """The strategy the plan runs: its own (version 2), else ddp, fp32, no pipeline."""
+        return self.strategy if self.strategy is not None else Strategy()
 
     @model_validator(mode="after")
     def _groups_match(self) -> Plan:

@@ -71,6 +71,7 @@ from qsync_opt.documents.io import to_json
 from qsync_opt.documents.outfolder import write_text
 from qsync_opt.documents.schemas import MAX_DEVICES, Plan
 from qsync_opt.graph import is_user_model, load_user_workload, trace
+from qsync_opt.job.planned import DEFAULT_COMM_FLAG, DEFAULT_SYNC_FLAG, apply_plan_strategy
 from qsync_opt.models.user import UserWorkload
 from qsync_opt.pipeline.spec import PipelineRequest, pipeline_spec
 from qsync_opt.problem.plan import graph_for_plan, make_plan, plan_model
@@ -89,6 +90,7 @@ from qsync_opt.runtime.config import (
 )
 from qsync_opt.runtime.rankfail import sort_line
 from qsync_opt.runtime.watchdog import watch_parents
+from qsync_opt.strategy.checks import check_strategy
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import parse_schedule
 
@@ -194,8 +196,12 @@ class TrainRequest:
     optimizer: str = "sgd"
     momentum: float | None = None
     weight_decay: float = 0.0
-    sync: str = "ddp"
-    comm: str = "allreduce"
+    #: None: not given (a version-2 plan's strategy, else ddp and allreduce)
+    sync: str | None = None
+    comm: str | None = None
+    #: ``--override``: flags that contradict a version-2 plan's strategy win (recorded)
+    override: bool = False
+    overrides: tuple[str, ...] = ()
     average_optimizer_state: bool = False
     seed: int = 0
     out: str | None = None
@@ -252,6 +258,7 @@ def build_config(request: TrainRequest, lines: list[str] | None = None,
     the data). Nothing is written: without ``--plan`` the fp32 plan goes into
     ``pending["plan"]`` and warnings into ``pending["warnings"]``, for :func:`write_config`
     and the caller once every check has passed."""
+    request, loaded = with_plan_strategy(request, lines)
     request = resolve_defaults(request, lines)
     name0 = (Path(request.model.partition(":")[0]).stem if is_user_model(request.model)
              else request.model)
@@ -259,7 +266,7 @@ def build_config(request: TrainRequest, lines: list[str] | None = None,
     check_out_folder(out)  # a folder we may write, holding no planted link: before any work
     pending = {} if pending is None else pending
     pending.setdefault("warnings", [])
-    plan, plan_path = _run_plan(request, out, pending, lines)
+    plan, plan_path = _run_plan(request, out, pending, lines, loaded)
     workload, sha, user = _checked_model(request, plan)
     ranks = _stage_ranks(request, plan, pending["warnings"])
     pipeline = None
@@ -283,8 +290,32 @@ def build_config(request: TrainRequest, lines: list[str] | None = None,
                          pipeline=pipeline)
 
 
+def with_plan_strategy(request: TrainRequest, lines: list[str] | None = None
+                       ) -> tuple[TrainRequest, Plan | None]:
+    """The request with ``--plan``'s strategy applied (:mod:`qsync_opt.job.planned`: a
+    version-2 plan runs its own sync, transport and pipeline; a flag that contradicts it is
+    refused unless ``--override``), and the plan read; without a plan, or with a
+    version-1 one, the flags' defaults (ddp, allreduce)."""
+    plan = None if request.plan is None else Plan.load(request.plan)
+    if request.override and (plan is None or plan.strategy is None):
+        raise QsyncInputError("--override: only beside a version-2 plan (one that holds its "
+                              "strategy); here the flags choose the strategy already")
+    if plan is None or plan.strategy is None:
+        return replace(request, sync=request.sync or DEFAULT_SYNC_FLAG,
+                       comm=request.comm or DEFAULT_COMM_FLAG), plan
+    check_strategy(plan.strategy, plan.cluster)
+    sync, comm, pipe, groups, overrides = apply_plan_strategy(
+        plan, sync=request.sync, comm=request.comm, pipeline=request.pipeline,
+        rank_groups=request.rank_groups, override=request.override)
+    if lines is not None:
+        lines.append(f"strategy from the plan: {plan.strategy.describe()}"
+                     + "".join(f"; OVERRIDE {o}" for o in overrides))
+    return replace(request, sync=sync, comm=comm, pipeline=pipe, rank_groups=groups,
+                   overrides=tuple(overrides)), plan
+
+
 def _run_plan(request: TrainRequest, out: Path, pending: dict[str, Any],
-              lines: list[str] | None) -> tuple[Plan, Path]:
+              lines: list[str] | None, loaded: Plan | None = None) -> tuple[Plan, Path]:
     """The run's plan and its path: ``--plan``'s, else the fp32 plan (made, not written:
     ``pending["plan"]``)."""
     if request.plan is None:
@@ -299,7 +330,7 @@ def _run_plan(request: TrainRequest, out: Path, pending: dict[str, Any],
                 raise QsyncInputError(f"{flag}: only without --plan (the plan holds the "
                                       "cluster and the batches)")
         plan_path = Path(request.plan)
-    plan = pending.get("plan") or Plan.load(plan_path)  # a bad file: one line each
+    plan = pending.get("plan") or loaded or Plan.load(plan_path)  # a bad file: one line
     return plan, plan_path
 
 
@@ -345,7 +376,8 @@ def _train_config(request: TrainRequest, plan: Plan, plan_path: Path, ranks: lis
             steps=request.steps, lr=request.lr, optimizer=request.optimizer,
             momentum=0.9 if request.momentum is None else request.momentum,
             lr_schedule=request.lr_schedule, weight_decay=request.weight_decay,
-            sync=request.sync, comm=request.comm,
+            sync=request.sync or DEFAULT_SYNC_FLAG, comm=request.comm or DEFAULT_COMM_FLAG,
+            overrides=list(request.overrides),
             average_optimizer_state=request.average_optimizer_state,
             seed=request.seed, out_dir=str(out.resolve()),
             checkpoint_every=request.checkpoint_every,
@@ -378,8 +410,8 @@ def _check_sync_flags(request: TrainRequest) -> None:
 
     lr = request.lr
     assert lr is not None  # resolve_defaults
-    mode = flagged(parse_sync, request.sync, "--sync")
-    comm = flagged(parse_comm, request.comm, "--comm")
+    mode = flagged(parse_sync, request.sync or DEFAULT_SYNC_FLAG, "--sync")
+    comm = flagged(parse_comm, request.comm or DEFAULT_COMM_FLAG, "--comm")
     if request.steps >= 1 and lr > 0:  # else TrainConfig names --steps / --lr
         flagged(lambda t: parse_schedule(t, lr, request.steps), request.lr_schedule,
                 "--lr-schedule")

@@ -26,6 +26,7 @@ from qsync_opt.documents.schemas import (
     OpRole,
     Plan,
 )
+from qsync_opt.strategy.checks import check_strategy
 
 #: Most samples per device a plan may give a group (beyond it no card's memory holds a
 #: step): the schemas' one limit.
@@ -108,7 +109,9 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
     ``--dry-run``, and a Python caller's ``check_plan(Plan.load(path), graph)``): the graph's structure hash; every planned
     op exists in the graph and every choosable op is planned; a pinned op keeps its pin and a pass-through op is not set; a
     choosable op gets a precision the op allows and the group's card runs; ops of one tie
-    group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`.
+    group get one precision; each group's batch is at most :data:`MAX_BATCH_PER_DEVICE`;
+    a version-2 plan's strategy is one the runtime runs on the plan's cluster
+    (:func:`qsync_opt.strategy.checks.check_strategy`).
     """
     if plan.graph_hash != graph.structure_hash():
         raise QsyncInputError(plan_graph_difference(plan, graph))
@@ -143,6 +146,8 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
                 continue
             if op.tie_group:
                 check_tie(ties, op.tie_group, name, p, where, _shown)
+    if plan.strategy is not None:
+        check_strategy(plan.strategy, plan.cluster)
 
 
 def _registry_name(spec: str) -> str | None:

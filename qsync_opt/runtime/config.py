@@ -38,6 +38,7 @@ from qsync_opt.documents.outfolder import (
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
+from qsync_opt.strategy.wirespec import parse_compressor_spec
 
 if TYPE_CHECKING:
     from qsync_opt.documents.schemas import Plan
@@ -134,8 +135,6 @@ class PipelineSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineSpec:
-        from qsync_opt.strategy.codecs import parse_compressor  # lazy: the codecs import torch
-
         if len(self.cuts) != self.stages - 1:
             raise ValueError(f"--cuts: {self.stages} stages need {self.stages - 1} cuts, got "
                              f"{len(self.cuts)}")
@@ -145,7 +144,7 @@ class PipelineSpec(BaseModel):
         for flag, text in (("--compress-act", self.compress_act),
                            ("--compress-grad", self.compress_grad)):
             try:
-                parse_compressor(text)
+                parse_compressor_spec(text)
             except QsyncInputError as exc:
                 raise ValueError(f"{flag}: {str(exc).partition(': ')[2]}") from None
         return self
@@ -196,6 +195,10 @@ class TrainConfig(Document):
                     "fp16 (torch's fp16 compression hook) or dlcp[:...] (bounded-loss: the "
                     "simulated network's losses, or dlcp:p=P,stress; "
                     "qsync_opt.strategy.modes).")
+    overrides: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="train --override: each flag that ran instead of the version-2 plan's "
+                    "strategy, with the plan's value (empty: the run is the plan's).")
     average_optimizer_state: bool = Field(
         default=False,
         description="Local SGD / QSR: also average the optimizer's state (momentum, Adam's "

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.core.limits import parse_float, parse_int
+from qsync_opt.strategy.wirespec import parse_compressor_spec
 
 __all__ = ["AQSGD", "EF", "EF21", "FEEDBACKS", "Codec", "Compressor", "Identity", "Payload",
            "Plain", "Quant", "TopK", "aqsgd_bytes", "make_codec", "parse_compressor"]
@@ -227,25 +227,13 @@ class Quant(Compressor):
 
 def parse_compressor(text: str, *, seed: int = 0) -> Compressor:
     """``none`` / ``identity``, ``topk:F`` (F a fraction, or a percentage ending in %),
-    ``quant:B[,stochastic]``."""
-    t = text.strip().lower()
-    if t in ("none", "identity"):
-        return Identity()
-    kind, _, rest = t.partition(":")
-    if kind == "topk" and rest:  # numbers in ASCII digits only (never '٣' or '²')
-        pct = rest.endswith("%")
-        got = parse_float(rest[:-1] if pct else rest)
-        frac = float("nan") if got is None else got / 100 if pct else got
-        return TopK(frac)
-    if kind == "quant" and rest:
-        bits_s, _, opt = rest.partition(",")
-        bits = parse_int(bits_s)
-        if opt not in ("", "stochastic") or bits is None:
-            raise QsyncInputError(f"compressor: expected quant:B[,stochastic] with B an "
-                                  f"integer from 1 to 8, got {text!r}")
-        return Quant(bits, stochastic=opt == "stochastic", seed=seed)
-    raise QsyncInputError(f"compressor: expected none, topk:F or quant:B[,stochastic], "
-                          f"got {text!r}")
+    ``quant:B[,stochastic]`` (:func:`qsync_opt.strategy.wirespec.parse_compressor_spec`)."""
+    spec = parse_compressor_spec(text)
+    if spec.kind == "topk":
+        return TopK(spec.frac)
+    if spec.kind == "quant":
+        return Quant(spec.bits, stochastic=spec.stochastic, seed=seed)
+    return Identity()
 
 
 class Codec:

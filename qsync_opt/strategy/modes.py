@@ -57,8 +57,8 @@ from qsync_opt.core.limits import parse_float
 from qsync_opt.strategy.schedule import LRSchedule, parse_options
 
 __all__ = ["COMM_KINDS", "COMM_SYNTAX", "COMPATIBLE", "CommMode", "POLICIES", "QSR_KEYS", "SYNC_KINDS", "SYNC_SYNTAX",
-           "SyncMode", "check_combination", "parse_comm", "parse_sync", "qsr_period",
-           "round_count", "round_length", "rounds", "sync_steps"]
+           "SyncMode", "check_combination", "parse_comm", "parse_sync", "parse_transport", "qsr_period",
+           "round_count", "round_length", "rounds", "sync_steps", "transport_text"]
 
 SYNC_KINDS = ("ddp", "local", "qsr")
 #: DLCP's drop policies (:mod:`qsync_opt.strategy.droppolicy` implements them).
@@ -194,6 +194,20 @@ def parse_comm(text: str) -> CommMode:
     if kind not in COMM_KINDS or ":" in raw:
         raise QsyncInputError(f"comm: expected {COMM_SYNTAX}, got {raw!r}")
     return CommMode(kind)
+
+
+def parse_transport(text: str) -> CommMode:
+    """A plan's ``transport`` (or ``--allow transport=``'s item) -> :class:`CommMode`: the
+    ``--comm`` forms, with ``fp32`` the name of ``allreduce`` (DDP's own FP32 all-reduce)."""
+    raw = text.strip()
+    if raw.lower() == "fp32":
+        return CommMode("allreduce")
+    return parse_comm(raw)
+
+
+def transport_text(comm: CommMode) -> str:
+    """A transport as a plan writes it: ``fp32`` for ``allreduce``, else ``--comm``'s form."""
+    return "fp32" if comm.kind == "allreduce" else comm.describe()
 
 
 def _word(items: list[str], key: str) -> tuple[str | None, list[str]]:
