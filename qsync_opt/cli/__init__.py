@@ -125,7 +125,7 @@ def _fail_writes_with_efbig() -> None:
 #: checks itself, and replay's ``--write-plans`` a folder.
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "graph": ("out",), "estimate": ("out",), "indicate": ("out",), "replay": ("trace",),
-    "netsim": ("json", "png"), "solve": ("out", "report"), "compare": ("json",),
+    "netsim": ("json", "png"), "solve": ("out", "report", "png"), "compare": ("json",),
     "report": ("png",), "sweep": ("json",), "profile": ("out",), "pareto": ("out", "png")}
 OUTPUT_FOLDERS: dict[str, tuple[str, ...]] = {"replay": ("write_plans",)}
 

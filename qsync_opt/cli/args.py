@@ -190,7 +190,7 @@ def sync_arg(args: argparse.Namespace) -> Any:
     kind = "ddp" if text is None else parse_sync(text).kind  # the text checked when parsed
     extra = [k for k, v in given.items() if v is not None]
     if kind == "ddp":
-        if extra:  # accepted and ignored is refused: it sets nothing under ddp
+        if extra and not getattr(args, "allow", None):  # accepted and ignored is refused
             raise QsyncInputError(f"--{extra[0].replace('_', '-')}: only with --sync local:H "
                                   "or qsr:... (the run whose rounds are paid); --sync is "
                                   + ("ddp" if text is None else text.strip()))

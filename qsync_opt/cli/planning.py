@@ -22,11 +22,14 @@ from qsync_opt.cli.args import (
     workload_arg,
 )
 from qsync_opt.cli.model import computed_indicator, say_all
+from qsync_opt.cli.strategies import add_allow_args, allow_space, solve_strategies
 from qsync_opt.cli.summaries import plan_lines
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import atomic_write_text, save
 from qsync_opt.netsim.cluster import parse_comm_model
 from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.strategy.modes import parse_sync
+from qsync_opt.strategy.space import Candidate
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
@@ -102,8 +105,10 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     wl = workload_arg(args)
     graph = trace_args(args, workload=wl)
     cluster = cluster_arg(args)
+    # with --allow the search prices each candidate's buckets itself (strategies.transport_costs)
     common: dict[str, Any] = dict(costs=args.costs, indicator_method=args.method,
-                                  comm_model=getattr(args, "comm_model", None))
+                                  comm_model=None if getattr(args, "allow", None)
+                                  else getattr(args, "comm_model", None))
     if args.indicator is not None:
         return build_problem(graph, cluster, indicator=args.indicator, options=options,
                              **common)
@@ -117,13 +122,23 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from qsync_opt.planner.solve import solve
     # Another batch split can fit what this one does not; the budget mode has no target.
     check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
+    space = allow_space(args)
     said: list[str] = []
+    if space is not None:
+        return solve_strategies(args, space, _build_problem(args, "fixed", said), said,
+                                _solve_options(args))
     problem = _build_problem(args, check, said)
     plan, report = solve(problem, args.solver, _solve_options(args), mode=args.mode,
                          degradation_budget=args.budget, refine=args.refine,
                          joint_split=args.joint_split, batch_multiple=args.batch_multiple,
                          progress=sys.stderr.isatty() and not args.json)
     ev = evaluate(problem, plan)
+    if args.sync is not None:  # the plan records the sync mode it was made for (version 2)
+        # lazy: the solver stack (~50 ms), only for the commands that solve
+        from qsync_opt.planner.strategies import plan_with_strategy
+
+        plan = plan_with_strategy(problem, plan, ev, Candidate(sync=parse_sync(
+            args.sync).describe()), getattr(args, "comm_model", None))
     save(plan, args.out, what="--out")
     if args.report:
         save(report, args.report, what="--report")
@@ -257,6 +272,7 @@ def add_solve_parser(sub: Any) -> argparse.ArgumentParser:
                     help="degradation budget (--mode budget)")
     sp.add_argument("--joint-split", action="store_true",
                     help="choose the per-group batch split together with the precisions")
+    add_allow_args(sp)
     sp.set_defaults(fn=cmd_solve)
     return sp
 

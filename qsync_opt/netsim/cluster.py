@@ -135,13 +135,15 @@ def cluster_network(cluster: ClusterSpec, scenario: str = "ring", *, spines: int
                    nodes=nodes, ps=ps)
 
 
-def workload_buckets(graph: ModelGraph, buckets: Sequence[GradBucket]) -> list[Bucket]:
-    """The cost table's DDP buckets with each op's FP32 gradient bytes and its position."""
+def workload_buckets(graph: ModelGraph, buckets: Sequence[GradBucket],
+                     itemsize: int = 4) -> list[Bucket]:
+    """The cost table's DDP buckets with each op's gradient bytes on the wire (FP32: 4 bytes
+    an element; an fp16 transport: 2) and its position."""
     index = {op.name: i for i, op in enumerate(graph.ops)}
     last = max(1, len(graph.ops) - 1)
     out = []
     for b in buckets:
-        layers = tuple((name, graph.ops[index[name]].param_count * 4, index[name] / last)
+        layers = tuple((name, graph.ops[index[name]].param_count * itemsize, index[name] / last)
                        for name in b.ops if graph.ops[index[name]].param_count > 0)
         if not layers:
             layers = ((b.ops[0], max(1, b.bytes), index.get(b.ops[0], 0) / last),)
@@ -444,14 +446,14 @@ def parse_comm_model(text: str | None) -> CommModelSpec:
 
 
 def bucket_times_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
-                    spec: CommModelSpec) -> list[float]:
+                    spec: CommModelSpec, itemsize: int = 4) -> list[float]:
     """Per bucket, the quantile over iterations of the time it adds to the communication
     when every bucket is ready at once and they run in order (the replayer's serial bucket
     stream): bucket k's share is its end minus bucket k-1's end."""
     cl = cluster.with_default_batch(graph.batch_size)
     check_hosts(cl)
     net = cluster_network(cl, spec.scenario)
-    buckets = workload_buckets(graph, costs.buckets)
+    buckets = workload_buckets(graph, costs.buckets, itemsize)
     zero = [[0.0] * len(buckets) for _ in cl.groups]
     runs = run_iterations(net, buckets, zero, spec.config, pattern=SCENARIO_PATTERN[spec.scenario],
                           iterations=spec.iterations, seed=spec.seed)
@@ -463,12 +465,13 @@ def bucket_times_ms(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
 
 
 def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
-                     spec: CommModelSpec) -> CostTable:
-    """``costs`` with every bucket's all-reduce time from the simulator (``spec``)."""
+                     spec: CommModelSpec, itemsize: int = 4) -> CostTable:
+    """``costs`` with every bucket's all-reduce time from the simulator (``spec``), the
+    gradients sent at ``itemsize`` bytes an element (4: FP32; 2: an fp16 transport)."""
     if spec.kind == "analytic" or cluster.world_size <= 1 or not costs.buckets:
         return costs
     try:
-        times = bucket_times_ms(graph, cluster, costs, spec)
+        times = bucket_times_ms(graph, cluster, costs, spec, itemsize)
     except NetsimLimit as exc:
         raise QsyncInputError("comm-model: " + limit_message(exc, "cell_kib=", None)) from None
     except QsyncInputError as exc:

@@ -168,7 +168,7 @@ def test_a_non_finite_bandwidth_is_one_line_from_the_cli(capsys: pytest.CaptureF
         assert_one_line(code, err)
 
 
-@pytest.mark.parametrize("version", [True, False, 1.0, None, "1", 0, 2])
+@pytest.mark.parametrize("version", [True, False, 1.0, None, "1", 0, 3, 2.0])
 def test_schema_version_is_exactly_the_integer(version: Any,
                                                documents: dict[str, Any]) -> None:
     """``schema_version: true`` was read as version 1 (a bool is an int in Python), ``0``

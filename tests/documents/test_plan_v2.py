@@ -9,10 +9,10 @@ import json
 import pytest
 
 from qsync_opt.core.errors import QsyncInputError, SchemaVersionError
+from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.documents.base import parse_document, to_json
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy, StrategyPrediction
 from qsync_opt.documents.schemas import Plan
-from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.problem.plan import check_plan, make_plan
 from qsync_opt.strategy.checks import check_strategy
 

@@ -1,0 +1,116 @@
+"""``solve --allow ...``: the strategy search's command-line side: the flag, the table of
+candidates (predicted step, throughput, degradation, bound, status, Pareto), the chosen
+strategy with its risks, ``--json`` and the frontier picture (``--png``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from qsync_opt.cli.args import SYNC_DEFAULTS, emit_json
+from qsync_opt.cli.model import say_all
+from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.documents.io import save
+from qsync_opt.strategy.space import ALLOW_SYNTAX, StrategySpace, parse_allow
+
+__all__ = ["add_allow_args", "allow_space", "solve_strategies", "strategy_lines"]
+
+
+def add_allow_args(sp: argparse.ArgumentParser) -> None:
+    """``--allow`` (repeatable), ``--no-prune`` and ``--png`` of the strategy search."""
+    sp.add_argument("--allow", action="append", metavar="KNOB=VALUES",
+                    help="strategies the planner may choose among (repeatable): "
+                         f"{ALLOW_SYNTAX}; the plan records the chosen one (version 2). "
+                         "Default: ddp, fp32, no pipeline")
+    sp.add_argument("--no-prune", action="store_true",
+                    help="with --allow: solve every strategy (the whole Pareto set), not "
+                         "only those whose bound can beat the best found")
+    sp.add_argument("--png", default=None,
+                    help="with --allow: draw the strategies' throughput against "
+                         "degradation here")
+
+
+def allow_space(args: argparse.Namespace) -> StrategySpace | None:
+    """``--allow``'s space (None without it), checked with its companions before any work:
+    ``--sync`` beside it is refused (name the modes in ``--allow sync=``)."""
+    items = getattr(args, "allow", None)
+    if not items:
+        for flag in ("no_prune", "png"):
+            if getattr(args, flag, None):
+                raise QsyncInputError(f"--{flag.replace('_', '-')}: only with --allow")
+        return None
+    if getattr(args, "sync", None) is not None:
+        raise QsyncInputError("--sync: with --allow, name the sync modes in --allow "
+                              "sync=... (the planner chooses among them)")
+    lr = SYNC_DEFAULTS["lr"] if args.lr is None else args.lr
+    return parse_allow(list(items), lr=lr)
+
+
+def sync_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's lr, schedule and steps the candidates' sync models are for."""
+    return {k: SYNC_DEFAULTS[k] if getattr(args, k, None) is None else getattr(args, k)
+            for k in SYNC_DEFAULTS}
+
+
+def strategy_lines(search: Any) -> list[str]:
+    """The search as the command prints it: what ran, one row per candidate, the choice."""
+    out = [f"strategy search: {len(search.rows)} candidate(s) of {search.space.describe()}; "
+           f"{search.solved} solved, {search.pruned} pruned by their bound; communication "
+           f"priced by the {search.comm_model}; {search.wall_s:.2f} s"]
+    head = f"  {'strategy':<34} {'bound ms':>9} {'step ms':>9} {'samples/s':>10} " \
+           f"{'degradation':>12}  status"
+    out.append(head)
+    for r in search.rows:
+        p = r.prediction
+        mark = " *" if r is search.chosen else " P" if r.pareto else ""
+        name = r.candidate.describe()
+        name = name if len(name) <= 34 else name[:31] + "..."
+        out.append(f"  {name:<34} {r.bound_ms:>9.3f} "
+                   + (f"{p.step_ms:>9.3f} {p.samples_per_s:>10.1f} {r.degradation:>12.6g}"
+                      if p is not None else f"{'-':>9} {'-':>10} {'-':>12}")
+                   + f"  {r.status}{mark}" + (f" ({r.note})" if r.note and r.status != "solved"
+                                              else ""))
+    c = search.chosen
+    out.append(f"chosen (*): {c.candidate.describe()}: {c.step_ms:.3f} ms a step, "
+               f"{c.prediction.samples_per_s:.1f} samples/s, degradation {c.degradation:.6g}; "
+               "P: on the Pareto set of the solved strategies (throughput, degradation)")
+    risks = search.plan.strategy.risks
+    out += [f"  risk: {r}" for r in risks] or ["  risk: none beyond the precision plan's "
+                                               "(ddp, fp32, no pipeline)"]
+    return out
+
+
+def solve_strategies(args: argparse.Namespace, space: StrategySpace, problem: Any,
+                     said: list[str], opts: Any) -> int:
+    """``solve --allow``: search the space, write the chosen strategy's plan (version 2),
+    print the table (or ``--json``), draw ``--png``."""
+    # lazy: the solver stack, only for the commands that solve
+    from qsync_opt.planner.solve import solve
+    from qsync_opt.planner.strategies import plot_strategies, search_strategies
+
+    if args.mode == "budget":
+        raise QsyncInputError("--mode budget: with --allow each strategy is solved for the "
+                              "least degradation under its own default target")
+
+    def one(sub: Any, o: Any) -> Any:
+        return solve(sub, args.solver, o, mode=args.mode, refine=args.refine,
+                     joint_split=args.joint_split, batch_multiple=args.batch_multiple,
+                     compare_ties=False)
+
+    search = search_strategies(problem, space, one, opts,
+                               comm_model=getattr(args, "comm_model", None),
+                               prune=not args.no_prune, **sync_args(args))
+    save(search.plan, args.out, what="--out")
+    if args.report and search.chosen.report is not None:
+        save(search.chosen.report, args.report, what="--report")
+    if args.png:
+        plot_strategies(search, args.png)
+    if args.json:
+        emit_json({"plan": args.out, "search": search.to_json()})
+        say_all(said, True)
+        return 0
+    print("\n".join(strategy_lines(search)))
+    say_all(said, False)
+    print(f"wrote {args.out}" + (f" and {args.report}" if args.report else "")
+          + (f" and {args.png}" if args.png else ""))
+    return 0
