@@ -54,9 +54,16 @@ from qsync_opt.indicator import (
     placeholder_indicator,
     rank_table,
 )
-from qsync_opt.netsim.cluster import COMM_MODEL_HELP, parse_comm_model, with_netsim_comm
+from qsync_opt.netsim.cluster import (
+    COMM_MODEL_HELP,
+    parse_comm_model,
+    transport_costs,
+    with_netsim_comm,
+)
 from qsync_opt.problem.plan import check_plan, make_plan, plan_model
 from qsync_opt.replayer import Replayer
+from qsync_opt.strategy.checks import check_strategy
+from qsync_opt.strategy.modes import parse_sync
 
 
 def _user_lines(wl: Any) -> list[str]:
@@ -163,13 +170,41 @@ def _replay_checks(args: argparse.Namespace) -> Any:
     return sync_arg(args)
 
 
+def _plan_strategy_flags(args: argparse.Namespace, plan: Plan) -> str | None:
+    """A version-2 plan's strategy as replay's flags: its sync mode (``--sync`` given
+    otherwise: refused, naming both) and its pipeline (``--pipeline-stages`` and the
+    boundaries' flags, unless given); returns its transport (None: version 1)."""
+    strategy = plan.strategy
+    if strategy is None:
+        return None
+    check_strategy(strategy, plan.cluster)
+    if args.sync is not None and parse_sync(args.sync) != parse_sync(strategy.sync):
+        raise QsyncInputError(f"--sync {args.sync}: the plan's strategy says {strategy.sync} "
+                              "(plan field strategy.sync); leave --sync out to replay the plan")
+    pipe = strategy.pipeline
+    if pipe is None:
+        if strategy.sync != "ddp":
+            args.sync = strategy.sync
+        return strategy.transport
+    if getattr(args, "pipeline_stages", None) is None:
+        args.pipeline_stages = pipe.stages
+        args.rank_groups = ",".join(f"{i}:{g}" for i, g in enumerate(pipe.stage_groups))
+        args.cuts = None if pipe.cuts is None else ",".join(pipe.cuts)
+        args.micro_batches, args.compress_act = pipe.micro_batches, pipe.compress_act
+        args.compress_grad = pipe.compress_grad
+    return strategy.transport
+
+
 @notes_after_success
 def cmd_replay(args: argparse.Namespace) -> int:
-    sync = _replay_checks(args)
     plan_doc: Plan | None = None
-    sha: str | None = None
+    transport: str | None = None
     if args.plan:
         plan_doc = load(args.plan, Plan)
+        transport = _plan_strategy_flags(args, plan_doc)
+    sync = _replay_checks(args)
+    sha: str | None = None
+    if plan_doc is not None:
         sha = plan_model(plan_doc, args.model)  # before --model's file runs
     graph = trace_args(args, sha)
     if plan_doc is not None:
@@ -188,11 +223,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if getattr(args, "pipeline_stages", None) is not None:
         return _replay_pipeline(args, plan_doc, graph, cluster)
     costs = estimate(graph, cluster)
-    if getattr(args, "comm_model", None):
-        spec = parse_comm_model(args.comm_model)
-        costs = with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec)
+    spec = parse_comm_model(getattr(args, "comm_model", None))
+    if transport is not None:  # the plan's transport prices the buckets (fp16: half)
+        costs = transport_costs(graph, cluster, costs, transport, spec)
         if not args.json:
-            print(f"comm model: {spec.describe()}")
+            print(f"strategy from the plan: {plan_doc.strategy.describe()}")  # type: ignore[union-attr]
+    elif getattr(args, "comm_model", None):
+        costs = with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec)
+    if getattr(args, "comm_model", None) and not args.json:
+        print(f"comm model: {spec.describe()}")
     rep = Replayer(graph, cluster, costs, optimizer=args.optimizer, sync=sync,
                    bucket_cap_bytes=(int(args.bucket_mb * 2**20) if args.bucket_mb is not None
                                      else None))

@@ -19,6 +19,7 @@ available in :func:`run_iterations`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from qsync_opt.netsim.traffic import (
 )
 from qsync_opt.replayer import Replayer
 from qsync_opt.replayer.timeline import Timeline
+from qsync_opt.strategy.modes import parse_transport
 
 if TYPE_CHECKING:  # annotations only: the comm model and the simulator need no torch
     import torch
@@ -484,7 +486,27 @@ def with_netsim_comm(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
     return costs.model_copy(update={"buckets": buckets, "notes": [*costs.notes, note]})
 
 
-__all__ = ["COMM_MODEL_HELP", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network",
+
+def transport_costs(graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
+                    transport: str, spec: CommModelSpec) -> CostTable:
+    """``costs`` with every DDP bucket priced for ``transport``: fp16 sends 2 bytes an
+    element; under the packet simulator a dlcp transport runs its bounded-loss priority
+    queues at its bound p (the analytic ring loses nothing, so dlcp costs what fp32 does)."""
+    comm = parse_transport(transport)
+    itemsize = 2 if comm.kind == "fp16" else 4
+    if spec.kind == "analytic":
+        if itemsize == 4:
+            return costs
+        buckets = [b.model_copy(update={"allreduce_ms": costs.comm.allreduce_ms(b.bytes // 2)})
+                   for b in costs.buckets]
+        return costs.model_copy(update={"buckets": buckets})
+    if comm.kind == "dlcp":
+        spec = dataclasses.replace(spec, config=dataclasses.replace(
+            spec.config, policy="priority+bounded", p=comm.p))
+    return with_netsim_comm(graph, cluster.with_default_batch(graph.batch_size), costs, spec,
+                            itemsize)
+
+__all__ = ["COMM_MODEL_HELP", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "MAX_HOSTS", "SCENARIOS", "SCENARIO_PATTERN", "CommModelSpec", "Network", "transport_costs",
            "bucket_times_ms", "check_events", "check_hosts", "cluster_network", "limit_message", "dlcp_masks", "ddp_buckets", "rank_cluster", "drop_mask", "params_bucket", "estimate_events", "param_bucket_ready_ms",
            "group_ready_ms", "parse_comm_model", "run_iterations",
            "with_netsim_comm", "workload_buckets"]

@@ -31,8 +31,11 @@ from qsync_opt.core.precision import BY_FIDELITY, Precision
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.io import atomic_write_bytes, load
 from qsync_opt.documents.schemas import CostTable, ModelGraph, OpRole, Plan
+from qsync_opt.netsim.cluster import parse_comm_model, transport_costs
 from qsync_opt.problem.plan import check_plan, graph_for_plan, plan_graph_difference
 from qsync_opt.replayer import GroupTimeline, Replayer, Timeline
+from qsync_opt.replayer.syncmodel import sync_model_for
+from qsync_opt.strategy.checks import check_strategy
 
 if TYPE_CHECKING:  # matplotlib is optional: its types only for the checker
     from matplotlib.axes import Axes
@@ -399,7 +402,24 @@ def plan_summary_lines(plan: Plan, timeline: Timeline) -> list[str]:
     reason = straggler_reason(timeline)
     if reason is not None:
         lines.append(f"  straggler (the group whose iteration ends last): {reason}")
-    return lines
+    return lines + strategy_lines(plan, timeline)
+
+
+def strategy_lines(plan: Plan, timeline: Timeline) -> list[str]:
+    """A version-2 plan's strategy: what it is, what the planner predicted against this
+    replay (analytic ring), and the quality risks it takes."""
+    st = plan.strategy
+    if st is None:
+        return ["  strategy: ddp, fp32, no pipeline (a version-1 plan records none)"]
+    out = [f"  strategy: {st.describe()}"]
+    p = st.predicted
+    if p is not None:
+        out.append(f"  predicted by the planner: {p.step_ms:.4g} ms a step ({p.comm_model}), "
+                   f"{p.samples_per_s:.1f} samples/s, {p.bytes_per_step / 2**20:.2f} MiB sent "
+                   f"a step, {p.syncs_per_step:.3g} syncs a step; replayed here "
+                   f"{timeline.iteration_ms:.4g} ms (analytic ring)")
+    out += [f"  risk: {r}" for r in st.risks]
+    return out
 
 
 def report_summary(plan: Plan, timeline: Timeline) -> dict[str, Any]:
@@ -411,7 +431,8 @@ def report_summary(plan: Plan, timeline: Timeline) -> dict[str, Any]:
             g["time_parts_ms"] = time_parts(timeline.groups[name])
     out["straggler_reason"] = straggler_reason(timeline)
     return {"workload": plan.workload, "graph_hash": plan.graph_hash,
-            "provenance": dict(plan.provenance), **out}
+            "provenance": dict(plan.provenance),
+            "strategy": plan.job_strategy.model_dump(mode="json"), **out}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -460,6 +481,12 @@ def load_report_inputs(plan_path: str | os.PathLike[str],
     else:
         costs = estimate(graph, plan.cluster)
     optimizer = prov.get("optimizer")
-    rep = Replayer(graph, plan.cluster, costs,
+    sync = None
+    if plan.strategy is not None:  # version 2: replayed under its own sync and transport
+        check_strategy(plan.strategy, plan.cluster)
+        costs = transport_costs(graph, plan.cluster, costs, plan.strategy.transport,
+                                parse_comm_model(None))
+        sync = sync_model_for(plan.strategy.sync)
+    rep = Replayer(graph, plan.cluster, costs, sync=sync,
                    optimizer=optimizer if optimizer in ("sgd", "adam") else "sgd")
     return ReportInputs(plan=plan, graph=graph, costs=costs, timeline=rep.simulate(plan))

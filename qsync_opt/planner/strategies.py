@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.jobstrategy import Strategy, StrategyPrediction
-from qsync_opt.documents.schemas import CostTable, Plan, SolveReport
-from qsync_opt.netsim.cluster import CommModelSpec, parse_comm_model, with_netsim_comm
+from qsync_opt.documents.schemas import Plan, SolveReport
+from qsync_opt.netsim.cluster import CommModelSpec, parse_comm_model, transport_costs
 from qsync_opt.planner.call import InfeasibleError, SolveTimeLimit
 from qsync_opt.planner.risks import strategy_risks
 from qsync_opt.problem.evaluator import Evaluation, evaluate
@@ -46,7 +46,7 @@ from qsync_opt.strategy.modes import parse_transport
 from qsync_opt.strategy.space import Candidate, StrategySpace, candidates
 
 __all__ = ["StrategyRow", "StrategySearch", "candidate_problem", "plan_with_strategy",
-           "plot_strategies", "search_strategies", "transport_costs"]
+           "plot_strategies", "search_strategies"]
 
 #: Steps within this relative difference are a tie (broken by degradation, then risk).
 TIE_REL = 1e-9
@@ -112,35 +112,15 @@ class StrategySearch:
                 "rows": [r.to_json() for r in self.rows]}
 
 
-def transport_costs(problem: AllocationProblem, transport: str,
-                    spec: CommModelSpec) -> CostTable:
-    """The problem's costs with every DDP bucket priced for ``transport``: fp16 sends 2 bytes
-    an element; under the packet simulator a dlcp transport runs its bounded-loss priority
-    queues at its bound p (the analytic ring loses nothing, so dlcp costs what fp32 does)."""
-    comm = parse_transport(transport)
-    costs = problem.costs
-    itemsize = 2 if comm.kind == "fp16" else 4
-    if spec.kind == "analytic":
-        if itemsize == 4:
-            return costs
-        buckets = [b.model_copy(update={"allreduce_ms": costs.comm.allreduce_ms(b.bytes // 2)})
-                   for b in costs.buckets]
-        return costs.model_copy(update={"buckets": buckets})
-    if comm.kind == "dlcp":
-        spec = dataclasses.replace(spec, config=dataclasses.replace(
-            spec.config, policy="priority+bounded", p=comm.p))
-    return with_netsim_comm(problem.graph, problem.cluster, costs, spec, itemsize)
-
-
 def candidate_problem(base: AllocationProblem, cand: Candidate, spec: CommModelSpec, *,
                       lr: float, lr_schedule: str, steps: int) -> AllocationProblem:
     """``base`` re-made with ``cand``'s communication (its costs' buckets and sync model);
     the graph, cluster, indicator and every other option are ``base``'s."""
     sync = sync_model_for(cand.sync, lr=lr, lr_schedule=lr_schedule, steps=steps)
     options = dataclasses.replace(base.options, sync=sync)
-    return AllocationProblem(base.graph, base.cluster, transport_costs(base, cand.transport,
-                                                                       spec),
-                             base.indicator, options, schedules=base.schedules)
+    costs = transport_costs(base.graph, base.cluster, base.costs, cand.transport, spec)
+    return AllocationProblem(base.graph, base.cluster, costs, base.indicator, options,
+                             schedules=base.schedules)
 
 
 def _prediction(problem: AllocationProblem, ev: Evaluation, spec: CommModelSpec,

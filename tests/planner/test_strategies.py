@@ -15,10 +15,10 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.schemas import Plan
-from qsync_opt.netsim.cluster import parse_comm_model
+from qsync_opt.netsim.cluster import parse_comm_model, transport_costs
 from qsync_opt.planner.risks import strategy_risks
 from qsync_opt.planner.solve import solve
-from qsync_opt.planner.strategies import search_strategies, transport_costs
+from qsync_opt.planner.strategies import search_strategies
 from qsync_opt.problem.plan import check_plan
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.problem.synthetic import random_indicator, synthetic_graph
@@ -108,9 +108,10 @@ def test_the_chosen_plan_is_version_2_with_its_prediction() -> None:
 def test_the_transports_price_the_buckets_as_stated() -> None:
     problem = _problem(0, "v100x2+t4x2", 1.0)
     analytic = parse_comm_model(None)
-    fp32 = transport_costs(problem, "fp32", analytic)
-    fp16 = transport_costs(problem, "fp16", analytic)
-    dlcp = transport_costs(problem, "dlcp:p=0.05", analytic)
+    args = (problem.graph, problem.cluster, problem.costs)
+    fp32 = transport_costs(*args, "fp32", analytic)
+    fp16 = transport_costs(*args, "fp16", analytic)
+    dlcp = transport_costs(*args, "dlcp:p=0.05", analytic)
     assert fp32 is problem.costs and dlcp is problem.costs  # the analytic ring loses nothing
     for a, b in zip(fp32.buckets, fp16.buckets, strict=True):
         assert b.bytes == a.bytes  # the memory model's buckets stay FP32
