@@ -22,7 +22,12 @@ from qsync_opt.cli.args import (
     workload_arg,
 )
 from qsync_opt.cli.model import computed_indicator, say_all
-from qsync_opt.cli.strategies import add_allow_args, allow_space, solve_strategies
+from qsync_opt.cli.strategies import (
+    add_allow_args,
+    allow_space,
+    solve_strategies,
+    strategy_table,
+)
 from qsync_opt.cli.summaries import plan_lines
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import atomic_write_text, save
@@ -191,6 +196,7 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     if args.points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {args.points}")
     said: list[str] = []
+    space = allow_space(args)
     problem = _build_problem(args, "memory", said)  # the sweep starts at the split's fastest
     allocators = [a for a in SWEPT + ONCE if not (args.no_split and a == "exact+split")]
     pts = frontier(problem, points=args.points, exact=args.exact, allocators=allocators,
@@ -198,6 +204,10 @@ def cmd_pareto(args: argparse.Namespace) -> int:
                    progress=sys.stderr.isatty() and not args.json)
     doc = {"workload": problem.graph.workload, "cluster": args.cluster,
            "global_batch": problem.global_batch, **frontier_json(pts)}
+    lines: list[str] = []
+    if space is not None:  # every strategy solved: the whole Pareto set of strategies
+        search, lines = strategy_table(args, space, problem, _solve_options(args), prune=False)
+        doc["strategies"] = search.to_json()
     atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n", what="--out")
     if args.png:
         plot_frontier(pts, args.png, f"{problem.graph.workload} on {args.cluster}",
@@ -207,6 +217,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
         emit_json(doc)
         return 0
     print(format_points(pts))
+    for line in lines:
+        print(line)
     print(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
     return 0
 
@@ -220,15 +232,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.
     said: list[str] = []
+    space = allow_space(args)
     problem = _build_problem(args, None, said)
     names = [s.strip() for s in args.solvers.split(",")] if args.solvers else None
     rows = compare(problem, names, _solve_options(args), refine=args.refine,
                    joint_split=args.joint_split, batch_multiple=args.batch_multiple)
-    doc = {"workload": problem.graph.workload, "cluster": args.cluster,
-           "target_ms": problem.target_ms, "target_source": problem.target_source,
-           "sync": problem.options.to_json()["sync"],
-           "rows": [r.to_json() | {"dominated_by": x}
-                    for r, x in zip(rows, dominated_by(rows), strict=True)]}
+    doc: dict[str, Any] = {
+        "workload": problem.graph.workload, "cluster": args.cluster,
+        "target_ms": problem.target_ms, "target_source": problem.target_source,
+        "sync": problem.options.to_json()["sync"],
+        "rows": [r.to_json() | {"dominated_by": x}
+                 for r, x in zip(rows, dominated_by(rows), strict=True)]}
+    lines: list[str] = []
+    if space is not None:
+        search, lines = strategy_table(args, space, problem, _solve_options(args),
+                                       prune=False)
+        doc["strategies"] = search.to_json()
     if args.plans:
         for r in rows:
             if r.plan is not None:
@@ -248,6 +267,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for r in rows:
         if r.status in ("ERROR", "INFEASIBLE") and r.messages:
             print(f"  {r.solver}: {r.messages[-1]}")
+    for line in lines:
+        print(line)
     if args.json not in (None, "-"):
         print(f"wrote {args.json}")
     return 0
@@ -289,6 +310,7 @@ def add_compare_parser(sub: Any) -> argparse.ArgumentParser:
     sp.add_argument("--plans", metavar="DIR", help="write every plan into this folder")
     sp.add_argument("--joint-split", action="store_true",
                     help="add a row choosing the batch split with the precisions")
+    add_allow_args(sp, solve=False)
     sp.set_defaults(fn=cmd_compare)
     return sp
 
@@ -303,5 +325,6 @@ def add_pareto_parser(sub: Any) -> argparse.ArgumentParser:
     sp.add_argument("--exact", default="highs", help="exact backend (highs, cbc, cpsat)")
     sp.add_argument("--no-split", action="store_true",
                     help="leave out the joint batch split series (faster)")
+    add_allow_args(sp, solve=False)
     sp.set_defaults(fn=cmd_pareto)
     return sp

@@ -11,17 +11,22 @@ from qsync_opt.cli.args import SYNC_DEFAULTS, emit_json
 from qsync_opt.cli.model import say_all
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import save
-from qsync_opt.strategy.space import ALLOW_SYNTAX, StrategySpace, parse_allow
+from qsync_opt.strategy.space import ALLOW_SYNTAX, Candidate, StrategySpace, parse_allow
 
-__all__ = ["add_allow_args", "allow_space", "solve_strategies", "strategy_lines"]
+__all__ = ["add_allow_args", "allow_space", "solve_strategies", "strategy_lines",
+           "strategy_table"]
 
 
-def add_allow_args(sp: argparse.ArgumentParser) -> None:
-    """``--allow`` (repeatable), ``--no-prune`` and ``--png`` of the strategy search."""
+def add_allow_args(sp: argparse.ArgumentParser, *, solve: bool = True) -> None:
+    """``--allow`` (repeatable); for ``solve`` also ``--no-prune`` and ``--png`` (compare and
+    pareto solve every strategy, and pareto's ``--png`` is its frontier)."""
     sp.add_argument("--allow", action="append", metavar="KNOB=VALUES",
                     help="strategies the planner may choose among (repeatable): "
-                         f"{ALLOW_SYNTAX}; the plan records the chosen one (version 2). "
-                         "Default: ddp, fp32, no pipeline")
+                         f"{ALLOW_SYNTAX}; " + ("the plan records the chosen one (version 2). "
+                                                if solve else "one row each. ")
+                         + "Default: ddp, fp32, no pipeline")
+    if not solve:
+        return
     sp.add_argument("--no-prune", action="store_true",
                     help="with --allow: solve every strategy (the whole Pareto set), not "
                          "only those whose bound can beat the best found")
@@ -35,7 +40,7 @@ def allow_space(args: argparse.Namespace) -> StrategySpace | None:
     ``--sync`` beside it is refused (name the modes in ``--allow sync=``)."""
     items = getattr(args, "allow", None)
     if not items:
-        for flag in ("no_prune", "png"):
+        for flag in ("no_prune", "png") if args.command == "solve" else ():
             if getattr(args, flag, None):
                 raise QsyncInputError(f"--{flag.replace('_', '-')}: only with --allow")
         return None
@@ -114,3 +119,31 @@ def solve_strategies(args: argparse.Namespace, space: StrategySpace, problem: An
     print(f"wrote {args.out}" + (f" and {args.report}" if args.report else "")
           + (f" and {args.png}" if args.png else ""))
     return 0
+
+
+def strategy_table(args: argparse.Namespace, space: StrategySpace, problem: Any, opts: Any,
+                   *, prune: bool) -> tuple[Any, list[str]]:
+    """``compare --allow`` / ``pareto --allow``: the strategies as rows (every one solved
+    with ``highs`` unless pruning is asked for) and the lines that print them, with the
+    chosen strategy against the precision-only plan (ddp over fp32)."""
+    # lazy: the solver stack, only for the commands that solve
+    from qsync_opt.planner.solve import solve
+    from qsync_opt.planner.strategies import search_strategies
+
+    def one(sub: Any, o: Any) -> Any:
+        return solve(sub, "highs", o, refine=args.refine, compare_ties=False)
+
+    search = search_strategies(problem, space, one, opts,
+                               comm_model=getattr(args, "comm_model", None), prune=prune,
+                               **sync_args(args))
+    lines = strategy_lines(search)
+    base = next((r for r in search.rows if r.candidate == Candidate()
+                 and r.prediction is not None), None)
+    c = search.chosen
+    if base is not None and c.prediction is not None and base.prediction is not None:
+        lines.append(f"chosen strategy {c.candidate.describe()}: "
+                     f"{c.prediction.samples_per_s:.1f} samples/s against the precision-only "
+                     f"plan's (ddp / fp32) {base.prediction.samples_per_s:.1f}: "
+                     f"{c.prediction.samples_per_s / base.prediction.samples_per_s:.3f}x "
+                     "predicted")
+    return search, lines

@@ -204,3 +204,18 @@ def test_solve_sync_records_the_mode_in_the_plan(tmp_path) -> None:
     plan = Plan.load(out)
     assert plan.schema_version == 2 and plan.strategy.sync == "local:4"
     assert plan.strategy.predicted.syncs_per_step == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("command", ["compare", "pareto"])
+def test_compare_and_pareto_list_strategies_as_rows(tmp_path, command) -> None:
+    extra = (["--solvers", "highs", "--json", str(tmp_path / "c.json")] if command == "compare"
+             else ["--out", str(tmp_path / "c.json"), "--points", "2", "--no-split"])
+    code, out, err = run_cli(command, "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
+                             "--method", "random", "--allow", "sync=ddp,local:2",
+                             "--allow", "transport=fp32,fp16", *extra)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "c.json").read_text())["strategies"]
+    assert doc["candidates"] == doc["solved"] == 3 and doc["pruned"] == 0
+    assert "strategy search: 3 candidate(s)" in out
+    if command == "compare":
+        assert "against the precision-only plan's (ddp / fp32)" in out
