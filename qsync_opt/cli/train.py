@@ -268,6 +268,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return report_failure(rc, tail, report, config.rank_groups)
 
 
+def _planned_line(config: TrainConfig, doc: dict[str, Any]) -> str | None:
+    """What a version-2 plan predicted for its strategy beside what the run measured (its
+    payload a step and its syncs a step); None without a prediction or a measurement."""
+    try:
+        plan = Plan.load(config.plan_path)
+    except (OSError, ValueError):
+        return None
+    comm = doc.get("communication")
+    pred = plan.strategy.predicted if plan.strategy is not None else None
+    if pred is None or not isinstance(comm, dict) or not comm.get("steps"):
+        return None
+    steps = int(comm["steps"])
+    return (f"  the plan predicted {pred.bytes_per_step / 1e6:.3f} MB and "
+            f"{pred.syncs_per_step:.3g} syncs a step ({plan.strategy.describe()}"  # type: ignore[union-attr]
+            f"); measured {int(comm['bytes_sent']) / steps / 1e6:.3f} MB and "
+            f"{int(comm['rounds']) / steps:.3g}"
+            + ("" if not config.overrides else "; OVERRIDDEN: " + "; ".join(config.overrides)))
+
+
 def _print_summary(config: TrainConfig) -> None:
     """One line from the run's summary.json (silently nothing when the worker wrote none),
     then the communication and the pipeline's boundaries."""
@@ -303,6 +322,9 @@ def _print_summary(config: TrainConfig) -> None:
     comm = sync_line(doc)
     if comm:
         sys.stdout.write(comm + "\n")
+    planned = _planned_line(config, doc)
+    if planned:
+        sys.stdout.write(planned + "\n")
     if doc.get("mode") == "pipeline":
         for b in doc.get("boundaries") or []:
             a, g = b.get("act_bytes_per_step"), b.get("grad_bytes_per_step")

@@ -13,6 +13,7 @@ import pytest
 from qsync_opt.cli import build_parser, main
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy
+from qsync_opt.documents.schemas import Plan
 from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
 
@@ -130,3 +131,29 @@ def test_a_hand_edited_impossible_plan_is_refused_before_anything_is_written(
 def test_the_train_help_names_override() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "--override" in help_text and "version-2 plan" in help_text
+
+
+@pytest.mark.slow
+def test_a_solved_version_2_plan_trains_its_strategy_on_two_gloo_ranks(tmp_path, capsys
+                                                                        ) -> None:
+    """``solve --sync local:4`` writes the strategy; ``train --plan`` alone runs it on two
+    gloo ranks: 8 steps in 2 rounds, and the run prints the plan's prediction beside it."""
+    plan = tmp_path / "plan.json"
+    assert main(["solve", "--model", "digits_cnn", "--cluster", "cpux1@16+cpu/2x1@16",
+                 "--method", "random", "--solver", "highs", "--sync", "local:4",
+                 "--out", str(plan)]) == 0
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--model", "digits_cnn", "--plan", str(plan), "--out", str(out),
+                 "--steps", "8", "--timeout", "60"]) == 0
+    text = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"] == "local:4" and summary["overrides"] == []
+    comm = summary["communication"]
+    assert (comm["rounds"], comm["steps"]) == (2, 8)
+    assert "sync local:4: 2 round(s) in 8 step(s)" in text
+    assert "the plan predicted" in text and "0.25 syncs a step" in text
+    predicted = Plan.load(plan).strategy.predicted
+    measured = comm["bytes_sent"] / comm["steps"]
+    # the payload: the FP32 parameters (and the few buffer bytes) once per round
+    assert measured == pytest.approx(predicted.bytes_per_step, rel=0.02)
