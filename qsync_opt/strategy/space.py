@@ -189,6 +189,11 @@ def parse_allow(items: list[str] | None, *, lr: float = 0.05) -> StrategySpace:
         transport=tuple(str(x) for x in values.get("transport", ["fp32"])),
         stages=tuple(int(str(x)) for x in values.get("pipeline", [1])), given=tuple(items))
     n = len(candidates(space))
+    if n == 0:
+        raise QsyncInputError(
+            f"allow: no strategy of {space.describe()} runs: a gradient transport other than "
+            "fp32 needs sync ddp (Local SGD and QSR average FP32 parameters), and a pipeline "
+            "runs ddp over fp32; allow ddp or fp32")
     if n > MAX_CANDIDATES:
         raise QsyncInputError(f"allow: {n} strategies; at most {MAX_CANDIDATES} (narrow a "
                               "range)")

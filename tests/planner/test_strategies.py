@@ -155,6 +155,9 @@ def test_the_allowed_space_expands_and_filters() -> None:
     (["transport=dlcp:nan"], "ASCII digits"), (["transport=dlcp:0-0.1"], "(0, 0.5]"),
     (["pipeline=0"], "from 1 (no pipeline)"), (["pipeline=1-99"], "to 64"),
     (["pipeline=-2"], "A <= B"),
+    (["sync=local:2", "transport=fp16"], "no strategy of"),
+    (["sync=qsr", "transport=dlcp:0.01"], "needs sync ddp"),
+    (["transport=fp16", "pipeline=2"], "allow: no strategy"),
 ])
 def test_a_bad_allowance_is_one_line_naming_it(items, needle) -> None:
     with pytest.raises(QsyncInputError) as err:
