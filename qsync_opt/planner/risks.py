@@ -41,6 +41,11 @@ def strategy_risks(cand: Candidate) -> list[str]:
     elif sync.kind == "qsr":
         out.append(f"{sync.describe()}: rounds that grow as the learning rate decays "
                    "(QSR's rule); " + LOCAL_STUDY)
+    if cand.stages > 1:
+        out.append(f"pipeline of {cand.stages} stages: one replica, each step in "
+                   "micro-batches (BatchNorm's statistics are a micro-batch's); the "
+                   "project's pipeline study (docs/BENCHMARKS.md, Compressed pipelines) "
+                   "measured the compressors, not the micro-batching, against one process")
     comm = parse_transport(cand.transport)
     if comm.kind == "fp16":
         out.append("fp16 transport: " + FP16_NOTE)

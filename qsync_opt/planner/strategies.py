@@ -31,13 +31,13 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.documents.jobstrategy import Strategy, StrategyPrediction
+from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy, StrategyPrediction
 from qsync_opt.documents.schemas import Plan, SolveReport
 from qsync_opt.netsim.cluster import CommModelSpec, parse_comm_model, transport_costs
 from qsync_opt.planner.call import InfeasibleError, SolveTimeLimit
 from qsync_opt.planner.risks import strategy_risks
 from qsync_opt.problem.evaluator import Evaluation, evaluate
+from qsync_opt.problem.plan import make_plan
 from qsync_opt.problem.program import AllocationProblem
 from qsync_opt.replayer import PeriodicSync
 from qsync_opt.replayer.syncmodel import sync_model_for
@@ -68,6 +68,8 @@ class StrategyRow:
     prediction: StrategyPrediction | None = None
     pareto: bool = False
     note: str = ""
+    #: a pipeline candidate's stages, groups, cuts and micro-batches
+    pipeline: PipelineStrategy | None = None
 
     @property
     def step_ms(self) -> float:
@@ -75,6 +77,8 @@ class StrategyRow:
 
     @property
     def degradation(self) -> float:
+        if self.prediction is not None and self.prediction.degradation is not None:
+            return self.prediction.degradation
         ev = self.evaluation
         return ev.objective if ev is not None else float("inf")
 
@@ -191,9 +195,7 @@ def _bounded_rows(base: AllocationProblem, space: StrategySpace, spec: CommModel
     out = []
     for cand in candidates(space):
         if cand.stages != 1:
-            raise QsyncInputError("allow: pipeline: the search predicts data-parallel "
-                                  "strategies only; pipelines are run and predicted by "
-                                  "train/replay --pipeline-stages")
+            continue  # predicted after the data-parallel candidates (pipeline_rows)
         sub = candidate_problem(base, cand, spec, **sync_args)  # type: ignore[arg-type]
         held = set(sub.held_groups) >= set(sub.strong_groups)
         bound = sub.no_straggler_replay_ms() if held else 0.0
@@ -234,6 +236,10 @@ def search_strategies(base: AllocationProblem, space: StrategySpace, solve_fn: S
         if _better(row, best):
             best = row
     rows = [r for r, _ in pairs]
+    for row in pipeline_rows(base, space, rows):
+        rows.append(row)
+        if row.status == "solved" and _better(row, best):
+            best = row
     if best is None or best.plan is None:
         raise InfeasibleError("no strategy of the allowed space has a plan: "
                               + "; ".join(f"{r.candidate.describe()}: {r.note}" for r in rows))
@@ -243,11 +249,67 @@ def search_strategies(base: AllocationProblem, space: StrategySpace, solve_fn: S
                           time.perf_counter() - t0)
 
 
+def _stage_groups(base: AllocationProblem, stages: int) -> list[str] | None:
+    """The groups of the first ``stages`` devices in the cluster's order (None: fewer)."""
+    devices = [g.name for g in base.cluster.groups for _ in range(g.count)]
+    return devices[:stages] if len(devices) >= stages else None
+
+
+def pipeline_rows(base: AllocationProblem, space: StrategySpace,
+                  rows: list[StrategyRow]) -> list[StrategyRow]:
+    """The pipeline candidates, predicted (GPipe, :func:`qsync_opt.pipeline.predict.
+    predict_pipeline`) at the precisions solved for ddp over fp32 (else fp32): stage ``k`` on
+    the group of the cluster's ``k``-th device, cuts balanced, ``2 x stages`` micro-batches
+    (at most the batch), each boundary over the cluster's inter-node link. A pipeline is one
+    replica: its throughput is its batch over its step."""
+    cands = [c for c in candidates(space) if c.stages > 1]
+    if not cands:
+        return []
+    # lazy: a pipeline candidate builds the model (torch) to find its boundaries' tensors
+    from qsync_opt.pipeline.predict import predict_pipeline
+
+    ddp = next((r for r in rows if r.candidate == Candidate() and r.plan is not None), None)
+    plan = ddp.plan if ddp is not None and ddp.plan is not None else make_plan(
+        base.graph, base.cluster, {})
+    batch = base.graph.batch_size
+    out = []
+    for cand in cands:
+        groups = _stage_groups(base, cand.stages)
+        row = StrategyRow(cand, 0.0)
+        if groups is None or base.graph.workload_sha256 is not None:
+            row.status = "no plan"
+            row.note = ("a pipeline runs a registry workload" if groups is not None else
+                        f"{cand.stages} stages need {cand.stages} devices")
+            out.append(row)
+            continue
+        micro = min(batch, 2 * cand.stages)
+        res = predict_pipeline(base.graph.workload, plan, groups, cuts=None, batch=batch,
+                               micro_batches=micro, compress_act="none", compress_grad="none",
+                               gbps=[base.cluster.inter_node_bandwidth_gb_per_s * 8],
+                               latency_us=base.cluster.inter_node_latency_us)
+        step = float(res["steps"][0]["uncompressed_ms"])
+        compute = max(st["fwd_ms"] + st["bwd_ms"] for st in res["stages"]) * micro
+        row.status, row.plan = "solved", plan
+        row.evaluation = ddp.evaluation if ddp is not None else None
+        row.pipeline = PipelineStrategy(stages=cand.stages, stage_groups=groups,
+                                        cuts=list(res["cuts"]), micro_batches=micro)
+        row.prediction = StrategyPrediction(
+            step_ms=step, compute_ms=min(step, compute), comm_ms=max(0.0, step - compute),
+            bytes_per_step=float(sum(b["raw_bytes"] for b in res["boundaries"]) * micro * 2),
+            syncs_per_step=1.0, samples_per_s=batch / step * 1000.0 if step > 0 else 0.0,
+            degradation=row.evaluation.objective if row.evaluation is not None else 0.0,
+            comm_model=f"GPipe over {base.cluster.inter_node_bandwidth_gb_per_s:g} GB/s")
+        row.note = f"{micro} micro-batches; the precisions solved for ddp / fp32"
+        out.append(row)
+    return out
+
+
 def _plan_v2(row: StrategyRow, space: StrategySpace | None) -> Plan:
     """The chosen candidate's plan, version 2: its strategy, prediction and risks."""
     assert row.plan is not None and row.prediction is not None
     strategy = Strategy(sync=row.candidate.sync, transport=row.candidate.transport,
-                        predicted=row.prediction, risks=strategy_risks(row.candidate),
+                        pipeline=row.pipeline, predicted=row.prediction,
+                        risks=strategy_risks(row.candidate),
                         space=None if space is None else space.describe())
     return row.plan.model_copy(update={"schema_version": 2, "strategy": strategy})
 

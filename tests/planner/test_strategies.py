@@ -187,7 +187,7 @@ def test_solve_allow_from_the_command_line(tmp_path) -> None:
     (["--png", "x.png"], "--png: only with --allow"),
     (["--allow", "sync=local:0"], "allow: sync"),
     (["--allow", "transport=fp16", "--mode", "budget", "--budget", "1"], "--mode budget"),
-    (["--allow", "pipeline=2"], "allow: pipeline"),
+    (["--allow", "transport=fp16", "--allow", "pipeline=2"], "allow: no strategy"),
 ])
 def test_solve_allow_refuses_in_one_line(tmp_path, flags, needle) -> None:
     code, _, stderr = run_cli("solve", "--model", "digits_cnn", "--cluster", "l4x1+t4x1",
@@ -222,3 +222,24 @@ def test_compare_and_pareto_list_strategies_as_rows(tmp_path, command) -> None:
     assert "strategy search: 3 candidate(s)" in out
     if command == "compare":
         assert "against the precision-only plan's (ddp / fp32)" in out
+
+
+def test_a_pipeline_candidate_is_predicted_and_its_plan_trains(tmp_path) -> None:
+    """``--allow pipeline=2`` alone: the pipeline is the only candidate, predicted by the
+    GPipe model at fp32 (ddp was not solved), written as the plan's pipeline, which
+    ``train --plan`` runs with no other flag; 3 stages on 2 devices have no plan."""
+    out = tmp_path / "plan.json"
+    base = ["solve", "--model", "digits_cnn", "--cluster", "cpux1@32+cpu/2x1@32", "--method",
+            "random", "--solver", "highs", "--out", str(out)]
+    code, stdout, err = run_cli(*base, "--allow", "pipeline=2-3")
+    assert code == 0, err
+    assert "2 stages need" not in stdout and "3 stages need 3 devices" in stdout
+    plan = Plan.load(out)
+    pipe = plan.strategy.pipeline
+    assert pipe is not None and pipe.stages == 2 and pipe.stage_groups == ["cpu", "cpu_2"]
+    assert pipe.micro_batches == 4 and pipe.cuts and plan.strategy.predicted.step_ms > 0
+    assert any("pipeline of 2 stages" in r for r in plan.strategy.risks)
+    code, stdout, err = run_cli("train", "--model", "digits_cnn", "--plan", str(out),
+                                "--out", str(tmp_path / "run"), "--steps", "2", "--dry-run")
+    assert code == 0, err
+    assert "pipeline: 2 stages at " + pipe.cuts[0] in stdout
