@@ -46,7 +46,7 @@ from qsync_opt.strategy.modes import parse_transport
 from qsync_opt.strategy.space import Candidate, StrategySpace, candidates
 
 __all__ = ["StrategyRow", "StrategySearch", "candidate_problem", "plan_with_strategy",
-           "plot_strategies", "search_strategies"]
+           "plan_of", "plot_strategies", "search_strategies"]
 
 #: Steps within this relative difference are a tie (broken by degradation, then risk).
 TIE_REL = 1e-9
@@ -244,7 +244,7 @@ def search_strategies(base: AllocationProblem, space: StrategySpace, solve_fn: S
         raise InfeasibleError("no strategy of the allowed space has a plan: "
                               + "; ".join(f"{r.candidate.describe()}: {r.note}" for r in rows))
     _mark_pareto(rows)
-    plan = _plan_v2(best, space)
+    plan = plan_of(best, space)
     return StrategySearch(rows, best, plan, space, spec.describe(),
                           time.perf_counter() - t0)
 
@@ -304,8 +304,9 @@ def pipeline_rows(base: AllocationProblem, space: StrategySpace,
     return out
 
 
-def _plan_v2(row: StrategyRow, space: StrategySpace | None) -> Plan:
-    """The chosen candidate's plan, version 2: its strategy, prediction and risks."""
+def plan_of(row: StrategyRow, space: StrategySpace | None) -> Plan:
+    """A solved candidate's plan as version 2: its strategy, prediction and risks (the
+    search writes the chosen one's)."""
     assert row.plan is not None and row.prediction is not None
     strategy = Strategy(sync=row.candidate.sync, transport=row.candidate.transport,
                         pipeline=row.pipeline, predicted=row.prediction,
@@ -320,7 +321,7 @@ def plan_with_strategy(problem: AllocationProblem, plan: Plan, ev: Evaluation,
     recording ``cand`` and what the planner predicted for it (``solve --sync MODE``)."""
     spec = parse_comm_model(comm_model)
     row = StrategyRow(cand, 0.0, "solved", plan, None, ev, _prediction(problem, ev, spec, cand))
-    return _plan_v2(row, None)
+    return plan_of(row, None)
 
 
 def plot_strategies(search: StrategySearch, path: str, what: str = "--png") -> None:
