@@ -574,8 +574,8 @@ def _rank_step(run: _RankRun) -> dict[str, Any]:
     dist.all_reduce(bad)
     dist.all_reduce(lv)  # every rank learns the loss (for its checkpoint and rows)
     if ds.link is not None:
-        for x in (bad, lv):
-            ds.link.block("allreduce", x.numel() * x.element_size())
+        for agreed in (bad, lv):
+            ds.link.block("allreduce", agreed.numel() * agreed.element_size())
     loss = float(lv)
     if int(bad) == 0:
         opt.step()
