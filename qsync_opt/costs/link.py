@@ -128,18 +128,20 @@ def parse_link(text: str) -> LinkFigures:
     s = text.strip()
     if s.lower() == "cluster":
         return LinkFigures("cluster")
-    figures: dict[str, float] = {}
-    for item in s.split(","):
-        key, eq, val = item.partition("=")
-        key = key.strip().lower()
-        if not eq or not key:
-            raise QsyncInputError(f"{LINK_FLAG}: {item.strip()!r} is not KEY=VALUE; expected "
-                                  f"{LINK_HELP}")
-        if key not in _KEYS:
-            raise QsyncInputError(f"{LINK_FLAG}: unknown key {key!r}; expected {LINK_HELP}")
-        if key in figures:
-            raise QsyncInputError(f"{LINK_FLAG}: {key} given twice")
-        figures[key] = _number(key, val)
+    raw = s.split(",")
+    items = [(k.strip().lower(), eq, v) for k, eq, v in (x.partition("=") for x in raw)]
+    bad = [x for x, (k, eq, _) in zip(raw, items, strict=True) if not eq or not k]
+    if bad:
+        raise QsyncInputError(f"{LINK_FLAG}: {bad[0].strip()!r} is not KEY=VALUE; expected "
+                              f"{LINK_HELP}")
+    keys = [k for k, _, _ in items]
+    unknown = [k for k in keys if k not in _KEYS]
+    if unknown:
+        raise QsyncInputError(f"{LINK_FLAG}: unknown key {unknown[0]!r}; expected {LINK_HELP}")
+    twice = [k for k in _KEYS if keys.count(k) > 1]
+    if twice:
+        raise QsyncInputError(f"{LINK_FLAG}: {twice[0]} given twice")
+    figures = {k: _number(k, v) for k, _, v in items}
     missing = [k for k in _REQUIRED if k not in figures]
     if missing:
         raise QsyncInputError(f"{LINK_FLAG}: {missing[0]} is missing; expected {LINK_HELP}")

@@ -35,15 +35,14 @@ class FakeClock:
 
     def sleep(self, s: float) -> None:
         with self.lock:
-            self.slept.append(s)
-            self.now += s
+            self.now, self.slept = self.now + s, [*self.slept, s]
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(link_module, "time", fake)
-    return fake
+    """The link's ``time`` module, faked for the test."""
+    monkeypatch.setattr(link_module, "time", FakeClock())
+    return link_module.time  # type: ignore[return-value]  # the fake
 
 
 def _spec() -> LinkSpec:
