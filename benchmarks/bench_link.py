@@ -4,10 +4,12 @@ step, measured against the link's own figure.
 For each strategy (DDP with FP32 gradients, DDP with fp16 gradients, Local SGD every 4
 steps; a two-stage pipeline with 8-bit activations with ``--pipeline``) the same run (the
 fp32 plan of ``--model`` on two ``cpu`` ranks, ``--steps`` steps) runs without a link and
-with ``--emulate-link LINK``. Per strategy it prints the bytes rank 0 handed the network per
-step, ``link_ms`` (the emulated time charged per step: the link's formula over those bytes,
-deterministic), and the medians over the steps after the first of the measured ``step_ms``
-and ``comm_ms`` without and with the link, and the step time the link added. The added time
+with ``--emulate-link LINK``. Per strategy it prints, as means per step over the run (Local
+SGD pays once a round), the bytes rank 0 handed the network, ``link_ms`` (the emulated time
+charged to a rank's messages: the link's formula over their bytes, deterministic; the larger
+of the two ranks', which differ in a pipeline: each pays what it receives), and over the
+steps after the first the measured ``step_ms`` and ``comm_ms`` of rank 0 without and with the
+link, and the step time the link added. The added time
 should be about ``link_ms`` where the communication does not overlap compute, and less
 where it does (DDP's buckets overlap backward).
 
@@ -44,7 +46,8 @@ def _rows(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _run(model: str, steps: int, out: Path, extra: tuple[str, ...]) -> list[dict[str, Any]]:
+def _run(model: str, steps: int, out: Path, extra: tuple[str, ...]
+         ) -> list[list[dict[str, Any]]]:
     cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", model, "--nproc", "2",
            "--steps", str(steps), "--out", str(out), "--backend", "gloo", "--no-resume",
            "--progress-every", "0", *extra]
@@ -52,12 +55,12 @@ def _run(model: str, steps: int, out: Path, extra: tuple[str, ...]) -> list[dict
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"bench_link: {' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    return _rows(out, 0)
+    return [_rows(out, 0), _rows(out, 1)]
 
 
-def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [float(r[key]) for r in rows[1:] if r.get(key) is not None]
-    return round(statistics.median(vals), 3) if vals else None
+    return round(statistics.fmean(vals), 3) if vals else None
 
 
 def _bytes(row: dict[str, Any]) -> int:
@@ -74,14 +77,16 @@ def measure(model: str, steps: int, link: str, pipeline: bool) -> list[dict[str,
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_link_") as tmp:
         for name, extra in strategies.items():
-            plain = _run(model, steps, Path(tmp) / "plain", extra)
-            slow = _run(model, steps, Path(tmp) / "slow", (*extra, "--emulate-link", link))
+            plain = _run(model, steps, Path(tmp) / "plain", extra)[0]
+            ranks = _run(model, steps, Path(tmp) / "slow", (*extra, "--emulate-link", link))
+            slow = ranks[0]
             row: dict[str, Any] = {
                 "strategy": name, "link": slow[0]["link"],
-                "bytes_per_step": statistics.median(_bytes(r) for r in slow),
-                "link_ms_per_step": statistics.median(r["link_ms"] for r in slow),
-                "step_ms": _median(plain, "step_ms"), "step_ms_link": _median(slow, "step_ms"),
-                "comm_ms": _median(plain, "comm_ms"), "comm_ms_link": _median(slow, "comm_ms")}
+                "bytes_per_step": round(statistics.fmean(_bytes(r) for r in slow), 1),
+                "link_ms_per_step": max(round(statistics.fmean(r["link_ms"] for r in rows), 3)
+                                        for rows in ranks),
+                "step_ms": _mean(plain, "step_ms"), "step_ms_link": _mean(slow, "step_ms"),
+                "comm_ms": _mean(plain, "comm_ms"), "comm_ms_link": _mean(slow, "comm_ms")}
             if row["step_ms"] is not None and row["step_ms_link"] is not None:
                 row["added_ms"] = round(row["step_ms_link"] - row["step_ms"], 3)
             out.append(row)

@@ -133,3 +133,19 @@ def test_without_a_link_nothing_is_charged(tmp_path: Path) -> None:
     model = sync.wrap(_model())
     assert sync.hook_state.link is None
     model(torch.randn(8, 60)).square().sum().backward()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_dlcp_unbiased_pays_its_counts_and_its_bucket(tmp_path: Path) -> None:
+    config = _config(tmp_path, _spec(), comm="dlcp:p=0.05,stress,policy=unbiased")
+    sync = make_sync(config, 2, torch.device("cpu"), emulated=False)
+    assert isinstance(sync, DDPSync) and sync.link is not None
+    model = sync.wrap(_model())
+    sync.before_backward(0, [model])
+    model(torch.randn(8, 60)).square().sum().backward()
+    payload = sum(p.numel() * 4 for p in model.parameters())
+    _, nbytes = sync.meter.take()
+    counts = nbytes - payload  # the kept counts, all-reduced before the bucket
+    assert counts > 0
+    assert sync.link.take_ms() == _ms(allreduce_s(counts, 2, BW, LAT)
+                                      + allreduce_s(payload, 2, BW, LAT))
