@@ -93,6 +93,12 @@ def measure(model: str, steps: int, link: str, pipeline: bool) -> list[dict[str,
     return out
 
 
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.0f}" if key == "bytes_per_step" else f"{value:g}"
+
+
 def table(rows: list[dict[str, Any]], deterministic: bool) -> str:
     keys = ["bytes_per_step", "link_ms_per_step"]
     if not deterministic:
@@ -100,7 +106,7 @@ def table(rows: list[dict[str, Any]], deterministic: bool) -> str:
     lines = ["| strategy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | "
-                     + " | ".join("" if r.get(k) is None else f"{r[k]:g}" for k in keys) + " |")
+                     + " | ".join(_cell(k, r.get(k)) for k in keys) + " |")
     return "\n".join(lines)
 
 
