@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
@@ -218,11 +219,19 @@ class LinkSpec(Schema):
     def world_size(self) -> int:
         return len(self.rank_groups)
 
+    @cached_property
+    def _nodes(self) -> list[tuple[str, int]]:
+        seen: dict[str, int] = {}
+        out = []
+        for g in self.rank_groups:
+            index = seen.get(g, 0)
+            seen[g] = index + 1
+            out.append((g, index // self.devices_per_node[g]))
+        return out
+
     def node_of(self, rank: int) -> tuple[str, int]:
         """(group, node of that group) of ``rank``: a group's ranks fill its nodes in order."""
-        g = self.rank_groups[rank]
-        index = sum(1 for x in self.rank_groups[:rank] if x == g)
-        return g, index // self.devices_per_node[g]
+        return self._nodes[rank]
 
     def pair(self, a: int, b: int) -> tuple[float, float]:
         """(GB/s, us) of the link between ranks ``a`` and ``b``."""
@@ -268,15 +277,12 @@ class LinkSpec(Schema):
     def describe(self) -> str:
         """One line, e.g. ``emulated 1.25 GB/s, 50 us``: the figures of the links the ranks
         use (between groups or nodes; within a node, per group)."""
-        inter = intra = False
-        seen: dict[str, None] = {}
-        for a in range(self.world_size):
-            for b in range(a + 1, self.world_size):
-                if self.node_of(a) == self.node_of(b):
-                    intra = True
-                    seen[self.rank_groups[a]] = None
-                else:
-                    inter = True
+        per_node: dict[tuple[str, int], int] = {}
+        for node in self._nodes:
+            per_node[node] = per_node.get(node, 0) + 1
+        inter = len(per_node) > 1
+        seen = {g: None for (g, _), k in per_node.items() if k > 1}  # groups with intra links
+        intra = bool(seen)
         out = f"{self.bandwidth_gb_per_s:g} GB/s, {self.latency_us:g} us"
         within = ", ".join(f"{self.intra_bandwidth_gb_per_s[g]:g} GB/s ({g})" for g in seen)
         within += f", {self.intra_latency_us:g} us"
