@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import MAX_EVAL_BATCHES, MAX_STEPS
@@ -324,6 +333,15 @@ class TrainConfig(Document):
                 if on:
                     raise ValueError(f"{flag}: only with --compress-act or --compress-grad "
                                      "(nothing is compressed)")
+
+    @model_serializer(mode="wrap")
+    def _without_an_absent_link(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """No ``link`` key when there is none: a run without ``--emulate-link`` writes the
+        config it wrote before the link existed."""
+        out = handler(self)
+        if self.link is None and isinstance(out, dict):
+            out.pop("link", None)
+        return out
 
     def _check_link(self, link: LinkSpec) -> None:
         if self.emulate_dp:

@@ -59,6 +59,8 @@ def test_without_the_flag_nothing_changes(tmp_path: Path) -> None:
     assert rc == 0, err
     assert "emulation: link" not in out and "emulated" not in out
     assert load(tmp_path / "train_config.json", TrainConfig).link is None
+    # the config is the one written before the link existed: no key for it
+    assert "link" not in json.loads((tmp_path / "train_config.json").read_text())
 
 
 @pytest.mark.parametrize("extra, says", [
