@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from qsync_opt.core.limits import MAX_STEPS, finite_float, int_range, positive_int, spec_type
 from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.costs.link import LINK_FLAG, LINK_HELP, parse_link
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import MAX_BATCH, MAX_DEVICES, Plan
 from qsync_opt.runtime.config import (
@@ -155,6 +156,16 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=finite_float(0, MAX_TIMEOUT_S, lo_open=True), default=120.0,
                    help="collective timeout in seconds: a dead rank fails the others (default 120)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument(LINK_FLAG, type=spec_type(parse_link, LINK_FLAG), default=None,
+                   metavar="LINK",
+                   help=f"EMULATE a slower network between the ranks (default off): {LINK_HELP}, "
+                        "bandwidths in GB/s (intra: between ranks of a group on one node; "
+                        "default the same). Every gradient bucket, parameter average, "
+                        "statistics all-reduce, buffer broadcast and pipeline payload also "
+                        "takes the link's time for its real bytes (ring all-reduce 2(n-1)/n x "
+                        "bytes / bandwidth + 2(n-1) x latency, a send bytes / bandwidth + "
+                        "latency), overlapping backward where DDP's all-reduce does; the "
+                        "config, the summary and every metrics row say 'emulated'")
     p.add_argument("--progress-every", type=_seconds, default=LOG_EVERY_S, metavar="S",
                    help="where the output is not a terminal (a file, a pipe, nohup, a batch "
                         "scheduler): a progress line every S seconds (steps done, loss, steps "
@@ -211,7 +222,7 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
         checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
         resume_anyway=args.resume_anyway, emulate_dp=args.emulate_dp,
         timeout_s=args.timeout, backend=args.backend, progress_every_s=args.progress_every,
-        measure_memory=args.measure_memory,
+        measure_memory=args.measure_memory, emulate_link=args.emulate_link,
         pipeline=PipelineRequest(
             stages=args.pipeline_stages, cuts=args.cuts, micro_batches=args.micro_batches,
             compress_act=args.compress_act, compress_grad=args.compress_grad,
@@ -238,6 +249,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         sys.stdout.write("emulation: compute stretched "
                          + ", ".join(f"{g} x{f:g}" for g, f in config.slowdown.items())
                          + " (equal CPUs standing in for slower cards)\n")
+    if config.link is not None:
+        sys.stdout.write(f"emulation: link {config.link.describe()} between the ranks "
+                         "(sleeps on top of the real transfers)\n")
     if args.print_command:
         plan = Plan.load(config.plan_path)
         sys.stdout.write("\n".join(launch.multinode_commands(config, plan, path)) + "\n")

@@ -67,6 +67,7 @@ from qsync_opt.core.errors import QsyncInputError, describe_validation_error
 from qsync_opt.core.progress import LOG_EVERY_S
 from qsync_opt.costs.cluster import load_cluster
 from qsync_opt.costs.devices import get_device, is_derived
+from qsync_opt.costs.link import resolve_link
 from qsync_opt.documents.io import to_json
 from qsync_opt.documents.outfolder import write_text
 from qsync_opt.documents.schemas import MAX_DEVICES, Plan
@@ -213,6 +214,7 @@ class TrainRequest:
     backend: str = "auto"
     progress_every_s: float = LOG_EVERY_S
     measure_memory: int | None = None
+    emulate_link: str | None = None
     pipeline: PipelineRequest = field(default_factory=PipelineRequest)
 
     @property
@@ -384,6 +386,7 @@ def _train_config(request: TrainRequest, plan: Plan, plan_path: Path, ranks: lis
             resume=request.resume, emulate_dp=request.emulate_dp,
             slowdown=_slowdowns(plan, ranks), timeout_s=request.timeout_s,
             backend=request.backend, memory_step=request.measure_memory, pipeline=pipeline,
+            link=resolve_link(request.emulate_link, plan.cluster, ranks),
             progress_every_s=request.progress_every_s, resume_anyway=request.resume_anyway)
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None

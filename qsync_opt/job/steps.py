@@ -50,6 +50,7 @@ from qsync_opt.runtime.checkpoint import (
 from qsync_opt.runtime.config import CheckpointSet, check_resume, remove_stale, set_path
 from qsync_opt.runtime.data import GlobalBatches, batch_size_of, rank_slice, to_device
 from qsync_opt.runtime.faults import NO_FAULTS, FaultPlan
+from qsync_opt.runtime.link import link_fields
 from qsync_opt.runtime.memory import measure_step_memory
 from qsync_opt.runtime.metrics import (
     MetricsWriter,
@@ -327,6 +328,7 @@ class Trainer:
         nbytes = self.sync.bytes_per_step(self.models[0])
         info = self.sync.step_info(step)
         per_rank = info.pop("per_rank", {})  # a mode's own per-rank fields (dlcp's drops)
+        link = link_fields(self.sync.link)  # the emulated link's figures and time, if any
         classification = s.workload.task == "classification"
         for (r, b, loss, correct), met, m, c_s, sc, skip in zip(
                 rows, metrics, self.models, compute_s, self.scalers, skips, strict=True):
@@ -337,7 +339,7 @@ class Trainer:
             met.write(step_row(
                 step=step, rank=r, group=g, loss=loss, compute_s=c_s * f, sync_s=sync_s,
                 nbytes=nbytes, skipped=skip, loss_scale=sc.scale, lr=lr, **info,
-                extra=per_rank.get(r),
+                extra={**link, **(per_rank.get(r) or {})},
                 accuracy=correct / b if classification else None,
                 state_sha256=state_hash(m) if self.log_state_hash else None))
 
@@ -437,6 +439,7 @@ class Trainer:
             "comm": cfg.comm_mode().describe(), "overrides": list(cfg.overrides),
             "lr_schedule": self.schedule.describe(),
             "communication": self.communication,
+            **({"link": cfg.link.describe()} if cfg.link is not None else {}),
             "eval_loss": evals[0]["loss"], "eval_accuracy": evals[0]["accuracy"],
             "eval_per_rank": evals, "state_sha256": sha, "wall_s": round(wall_s, 3),
             **({"memory": self.memory} if self.memory is not None else {}),

@@ -11,6 +11,11 @@ stage 2 cannot deadlock against the chain), all waited at the end of the step. T
 counted are the payload's tensors (``Payload.nbytes``, what ``Compressor.wire_bytes``
 predicts); the header is framing and is counted apart (``header_bytes``).
 
+With an emulated link (:class:`~qsync_opt.runtime.link.LinkClock`) the header also carries
+its send time, and the receiver waits until the link from the sender has carried the
+payload's bytes (``Payload.nbytes``, the compressed bytes) since then: ``bytes / bandwidth +
+latency`` of the pair's link, one message at a time; the tie all-reduce takes its ring time.
+
 The schedule is :meth:`Pipeline.train_step`'s: forwards of every micro-batch, then
 backwards in reverse micro-batch order, each micro-batch's loss weighted by its share; a
 tied parameter's gradient is all-reduced between the ranks that hold it (a group of those
@@ -31,6 +36,7 @@ from torch import Tensor
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.pipeline.stages import Pipeline
+from qsync_opt.runtime.link import LinkClock
 from qsync_opt.strategy.codecs import Payload
 
 __all__ = ["BACKWARD_TAG", "DistStage", "recv_payload", "send_payload"]
@@ -53,10 +59,13 @@ def _header(p: Payload) -> Tensor:
 
 
 def send_payload(p: Payload, dst: int, handles: list[Any], keep: list[Tensor],
-                 tag: int = 0) -> int:
+                 tag: int = 0, link: LinkClock | None = None) -> int:
     """Send ``p`` to rank ``dst`` (non-blocking; ``handles``/``keep`` hold the requests and
-    the tensors until they are waited); returns the header's bytes."""
+    the tensors until they are waited); returns the header's bytes. With ``link`` the header
+    ends with the send time (the receiver's :meth:`LinkClock.arrive`)."""
     h = _header(p)
+    if link is not None:
+        h = torch.cat([h, torch.tensor([link.sent_stamp()], dtype=torch.int64)])
     n = torch.tensor([h.numel()], dtype=torch.int64)
     for t in (n, h, *[t.detach().contiguous() for t in p.tensors]):
         keep.append(t)
@@ -64,8 +73,10 @@ def send_payload(p: Payload, dst: int, handles: list[Any], keep: list[Tensor],
     return (1 + h.numel()) * 8
 
 
-def recv_payload(src: int, tag: int = 0) -> tuple[Payload, int]:
-    """Receive one payload from rank ``src`` (blocking); returns it and its header's bytes."""
+def recv_payload(src: int, tag: int = 0, link: LinkClock | None = None
+                 ) -> tuple[Payload, int]:
+    """Receive one payload from rank ``src`` (blocking; with ``link``, until the emulated
+    link has carried its bytes); returns it and its header's bytes."""
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, src, tag=tag)
     h = torch.zeros(int(n), dtype=torch.int64)
@@ -82,17 +93,21 @@ def recv_payload(src: int, tag: int = 0) -> tuple[Payload, int]:
         t = torch.empty(tshape, dtype=dt)
         dist.recv(t, src, tag=tag)
         tensors.append(t)
-    return Payload(tuple(tensors), shape, dtype, form), (1 + len(v)) * 8
+    p = Payload(tuple(tensors), shape, dtype, form)
+    if link is not None:
+        link.arrive(src, v[-1], p.nbytes)
+    return p, (1 + len(v)) * 8
 
 
 class DistStage:
-    """Rank ``rank``'s part of ``pipe`` (one stage per rank; world size = stages)."""
+    """Rank ``rank``'s part of ``pipe`` (one stage per rank; world size = stages); ``link``:
+    the emulated link its payloads and tie all-reduces cross (None: the real one alone)."""
 
-    def __init__(self, pipe: Pipeline, rank: int) -> None:
+    def __init__(self, pipe: Pipeline, rank: int, link: LinkClock | None = None) -> None:
         if dist.get_world_size() != len(pipe.stages):
             raise QsyncInputError(f"pipeline: {len(pipe.stages)} stages need as many ranks, "
                                   f"got {dist.get_world_size()}")
-        self.pipe, self.rank = pipe, rank
+        self.pipe, self.rank, self.link = pipe, rank, link
         self.stage = pipe.stages[rank]
         self.header_bytes = 0
         # every rank creates every tie's group, in the same order (new_group is collective)
@@ -108,7 +123,7 @@ class DistStage:
         """A crossing activation: decoded by the receiver's codec (``train``), by the
         compressor alone (``eval-compressed``), or as sent (``eval``)."""
         b = self.pipe.boundaries[name]
-        p, hb = recv_payload(src, self.tags[name])
+        p, hb = recv_payload(src, self.tags[name], self.link)
         self.header_bytes += hb
         if mode == "train":
             x = b.act_recv.decode(p, idx, slot)
@@ -132,7 +147,8 @@ class DistStage:
             p = bd.act_comp.compress(v)
         else:
             p = Payload((v.detach(),), tuple(v.shape), v.dtype)
-        self.header_bytes += send_payload(p, bd.dst, handles, keep, self.tags[name])
+        self.header_bytes += send_payload(p, bd.dst, handles, keep, self.tags[name],
+                                          self.link)
 
     def _forward(self, inputs: Sequence[Tensor], targets: Tensor, share: float,
                  idx: Tensor | None, slot: int, loss_of: Callable[..., Tensor], mode: str,
@@ -234,7 +250,7 @@ class DistStage:
                 grads.append(torch.ones_like(loss))
             for name, v in sent:
                 bd = self.pipe.boundaries[name]
-                p, hb = recv_payload(bd.dst, BACKWARD_TAG + self.tags[name])
+                p, hb = recv_payload(bd.dst, BACKWARD_TAG + self.tags[name], self.link)
                 self.header_bytes += hb
                 outs.append(v)
                 grads.append(bd.grad_recv.decode(p, None, m))
@@ -250,7 +266,7 @@ class DistStage:
                 bd.grad_bytes += p.nbytes
                 bd.grad_raw += g.numel() * g.element_size()
                 self.header_bytes += send_payload(p, bd.src, handles, keep,
-                                                  BACKWARD_TAG + self.tags[name])
+                                                  BACKWARD_TAG + self.tags[name], self.link)
         for h in handles:
             h.wait()
         self._sync_ties()
@@ -264,4 +280,7 @@ class DistStage:
             p = self.stage.get_parameter(mine[0])
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(g, group=group)
+            if self.link is not None:
+                self.link.block("allreduce", g.numel() * g.element_size(),
+                                sorted({k for k, _ in tie}))
             p.grad = g

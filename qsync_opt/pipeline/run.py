@@ -71,6 +71,7 @@ from qsync_opt.runtime.checkpoint import (
 from qsync_opt.runtime.config import TrainConfig, latest_complete_set, remove_stale, set_path
 from qsync_opt.runtime.data import GlobalBatches, IndexedBatches
 from qsync_opt.runtime.gather import all_gather_json
+from qsync_opt.runtime.link import LinkClock, link_fields
 from qsync_opt.runtime.metrics import MetricsWriter, StepProgress, clean, write_json
 from qsync_opt.runtime.prepare import make_optimizer
 from qsync_opt.runtime.scaler import LossScaler
@@ -300,6 +301,7 @@ def _summary(config: TrainConfig, setup: Any, pipe: Pipeline, shares: list[dict[
         "header_bytes_per_step": (sum(sh["header_bytes"] for sh in shares) / ran
                                   if ran and not emulated else None),
         "aqsgd_buffers": _aqsgd_line(pipe, n_samples),
+        **({"link": config.link.describe()} if config.link is not None else {}),
         **evals, "wall_s": round(wall_s, 3),
     }
 
@@ -492,7 +494,8 @@ def _start_rank(config: TrainConfig, setup: Any, rank: int) -> _RankRun:
     wl = setup.workload
     data = PipelineBatches(wl, config.seed, spec.batch, spec.feedback)
     pipe = build_pipeline(config, setup, [rank], data.n_samples)
-    ds = DistStage(pipe, rank)
+    link = LinkClock(config.link, rank) if config.link is not None else None
+    ds = DistStage(pipe, rank, link)
     run = _RankRun(config, setup, rank, data, pipe, ds, _optimizer(config, ds.stage),
                    LossScaler(setup.init_scale))
     cs = latest_complete_set(config.out_dir) if config.resume else None
@@ -557,6 +560,8 @@ def _rank_step(run: _RankRun) -> dict[str, Any]:
     for g in opt.param_groups:
         g["lr"] = sched.lr_at(step)
     sent0 = _sent(run.pipe, rank)
+    if ds.link is not None:
+        ds.link.take_ms()  # the row counts this step's messages only
     t = time.perf_counter()
     scale = scaler.scale
     loss = ds.train_step(functools.partial(_scaled_loss, run.setup.workload, scale), x, y,
@@ -568,6 +573,9 @@ def _rank_step(run: _RankRun) -> dict[str, Any]:
     lv = torch.tensor([loss if last_rank else 0.0], dtype=torch.float64)
     dist.all_reduce(bad)
     dist.all_reduce(lv)  # every rank learns the loss (for its checkpoint and rows)
+    if ds.link is not None:
+        for agreed in (bad, lv):
+            ds.link.block("allreduce", agreed.numel() * agreed.element_size())
     loss = float(lv)
     if int(bad) == 0:
         opt.step()
@@ -584,7 +592,7 @@ def _rank_step(run: _RankRun) -> dict[str, Any]:
             "step_ms": round((time.perf_counter() - t) * 1000, 3),
             "act_bytes_sent": sent1[0] - sent0[0],
             "grad_bytes_sent": sent1[1] - sent0[1],
-            "skipped": bool(int(bad)), "loss_scale": scale}
+            "skipped": bool(int(bad)), "loss_scale": scale, **link_fields(ds.link)}
 
 
 def _rank_share(run: _RankRun) -> dict[str, Any]:

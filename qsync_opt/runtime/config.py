@@ -22,11 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import MAX_EVAL_BATCHES, MAX_STEPS
 from qsync_opt.core.progress import LOG_EVERY_S
+from qsync_opt.costs.link import LINK_FLAG, LinkSpec
 from qsync_opt.documents.outfolder import (
     check_folder,
     check_names,
@@ -63,7 +73,7 @@ FLAGS: dict[str, str] = {
     "memory_step": "--measure-memory", "optimizer": "--optimizer", "workload": "--model",
     "rank_groups": "--rank-groups", "weight_decay": "--weight-decay", "sync": "--sync",
     "comm": "--comm", "lr_schedule": "--lr-schedule", "pipeline": "--pipeline-stages",
-    "progress_every_s": "--progress-every",
+    "progress_every_s": "--progress-every", "link": LINK_FLAG,
 }
 
 #: ``--average-optimizer-state`` without parameter averaging (ddp, a pipeline): refused.
@@ -242,6 +252,11 @@ class TrainConfig(Document):
         description="Where the output is not a terminal: seconds between progress lines "
                     "(steps done, loss, steps per second, time left) from rank 0; 0: none. "
                     "A terminal shows a bar instead.")
+    link: LinkSpec | None = Field(
+        default=None,
+        description="The emulated network link between the ranks (--emulate-link; "
+                    "qsync_opt.costs.link): every collective and point-to-point payload "
+                    "also takes its figures' time for its bytes. None: the real link alone.")
     memory_step: Int | None = Field(
         default=None, ge=0,
         description="Measure this step's exact peak live tensor bytes inside each "
@@ -294,6 +309,8 @@ class TrainConfig(Document):
                 raise ValueError("--measure-memory: not measured in a pipeline run")
         if self.average_optimizer_state and not self.sync_mode().averages_parameters:
             raise ValueError(AVERAGE_STATE_REFUSAL)
+        if self.link is not None:
+            self._check_link(self.link)
         for g, f in self.slowdown.items():
             if not (math.isfinite(f) and 1 <= f <= MAX_SLOWDOWN):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "
@@ -319,6 +336,26 @@ class TrainConfig(Document):
                 if on:
                     raise ValueError(f"{flag}: only with --compress-act or --compress-grad "
                                      "(nothing is compressed)")
+
+    @model_serializer(mode="wrap")
+    def _without_an_absent_link(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """No ``link`` key when there is none: a run without ``--emulate-link`` writes the
+        config it wrote before the link existed."""
+        out = handler(self)
+        if self.link is None and isinstance(out, dict):
+            out.pop("link", None)
+        return out
+
+    def _check_link(self, link: LinkSpec) -> None:
+        if self.emulate_dp:
+            raise ValueError(f"{LINK_FLAG}: only with ranks of their own (torchrun); "
+                             "--emulate-dp runs every rank in one process, with no link "
+                             "between them")
+        if self.world_size < 2:
+            raise ValueError(f"{LINK_FLAG}: a run of one rank sends nothing over a link")
+        if link.rank_groups != self.rank_groups:
+            raise ValueError(f"{LINK_FLAG}: the link's ranks {link.rank_groups} are not the "
+                             f"run's {self.rank_groups}")
 
     @property
     def world_size(self) -> int:

@@ -219,8 +219,9 @@ def ranks_text(rank_groups: list[str], doc: dict[str, Any]) -> str:
 
 def sync_line(doc: dict[str, Any]) -> str | None:
     """The data-parallel run's communication (summary.json's ``communication``): its sync
-    rounds, the bytes one rank handed its collectives and the time inside them. None for a
-    single rank or a summary without it."""
+    rounds, the bytes one rank handed its collectives and the time inside them (and the
+    emulated link's description when there was one). None for a single rank or a summary
+    without it."""
     comm = doc.get("communication")
     if not isinstance(comm, dict) or (doc.get("world_size") or 0) < 2:
         return None
@@ -232,5 +233,6 @@ def sync_line(doc: dict[str, Any]) -> str | None:
     how = doc.get("sync") or "ddp"
     if doc.get("comm") not in (None, "allreduce"):
         how += f", {doc.get('comm')}"
+    link = doc.get("link")  # the emulated link, when the run had one
     return (f"  sync {how}: {rounds} round(s) in {steps} step(s), {mb:.2f} MB sent per rank, "
-            f"{ms:.1f} ms in collectives")
+            f"{ms:.1f} ms in collectives" + (f" (link {link})" if isinstance(link, str) else ""))

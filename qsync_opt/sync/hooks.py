@@ -10,7 +10,10 @@ communication still overlaps backward; the bound is per tensor, so per bucket to
 for its ``unbiased`` policy, all-reduces the bucket's kept counts and rescales each chunk
 after the sum. Each
 bucket's launch-to-completion interval and payload bytes go to the run's
-:class:`~qsync_opt.sync.replicas.CommMeter`.
+:class:`~qsync_opt.sync.replicas.CommMeter`. With an emulated link
+(:class:`~qsync_opt.runtime.link.LinkClock`) a bucket completes only once the link has
+carried its payload's real bytes (fp16: half of fp32's), on the link's thread, so backward
+goes on meanwhile; the interval includes it.
 
 (This module has no ``from __future__ import annotations``: DDP checks the hook's ``bucket``
 annotation against ``dist.GradBucket`` itself, not a string.)
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qsync_opt.runtime.link import LinkClock
 from qsync_opt.strategy.droppolicy import chunk_index, rescale
 
 __all__ = ["HookState", "chain_hook", "encode"]
@@ -38,12 +42,14 @@ def encode(buf: torch.Tensor, world: int, comm: str) -> torch.Tensor:
 class HookState:
     """What the hook needs: the world size, the transport and the meter; for ``dlcp`` the
     run's :class:`~qsync_opt.strategy.droppolicy.DropRecorder` (``drops``), the model's
-    parameters in their order (``params``), this rank and the step being run."""
+    parameters in their order (``params``), this rank and the step being run; ``link``: the
+    emulated link (None: none)."""
 
     def __init__(self, world: int, comm: str, meter: Any, drops: Any = None,
-                 params: Any = None, rank: int = 0) -> None:
+                 params: Any = None, rank: int = 0, link: LinkClock | None = None) -> None:
         self.world, self.comm, self.meter = world, comm, meter
         self.drops, self.params, self.rank, self.step = drops, params, rank, 0
+        self.link = link
         self.index: dict[int, int] | None = None  # id(parameter) -> its index in the model
 
 
@@ -71,6 +77,8 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
             sel = chunk_index(drops.table, indices)
             mine = counts[sel]
             dist.all_reduce(mine)
+            if state.link is not None:
+                state.link.block("allreduce", mine.numel() * mine.element_size())
             counts[sel] = mine
     # stage 2: the payload (unbiased: summed as is, rescaled per chunk afterwards)
     payload = buf if counts is not None else encode(buf, state.world, state.comm)
@@ -89,4 +97,6 @@ def chain_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         return out
 
     fut = dist.all_reduce(payload, async_op=True).get_future()
+    if state.link is not None:  # the payload's real bytes over the link, off this thread
+        fut = state.link.after(fut, "allreduce", payload.numel() * payload.element_size())
     return fut.then(done)

@@ -52,6 +52,7 @@ from qsync_opt.graph import trace
 from qsync_opt.netsim.cluster import dlcp_masks, limit_message
 from qsync_opt.netsim.engine import NetsimLimit
 from qsync_opt.netsim.traffic import NetConfig
+from qsync_opt.runtime.link import LinkClock
 from qsync_opt.strategy.droppolicy import ChunkTable, DropRecorder, rescale
 from qsync_opt.strategy.modes import round_length
 from qsync_opt.sync.hooks import HookState, chain_hook, encode
@@ -73,6 +74,8 @@ class GradientSync:
     independent_steps: bool = False
     #: dlcp's :class:`~qsync_opt.strategy.droppolicy.DropRecorder` (None: nothing is dropped)
     drops: Any = None
+    #: the emulated link every collective's bytes cross (None: the real one alone)
+    link: LinkClock | None = None
 
     # -- set-up
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -203,6 +206,12 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _over_link(link: LinkClock | None, kind: str, nbytes: int) -> None:
+    """After a blocking collective: the emulated link's time for its bytes (if any)."""
+    if link is not None:
+        link.block(kind, nbytes)
+
+
 class LocalSync(GradientSync):
     """One process, one rank: nothing to agree on."""
 
@@ -254,11 +263,13 @@ class DDPSync(GradientSync):
     ``comm`` (:mod:`qsync_opt.strategy.modes`): ``allreduce`` divides each FP32 bucket by the world and
     all-reduces it (torch's ``allreduce_hook``), ``fp16`` casts it to fp16 first (torch's
     ``fp16_compress_hook``) and back after. Every bucket's launch-to-completion interval and
-    payload go to :attr:`meter`."""
+    payload go to :attr:`meter`; with an emulated ``link`` every collective also takes the
+    link's time for its bytes (:mod:`qsync_opt.runtime.link`)."""
 
     def __init__(self, world: int, device: torch.device, comm: str = "allreduce",
-                 dlcp: Any = None, seed: int = 0, network: Any = None) -> None:
-        self.world, self.device, self.comm = world, device, comm
+                 dlcp: Any = None, seed: int = 0, network: Any = None,
+                 link: LinkClock | None = None) -> None:
+        self.world, self.device, self.comm, self.link = world, device, comm, link
         self.meter = CommMeter()
         self.dlcp, self.seed = dlcp, seed  # dlcp: the parsed --comm dlcp:... (CommMode)
         self.network = network  # dlcp from the network: (the plan's cluster, rank groups)
@@ -276,7 +287,7 @@ class DDPSync(GradientSync):
             self.drops, params = _drop_recorder(model, self.dlcp, self.seed, self.network)
         ddp = DDP(model, device_ids=ids, **kw)
         self.hook_state = HookState(self.world, self.comm, self.meter, self.drops, params,
-                                    dist.get_rank())
+                                    dist.get_rank(), self.link)
         ddp.register_comm_hook(self.hook_state, chain_hook)
         return ddp
 
@@ -291,6 +302,7 @@ class DDPSync(GradientSync):
         t = stats.to(self.device)
         with self.meter.timed(_nbytes(t)):
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            _over_link(self.link, "allreduce", _nbytes(t))
         return t.cpu()
 
     def persistent_bytes(self, forward_model: nn.Module) -> int | None:
@@ -312,6 +324,7 @@ class DDPSync(GradientSync):
             flat = _flatten_dense_tensors([b.data for b in bufs])
             with self.meter.timed(_nbytes(flat)):
                 dist.broadcast(flat, src=0)
+                _over_link(self.link, "broadcast", _nbytes(flat))
             for b, v in zip(bufs, _unflatten_dense_tensors(flat, bufs), strict=True):
                 b.data.copy_(v)
 
@@ -483,8 +496,8 @@ class LocalSGDSync(GradientSync):
 
     def __init__(self, world: int, mode: Any, schedule: Any, total_steps: int,
                  device: torch.device | None = None, emulated: bool = False,
-                 average_optimizer_state: bool = False) -> None:
-        self.world, self.mode, self.schedule = world, mode, schedule
+                 average_optimizer_state: bool = False, link: LinkClock | None = None) -> None:
+        self.world, self.mode, self.schedule, self.link = world, mode, schedule, link
         self.total_steps, self.device, self.emulated = int(total_steps), device, emulated
         self.average_optimizer_state = average_optimizer_state
         self.meter = CommMeter()
@@ -533,6 +546,7 @@ class LocalSGDSync(GradientSync):
         t = stats.to(self.device)
         with self.meter.timed(_nbytes(t)):
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            _over_link(self.link, "allreduce", _nbytes(t))
         return t.cpu()
 
     def min_max(self, value: float) -> tuple[float, float]:
@@ -580,6 +594,7 @@ class LocalSGDSync(GradientSync):
         assert flat is not None
         if not self.emulated and self.world > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            _over_link(self.link, "allreduce", _nbytes(flat))
         for ts in groups:
             off = 0
             for t in ts:
@@ -617,19 +632,22 @@ def make_sync(config: Any, world: int, device: torch.device, emulated: bool,
     """The gradient-sync mode a run's config asks for (``sync``, ``comm``), over ``world``
     ranks, in one process (``emulated``) or one per rank; ``cluster``: the plan's (the
     network ``--comm dlcp`` takes its drops from), ``setup``: the run's (its workload and
-    plan time the buckets' backward there)."""
+    plan time the buckets' backward there). A multi-process run under ``config.link`` gets
+    the emulated link (the config refuses it in one process)."""
     mode = config.sync_mode()
     cm = config.comm_mode()
     comm = cm.kind
     dlcp = cm if comm == "dlcp" else None
+    link = (LinkClock(config.link, dist.get_rank())
+            if config.link is not None and not emulated and world > 1 else None)
     if mode.averages_parameters:
         if world <= 1:
             return LocalSync()
         return LocalSGDSync(world, mode, config.schedule(), config.steps, device=device,
                             emulated=emulated,
-                            average_optimizer_state=config.average_optimizer_state)
+                            average_optimizer_state=config.average_optimizer_state, link=link)
     network = None if cluster is None else (cluster, list(config.rank_groups), setup)
     if emulated:
         return EmulatedSync(world, comm, dlcp, config.seed, network)
-    return (DDPSync(world, device, comm, dlcp, config.seed, network) if world > 1
+    return (DDPSync(world, device, comm, dlcp, config.seed, network, link) if world > 1
             else LocalSync())
