@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan, SolveReport
 from qsync_opt.planner.diagnose import explain
+from qsync_opt.planner.errors import InfeasibleError, SolveTimeLimit
 from qsync_opt.problem.evaluator import Evaluation, evaluate
 from qsync_opt.problem.groupmodel import GroupModel
 from qsync_opt.problem.program import AllocationProblem
@@ -31,29 +32,6 @@ class ScoredRun:
     plan: Plan | None
     report: SolveReport
     evaluation: Evaluation | None
-
-
-class InfeasibleError(QsyncInputError):
-    """No plan satisfies the problem; ``report`` says what the solver found and ``lines``
-    what would make it feasible (smallest memory per group, fastest makespan, blocking pins)."""
-
-    def __init__(self, message: str, report: SolveReport | None = None) -> None:
-        super().__init__(message)
-        self.report = report
-        self.head = message
-        self.lines: list[str] = []
-
-
-class SolveTimeLimit(QsyncInputError):
-    """The time limit of the whole call ran out before any plan was found (a plan may
-    exist: this is not infeasibility). ``report`` is the last solver report, ``bound`` the
-    best bound on the objective found (None: none)."""
-
-    def __init__(self, message: str, report: SolveReport | None = None,
-                 bound: float | None = None) -> None:
-        super().__init__(message)
-        self.report = report
-        self.bound = bound
 
 
 @dataclass

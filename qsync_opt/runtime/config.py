@@ -36,6 +36,7 @@ from qsync_opt.documents.outfolder import (
     remove,
 )
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
+from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
@@ -134,8 +135,6 @@ class PipelineSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineSpec:
-        from qsync_opt.strategy.codecs import parse_compressor  # lazy: the codecs import torch
-
         if len(self.cuts) != self.stages - 1:
             raise ValueError(f"--cuts: {self.stages} stages need {self.stages - 1} cuts, got "
                              f"{len(self.cuts)}")
@@ -145,7 +144,7 @@ class PipelineSpec(BaseModel):
         for flag, text in (("--compress-act", self.compress_act),
                            ("--compress-grad", self.compress_grad)):
             try:
-                parse_compressor(text)
+                parse_compressor_text(text)
             except QsyncInputError as exc:
                 raise ValueError(f"{flag}: {str(exc).partition(': ')[2]}") from None
         return self

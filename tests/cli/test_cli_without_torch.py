@@ -126,8 +126,8 @@ def test_a_broken_default_batch_record_is_traced_again(tmp_path: Path) -> None:
 def test_the_parsers_constants_match_their_modules() -> None:
     """train's and sweep's parsers state the launcher's and the sweep's description and
     limits without importing them."""
-    from qsync_opt.cli import sweep as cli_sweep
-    from qsync_opt.cli import train as cli_train
+    from qsync_opt.cli.parsers import sweep as cli_sweep
+    from qsync_opt.cli.parsers import train as cli_train
     from qsync_opt.hfta import sweep
     from qsync_opt.job import launch
 
