@@ -42,7 +42,8 @@ from qsync_opt.planner.frontier import (
 from qsync_opt.planner.solve import INDICATOR_BATCH, build_problem, solve
 from qsync_opt.problem.evaluator import evaluate
 from qsync_opt.problem.program import AllocationProblem, ProblemOptions
-from qsync_opt.solvers import EXACT, SolveOptions, registry
+from qsync_opt.solvers import EXACT, SolveOptions
+from qsync_opt.solvers.backends import registry
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:

@@ -19,7 +19,8 @@ from qsync_opt.planner.errors import InfeasibleError, SolveTimeLimit
 from qsync_opt.problem.evaluator import Evaluation, evaluate
 from qsync_opt.problem.groupmodel import GroupModel
 from qsync_opt.problem.program import AllocationProblem
-from qsync_opt.solvers import Backend, SolveOptions, get_backend, timing
+from qsync_opt.solvers import Backend, SolveOptions, timing
+from qsync_opt.solvers.backends import get_backend
 from qsync_opt.solvers.ilp import FastestTimeLimit, PulpIlp, fastest_times
 from qsync_opt.solvers.report import ZERO_REL, mode_text, objective_scale
 from qsync_opt.solvers.timing import Deadline
