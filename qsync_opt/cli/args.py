@@ -76,7 +76,8 @@ def workload_arg(args: argparse.Namespace, model_sha256: str | None = None) -> A
     """``--model``: a registry name as it is, a ``PATH.py:FUNCTION`` file loaded (it is run:
     the user named it; with ``model_sha256`` it must have that content hash first)."""
     if is_user_model(args.model):
-        from qsync_opt.models.resolve import load_user_workload  # lazy: imports torch
+        # lazy: loading a model file imports torch; a built-in's name stays a string
+        from qsync_opt.models.resolve import load_user_workload
 
         return load_user_workload(args.model, sha256=model_sha256)
     return args.model
