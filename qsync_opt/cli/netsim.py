@@ -4,7 +4,6 @@ packet, over seeded iterations: p50/p99 communication time, loss per layer, link
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 from typing import Any
@@ -15,6 +14,7 @@ from qsync_opt.cli.args import (
     trace_args,
 )
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.figures import new_figure, png_bytes
 from qsync_opt.core.progress import Progress
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.io import atomic_write_bytes, atomic_write_text, load
@@ -132,12 +132,8 @@ def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg:
 
 
 def _plot(run: Any, topo: Any, links: list[int], bin_us: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig = new_figure((9, 4.5))
+    ax = fig.subplots()
     for li in links:
         bins = run.link_bins[li]
         if not bins:
@@ -151,9 +147,4 @@ def _plot(run: Any, topo: Any, links: list[int], bin_us: float, path: str) -> No
     ax.set_title("busiest links, first iteration")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue(), what="--png")
+    atomic_write_bytes(path, png_bytes(fig, tight=True), what="--png")
