@@ -6,7 +6,7 @@ writer."""
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -17,7 +17,8 @@ __all__ = ["new_figure", "png_bytes"]
 DPI = 110
 
 
-def new_figure(figsize: tuple[float, float], layout: str | None = None) -> Figure:
+def new_figure(figsize: tuple[float, float],
+               layout: Literal["constrained", "tight"] | None = None) -> Figure:
     """A matplotlib figure of ``figsize`` inches (``layout``: matplotlib's, e.g.
     ``"constrained"``), drawn by the Agg renderer when saved."""
     from matplotlib.figure import Figure  # optional dependency: only where a figure is drawn
