@@ -10,8 +10,7 @@ from qsync_opt.indicator import METHODS
 
 
 def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``demo`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.demo.cmd_demo`, is imported when it runs."""
+    """Add ``demo`` (its body: :func:`~qsync_opt.cli.demo.cmd_demo`)."""
     sp = sub.add_parser("demo", help="the main job on built-in defaults (no GPU needed)")
     sp.add_argument("--out", help="write the plan, graph, costs, indicator and cluster JSON "
                     "into this folder (default: the plan only, into ./qsync-demo)")

@@ -28,8 +28,7 @@ from qsync_opt.netsim.cluster import COMM_MODEL_HELP
 
 
 def add_graph_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``graph`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.model.cmd_graph`, is imported when it runs."""
+    """Add ``graph`` (its body: :func:`~qsync_opt.cli.model.cmd_graph`)."""
     sp = command(sub, "graph", "trace a workload into a ModelGraph")
     model_args(sp)
     sp.add_argument("--out", help="write the ModelGraph JSON here")
@@ -39,8 +38,7 @@ def add_graph_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def add_estimate_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``estimate`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.model.cmd_estimate`, is imported when it runs."""
+    """Add ``estimate`` (its body: :func:`~qsync_opt.cli.model.cmd_estimate`)."""
     sp = command(sub, "estimate", "roofline cost estimates of a workload on a cluster")
     model_args(sp)
     sp.add_argument("--cluster", required=True, help=f"cluster file (.toml/.json) or {SHORTHAND_HELP}")
@@ -51,8 +49,7 @@ def add_estimate_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``replay`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.model.cmd_replay`, is imported when it runs."""
+    """Add ``replay`` (its body: :func:`~qsync_opt.cli.model.cmd_replay`)."""
     sp = command(sub, "replay", "simulate one iteration of a plan (default: the uniform plans)")
     model_args(sp)
     sp.add_argument("--cluster", help=f"cluster file or {SHORTHAND_HELP} (default: the plan's)")
@@ -87,8 +84,7 @@ def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def add_indicate_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``indicate`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.model.cmd_indicate`, is imported when it runs."""
+    """Add ``indicate`` (its body: :func:`~qsync_opt.cli.model.cmd_indicate`)."""
     sp = command(sub, "indicate", "measure each op's sensitivity to each precision")
     sp.add_argument("--model", required=True,
                     help="workload name (qsync-opt models) or path/file.py:fn (that file is "

@@ -15,8 +15,7 @@ BOUNDED_POLICIES = [k for k, (_, transport) in NETSIM_POLICIES.items() if transp
 
 
 def add_netsim_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``netsim`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.netsim.cmd_netsim`, is imported when it runs."""
+    """Add ``netsim`` (its body: :func:`~qsync_opt.cli.netsim.cmd_netsim`)."""
     sp = sub.add_parser("netsim", help="simulate an iteration's gradient traffic packet by packet",
                         description="simulate an iteration's gradient traffic packet by packet")
     sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",

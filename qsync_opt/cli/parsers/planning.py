@@ -17,8 +17,7 @@ from qsync_opt.cli.args import (
 
 
 def add_solve_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``solve`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.planning.cmd_solve`, is imported when it runs."""
+    """Add ``solve`` (its body: :func:`~qsync_opt.cli.planning.cmd_solve`)."""
     sp = command(sub, "solve", "choose every op's precision on every group")
     problem_args(sp)
     sp.add_argument("--solver", default="cpsat",
@@ -38,8 +37,7 @@ def add_solve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def add_compare_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``compare`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.planning.cmd_compare`, is imported when it runs."""
+    """Add ``compare`` (its body: :func:`~qsync_opt.cli.planning.cmd_compare`)."""
     sp = sub.add_parser("compare", help="every allocator and baseline side by side",
                         description="every allocator and baseline side by side",
                         epilog=EXIT_CODES_HELP)
@@ -55,8 +53,7 @@ def add_compare_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def add_pareto_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``pareto`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.planning.cmd_pareto`, is imported when it runs."""
+    """Add ``pareto`` (its body: :func:`~qsync_opt.cli.planning.cmd_pareto`)."""
     sp = command(sub, "pareto", "degradation against throughput as the makespan target sweeps")
     problem_args(sp)
     sp.add_argument("--out", required=True, help="write the frontier's points (JSON) here")

@@ -16,8 +16,7 @@ DESCRIPTION = (
 
 
 def add_profile_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``profile`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.profile.cmd_profile`, is imported when it runs."""
+    """Add ``profile`` (its body: :func:`~qsync_opt.cli.profile.cmd_profile`)."""
     p = sub.add_parser("profile", help="measure a CostTable on this machine",
                        description=DESCRIPTION)
     p.add_argument("--model", required=True, help="workload (qsync-opt models)")

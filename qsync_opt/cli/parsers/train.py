@@ -37,8 +37,7 @@ _seconds = finite_float(0, MAX_PROGRESS_EVERY_S,
 
 
 def add_train_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``train`` to the CLI's subparsers; its body,
-    :func:`~qsync_opt.cli.train.cmd_train`, is imported when it runs."""
+    """Add ``train`` (its body: :func:`~qsync_opt.cli.train.cmd_train`)."""
     p = sub.add_parser(
         "train", help="train a model under a plan with torchrun (DDP, gloo on CPU, NCCL on GPU)",
         description=DESCRIPTION)
