@@ -270,8 +270,8 @@ def _say(line: str) -> None:
 
 
 def say_all(lines: list[str], to_stderr: bool) -> None:
-    """The indicator's lines (:func:`computed_indicator`) after a command's result: on
-    stdout, or on stderr where stdout is JSON."""
+    """The indicator's lines (:func:`qsync_opt.cli.planning.computed_indicator`) after a
+    command's result: on stdout, or on stderr where stdout is JSON."""
     for line in lines:
         if to_stderr:
             _say(line)

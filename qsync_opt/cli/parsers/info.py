@@ -1,5 +1,5 @@
 """The parsers of ``models``, ``devices`` and ``schema`` (their bodies:
-:mod:`qsync_opt.cli.info`)."""
+:mod:`qsync_opt.cli.workloads` and :mod:`qsync_opt.cli.info`)."""
 
 from __future__ import annotations
 
