@@ -61,9 +61,9 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     ``y`` is int64 of shape (N,) with labels 0..9.  Uses
     ``sklearn.datasets.load_digits`` (bundled with scikit-learn, no download).
     """
-    from sklearn.datasets import (
-        load_digits,  # local import: only this helper needs scikit-learn
-    )
+    # lazy: importing scikit-learn takes about a second and only this helper needs it (the
+    # model registry imports this module for every workload)
+    from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = (

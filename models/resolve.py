@@ -7,19 +7,13 @@ import torch
 from qsync_opt.models import Workload, get_workload
 from qsync_opt.models.user import UserWorkload
 from qsync_opt.models.user import load_user_workload as _load
-from qsync_opt.models.user import model_file_sha256 as _digest
 from torch import nn
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.core.modelspec import is_user_model
+from qsync_opt.core.modelspec import is_user_model, model_file_sha256
 
 __all__ = ["is_user_model", "load_user_model", "load_user_workload", "model_file_sha256",
            "resolve_workload"]
-
-
-def model_file_sha256(spec: str) -> str:
-    """sha256 (hex) of the file a ``path/file.py:fn`` spec names; reading it runs nothing."""
-    return _digest(spec)
 
 
 def load_user_workload(spec: str, *, sha256: str | None = None) -> UserWorkload:

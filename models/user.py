@@ -42,7 +42,6 @@ function (``/abs/path/mine.py:build``); graphs and plans record it and the file'
 from __future__ import annotations
 
 import hashlib
-import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -55,6 +54,7 @@ from qsync_opt.models.workload import TraceInputs
 from torch import Tensor, nn
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.modelspec import model_file_path, read_model_file
 
 __all__ = ["TASK_USER", "UserWorkload", "call_model", "load_user_workload", "split_inputs"]
 
@@ -62,8 +62,6 @@ __all__ = ["TASK_USER", "UserWorkload", "call_model", "load_user_workload", "spl
 TASK_USER = "user"
 #: Seed offset of the held-out batches a trainer evaluates on (``data(B, seed + this)``).
 EVAL_SEED_OFFSET = 1_000_003
-#: A model file larger than this is refused unread (source, not weights).
-MAX_MODEL_FILE_BYTES = 64 << 20
 
 
 #: A batch's inputs as a model file gives them: one tensor, a tuple or list of tensors (the
@@ -589,41 +587,6 @@ def _check_result(spec: str, result: object) -> tuple[nn.Module, Any]:
     return result[0], result[1]
 
 
-def _user_model_path(spec: str) -> tuple[Path, str]:
-    path_s, _, fn_name = spec.rpartition(":")
-    if not path_s or not fn_name:
-        raise QsyncInputError(f"model: {spec!r} is not PATH.py:FUNCTION")
-    path = Path(path_s)
-    try:
-        exists = path.exists()
-        regular = path.is_file() and stat.S_ISREG(path.stat().st_mode)
-    except (OSError, ValueError):  # a name too long, a NUL byte, a link loop
-        exists = regular = False
-    if not exists:
-        raise QsyncInputError(f"model: file {_one_line(str(path))} not found")
-    if not regular:  # a FIFO would block the read, /dev/zero never end it
-        raise QsyncInputError(f"model: {_one_line(str(path))} is not a regular file (a "
-                              f"folder, device, FIFO or socket, or a link to one)")
-    if path.stat().st_size > MAX_MODEL_FILE_BYTES:
-        raise QsyncInputError(f"model: {_one_line(str(path))} is larger than "
-                              f"{MAX_MODEL_FILE_BYTES >> 20} MiB: not a model file")
-    return path, fn_name
-
-
-def read_model_file(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise QsyncInputError(f"model: cannot read {_one_line(str(path))} "
-                              f"({exc.__class__.__name__})") from None
-
-
-def model_file_sha256(spec: str) -> str:
-    """sha256 (hex) of the file a ``path/file.py:fn`` spec names; reading it runs nothing."""
-    path, _ = _user_model_path(spec)
-    return hashlib.sha256(read_model_file(path)).hexdigest()
-
-
 def load_user_workload(spec: str, sha256: str | None = None) -> UserWorkload:
     """Import ``spec``'s file (this RUNS it) and call its function once.
 
@@ -633,7 +596,7 @@ def load_user_workload(spec: str, sha256: str | None = None) -> UserWorkload:
     ``sys.exit`` too), a result that is not ``(nn.Module, example_inputs)`` or example inputs
     that are not tensors.
     """
-    path, fn_name = _user_model_path(spec)
+    path, fn_name = model_file_path(spec)
     shown = _one_line(str(path))
     source = read_model_file(path)
     digest = hashlib.sha256(source).hexdigest()

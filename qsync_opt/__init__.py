@@ -8,8 +8,6 @@ its solvers, the replayer, the plan and the training runtime. Every arrow is a s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from qsync_opt.core.errors import QsyncInputError, SchemaVersionError, TraceError
 from qsync_opt.core.precision import DType, Precision
 from qsync_opt.core.version import __version__ as __version__
@@ -29,20 +27,7 @@ from qsync_opt.documents.schemas import (
     Plan,
     SolveReport,
 )
-
-if TYPE_CHECKING:
-    from qsync_opt.graph import trace
-
-
-
-def __getattr__(name: str) -> Any:
-    """:func:`trace` is imported when first used: the tracer needs torch, and the rest of the
-    package's top level does not (``qsync_opt.costs.tables`` imports without torch)."""
-    if name == "trace":
-        from qsync_opt.graph import trace
-
-        return trace
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from qsync_opt.graph import trace  # its tracer, which needs torch, is imported when it traces
 
 __all__ = [
     "CATALOG", "ClusterSpec", "CostTable", "DType", "DeviceGroup", "DeviceSpec",

@@ -2,12 +2,16 @@
 
 Each backend turns an :class:`~qsync_opt.problem.program.AllocationProblem` into a
 ``(Plan, SolveReport)``. The exact backends (PuLP with CBC or HiGHS, OR-Tools CP-SAT:
-each a translation of the formulation and one run, orchestrated by :mod:`.driver`), QSync's replayer-guided greedy allocator and the baselines register here; imports of
-optional solver packages are guarded inside each backend so a missing one only makes that
-backend unavailable.
+each a translation of the formulation and one run, orchestrated by :mod:`.driver`), QSync's
+replayer-guided greedy allocator and the baselines register in :mod:`.backends`
+(:func:`registry`, :func:`get_backend`, re-exported here); imports of optional solver
+packages are guarded inside each backend so a missing one only makes that backend
+unavailable.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from qsync_opt.solvers.base import (
     Backend,
@@ -20,32 +24,22 @@ from qsync_opt.solvers.base import (
     UniformOptions,
 )
 
+from qsync_opt.core.lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from qsync_opt.solvers.backends import get_backend, registry
+
 __all__ = ["EXACT", "Backend", "CbcOptions", "CpSatOptions", "DynamicBatchingOptions",
            "ExactBackend", "HighsOptions", "SolveOptions", "UniformOptions", "get_backend",
            "registry"]
 
 
-def registry() -> dict[str, Backend]:
-    """Backends by name, in the order `compare` lists them. Built on each call."""
-    # imported on call: every backend module imports this package
-    from qsync_opt.solvers.additive import AdditiveIlp
-    from qsync_opt.solvers.baselines import DynamicBatching, StrongOnly, Uniform
-    from qsync_opt.solvers.cpsat import CpSat
-    from qsync_opt.solvers.greedy import Greedy
-    from qsync_opt.solvers.ilp import PulpIlp
-
-    backends: list[Backend] = [
-        PulpIlp("highs"), PulpIlp("cbc"), CpSat(), Greedy(), Greedy(per_ms=True),
-        Uniform(), DynamicBatching(), AdditiveIlp(), StrongOnly(),
-    ]
-    return {b.name: b for b in backends}
-
-
+#: The exact backends' names.
 EXACT = ("highs", "cbc", "cpsat")
 
+#: The registry's functions -> their module (:mod:`.backends`, which imports every backend
+#: module, each of which imports this package's :mod:`.base`), imported when first read.
+_LAZY = {"get_backend": "backends", "registry": "backends"}
 
-def get_backend(name: str) -> Backend:
-    backends = registry()
-    if name not in backends:
-        raise KeyError(f"unknown solver {name!r}; known: {', '.join(backends)}")
-    return backends[name]
+#: the registry's functions, imported when first read
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

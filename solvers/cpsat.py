@@ -92,6 +92,7 @@ class CpSat:
 
     def is_available(self) -> bool:
         try:
+            # lazy: OR-Tools is heavy to import; probed only when a CP-SAT run is asked for
             from ortools.sat.python import cp_model  # noqa: F401
         except Exception:
             return False

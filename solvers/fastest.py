@@ -15,17 +15,13 @@ from dataclasses import dataclass
 
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.checks import time_lower_bound
+from qsync_opt.solvers.errors import FastestTimeLimit
 from qsync_opt.solvers.formulation import formulate
 from qsync_opt.solvers.pulp_model import read_assignment, to_pulp
 from qsync_opt.solvers.pulp_runs import PULP_NAMES, available, pulp_module, run
 from qsync_opt.solvers.timing import Deadline, Stopwatch
 
-from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.problem.program import AllocationProblem
-
-
-class FastestTimeLimit(QsyncInputError):
-    """The least time of a group could not be proven within the time given."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import time
 
 from qsync_opt.solvers.base import SolveOptions
 from qsync_opt.solvers.checks import check_hints
+from qsync_opt.solvers.greedy import Greedy
 from qsync_opt.solvers.timing import Deadline
 
 from qsync_opt.problem.program import AllocationProblem
@@ -19,12 +20,6 @@ def greedy_hints(problem: AllocationProblem, messages: list[str],
     """Greedy's assignment for a warm start (None, with a message, when there is none),
     within the call's ``deadline``."""
     t0 = time.perf_counter()
-    try:
-        from qsync_opt.solvers.greedy import Greedy
-    except Exception as exc:  # the greedy backend is optional here
-        messages.append(f"warm start: greedy unavailable ({type(exc).__name__}: {exc}); "
-                        "solving without a warm start")
-        return None
     try:
         limit = deadline.remaining() if deadline is not None else SolveOptions().time_limit_s
         if not limit > 0:

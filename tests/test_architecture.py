@@ -65,7 +65,7 @@ PACKAGES: list[tuple[str, int, str]] = [
                     "once; greedy and the baselines"),
     ("planner", 13, "the solve pipeline: modes, refinement, the joint split, diagnosis, "
                     "dominance, the Pareto sweep, plan figures"),
-    ("cli", 14, "one module per command, each registering its own parser; the demo"),
+    ("cli", 14, "the commands' parsers (parsers/) and bodies, one module per family; the demo"),
     ("", 15, "the package's front: the names most callers need, re-exported"),
 ]
 LAYER_OF_PACKAGE = {p: layer for p, layer, _ in PACKAGES}

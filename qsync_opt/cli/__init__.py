@@ -7,12 +7,15 @@ numeric flag is checked by its argparse type (finite, in its range); files are w
 atomically, and a write that fails (read-only folder, full disk, file-size limit, a folder
 in the way) is one line naming the flag, exit 2, the file that was there unchanged.
 
-The package, by family of commands: :mod:`.info` (models, devices, schema), :mod:`.model`
-(graph, estimate, replay, indicate), :mod:`.planning` (solve, compare, pareto), and one
-module each for :mod:`.netsim`, :mod:`.report`, :mod:`.train`, :mod:`.sweep`,
-:mod:`.profile` and :mod:`.demo`. Each module registers its own commands' parsers
-(``add_<command>_parser``); :mod:`.args` holds the flag types, the shared arguments and the
-exit codes. :func:`build_parser` runs every registration in :data:`COMMANDS`' order, and
+The package, by family of commands: :mod:`.info` (devices, schema) and :mod:`.workloads`
+(models), :mod:`.model` (graph, estimate, replay, indicate), :mod:`.planning` (solve,
+compare, pareto), and one module each for :mod:`.netsim`, :mod:`.report`, :mod:`.train`,
+:mod:`.sweep`, :mod:`.profile` and :mod:`.demo`: each is the commands' bodies, and imports
+what they need at its top. Their parsers (``add_<command>_parser``) are
+:mod:`qsync_opt.cli.parsers`, one module per family, each naming its bodies by module
+(:class:`~qsync_opt.cli.args.Deferred`), so building the parser imports no body: neither
+torch nor the solve pipeline. :mod:`.args` holds the flag types, the shared arguments and
+the exit codes. :func:`build_parser` runs every registration in :data:`COMMANDS`' order, and
 :func:`main` (the entry point ``qsync_opt.cli:main``) is here; the text the commands print is
 :mod:`qsync_opt.cli.summaries`. The library builds no parser: a command's module calls library
 functions of plain values.
@@ -26,11 +29,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
-from qsync_opt.cli import demo, info, model, netsim, planning, profile, report, sweep, train
 from qsync_opt.cli.args import (
     BATCH,
     BATCHES,
@@ -45,11 +47,20 @@ from qsync_opt.cli.args import (
     int_range,
     positive_int,
 )
-from qsync_opt.cli.demo import cmd_demo
-from qsync_opt.cli.info import cmd_devices, cmd_models, cmd_schema
-from qsync_opt.cli.model import cmd_estimate, cmd_graph, cmd_indicate, cmd_replay
-from qsync_opt.cli.netsim import cmd_netsim
-from qsync_opt.cli.planning import cmd_compare, cmd_pareto, cmd_solve
+from qsync_opt.cli.parsers.demo import add_demo_parser
+from qsync_opt.cli.parsers.info import add_devices_parser, add_models_parser, add_schema_parser
+from qsync_opt.cli.parsers.model import (
+    add_estimate_parser,
+    add_graph_parser,
+    add_indicate_parser,
+    add_replay_parser,
+)
+from qsync_opt.cli.parsers.netsim import add_netsim_parser
+from qsync_opt.cli.parsers.planning import add_compare_parser, add_pareto_parser, add_solve_parser
+from qsync_opt.cli.parsers.profile import add_profile_parser
+from qsync_opt.cli.parsers.report import add_report_parser
+from qsync_opt.cli.parsers.sweep import add_sweep_parser
+from qsync_opt.cli.parsers.train import add_train_parser
 from qsync_opt.cli.summaries import (
     REPLAY_HEADER,
     GiB,
@@ -60,10 +71,30 @@ from qsync_opt.cli.summaries import (
     uniform_plans,
 )
 from qsync_opt.core.errors import QsyncInputError, describe_validation_error, one_line
+from qsync_opt.core.lazy import lazy_getattr
 from qsync_opt.core.version import __version__
 from qsync_opt.documents.io import check_output_file
 from qsync_opt.documents.outfolder import check_folder
 from qsync_opt.documents.schemas import MAX_BATCH
+from qsync_opt.planner.errors import InfeasibleError, SolveTimeLimit
+from qsync_opt.solvers.errors import FastestTimeLimit
+
+if TYPE_CHECKING:
+    from qsync_opt.cli.demo import cmd_demo
+    from qsync_opt.cli.info import cmd_devices, cmd_schema
+    from qsync_opt.cli.model import cmd_estimate, cmd_graph, cmd_indicate, cmd_replay
+    from qsync_opt.cli.netsim import cmd_netsim
+    from qsync_opt.cli.planning import cmd_compare, cmd_pareto, cmd_solve
+    from qsync_opt.cli.workloads import cmd_models
+
+#: The commands' bodies re-exported here -> their modules, imported when first read (a body
+#: may import the solve pipeline or torch; importing the command line must not).
+_LAZY = {
+    "cmd_compare": "planning", "cmd_pareto": "planning", "cmd_solve": "planning",
+    "cmd_demo": "demo", "cmd_devices": "info", "cmd_schema": "info", "cmd_models": "workloads",
+    "cmd_estimate": "model", "cmd_graph": "model", "cmd_indicate": "model", "cmd_replay": "model",
+    "cmd_netsim": "netsim",
+}
 
 __all__ = [
     "BATCH", "BATCHES", "COMMANDS", "EXIT_BAD_INPUT", "EXIT_CODES_HELP", "EXIT_INFEASIBLE",
@@ -83,15 +114,13 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
-#: Every command's parser, in the order ``qsync-opt --help`` lists them; each command's
-#: module registers its own (flags, help, default ``fn``).
+#: Every command's parser, in the order ``qsync-opt --help`` lists them; each family's
+#: parser module registers its own (flags, help, default ``fn``: the body, deferred).
 COMMANDS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
-    info.add_models_parser, info.add_devices_parser, info.add_schema_parser,
-    model.add_graph_parser, model.add_estimate_parser, model.add_replay_parser,
-    netsim.add_netsim_parser, model.add_indicate_parser, planning.add_solve_parser,
-    planning.add_compare_parser, report.add_report_parser, train.add_train_parser,
-    sweep.add_sweep_parser, profile.add_profile_parser, planning.add_pareto_parser,
-    demo.add_demo_parser)
+    add_models_parser, add_devices_parser, add_schema_parser, add_graph_parser,
+    add_estimate_parser, add_replay_parser, add_netsim_parser, add_indicate_parser,
+    add_solve_parser, add_compare_parser, add_report_parser, add_train_parser,
+    add_sweep_parser, add_profile_parser, add_pareto_parser, add_demo_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,10 +188,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(batches, int) and batches < 1:
         parser.error(f"argument --batches: expected a positive integer, got {batches}")
     _fail_writes_with_efbig()
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.solve import InfeasibleError, SolveTimeLimit
-    from qsync_opt.solvers.fastest import FastestTimeLimit
-
     try:
         check_outputs(args)
         return int(args.fn(args))
@@ -183,3 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a file no writer labelled: still one line, never a traceback
         where = f"{exc.filename}: " if exc.filename is not None else ""
         return _error(f"{where}{exc.strerror or exc.__class__.__name__}")
+
+
+#: the commands' bodies above, each imported when first read
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

@@ -4,9 +4,11 @@ its stated range, :mod:`qsync_opt.core.limits`; a bad value is one line, exit 2,
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from qsync_opt.core.errors import QsyncInputError
@@ -26,6 +28,7 @@ from qsync_opt.graph import TIE_MODES, trace
 from qsync_opt.indicator import METHODS
 from qsync_opt.netsim.cluster import COMM_MODEL_HELP
 from qsync_opt.replayer import sync_model_for
+from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
 
@@ -45,6 +48,26 @@ POSITIVE_SECONDS = finite_float(0, 1e7, lo_open=True,
 FRACTION = finite_float(0, 1, hi_open=True, expected="a fraction from 0 up to (not including) 1")
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A command's body named by its module and function: a parser registers it as its
+    default ``fn`` without importing the module (which may import the solve pipeline or
+    torch), so building the parser (``qsync-opt --help``) stays light; called, it imports the
+    module and runs the function the module holds at that moment."""
+
+    module: str
+    name: str
+
+    def resolve(self) -> Callable[[argparse.Namespace], int]:
+        """The function itself (its module imported)."""
+        fn: Callable[[argparse.Namespace], int] = getattr(
+            importlib.import_module(self.module), self.name)
+        return fn
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        return self.resolve()(args)
+
+
 def emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -53,7 +76,8 @@ def workload_arg(args: argparse.Namespace, model_sha256: str | None = None) -> A
     """``--model``: a registry name as it is, a ``PATH.py:FUNCTION`` file loaded (it is run:
     the user named it; with ``model_sha256`` it must have that content hash first)."""
     if is_user_model(args.model):
-        from qsync_opt.models.resolve import load_user_workload  # lazy: imports torch
+        # lazy: loading a model file imports torch; a built-in's name stays a string
+        from qsync_opt.models.resolve import load_user_workload
 
         return load_user_workload(args.model, sha256=model_sha256)
     return args.model
@@ -138,12 +162,6 @@ def _check_sync_text(text: str) -> None:
     parse_sync(text)
 
 
-def _check_compressor_text(text: str) -> None:
-    from qsync_opt.strategy.codecs import parse_compressor  # lazy: the codecs import torch
-
-    parse_compressor(text)
-
-
 def _check_gbps_text(text: str) -> None:
     parts = str(text).split(",")
     vals = [parse_float(x) for x in parts]
@@ -153,7 +171,7 @@ def _check_gbps_text(text: str) -> None:
 
 
 #: ``--compress-act`` / ``--compress-grad``: the compressor's text checked when parsed.
-COMPRESSOR_TEXT = spec_type(_check_compressor_text)
+COMPRESSOR_TEXT = spec_type(parse_compressor_text)
 #: ``--link-gbps``: bandwidths, Gb/s, checked when parsed.
 GBPS_TEXT = spec_type(_check_gbps_text, "link_gbps")
 #: ``--sync``'s type: the mode's text checked when the command line is parsed.

@@ -1,32 +1,16 @@
-"""Commands that list what qsync-opt knows: ``models``, ``devices``, ``schema``."""
+"""Commands that list what qsync-opt knows: ``devices`` and ``schema`` (``models``, whose
+registry imports torch, is :mod:`qsync_opt.cli.workloads`); their parsers are
+:mod:`qsync_opt.cli.parsers.info`."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from qsync_opt.cli.args import command, emit_json
+from qsync_opt.cli.args import emit_json
 from qsync_opt.cli.summaries import GiB, format_table
 from qsync_opt.core.precision import DType
 from qsync_opt.costs.devices import CATALOG, get_device
-from qsync_opt.documents.schemas import json_schema, schema_names
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from qsync_opt.models import WORKLOADS  # lazy: the registry imports torch
-
-    rows = [(w.name, w.default_batch, w.input_doc, "real" if w.real_data else "synthetic",
-             w.description) for w in WORKLOADS.values()]
-    if args.json:
-        emit_json([{"name": r[0], "default_batch": r[1], "inputs": r[2], "data": r[3],
-                     "description": r[4]} for r in rows])
-    else:
-        print(format_table(rows, ["model", "batch", "inputs", "data", "description"]))
-        print("\nYour own model: --model path/file.py:fn, where fn() returns (module, example_inputs) "
-              "(a tensor, a tuple or a dict of keyword tensors); optional loss(outputs, batch) "
-              "and data(batch_size, seed) in the same file. That file is run (imported), so "
-              "pass only a file you trust.")
-    return 0
+from qsync_opt.documents.schemas import json_schema
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -66,29 +50,3 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     emit_json(json_schema(args.name))
     return 0
-
-
-# ----------------------------------------------------------------------------- parsers
-
-
-def add_models_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``models`` to the CLI's subparsers (its default ``fn``: :func:`cmd_models`)."""
-    sp = command(sub, "models", "list the built-in workloads")
-    sp.set_defaults(fn=cmd_models)
-    return sp
-
-
-def add_devices_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``devices`` to the CLI's subparsers (its default ``fn``: :func:`cmd_devices`)."""
-    sp = command(sub, "devices", "list the device catalog")
-    sp.add_argument("--cpu", action="store_true", help="also measure and show this machine's CPU")
-    sp.set_defaults(fn=cmd_devices)
-    return sp
-
-
-def add_schema_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``schema`` to the CLI's subparsers (its default ``fn``: :func:`cmd_schema`)."""
-    sp = sub.add_parser("schema", help="print the JSON Schema of a document")
-    sp.add_argument("name", help=f"one of: {', '.join(schema_names())}")
-    sp.set_defaults(fn=cmd_schema, json=True)
-    return sp

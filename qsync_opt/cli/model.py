@@ -1,31 +1,19 @@
 """Commands on one workload: ``graph`` (trace), ``estimate`` (roofline costs),
-``replay`` (simulate plans) and ``indicate`` (per-op sensitivity)."""
+``replay`` (simulate plans) and ``indicate`` (per-op sensitivity); their parsers are
+:mod:`qsync_opt.cli.parsers.model`."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from qsync_opt.cli.args import (
-    BATCH,
-    BATCHES,
-    COMPRESSOR_TEXT,
-    GBPS_TEXT,
-    INT4_FLAG_HELP,
-    SEED,
-    add_sync_args,
     cluster_arg,
-    command,
     emit_json,
-    finite_float,
-    int_range,
-    model_args,
     notes_after_success,
-    positive_int,
     sync_arg,
     trace_args,
     workload_arg,
@@ -40,28 +28,20 @@ from qsync_opt.cli.summaries import (
 )
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.precision import Precision
-from qsync_opt.costs.cluster import SHORTHAND_HELP
-from qsync_opt.costs.devices import get_device
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents import outfolder
 from qsync_opt.documents.io import atomic_write_text, load, save, to_json
-from qsync_opt.documents.schemas import MAX_BATCH, Document, Plan
+from qsync_opt.documents.schemas import Document, Plan
 from qsync_opt.indicator import (
-    METHODS,
-    cover,
     fast_options,
     indicate,
-    placeholder_indicator,
     rank_table,
 )
-from qsync_opt.netsim.cluster import (
-    COMM_MODEL_HELP,
-    parse_comm_model,
-    transport_costs,
-    with_netsim_comm,
-)
+from qsync_opt.netsim.cluster import parse_comm_model, transport_costs, with_netsim_comm
 from qsync_opt.problem.plan import check_plan, make_plan, plan_model
 from qsync_opt.replayer import Replayer
+from qsync_opt.runtime.config import rank_groups_example
+from qsync_opt.runtime.ranks import resolve_ranks
 from qsync_opt.strategy.checks import check_strategy
 from qsync_opt.strategy.modes import parse_sync
 
@@ -267,10 +247,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_pipeline(args: argparse.Namespace, plan_doc: Plan | None, graph: Any,
                      cluster: Any) -> int:
     """``replay --pipeline-stages N``: the GPipe step of the plan's groups as stages."""
-    # lazy: the launcher, the pipeline and the runtime import torch (this path alone uses them)
-    from qsync_opt.job.launch import resolve_ranks
+    # lazy: the prediction traces and cuts the model (torch); a replay without a pipeline
+    # runs torch-free from the graph cache
     from qsync_opt.pipeline.predict import predict_pipeline
-    from qsync_opt.runtime.config import rank_groups_example
 
     plan = plan_doc if plan_doc is not None else make_plan(
         graph, cluster, {}, {"solver": "none (every op at fp32)"})
@@ -325,57 +304,13 @@ def _say(line: str) -> None:
 
 
 def say_all(lines: list[str], to_stderr: bool) -> None:
-    """The indicator's lines (:func:`computed_indicator`) after a command's result: on
-    stdout, or on stderr where stdout is JSON."""
+    """The indicator's lines (:func:`qsync_opt.cli.planning.computed_indicator`) after a
+    command's result: on stdout, or on stderr where stdout is JSON."""
     for line in lines:
         if to_stderr:
             _say(line)
         else:
             print(line)
-
-
-def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: Any,
-                       options: Any, check: str | None, common: dict[str, Any],
-                       said: list[str]) -> Any:
-    """The problem of solve/compare/pareto with the indicator computed here: first what
-    needs no indicator is checked (``diagnose.precheck`` on the problem with a placeholder:
-    no model is run for a problem without a plan), then ``indicate()`` on the workload
-    already loaded (a user's file is not run again; its table cached by its sha256), with
-    progress on stderr (off a terminal, a line every half minute) and one line in ``said``
-    saying what was computed and how long it took, or that it came from the cache. Ops the
-    method could not measure are pinned fp32, a line each in ``said`` saying why; a value
-    of 0 is never assumed. The command prints ``said`` with its result (:func:`say_all`),
-    so a refusal stays one line."""
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.diagnose import precheck
-    from qsync_opt.planner.solve import INDICATOR_BATCH, InfeasibleError, build_problem
-    from qsync_opt.problem.program import AllocationProblem
-
-    method = args.method
-    trial = build_problem(graph, cluster, indicator=placeholder_indicator(graph),
-                          options=options, **common)
-    if check is not None and method != "random":
-        lines = precheck(trial, check)
-        if lines:
-            head = f"no plan, found before computing the {method} indicator (no model was run)"
-            err = InfeasibleError(f"{head}: " + "; ".join(lines))
-            err.head, err.lines = head, lines
-            raise err
-    table = indicate(wl, args.indicator_batches, method,
-                     batch=args.indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
-                     progress=not args.json,
-                     needs={p for g in trial.cluster.groups
-                            for p in get_device(g.device).precisions},
-                     report=said.append)
-    table = cover(table, graph)
-    pins = dict(options.pinned)
-    for op, why in sorted(table.unmeasured.items()):
-        if op not in pins:
-            pins[op] = Precision.fp32
-            said.append(f"indicator {method}: {op} pinned fp32 ({why})")
-    if len(pins) != len(options.pinned):
-        options = dataclasses.replace(options, pinned=pins)
-    return AllocationProblem(graph, trial.cluster, trial.costs, table, options)
 
 
 def cmd_indicate(args: argparse.Namespace) -> int:
@@ -407,84 +342,3 @@ def cmd_indicate(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {args.out}")
     return 0
-
-
-# ----------------------------------------------------------------------------- parsers
-
-
-def add_graph_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``graph`` to the CLI's subparsers (its default ``fn``: :func:`cmd_graph`)."""
-    sp = command(sub, "graph", "trace a workload into a ModelGraph")
-    model_args(sp)
-    sp.add_argument("--out", help="write the ModelGraph JSON here")
-    sp.add_argument("--ops", action="store_true", help="print every op")
-    sp.set_defaults(fn=cmd_graph)
-    return sp
-
-
-def add_estimate_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``estimate`` to the CLI's subparsers (its default ``fn``: :func:`cmd_estimate`)."""
-    sp = command(sub, "estimate", "roofline cost estimates of a workload on a cluster")
-    model_args(sp)
-    sp.add_argument("--cluster", required=True, help=f"cluster file (.toml/.json) or {SHORTHAND_HELP}")
-    sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
-    sp.add_argument("--out", help="write the CostTable JSON here")
-    sp.set_defaults(fn=cmd_estimate)
-    return sp
-
-
-def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``replay`` to the CLI's subparsers (its default ``fn``: :func:`cmd_replay`)."""
-    sp = command(sub, "replay", "simulate one iteration of a plan (default: the uniform plans)")
-    model_args(sp)
-    sp.add_argument("--cluster", help=f"cluster file or {SHORTHAND_HELP} (default: the plan's)")
-    sp.add_argument("--int4", action="store_true", help=INT4_FLAG_HELP)
-    sp.add_argument("--plan", help="Plan JSON to replay")
-    sp.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
-    sp.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
-                    help="the optimizer step's time (default sgd)")
-    sp.add_argument("--bucket-mb", type=finite_float(0, 2**20, lo_open=True), default=None,
-                    help="DDP bucket cap in MiB")
-    sp.add_argument("--write-plans", metavar="DIR", help="write the uniform plans as Plan JSON")
-    add_sync_args(sp)
-    sp.add_argument("--comm-model", default=None, metavar="MODEL",
-                    help=f"bucket all-reduce times: {COMM_MODEL_HELP}")
-    g = sp.add_argument_group("pipeline", "predict a pipeline of stages with compressed "
-                              "point-to-point boundaries instead of data parallelism")
-    g.add_argument("--pipeline-stages", type=int_range(2, 64), default=None, metavar="N")
-    g.add_argument("--rank-groups", default=None, metavar="R:GROUP,...",
-                   help="the group of each stage (default: the cluster's devices in order)")
-    g.add_argument("--cuts", default=None, metavar="OP,...",
-                   help="where stages 2..N begin (default: balanced on each stage's time)")
-    g.add_argument("--micro-batches", type=positive_int(MAX_BATCH), default=None, metavar="M")
-    g.add_argument("--compress-act", type=COMPRESSOR_TEXT, default=None, metavar="C",
-                   help="none, topk:F (or N%%), quant:B[,stochastic]")
-    g.add_argument("--compress-grad", type=COMPRESSOR_TEXT, default=None, metavar="C")
-    g.add_argument("--link-gbps", type=GBPS_TEXT, default=None, metavar="G,...",
-                   help="link bandwidths between stages, Gb/s (default 1,10)")
-    g.add_argument("--latency-us", type=finite_float(0, 1e7), default=None,
-                   help="one-way link latency (default 50 us)")
-    sp.set_defaults(fn=cmd_replay)
-    return sp
-
-
-def add_indicate_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``indicate`` to the CLI's subparsers (its default ``fn``: :func:`cmd_indicate`)."""
-    sp = command(sub, "indicate", "measure each op's sensitivity to each precision")
-    sp.add_argument("--model", required=True,
-                    help="workload name (qsync-opt models) or path/file.py:fn (that file is "
-                         "run; its data() and loss() are used where it has them)")
-    sp.add_argument("--method", default=METHODS[0],
-                    choices=METHODS)
-    sp.add_argument("--batches", type=BATCHES, default=10, help="batches to average over")
-    sp.add_argument("--batch", type=BATCH, default=None, help="batch size (default: workload's)")
-    sp.add_argument("--seed", type=SEED, default=0)
-    sp.add_argument("--gamma", type=finite_float(0, 1e6), default=4.0, help="forward weight (qsync)")
-    sp.add_argument("--top", type=positive_int(100_000), default=5, help="rows in each table")
-    sp.add_argument("--no-cache", action="store_true", help="recompute even if cached")
-    sp.add_argument("--fast", action="store_true",
-                    help="qsync: propagate variances in bf16 for 2 samples per batch (large "
-                         "models; scales still from whole batches)")
-    sp.add_argument("--out", help="write the IndicatorTable JSON here")
-    sp.set_defaults(fn=cmd_indicate)
-    return sp

@@ -4,23 +4,18 @@ packet, over seeded iterations: p50/p99 communication time, loss per layer, link
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 from typing import Any
 
 from qsync_opt.cli.args import (
-    SEED,
     cluster_arg,
     emit_json,
-    finite_float,
-    model_args,
-    positive_int,
     trace_args,
 )
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.figures import new_figure, png_bytes
 from qsync_opt.core.progress import Progress
-from qsync_opt.costs.cluster import SHORTHAND_HELP
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.io import atomic_write_bytes, atomic_write_text, load
 from qsync_opt.documents.schemas import Plan
@@ -35,8 +30,6 @@ from qsync_opt.netsim.cluster import (
     workload_buckets,
 )
 from qsync_opt.netsim.engine import NetsimLimit
-from qsync_opt.netsim.traffic import POLICIES as NETSIM_POLICIES
-from qsync_opt.netsim.traffic import SCENARIOS as NETSIM_SCENARIOS
 from qsync_opt.netsim.traffic import NetConfig, layer_bytes, summarise
 from qsync_opt.problem.plan import check_plan, plan_model
 
@@ -139,12 +132,8 @@ def _simulate(args: argparse.Namespace, net: Any, buckets: Any, ready: Any, cfg:
 
 
 def _plot(run: Any, topo: Any, links: list[int], bin_us: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig = new_figure((9, 4.5))
+    ax = fig.subplots()
     for li in links:
         bins = run.link_bins[li]
         if not bins:
@@ -158,53 +147,4 @@ def _plot(run: Any, topo: Any, links: list[int], bin_us: float, path: str) -> No
     ax.set_title("busiest links, first iteration")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue(), what="--png")
-
-
-#: The netsim policies whose transport is bounded-loss: the ones ``--p`` applies to.
-BOUNDED_POLICIES = [k for k, (_, transport) in NETSIM_POLICIES.items() if transport == "bounded"]
-
-
-# ----------------------------------------------------------------------------- parsers
-
-
-def add_netsim_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``netsim`` to the CLI's subparsers (its default ``fn``: :func:`cmd_netsim`)."""
-    sp = sub.add_parser("netsim", help="simulate an iteration's gradient traffic packet by packet",
-                        description="simulate an iteration's gradient traffic packet by packet")
-    sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                    help="write the summary JSON to FILE (stdout without FILE)")
-    model_args(sp)
-    sp.add_argument("--cluster", required=True, help=f"cluster file or {SHORTHAND_HELP}")
-    sp.add_argument("--plan", help="Plan JSON whose compute timeline emits the buckets "
-                    "(default: every group at its highest precision)")
-    sp.add_argument("--scenario", choices=list(NETSIM_SCENARIOS), default="ring")
-    sp.add_argument("--pattern", choices=["ring", "ps", "hierarchical"], default=None,
-                    help="the collective (default: the scenario's)")
-    sp.add_argument("--policy", choices=list(NETSIM_POLICIES), default="fifo+tcp")
-    sp.add_argument("--routing", choices=["hash", "spray"], default="hash")
-    sp.add_argument("--p", type=finite_float(0, 0.5), default=0.05,
-                    help=f"{' and '.join(BOUNDED_POLICIES)}: the loss bound per message "
-                         "(default 0.05)")
-    sp.add_argument("--iterations", type=positive_int(100_000), default=100)
-    sp.add_argument("--cell-kib", type=positive_int(1 << 20), default=256,
-                    help="packet (cell) payload in KiB (default 256: larger cells, fewer events)")
-    sp.add_argument("--buffer-kib", type=positive_int(1 << 30), default=4096,
-                    help="switch port buffer in KiB (default 4096)")
-    sp.add_argument("--jitter", type=finite_float(0, 1), default=0.01,
-                    help="relative noise of each rank's ready times per iteration")
-    sp.add_argument("--min-rto-ms", type=finite_float(0, 1e5, lo_open=True), default=200.0,
-                    help="the least retransmission timeout (default 200: Linux's TCP_RTO_MIN)")
-    sp.add_argument("--detect", choices=["rack", "dupthresh"], default="rack",
-                    help="loss detection: rack (time-based, tolerates reordering; default) or "
-                         "dupthresh (3 later packets acked: ns-3's, takes reordering for loss)")
-    sp.add_argument("--seed", type=SEED, default=0)
-    sp.add_argument("--max-events", type=positive_int(10**9), default=5_000_000)
-    sp.add_argument("--png", help="draw the busiest links' load over time (first iteration)")
-    sp.set_defaults(fn=cmd_netsim)
-    return sp
+    atomic_write_bytes(path, png_bytes(fig, tight=True), what="--png")

@@ -1,46 +1,56 @@
 """Commands that choose precisions: ``solve``, ``compare`` (every allocator and
-baseline) and ``pareto`` (the frontier as the target sweeps)."""
+baseline) and ``pareto`` (the frontier as the target sweeps). Their parsers are
+:mod:`qsync_opt.cli.parsers.planning`: this module, which imports the solve pipeline, is
+imported only when one of them runs."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from qsync_opt.cli.args import (
-    EXIT_CODES_HELP,
     cluster_arg,
-    command,
     emit_json,
-    finite_float,
-    int_range,
     notes_after_success,
-    problem_args,
     sync_arg,
     trace_args,
     workload_arg,
 )
-from qsync_opt.cli.model import computed_indicator, say_all
-from qsync_opt.cli.strategies import (
-    add_allow_args,
-    allow_space,
-    solve_strategies,
-    strategy_table,
-)
+from qsync_opt.cli.model import say_all
+from qsync_opt.cli.strategies import allow_space, solve_strategies, strategy_table
 from qsync_opt.cli.summaries import plan_lines
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.precision import Precision
+from qsync_opt.costs.devices import get_device
 from qsync_opt.documents.io import atomic_write_text, save
+from qsync_opt.indicator import cover, indicate, placeholder_indicator
 from qsync_opt.netsim.cluster import parse_comm_model
+from qsync_opt.planner.compare import compare
+from qsync_opt.planner.diagnose import precheck
+from qsync_opt.planner.dominance import dominance_note, dominated_by, marked_table
+from qsync_opt.planner.errors import InfeasibleError
+from qsync_opt.planner.frontier import (
+    ONCE,
+    SWEPT,
+    format_points,
+    frontier,
+    frontier_json,
+    plot_frontier,
+)
+from qsync_opt.planner.solve import INDICATOR_BATCH, build_problem, solve
+from qsync_opt.planner.strategies import plan_with_strategy
 from qsync_opt.problem.evaluator import evaluate
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.solvers import EXACT, SolveOptions
+from qsync_opt.solvers.backends import registry
 from qsync_opt.strategy.modes import parse_sync
 from qsync_opt.strategy.space import Candidate
 
 
 def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.problem.program import ProblemOptions
-
     pins = {}
     for item in args.pin or []:
         op, sep, prec = item.partition("=")
@@ -54,9 +64,6 @@ def _problem_options(args: argparse.Namespace, sync: Any = None) -> Any:
 
 
 def _solve_options(args: argparse.Namespace) -> Any:
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.solvers import SolveOptions
-
     if args.time_limit is not None and not args.time_limit > 0:
         raise QsyncInputError(f"time-limit: expected a positive number of seconds, got {args.time_limit}")
     return SolveOptions(time_limit_s=args.time_limit or 60.0, threads=args.threads,
@@ -68,9 +75,6 @@ def _check_names(args: argparse.Namespace) -> None:
     """The allocator names (``--solver``, ``--solvers``, ``--exact``) and ``--mode``'s
     ``--budget``, checked before anything is traced or computed (an unknown solver was
     refused only after the indicator had run)."""
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.solvers import EXACT, registry
-
     known = list(registry())
     given: list[tuple[str, str, list[str]]] = []
     if getattr(args, "solver", None) is not None:
@@ -97,9 +101,6 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     """The problem of a solve/compare/pareto command. ``check``: what to verify before a
     computed indicator runs the model (``build_problem``); the computed indicator is
     :func:`computed_indicator`'s (cached; the lines saying what it did go to ``said``)."""
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.solve import build_problem
-
     if args.indicator_batch is not None and args.indicator_batch < 1:
         raise QsyncInputError(
             f"indicator-batch: expected a positive integer, got {args.indicator_batch}")
@@ -110,7 +111,6 @@ def _build_problem(args: argparse.Namespace, check: str | None,
     wl = workload_arg(args)
     graph = trace_args(args, workload=wl)
     cluster = cluster_arg(args)
-    # with --allow the search prices each candidate's buckets itself (strategies.transport_costs)
     common: dict[str, Any] = dict(costs=args.costs, indicator_method=args.method,
                                   comm_model=None if getattr(args, "allow", None)
                                   else getattr(args, "comm_model", None))
@@ -121,10 +121,47 @@ def _build_problem(args: argparse.Namespace, check: str | None,
                               said if said is not None else [])
 
 
+def computed_indicator(args: argparse.Namespace, wl: Any, graph: Any, cluster: Any,
+                       options: Any, check: str | None, common: dict[str, Any],
+                       said: list[str]) -> Any:
+    """The problem of solve/compare/pareto with the indicator computed here: first what
+    needs no indicator is checked (``diagnose.precheck`` on the problem with a placeholder:
+    no model is run for a problem without a plan), then ``indicate()`` on the workload
+    already loaded (a user's file is not run again; its table cached by its sha256), with
+    progress on stderr (off a terminal, a line every half minute) and one line in ``said``
+    saying what was computed and how long it took, or that it came from the cache. Ops the
+    method could not measure are pinned fp32, a line each in ``said`` saying why; a value
+    of 0 is never assumed. The command prints ``said`` with its result (:func:`say_all`),
+    so a refusal stays one line."""
+    method = args.method
+    trial = build_problem(graph, cluster, indicator=placeholder_indicator(graph),
+                          options=options, **common)
+    if check is not None and method != "random":
+        lines = precheck(trial, check)
+        if lines:
+            head = f"no plan, found before computing the {method} indicator (no model was run)"
+            err = InfeasibleError(f"{head}: " + "; ".join(lines))
+            err.head, err.lines = head, lines
+            raise err
+    table = indicate(wl, args.indicator_batches, method,
+                     batch=args.indicator_batch or min(INDICATOR_BATCH, graph.batch_size),
+                     progress=not args.json,
+                     needs={p for g in trial.cluster.groups
+                            for p in get_device(g.device).precisions},
+                     report=said.append)
+    table = cover(table, graph)
+    pins = dict(options.pinned)
+    for op, why in sorted(table.unmeasured.items()):
+        if op not in pins:
+            pins[op] = Precision.fp32
+            said.append(f"indicator {method}: {op} pinned fp32 ({why})")
+    if len(pins) != len(options.pinned):
+        options = dataclasses.replace(options, pinned=pins)
+    return AllocationProblem(graph, trial.cluster, trial.costs, table, options)
+
+
 @notes_after_success
 def cmd_solve(args: argparse.Namespace) -> int:
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.solve import solve
     # Another batch split can fit what this one does not; the budget mode has no target.
     check = "fixed" if args.joint_split else "memory" if args.mode == "budget" else "target"
     space = allow_space(args)
@@ -139,17 +176,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
                          progress=sys.stderr.isatty() and not args.json)
     ev = evaluate(problem, plan)
     if args.sync is not None:  # the plan records the sync mode it was made for (version 2)
-        # lazy: the solver stack (~50 ms), only for the commands that solve
-        from qsync_opt.planner.strategies import plan_with_strategy
-
         plan = plan_with_strategy(problem, plan, ev, Candidate(sync=parse_sync(
             args.sync).describe()), getattr(args, "comm_model", None))
     save(plan, args.out, what="--out")
     if args.report:
         save(report, args.report, what="--report")
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.dominance import dominance_note
-
     dominated = dominance_note(problem, plan, ev, args.solver, _solve_options(args),
                                joint_split=args.joint_split)
     if args.json:
@@ -183,16 +214,6 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_pareto(args: argparse.Namespace) -> int:
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.frontier import (
-        ONCE,
-        SWEPT,
-        format_points,
-        frontier,
-        frontier_json,
-        plot_frontier,
-    )
-
     if args.points < 2:
         raise QsyncInputError(f"points: expected at least 2, got {args.points}")
     said: list[str] = []
@@ -225,10 +246,6 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 @notes_after_success
 def cmd_compare(args: argparse.Namespace) -> int:
-    # lazy: the solver stack (~50 ms), only for the commands that solve
-    from qsync_opt.planner.compare import compare
-    from qsync_opt.planner.dominance import dominated_by, marked_table
-
     # No check: the baselines (strong-only leaves the weak groups out) have rows whatever
     # the rest; the indicator still refuses to outgrow this machine.
     said: list[str] = []
@@ -272,59 +289,3 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         print(f"wrote {args.json}")
     return 0
-
-
-# ----------------------------------------------------------------------------- parsers
-
-
-def add_solve_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``solve`` to the CLI's subparsers (its default ``fn``: :func:`cmd_solve`)."""
-    sp = command(sub, "solve", "choose every op's precision on every group")
-    problem_args(sp)
-    sp.add_argument("--solver", default="cpsat",
-                    help="highs, cbc, cpsat, greedy, greedy-per-ms, uniform, dynamic-batching, "
-                         "additive-ilp or strong-only")
-    sp.add_argument("--out", required=True, help="write the Plan JSON here")
-    sp.add_argument("--report", help="also write the SolveReport JSON here")
-    sp.add_argument("--mode", choices=["auto", "target", "budget"], default="auto",
-                    help="least degradation under the target (auto: lexicographic when the "
-                         "default target is out of reach), or least makespan under --budget")
-    sp.add_argument("--budget", type=finite_float(0, 1e15), default=None,
-                    help="degradation budget (--mode budget)")
-    sp.add_argument("--joint-split", action="store_true",
-                    help="choose the per-group batch split together with the precisions")
-    add_allow_args(sp)
-    sp.set_defaults(fn=cmd_solve)
-    return sp
-
-
-def add_compare_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``compare`` to the CLI's subparsers (its default ``fn``: :func:`cmd_compare`)."""
-    sp = sub.add_parser("compare", help="every allocator and baseline side by side",
-                        description="every allocator and baseline side by side",
-                        epilog=EXIT_CODES_HELP)
-    problem_args(sp)
-    sp.add_argument("--solvers", help="comma-separated subset (default: all)")
-    sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                    help='write {"rows": [...]} to FILE (stdout without FILE)')
-    sp.add_argument("--plans", metavar="DIR", help="write every plan into this folder")
-    sp.add_argument("--joint-split", action="store_true",
-                    help="add a row choosing the batch split with the precisions")
-    add_allow_args(sp, solve=False)
-    sp.set_defaults(fn=cmd_compare)
-    return sp
-
-
-def add_pareto_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``pareto`` to the CLI's subparsers (its default ``fn``: :func:`cmd_pareto`)."""
-    sp = command(sub, "pareto", "degradation against throughput as the makespan target sweeps")
-    problem_args(sp)
-    sp.add_argument("--out", required=True, help="write the frontier's points (JSON) here")
-    sp.add_argument("--png", help="also plot it here")
-    sp.add_argument("--points", type=int_range(2, 1000), default=8, help="targets swept")
-    sp.add_argument("--exact", default="highs", help="exact backend (highs, cbc, cpsat)")
-    sp.add_argument("--no-split", action="store_true",
-                    help="leave out the joint batch split series (faster)")
-    add_allow_args(sp, solve=False)
-    sp.set_defaults(fn=cmd_pareto)
-    return sp

@@ -11,28 +11,12 @@ from qsync_opt.cli.args import SYNC_DEFAULTS, emit_json
 from qsync_opt.cli.model import say_all
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import save
-from qsync_opt.strategy.space import ALLOW_SYNTAX, Candidate, StrategySpace, parse_allow
+from qsync_opt.planner.solve import solve
+from qsync_opt.planner.strategies import plot_strategies, search_strategies
+from qsync_opt.strategy.space import Candidate, StrategySpace, parse_allow
 
-__all__ = ["add_allow_args", "allow_space", "solve_strategies", "strategy_lines",
+__all__ = ["allow_space", "solve_strategies", "strategy_lines",
            "strategy_table"]
-
-
-def add_allow_args(sp: argparse.ArgumentParser, *, solve: bool = True) -> None:
-    """``--allow`` (repeatable); for ``solve`` also ``--no-prune`` and ``--png`` (compare and
-    pareto solve every strategy, and pareto's ``--png`` is its frontier)."""
-    sp.add_argument("--allow", action="append", metavar="KNOB=VALUES",
-                    help="strategies the planner may choose among (repeatable): "
-                         f"{ALLOW_SYNTAX}; " + ("the plan records the chosen one (version 2). "
-                                                if solve else "one row each. ")
-                         + "Default: ddp, fp32, no pipeline")
-    if not solve:
-        return
-    sp.add_argument("--no-prune", action="store_true",
-                    help="with --allow: solve every strategy (the whole Pareto set), not "
-                         "only those whose bound can beat the best found")
-    sp.add_argument("--png", default=None,
-                    help="with --allow: draw the strategies' throughput against "
-                         "degradation here")
 
 
 def allow_space(args: argparse.Namespace) -> StrategySpace | None:
@@ -89,10 +73,6 @@ def solve_strategies(args: argparse.Namespace, space: StrategySpace, problem: An
                      said: list[str], opts: Any) -> int:
     """``solve --allow``: search the space, write the chosen strategy's plan (version 2),
     print the table (or ``--json``), draw ``--png``."""
-    # lazy: the solver stack, only for the commands that solve
-    from qsync_opt.planner.solve import solve
-    from qsync_opt.planner.strategies import plot_strategies, search_strategies
-
     if args.mode == "budget":
         raise QsyncInputError("--mode budget: with --allow each strategy is solved for the "
                               "least degradation under its own default target")
@@ -126,10 +106,6 @@ def strategy_table(args: argparse.Namespace, space: StrategySpace, problem: Any,
     """``compare --allow`` / ``pareto --allow``: the strategies as rows (every one solved
     with ``highs`` unless pruning is asked for) and the lines that print them, with the
     chosen strategy against the precision-only plan (ddp over fp32)."""
-    # lazy: the solver stack, only for the commands that solve
-    from qsync_opt.planner.solve import solve
-    from qsync_opt.planner.strategies import search_strategies
-
     def one(sub: Any, o: Any) -> Any:
         return solve(sub, "highs", o, refine=args.refine, compare_ties=False)
 

@@ -41,10 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
-import time
-from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -326,15 +323,6 @@ def enable_int4(cluster: ClusterSpec) -> tuple[ClusterSpec, list[str]]:
 # ----------------------------------------------------------------------------- the CPU
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _meminfo_bytes(key: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -343,35 +331,6 @@ def _meminfo_bytes(key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _measure_cpu_figures(size: int = 1024, repeats: int = 5) -> dict[str, float]:
-    """Matmul throughput per dtype and copy bandwidth, timed with torch on this CPU."""
-    import torch  # lazy: `import qsync_opt` reaches this module and must not pull torch
-
-    gen = torch.Generator().manual_seed(0)
-    out: dict[str, float] = {}
-    a32 = torch.randn(size, size, generator=gen)
-    b32 = torch.randn(size, size, generator=gen)
-    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        # fp16 GEMMs have no fast CPU kernel here (hundreds of times slower than bf16):
-        # time them on a 256^3 product so the measurement stays short.
-        n = size if dtype != torch.float16 else 256
-        a, b = a32[:n, :n].to(dtype), b32[:n, :n].to(dtype)
-        torch.mm(a, b)  # warm-up (oneDNN primitive creation)
-        secs = _median_seconds(partial(torch.mm, a, b), repeats)
-        out[key] = 2.0 * n**3 / secs / 1e12
-    ai = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
-    bi = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
-    torch._int_mm(ai, bi)
-    out["int8"] = 2.0 * size**3 / _median_seconds(lambda: torch._int_mm(ai, bi), repeats) / 1e12
-    big = torch.empty(64 * MiB // 4)
-    dst = torch.empty_like(big)
-    dst.copy_(big)
-    secs = _median_seconds(lambda: dst.copy_(big), repeats)
-    out["copy_gb_per_s"] = 2 * big.numel() * 4 / secs / 1e9  # read + write
-    out["threads"] = float(torch.get_num_threads())
-    return out
 
 
 @lru_cache(maxsize=1)
@@ -383,10 +342,11 @@ def measure_cpu() -> DeviceSpec:
     they already include this machine's efficiency; the estimator is told so by
     ``measured=True``. Bandwidth is a 64 MiB copy (read + write bytes).
     """
-    import torch  # lazy: `import qsync_opt` reaches this module and must not pull torch
+    # lazy: measuring imports torch; `import qsync_opt` reaches this module and must not
+    from qsync_opt.costs import cpu
 
     cpu_model = cpu_model_name()
-    key = f"{cpu_model}|{torch.__version__}|{torch.get_num_threads()}"
+    key = f"{cpu_model}|{cpu.torch_key()}"
     cache = cache_root() / "cpu_spec.json"
     figures: dict[str, float] | None = None
     # One entry per key (CPU, torch, thread count): runs at different thread counts on one
@@ -401,7 +361,7 @@ def measure_cpu() -> DeviceSpec:
         figures = None
     if figures is None:
         log.info("measuring this CPU's matmul throughput and bandwidth (once, cached)")
-        figures = _measure_cpu_figures()
+        figures = cpu.measure_figures()
         try:
             entries = {k: v for k, v in entries.items() if isinstance(v, dict)}
             entries[key] = figures
@@ -424,7 +384,7 @@ def measure_cpu() -> DeviceSpec:
         intra_node_bandwidth_gb_per_s=round(figures["copy_gb_per_s"], 2),
         host_link_gb_per_s=round(figures["copy_gb_per_s"], 2),
         tdp_w=None,
-        source=f"measured here with torch {torch.__version__}: 1024^3 matmul per dtype "
+        source=f"measured here with torch {cpu.torch_version()}: 1024^3 matmul per dtype "
         "(fp16 256^3), 64 MiB copy; memory from /proc/meminfo",
         measured=True,
     )

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qsync_opt.core.lazy import lazy_getattr
-from qsync_opt.core.modelspec import is_user_model
+from qsync_opt.core.modelspec import is_user_model, model_file_sha256
 from qsync_opt.graph.roles import (
     ALL_GEMM_PRECISIONS,
     CONV_PRECISIONS,
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from qsync_opt.models.resolve import (
         load_user_model,
         load_user_workload,
-        model_file_sha256,
         resolve_workload,
     )
     from qsync_opt.ops.kinds import is_conv1d_like, is_leaf_module
@@ -61,7 +60,7 @@ if TYPE_CHECKING:
 #: need no torch.
 _LAZY = {
     "load_user_model": "qsync_opt.models.resolve", "load_user_workload": "qsync_opt.models.resolve",
-    "model_file_sha256": "qsync_opt.models.resolve", "resolve_workload": "qsync_opt.models.resolve",
+    "resolve_workload": "qsync_opt.models.resolve",
     "is_conv1d_like": "qsync_opt.ops.kinds", "is_leaf_module": "qsync_opt.ops.kinds",
     "CallNamer": "qsync_opt.ops.naming", "gemm_call_kind": "qsync_opt.ops.naming",
 }

@@ -14,8 +14,8 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.pipeline.spec import PipelineRequest
+from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import parse_comm, parse_sync, parse_transport
-from qsync_opt.strategy.wirespec import parse_compressor_spec
 
 __all__ = ["apply_plan_strategy"]
 
@@ -67,7 +67,7 @@ def _pipeline_differences(pipe: PipelineStrategy | None, given: PipelineRequest,
         out.append(("--micro-batches", str(given.micro_batches), str(pipe.micro_batches)))
     for flag, mine, theirs in (("--compress-act", given.compress_act, pipe.compress_act),
                                ("--compress-grad", given.compress_grad, pipe.compress_grad)):
-        if mine != "none" and parse_compressor_spec(mine) != parse_compressor_spec(theirs):
+        if mine != "none" and parse_compressor_text(mine) != parse_compressor_text(theirs):
             out.append((flag, mine, theirs))
     if given.feedback not in ("none", pipe.feedback):
         out.append(("--feedback", given.feedback, pipe.feedback))

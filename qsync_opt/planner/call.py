@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan, SolveReport
 from qsync_opt.planner.diagnose import explain
+from qsync_opt.planner.errors import InfeasibleError, SolveTimeLimit
 from qsync_opt.problem.evaluator import Evaluation, evaluate
 from qsync_opt.problem.groupmodel import GroupModel
 from qsync_opt.problem.program import AllocationProblem
-from qsync_opt.solvers import Backend, SolveOptions, get_backend, timing
+from qsync_opt.solvers import Backend, SolveOptions, timing
+from qsync_opt.solvers.backends import get_backend
 from qsync_opt.solvers.ilp import FastestTimeLimit, PulpIlp, fastest_times
 from qsync_opt.solvers.report import ZERO_REL, mode_text, objective_scale
 from qsync_opt.solvers.timing import Deadline
@@ -31,29 +33,6 @@ class ScoredRun:
     plan: Plan | None
     report: SolveReport
     evaluation: Evaluation | None
-
-
-class InfeasibleError(QsyncInputError):
-    """No plan satisfies the problem; ``report`` says what the solver found and ``lines``
-    what would make it feasible (smallest memory per group, fastest makespan, blocking pins)."""
-
-    def __init__(self, message: str, report: SolveReport | None = None) -> None:
-        super().__init__(message)
-        self.report = report
-        self.head = message
-        self.lines: list[str] = []
-
-
-class SolveTimeLimit(QsyncInputError):
-    """The time limit of the whole call ran out before any plan was found (a plan may
-    exist: this is not infeasibility). ``report`` is the last solver report, ``bound`` the
-    best bound on the objective found (None: none)."""
-
-    def __init__(self, message: str, report: SolveReport | None = None,
-                 bound: float | None = None) -> None:
-        super().__init__(message)
-        self.report = report
-        self.bound = bound
 
 
 @dataclass

@@ -22,7 +22,8 @@ from qsync_opt.planner.joint import LEXICOGRAPHIC_SLACK, solve_joint
 from qsync_opt.planner.refine import REFINE_ROUNDS, refine_against_replayer
 from qsync_opt.problem.evaluator import Evaluation, evaluate
 from qsync_opt.problem.program import AllocationProblem
-from qsync_opt.solvers import SolveOptions, registry
+from qsync_opt.solvers import SolveOptions
+from qsync_opt.solvers.backends import registry
 
 
 @dataclass

@@ -18,7 +18,6 @@ drawing never opens a window or changes the caller's matplotlib state.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from collections import Counter
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.figures import new_figure, png_bytes
 from qsync_opt.core.precision import BY_FIDELITY, Precision
 from qsync_opt.costs.roofline import estimate
 from qsync_opt.documents.io import atomic_write_bytes, load
@@ -232,13 +232,10 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
         raise QsyncInputError(
             f"timeline: no group {', '.join(missing)} (it has {', '.join(timeline.groups)})")
 
-    # optional dependency: matplotlib is imported only when a figure is drawn
-    from matplotlib.figure import Figure
-
     ng = len(groups)
     heat_h = 0.38 * ng + 1.9
     bars_h = 0.55 * ng + 1.6
-    fig = Figure(figsize=(14, heat_h + bars_h + 0.8), layout="constrained")
+    fig = new_figure((14, heat_h + bars_h + 0.8), layout="constrained")
     gs = fig.add_gridspec(2, 2, height_ratios=[heat_h, bars_h], width_ratios=[1.2, 1])
     ax_heat = fig.add_subplot(gs[0, :])
     ax_time = fig.add_subplot(gs[1, 0])
@@ -248,9 +245,7 @@ def plan_figure(plan: Plan, graph: ModelGraph, timeline: Timeline,
     _draw_times(ax_time, timeline, groups)
     _draw_memory(ax_mem, timeline, groups)
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    target = _atomic_write_bytes(path, buf.getvalue(), what)
+    target = _atomic_write_bytes(path, png_bytes(fig), what)
     return PlanFigure(path=target, ops=ops, groups=groups, matrix=matrix, legend=legend,
                       tick_ops=ticks)
 

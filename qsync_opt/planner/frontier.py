@@ -19,7 +19,6 @@ and as little degraded): then no solve there could show anything the series does
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_opt.core.errors import QsyncInputError
+from qsync_opt.core.figures import new_figure, png_bytes
 from qsync_opt.core.progress import Progress
 from qsync_opt.documents.io import atomic_write_bytes
 from qsync_opt.documents.outfolder import write_bytes
@@ -200,12 +200,8 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     written by :func:`qsync_opt.documents.io.atomic_write_bytes` (``what``: the flag the path came
     from, for a one-line error when it cannot be written), or, given the output ``folder``
     it is a name in, by :func:`qsync_opt.documents.outfolder.write_bytes` (no link there followed)."""
-    import matplotlib  # optional: the figure only, so the frontier runs without it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.2))
+    fig = new_figure((8, 5.2))
+    ax = fig.subplots()
     for name in STYLE:
         pts = sorted((p for p in points if p.allocator == name and p.objective is not None
                       and p.samples_per_s is not None), key=lambda p: p.samples_per_s or 0.0)
@@ -224,15 +220,10 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | os.PathLike[str],
     ax.set_title(title or "Pareto frontier")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    finally:
-        plt.close(fig)
+    png = png_bytes(fig, tight=True)
     if folder is not None:
-
-        return write_bytes(folder, path, buf.getvalue(), what or "--out")
-    return atomic_write_bytes(path, buf.getvalue(), what=what)
+        return write_bytes(folder, path, png, what or "--out")
+    return atomic_write_bytes(path, png, what=what)
 
 
 def format_points(points: Sequence[FrontierPoint]) -> str:

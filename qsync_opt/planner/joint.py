@@ -23,7 +23,8 @@ from qsync_opt.planner.refine import refine_against_replayer
 from qsync_opt.planner.splits import BOUND_REL, SplitBounds, batch_splits
 from qsync_opt.problem.evaluator import Evaluation
 from qsync_opt.problem.program import AllocationProblem, ProblemOptions
-from qsync_opt.solvers import SolveOptions, get_backend
+from qsync_opt.solvers import SolveOptions
+from qsync_opt.solvers.backends import get_backend
 from qsync_opt.solvers.ilp import FastestTimeLimit, PulpIlp
 from qsync_opt.solvers.relaxation import relaxation_bound
 

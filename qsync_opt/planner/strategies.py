@@ -31,6 +31,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from qsync_opt.core.figures import new_figure, png_bytes
+from qsync_opt.documents.io import atomic_write_bytes
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy, StrategyPrediction
 from qsync_opt.documents.schemas import Plan, SolveReport
 from qsync_opt.netsim.cluster import CommModelSpec, parse_comm_model, transport_costs
@@ -327,17 +329,9 @@ def plan_with_strategy(problem: AllocationProblem, plan: Plan, ev: Evaluation,
 def plot_strategies(search: StrategySearch, path: str, what: str = "--png") -> None:
     """The solved strategies' degradation against throughput (the Pareto set joined, the
     chosen one ringed), written atomically."""
-    import io
-
-    import matplotlib  # optional: the figure only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from qsync_opt.documents.io import atomic_write_bytes
-
     rows = [r for r in search.rows if r.prediction is not None]
-    fig, ax = plt.subplots(figsize=(8, 5.2))
+    fig = new_figure((8, 5.2))
+    ax = fig.add_subplot()
     for r in rows:
         assert r.prediction is not None
         ax.scatter([r.prediction.samples_per_s], [r.degradation],
@@ -356,9 +350,4 @@ def plot_strategies(search: StrategySearch, path: str, what: str = "--png") -> N
     ax.set_title(f"strategies: {search.solved} solved, {search.pruned} pruned")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue(), what=what)
+    atomic_write_bytes(path, png_bytes(fig, tight=True), what=what)

@@ -11,9 +11,10 @@ is used only with the file the user passes (``--model``), whose sha256 must be t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsync_opt.core.errors import QsyncInputError, TraceError
+from qsync_opt.core.modelspec import is_user_model, model_file_sha256
 from qsync_opt.core.precision import Precision
 from qsync_opt.costs.devices import get_device
 from qsync_opt.costs.rules import allowed_on, check_plan_entry, check_tie
@@ -26,7 +27,11 @@ from qsync_opt.documents.schemas import (
     OpRole,
     Plan,
 )
+from qsync_opt.graph import TIE_MODES, trace
 from qsync_opt.strategy.checks import check_strategy
+
+if TYPE_CHECKING:  # annotations only: the model registry imports torch
+    from qsync_opt.models.workload import Workload
 
 #: Most samples per device a plan may give a group (beyond it no card's memory holds a
 #: step): the schemas' one limit.
@@ -150,12 +155,17 @@ def check_plan(plan: Plan, graph: ModelGraph) -> None:
         check_strategy(plan.strategy, plan.cluster)
 
 
-def _registry_name(spec: str) -> str | None:
-    """The registry's own name of workload ``spec``; None when it names none."""
+def _builtin(spec: str) -> Workload:
+    """The built-in workload ``spec`` names (KeyError or ValueError when none)."""
     from qsync_opt.models import get_workload  # lazy: the model registry imports torch
 
+    return get_workload(spec)
+
+
+def _registry_name(spec: str) -> str | None:
+    """The registry's own name of workload ``spec``; None when it names none."""
     try:
-        return get_workload(spec).name
+        return _builtin(spec).name
     except (KeyError, ValueError):
         return None
 
@@ -171,8 +181,6 @@ def plan_model(plan: Plan, model: str | None, flag: str = "--model") -> str | No
     - the plan names a file but carries no ``workload_sha256``, or the given file's content
       has another hash (the file is read, not run).
     """
-    from qsync_opt.graph import is_user_model, model_file_sha256  # lazy: imports torch
-
     wl = repr(plan.workload)
     if is_user_model(plan.workload):
         if model is None:
@@ -221,9 +229,6 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
     :class:`~qsync_opt.models.user.UserWorkload` whose sha256 is the plan's), traced instead
     of importing the file again.
     """
-    from qsync_opt.graph import TIE_MODES, trace  # lazy: tracing imports torch
-    from qsync_opt.models import get_workload  # lazy: the model registry imports torch
-
     prov = plan.provenance
     batch = prov.get("graph_batch")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
@@ -240,7 +245,8 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
         if sha is not None:
             assert model is not None
             if workload is None or getattr(workload, "sha256", None) != sha:
-                from qsync_opt.graph import load_user_workload  # lazy: imports torch
+                # lazy: loading the file imports torch (only a plan made from a file needs it)
+                from qsync_opt.models.resolve import load_user_workload
 
                 workload = load_user_workload(model, sha256=sha)
             wl_ = workload
@@ -249,7 +255,7 @@ def graph_for_plan(plan: Plan, model: str | None = None, flag: str = "--model", 
                                              method=how, warn=False)
         else:
             try:
-                wl = get_workload(plan.workload)
+                wl = _builtin(plan.workload)
             except (KeyError, ValueError) as exc:
                 raise QsyncInputError(f"model: {exc.args[0] if exc.args else exc}") from None
             graph = trace(wl, batch, tie=tie, name=plan.workload, cache=True)

@@ -46,9 +46,9 @@ from qsync_opt.documents.outfolder import (
     remove,
 )
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
+from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
-from qsync_opt.strategy.wirespec import parse_compressor_spec
 
 if TYPE_CHECKING:
     from qsync_opt.documents.schemas import Plan
@@ -154,7 +154,7 @@ class PipelineSpec(BaseModel):
         for flag, text in (("--compress-act", self.compress_act),
                            ("--compress-grad", self.compress_grad)):
             try:
-                parse_compressor_spec(text)
+                parse_compressor_text(text)
             except QsyncInputError as exc:
                 raise ValueError(f"{flag}: {str(exc).partition(': ')[2]}") from None
         return self

@@ -10,6 +10,7 @@ from collections import Counter
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.hardware import ClusterSpec
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy
+from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import (
     CommMode,
     SyncMode,
@@ -18,7 +19,6 @@ from qsync_opt.strategy.modes import (
     parse_transport,
     transport_text,
 )
-from qsync_opt.strategy.wirespec import parse_compressor_spec
 
 __all__ = ["check_strategy", "strategy_modes"]
 
@@ -76,6 +76,6 @@ def _check_pipeline(pipe: PipelineStrategy, sync: SyncMode, comm: CommMode,
                                   f"{name!r}, which has {counts[name]} device(s)")
     for field in ("compress_act", "compress_grad"):
         try:
-            parse_compressor_spec(getattr(pipe, field))
+            parse_compressor_text(getattr(pipe, field))
         except QsyncInputError as exc:
             raise _field(f"pipeline.{field}", exc) from None

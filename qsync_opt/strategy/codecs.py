@@ -42,7 +42,11 @@ import torch
 from torch import Tensor
 
 from qsync_opt.core.errors import QsyncInputError
-from qsync_opt.strategy.wirespec import parse_compressor_spec
+from qsync_opt.strategy.compressor_text import (
+    check_quant_bits,
+    check_topk_fraction,
+    parse_compressor_text,
+)
 
 __all__ = ["AQSGD", "EF", "EF21", "FEEDBACKS", "Codec", "Compressor", "Identity", "Payload",
            "Plain", "Quant", "TopK", "aqsgd_bytes", "make_codec", "parse_compressor"]
@@ -136,9 +140,7 @@ class TopK(Compressor):
     """Keep the ``ceil(frac * n)`` largest magnitudes (ties: torch.topk's choice)."""
 
     def __init__(self, frac: float) -> None:
-        if not (0.0 < frac <= 1.0) or not math.isfinite(frac):
-            raise QsyncInputError(f"topk: expected a fraction in (0, 1], got {frac!r}")
-        self.frac = float(frac)
+        self.frac = check_topk_fraction(frac)
         self.name = f"topk:{frac:g}"
 
     def k_of(self, n: int) -> int:
@@ -183,9 +185,7 @@ class Quant(Compressor):
     """``bits``-bit uniform quantization between the tensor's min and max."""
 
     def __init__(self, bits: int, stochastic: bool = False, seed: int = 0) -> None:
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise QsyncInputError(f"quant: expected bits from 1 to 8, got {bits!r}")
-        self.bits, self.stochastic = bits, bool(stochastic)
+        self.bits, self.stochastic = check_quant_bits(bits), bool(stochastic)
         self.gen = torch.Generator().manual_seed(seed)
         self.name = f"quant:{bits}" + (",stochastic" if stochastic else "")
 
@@ -226,9 +226,10 @@ class Quant(Compressor):
 
 
 def parse_compressor(text: str, *, seed: int = 0) -> Compressor:
-    """``none`` / ``identity``, ``topk:F`` (F a fraction, or a percentage ending in %),
-    ``quant:B[,stochastic]`` (:func:`qsync_opt.strategy.wirespec.parse_compressor_spec`)."""
-    spec = parse_compressor_spec(text)
+    """The compressor of ``text`` (:func:`~qsync_opt.strategy.compressor_text.
+    parse_compressor_text`: ``none`` / ``identity``, ``topk:F``, ``quant:B[,stochastic]``);
+    ``seed`` seeds stochastic rounding."""
+    spec = parse_compressor_text(text)
     if spec.kind == "topk":
         return TopK(spec.frac)
     if spec.kind == "quant":

@@ -28,7 +28,7 @@ Gradient transports (``--comm``, ``TrainConfig.comm``), composed into the one DD
 ``dlcp[:p=P][,policy=priority|random|unbiased][,chunk_kib=64][,scenario=ring|incast|oversubscribed][,iterations=4][,buffer_kib=4096]``
     Bounded-loss priority communication (DLCP), by default **from the network**: each rank
     zero-fills the chunks (of ``chunk_kib`` KiB) that the packet simulator
-    (:func:`qsync_opt.netsim.cluster.dlcp_masks`) says the plan's cluster, cut to the run's
+    (:func:`qsync_opt.sync.netloss.dlcp_masks`) says the plan's cluster, cut to the run's
     ranks, loses of that rank's messages under the bounded-loss transport (``priority``:
     DLCP's priority queues; ``random``, ``unbiased``: FIFO queues), in ``scenario`` with
     switch buffers of ``buffer_kib`` KiB, every DDP bucket ready at once; ``iterations``

@@ -49,13 +49,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.graph import trace
-from qsync_opt.netsim.cluster import dlcp_masks, limit_message
+from qsync_opt.netsim.cluster import limit_message
 from qsync_opt.netsim.engine import NetsimLimit
 from qsync_opt.netsim.traffic import NetConfig
 from qsync_opt.runtime.link import LinkClock
 from qsync_opt.strategy.droppolicy import ChunkTable, DropRecorder, rescale
 from qsync_opt.strategy.modes import round_length
 from qsync_opt.sync.hooks import HookState, chain_hook, encode
+from qsync_opt.sync.netloss import dlcp_masks
 
 __all__ = ["CommMeter", "DDPSync", "EmulatedSync", "GradientSync", "LocalSGDSync", "LocalSync",
            "ddp_bucket_bytes", "make_sync"]
@@ -350,7 +351,7 @@ def _drop_recorder(model: nn.Module, mode: Any, seed: int,
 def net_masks(table: Any, mode: Any, seed: int, cluster: Any, rank_groups: Sequence[str],
               setup: Any = None, *, names: Sequence[str] | None = None) -> list[list[Tensor]]:
     """``--comm dlcp``'s drops from the network: the packet simulator's lost chunks per
-    iteration and rank (:func:`qsync_opt.netsim.cluster.dlcp_masks`), ``mode.iterations``
+    iteration and rank (:func:`qsync_opt.sync.netloss.dlcp_masks`), ``mode.iterations``
     iterations of ``cluster`` cut to ``rank_groups``, simulated once; the bounded-loss
     transport at ``mode.p`` behind DLCP's priority queues (``priority``) or FIFO ones,
     cells of one chunk. With the run's ``setup`` (its workload and plan) and the

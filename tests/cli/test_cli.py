@@ -234,14 +234,14 @@ def test_lower_reference_flag_and_the_note_on_a_target_that_frees_the_strong_gro
 
 
 def _no_indicator(monkeypatch) -> None:
-    import qsync_opt.cli.model as cli_model
+    import qsync_opt.cli.planning as cli_planning
     import qsync_opt.indicator as ind
 
     def refuse(*args, **kwargs):
         raise AssertionError("indicate() was called: a model ran")
 
     monkeypatch.setattr(ind, "indicate", refuse)
-    monkeypatch.setattr(cli_model, "indicate", refuse)  # the command's own name for it
+    monkeypatch.setattr(cli_planning, "indicate", refuse)  # the command's own name for it
 
 
 @pytest.mark.slow

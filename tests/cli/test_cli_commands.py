@@ -65,20 +65,23 @@ def test_python_m_runs_the_cli() -> None:
 
 
 def test_the_commands_are_the_families_functions() -> None:
-    """Each subcommand runs its family module's function (re-exported by ``qsync_opt.cli``,
-    whose attribute the parser reads when it is built)."""
+    """Each subcommand runs its family module's function (re-exported by ``qsync_opt.cli``),
+    named by the parser without importing it (:class:`~qsync_opt.cli.args.Deferred`)."""
     import qsync_opt.cli as cli
-    from qsync_opt.cli import demo, info, model, planning
+    from qsync_opt.cli import demo, info, model, planning, workloads
+    from qsync_opt.cli.args import Deferred
 
     subs = _subcommands(build_parser())
-    expected = {"models": info.cmd_models, "devices": info.cmd_devices,
+    expected = {"models": workloads.cmd_models, "devices": info.cmd_devices,
                 "schema": info.cmd_schema, "graph": model.cmd_graph,
                 "estimate": model.cmd_estimate, "replay": model.cmd_replay,
                 "indicate": model.cmd_indicate, "solve": planning.cmd_solve,
                 "compare": planning.cmd_compare, "pareto": planning.cmd_pareto,
                 "demo": demo.cmd_demo}
     for name, fn in expected.items():
-        assert subs[name].get_default("fn") is fn, name
+        deferred = subs[name].get_default("fn")
+        assert isinstance(deferred, Deferred), name
+        assert deferred.resolve() is fn, name
         assert getattr(cli, fn.__name__) is fn
 
 

@@ -126,11 +126,77 @@ def test_a_broken_default_batch_record_is_traced_again(tmp_path: Path) -> None:
 def test_the_parsers_constants_match_their_modules() -> None:
     """train's and sweep's parsers state the launcher's and the sweep's description and
     limits without importing them."""
-    from qsync_opt.cli import sweep as cli_sweep
-    from qsync_opt.cli import train as cli_train
+    from qsync_opt.cli.parsers import sweep as cli_sweep
+    from qsync_opt.cli.parsers import train as cli_train
     from qsync_opt.hfta import sweep
     from qsync_opt.job import launch
 
     assert (launch.__doc__ or "").split("\n\n")[0] == cli_train.DESCRIPTION
     assert (sweep.__doc__ or "").split("\n\n")[0] == cli_sweep.DESCRIPTION
     assert launch.MAX_RANKS == cli_train.MAX_RANKS
+
+
+#: The commands' bodies and what they import at their top (the solve pipeline, the solver
+#: registry, torch): building the parser must import none of them.
+BODIES = ("qsync_opt.cli.info", "qsync_opt.cli.workloads", "qsync_opt.cli.model",
+          "qsync_opt.cli.planning", "qsync_opt.cli.netsim", "qsync_opt.cli.report",
+          "qsync_opt.cli.train", "qsync_opt.cli.sweep", "qsync_opt.cli.profile",
+          "qsync_opt.cli.demo", "qsync_opt.cli.walkthrough", "qsync_opt.planner.solve",
+          "qsync_opt.solvers.backends", "numpy", "torch")
+
+
+def test_building_the_parser_imports_no_command_body(tmp_path: Path) -> None:
+    """``qsync-opt --help`` builds every command's parser; each names its body by module
+    (Deferred), so no body, and nothing a body imports at its top, is imported."""
+    code = ("import json, sys\nfrom qsync_opt.cli import build_parser\nbuild_parser()\n"
+            f"print(json.dumps([m for m in {list(BODIES)!r} if m in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout) == []
+
+
+def test_every_command_names_a_body_it_runs() -> None:
+    """Every subcommand's default ``fn`` is a Deferred naming a function of a module of
+    ``qsync_opt.cli`` that exists (a renamed body fails here, not when a user runs it)."""
+    from qsync_opt.cli.args import Deferred
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():  # type: ignore[union-attr]
+        fn = parser.get_default("fn")
+        assert isinstance(fn, Deferred), name
+        assert fn.module in BODIES and fn.module.startswith("qsync_opt.cli."), name
+        assert callable(fn.resolve()), name
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--model", "digits_cnn", "--cluster", "cpux2", "--pipeline-stages", "2",
+     "--compress-act", "gzip"],
+    ["replay", "--model", "digits_cnn", "--cluster", "cpux2", "--pipeline-stages", "2",
+     "--compress-grad", "quant:9"],
+    ["train", "--model", "digits_cnn", "--pipeline-stages", "2", "--compress-act", "topk:0"],
+    ["train", "--model", "digits_cnn", "--pipeline-stages", "2", "--compress-grad", "topk:x"],
+])
+def test_a_bad_compressor_flag_is_refused_without_torch(argv: list[str], tmp_path: Path
+                                                        ) -> None:
+    """A compressor's text is checked when the command line is parsed, without the codecs
+    (which import torch): one line, exit 2, and the run never started."""
+    p = _run(argv, tmp_path / "cache", tmp_path, block=True)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "--compress-" in p.stderr and "Traceback" not in p.stderr
+    assert not _torch_imported(p)
+
+
+def test_a_plan_against_another_model_file_is_refused_without_torch(tmp_path: Path) -> None:
+    """A plan made from a model file, replayed with another file: the file's sha256 is
+    read (never run) and compared before anything imports torch."""
+    golden = json.loads((Path(__file__).resolve().parents[1] / "golden" /
+                         "digits_cnn-highs.json").read_text())["plan"]
+    (tmp_path / "m.py").write_text("raise SystemExit('this file must never run')\n")
+    plan = {**golden, "workload": "m.py:build", "workload_sha256": "0" * 64}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    p = _run(["replay", "--plan", "plan.json", "--model", "m.py:build"], tmp_path / "cache",
+             tmp_path, block=True)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "not the file the plan was made from" in p.stderr and "nothing was run" in p.stderr
+    assert not _torch_imported(p)

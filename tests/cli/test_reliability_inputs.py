@@ -391,12 +391,12 @@ def test_the_cli_prints_any_message_on_one_line(capsys: pytest.CaptureFixture[st
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 before: str, ctl: str) -> None:
     """A newline in an op name or a hash was printed raw: the message spanned lines."""
-    import qsync_opt.cli.info as info  # the module that registers ``models``
+    import qsync_opt.cli.workloads as workloads  # the body of ``models``
 
     def bad(args: Any) -> int:
         raise QsyncInputError(f"plan: op {before}{ctl}x is not in the graph")
 
-    monkeypatch.setattr(info, "cmd_models", bad)
+    monkeypatch.setattr(workloads, "cmd_models", bad)
     code, _, err = run_exit(capsys, "models")
     line = assert_one_line(code, err)
     assert line.isprintable() and line.startswith(f"qsync-opt: error: plan: op {before}")

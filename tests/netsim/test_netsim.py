@@ -24,13 +24,13 @@ from qsync_opt.netsim import (
 )
 from qsync_opt.netsim.cluster import (
     cluster_network,
-    drop_mask,
     params_bucket,
     parse_comm_model,
     run_iterations,
 )
 from qsync_opt.netsim.traffic import summarise
 from qsync_opt.strategy.droppolicy import ChunkTable, apply_drops
+from qsync_opt.sync.netloss import drop_mask
 
 BIG = 1 << 40  # a buffer that never fills
 HUGE_WINDOW = 10**9

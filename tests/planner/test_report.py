@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from qsync_opt import ModelGraph, Plan, QsyncInputError, estimate, parse_shorthand, save
-from qsync_opt.cli.report import add_report_parser, cmd_report
+from qsync_opt.cli.parsers.report import add_report_parser
+from qsync_opt.cli.report import cmd_report
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import OpRole
 from qsync_opt.planner.figure import (

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from qsync_opt import ModelGraph, QsyncInputError, estimate, trace
-from qsync_opt.cli.profile import add_profile_parser
+from qsync_opt.cli.parsers.profile import add_profile_parser
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.documents.io import load
 from qsync_opt.documents.schemas import CostTable

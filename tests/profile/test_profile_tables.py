@@ -57,7 +57,7 @@ def test_the_package_names_are_the_submodules() -> None:
 
 def test_the_profile_command_keeps_its_description() -> None:
     """``qsync-opt profile --help`` opens with the package docstring's first line."""
-    from qsync_opt.cli.profile import DESCRIPTION
+    from qsync_opt.cli.parsers.profile import DESCRIPTION
 
     assert (prof.__doc__ or "").split("\n\n")[0] == DESCRIPTION
 

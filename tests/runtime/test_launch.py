@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qsync_opt.cli.train import add_train_parser, cmd_train, train_request
+from qsync_opt.cli.parsers.train import add_train_parser
+from qsync_opt.cli.train import cmd_train, train_request
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.job import launch
@@ -50,7 +51,7 @@ def test_the_config_written_for_a_hybrid_cpu_cluster(plans, tmp_path, capsys) ->
                  "--steps", "7", "--lr", "0.1", "--optimizer", "adam", "--seed", "3",
                  "--out", str(out), "--checkpoint-every", "2", "--no-resume",
                  "--timeout", "30", "--dry-run")
-    assert args.fn is cmd_train
+    assert args.fn.resolve() is cmd_train
     assert cmd_train(args) == 0
     cfg = TrainConfig.load(out / "train_config.json")
     assert cfg.workload == "digits_cnn"
@@ -228,15 +229,10 @@ def test_a_failed_rank_is_named(plans, tmp_path, capsys, monkeypatch) -> None:
 
 
 def test_emulate_dp_runs_in_process(plans, tmp_path, monkeypatch) -> None:
-    import types
+    import qsync_opt.cli.train as cli_train
 
     seen = []
-    fake = types.ModuleType("qsync_opt.job.rank")
-    fake.emulate = lambda config: seen.append(config)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "qsync_opt.job.rank", fake)
-    import qsync_opt.runtime as rt
-
-    monkeypatch.setattr(rt, "train", fake, raising=False)
+    monkeypatch.setattr(cli_train, "emulate", lambda config: seen.append(config))
     monkeypatch.setattr(launch, "run_streaming", lambda *a: pytest.fail("must not launch"))
     args = _args("--model", "digits_cnn", "--plan", str(plans["hybrid"]), "--out",
                  str(tmp_path), "--emulate-dp")

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from qsync_opt.cli.train import add_train_parser, cmd_train
+from qsync_opt.cli.parsers.train import add_train_parser
+from qsync_opt.cli.train import cmd_train
 from qsync_opt.core.errors import QsyncInputError, describe_validation_error
 from qsync_opt.core.precision import Precision
 from qsync_opt.documents.schemas import Plan

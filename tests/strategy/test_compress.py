@@ -20,6 +20,7 @@ from qsync_opt.strategy.codecs import (
     make_codec,
     parse_compressor,
 )
+from qsync_opt.strategy.compressor_text import parse_compressor_text
 
 SHAPES = [(1,), (7,), (3, 5), (4, 8, 8), (2, 300), (70_000,)]
 
@@ -168,3 +169,26 @@ def test_make_codec_names_the_feedbacks():
     assert isinstance(make_codec(Identity(), "none"), Plain)
     with pytest.raises(QsyncInputError, match="feedback"):
         make_codec(Identity(), "ef3")
+
+
+@pytest.mark.parametrize("text", [
+    "none", "identity", " NONE ", "topk:0.1", "topk:10%", "topk:1", "topk:100%", "quant:1",
+    "quant:8", "quant:2,stochastic", "QUANT:4", "topk:0", "topk:1.5", "topk:x", "topk:",
+    "topk:nan", "topk:inf", "topk:-0.5", "topk:101%", "topk:٣", "quant:9", "quant:0",
+    "quant:4,foo", "quant:", "quant:²", "quant:4,", "gzip", "", ":", "topk", "quant"])
+def test_the_text_check_and_the_compressor_agree(text):
+    """The torch-free check (the flags', the run config's) accepts exactly the texts the
+    compressor is built from, and refuses the others with the same one line."""
+    try:
+        built = parse_compressor(text)
+    except QsyncInputError as exc:
+        with pytest.raises(QsyncInputError) as got:
+            parse_compressor_text(text)
+        assert str(got.value) == str(exc)
+        return
+    spec = parse_compressor_text(text)
+    assert {"identity": Identity, "topk": TopK, "quant": Quant}[spec.kind] is type(built)
+    if spec.kind == "topk":
+        assert (spec.frac, f"topk:{spec.frac:g}") == (built.frac, built.name)
+    if spec.kind == "quant":
+        assert (spec.bits, spec.stochastic) == (built.bits, built.stochastic)

@@ -1,5 +1,5 @@
 """``--comm dlcp`` by default drops what the simulated network loses: the packet
-simulator's lost chunks per rank (netsim.cluster.dlcp_masks), cut per tensor to p, the same
+simulator's lost chunks per rank (sync.netloss.dlcp_masks), cut per tensor to p, the same
 on the emulated path and on two gloo ranks; fixed p is the explicit ``stress`` mode."""
 
 from __future__ import annotations
@@ -205,6 +205,7 @@ def test_dlcp_buckets_leave_at_their_backward_times(monkeypatch: pytest.MonkeyPa
 
     from qsync_opt.netsim import cluster as nc
     from qsync_opt.replayer import Replayer
+    from qsync_opt.sync import netloss
 
     graph = trace("resnet18")
     named = list(get_workload("resnet18").build().named_parameters())
@@ -221,22 +222,22 @@ def test_dlcp_buckets_leave_at_their_backward_times(monkeypatch: pytest.MonkeyPa
         assert row[-1] == pytest.approx(gt.forward_ms + gt.backward_ms, rel=0.02)
     assert all(t4 > v100 for v100, t4 in zip(*ready, strict=True))
     seen: list[Any] = []
-    real = nc.run_iterations
+    real = netloss.run_iterations
 
     def spy(net: Any, bs: Any, group_ready: Any, *a: Any, **kw: Any) -> Any:
         seen.append(group_ready)
         return real(net, bs, group_ready, *a, **kw)
-    monkeypatch.setattr(nc, "run_iterations", spy)
+    monkeypatch.setattr(netloss, "run_iterations", spy)
     mode = parse_comm("dlcp:iterations=1,chunk_kib=256")
     table = ChunkTable.build(numels, mode.chunk_elems)
     cfg = nc.NetConfig(policy="priority+bounded", cell_bytes=256 << 10)
-    nc.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1, seed=0,
-                  graph=graph, names=names)
-    nc.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1, seed=0)
+    netloss.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1,
+                       seed=0, graph=graph, names=names)
+    netloss.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1, seed=0)
     assert seen == [ready, [[0.0] * len(buckets)] * 2]
     with pytest.raises(ValueError, match="names"):
-        nc.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1,
-                      seed=0, graph=graph, names=names[:-1])
+        netloss.dlcp_masks(table, cl, ["v100", "t4"], scenario="ring", cfg=cfg, iterations=1,
+                           seed=0, graph=graph, names=names[:-1])
 
 
 REPO = Path(__file__).resolve().parents[2]
