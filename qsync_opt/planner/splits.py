@@ -144,6 +144,9 @@ class SplitBounds:
         #: (candidate, target, per-group lower bounds there from the LP relaxation): they
         #: bound every backend's plan, so they count whatever the backend
         self.relaxed: list[tuple[int, float, list[float]]] = []
+        #: (candidate, group, target, that group's part of the optimum there): one group's
+        #: program solved alone to optimality, exact backends only
+        self.group_parts: list[tuple[int, int, float, float]] = []
         #: (candidate, target): the exact model has no plan there
         self.no_plan: list[tuple[int, float]] = []
         #: (group, batch, target): the group has no plan at that batch and target
@@ -200,6 +203,17 @@ class SplitBounds:
         else:
             self.parts.append((i, self.target, parts))
 
+    def record_group(self, i: int, gi: int, part: float | None) -> None:
+        """Group ``gi`` of candidate ``i`` solved alone at this target by an exact backend to
+        optimality: its part of the objective, or None (the group has no plan there, so
+        neither has the candidate). Other backends record nothing."""
+        if not self.exact:
+            return
+        if part is None:
+            self.dead.append((gi, self.batch[i][gi], self.target))
+        else:
+            self.group_parts.append((i, gi, self.target, part))
+
     def record_relaxed(self, i: int, bounds: list[float | None]) -> None:
         """Candidate ``i``'s per-group lower bounds at this target from the LP relaxation
         (None: that group's relaxation has no point, so the group has no plan there)."""
@@ -213,20 +227,26 @@ class SplitBounds:
         """A lower bound on candidate ``i``'s least objective at this target."""
         if not self.enabled:
             return float("-inf")
-        total = 0.0
-        for gi in range(len(self.batch[i])):
-            best = self.floor[i][gi]
-            b = self.batch[i][gi]
-            facts = [(j, t, parts, 1.0) for j, t, parts in self.relaxed]
-            if self.exact:
-                facts += [(j, t, parts, self.discount) for j, t, parts in self.parts]
-            for j, t, parts, discount in facts:
-                bj = self.batch[j][gi]
-                if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
-                        and self._holds(t):
-                    best = max(best, parts[gi] * discount)
-            total += best
-        return total
+        return sum(self.group_bound(i, gi) for gi in range(len(self.batch[i])))
+
+    def group_bound(self, i: int, gi: int) -> float:
+        """A lower bound on group ``gi``'s part of candidate ``i``'s least objective at this
+        target (its floor, else what a relaxation or an optimum recorded tells)."""
+        if not self.enabled:
+            return float("-inf")
+        best = self.floor[i][gi]
+        b = self.batch[i][gi]
+        facts = [(j, t, parts[gi], 1.0) for j, t, parts in self.relaxed]
+        if self.exact:
+            facts += [(j, t, parts[gi], self.discount) for j, t, parts in self.parts]
+            facts += [(j, t, part, self.discount) for j, h, t, part in self.group_parts
+                      if h == gi]
+        for j, t, part, discount in facts:
+            bj = self.batch[j][gi]
+            if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
+                    and self._holds(t):
+                best = max(best, part * discount)
+        return best
 
     def beats(self, bound: float, best: float) -> bool:
         """Whether a candidate with this lower bound can still match or beat ``best``."""
