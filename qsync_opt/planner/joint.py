@@ -257,9 +257,13 @@ def joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, r
     refined objective is no more than the next copy's (refinement only tightens a target,
     so a refined objective is at least the unrefined one). Here a copy is solved only while
     its lower bound (:class:`~qsync_opt.planner.splits.SplitBounds`) can match the best refined
-    objective so far: copies in ascending bound, the one farthest from any solved copy
-    first among equal bounds (a bisection of the split axis), the given split first; a copy
-    whose floors prove it has no plan is not solved. Every skipped copy's objective is
+    objective so far, best first: the given split first, then the copy of least bound, the
+    one farthest from any solved or relaxed copy first among equal bounds (a bisection of
+    the split axis). A copy taken for the first time is relaxed (its groups' LP
+    relaxations) and goes back among the others; taken again, its bound still the least,
+    it is solved, its groups that need a solver one at a time while its bound can still
+    match the best (:func:`bound_by_groups`). A copy whose floors prove it has no plan is
+    not solved. Every skipped copy's objective is
     above the best refined one, which the reference procedure would have kept as well, so
     the result is the same plan. ``pre``: candidates already solved once at this target
     (the given split, solved before the others were built), not solved again."""
@@ -331,7 +335,8 @@ class _SplitSearch:
 
     def pick(self) -> int | None:
         """The next candidate: the given split first, then the least lower bound, the one
-        farthest from any solved candidate among equal bounds (None: none left)."""
+        farthest from any solved or relaxed candidate among equal bounds (None: none
+        left)."""
         open_ = sorted(self.left)
         if not open_:
             return None
@@ -346,8 +351,9 @@ class _SplitSearch:
         return max(ties, key=lambda i: (min((abs(i - j) for j in seen), default=0), -i))
 
     def step(self, i: int) -> bool:
-        """Solve candidate ``i`` once (unless its bounds settle it) and refine; False: the
-        search ends (every candidate left is bounded, or the time is spent)."""
+        """Relax candidate ``i`` (the first time it is taken) or solve it once (unless its
+        bounds settle it) and refine; False: the search ends (every candidate left is
+        bounded, or the time is spent)."""
         out, bounds = self.out, self.bounds
         if self.best < float("inf") and not bounds.beats(bounds.lower_bound(i), self.best):
             out.bounded += len(self.left)

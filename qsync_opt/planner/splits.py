@@ -23,6 +23,10 @@
   assignment of the exact model) and, on monotone groups, at every larger batch; a
   candidate whose relaxation already exceeds the best objective is never solved. On
   ResNet-50 the relaxation is within about 1% of the optimum near the best split.
+* **Groups solved alone.** A candidate's group solved alone to optimality (exact PuLP
+  backends) bounds its part exactly, discounted as solved parts are, and on a monotone
+  group at every larger batch; a group solved alone to no plan leaves the candidate none
+  (nor, on a monotone group, any candidate where it has a larger batch).
 * **Provably infeasible.** A group whose least possible time (every term at its minimum)
   exceeds its time budget, or whose least possible memory exceeds its capacity, has no
   plan; for a monotone group, neither has it at any larger batch.
