@@ -10,8 +10,11 @@
   its share of the global batch grows with its batch, every plan feasible at a larger batch
   is feasible at a smaller one and costs no less there: its least degradation does not
   decrease with its batch, and if it has no plan at some batch it has none at any larger
-  one. :meth:`SplitBounds.monotone` checks this on the coefficients of every candidate
-  (nothing is assumed; a group that fails the check gets no bound from other splits).
+  one. :class:`SplitBounds` checks this on the coefficients of every candidate, step by
+  step between consecutive batches (nothing is assumed): a fact propagates from one batch
+  to a larger one only across steps that pass (:meth:`SplitBounds.rises`), so a group
+  monotone over part of its batches is bounded within that part (at the given split a
+  strong group may be held at its reference precision, a menu of its own).
 * **Lower bounds.** A candidate's objective is at least the sum over groups of the largest
   part that group had in a solved split at a batch no larger than this one (monotone
   groups), else the group's trivial floor. Solved parts count only from the exact PuLP
@@ -38,6 +41,7 @@ ties are solved too (they are broken by the replayer's makespan).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 
 from qsync_opt.core.errors import QsyncInputError
@@ -138,10 +142,29 @@ class SplitBounds:
         self.subs = list(subs)
         n_groups = len(self.subs[0].groups) if self.subs else 0
         self.batch = [[g.batch for g in s.groups] for s in self.subs]
+        #: per group, the candidates in ascending batch and whether each step from one to
+        #: the next keeps every coefficient no less (:func:`_no_less`)
+        self._order = [sorted(range(len(self.subs)), key=lambda i, gi=gi: self.batch[i][gi])
+                       for gi in range(n_groups)]
         if monotone is None:
             same_tail = len({s.tail_ms for s in self.subs}) <= 1
-            monotone = [same_tail and self._monotone(gi) for gi in range(n_groups)]
-        self.monotone = list(monotone)
+            steps = [[same_tail and _no_less(self.subs[i].groups[gi], self.subs[j].groups[gi])
+                      for i, j in zip(order, order[1:], strict=False)]
+                     for gi, order in enumerate(self._order)]
+        else:
+            steps = [[bool(monotone[gi])] * max(len(order) - 1, 0)
+                     for gi, order in enumerate(self._order)]
+        self.monotone = [all(st) for st in steps]
+        #: per group: the number of failed steps before each position, and each batch's
+        #: first and last position in the order
+        self._failed = [[0, *itertools.accumulate(not ok for ok in st)] for st in steps]
+        self._span: list[dict[int, tuple[int, int]]] = []
+        for gi, order in enumerate(self._order):
+            span: dict[int, tuple[int, int]] = {}
+            for pos, i in enumerate(order):
+                b = self.batch[i][gi]
+                span[b] = (span.get(b, (pos, pos))[0], pos)
+            self._span.append(span)
         self.floor = [[part_floor(s, [gi]) for gi in range(n_groups)] for s in self.subs]
         #: (candidate, target, per-group parts of its optimum there), exact backends only
         self.parts: list[tuple[int, float, list[float]]] = []
@@ -171,10 +194,17 @@ class SplitBounds:
         """A fact recorded at that target holds at this view's target."""
         return recorded_at >= self.target * (1 - 1e-12)
 
-    def _monotone(self, gi: int) -> bool:
-        order = sorted(range(len(self.subs)), key=lambda i: self.batch[i][gi])
-        return all(_no_less(self.subs[i].groups[gi], self.subs[j].groups[gi])
-                   for i, j in zip(order, order[1:], strict=False))
+    def rises(self, gi: int, low: int, high: int) -> bool:
+        """Whether group ``gi``'s coefficients are no less at batch ``high`` than at ``low``
+        (``low < high``, both candidates' batches): every step between them in ascending
+        batch keeps every coefficient no less. A fact about the group at ``low`` (its least
+        part, or that it has no plan) then holds at ``high`` too; a group that is monotone
+        over only part of its batches propagates facts within that part."""
+        if not low < high:
+            return False
+        first = self._span[gi][low][0]
+        last = self._span[gi][high][1]
+        return self._failed[gi][last] == self._failed[gi][first]
 
     def proven_infeasible(self, i: int) -> bool:
         """Whether candidate ``i`` has no plan at this target: an exact solve found none at
@@ -188,7 +218,7 @@ class SplitBounds:
         budget = self.target - sub.tail_ms
         for gi, g in enumerate(sub.groups):
             b = self.batch[i][gi]
-            if any(h == gi and (bb == b or self.monotone[gi] and bb <= b) and self._holds(t)
+            if any(h == gi and (bb == b or self.rises(gi, bb, b)) and self._holds(t)
                    for h, bb, t in self.dead):
                 return True
             if (time_lower_bound(g) > budget + PROOF_REL * abs(budget)
@@ -247,8 +277,7 @@ class SplitBounds:
                       if h == gi]
         for j, t, part, discount in facts:
             bj = self.batch[j][gi]
-            if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
-                    and self._holds(t):
+            if (bj == b or self.rises(gi, bj, b)) and self._holds(t):
                 best = max(best, part * discount)
         return best
 

@@ -370,3 +370,37 @@ def test_group_optima_bound_their_candidate_and_larger_batches_only():
     other.record_group(i, 0, 123.0)
     other.record_group(i, 0, None)
     assert not other.group_parts and not other.dead
+
+
+def test_facts_propagate_only_across_monotone_steps():
+    """A group whose coefficients fall at one step (as the strong group held at its
+    reference precision at the given split does) is bounded within each monotone run of
+    batches, never across the fall; the check matches _no_less taken pairwise."""
+    import copy
+    import dataclasses
+
+    from qsync_opt.planner.splits import _no_less
+
+    subs = _subs(_problem(0, "a100x1@64+t4x1@64"), 8)
+    order = sorted(range(len(subs)), key=lambda i: subs[i].groups[0].batch)
+    mid = order[len(order) // 2]
+    bumped = copy.copy(subs[mid])
+    g = bumped.groups[0]
+    bumped.groups = [dataclasses.replace(g, time0=g.time0 * 10 + 1.0), *bumped.groups[1:]]
+    subs[mid] = bumped
+    bounds = SplitBounds(subs)
+    assert bounds.monotone[0] is False
+    batches = [subs[i].groups[0].batch for i in order]
+    pos = order.index(mid)
+    for x, lo in enumerate(batches):
+        for y, hi in enumerate(batches):
+            want = x < y and all(_no_less(subs[order[k]].groups[0], subs[order[k + 1]].groups[0])
+                                 for k in range(x, y))
+            assert bounds.rises(0, lo, hi) == want, (lo, hi)
+            if x < y:  # the fall is the step out of the bumped batch, nowhere else
+                assert want == (not x <= pos < y), (lo, hi)
+    view = bounds.at(1e9, exact=True)
+    low = order[0]
+    view.record_group(low, 0, 1e6)
+    for k, i in enumerate(order):
+        assert (view.group_bound(i, 0) == 1e6) == (k <= pos), k
