@@ -144,7 +144,7 @@ class SplitBounds:
         self.batch = [[g.batch for g in s.groups] for s in self.subs]
         #: per group, the candidates in ascending batch and whether each step from one to
         #: the next keeps every coefficient no less (:func:`_no_less`)
-        self._order = [sorted(range(len(self.subs)), key=lambda i, gi=gi: self.batch[i][gi])
+        self._order = [sorted(range(len(self.subs)), key=[b[gi] for b in self.batch].__getitem__)
                        for gi in range(n_groups)]
         if monotone is None:
             same_tail = len({s.tail_ms for s in self.subs}) <= 1
