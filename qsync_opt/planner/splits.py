@@ -174,6 +174,9 @@ class SplitBounds:
         #: (candidate, group, target, that group's part of the optimum there): one group's
         #: program solved alone to optimality, exact backends only
         self.group_parts: list[tuple[int, int, float, float]] = []
+        #: (group, batch, target): one group's program solved alone by an exact backend
+        #: has no plan there (read, as ``no_plan``, by exact views only)
+        self.group_no_plan: list[tuple[int, int, float]] = []
         #: (candidate, target): the exact model has no plan there
         self.no_plan: list[tuple[int, float]] = []
         #: (group, batch, target): the group has no plan at that batch and target
@@ -218,8 +221,9 @@ class SplitBounds:
         budget = self.target - sub.tail_ms
         for gi, g in enumerate(sub.groups):
             b = self.batch[i][gi]
+            facts = self.dead + self.group_no_plan if self.exact else self.dead
             if any(h == gi and (bb == b or self.rises(gi, bb, b)) and self._holds(t)
-                   for h, bb, t in self.dead):
+                   for h, bb, t in facts):
                 return True
             if (time_lower_bound(g) > budget + PROOF_REL * abs(budget)
                     or memory_floor(g) > g.capacity_bytes * (1 + PROOF_REL)):
@@ -244,7 +248,7 @@ class SplitBounds:
         if not self.exact:
             return
         if part is None:
-            self.dead.append((gi, self.batch[i][gi], self.target))
+            self.group_no_plan.append((gi, self.batch[i][gi], self.target))
         else:
             self.group_parts.append((i, gi, self.target, part))
 

@@ -366,10 +366,14 @@ def test_group_optima_bound_their_candidate_and_larger_batches_only():
     view.record_group(i, 0, None)
     for j in range(len(subs)):
         assert view.proven_infeasible(j) == (view.batch[j][0] >= b)
+    # what an exact backend proved is not a proof for the views of other backends
+    shared = view.at(1e9, exact=False)
+    assert not any(shared.proven_infeasible(j) for j in range(len(subs)))
+    assert all(shared.group_bound(j, 0) < part for j in range(len(subs)))
     other = SplitBounds(subs).at(1e9, exact=False)
     other.record_group(i, 0, 123.0)
     other.record_group(i, 0, None)
-    assert not other.group_parts and not other.dead
+    assert not other.group_parts and not other.group_no_plan and not other.dead
 
 
 def test_facts_propagate_only_across_monotone_steps():
