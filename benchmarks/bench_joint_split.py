@@ -5,8 +5,9 @@ resnet50 on v100x16+t4x16 (catalog roofline estimate, seeded random indicator fr
 Each repeat builds the problem afresh (the joint split's candidate problems are not reused
 between repeats, and the memo of solved parts is emptied before each call) and times, with ``time.process_time()`` (user + system CPU of this
 process, meaningful on a loaded machine), the problem build, ``solve`` without and with
-``joint_split`` and, with ``--pareto``, ``frontier``; printed: the medians and the ratio
-joint split / plain solve.
+``joint_split`` and, with ``--pareto``, ``frontier``; printed: the medians, the ratio
+joint split / plain solve, the joint split's search line (candidates solved, relaxed,
+bounded, group programs solved alone: deterministic counts) and the load average.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_joint_split.py [--repeats 3] [--pareto]
 """
@@ -56,7 +57,9 @@ def main() -> None:
         times["build"].append(t)
         times["plain"].append(cpu(solve, problem, args.solver)[1])
         fresh = AllocationProblem(graph, cluster, costs, indicator)
-        times["joint"].append(cpu(solve, fresh, args.solver, joint_split=True)[1])
+        (_, report), t = cpu(solve, fresh, args.solver, joint_split=True)
+        times["joint"].append(t)
+        search = next(m for m in report.messages if m.startswith("joint batch split: "))
         if args.pareto:
             other = AllocationProblem(graph, cluster, costs, indicator)
             times["pareto"].append(cpu(frontier, other)[1])
@@ -69,6 +72,8 @@ def main() -> None:
                   f"[{', '.join(f'{v:.3f}' for v in vals)}]")
     ratio = statistics.median(times["joint"]) / statistics.median(times["plain"])
     print(f"  joint split / plain solve: {ratio:.2f}x")
+    print(f"  the joint split's search (deterministic counts): {search}")
+    print("  load average at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

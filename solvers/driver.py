@@ -180,7 +180,7 @@ def _answered_part(state: _PartsPass, gis: Sequence[int]) -> PartResult | None:
     if hit is None:
         return None
     at, res = hit
-    messages.append(f"{_tag(problem, gis)}: solved before in this process ({res.status} at a "
+    messages.append(f"{memo_line_prefix(problem, gis)}{res.status} at a "
                     f"time budget of {at:.4f} ms, which answers this budget, "
                     f"{problem.group_budget_ms():.4f} ms): not solved again")
     if res.status == "INFEASIBLE":
@@ -299,6 +299,35 @@ def solve_assignment(backend: ExactBackend, problem: AllocationProblem, options:
     memo = t.memo_key if t.hints is None else None
     return solve_parts(problem, parts, PartRunner(backend, t), deadline, messages,
                        options.rel_gap, memo), t
+
+
+def solve_group_alone(backend: ExactBackend, problem: AllocationProblem, gi: int,
+                      options: SolveOptions) -> tuple[PartResult | None, list[str]]:
+    """Group ``gi``'s program of ``problem`` solved on its own, as the decomposed call's
+    first pass solves it (the memo consulted and filled, the loose-optimum loop), within
+    ``options.time_limit_s``: its result and the messages that part's solve wrote. None
+    (nothing run) where the call would not use the memo (a warm start, one program for all
+    groups) or its translation proves no plan: the part's answer would then differ from
+    the call's own or not be kept. The joint split bounds a candidate split by one group
+    this way; when the split is then solved whole, the memo answers that group."""
+    messages: list[str] = []
+    if (not options.decompose or options.hints is not None
+            or options.warm_start is not None):
+        return None, messages
+    deadline = Deadline(options.time_limit_s)
+    check_numbers(problem)
+    t = backend.translate(problem, options, Stopwatch(), messages)
+    if t.proof or t.memo_key is None:
+        return None, messages
+    state = _PartsPass(problem, [[gi]], PartRunner(backend, t), deadline, messages,
+                       t.memo_key, [None])
+    _first_pass(state)
+    return state.results[0], messages
+
+
+def memo_line_prefix(problem: AllocationProblem, gis: Sequence[int]) -> str:
+    """How the message of a part the memo answered begins (:func:`_answered_part`)."""
+    return f"{_tag(problem, gis)}: solved before in this process ("
 
 
 def solve_exact(backend: ExactBackend, problem: AllocationProblem, options: SolveOptions

@@ -25,7 +25,9 @@ from qsync_opt.problem.evaluator import Evaluation
 from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.solvers import SolveOptions
 from qsync_opt.solvers.backends import get_backend
+from qsync_opt.solvers.driver import memo_line_prefix, solve_group_alone
 from qsync_opt.solvers.ilp import FastestTimeLimit, PulpIlp
+from qsync_opt.solvers.parts import least_part, part_objective
 from qsync_opt.solvers.relaxation import relaxation_bound
 
 #: Relative slack above the smallest reachable makespan in the lexicographic mode.
@@ -163,7 +165,9 @@ def _search_messages(problem: AllocationProblem, attempt: JointAttempt,
             f"{problem.global_batch}): {attempt.solved} solved, {len(attempt.first)} with a "
             f"plan, {attempt.proven_infeasible} without one by their floors or LP "
             f"relaxations, {attempt.bounded} skipped (bounded above the best; "
-            f"{attempt.relaxed} relaxations solved), {attempt.refined} refined"
+            f"{attempt.relaxed} relaxations solved"
+            + (f", {attempt.alone} group program(s) solved alone for a bound"
+               if attempt.alone else "") + f"), {attempt.refined} refined"
             + (f", {attempt.unstarted} not started (under {MIN_CANDIDATE_S:g} s of the "
                "limit left)" if attempt.unstarted else "") + "; chosen "
             + ", ".join(f"{k}={v}" for k, v in split.items())
@@ -233,6 +237,8 @@ class JointAttempt:
     relaxed: int = 0
     #: candidates not started: less than MIN_CANDIDATE_S of the limit was left
     unstarted: int = 0
+    #: group programs solved alone for a candidate's bound (:func:`bound_by_groups`)
+    alone: int = 0
 
 
 def plan_parts(sub: AllocationProblem, plan: Plan) -> list[float]:
@@ -252,9 +258,13 @@ def joint_attempt(problem: AllocationProblem, solver: str, opts: SolveOptions, r
     refined objective is no more than the next copy's (refinement only tightens a target,
     so a refined objective is at least the unrefined one). Here a copy is solved only while
     its lower bound (:class:`~qsync_opt.planner.splits.SplitBounds`) can match the best refined
-    objective so far: copies in ascending bound, the one farthest from any solved copy
-    first among equal bounds (a bisection of the split axis), the given split first; a copy
-    whose floors prove it has no plan is not solved. Every skipped copy's objective is
+    objective so far, best first: the given split first, then the copy of least bound, the
+    one farthest from any solved or relaxed copy first among equal bounds (a bisection of
+    the split axis). A copy taken for the first time is relaxed (its groups' LP
+    relaxations) and goes back among the others; taken again, its bound still the least,
+    it is solved, its groups that need a solver one at a time while its bound can still
+    match the best (:func:`bound_by_groups`). A copy whose floors prove it has no plan is
+    not solved. Every skipped copy's objective is
     above the best refined one, which the reference procedure would have kept as well, so
     the result is the same plan. ``pre``: candidates already solved once at this target
     (the given split, solved before the others were built), not solved again."""
@@ -288,6 +298,8 @@ class _SplitSearch:
         self.own = next((i for i, sp in enumerate(splits) if sp == own), 0)
         self.left = set(range(len(splits)))
         self.solved: list[int] = []
+        #: candidates whose LP relaxation was tried (each is tried once, before its solve)
+        self.relaxed: set[int] = set()
         self.firsts: dict[int, tuple[float, ScoredRun]] = {}
         self.refined: dict[int, ScoredRun] = {}
         self.best = float("inf")
@@ -324,7 +336,8 @@ class _SplitSearch:
 
     def pick(self) -> int | None:
         """The next candidate: the given split first, then the least lower bound, the one
-        farthest from any solved candidate among equal bounds (None: none left)."""
+        farthest from any solved or relaxed candidate among equal bounds (None: none
+        left)."""
         open_ = sorted(self.left)
         if not open_:
             return None
@@ -335,11 +348,13 @@ class _SplitSearch:
         lbs = {i: self.bounds.lower_bound(i) for i in open_}
         low = min(lbs.values())
         ties = [i for i in open_ if lbs[i] <= low + BOUND_REL * max(abs(low), 1e-300)]
-        return max(ties, key=lambda i: (min((abs(i - j) for j in self.solved), default=0), -i))
+        seen = [*self.solved, *self.relaxed]
+        return max(ties, key=lambda i: (min((abs(i - j) for j in seen), default=0), -i))
 
     def step(self, i: int) -> bool:
-        """Solve candidate ``i`` once (unless its bounds settle it) and refine; False: the
-        search ends (every candidate left is bounded, or the time is spent)."""
+        """Relax candidate ``i`` (the first time it is taken) or solve it once (unless its
+        bounds settle it) and refine; False: the search ends (every candidate left is
+        bounded, or the time is spent)."""
         out, bounds = self.out, self.bounds
         if self.best < float("inf") and not bounds.beats(bounds.lower_bound(i), self.best):
             out.bounded += len(self.left)
@@ -348,16 +363,23 @@ class _SplitSearch:
             out.unstarted += len(self.left)
             out.timed_out += 1
             return False
-        self.left.discard(i)
         sub = self.subs[i].retarget(self.target, source=self.source)
         if i in self.pre:  # solved before the other candidates were built
             got = self.pre.pop(i)
+        elif bounds.enabled and i not in self.relaxed:
+            # its bound first: it is solved when picked again (its bound still the least)
+            self.relaxed.add(i)
+            if joint_relax(sub, i, self.opts, self.call, bounds, out, len(self.left)):
+                self.left.discard(i)
+            return True
         else:
             run = joint_first(sub, i, self.solver, self.opts, self.call, bounds, out,
-                              len(self.left), self.best)
+                              len(self.left) - 1, self.best)
             if run is None:
+                self.left.discard(i)
                 return True
             got = ScoredRun(*run)
+        self.left.discard(i)
         self.solved.append(i)
         out.solved += 1
         out.n_vars += got.report.n_variables
@@ -374,26 +396,94 @@ class _SplitSearch:
         return True
 
 
+def joint_relax(sub: AllocationProblem, i: int, opts: SolveOptions, call: SolveCall,
+                bounds: SplitBounds, out: JointAttempt, n_left: int) -> bool:
+    """Candidate ``i``'s bound from its floors and its groups' LP relaxations (``sub``: its
+    problem at this target, ``n_left`` candidates left with it); True when they prove it
+    has no plan (the counts go to ``out``)."""
+    if bounds.proven_infeasible(i):
+        out.proven_infeasible += 1
+        bounds.record(i, None)
+        return True
+    relaxed = [relaxation_bound(sub, [gi], opts.with_time_left(
+        max(call.deadline.share(n_left), 1e-3))) for gi in range(len(sub.groups))]
+    if all(st != "UNKNOWN" for st, _ in relaxed):
+        out.relaxed += 1
+        bounds.record_relaxed(i, [v if st == "OPTIMAL" else None for st, v in relaxed])
+        if bounds.proven_infeasible(i):
+            out.proven_infeasible += 1
+            return True
+    return False
+
+
 def joint_first(sub: AllocationProblem, i: int, solver: str, opts: SolveOptions, call: SolveCall,
-                 bounds: SplitBounds, out: JointAttempt, n_left: int, best: float
-                 ) -> tuple[Plan | None, SolveReport, Evaluation | None] | None:
-    """Candidate ``i``'s first solve (``sub``: its problem at this target), or None when its
-    floors or its groups' LP relaxations prove it has no plan or cannot beat ``best`` (the
-    counts go to ``out``)."""
+                bounds: SplitBounds, out: JointAttempt, n_left: int, best: float
+                ) -> tuple[Plan | None, SolveReport, Evaluation | None] | None:
+    """Candidate ``i``'s first solve (``sub``: its problem at this target, ``n_left`` other
+    candidates left), or None when its floors prove it has no plan or its groups solved
+    alone prove it cannot beat ``best`` (:func:`bound_by_groups`; the counts go to ``out``).
+    The groups solved alone are answered by the memo in the solve of the whole candidate;
+    their lines in its report are those of their own solves, as if solved there."""
     if bounds.proven_infeasible(i):
         out.proven_infeasible += 1
         bounds.record(i, None)
         return None
-    if bounds.enabled:  # the LP relaxation first: it may prove the copy cannot win
-        relaxed = [relaxation_bound(sub, [gi], opts.with_time_left(
-            max(call.deadline.share(n_left + 1), 1e-3))) for gi in range(len(sub.groups))]
-        if all(st != "UNKNOWN" for st, _ in relaxed):
-            out.relaxed += 1
-            bounds.record_relaxed(i, [v if st == "OPTIMAL" else None for st, v in relaxed])
-            if bounds.proven_infeasible(i):
-                out.proven_infeasible += 1
-                return None
-            if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
-                out.bounded += 1
-                return None
-    return run_backend(sub, solver, opts, call.child(call.deadline.share(n_left + 1)))
+    share = call.deadline.share(n_left + 1)
+    settled, lines, last = bound_by_groups(sub, i, solver, opts.with_time_left(share),
+                                           bounds, out, best)
+    if settled:
+        return None
+    plan, report, ev = run_backend(sub, solver, opts, call.child(call.deadline.share(n_left + 1)))
+    if report.status == "INFEASIBLE" and last is not None:
+        bounds.record_group(i, last, None)  # every other group has a plan: this one has none
+    if lines:
+        report = report.model_copy(update={"messages": own_lines(sub, report.messages, lines)})
+    return plan, report, ev
+
+
+def bound_by_groups(sub: AllocationProblem, i: int, solver: str, opts: SolveOptions,
+                    bounds: SplitBounds, out: JointAttempt, best: float
+                    ) -> tuple[bool, dict[int, list[str]], int | None]:
+    """Candidate ``i``'s groups that need a solver, but the last, each solved alone (the
+    largest bound first) while the candidate's bound can still match ``best``: with a fixed
+    target the groups do not interact, so a group's optimum bounds its part of every plan
+    of the candidate, and a group without a plan (remembered for larger batches of a
+    monotone group) leaves it none. Returns whether that settled the candidate (it cannot
+    beat ``best``, or has no plan), the lines each group's solve wrote (by group), and the
+    one group left to the candidate's solve when every other was solved alone with a plan
+    (else None). Only with the exact PuLP backends (their optima and proofs are exact)."""
+    lines: dict[int, list[str]] = {}
+    if not (bounds.enabled and bounds.exact):
+        return False, lines, None
+    backend = get_backend(solver)
+    if not isinstance(backend, PulpIlp):
+        return False, lines, None
+    hard = sorted((gi for gi in range(len(sub.groups)) if least_part(sub, [gi]) is None),
+                  key=lambda gi: (-bounds.group_bound(i, gi), gi))
+    for gi in hard[:-1]:
+        res, msgs = solve_group_alone(backend, sub, gi, opts)
+        if res is None or res.status not in ("OPTIMAL", "INFEASIBLE"):
+            return False, lines, None
+        out.alone += 1
+        lines[gi] = msgs
+        if res.assignment is None:  # INFEASIBLE: neither has the candidate a plan
+            bounds.record_group(i, gi, None)
+            out.proven_infeasible += 1
+            return True, lines, None
+        bounds.record_group(i, gi, part_objective(sub, [gi], res.assignment))
+        if best < float("inf") and not bounds.beats(bounds.lower_bound(i), best):
+            out.bounded += 1
+            return True, lines, None
+    return False, lines, hard[-1] if hard else None
+
+
+def own_lines(sub: AllocationProblem, messages: Sequence[str],
+              lines: dict[int, list[str]]) -> list[str]:
+    """``messages`` with the memo's line of each group in ``lines`` replaced by that group's
+    own lines (what the solve would have written had it solved the group itself)."""
+    prefixes = {gi: memo_line_prefix(sub, [gi]) for gi in lines}
+    out: list[str] = []
+    for m in messages:
+        gi = next((g for g, p in prefixes.items() if m.startswith(p)), None)
+        out.extend(lines[gi] if gi is not None else [m])
+    return out

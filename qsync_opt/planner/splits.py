@@ -10,8 +10,11 @@
   its share of the global batch grows with its batch, every plan feasible at a larger batch
   is feasible at a smaller one and costs no less there: its least degradation does not
   decrease with its batch, and if it has no plan at some batch it has none at any larger
-  one. :meth:`SplitBounds.monotone` checks this on the coefficients of every candidate
-  (nothing is assumed; a group that fails the check gets no bound from other splits).
+  one. :class:`SplitBounds` checks this on the coefficients of every candidate, step by
+  step between consecutive batches (nothing is assumed): a fact propagates from one batch
+  to a larger one only across steps that pass (:meth:`SplitBounds.rises`), so a group
+  monotone over part of its batches is bounded within that part (at the given split a
+  strong group may be held at its reference precision, a menu of its own).
 * **Lower bounds.** A candidate's objective is at least the sum over groups of the largest
   part that group had in a solved split at a batch no larger than this one (monotone
   groups), else the group's trivial floor. Solved parts count only from the exact PuLP
@@ -23,6 +26,10 @@
   assignment of the exact model) and, on monotone groups, at every larger batch; a
   candidate whose relaxation already exceeds the best objective is never solved. On
   ResNet-50 the relaxation is within about 1% of the optimum near the best split.
+* **Groups solved alone.** A candidate's group solved alone to optimality (exact PuLP
+  backends) bounds its part exactly, discounted as solved parts are, and on a monotone
+  group at every larger batch; a group solved alone to no plan leaves the candidate none
+  (nor, on a monotone group, any candidate where it has a larger batch).
 * **Provably infeasible.** A group whose least possible time (every term at its minimum)
   exceeds its time budget, or whose least possible memory exceeds its capacity, has no
   plan; for a monotone group, neither has it at any larger batch.
@@ -34,6 +41,7 @@ ties are solved too (they are broken by the replayer's makespan).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 
 from qsync_opt.core.errors import QsyncInputError
@@ -134,16 +142,41 @@ class SplitBounds:
         self.subs = list(subs)
         n_groups = len(self.subs[0].groups) if self.subs else 0
         self.batch = [[g.batch for g in s.groups] for s in self.subs]
+        #: per group, the candidates in ascending batch and whether each step from one to
+        #: the next keeps every coefficient no less (:func:`_no_less`)
+        self._order = [sorted(range(len(self.subs)), key=[b[gi] for b in self.batch].__getitem__)
+                       for gi in range(n_groups)]
         if monotone is None:
             same_tail = len({s.tail_ms for s in self.subs}) <= 1
-            monotone = [same_tail and self._monotone(gi) for gi in range(n_groups)]
-        self.monotone = list(monotone)
+            steps = [[same_tail and _no_less(self.subs[i].groups[gi], self.subs[j].groups[gi])
+                      for i, j in zip(order, order[1:], strict=False)]
+                     for gi, order in enumerate(self._order)]
+        else:
+            steps = [[bool(monotone[gi])] * max(len(order) - 1, 0)
+                     for gi, order in enumerate(self._order)]
+        self.monotone = [all(st) for st in steps]
+        #: per group: the number of failed steps before each position, and each batch's
+        #: first and last position in the order
+        self._failed = [[0, *itertools.accumulate(not ok for ok in st)] for st in steps]
+        self._span: list[dict[int, tuple[int, int]]] = []
+        for gi, order in enumerate(self._order):
+            span: dict[int, tuple[int, int]] = {}
+            for pos, i in enumerate(order):
+                b = self.batch[i][gi]
+                span[b] = (span.get(b, (pos, pos))[0], pos)
+            self._span.append(span)
         self.floor = [[part_floor(s, [gi]) for gi in range(n_groups)] for s in self.subs]
         #: (candidate, target, per-group parts of its optimum there), exact backends only
         self.parts: list[tuple[int, float, list[float]]] = []
         #: (candidate, target, per-group lower bounds there from the LP relaxation): they
         #: bound every backend's plan, so they count whatever the backend
         self.relaxed: list[tuple[int, float, list[float]]] = []
+        #: (candidate, group, target, that group's part of the optimum there): one group's
+        #: program solved alone to optimality, exact backends only
+        self.group_parts: list[tuple[int, int, float, float]] = []
+        #: (group, batch, target): one group's program solved alone by an exact backend
+        #: has no plan there (read, as ``no_plan``, by exact views only)
+        self.group_no_plan: list[tuple[int, int, float]] = []
         #: (candidate, target): the exact model has no plan there
         self.no_plan: list[tuple[int, float]] = []
         #: (group, batch, target): the group has no plan at that batch and target
@@ -164,10 +197,17 @@ class SplitBounds:
         """A fact recorded at that target holds at this view's target."""
         return recorded_at >= self.target * (1 - 1e-12)
 
-    def _monotone(self, gi: int) -> bool:
-        order = sorted(range(len(self.subs)), key=lambda i: self.batch[i][gi])
-        return all(_no_less(self.subs[i].groups[gi], self.subs[j].groups[gi])
-                   for i, j in zip(order, order[1:], strict=False))
+    def rises(self, gi: int, low: int, high: int) -> bool:
+        """Whether group ``gi``'s coefficients are no less at batch ``high`` than at ``low``
+        (``low < high``, both candidates' batches): every step between them in ascending
+        batch keeps every coefficient no less. A fact about the group at ``low`` (its least
+        part, or that it has no plan) then holds at ``high`` too; a group that is monotone
+        over only part of its batches propagates facts within that part."""
+        if not low < high:
+            return False
+        first = self._span[gi][low][0]
+        last = self._span[gi][high][1]
+        return self._failed[gi][last] == self._failed[gi][first]
 
     def proven_infeasible(self, i: int) -> bool:
         """Whether candidate ``i`` has no plan at this target: an exact solve found none at
@@ -181,8 +221,9 @@ class SplitBounds:
         budget = self.target - sub.tail_ms
         for gi, g in enumerate(sub.groups):
             b = self.batch[i][gi]
-            if any(h == gi and (bb == b or self.monotone[gi] and bb <= b) and self._holds(t)
-                   for h, bb, t in self.dead):
+            facts = self.dead + self.group_no_plan if self.exact else self.dead
+            if any(h == gi and (bb == b or self.rises(gi, bb, b)) and self._holds(t)
+                   for h, bb, t in facts):
                 return True
             if (time_lower_bound(g) > budget + PROOF_REL * abs(budget)
                     or memory_floor(g) > g.capacity_bytes * (1 + PROOF_REL)):
@@ -200,6 +241,17 @@ class SplitBounds:
         else:
             self.parts.append((i, self.target, parts))
 
+    def record_group(self, i: int, gi: int, part: float | None) -> None:
+        """Group ``gi`` of candidate ``i`` solved alone at this target by an exact backend to
+        optimality: its part of the objective, or None (the group has no plan there, so
+        neither has the candidate). Other backends record nothing."""
+        if not self.exact:
+            return
+        if part is None:
+            self.group_no_plan.append((gi, self.batch[i][gi], self.target))
+        else:
+            self.group_parts.append((i, gi, self.target, part))
+
     def record_relaxed(self, i: int, bounds: list[float | None]) -> None:
         """Candidate ``i``'s per-group lower bounds at this target from the LP relaxation
         (None: that group's relaxation has no point, so the group has no plan there)."""
@@ -213,20 +265,25 @@ class SplitBounds:
         """A lower bound on candidate ``i``'s least objective at this target."""
         if not self.enabled:
             return float("-inf")
-        total = 0.0
-        for gi in range(len(self.batch[i])):
-            best = self.floor[i][gi]
-            b = self.batch[i][gi]
-            facts = [(j, t, parts, 1.0) for j, t, parts in self.relaxed]
-            if self.exact:
-                facts += [(j, t, parts, self.discount) for j, t, parts in self.parts]
-            for j, t, parts, discount in facts:
-                bj = self.batch[j][gi]
-                if (bj == b if j == i or not self.monotone[gi] else bj <= b) \
-                        and self._holds(t):
-                    best = max(best, parts[gi] * discount)
-            total += best
-        return total
+        return sum(self.group_bound(i, gi) for gi in range(len(self.batch[i])))
+
+    def group_bound(self, i: int, gi: int) -> float:
+        """A lower bound on group ``gi``'s part of candidate ``i``'s least objective at this
+        target (its floor, else what a relaxation or an optimum recorded tells)."""
+        if not self.enabled:
+            return float("-inf")
+        best = self.floor[i][gi]
+        b = self.batch[i][gi]
+        facts = [(j, t, parts[gi], 1.0) for j, t, parts in self.relaxed]
+        if self.exact:
+            facts += [(j, t, parts[gi], self.discount) for j, t, parts in self.parts]
+            facts += [(j, t, part, self.discount) for j, h, t, part in self.group_parts
+                      if h == gi]
+        for j, t, part, discount in facts:
+            bj = self.batch[j][gi]
+            if (bj == b or self.rises(gi, bj, b)) and self._holds(t):
+                best = max(best, part * discount)
+        return best
 
     def beats(self, bound: float, best: float) -> bool:
         """Whether a candidate with this lower bound can still match or beat ``best``."""

@@ -202,3 +202,209 @@ def test_least_degradation_parts_need_no_solver():
     assert loose.assignment(plan) == least
     tight = _targets(prob, (0.05,))[0]
     assert any(least_part(tight, [gi]) is None for gi in range(len(tight.groups)))
+
+
+# ------------------------------------------------- the best-first search and groups alone
+
+#: More instances for the pruned search against the reference: 2 and 3 catalog groups,
+#: monotone and perturbed costs, groups of like speed (several groups of a candidate need a
+#: solver, so groups are solved alone for a bound: the first two) and unlike ones.
+MORE_CASES = [(seed, shorthand, perturb, frac, multiple)
+              for seed, shorthand, perturb, frac, multiple in [
+                  (6, "h100x1@64+a100x1@64", False, 0.3, 8),
+                  (7, "a100x1@64+a100_80gbx1@64", False, 0.2, 8),
+                  (8, "h100x1@64+a100x1@64", True, 0.1, 8),
+                  (9, "h100x1@32+a100x1@32+a100_80gbx1@32", False, 0.5, 8),
+                  (10, "h100x1@32+a100x1@32+v100x1@32", True, 0.2, 8),
+                  (11, "a100x1@64+t4x1@64", False, 0.3, 4),
+                  (12, "a100x1@32+v100x1@32+t4x1@32", False, 0.5, 4)]]
+
+
+def _outcome(prob: AllocationProblem, multiple: int, refine: int, prune: bool
+             ) -> tuple[tuple, str]:
+    """The joint split's plan (stripped of timings), objective, status and mode, or its
+    refusal, with the search's line ("" when refused)."""
+    from qsync_opt.core.errors import QsyncInputError
+
+    joint_mod.PRUNE_SPLITS = prune
+    try:
+        plan, rep = solve(prob, "highs", joint_split=True, batch_multiple=multiple,
+                          refine=refine, compare_ties=False)
+        return ((_strip(plan.model_dump(mode="json")), rep.objective, rep.status, rep.mode),
+                _search_line(rep))
+    except QsyncInputError as exc:
+        return ("refused", type(exc).__name__, str(exc)), ""
+    finally:
+        joint_mod.PRUNE_SPLITS = True
+
+
+def _search_line(rep) -> str:
+    return next(m for m in rep.messages if m.startswith("joint batch split: "))
+
+
+@pytest.mark.parametrize("seed,shorthand,perturb,frac,multiple", MORE_CASES)
+def test_best_first_search_returns_the_reference_plan(seed, shorthand, perturb, frac,
+                                                      multiple):
+    """The same plan, or the same refusal where no split has one."""
+    prob = _targets(_problem(seed, shorthand, perturb), (frac,))[0]
+    assert _outcome(prob, multiple, 1, True)[0] == _outcome(prob, multiple, 1, False)[0]
+
+
+def test_groups_solved_alone_are_used_and_change_nothing():
+    """On instances whose candidates need a solver for several groups, some group is
+    solved alone for a bound, and the plan is the reference's all the same."""
+    used = 0
+    for seed, shorthand, perturb, frac, multiple in MORE_CASES[:2]:
+        prob = _targets(_problem(seed, shorthand, perturb), (frac,))[0]
+        pruned, line = _outcome(prob, multiple, 0, True)
+        reference, ref_line = _outcome(prob, multiple, 0, False)
+        assert pruned == reference
+        m = re.search(r"(\d+) group program\(s\) solved alone", line)
+        used += int(m.group(1)) if m else 0
+        assert "solved alone" not in ref_line  # the reference solves every copy whole
+    assert used > 0
+
+
+def _retargeted_subs(prob: AllocationProblem, multiple: int) -> list[AllocationProblem]:
+    return [s.retarget(prob.target_ms) for s in _subs(prob, multiple)]
+
+
+def _hard_candidate(prob: AllocationProblem, multiple: int) -> tuple[AllocationProblem, int]:
+    """A candidate at ``prob``'s target with a group that needs a solver and has a plan
+    (and the group's index); the memo is left empty."""
+    from qsync_opt.solvers import SolveOptions
+    from qsync_opt.solvers.driver import solve_group_alone
+    from qsync_opt.solvers.ilp import PulpIlp
+    from qsync_opt.solvers.memo import clear_part_memo
+    from qsync_opt.solvers.parts import least_part
+
+    for sub in _retargeted_subs(prob, multiple):
+        for gi in range(len(sub.groups)):
+            if least_part(sub, [gi]) is None:
+                got, _ = solve_group_alone(PulpIlp("highs"), sub, gi, SolveOptions())
+                clear_part_memo()
+                if got is not None and got.status == "OPTIMAL":
+                    return sub, gi
+    raise AssertionError("no candidate needs a solver")
+
+
+def test_group_alone_memo_is_keyed_by_batch_and_target():
+    """A group solved alone is answered again only for the same group at the same batch
+    and a target its plan meets: another batch, or a target its plan misses, is solved."""
+    from qsync_opt.solvers import SolveOptions
+    from qsync_opt.solvers.driver import solve_group_alone
+    from qsync_opt.solvers.ilp import PulpIlp
+
+    prob = _targets(_problem(6, "h100x1@64+a100x1@64"), (0.2,))[0]
+    sub, gi = _hard_candidate(prob, 8)
+    backend, opts = PulpIlp("highs"), SolveOptions()
+    first, lines = solve_group_alone(backend, sub, gi, opts)
+    assert first is not None and first.status == "OPTIMAL"
+    assert not any("solved before in this process" in m for m in lines)
+    again, lines = solve_group_alone(backend, sub, gi, opts)
+    assert again is not None and again.assignment == first.assignment
+    assert any(m.startswith(f"{sub.groups[gi].name}: solved before in this process (")
+               for m in lines)
+    # the same group at another batch: another program
+    others = [s for s in _retargeted_subs(prob, 8)
+              if s.groups[gi].batch != sub.groups[gi].batch]
+    assert others
+    _, lines = solve_group_alone(backend, others[0], gi, opts)
+    assert not any("solved before" in m for m in lines)
+    # a tighter target its plan misses: solved again
+    g = sub.groups[gi]
+    used = g.time_ms(first.assignment[g.name])
+    tighter = sub.retarget(sub.tail_ms + used * (1 - 1e-3))
+    _, lines = solve_group_alone(backend, tighter, gi, opts)
+    assert not any("solved before" in m for m in lines)
+    # other backends' options (a warm start) do not use the memo: nothing is solved alone
+    hinted = SolveOptions(warm_start="greedy")
+    assert solve_group_alone(backend, sub, gi, hinted) == (None, [])
+
+
+def test_lines_of_a_group_solved_alone_read_as_if_solved_in_place():
+    """The candidate's report after its groups were solved alone reads as the report of
+    the candidate solved on its own: the memo's line is replaced by the group's own."""
+    from qsync_opt.solvers import SolveOptions
+    from qsync_opt.solvers.driver import solve_group_alone
+    from qsync_opt.solvers.ilp import PulpIlp
+    from qsync_opt.solvers.memo import clear_part_memo
+
+    from qsync_opt.planner.call import run_backend
+    from qsync_opt.planner.joint import own_lines
+
+    prob = _targets(_problem(6, "h100x1@64+a100x1@64"), (0.2,))[0]
+    sub, gi = _hard_candidate(prob, 8)
+    opts = SolveOptions()
+    clear_part_memo()
+    _, direct, _ = run_backend(sub, "highs", opts)
+    clear_part_memo()
+    _, lines = solve_group_alone(PulpIlp("highs"), sub, gi, opts)
+    _, after, _ = run_backend(sub, "highs", opts)
+    assert any("solved before in this process" in m for m in after.messages)
+    assert own_lines(sub, after.messages, {gi: lines}) == direct.messages
+
+
+def test_group_optima_bound_their_candidate_and_larger_batches_only():
+    """A group's optimum recorded for one candidate raises the bound of that candidate and,
+    on a monotone group, of every candidate where the group has a larger batch; a group
+    without a plan proves those candidates have none; other backends record nothing."""
+    subs = _subs(_problem(0, "a100x1@64+t4x1@64"), 8)
+    bounds = SplitBounds(subs)
+    assert bounds.monotone == [True, True]
+    view = bounds.at(1e9, exact=True)
+    i = len(subs) // 2
+    b = view.batch[i][0]
+    before = [view.group_bound(j, 0) for j in range(len(subs))]
+    part = max(before) + 1.0
+    view.record_group(i, 0, part)
+    for j in range(len(subs)):
+        raised = view.group_bound(j, 0) == part
+        assert raised == (view.batch[j][0] >= b), (j, view.batch[j][0], b)
+        assert view.group_bound(j, 1) == bounds.at(1e9, exact=True).group_bound(j, 1)
+    assert view.lower_bound(i) == sum(view.group_bound(i, gi) for gi in range(2))
+    view.record_group(i, 0, None)
+    for j in range(len(subs)):
+        assert view.proven_infeasible(j) == (view.batch[j][0] >= b)
+    # what an exact backend proved is not a proof for the views of other backends
+    shared = view.at(1e9, exact=False)
+    assert not any(shared.proven_infeasible(j) for j in range(len(subs)))
+    assert all(shared.group_bound(j, 0) < part for j in range(len(subs)))
+    other = SplitBounds(subs).at(1e9, exact=False)
+    other.record_group(i, 0, 123.0)
+    other.record_group(i, 0, None)
+    assert not other.group_parts and not other.group_no_plan and not other.dead
+
+
+def test_facts_propagate_only_across_monotone_steps():
+    """A group whose coefficients fall at one step (as the strong group held at its
+    reference precision at the given split does) is bounded within each monotone run of
+    batches, never across the fall; the check matches _no_less taken pairwise."""
+    import copy
+    import dataclasses
+
+    from qsync_opt.planner.splits import _no_less
+
+    subs = _subs(_problem(0, "a100x1@64+t4x1@64"), 8)
+    order = sorted(range(len(subs)), key=lambda i: subs[i].groups[0].batch)
+    mid = order[len(order) // 2]
+    bumped = copy.copy(subs[mid])
+    g = bumped.groups[0]
+    bumped.groups = [dataclasses.replace(g, time0=g.time0 * 10 + 1.0), *bumped.groups[1:]]
+    subs[mid] = bumped
+    bounds = SplitBounds(subs)
+    assert bounds.monotone[0] is False
+    batches = [subs[i].groups[0].batch for i in order]
+    pos = order.index(mid)
+    for x, lo in enumerate(batches):
+        for y, hi in enumerate(batches):
+            want = x < y and all(_no_less(subs[order[k]].groups[0], subs[order[k + 1]].groups[0])
+                                 for k in range(x, y))
+            assert bounds.rises(0, lo, hi) == want, (lo, hi)
+            if x < y:  # the fall is the step out of the bumped batch, nowhere else
+                assert want == (not x <= pos < y), (lo, hi)
+    view = bounds.at(1e9, exact=True)
+    low = order[0]
+    view.record_group(low, 0, 1e6)
+    for k, i in enumerate(order):
+        assert (view.group_bound(i, 0) == 1e6) == (k <= pos), k
