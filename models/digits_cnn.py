@@ -10,6 +10,11 @@ in [0, 1], output (B, 10) logits.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+from pathlib import Path
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,23 +59,49 @@ def digits_cnn() -> DigitsCNN:
     return DigitsCNN()
 
 
+def _digits_csv() -> Path | None:
+    """scikit-learn's bundled ``datasets/data/digits.csv.gz``, found without importing
+    scikit-learn (whose import costs about a second in every process that loads the
+    digits, every training rank among them); None where it is not there."""
+    spec = importlib.util.find_spec("sklearn")  # locates the package, runs none of it
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(images (N, 8, 8) float64 in 0..16, labels (N,) int): the file
+    ``sklearn.datasets.load_digits`` reads, parsed as it parses it; through scikit-learn
+    itself where the file is not found."""
+    path = _digits_csv()
+    if path is None:
+        from sklearn.datasets import (
+            load_digits,  # local import: only this helper needs scikit-learn
+        )
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    with gzip.open(path, mode="rt", encoding="utf-8") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1].reshape(-1, IMAGE_SIZE, IMAGE_SIZE), data[:, -1].astype(int, copy=False)
+
+
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """Return all 1797 digits as ``(x, y)``.
 
     ``x`` is float32 of shape (N, 1, 8, 8) scaled from 0..16 to [0, 1];
-    ``y`` is int64 of shape (N,) with labels 0..9.  Uses
-    ``sklearn.datasets.load_digits`` (bundled with scikit-learn, no download).
+    ``y`` is int64 of shape (N,) with labels 0..9. The data are
+    ``sklearn.datasets.load_digits``'s (bundled with scikit-learn, no download), read
+    from its file without importing scikit-learn.
     """
-    # lazy: importing scikit-learn takes about a second and only this helper needs it (the
-    # model registry imports this module for every workload)
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
+    images, target = _digits_arrays()
     x = (
-        torch.as_tensor(bunch.images, dtype=torch.float32).reshape(-1, 1, IMAGE_SIZE, IMAGE_SIZE)
+        torch.as_tensor(images, dtype=torch.float32).reshape(-1, 1, IMAGE_SIZE, IMAGE_SIZE)
         / 16.0
     )
-    y = torch.as_tensor(bunch.target, dtype=torch.int64)
+    y = torch.as_tensor(target, dtype=torch.int64)
     return x, y
 
 

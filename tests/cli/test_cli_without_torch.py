@@ -64,13 +64,44 @@ def test_every_command_registers_its_parser() -> None:
     assert len(_command_names()) == len(COMMANDS)
 
 
-@pytest.mark.parametrize("command", [None, *_command_names()])
-def test_help_imports_no_torch(command: str | None, tmp_path: Path) -> None:
-    p = _run(["--help"] if command is None else [command, "--help"], tmp_path / "cache",
-             tmp_path)
+#: Runs ``--help`` of each command named in ``sys.argv[1]`` (None: ``qsync-opt --help``) in
+#: turn, in one fresh interpreter, and prints one JSON line per command: its exit code,
+#: whether its usage was printed, and whether torch had been imported by then. Torch, once
+#: imported, stays: the first command that imports it is the one whose line says so first.
+HELP_RUNNER = """
+import contextlib, io, json, sys
+from qsync_opt.cli import main
+for command in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            rc = main(["--help"] if command is None else [command, "--help"])
+        except SystemExit as exc:
+            rc = exc.code
+    print(json.dumps([command, rc, "usage: qsync-opt" in out.getvalue(),
+                      "torch" in sys.modules]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def help_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str | None, list[object]]:
+    """Every command's ``--help`` (and the bare one), in one fresh interpreter."""
+    tmp = tmp_path_factory.mktemp("help")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp / "cache"), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", HELP_RUNNER,
+                        json.dumps([None, *_command_names()])], cwd=tmp, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "usage: qsync-opt" in p.stdout
-    assert not _torch_imported(p)
+    return {c: rest for c, *rest in map(json.loads, p.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("command", [None, *_command_names()])
+def test_help_imports_no_torch(command: str | None,
+                               help_runs: dict[str | None, list[object]]) -> None:
+    rc, usage, torch_imported = help_runs[command]
+    assert rc == 0
+    assert usage  # "usage: qsync-opt" on stdout
+    assert not torch_imported  # nor by any command's --help before it
 
 
 @pytest.mark.slow

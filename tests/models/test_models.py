@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import math
 import string
 
@@ -165,6 +166,31 @@ def test_digits_data() -> None:
     assert ytr.shape[0] + yte.shape[0] == 1797
     again = models.train_test_split(x, y, test_fraction=0.2, seed=0)
     assert torch.equal(again[3], yte)
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch) -> None:
+    """The digits come from scikit-learn's bundled file, the same arrays as
+    ``sklearn.datasets.load_digits`` gives, with scikit-learn never imported (its import
+    cost every training rank a second); where the file is missing, through scikit-learn."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    want_x = torch.as_tensor(bunch.images, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    want_y = torch.as_tensor(bunch.target, dtype=torch.int64)
+    real_import = builtins.__import__
+
+    def no_sklearn(name, *args, **kwargs):
+        if name.split(".")[0] == "sklearn":
+            raise AssertionError(f"imported {name}")
+        return real_import(name, *args, **kwargs)
+
+    with monkeypatch.context() as m:  # an import of scikit-learn now fails the test
+        m.setattr(builtins, "__import__", no_sklearn)
+        x, y = models.load_digits_tensors()
+    assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    monkeypatch.setattr(digits_mod, "_digits_csv", lambda: None)  # no file: scikit-learn's
+    x, y = models.load_digits_tensors()
+    assert torch.equal(x, want_x) and torch.equal(y, want_y)
 
 
 def test_stdlib_corpus_and_char_vocabulary() -> None:

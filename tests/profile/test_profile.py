@@ -23,11 +23,23 @@ from qsync_opt.profile import (
 )
 from qsync_opt.replayer import Replayer
 
+#: The batch this module profiles digits_cnn at. Every profile here measures fp16, whose
+#: conv backward on a CPU without fp16 kernels costs about 20 ms a sample (1.3 s a step at
+#: the default batch 64); what these tests check (the table's shape, its provenance, its
+#: sums) is the same at any batch.
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def digits_graph() -> ModelGraph:
+    """digits_cnn traced at :data:`BATCH` (for this module, in place of the session's)."""
+    return trace("digits_cnn", BATCH)
+
 
 @pytest.fixture(scope="module")
 def digits_profile(digits_graph: ModelGraph) -> Profile:
-    return profile_detailed("digits_cnn", device="cpu", repeats=2, warmup=0, threads=1,
-                            graph=digits_graph)
+    return profile_detailed("digits_cnn", BATCH, device="cpu", repeats=2, warmup=0,
+                            threads=1, graph=digits_graph)
 
 
 def _keys(table: CostTable) -> list[tuple[str, int, str, str]]:
@@ -89,7 +101,7 @@ def test_replayer_accepts_a_profiled_table(digits_graph: ModelGraph,
 
 
 def test_restricted_precisions_keep_estimates(digits_graph: ModelGraph) -> None:
-    table = profile("digits_cnn", device="cpu", repeats=1, warmup=0, precisions=["fp32"],
+    table = profile("digits_cnn", BATCH, device="cpu", repeats=1, warmup=0, precisions=["fp32"],
                     graph=digits_graph, threads=1)
     est = estimate(digits_graph, parse_shorthand("cpux1"))
     assert _keys(table) == _keys(est)
@@ -163,7 +175,7 @@ def test_merge_keeps_provenance(digits_graph: ModelGraph, digits_profile: Profil
     with pytest.raises(QsyncInputError, match="activation flows"):
         merge([table, est])
     # ... but do with isolated profiles, and the replayer takes the result.
-    iso = profile("digits_cnn", device="cpu", repeats=1, warmup=0, precisions=["fp32"],
+    iso = profile("digits_cnn", BATCH, device="cpu", repeats=1, warmup=0, precisions=["fp32"],
                   graph=digits_graph, method="isolated")
     both = merge([iso, est])
     assert {(e.device, e.source) for e in both.entries} >= {("cpu", "measured"),
@@ -188,7 +200,7 @@ def test_cli_profile_writes_a_cost_table(tmp_path, digits_graph: ModelGraph) -> 
     add_profile_parser(parser.add_subparsers())
     out = tmp_path / "costs.json"
     args = parser.parse_args(["profile", "--model", "digits_cnn", "--device", "cpu",
-                              "--repeats", "1", "--warmup", "0", "--threads", "1",
+                              "--batch", str(BATCH), "--repeats", "1", "--warmup", "0", "--threads", "1",
                               "--out", str(out)])
     assert args.fn(args) == 0
     table = load(out, CostTable)
@@ -253,7 +265,7 @@ def test_in_context_runs_only_uniform_plans_and_predicts_mixed_ones(
 
 
 def test_isolated_method_is_still_available(digits_graph: ModelGraph) -> None:
-    table = profile("digits_cnn", device="cpu", repeats=1, warmup=0, precisions=["fp32"],
+    table = profile("digits_cnn", BATCH, device="cpu", repeats=1, warmup=0, precisions=["fp32"],
                     graph=digits_graph, method="isolated")
     assert table.activation_flow == "native"
     assert "in isolation" in table.notes[1]
@@ -290,7 +302,7 @@ def test_pin_malloc_is_idempotent() -> None:
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_in_context_profile_on_cuda(digits_graph: ModelGraph) -> None:
-    prof = profile_detailed("digits_cnn", device="cuda", repeats=2, warmup=1,
+    prof = profile_detailed("digits_cnn", BATCH, device="cuda", repeats=2, warmup=1,
                             precisions=["fp32", "bf16", "fp16"], graph=digits_graph)
     table = prof.table
     CostTable.model_validate(json.loads(table.model_dump_json()))
