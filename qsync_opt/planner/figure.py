@@ -402,10 +402,10 @@ def plan_summary_lines(plan: Plan, timeline: Timeline) -> list[str]:
 
 def strategy_lines(plan: Plan, timeline: Timeline) -> list[str]:
     """A version-2 plan's strategy: what it is, what the planner predicted against this
-    replay (analytic ring), and the quality risks it takes."""
+    replay (analytic ring), and the quality risks it takes (nothing for version 1)."""
     st = plan.strategy
-    if st is None:
-        return ["  strategy: ddp, fp32, no pipeline (a version-1 plan records none)"]
+    if st is None:  # version 1: ddp, fp32, no pipeline; its report reads as before
+        return []
     out = [f"  strategy: {st.describe()}"]
     p = st.predicted
     if p is not None:
