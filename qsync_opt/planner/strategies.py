@@ -10,16 +10,19 @@ parameter average per round). The precision program then chooses precisions unde
 candidate's own default target (the strong groups at their reference, no straggler), and
 the replayer's makespan of its plan is the candidate's predicted step.
 
-The chosen strategy is the one with the shortest predicted step; ties (within
-:data:`TIE_REL`) go to the least degradation, then to the strategy that changes training
-least (:attr:`~qsync_opt.strategy.space.Candidate.risk_rank`).
+The chosen strategy is the one with the most predicted samples a second (for the
+data-parallel candidates, whose global batch is the same, the shortest step; a pipeline is
+one replica of its batch); ties (within :data:`TIE_REL`) go to the least degradation, then
+to the strategy that changes training least
+(:attr:`~qsync_opt.strategy.space.Candidate.risk_rank`).
 
 **Pruning, exactly.** With the strong groups held at their reference, no plan of a
 candidate steps faster than the strong groups alone at their reference under that
 candidate's communication (:meth:`~qsync_opt.problem.program.AllocationProblem.no_straggler_replay_ms`:
 every other group can only delay a bucket or the barrier). Candidates are solved in the
 order of that bound, and one whose bound exceeds the best step found is not solved: it
-cannot be chosen. A pruned candidate may still have less degradation than the chosen one,
+cannot be chosen (data-parallel candidates share the global batch, so a longer step is
+fewer samples a second). A pruned candidate may still have less degradation than the chosen one,
 so the Pareto set is over the solved candidates; ``prune=False`` solves every candidate
 (the whole frontier). Each solved candidate's step is checked against its bound; should a
 step ever fall below it (a strong group not held), pruning stops for the rest of the search.
@@ -76,6 +79,11 @@ class StrategyRow:
     @property
     def step_ms(self) -> float:
         return self.prediction.step_ms if self.prediction is not None else float("inf")
+
+    @property
+    def throughput(self) -> float:
+        """Predicted samples a second (0 without a prediction)."""
+        return self.prediction.samples_per_s if self.prediction is not None else 0.0
 
     @property
     def degradation(self) -> float:
@@ -171,12 +179,13 @@ def _solve_row(row: StrategyRow, problem: AllocationProblem, solve_fn: SolveFn,
 
 
 def _better(a: StrategyRow, b: StrategyRow | None) -> bool:
-    """Whether ``a`` beats ``b``: a shorter step, then less degradation, then less risk."""
+    """Whether ``a`` beats ``b``: more samples a second (a pipeline is one replica, so its
+    global batch is not the data-parallel one's), then less degradation, then less risk."""
     if b is None:
         return True
-    if a.step_ms < b.step_ms * (1 - TIE_REL):
+    if a.throughput > b.throughput * (1 + TIE_REL):
         return True
-    if a.step_ms > b.step_ms * (1 + TIE_REL):
+    if a.throughput < b.throughput * (1 - TIE_REL):
         return False
     return (a.degradation, a.candidate.risk_rank) < (b.degradation, b.candidate.risk_rank)
 
@@ -185,8 +194,8 @@ def _mark_pareto(rows: list[StrategyRow]) -> None:
     solved = [r for r in rows if r.status == "solved"]
     for r in solved:
         r.pareto = not any(
-            (o.step_ms <= r.step_ms and o.degradation <= r.degradation)
-            and (o.step_ms < r.step_ms or o.degradation < r.degradation)
+            (o.throughput >= r.throughput and o.degradation <= r.degradation)
+            and (o.throughput > r.throughput or o.degradation < r.degradation)
             for o in solved if o is not r)
 
 

@@ -243,3 +243,20 @@ def test_a_pipeline_candidate_is_predicted_and_its_plan_trains(tmp_path) -> None
                                 "--out", str(tmp_path / "run"), "--steps", "2", "--dry-run")
     assert code == 0, err
     assert "pipeline: 2 stages at " + pipe.cuts[0] in stdout
+
+
+def test_a_pipeline_is_chosen_by_samples_a_second_not_by_its_step() -> None:
+    """A pipeline is one replica of its batch: on a cluster of many devices its step can be
+    shorter than data parallelism's while it trains far fewer samples a second."""
+    from qsync_opt.documents.jobstrategy import StrategyPrediction
+    from qsync_opt.planner.strategies import StrategyRow, _better
+
+    def row(cand: Candidate, step: float, per_s: float) -> StrategyRow:
+        pred = StrategyPrediction(step_ms=step, compute_ms=step, comm_ms=0.0,
+                                  bytes_per_step=0.0, syncs_per_step=1.0,
+                                  samples_per_s=per_s, degradation=0.0, comm_model="x")
+        return StrategyRow(cand, 0.0, "solved", prediction=pred)
+
+    dp = row(Candidate(), 396.0, 10344.0)
+    pipe = row(Candidate(stages=4), 162.0, 790.0)
+    assert _better(dp, pipe) and not _better(pipe, dp)
