@@ -11,8 +11,11 @@ from qsync_opt.cli.args import SYNC_DEFAULTS, emit_json
 from qsync_opt.cli.model import say_all
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import save
+from qsync_opt.documents.schemas import Plan, SolveReport
 from qsync_opt.planner.solve import solve
-from qsync_opt.planner.strategies import plot_strategies, search_strategies
+from qsync_opt.planner.strategies import StrategySearch, plot_strategies, search_strategies
+from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.solvers import SolveOptions
 from qsync_opt.strategy.space import Candidate, StrategySpace, parse_allow
 
 __all__ = ["allow_space", "solve_strategies", "strategy_lines",
@@ -41,7 +44,7 @@ def sync_args(args: argparse.Namespace) -> dict[str, Any]:
             for k in SYNC_DEFAULTS}
 
 
-def strategy_lines(search: Any) -> list[str]:
+def strategy_lines(search: StrategySearch) -> list[str]:
     """The search as the command prints it: what ran, one row per candidate, the choice."""
     out = [f"strategy search: {len(search.rows)} candidate(s) of {search.space.describe()}; "
            f"{search.solved} solved, {search.pruned} pruned by their bound; communication "
@@ -61,23 +64,23 @@ def strategy_lines(search: Any) -> list[str]:
                                               else ""))
     c = search.chosen
     out.append(f"chosen (*): {c.candidate.describe()}: {c.step_ms:.3f} ms a step, "
-               f"{c.prediction.samples_per_s:.1f} samples/s, degradation {c.degradation:.6g}; "
+               f"{c.throughput:.1f} samples/s, degradation {c.degradation:.6g}; "
                "P: on the Pareto set of the solved strategies (throughput, degradation)")
-    risks = search.plan.strategy.risks
+    risks = search.plan.strategy.risks if search.plan.strategy is not None else []
     out += [f"  risk: {r}" for r in risks] or ["  risk: none beyond the precision plan's "
                                                "(ddp, fp32, no pipeline)"]
     return out
 
 
-def solve_strategies(args: argparse.Namespace, space: StrategySpace, problem: Any,
-                     said: list[str], opts: Any) -> int:
+def solve_strategies(args: argparse.Namespace, space: StrategySpace,
+                     problem: AllocationProblem, said: list[str], opts: SolveOptions) -> int:
     """``solve --allow``: search the space, write the chosen strategy's plan (version 2),
     print the table (or ``--json``), draw ``--png``."""
     if args.mode == "budget":
         raise QsyncInputError("--mode budget: with --allow each strategy is solved for the "
                               "least degradation under its own default target")
 
-    def one(sub: Any, o: Any) -> Any:
+    def one(sub: AllocationProblem, o: SolveOptions) -> tuple[Plan, SolveReport]:
         return solve(sub, args.solver, o, mode=args.mode, refine=args.refine,
                      joint_split=args.joint_split, batch_multiple=args.batch_multiple,
                      compare_ties=False)
@@ -101,12 +104,12 @@ def solve_strategies(args: argparse.Namespace, space: StrategySpace, problem: An
     return 0
 
 
-def strategy_table(args: argparse.Namespace, space: StrategySpace, problem: Any, opts: Any,
-                   *, prune: bool) -> tuple[Any, list[str]]:
+def strategy_table(args: argparse.Namespace, space: StrategySpace, problem: AllocationProblem,
+                   opts: SolveOptions, *, prune: bool) -> tuple[StrategySearch, list[str]]:
     """``compare --allow`` / ``pareto --allow``: the strategies as rows (every one solved
     with ``highs`` unless pruning is asked for) and the lines that print them, with the
     chosen strategy against the precision-only plan (ddp over fp32)."""
-    def one(sub: Any, o: Any) -> Any:
+    def one(sub: AllocationProblem, o: SolveOptions) -> tuple[Plan, SolveReport]:
         return solve(sub, "highs", o, refine=args.refine, compare_ties=False)
 
     search = search_strategies(problem, space, one, opts,
