@@ -8,25 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy
-from qsync_opt.problem.plan import make_plan
 from support.harness import run_cli
+from support.strategy_plans import write_strategy_plans
 
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory, digits_graph) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("v2")
-    v1 = make_plan(digits_graph, parse_shorthand("v100x2+t4x2"), {})
-    out = {"v1": root / "v1.json"}
-    v1.save(out["v1"])
-    for key, st in (("local", Strategy(sync="local:4", risks=["a stated risk"])),
-                    ("fp16", Strategy(transport="fp16")),
-                    ("pipe", Strategy(pipeline=PipelineStrategy(stages=2,
-                                                                stage_groups=["v100", "t4"])))):
-        out[key] = root / f"{key}.json"
-        v1.model_copy(update={"schema_version": 2, "strategy": st}).save(out[key])
-    return out
+    pipe = PipelineStrategy(stages=2, stage_groups=["v100", "t4"])
+    return write_strategy_plans(tmp_path_factory.mktemp("v2"), digits_graph, "v100x2+t4x2", {
+        "local": Strategy(sync="local:4", risks=["a stated risk"]),
+        "fp16": Strategy(transport="fp16"), "pipe": Strategy(pipeline=pipe)})
 
 
 def _replay(plan: Path, *flags: str) -> tuple[int, str, str]:

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from qsync_opt.cli import build_parser, main
-from qsync_opt.costs.cluster import parse_shorthand
 from qsync_opt.documents.jobstrategy import PipelineStrategy, Strategy
 from qsync_opt.documents.schemas import Plan
-from qsync_opt.problem.plan import make_plan
 from qsync_opt.runtime.config import TrainConfig
+from support.strategy_plans import write_strategy_plans
 
 PIPE = PipelineStrategy(stages=2, stage_groups=["cpu", "cpu_2"], micro_batches=2,
                         compress_act="topk:0.5")
@@ -23,16 +22,11 @@ PIPE = PipelineStrategy(stages=2, stage_groups=["cpu", "cpu_2"], micro_batches=2
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory, digits_graph) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("plans")
-    v1 = make_plan(digits_graph, parse_shorthand("cpux1@16+cpu/2x1@16"), {})
-    out = {"v1": root / "v1.json"}
-    v1.save(out["v1"])
-    for key, strategy in (("local", Strategy(sync="local:4")),
-                          ("fp16", Strategy(transport="fp16")),
-                          ("pipe", Strategy(pipeline=PIPE))):
-        out[key] = root / f"{key}.json"
-        v1.model_copy(update={"schema_version": 2, "strategy": strategy}).save(out[key])
-    return out
+    return write_strategy_plans(tmp_path_factory.mktemp("plans"), digits_graph,
+                                "cpux1@16+cpu/2x1@16", {
+                                    "local": Strategy(sync="local:4"),
+                                    "fp16": Strategy(transport="fp16"),
+                                    "pipe": Strategy(pipeline=PIPE)})
 
 
 def _train(plan: Path, out: Path, *flags: str) -> int:
