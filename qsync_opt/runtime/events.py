@@ -46,10 +46,11 @@ FIELDS: dict[str, tuple[str, ...]] = {
     # number of ranks, the plan it runs and that plan's predicted step time (whole, per group)
     "world": ("groups", "world_size", "plan", "predicted_step_ms", "predicted_group_ms",
               "resumed_from"),
-    # the groups changed: old and new, the plans' predicted step times, and the seconds from
-    # the change being noticed to the first step of the new world (null until known)
+    # the groups changed: old and new, the plans' predicted step times, the seconds from
+    # the change being noticed to the first step of the new world, and the steps trained
+    # after the checkpoint resumed from that were thrown away (0 after a graceful leave)
     "membership": ("old_groups", "new_groups", "old_predicted_ms", "new_predicted_ms",
-                   "change_to_first_step_s"),
+                   "change_to_first_step_s", "lost_steps"),
     # a re-plan inside a running world: the group(s) measured slower (factor = measured /
     # expected), the old and new predicted step times, how long the solve took
     "replan": ("groups", "factors", "old_predicted_ms", "new_predicted_ms", "solve_s",
