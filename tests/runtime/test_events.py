@@ -45,7 +45,8 @@ def test_non_finite_values_are_written_as_null(tmp_path):
                                   '[1, 2]', '{"kind": "nope", "step": 1, "time": 1}',
                                   '{"kind": "checkpoint", "step": "١", "time": 1}',
                                   '{"kind": "checkpoint", "step": true, "time": 1}',
-                                  '\udcff not json', '[' * 100000])
+                                  '\udcff not json', '[' * 100000,
+                                  '{"kind": "checkpoint", "step": 1' + '0' * 5000 + '}'])
 def test_foreign_or_torn_lines_are_skipped(tmp_path, junk):
     EventLog(tmp_path).write("checkpoint", 5, path="ckpt/step_5")
     with open(tmp_path / EVENTS_NAME, "a", encoding="utf-8", errors="surrogateescape") as fh:

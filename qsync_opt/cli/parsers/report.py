@@ -10,10 +10,17 @@ from qsync_opt.cli.args import Deferred
 
 def add_report_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``report`` to the CLI's subparsers (``sub`` from ``add_subparsers``)."""
-    help_ = "summarise a plan: precisions, one replayed iteration, memory; optionally a PNG"
+    help_ = ("summarise a plan (precisions, one replayed iteration, memory) or a training "
+             "run's story (--run); optionally a PNG")
     sp: argparse.ArgumentParser = sub.add_parser("report", help=help_, description=help_)
-    sp.add_argument("--plan", required=True, help="Plan JSON to report on")
-    sp.add_argument("--png", help="write the figure (heatmap, time and memory bars) here")
+    which = sp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--plan", help="Plan JSON to report on")
+    which.add_argument("--run", metavar="DIR",
+                       help="a training run's folder (train --out): its periods, plan changes, "
+                            "predicted and measured step time per group, checkpoints, steps "
+                            "lost and how it stopped")
+    sp.add_argument("--png", help="write the figure here (a plan: heatmap, time and memory "
+                                  "bars; a run: step time per group over the steps)")
     sp.add_argument("--costs", help="CostTable JSON (default: roofline estimates)")
     sp.add_argument("--model", default=None, metavar="PATH.py:FUNCTION",
                     help="the model file of a plan made from one: it is run (a plan never "
