@@ -18,7 +18,6 @@ from qsync_opt.planner.figure import (
 from qsync_opt.runtime.story import read_story
 from qsync_opt.runtime.storyview import check_figure_path, story_figure, story_lines, story_summary
 
-
 #: The flags that read a plan's inputs: meaningless beside --run.
 PLAN_ONLY = ("costs", "model", "graph")
 

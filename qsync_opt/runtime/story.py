@@ -342,11 +342,15 @@ def _row_of(line: bytes) -> dict[str, Any] | None:
         return None
     if not isinstance(row, dict):
         return None
-    step, rank, group = row.get("step"), row.get("rank"), row.get("group")
-    compute, total = row.get("compute_ms"), row.get("step_ms")
-    if not (_is_step(step) and _is_step(rank) and rank < MAX_WORLD and _is_name(group)
-            and _is_num(compute, False) and _is_num(total, False)
-            and compute >= 0 and total >= 0):
+    step: Any = row.get("step")
+    rank: Any = row.get("rank")
+    group: Any = row.get("group")
+    compute: Any = row.get("compute_ms")
+    total: Any = row.get("step_ms")
+    if not (_is_step(step) and _is_step(rank) and _is_name(group)
+            and _is_num(compute, False) and _is_num(total, False)):
+        return None
+    if rank >= MAX_WORLD or compute < 0 or total < 0:
         return None
     return {"step": step, "rank": rank, "group": group, "compute_ms": float(compute),
             "step_ms": float(total)}
@@ -445,14 +449,16 @@ def _assign_rows(phases: list[Period], rows: list[dict[str, Any]]
     stale = 0
     for r in rows:
         i = _index_at(firsts, r["step"])
-        p = phases[i] if i is not None else None
-        if (p is None or (p.last is not None and r["step"] > p.last and i != len(phases) - 1)
-                or r["group"] not in p.groups
-                or (p.world_size is not None and r["rank"] >= p.world_size)):
+        if i is None or not _belongs(r, phases[i], i == len(phases) - 1):
             stale += 1
             continue
         kept[i].append(r)
     return kept, stale
+
+
+def _belongs(r: dict[str, Any], p: Period, open_ended: bool) -> bool:
+    return ((open_ended or p.last is None or r["step"] <= p.last) and r["group"] in p.groups
+            and (p.world_size is None or r["rank"] < p.world_size))
 
 
 def _index_at(firsts: list[int], step: int) -> int | None:

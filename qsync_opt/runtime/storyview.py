@@ -304,8 +304,8 @@ def _broken(points: list[tuple[int, float]]) -> tuple[list[float], list[float]]:
 def _draw_series(ax: Axes, story: RunStory) -> None:
     """Each group's median step time per step; the predicted step time of each phase."""
     for i, (group, points) in enumerate(sorted(story.series.items())):
-        xs, ys = _broken(points)
-        ax.plot(xs, ys, linewidth=1.0, color=GROUP_COLORS[i % len(GROUP_COLORS)],
+        px, py = _broken(points)
+        ax.plot(px, py, linewidth=1.0, color=GROUP_COLORS[i % len(GROUP_COLORS)],
                 label=f"{_s(group)} measured")
     xs: list[float] = []
     ys: list[float] = []
