@@ -50,7 +50,7 @@ from typing import Any
 from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.core.limits import MAX_STEPS
 from qsync_opt.documents.outfolder import list_names, read_bytes
-from qsync_opt.runtime.config import read_commit, step_folders
+from qsync_opt.runtime.config import CKPT_DIR, read_commit, step_folders
 from qsync_opt.runtime.events import EVENTS_NAME, FIELDS, read_events
 
 __all__ = ["MAX_FILE_BYTES", "Change", "GroupFigures", "Period", "RunStory", "read_story"]
@@ -209,9 +209,14 @@ def _check_run(run: Path) -> Path:
 
 def _metrics_names(run: Path) -> list[str]:
     """The metrics files at the top of ``run``; a link or non-regular file planted for one
-    (or for events.jsonl, summary.json) is refused, as is a file over the size limit."""
+    (or for events.jsonl, summary.json; a link for ckpt) is refused, as is a file over the
+    size limit."""
     names = []
     for name, st in list_names(run, what=_WHAT):
+        if name == CKPT_DIR and stat.S_ISLNK(st.st_mode):
+            raise QsyncInputError(one_line(
+                f"{_WHAT} {run}: {name} is a symbolic link; nothing in a run's folder is "
+                "followed: remove it"))
         ours = _METRICS.fullmatch(name) or name in (EVENTS_NAME, "summary.json")
         if not ours:
             continue
@@ -267,32 +272,32 @@ def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- values
 
 
-def _is_step(x: Any) -> bool:
+def _is_step(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_STEPS
 
 
-def _is_num(x: Any, nullable: bool = True) -> bool:
+def _is_num(x: object, nullable: bool = True) -> bool:
     if x is None:
         return nullable
     return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
             and abs(x) <= MAX_VALUE)
 
 
-def _is_name(x: Any) -> bool:
+def _is_name(x: object) -> bool:
     return isinstance(x, str) and 0 < len(x) <= MAX_NAME
 
 
-def _is_names(x: Any) -> bool:
+def _is_names(x: object) -> bool:
     return (isinstance(x, list) and len(x) <= MAX_WORLD and all(_is_name(g) for g in x)
             and len(set(x)) == len(x))
 
 
-def _is_group_ms(x: Any) -> bool:
+def _is_group_ms(x: object) -> bool:
     return x is None or (isinstance(x, dict) and len(x) <= MAX_WORLD and all(
         _is_name(k) and _is_num(v) for k, v in x.items()))
 
 
-def _is_factors(x: Any, groups: Any) -> bool:
+def _is_factors(x: object, groups: object) -> bool:
     if isinstance(x, dict):
         return _is_group_ms(x)
     return (isinstance(x, list) and isinstance(groups, list) and len(x) == len(groups)

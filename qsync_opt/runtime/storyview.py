@@ -11,6 +11,7 @@ characters escaped (:func:`~qsync_opt.core.errors.one_line`) and cut at
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ SHOWN_CHECKPOINTS = 12
 GROUP_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:cyan", "tab:pink")
 
 
-def _s(x: Any) -> str:
+def _s(x: object) -> str:
     text = one_line(str(x))
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
@@ -46,7 +47,7 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
-def _groups(groups: Any) -> str:
+def _groups(groups: Iterable[object]) -> str:
     return ", ".join(_s(g) for g in groups) or "none"
 
 

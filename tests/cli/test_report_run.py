@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from support.run_story import leave_and_return, write_rows
 
 from qsync_opt.cli import main
 from qsync_opt.runtime.events import EVENTS_NAME
+from support.run_story import leave_and_return, write_rows
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -119,6 +121,18 @@ def test_hostile_inputs_are_one_line_exit_2(tmp_path, capsys, case, needle):
     _refused(rc, err)
     assert needle in err and out == ""
     assert not (tmp_path / "victim.png").exists()  # a planted link is never written through
+
+
+def test_the_story_imports_no_torch(tmp_path):
+    """A run's story is read on a machine without torch (a laptop given the run's folder)."""
+    run = leave_and_return(tmp_path / "run")
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from qsync_opt.cli import main\n"
+            f"sys.exit(main(['report', '--run', {str(run)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "steps lost: 3" in done.stdout
 
 
 @pytest.mark.slow

@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 
 import pytest
-from support.run_story import LEAVE_AND_RETURN_FIGURES, leave_and_return, write_rows
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import MAX_STEPS
 from qsync_opt.runtime.events import EVENTS_NAME, EventLog
 from qsync_opt.runtime.story import read_story
 from qsync_opt.runtime.storyview import story_figure, story_lines, story_summary
+from support.run_story import LEAVE_AND_RETURN_FIGURES, leave_and_return, write_rows
 
 #: What ``report --run`` prints of support.run_story.leave_and_return (the run's path: RUN).
 LEAVE_AND_RETURN_LINES = """\
@@ -245,6 +245,14 @@ def test_a_link_planted_for_a_file_is_refused_not_followed(tmp_path, name):
                                               "symbolic link"):
         read_story(run)
     assert secret.read_text() == '{"kind": "stop", "step": 1, "time": 1}\n'
+
+
+def test_a_link_planted_for_the_checkpoints_is_refused(tmp_path):
+    write_rows(tmp_path, 0, "a", range(3), lambda s: (1, 1))
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "ckpt")
+    with pytest.raises(QsyncInputError, match="--run .*: ckpt is a symbolic link"):
+        read_story(tmp_path)
 
 
 def test_a_fifo_planted_for_a_metrics_file_is_refused(tmp_path):
