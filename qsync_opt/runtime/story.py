@@ -84,6 +84,7 @@ class Period:
     predicted_group_ms: dict[str, float]
     cause: str  # start, resume, membership, restart, replan, or metrics (no world event)
     order: int = 0  # the event's line in the log (a re-plan belongs to the world before it)
+    solve_s: float | None = None  # the world's re-solve, when its event says
 
     def covers(self, step: int) -> bool:
         return self.first <= step and (self.last is not None and step <= self.last)
@@ -310,7 +311,7 @@ _CHECKS: dict[str, dict[str, Any]] = {
               "world_size": lambda x: _is_step(x) and 1 <= x <= MAX_WORLD,
               "predicted_step_ms": _is_num, "predicted_group_ms": _is_group_ms,
               "resumed_from": lambda x: x is None or _is_step(x), "plan": lambda x: True},
-    "membership": {"old_groups": _is_names, "new_groups": _is_names,
+    "membership": {"old_groups": lambda x: x is None or _is_names(x), "new_groups": _is_names,
                    "old_predicted_ms": _is_num, "new_predicted_ms": _is_num,
                    "change_to_first_step_s": _is_num, "lost_steps": _is_step},
     "replan": {"groups": _is_names, "factors": lambda x: True, "old_predicted_ms": _is_num,
@@ -381,16 +382,17 @@ def _read_all_rows(run: Path, names: list[str]) -> tuple[list[dict[str, Any]], i
 
 
 def _world_period(e: dict[str, Any], order: int, before: Period | None) -> Period:
-    """A world event's period; its cause: the run's start (or its resume, when it resumed
-    from a checkpoint), else a membership change, or a restart with the same groups."""
+    """A world event's period; its cause: the run's start (its resume when the first
+    world known starts past step 0), else a membership change, or a restart with the same
+    groups."""
     if before is None:
-        cause = "start" if e["resumed_from"] is None else "resume"
+        cause = "start" if e["step"] == 0 else "resume"
     else:
         cause = "restart" if tuple(e["groups"]) == before.groups else "membership"
     return Period(first=e["step"], last=None, groups=tuple(e["groups"]),
                   world_size=e["world_size"], predicted_step_ms=e["predicted_step_ms"],
                   predicted_group_ms=dict(e["predicted_group_ms"] or {}), cause=cause,
-                  order=order)
+                  order=order, solve_s=e.get("solve_s") if _is_num(e.get("solve_s")) else None)
 
 
 def _periods(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[Period]:

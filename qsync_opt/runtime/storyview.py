@@ -84,8 +84,9 @@ def _period_lines(periods: list[Period]) -> list[str]:
     out = ["periods (one membership each)"]
     for p in periods:
         world = f"world {p.world_size}" if p.world_size is not None else "world ?"
+        solve = f"; solved in {p.solve_s:.3f} s" if p.solve_s else ""
         out.append(f"  steps {p.steps_text():<13} {p.cause:<10} {world:<9} groups "
-                   f"{_groups(p.groups)}; predicted {_ms(p.predicted_step_ms)} ms/step")
+                   f"{_groups(p.groups)}; predicted {_ms(p.predicted_step_ms)} ms/step{solve}")
     return out
 
 
@@ -99,8 +100,9 @@ def _change_lines(story: RunStory) -> list[str]:
         if c.kind == "membership":
             s = e["change_to_first_step_s"]
             first = "-" if s is None else f"{s:.2f}"
-            out.append(f"  step {c.step:<6} membership {_groups(e['old_groups'])} -> "
-                       f"{_groups(e['new_groups'])}; {ms}; lost {e['lost_steps']} step(s); "
+            old = _groups(e["old_groups"]) if e["old_groups"] is not None else "?"
+            out.append(f"  step {c.step:<6} membership {old} -> {_groups(e['new_groups'])}"
+                       f"{_reasons(e)}; {ms}; lost {e['lost_steps']} step(s); "
                        f"change to first step {first} s")
         else:
             solve = "-" if e["solve_s"] is None else f"{e['solve_s']:.3f}"
@@ -108,6 +110,14 @@ def _change_lines(story: RunStory) -> list[str]:
             out.append(f"  step {c.step:<6} re-plan    {_factors(e)}{why}; {ms}; "
                        f"solve {solve} s")
     return out
+
+
+def _reasons(e: dict[str, Any]) -> str:
+    """A membership change's ``reasons`` (optional: why each world before it ended)."""
+    why = e.get("reasons")
+    if not isinstance(why, list) or not why or not all(isinstance(w, str) for w in why):
+        return ""
+    return f" ({_s('; '.join(why))})"
 
 
 def _factors(e: dict[str, Any]) -> str:
@@ -217,11 +227,13 @@ def _left_out_lines(story: RunStory) -> list[str]:
 def _period_doc(p: Period) -> dict[str, Any]:
     return {"first": p.first, "last": p.last, "groups": list(p.groups),
             "world_size": p.world_size, "predicted_step_ms": p.predicted_step_ms,
-            "predicted_group_ms": p.predicted_group_ms, "cause": p.cause}
+            "predicted_group_ms": p.predicted_group_ms, "cause": p.cause,
+            "solve_s": p.solve_s}
 
 
 def _event_doc(e: dict[str, Any]) -> dict[str, Any]:
     keep = ("kind", "time", "step", *FIELDS[e["kind"]], "predicted_group_ms")
+    # only the fields the reader checked: the summary stays strict JSON
     return {k: e[k] for k in keep if k in e}
 
 

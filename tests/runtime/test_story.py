@@ -24,12 +24,12 @@ LEAVE_AND_RETURN_LINES = """\
 run RUN: steps 0..49; 3 period(s), 2 membership change(s), 1 re-plan(s); 116 metrics row(s) in 3 rank file(s)
 periods (one membership each)
   steps 0..19         start      world 3   groups v100, t4; predicted 100.0 ms/step
-  steps 20..39        membership world 1   groups v100; predicted 80.0 ms/step
+  steps 20..39        membership world 1   groups v100; predicted 80.0 ms/step; solved in 0.004 s
   steps 40..49        membership world 3   groups t4, v100; predicted 100.0 ms/step
 plan changes
-  step 20     membership v100, t4 -> v100; predicted 100.0 -> 80.0 ms/step; lost 3 step(s); change to first step 4.25 s
+  step 20     membership v100, t4 -> v100 (a peer died: its collective failed); predicted 100.0 -> 80.0 ms/step; lost 3 step(s); change to first step 4.25 s
   step 35     re-plan    v100 x1.50 (v100 1.50x slower than predicted for 5 steps); predicted 80.0 -> 120.0 ms/step; solve 0.012 s
-  step 40     membership v100 -> v100, t4; predicted 120.0 -> 100.0 ms/step; lost 0 step(s); change to first step 2.50 s
+  step 40     membership v100 -> v100, t4 (return of t4); predicted 120.0 -> 100.0 ms/step; lost 0 step(s); change to first step 2.50 s
 slowdowns (injected)
   step 30     v100: stretch 1.00 -> 1.50
 predicted vs measured, ms (medians; ratio: measured/predicted, the whole step's slowest rank, a group's compute)
@@ -151,6 +151,20 @@ def test_a_world_resumed_before_another_replaces_the_steps_it_trains_again(tmp_p
         (0, 9, ("a", "b")), (10, 19, ("a", "b"))]
     assert [p.steps_text() for p in story.phases] == ["0..9", "10..19"]
     assert story.stale_rows == 0 and story.changes[0].kind == "replan"
+
+
+def test_a_membership_change_without_the_old_groups_is_told(tmp_path):
+    """The groups before a change may be unknown (null): told as '?', not left out."""
+    with EventLog(tmp_path) as log:
+        log.write("world", 5, groups=["a"], world_size=1, plan="p", predicted_step_ms=None,
+                  predicted_group_ms=None, resumed_from=5)
+        log.write("membership", 5, old_groups=None, new_groups=["a"], old_predicted_ms=None,
+                  new_predicted_ms=None, change_to_first_step_s=None, lost_steps=0)
+    write_rows(tmp_path, 0, "a", range(5, 8), lambda s: (2, 0))
+    story = read_story(tmp_path)
+    assert story.skipped_events == 0 and story.periods[0].cause == "resume"
+    assert ("  step 5      membership ? -> a; predicted - -> - ms/step; lost 0 step(s); "
+            "change to first step - s") in story_lines(story)
 
 
 def test_steps_without_a_row_are_listed_whatever_the_span(tmp_path):

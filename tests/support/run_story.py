@@ -1,7 +1,9 @@
 """Run folders as a training run leaves them, written row by row with the runtime's own
 writers (:class:`~qsync_opt.runtime.events.EventLog`, :func:`~qsync_opt.runtime.metrics.step_row`
 and :class:`~qsync_opt.runtime.metrics.MetricsWriter`, which drops a rank's rows of the steps
-a resumed world trains again), for the tests of ``report --run``.
+a resumed world trains again), for the tests of ``report --run``. The events are laid out as
+an elastic run writes them: a ``world`` at each start (resumed from its first step, with the
+re-solve's seconds), the ``membership`` change after it (with why the world before ended).
 
 :func:`leave_and_return` is the story the tests assert figure by figure:
 
@@ -54,10 +56,12 @@ def write_rows(out: Path, rank: int, group: str, steps: Iterable[int], times: Ti
 
 
 def world(log: EventLog, step: int, groups: list[str], size: int, step_ms: float,
-          group_ms: dict[str, float], resumed_from: int | None) -> None:
+          group_ms: dict[str, float], solve_s: float = 0.0) -> None:
+    """A world's event as an elastic run writes it (resumed from its first step; the
+    re-solve's seconds, 0 for the launch plan)."""
     log.write("world", step, groups=groups, world_size=size, plan=f"plan.{step}.json",
-              predicted_step_ms=step_ms, predicted_group_ms=group_ms,
-              resumed_from=resumed_from)
+              predicted_step_ms=step_ms, predicted_group_ms=group_ms, resumed_from=step,
+              solve_s=solve_s, plan_changes=["the launch plan"] if not solve_s else [])
 
 
 def leave_and_return(out: Path) -> Path:
@@ -71,7 +75,7 @@ def leave_and_return(out: Path) -> Path:
 
 
 def _first_world(out: Path, log: EventLog) -> None:
-    world(log, 0, ["v100", "t4"], 3, 100.0, {"v100": 90.0, "t4": 95.0}, None)
+    world(log, 0, ["v100", "t4"], 3, 100.0, {"v100": 90.0, "t4": 95.0})
     write_rows(out, 0, "v100", range(23), lambda s: (88 + s % 3, 12 - s % 3))
     write_rows(out, 1, "t4", range(23), lambda s: (96, 4))
     write_rows(out, 2, "t4", range(23), lambda s: (98 + s % 2, 2 - s % 2))
@@ -80,10 +84,10 @@ def _first_world(out: Path, log: EventLog) -> None:
 
 
 def _alone(out: Path, log: EventLog) -> None:
+    world(log, 20, ["v100"], 1, 80.0, {"v100": 80.0}, solve_s=0.0042)
     log.write("membership", 20, old_groups=["v100", "t4"], new_groups=["v100"],
               old_predicted_ms=100.0, new_predicted_ms=80.0, change_to_first_step_s=4.25,
-              lost_steps=3)
-    world(log, 20, ["v100"], 1, 80.0, {"v100": 80.0}, 20)
+              lost_steps=3, reasons=["a peer died: its collective failed"])
     write_rows(out, 0, "v100", range(20, 30), lambda s: (81, 0), start=20)
     log.write("checkpoint", 30, path="ckpt/step-00000030")
     log.write("slowdown", 30, group="v100", old_factor=1.0, new_factor=1.5)
@@ -97,10 +101,10 @@ def _alone(out: Path, log: EventLog) -> None:
 
 
 def _return(out: Path, log: EventLog) -> None:
+    world(log, 40, ["t4", "v100"], 3, 100.0, {"v100": 90.0, "t4": 95.0})
     log.write("membership", 40, old_groups=["v100"], new_groups=["v100", "t4"],
               old_predicted_ms=120.0, new_predicted_ms=100.0, change_to_first_step_s=2.5,
-              lost_steps=0)
-    world(log, 40, ["t4", "v100"], 3, 100.0, {"v100": 90.0, "t4": 95.0}, 40)
+              lost_steps=0, reasons=["return of t4"])
     write_rows(out, 0, "t4", range(40, 50), lambda s: (94 + 2 * (s % 2), 6 - 2 * (s % 2)),
                start=40)
     write_rows(out, 1, "t4", range(40, 50), lambda s: (95, 5), start=40)
