@@ -64,6 +64,8 @@ MAX_VALUE = 1e12
 MAX_NAME = 200
 #: The largest world (ranks) an event may give.
 MAX_WORLD = 1 << 20
+#: The most notes of a world's plan (``plan_changes``) kept.
+MAX_NOTES = 20
 
 _METRICS = re.compile(r"metrics\.rank(\d{1,7})\.jsonl")
 _WHAT = "--run"
@@ -85,6 +87,7 @@ class Period:
     cause: str  # start, resume, membership, restart, replan, or metrics (no world event)
     order: int = 0  # the event's line in the log (a re-plan belongs to the world before it)
     solve_s: float | None = None  # the world's re-solve, when its event says
+    notes: tuple[str, ...] = ()  # what its plan changed (a world's plan_changes)
 
     def covers(self, step: int) -> bool:
         return self.first <= step and (self.last is not None and step <= self.last)
@@ -392,7 +395,15 @@ def _world_period(e: dict[str, Any], order: int, before: Period | None) -> Perio
     return Period(first=e["step"], last=None, groups=tuple(e["groups"]),
                   world_size=e["world_size"], predicted_step_ms=e["predicted_step_ms"],
                   predicted_group_ms=dict(e["predicted_group_ms"] or {}), cause=cause,
-                  order=order, solve_s=e.get("solve_s") if _is_num(e.get("solve_s")) else None)
+                  order=order, solve_s=e.get("solve_s") if _is_num(e.get("solve_s")) else None,
+                  notes=tuple(_strings(e.get("plan_changes"))))
+
+
+def _strings(x: object) -> list[str]:
+    """``x`` when it is a list of strings (at most :data:`MAX_NOTES`), else []."""
+    if isinstance(x, list) and all(isinstance(v, str) for v in x):
+        return x[:MAX_NOTES]
+    return []
 
 
 def _periods(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[Period]:

@@ -30,6 +30,8 @@ __all__ = ["SHOWN_CHARS", "check_figure_path", "story_figure", "story_lines", "s
 SHOWN_CHARS = 120
 #: The most checkpoint steps a line lists (the first and last halves, the count between).
 SHOWN_CHECKPOINTS = 12
+#: A group's line with at most this many steps marks each step.
+MARKED_POINTS = 60
 #: The groups' line colours (matplotlib's tab10 less the marks' red, purple, brown, gray).
 GROUP_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:cyan", "tab:pink")
 
@@ -87,6 +89,8 @@ def _period_lines(periods: list[Period]) -> list[str]:
         solve = f"; solved in {p.solve_s:.3f} s" if p.solve_s else ""
         out.append(f"  steps {p.steps_text():<13} {p.cause:<10} {world:<9} groups "
                    f"{_groups(p.groups)}; predicted {_ms(p.predicted_step_ms)} ms/step{solve}")
+        if p.notes:
+            out.append(f"  {'':<19} plan: {'; '.join(_s(n) for n in p.notes)}")
     return out
 
 
@@ -228,7 +232,7 @@ def _period_doc(p: Period) -> dict[str, Any]:
     return {"first": p.first, "last": p.last, "groups": list(p.groups),
             "world_size": p.world_size, "predicted_step_ms": p.predicted_step_ms,
             "predicted_group_ms": p.predicted_group_ms, "cause": p.cause,
-            "solve_s": p.solve_s}
+            "solve_s": p.solve_s, "plan_changes": list(p.notes)}
 
 
 def _event_doc(e: dict[str, Any]) -> dict[str, Any]:
@@ -319,6 +323,7 @@ def _draw_series(ax: Axes, story: RunStory) -> None:
     for i, (group, points) in enumerate(sorted(story.series.items())):
         px, py = _broken(points)
         ax.plot(px, py, linewidth=1.0, color=GROUP_COLORS[i % len(GROUP_COLORS)],
+                marker="." if len(points) <= MARKED_POINTS else None,
                 label=f"{_s(group)} measured")
     xs: list[float] = []
     ys: list[float] = []

@@ -24,8 +24,11 @@ LEAVE_AND_RETURN_LINES = """\
 run RUN: steps 0..49; 3 period(s), 2 membership change(s), 1 re-plan(s); 116 metrics row(s) in 3 rank file(s)
 periods (one membership each)
   steps 0..19         start      world 3   groups v100, t4; predicted 100.0 ms/step
+                      plan: the launch plan
   steps 20..39        membership world 1   groups v100; predicted 80.0 ms/step; solved in 0.004 s
+                      plan: groups gone: t4; planned over v100; global batch 256 kept
   steps 40..49        membership world 3   groups t4, v100; predicted 100.0 ms/step
+                      plan: the launch plan
 plan changes
   step 20     membership v100, t4 -> v100 (a peer died: its collective failed); predicted 100.0 -> 80.0 ms/step; lost 3 step(s); change to first step 4.25 s
   step 35     re-plan    v100 x1.50 (v100 1.50x slower than predicted for 5 steps); predicted 80.0 -> 120.0 ms/step; solve 0.012 s

@@ -56,12 +56,13 @@ def write_rows(out: Path, rank: int, group: str, steps: Iterable[int], times: Ti
 
 
 def world(log: EventLog, step: int, groups: list[str], size: int, step_ms: float,
-          group_ms: dict[str, float], solve_s: float = 0.0) -> None:
+          group_ms: dict[str, float], solve_s: float = 0.0,
+          changes: list[str] | None = None) -> None:
     """A world's event as an elastic run writes it (resumed from its first step; the
     re-solve's seconds, 0 for the launch plan)."""
     log.write("world", step, groups=groups, world_size=size, plan=f"plan.{step}.json",
               predicted_step_ms=step_ms, predicted_group_ms=group_ms, resumed_from=step,
-              solve_s=solve_s, plan_changes=["the launch plan"] if not solve_s else [])
+              solve_s=solve_s, plan_changes=changes or ["the launch plan"])
 
 
 def leave_and_return(out: Path) -> Path:
@@ -84,7 +85,8 @@ def _first_world(out: Path, log: EventLog) -> None:
 
 
 def _alone(out: Path, log: EventLog) -> None:
-    world(log, 20, ["v100"], 1, 80.0, {"v100": 80.0}, solve_s=0.0042)
+    world(log, 20, ["v100"], 1, 80.0, {"v100": 80.0}, solve_s=0.0042,
+          changes=["groups gone: t4; planned over v100", "global batch 256 kept"])
     log.write("membership", 20, old_groups=["v100", "t4"], new_groups=["v100"],
               old_predicted_ms=100.0, new_predicted_ms=80.0, change_to_first_step_s=4.25,
               lost_steps=3, reasons=["a peer died: its collective failed"])
