@@ -167,16 +167,15 @@ class RunStory:
 def read_story(run: str | Path) -> RunStory:
     """The story of the run folder ``run`` (see the module docstring)."""
     run = _check_run(Path(run))
-    metrics = _metrics_names(run)
-    events_raw, events_bad = _read_events(run)
+    metrics = _run_files(run)
+    events, events_bad = _read_events(run)
     rows, rows_bad = _read_all_rows(run, metrics)
-    if not events_raw and not rows:
+    if not events and not rows:
         raise QsyncInputError(one_line(
             f"{_WHAT} {run}: no events.jsonl and no metrics row in it "
             f"({len(metrics)} metrics file(s), {rows_bad} unreadable row(s), "
             f"{events_bad} unreadable event(s)): not a training run's folder, or a run that "
             "trained no step"))
-    events = events_raw
     periods = _periods(events, rows)
     phases = _phases(periods, events)
     kept, stale = _assign_rows(phases, rows)
@@ -211,7 +210,7 @@ def _check_run(run: Path) -> Path:
     return run
 
 
-def _metrics_names(run: Path) -> list[str]:
+def _run_files(run: Path) -> list[str]:
     """The metrics files at the top of ``run``; a link or non-regular file planted for one
     (or for events.jsonl, summary.json; a link for ckpt) is refused, as is a file over the
     size limit."""
@@ -241,9 +240,10 @@ def _metrics_names(run: Path) -> list[str]:
 def _read_events(run: Path) -> tuple[list[dict[str, Any]], int]:
     """The events whose fields are all of their kind's types, and how many lines were not."""
     data = read_bytes(run, EVENTS_NAME, what=_WHAT)
-    lines = 0 if data is None else sum(1 for x in data.splitlines() if x.strip())
+    text = "" if data is None else data.decode("utf-8", errors="replace")
+    lines = sum(1 for x in text.splitlines() if x.strip())  # split as read_events splits
     good = [e for e in read_events(run) if _event_ok(e)]
-    return good, lines - len(good)
+    return good, max(0, lines - len(good))
 
 
 def _summary_steps(run: Path) -> int | None:
@@ -441,7 +441,7 @@ def _phases(periods: list[Period], events: list[dict[str, Any]]) -> list[Period]
     orders = [p.order for p in periods] + [len(events)]
     for i, p in enumerate(periods):
         cur = Period(**{**p.__dict__, "predicted_group_ms": dict(p.predicted_group_ms)})
-        for order in range(max(p.order, 0) + 1, orders[i + 1]):
+        for order in range(p.order + 1, orders[i + 1]):  # a metrics period's order: -1
             e = events[order]
             if (e["kind"] != "replan" or e["step"] < p.first
                     or (p.last is not None and e["step"] > p.last)):

@@ -75,7 +75,7 @@ def _head(story: RunStory) -> str:
         steps = f"steps {story.periods[0].first}..{end - 1 if end else '?'}"
     memberships = sum(1 for c in story.changes if c.kind == "membership")
     replans = len(story.changes) - memberships
-    return (f"run {_s(story.run)}: {steps}; {len(story.periods)} period(s), {memberships} "
+    return (f"run {one_line(str(story.run))}: {steps}; {len(story.periods)} period(s), {memberships} "
             f"membership change(s), {replans} re-plan(s); {story.rows} metrics row(s) in "
             f"{story.metrics_files} rank file(s)")
 

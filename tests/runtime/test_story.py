@@ -170,6 +170,23 @@ def test_a_membership_change_without_the_old_groups_is_told(tmp_path):
             "change to first step - s") in story_lines(story)
 
 
+def test_a_replan_in_a_run_without_world_events_cuts_its_one_period(tmp_path):
+    """An ordinary run re-planned online logs no world: the re-plan still cuts its period."""
+    with EventLog(tmp_path) as log:  # the re-plan the log's first line
+        log.write("replan", 6, groups=["cpu"], factors=[1.5], old_predicted_ms=None,
+                  new_predicted_ms=30.0, solve_s=0.002, reason="slower",
+                  predicted_group_ms={"cpu": 29.0})
+        log.write("slowdown", 4, group="cpu", old_factor=2.0, new_factor=3.0)
+    write_rows(tmp_path, 0, "cpu", range(10), lambda s: (20 if s < 4 else 31, 0))
+    story = read_story(tmp_path)
+    assert [(p.steps_text(), p.cause, p.predicted_step_ms) for p in story.phases] == [
+        ("0..5", "metrics", None), ("6..9", "replan", 30.0)]
+    assert [(f.compute_ms, f.ratio) for f in story.figures] == [(20.0, None),
+                                                                 (31.0, 31.0 / 29.0)]
+    assert "  step 6      re-plan    cpu x1.50 (slower); predicted - -> 30.0 ms/step; " \
+           "solve 0.002 s" in story_lines(story)
+
+
 def test_steps_without_a_row_are_listed_whatever_the_span(tmp_path):
     """A row at the largest step there is does not make the reader walk every step."""
     write_rows(tmp_path, 0, "a", [*range(5), 8, 9, MAX_STEPS], lambda s: (1, 1))
