@@ -156,6 +156,14 @@ class RunStory:
         return max(ends) if ends else None
 
     @property
+    def unanchored(self) -> list[int]:
+        """The first steps of worlds after the first that no recorded checkpoint holds (a
+        world resumes from a checkpoint: none should be listed)."""
+        held = {s for s, _ in self.checkpoints}
+        return [p.first for p in self.periods[1:]
+                if p.cause != "metrics" and p.first not in held]
+
+    @property
     def beyond_checkpoint(self) -> int | None:
         """Steps trained past the newest checkpoint (None: no step or no checkpoint known)."""
         end = self.end_step
@@ -166,6 +174,8 @@ class RunStory:
 
 def read_story(run: str | Path) -> RunStory:
     """The story of the run folder ``run`` (see the module docstring)."""
+    if not str(run).strip():
+        raise QsyncInputError(f"{_WHAT}: expected a run's folder, got an empty name")
     run = _check_run(Path(run))
     metrics = _run_files(run)
     events, events_bad = _read_events(run)

@@ -206,6 +206,9 @@ def _stop_line(story: RunStory) -> str:
 
 def _left_out_lines(story: RunStory) -> list[str]:
     out = []
+    if story.unanchored and story.checkpoints:
+        out.append("worlds started where no checkpoint was recorded: step(s) "
+                   + ", ".join(str(s) for s in story.unanchored[:10]))
     if story.missing_steps and story.rows:
         spans = [f"{a}" if a == b else f"{a}..{b}" for a, b in story.missing_steps[:10]]
         more = len(story.missing_steps) - len(spans)
@@ -263,7 +266,8 @@ def story_summary(story: RunStory) -> dict[str, Any]:
         "summary_steps": story.summary_steps, "metrics_files": story.metrics_files,
         "rows": story.rows, "skipped_rows": story.skipped_rows,
         "skipped_events": story.skipped_events, "stale_rows": story.stale_rows,
-        "missing_steps": [list(x) for x in story.missing_steps]}
+        "missing_steps": [list(x) for x in story.missing_steps],
+        "unanchored_worlds": story.unanchored}
 
 
 # ----------------------------------------------------------------------------- figure

@@ -91,6 +91,20 @@ def test_a_group_is_keyed_by_its_group_never_its_rank_number(tmp_path):
     assert [s for s, _ in story.series["t4"]] == [*range(20), *range(40, 50)]
 
 
+def test_a_world_started_where_no_checkpoint_was_recorded_is_said(tmp_path):
+    """A world resumes from a committed checkpoint: one that starts elsewhere (the step
+    counter went back past it, or skipped) is listed."""
+    run = leave_and_return(tmp_path / "run")
+    lines = (run / EVENTS_NAME).read_text().splitlines()
+    kept = [ln for ln in lines
+            if (json.loads(ln)["kind"], json.loads(ln)["step"]) != ("checkpoint", 40)]
+    (run / EVENTS_NAME).write_text("\n".join(kept) + "\n")
+    story = read_story(run)
+    assert story.unanchored == [40]
+    assert "worlds started where no checkpoint was recorded: step(s) 40" in story_lines(story)
+    assert read_story(leave_and_return(tmp_path / "other")).unanchored == []
+
+
 def test_steps_past_the_last_checkpoint_are_said(tmp_path):
     run = leave_and_return(tmp_path / "run")
     with EventLog(run) as log:  # the world goes on past step 50 and is killed at 55
@@ -293,6 +307,12 @@ def test_a_fifo_planted_for_a_metrics_file_is_refused(tmp_path):
     os.mkfifo(tmp_path / "metrics.rank0.jsonl")
     with pytest.raises(QsyncInputError, match="not a regular file"):
         read_story(tmp_path)
+
+
+def test_an_empty_name_is_not_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(leave_and_return(tmp_path / "run"))
+    with pytest.raises(QsyncInputError, match="--run: expected a run's folder, got an empty"):
+        read_story("")
 
 
 @pytest.mark.parametrize("case,needle", [("missing", "no such folder"),
