@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import MAX_STEPS
@@ -371,3 +375,57 @@ def test_the_figure_refuses_a_planted_link_and_a_folder(tmp_path):
     (tmp_path / "dir.png").mkdir()
     with pytest.raises(QsyncInputError, match="is a folder"):
         story_figure(story, tmp_path / "dir.png")
+
+
+def _damage(data: bytes, rng: random.Random) -> bytes:
+    """``data`` with a few random damages: bytes changed, inserted or cut, lines swapped,
+    duplicated or torn, numbers made huge, NaN or unicode digits."""
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 6)):
+        kind = rng.randrange(6)
+        at = rng.randrange(len(b) + 1)
+        if kind == 0 and b:
+            b[min(at, len(b) - 1)] = rng.randrange(256)
+        elif kind == 1:
+            b[at:at] = rng.choice([b"NaN", b"1e999", b"\xd9\xa3", b"-", b"\n", b'"', b"9" * 30,
+                                   b"{", b"]", b"null", b"true", b"\x00"])
+        elif kind == 2:
+            del b[at:at + rng.randint(1, 40)]
+        else:
+            lines = bytes(b).split(b"\n")
+            i, j = rng.randrange(len(lines)), rng.randrange(len(lines))
+            if kind == 3:
+                lines[i], lines[j] = lines[j], lines[i]
+            elif kind == 4:
+                lines.insert(i, lines[j])
+            else:
+                lines[i] = lines[i][: rng.randrange(len(lines[i]) + 1)]
+            b = bytearray(b"\n".join(lines))
+    return bytes(b)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    run = leave_and_return(tmp_path_factory.mktemp("template") / "run")
+    return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_any_damage_to_the_files_is_told_or_refused_in_one_line(template, seed):
+    """Whatever happens to events.jsonl and the metrics files, the story is told (every line
+    one line) or refused in one line naming --run; never another exception."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in template.items():
+            hit = rng.random() < 0.7
+            Path(tmp, name).write_bytes(_damage(data, rng) if hit else data)
+        try:
+            story = read_story(tmp)
+        except QsyncInputError as exc:
+            assert "\n" not in str(exc) and "--run" in str(exc)
+            return
+        lines = story_lines(story)
+        assert all("\n" not in line and line.isprintable() for line in lines)
+        json.dumps(story_summary(story), allow_nan=False)
