@@ -240,8 +240,11 @@ def _period_doc(p: Period) -> dict[str, Any]:
 
 def _event_doc(e: dict[str, Any]) -> dict[str, Any]:
     keep = ("kind", "time", "step", *FIELDS[e["kind"]], "predicted_group_ms")
-    # only the fields the reader checked: the summary stays strict JSON
-    return {k: e[k] for k in keep if k in e}
+    # only the fields the reader checked (and a list of strings): the summary stays strict JSON
+    doc = {k: e[k] for k in keep if k in e}
+    if _reasons(e):
+        doc["reasons"] = e["reasons"]
+    return doc
 
 
 def story_summary(story: RunStory) -> dict[str, Any]:

@@ -351,6 +351,7 @@ def test_the_summary_is_strict_json(tmp_path):
     text = json.dumps(doc, allow_nan=False)
     back = json.loads(text)
     assert back["lost_steps"] == 3 and back["beyond_last_checkpoint"] == 0
+    assert back["changes"][0]["reasons"] == ["a peer died: its collective failed"]
     assert [p["measured_step_ms"] for p in back["phases"]] == [100.0, 81.0, 119.0, 100.0]
     assert back["phases"][1]["groups_measured"][0] == {
         "group": "v100", "predicted_ms": 80.0, "compute_ms": 81.0, "step_ms": 81.0,
