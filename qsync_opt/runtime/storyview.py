@@ -113,15 +113,23 @@ def _change_lines(story: RunStory) -> list[str]:
             why = f" ({_s(e['reason'])})" if e["reason"] else ""
             out.append(f"  step {c.step:<6} re-plan    {_factors(e)}{why}; {ms}; "
                        f"solve {solve} s")
+            notes = _texts(e.get("changes"))
+            if notes:
+                out.append(f"  {'':<19} plan: {'; '.join(_s(n) for n in notes)}")
     return out
+
+
+def _texts(x: object) -> list[str]:
+    """``x`` when it is a non-empty list of strings (an event's optional notes), else []."""
+    if isinstance(x, list) and all(isinstance(v, str) for v in x):
+        return x[:20]
+    return []
 
 
 def _reasons(e: dict[str, Any]) -> str:
     """A membership change's ``reasons`` (optional: why each world before it ended)."""
-    why = e.get("reasons")
-    if not isinstance(why, list) or not why or not all(isinstance(w, str) for w in why):
-        return ""
-    return f" ({_s('; '.join(why))})"
+    why = _texts(e.get("reasons"))
+    return f" ({_s('; '.join(why))})" if why else ""
 
 
 def _factors(e: dict[str, Any]) -> str:
@@ -242,8 +250,9 @@ def _event_doc(e: dict[str, Any]) -> dict[str, Any]:
     keep = ("kind", "time", "step", *FIELDS[e["kind"]], "predicted_group_ms")
     # only the fields the reader checked (and a list of strings): the summary stays strict JSON
     doc = {k: e[k] for k in keep if k in e}
-    if _reasons(e):
-        doc["reasons"] = e["reasons"]
+    for name in ("reasons", "changes"):
+        if _texts(e.get(name)):
+            doc[name] = _texts(e.get(name))
     return doc
 
 

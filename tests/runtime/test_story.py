@@ -36,6 +36,7 @@ periods (one membership each)
 plan changes
   step 20     membership v100, t4 -> v100 (a peer died: its collective failed); predicted 100.0 -> 80.0 ms/step; lost 3 step(s); change to first step 4.25 s
   step 35     re-plan    v100 x1.50 (v100 1.50x slower than predicted for 5 steps); predicted 80.0 -> 120.0 ms/step; solve 0.012 s
+                      plan: v100: 12 ops fp32 -> fp16
   step 40     membership v100 -> v100, t4 (return of t4); predicted 120.0 -> 100.0 ms/step; lost 0 step(s); change to first step 2.50 s
 slowdowns (injected)
   step 30     v100: stretch 1.00 -> 1.50

@@ -97,7 +97,7 @@ def _alone(out: Path, log: EventLog) -> None:
     log.write("replan", 35, groups=["v100"], factors={"v100": 1.5}, old_predicted_ms=80.0,
               new_predicted_ms=120.0, solve_s=0.0123,
               reason="v100 1.50x slower than predicted for 5 steps",
-              predicted_group_ms={"v100": 118.0})
+              predicted_group_ms={"v100": 118.0}, changes=["v100: 12 ops fp32 -> fp16"])
     write_rows(out, 0, "v100", range(35, 40), lambda s: (119, 0), start=35)
     log.write("checkpoint", 40, path="ckpt/step-00000040")
 
