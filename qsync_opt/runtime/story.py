@@ -53,7 +53,8 @@ from qsync_opt.documents.outfolder import list_names, read_bytes
 from qsync_opt.runtime.config import CKPT_DIR, read_commit, step_folders
 from qsync_opt.runtime.events import EVENTS_NAME, FIELDS, read_events
 
-__all__ = ["MAX_FILE_BYTES", "Change", "GroupFigures", "Period", "RunStory", "read_story"]
+__all__ = ["MAX_FILE_BYTES", "Change", "GroupFigures", "Period", "RunStory", "read_story",
+           "texts"]
 
 #: The largest file of a run's folder the story reads (a rank's metrics of a billion-step
 #: run would be larger; the story of such a run is not told).
@@ -406,11 +407,12 @@ def _world_period(e: dict[str, Any], order: int, before: Period | None) -> Perio
                   world_size=e["world_size"], predicted_step_ms=e["predicted_step_ms"],
                   predicted_group_ms=dict(e["predicted_group_ms"] or {}), cause=cause,
                   order=order, solve_s=e.get("solve_s") if _is_num(e.get("solve_s")) else None,
-                  notes=tuple(_strings(e.get("plan_changes"))))
+                  notes=tuple(texts(e.get("plan_changes"))))
 
 
-def _strings(x: object) -> list[str]:
-    """``x`` when it is a list of strings (at most :data:`MAX_NOTES`), else []."""
+def texts(x: object) -> list[str]:
+    """``x`` when it is a list of strings (its first :data:`MAX_NOTES`), else []: an event's
+    optional notes (``plan_changes``, ``reasons``, ``changes``)."""
     if isinstance(x, list) and all(isinstance(v, str) for v in x):
         return x[:MAX_NOTES]
     return []

@@ -19,7 +19,7 @@ from qsync_opt.core.errors import OutputError, QsyncInputError, one_line
 from qsync_opt.core.figures import new_figure, png_bytes
 from qsync_opt.documents.outfolder import write_bytes
 from qsync_opt.runtime.events import FIELDS
-from qsync_opt.runtime.story import GroupFigures, Period, RunStory
+from qsync_opt.runtime.story import GroupFigures, Period, RunStory, texts
 
 if TYPE_CHECKING:  # matplotlib is optional: its types only for the checker
     from matplotlib.axes import Axes
@@ -113,22 +113,15 @@ def _change_lines(story: RunStory) -> list[str]:
             why = f" ({_s(e['reason'])})" if e["reason"] else ""
             out.append(f"  step {c.step:<6} re-plan    {_factors(e)}{why}; {ms}; "
                        f"solve {solve} s")
-            notes = _texts(e.get("changes"))
+            notes = texts(e.get("changes"))
             if notes:
                 out.append(f"  {'':<19} plan: {'; '.join(_s(n) for n in notes)}")
     return out
 
 
-def _texts(x: object) -> list[str]:
-    """``x`` when it is a non-empty list of strings (an event's optional notes), else []."""
-    if isinstance(x, list) and all(isinstance(v, str) for v in x):
-        return x[:20]
-    return []
-
-
 def _reasons(e: dict[str, Any]) -> str:
     """A membership change's ``reasons`` (optional: why each world before it ended)."""
-    why = _texts(e.get("reasons"))
+    why = texts(e.get("reasons"))
     return f" ({_s('; '.join(why))})" if why else ""
 
 
@@ -251,8 +244,8 @@ def _event_doc(e: dict[str, Any]) -> dict[str, Any]:
     # only the fields the reader checked (and a list of strings): the summary stays strict JSON
     doc = {k: e[k] for k in keep if k in e}
     for name in ("reasons", "changes"):
-        if _texts(e.get(name)):
-            doc[name] = _texts(e.get(name))
+        if texts(e.get(name)):
+            doc[name] = texts(e.get(name))
     return doc
 
 
