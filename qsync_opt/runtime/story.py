@@ -140,12 +140,13 @@ class RunStory:
     figures: list[GroupFigures]
     phase_step_ms: list[float | None]  # per phase: the median over steps of the slowest row
     series: dict[str, list[tuple[int, float]]]  # group -> (step, median step_ms of its rows)
-    lost_steps: int
+    lost_steps: int  # the membership changes' lost_steps, summed
+    # what was read, and what was left out of it
     metrics_files: int
     rows: int
-    skipped_rows: int = 0
-    skipped_events: int = 0
-    stale_rows: int = 0
+    skipped_rows: int = 0  # lines of the metrics files that are no row
+    skipped_events: int = 0  # lines of events.jsonl that are no event of a known kind
+    stale_rows: int = 0  # rows outside the world that trained their step
     missing_steps: list[tuple[int, int]] = field(default_factory=list)
 
     @property
