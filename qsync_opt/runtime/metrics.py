@@ -83,8 +83,8 @@ class MetricsWriter:
                     row = json.loads(line)
                     if isinstance(row, dict) and row.get("step", 0) < start_step:
                         keep.append(line)
-                except (json.JSONDecodeError, TypeError, RecursionError):
-                    continue
+                except (ValueError, TypeError, RecursionError):  # ValueError: an int of
+                    continue  # over 4,300 digits too, not only bad JSON
             write_text(path.parent, path.name, "".join(k + "\n" for k in keep))  # a kill keeps them
         self.fh = append_text(path.parent, path.name)
 
@@ -173,7 +173,7 @@ def sync_totals(path: Path) -> dict[str, Any] | None:
     for line in text.splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # bad JSON, or an int of over 4,300 digits
             continue
         if not isinstance(row, dict) or "bytes_sent" not in row:
             continue

@@ -299,3 +299,21 @@ def test_the_watchdog_is_importable_from_the_launcher() -> None:
 
     assert launch.watch_parents is watchdog.watch_parents
     assert watchdog.pid_alive(__import__("os").getpid())
+
+
+@pytest.mark.parametrize("junk", ['{"step": 1' + "0" * 5000 + "}", "[" * 100000,
+                                  '{"step": "\u0663"}', '{"step": 1, "byt'])
+def test_a_foreign_metrics_line_is_dropped_on_resume_and_skipped_in_the_totals(
+        tmp_path: Path, junk: str) -> None:
+    """The rows a resume keeps and the communication totals read past a line that is no
+    row (an int too long for Python to convert, deep nesting, a unicode digit, a torn
+    line), never a traceback."""
+    from qsync_opt.runtime.metrics import MetricsWriter, sync_totals
+
+    path = tmp_path / "metrics.rank0.jsonl"
+    rows = [json.dumps({"step": s, "bytes_sent": 10, "comm_ms": 1.0, "synced": True})
+            for s in range(3)]
+    path.write_text("\n".join([rows[0], junk, rows[1], rows[2]]) + "\n")
+    assert sync_totals(path) == {"rounds": 3, "steps": 3, "bytes_sent": 30, "comm_ms": 3.0}
+    MetricsWriter(path, 2).close()
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
