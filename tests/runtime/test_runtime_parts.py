@@ -21,6 +21,7 @@ from qsync_opt.runtime import checkpoint as ck
 from qsync_opt.runtime import config as rc
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import ENV, NO_FAULTS, FaultPlan, parse_rank_steps
+from qsync_opt.runtime.metrics import MetricsWriter, sync_totals
 from qsync_opt.runtime.scaler import LossScaler, grads_finite
 from qsync_opt.sync.replicas import EmulatedSync
 
@@ -308,8 +309,6 @@ def test_a_foreign_metrics_line_is_dropped_on_resume_and_skipped_in_the_totals(
     """The rows a resume keeps and the communication totals read past a line that is no
     row (an int too long for Python to convert, deep nesting, a unicode digit, a torn
     line), never a traceback."""
-    from qsync_opt.runtime.metrics import MetricsWriter, sync_totals
-
     path = tmp_path / "metrics.rank0.jsonl"
     rows = [json.dumps({"step": s, "bytes_sent": 10, "comm_ms": 1.0, "synced": True})
             for s in range(3)]
