@@ -2,8 +2,9 @@
 
 The pruned search must return the plan the reference procedure returns (every candidate
 solved once, then refined in ascending order): the same plan JSON, objective and split, on
-random problems with two and three groups, monotone costs and perturbed (non-monotone)
-ones. The floors it uses are checked to be lower bounds by enumeration.
+random problems with two, three and four groups, monotone costs and perturbed (non-monotone)
+ones, like groups whose mirrored splits tie, and targets where a group has no plan at its
+larger batches. The floors it uses are checked to be lower bounds by enumeration.
 """
 
 from __future__ import annotations
@@ -408,3 +409,63 @@ def test_facts_propagate_only_across_monotone_steps():
     view.record_group(low, 0, 1e6)
     for k, i in enumerate(order):
         assert (view.group_bound(i, 0) == 1e6) == (k <= pos), k
+
+
+# ------------------------------------------ four groups, ties, groups without a plan
+
+#: Classes of instance beyond two and three unlike groups: four groups (two pairs of like
+#: cards: candidates where several groups need a solver, groups solved alone); four like
+#: groups with perturbed costs and two like groups (candidates that tie: mirrored splits
+#: have the same objective, so the replayer's makespan and then the candidate order decide);
+#: tight targets where the slow group has no plan at its larger batches (proven by floors,
+#: LP relaxations or monotone steps).
+CLASS_CASES = {
+    "four groups": (32, "a100x1@32+a100x1@32+v100x1@32+v100x1@32", False, 0.3, 8),
+    "four like groups, ties": (31, "v100x1@32+v100x1@32+v100x1@32+v100x1@32", True, 0.3, 8),
+    "two like groups, ties": (28, "a100x1@64+a100x1@64", False, 0.1, 8),
+    "no plan at large batches": (24, "a100x1@64+t4x1@64", False, 0.05, 8),
+    "no plan at large batches, finer": (25, "h100x1@64+t4x1@64", False, 0.1, 4),
+}
+
+
+def _counts(line: str) -> dict[str, int]:
+    """The search line's counts: solved, without a plan, skipped."""
+    got = re.search(r"(\d+) solved, \d+ with a plan, (\d+) without one.*?(\d+) skipped", line)
+    assert got is not None, line
+    return dict(zip(("solved", "no plan", "skipped"), map(int, got.groups()), strict=True))
+
+
+@pytest.mark.parametrize("name", list(CLASS_CASES))
+def test_search_returns_the_reference_plan_on_more_classes(name):
+    """The same plan (or refusal) as the reference procedure; the pruned search saves
+    solves on each instance, through the class it stands for."""
+    seed, shorthand, perturb, frac, multiple = CLASS_CASES[name]
+    prob = _targets(_problem(seed, shorthand, perturb), (frac,))[0]
+    pruned, line = _outcome(prob, multiple, 1, True)
+    reference, _ = _outcome(prob, multiple, 1, False)
+    assert pruned == reference
+    counts = _counts(line)
+    assert counts["solved"] < len(batch_splits(prob, multiple)), line
+    if name.startswith("no plan"):
+        assert counts["no plan"] > 0, line
+
+
+def test_mirrored_splits_of_like_groups_tie_and_the_reference_breaks_the_tie():
+    """Two like groups: the chosen split and its mirror have the same least objective (the
+    groups swap programs), and the pruned search keeps the reference's choice among them."""
+    from qsync_opt.planner.joint import split_cluster
+
+    seed, shorthand, perturb, frac, multiple = CLASS_CASES["two like groups, ties"]
+    prob = _targets(_problem(seed, shorthand, perturb), (frac,))[0]
+    pruned, _ = _outcome(prob, multiple, 0, True)
+    assert pruned == _outcome(prob, multiple, 0, False)[0]
+    plan = pruned[0]
+    split = {name: g["batch_per_device"] for name, g in plan["groups"].items()}
+    a, b = prob.cluster.groups[0].name, prob.cluster.groups[1].name
+    assert split[a] != split[b]
+    objectives = []
+    for chosen in (split, {a: split[b], b: split[a]}):
+        sub = prob.with_cluster(split_cluster(prob, chosen)).retarget(prob.target_ms)
+        got, rep = solve(sub, "highs", refine=0, compare_ties=False)
+        objectives.append(rep.objective)
+    assert objectives[0] == pytest.approx(objectives[1], rel=1e-9)
