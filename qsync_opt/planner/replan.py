@@ -140,6 +140,9 @@ class ReplanCache:
         groups' default). ``problem_kw``: more of ``build_problem``'s keywords."""
         graph = model if isinstance(model, ModelGraph) else trace(model, _graph_batch(plan))
         check_plan(plan, graph)
+        method = plan.provenance.get("indicator_method")
+        if indicator is None and isinstance(method, str) and "indicator_method" not in problem_kw:
+            problem_kw["indicator_method"] = method  # the indicator the plan was made with
         if options is None:
             prov = {k: plan.provenance[k] for k in _OPTION_KEYS if k in plan.provenance}
             try:
@@ -243,12 +246,12 @@ class ReplanCache:
         if keep is not None and keep < base.target_ms * (1 - 1e-9):
             sub = self.problem.with_cluster(cluster, self._options(keep), time_scale=factors)
         plan = self._solve(sub, present, kept)
-        step, group_ms = self._predict(plan, factors)
+        step, group_ms = self.predict(plan, factors)
         if keep is not None and step > keep * (1 + 1e-9):
             changes.append(f"kept the current plan: the re-solve predicts {step:.3f} ms, "
                            f"the current plan {keep:.3f} ms under this slowdown")
             plan = now
-            step, group_ms = self._predict(plan, factors)
+            step, group_ms = self.predict(plan, factors)
         changes.extend(_split_lines(now, plan))
         for g, f in sorted(factors.items()):
             if f != 1.0:
@@ -334,10 +337,13 @@ class ReplanCache:
                 g.count * now.groups[g.name].batch_per_device for g in now.cluster.groups
         ) != sum(g.count * int(g.batch_per_device or 1) for g in cluster.groups):
             return None
-        return self._predict(now, factors)[0]
+        return self.predict(now, factors)[0]
 
-    def _predict(self, plan: Plan, factors: Mapping[str, float]
-                 ) -> tuple[float, dict[str, float]]:
+    def predict(self, plan: Plan, slowdown: Mapping[str, float] | None = None
+                ) -> tuple[float, dict[str, float]]:
+        """``plan``'s predicted step (ms) and each group's compute part, as a re-plan
+        predicts them (the linear model), under ``slowdown`` (group -> factor)."""
+        factors = self._factors(slowdown or {}, [g.name for g in plan.cluster.groups])
         prob = self._scored(plan.cluster, factors)
         a = prob.assignment(plan)
         return prob.makespan_ms(a), {g.name: g.time_ms(a[g.name]) for g in prob.groups}

@@ -61,7 +61,7 @@ def _names(case: str) -> list[str]:
 
 
 def _scored(case: str, plan: Any, factors: dict[str, float]) -> tuple[float, dict[str, float]]:
-    return _cache(case)._predict(plan, factors)
+    return _cache(case).predict(plan, factors)
 
 
 # ---------------------------------------------------------------- subsets and slowdowns
