@@ -28,14 +28,13 @@ REPLAN_WORKER = "qsync_opt.cli.replanning"
 def make_replanner(config: TrainConfig, plan: Plan) -> ReplanCache:
     """The run's re-plan cache: the problem of ``plan``'s cluster built once (the indicator
     ``--replan-indicator`` names, else the plan's method computed on this CPU and cached),
-    saved as ``out_dir/replan_cache.json``, and warmed up by one re-plan."""
+    saved as ``out_dir/replan_cache.json``, and warmed up (:meth:`~qsync_opt.planner.replan.ReplanCache.warm`)."""
     online = config.online
     cache = ReplanCache.build(plan, config.workload,
                               indicator=online.indicator if online is not None else None)
     cache.save(Path(config.out_dir) / CACHE_NAME)
-    # one re-plan now, of the groups as they are: the solver's libraries are loaded and the
-    # problem's schedules made here, before the run, not in the first re-plan's time
-    cache.replan([g.name for g in plan.cluster.groups])
+    # what the re-plans derive is made now, before the run, not in a re-plan's time
+    cache.warm()
     return cache
 
 

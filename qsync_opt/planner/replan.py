@@ -42,6 +42,7 @@ The rules a re-plan keeps (tests/planner/test_replan.py holds each):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -65,7 +66,7 @@ from qsync_opt.graph import trace
 from qsync_opt.planner.errors import InfeasibleError
 from qsync_opt.planner.solve import build_problem, solve
 from qsync_opt.problem.plan import check_plan
-from qsync_opt.problem.program import AllocationProblem, ProblemOptions
+from qsync_opt.problem.program import AllocationProblem, DerivedCache, ProblemOptions
 from qsync_opt.solvers import SolveOptions
 
 __all__ = ["CACHE_KIND", "CACHE_VERSION", "MAX_FACTOR", "ReplanCache", "Replanned"]
@@ -79,6 +80,8 @@ MAX_FACTOR = 1000.0
 DEFAULT_SOLVER = "cpsat"
 #: Seconds a re-plan's solve may take at most (it is stopped there: SolveTimeLimit).
 DEFAULT_TIME_LIMIT_S = 30.0
+#: :meth:`ReplanCache.warm` makes every subset ahead up to this many groups (2**n - 1 sets).
+WARM_GROUPS = 4
 #: Provenance keys of a plan that set the re-plan's options when none are given.
 _OPTION_KEYS = ("memory_headroom", "optimizer", "reference")
 
@@ -117,6 +120,8 @@ class ReplanCache:
                 0 < time_limit_s <= 3600):
             raise QsyncInputError(
                 f"time_limit_s: expected seconds in (0, 3600], got {time_limit_s!r}")
+        if problem.derived is None:  # every problem a re-plan makes shares what it derived
+            problem.derived = DerivedCache()
         self.problem = problem
         self.plan = plan
         self.solver = solver
@@ -214,6 +219,24 @@ class ReplanCache:
         problem = AllocationProblem(graph, base, costs, indicator, options)
         return cls(problem, plan, solver=str(doc["solver"]),
                    batch_multiple=doc["batch_multiple"], time_limit_s=doc["time_limit_s"])
+
+    def warm(self, max_groups: int = WARM_GROUPS) -> float:
+        """Make, ahead of any re-plan, what re-plans of the plan's groups derive (each
+        candidate split's costs and coefficients, the solver's libraries): one re-plan of
+        every non-empty subset of the groups when there are at most ``max_groups`` of them,
+        else of all of them. Later re-plans of those groups, slowed or not, then only scale
+        and solve. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        names = [g.name for g in self.plan.cluster.groups]
+        sets = ([list(c) for k in range(len(names), 0, -1)
+                 for c in itertools.combinations(names, k)]
+                if len(names) <= max_groups else [names])
+        for present in sets:
+            try:
+                self.replan(present)
+            except QsyncInputError:
+                continue  # a subset with no plan (memory): nothing to make ahead
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ re-planning
 

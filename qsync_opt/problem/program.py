@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,25 @@ def _hash(doc: Any) -> str:
     return str(doc.content_hash())
 
 
+@dataclass
+class DerivedCache:
+    """What the problems made from one problem derived, by cluster and the options that
+    shape it (opt-in: a re-plan's cache holds one): the cost table of each cluster the cost
+    provider was asked for, and each group's coefficients before any time scale or hold. A
+    problem of a cluster seen before is then made without estimating or deriving again
+    (the same numbers: they are the very objects made the first time)."""
+
+    costs: dict[str, CostTable] = field(default_factory=dict)
+    #: key -> (the unscaled, unheld group models, the memory_or count, the costs they are of)
+    groups: dict[str, tuple[list[GroupModel], int, CostTable]] = field(default_factory=dict)
+
+    def groups_key(self, problem: AllocationProblem) -> str:
+        opts = {k: v for k, v in problem.options.to_json().items()
+                if k not in ("target_ms", "strong_groups", "lower_reference")}
+        return json.dumps([problem.cluster.model_dump(mode="json"), id(problem.costs), opts],
+                          sort_keys=True, default=str)
+
+
 #: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
 EVAL_TOL = 1e-7
 
@@ -203,8 +223,11 @@ class AllocationProblem:
                  indicator: IndicatorTable, options: ProblemOptions | None = None, *,
                  cost_provider: Callable[[ClusterSpec], CostTable] | None = None,
                  schedules: ScheduleCache | None = None,
-                 time_scale: Mapping[str, float] | None = None) -> None:
+                 time_scale: Mapping[str, float] | None = None,
+                 derived: DerivedCache | None = None) -> None:
         self.graph = graph
+        #: Costs and coefficients shared by the problems made from this one (None: none).
+        self.derived = derived
         #: Group name -> factor its compute time terms are multiplied by (a group measured
         #: slower than its costs say: :mod:`qsync_opt.planner.replan`); kept by the problems
         #: made from this one.
@@ -309,10 +332,19 @@ class AllocationProblem:
             casts=self.options.casts, memory_headroom=self.options.memory_headroom,
             reference=Precision(self.options.reference), indicator=self.indicator,
             cluster=self.cluster, graph_batch=self.graph.batch_size)
-        built = [group_model(inputs, gi, self.schedules) for gi in range(len(rep.groups))]
-        groups = [scale_time(model, self.time_scale.get(model.name, 1.0)) for model, _ in built]
-        memory_or = built[0][1] if built else 0
-        check_finite(groups, [u.ops[0] for u in self.units])
+        key = self.derived.groups_key(self) if self.derived is not None else None
+        got = self.derived.groups.get(key) if self.derived is not None and key else None
+        if got is not None:
+            raw, memory_or = got[0], got[1]
+        else:
+            built = [group_model(inputs, gi, self.schedules) for gi in range(len(rep.groups))]
+            raw, memory_or = [model for model, _ in built], (built[0][1] if built else 0)
+            if self.derived is not None and key:
+                self.derived.groups[key] = (list(raw), memory_or, self.costs)
+        groups = [scale_time(model, self.time_scale.get(model.name, 1.0)) for model in raw]
+        # models taken from the derived cache were checked when they were derived
+        check_finite(groups if got is None else [g for g, r in zip(groups, raw, strict=True)
+                                                 if g is not r], [u.ops[0] for u in self.units])
         if memory_or:
             self.notes.append(
                 f"linear model: {memory_or} ops with several choosable producers "
@@ -491,8 +523,14 @@ class AllocationProblem:
         same_world = cluster.world_size == self.cluster.world_size
         costs = self.costs
         if not need <= have or not same_world:
-            provider = self.cost_provider or TableCosts(self.costs, self.graph)
-            costs = provider(cluster)
+            key = cluster.model_dump_json() if self.derived is not None else ""
+            got = self.derived.costs.get(key) if self.derived is not None else None
+            if got is None:
+                provider = self.cost_provider or TableCosts(self.costs, self.graph)
+                got = provider(cluster)
+                if self.derived is not None:
+                    self.derived.costs[key] = got
+            costs = got
         opts = options or self.options
         names = {g.name for g in cluster.groups}
         if opts.strong_groups is None and self.held_groups and set(self.held_groups) <= names:
@@ -501,7 +539,8 @@ class AllocationProblem:
             opts = dataclasses.replace(opts, strong_groups=self.held_groups)
         return AllocationProblem(self.graph, cluster, costs, self.indicator, opts,
                                  cost_provider=self.cost_provider, schedules=self.schedules,
-                                 time_scale=self.time_scale if time_scale is None else time_scale)
+                                 time_scale=self.time_scale if time_scale is None else time_scale,
+                                 derived=self.derived)
 
     def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
         """The same problem with another makespan target (no coefficient is rebuilt)."""
@@ -521,7 +560,8 @@ class AllocationProblem:
             opts["strong_groups"] = tuple(opts["strong_groups"])
         return AllocationProblem(self.graph, self.cluster, self.costs, self.indicator,
                                  ProblemOptions(**opts), cost_provider=self.cost_provider,
-                                 schedules=self.schedules, time_scale=self.time_scale)
+                                 schedules=self.schedules, time_scale=self.time_scale,
+                                 derived=self.derived)
 
     def size(self) -> dict[str, int]:
         """Units, one-hot variables and pair variables per group (for reports)."""

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+from qsync_opt.models import get_workload
 
 import qsync_opt as qs
 from qsync_opt.cli.replanning import make_replanner
 from qsync_opt.job.online import OnlineControl
 from qsync_opt.job.rank import emulate
-from qsync_opt.models import get_workload
 from qsync_opt.ops.layers import switch_precisions
 from qsync_opt.planner.solve import solve
 from qsync_opt.problem.plan import make_plan
