@@ -36,7 +36,9 @@ import torch.distributed as dist
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import parse_document, to_json
 from qsync_opt.documents.schemas import Plan
+from qsync_opt.job.steps import Trainer
 from qsync_opt.ops.layers import switch_precisions
+from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.emulate import SlowdownHooks
 from qsync_opt.runtime.events import EventLog
 from qsync_opt.runtime.straggler import StragglerDetector
@@ -47,11 +49,20 @@ __all__ = ["OnlineControl", "Replanned", "Replanner", "ReplannerFactory"]
 class Replanned(Protocol):
     """What a re-plan returns (:class:`qsync_opt.planner.replan.Replanned`)."""
 
-    plan: Plan
-    predicted_step_ms: float
-    predicted_group_ms: dict[str, float]
-    solve_s: float
-    changes: list[str]
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def predicted_step_ms(self) -> float: ...
+
+    @property
+    def predicted_group_ms(self) -> dict[str, float]: ...
+
+    @property
+    def solve_s(self) -> float: ...
+
+    @property
+    def changes(self) -> list[str]: ...
 
 
 class Replanner(Protocol):
@@ -66,7 +77,7 @@ class Replanner(Protocol):
 
 
 #: Builds the run's replanner on rank 0 (from the config and the plan it starts with).
-ReplannerFactory = Callable[[Any, Plan], Replanner]
+ReplannerFactory = Callable[[TrainConfig, Plan], Replanner]
 
 
 def _say(line: str) -> None:
@@ -80,10 +91,12 @@ class OnlineControl:
     """The online side of one process's trainer (module docstring). ``hooks``: each local
     replica's slowdown hooks (None where it has none: emulation, or no stretch ever)."""
 
-    def __init__(self, trainer: Any, hooks: Sequence[SlowdownHooks | None],
+    def __init__(self, trainer: Trainer, hooks: Sequence[SlowdownHooks | None],
                  factory: ReplannerFactory | None) -> None:
         self.tr = trainer
         self.cfg = trainer.cfg
+        if self.cfg.online is None:
+            raise QsyncInputError("online: the run's config has no online settings")
         self.spec = self.cfg.online
         self.hooks = list(hooks)
         self._seen = [0.0] * len(self.hooks)
@@ -122,10 +135,15 @@ class OnlineControl:
         """Rank 0's ``obj`` on every rank (as itself in one process)."""
         if not self.distributed:
             return obj
-        box = [json.dumps(obj) if self.lead else None]
-        dist.broadcast_object_list(box, src=0)
-        assert isinstance(box[0], str)
-        got = json.loads(box[0])
+        # JSON bytes in a tensor (never a pickle): the length first, then the bytes
+        dev = self.tr.device
+        data = json.dumps(obj).encode("utf-8") if self.lead else b""
+        n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        dist.broadcast(n, src=0)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if self.lead
+               else torch.zeros(int(n.item()), dtype=torch.uint8, device=dev))
+        dist.broadcast(buf, src=0)
+        got = json.loads(buf.cpu().numpy().tobytes().decode("utf-8"))
         assert isinstance(got, dict)
         return got
 

@@ -136,18 +136,19 @@ class ReplanCache:
               costs: str | Path | CostTable | None = None,
               options: ProblemOptions | None = None, solver: str = DEFAULT_SOLVER,
               batch_multiple: int | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-              **problem_kw: Any) -> ReplanCache:
+              indicator_method: str | None = None) -> ReplanCache:
         """Build the problem of ``plan``'s whole cluster once, as ``qsync-opt solve`` does
         by default (:func:`~qsync_opt.planner.solve.build_problem`: roofline costs, the
         indicator computed on this CPU and cached) unless ``indicator``/``costs`` are
         given. ``options`` None: the plan's provenance's memory headroom, optimizer and
         reference precision (the target is not kept: each re-plan takes the present
-        groups' default). ``problem_kw``: more of ``build_problem``'s keywords."""
+        groups' default). ``indicator_method``: how the indicator is computed when none is
+        given (None: the plan's provenance's method, else ``solve``'s default)."""
         graph = model if isinstance(model, ModelGraph) else trace(model, _graph_batch(plan))
         check_plan(plan, graph)
         method = plan.provenance.get("indicator_method")
-        if indicator is None and isinstance(method, str) and "indicator_method" not in problem_kw:
-            problem_kw["indicator_method"] = method  # the indicator the plan was made with
+        if indicator_method is None:  # the indicator the plan was made with, else the default
+            indicator_method = method if isinstance(method, str) else "qsync"
         if options is None:
             prov = {k: plan.provenance[k] for k in _OPTION_KEYS if k in plan.provenance}
             try:
@@ -157,7 +158,7 @@ class ReplanCache:
         base, _ = even_cluster(plan.cluster, [g.name for g in plan.cluster.groups],
                                _global_batch(plan))
         problem = build_problem(graph, base, indicator=indicator, costs=costs,
-                                options=options, **problem_kw)
+                                options=options, indicator_method=indicator_method)
         return cls(problem, plan, solver=solver, batch_multiple=batch_multiple,
                    time_limit_s=time_limit_s)
 
@@ -340,9 +341,10 @@ class ReplanCache:
             changes.append(f"global batch {self.global_batch} -> {total} (as asked)")
         return cluster, kept
 
-    def _options(self, target_ms: float | None, **more: Any) -> ProblemOptions:
+    def _options(self, target_ms: float | None, lower_reference: bool | None = None
+                 ) -> ProblemOptions:
         return dataclasses.replace(self.problem.options, target_ms=target_ms,
-                                   strong_groups=None, **more)
+                                   strong_groups=None, lower_reference=lower_reference)
 
     def _scored(self, cluster: ClusterSpec, factors: Mapping[str, float]) -> AllocationProblem:
         """The problem that scores any plan of ``cluster`` (no group held, as the evaluator)."""

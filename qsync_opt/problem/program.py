@@ -226,12 +226,10 @@ class AllocationProblem:
                  time_scale: Mapping[str, float] | None = None,
                  derived: DerivedCache | None = None) -> None:
         self.graph = graph
-        #: Costs and coefficients shared by the problems made from this one (None: none).
-        self.derived = derived
-        #: Group name -> factor its compute time terms are multiplied by (a group measured
-        #: slower than its costs say: :mod:`qsync_opt.planner.replan`); kept by the problems
-        #: made from this one.
-        self.time_scale: dict[str, float] = dict(time_scale or {})
+        #: Group -> factor on its compute time terms (measured slower than its costs say,
+        #: :mod:`qsync_opt.planner.replan`), and what the problems made from this one share
+        #: of what they derived (:class:`DerivedCache`; None: nothing).
+        self.time_scale, self.derived = dict(time_scale or {}), derived
         self.schedules: ScheduleCache = {} if schedules is None else schedules
         self.cluster = cluster.with_default_batch(graph.batch_size)
         self.costs = costs

@@ -23,12 +23,7 @@ from pydantic import Field, model_validator
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.core.limits import MAX_STEPS
 from qsync_opt.documents.base import Int, Real, Schema
-from qsync_opt.runtime.straggler import (
-    DEFAULT_CALIBRATION,
-    DEFAULT_THRESHOLD,
-    DEFAULT_WINDOW,
-    StragglerRule,
-)
+from qsync_opt.runtime import straggler
 
 __all__ = ["INJECT_FLAG", "MAX_FACTOR", "OnlineSpec", "SlowdownInjection", "parse_injection"]
 
@@ -69,10 +64,10 @@ class OnlineSpec(Schema):
     replan: Literal["off", "auto"] = Field(
         "off", description="auto: re-plan when a group is slower than its plan predicts "
         "(the straggler detector); off: never.")
-    replan_threshold: Real = Field(DEFAULT_THRESHOLD, description="How much slower (0.1: "
+    replan_threshold: Real = Field(straggler.DEFAULT_THRESHOLD, description="How much slower (0.1: "
                                    "10%) than calibrated a group must be to count.")
-    replan_window: Int = Field(DEFAULT_WINDOW, description="Consecutive slow steps that fire.")
-    replan_calibration: Int = Field(DEFAULT_CALIBRATION, description="Steps of each plan that "
+    replan_window: Int = Field(straggler.DEFAULT_WINDOW, description="Consecutive slow steps that fire.")
+    replan_calibration: Int = Field(straggler.DEFAULT_CALIBRATION, description="Steps of each plan that "
                                     "calibrate its prediction before any detection.")
     indicator: str | None = Field(
         None, description="IndicatorTable file the re-plans use (None: computed on this CPU "
@@ -87,8 +82,8 @@ class OnlineSpec(Schema):
             raise ValueError(f"--{str(exc).replace('_', '-', 1)}") from None
         return self
 
-    def rule(self) -> StragglerRule:
-        return StragglerRule(threshold=self.replan_threshold, window=self.replan_window,
+    def rule(self) -> straggler.StragglerRule:
+        return straggler.StragglerRule(threshold=self.replan_threshold, window=self.replan_window,
                              calibration=self.replan_calibration)
 
     def check_groups(self, groups: Sequence[str]) -> None:
