@@ -10,12 +10,14 @@
   most the window + 2), and the measured step time after it (median over the steps from
   the re-plan on, the slowest replica's compute plus the sync) against a run started with
   the re-plan's plan under the same stretch (goal: within 10%).
-* ``noise``: the coefficient of variation of each group's compute time in an emulated run
-  without faults (what the detector's defaults, 10% over 20 steps, stand on).
+* ``plans``: the re-plans of ``resolve`` without their times (deterministic).
+* ``noise``: each group's compute time in an emulated run without faults: its coefficient
+  of variation, the share of steps over +10% of the median and the longest run of such
+  steps (what the detector's defaults, 10% over 20 consecutive steps, stand on).
 
 Sections are functions (``resolve``, ``online``, ``noise``); :func:`main` runs those asked::
 
-    .venv/bin/python benchmarks/bench_elastic.py [--section resolve|online|noise|all]
+    .venv/bin/python benchmarks/bench_elastic.py [--section resolve|plans|online|noise|all]
         [--repeats 5] [--steps 60] [--at 20] [--factor 6]
 
 Wall-clock figures: run on a quiet machine.
@@ -83,7 +85,10 @@ def resolve(repeats: int) -> list[dict[str, Any]]:
             rows.append({"workload": workload, "cluster": cluster, "scenario": scenario,
                          "median_s": statistics.median(times), "min_s": min(times),
                          "max_s": max(times), "goal_s": goal, "build_s": build_s, "warm_s": warm_s,
-                         "predicted_ms": last.predicted_step_ms, "changes": last.changes})
+                         "predicted_ms": last.predicted_step_ms, "changes": last.changes,
+                         # the running plan under the same slowdown (None: groups gone)
+                         "kept_ms": cache.predict(plan, slow)[0] if not scenario.startswith(
+                             "gone") else None})
     return rows
 
 
@@ -136,8 +141,20 @@ def online(steps: int, at: int, factor: float) -> dict[str, Any]:
     return out
 
 
-def noise(steps: int) -> dict[str, float]:
-    """The noise section: each group's coefficient of variation of its compute time."""
+def _longest_over(values: list[float], threshold: float) -> int:
+    """The longest run of values over (1 + threshold) x their median."""
+    cut = statistics.median(values) * (1 + threshold)
+    best = run = 0
+    for v in values:
+        run = run + 1 if v > cut else 0
+        best = max(best, run)
+    return best
+
+
+def noise(steps: int) -> dict[str, dict[str, float]]:
+    """The noise section, per group: the coefficient of variation of its compute time, the
+    share of steps over +10% of the median, and the longest run of them (the detector
+    fires on 20 in a row)."""
     _, ind, plan = _first_plan(ONLINE_MODEL, ONLINE_CLUSTER)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -145,13 +162,20 @@ def noise(steps: int) -> dict[str, float]:
         ind.save(root / "ind.json")
         rows = _run(root / "run", root / "plan.json", root / "ind.json", steps,
                     {"cpu_2": 2.0}, None)
-    return {g: coefficient_of_variation([r["compute_ms"] for r in rank[5:]])
-            for g, rank in zip(("cpu", "cpu_2"), rows, strict=True)}
+    out = {}
+    for g, rank in zip(("cpu", "cpu_2"), rows, strict=True):
+        ms = [r["compute_ms"] for r in rank[5:]]
+        med = statistics.median(ms)
+        out[g] = {"cv": coefficient_of_variation(ms),
+                  "over_10pct": sum(v > 1.1 * med for v in ms) / len(ms),
+                  "longest_run_over_10pct": _longest_over(ms, 0.1)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=("resolve", "online", "noise", "all"), default="all")
+    ap.add_argument("--section", choices=("resolve", "plans", "online", "noise", "all"),
+                    default="all")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--at", type=int, default=20)
@@ -159,6 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; wall figures need a quiet machine")
+    if args.section == "plans":
+        print("\n== re-plans (deterministic: a random indicator of seed 0) ==")
+        for r in resolve(1):
+            kept = (f" (the running plan: {r['kept_ms']:.3f} ms)" if r["kept_ms"] is not None
+                    else "")
+            print(f"{r['workload']:>10} {r['cluster']:>22} {r['scenario']:>12}: predicted "
+                  f"{r['predicted_ms']:.3f} ms{kept}; " + "; ".join(r["changes"]))
     if args.section in ("resolve", "all"):
         print("\n== re-solve (median/min/max s over repeats; goal) ==")
         for r in resolve(args.repeats):
@@ -170,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['predicted_ms']:.3f} ms; " + "; ".join(r["changes"]))
     if args.section in ("noise", "all"):
         print("\n== noise: coefficient of variation of compute_ms per group ==")
-        for g, cv in noise(args.steps).items():
-            print(f"  {g}: {cv:.3f}")
+        for g, n in noise(args.steps).items():
+            print(f"  {g}: cv {n['cv']:.3f}, {n['over_10pct']:.0%} of steps over +10% of the "
+                  f"median, longest run of them {n['longest_run_over_10pct']}")
     if args.section in ("online", "all"):
         print("\n== online re-plan ==")
         print(json.dumps(online(args.steps, args.at, args.factor), indent=1))

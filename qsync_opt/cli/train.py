@@ -81,6 +81,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.link is not None:
         sys.stdout.write(f"emulation: link {config.link.describe()} between the ranks "
                          "(sleeps on top of the real transfers)\n")
+    if config.online is not None:
+        sys.stdout.write(_online_line(config.online) + "\n")
     if args.print_command:
         plan = Plan.load(config.plan_path)
         sys.stdout.write("\n".join(launch.multinode_commands(config, plan, path)) + "\n")
@@ -109,6 +111,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         _print_summary(config)
         return 0
     return report_failure(rc, tail, report, config.rank_groups)
+
+
+def _online_line(spec: OnlineSpec) -> str:
+    """What ``--replan`` and ``--inject-slowdown`` will do, in one line."""
+    parts = [f"re-plan {spec.replan}"]
+    if spec.replan == "auto":
+        parts[0] += (f" (a group {spec.replan_threshold:.0%} slower than calibrated on "
+                     f"{spec.replan_window} consecutive steps, calibrated on the first "
+                     f"{spec.replan_calibration} of each plan)")
+    parts += [f"slowdown injected: {i.group} x{i.factor:g} from step {i.step}"
+              for i in spec.inject_slowdown]
+    return "online: " + "; ".join(parts)
 
 
 def _planned_line(config: TrainConfig, doc: dict[str, Any]) -> str | None:
