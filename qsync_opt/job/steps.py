@@ -461,6 +461,8 @@ class Trainer:
             **({"memory": self.memory} if self.memory is not None else {}),
             **({"scale_probe": self.scale_probe} if self.scale_probe is not None else {}),
             "first_loss": self.first_loss,
+            **({"online": {"replans": self.online.replans, "slowdown": self.online.factors}}
+               if self.online is not None else {}),
             "warnings": run_warnings(self.step, self.skipped, self.first_loss,
                                      self.last_loss, evals[0]["loss"]),
         }

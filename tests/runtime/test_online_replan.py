@@ -112,6 +112,7 @@ def test_an_injected_slowdown_is_replanned_within_window_plus_two(
     assert set(b1[rep["step"]:]) == {rep["batches"]["cpu_2"]} and rep["batches"]["cpu_2"] < start
     assert all(x + y == 64 for x, y in zip(b0, b1, strict=True))
     assert summary["batches"] == [rep["batches"]["cpu"], rep["batches"]["cpu_2"]]
+    assert summary["online"] == {"replans": 1, "slowdown": {"cpu_2": pytest.approx(3.0)}}
     assert (tmp_path / "replan_cache.json").is_file()
 
 
@@ -228,6 +229,16 @@ def test_hostile_flags_are_refused_in_one_line(planned: tuple[Path, Path], tmp_p
     assert code == 2
     lines = [x for x in err.splitlines() if x.strip()]
     assert any(match in x for x in lines), err
+    assert "Traceback" not in err
+
+
+def test_a_missing_indicator_stops_the_run_in_one_line(planned: tuple[Path, Path],
+                                                       tmp_path: Path) -> None:
+    code, _, err = run_cli("train", "--model", "digits_cnn", "--plan", str(planned[0]),
+                           "--emulate-dp", "--steps", "3", "--out", str(tmp_path),
+                           "--replan", "auto", "--replan-indicator", str(tmp_path / "no.json"))
+    assert code == 2
+    assert "--replan auto: " in err and "no.json: file not found" in err
     assert "Traceback" not in err
 
 
