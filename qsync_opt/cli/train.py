@@ -90,14 +90,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.emulate_dp:
         if args.dry_run:
             return 0
-        result = emulate(config, replanner=make_replanner)
+        result = (emulate(config, replanner=make_replanner) if config.online is not None
+                  else emulate(config))
         if isinstance(result, int) and not isinstance(result, bool):
             return result
         _print_summary(config)
         return 0
-    replans = config.online is not None and config.online.replan == "auto"
-    cmd = launch.local_command(path, config.world_size, launch.free_port(),
-                               REPLAN_WORKER if replans else launch.WORKER_MODULE)
+    if config.online is not None and config.online.replan == "auto":  # the worker that re-plans
+        cmd = launch.local_command(path, config.world_size, launch.free_port(), REPLAN_WORKER)
+    else:
+        cmd = launch.local_command(path, config.world_size, launch.free_port())
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
