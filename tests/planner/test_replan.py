@@ -20,8 +20,8 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.planner.replan import ReplanCache, even_cluster
 from qsync_opt.planner.solve import solve
 from qsync_opt.problem.evaluator import evaluate
-from qsync_opt.problem.plan import check_plan
-from qsync_opt.problem.program import AllocationProblem
+from qsync_opt.problem.plan import check_plan, make_plan
+from qsync_opt.problem.program import AllocationProblem, ProblemOptions
 from qsync_opt.problem.synthetic import random_indicator
 
 #: (workload, cluster): two and three groups of emulated CPUs, batches even.
@@ -277,3 +277,18 @@ def test_a_tampered_document_inside_is_refused(tmp_path: Path) -> None:
         ReplanCache.load(path)
     with pytest.raises(QsyncInputError, match="no such file"):
         ReplanCache.load(tmp_path / "missing.json")
+
+
+def test_the_options_come_from_the_plans_provenance() -> None:
+    graph, cluster, ind = _inputs("digits")
+    opts = ProblemOptions(memory_headroom=0.25, optimizer="adam")
+    problem = AllocationProblem(graph, cluster, qs.estimate(graph, cluster), ind, opts)
+    plan = problem.make_plan(problem.reference_assignment())
+    cache = ReplanCache.build(plan, graph, indicator=ind)
+    assert cache.problem.options.memory_headroom == 0.25
+    assert cache.problem.options.optimizer == "adam"
+    assert cache.problem.options.target_ms is None  # each re-plan takes its own default
+    # a plan of another graph is refused, naming what differs
+    other = make_plan(qs.trace("tiny_gpt"), qs.load_cluster("cpux1"), {})
+    with pytest.raises(QsyncInputError):
+        ReplanCache.build(other, graph, indicator=ind)
