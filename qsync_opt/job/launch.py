@@ -96,15 +96,24 @@ from qsync_opt.strategy.checks import check_strategy
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import parse_schedule
 
-__all__ = ["CONFIG_NAME", "MAX_RANKS", "WORKER_MODULE", "TrainRequest", "build_config",
-           "checkpoint_note", "free_port", "local_command", "multinode_commands",
-           "resolve_defaults", "resolve_ranks", "run_streaming", "watch_parents",
+__all__ = ["CONFIG_NAME", "MAX_RANKS", "REPLAN_WORKER", "WORKER_MODULE", "TrainRequest",
+           "build_config", "checkpoint_note", "free_port", "local_command", "multinode_commands",
+           "resolve_defaults", "resolve_ranks", "run_streaming", "watch_parents", "worker_module",
            "write_config"]
 
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "train_config.json"
 WORKER_MODULE = "qsync_opt.job.rank"
+#: The worker of a run that re-plans online (``--replan auto``): the rank entry with the
+#: planner's side (:mod:`qsync_opt.cli.replanning`; named here, never imported).
+REPLAN_WORKER = "qsync_opt.cli.replanning"
+
+
+def worker_module(config: TrainConfig) -> str:
+    """The module torchrun runs on every rank of ``config``'s run."""
+    online = config.online
+    return REPLAN_WORKER if online is not None and online.replan == "auto" else WORKER_MODULE
 
 
 #: Ranks of one run (one process each).
@@ -456,7 +465,7 @@ def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> li
                      f"({groups})")
         cmd = ["OMP_NUM_THREADS=1", "torchrun", "--nnodes", str(nnodes), "--node-rank",
                str(node), "--nproc-per-node", str(per_node), "--master-addr", "HOST0",
-               "--master-port", "29500", "-m", WORKER_MODULE, str(config_path)]
+               "--master-port", "29500", "-m", worker_module(config), str(config_path)]
         lines.append(" ".join(shlex.quote(c) if "=" not in c else c for c in cmd))
     return lines
 

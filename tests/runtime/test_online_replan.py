@@ -242,6 +242,19 @@ def test_a_missing_indicator_stops_the_run_in_one_line(planned: tuple[Path, Path
     assert "Traceback" not in err
 
 
+def test_every_command_line_runs_the_worker_that_replans(planned: tuple[Path, Path],
+                                                         tmp_path: Path) -> None:
+    base = ("train", "--model", "digits_cnn", "--plan", str(planned[0]), "--steps", "3")
+    code, out, _ = run_cli(*base, "--out", str(tmp_path / "a"), "--dry-run", "--replan", "auto")
+    assert code == 0 and "-m qsync_opt.cli.replanning" in out
+    assert "online: re-plan auto (a group 10% slower than calibrated on 20" in out
+    code, out, _ = run_cli(*base, "--out", str(tmp_path / "b"), "--print-command",
+                           "--replan", "auto")
+    assert code == 0 and "-m qsync_opt.cli.replanning" in out
+    code, out, _ = run_cli(*base, "--out", str(tmp_path / "c"), "--dry-run")
+    assert code == 0 and "-m qsync_opt.job.rank" in out and "online:" not in out
+
+
 def test_the_flags_default_to_off_and_write_nothing_new(planned: tuple[Path, Path],
                                                         tmp_path: Path) -> None:
     code, _, _ = run_cli("train", "--model", "digits_cnn", "--plan", str(planned[0]),
