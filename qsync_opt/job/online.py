@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import parse_document, to_json
+from qsync_opt.documents.outfolder import write_text
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job.steps import Trainer
 from qsync_opt.ops.layers import switch_precisions
@@ -225,8 +226,10 @@ class OnlineControl:
         except QsyncInputError as exc:
             _say(f"step {step + 1}: no re-plan ({exc}); the running plan goes on")
             return {"error": str(exc)}
+        name = f"plan.replan{self.replans + 1}.json"  # the run's record of the plan it ran
+        write_text(self.cfg.out_dir, name, to_json(res.plan), what="--out")
         self.events.write(
-            "replan", step + 1, groups=sorted(fired), factors=dict(fired),
+            "replan", step + 1, groups=sorted(fired), factors=dict(fired), plan=name,
             old_predicted_ms=old_ms, new_predicted_ms=res.predicted_step_ms,
             solve_s=res.solve_s, reason=reason, slowdown=factors, changes=res.changes,
             batches={g: p.batch_per_device for g, p in res.plan.groups.items()})

@@ -113,6 +113,8 @@ def test_an_injected_slowdown_is_replanned_within_window_plus_two(
     assert all(x + y == 64 for x, y in zip(b0, b1, strict=True))
     assert summary["batches"] == [rep["batches"]["cpu"], rep["batches"]["cpu_2"]]
     assert summary["online"] == {"replans": 1, "slowdown": {"cpu_2": pytest.approx(3.0)}}
+    ran = qs.Plan.load(tmp_path / rep["plan"])  # the plan the run switched to, recorded
+    assert {g: p.batch_per_device for g, p in ran.groups.items()} == rep["batches"]
     assert (tmp_path / "replan_cache.json").is_file()
 
 
