@@ -223,6 +223,10 @@ class OnlineControl:
                   f"(over {self.spec.replan_threshold:.0%}): {what}")
         try:
             res = self.replanner.replan(self.groups, factors, current=plan)
+            got = sum(res.plan.groups[g].batch_per_device for g in self.cfg.rank_groups)
+            if got != self.tr.s.global_batch:
+                raise QsyncInputError(f"global_batch: the re-plan's is {got}, the run's "
+                                      f"{self.tr.s.global_batch}")
         except QsyncInputError as exc:
             _say(f"step {step + 1}: no re-plan ({exc}); the running plan goes on")
             return {"error": str(exc)}

@@ -400,17 +400,50 @@ def even_cluster(cluster: ClusterSpec, present: Sequence[str], total: int
         raise QsyncInputError(
             f"global_batch: {total} samples cannot give each of the {world} devices of "
             f"{', '.join(g.name for g in groups)} one")
-    split = {g.name: total // world for g in groups}
-    left = total - sum(g.count * split[g.name] for g in groups)
-    while left > 0:
-        fit = [g for g in groups if g.count <= left]
-        if not fit:
+    counts = [g.count for g in groups]
+    base, left = total // world, total % world
+    extra = None
+    for lower in range(0, min(base, EVEN_TRIES)):  # give up `lower` samples a device first
+        extra = _extras(counts, left + lower * world)
+        if extra is not None:
+            base -= lower
             break
-        g = max(fit, key=lambda g: g.count)
-        split[g.name] += 1
-        left -= g.count
+    if extra is None:  # no exact split near the even one: the largest below it
+        extra, left = [0] * len(groups), left
+        for i in sorted(range(len(groups)), key=lambda i: -counts[i]):
+            extra[i], left = left // counts[i], left % counts[i]
+    else:
+        left = 0
     return cluster.model_copy(update={"groups": [
-        g.model_copy(update={"batch_per_device": split[g.name]}) for g in groups]}), total - left
+        g.model_copy(update={"batch_per_device": base + e})
+        for g, e in zip(groups, extra, strict=True)]}), total - left
+
+
+#: How many samples per device :func:`even_cluster` may take from the even split to make
+#: the global batch exact.
+EVEN_TRIES = 4
+
+
+def _extras(counts: Sequence[int], amount: int) -> list[int] | None:
+    """Whole numbers e with sum(counts[i] * e[i]) == amount, the largest counts taking the
+    most (deterministic), or None where there are none."""
+    order = sorted(range(len(counts)), key=lambda i: -counts[i])
+    last: list[int | None] = [None] * (amount + 1)  # the group a sum was last reached by
+    last[0] = -1
+    for a in range(1, amount + 1):
+        for i in order:
+            if counts[i] <= a and last[a - counts[i]] is not None:
+                last[a] = i
+                break
+    if last[amount] is None:
+        return None
+    out, a = [0] * len(counts), amount
+    while a:
+        i = last[a]
+        assert i is not None and i >= 0
+        out[i] += 1
+        a -= counts[i]
+    return out
 
 
 def _global_batch(plan: Plan) -> int:

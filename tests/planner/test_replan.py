@@ -171,6 +171,18 @@ def test_global_batch_given_lowered_and_refused() -> None:
         gpt.replan(_names("gpt"), global_batch=1)
 
 
+@pytest.mark.parametrize(("shorthand", "total", "kept"), [
+    ("cpux4+cpu/2x6", 18, 18), ("cpux1+cpu/2x2", 25, 25), ("cpux3+cpu/2x5", 13, 13),
+    ("cpux2+cpu/2x2", 25, 24), ("cpux16+cpu/2x16", 4096, 4096)])
+def test_the_even_split_keeps_the_global_batch_wherever_a_split_does(
+        shorthand: str, total: int, kept: int) -> None:
+    cluster = qs.load_cluster(shorthand)
+    got, held = even_cluster(cluster, [g.name for g in cluster.groups], total)
+    assert held == kept == sum(g.count * int(g.batch_per_device or 0) for g in got.groups)
+    batches = [int(g.batch_per_device or 0) for g in got.groups]
+    assert min(batches) >= 1 and max(batches) - min(batches) <= 3
+
+
 def test_survivors_that_cannot_hold_the_batch_are_named() -> None:
     graph, cluster, ind = _inputs("digits")
     small = qs.load_cluster("cpux1@32+cpu/2:4mx1@32")
