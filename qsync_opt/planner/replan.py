@@ -439,10 +439,10 @@ def _extras(counts: Sequence[int], amount: int) -> list[int] | None:
         return None
     out, a = [0] * len(counts), amount
     while a:
-        i = last[a]
-        assert i is not None and i >= 0
-        out[i] += 1
-        a -= counts[i]
+        by = last[a]
+        assert by is not None and by >= 0
+        out[by] += 1
+        a -= counts[by]
     return out
 
 
