@@ -35,13 +35,13 @@ import torch.distributed as dist
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.io import parse_document, to_json
-from qsync_opt.documents.outfolder import write_text
+from qsync_opt.documents.outfolder import read_bytes, write_text
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job.steps import Trainer
 from qsync_opt.ops.layers import switch_precisions
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.emulate import SlowdownHooks
-from qsync_opt.runtime.events import EventLog
+from qsync_opt.runtime.events import EventLog, read_events
 from qsync_opt.runtime.straggler import StragglerDetector
 
 __all__ = ["OnlineControl", "Replanned", "Replanner", "ReplannerFactory"]
@@ -147,6 +147,42 @@ class OnlineControl:
         got = json.loads(buf.cpu().numpy().tobytes().decode("utf-8"))
         assert isinstance(got, dict)
         return got
+
+    # ------------------------------------------------------------------ a resume
+
+    def resume(self, start: int) -> None:
+        """A run resumed at step ``start``: the injected stretches due before it, and the
+        plan the newest re-plan at or before it switched to (its recorded file), run again
+        from ``start`` on; the detector calibrates afresh."""
+        if start <= 0:
+            return
+        for g in self.groups:
+            f = self.spec.stretch_at(g, start - 1, self.cfg.slowdown.get(g, 1.0))
+            self.tr.stretch[g] = f
+            for r, h in zip(self.tr.ranks, self.hooks, strict=True):
+                if h is not None and self.cfg.rank_groups[r] == g:
+                    h.factor = f
+        done = [e for e in read_events(self.cfg.out_dir) if e["kind"] == "replan"
+                and e["step"] <= start and isinstance(e.get("plan"), str)]
+        if not done or self.detector is None:
+            return
+        data = read_bytes(self.cfg.out_dir, done[-1]["plan"], what="--out")
+        if data is None:
+            raise QsyncInputError(f"--replan auto: {done[-1]['plan']}, the plan of the re-plan "
+                                  f"at step {done[-1]['step']}, is missing from the run's folder")
+        plan = parse_document(json.loads(data), Plan, done[-1]["plan"])
+        slow = done[-1].get("slowdown")
+        self.factors = {str(g): float(f) for g, f in slow.items()} if isinstance(
+            slow, dict) else {}
+        self.switch(plan)
+        predicted = None
+        if self.lead and self.replanner is not None:
+            predicted = self.replanner.predict(plan, self.factors)[1]
+        self.detector.replanned(self._broadcast({"predicted": predicted})["predicted"])
+        self.replans = len(done)
+        if self.lead:
+            _say(f"step {start}: resumed on {done[-1]['plan']} (the re-plan at step "
+                 f"{done[-1]['step']})")
 
     # ------------------------------------------------------------------ injected slowdowns
 

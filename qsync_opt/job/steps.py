@@ -408,6 +408,8 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         start = self.begin()
+        if self.online is not None:
+            self.online.resume(start)
         self.start_scale()
         metrics = [MetricsWriter(self.out / f"metrics.rank{r}.jsonl", start)
                    for r in self.ranks]

@@ -118,6 +118,24 @@ def test_an_injected_slowdown_is_replanned_within_window_plus_two(
     assert (tmp_path / "replan_cache.json").is_file()
 
 
+def test_a_resume_runs_the_replanned_plan_bit_for_bit(
+        planned: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped after the re-plan and resumed: the re-planned plan and the injected stretch
+    are in force again, and the run ends as the uninterrupted one, bit for bit."""
+    _fake_compute(monkeypatch)
+    inject = [SlowdownInjection(group="cpu_2", step=6, factor=6.0)]
+    whole = emulate(_config(planned, tmp_path / "whole", 16, inject_slowdown=inject),
+                    replanner=make_replanner)
+    emulate(_config(planned, tmp_path / "cut", 12, inject_slowdown=inject),
+            replanner=make_replanner)
+    again = emulate(_config(planned, tmp_path / "cut", 16, inject_slowdown=inject),
+                    replanner=make_replanner)
+    assert again["resumed_from_step"] == 12
+    assert again["state_sha256"] == whole["state_sha256"]
+    assert again["batches"] == whole["batches"] and again["online"] == whole["online"]
+    assert _batches(tmp_path / "cut", 1)[-4:] == _batches(tmp_path / "whole", 1)[-4:]
+
+
 def test_an_isolated_slow_step_never_replans(planned: tuple[Path, Path], tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_compute(monkeypatch, lambda step, g: 8.0 if (step, g) in {(5, "cpu_2"),
