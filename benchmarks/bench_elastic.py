@@ -9,7 +9,8 @@
   changed from 2 to ``--factor`` at step ``--at``: the steps until the re-plan (goal: at
   most the window + 2), and the measured step time after it (median over the steps from
   the re-plan on, the slowest replica's compute plus the sync) against a run started with
-  the re-plan's plan under the same stretch (goal: within 10%).
+  the plan for the true slowdown (the injected stretch over the device's own) under the
+  same stretch (goal: within 10%).
 * ``plans``: the re-plans of ``resolve`` without their times (deterministic).
 * ``noise``: each group's compute time in an emulated run without faults: its coefficient
   of variation, the share of steps over +10% of the median and the longest run of such
@@ -51,8 +52,8 @@ from qsync_opt.runtime.straggler import coefficient_of_variation
 RESOLVE_CASES = [("resnet50", "v100x16+t4x16", 1.0), ("bert_base", "v100x16+t4x16", 1.0),
                  ("digits_cnn", "cpux1@32+cpu/2x1@32", 0.2),
                  ("tiny_gpt", "cpux1@8+cpu/2x2@8", 0.2)]
-#: The online run's workload and cluster (cpu_2 is the group slowed).
-ONLINE_MODEL, ONLINE_CLUSTER = "digits_cnn", "cpux1@32+cpu/2x1@32"
+#: The online run's workload and cluster (cpu_2 is the group slowed, its own stretch 2).
+ONLINE_MODEL, ONLINE_CLUSTER, BASE_STRETCH = "digits_cnn", "cpux1@32+cpu/2x1@32", 2.0
 
 
 def _first_plan(workload: str, cluster: str) -> tuple[Any, Any, Any]:
@@ -119,16 +120,17 @@ def online(steps: int, at: int, factor: float) -> dict[str, Any]:
         spec = OnlineSpec(replan="auto", indicator=str(root / "ind.json"), inject_slowdown=[
             SlowdownInjection(group="cpu_2", step=at, factor=factor)])
         rows = _run(root / "online", root / "plan.json", root / "ind.json", steps,
-                    {"cpu_2": 2.0}, spec)
+                    {"cpu_2": BASE_STRETCH}, spec)
         reps = [e for e in read_events(root / "online") if e["kind"] == "replan"]
         out: dict[str, Any] = {"steps": steps, "slowdown_at": at, "factor": factor,
                                "window": spec.replan_window, "replans": len(reps)}
         if not reps:
             return out
         first = reps[0]
-        # the right plan from the start: the re-plan's plan, under the same stretch
+        # the right plan from the start: the plan for the true slowdown (the injected
+        # stretch over the device's own), run under that stretch from step 0
         cache = ReplanCache.load(root / "online" / "replan_cache.json")
-        right = cache.replan(["cpu", "cpu_2"], first["slowdown"]).plan
+        right = cache.replan(["cpu", "cpu_2"], {"cpu_2": factor / BASE_STRETCH}).plan
         right.save(root / "right.json")
         ref = _run(root / "right", root / "right.json", root / "ind.json", steps,
                    {"cpu_2": factor}, None)
@@ -137,7 +139,8 @@ def online(steps: int, at: int, factor: float) -> dict[str, Any]:
         out.update({"replan_step": first["step"], "steps_to_replan": first["step"] - at,
                     "solve_s": first["solve_s"], "factor_measured": first["factors"],
                     "step_ms_after": after, "step_ms_right_plan": reference,
-                    "ratio": after / reference, "batches": first["batches"]})
+                    "ratio": after / reference, "batches": first["batches"],
+                    "right_batches": {g: p.batch_per_device for g, p in right.groups.items()}})
     return out
 
 

@@ -81,6 +81,14 @@ class Replanner(Protocol):
 ReplannerFactory = Callable[[TrainConfig, Plan], Replanner]
 
 
+def normalised(factors: Mapping[str, float], groups: Sequence[str]) -> dict[str, float]:
+    """The run's slowdown factors relative to its least slowed group (whose factor is 1;
+    factors of 1 left out): the detector sees relative speeds, so a slowdown that went away
+    shows as the other groups slower, and folded in here it gives the factors back."""
+    least = min(factors.get(g, 1.0) for g in groups)
+    return {g: f / least for g, f in factors.items() if f / least > 1.0 + 1e-12}
+
+
 def _say(line: str) -> None:
     """A line of the run's log (stdout: the launcher shows it; a ``qsync-opt train:`` line
     would be taken for a rank's failure)."""
@@ -237,8 +245,9 @@ class OnlineControl:
         fire = self.detector.observe(step, self.measured())
         if fire is None:
             return
-        factors = {g: self.factors.get(g, 1.0) * f for g, f in fire.factors.items()}
-        factors = {**self.factors, **factors}
+        factors = normalised({**self.factors, **{g: self.factors.get(g, 1.0) * f
+                                                  for g, f in fire.factors.items()}},
+                             self.groups)
         reply = self._broadcast(self._solve(step, fire.factors, factors) if self.lead else {})
         if reply.get("error"):
             self.detector.replanned(self.detector.predicted)  # calibrate again, go on

@@ -8,18 +8,21 @@ The rule (:class:`StragglerRule`, the defaults below, ``train --replan-*`` flags
 
 * **Calibration.** For the first ``calibration`` steps of each plan (the run's first, and
   every re-plan's) the detector only records, per group, the ratio measured / predicted;
-  the group's calibration is the median of those ratios. A cost model that is uniformly
-  off (the planner's figures are for a card, the measurement is this CPU) is absorbed
-  there and never fires.
-* **Detection.** Afterwards each step's ratio is divided by the calibration: the group's
-  *excess*. A group whose excess is above ``1 + threshold`` on ``window`` consecutive steps
+  the group's calibration is their median. A cost model that is off (the planner's
+  figures are for a card, the measurement is this CPU) is absorbed there and never fires.
+* **Detection.** Afterwards each step's ratio is divided by the calibration, and then by
+  the smallest such value of any group that step (with one group, by 1): the group's
+  *excess*. What slows every group alike (the machine busy with another job) cancels, and
+  only what a re-plan can move (one group slower than the others) remains. A group whose excess is above ``1 + threshold`` on ``window`` consecutive steps
   fires; one step at or below it restarts the count, so one slow step never fires.
 * **The factor.** The median excess over those ``window`` steps: what the group's compute
   costs are scaled by in the re-plan (cumulative with earlier re-plans' factors).
 * **Hysteresis.** After a fire the detector waits for the re-plan (:meth:`replanned`) and
   then calibrates again, so two re-plans are at least ``calibration + window`` steps apart;
-  only slowdowns fire (a faster group never does) and factors only grow, so a constant
-  slowdown gives one re-plan, and noise around the calibration gives none.
+  only a group slower than the others fires, so a constant slowdown gives one re-plan and
+  noise around the calibration none. A slowdown that goes away shows as the other groups
+  slower: one more re-plan, whose factors (the run folds each fire's into the last and
+  divides by the least) give back the first plan; no state alternates.
 
 Defaults: a threshold of 10% over 20 consecutive steps, calibrated on 5. What they stand on
 is the noise of a group's compute time, which ``benchmarks/bench_elastic.py --section noise``
@@ -87,6 +90,7 @@ class Fire:
 class _Group:
     calib: list[float] = field(default_factory=list)
     scale: float | None = None  # the calibration (median ratio), once made
+    calib_done: bool = False  # calibrated before this step (so this step is detected)
     run: list[float] = field(default_factory=list)  # the current run of excess steps
 
 
@@ -122,24 +126,32 @@ class StragglerDetector:
             return None
         rule = self.rule
         fired: dict[str, float] = {}
+        ratios = {g: m / self.predicted[g] for g in self.groups
+                  if (m := measured_ms.get(g)) is not None and math.isfinite(m) and m > 0}
         for g, st in self.groups.items():
-            m = measured_ms.get(g)
-            if m is None or not math.isfinite(m) or m <= 0:
+            if g not in ratios:
                 st.run.clear()  # no measurement: no evidence either way
-                continue
-            ratio = m / self.predicted[g]
-            if st.scale is None:
-                st.calib.append(ratio)
+            elif st.scale is None:
+                st.calib.append(ratios[g])
                 if len(st.calib) >= rule.calibration:
                     st.scale = statistics.median(st.calib)
-                continue
-            ex = ratio / st.scale
+        # each group against its calibration, then against the least slowed group: what
+        # slows every group alike (the machine busy, a cost model off for all) cancels, and
+        # only what a re-plan can move remains
+        cal = {g: ratios[g] / st.scale for g, st in self.groups.items()
+               if g in ratios and st.scale is not None and st.calib_done}
+        ref = min(cal.values()) if len(cal) >= 2 else 1.0
+        for g, ex in cal.items():
+            st = self.groups[g]
+            ex /= ref
             if ex > 1.0 + rule.threshold:
                 st.run.append(ex)
                 if len(st.run) >= rule.window:
                     fired[g] = statistics.median(st.run[-rule.window:])
             else:
                 st.run.clear()
+        for st in self.groups.values():  # a group calibrated this step counts from the next
+            st.calib_done = st.scale is not None
         if not fired:
             return None
         self.waiting = True

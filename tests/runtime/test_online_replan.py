@@ -72,10 +72,11 @@ def _config(planned: tuple[Path, Path], out: Path, steps: int, **online: Any) ->
 
 def _fake_compute(monkeypatch: pytest.MonkeyPatch,
                   shape: Callable[[int, str], float] = lambda step, g: 1.0) -> None:
-    """Each rank's compute ms: 10 x its group's stretch now x ``shape(step, group)``."""
+    """Each rank's compute ms: its batch x its group's stretch now x ``shape(step, group)``
+    (as compute is, proportional to the batch and the stretch)."""
     def own(self: OnlineControl) -> dict[int, float]:
         step = self.tr.step - 1
-        return {r: 10.0 * self.tr.stretch.get(g, 1.0) * shape(step, g)
+        return {r: self.tr.s.batches[r] * self.tr.stretch.get(g, 1.0) * shape(step, g)
                 for r, g in enumerate(self.cfg.rank_groups)}
 
     monkeypatch.setattr(OnlineControl, "own_compute_ms", own)
@@ -134,6 +135,29 @@ def test_a_resume_runs_the_replanned_plan_bit_for_bit(
     assert again["state_sha256"] == whole["state_sha256"]
     assert again["batches"] == whole["batches"] and again["online"] == whole["online"]
     assert _batches(tmp_path / "cut", 1)[-4:] == _batches(tmp_path / "whole", 1)[-4:]
+
+
+def test_a_slowdown_that_goes_away_gives_the_first_plan_back(
+        planned: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_compute(monkeypatch)
+    inject = [SlowdownInjection(group="cpu_2", step=6, factor=6.0),
+              SlowdownInjection(group="cpu_2", step=14, factor=2.0)]
+    summary = emulate(_config(planned, tmp_path, 22, inject_slowdown=inject),
+                      replanner=make_replanner)
+    first, back = _kinds(tmp_path, "replan")
+    assert first["groups"] == ["cpu_2"] and back["groups"] == ["cpu"]
+    assert first["slowdown"] == {"cpu_2": pytest.approx(3.0)} and back["slowdown"] == {}
+    start = json.loads(Path(planned[0]).read_text())["groups"]
+    assert back["batches"] == {g: p["batch_per_device"] for g, p in start.items()}
+    assert summary["online"] == {"replans": 2, "slowdown": {}}
+
+
+def test_normalised_factors_are_relative_to_the_least_slowed_group() -> None:
+    from qsync_opt.job.online import normalised
+
+    assert normalised({"a": 3.0}, ["a", "b"]) == {"a": 3.0}
+    assert normalised({"a": 3.0, "b": 3.0}, ["a", "b"]) == {}
+    assert normalised({"a": 6.0, "b": 2.0}, ["a", "b"]) == {"a": 3.0}
 
 
 def test_an_isolated_slow_step_never_replans(planned: tuple[Path, Path], tmp_path: Path,

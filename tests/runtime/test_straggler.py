@@ -49,6 +49,16 @@ def test_a_sustained_slowdown_fires_after_window_steps_with_its_factor() -> None
     assert _run(det, _steady(20, slow=100.0), start=20) == []
 
 
+def test_a_slowdown_of_every_group_alike_never_fires() -> None:
+    # the machine gets busy: every group 2x slower from step 10 on (nothing to re-balance)
+    det = StragglerDetector(StragglerRule(threshold=0.1, window=3, calibration=2), PRED)
+    assert _run(det, _steady(10) + _steady(50, fast=26.0, slow=52.0)) == []
+    # one group alone: measured against its own prediction
+    solo = StragglerDetector(StragglerRule(threshold=0.1, window=3, calibration=2),
+                             {"only": 10.0})
+    assert len(_run(solo, [{"only": 10.0}] * 5 + [{"only": 20.0}] * 3)) == 1
+
+
 def test_an_isolated_slow_step_never_fires() -> None:
     det = StragglerDetector(StragglerRule(threshold=0.1, window=3, calibration=2), PRED)
     steps = _steady(5)
@@ -66,8 +76,13 @@ def test_after_a_replan_it_calibrates_again_and_does_not_flip_flop() -> None:
     # the re-plan predicts the slowed group at 2x: the same measured times are normal now
     det.replanned({"fast": 10.0, "slow": 40.0})
     assert _run(det, _steady(100, slow=52.0), start=10) == []
-    # and a faster group (the slowdown went away) never fires
-    assert _run(det, _steady(100, slow=26.0), start=110) == []
+    # the slowdown goes away: against the others, "fast" now looks 2x slower; one fire,
+    # whose factor folded with the first (the run normalises them: job/online.py) gives
+    # back the first prediction, and then nothing more fires
+    fires = _run(det, _steady(100, slow=26.0), start=110)
+    assert [f.factors for f in fires] == [{"fast": pytest.approx(2.0)}]
+    det.replanned(PRED)
+    assert _run(det, _steady(100), start=300) == []
 
 
 def test_noise_below_the_threshold_never_fires() -> None:
