@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qsync_opt.cli.replanning import REPLAN_WORKER, make_replanner
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import launch
@@ -22,6 +23,7 @@ from qsync_opt.ops import load_cpu
 from qsync_opt.pipeline.spec import PipelineRequest
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.metrics import ranks_text, sync_line
+from qsync_opt.runtime.online import OnlineSpec, parse_injection
 from qsync_opt.runtime.rankfail import report_failure
 
 __all__ = ["cmd_train", "train_request"]
@@ -45,7 +47,19 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
         pipeline=PipelineRequest(
             stages=args.pipeline_stages, cuts=args.cuts, micro_batches=args.micro_batches,
             compress_act=args.compress_act, compress_grad=args.compress_grad,
-            feedback=args.feedback, compress_at_eval=args.compress_at_eval))
+            feedback=args.feedback, compress_at_eval=args.compress_at_eval),
+        online=online_spec(args))
+
+
+def online_spec(args: argparse.Namespace) -> OnlineSpec | None:
+    """The ``--replan*`` and ``--inject-slowdown`` flags (None: all at their defaults)."""
+    injections = [parse_injection(t) for t in args.inject_slowdown or ()]
+    if args.replan == "off" and not injections:
+        return None
+    return OnlineSpec(replan=args.replan, replan_threshold=args.replan_threshold,
+                      replan_window=args.replan_window,
+                      replan_calibration=args.replan_calibration,
+                      indicator=args.replan_indicator, inject_slowdown=injections)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -67,6 +81,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.link is not None:
         sys.stdout.write(f"emulation: link {config.link.describe()} between the ranks "
                          "(sleeps on top of the real transfers)\n")
+    if config.online is not None:
+        sys.stdout.write(_online_line(config.online) + "\n")
     if args.print_command:
         plan = Plan.load(config.plan_path)
         sys.stdout.write("\n".join(launch.multinode_commands(config, plan, path)) + "\n")
@@ -74,12 +90,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.emulate_dp:
         if args.dry_run:
             return 0
-        result = emulate(config)
+        result = (emulate(config, replanner=make_replanner) if config.online is not None
+                  else emulate(config))
         if isinstance(result, int) and not isinstance(result, bool):
             return result
         _print_summary(config)
         return 0
-    cmd = launch.local_command(path, config.world_size, launch.free_port())
+    if config.online is not None and config.online.replan == "auto":  # the worker that re-plans
+        cmd = launch.local_command(path, config.world_size, launch.free_port(), REPLAN_WORKER)
+    else:
+        cmd = launch.local_command(path, config.world_size, launch.free_port())
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
@@ -93,6 +113,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         _print_summary(config)
         return 0
     return report_failure(rc, tail, report, config.rank_groups)
+
+
+def _online_line(spec: OnlineSpec) -> str:
+    """What ``--replan`` and ``--inject-slowdown`` will do, in one line."""
+    parts = [f"re-plan {spec.replan}"]
+    if spec.replan == "auto":
+        parts[0] += (f" (a group {spec.replan_threshold:.0%} slower than calibrated on "
+                     f"{spec.replan_window} consecutive steps, calibrated on the first "
+                     f"{spec.replan_calibration} of each plan)")
+    parts += [f"slowdown injected: {i.group} x{i.factor:g} from step {i.step}"
+              for i in spec.inject_slowdown]
+    return "online: " + "; ".join(parts)
 
 
 def _planned_line(config: TrainConfig, doc: dict[str, Any]) -> str | None:

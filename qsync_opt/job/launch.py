@@ -88,6 +88,7 @@ from qsync_opt.runtime.config import (
     check_resume,
     rank_groups_example,
 )
+from qsync_opt.runtime.online import OnlineSpec
 from qsync_opt.runtime.rankfail import sort_line
 from qsync_opt.runtime.ranks import resolve_ranks
 from qsync_opt.runtime.watchdog import watch_parents
@@ -95,15 +96,24 @@ from qsync_opt.strategy.checks import check_strategy
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import parse_schedule
 
-__all__ = ["CONFIG_NAME", "MAX_RANKS", "WORKER_MODULE", "TrainRequest", "build_config",
-           "checkpoint_note", "free_port", "local_command", "multinode_commands",
-           "resolve_defaults", "resolve_ranks", "run_streaming", "watch_parents",
+__all__ = ["CONFIG_NAME", "MAX_RANKS", "REPLAN_WORKER", "WORKER_MODULE", "TrainRequest",
+           "build_config", "checkpoint_note", "free_port", "local_command", "multinode_commands",
+           "resolve_defaults", "resolve_ranks", "run_streaming", "watch_parents", "worker_module",
            "write_config"]
 
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "train_config.json"
 WORKER_MODULE = "qsync_opt.job.rank"
+#: The worker of a run that re-plans online (``--replan auto``): the rank entry with the
+#: planner's side (:mod:`qsync_opt.cli.replanning`; named here, never imported).
+REPLAN_WORKER = "qsync_opt.cli.replanning"
+
+
+def worker_module(config: TrainConfig) -> str:
+    """The module torchrun runs on every rank of ``config``'s run."""
+    online = config.online
+    return REPLAN_WORKER if online is not None and online.replan == "auto" else WORKER_MODULE
 
 
 #: Ranks of one run (one process each).
@@ -157,6 +167,8 @@ class TrainRequest:
     measure_memory: int | None = None
     emulate_link: str | None = None
     pipeline: PipelineRequest = field(default_factory=PipelineRequest)
+    #: ``--replan``, ``--replan-*``, ``--inject-slowdown`` (None: neither)
+    online: OnlineSpec | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -328,7 +340,8 @@ def _train_config(request: TrainRequest, plan: Plan, plan_path: Path, ranks: lis
             slowdown=_slowdowns(plan, ranks), timeout_s=request.timeout_s,
             backend=request.backend, memory_step=request.measure_memory, pipeline=pipeline,
             link=resolve_link(request.emulate_link, plan.cluster, ranks),
-            progress_every_s=request.progress_every_s, resume_anyway=request.resume_anyway)
+            progress_every_s=request.progress_every_s, resume_anyway=request.resume_anyway,
+            online=request.online)
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
 
@@ -419,10 +432,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def local_command(config_path: Path, nproc: int, port: int) -> list[str]:
+def local_command(config_path: Path, nproc: int, port: int,
+                  module: str = WORKER_MODULE) -> list[str]:
     """The single-node torchrun command line for ``nproc`` ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(port), "-m", WORKER_MODULE, str(config_path)]
+            "--master-port", str(port), "-m", module, str(config_path)]
 
 
 def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> list[str]:
@@ -451,7 +465,7 @@ def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> li
                      f"({groups})")
         cmd = ["OMP_NUM_THREADS=1", "torchrun", "--nnodes", str(nnodes), "--node-rank",
                str(node), "--nproc-per-node", str(per_node), "--master-addr", "HOST0",
-               "--master-port", "29500", "-m", WORKER_MODULE, str(config_path)]
+               "--master-port", "29500", "-m", worker_module(config), str(config_path)]
         lines.append(" ".join(shlex.quote(c) if "=" not in c else c for c in cmd))
     return lines
 

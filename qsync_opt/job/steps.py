@@ -122,6 +122,13 @@ class Trainer:
         self.memory: dict[str, Any] | None = None  # filled by measure_memory()
         #: the run's rounds, bytes and ms in collectives (metrics.sync_totals), after train()
         self.communication: dict[str, Any] | None = None
+        #: each group's compute stretch now (the device's, then injected slowdowns'): what
+        #: emulated replicas report (a replica alone in its process sleeps it instead)
+        self.stretch: dict[str, float] = dict(self.cfg.slowdown)
+        #: the last step's compute ms per local rank, as its metrics row says
+        self.last_compute_ms: dict[int, float] = {}
+        #: re-planning and injected slowdowns at the step boundaries (job/online.py)
+        self.online: Any = None
 
     @property
     def scaler(self) -> LossScaler:
@@ -335,11 +342,14 @@ class Trainer:
             g = cfg.rank_groups[r]
             # One local replica: its slowdown hooks already slept inside c_s. Emulated
             # replicas do not sleep; their step time is reported stretched.
-            f = 1.0 if len(self.models) == 1 else cfg.slowdown.get(g, 1.0)
+            f = 1.0 if len(self.models) == 1 else self.stretch.get(g, 1.0)
+            self.last_compute_ms[r] = c_s * f * 1e3
             met.write(step_row(
                 step=step, rank=r, group=g, loss=loss, compute_s=c_s * f, sync_s=sync_s,
                 nbytes=nbytes, skipped=skip, loss_scale=sc.scale, lr=lr, **info,
-                extra={**link, **(per_rank.get(r) or {})},
+                extra={**link, **(per_rank.get(r) or {}),
+                       # a run that may re-plan says each step's batch (it may move)
+                       **({"batch": b} if self.online is not None else {})},
                 accuracy=correct / b if classification else None,
                 state_sha256=state_hash(m) if self.log_state_hash else None))
 
@@ -398,17 +408,23 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         start = self.begin()
+        if self.online is not None:
+            self.online.resume(start)
         self.start_scale()
         metrics = [MetricsWriter(self.out / f"metrics.rank{r}.jsonl", start)
                    for r in self.ranks]
         bar = StepProgress(cfg.steps, cfg.progress_every_s, start=start, report=show_progress)
         try:
             while self.step < cfg.steps:
+                if self.online is not None:
+                    self.online.before_step(self.step)
                 if cfg.memory_step == self.step:
                     self.measure_memory(metrics)  # the step, with its peak measured
                 else:
                     self.train_step(metrics)
                 bar.update(self.step, self.last_loss)
+                if self.online is not None:
+                    self.online.after_step(self.step - 1)
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                         and self.step < cfg.steps):
                     self.save()
@@ -417,6 +433,8 @@ class Trainer:
         finally:
             for met in metrics:
                 met.close()
+            if self.online is not None:
+                self.online.close()
         self.communication = sync_totals(self.out / f"metrics.rank{self.ranks[0]}.jsonl")
         sha = state_hash(self.models[0])
         evals = {}
@@ -445,6 +463,8 @@ class Trainer:
             **({"memory": self.memory} if self.memory is not None else {}),
             **({"scale_probe": self.scale_probe} if self.scale_probe is not None else {}),
             "first_loss": self.first_loss,
+            **({"online": {"replans": self.online.replans, "slowdown": self.online.factors}}
+               if self.online is not None else {}),
             "warnings": run_warnings(self.step, self.skipped, self.first_loss,
                                      self.last_loss, evals[0]["loss"]),
         }

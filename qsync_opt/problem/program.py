@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +64,13 @@ from qsync_opt.documents.schemas import (
     Plan,
 )
 from qsync_opt.problem.coefficients import GroupInputs, ScheduleCache, group_model
-from qsync_opt.problem.groupmodel import GroupModel, Unit, check_finite, held_at_reference
+from qsync_opt.problem.groupmodel import (
+    GroupModel,
+    Unit,
+    check_finite,
+    held_at_reference,
+    scale_time,
+)
 from qsync_opt.problem.plan import make_plan
 from qsync_opt.replayer import PeriodicSync, Replayer
 
@@ -162,6 +169,25 @@ def _hash(doc: Any) -> str:
     return str(doc.content_hash())
 
 
+@dataclass
+class DerivedCache:
+    """What the problems made from one problem derived, by cluster and the options that
+    shape it (opt-in: a re-plan's cache holds one): the cost table of each cluster the cost
+    provider was asked for, and each group's coefficients before any time scale or hold. A
+    problem of a cluster seen before is then made without estimating or deriving again
+    (the same numbers: they are the very objects made the first time)."""
+
+    costs: dict[str, CostTable] = field(default_factory=dict)
+    #: key -> (the unscaled, unheld group models, the memory_or count, the costs they are of)
+    groups: dict[str, tuple[list[GroupModel], int, CostTable]] = field(default_factory=dict)
+
+    def groups_key(self, problem: AllocationProblem) -> str:
+        opts = {k: v for k, v in problem.options.to_json().items()
+                if k not in ("target_ms", "strong_groups", "lower_reference")}
+        return json.dumps([problem.cluster.model_dump(mode="json"), id(problem.costs), opts],
+                          sort_keys=True, default=str)
+
+
 #: Relative slack on the target and capacity checks (solver tolerances are ~1e-9 relative).
 EVAL_TOL = 1e-7
 
@@ -196,8 +222,14 @@ class AllocationProblem:
     def __init__(self, graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
                  indicator: IndicatorTable, options: ProblemOptions | None = None, *,
                  cost_provider: Callable[[ClusterSpec], CostTable] | None = None,
-                 schedules: ScheduleCache | None = None) -> None:
+                 schedules: ScheduleCache | None = None,
+                 time_scale: Mapping[str, float] | None = None,
+                 derived: DerivedCache | None = None) -> None:
         self.graph = graph
+        #: Group -> factor on its compute time terms (measured slower than its costs say,
+        #: :mod:`qsync_opt.planner.replan`), and what the problems made from this one share
+        #: of what they derived (:class:`DerivedCache`; None: nothing).
+        self.time_scale, self.derived = dict(time_scale or {}), derived
         self.schedules: ScheduleCache = {} if schedules is None else schedules
         self.cluster = cluster.with_default_batch(graph.batch_size)
         self.costs = costs
@@ -298,10 +330,19 @@ class AllocationProblem:
             casts=self.options.casts, memory_headroom=self.options.memory_headroom,
             reference=Precision(self.options.reference), indicator=self.indicator,
             cluster=self.cluster, graph_batch=self.graph.batch_size)
-        built = [group_model(inputs, gi, self.schedules) for gi in range(len(rep.groups))]
-        groups = [model for model, _ in built]
-        memory_or = built[0][1] if built else 0
-        check_finite(groups, [u.ops[0] for u in self.units])
+        key = self.derived.groups_key(self) if self.derived is not None else None
+        got = self.derived.groups.get(key) if self.derived is not None and key else None
+        if got is not None:
+            raw, memory_or = got[0], got[1]
+        else:
+            built = [group_model(inputs, gi, self.schedules) for gi in range(len(rep.groups))]
+            raw, memory_or = [model for model, _ in built], (built[0][1] if built else 0)
+            if self.derived is not None and key:
+                self.derived.groups[key] = (list(raw), memory_or, self.costs)
+        groups = [scale_time(model, self.time_scale.get(model.name, 1.0)) for model in raw]
+        # models taken from the derived cache were checked when they were derived
+        check_finite(groups if got is None else [g for g, r in zip(groups, raw, strict=True)
+                                                 if g is not r], [u.ops[0] for u in self.units])
         if memory_or:
             self.notes.append(
                 f"linear model: {memory_or} ops with several choosable producers "
@@ -463,9 +504,10 @@ class AllocationProblem:
 
     # ------------------------------------------------------------------ variations
 
-    def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None
-                     ) -> AllocationProblem:
-        """The same problem on another cluster or batch split.
+    def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None,
+                     time_scale: Mapping[str, float] | None = None) -> AllocationProblem:
+        """The same problem on another cluster or batch split (``time_scale``: the groups'
+        compute time factors, None: this problem's).
 
         Costs are kept when they already cover the new batches and world size; otherwise
         they come from ``cost_provider``, by default :class:`~qsync_opt.costs.batchmodel.TableCosts`
@@ -479,8 +521,14 @@ class AllocationProblem:
         same_world = cluster.world_size == self.cluster.world_size
         costs = self.costs
         if not need <= have or not same_world:
-            provider = self.cost_provider or TableCosts(self.costs, self.graph)
-            costs = provider(cluster)
+            key = cluster.model_dump_json() if self.derived is not None else ""
+            got = self.derived.costs.get(key) if self.derived is not None else None
+            if got is None:
+                provider = self.cost_provider or TableCosts(self.costs, self.graph)
+                got = provider(cluster)
+                if self.derived is not None:
+                    self.derived.costs[key] = got
+            costs = got
         opts = options or self.options
         names = {g.name for g in cluster.groups}
         if opts.strong_groups is None and self.held_groups and set(self.held_groups) <= names:
@@ -488,7 +536,9 @@ class AllocationProblem:
             # whatever group is fastest at the new split.
             opts = dataclasses.replace(opts, strong_groups=self.held_groups)
         return AllocationProblem(self.graph, cluster, costs, self.indicator, opts,
-                                 cost_provider=self.cost_provider, schedules=self.schedules)
+                                 cost_provider=self.cost_provider, schedules=self.schedules,
+                                 time_scale=self.time_scale if time_scale is None else time_scale,
+                                 derived=self.derived)
 
     def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
         """The same problem with another makespan target (no coefficient is rebuilt)."""
@@ -508,7 +558,8 @@ class AllocationProblem:
             opts["strong_groups"] = tuple(opts["strong_groups"])
         return AllocationProblem(self.graph, self.cluster, self.costs, self.indicator,
                                  ProblemOptions(**opts), cost_provider=self.cost_provider,
-                                 schedules=self.schedules)
+                                 schedules=self.schedules, time_scale=self.time_scale,
+                                 derived=self.derived)
 
     def size(self) -> dict[str, int]:
         """Units, one-hot variables and pair variables per group (for reports)."""
