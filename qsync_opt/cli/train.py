@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qsync_opt.cli.elastic import cmd_elastic
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import launch
@@ -40,6 +41,7 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
         average_optimizer_state=args.average_optimizer_state, seed=args.seed, out=args.out,
         checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
         resume_anyway=args.resume_anyway, emulate_dp=args.emulate_dp,
+        elastic=getattr(args, "elastic", False),
         timeout_s=args.timeout, backend=args.backend, progress_every_s=args.progress_every,
         measure_memory=args.measure_memory, emulate_link=args.emulate_link,
         pipeline=PipelineRequest(
@@ -67,6 +69,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.link is not None:
         sys.stdout.write(f"emulation: link {config.link.describe()} between the ranks "
                          "(sleeps on top of the real transfers)\n")
+    if config.elastic:
+        rc = cmd_elastic(args, config, path)
+        if rc == 0 and not (args.print_command or args.dry_run):
+            _print_summary(config)
+        return rc
     if args.print_command:
         plan = Plan.load(config.plan_path)
         sys.stdout.write("\n".join(launch.multinode_commands(config, plan, path)) + "\n")

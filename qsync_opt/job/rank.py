@@ -293,5 +293,11 @@ def _failed(code: int) -> int:
     os._exit(code)
 
 
+#: The one-line refusal and the distributed exit, for the elastic ranks' entry
+#: (qsync_opt.cli.elastic), which runs its world the same way.
+say = _say
+exit_code = _failed
+
+
 if __name__ == "__main__":
     sys.exit(main())
