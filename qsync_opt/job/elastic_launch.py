@@ -58,10 +58,21 @@ __all__ = ["AGENT_MODULE", "LAST_CALL_S", "Agents", "agent_command", "cluster_co
 
 #: The ranks' entry under the agents (it wires the re-plan in: it sits above the planner).
 AGENT_MODULE = "qsync_opt.cli.elastic"
-#: Seconds the rendezvous waits for more nodes once one is there: a returning agent on this
-#: machine must start within it (the interpreter and torch: a few seconds) to join the same
-#: world; each leave costs it once.
-LAST_CALL_S = 6
+#: Seconds the rendezvous waits for more nodes once one is there: a returning agent must
+#: join within it to be part of the same world; each leave costs it once. On this machine a
+#: returning agent is started ahead and held (:data:`_HELD_AGENT`), so it joins within a
+#: fraction of a second of its go.
+LAST_CALL_S = 2
+#: An agent started ahead and held: torch imported, it waits for a line on stdin (the
+#: launcher's go), then runs torchrun with its arguments.
+_HELD_AGENT = """\
+import sys
+import torch.distributed.run as run
+if sys.stdin.readline().strip() != "go":
+    sys.exit(0)
+sys.argv = ["torchrun", *sys.argv[1:]]
+run.main()
+"""
 #: Seconds between the launcher's looks at the agents and the event log.
 POLL_S = 0.2
 
@@ -117,10 +128,12 @@ class Agents:
     env: dict[str, str]
     last_call_s: int = LAST_CALL_S
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    held: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     exits: list[tuple[str, int]] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
 
-    def start(self, group: str, crash_at: int | None) -> None:
+    def hold(self, group: str, crash_at: int | None) -> None:
+        """Start ``group``'s agent ahead, held before torchrun runs (:data:`_HELD_AGENT`)."""
         env = dict(self.env, **{NODE_GROUP_ENV: group,
                                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         env.pop(CRASH_AT_ENV, None)
@@ -129,12 +142,24 @@ class Agents:
         cmd = agent_command(self.config_path, self.spec.ranks[group], self.endpoint,
                             self.run_id, len(self.spec.groups), self.max_restarts,
                             self.last_call_s)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env, text=True, bufsize=1, start_new_session=True)
-        self.procs[group] = proc
+        cmd[1:3] = ["-c", _HELD_AGENT]  # python -c HELD ARGS... instead of -m torch...run
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, text=True, bufsize=1,
+                                start_new_session=True)
+        self.held[group] = proc
         t = threading.Thread(target=_copy, args=(proc.stdout, f"[{group}] "), daemon=True)
         t.start()
         self.threads.append(t)
+
+    def start(self, group: str, crash_at: int | None) -> None:
+        """Let ``group``'s agent go (held ahead unless it was not)."""
+        if group not in self.held:
+            self.hold(group, crash_at)
+        proc = self.held.pop(group)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        self.procs[group] = proc
 
     def reap(self) -> list[str]:
         """The groups whose agent exited since the last call."""
@@ -144,7 +169,7 @@ class Agents:
         return gone
 
     def stop_all(self, sig: int) -> None:
-        for p in self.procs.values():
+        for p in [*self.procs.values(), *self.held.values()]:
             try:
                 os.killpg(p.pid, sig)
             except (ProcessLookupError, PermissionError):
@@ -152,9 +177,21 @@ class Agents:
 
 
 def _copy(stream: IO[str] | None, prefix: str) -> None:
+    """An agent's output, each line prefixed; the traceback torchrun prints when its agent
+    is stopped by a signal (the way a group leaves) becomes one line."""
     if stream is None:
         return
+    block: list[str] = []
     for line in stream:
+        if block or line.startswith("Traceback (most recent call last)"):
+            block.append(line)
+            if len(block) == 1 or line[:1] in (" ", "\t"):
+                continue
+            if "SignalException" in line:
+                line = "torchrun agent stopped by a signal (its group left)\n"
+            else:
+                sys.stdout.write("".join(prefix + b for b in block[:-1]))
+            block = []
         sys.stdout.write(prefix + line)
         sys.stdout.flush()
 
@@ -173,34 +210,53 @@ def _next_changes(changes: Sequence[Change]) -> dict[str, list[Change]]:
     return by
 
 
+def _next_leave(pending: list[Change]) -> Change | None:
+    return pending[0] if pending and pending[0].leave else None
+
+
 def _arm(agents: Agents, out: Path, group: str, pending: list[Change]) -> None:
-    """Start ``group``'s agent with its next leave armed: a crash's step in its
-    environment, a graceful leave's step in ``OUT/leave/GROUP``."""
-    nxt = pending[0] if pending and pending[0].leave else None
-    crash = nxt.step if nxt is not None and nxt.mode == "crash" else None
+    """Let ``group``'s agent go with its next leave armed: a crash's step in its
+    environment (given when it was held), a graceful leave's step in ``OUT/leave/GROUP``."""
+    nxt = _next_leave(pending)
     if nxt is not None and nxt.mode == "graceful":
         write_text(out, Path(LEAVE_DIR, group), f"{nxt.step}\n")
-    agents.start(group, crash)
+    if group not in agents.held:
+        agents.hold(group, nxt.step if nxt is not None and nxt.mode == "crash" else None)
+    agents.start(group, None)
+
+
+def _hold_return(agents: Agents, group: str, pending: list[Change]) -> None:
+    """After ``group`` left: its returning agent started ahead and held, its crash (the
+    leave after the return, if one) armed."""
+    if pending and not pending[0].leave and group not in agents.held:
+        after = _next_leave(pending[1:])
+        agents.hold(group, after.step if after is not None and after.mode == "crash" else None)
 
 
 def run_local(agents: Agents, out: Path, changes: Sequence[Change]) -> tuple[int, str]:
     """Run the agents on this machine, play ``changes``; (exit code, the stop's reason)."""
     todo = _next_changes(changes)
+    base = len(read_events(out))  # a resumed run's folder holds the earlier runs' events
     for g in agents.spec.groups:
         _arm(agents, out, g, todo.get(g, []))
     gone_since: float | None = None
-    seen = 0
+    seen = base
+    failed: list[tuple[str, int]] = []  # agents that ended unplanned, with an error
     while True:
         time.sleep(POLL_S)
         for g in agents.reap():
             pend = todo.get(g, [])
             if pend and pend[0].leave:
-                pend.pop(0)  # the leave happened (or the agent ended otherwise)
+                pend.pop(0)  # the leave happened
+            elif agents.exits[-1][1] != 0:
+                failed.append(agents.exits[-1])
+            _hold_return(agents, g, pend)
         events = read_events(out)
-        stop = next((e for e in events[seen:] if e["kind"] == "stop"), None)
+        stop = next((e for e in events[max(base, seen):] if e["kind"] == "stop"), None)
         if stop is not None and not agents.procs:
             return (0 if stop.get("reason") == "done" else 1), str(stop.get("reason"))
-        reached = max((e["step"] for e in events if e["kind"] == "checkpoint"), default=0)
+        reached = max((e["step"] for e in events[base:] if e["kind"] == "checkpoint"),
+                      default=0)
         for g, pend in todo.items():
             if (g not in agents.procs and pend and not pend[0].leave
                     and (reached >= pend[0].step or not agents.procs)):
@@ -209,20 +265,29 @@ def run_local(agents: Agents, out: Path, changes: Sequence[Change]) -> tuple[int
         if agents.procs or stop is not None:
             gone_since = None
             continue
+        if failed and not any(p and not p[0].leave for p in todo.values()):
+            return 1, _stopped(out, "the agents failed (exit codes: " + ", ".join(
+                f"{g} {rc}" for g, rc in failed[-8:]) + "; their output above says why)")
         if gone_since is None:
             gone_since, seen = time.monotonic(), len(events)
         elif any(e["kind"] == "world" for e in events[seen:]):
             gone_since = None
         elif time.monotonic() - gone_since >= agents.spec.all_gone_s:
-            return 1, _all_gone(out, agents.spec.all_gone_s)
+            return 1, _all_gone(out, agents.spec.all_gone_s, agents.exits)
 
 
-def _all_gone(out: Path, waited: float) -> str:
+def _all_gone(out: Path, waited: float, exits: list[tuple[str, int]]) -> str:
     """Every group is gone and none came back: the ``stop`` event (this launcher writes it:
     no world runs), the checkpoint left as it is."""
+    codes = ", ".join(f"{g} {rc}" for g, rc in exits[-8:])
+    return _stopped(out, f"every group is gone (agents' exit codes: {codes}); waited "
+                         f"{waited:g} s for one to return (--all-gone-timeout)")
+
+
+def _stopped(out: Path, reason: str) -> str:
+    """The ``stop`` event, written by this launcher (no world runs), the checkpoint left as
+    it is; the reason with the checkpoint named."""
     cs = latest_complete_set(out)
-    reason = (f"every group is gone; waited {waited:g} s for one to return (--all-gone-"
-              "timeout)")
     with EventLog(out) as ev:
         ev.write("stop", cs.step if cs else 0, reason=reason,
                  checkpoint=str(cs.path) if cs else None)
