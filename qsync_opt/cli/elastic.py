@@ -33,7 +33,6 @@ from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.faults import FaultPlan
 from qsync_opt.runtime.membership import (
     ELASTIC_DIR,
-    MEMBERSHIP_FLAG,
     ElasticSpec,
     parse_membership,
     read_spec,
@@ -63,8 +62,6 @@ def elastic_spec(args: argparse.Namespace, config: TrainConfig, plan: Plan) -> E
                               "every world)")
     text = getattr(args, "membership", None)
     changes = parse_membership(text, groups, config.steps) if text else ()
-    if changes and not getattr(args, "elastic", False):
-        raise QsyncInputError(f"{MEMBERSHIP_FLAG}: only with --elastic")
     return ElasticSpec(
         groups=groups, ranks=ranks,
         devices={g.name: g.device for g in plan.cluster.groups if g.name in ranks},
@@ -73,12 +70,12 @@ def elastic_spec(args: argparse.Namespace, config: TrainConfig, plan: Plan) -> E
         replan_cache=str(Path(config.out_dir, ELASTIC_DIR, CACHE_NAME)))
 
 
-def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path) -> int:
+def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path,
+                spec: ElasticSpec) -> int:
     """Build the re-plan cache and the spec, then print the per-machine commands
     (``--print-command``), the local agents' commands (``--dry-run``), or run the agents
     here and play ``--membership``."""
     plan = Plan.load(config.plan_path)
-    spec = elastic_spec(args, config, plan)
     run_id = f"qsync-{secrets.token_hex(4)}"
     if args.print_command:
         endpoint = args.rdzv_endpoint or "HOST0:29400"

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qsync_opt.cli.elastic import cmd_elastic
+from qsync_opt.cli.elastic import cmd_elastic, elastic_spec
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import launch
@@ -55,6 +56,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     lines: list[str] = []
     pending: dict[str, Any] = {}
     config = launch.build_config(train_request(args), lines, pending)
+    if getattr(args, "membership", None) and not config.elastic:
+        raise QsyncInputError("--membership: only with --elastic")
+    spec = (elastic_spec(args, config, pending.get("plan") or Plan.load(config.plan_path))
+            if config.elastic else None)  # checked before anything is written
     path = launch.write_config(config, pending.get("plan"))
     for warning in pending["warnings"]:  # after every check: a refusal is one line
         log.warning(warning)
@@ -70,7 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         sys.stdout.write(f"emulation: link {config.link.describe()} between the ranks "
                          "(sleeps on top of the real transfers)\n")
     if config.elastic:
-        rc = cmd_elastic(args, config, path)
+        assert spec is not None
+        rc = cmd_elastic(args, config, path, spec)
         if rc == 0 and not (args.print_command or args.dry_run):
             _print_summary(config)
         return rc

@@ -42,6 +42,7 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
+from qsync_opt.documents.outfolder import write_text
 from qsync_opt.runtime.config import latest_complete_set
 from qsync_opt.runtime.events import EventLog, read_events
 from qsync_opt.runtime.membership import (
@@ -51,7 +52,6 @@ from qsync_opt.runtime.membership import (
     Change,
     ElasticSpec,
 )
-from qsync_opt.documents.outfolder import write_text
 
 __all__ = ["AGENT_MODULE", "LAST_CALL_S", "Agents", "agent_command", "cluster_commands",
            "run_local"]

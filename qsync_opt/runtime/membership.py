@@ -36,7 +36,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -106,8 +106,8 @@ def parse_membership(text: str, groups: list[str] | None = None,
         raise QsyncInputError(f"{MEMBERSHIP_FLAG}: expected GROUP-@STEP[:crash],GROUP+@STEP,"
                               "... (e.g. t4-@20,t4+@40), got an empty value")
     if len(text) > MAX_TEXT or not text.isascii() or not text.isprintable():
-        raise QsyncInputError(f"{MEMBERSHIP_FLAG}: expected at most {MAX_TEXT} printable "
-                              "ASCII characters")
+        raise QsyncInputError(f"{MEMBERSHIP_FLAG}: expected printable ASCII text of at most "
+                              f"{MAX_TEXT} characters")
     entries = [e.strip() for e in text.split(",")]
     if len(entries) > MAX_CHANGES:
         raise QsyncInputError(f"{MEMBERSHIP_FLAG}: at most {MAX_CHANGES} changes, got "
@@ -177,16 +177,16 @@ class ElasticSpec(BaseModel):
         return parse_membership(",".join(self.membership)) if self.membership else ()
 
 
-def _elastic(out: Path, name: str) -> Path:
+def _elastic(name: str) -> Path:
     return Path(ELASTIC_DIR, name)
 
 
 def write_spec(out: str | Path, spec: ElasticSpec) -> Path:
-    return write_text(out, _elastic(Path(out), SPEC_NAME), spec.model_dump_json(indent=2))
+    return write_text(out, _elastic(SPEC_NAME), spec.model_dump_json(indent=2))
 
 
 def read_spec(out: str | Path) -> ElasticSpec:
-    data = read_bytes(out, _elastic(Path(out), SPEC_NAME))
+    data = read_bytes(out, _elastic(SPEC_NAME))
     if data is None:
         raise QsyncInputError(f"--out {out}: no {ELASTIC_DIR}/{SPEC_NAME}: not an elastic run's "
                               "folder (start it with qsync-opt train --elastic)")
@@ -229,7 +229,7 @@ def write_exit(out: str | Path, rank: int, step: int, reason: str,
                groups: list[str]) -> None:
     """A rank leaves its world alive at ``step`` (steps completed) for ``reason``."""
     doc = {"time": time.time(), "step": int(step), "reason": reason, "groups": groups}
-    write_text(out, _elastic(Path(out), f"exit.rank{rank}.json"), json.dumps(doc))
+    write_text(out, _elastic(f"exit.rank{rank}.json"), json.dumps(doc))
 
 
 def take_exits(out: str | Path) -> list[dict[str, Any]]:
@@ -240,7 +240,7 @@ def take_exits(out: str | Path) -> list[dict[str, Any]]:
     except (OSError, QsyncInputError):
         return []
     for n in names:
-        rel = _elastic(Path(out), n)
+        rel = _elastic(n)
         try:
             doc = json.loads((read_bytes(out, rel) or b"").decode("utf-8"))
             remove(out, rel)
@@ -253,15 +253,13 @@ def take_exits(out: str | Path) -> list[dict[str, Any]]:
 
 
 def write_world(out: str | Path, doc: dict[str, Any]) -> None:
-    write_text(out, _elastic(Path(out), WORLD_NAME), json.dumps(doc, indent=2))
+    write_text(out, _elastic(WORLD_NAME), json.dumps(doc, indent=2))
 
 
 def read_world(out: str | Path) -> dict[str, Any] | None:
     try:
-        doc = json.loads((read_bytes(out, _elastic(Path(out), WORLD_NAME)) or b"null"))
+        doc = json.loads(read_bytes(out, _elastic(WORLD_NAME)) or b"null")
     except (ValueError, OSError, QsyncInputError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 
-
-LeaveMode = Literal["crash", "graceful"]

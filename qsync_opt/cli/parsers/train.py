@@ -13,7 +13,6 @@ from qsync_opt.core.limits import MAX_STEPS, finite_float, int_range, positive_i
 from qsync_opt.core.progress import LOG_EVERY_S
 from qsync_opt.costs.link import LINK_FLAG, LINK_HELP, parse_link
 from qsync_opt.documents.schemas import MAX_BATCH, MAX_DEVICES
-from qsync_opt.runtime.membership import ALL_GONE_S, MAX_LOST_S, MEMBERSHIP_FLAG, parse_membership
 from qsync_opt.runtime.config import (
     DEFAULT_LR,
     MAX_ABS_SEED,
@@ -21,6 +20,7 @@ from qsync_opt.runtime.config import (
     MAX_TIMEOUT_S,
     USER_MODEL_LR,
 )
+from qsync_opt.runtime.membership import ALL_GONE_S, MAX_LOST_S, MEMBERSHIP_FLAG, parse_membership
 from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
@@ -201,7 +201,7 @@ def _add_elastic_flags(p: argparse.ArgumentParser) -> None:
                    help="elastic: without --checkpoint-every, checkpoint often enough "
                         "(from the measured step time) that a crash loses at most S seconds "
                         f"of work (default {MAX_LOST_S:g})")
-    g.add_argument(MEMBERSHIP_FLAG, type=spec_type(parse_membership), default=None,
+    g.add_argument(MEMBERSHIP_FLAG, type=spec_type(parse_membership, MEMBERSHIP_FLAG), default=None,
                    metavar="CHANGES",
                    help="elastic, on this machine (tests, benchmarks): GROUP-@STEP[:crash] "
                         "removes the group's agent at that step (graceful by default: a "
