@@ -136,7 +136,7 @@ def _check_changes(changes: list[Change], groups: list[str] | None, steps: int |
             raise QsyncInputError(f"{MEMBERSHIP_FLAG}: {c.text()}: the step must be at least "
                                   f"1{bound}")
     by_group: dict[str, list[Change]] = {}
-    for c in changes:
+    for c in sorted(changes, key=lambda c: (c.step, not c.leave)):
         by_group.setdefault(c.group, []).append(c)
     for g, cs in by_group.items():
         for i, c in enumerate(cs):
@@ -154,7 +154,7 @@ def checkpoint_interval(step_s: float, max_lost_s: float) -> int:
     work at ``step_s`` seconds a step (at least 1)."""
     if not (math.isfinite(step_s) and step_s > 0):
         return 1
-    return max(1, int(max_lost_s // step_s))
+    return max(1, math.floor(max_lost_s / step_s * (1 + 1e-12)))
 
 
 class ElasticSpec(BaseModel):
