@@ -41,6 +41,7 @@ sits above the training packages, and its entry (:mod:`qsync_opt.cli.elastic`) h
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -66,10 +67,13 @@ from qsync_opt.runtime.checkpoint import load_checkpoint, qseeds, replica_entry,
 from qsync_opt.runtime.config import CheckpointSet, TrainConfig, latest_complete_set
 from qsync_opt.runtime.emulate import add_slowdown
 from qsync_opt.runtime.events import EventLog
-from qsync_opt.runtime.faults import DIE_EXIT_CODE, FaultPlan
+from qsync_opt.runtime.faults import DIE_EXIT_CODE, NO_FAULTS, FaultPlan
 from qsync_opt.runtime.membership import (
     CRASH_AT_ENV,
+    DIE_IN_REPLAN_ENV,
     ELASTIC_DIR,
+    FAULT_FIRED,
+    NODE_DEVICE_ENV,
     NODE_GROUP_ENV,
     RESTART_EXIT_CODE,
     WARM_STEPS,
@@ -87,12 +91,9 @@ from qsync_opt.runtime.metrics import clean, write_json
 from qsync_opt.runtime.prepare import Setup, build_model, prepare
 from qsync_opt.sync.replicas import make_sync
 
-__all__ = ["NODE_DEVICE_ENV", "ElasticTrainer", "Node", "Replanner", "WorldPlan",
+__all__ = ["ElasticTrainer", "Node", "Replanner", "WorldPlan", "world_plan",
            "derived_rng", "logical_order", "run_elastic"]
 
-#: The agent's environment: the device its node has now (default: the one its group left
-#: with; a node that returns with another is refused by name).
-NODE_DEVICE_ENV = "QSYNC_NODE_DEVICE"
 _KEY = "qsync/elastic"
 
 
@@ -260,6 +261,9 @@ class ElasticTrainer(Trainer):
         if done == WARM_STEPS and self.spec.checkpoint_every == 0:
             self._choose_interval()
         if self.crash_at is not None and self.step == self.crash_at:
+            # the record first: the next world counts the lost steps and the time from here
+            write_exit(self.out, 20_000 + self.ranks[0], self.step, "crash (membership "
+                       "switch: the agent killed)", self.present)
             _crash_node()
         return self._world_ends()
 
@@ -343,7 +347,7 @@ def run_elastic(config: TrainConfig, replan: Replanner,
     """This rank's part of the world that formed (module docstring); the exit code: 0
     (done, or this group left, or the run stopped), RESTART_EXIT_CODE (into the next
     world)."""
-    faults = FaultPlan.from_env() if faults is None else faults
+    faults = _once(config.out_dir, FaultPlan.from_env() if faults is None else faults)
     spec = read_spec(config.out_dir)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -360,13 +364,12 @@ def run_elastic(config: TrainConfig, replan: Replanner,
         return _refuse(config, spec, me, refused)
     logical = nodes.index(me)
     rank_groups = [n.group for n in nodes]
-    wp = _world_plan(store, config, spec, rank_groups, logical, replan)
+    wp = world_plan(store, config, spec, rank_groups, logical, replan)
     if wp is None:
         return 0  # no plan fits: stopped (rank 0 wrote why)
     cfg = config.model_copy(update={
         "rank_groups": rank_groups, "plan_path": _plan_file(config, wp, rank_groups),
         "slowdown": {g: f for g, f in config.slowdown.items() if g in rank_groups}})
-    signal.signal(signal.SIGTERM, lambda *_: _asked.append(1))
     dist.init_process_group("gloo" if config.backend != "nccl" else "nccl",
                             store=dist.PrefixStore("pg", store), rank=logical,
                             world_size=world, timeout=timedelta(seconds=config.timeout_s))
@@ -376,7 +379,23 @@ def run_elastic(config: TrainConfig, replan: Replanner,
         dist.destroy_process_group()
 
 
-_asked: list[int] = []
+def _fired(out: str) -> bool:
+    return (Path(out) / ELASTIC_DIR / FAULT_FIRED).exists()
+
+
+def _fire(out: str, code: int) -> None:
+    """An injected fault strikes: marked in the run's folder first (once per run)."""
+    write_text(out, Path(ELASTIC_DIR, FAULT_FIRED), f"{code}\n")
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _once(out: str, faults: FaultPlan) -> FaultPlan:
+    """The test faults of an elastic run strike once per run: after one fired, the
+    restarted ranks run without them (else the same fault would end every world)."""
+    if faults.empty or _fired(out):
+        return NO_FAULTS
+    return dataclasses.replace(faults, exit=lambda code: _fire(out, code))
 
 
 def _refuse(config: TrainConfig, spec: ElasticSpec, me: Node, refused: list[Node]) -> int:
@@ -401,7 +420,7 @@ def _stop_own_agent() -> None:
         pass
 
 
-def _world_plan(store: dist.Store, config: TrainConfig, spec: ElasticSpec,
+def world_plan(store: dist.Store, config: TrainConfig, spec: ElasticSpec,
                 rank_groups: list[str], logical: int, replan: Replanner) -> WorldPlan | None:
     """Logical rank 0 solves and sets the answer in the store; every rank reads it. No plan:
     rank 0 writes the ``stop`` event, every rank returns None."""
@@ -409,6 +428,9 @@ def _world_plan(store: dist.Store, config: TrainConfig, spec: ElasticSpec,
     if logical == 0:
         try:
             wp = replan(present, _global_batch(config))
+            if (os.environ.get(DIE_IN_REPLAN_ENV) == "1" and present != spec.groups
+                    and not _fired(config.out_dir)):
+                _fire(config.out_dir, DIE_EXIT_CODE)  # test hook: a kill in the re-plan
             doc = {"plan": json.loads(to_json(wp.plan)), "predicted_step_ms": wp.predicted_step_ms,
                    "predicted_group_ms": wp.predicted_group_ms, "solve_s": wp.solve_s,
                    "changes": wp.changes}
@@ -460,7 +482,6 @@ def _train_world(cfg: TrainConfig, spec: ElasticSpec, wp: WorldPlan, logical: in
     tr = ElasticTrainer(setup, [logical], [model], sync, device, faults=faults,
                         log_state_hash=os.environ.get("QSYNC_LOG_STATE_HASH") == "1",
                         spec=spec, world_plan=wp, events=events)
-    tr.stop_asked = bool(_asked)
     signal.signal(signal.SIGTERM, lambda *_: setattr(tr, "stop_asked", True))
     try:
         res = tr.train(show_progress=logical == 0)

@@ -48,6 +48,7 @@ from qsync_opt.runtime.events import EventLog, read_events
 from qsync_opt.runtime.membership import (
     CRASH_AT_ENV,
     LEAVE_DIR,
+    NODE_DEVICE_ENV,
     NODE_GROUP_ENV,
     Change,
     ElasticSpec,
@@ -132,11 +133,15 @@ class Agents:
     exits: list[tuple[str, int]] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
 
-    def hold(self, group: str, crash_at: int | None) -> None:
-        """Start ``group``'s agent ahead, held before torchrun runs (:data:`_HELD_AGENT`)."""
+    def hold(self, group: str, crash_at: int | None, device: str | None = None) -> None:
+        """Start ``group``'s agent ahead, held before torchrun runs (:data:`_HELD_AGENT`);
+        ``device``: the one its node has now (None: the one its group left with)."""
         env = dict(self.env, **{NODE_GROUP_ENV: group,
                                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         env.pop(CRASH_AT_ENV, None)
+        env.pop(NODE_DEVICE_ENV, None)
+        if device is not None:
+            env[NODE_DEVICE_ENV] = device
         if crash_at is not None:
             env[CRASH_AT_ENV] = str(crash_at)
         cmd = agent_command(self.config_path, self.spec.ranks[group], self.endpoint,
@@ -230,7 +235,8 @@ def _hold_return(agents: Agents, group: str, pending: list[Change]) -> None:
     leave after the return, if one) armed."""
     if pending and not pending[0].leave and group not in agents.held:
         after = _next_leave(pending[1:])
-        agents.hold(group, after.step if after is not None and after.mode == "crash" else None)
+        agents.hold(group, after.step if after is not None and after.mode == "crash" else None,
+                    pending[0].device)
 
 
 def run_local(agents: Agents, out: Path, changes: Sequence[Change]) -> tuple[int, str]:

@@ -44,8 +44,8 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import list_names, read_bytes, remove, write_text
 
 __all__ = [
-    "ALL_GONE_S", "CRASH_AT_ENV", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG",
-    "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "Change", "ElasticSpec", "checkpoint_interval",
+    "ALL_GONE_S", "CRASH_AT_ENV", "DIE_IN_REPLAN_ENV", "FAULT_FIRED", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG",
+    "NODE_DEVICE_ENV", "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "Change", "ElasticSpec", "checkpoint_interval",
     "parse_membership", "leave_requests", "read_spec", "read_world", "remove_leave",
     "take_exits", "write_exit", "write_spec", "write_world",
 ]
@@ -65,9 +65,17 @@ RESTART_EXIT_CODE = 75
 WARM_STEPS = 3
 #: The agent's environment: its device group (every rank it starts inherits it).
 NODE_GROUP_ENV = "QSYNC_NODE_GROUP"
+#: The agent's environment: the device its node has now (default: the one its group left
+#: with; a node that returns with another is refused by name).
+NODE_DEVICE_ENV = "QSYNC_NODE_DEVICE"
 #: Test hook (the membership switch's crash): at this step a rank of the agent kills the
 #: agent with SIGKILL and dies, as a node that loses power.
 CRASH_AT_ENV = "QSYNC_ELASTIC_CRASH_AT"
+#: Test hook: "1" makes the rank that re-plans die after solving, before it hands the plan
+#: out (a kill during the re-plan). Like the runtime's QSYNC_TEST_* faults, in an elastic
+#: run it strikes once per run (:data:`FAULT_FIRED` marks it), not again after the restart.
+DIE_IN_REPLAN_ENV = "QSYNC_TEST_DIE_IN_REPLAN"
+FAULT_FIRED = "fault-fired"
 ELASTIC_DIR = "elastic"
 LEAVE_DIR = "leave"
 SPEC_NAME = "spec.json"
@@ -76,7 +84,8 @@ _EXIT = re.compile(r"exit\.rank(\d{1,6})\.json")
 #: Entries of ``--membership`` and the characters of its text, at most.
 MAX_CHANGES = 64
 MAX_TEXT = 4096
-_ENTRY = re.compile(r"([A-Za-z0-9_.\-]{1,64}?)([+-])@(\d{1,9})(?::(crash|graceful))?")
+_ENTRY = re.compile(r"([A-Za-z0-9_.\-]{1,64}?)([+-])@(\d{1,9})(?::(crash|graceful))?"
+                    r"(?:=([A-Za-z0-9_./\-]{1,64}))?")
 
 
 @dataclass(frozen=True)
@@ -88,17 +97,21 @@ class Change:
     leave: bool
     step: int
     mode: str = "graceful"
+    #: a return only: the device the node comes back with (None: the one it left with)
+    device: str | None = None
 
     def text(self) -> str:
         return (f"{self.group}{'-' if self.leave else '+'}@{self.step}"
-                + (f":{self.mode}" if self.leave else ""))
+                + (f":{self.mode}" if self.leave else "")
+                + (f"={self.device}" if self.device else ""))
 
 
 def parse_membership(text: str, groups: list[str] | None = None,
                      steps: int | None = None) -> tuple[Change, ...]:
-    """``GROUP-@STEP[:crash|:graceful],GROUP+@STEP,...`` as changes in step order.
+    """``GROUP-@STEP[:crash|:graceful],GROUP+@STEP[=DEVICE],...`` as changes in step order.
 
-    A leave is graceful unless ``:crash``; per group the entries alternate leave, return,
+    A leave is graceful unless ``:crash``; a return with ``=DEVICE`` comes back with that
+    device instead of the one it left with (the run refuses it by name); per group the entries alternate leave, return,
     leave... starting with a leave, at increasing steps (a return strictly after its leave);
     ``groups`` (the plan's) and ``steps`` (the run's length) bound the names and steps when
     given. QsyncInputError names ``--membership`` and the entry."""
@@ -121,7 +134,10 @@ def parse_membership(text: str, groups: list[str] | None = None,
         if m[2] == "+" and m[4]:
             raise QsyncInputError(f"{MEMBERSHIP_FLAG}: {e!r}: a return has no mode (only a "
                                   "leave is :crash or :graceful)")
-        out.append(Change(m[1], m[2] == "-", int(m[3]), m[4] or "graceful"))
+        if m[2] == "-" and m[5]:
+            raise QsyncInputError(f"{MEMBERSHIP_FLAG}: {e!r}: only a return names a device "
+                                  "(GROUP+@STEP=DEVICE: the node comes back with another)")
+        out.append(Change(m[1], m[2] == "-", int(m[3]), m[4] or "graceful", m[5]))
     _check_changes(out, groups, steps)
     return tuple(sorted(out, key=lambda c: c.step))
 

@@ -5,17 +5,27 @@ checkpoint interval, the launcher's bookkeeping files."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan
-from qsync_opt.job.elastic import ElasticTrainer, Node, WorldPlan, derived_rng, logical_order
+from qsync_opt.job.elastic import (
+    ElasticTrainer,
+    Node,
+    WorldPlan,
+    derived_rng,
+    logical_order,
+    world_plan,
+)
 from qsync_opt.job.rank import build_model, emulate, load_checkpoint, prepare
 from qsync_opt.runtime.checkpoint import qseeds
 from qsync_opt.runtime.config import TrainConfig, check_resume, latest_complete_set
+from qsync_opt.runtime.events import read_events
 from qsync_opt.runtime.membership import (
     ElasticSpec,
     checkpoint_interval,
@@ -212,3 +222,32 @@ def test_a_checkpoint_maps_onto_a_smaller_and_a_larger_world(digits_mixed_plan: 
     for m in big.models:
         for k, v in m.state_dict().items():
             assert torch.equal(v, old[0]["model"][k]), k
+
+
+def test_no_plan_for_the_survivors_stops_with_the_checkpoint_intact(
+        digits_mixed_plan: Path, two_rank_set: Path, tmp_path: Path) -> None:
+    """The re-plan refuses (the survivors cannot hold the global batch): every rank gets
+    None, rank 0 writes the ``stop`` event naming the groups and what lacks, the newest
+    checkpoint set is untouched."""
+    out = tmp_path / "run"
+    shutil.copytree(two_rank_set, out)
+    before = {p.name: p.read_bytes() for p in latest_complete_set(out).path.iterdir()}  # type: ignore[union-attr]
+    cfg = _config(digits_mixed_plan, out, elastic=True)
+    spec = ElasticSpec(groups=GROUPS, ranks={g: 1 for g in GROUPS},
+                       devices={"cpu": "cpu", "cpu_2": "cpu"}, replan_cache="unused")
+    why = ("global_batch: no plan of cpu_2 holds the global batch 64: cpu_2 needs 17.2 GiB "
+           "at its least, has 16 GiB")
+
+    def refuse(groups: list[str], global_batch: int) -> WorldPlan:
+        assert groups == ["cpu_2"] and global_batch == 64
+        raise QsyncInputError(why)
+
+    store = dist.HashStore()
+    assert world_plan(store, cfg, spec, ["cpu_2"], 0, refuse) is None
+    assert world_plan(store, cfg, spec, ["cpu_2"], 1, refuse) is None  # the answer, read
+    stop = read_events(out)[-1]
+    assert stop["kind"] == "stop" and stop["step"] == 3
+    assert "no plan fits the groups present (cpu_2)" in stop["reason"] and why in stop["reason"]
+    cs = latest_complete_set(out)
+    assert cs is not None and cs.step == 3
+    assert {p.name: p.read_bytes() for p in cs.path.iterdir()} == before

@@ -205,9 +205,10 @@ def _add_elastic_flags(p: argparse.ArgumentParser) -> None:
                    metavar="CHANGES",
                    help="elastic, on this machine (tests, benchmarks): GROUP-@STEP[:crash] "
                         "removes the group's agent at that step (graceful by default: a "
-                        "checkpoint first; crash: SIGKILL), GROUP+@STEP starts a new one once "
-                        "the run reaches the step; comma-separated")
-    g.add_argument("--max-restarts", type=int_range(0, 10_000), default=100,
+                        "checkpoint first; crash: SIGKILL), GROUP+@STEP[=DEVICE] starts a new "
+                        "one once the run reaches the step (=DEVICE: back with another "
+                        "device, refused by name); comma-separated")
+    g.add_argument("--max-restarts", type=int_range(0, 10_000), default=100, metavar="N",
                    help="elastic: restarts each agent allows (every membership change costs "
                         "one; default 100)")
     g.add_argument("--all-gone-timeout", type=finite_float(0, 86400), default=ALL_GONE_S,
