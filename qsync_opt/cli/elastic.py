@@ -24,7 +24,7 @@ from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.documents.io import load
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import elastic_launch
-from qsync_opt.job.elastic import WorldPlan, run_elastic
+from qsync_opt.job.elastic import Replanner, WorldPlan, run_elastic
 from qsync_opt.job.launch import free_port
 from qsync_opt.job.rank import exit_code, say
 from qsync_opt.ops import load_cpu
@@ -126,7 +126,7 @@ def _predict(cache: ReplanCache, plan: Plan) -> tuple[float, dict[str, float]]:
     return prob.makespan_ms(a), {g.name: g.time_ms(a[g.name]) for g in prob.groups}
 
 
-def replanner(cache: ReplanCache, launch_plan: Plan):  # type: ignore[no-untyped-def]
+def replanner(cache: ReplanCache, launch_plan: Plan) -> Replanner:
     """The re-plan the ranks call: every group present runs the launch plan as given;
     fewer are re-solved at the global batch (QsyncInputError when none fits)."""
     every = [g.name for g in launch_plan.cluster.groups]

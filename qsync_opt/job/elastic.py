@@ -199,15 +199,14 @@ class ElasticTrainer(Trainer):
 
     # -- resuming across worlds
     def restore(self, cs: CheckpointSet) -> None:
-        old_groups = cs.run.get("rank_groups")
+        old_groups: list[str] = list(cs.run.get("rank_groups") or [])
         if old_groups == self.cfg.rank_groups:
             super().restore(cs)  # the same world: every rank its own file
             return
-        old = [(g, sum(1 for x in old_groups[:i] if x == g))
-               for i, g in enumerate(old_groups or [])]
+        old = [(g, old_groups[:i].count(g)) for i, g in enumerate(old_groups)]
         for i, (r, m, opt) in enumerate(zip(self.ranks, self.models, self.opts, strict=True)):
             g = self.cfg.rank_groups[r]
-            place = (g, sum(1 for x in self.cfg.rank_groups[:r] if x == g))
+            place = (g, self.cfg.rank_groups[:r].count(g))
             same = old.index(place) if place in old else None
             ck = load_checkpoint(cs.rank_file(0), "train", follow=False)
             if int(ck["step"]) != cs.step:

@@ -597,7 +597,7 @@ def check_resume(config: TrainConfig, plan: Plan) -> CheckpointSet | None:
         return None
     now = run_fingerprint(config, plan)
     diffs = fingerprint_differences(cs.run, now)
-    fatal = _FATAL
+    fatal: tuple[str, ...] = _FATAL
     if config.elastic and cs.run.get("elastic"):  # the world may change, nothing else
         fatal = tuple(k for k in _FATAL if k not in ELASTIC_WORLD)
         diffs = [d for d, k in zip(diffs, _differing(cs.run, now), strict=True)
