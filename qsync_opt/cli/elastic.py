@@ -12,7 +12,6 @@ re-solves for the groups present (:func:`replanner`), handing the answer to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import secrets
 import shlex
@@ -116,16 +115,6 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
     return rc
 
 
-def _predict(cache: ReplanCache, plan: Plan) -> tuple[float, dict[str, float]]:
-    """The launch plan's predicted step (whole, per group) by the cache's own model."""
-    p = cache.problem
-    opts = dataclasses.replace(p.options, target_ms=None, strong_groups=None,
-                               lower_reference=True)
-    prob = p.with_cluster(plan.cluster, opts, time_scale={})
-    a = prob.assignment(plan)
-    return prob.makespan_ms(a), {g.name: g.time_ms(a[g.name]) for g in prob.groups}
-
-
 def replanner(cache: ReplanCache, launch_plan: Plan) -> Replanner:
     """The re-plan the ranks call: every group present runs the launch plan as given;
     fewer are re-solved at the global batch (QsyncInputError when none fits)."""
@@ -133,7 +122,7 @@ def replanner(cache: ReplanCache, launch_plan: Plan) -> Replanner:
 
     def replan(groups: list[str], global_batch: int) -> WorldPlan:
         if groups == every:
-            step, per_group = _predict(cache, launch_plan)
+            step, per_group = cache.predict(launch_plan, {})
             return WorldPlan(launch_plan, step, per_group, 0.0, ["the launch plan"])
         r = cache.replan(groups, {}, global_batch)
         return WorldPlan(r.plan, r.predicted_step_ms, dict(r.predicted_group_ms), r.solve_s,
@@ -156,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load(args[0], TrainConfig)
         spec = read_spec(config.out_dir)
         cache = ReplanCache.load(spec.replan_cache)
-        code = run_elastic(config, replanner(cache, Plan.load(config.plan_path)), faults)
+        code = run_elastic(config, replanner(cache, Plan.load(config.plan_path)), faults,
+                           online=lambda cfg, plan: cache)
     except QsyncInputError as exc:
         say(f"qsync-opt train: {one_line(str(exc))}")
         return exit_code(2)

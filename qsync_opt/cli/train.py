@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_opt.cli.elastic import cmd_elastic, elastic_spec
+from qsync_opt.cli.replanning import REPLAN_WORKER, make_replanner
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
@@ -24,6 +25,7 @@ from qsync_opt.ops import load_cpu
 from qsync_opt.pipeline.spec import PipelineRequest
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.metrics import ranks_text, sync_line
+from qsync_opt.runtime.online import OnlineSpec, parse_injection
 from qsync_opt.runtime.rankfail import report_failure
 
 __all__ = ["cmd_train", "train_request"]
@@ -48,7 +50,19 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
         pipeline=PipelineRequest(
             stages=args.pipeline_stages, cuts=args.cuts, micro_batches=args.micro_batches,
             compress_act=args.compress_act, compress_grad=args.compress_grad,
-            feedback=args.feedback, compress_at_eval=args.compress_at_eval))
+            feedback=args.feedback, compress_at_eval=args.compress_at_eval),
+        online=online_spec(args))
+
+
+def online_spec(args: argparse.Namespace) -> OnlineSpec | None:
+    """The ``--replan*`` and ``--inject-slowdown`` flags (None: all at their defaults)."""
+    injections = [parse_injection(t) for t in args.inject_slowdown or ()]
+    if args.replan == "off" and not injections:
+        return None
+    return OnlineSpec(replan=args.replan, replan_threshold=args.replan_threshold,
+                      replan_window=args.replan_window,
+                      replan_calibration=args.replan_calibration,
+                      indicator=args.replan_indicator, inject_slowdown=injections)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -87,12 +101,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.emulate_dp:
         if args.dry_run:
             return 0
-        result = emulate(config)
+        result = emulate(config, replanner=make_replanner)
         if isinstance(result, int) and not isinstance(result, bool):
             return result
         _print_summary(config)
         return 0
-    cmd = launch.local_command(path, config.world_size, launch.free_port())
+    replans = config.online is not None and config.online.replan == "auto"
+    cmd = launch.local_command(path, config.world_size, launch.free_port(),
+                               REPLAN_WORKER if replans else launch.WORKER_MODULE)
     if args.dry_run:
         sys.stdout.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0

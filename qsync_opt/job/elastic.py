@@ -61,11 +61,12 @@ from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.documents.io import to_json
 from qsync_opt.documents.outfolder import write_text
 from qsync_opt.documents.schemas import Plan
+from qsync_opt.job.online import OnlineControl, ReplannerFactory
 from qsync_opt.job.steps import Trainer, TrainingError
 from qsync_opt.ops import load_cpu
 from qsync_opt.runtime.checkpoint import load_checkpoint, qseeds, replica_entry, set_qseeds
 from qsync_opt.runtime.config import CheckpointSet, TrainConfig, latest_complete_set
-from qsync_opt.runtime.emulate import add_slowdown
+from qsync_opt.runtime.emulate import SlowdownHooks, add_slowdown
 from qsync_opt.runtime.events import EventLog
 from qsync_opt.runtime.faults import DIE_EXIT_CODE, NO_FAULTS, FaultPlan
 from qsync_opt.runtime.membership import (
@@ -341,11 +342,12 @@ def _crash_node() -> None:
 # ----------------------------------------------------------------------------- one world
 
 
-def run_elastic(config: TrainConfig, replan: Replanner,
-                faults: FaultPlan | None = None) -> int:
+def run_elastic(config: TrainConfig, replan: Replanner, faults: FaultPlan | None = None,
+                online: ReplannerFactory | None = None) -> int:
     """This rank's part of the world that formed (module docstring); the exit code: 0
     (done, or this group left, or the run stopped), RESTART_EXIT_CODE (into the next
-    world)."""
+    world). ``online``: the planner's side of ``--replan auto`` inside each world
+    (:mod:`qsync_opt.job.online`; a membership change re-plans from the cache afresh)."""
     faults = _once(config.out_dir, FaultPlan.from_env() if faults is None else faults)
     spec = read_spec(config.out_dir)
     rank = int(os.environ.get("RANK", "0"))
@@ -373,7 +375,7 @@ def run_elastic(config: TrainConfig, replan: Replanner,
                             store=dist.PrefixStore("pg", store), rank=logical,
                             world_size=world, timeout=timedelta(seconds=config.timeout_s))
     try:
-        return _train_world(cfg, spec, wp, logical, faults)
+        return _train_world(cfg, spec, wp, logical, faults, online)
     finally:
         dist.destroy_process_group()
 
@@ -469,18 +471,23 @@ def _stop_for(config: TrainConfig, reason: str) -> None:
 
 
 def _train_world(cfg: TrainConfig, spec: ElasticSpec, wp: WorldPlan, logical: int,
-                 faults: FaultPlan) -> int:
+                 faults: FaultPlan, online: ReplannerFactory | None) -> int:
     setup: Setup = prepare(cfg)
     load_cpu()
     device = torch.device("cpu")
     model = build_model(setup, logical, device)
-    slowdown = add_slowdown(model, cfg.slowdown.get(cfg.rank_groups[logical], 1.0))
+    group = cfg.rank_groups[logical]
+    slowdown = add_slowdown(model, cfg.slowdown.get(group, 1.0))
+    if slowdown is None and cfg.online is not None:
+        slowdown = SlowdownHooks(model, 1.0)  # a re-plan reads its own compute there
     sync = make_sync(cfg, cfg.world_size, device, emulated=False, cluster=setup.plan.cluster,
                      setup=setup)
     events = EventLog(cfg.out_dir) if logical == 0 else None
     tr = ElasticTrainer(setup, [logical], [model], sync, device, faults=faults,
                         log_state_hash=os.environ.get("QSYNC_LOG_STATE_HASH") == "1",
                         spec=spec, world_plan=wp, events=events)
+    if cfg.online is not None:
+        tr.online = OnlineControl(tr, [slowdown], online)
     signal.signal(signal.SIGTERM, lambda *_: setattr(tr, "stop_asked", True))
     try:
         res = tr.train(show_progress=logical == 0)

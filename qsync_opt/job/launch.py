@@ -88,6 +88,7 @@ from qsync_opt.runtime.config import (
     check_resume,
     rank_groups_example,
 )
+from qsync_opt.runtime.online import OnlineSpec
 from qsync_opt.runtime.rankfail import sort_line
 from qsync_opt.runtime.ranks import resolve_ranks
 from qsync_opt.runtime.watchdog import watch_parents
@@ -158,6 +159,8 @@ class TrainRequest:
     measure_memory: int | None = None
     emulate_link: str | None = None
     pipeline: PipelineRequest = field(default_factory=PipelineRequest)
+    #: ``--replan``, ``--replan-*``, ``--inject-slowdown`` (None: neither)
+    online: OnlineSpec | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -329,7 +332,8 @@ def _train_config(request: TrainRequest, plan: Plan, plan_path: Path, ranks: lis
             slowdown=_slowdowns(plan, ranks), timeout_s=request.timeout_s,
             backend=request.backend, memory_step=request.measure_memory, pipeline=pipeline,
             link=resolve_link(request.emulate_link, plan.cluster, ranks),
-            progress_every_s=request.progress_every_s, resume_anyway=request.resume_anyway)
+            progress_every_s=request.progress_every_s, resume_anyway=request.resume_anyway,
+            online=request.online)
     except ValidationError as exc:
         raise QsyncInputError(describe_validation_error(exc, "train")) from None
 
@@ -420,10 +424,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def local_command(config_path: Path, nproc: int, port: int) -> list[str]:
+def local_command(config_path: Path, nproc: int, port: int,
+                  module: str = WORKER_MODULE) -> list[str]:
     """The single-node torchrun command line for ``nproc`` ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(port), "-m", WORKER_MODULE, str(config_path)]
+            "--master-port", str(port), "-m", module, str(config_path)]
 
 
 def multinode_commands(config: TrainConfig, plan: Plan, config_path: Path) -> list[str]:

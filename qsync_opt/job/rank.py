@@ -72,13 +72,14 @@ import torch.distributed as dist
 from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.core.machine import pin_malloc
 from qsync_opt.documents.io import load
+from qsync_opt.job.online import OnlineControl, ReplannerFactory
 from qsync_opt.job.steps import Trainer, TrainingError, weighted_backward
 from qsync_opt.ops import load_cpu
 from qsync_opt.pipeline.run import emulate_pipeline, run_pipeline
 from qsync_opt.runtime.checkpoint import atomic_torch_save, latest_checkpoint, load_checkpoint
 from qsync_opt.runtime.config import TrainConfig
 from qsync_opt.runtime.data import GlobalBatches, batch_size_of, rank_slice, to_device
-from qsync_opt.runtime.emulate import add_slowdown
+from qsync_opt.runtime.emulate import SlowdownHooks, add_slowdown
 from qsync_opt.runtime.faults import FaultPlan
 from qsync_opt.runtime.metrics import clean, state_hash, write_json
 from qsync_opt.runtime.prepare import Setup, build_model, card_mismatch, make_optimizer, prepare
@@ -116,11 +117,13 @@ def _log_state_hash() -> bool:
 
 
 def emulate(config: TrainConfig, faults: FaultPlan | None = None,
-            sync: GradientSync | None = None) -> dict[str, Any]:
+            sync: GradientSync | None = None, replanner: ReplannerFactory | None = None
+            ) -> dict[str, Any]:
     """One process, one replica per rank: synchronous data parallelism, emulated.
     ``faults``: the faults to inject (None: those the environment asks for); ``sync``: the
     gradient-sync mode over the replicas (None: the config's ``sync``/``comm``, emulated:
-    :class:`EmulatedSync`, the all-reduce, or :class:`LocalSGDSync`)."""
+    :class:`EmulatedSync`, the all-reduce, or :class:`LocalSGDSync`); ``replanner``: what
+    builds the planner's side of ``--replan auto`` (:mod:`qsync_opt.job.online`)."""
     faults = FaultPlan.from_env() if faults is None else faults
     setup = prepare(config)
     if config.pipeline is not None:
@@ -133,6 +136,8 @@ def emulate(config: TrainConfig, faults: FaultPlan | None = None,
     out = Path(config.out_dir)
     tr = Trainer(setup, ranks, models, sync, device, faults=faults,
                  log_state_hash=_log_state_hash())
+    if config.online is not None:
+        tr.online = OnlineControl(tr, [None] * len(ranks), replanner)
     res = tr.train(show_progress=True)
     evals = [res["evals"][r] for r in ranks]
     summary = clean(tr.summary(res["state_sha256"], evals, res["wall_s"], res["resumed_from"]))
@@ -147,13 +152,15 @@ def _dist_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
+def run(config: TrainConfig, faults: FaultPlan | None = None,
+        replanner: ReplannerFactory | None = None) -> dict[str, Any]:
     """The per-rank entry (see the module docstring); returns the run's summary.
-    ``faults``: the faults to inject (None: those the environment asks for)."""
+    ``faults``: the faults to inject (None: those the environment asks for); ``replanner``:
+    the planner's side of ``--replan auto`` (:mod:`qsync_opt.job.online`)."""
     pin_malloc()  # step times independent of the process's allocation history
     faults = FaultPlan.from_env() if faults is None else faults
     if config.emulate_dp:
-        return emulate(config, faults)
+        return emulate(config, faults, replanner=replanner)
     rank, world, local = _dist_env()
     if world != config.world_size:
         raise QsyncInputError(f"rank_groups: names {config.world_size} ranks, but WORLD_SIZE "
@@ -173,7 +180,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
     try:
         if config.pipeline is not None:
             return run_pipeline(config, setup, rank)
-        return _run_replica(config, setup, rank, world, device, faults)
+        return _run_replica(config, setup, rank, world, device, faults, replanner)
     finally:
         if initialised:
             dist.destroy_process_group()
@@ -199,18 +206,26 @@ def _backend_and_device(config: TrainConfig, setup: Setup, rank: int, local: int
 
 
 def _run_replica(config: TrainConfig, setup: Setup, rank: int, world: int,
-                 device: torch.device, faults: FaultPlan) -> dict[str, Any]:
+                 device: torch.device, faults: FaultPlan,
+                 replanner: ReplannerFactory | None = None) -> dict[str, Any]:
     """This rank's replica of a data-parallel run, trained; the summary written."""
     model = build_model(setup, rank, device)
     # A derived device (cpu/F): every op's measured forward and backward time is
     # stretched by F where it runs, so the bucketed all-reduce waits as it would for a
     # slower card (emulation: equal CPUs stand in for different cards). The hooks live
     # as long as this frame, the whole run.
-    slowdown = add_slowdown(model, config.slowdown.get(config.rank_groups[rank], 1.0))
+    group = config.rank_groups[rank]
+    slowdown = add_slowdown(model, config.slowdown.get(group, 1.0))
+    if slowdown is None and config.online is not None and (config.online.replan == "auto" or any(
+            i.group == group for i in config.online.inject_slowdown)):
+        # an injected slowdown will stretch it; the re-plan reads its own compute there
+        slowdown = SlowdownHooks(model, 1.0)
     sync = make_sync(config, world, device, emulated=False, cluster=setup.plan.cluster,
                      setup=setup)
     tr = Trainer(setup, [rank], [model], sync, device, faults=faults,
                  log_state_hash=_log_state_hash())
+    if config.online is not None:
+        tr.online = OnlineControl(tr, [slowdown], replanner)
     res = tr.train(show_progress=rank == 0)
     evals = _all_evals(config, setup, res["evals"][rank], rank, world, device)
     summary = clean(tr.summary(res["state_sha256"], evals, res["wall_s"],
@@ -242,8 +257,10 @@ def _all_evals(config: TrainConfig, setup: Setup, ev: dict[str, Any], rank: int,
              "accuracy": float(vec[r, 1]) if acc else None} for r in range(world)]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m qsync_opt.job.rank CONFIG.json``; 2 and one line on bad input."""
+def main(argv: Sequence[str] | None = None, replanner: ReplannerFactory | None = None) -> int:
+    """``python -m qsync_opt.job.rank CONFIG.json``; 2 and one line on bad input.
+    ``replanner``: the planner's side of ``--replan auto`` (the entry that has one:
+    :mod:`qsync_opt.cli.replanning`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m qsync_opt.job.rank CONFIG.json", file=sys.stderr)
@@ -253,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         faults = FaultPlan.from_env()  # the test hooks, read once
         config = load(args[0], TrainConfig)
-        run(config, faults)
+        run(config, faults, replanner)
     except QsyncInputError as exc:
         _say(f"qsync-opt train: {one_line(str(exc))}")
         return _failed(2)

@@ -128,6 +128,13 @@ class Trainer:
         self.saved_step: int | None = None
         #: set by :meth:`at_boundary` when the run leaves its world there (elastic)
         self.left = False
+        #: each group's compute stretch now (the device's, then injected slowdowns'): what
+        #: emulated replicas report (a replica alone in its process sleeps it instead)
+        self.stretch: dict[str, float] = dict(self.cfg.slowdown)
+        #: the last step's compute ms per local rank, as its metrics row says
+        self.last_compute_ms: dict[int, float] = {}
+        #: re-planning and injected slowdowns at the step boundaries (job/online.py)
+        self.online: Any = None
 
     @property
     def scaler(self) -> LossScaler:
@@ -353,11 +360,14 @@ class Trainer:
             g = cfg.rank_groups[r]
             # One local replica: its slowdown hooks already slept inside c_s. Emulated
             # replicas do not sleep; their step time is reported stretched.
-            f = 1.0 if len(self.models) == 1 else cfg.slowdown.get(g, 1.0)
+            f = 1.0 if len(self.models) == 1 else self.stretch.get(g, 1.0)
+            self.last_compute_ms[r] = c_s * f * 1e3
             met.write(step_row(
                 step=step, rank=r, group=g, loss=loss, compute_s=c_s * f, sync_s=sync_s,
                 nbytes=nbytes, skipped=skip, loss_scale=sc.scale, lr=lr, **info,
-                extra={**link, **(per_rank.get(r) or {})},
+                extra={**link, **(per_rank.get(r) or {}),
+                       # a run that may re-plan says each step's batch (it may move)
+                       **({"batch": b} if self.online is not None else {})},
                 accuracy=correct / b if classification else None,
                 state_sha256=state_hash(m) if self.log_state_hash else None))
 
@@ -425,11 +435,15 @@ class Trainer:
                 if self.at_boundary():
                     self.left = True
                     break
+                if self.online is not None:
+                    self.online.before_step(self.step)
                 if cfg.memory_step == self.step:
                     self.measure_memory(metrics)  # the step, with its peak measured
                 else:
                     self.train_step(metrics)
                 bar.update(self.step, self.last_loss)
+                if self.online is not None:
+                    self.online.after_step(self.step - 1)
                 if (self.checkpoint_every and self.step % self.checkpoint_every == 0
                         and self.step < cfg.steps):
                     self.save()
@@ -438,6 +452,8 @@ class Trainer:
         finally:
             for met in metrics:
                 met.close()
+            if self.online is not None:
+                self.online.close()
         if self.left:
             return {"left_at": self.step, "wall_s": time.perf_counter() - t0,
                     "resumed_from": start}

@@ -61,7 +61,7 @@ from qsync_opt.ops.gemm import (
 
 __all__ = ["COUNTERS", "QConv1d", "QConv2d", "QLinear", "QMatMul", "QMixin",
            "QMultiheadAttention", "apply_precisions", "classify_ops", "record_call", "run_gemm",
-           "run_linear", "swappable_kind"]
+           "run_linear", "swappable_kind", "switch_precisions"]
 
 _HALF = HALF_DTYPES
 
@@ -400,3 +400,41 @@ def apply_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]
     _swap_attention(modules, mha, seed)
     _install_dispatch(model, functional, seed)
     return applied
+
+
+def switch_precisions(model: nn.Module, precisions: Mapping[str, Precision | str]) -> list[str]:
+    """Change, in place, the precision of the named ops of a ``model`` that
+    :func:`apply_precisions` made (a re-plan at a step boundary). Only the ops whose
+    precision changes are touched: nothing is re-swapped, the modules, their parameters
+    (so an optimizer's state and DDP's buckets) and every stochastic-rounding seed counter
+    stay as they are, so an op whose precision is kept runs exactly as before. Returns the
+    names changed. Refused, naming it: an op :func:`apply_precisions` did not set up."""
+    modules = dict(model.named_modules())
+    parsed = _parse_precisions(precisions)
+    how = classify_ops(model, parsed)
+    dispatch = model.__dict__.get("_qsync_dispatch")
+    changed: list[str] = []
+    for name, p in sorted(parsed.items()):
+        kind = how[name]
+        if kind == "repeat":
+            continue  # runs at its module's precision
+        if kind == "module" and isinstance(modules[name], QMixin):
+            q = cast(QMixin, modules[name])
+            if q.precision != p:
+                q.precision = p
+                changed.append(name)
+        elif kind == "mha" and isinstance(modules[name.rpartition(".")[0]], _QMHAMixin):
+            found = _mha_of(modules, name)
+            assert found is not None
+            mha = cast(_QMHAMixin, modules[found[0]])
+            if mha.precisions.get(found[1]) != p:
+                mha.precisions = {**mha.precisions, found[1]: p}
+                changed.append(name)
+        elif kind == "functional" and dispatch is not None and name in dispatch.precisions:
+            if dispatch.precisions[name] != p:
+                dispatch.precisions[name] = p
+                changed.append(name)
+        else:
+            raise QsyncInputError(f"precisions: {name}: not an op the plan set up on this "
+                                  f"model ({kind})")
+    return changed

@@ -227,3 +227,15 @@ def held_at_reference(g: GroupModel) -> GroupModel:
         g, choices=ext[:n_real], time0=time0, time1=time1, mem0=mem0, mem1=mem1, work1=work1,
         omega1=[[row[r]] for row, r in zip(g.omega1, g.reference, strict=True)], pairs=pairs,
         reference=[0] * n_real, derived=derived)
+
+
+def scale_time(g: GroupModel, factor: float) -> GroupModel:
+    """``g`` with every time term (constant, unary, pair) multiplied by ``factor``: the
+    group's compute measured ``factor`` times slower than its costs say. Memory, working
+    set and degradation are unchanged; ``factor`` 1 gives ``g`` itself."""
+    if factor == 1.0:
+        return g
+    return dataclasses.replace(
+        g, time0=g.time0 * factor, time1=[[v * factor for v in row] for row in g.time1],
+        pairs=[dataclasses.replace(p, time=[[v * factor for v in row] for row in p.time])
+               for p in g.pairs])

@@ -63,7 +63,13 @@ from qsync_opt.documents.schemas import (
     Plan,
 )
 from qsync_opt.problem.coefficients import GroupInputs, ScheduleCache, group_model
-from qsync_opt.problem.groupmodel import GroupModel, Unit, check_finite, held_at_reference
+from qsync_opt.problem.groupmodel import (
+    GroupModel,
+    Unit,
+    check_finite,
+    held_at_reference,
+    scale_time,
+)
 from qsync_opt.problem.plan import make_plan
 from qsync_opt.replayer import PeriodicSync, Replayer
 
@@ -196,8 +202,13 @@ class AllocationProblem:
     def __init__(self, graph: ModelGraph, cluster: ClusterSpec, costs: CostTable,
                  indicator: IndicatorTable, options: ProblemOptions | None = None, *,
                  cost_provider: Callable[[ClusterSpec], CostTable] | None = None,
-                 schedules: ScheduleCache | None = None) -> None:
+                 schedules: ScheduleCache | None = None,
+                 time_scale: Mapping[str, float] | None = None) -> None:
         self.graph = graph
+        #: Group name -> factor its compute time terms are multiplied by (a group measured
+        #: slower than its costs say: :mod:`qsync_opt.planner.replan`); kept by the problems
+        #: made from this one.
+        self.time_scale: dict[str, float] = dict(time_scale or {})
         self.schedules: ScheduleCache = {} if schedules is None else schedules
         self.cluster = cluster.with_default_batch(graph.batch_size)
         self.costs = costs
@@ -299,7 +310,7 @@ class AllocationProblem:
             reference=Precision(self.options.reference), indicator=self.indicator,
             cluster=self.cluster, graph_batch=self.graph.batch_size)
         built = [group_model(inputs, gi, self.schedules) for gi in range(len(rep.groups))]
-        groups = [model for model, _ in built]
+        groups = [scale_time(model, self.time_scale.get(model.name, 1.0)) for model, _ in built]
         memory_or = built[0][1] if built else 0
         check_finite(groups, [u.ops[0] for u in self.units])
         if memory_or:
@@ -463,9 +474,10 @@ class AllocationProblem:
 
     # ------------------------------------------------------------------ variations
 
-    def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None
-                     ) -> AllocationProblem:
-        """The same problem on another cluster or batch split.
+    def with_cluster(self, cluster: ClusterSpec, options: ProblemOptions | None = None,
+                     time_scale: Mapping[str, float] | None = None) -> AllocationProblem:
+        """The same problem on another cluster or batch split (``time_scale``: the groups'
+        compute time factors, None: this problem's).
 
         Costs are kept when they already cover the new batches and world size; otherwise
         they come from ``cost_provider``, by default :class:`~qsync_opt.costs.batchmodel.TableCosts`
@@ -488,7 +500,8 @@ class AllocationProblem:
             # whatever group is fastest at the new split.
             opts = dataclasses.replace(opts, strong_groups=self.held_groups)
         return AllocationProblem(self.graph, cluster, costs, self.indicator, opts,
-                                 cost_provider=self.cost_provider, schedules=self.schedules)
+                                 cost_provider=self.cost_provider, schedules=self.schedules,
+                                 time_scale=self.time_scale if time_scale is None else time_scale)
 
     def retarget(self, target_ms: float, source: str = "given") -> AllocationProblem:
         """The same problem with another makespan target (no coefficient is rebuilt)."""
@@ -508,7 +521,7 @@ class AllocationProblem:
             opts["strong_groups"] = tuple(opts["strong_groups"])
         return AllocationProblem(self.graph, self.cluster, self.costs, self.indicator,
                                  ProblemOptions(**opts), cost_provider=self.cost_provider,
-                                 schedules=self.schedules)
+                                 schedules=self.schedules, time_scale=self.time_scale)
 
     def size(self) -> dict[str, int]:
         """Units, one-hot variables and pair variables per group (for reports)."""

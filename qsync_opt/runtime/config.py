@@ -46,6 +46,7 @@ from qsync_opt.documents.outfolder import (
     remove,
 )
 from qsync_opt.documents.schemas import MAX_BATCH, Document, Int, Real
+from qsync_opt.runtime.online import OnlineSpec
 from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import check_combination, parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
@@ -265,6 +266,9 @@ class TrainConfig(Document):
         description="Measure this step's exact peak live tensor bytes inside each "
         "rank (CPU ranks, one replica per process; qsync_opt.runtime.memory): the summary's "
         "'memory' field. None: not measured.")
+    online: OnlineSpec | None = Field(
+        default=None, description="Online re-planning and injected slowdowns "
+        "(qsync_opt.runtime.online); None: neither.")
 
     @field_validator(*_RANGES, mode="before")
     @classmethod
@@ -314,6 +318,8 @@ class TrainConfig(Document):
             raise ValueError(AVERAGE_STATE_REFUSAL)
         if self.link is not None:
             self._check_link(self.link)
+        if self.online is not None:
+            self.online.check_groups(self.rank_groups)
         for g, f in self.slowdown.items():
             if not (math.isfinite(f) and 1 <= f <= MAX_SLOWDOWN):
                 raise ValueError(f"slowdown[{_show(g)}] must be a finite number >= 1 and <= "

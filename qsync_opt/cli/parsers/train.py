@@ -21,6 +21,15 @@ from qsync_opt.runtime.config import (
     USER_MODEL_LR,
 )
 from qsync_opt.runtime.membership import ALL_GONE_S, MAX_LOST_S, MEMBERSHIP_FLAG, parse_membership
+from qsync_opt.runtime.online import INJECT_FLAG, parse_injection
+from qsync_opt.runtime.straggler import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_THRESHOLD,
+    DEFAULT_WINDOW,
+)
+from qsync_opt.runtime.straggler import (
+    MAX_STEPS as MAX_WINDOW,
+)
 from qsync_opt.strategy.compressor_text import parse_compressor_text
 from qsync_opt.strategy.modes import parse_comm, parse_sync
 from qsync_opt.strategy.schedule import SCHEDULE_SYNTAX, parse_schedule
@@ -48,6 +57,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     _add_run_flags(p)
     _add_pipeline_flags(p)
     _add_elastic_flags(p)
+    _add_online_flags(p)
     p.add_argument("--override", action="store_true",
                    help="run --sync/--comm/--pipeline-* flags that contradict a version-2 "
                         "plan's strategy instead of refusing them (each override is recorded "
@@ -218,3 +228,29 @@ def _add_elastic_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="elastic with --print-command: the rendezvous store's address "
                         "(default HOST0:29400); on this machine the launcher picks a port")
+
+
+def _add_online_flags(p: argparse.ArgumentParser) -> None:
+    """Online re-planning and injected slowdowns (qsync_opt.runtime.online)."""
+    p.add_argument("--replan", choices=("off", "auto"), default="off",
+                   help="auto: re-plan inside the running world when a group is slower than "
+                        "its plan predicts (precisions swapped in place, the batch split "
+                        "moved, at a step boundary); default off")
+    p.add_argument("--replan-threshold", type=finite_float(0, 10, lo_open=True),
+                   default=DEFAULT_THRESHOLD,
+                   help=f"how much slower than calibrated counts (default {DEFAULT_THRESHOLD:g}"
+                        ": 10%%)")
+    p.add_argument("--replan-window", type=positive_int(MAX_WINDOW), default=DEFAULT_WINDOW,
+                   help=f"consecutive slow steps that re-plan (default {DEFAULT_WINDOW})")
+    p.add_argument("--replan-calibration", type=positive_int(MAX_WINDOW),
+                   default=DEFAULT_CALIBRATION,
+                   help="steps of each plan that calibrate its prediction first (default "
+                        f"{DEFAULT_CALIBRATION})")
+    p.add_argument("--replan-indicator", default=None, metavar="PATH",
+                   help="IndicatorTable the re-plans use (default: computed on this CPU as "
+                        "qsync-opt solve does, cached)")
+    p.add_argument(INJECT_FLAG, action="append", default=None, metavar="GROUP@STEP=FACTOR",
+                   type=spec_type(parse_injection, INJECT_FLAG[2:]),
+                   help="from step STEP on, stretch group GROUP's compute FACTOR times (an "
+                        "emulated card slowing down: cpu/2 becoming cpu/3 is FACTOR 3); "
+                        "repeatable")
