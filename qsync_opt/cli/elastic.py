@@ -18,6 +18,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.documents.io import load
@@ -25,6 +26,7 @@ from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import elastic_launch
 from qsync_opt.job.elastic import Replanner, WorldPlan, run_elastic
 from qsync_opt.job.launch import free_port
+from qsync_opt.job.online import Replanner as OnlineReplanner
 from qsync_opt.job.rank import exit_code, say
 from qsync_opt.ops import load_cpu
 from qsync_opt.planner.replan import ReplanCache
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = read_spec(config.out_dir)
         cache = ReplanCache.load(spec.replan_cache)
         code = run_elastic(config, replanner(cache, Plan.load(config.plan_path)), faults,
-                           online=lambda cfg, plan: cache)
+                           online=lambda cfg, plan: cast(OnlineReplanner, cache))
     except QsyncInputError as exc:
         say(f"qsync-opt train: {one_line(str(exc))}")
         return exit_code(2)

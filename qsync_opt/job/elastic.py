@@ -90,7 +90,7 @@ from qsync_opt.runtime.membership import (
 )
 from qsync_opt.runtime.metrics import clean, write_json
 from qsync_opt.runtime.prepare import Setup, build_model, prepare
-from qsync_opt.sync.replicas import make_sync
+from qsync_opt.sync.replicas import GradientSync, make_sync
 
 __all__ = ["ElasticTrainer", "Node", "Replanner", "WorldPlan", "world_plan",
            "derived_rng", "logical_order", "run_elastic"]
@@ -181,9 +181,12 @@ class ElasticTrainer(Trainer):
     """The step loop of one world of an elastic run (module docstring): the checkpoint
     mapped across worlds, the boundary checks, the events."""
 
-    def __init__(self, *args: Any, spec: ElasticSpec, world_plan: WorldPlan,
-                 events: EventLog | None, **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    def __init__(self, setup: Setup, ranks: list[int], models: list[torch.nn.Module],
+                 sync: GradientSync, device: torch.device, *, spec: ElasticSpec,
+                 world_plan: WorldPlan, events: EventLog | None, faults: FaultPlan = NO_FAULTS,
+                 log_state_hash: bool = False) -> None:
+        super().__init__(setup, ranks, models, sync, device, faults=faults,
+                         log_state_hash=log_state_hash)
         self.spec, self.world_plan, self.events = spec, world_plan, events
         self.group = self.cfg.rank_groups[self.ranks[0]]
         self.present = list(dict.fromkeys(self.cfg.rank_groups))
