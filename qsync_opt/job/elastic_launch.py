@@ -101,7 +101,7 @@ def cluster_commands(spec: ElasticSpec, config_path: Path, run_id: str,
     """The per-machine commands of an elastic run on a cluster: the store on a machine that
     stays, then one agent per group on its machine (config and out dir on a shared
     filesystem, or copied to the same path)."""
-    host, _, port = endpoint.rpartition(":")
+    host = endpoint.rpartition(":")[0]
     lines = [f"# elastic run {run_id}: {len(spec.groups)} group(s), one agent per machine; "
              "the config and --out at the same path on every machine (shared filesystem)",
              f"# the rendezvous store, on a machine that stays ({host}: e.g. the head node):",
@@ -113,7 +113,6 @@ def cluster_commands(spec: ElasticSpec, config_path: Path, run_id: str,
         lines.append(f"OMP_NUM_THREADS=1 {NODE_GROUP_ENV}={shlex.quote(g)} "
                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
                      + " ".join(shlex.quote(c) for c in cmd))
-    del port
     return lines
 
 

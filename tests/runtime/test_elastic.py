@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,8 @@ from qsync_opt.job.elastic import (
     logical_order,
     world_plan,
 )
+from qsync_opt.job.elastic_launch import cluster_commands
+from qsync_opt.job.launch import free_port
 from qsync_opt.job.rank import build_model, emulate, load_checkpoint, prepare
 from qsync_opt.runtime.checkpoint import qseeds
 from qsync_opt.runtime.config import TrainConfig, check_resume, latest_complete_set
@@ -251,3 +256,37 @@ def test_no_plan_for_the_survivors_stops_with_the_checkpoint_intact(
     cs = latest_complete_set(out)
     assert cs is not None and cs.step == 3
     assert {p.name: p.read_bytes() for p in cs.path.iterdir()} == before
+
+
+def test_the_cluster_commands_host_the_store_apart_and_name_each_group(tmp_path: Path) -> None:
+    spec = ElasticSpec(groups=["v100", "t4"], ranks={"v100": 8, "t4": 4},
+                       devices={"v100": "v100", "t4": "t4"}, replan_cache="unused")
+    lines = cluster_commands(spec, tmp_path / "train_config.json", "run-1", 100,
+                             "head:29400")
+    assert "python -m qsync_opt.job.elastic_launch --store head:29400" in lines
+    agents = [x for x in lines if "torch.distributed.run" in x]
+    assert len(agents) == 2
+    for group, n in (("v100", 8), ("t4", 4)):
+        line = next(x for x in agents if f"QSYNC_NODE_GROUP={group} " in x)
+        for part in ("--nnodes 1:2", f"--nproc-per-node {n}", "--rdzv-backend c10d",
+                     "--rdzv-endpoint head:29400", "--rdzv-id run-1", "is_host=false",
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "-m qsync_opt.cli.elastic"):
+            assert part in line, (part, line)
+
+
+def test_the_store_host_serves_until_stopped() -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "qsync_opt.job.elastic_launch", "--store",
+                             f"127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "rendezvous store" in proc.stdout.readline()
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=timedelta(seconds=30))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        proc.kill()
+        proc.wait()
+    bad = subprocess.run([sys.executable, "-m", "qsync_opt.job.elastic_launch", "--store"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,52 @@ def test_a_group_back_with_another_device_is_refused_by_name(digits_mixed_plan: 
     worlds = [e["groups"] for e in read_events(out) if e["kind"] == "world"]
     assert ["cpu", "cpu_2"] not in worlds[1:]
     assert _steps(out) == list(range(6))
+
+
+def _agent_pid(group: str) -> int | None:
+    """The pid of the torchrun agent of ``group`` (its environment names the group; its
+    command line runs torchrun), or None while there is none."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"QSYNC_NODE_GROUP={group}".encode() in env and b"torch.distributed.run" in cmd:
+            return int(proc.name)
+    return None
+
+
+def test_sigterm_to_an_agent_is_a_graceful_leave(digits_mixed_plan: Path,
+                                                 tmp_path: Path) -> None:
+    """The inference service's signal: SIGTERM to the group's agent mid-run; its ranks
+    checkpoint at the next step boundary, the others go on without it, no step lost."""
+    out = tmp_path / "signal"
+    cmd = [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn",
+           "--plan", str(digits_mixed_plan), "--steps", "400", "--out", str(out),
+           "--elastic", "--checkpoint-every", "50", "--progress-every", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        metrics = out / "metrics.rank0.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                break
+            time.sleep(0.2)
+        pid = _agent_pid("cpu_2")
+        assert pid is not None and proc.poll() is None
+        os.kill(pid, signal.SIGTERM)
+        text, _ = proc.communicate(timeout=RUN_LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text[-3000:]
+    changes = [e for e in read_events(out) if e["kind"] == "membership"]
+    assert changes and changes[0]["new_groups"] == ["cpu"] and changes[0]["lost_steps"] == 0
+    assert "the agent stops its ranks" in " ".join(changes[0]["reasons"])
+    assert 5 <= changes[0]["step"] < 400
+    assert _steps(out) == list(range(400))
