@@ -37,6 +37,7 @@ from qsync_opt.runtime.membership import (
     ElasticSpec,
     parse_membership,
     read_spec,
+    reset_run_state,
     write_spec,
 )
 from qsync_opt.runtime.watchdog import watch_parents
@@ -83,6 +84,7 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
         sys.stdout.write("\n".join(elastic_launch.cluster_commands(
             spec, config_path, run_id, args.max_restarts, endpoint)) + "\n")
         write_spec(config.out_dir, spec)
+        reset_run_state(config.out_dir, spec.groups)
         ReplanCache.build(plan, config.workload).save(spec.replan_cache)
         return 0
     endpoint = f"127.0.0.1:{free_port()}"
@@ -95,6 +97,7 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
         return 0
     ReplanCache.build(plan, config.workload).save(spec.replan_cache)
     write_spec(config.out_dir, spec)
+    reset_run_state(config.out_dir, spec.groups)
     every = ("every " + str(spec.checkpoint_every) + " step(s) (--checkpoint-every)"
              if spec.checkpoint_every else
              f"chosen from the measured step time so a crash loses at most "

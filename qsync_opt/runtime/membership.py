@@ -47,6 +47,7 @@ __all__ = [
     "ALL_GONE_S", "CRASH_AT_ENV", "DIE_IN_REPLAN_ENV", "FAULT_FIRED", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG",
     "NODE_DEVICE_ENV", "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "Change", "ElasticSpec", "checkpoint_interval",
     "parse_membership", "leave_requests", "read_spec", "read_world", "remove_leave",
+    "reset_run_state",
     "take_exits", "write_exit", "write_spec", "write_world",
 ]
 
@@ -266,6 +267,21 @@ def take_exits(out: str | Path) -> list[dict[str, Any]]:
                 and isinstance(doc.get("step"), int)):
             found.append(doc)
     return found
+
+
+def reset_run_state(out: str | Path, groups: list[str]) -> None:
+    """At launch: what an earlier launch in ``out`` left of its worlds goes (its exit
+    records, its world, its pending leave requests, its fired-fault mark), so none of it is
+    read as this run's; the checkpoints and the event log stay."""
+    try:
+        names = [n for n, _ in list_names(out, ELASTIC_DIR)]
+    except (OSError, QsyncInputError):
+        names = []
+    for n in names:
+        if _EXIT.fullmatch(n) or n in (WORLD_NAME, FAULT_FIRED):
+            remove(out, _elastic(n))
+    for g in groups:
+        remove_leave(out, g)
 
 
 def write_world(out: str | Path, doc: dict[str, Any]) -> None:

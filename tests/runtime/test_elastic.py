@@ -36,6 +36,7 @@ from qsync_opt.runtime.membership import (
     checkpoint_interval,
     leave_requests,
     parse_membership,
+    reset_run_state,
     take_exits,
     write_exit,
 )
@@ -290,3 +291,17 @@ def test_the_store_host_serves_until_stopped() -> None:
     bad = subprocess.run([sys.executable, "-m", "qsync_opt.job.elastic_launch", "--store"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_a_launch_clears_what_an_earlier_launch_left(tmp_path: Path) -> None:
+    write_exit(tmp_path, 0, 5, "graceful leave of cpu_2", GROUPS)
+    (tmp_path / "elastic" / "world.json").write_text("{}")
+    (tmp_path / "elastic" / "fault-fired").write_text("17\n")
+    (tmp_path / "elastic" / "spec.json").write_text("{}")
+    (tmp_path / "leave").mkdir()
+    (tmp_path / "leave" / "cpu_2").write_text("")
+    (tmp_path / "events.jsonl").write_text("")
+    reset_run_state(tmp_path, GROUPS)
+    assert sorted(p.name for p in (tmp_path / "elastic").iterdir()) == ["spec.json"]
+    assert leave_requests(tmp_path, GROUPS) == {}
+    assert (tmp_path / "events.jsonl").exists()
