@@ -91,7 +91,7 @@ def main() -> None:
         print(f"{r['step']:>5}  {change:<22} {r['lost_steps']:>4}  "
               f"{(f'{took:.2f} s' if took is not None else 'n/a'):>13}  "
               f"{r['goal_s']:>6.2f} s  {'met' if r['met'] else 'NOT met'}  "
-              f"({'; '.join(r['reasons'])})")
+              f"({'; '.join(x[:60] for x in r['reasons'])})")
 
 
 if __name__ == "__main__":
