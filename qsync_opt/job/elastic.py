@@ -412,7 +412,8 @@ def _refuse(config: TrainConfig, spec: ElasticSpec, me: Node, refused: list[Node
     if me in refused:
         sys.stderr.write(line + "\n")
         write_exit(config.out_dir, 10_000 + me.rank, 0, "refused: " + line, [me.group])
-        _stop_own_agent()
+        if me.local == 0:  # one signal: the agent stops all its ranks
+            _stop_own_agent()
         return 0
     return RESTART_EXIT_CODE
 
@@ -504,7 +505,8 @@ def _train_world(cfg: TrainConfig, spec: ElasticSpec, wp: WorldPlan, logical: in
         write_exit(cfg.out_dir, logical, tr.step, tr.reason, tr.present)
         if tr.group in tr.leaving:
             remove_leave(cfg.out_dir, tr.group)
-            _stop_own_agent()
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # one signal: the agent stops all
+                _stop_own_agent()
             return 0
         return RESTART_EXIT_CODE
     summary = clean(tr.summary(res["state_sha256"], [res["evals"][logical]], res["wall_s"],
