@@ -12,6 +12,7 @@ re-solves for the groups present (:func:`replanner`), handing the answer to
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shlex
@@ -22,6 +23,7 @@ from typing import cast
 
 from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.documents.io import load
+from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import elastic_launch
 from qsync_opt.job.elastic import Replanner, WorldPlan, run_elastic
@@ -31,9 +33,11 @@ from qsync_opt.job.rank import exit_code, say
 from qsync_opt.ops import load_cpu
 from qsync_opt.planner.replan import ReplanCache
 from qsync_opt.runtime.config import TrainConfig
+from qsync_opt.runtime.events import read_events
 from qsync_opt.runtime.faults import FaultPlan
 from qsync_opt.runtime.membership import (
     ELASTIC_DIR,
+    WARM_STEPS,
     ElasticSpec,
     parse_membership,
     read_spec,
@@ -42,7 +46,7 @@ from qsync_opt.runtime.membership import (
 )
 from qsync_opt.runtime.watchdog import watch_parents
 
-__all__ = ["CACHE_NAME", "cmd_elastic", "elastic_spec", "main", "replanner"]
+__all__ = ["CACHE_NAME", "cmd_elastic", "elastic_spec", "main", "replanner", "summary_line"]
 
 CACHE_NAME = "replan_cache.json"
 
@@ -118,6 +122,31 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
     if rc != 0:
         sys.stderr.write(f"qsync-opt: train: elastic run stopped: {reason}\n")
     return rc
+
+
+def summary_line(config: TrainConfig) -> str | None:
+    """After a finished elastic run: its changes, the steps they lost, the checkpoint
+    interval and why (from ``summary.json`` and the events); None without a summary."""
+    try:
+        data = read_bytes(config.out_dir, "summary.json")
+        doc = json.loads(data) if data is not None else None
+    except (OSError, ValueError, RecursionError, QsyncInputError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    changes = [e for e in read_events(config.out_dir) if e["kind"] == "membership"]
+    lost = sum(int(e.get("lost_steps") or 0) for e in changes)
+    every, budget = doc.get("checkpoint_every"), doc.get("max_lost_s")
+    if config.checkpoint_every:
+        interval = f"a checkpoint every {every} step(s) (--checkpoint-every)"
+    elif every:
+        interval = (f"a checkpoint every {every} step(s) (chosen from the last world's "
+                    f"measured step time: at most {budget:g} s of work lost to a crash)")
+    else:
+        interval = (f"no checkpoint interval chosen in the last world (it ran fewer than "
+                    f"{WARM_STEPS} steps; its end was checkpointed)")
+    return (f"  elastic: {len(changes)} membership change(s), {lost} step(s) lost; "
+            f"{interval}; the story: {config.out_dir}/events.jsonl")
 
 
 def replanner(cache: ReplanCache, launch_plan: Plan) -> Replanner:

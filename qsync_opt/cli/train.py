@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qsync_opt.cli.elastic import cmd_elastic, elastic_spec
+from qsync_opt.cli.elastic import cmd_elastic, elastic_spec, summary_line
 from qsync_opt.cli.replanning import REPLAN_WORKER, make_replanner
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
@@ -93,6 +93,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         rc = cmd_elastic(args, config, path, spec)
         if rc == 0 and not (args.print_command or args.dry_run):
             _print_summary(config)
+            line = summary_line(config)
+            if line:
+                sys.stdout.write(line + "\n")
         return rc
     if args.print_command:
         plan = Plan.load(config.plan_path)

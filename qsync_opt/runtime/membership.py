@@ -45,7 +45,7 @@ from qsync_opt.documents.outfolder import list_names, read_bytes, remove, write_
 
 __all__ = [
     "ALL_GONE_S", "CRASH_AT_ENV", "DIE_IN_REPLAN_ENV", "FAULT_FIRED", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG",
-    "NODE_DEVICE_ENV", "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "Change", "ElasticSpec", "checkpoint_interval",
+    "NODE_DEVICE_ENV", "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "WARM_STEPS", "Change", "ElasticSpec", "checkpoint_interval",
     "parse_membership", "leave_requests", "read_spec", "read_world", "remove_leave",
     "reset_run_state",
     "take_exits", "write_exit", "write_spec", "write_world",

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qsync_opt.cli.elastic import summary_line
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job.elastic import (
@@ -30,7 +31,7 @@ from qsync_opt.job.launch import free_port
 from qsync_opt.job.rank import build_model, emulate, load_checkpoint, prepare
 from qsync_opt.runtime.checkpoint import qseeds
 from qsync_opt.runtime.config import TrainConfig, check_resume, latest_complete_set
-from qsync_opt.runtime.events import read_events
+from qsync_opt.runtime.events import EventLog, read_events
 from qsync_opt.runtime.membership import (
     ElasticSpec,
     checkpoint_interval,
@@ -305,3 +306,26 @@ def test_a_launch_clears_what_an_earlier_launch_left(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "elastic").iterdir()) == ["spec.json"]
     assert leave_requests(tmp_path, GROUPS) == {}
     assert (tmp_path / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize(("every_flag", "chosen", "says"), [
+    (0, 120, "a checkpoint every 120 step(s) (chosen from the last world's measured step "
+             "time: at most 30 s of work lost to a crash)"),
+    (5, 5, "a checkpoint every 5 step(s) (--checkpoint-every)"),
+    (0, 0, "no checkpoint interval chosen in the last world"),
+])
+def test_the_summary_says_the_changes_the_steps_lost_and_the_interval(
+        digits_mixed_plan: Path, tmp_path: Path, every_flag: int, chosen: int,
+        says: str) -> None:
+    cfg = _config(digits_mixed_plan, tmp_path, elastic=True, checkpoint_every=every_flag)
+    (tmp_path / "summary.json").write_text(json.dumps({"checkpoint_every": chosen,
+                                                       "max_lost_s": 30.0}))
+    with EventLog(tmp_path) as ev:
+        for lost in (0, 3):
+            ev.write("membership", 4, old_groups=GROUPS, new_groups=["cpu"],
+                     old_predicted_ms=2.0, new_predicted_ms=3.0, change_to_first_step_s=5.0,
+                     lost_steps=lost)
+    line = summary_line(cfg)
+    assert line is not None and "2 membership change(s), 3 step(s) lost" in line
+    assert says in line
+    assert summary_line(_config(digits_mixed_plan, tmp_path / "none", elastic=True)) is None
