@@ -93,9 +93,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         rc = cmd_elastic(args, config, path, spec)
         if rc == 0 and not (args.print_command or args.dry_run):
             _print_summary(config)
-            line = summary_line(config)
-            if line:
-                sys.stdout.write(line + "\n")
+            told = summary_line(config)
+            if told:
+                sys.stdout.write(told + "\n")
         return rc
     if args.print_command:
         plan = Plan.load(config.plan_path)
