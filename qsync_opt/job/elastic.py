@@ -62,6 +62,7 @@ from qsync_opt.documents.io import to_json
 from qsync_opt.documents.outfolder import write_text
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job.online import OnlineControl, ReplannerFactory
+from qsync_opt.job.rank import backend_and_device
 from qsync_opt.job.steps import Trainer, TrainingError
 from qsync_opt.ops import load_cpu
 from qsync_opt.runtime.checkpoint import load_checkpoint, qseeds, replica_entry, set_qseeds
@@ -374,11 +375,13 @@ def run_elastic(config: TrainConfig, replan: Replanner, faults: FaultPlan | None
     cfg = config.model_copy(update={
         "rank_groups": rank_groups, "plan_path": _plan_file(config, wp, rank_groups),
         "slowdown": {g: f for g, f in config.slowdown.items() if g in rank_groups}})
-    dist.init_process_group("gloo" if config.backend != "nccl" else "nccl",
-                            store=dist.PrefixStore("pg", store), rank=logical,
+    setup: Setup = prepare(cfg)
+    load_cpu()  # before any collective: a build never holds up the world
+    backend, device = backend_and_device(cfg, setup, logical, me.local)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=logical,
                             world_size=world, timeout=timedelta(seconds=config.timeout_s))
     try:
-        return _train_world(cfg, spec, wp, logical, faults, online)
+        return _train_world(setup, spec, wp, logical, device, faults, online)
     finally:
         dist.destroy_process_group()
 
@@ -474,11 +477,10 @@ def _stop_for(config: TrainConfig, reason: str) -> None:
                  checkpoint=str(cs.path) if cs else None)
 
 
-def _train_world(cfg: TrainConfig, spec: ElasticSpec, wp: WorldPlan, logical: int,
-                 faults: FaultPlan, online: ReplannerFactory | None) -> int:
-    setup: Setup = prepare(cfg)
-    load_cpu()
-    device = torch.device("cpu")
+def _train_world(setup: Setup, spec: ElasticSpec, wp: WorldPlan, logical: int,
+                 device: torch.device, faults: FaultPlan,
+                 online: ReplannerFactory | None) -> int:
+    cfg = setup.config
     model = build_model(setup, logical, device)
     group = cfg.rank_groups[logical]
     slowdown = add_slowdown(model, cfg.slowdown.get(group, 1.0))

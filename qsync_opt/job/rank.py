@@ -314,6 +314,7 @@ def _failed(code: int) -> int:
 #: (qsync_opt.cli.elastic), which runs its world the same way.
 say = _say
 exit_code = _failed
+backend_and_device = _backend_and_device
 
 
 if __name__ == "__main__":
