@@ -46,7 +46,8 @@ from qsync_opt.runtime.membership import (
 )
 from qsync_opt.runtime.watchdog import watch_parents
 
-__all__ = ["CACHE_NAME", "cmd_elastic", "elastic_spec", "main", "replanner", "summary_line"]
+__all__ = ["CACHE_NAME", "cmd_elastic", "elastic_spec", "last_world", "main", "replanner",
+           "summary_line"]
 
 CACHE_NAME = "replan_cache.json"
 
@@ -122,6 +123,20 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
     if rc != 0:
         sys.stderr.write(f"qsync-opt: train: elastic run stopped: {reason}\n")
     return rc
+
+
+def last_world(config: TrainConfig) -> TrainConfig:
+    """The config as the last world ran it (its ranks' groups, from ``summary.json``), for
+    the summary line; the launch config when there is no summary."""
+    try:
+        data = read_bytes(config.out_dir, "summary.json")
+        doc = json.loads(data) if data is not None else None
+    except (OSError, ValueError, RecursionError, QsyncInputError):
+        return config
+    groups = doc.get("rank_groups") if isinstance(doc, dict) else None
+    if isinstance(groups, list) and groups and all(isinstance(g, str) for g in groups):
+        return config.model_copy(update={"rank_groups": groups})
+    return config
 
 
 def summary_line(config: TrainConfig) -> str | None:

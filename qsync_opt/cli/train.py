@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qsync_opt.cli.elastic import cmd_elastic, elastic_spec, summary_line
+from qsync_opt.cli.elastic import cmd_elastic, elastic_spec, last_world, summary_line
 from qsync_opt.cli.replanning import REPLAN_WORKER, make_replanner
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
@@ -92,7 +92,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         assert spec is not None
         rc = cmd_elastic(args, config, path, spec)
         if rc == 0 and not (args.print_command or args.dry_run):
-            _print_summary(config)
+            _print_summary(last_world(config))
             told = summary_line(config)
             if told:
                 sys.stdout.write(told + "\n")

@@ -172,7 +172,21 @@ def _swap_nodes(store: dist.Store, me: Node, world: int) -> list[Node]:
     for r in range(world):
         g, local, dev = json.loads(store.get(f"node/{r}"))
         out.append(Node(r, str(g), int(local), str(dev)))
+    _all_read(store, "nodes-read", me.rank, world)
     return out
+
+
+def _all_read(store: dist.Store, key: str, rank: int, world: int,
+              timeout_s: float = 120.0) -> None:
+    """Every rank has read what it needed from the store before its host (the rendezvous's
+    rank 0) may go: a world that ends at once (a node refused, no plan) must not take the
+    store from a rank still reading it."""
+    store.add(key, 1)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -446,6 +460,8 @@ def world_plan(store: dist.Store, config: TrainConfig, spec: ElasticSpec,
             doc = {"error": one_line(str(exc))}
         store.set("plan", json.dumps(doc))
     doc = json.loads(store.get("plan"))
+    _all_read(store, "plan-read", int(os.environ.get("RANK", "0")),
+              int(os.environ.get("WORLD_SIZE", "1")))
     if "error" in doc:
         if logical == 0:
             _stop_for(config, f"no plan fits the groups present ({', '.join(present)}): "

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsync_opt.cli.elastic import summary_line
+from qsync_opt.cli.elastic import last_world, summary_line
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job.elastic import (
@@ -329,3 +329,13 @@ def test_the_summary_says_the_changes_the_steps_lost_and_the_interval(
     assert line is not None and "2 membership change(s), 3 step(s) lost" in line
     assert says in line
     assert summary_line(_config(digits_mixed_plan, tmp_path / "none", elastic=True)) is None
+
+
+def test_the_summary_line_names_the_last_worlds_ranks(digits_mixed_plan: Path,
+                                                       tmp_path: Path) -> None:
+    cfg = _config(digits_mixed_plan, tmp_path, elastic=True)
+    assert last_world(cfg).rank_groups == GROUPS  # no summary yet: the launch's
+    (tmp_path / "summary.json").write_text(json.dumps({"rank_groups": ["cpu"]}))
+    assert last_world(cfg).rank_groups == ["cpu"]
+    (tmp_path / "summary.json").write_text(json.dumps({"rank_groups": [3]}))
+    assert last_world(cfg).rank_groups == GROUPS
