@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qsync_opt.cli.elastic import cmd_elastic, elastic_spec, last_world, summary_line
 from qsync_opt.cli.replanning import REPLAN_WORKER, make_replanner
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import launch
@@ -42,6 +44,7 @@ def train_request(args: argparse.Namespace) -> TrainRequest:
         average_optimizer_state=args.average_optimizer_state, seed=args.seed, out=args.out,
         checkpoint_every=args.checkpoint_every, resume=not args.no_resume,
         resume_anyway=args.resume_anyway, emulate_dp=args.emulate_dp,
+        elastic=getattr(args, "elastic", False),
         timeout_s=args.timeout, backend=args.backend, progress_every_s=args.progress_every,
         measure_memory=args.measure_memory, emulate_link=args.emulate_link,
         pipeline=PipelineRequest(
@@ -67,6 +70,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     lines: list[str] = []
     pending: dict[str, Any] = {}
     config = launch.build_config(train_request(args), lines, pending)
+    if getattr(args, "membership", None) and not config.elastic:
+        raise QsyncInputError("--membership: only with --elastic")
+    spec = (elastic_spec(args, config, pending.get("plan") or Plan.load(config.plan_path))
+            if config.elastic else None)  # checked before anything is written
     path = launch.write_config(config, pending.get("plan"))
     for warning in pending["warnings"]:  # after every check: a refusal is one line
         log.warning(warning)
@@ -83,6 +90,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "(sleeps on top of the real transfers)\n")
     if config.online is not None:
         sys.stdout.write(_online_line(config.online) + "\n")
+    if config.elastic:
+        assert spec is not None
+        rc = cmd_elastic(args, config, path, spec)
+        if rc == 0 and not (args.print_command or args.dry_run):
+            _print_summary(last_world(config))
+            told = summary_line(config)
+            if told:
+                sys.stdout.write(told + "\n")
+        return rc
     if args.print_command:
         plan = Plan.load(config.plan_path)
         sys.stdout.write("\n".join(launch.multinode_commands(config, plan, path)) + "\n")

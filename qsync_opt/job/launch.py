@@ -161,6 +161,7 @@ class TrainRequest:
     resume: bool = True
     resume_anyway: bool = False
     emulate_dp: bool = False
+    elastic: bool = False
     timeout_s: float = 120.0
     backend: str = "auto"
     progress_every_s: float = LOG_EVERY_S
@@ -336,7 +337,7 @@ def _train_config(request: TrainRequest, plan: Plan, plan_path: Path, ranks: lis
             average_optimizer_state=request.average_optimizer_state,
             seed=request.seed, out_dir=str(out.resolve()),
             checkpoint_every=request.checkpoint_every,
-            resume=request.resume, emulate_dp=request.emulate_dp,
+            resume=request.resume, emulate_dp=request.emulate_dp, elastic=request.elastic,
             slowdown=_slowdowns(plan, ranks), timeout_s=request.timeout_s,
             backend=request.backend, memory_step=request.measure_memory, pipeline=pipeline,
             link=resolve_link(request.emulate_link, plan.cluster, ranks),

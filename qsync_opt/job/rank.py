@@ -310,5 +310,12 @@ def _failed(code: int) -> int:
     os._exit(code)
 
 
+#: The one-line refusal and the distributed exit, for the elastic ranks' entry
+#: (qsync_opt.cli.elastic), which runs its world the same way.
+say = _say
+exit_code = _failed
+backend_and_device = _backend_and_device
+
+
 if __name__ == "__main__":
     sys.exit(main())

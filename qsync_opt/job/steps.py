@@ -122,6 +122,12 @@ class Trainer:
         self.memory: dict[str, Any] | None = None  # filled by measure_memory()
         #: the run's rounds, bytes and ms in collectives (metrics.sync_totals), after train()
         self.communication: dict[str, Any] | None = None
+        #: steps between checkpoints (an elastic run chooses it once it has measured a step)
+        self.checkpoint_every = self.cfg.checkpoint_every
+        #: the step of the last set this process saved or resumed (None: none yet)
+        self.saved_step: int | None = None
+        #: set by :meth:`at_boundary` when the run leaves its world there (elastic)
+        self.left = False
         #: each group's compute stretch now (the device's, then injected slowdowns'): what
         #: emulated replicas report (a replica alone in its process sleeps it instead)
         self.stretch: dict[str, float] = dict(self.cfg.slowdown)
@@ -157,6 +163,7 @@ class Trainer:
         self.sync.barrier()  # nobody writes before the cleaning is done
         if cs is not None:
             self.restore(cs)
+            self.saved_step = cs.step
         self.resumed = cs
         return self.step
 
@@ -174,6 +181,17 @@ class Trainer:
         if 0 in self.ranks:
             commit_set(self.out, folder, self.step, self.cfg.world_size, self.s.run,
                        link=self.cfg.world_size == 1 or len(self.ranks) == self.cfg.world_size)
+        self.saved_step = self.step
+        self.committed(folder)
+
+    def committed(self, folder: Path) -> None:
+        """After a set was committed (every rank): nothing here; an elastic run logs it."""
+
+    def at_boundary(self) -> bool:
+        """Before each step: True leaves the world here (an elastic run's membership
+        change); the step's checkpoint is then saved and :meth:`train` returns without
+        evaluating. Here: never."""
+        return False
 
     def restore(self, cs: CheckpointSet) -> None:
         for i, (r, m, opt) in enumerate(zip(self.ranks, self.models, self.opts, strict=True)):
@@ -416,6 +434,9 @@ class Trainer:
         bar = StepProgress(cfg.steps, cfg.progress_every_s, start=start, report=show_progress)
         try:
             while self.step < cfg.steps:
+                if self.at_boundary():
+                    self.left = True
+                    break
                 if self.online is not None:
                     self.online.before_step(self.step)
                 if cfg.memory_step == self.step:
@@ -425,16 +446,19 @@ class Trainer:
                 bar.update(self.step, self.last_loss)
                 if self.online is not None:
                     self.online.after_step(self.step - 1)
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                if (self.checkpoint_every and self.step % self.checkpoint_every == 0
                         and self.step < cfg.steps):
                     self.save()
-            if self.step > start or self.resumed is None:
+            if (self.step > start or self.resumed is None) and self.saved_step != self.step:
                 self.save()
         finally:
             for met in metrics:
                 met.close()
             if self.online is not None:
                 self.online.close()
+        if self.left:
+            return {"left_at": self.step, "wall_s": time.perf_counter() - t0,
+                    "resumed_from": start}
         self.communication = sync_totals(self.out / f"metrics.rank{self.ranks[0]}.jsonl")
         sha = state_hash(self.models[0])
         evals = {}

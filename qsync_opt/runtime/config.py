@@ -228,6 +228,9 @@ class TrainConfig(Document):
                     "optimizer or world size). Off: such a resume is refused.")
     emulate_dp: bool = Field(default=False,
                              description="One process computes every rank's micro-batch.")
+    elastic: bool = Field(default=False,
+                          description="An elastic run (train --elastic): groups leave and "
+                                      "return; a resume may change the world's groups.")
     slowdown: dict[str, Real] = Field(
         default_factory=dict,
         description="Group -> factor by which that group's measured compute time is stretched "
@@ -329,6 +332,12 @@ class TrainConfig(Document):
             raise ValueError("--average-optimizer-state: only with --sync local:H or qsr:... "
                              "(under ddp every replica steps on the same averaged gradient, "
                              "so the optimizer states never differ)")
+        if self.elastic and (self.pipeline is not None or self.emulate_dp
+                             or self.sync_mode().kind != "ddp"):
+            raise ValueError("--elastic: only a data-parallel run of ranks of their own under "
+                             "--sync ddp (every replica's state equal, so a checkpoint maps "
+                             "onto any world); not with a pipeline, --emulate-dp or --sync "
+                             f"{self.sync}")
         if self.resume_anyway and not self.resume:
             raise ValueError("--resume-anyway with --no-resume: one resumes, the other starts "
                              "afresh; give one")
@@ -350,6 +359,8 @@ class TrainConfig(Document):
         out = handler(self)
         if self.link is None and isinstance(out, dict):
             out.pop("link", None)
+        if not self.elastic and isinstance(out, dict):
+            out.pop("elastic", None)
         return out
 
     def _check_link(self, link: LinkSpec) -> None:
@@ -410,12 +421,15 @@ _LABELS = {"workload": "--model", "world_size": "world size", "rank_groups": "--
            "momentum": "--momentum", "loss_scale": "loss_scale",
            "lr_schedule": "--lr-schedule", "weight_decay": "--weight-decay", "sync": "--sync",
            "comm": "--comm", "average_optimizer_state": "--average-optimizer-state",
-           "pipeline": "pipeline (--pipeline-stages, --cuts, --micro-batches, compression)"}
+           "pipeline": "pipeline (--pipeline-stages, --cuts, --micro-batches, compression)",
+           "elastic": "--elastic"}
 #: What a fingerprint written before a field existed means by its absence (the defaults then).
 _ABSENT = {"lr_schedule": "constant", "weight_decay": 0.0, "sync": "ddp", "comm": "allreduce",
-           "average_optimizer_state": False, "pipeline": None}
+           "average_optimizer_state": False, "pipeline": None, "elastic": None}
 #: Differences no resume can bridge, not even with --resume-anyway.
 _FATAL = ("workload", "world_size", "optimizer", "pipeline")
+#: What an elastic run's world change changes: a resume across it may differ in these.
+ELASTIC_WORLD = ("world_size", "rank_groups", "batches", "plan_sha256")
 
 
 def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
@@ -446,6 +460,8 @@ def run_fingerprint(config: TrainConfig, plan: Plan) -> dict[str, Any]:
         "average_optimizer_state": config.average_optimizer_state,
         "pipeline": (config.pipeline.model_dump(mode="json", exclude={"compress_at_eval"})
                      if config.pipeline is not None else None),
+        # only when set: the fingerprints of the runs before it stay as they were
+        **({"elastic": True} if config.elastic else {}),
     }
 
 
@@ -453,6 +469,11 @@ def _value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
     return _show(v)
+
+
+def _differing(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The fields :func:`fingerprint_differences` names, in its order."""
+    return [k for k in _LABELS if saved.get(k, _ABSENT.get(k)) != now.get(k)]
 
 
 def fingerprint_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -582,8 +603,13 @@ def check_resume(config: TrainConfig, plan: Plan) -> CheckpointSet | None:
         return None
     now = run_fingerprint(config, plan)
     diffs = fingerprint_differences(cs.run, now)
+    fatal: tuple[str, ...] = _FATAL
+    if config.elastic and cs.run.get("elastic"):  # the world may change, nothing else
+        fatal = tuple(k for k in _FATAL if k not in ELASTIC_WORLD)
+        diffs = [d for d, k in zip(diffs, _differing(cs.run, now), strict=True)
+                 if k not in ELASTIC_WORLD]
     fatal_diffs = [f"{_LABELS[k]} {_value(cs.run.get(k))} -> {_value(now.get(k))}"
-                   for k in _FATAL if cs.run.get(k) != now.get(k)]
+                   for k in fatal if cs.run.get(k) != now.get(k)]
     if fatal_diffs:
         raise QsyncInputError(
             f"{_where(out)} holds the checkpoint (step {cs.step}) of another run: "

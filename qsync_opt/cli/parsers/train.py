@@ -20,6 +20,7 @@ from qsync_opt.runtime.config import (
     MAX_TIMEOUT_S,
     USER_MODEL_LR,
 )
+from qsync_opt.runtime.membership import ALL_GONE_S, MAX_LOST_S, MEMBERSHIP_FLAG, parse_membership
 from qsync_opt.runtime.online import INJECT_FLAG, parse_injection
 from qsync_opt.runtime.straggler import (
     DEFAULT_CALIBRATION,
@@ -55,6 +56,7 @@ def add_train_parser(sub: Any) -> argparse.ArgumentParser:
     _add_optimizer_flags(p)
     _add_run_flags(p)
     _add_pipeline_flags(p)
+    _add_elastic_flags(p)
     _add_online_flags(p)
     p.add_argument("--override", action="store_true",
                    help="run --sync/--comm/--pipeline-* flags that contradict a version-2 "
@@ -194,6 +196,38 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compress-at-eval", action="store_true",
                    help="compress the activations when scoring the held-out batches too "
                         "(the summary has both either way)")
+
+
+def _add_elastic_flags(p: argparse.ArgumentParser) -> None:
+    """``--elastic`` and its settings (docs/ELASTIC.md)."""
+    g = p.add_argument_group(
+        "elastic training", "groups leave and return while the run goes on: one torchrun "
+        "elastic agent per group, a re-plan and a resume at every change (docs/ELASTIC.md)")
+    g.add_argument("--elastic", action="store_true",
+                   help="run under torchrun's elastic agents (c10d rendezvous, one agent per "
+                        "group); with --print-command, print the per-machine commands")
+    g.add_argument("--max-lost-s", type=finite_float(0, 86400, lo_open=True),
+                   default=MAX_LOST_S, metavar="S",
+                   help="elastic: without --checkpoint-every, checkpoint often enough "
+                        "(from the measured step time) that a crash loses at most S seconds "
+                        f"of work (default {MAX_LOST_S:g})")
+    g.add_argument(MEMBERSHIP_FLAG, type=spec_type(parse_membership, MEMBERSHIP_FLAG), default=None,
+                   metavar="CHANGES",
+                   help="elastic, on this machine (tests, benchmarks): GROUP-@STEP[:crash] "
+                        "removes the group's agent at that step (graceful by default: a "
+                        "checkpoint first; crash: SIGKILL), GROUP+@STEP[=DEVICE] starts a new "
+                        "one once the run reaches the step (=DEVICE: back with another "
+                        "device, refused by name); comma-separated")
+    g.add_argument("--max-restarts", type=int_range(0, 10_000), default=100, metavar="N",
+                   help="elastic: restarts each agent allows (every membership change costs "
+                        "one; default 100)")
+    g.add_argument("--all-gone-timeout", type=finite_float(0, 86400), default=ALL_GONE_S,
+                   metavar="S",
+                   help="elastic: when every group is gone, wait S seconds for one to return, "
+                        f"then stop with the checkpoint intact (default {ALL_GONE_S:g})")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="elastic with --print-command: the rendezvous store's address "
+                        "(default HOST0:29400); on this machine the launcher picks a port")
 
 
 def _add_online_flags(p: argparse.ArgumentParser) -> None:
