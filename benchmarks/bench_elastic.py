@@ -12,13 +12,17 @@
   the plan for the true slowdown (the injected stretch over the device's own) under the
   same stretch (goal: within 10%).
 * ``plans``: the re-plans of ``resolve`` without their times (deterministic).
+* ``membership``: ``train --elastic`` with a group leaving gracefully, returning, crashing
+  and returning (:mod:`elastic_membership`): per change the steps lost and the seconds from
+  the change to the first step of the new world (goal: at most the checkpoint interval
+  plus 15 s).
 * ``noise``: each group's compute time in an emulated run without faults: its coefficient
   of variation, the share of steps over +10% of the median and the longest run of such
   steps (what the detector's defaults, 10% over 20 consecutive steps, stand on).
 
 Sections are functions (``resolve``, ``online``, ``noise``); :func:`main` runs those asked::
 
-    .venv/bin/python benchmarks/bench_elastic.py [--section resolve|plans|online|noise|all]
+    .venv/bin/python benchmarks/bench_elastic.py [--section resolve|plans|online|noise|membership|all]
         [--repeats 5] [--steps 60] [--at 20] [--factor 6]
 
 Wall-clock figures: run on a quiet machine.
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from elastic_membership import membership_section, print_rows  # benchmarks/ (run as a script)
 
 import qsync_opt as qs
 from qsync_opt.cli.replanning import make_replanner
@@ -52,6 +57,8 @@ from qsync_opt.runtime.straggler import coefficient_of_variation
 RESOLVE_CASES = [("resnet50", "v100x16+t4x16", 1.0), ("bert_base", "v100x16+t4x16", 1.0),
                  ("digits_cnn", "cpux1@32+cpu/2x1@32", 0.2),
                  ("tiny_gpt", "cpux1@8+cpu/2x2@8", 0.2)]
+#: The membership section's run (benchmarks/elastic_membership.py: leave, return, crash, return).
+MEMBERSHIP_STEPS, MEMBERSHIP_EVERY = 200, 25
 #: The online run's workload and cluster (cpu_2 is the group slowed, its own stretch 2).
 ONLINE_MODEL, ONLINE_CLUSTER, BASE_STRETCH = "digits_cnn", "cpux1@32+cpu/2x1@32", 2.0
 
@@ -177,7 +184,8 @@ def noise(steps: int) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=("resolve", "plans", "online", "noise", "all"),
+    ap.add_argument("--section", choices=("resolve", "plans", "online", "noise", "membership",
+                                           "all"),
                     default="all")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60)
@@ -210,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.section in ("online", "all"):
         print("\n== online re-plan ==")
         print(json.dumps(online(args.steps, args.at, args.factor), indent=1))
+    if args.section in ("membership", "all"):
+        print("\n== membership: a group leaving and returning (train --elastic) ==")
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = membership_section(Path(tmp) / "run", steps=MEMBERSHIP_STEPS,
+                                      every=MEMBERSHIP_EVERY)
+        print_rows(rows, MEMBERSHIP_STEPS, MEMBERSHIP_EVERY)
 
 
 if __name__ == "__main__":

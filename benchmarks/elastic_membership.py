@@ -73,17 +73,10 @@ def membership_section(out: Path, *, steps: int = 200, every: int = 25,
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="/tmp/qsync_elastic_bench")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--checkpoint-every", type=int, default=25)
-    ap.add_argument("--membership", default="cpu_2-@40,cpu_2+@80,cpu_2-@120:crash,cpu_2+@160")
-    args = ap.parse_args()
-    rows = membership_section(Path(args.out), steps=args.steps, every=args.checkpoint_every,
-                              schedule=args.membership)
-    print(f"elastic membership: digits_cnn on cpu + cpu/2, {args.steps} steps, a checkpoint "
-          f"every {args.checkpoint_every}")
+def print_rows(rows: list[dict[str, Any]], steps: int, every: int) -> None:
+    """The table of :func:`membership_section`'s rows."""
+    print(f"elastic membership: digits_cnn on cpu + cpu/2, {steps} steps, a checkpoint "
+          f"every {every}")
     print(f"{'step':>5}  {'old -> new':<22} {'lost':>4}  {'to first step':>13}  {'goal':>8}")
     for r in rows:
         change = f"{'+'.join(r['old'])} -> {'+'.join(r['new'])}"
@@ -93,6 +86,18 @@ def main() -> None:
               f"{r['goal_s']:>6.2f} s  {'met' if r['met'] else 'NOT met'}  "
               f"({'; '.join(x[:60] for x in r['reasons'])})")
 
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp/qsync_elastic_bench")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--checkpoint-every", type=int, default=25)
+    ap.add_argument("--membership", default="cpu_2-@40,cpu_2+@80,cpu_2-@120:crash,cpu_2+@160")
+    args = ap.parse_args()
+    rows = membership_section(Path(args.out), steps=args.steps, every=args.checkpoint_every,
+                              schedule=args.membership)
+    print_rows(rows, args.steps, args.checkpoint_every)
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,7 @@ def test_readme_is_a_front_door() -> None:
     assert len(text.splitlines()) <= 220
     status = text.split("## Status", 1)[1].split("\n## ", 1)[0]
     rows = [r for r in status.splitlines() if r.startswith("| ") and not r.startswith("| system")]
-    assert len(rows) == 6  # allocation, Local SGD/QSR, DLCP, pipelines, HFTA, the strategy
+    assert len(rows) == 7  # allocation, Local SGD/QSR, DLCP, pipelines, HFTA, the strategy, elastic
     assert all("](docs/" in r for r in rows)
     docs_map = text.split("## The documents", 1)[1]
     for page in sorted((ROOT / "docs").glob("*.md")):
