@@ -7,6 +7,7 @@ import ast
 import re
 
 from helpers import REPO
+
 from support.tiers import fast_tests
 from support.tiers import is_slow_marker as _is_slow_marker
 from support.tiers import module_is_slow as _module_is_slow

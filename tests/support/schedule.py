@@ -18,9 +18,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from support.tiers import slow_by_test
 from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
+
+from support.tiers import slow_by_test
 
 #: How many fast tests one slow test weighs: the fast tier runs about 3,500 tests in about
 #: 190 s (0.05 s each); the slow tier about 100 in about 500 s (5 s each).
