@@ -86,9 +86,14 @@ def test_a_parallel_run_hands_out_files_and_groups_heaviest_first(tmp_path) -> N
     assert function_of("tests/a/test_x.py::TestC::test_f[a@b]@g") == ("tests/a/test_x.py",
                                                                        "test_f")
     (tmp_path / "test_w.py").write_text(
-        "import pytest\n@pytest.mark.slow\ndef test_slow(): pass\ndef test_fast(): pass\n")
-    ids = ["test_w.py::test_slow[1]", "test_w.py::test_slow[2]@g", "test_w.py::test_fast"]
-    assert weight_of(tmp_path, ids) == 2 * SLOW_WEIGHT + 1
+        "import pytest\n@pytest.mark.slow\ndef test_slow(): pass\ndef test_fast(): pass\n"
+        "@pytest.mark.parametrize('x', [pytest.param(1, marks=pytest.mark.slow)])\n"
+        "def test_slow_param(x): pass\n"
+        "@pytest.mark.parametrize('x', [pytest.param(1, marks=[pytest.mark.skip])])\n"
+        "def test_other_param(x): pass\n")
+    ids = ["test_w.py::test_slow[1]", "test_w.py::test_slow[2]@g", "test_w.py::test_fast",
+           "test_w.py::test_slow_param[1]", "test_w.py::test_other_param[1]"]
+    assert weight_of(tmp_path, ids) == 3 * SLOW_WEIGHT + 2
 
 
 def test_the_makefile_runs_the_tiers_on_parallel_workers() -> None:

@@ -6,8 +6,8 @@ two-rank run whose outputs several tests read) is made once, by the worker that 
 file. Tests that read one session-scoped run made by a fixture in tests/conftest.py
 (``gloo_straight``, ``demo_part_2``) carry ``pytest.mark.xdist_group(<fixture>)`` and form
 one unit across their files, so that the run is made once. The units go out heaviest first
-(a slow test weighs as much as :data:`SLOW_WEIGHT` fast ones; the marks are read from the
-files, tests/support/tiers.py), so that no multi-second unit is left for the end while the
+(a slow test, or a test with a slow parameter, weighs as much as :data:`SLOW_WEIGHT` fast
+ones; the marks are read from the files, tests/support/tiers.py), so that no multi-second unit is left for the end while the
 other worker waits.
 """
 
@@ -47,7 +47,7 @@ def function_of(nodeid: str) -> tuple[str, str]:
 @cache
 def _slow_tests(root: Path, file: str) -> dict[str, bool]:
     path = root / file
-    return slow_by_test(path) if path.suffix == ".py" and path.is_file() else {}
+    return slow_by_test(path, parameters=True) if path.suffix == ".py" and path.is_file() else {}
 
 
 def weight_of(root: Path, nodeids: list[str]) -> int:

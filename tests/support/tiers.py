@@ -27,11 +27,27 @@ def module_is_slow(tree: ast.Module) -> bool:
     return False
 
 
-def slow_by_test(path: Path) -> dict[str, bool]:
-    """Every test function of one file and whether it is in the slow tier."""
+def has_slow_parameters(node: ast.FunctionDef) -> bool:
+    """Whether one of the test's ``pytest.param(..., marks=...)`` carries the slow mark."""
+    for call in ast.walk(node):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "param"):
+            for kw in call.keywords:
+                marks = kw.value.elts if isinstance(kw.value, ast.List | ast.Tuple) else [
+                    kw.value]
+                if kw.arg == "marks" and any(is_slow_marker(m) for m in marks):
+                    return True
+    return False
+
+
+def slow_by_test(path: Path, parameters: bool = False) -> dict[str, bool]:
+    """Every test function of one file and whether it is in the slow tier (with
+    ``parameters``: also when one of its parameters is)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     whole = module_is_slow(tree)
-    return {node.name: whole or any(is_slow_marker(d) for d in node.decorator_list)
+    return {node.name: (whole or any(is_slow_marker(d) for d in node.decorator_list)
+                        or (parameters and any(has_slow_parameters(d)
+                                               for d in node.decorator_list)))
             for node in ast.walk(tree)
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test")}
 
