@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch pinned for this machine; an unpinned torch would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# The tests run on one pytest-xdist worker per core (at most 4: each holds about 2 GB), one
+# unit per test file, heaviest first (tests/support/schedule.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: setup test test-fast demo lint typecheck bench clean
 
@@ -22,12 +26,12 @@ setup: $(STAMP)
 test: setup
 	$(BIN)/ruff check qsync_opt solvers models cuda tests benchmarks
 	$(MAKE) typecheck
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # The fast tier, for the inner loop: every test not marked slow (every folder of tests/ keeps
 # some: tests/test_suite_tiers.py); `make test` (CI) runs them all.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" $(PARALLEL)
 
 demo: setup
 	$(BIN)/qsync-opt demo

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,26 @@ GC_THRESHOLDS = (50_000, 20, 100)
 
 def pytest_configure(config: pytest.Config) -> None:
     gc.set_threshold(*GC_THRESHOLDS)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        # A worker of a parallel run (make test): the workers share the cores, so each runs
+        # torch on its share; at torch's default (one thread per core) N workers would run
+        # N threads per core, and OpenMP's waiting threads spin on cores another worker needs.
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+if importlib.util.find_spec("xdist") is not None:  # pytest-xdist: `make setup` installs it
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """Under ``--dist loadgroup`` (the Makefile's): one unit per test file or
+        ``xdist_group``, heaviest first (tests/support/schedule.py)."""
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from support.schedule import FileOrGroupScheduling
+
+        return FileOrGroupScheduling(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

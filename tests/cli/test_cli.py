@@ -130,6 +130,7 @@ def test_console_script_exit_code_and_one_line(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("demo_part_2")  # the session's run: made once
 def test_demo_plans_and_removes_the_straggler(demo_part_2) -> None:
     """The demo with the random indicator (fast): every allocator compared, a plan written."""
     code, out, _, tmp_path = demo_part_2

@@ -293,12 +293,27 @@ def test_bad_or_unused_planning_flags_are_refused_before_any_work(argv, flag, tm
 
 @pytest.fixture()
 def no_training(monkeypatch) -> None:
+    """The sweep's trainer raises. Patched where the sweep looks it up (its module binds the
+    name at import): imported here first, so that a sweep module first imported during a test
+    does not keep the trap for every later test of the process."""
+    import qsync_opt.hfta.sweep as sweep
     import qsync_opt.hfta.trainer as trainer
 
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("trained before the refusal")
 
     monkeypatch.setattr(trainer, "ArrayTrainer", boom)
+    monkeypatch.setattr(sweep, "ArrayTrainer", boom)
+
+
+def test_the_training_trap_is_the_sweeps_and_is_undone(monkeypatch, no_training) -> None:
+    import qsync_opt.hfta.sweep as sweep
+    import qsync_opt.hfta.trainer as trainer
+
+    with pytest.raises(AssertionError, match="trained before the refusal"):
+        sweep.ArrayTrainer()
+    monkeypatch.undo()
+    assert sweep.ArrayTrainer is trainer.ArrayTrainer and isinstance(sweep.ArrayTrainer, type)
 
 
 def test_sweep_refuses_unwritable_outputs_before_training(tmp_path, monkeypatch,

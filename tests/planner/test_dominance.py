@@ -340,6 +340,7 @@ def test_compare_cli_marks_rows_and_gives_them_in_json(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("demo_part_2")  # the session's run: made once
 def test_demo_part_2_writes_the_plan_nothing_in_its_table_dominates(demo_part_2) -> None:
     """resnet50 on v100x16+t4x16 (the random indicator): the joint split dominates the exact
     plan, so plan.json is the joint split's, one line says why, and no row of the table

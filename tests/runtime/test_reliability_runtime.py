@@ -501,6 +501,7 @@ def _train(plan: Path, out: Path, steps: int, *extra: str, **env: str
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gloo_straight")  # the session's run: made once
 def test_two_gloo_ranks_killed_inside_a_save_resume_bit_for_bit(plan_path: Path,
                                                                  gloo_straight: Path,
                                                                  tmp_path: Path) -> None:

@@ -209,6 +209,7 @@ def test_nan_guard_skips_on_every_rank_then_stops(mixed_plan: Path, tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gloo_straight")  # the session's run: made once
 def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
         mixed_plan: Path, gloo_straight: Path, tmp_path: Path) -> None:
     steps = GLOO_STEPS
@@ -242,6 +243,7 @@ def test_two_process_gloo_ranks_stay_identical_and_match_emulation(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gloo_straight")  # the session's run: made once
 def test_two_gloo_ranks_killed_and_resumed_reproduce_the_straight_run(
         mixed_plan: Path, gloo_straight: Path, tmp_path: Path) -> None:
     """Interrupted for real (rank 1 dies after step 2, the checkpoint is at step 2), then
@@ -276,6 +278,7 @@ def test_two_gloo_ranks_killed_and_resumed_reproduce_the_straight_run(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gloo_straight")  # the session's run: made once
 def test_a_nan_loss_on_one_gloo_rank_skips_the_step_on_both(mixed_plan: Path,
                                                             gloo_straight: Path,
                                                             tmp_path: Path) -> None:
