@@ -6,9 +6,10 @@ takes the same decision at the same step.
 
 The rule (:class:`StragglerRule`, the defaults below, ``train --replan-*`` flags):
 
-* **Calibration.** For the first ``calibration`` steps of each plan (the run's first, and
-  every re-plan's) the detector only records, per group, the ratio measured / predicted;
-  the group's calibration is their median. A cost model that is off (the planner's
+* **Calibration.** The first step of each plan (the run's first, and every re-plan's) is a
+  warm-up and is not used (allocations, a switched layer's first run); for the next
+  ``calibration`` steps the detector only records, per group, the ratio measured /
+  predicted; the group's calibration is their median. A cost model that is off (the planner's
   figures are for a card, the measurement is this CPU) is absorbed there and never fires.
 * **Detection.** Afterwards each step's ratio is divided by the calibration, and then by
   the smallest such value of any group that step (with one group, by 1): the group's
@@ -18,13 +19,13 @@ The rule (:class:`StragglerRule`, the defaults below, ``train --replan-*`` flags
 * **The factor.** The median excess over those ``window`` steps: what the group's compute
   costs are scaled by in the re-plan (cumulative with earlier re-plans' factors).
 * **Hysteresis.** After a fire the detector waits for the re-plan (:meth:`replanned`) and
-  then calibrates again, so two re-plans are at least ``calibration + window`` steps apart;
+  then calibrates again, so two re-plans are at least ``1 + calibration + window`` steps apart;
   only a group slower than the others fires, so a constant slowdown gives one re-plan and
   noise around the calibration none. A slowdown that goes away shows as the other groups
   slower: one more re-plan, whose factors (the run folds each fire's into the last and
   divides by the least) give back the first plan; no state alternates.
 
-Defaults: a threshold of 10% over 20 consecutive steps, calibrated on 5. What they stand on
+Defaults: a threshold of 10% over 20 consecutive steps, calibrated on 10 after one warm-up step. What they stand on
 is the noise of a group's compute time, which ``benchmarks/bench_elastic.py --section noise``
 measures: its coefficient of variation, the share of steps over +10% of the median, and the
 longest run of such steps. It is the run, not the threshold, that keeps noise from firing:
@@ -44,15 +45,21 @@ from dataclasses import dataclass, field
 
 from qsync_opt.core.errors import QsyncInputError
 
-__all__ = ["DEFAULT_CALIBRATION", "DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "Fire",
+__all__ = ["DEFAULT_CALIBRATION", "DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "WARMUP_STEPS", "Fire",
            "StragglerDetector", "StragglerRule", "coefficient_of_variation"]
 
 #: A group must be this much slower than calibrated (relative) ...
 DEFAULT_THRESHOLD = 0.10
 #: ... on this many consecutive steps ...
 DEFAULT_WINDOW = 20
-#: ... after this many steps of each plan calibrated the prediction.
-DEFAULT_CALIBRATION = 5
+#: ... after this many steps of each plan calibrated the prediction. Ten, not fewer: on a
+#: CPU a group's compute time can sit in two modes 30% apart for several steps (measured:
+#: digits_cnn at 4.0 or 5.3 ms), and a calibration made of five steps in one mode made the
+#: other mode look like a slowdown of the *other* group (a false re-plan of x1.22, and a
+#: slowdown of x3 measured as x1.8 or x3.5; benchmarks/bench_elastic.py --section online).
+DEFAULT_CALIBRATION = 10
+#: The steps at the start of each plan that neither calibrate nor detect (the warm-up).
+WARMUP_STEPS = 1
 #: The most steps of either (a window longer than any run is "never").
 MAX_STEPS = 1_000_000
 
@@ -91,6 +98,7 @@ class _Group:
     calib: list[float] = field(default_factory=list)
     scale: float | None = None  # the calibration (median ratio), once made
     calib_done: bool = False  # calibrated before this step (so this step is detected)
+    warm: int = 0  # warm-up steps seen of this plan
     run: list[float] = field(default_factory=list)  # the current run of excess steps
 
 
@@ -131,6 +139,8 @@ class StragglerDetector:
         for g, st in self.groups.items():
             if g not in ratios:
                 st.run.clear()  # no measurement: no evidence either way
+            elif st.warm < WARMUP_STEPS:
+                st.warm += 1  # the plan's first step: allocations, a switched layer's first run
             elif st.scale is None:
                 st.calib.append(ratios[g])
                 if len(st.calib) >= rule.calibration:
