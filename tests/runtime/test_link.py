@@ -70,10 +70,19 @@ def test_an_asynchronous_collective_completes_on_the_link_thread(clock: FakeCloc
     # the caller got its future back while the real collective is still in flight
     assert not out.done()
     seen: list[str] = []
-    out.add_done_callback(lambda _: seen.append(threading.current_thread().name))
+    called = threading.Event()
+
+    def note(_: object) -> None:
+        seen.append(threading.current_thread().name)
+        called.set()
+
+    out.add_done_callback(note)
     real.set_result(torch.ones(3))
     assert torch.equal(out.wait(), torch.ones(3))
     assert clock.now == pytest.approx(100.012)
+    # wait() returns once the result is set; the thread that set it may still be running
+    # the callbacks (seen under a loaded parallel run): wait for ours, then check the thread
+    assert called.wait(60)
     assert seen == ["qsync-link-rank0"]
     assert link.take_ms() == 12.0
 
