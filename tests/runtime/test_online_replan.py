@@ -315,14 +315,22 @@ def test_the_flags_default_to_off_and_write_nothing_new(planned: tuple[Path, Pat
 def test_a_multi_process_run_replans_an_injected_slowdown(planned: tuple[Path, Path],
                                                           tmp_path: Path) -> None:
     """Two gloo ranks, real sleeps: cpu_2's stretch 2 becomes 12 at step 4; the re-plan
-    comes within the window plus two steps, and every rank switches (one summary)."""
+    comes after the slowdown, within the window plus two steps, and every rank switches
+    (one summary).
+
+    Real timings are noisy (this test shares two cores with the suite's other worker).
+    Calibrated on three steps (1-3, after the warm-up step 0), the detector first looks at
+    step 4, where the slowdown starts: no step before it can join the run of slow steps (with
+    two, step 3 was looked at, and a noisy one made the re-plan a step early). The median of
+    three is robust to one odd step, and a threshold of +100% (the slowdown is x6) keeps
+    the noise of the slow steps under it."""
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "qsync_opt.cli", "train", "--model", "digits_cnn", "--plan",
          str(planned[0]), "--steps", "12", "--out", str(out), "--replan", "auto",
-         "--replan-window", str(WINDOW), "--replan-calibration", str(CALIBRATION),
-         "--replan-threshold", "0.5", "--replan-indicator", str(planned[1]),
+         "--replan-window", str(WINDOW), "--replan-calibration", "3",
+         "--replan-threshold", "1.0", "--replan-indicator", str(planned[1]),
          "--inject-slowdown", "cpu_2@4=12", "--timeout", "60"],
         env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
