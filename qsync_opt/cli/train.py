@@ -72,6 +72,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = launch.build_config(train_request(args), lines, pending)
     if getattr(args, "membership", None) and not config.elastic:
         raise QsyncInputError("--membership: only with --elastic")
+    if getattr(args, "rdzv_endpoint", None) and not (config.elastic and args.print_command):
+        raise QsyncInputError("--rdzv-endpoint: only with --elastic --print-command (the "
+                              "commands for a cluster); on this machine the launcher picks "
+                              "a free port itself")
     spec = (elastic_spec(args, config, pending.get("plan") or Plan.load(config.plan_path))
             if config.elastic else None)  # checked before anything is written
     path = launch.write_config(config, pending.get("plan"))

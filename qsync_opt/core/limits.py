@@ -114,15 +114,20 @@ def finite_float(lo: float | None = None, hi: float | None = None, *, lo_open: b
 def spec_type(check: Callable[[str], Any], field: str | None = None) -> Callable[[str], str]:
     """An argparse type for a spec flag (``--sync local:4``, ``--compress-act quant:4``):
     ``check(text)`` runs when the command line is parsed (its QsyncInputError's message,
-    less a leading ``field: ``, is the one-line refusal after the flag); the text itself
-    is the value."""
+    less a leading ``field: `` -- the field with or without its dashes, argparse names the
+    flag already -- is the one-line refusal after the flag); the text itself is the value."""
+    bare = field.lstrip("-") if field is not None else None
+    prefixes = () if bare is None else (f"--{bare}: ", f"{bare}: ")
+
     def convert(text: str) -> str:
         try:
             check(text)
         except QsyncInputError as exc:
             msg = str(exc)
-            if field is not None and msg.startswith(f"{field}: "):
-                msg = msg[len(field) + 2:]
+            for pre in prefixes:
+                if msg.startswith(pre):
+                    msg = msg[len(pre):]
+                    break
             raise argparse.ArgumentTypeError(msg) from None
         return text
 

@@ -42,6 +42,7 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import write_text
 from qsync_opt.runtime.config import latest_complete_set
 from qsync_opt.runtime.events import EventLog, read_events
@@ -52,6 +53,7 @@ from qsync_opt.runtime.membership import (
     NODE_GROUP_ENV,
     Change,
     ElasticSpec,
+    parse_endpoint,
 )
 
 __all__ = ["AGENT_MODULE", "LAST_CALL_S", "Agents", "agent_command", "cluster_commands",
@@ -201,9 +203,12 @@ def _copy(stream: IO[str] | None, prefix: str) -> None:
 
 
 def host_store(endpoint: str) -> Any:
-    """The rendezvous's store, hosted by this process (kept alive by the caller)."""
-    host, _, port = endpoint.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+    """The rendezvous's store, hosted by this process (kept alive by the caller). Its server
+    listens on the port on every interface; this process's own client reaches it over the
+    loopback, so the endpoint's host is only what the other machines dial (a name that
+    does not lead back here would otherwise make the host wait out its timeout)."""
+    port = int(endpoint.rpartition(":")[2])
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=600))
 
 
@@ -303,10 +308,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m qsync_opt.job.elastic_launch --store HOST:PORT``: host an elastic run's
     rendezvous store on a machine that stays, until killed."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "--store" or ":" not in args[1]:
+    if len(args) != 2 or args[0] != "--store":
         sys.stderr.write(f"usage: python -m {__name__} --store HOST:PORT\n")
         return 2
-    store = host_store(args[1])
+    try:
+        store = host_store(parse_endpoint(args[1]))
+    except QsyncInputError as exc:
+        sys.stderr.write(f"qsync-opt: error: {exc}\n")
+        return 2
+    except (RuntimeError, OSError, ValueError) as exc:  # the address taken or not this host's
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        sys.stderr.write(f"qsync-opt: elastic: cannot host the rendezvous store at "
+                         f"{args[1]}: {first}\n")
+        return 1
     sys.stdout.write(f"rendezvous store at {args[1]}; stop it with Ctrl-C once the run is "
                      "over\n")
     sys.stdout.flush()

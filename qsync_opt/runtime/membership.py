@@ -44,9 +44,9 @@ from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import list_names, read_bytes, remove, write_text
 
 __all__ = [
-    "ALL_GONE_S", "CRASH_AT_ENV", "DIE_IN_REPLAN_ENV", "FAULT_FIRED", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG",
+    "ALL_GONE_S", "CRASH_AT_ENV", "DIE_IN_REPLAN_ENV", "FAULT_FIRED", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG", "RDZV_FLAG",
     "NODE_DEVICE_ENV", "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "WARM_STEPS", "Change", "ElasticSpec", "checkpoint_interval",
-    "parse_membership", "leave_requests", "read_spec", "read_world", "remove_leave",
+    "parse_endpoint", "parse_membership", "leave_requests", "read_spec", "read_world", "remove_leave",
     "reset_run_state",
     "take_exits", "write_exit", "write_spec", "write_world",
 ]
@@ -87,6 +87,21 @@ MAX_CHANGES = 64
 MAX_TEXT = 4096
 _ENTRY = re.compile(r"([A-Za-z0-9_.\-]{1,64}?)([+-])@(\d{1,9})(?::(crash|graceful))?"
                     r"(?:=([A-Za-z0-9_./\-]{1,64}))?")
+
+#: ``--rdzv-endpoint``: a host name, an IPv4 address or a bracketed IPv6 one, and a port.
+RDZV_FLAG = "--rdzv-endpoint"
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252}))"
+                       r":([0-9]{1,5})")
+
+
+def parse_endpoint(text: str) -> str:
+    """``HOST:PORT`` of the rendezvous store (ASCII; a port from 1 to 65535), as given."""
+    m = _ENDPOINT.fullmatch(text) if isinstance(text, str) else None
+    if m is None or not 1 <= int(m[2]) <= 65535:
+        shown = repr(text[:80]) if isinstance(text, str) else type(text).__name__
+        raise QsyncInputError(f"{RDZV_FLAG}: expected HOST:PORT (a host name, an IPv4 address "
+                              f"or [IPv6], a port from 1 to 65535; e.g. head:29400), got {shown}")
+    return text
 
 
 @dataclass(frozen=True)

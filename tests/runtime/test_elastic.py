@@ -36,6 +36,7 @@ from qsync_opt.runtime.membership import (
     ElasticSpec,
     checkpoint_interval,
     leave_requests,
+    parse_endpoint,
     parse_membership,
     reset_run_state,
     take_exits,
@@ -85,6 +86,12 @@ def test_membership_refuses_hostile_text_naming_the_flag(text: str, why: str) ->
     ("--elastic", "--max-lost-s", "-1"), ("--elastic", "--all-gone-timeout", "inf"),
     ("--elastic", "--max-restarts", "-1"), ("--elastic", "--max-restarts", "1e9"),
     ("--elastic", "--sync", "local:2"), ("--elastic", "--emulate-dp"),
+    ("--rdzv-endpoint", "head:29400"),  # without --elastic
+    ("--elastic", "--rdzv-endpoint", "head:29400"),  # without --print-command: ignored else
+    ("--elastic", "--print-command", "--rdzv-endpoint", "head:0"),
+    ("--elastic", "--print-command", "--rdzv-endpoint", "head:٣"),
+    ("--elastic", "--print-command", "--rdzv-endpoint", "$(reboot):1"),
+    ("--elastic", "--inject-slowdown", "cpu_2@3=nan"),
 ])
 def test_train_elastic_flags_refused_in_one_line_before_writing(argv: tuple[str, ...],
                                                                 tmp_path: Path) -> None:
@@ -95,6 +102,64 @@ def test_train_elastic_flags_refused_in_one_line_before_writing(argv: tuple[str,
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
     assert not (out / "train_config.json").exists()
+
+
+@pytest.mark.parametrize("text", ["head:29400", "10.0.0.1:1", "[::1]:65535", "a.b-c.example:80",
+                                  "h" * 253 + ":29400"])
+def test_an_endpoint_is_host_and_port(text: str) -> None:
+    assert parse_endpoint(text) == text
+
+
+@pytest.mark.parametrize("text", [
+    "", "head", "head:", ":29400", "head:0", "head:65536", "head:-1", "head:29400x",
+    "head:٣٣", "héad:1", "a b:1", "head:29400;rm -rf /", "$(x):1", "-head:1", "[zz]:1",
+    "h" * 300 + ":1", "head:1\n", "head:" + "9" * 50,
+])
+def test_a_hostile_endpoint_is_refused_naming_the_flag(text: str) -> None:
+    with pytest.raises(QsyncInputError) as e:
+        parse_endpoint(text)
+    msg = str(e.value)
+    assert msg.startswith("--rdzv-endpoint: expected HOST:PORT") and "\n" not in msg
+    assert len(msg) < 400
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--rdzv-endpoint", "head:0"), ("--inject-slowdown", "cpu_2@3=0.5"),
+    ("--membership", "cpu-@x"), ("--sync", "local:0"), ("--comm", "dlcp:p=2"),
+])
+def test_a_refused_spec_flag_is_named_once(flag: str, value: str, tmp_path: Path) -> None:
+    code, _, err = run_cli("train", "--model", "digits_cnn", "--cluster", "cpux1+cpu/2x1",
+                           "--steps", "6", "--out", str(tmp_path / "run"), "--dry-run",
+                           "--elastic", "--print-command", flag, value)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.count(flag) == 1, err
+
+
+def test_the_printed_cluster_commands_carry_the_endpoint(tmp_path: Path) -> None:
+    code, out, err = run_cli("train", "--model", "digits_cnn", "--cluster", "cpux1+cpu/2x1",
+                             "--steps", "6", "--out", str(tmp_path / "run"), "--elastic",
+                             "--print-command", "--rdzv-endpoint", "[fd00::1]:29500")
+    assert code == 0, err
+    assert "--store '[fd00::1]:29500'" in out and "--rdzv-endpoint '[fd00::1]:29500'" in out
+
+
+def test_the_store_host_refuses_a_bad_or_taken_address_in_one_line() -> None:
+    cmd = [sys.executable, "-m", "qsync_opt.job.elastic_launch", "--store"]
+    bad = subprocess.run([*cmd, "head:99999"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--rdzv-endpoint: expected HOST:PORT" in bad.stderr
+    port = free_port()
+    taken = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    try:
+        got = subprocess.run([*cmd, f"elsewhere.invalid:{port}"], capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        del taken
+    line = [x for x in got.stderr.splitlines() if x.startswith("qsync-opt")]
+    assert got.returncode == 1 and len(line) == 1, got.stderr
+    assert f"cannot host the rendezvous store at elsewhere.invalid:{port}" in line[0]
+    assert "Traceback" not in got.stderr
 
 
 def test_elastic_needs_one_rank_per_device(tmp_path: Path) -> None:

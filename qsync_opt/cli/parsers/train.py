@@ -20,7 +20,14 @@ from qsync_opt.runtime.config import (
     MAX_TIMEOUT_S,
     USER_MODEL_LR,
 )
-from qsync_opt.runtime.membership import ALL_GONE_S, MAX_LOST_S, MEMBERSHIP_FLAG, parse_membership
+from qsync_opt.runtime.membership import (
+    ALL_GONE_S,
+    MAX_LOST_S,
+    MEMBERSHIP_FLAG,
+    RDZV_FLAG,
+    parse_endpoint,
+    parse_membership,
+)
 from qsync_opt.runtime.online import INJECT_FLAG, parse_injection
 from qsync_opt.runtime.straggler import (
     DEFAULT_CALIBRATION,
@@ -225,7 +232,8 @@ def _add_elastic_flags(p: argparse.ArgumentParser) -> None:
                    metavar="S",
                    help="elastic: when every group is gone, wait S seconds for one to return, "
                         f"then stop with the checkpoint intact (default {ALL_GONE_S:g})")
-    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    g.add_argument(RDZV_FLAG, type=spec_type(parse_endpoint, RDZV_FLAG), default=None,
+                   metavar="HOST:PORT",
                    help="elastic with --print-command: the rendezvous store's address "
                         "(default HOST0:29400); on this machine the launcher picks a port")
 
@@ -250,7 +258,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
                    help="IndicatorTable the re-plans use (default: computed on this CPU as "
                         "qsync-opt solve does, cached)")
     p.add_argument(INJECT_FLAG, action="append", default=None, metavar="GROUP@STEP=FACTOR",
-                   type=spec_type(parse_injection, INJECT_FLAG[2:]),
+                   type=spec_type(parse_injection, INJECT_FLAG),
                    help="from step STEP on, stretch group GROUP's compute FACTOR times (an "
                         "emulated card slowing down: cpu/2 becoming cpu/3 is FACTOR 3); "
                         "repeatable")
