@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
+from qsync_opt.cli.replanning import CACHE_NAME
 from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.documents.io import load
 from qsync_opt.documents.outfolder import read_bytes
@@ -46,10 +47,9 @@ from qsync_opt.runtime.membership import (
 )
 from qsync_opt.runtime.watchdog import watch_parents
 
-__all__ = ["CACHE_NAME", "cmd_elastic", "elastic_spec", "last_world", "main", "replanner",
+__all__ = ["cmd_elastic", "elastic_spec", "last_world", "main", "replanner",
            "summary_line"]
 
-CACHE_NAME = "replan_cache.json"
 
 
 def elastic_spec(args: argparse.Namespace, config: TrainConfig, plan: Plan) -> ElasticSpec:

@@ -13,17 +13,14 @@ import sys
 from pathlib import Path
 
 from qsync_opt.documents.schemas import Plan
-from qsync_opt.job import launch
 from qsync_opt.job.rank import main
 from qsync_opt.planner.replan import ReplanCache
 from qsync_opt.runtime.config import TrainConfig
 
-__all__ = ["CACHE_NAME", "REPLAN_WORKER", "make_replanner"]
+__all__ = ["CACHE_NAME", "make_replanner"]
 
 #: The cache's name in the run's folder.
 CACHE_NAME = "replan_cache.json"
-#: The torchrun worker module of a run that re-plans (this module).
-REPLAN_WORKER = launch.REPLAN_WORKER
 
 
 def make_replanner(config: TrainConfig, plan: Plan) -> ReplanCache:

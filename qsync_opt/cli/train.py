@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_opt.cli.elastic import cmd_elastic, elastic_spec, last_world, summary_line
-from qsync_opt.cli.replanning import REPLAN_WORKER, make_replanner
+from qsync_opt.cli.replanning import make_replanner
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
@@ -116,8 +116,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             return result
         _print_summary(config)
         return 0
-    if config.online is not None and config.online.replan == "auto":  # the worker that re-plans
-        cmd = launch.local_command(path, config.world_size, launch.free_port(), REPLAN_WORKER)
+    if launch.worker_module(config) == launch.REPLAN_WORKER:  # the worker that re-plans
+        cmd = launch.local_command(path, config.world_size, launch.free_port(),
+                                   launch.REPLAN_WORKER)
     else:
         cmd = launch.local_command(path, config.world_size, launch.free_port())
     if args.dry_run:

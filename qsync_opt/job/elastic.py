@@ -66,7 +66,7 @@ from qsync_opt.job.rank import backend_and_device
 from qsync_opt.job.steps import Trainer, TrainingError
 from qsync_opt.ops import load_cpu
 from qsync_opt.runtime.checkpoint import load_checkpoint, qseeds, replica_entry, set_qseeds
-from qsync_opt.runtime.config import CheckpointSet, TrainConfig, latest_complete_set
+from qsync_opt.runtime.config import CheckpointSet, TrainConfig
 from qsync_opt.runtime.emulate import SlowdownHooks, add_slowdown
 from qsync_opt.runtime.events import EventLog
 from qsync_opt.runtime.faults import DIE_EXIT_CODE, NO_FAULTS, FaultPlan
@@ -87,6 +87,7 @@ from qsync_opt.runtime.membership import (
     remove_leave,
     take_exits,
     write_exit,
+    write_stop,
     write_world,
 )
 from qsync_opt.runtime.metrics import clean, write_json
@@ -208,7 +209,6 @@ class ElasticTrainer(Trainer):
         self.stop_asked = False  # SIGTERM: the agent stops this rank
         self.leaving: list[str] = []
         self.reason = ""
-        self.noticed: float | None = None
         self.started = time.time()
         self.boundary_times: list[float] = []
         self.start_step = 0
@@ -309,7 +309,6 @@ class ElasticTrainer(Trainer):
             self.reason = f"return of {', '.join(joins)}"
         else:
             return False
-        self.noticed = time.time()
         return True
 
     def _choose_interval(self) -> None:
@@ -485,12 +484,9 @@ def _plan_file(config: TrainConfig, wp: WorldPlan, rank_groups: list[str]) -> st
 
 
 def _stop_for(config: TrainConfig, reason: str) -> None:
-    cs = latest_complete_set(config.out_dir)
+    cs = write_stop(config.out_dir, reason)
     sys.stderr.write(f"qsync-opt: elastic: stopped: {reason}; the checkpoint "
                      f"{cs.path if cs else '(none)'} is intact\n")
-    with EventLog(config.out_dir) as ev:
-        ev.write("stop", cs.step if cs else 0, reason=reason,
-                 checkpoint=str(cs.path) if cs else None)
 
 
 def _train_world(setup: Setup, spec: ElasticSpec, wp: WorldPlan, logical: int,

@@ -44,8 +44,7 @@ import torch.distributed as dist
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import write_text
-from qsync_opt.runtime.config import latest_complete_set
-from qsync_opt.runtime.events import EventLog, read_events
+from qsync_opt.runtime.events import read_events
 from qsync_opt.runtime.membership import (
     CRASH_AT_ENV,
     LEAVE_DIR,
@@ -54,6 +53,7 @@ from qsync_opt.runtime.membership import (
     Change,
     ElasticSpec,
     parse_endpoint,
+    write_stop,
 )
 
 __all__ = ["AGENT_MODULE", "LAST_CALL_S", "Agents", "agent_command", "cluster_commands",
@@ -157,10 +157,8 @@ class Agents:
         t.start()
         self.threads.append(t)
 
-    def start(self, group: str, crash_at: int | None) -> None:
-        """Let ``group``'s agent go (held ahead unless it was not)."""
-        if group not in self.held:
-            self.hold(group, crash_at)
+    def start(self, group: str) -> None:
+        """Let ``group``'s agent go (held ahead: :meth:`hold`)."""
         proc = self.held.pop(group)
         assert proc.stdin is not None
         proc.stdin.write("go\n")
@@ -231,7 +229,7 @@ def _arm(agents: Agents, out: Path, group: str, pending: list[Change]) -> None:
         write_text(out, Path(LEAVE_DIR, group), f"{nxt.step}\n")
     if group not in agents.held:
         agents.hold(group, nxt.step if nxt is not None and nxt.mode == "crash" else None)
-    agents.start(group, None)
+    agents.start(group)
 
 
 def _hold_return(agents: Agents, group: str, pending: list[Change]) -> None:
@@ -297,10 +295,7 @@ def _all_gone(out: Path, waited: float, exits: list[tuple[str, int]]) -> str:
 def _stopped(out: Path, reason: str) -> str:
     """The ``stop`` event, written by this launcher (no world runs), the checkpoint left as
     it is; the reason with the checkpoint named."""
-    cs = latest_complete_set(out)
-    with EventLog(out) as ev:
-        ev.write("stop", cs.step if cs else 0, reason=reason,
-                 checkpoint=str(cs.path) if cs else None)
+    cs = write_stop(out, reason)
     return reason + (f"; the checkpoint {cs.path} (step {cs.step}) is intact" if cs else "")
 
 

@@ -290,25 +290,20 @@ class OnlineControl:
 
     # ------------------------------------------------------------------ the switch
 
-    def switch(self, plan: Plan) -> list[str]:
+    def switch(self, plan: Plan) -> None:
         """Run ``plan`` from the next step on: precisions changed in place, the batch split
-        moved (the global batch is the plan's, which a re-plan keeps). Returns the ops
-        changed on the first local replica."""
+        moved (the global batch is the plan's, which a re-plan keeps)."""
         s = self.tr.s
         batches = [plan.groups[g].batch_per_device for g in self.cfg.rank_groups]
         if sum(batches) != s.global_batch:
             raise QsyncInputError(f"re-plan: global batch {sum(batches)}, the run's is "
                                   f"{s.global_batch}")
-        changed: list[str] = []
-        for i, (r, m) in enumerate(zip(self.tr.ranks, self.tr.models, strict=True)):
-            got = switch_precisions(m, plan.groups[self.cfg.rank_groups[r]].precisions)
-            if i == 0:
-                changed = got
+        for r, m in zip(self.tr.ranks, self.tr.models, strict=True):
+            switch_precisions(m, plan.groups[self.cfg.rank_groups[r]].precisions)
         s.plan = plan
         s.batches = batches
         s.offsets = [sum(batches[:r]) for r in range(len(batches))]
         self.tr.sync.attach([batches[r] / s.global_batch for r in self.tr.ranks], self.tr.opts)
-        return changed
 
     def close(self) -> None:
         if self.events is not None:

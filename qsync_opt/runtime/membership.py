@@ -42,13 +42,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import list_names, read_bytes, remove, write_text
+from qsync_opt.runtime.config import CheckpointSet, latest_complete_set
+from qsync_opt.runtime.events import EventLog
 
 __all__ = [
     "ALL_GONE_S", "CRASH_AT_ENV", "DIE_IN_REPLAN_ENV", "FAULT_FIRED", "ELASTIC_DIR", "LEAVE_DIR", "MAX_LOST_S", "MEMBERSHIP_FLAG", "RDZV_FLAG",
     "NODE_DEVICE_ENV", "NODE_GROUP_ENV", "RESTART_EXIT_CODE", "WARM_STEPS", "Change", "ElasticSpec", "checkpoint_interval",
     "parse_endpoint", "parse_membership", "leave_requests", "read_spec", "read_world", "remove_leave",
     "reset_run_state",
-    "take_exits", "write_exit", "write_spec", "write_world",
+    "take_exits", "write_exit", "write_spec", "write_stop", "write_world",
 ]
 
 MEMBERSHIP_FLAG = "--membership"
@@ -310,3 +312,13 @@ def read_world(out: str | Path) -> dict[str, Any] | None:
         return None
     return doc if isinstance(doc, dict) else None
 
+
+
+def write_stop(out: str | Path, reason: str) -> CheckpointSet | None:
+    """The run's ``stop`` event (``reason``), at the newest complete checkpoint set, which is
+    left as it is and returned (None: there is none)."""
+    cs = latest_complete_set(out)
+    with EventLog(out) as ev:
+        ev.write("stop", cs.step if cs else 0, reason=reason,
+                 checkpoint=str(cs.path) if cs else None)
+    return cs

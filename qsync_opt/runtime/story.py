@@ -90,9 +90,6 @@ class Period:
     solve_s: float | None = None  # the world's re-solve, when its event says
     notes: tuple[str, ...] = ()  # what its plan changed (a world's plan_changes)
 
-    def covers(self, step: int) -> bool:
-        return self.first <= step and (self.last is not None and step <= self.last)
-
     def steps_text(self) -> str:
         return f"{self.first}..{self.last if self.last is not None else '?'}"
 

@@ -123,10 +123,6 @@ class StragglerDetector:
         self.waiting = False
         self._set(predicted_ms)
 
-    def excess(self, group: str) -> list[float]:
-        """The current run of excess ratios of ``group`` (for the log)."""
-        return list(self.groups[group].run)
-
     def observe(self, step: int, measured_ms: Mapping[str, float]) -> Fire | None:
         """One step's measured compute time per group (ms); a :class:`Fire` when some
         group has been slow for ``window`` consecutive steps after calibration."""
