@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 from qsync_opt.documents.outfolder import append_text, read_bytes
 
-__all__ = ["EVENTS_NAME", "FIELDS", "KINDS", "EventLog", "read_events"]
+__all__ = ["EVENTS_NAME", "FIELDS", "KINDS", "EventLog", "parse_events", "read_events"]
 
 #: The file's name inside the run's folder.
 EVENTS_NAME = "events.jsonl"
@@ -116,8 +116,11 @@ def read_events(out_dir: str | Path) -> list[dict[str, Any]]:
     """The run's events in the order written ([] without a file); a torn or foreign line is
     skipped, never fatal."""
     data = read_bytes(Path(out_dir), EVENTS_NAME)
-    if data is None:
-        return []
+    return [] if data is None else parse_events(data)
+
+
+def parse_events(data: bytes) -> list[dict[str, Any]]:
+    """The events of an ``events.jsonl``'s bytes (:func:`read_events`)."""
     rows: list[dict[str, Any]] = []
     for line in data.decode("utf-8", errors="replace").splitlines():
         try:

@@ -51,7 +51,7 @@ from qsync_opt.core.errors import QsyncInputError, one_line
 from qsync_opt.core.limits import MAX_STEPS
 from qsync_opt.documents.outfolder import list_names, read_bytes
 from qsync_opt.runtime.config import CKPT_DIR, read_commit, step_folders
-from qsync_opt.runtime.events import EVENTS_NAME, FIELDS, read_events
+from qsync_opt.runtime.events import EVENTS_NAME, FIELDS, parse_events
 
 __all__ = ["MAX_FILE_BYTES", "Change", "GroupFigures", "Period", "RunStory", "read_story",
            "texts"]
@@ -249,9 +249,10 @@ def _run_files(run: Path) -> list[str]:
 def _read_events(run: Path) -> tuple[list[dict[str, Any]], int]:
     """The events whose fields are all of their kind's types, and how many lines were not."""
     data = read_bytes(run, EVENTS_NAME, what=_WHAT)
-    text = "" if data is None else data.decode("utf-8", errors="replace")
-    lines = sum(1 for x in text.splitlines() if x.strip())  # split as read_events splits
-    good = [e for e in read_events(run) if _event_ok(e)]
+    if data is None:
+        return [], 0
+    lines = sum(1 for x in data.decode("utf-8", errors="replace").splitlines() if x.strip())
+    good = [e for e in parse_events(data) if _event_ok(e)]
     return good, max(0, lines - len(good))
 
 
