@@ -280,6 +280,7 @@ class OnlineControl:
         self.events.write(
             "replan", step + 1, groups=sorted(fired), factors=dict(fired), plan=name,
             old_predicted_ms=old_ms, new_predicted_ms=res.predicted_step_ms,
+            predicted_group_ms=res.predicted_group_ms,
             solve_s=res.solve_s, reason=reason, slowdown=factors, changes=res.changes,
             batches={g: p.batch_per_device for g, p in res.plan.groups.items()})
         _say(f"step {step + 1}: re-planned in {res.solve_s:.3f} s ({reason}): predicted "

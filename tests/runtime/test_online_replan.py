@@ -106,6 +106,9 @@ def test_an_injected_slowdown_is_replanned_within_window_plus_two(
     assert rep["groups"] == ["cpu_2"] and rep["factors"] == {"cpu_2": pytest.approx(3.0)}
     assert rep["new_predicted_ms"] < rep["old_predicted_ms"]
     assert rep["solve_s"] > 0 and rep["reason"]
+    # the new plan's time per group, which the run's story shows for the phase it starts
+    assert set(rep["predicted_group_ms"]) == {"cpu", "cpu_2"}
+    assert all(v > 0 for v in rep["predicted_group_ms"].values())
     # the batch split moved at the step boundary, the global batch kept
     b0, b1 = _batches(tmp_path, 0), _batches(tmp_path, 1)
     start = json.loads(Path(cfg.plan_path).read_text())["groups"]["cpu_2"]["batch_per_device"]
