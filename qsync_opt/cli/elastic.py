@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import cast
 
 from qsync_opt.cli.replanning import CACHE_NAME
-from qsync_opt.core.errors import QsyncInputError, one_line
-from qsync_opt.documents.io import load
+from qsync_opt.core.errors import QsyncInputError
 from qsync_opt.documents.outfolder import read_bytes
 from qsync_opt.documents.schemas import Plan
 from qsync_opt.job import elastic_launch
 from qsync_opt.job.elastic import Replanner, WorldPlan, run_elastic
 from qsync_opt.job.launch import free_port
 from qsync_opt.job.online import Replanner as OnlineReplanner
-from qsync_opt.job.rank import exit_code, say
+from qsync_opt.job.rank import rank_entry
 from qsync_opt.ops import load_cpu
 from qsync_opt.planner.replan import ReplanCache
 from qsync_opt.runtime.config import TrainConfig
@@ -45,7 +44,6 @@ from qsync_opt.runtime.membership import (
     reset_run_state,
     write_spec,
 )
-from qsync_opt.runtime.watchdog import watch_parents
 
 __all__ = ["cmd_elastic", "elastic_spec", "last_world", "main", "replanner",
            "summary_line"]
@@ -183,27 +181,13 @@ def replanner(cache: ReplanCache, launch_plan: Plan) -> Replanner:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m qsync_opt.cli.elastic CONFIG.json``: one rank of one world (under a
     torchrun elastic agent); 2 and one line on bad input."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m qsync_opt.cli.elastic CONFIG.json", file=sys.stderr)
-        return 2
-    rank = int(os.environ.get("RANK", "0"))
-    watch_parents(rank)
-    try:
-        faults = FaultPlan.from_env()
-        config = load(args[0], TrainConfig)
-        spec = read_spec(config.out_dir)
-        cache = ReplanCache.load(spec.replan_cache)
-        code = run_elastic(config, replanner(cache, Plan.load(config.plan_path)), faults,
+    def body(config: TrainConfig, faults: FaultPlan) -> int:
+        cache = ReplanCache.load(read_spec(config.out_dir).replan_cache)
+        return run_elastic(config, replanner(cache, Plan.load(config.plan_path)), faults,
                            online=lambda cfg, plan: cast(OnlineReplanner, cache))
-    except QsyncInputError as exc:
-        say(f"qsync-opt train: {one_line(str(exc))}")
-        return exit_code(2)
-    except Exception as exc:  # a peer died or the world broke: the agent restarts us
-        say(f"qsync-opt train: rank {rank}: {type(exc).__name__}: "
-             f"{' '.join(str(exc).split())[:300]}")
-        return exit_code(1)
-    return exit_code(code) if code else 0
+
+    # a failure other than bad input: a peer died or the world broke; the agent restarts us
+    return rank_entry(argv, "qsync_opt.cli.elastic", body, cut=300)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ from qsync_opt.sync.replicas import (
 
 __all__ = [
     # the entry points
-    "emulate", "main", "run",
+    "backend_and_device", "emulate", "main", "rank_entry", "run",
     # re-exported from the parts, where callers import them from this module
     "DDPSync", "EmulatedSync", "GROWTH_INTERVAL", "GlobalBatches", "GradientSync",
     "LocalSync", "LossScaler", "MAX_SCALE", "Setup", "Trainer", "TrainingError",
@@ -169,7 +169,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None,
     # Load (and on first use, compile) the C++ kernels before any collective, so a build can
     # never hold up a rendezvous or an all-reduce past its timeout.
     load_cpu()
-    backend, device = _backend_and_device(config, setup, rank, local)
+    backend, device = backend_and_device(config, setup, rank, local)
     initialised = False
     if world > 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -186,7 +186,7 @@ def run(config: TrainConfig, faults: FaultPlan | None = None,
             dist.destroy_process_group()
 
 
-def _backend_and_device(config: TrainConfig, setup: Setup, rank: int, local: int
+def backend_and_device(config: TrainConfig, setup: Setup, rank: int, local: int
                         ) -> tuple[str, torch.device]:
     """The process group's backend (``auto``: NCCL where CUDA is, else gloo; gloo for a
     pipeline) and this rank's device, warning when its card is not the plan's."""
@@ -261,24 +261,36 @@ def main(argv: Sequence[str] | None = None, replanner: ReplannerFactory | None =
     """``python -m qsync_opt.job.rank CONFIG.json``; 2 and one line on bad input.
     ``replanner``: the planner's side of ``--replan auto`` (the entry that has one:
     :mod:`qsync_opt.cli.replanning`)."""
+    def body(config: TrainConfig, faults: FaultPlan) -> int:
+        run(config, faults, replanner)
+        return 0
+
+    return rank_entry(argv, "qsync_opt.job.rank", body)
+
+
+def rank_entry(argv: Sequence[str] | None, module: str,
+               body: Callable[[TrainConfig, FaultPlan], int], cut: int | None = None) -> int:
+    """A rank's ``python -m MODULE CONFIG.json``: the config loaded, the test faults read
+    once, ``body`` run; its code (0: done) is the exit's. Bad input: 2 and one line; any other
+    failure: 1 and one line per failing rank (its message cut to ``cut`` characters), torchrun
+    reporting the code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m qsync_opt.job.rank CONFIG.json", file=sys.stderr)
+        print(f"usage: python -m {module} CONFIG.json", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
     watch_parents(rank)  # die with the launcher and torchrun, even when they are SIGKILLed
     try:
         faults = FaultPlan.from_env()  # the test hooks, read once
-        config = load(args[0], TrainConfig)
-        run(config, faults, replanner)
+        code = body(load(args[0], TrainConfig), faults)
     except QsyncInputError as exc:
         _say(f"qsync-opt train: {one_line(str(exc))}")
         return _failed(2)
-    except Exception as exc:  # one line per failing rank; torchrun reports the exit code
-        msg = " ".join(str(exc).split())
+    except Exception as exc:  # the world broke or a peer died
+        msg = " ".join(str(exc).split())[:cut]
         _say(f"qsync-opt train: rank {rank}: {type(exc).__name__}: {msg}")
         return _failed(1)
-    return 0
+    return _failed(code) if code else 0
 
 
 def _say(line: str) -> None:
@@ -310,11 +322,6 @@ def _failed(code: int) -> int:
     os._exit(code)
 
 
-#: The one-line refusal and the distributed exit, for the elastic ranks' entry
-#: (qsync_opt.cli.elastic), which runs its world the same way.
-say = _say
-exit_code = _failed
-backend_and_device = _backend_and_device
 
 
 if __name__ == "__main__":
