@@ -84,11 +84,12 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
     run_id = f"qsync-{secrets.token_hex(4)}"
     if args.print_command:
         endpoint = args.rdzv_endpoint or "HOST0:29400"
+        cache = _replan_cache(plan, config)  # bad input refused before anything is printed
         sys.stdout.write("\n".join(elastic_launch.cluster_commands(
             spec, config_path, run_id, args.max_restarts, endpoint)) + "\n")
         write_spec(config.out_dir, spec)
         reset_run_state(config.out_dir, spec.groups)
-        ReplanCache.build(plan, config.workload).save(spec.replan_cache)
+        cache.save(spec.replan_cache)
         return 0
     endpoint = f"127.0.0.1:{free_port()}"
     if args.dry_run:
@@ -98,7 +99,7 @@ def cmd_elastic(args: argparse.Namespace, config: TrainConfig, config_path: Path
             sys.stdout.write(f"QSYNC_NODE_GROUP={shlex.quote(g)} "
                              + " ".join(shlex.quote(c) for c in cmd) + "\n")
         return 0
-    ReplanCache.build(plan, config.workload).save(spec.replan_cache)
+    _replan_cache(plan, config).save(spec.replan_cache)
     write_spec(config.out_dir, spec)
     reset_run_state(config.out_dir, spec.groups)
     every = ("every " + str(spec.checkpoint_every) + " step(s) (--checkpoint-every)"
@@ -160,6 +161,13 @@ def summary_line(config: TrainConfig) -> str | None:
                     f"{WARM_STEPS} steps; its end was checkpointed)")
     return (f"  elastic: {len(changes)} membership change(s), {lost} step(s) lost; "
             f"{interval}; the story: {config.out_dir}/events.jsonl")
+
+
+def _replan_cache(plan: Plan, config: TrainConfig) -> ReplanCache:
+    """The run's re-plan problem, built once (with ``--replan-indicator``'s table, if given)."""
+    online = config.online
+    return ReplanCache.build(plan, config.workload,
+                             indicator=online.indicator if online is not None else None)
 
 
 def replanner(cache: ReplanCache, launch_plan: Plan) -> Replanner:

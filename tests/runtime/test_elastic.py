@@ -143,6 +143,18 @@ def test_the_printed_cluster_commands_carry_the_endpoint(tmp_path: Path) -> None
     assert "--store '[fd00::1]:29500'" in out and "--rdzv-endpoint '[fd00::1]:29500'" in out
 
 
+def test_an_elastic_run_takes_its_replan_indicator(tmp_path: Path) -> None:
+    """``--replan-indicator`` reaches the elastic run's re-plan problem (it was ignored: a
+    missing file passed); a bad one is refused before the commands are printed."""
+    out = tmp_path / "run"
+    code, got, err = run_cli("train", "--model", "digits_cnn", "--cluster", "cpux1+cpu/2x1",
+                             "--steps", "6", "--out", str(out), "--elastic", "--print-command",
+                             "--replan", "auto", "--replan-indicator",
+                             str(tmp_path / "missing.json"))
+    assert code == 2 and "missing.json" in err and len(err.strip().splitlines()) == 1, err
+    assert "torch.distributed.run" not in got and not (out / "elastic" / "spec.json").exists()
+
+
 def test_the_store_host_refuses_a_bad_or_taken_address_in_one_line() -> None:
     cmd = [sys.executable, "-m", "qsync_opt.job.elastic_launch", "--store"]
     bad = subprocess.run([*cmd, "head:99999"], capture_output=True, text=True, timeout=120)
