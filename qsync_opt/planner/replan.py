@@ -63,6 +63,7 @@ from qsync_opt.documents.schemas import (
     Plan,
 )
 from qsync_opt.graph import trace
+from qsync_opt.planner.call import backend_for
 from qsync_opt.planner.errors import InfeasibleError
 from qsync_opt.planner.solve import build_problem, solve
 from qsync_opt.problem.plan import check_plan
@@ -199,12 +200,16 @@ class ReplanCache:
             raise QsyncInputError(f"{where}: version {doc.get('version')!r}, this qsync-opt "
                                   f"reads version {CACHE_VERSION}")
         try:
-            return cls._from_doc(doc, where)
+            cache = cls._from_doc(doc, where)
         except QsyncInputError as exc:
             raise QsyncInputError(one_line(f"{where}: {exc}")) from None
         except (TypeError, ValueError, KeyError) as exc:
             raise QsyncInputError(one_line(f"{where}: corrupt ({type(exc).__name__}: {exc})")
                                   ) from None
+        # the solver's library imported with the cache, not in the first re-plan (OR-Tools
+        # takes about 0.2 s, pandas with it): a process that loads a cache will re-plan
+        backend_for(cache.solver)
+        return cache
 
     @classmethod
     def _from_doc(cls, doc: dict[str, Any], where: str) -> ReplanCache:
